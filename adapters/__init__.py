@@ -1,0 +1,1 @@
+"""Upstream dialects: one module per upstream server family (vLLM today)."""

@@ -1,0 +1,3 @@
+from capture_proxy.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,48 @@
+"""Open a store by URL: a `StagingSink` to write it, a `StagingSource` to read it.
+
+The sink modules are imported on demand, so a trainer that reads SQLite never imports pyarrow,
+and nothing here imports aiohttp.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .sinks.base import StagingSink, StagingSource, StoreError
+from .sinks.memory import MemorySink
+from .sinks.urls import parse_store_url
+
+__all__ = ["open_sink", "open_source"]
+
+_MEMORY: dict[str, MemorySink] = {}
+
+
+def open_sink(url: str, **options: Any) -> StagingSink:
+    """A writer for the store at `url` (see `capture_proxy.sinks.urls` for the URL forms)."""
+    parsed = parse_store_url(url)
+    if parsed.kind == "sqlite":
+        from .sinks.sqlite import SQLiteSink
+
+        return SQLiteSink(parsed.location, url=parsed.url, **options)
+    if parsed.kind == "parquet":
+        from .sinks.parquet import ParquetSink
+
+        return ParquetSink(parsed.location, url=parsed.url, **options)
+    # memory:// stores live for the process, so a reader opened later sees what was written.
+    return _MEMORY.setdefault(parsed.url, MemorySink(parsed.url, **options))
+
+
+def open_source(url: str) -> StagingSource:
+    """A reader for the store at `url`; raises `StoreError` when there is no store there."""
+    parsed = parse_store_url(url)
+    if parsed.kind == "sqlite":
+        from .sinks.sqlite import SQLiteSource
+
+        return SQLiteSource(parsed.location, url=parsed.url)
+    if parsed.kind == "parquet":
+        from .sinks.parquet import ParquetSource
+
+        return ParquetSource(parsed.location, url=parsed.url)
+    if parsed.url not in _MEMORY:
+        raise StoreError(f"no in-process store named {parsed.url}")
+    return _MEMORY[parsed.url]

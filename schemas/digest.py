@@ -1,0 +1,308 @@
+"""Digests: SHA-256 over a versioned, length-delimited, typed binary encoding.
+
+The byte layout is specified in ``docs/digest.md`` with a worked vector; this module is its only
+implementation, and golden vectors in ``tests/test_digest.py`` pin it. JSON text is never hashed:
+the same value has many JSON spellings, but exactly one encoding here.
+
+Value encoding (all integers little-endian):
+
+====  ===========================================================================
+tag   payload
+====  ===========================================================================
+N     null
+F/T   false / true
+I     int64
+D     float64 (IEEE-754 bits; NaN and infinities are refused)
+S     u64 byte length, UTF-8 bytes
+B     u64 byte length, bytes
+L     u64 count, items
+M     u64 count, (S-encoded key, value) pairs sorted by the key's UTF-8 bytes
+H     32 bytes: the SHA-256 of a sub-structure (a message)
+i     u64 count, int32 values (token ids)
+f     u64 count, float32 bit patterns (logprobs)
+====  ===========================================================================
+
+The record digest hashes ``b"capture-proxy:record:v1\\0"`` followed by each field of
+`RECORD_FIELDS`, in that order, as an S-encoded name then the encoded value. In the request, the
+``messages`` list is encoded as a list of ``H`` message digests (each the SHA-256 of
+``b"capture-proxy:message:v1\\0"`` + the message's encoding): a message that recurs in every later
+call of a session is hashed (and stored) once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import struct
+import sys
+from array import array
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+from typing import Any
+
+from .records import RecordValidationError, StagedCallRecord
+from .version import DIGEST_VERSION
+
+__all__ = [
+    "RECORD_FIELDS",
+    "DigestMismatch",
+    "EncodingError",
+    "encode_value",
+    "extras_digest",
+    "message_digest",
+    "record_digest",
+    "seal_record",
+    "verify_record",
+]
+
+RECORD_DOMAIN = b"capture-proxy:record:v%d\x00" % DIGEST_VERSION
+EXTRAS_DOMAIN = b"capture-proxy:extras:v%d\x00" % DIGEST_VERSION
+MESSAGE_DOMAIN = b"capture-proxy:message:v%d\x00" % DIGEST_VERSION
+
+#: The fields the record digest covers, in encoding order. Attachments are not here: the request
+#: names each by sha256, which binds the bytes to the record.
+RECORD_FIELDS = (
+    "schema_version",
+    "rollout_id",
+    "call_id",
+    "parent_call_id",
+    "seq",
+    "retry_of",
+    "created_at_ms",
+    "weight_version",
+    "model",
+    "upstream_version",
+    "tokenizer_fingerprint",
+    "sampling",
+    "finish_reason",
+    "request",
+    "response",
+    "prompt_token_ids",
+    "completion_token_ids",
+    "completion_logprobs",
+    "extras_digest",
+)
+
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+_u64 = struct.Struct("<Q").pack
+_i64 = struct.Struct("<q").pack
+_f64 = struct.Struct("<d").pack
+_LITTLE = sys.byteorder == "little"
+
+
+class EncodingError(RecordValidationError):
+    """A value has no canonical encoding (NaN, a non-string key, an int beyond int64, ...)."""
+
+
+class DigestMismatch(ValueError):
+    """Stored bytes do not hash to the digest stored with them: the record was altered."""
+
+    def __init__(self, key: str, what: str, expected: str, actual: str) -> None:
+        super().__init__(f"{key}: {what} mismatch (stored {expected}, computed {actual})")
+        self.key = key
+        self.what = what
+
+
+class _Fail(Exception):
+    """Raised deep in the encoder; the path is prepended while unwinding (free on success)."""
+
+    def __init__(self, path: str, message: str) -> None:
+        self.path = path
+        self.message = message
+
+
+def _le_bytes(values: array[Any]) -> bytes:
+    if _LITTLE:
+        return values.tobytes()
+    swapped = array(values.typecode, values)
+    swapped.byteswap()
+    return swapped.tobytes()
+
+
+def _encode(v: Any, out: list[bytes]) -> None:
+    # Exact type checks first: bool is a subclass of int and must not encode as one.
+    t = type(v)
+    if t is str:
+        try:
+            b = v.encode("utf-8")
+        except UnicodeEncodeError:
+            raise _Fail("", "string is not valid UTF-8 (lone surrogate)") from None
+        out.append(b"S")
+        out.append(_u64(len(b)))
+        out.append(b)
+    elif v is None:
+        out.append(b"N")
+    elif v is True:
+        out.append(b"T")
+    elif v is False:
+        out.append(b"F")
+    elif t is int:
+        if not _INT64_MIN <= v <= _INT64_MAX:
+            raise _Fail("", f"integer {v} does not fit in int64")
+        out.append(b"I")
+        out.append(_i64(v))
+    elif t is float:
+        if not math.isfinite(v):
+            raise _Fail("", f"float {v} has no canonical encoding (NaN/infinity)")
+        out.append(b"D")
+        out.append(_f64(v))
+    elif isinstance(v, Mapping):
+        items = []
+        for k in v:
+            if type(k) is not str:
+                raise _Fail("", f"map key {k!r:.40} is not a string")
+            items.append((k.encode("utf-8", "surrogatepass"), k))
+        items.sort()
+        out.append(b"M")
+        out.append(_u64(len(items)))
+        for kb, k in items:
+            out.append(b"S")
+            out.append(_u64(len(kb)))
+            out.append(kb)
+            try:
+                _encode(v[k], out)
+            except _Fail as e:
+                raise _Fail(f".{k}{e.path}", e.message) from None
+    elif t is list or t is tuple:
+        out.append(b"L")
+        out.append(_u64(len(v)))
+        for i, item in enumerate(v):
+            try:
+                _encode(item, out)
+            except _Fail as e:
+                raise _Fail(f"[{i}]{e.path}", e.message) from None
+    elif t is array and v.typecode == "i":
+        out.append(b"i")
+        out.append(_u64(len(v)))
+        out.append(_le_bytes(v))
+    elif t is array and v.typecode == "f":
+        out.append(b"f")
+        out.append(_u64(len(v)))
+        out.append(_le_bytes(v))
+    elif t is bytes:
+        out.append(b"B")
+        out.append(_u64(len(v)))
+        out.append(v)
+    else:
+        raise _Fail("", f"{t.__name__} has no canonical encoding")
+
+
+def encode_value(value: Any, *, field: str = "value") -> bytes:
+    """The canonical encoding of a JSON-like value (or a token/logprob array)."""
+    out: list[bytes] = []
+    try:
+        _encode(value, out)
+    except _Fail as e:
+        raise EncodingError(f"{field}{e.path}", e.message) from None
+    return b"".join(out)
+
+
+def message_digest(message: Mapping[str, Any], *, field: str = "message") -> bytes:
+    """The raw SHA-256 of one chat message; the request encodes its messages as these."""
+    return hashlib.sha256(MESSAGE_DOMAIN + encode_value(message, field=field)).digest()
+
+
+def extras_digest(extras: Mapping[str, Any]) -> str:
+    """Hex SHA-256 of the extras' canonical encoding (routed_experts, media_spans, ...)."""
+    return hashlib.sha256(EXTRAS_DOMAIN + encode_value(extras, field="extras")).hexdigest()
+
+
+MessageDigester = Callable[[Mapping[str, Any], str], bytes]
+
+
+def _default_digester(message: Mapping[str, Any], field: str) -> bytes:
+    return message_digest(message, field=field)
+
+
+def _encode_request(
+    request: Mapping[str, Any], out: list[bytes], digester: MessageDigester
+) -> None:
+    messages = request.get("messages")
+    if not isinstance(messages, list):
+        raise EncodingError("request.messages", "must be a list of messages")
+    rest = {k: v for k, v in request.items() if k != "messages"}
+    rest["messages"] = None  # placeholder keeps the key's sort position
+    keys = sorted(rest, key=lambda k: k.encode("utf-8", "surrogatepass"))
+    out.append(b"M")
+    out.append(_u64(len(keys)))
+    for k in keys:
+        kb = k.encode("utf-8", "surrogatepass")
+        out.append(b"S")
+        out.append(_u64(len(kb)))
+        out.append(kb)
+        if k == "messages":
+            out.append(b"L")
+            out.append(_u64(len(messages)))
+            for i, m in enumerate(messages):
+                if not isinstance(m, Mapping):
+                    raise EncodingError(f"request.messages[{i}]", "must be an object")
+                out.append(b"H")
+                out.append(digester(m, f"request.messages[{i}]"))
+        else:
+            try:
+                _encode(rest[k], out)
+            except _Fail as e:
+                raise EncodingError(f"request.{k}{e.path}", e.message) from None
+
+
+def record_digest(
+    record: StagedCallRecord,
+    *,
+    extras_hex: str | None = None,
+    digester: MessageDigester = _default_digester,
+) -> str:
+    """Hex SHA-256 of the record's logical content (see the module docs for the layout).
+
+    `digester` lets a caller that has already hashed a session's earlier messages reuse them.
+    """
+    out: list[bytes] = [RECORD_DOMAIN]
+    for name in RECORD_FIELDS:
+        nb = name.encode()
+        out.append(b"S")
+        out.append(_u64(len(nb)))
+        out.append(nb)
+        if name == "request":
+            _encode_request(record.request, out, digester)
+            continue
+        value = (
+            extras_hex
+            if name == "extras_digest" and extras_hex is not None
+            else getattr(record, name)
+        )
+        try:
+            _encode(value, out)
+        except _Fail as e:
+            raise EncodingError(f"{name}{e.path}", e.message) from None
+    h = hashlib.sha256()
+    for part in out:
+        h.update(part)
+    return h.hexdigest()
+
+
+def seal_record(
+    record: StagedCallRecord, *, digester: MessageDigester = _default_digester
+) -> StagedCallRecord:
+    """A copy of `record` with `extras_digest` and `digest` computed. Raises `EncodingError`."""
+    ex = extras_digest(record.extras)
+    return replace(
+        record, extras_digest=ex, digest=record_digest(record, extras_hex=ex, digester=digester)
+    )
+
+
+def verify_record(record: StagedCallRecord) -> None:
+    """Raise `DigestMismatch` unless the record's content and attachments match its digests."""
+    key = record.staging_key
+    ex = extras_digest(record.extras)
+    if ex != record.extras_digest:
+        raise DigestMismatch(key, "extras_digest", record.extras_digest, ex)
+    d = record_digest(record, extras_hex=ex)
+    if d != record.digest:
+        raise DigestMismatch(key, "digest", record.digest, d)
+    have = {a.sha256: a for a in record.attachments}
+    for ref in record.attachment_refs():
+        att = have.get(ref)
+        if att is None:
+            raise DigestMismatch(key, f"attachment {ref}", ref, "missing")
+        actual = hashlib.sha256(att.data).hexdigest()
+        if actual != ref:
+            raise DigestMismatch(key, f"attachment {ref}", ref, actual)

@@ -1,0 +1,138 @@
+"""The staging protocols: records go into a store (`StagingSink`) and back out (`StagingSource`).
+
+A sink is what the proxy writes every call through. Its promise is all-or-nothing: when `stage`
+returns a `StageResult` with status ``staged``, the record *and every attachment passed with it*
+are durable (a crash after that moment loses neither); when it returns ``capture_failed`` or
+raises, nothing of the call is visible, now or after a crash. There is no third outcome, and a sink
+never drops attachments to make a write succeed.
+
+Sinks also keep each rollout's ledger: its state (open/sealed) and every call that was *not*
+staged, with its status and reason, so a rollout cut short stays visible after a restart.
+
+Write your own sink by implementing `StagingSink` (and `StagingSource`, to read it back); run
+``tests/sink_conformance.py`` against it. `MemorySink` is the reference implementation and the test
+double.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Protocol, runtime_checkable
+
+from ..schemas.records import (
+    Attachment,
+    CommitCoords,
+    LedgerEntry,
+    RolloutInfo,
+    StagedCallRecord,
+    StageResult,
+)
+
+__all__ = ["FaultHook", "StagingSink", "StagingSource", "StoreError", "StoreFormatError"]
+
+#: Test hook: sinks call it with a point name (``"after_record"``, ``"after_attachments"``)
+#: inside their write; raising there must leave nothing of the call behind.
+FaultHook = Callable[[str], None]
+
+
+class StoreError(Exception):
+    """A store cannot be opened or used (bad URL, missing file, unwritable)."""
+
+
+class StoreFormatError(StoreError):
+    """A store was written by a format this version does not know (usually: a newer release)."""
+
+
+@runtime_checkable
+class StagingSink(Protocol):
+    """Where the proxy stages records. Implementations must be safe for concurrent `stage` calls
+    from one event loop, and must not block it (do I/O on a thread or with async I/O).
+    """
+
+    #: The store's URL, reported in `CommitCoords.store`.
+    url: str
+
+    async def stage(
+        self, record: StagedCallRecord, *, attachments: Mapping[str, Attachment] | None = None
+    ) -> StageResult:
+        """Durably write `record` (already sealed: digests filled) with its attachments.
+
+        `attachments` maps sha256 to `Attachment`. The caller passes the keyword only when the
+        call had attachments to store, so a text-only sink that does not accept it keeps
+        working for text-only calls (and fails loudly, with TypeError, for calls with images).
+
+        Storage is linear in a session: when `record.parent_call_id` names a staged call, the sink
+        stores only the tokens after the longest common prefix of the parent's prompt + completion
+        and this call's prompt + completion, and reports that prefix as `prev_len`.
+
+        Returns ``StageResult.staged(coords)`` once durable, ``StageResult.failed(...)`` for a
+        record it refuses (for example a duplicate staging key), and raises for I/O failures;
+        in every case but the first, nothing of the call was written.
+        """
+        ...
+
+    async def record_failure(self, entry: LedgerEntry) -> None:
+        """Add a not-staged call to its rollout's ledger (creating the rollout if new)."""
+        ...
+
+    async def put_rollout(self, info: RolloutInfo) -> None:
+        """Create or update a rollout's ledger header (state, metadata, policy)."""
+        ...
+
+    async def mark_orphaned(self, call_id: str, reason: str) -> None:
+        """Flag a staged record whose write landed after its caller gave up (stage timeout).
+
+        Readers keep such records out of `calls()` and trajectories unless asked for them.
+        """
+        ...
+
+    async def close(self) -> None:
+        """Finish pending writes and release the store."""
+        ...
+
+
+@runtime_checkable
+class StagingSource(Protocol):
+    """Reads a store back. Synchronous: trainers and `inspect` read without an event loop."""
+
+    url: str
+
+    def rollouts(self) -> list[str]:
+        """Rollout ids, oldest first."""
+        ...
+
+    def rollout_info(self, rollout_id: str) -> RolloutInfo:
+        """The rollout's ledger header; raises KeyError for an unknown rollout."""
+        ...
+
+    def calls(self, rollout_id: str, *, include_orphaned: bool = False) -> list[StagedCallRecord]:
+        """The rollout's staged records in sequence order, attachments included."""
+        ...
+
+    def failures(self, rollout_id: str) -> list[LedgerEntry]:
+        """The rollout's not-staged calls, in sequence order."""
+        ...
+
+    def fetch(self, keys: Sequence[str]) -> list[StagedCallRecord]:
+        """Exactly one record per staging key, in order; KeyError names a missing key."""
+        ...
+
+    def coords(self, keys: Sequence[str]) -> list[CommitCoords]:
+        """The commit coordinates of staged records, in order; KeyError for a missing key."""
+        ...
+
+    def orphaned(self) -> set[str]:
+        """Staging keys of records marked orphaned."""
+        ...
+
+    def all_keys(self) -> Iterable[str]:
+        """Every staging key in the store (for `verify`)."""
+        ...
+
+    def unreferenced_attachments(self) -> list[str]:
+        """sha256 of stored attachments no record refers to (a torn write would leave these)."""
+        ...
+
+    def close_reader(self) -> None:
+        """Release what the reader holds (connections, file handles)."""
+        ...
