@@ -1,0 +1,212 @@
+"""The storage encoding shared by the SQLite and Parquet sinks: one logical record <-> one row.
+
+Storage is linear in a session (DESIGN §6):
+
+* Tokens: a call stores only ``full[prev_len:]``, where ``full`` is its prompt + completion and
+  ``prev_len`` the longest common prefix with its parent's prompt + completion. A call that drifted
+  (its prompt does not extend the parent's sequence) still stores only what follows the common
+  prefix. Reading rebuilds ``full`` as ``parent_full[:prev_len] + delta``.
+* Messages: each message is a content-addressed blob (key: sha256 of its stored bytes); a call
+  stores the list of its messages' keys, so the history re-sent with every turn is stored once.
+  The rest of the request (tools, sampling, ...) is one blob too: OpenCode sends the same 10 KB of
+  tool definitions with every call.
+* Logprobs: float32, completion tokens only.
+
+The digest is over the logical record, so it is independent of all of this; `decode_row` rebuilds
+the logical record and `verify_record` proves the round trip.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from array import array
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from ..schemas.records import Attachment, StagedCallRecord
+from ..schemas.tokens import common_prefix_len, full_sequence
+
+__all__ = ["ROW_FIELDS", "EncodedCall", "decode_row", "encode_record"]
+
+_LITTLE = sys.byteorder == "little"
+
+#: The scalar columns of a stored call, in a stable order (both sinks use these names).
+ROW_FIELDS = (
+    "call_id",
+    "rollout_id",
+    "seq",
+    "parent_call_id",
+    "retry_of",
+    "created_at_ms",
+    "weight_version",
+    "model",
+    "upstream_version",
+    "tokenizer_fingerprint",
+    "finish_reason",
+    "schema_version",
+    "sampling",
+    "response",
+    "extras",
+    "request_key",
+    "message_keys",
+    "prompt_len",
+    "prev_len",
+    "delta_len",
+    "cum_len",
+    "delta_tokens",
+    "completion_logprobs",
+    "digest",
+    "extras_digest",
+    "attachment_shas",
+)
+
+
+def _le(values: array[Any]) -> bytes:
+    if _LITTLE:
+        return values.tobytes()
+    c = array(values.typecode, values)
+    c.byteswap()
+    return c.tobytes()
+
+
+def _from_le(typecode: str, data: bytes) -> array[Any]:
+    a = array(typecode)
+    a.frombytes(data)
+    if not _LITTLE:
+        a.byteswap()
+    return a
+
+
+def _dumps(value: Any) -> bytes:
+    # Sorted keys make equal values produce equal bytes, so content addressing deduplicates.
+    return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
+
+
+def blob_key(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class EncodedCall:
+    """What a sink writes for one record: a row, the blobs it refers to, and its full sequence."""
+
+    row: dict[str, Any]
+    #: key -> bytes for every blob the row refers to (the sink skips keys it already has).
+    blobs: dict[str, bytes]
+    #: prompt + completion: cache it, it is the prefix the next call of the session extends.
+    full: array[int]
+
+
+def encode_record(record: StagedCallRecord, parent_full: array[int] | None) -> EncodedCall:
+    """Encode a sealed record. `parent_full` is the parent's prompt + completion, or None.
+
+    The caller resolves the parent (`record.parent_call_id`) within the same rollout; with no
+    parent the whole sequence is stored (prev_len 0).
+    """
+    full = full_sequence(record.prompt_token_ids, record.completion_token_ids)
+    prev_len = common_prefix_len(parent_full, full) if parent_full is not None else 0
+    blobs: dict[str, bytes] = {}
+    message_keys = bytearray()
+    request = dict(record.request)
+    for message in request.pop("messages", None) or ():
+        data = _dumps(message)
+        key = blob_key(data)
+        blobs[key] = data
+        message_keys += bytes.fromhex(key)
+    rest = _dumps(request)
+    request_key = blob_key(rest)
+    blobs[request_key] = rest
+    row: dict[str, Any] = {
+        "call_id": record.call_id,
+        "rollout_id": record.rollout_id,
+        "seq": record.seq,
+        # Kept even when the parent is not in this store (staged before a restart, or
+        # elsewhere): the lineage is part of the logical record; then prev_len is 0.
+        "parent_call_id": record.parent_call_id,
+        "retry_of": record.retry_of,
+        "created_at_ms": record.created_at_ms,
+        "weight_version": record.weight_version,
+        "model": record.model,
+        "upstream_version": record.upstream_version,
+        "tokenizer_fingerprint": record.tokenizer_fingerprint,
+        "finish_reason": record.finish_reason,
+        "schema_version": record.schema_version,
+        "sampling": _dumps(record.sampling),
+        "response": _dumps(record.response),
+        "extras": _dumps(record.extras),
+        "request_key": request_key,
+        "message_keys": bytes(message_keys),
+        "prompt_len": len(record.prompt_token_ids),
+        "prev_len": prev_len,
+        "delta_len": len(full) - prev_len,
+        "cum_len": len(full),
+        "delta_tokens": _le(full[prev_len:]),
+        "completion_logprobs": _le(record.completion_logprobs),
+        "digest": record.digest,
+        "extras_digest": record.extras_digest,
+        "attachment_shas": list(dict.fromkeys(record.attachment_refs())),
+    }
+    return EncodedCall(row, blobs, full)
+
+
+def decode_row(
+    row: Mapping[str, Any],
+    blob: Callable[[str], bytes],
+    parent_full: array[int] | None,
+    attachments: Sequence[Attachment] = (),
+) -> tuple[StagedCallRecord, array[int]]:
+    """Rebuild the logical record from a row; returns it with its full sequence.
+
+    `blob(key)` returns a stored blob (KeyError if missing). `parent_full` must be the parent's
+    full sequence when ``row["prev_len"] > 0``.
+    """
+    prev_len = int(row["prev_len"])
+    delta = _from_le("i", bytes(row["delta_tokens"]))
+    if prev_len:
+        if parent_full is None or len(parent_full) < prev_len:
+            raise ValueError(
+                f"{row['call_id']}: needs {prev_len} tokens of parent {row['parent_call_id']}"
+            )
+        full = parent_full[:prev_len]
+        full.extend(delta)
+    else:
+        full = delta
+    prompt_len = int(row["prompt_len"])
+    if len(full) != int(row["cum_len"]) or prompt_len > len(full):
+        raise ValueError(
+            f"{row['call_id']}: stored lengths disagree (prompt {prompt_len}, "
+            f"cum {row['cum_len']}, rebuilt {len(full)})"
+        )
+    keys = bytes(row["message_keys"])
+    messages = [orjson.loads(blob(keys[i : i + 32].hex())) for i in range(0, len(keys), 32)]
+    request = orjson.loads(blob(str(row["request_key"])))
+    request["messages"] = messages
+    record = StagedCallRecord(
+        rollout_id=row["rollout_id"],
+        call_id=row["call_id"],
+        seq=int(row["seq"]),
+        model=row["model"],
+        finish_reason=row["finish_reason"],
+        request=request,
+        response=orjson.loads(row["response"]),
+        prompt_token_ids=full[:prompt_len],
+        completion_token_ids=full[prompt_len:],
+        completion_logprobs=_from_le("f", bytes(row["completion_logprobs"])),
+        parent_call_id=row["parent_call_id"],
+        retry_of=row["retry_of"],
+        created_at_ms=int(row["created_at_ms"]),
+        weight_version=int(row["weight_version"]),
+        upstream_version=row["upstream_version"],
+        tokenizer_fingerprint=row["tokenizer_fingerprint"],
+        sampling=orjson.loads(row["sampling"]),
+        extras=orjson.loads(row["extras"]),
+        schema_version=int(row["schema_version"]),
+        digest=row["digest"],
+        extras_digest=row["extras_digest"],
+        attachments=tuple(attachments),
+    )
+    return record, full
