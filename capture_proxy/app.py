@@ -1,0 +1,238 @@
+"""The aiohttp application: routes, error middleware, and the lifecycle of its resources.
+
+One pooled `aiohttp.ClientSession` to the upstream, the sink, the bundled fake vLLM (with
+``--upstream fake``) and the background guards are opened and closed through aiohttp's cleanup
+context, so a test or an embedding program gets the same lifecycle as ``capture-proxy serve``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import aiohttp
+from aiohttp import web
+
+from .capture import Capture
+from .chat import chat_completions
+from .errors import NotFound, ProxyError, error_body
+from .metrics import Metrics
+from .passthrough import passthrough
+from .settings import Settings
+from .sinks.base import StagingSink
+from .sinks.urls import parse_store_url
+from .state import STATE, ProxyState
+from .stores import open_sink
+from .upstream import Upstream
+
+__all__ = ["create_app"]
+
+log = logging.getLogger("capture_proxy")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _route_label(request: web.Request) -> str:
+    info = request.match_info
+    if info.http_exception is not None or info.route.resource is None:
+        return "unmatched"
+    return info.route.resource.canonical
+
+
+@web.middleware
+async def errors_and_metrics(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """One JSON error body for every error; requests counted by route and status."""
+    state = request.app[STATE]
+    started = time.perf_counter()
+    route = _route_label(request)
+    status = 500
+    try:
+        response = await handler(request)
+        status = response.status
+        return response
+    except ProxyError as e:
+        status = e.status
+        return web.Response(
+            status=e.status, body=e.body(), content_type="application/json", headers=e.headers
+        )
+    except web.HTTPException as e:
+        status = e.status
+        if e.status == 404:
+            err: ProxyError = NotFound(
+                f"{request.method} {request.path} is not a route of capture-proxy: only "
+                "/v1/chat/completions is captured (plus /v1/models, /tokenize, /detokenize, "
+                "/version passed through); nothing is proxied uncaptured",
+                code="route_not_found",
+            )
+            return web.Response(status=404, body=err.body(), content_type="application/json")
+        if e.status == 405:
+            return web.Response(
+                status=405,
+                body=error_body(
+                    f"{request.method} is not allowed on {request.path}",
+                    type="invalid_request_error",
+                    code="method_not_allowed",
+                ),
+                content_type="application/json",
+                headers={"Allow": e.headers.get("Allow", "")},
+            )
+        raise
+    finally:
+        state.metrics.requests.labels(route, str(status)).inc()
+        state.metrics.request_seconds.labels(route).observe(time.perf_counter() - started)
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    """Ready when the upstream answers, the sink is writable, and no ledger entry is held."""
+    state = request.app[STATE]
+    problems: list[str] = []
+    try:
+        async with state.session.get(
+            state.upstream.url("/version"),
+            headers=state.upstream.headers,
+            timeout=aiohttp.ClientTimeout(total=2),
+        ) as resp:
+            if resp.status >= 500:
+                problems.append(f"upstream /version answered {resp.status}")
+    except (aiohttp.ClientError, TimeoutError) as e:
+        problems.append(f"upstream unreachable: {type(e).__name__}")
+    cap = state.capture
+    if cap.unavailable_reason:
+        problems.append(cap.unavailable_reason)
+    if cap.sink_failing:
+        problems.append(f"sink failing: {cap.sink_failing}")
+    if cap.held_ledger:
+        problems.append(f"{len(cap.held_ledger)} ledger entries held in memory (sink failing)")
+    body = {"ready": not problems, "problems": problems}
+    return web.json_response(body, status=503 if problems else 200)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    return web.Response(
+        body=request.app[STATE].metrics.render(),
+        headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
+    )
+
+
+def _store_dir(url: str) -> str | None:
+    parsed = parse_store_url(url)
+    if parsed.kind == "memory" or "://" in parsed.location:
+        return None
+    path = os.path.abspath(parsed.location)
+    return path if parsed.kind == "parquet" else os.path.dirname(path)
+
+
+def _disk_problem(folder: str, floor: int) -> str | None:
+    """Why the store's disk is below the floor, or None. Blocking: run it on a thread."""
+    probe = folder
+    while not os.path.exists(probe) and probe != os.path.dirname(probe):
+        probe = os.path.dirname(probe)
+    try:
+        free = shutil.disk_usage(probe).free
+    except OSError as e:
+        return f"cannot read free disk at {probe}: {e}"
+    if free < floor:
+        mib = 2**20
+        return f"free disk at the store ({free // mib} MiB) is below the floor ({floor // mib} MiB)"
+    return None
+
+
+async def _guards(state: ProxyState, store_url: str) -> None:
+    """Once a second: the free-disk floor, and writing ledger entries the sink refused."""
+    floor = state.settings.min_free_disk_mb * 2**20
+    folder = _store_dir(store_url)
+    while True:
+        if floor and folder:
+            state.capture.unavailable_reason = await asyncio.to_thread(_disk_problem, folder, floor)
+        if state.capture.held_ledger:
+            await state.capture.flush_ledger()
+        await asyncio.sleep(1.0)
+
+
+def _live_gauges(state: ProxyState) -> dict[str, float]:
+    cap = state.capture
+    return {
+        "inflight_calls": cap.inflight,
+        "pending_stages": cap.pending_stages,
+        "ledger_held_entries": len(cap.held_ledger),
+        "rollouts_live": len(cap.rollouts),
+        "weight_version": cap.weight_version,
+        "ready_capture": 0 if (cap.unavailable_reason or cap.sink_failing) else 1,
+    }
+
+
+def create_app(settings: Settings, *, sink: StagingSink | None = None) -> web.Application:
+    """The proxy as an aiohttp Application (``sink`` overrides ``settings.store``, for tests)."""
+    the_sink = sink if sink is not None else open_sink(settings.store)
+    state = ProxyState(
+        settings=settings,
+        sink=the_sink,
+        capture=Capture(
+            the_sink,
+            stage_timeout=settings.stage_timeout,
+            max_pending=settings.max_pending_stages,
+            max_inflight=settings.max_inflight,
+            max_inflight_per_rollout=settings.max_inflight_per_rollout,
+        ),
+        metrics=Metrics(),
+    )
+    state.metrics.add_live(lambda: _live_gauges(state))
+    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[errors_and_metrics])
+    app[STATE] = state
+    app.cleanup_ctx.append(_lifecycle)
+    for prefix in ("", "/r/{rollout_id}"):
+        app.router.add_post(prefix + "/v1/chat/completions", chat_completions)
+        app.router.add_get(prefix + "/v1/models", passthrough)
+        app.router.add_post(prefix + "/tokenize", passthrough)
+        app.router.add_post(prefix + "/detokenize", passthrough)
+        app.router.add_get(prefix + "/version", passthrough)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
+    state = app[STATE]
+    s = state.settings
+    fake_runner: web.AppRunner | None = None
+    upstream_url = s.upstream
+    if upstream_url == "fake":
+        from .fake_vllm import serve_fake
+
+        _, fake_runner, upstream_url = await serve_fake(host="127.0.0.1", port=0)
+        log.info("serving the bundled fake vLLM at %s", upstream_url)
+    state.upstream_url = upstream_url
+    state.session = aiohttp.ClientSession(
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=s.upstream_connect_timeout),
+        connector=aiohttp.TCPConnector(limit=0, limit_per_host=0),
+    )
+    state.upstream = Upstream(
+        upstream_url,
+        state.session,
+        api_key=s.upstream_api_key,
+        reasoning_field=s.upstream_reasoning_field,
+    )
+    guards = asyncio.create_task(_guards(state, s.store))
+    try:
+        yield
+    finally:
+        guards.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await guards
+        await state.wait_background(s.stage_timeout)
+        await state.capture.drain(s.stage_timeout)
+        await state.capture.flush_ledger()
+        await state.sink.close()
+        await state.session.close()
+        if fake_runner is not None:
+            await fake_runner.cleanup()

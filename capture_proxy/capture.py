@@ -1,0 +1,525 @@
+"""The capture core: everything that turns one model call into a staged record, without HTTP.
+
+The proxy's handlers are a thin layer over `Capture`; a framework that calls vLLM itself uses the
+same object directly::
+
+    capture = Capture(sink)
+    call = await capture.begin_call("rollout-7", staged_request, attachments)
+    ...                                     # send the request, parse the answer into a Completion
+    result = await capture.complete_call(call, completion, upstream_version=..., ...)
+    if result.status != "staged": ...       # capture_failed: the rollout is now poisoned
+
+Policy written into the code: a call is either staged exactly, or recorded in its rollout's ledger
+as not staged (with why) — crash visibly instead of letting a call through unrecorded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from array import array
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import orjson
+
+from .errors import CaptureUnavailable, Conflict, TooManyRequests
+from .ids import new_call_id
+from .rollouts import CallOutcome, RolloutLive
+from .schemas.digest import EncodingError, seal_record
+from .schemas.records import (
+    Attachment,
+    CallStatus,
+    LedgerEntry,
+    RecordValidationError,
+    RolloutInfo,
+    RolloutState,
+    StagedCallRecord,
+    StageResult,
+)
+from .schemas.tokens import full_sequence
+from .sinks.base import StagingSink
+
+__all__ = ["SAMPLING_KEYS", "Call", "Capture", "CompletionLike"]
+
+log = logging.getLogger("capture_proxy.capture")
+
+#: Request keys that shape sampling. The values actually forwarded upstream are recorded with
+#: every call (and covered by its digest): a trainer must know the policy that made each token.
+SAMPLING_KEYS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "max_tokens",
+    "max_completion_tokens",
+    "min_tokens",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "length_penalty",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "logit_bias",
+    "n",
+    "reasoning_effort",
+    "chat_template_kwargs",
+    "structured_outputs",
+    "response_format",
+    "tool_choice",
+)
+
+
+class CompletionLike(Protocol):
+    """What the core needs from a parsed upstream answer (see `adapters.vllm.Completion`)."""
+
+    @property
+    def prompt_token_ids(self) -> array[int]: ...
+    @property
+    def completion_token_ids(self) -> array[int]: ...
+    @property
+    def completion_logprobs(self) -> array[float]: ...
+    @property
+    def finish_reason(self) -> str: ...
+    @property
+    def message(self) -> dict[str, Any]: ...
+    @property
+    def extras(self) -> dict[str, Any]: ...
+
+
+@dataclass(slots=True)
+class Call:
+    """A call admitted by `Capture.begin_call`, until it is completed or failed."""
+
+    call_id: str
+    rollout_id: str
+    seq: int
+    request: Mapping[str, Any]  # the staged (normalized, attachments by reference) request
+    attachments: Mapping[str, Attachment]
+    request_key: bytes
+    retry_of: str | None
+    weight_version: int
+    admitted_ms: int
+    rollout: RolloutLive
+    finished: bool = False
+
+
+def request_key(request: Mapping[str, Any]) -> bytes:
+    """Identity of a normalized request (retry detection): sha256 of its sorted-key JSON."""
+    return hashlib.sha256(orjson.dumps(request, option=orjson.OPT_SORT_KEYS)).digest()
+
+
+def sampling_of(request: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: request[k] for k in SAMPLING_KEYS if k in request}
+
+
+class Capture:
+    """Admits calls, builds their records, stages them through a `StagingSink`, keeps the ledger.
+
+    `stage_timeout`: a sink slower than this makes the call `capture_failed`; if the write still
+    lands later, the record is marked orphaned (so no trainer uses it unknowingly).
+    `max_pending`: staging writes in progress at once (including late ones); beyond it new calls
+    are refused with 503 before anything is forwarded — back-pressure, never an unbounded queue.
+    """
+
+    def __init__(
+        self,
+        sink: StagingSink,
+        *,
+        stage_timeout: float = 10.0,
+        max_pending: int = 256,
+        max_inflight: int = 0,
+        max_inflight_per_rollout: int = 0,
+        max_held_ledger: int = 100_000,
+    ) -> None:
+        self.sink = sink
+        self.stage_timeout = stage_timeout
+        self.max_pending = max_pending
+        self.max_inflight = max_inflight
+        self.max_inflight_per_rollout = max_inflight_per_rollout
+        self.weight_version = 0
+        self.rollouts: dict[str, RolloutLive] = {}
+        self.pending_stages = 0
+        self.inflight = 0
+        #: Ledger entries the sink refused to take (it is failing); retried by `flush_ledger`.
+        self.held_ledger: deque[LedgerEntry] = deque(maxlen=max_held_ledger)
+        self.unavailable_reason: str | None = None  # set by the disk guard
+        #: The last sink error while the sink keeps failing; cleared by the next staged write.
+        self.sink_failing: str | None = None
+        self.counts: dict[tuple[str, str], int] = {}  # (status, reason) -> calls
+        self._late_tasks: set[asyncio.Task[Any]] = set()
+
+    # -- rollouts ------------------------------------------------------------------------------
+
+    def rollout(self, rollout_id: str, *, create: bool = True) -> RolloutLive | None:
+        live = self.rollouts.get(rollout_id)
+        if live is None and create:
+            live = RolloutLive(rollout_id, created_at_ms=int(time.time() * 1000))
+            self.rollouts[rollout_id] = live
+        return live
+
+    async def create_rollout(
+        self,
+        rollout_id: str,
+        *,
+        key: str | None = None,
+        policy: Mapping[str, Any] | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> RolloutLive:
+        if rollout_id in self.rollouts:
+            raise Conflict(f"rollout {rollout_id} already exists", code="rollout_exists")
+        live = self.rollout(rollout_id)
+        assert live is not None
+        live.key = key
+        live.policy = dict(policy or {})
+        live.metadata = dict(metadata or {})
+        await self._put_rollout(live)
+        return live
+
+    async def _put_rollout(self, live: RolloutLive) -> None:
+        info = RolloutInfo(
+            live.rollout_id,
+            RolloutState.SEALED if live.sealed else RolloutState.OPEN,
+            live.poisoned,
+            live.created_at_ms,
+            int(time.time() * 1000) if live.sealed else None,
+            live.metadata,
+            live.policy,
+        )
+        await self.sink.put_rollout(info)
+
+    async def seal(self, rollout_id: str, wait_s: float) -> RolloutLive:
+        """Refuse new calls for the rollout, wait for its in-flight calls (up to `timeout`)."""
+        live = self.rollouts.get(rollout_id)
+        if live is None:
+            raise KeyError(rollout_id)
+        live.sealed = True
+        try:
+            await asyncio.wait_for(live.idle.wait(), wait_s)
+        except TimeoutError:
+            log.warning(
+                "seal %s: %d calls still in flight after %.1fs", rollout_id, live.in_flight, wait_s
+            )
+        await self._put_rollout(live)
+        return live
+
+    # -- calls ---------------------------------------------------------------------------------
+
+    def check_admission(self, live: RolloutLive) -> None:
+        """Raise the error a new call of this rollout gets now, if any (nothing forwarded yet)."""
+        if live.sealed:
+            raise Conflict(f"rollout {live.rollout_id} is sealed", code="rollout_sealed")
+        if self.unavailable_reason is not None:
+            raise CaptureUnavailable(
+                f"not accepting calls: {self.unavailable_reason}",
+                code="capture_unavailable",
+                headers={"Retry-After": "5"},
+            )
+        if self.pending_stages >= self.max_pending:
+            raise CaptureUnavailable(
+                f"{self.pending_stages} staging writes pending (limit {self.max_pending})",
+                code="staging_backlog",
+                headers={"Retry-After": "1"},
+            )
+        if self.max_inflight and self.inflight >= self.max_inflight:
+            raise TooManyRequests(
+                f"{self.inflight} calls in flight (limit {self.max_inflight})",
+                code="too_many_inflight",
+                headers={"Retry-After": "1"},
+            )
+        if self.max_inflight_per_rollout and live.in_flight >= self.max_inflight_per_rollout:
+            raise TooManyRequests(
+                f"rollout {live.rollout_id} has {live.in_flight} calls in flight "
+                f"(limit {self.max_inflight_per_rollout})",
+                code="too_many_inflight_rollout",
+                headers={"Retry-After": "1"},
+            )
+
+    def begin_call(
+        self,
+        rollout_id: str,
+        request: Mapping[str, Any],
+        attachments: Mapping[str, Attachment] | None = None,
+    ) -> Call:
+        """Admit a call: assign its id and sequence number, link retries, stamp the weight version.
+
+        Raises a `ProxyError` (409 sealed, 429/503 limits) when the call must not proceed.
+        """
+        live = self.rollout(rollout_id)
+        assert live is not None
+        self.check_admission(live)
+        key = request_key(request)
+        call = Call(
+            call_id=new_call_id(),
+            rollout_id=rollout_id,
+            seq=live.take_seq(),
+            request=request,
+            attachments=attachments or {},
+            request_key=key,
+            retry_of=live.retry_of(key),
+            weight_version=self.weight_version,
+            admitted_ms=int(time.time() * 1000),
+            rollout=live,
+        )
+        live.remember_request(key, call.call_id)
+        live.outcomes[call.call_id] = CallOutcome(
+            call.seq, call.call_id, "pending", retry_of=call.retry_of
+        )
+        live.enter()
+        self.inflight += 1
+        return call
+
+    def _finish(self, call: Call) -> None:
+        if not call.finished:
+            call.finished = True
+            call.rollout.leave()
+            self.inflight -= 1
+
+    def build_record(
+        self,
+        call: Call,
+        completion: CompletionLike,
+        *,
+        model: str,
+        upstream_version: str,
+        tokenizer_fingerprint: str,
+        sampling: Mapping[str, Any],
+    ) -> StagedCallRecord:
+        """The sealed record for a completed call (raises RecordValidationError/EncodingError)."""
+        parent = call.rollout.choose_parent(completion.prompt_token_ids, call.request_key)
+        record = StagedCallRecord(
+            rollout_id=call.rollout_id,
+            call_id=call.call_id,
+            seq=call.seq,
+            model=model,
+            finish_reason=completion.finish_reason,
+            request=call.request,
+            response=completion.message,
+            prompt_token_ids=completion.prompt_token_ids,
+            completion_token_ids=completion.completion_token_ids,
+            completion_logprobs=completion.completion_logprobs,
+            parent_call_id=parent,
+            retry_of=call.retry_of,
+            created_at_ms=call.admitted_ms,
+            weight_version=call.weight_version,
+            upstream_version=upstream_version,
+            tokenizer_fingerprint=tokenizer_fingerprint,
+            sampling=dict(sampling),
+            extras=completion.extras,
+        )
+        return seal_record(record)
+
+    async def complete_call(
+        self,
+        call: Call,
+        completion: CompletionLike,
+        *,
+        model: str,
+        upstream_version: str = "",
+        tokenizer_fingerprint: str = "",
+        sampling: Mapping[str, Any] | None = None,
+    ) -> StageResult:
+        """Build, seal and stage the call's record. Never raises for capture problems: a call that
+        cannot be staged returns ``capture_failed`` and is in the ledger, its rollout poisoned.
+        """
+        try:
+            try:
+                record = self.build_record(
+                    call,
+                    completion,
+                    model=model,
+                    upstream_version=upstream_version,
+                    tokenizer_fingerprint=tokenizer_fingerprint,
+                    sampling=sampling if sampling is not None else sampling_of(call.request),
+                )
+            except (RecordValidationError, EncodingError) as e:
+                result = StageResult.failed("invalid_record", str(e))
+            else:
+                result = await self._stage(call, record)
+            if result.status is CallStatus.STAGED:
+                assert result.coords is not None
+                call.rollout.add_lineage(
+                    call.call_id,
+                    full_sequence(completion.prompt_token_ids, completion.completion_token_ids),
+                    call.request_key,
+                )
+                call.rollout.outcomes[call.call_id] = CallOutcome(
+                    call.seq,
+                    call.call_id,
+                    CallStatus.STAGED,
+                    coords=result.coords,
+                    retry_of=call.retry_of,
+                )
+                self._count(CallStatus.STAGED, "ok")
+            else:
+                await self._record_not_staged(
+                    call,
+                    CallStatus.CAPTURE_FAILED,
+                    result.reason or "capture_failed",
+                    result.message or "",
+                    None,
+                )
+            return result
+        finally:
+            self._finish(call)
+
+    async def _stage(self, call: Call, record: StagedCallRecord) -> StageResult:
+        self.pending_stages += 1
+        task: asyncio.Task[StageResult] = asyncio.ensure_future(self._call_sink(call, record))
+        task.add_done_callback(self._stage_done)
+        try:
+            result = await asyncio.wait_for(asyncio.shield(task), self.stage_timeout)
+        except TimeoutError:
+            # The write goes on; if it lands, mark it orphaned so no trainer uses it unknowingly.
+            self._late_tasks.add(task)
+            task.add_done_callback(lambda t: self._late_landed(t, call.call_id))
+            return StageResult.failed(
+                "stage_timeout", f"the sink took longer than {self.stage_timeout:g}s to stage"
+            )
+        except TypeError as e:
+            # Most likely a sink that does not take attachments: its bytes are not staged.
+            self.sink_failing = f"TypeError: {e}"
+            return StageResult.failed("sink_rejected_attachments", f"TypeError: {e}")
+        except Exception as e:  # the sink raised: a failed write leaves nothing behind
+            log.warning("stage %s failed: %s: %s", call.call_id, type(e).__name__, e)
+            self.sink_failing = f"{type(e).__name__}: {e}"
+            return StageResult.failed("sink_error", f"{type(e).__name__}: {e}")
+        if result.status is CallStatus.STAGED:
+            self.sink_failing = None
+        return result
+
+    async def _call_sink(self, call: Call, record: StagedCallRecord) -> StageResult:
+        if call.attachments:
+            # Passed only when there are attachments, so text-only sinks keep working; a sink
+            # that does not take them fails with TypeError -> capture_failed, never a retry
+            # with the attachments dropped.
+            return await self.sink.stage(record, attachments=call.attachments)
+        return await self.sink.stage(record)
+
+    def _stage_done(self, task: asyncio.Task[StageResult]) -> None:
+        self.pending_stages -= 1
+        if not task.cancelled():
+            task.exception()  # retrieved, so a late failure is not logged as "never retrieved"
+
+    def _late_landed(self, task: asyncio.Task[StageResult], call_id: str) -> None:
+        self._late_tasks.discard(task)
+        if task.cancelled() or task.exception() is not None:
+            return
+        if task.result().status is CallStatus.STAGED:
+            log.warning(
+                "late write of %s landed after its stage timeout: marking it orphaned", call_id
+            )
+            orphan = asyncio.ensure_future(self.sink.mark_orphaned(call_id, "stage_timeout"))
+            self._late_tasks.add(orphan)
+            orphan.add_done_callback(self._late_tasks.discard)
+
+    async def fail_call(
+        self,
+        call: Call,
+        status: CallStatus,
+        reason: str,
+        message: str,
+        http_status: int | None = None,
+    ) -> None:
+        """Record an admitted call that ended without a record (upstream error, abort, ...)."""
+        try:
+            await self._record_not_staged(call, status, reason, message, http_status)
+        finally:
+            self._finish(call)
+
+    async def reject(self, rollout_id: str, reason: str, message: str, http_status: int) -> str:
+        """Record a call refused before it was admitted (a 4xx); returns its call id."""
+        live = self.rollout(rollout_id)
+        assert live is not None
+        call_id = new_call_id()
+        seq = live.take_seq()
+        entry = LedgerEntry(
+            rollout_id,
+            call_id,
+            seq,
+            CallStatus.REJECTED,
+            reason,
+            message,
+            http_status,
+            int(time.time() * 1000),
+        )
+        live.outcomes[call_id] = CallOutcome(
+            seq,
+            call_id,
+            CallStatus.REJECTED,
+            reason=reason,
+            http_status=http_status,
+            message=message,
+        )
+        self._count(CallStatus.REJECTED, reason)
+        await self._write_ledger(entry)
+        return call_id
+
+    async def _record_not_staged(
+        self, call: Call, status: CallStatus, reason: str, message: str, http_status: int | None
+    ) -> None:
+        if status is CallStatus.CAPTURE_FAILED:
+            call.rollout.poisoned = True
+        call.rollout.outcomes[call.call_id] = CallOutcome(
+            call.seq,
+            call.call_id,
+            status,
+            reason=reason,
+            http_status=http_status,
+            message=message,
+            retry_of=call.retry_of,
+        )
+        self._count(status, reason)
+        entry = LedgerEntry(
+            call.rollout_id,
+            call.call_id,
+            call.seq,
+            status,
+            reason,
+            message,
+            http_status,
+            int(time.time() * 1000),
+        )
+        await self._write_ledger(entry)
+
+    def _count(self, status: str, reason: str) -> None:
+        key = (str(status), reason)
+        self.counts[key] = self.counts.get(key, 0) + 1
+
+    async def _write_ledger(self, entry: LedgerEntry) -> None:
+        if self.held_ledger:
+            self.held_ledger.append(entry)  # keep the ledger in order behind what is held
+            await self.flush_ledger()
+            return
+        try:
+            await asyncio.wait_for(self.sink.record_failure(entry), self.stage_timeout)
+        except Exception as e:
+            log.error(
+                "ledger entry for %s (%s) held in memory: the sink failed: %s",
+                entry.call_id,
+                entry.status,
+                e,
+            )
+            self.held_ledger.append(entry)
+
+    async def flush_ledger(self) -> int:
+        """Write held ledger entries, oldest first; returns how many are still held."""
+        while self.held_ledger:
+            entry = self.held_ledger[0]
+            try:
+                await asyncio.wait_for(self.sink.record_failure(entry), self.stage_timeout)
+            except Exception:
+                break
+            self.held_ledger.popleft()
+        return len(self.held_ledger)
+
+    async def drain(self, wait_s: float) -> None:
+        """Wait for late staging writes (shutdown), up to `wait_s` seconds."""
+        if self._late_tasks:
+            await asyncio.wait(list(self._late_tasks), timeout=wait_s)

@@ -1,0 +1,85 @@
+"""The `capture-proxy` command: serve, and the store tools built on the reader."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+
+from .settings import SettingsError, add_arguments, load_settings
+
+__all__ = ["main"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="capture-proxy",
+        description="OpenAI-compatible proxy in front of vLLM that stages the exact tokens of "
+        "every call, or reports loudly that it could not.",
+    )
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    serve = sub.add_parser(
+        "serve",
+        help="run the proxy",
+        description="Run the proxy. Every option can also be set with a CAPTURE_PROXY_* "
+        "environment variable (flag > environment > default).",
+    )
+    add_arguments(serve)
+    return p
+
+
+async def _serve(settings_args: argparse.Namespace) -> int:
+    from aiohttp import web
+
+    from .app import create_app
+    from .state import STATE
+
+    settings = load_settings(settings_args)
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
+    )
+    app = create_app(settings)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, settings.host, settings.port)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    state = app[STATE]
+    state.listen_url = f"http://{host}:{port}"
+    print(
+        f"capture-proxy listening on {state.listen_url} -> upstream {state.upstream_url}, "
+        f"store {settings.store}",
+        flush=True,
+    )
+    print(
+        f"  point OpenAI clients at {state.listen_url}/r/<rollout-id>/v1 ; "
+        f"inspect with: capture-proxy inspect {settings.store}",
+        flush=True,
+    )
+    if not settings.admin_token:
+        print("  control API off (no --admin-token)", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    print("capture-proxy stopping: finishing in-flight calls", flush=True)
+    await runner.cleanup()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "serve":
+            return asyncio.run(_serve(args))
+    except SettingsError as e:
+        print(f"capture-proxy: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"capture-proxy: {e}", file=sys.stderr)
+        return 1
+    return 2

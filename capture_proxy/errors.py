@@ -1,0 +1,115 @@
+"""Errors that become HTTP answers. Each class carries its status; `error_body` builds the one
+OpenAI-style body every error uses: ``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+__all__ = [
+    "BadRequest",
+    "CaptureUnavailable",
+    "Conflict",
+    "Forbidden",
+    "NotFound",
+    "PayloadTooLarge",
+    "ProxyError",
+    "TooManyRequests",
+    "Unauthorized",
+    "Unprocessable",
+    "UpstreamFailed",
+    "error_body",
+]
+
+
+def error_body(
+    message: str, *, type: str, code: str | int | None, param: str | None = None
+) -> bytes:
+    return orjson.dumps({"error": {"message": message, "type": type, "param": param, "code": code}})
+
+
+class ProxyError(Exception):
+    """An error answered to the client. `code` is a short machine-readable reason."""
+
+    status = 500
+    type = "internal_error"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: str = "error",
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code
+        self.param = param
+        self.headers = headers or {}
+
+    def body(self) -> bytes:
+        return error_body(self.message, type=self.type, code=self.code, param=self.param)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
+
+
+class BadRequest(ProxyError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class Unauthorized(ProxyError):
+    status = 401
+    type = "authentication_error"
+
+
+class Forbidden(ProxyError):
+    status = 403
+    type = "permission_error"
+
+
+class NotFound(ProxyError):
+    status = 404
+    type = "not_found_error"
+
+
+class Conflict(ProxyError):
+    status = 409
+    type = "conflict_error"
+
+
+class PayloadTooLarge(ProxyError):
+    status = 413
+    type = "invalid_request_error"
+
+
+class Unprocessable(ProxyError):
+    status = 422
+    type = "invalid_request_error"
+
+
+class TooManyRequests(ProxyError):
+    status = 429
+    type = "rate_limit_error"
+
+
+class UpstreamFailed(ProxyError):
+    """The upstream could not be reached, timed out, or answered something unusable."""
+
+    status = 502
+    type = "upstream_error"
+
+    def __init__(self, message: str, *, code: str = "upstream_error", status: int = 502) -> None:
+        super().__init__(message, code=code)
+        self.status = status
+
+
+class CaptureUnavailable(ProxyError):
+    """The proxy will not take a call it could not capture (sink down, disk floor, overload)."""
+
+    status = 503
+    type = "capture_unavailable"

@@ -1,0 +1,109 @@
+"""Prometheus metrics (names follow Prometheus conventions: units in names, `_total` counters).
+
+Each app has its own registry, so several proxies (or tests) in one process do not share counts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+__all__ = ["Metrics"]
+
+_LATENCY_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2.5,
+    5,
+    10,
+    30,
+    60,
+    120,
+    300,
+)
+
+
+class _Live(Collector):
+    """Gauges read at scrape time from the running proxy (no bookkeeping on the hot path)."""
+
+    def __init__(self, read: Callable[[], dict[str, float]]) -> None:
+        self.read = read
+
+    def collect(self):  # type: ignore[no-untyped-def]
+        for name, value in self.read().items():
+            g = GaugeMetricFamily(f"capture_proxy_{name}", name.replace("_", " "))
+            g.add_metric([], value)
+            yield g
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "capture_proxy_requests_total",
+            "HTTP requests by route and status code",
+            ["route", "status"],
+            registry=r,
+        )
+        self.calls = Counter(
+            "capture_proxy_calls_total",
+            "chat calls by outcome (staged, capture_failed, rejected, upstream_error, aborted) "
+            "and reason",
+            ["outcome", "reason"],
+            registry=r,
+        )
+        self.request_seconds = Histogram(
+            "capture_proxy_request_duration_seconds",
+            "time from request to last byte, by route",
+            ["route"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.upstream_seconds = Histogram(
+            "capture_proxy_upstream_duration_seconds",
+            "time the upstream took (request sent to last byte received)",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.overhead_seconds = Histogram(
+            "capture_proxy_overhead_duration_seconds",
+            "time a chat call spent in the proxy itself (total minus upstream)",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.stage_seconds = Histogram(
+            "capture_proxy_stage_duration_seconds",
+            "time to stage a record durably",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.staged_tokens = Counter(
+            "capture_proxy_staged_tokens_total",
+            "prompt + completion tokens in staged records",
+            registry=r,
+        )
+        self.attachments = Counter(
+            "capture_proxy_attachments_total", "attachments staged with calls", registry=r
+        )
+        self.streams_open = Gauge(
+            "capture_proxy_streams_open", "streamed responses in progress", registry=r
+        )
+
+    def add_live(self, read: Callable[[], dict[str, float]]) -> None:
+        self.registry.register(_Live(read))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

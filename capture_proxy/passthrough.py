@@ -1,0 +1,46 @@
+"""Routes relayed to the upstream without capture: models, tokenize, detokenize, version.
+
+They carry ``X-Capture-Status: not_captured``. The client's headers (its Authorization above all)
+are not forwarded; the proxy's own upstream key is used instead.
+"""
+
+from __future__ import annotations
+
+import aiohttp
+from aiohttp import web
+
+from .errors import UpstreamFailed
+from .state import STATE
+
+__all__ = ["passthrough"]
+
+
+async def passthrough(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    path = request.path
+    if path.startswith("/r/"):
+        path = path[len("/r/") :].split("/", 1)[1]
+        path = "/" + path
+    body = await request.read() if request.method == "POST" else None
+    headers = dict(state.upstream.headers)
+    if body is not None:
+        headers["Content-Type"] = request.headers.get("Content-Type", "application/json")
+    try:
+        async with state.session.request(
+            request.method,
+            state.upstream.url(path),
+            data=body,
+            headers=headers,
+            timeout=aiohttp.ClientTimeout(total=state.settings.upstream_first_byte_timeout),
+        ) as resp:
+            raw = await resp.read()
+            content_type = resp.headers.get("Content-Type", "application/json")
+            status = resp.status
+    except (aiohttp.ClientError, TimeoutError) as e:
+        state.upstream.mark_stale()
+        raise UpstreamFailed(f"cannot reach the upstream: {type(e).__name__}: {e}") from None
+    return web.Response(
+        status=status,
+        body=raw,
+        headers={"Content-Type": content_type, "X-Capture-Status": "not_captured"},
+    )

@@ -1,0 +1,217 @@
+"""Every setting of `capture-proxy serve`, declared once.
+
+Each field of `Settings` is one setting: its name, type, default and help text. The command-line
+flag (``--stage-timeout``) and the environment variable (``CAPTURE_PROXY_STAGE_TIMEOUT``) are both
+derived from that one declaration, so `--help`, the environment and the docs cannot disagree.
+Precedence: flag > environment > default. Invalid values fail at start with one sentence that
+names the setting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, get_type_hints
+
+__all__ = ["ENV_PREFIX", "Settings", "SettingsError", "add_arguments", "load_settings"]
+
+ENV_PREFIX = "CAPTURE_PROXY_"
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+class SettingsError(ValueError):
+    """A setting has an invalid value; the message names the flag and the variable."""
+
+
+def _s(
+    default: Any, help: str, *, choices: Sequence[str] | None = None, secret: bool = False
+) -> Any:
+    return field(default=default, metadata={"help": help, "choices": choices, "secret": secret})
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    upstream: str = _s(
+        "fake",
+        "vLLM base URL (http://host:8000), or 'fake' for the bundled fake vLLM served in-process",
+    )
+    store: str = _s(
+        "sqlite:///capture.db",
+        "where records are staged: sqlite:///file.db, parquet:///folder, or a path",
+    )
+    host: str = _s("127.0.0.1", "address to listen on")
+    port: int = _s(8100, "port to listen on (0 picks a free one)")
+    public_url: str = _s(
+        "",
+        "base URL sandboxes reach the proxy at, for control-API answers (default: listen address)",
+    )
+    upstream_api_key: str = _s(
+        "", "API key sent to the upstream; never forwarded from clients, never logged", secret=True
+    )
+    upstream_reasoning_field: str = _s(
+        "auto",
+        "field replayed reasoning is sent upstream under; auto reads the upstream's /version",
+        choices=("auto", "reasoning_content", "reasoning"),
+    )
+    on_capture_failure: str = _s(
+        "poison",
+        "when a call cannot be staged: poison (answer, poison the rollout) or error (503)",
+        choices=("poison", "error"),
+    )
+    require_rollout_id: bool = _s(
+        False, "answer 400 to calls that name no rollout (path, X-Rollout-Id or x-session-id)"
+    )
+    max_body_bytes: int = _s(64 * 2**20, "largest request body accepted (413 above it)")
+    allow_remote_media: bool = _s(
+        False, "accept image URLs other than data: URLs (forwarded as-is, not captured as bytes)"
+    )
+    stage_timeout: float = _s(10.0, "seconds a sink may take to stage a call before it fails")
+    max_pending_stages: int = _s(
+        256, "staging writes in progress at once; beyond it calls get 503 with Retry-After"
+    )
+    min_free_disk_mb: int = _s(
+        512, "below this much free disk at a local store, new calls get 503 (0 disables the check)"
+    )
+    max_tokens_cap: int = _s(0, "cap max_tokens / max_completion_tokens at this value (0: no cap)")
+    served_model: str = _s("", "rewrite every request's model field to this name")
+    upstream_connect_timeout: float = _s(10.0, "seconds to connect to the upstream")
+    upstream_first_byte_timeout: float = _s(
+        900.0, "seconds to wait for the upstream's response headers"
+    )
+    upstream_idle_timeout: float = _s(
+        300.0, "seconds the upstream may stay silent between stream chunks or body bytes"
+    )
+    max_inflight: int = _s(
+        0, "calls in flight at once across rollouts; excess gets 429 (0: no limit)"
+    )
+    max_inflight_per_rollout: int = _s(
+        0, "calls in flight at once in one rollout; excess gets 429 (0: no limit)"
+    )
+    admin_token: str = _s(
+        "", "bearer token for the control API (/admin); empty: the control API is off", secret=True
+    )
+    admin_port: int = _s(0, "serve the control API on this port instead of the main one (0: main)")
+    require_rollout_keys: bool = _s(
+        False, "sandboxes must send the key minted for their rollout by POST /admin/rollouts"
+    )
+    seal_timeout: float = _s(60.0, "seconds sealing waits for a rollout's in-flight calls")
+    log_level: str = _s("info", "log level", choices=("debug", "info", "warning", "error"))
+
+    def public(self) -> dict[str, Any]:
+        """The settings with secrets masked, for logs and `/readyz`."""
+        out = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            out[f.name] = "***" if f.metadata["secret"] and v else v
+        return out
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _env(name: str) -> str:
+    return ENV_PREFIX + name.upper()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add one flag per setting. Defaults are left as None so the environment can fill them."""
+    hints = get_type_hints(Settings)
+    for f in dataclasses.fields(Settings):
+        help_text = f"{f.metadata['help']} (env {_env(f.name)}; default: {f.default!r})"
+        kind = hints[f.name]
+        if kind is bool:
+            parser.add_argument(
+                _flag(f.name), action=argparse.BooleanOptionalAction, default=None, help=help_text
+            )
+        else:
+            parser.add_argument(
+                _flag(f.name),
+                type=str,
+                default=None,
+                metavar=f.name.upper(),
+                choices=f.metadata["choices"],
+                help=help_text,
+            )
+
+
+def _convert(name: str, kind: Any, raw: Any, source: str) -> Any:
+    if isinstance(raw, bool) or kind is str:
+        return raw
+    text = str(raw).strip()
+    try:
+        if kind is bool:
+            low = text.lower()
+            if low in _TRUE:
+                return True
+            if low in _FALSE:
+                return False
+            raise ValueError
+        if kind is int:
+            return int(text)
+        if kind is float:
+            return float(text)
+    except ValueError:
+        pass
+    raise SettingsError(f"{source} must be a {kind.__name__}, got {raw!r}")
+
+
+def load_settings(
+    args: argparse.Namespace | None = None, environ: Mapping[str, str] | None = None
+) -> Settings:
+    """Build `Settings` from parsed flags and the environment (flag > environment > default)."""
+    environ = os.environ if environ is None else environ
+    hints = get_type_hints(Settings)
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(Settings):
+        flag_value = getattr(args, f.name, None) if args is not None else None
+        if flag_value is not None:
+            raw, source = flag_value, _flag(f.name)
+        elif _env(f.name) in environ:
+            raw, source = environ[_env(f.name)], f"{_env(f.name)}"
+        else:
+            continue
+        value = _convert(f.name, hints[f.name], raw, source)
+        choices = f.metadata["choices"]
+        if choices and value not in choices:
+            raise SettingsError(f"{source} must be one of {', '.join(choices)}, got {value!r}")
+        values[f.name] = value
+    settings = Settings(**values)
+    _check(settings)
+    return settings
+
+
+def _check(s: Settings) -> None:
+    def bad(name: str, why: str) -> SettingsError:
+        return SettingsError(f"{_flag(name)} ({_env(name)}) {why}")
+
+    if not 0 <= s.port <= 65535:
+        raise bad("port", f"must be 0-65535, got {s.port}")
+    if not 0 <= s.admin_port <= 65535:
+        raise bad("admin_port", f"must be 0-65535, got {s.admin_port}")
+    for name in (
+        "stage_timeout",
+        "upstream_connect_timeout",
+        "upstream_first_byte_timeout",
+        "upstream_idle_timeout",
+        "seal_timeout",
+    ):
+        if getattr(s, name) <= 0:
+            raise bad(name, f"must be > 0, got {getattr(s, name)}")
+    for name in ("max_body_bytes", "max_pending_stages"):
+        if getattr(s, name) < 1:
+            raise bad(name, f"must be >= 1, got {getattr(s, name)}")
+    for name in ("min_free_disk_mb", "max_tokens_cap", "max_inflight", "max_inflight_per_rollout"):
+        if getattr(s, name) < 0:
+            raise bad(name, f"must be >= 0, got {getattr(s, name)}")
+    if s.upstream != "fake" and not s.upstream.startswith(("http://", "https://")):
+        raise bad("upstream", f"must be an http(s) URL or 'fake', got {s.upstream!r}")
+    if s.require_rollout_keys and not s.admin_token:
+        raise bad(
+            "require_rollout_keys",
+            "needs --admin-token: rollout keys are minted through the control API",
+        )
