@@ -1,0 +1,351 @@
+"""The strict Chat Completions request schema: OpenAI's fields plus the vLLM extensions the proxy
+allows, each listed (see ``docs/request-schema.md`` for the table and the capture policy).
+
+`validate_request` turns a decoded JSON body into a typed `ChatCompletionRequest` or raises
+`RequestValidationError` naming the JSON path of the first problem. Unknown keys are an error at
+every level: vLLM silently ignores unknown top-level keys, so a misspelt or outdated parameter
+would otherwise change nothing and say nothing.
+
+The typed view is for reading; the proxy forwards the (normalized) dict it was built from, so
+the Structs declare each field's type and bounds but never need to re-encode.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta, Struct
+
+from .request_errors import RequestValidationError, from_msgspec_error, not_an_object
+from .request_messages import UNSTORABLE_PARTS, Message, NonEmptyStr, UserMessage
+
+__all__ = [
+    "MAX_MESSAGES",
+    "MAX_TOOLS",
+    "ChatCompletionRequest",
+    "FunctionDefinition",
+    "JsonSchemaFormat",
+    "NamedFunction",
+    "NamedToolChoice",
+    "RequestValidationError",
+    "ResponseFormat",
+    "StreamOptions",
+    "StructuredOutputs",
+    "Tool",
+    "check_capturable",
+    "validate_request",
+]
+
+#: Messages per request and tools per request. A long agent session has hundreds of messages;
+#: these only stop a hostile body from making per-message work the cost of a call.
+MAX_MESSAGES = 100_000
+MAX_TOOLS = 1024
+
+_INT64 = Meta(ge=-(2**63), le=2**63 - 1)
+TokenId = Annotated[int, Meta(ge=0, le=2**31 - 1)]
+
+
+class _Strict(Struct, forbid_unknown_fields=True):
+    """Base: unknown keys are an error, never silently dropped."""
+
+
+class FunctionDefinition(_Strict):
+    """A tool's function: ``parameters`` is a free JSON Schema object."""
+
+    name: NonEmptyStr
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    """``{"type": "function", "function": {...}}``."""
+
+    function: FunctionDefinition
+    type: Literal["function"] = "function"
+
+
+class NamedFunction(_Strict):
+    name: NonEmptyStr
+
+
+class NamedToolChoice(_Strict):
+    """``{"type": "function", "function": {"name": ...}}``: force one tool."""
+
+    function: NamedFunction
+    type: Literal["function"] = "function"
+
+
+class StreamOptions(_Strict):
+    """``include_usage`` (OpenAI) and ``continuous_usage_stats`` (vLLM: usage on every chunk)."""
+
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None
+
+
+class JsonSchemaFormat(_Strict):
+    name: NonEmptyStr
+    description: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class TextFormat(_Strict, tag="text", tag_field="type"):
+    pass
+
+
+class JsonObjectFormat(_Strict, tag="json_object", tag_field="type"):
+    pass
+
+
+class JsonSchemaResponseFormat(_Strict, tag="json_schema", tag_field="type"):
+    json_schema: JsonSchemaFormat
+
+
+class StructuralTagItem(_Strict):
+    begin: str
+    end: str
+    schema: dict[str, Any] | None = None
+
+
+class StructuralTagFormat(_Strict, tag="structural_tag", tag_field="type"):
+    """vLLM's structural tags: the legacy ``structures`` + ``triggers`` form or ``format``."""
+
+    structures: list[StructuralTagItem] | None = None
+    triggers: list[str] | None = None
+    format: Any = None
+
+
+ResponseFormat = TextFormat | JsonObjectFormat | JsonSchemaResponseFormat | StructuralTagFormat
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's constrained decoding (``structured_outputs``): one of json/regex/choice/grammar/
+    json_object/structural_tag, plus whitespace options."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_any_whitespace: bool | None = None
+    disable_additional_properties: bool | None = None
+    whitespace_pattern: str | None = None
+
+
+class ChatCompletionRequest(_Strict):
+    """A validated Chat Completions request (``POST /v1/chat/completions``).
+
+    Fields are OpenAI's first, then vLLM's sampling parameters, then vLLM's extensions. A field
+    the client did not send is ``None`` (or its documented default); the dict that is forwarded
+    keeps exactly the keys the client sent.
+    """
+
+    messages: Annotated[list[Message], Meta(min_length=1, max_length=MAX_MESSAGES)]
+    model: str | None = None
+    # -- OpenAI ----------------------------------------------------------------------------------
+    frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] | None = None
+    logit_bias: (
+        Annotated[
+            dict[
+                Annotated[str, Meta(pattern=r"^[0-9]{1,10}$")],
+                Annotated[float, Meta(ge=-100.0, le=100.0)],
+            ],
+            Meta(max_length=4096),
+        ]
+        | None
+    ) = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    max_tokens: Annotated[int, Meta(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
+    n: Annotated[int, Meta(ge=1)] | None = None
+    presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] | None = None
+    response_format: ResponseFormat | None = None
+    seed: Annotated[int, _INT64] | None = None
+    stop: str | Annotated[list[str], Meta(max_length=64)] | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    temperature: Annotated[float, Meta(ge=0.0)] | None = None
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
+    tools: Annotated[list[Tool], Meta(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    user: str | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = (
+        None
+    )
+    metadata: (
+        Annotated[
+            dict[Annotated[str, Meta(max_length=64)], Annotated[str, Meta(max_length=512)]],
+            Meta(max_length=16),
+        ]
+        | None
+    ) = None
+    store: bool | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    modalities: list[Literal["text", "audio"]] | None = None
+    # -- vLLM sampling parameters ------------------------------------------------------------------
+    top_k: Annotated[int, Meta(ge=-1)] | None = None
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0.0)] | None = None
+    length_penalty: float | None = None
+    min_tokens: Annotated[int, Meta(ge=0)] | None = None
+    stop_token_ids: Annotated[list[TokenId], Meta(max_length=4096)] | None = None
+    include_stop_str_in_output: bool | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    use_beam_search: bool | None = None
+    allowed_token_ids: Annotated[list[TokenId], Meta(max_length=2**20)] | None = None
+    bad_words: Annotated[list[str], Meta(max_length=4096)] | None = None
+    prompt_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    truncate_prompt_tokens: Annotated[int, Meta(ge=-1)] | None = None
+    thinking_token_budget: Annotated[int, Meta(ge=-1)] | None = None
+    # -- vLLM extensions -------------------------------------------------------------------------
+    echo: bool | None = None
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    add_special_tokens: bool | None = None
+    documents: Annotated[list[dict[str, str]], Meta(max_length=4096)] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+    media_io_kwargs: dict[str, dict[str, Any]] | None = None
+    structured_outputs: StructuredOutputs | None = None
+    priority: Annotated[int, _INT64] | None = None
+    request_id: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
+    cache_salt: Annotated[str, Meta(min_length=1, max_length=1024)] | None = None
+    include_reasoning: bool | None = None
+    return_token_ids: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
+    routed_experts_prompt_start: Annotated[int, Meta(ge=0)] | None = None
+    vllm_xargs: dict[str, str | int | float | list[str | int | float]] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+def validate_request(data: Any) -> ChatCompletionRequest:
+    """Validate a decoded JSON body against the strict schema and the capture policy.
+
+    Raises `RequestValidationError` for the first problem found: an unknown key, a missing or
+    mistyped field, an out-of-range value, an inconsistent combination (``stream_options``
+    without ``stream``, ``top_logprobs`` without ``logprobs``, ...), or a parameter that would
+    defeat capture (`check_capturable`).
+
+    Assistant reasoning must be under ``reasoning_content``: call
+    `capture_proxy.normalize.normalize_request`, which renames OpenCode's ``reasoning`` first.
+    """
+    if not isinstance(data, dict):
+        raise not_an_object(data)
+    try:
+        request = msgspec.convert(data, ChatCompletionRequest, strict=True)
+    except msgspec.ValidationError as exc:
+        raise from_msgspec_error(exc) from exc
+    except RecursionError:
+        raise RequestValidationError(
+            "", "The request body is nested too deeply to validate", "invalid_value"
+        ) from None
+    _check_consistency(request)
+    check_capturable(request)
+    return request
+
+
+def _invalid(param: str, message: str) -> RequestValidationError:
+    return RequestValidationError(param, message, "invalid_value")
+
+
+def _check_consistency(req: ChatCompletionRequest) -> None:
+    """Combinations vLLM (and OpenAI) refuse: refuse them here, before anything is forwarded."""
+    if req.stream_options is not None and not req.stream:
+        raise _invalid("stream_options", "`stream_options` at stream_options needs `stream: true`")
+    if req.top_logprobs and not req.logprobs:
+        raise _invalid("top_logprobs", "`top_logprobs` at top_logprobs needs `logprobs: true`")
+    if req.prompt_logprobs and req.stream:
+        raise _invalid(
+            "prompt_logprobs",
+            "`prompt_logprobs` at prompt_logprobs is not available with streaming",
+        )
+    if req.continue_final_message and req.add_generation_prompt is not False:
+        raise _invalid(
+            "continue_final_message",
+            "`continue_final_message: true` at continue_final_message needs "
+            "`add_generation_prompt: false`",
+        )
+    choice = req.tool_choice
+    if choice is not None and choice != "none":
+        if not req.tools:
+            raise _invalid("tool_choice", "`tool_choice` at tool_choice needs a non-empty `tools`")
+        if isinstance(choice, NamedToolChoice):
+            names = {tool.function.name for tool in req.tools}
+            if choice.function.name not in names:
+                raise _invalid(
+                    "tool_choice.function.name",
+                    f"Tool {choice.function.name!r:.80} at tool_choice.function.name is not one "
+                    "of the request's `tools`",
+                )
+
+
+def check_capturable(req: ChatCompletionRequest) -> None:
+    """Refuse parameters that would make the call impossible to stage faithfully.
+
+    The policy, per field (``docs/request-schema.md`` explains each):
+
+    - ``include_reasoning: false``: vLLM then drops token ids and logprobs -> refused.
+    - ``n > 1``, ``use_beam_search: true``: capture stages one sampled completion per call.
+    - ``echo: true``: the answer's text would start with prompt text the model did not generate.
+    - ``modalities`` with ``audio``; audio, file and video content parts: the capture stores
+      text and images only.
+
+    ``return_token_ids: false`` and ``logprobs: false`` are allowed: the adapter asks vLLM for
+    them anyway and strips them from the client's answer.
+    """
+    if req.include_reasoning is False:
+        raise RequestValidationError(
+            "include_reasoning",
+            "`include_reasoning: false` at include_reasoning makes vLLM drop the token ids and "
+            "logprobs the capture stages; to turn thinking off send `chat_template_kwargs: "
+            '{"enable_thinking": false}` instead',
+            "capture_disabled",
+        )
+    if req.n is not None and req.n > 1:
+        raise RequestValidationError(
+            "n",
+            f"`n: {req.n}` at n is not supported: the capture stages one completion per call; "
+            "send separate calls instead",
+            "capture_disabled",
+        )
+    if req.use_beam_search:
+        raise RequestValidationError(
+            "use_beam_search",
+            "`use_beam_search: true` at use_beam_search is not supported: beam search does not "
+            "sample from the policy, so its tokens and logprobs are not trainable samples",
+            "capture_disabled",
+        )
+    if req.echo:
+        raise RequestValidationError(
+            "echo",
+            "`echo: true` at echo is not supported: the answer would start with prompt text the "
+            "model did not generate, which no longer matches its completion token ids",
+            "capture_disabled",
+        )
+    if req.modalities is not None and "audio" in req.modalities:
+        raise RequestValidationError(
+            "modalities",
+            "Audio output at modalities is not supported: the capture stores text and images only",
+            "unsupported_content",
+        )
+    for i, message in enumerate(req.messages):
+        if not isinstance(message, UserMessage) or isinstance(message.content, str):
+            continue
+        for j, part in enumerate(message.content):
+            what = UNSTORABLE_PARTS.get(type(part))
+            if what is not None:
+                kind = type(part).__struct_config__.tag
+                raise RequestValidationError(
+                    f"messages[{i}].content[{j}]",
+                    f"Content part type {kind!r} at messages[{i}].content[{j}] is not supported: "
+                    f"the capture stores text and images, not {what}",
+                    "unsupported_content",
+                )
