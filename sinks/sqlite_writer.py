@@ -189,8 +189,8 @@ class GroupCommitWriter:
 
     def _batch_error(self, e: BaseException) -> Exception:
         err = StoreError(
-            f"committing to {self.name} failed ({type(e).__name__}: {e}); nothing of this "
-            "batch was stored"
+            f"writing a batch to {self.name} failed ({type(e).__name__}: {e}); nothing of "
+            "this batch was stored"
         )
         err.__cause__ = e
         return err

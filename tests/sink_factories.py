@@ -64,6 +64,8 @@ class Session:
 
     `next` returns the next sealed record and the attachments to stage with it. With `image`, the
     first user message carries that image and every later call re-sends it (as OpenCode does).
+    A resumed session (`resume`) knows the references of earlier images but not their bytes: the
+    store has them.
     """
 
     def __init__(
@@ -77,7 +79,7 @@ class Session:
         self.rollout_id = rollout_id
         self.prefix = prefix or rollout_id
         self.rng = random.Random(f"{rollout_id}:{seed}")
-        self.image = image
+        self.images: dict[str, Attachment] = {image.sha256: image} if image is not None else {}
         self.seq = 0
         self.parent: str | None = None
         self.full = array("i")
@@ -103,7 +105,6 @@ class Session:
         s.messages = [dict(m) for m in last.request["messages"]]
         s.messages.append(dict(last.response))
         s.messages.append({"role": "user", "content": f"continue turn {s.seq}"})
-        s.image = None
         return s
 
     def next(
@@ -113,7 +114,25 @@ class Session:
         completion: int = 12,
         drift_at: int | None = None,
         extras: dict[str, Any] | None = None,
+        new_image: Attachment | None = None,
     ) -> tuple[StagedCallRecord, dict[str, Attachment]]:
+        """The next call, and the images this session has sent so far (re-sent every call).
+
+        `new_image` adds a user message showing it before this call.
+        """
+        if new_image is not None:
+            self.images[new_image.sha256] = new_image
+            self.messages.append(
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "image_url",
+                            "image_url": {"url": attachment_url(new_image.sha256)},
+                        }
+                    ],
+                }
+            )
         prompt = array("i", self.full[:drift_at] if drift_at is not None else self.full)
         prompt.extend(_tokens(self.rng, new_prompt))
         out = array("i", _tokens(self.rng, completion))
@@ -148,8 +167,7 @@ class Session:
         self.full = array("i", prompt)
         self.full.extend(out)
         self.messages = [*self.messages, response, {"role": "user", "content": f"go on {call_id}"}]
-        atts = {self.image.sha256: self.image} if self.image is not None else {}
-        return sealed, atts
+        return sealed, dict(self.images)
 
 
 # -- sinks ------------------------------------------------------------------------------------

@@ -1,0 +1,130 @@
+"""A process that stages into a SQLite store until it is killed (tests/test_crash.py), or until
+its disk fills up (tests/test_sink_sqlite.py).
+
+    python tests/crash_worker.py STORE loop --round R [--sessions K] [--max-records N]
+                                            [--max-seconds T]
+    python tests/crash_worker.py STORE diskfull
+
+``loop`` runs K agent sessions concurrently, each staging turn after turn (continuing the
+sessions a previous round left in the store, so parents are rebuilt from the file after a crash;
+some turns add a new image). After each `stage` returns ``staged`` it prints the staging key on
+its own line and flushes: every printed key was acknowledged. It prints ``ready`` once the sink
+is open and ``done`` if it reaches its bounds before being killed.
+
+``diskfull`` stages one record, then caps the size of any file it writes (RLIMIT_FSIZE: a real
+"disk full" for this process), stages a batch of records whose commit cannot fit, lifts the cap,
+stages the same records again, and prints one JSON line describing what happened.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import resource
+import signal
+import sys
+import time
+from pathlib import Path
+
+from sink_factories import Session, image
+
+from capture_proxy.schemas.records import CallStatus
+from capture_proxy.sinks.sqlite import SQLiteSink, SQLiteSource
+
+
+def _sessions(store: Path, round_no: int, count: int) -> list[Session]:
+    last = {}
+    if store.exists():
+        source = SQLiteSource(str(store))
+        for rollout_id in source.rollouts():
+            calls = source.calls(rollout_id)
+            if calls:
+                last[rollout_id] = calls[-1]
+        source.close_reader()
+    out = []
+    for i in range(count):
+        rollout_id = f"s{i}"
+        prefix = f"r{round_no}-s{i}"
+        if rollout_id in last:
+            out.append(Session.resume(last[rollout_id], seed=round_no, prefix=prefix))
+        else:
+            img = image(f"s{i}") if i % 2 == 0 else None
+            out.append(Session(rollout_id, seed=round_no, image=img, prefix=prefix))
+    return out
+
+
+async def loop(args: argparse.Namespace) -> None:
+    store = Path(args.store)
+    sessions = _sessions(store, args.round, args.sessions)
+    sink = SQLiteSink(str(store))
+    print("ready", flush=True)
+    deadline = time.monotonic() + args.max_seconds
+    budget = [args.max_records]
+
+    async def run(s: Session) -> None:
+        while budget[0] > 0 and time.monotonic() < deadline:
+            budget[0] -= 1
+            turn = s.seq
+            new = image(f"{s.prefix}-t{turn}") if turn % 4 == 3 else None
+            record, atts = s.next(new_prompt=200, completion=50, new_image=new)
+            result = await sink.stage(record, attachments=atts)
+            if result.status is not CallStatus.STAGED:
+                raise SystemExit(f"not staged: {result}")
+            sys.stdout.write(record.staging_key + "\n")
+            sys.stdout.flush()
+
+    await asyncio.gather(*(run(s) for s in sessions))
+    await sink.close()
+    print("done", flush=True)
+
+
+async def diskfull(args: argparse.Namespace) -> None:
+    store = Path(args.store)
+    sink = SQLiteSink(str(store))
+    first, atts = Session("ok", image=image("ok")).next()
+    assert (await sink.stage(first, attachments=atts)).status is CallStatus.STAGED
+    # Without this, exceeding the limit kills the process with SIGXFSZ; ignored, the write
+    # fails with EFBIG, which SQLite reports like a full disk.
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    sizes = [p.stat().st_size for p in store.parent.iterdir() if p.name.startswith(store.name)]
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (max(sizes) + 8192, hard))
+    batch = [
+        Session(f"full{i}", image=image(f"full{i}")).next(new_prompt=4000, completion=100)
+        for i in range(8)
+    ]
+    outcomes = await asyncio.gather(
+        *(sink.stage(r, attachments=a) for r, a in batch), return_exceptions=True
+    )
+    resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    retried = await asyncio.gather(*(sink.stage(r, attachments=a) for r, a in batch))
+    await sink.close()
+    report = {
+        "first": first.call_id,
+        "keys": [r.call_id for r, _ in batch],
+        "errors": [
+            f"{type(o).__name__}: {o}" if isinstance(o, BaseException) else None for o in outcomes
+        ],
+        "staged": [o.status.value for o in outcomes if not isinstance(o, BaseException)],
+        "retried": [o.status.value for o in retried],
+    }
+    print(json.dumps(report), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("store")
+    parser.add_argument("mode", choices=["loop", "diskfull"])
+    parser.add_argument("--round", type=int, default=0)
+    parser.add_argument("--sessions", type=int, default=8)
+    parser.add_argument("--max-records", type=int, default=5000)
+    parser.add_argument("--max-seconds", type=float, default=10.0)
+    args = parser.parse_args()
+    os.environ.setdefault("PYTHONHASHSEED", "0")
+    asyncio.run(loop(args) if args.mode == "loop" else diskfull(args))
+
+
+if __name__ == "__main__":
+    main()
