@@ -117,8 +117,8 @@ class VLLMAdapter:
         if stream:
             opts["include_usage"] = True
             body["stream_options"] = opts
-        if self.reasoning_field == "reasoning":
-            body["messages"] = _rename_reasoning(request.get("messages"))
+        if self.reasoning_field == "reasoning" and "messages" in request:
+            body["messages"] = _rename_reasoning(request["messages"])
         return ForwardPlan(orjson.dumps(body), wants)
 
     def parse_response(self, raw: bytes, plan: ForwardPlan) -> tuple[Completion, bytes]:

@@ -79,7 +79,7 @@ class StreamAccumulator:
     Build it with `VLLMAdapter.stream(plan)`. Never blocks, never awaits.
     """
 
-    def __init__(self, wants: ClientWants, *, max_event_size: int = DEFAULT_MAX_EVENT_SIZE):
+    def __init__(self, wants: ClientWants, *, max_event_size: int = DEFAULT_MAX_EVENT_SIZE) -> None:
         self._wants = wants
         self._parser = SSEParser(max_event_size=max_event_size)
         self._closed = False
@@ -315,4 +315,4 @@ class StreamAccumulator:
 def is_error_object(top: RawDict) -> bool:
     """vLLM's older streamed errors are flat: ``{"object": "error", "message": ...}``."""
     obj = top.get("object")
-    return obj is not None and bytes(obj).strip() == b'"error"'
+    return obj is not None and bytes(obj) == b'"error"'

@@ -47,13 +47,15 @@ class CaptureExtractionError(Exception):
 class UpstreamProtocolError(Exception):
     """The upstream answer itself is broken; the client must not see it as a success.
 
-    `reason`: ``malformed_json``, ``malformed_sse``, ``error_body``, ``error_event``,
-    ``no_choices``, ``missing_finish_reason``, ``missing_done``, ``truncated_event``,
-    ``empty_stream``, ``data_after_done``, ``event_too_large``. `error_body` is an OpenAI error
+    `reason`: ``malformed_json``, ``error_body``, ``error_event``, ``no_choices``,
+    ``missing_finish_reason``, ``missing_done``, ``truncated_event``, ``empty_stream``,
+    ``data_after_done``, ``event_too_large``. `error_body` is an OpenAI error
     body (``{"error": {...}}``) describing the failure, ready to send as an SSE error event.
     """
 
-    def __init__(self, reason: str, message: str, *, error_body: dict[str, Any] | None = None):
+    def __init__(
+        self, reason: str, message: str, *, error_body: dict[str, Any] | None = None
+    ) -> None:
         super().__init__(f"{reason}: {message}")
         self.reason = reason
         self.message = message
@@ -180,7 +182,9 @@ _TOKEN_ID_PREFIX = "token_id:"
 
 
 def is_null(raw: msgspec.Raw | None) -> bool:
-    return raw is None or bytes(raw).strip() == b"null"
+    """True for a missing or JSON-null value (a Raw holds the value's bytes without whitespace)."""
+    # Check the length first: copying a 100 KB logprobs value just to compare it is wasteful.
+    return raw is None or (len(raw) == 4 and bytes(raw) == b"null")
 
 
 def strip_for_client(

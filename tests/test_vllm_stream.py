@@ -170,6 +170,20 @@ def test_usage_chunk_relayed_when_the_client_asked() -> None:
     assert last["usage"]["completion_tokens"] == 6
 
 
+def test_per_chunk_usage_is_stripped_unless_asked() -> None:
+    # continuous_usage_stats puts usage on every chunk once the proxy turns include_usage on.
+    payloads = chunks(CHAT_SSE)
+    for i, chunk in enumerate(payloads[:-2]):
+        chunk["usage"] = {"prompt_tokens": 167, "completion_tokens": i, "total_tokens": 167 + i}
+    stream = sse(payloads)
+    acc, relayed = run(stream, plan_for(stream_options={"continuous_usage_stats": True}))
+    assert all("usage" not in c for c in chunks(b"".join(relayed)))
+    assert acc.finish().usage["completion_tokens"] == 6
+    _, relayed = run(stream, plan_for(stream_options={"include_usage": True}))
+    seen = [c["usage"]["completion_tokens"] for c in chunks(b"".join(relayed))]
+    assert seen == [0, 1, 2, 3, 4, 5, 6, 6]
+
+
 def test_comments_are_dropped() -> None:
     stream = b": keep-alive\n\n" + CHAT_SSE.replace(b"data: [DONE]", b": note\ndata: [DONE]")
     first = CHAT_SSE.index(b"\n\n") + 2
