@@ -202,18 +202,20 @@ def rebuild_full(
     """The stored call's prompt + completion, rebuilt through its parent chain (None if absent).
 
     Walks up iteratively (no recursion limit for long sessions) until a call that stores its
-    whole sequence (prev_len 0) or one found in `cache`, then replays the deltas downward, adding
-    each rebuilt sequence to `cache`. Raises `ValueError` for a chain that does not add up (a
-    cycle, a missing ancestor, lengths that disagree): only a damaged file holds one.
+    whole sequence (prev_len 0) or one found in `cache`, then replays the deltas downward in one
+    array (truncate to the shared prefix, append the delta: no copy per generation), and adds the
+    result to `cache`. Raises `ValueError` for a chain that does not add up (a cycle, a missing
+    ancestor, lengths that disagree): only a damaged file holds one.
     """
-    chain: list[tuple[str, str, int, bytes, int]] = []
+    chain: list[tuple[str, int, bytes, int]] = []
     seen: set[str] = set()
-    full: array[int] | None = None
+    base: array[int] | None = None
+    rollout_id = ""
     key: str | None = call_id
     while key is not None:
         hit = cache.get(key) if cache is not None else None
         if hit is not None:
-            full = hit[1]
+            base = hit[1]
             break
         if key in seen:
             raise ValueError(f"{call_id}: the parent chain loops at {key}")
@@ -227,17 +229,21 @@ def rebuild_full(
             if key == call_id:
                 return None
             raise ValueError(f"{call_id}: ancestor {key} is missing from the store")
-        rollout_id, parent, prev_len, delta, cum_len = row
-        chain.append((key, rollout_id, int(prev_len), bytes(delta), int(cum_len)))
+        rollout, parent, prev_len, delta, cum_len = row
+        if key == call_id:
+            rollout_id = rollout
+        chain.append((key, int(prev_len), bytes(delta), int(cum_len)))
         key = parent if prev_len else None
-    for key, rollout_id, prev_len, delta, cum_len in reversed(chain):
-        if prev_len and (full is None or len(full) < prev_len):
+    if not chain:
+        return base
+    seq = array("i", base) if base is not None else array("i")  # a copy: cached arrays stay as is
+    for key, prev_len, delta, cum_len in reversed(chain):
+        if len(seq) < prev_len:
             raise ValueError(f"{call_id}: ancestor {key} needs {prev_len} tokens of its parent")
-        seq = full[:prev_len] if full is not None and prev_len else array("i")
+        del seq[prev_len:]
         seq.extend(_tokens(delta))
         if len(seq) != cum_len:
             raise ValueError(f"{key}: rebuilt {len(seq)} tokens, the row says {cum_len}")
-        if cache is not None:
-            cache.put(key, rollout_id, seq)
-        full = seq
-    return full
+    if cache is not None:
+        cache.put(call_id, rollout_id, seq)
+    return seq

@@ -33,26 +33,32 @@ from sink_factories import Session, image
 from capture_proxy.schemas.records import CallStatus
 from capture_proxy.sinks.sqlite import SQLiteSink, SQLiteSource
 
+#: A session ends after this many calls and a new one starts: keeps records (and the test's
+#: verification of all of them) small while still crossing kills mid-session.
+SESSION_TURNS = 12
+
 
 def _sessions(store: Path, round_no: int, count: int) -> list[Session]:
-    last = {}
+    """Continue the unfinished sessions earlier rounds left in the store; start new ones."""
+    out: list[Session] = []
     if store.exists():
         source = SQLiteSource(str(store))
         for rollout_id in source.rollouts():
             calls = source.calls(rollout_id)
-            if calls:
-                last[rollout_id] = calls[-1]
+            if calls and calls[-1].seq + 1 < SESSION_TURNS and len(out) < count:
+                out.append(
+                    Session.resume(calls[-1], seed=round_no, prefix=f"r{round_no}-{rollout_id}")
+                )
         source.close_reader()
-    out = []
-    for i in range(count):
-        rollout_id = f"s{i}"
-        prefix = f"r{round_no}-s{i}"
-        if rollout_id in last:
-            out.append(Session.resume(last[rollout_id], seed=round_no, prefix=prefix))
-        else:
-            img = image(f"s{i}") if i % 2 == 0 else None
-            out.append(Session(rollout_id, seed=round_no, image=img, prefix=prefix))
+    while len(out) < count:
+        out.append(_new_session(round_no, len(out)))
     return out
+
+
+def _new_session(round_no: int, n: int) -> Session:
+    rollout_id = f"r{round_no}-s{n}"
+    img = image(rollout_id) if n % 2 == 0 else None
+    return Session(rollout_id, seed=round_no, image=img)
 
 
 async def loop(args: argparse.Namespace) -> None:
@@ -62,12 +68,15 @@ async def loop(args: argparse.Namespace) -> None:
     print("ready", flush=True)
     deadline = time.monotonic() + args.max_seconds
     budget = [args.max_records]
+    started = [len(sessions)]
 
     async def run(s: Session) -> None:
         while budget[0] > 0 and time.monotonic() < deadline:
             budget[0] -= 1
-            turn = s.seq
-            new = image(f"{s.prefix}-t{turn}") if turn % 4 == 3 else None
+            if s.seq >= SESSION_TURNS:
+                s = _new_session(args.round, started[0])
+                started[0] += 1
+            new = image(f"{s.prefix}-t{s.seq}") if s.seq % 4 == 3 else None
             record, atts = s.next(new_prompt=200, completion=50, new_image=new)
             result = await sink.stage(record, attachments=atts)
             if result.status is not CallStatus.STAGED:
