@@ -42,9 +42,10 @@ from ..schemas.records import (
 from .base import FaultHook
 from .codec import encode_record
 from .parquet_fs import DatasetFS
+from .parquet_index import LRU
 from .parquet_layout import ATTACHMENTS, BLOBS, CALLS, LEDGER, check_format, create_dataset
 from .parquet_ledger import failure_row, orphan_row, rollout_row
-from .parquet_source import LRU, ParquetSource, default_url
+from .parquet_source import ParquetSource, default_url
 from .parquet_writer import UnitRows, UnitWriter
 
 __all__ = ["ParquetSink", "ParquetSource"]

@@ -49,11 +49,15 @@ __all__ = [
     "Marker",
     "check_format",
     "create_dataset",
+    "encode_table",
     "list_markers",
     "live_units",
     "new_unit_name",
+    "read_group",
+    "read_groups",
     "read_table",
     "table_bytes",
+    "unit_files",
 ]
 
 FORMAT_NAME = "capture-proxy-parquet"
@@ -141,12 +145,22 @@ _DICTIONARY_COLUMNS = [
 
 
 def table_bytes(name: str, rows: Sequence[Mapping[str, Any]]) -> bytes:
-    """One table's rows as a Parquet file (zstd, page checksums, no statistics)."""
-    table = pa.Table.from_pylist(list(rows), schema=SCHEMAS[name])
+    """One table's rows as a Parquet file."""
+    return encode_table(pa.Table.from_pylist(list(rows), schema=SCHEMAS[name]))
+
+
+def encode_table(table: pa.Table, *, row_group_bytes: int = 16 << 20) -> bytes:
+    """A table as Parquet bytes: zstd, page checksums, row groups of about `row_group_bytes`.
+
+    Readers load one row group at a time, so a record in a large compacted file costs a row
+    group, not the file.
+    """
+    per_row = max(1, table.nbytes // max(1, table.num_rows))
     sink = pa.BufferOutputStream()
     pq.write_table(
         table,
         sink,
+        row_group_size=max(1, row_group_bytes // per_row),
         compression="zstd",
         use_dictionary=[c for c in _DICTIONARY_COLUMNS if c in table.column_names],
         # Statistics and the embedded Arrow schema would add kilobytes to every small file and
@@ -162,6 +176,22 @@ def read_table(dfs: DatasetFS, rel: str, columns: Sequence[str] | None = None) -
     """Read one data file (FileNotFoundError when a compaction removed it: refresh and retry)."""
     with dfs.open(rel) as f:
         return pq.read_table(f, columns=list(columns) if columns is not None else None)
+
+
+def read_groups(dfs: DatasetFS, rel: str, columns: Sequence[str]) -> list[dict[str, list[Any]]]:
+    """Some columns of a data file, one dict of Python lists per row group."""
+    with dfs.open(rel) as f:
+        pf = pq.ParquetFile(f)
+        return [
+            pf.read_row_group(g, columns=list(columns)).to_pydict()
+            for g in range(pf.metadata.num_row_groups)
+        ]
+
+
+def read_group(dfs: DatasetFS, rel: str, group: int) -> pa.Table:
+    """One row group of a data file, every column."""
+    with dfs.open(rel) as f:
+        return pq.ParquetFile(f).read_row_group(group)
 
 
 # -- the format file ------------------------------------------------------------------------------

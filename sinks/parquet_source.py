@@ -1,91 +1,35 @@
 """`ParquetSource`: read a Parquet dataset back (the `StagingSource` protocol).
 
-The reader keeps a small index of the committed units (call ids, lineage, digests: a few columns
-of each file) and loads whole files only when a record is asked for, with LRU caches for files
-and for full token sequences. Every public call first re-lists the commit markers, so a reader
-sees commits made after it was opened; when a compaction removed a file the reader had listed,
-the call re-lists and retries once.
+The reader keeps an index of the committed units (`parquet_index`) and loads row groups only
+when a record is asked for, with LRU caches for row groups and for full token sequences. Every
+public call first re-lists the commit markers, so a reader sees commits made after it was
+opened; when a compaction removed a file the reader had listed, the call re-lists and retries.
 
 A reader is not thread-safe; open one per thread.
 """
 
 from __future__ import annotations
 
-import sys
 from array import array
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from ..schemas.records import Attachment, CommitCoords, LedgerEntry, RolloutInfo, StagedCallRecord
 from .base import StoreError
 from .codec import decode_row
 from .parquet_fs import DatasetFS
-from .parquet_layout import (
-    ATTACHMENTS,
-    BLOBS,
-    CALLS,
-    LEDGER,
-    Marker,
-    check_format,
-    list_markers,
-    live_units,
-    read_table,
-)
-from .parquet_ledger import Ledger
+from .parquet_index import LRU, CallRef, Index, Known, Where, ids_from_bytes
+from .parquet_layout import COMMITS_DIR, Marker, check_format, list_markers, live_units, read_group
 
-__all__ = ["LRU", "Known", "ParquetSource", "default_url", "ids_from_bytes"]
+__all__ = ["ParquetSource", "default_url"]
 
 T = TypeVar("T")
-_LITTLE = sys.byteorder == "little"
-
-#: The columns of a calls file the index reads (everything else is loaded on demand).
-_INDEX_COLUMNS = (
-    "call_id",
-    "rollout_id",
-    "seq",
-    "parent_call_id",
-    "prev_len",
-    "delta_len",
-    "cum_len",
-    "digest",
-    "extras_digest",
-    "weight_version",
-    "attachment_shas",
-)
 
 
 def default_url(location: str) -> str:
     """The canonical store URL for a dataset location (what coordinates report)."""
     return location if "://" in location else f"parquet:///{location}"
-
-
-def ids_from_bytes(data: bytes) -> array[int]:
-    """Little-endian int32 bytes (the codec's token encoding) as an array."""
-    a = array("i")
-    a.frombytes(data)
-    if not _LITTLE:
-        a.byteswap()
-    return a
-
-
-@dataclass(frozen=True, slots=True)
-class CallRef:
-    """Where a staged call's row is, and what coordinates and lineage need without loading it."""
-
-    path: str
-    row: int
-    rollout_id: str
-    seq: int
-    parent_call_id: str | None
-    prev_len: int
-    delta_len: int
-    cum_len: int
-    digest: str
-    extras_digest: str
-    weight_version: int
-    attachment_shas: tuple[str, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,72 +38,12 @@ class _Rows:
     nbytes: int
 
 
-@dataclass(slots=True)
-class _Index:
-    units: list[Marker] = field(default_factory=list)
-    calls: dict[str, CallRef] = field(default_factory=dict)
-    by_rollout: dict[str, list[str]] = field(default_factory=dict)
-    blobs: dict[str, tuple[str, int]] = field(default_factory=dict)
-    attachments: dict[str, tuple[str, int]] = field(default_factory=dict)
-    ledger: Ledger = field(default_factory=Ledger)
-
-
-@dataclass(slots=True)
-class Known:
-    """What a writer must know of a dataset to append to it (duplicates, dedup, lineage)."""
-
-    calls: dict[str, str]  # call id -> rollout id
-    blobs: set[str]
-    attachments: set[str]
-    rollouts: set[str]
-    last_order: int
-
-
-class LRU(Generic[T]):
-    """Least-recently-used values, evicted once their total weight exceeds `budget`."""
-
-    def __init__(self, budget: int, weigh: Callable[[T], int]) -> None:
-        self.budget = budget
-        self.weigh = weigh
-        self.weight = 0
-        self._items: OrderedDict[str, tuple[T, int]] = OrderedDict()
-
-    def __contains__(self, key: str) -> bool:
-        return key in self._items
-
-    def get(self, key: str) -> T | None:
-        item = self._items.get(key)
-        if item is None:
-            return None
-        self._items.move_to_end(key)
-        return item[0]
-
-    def put(self, key: str, value: T) -> T:
-        old = self._items.pop(key, None)
-        if old is not None:
-            self.weight -= old[1]
-        w = self.weigh(value)
-        self._items[key] = (value, w)
-        self.weight += w
-        while self.weight > self.budget and len(self._items) > 1:
-            _, (_, evicted) = self._items.popitem(last=False)
-            self.weight -= evicted
-        return value
-
-    def get_or(self, key: str, load: Callable[[], T]) -> T:
-        value = self.get(key)
-        return self.put(key, load()) if value is None else value
-
-    def clear(self) -> None:
-        self._items.clear()
-        self.weight = 0
-
-
 class ParquetSource:
     """Reads the dataset at `location` (a folder path or a pyarrow filesystem URL).
 
     Raises `StoreError` when there is no dataset there and `StoreFormatError` when it was
-    written by a newer capture-proxy.
+    written by a newer capture-proxy. `cache_bytes` bounds the decoded row groups kept,
+    `cache_tokens` the rebuilt full sequences (a child is its parent's prefix plus a delta).
     """
 
     def __init__(
@@ -177,10 +61,8 @@ class ParquetSource:
             raise StoreError(f"no capture-proxy Parquet dataset at {location}")
         self._markers: dict[str, Marker] = {}
         self._listing: list[str] = []
-        self._index = _Index()
-        # Decoded rows of whole files (records and blobs are read a file at a time) and rebuilt
-        # full sequences (each child is its parent's prefix plus a delta).
-        self._files: LRU[_Rows] = LRU(cache_bytes, lambda r: r.nbytes)
+        self._index = Index()
+        self._groups: LRU[_Rows] = LRU(cache_bytes, lambda r: r.nbytes)
         self._fulls: LRU[array[int]] = LRU(cache_tokens, len)
 
     # -- snapshot -------------------------------------------------------------------------------
@@ -193,58 +75,36 @@ class ParquetSource:
         for name in names:
             if name not in self._markers:
                 try:
-                    self._markers[name] = Marker.decode(self.dfs.read(f"_commits/{name}.json"))
+                    raw = self.dfs.read(f"{COMMITS_DIR}/{name}.json")
                 except FileNotFoundError:
-                    continue  # deleted by a compaction's cleanup after it was listed
+                    continue  # removed by a compaction's cleanup after it was listed
+                self._markers[name] = Marker.decode(raw)
         for gone in set(self._markers) - set(names):
             del self._markers[gone]
         live = live_units(self._markers)
         old = self._index.units
         if live[: len(old)] == old:
             for unit in live[len(old) :]:
-                self._add_unit(self._index, unit)
+                self._index.add_unit(self.dfs, unit)
         else:
             # A compaction replaced units: re-index, so ledger rows replay in the new order.
-            index = _Index()
+            index = Index()
             for unit in live:
-                self._add_unit(index, unit)
+                index.add_unit(self.dfs, unit)
             self._index = index
         self._listing = names
 
-    def _add_unit(self, index: _Index, unit: Marker) -> None:
-        files = unit.files
-        if CALLS in files:
-            t = read_table(self.dfs, files[CALLS], _INDEX_COLUMNS).to_pydict()
-            for i, cid in enumerate(t["call_id"]):
-                if cid in index.calls:
-                    continue  # a second copy (e.g. two writers): the first committed wins
-                ref = CallRef(
-                    files[CALLS],
-                    i,
-                    t["rollout_id"][i],
-                    t["seq"][i],
-                    t["parent_call_id"][i],
-                    t["prev_len"][i],
-                    t["delta_len"][i],
-                    t["cum_len"][i],
-                    t["digest"][i],
-                    t["extras_digest"][i],
-                    t["weight_version"][i],
-                    tuple(t["attachment_shas"][i] or ()),
-                )
-                index.calls[cid] = ref
-                index.by_rollout.setdefault(ref.rollout_id, []).append(cid)
-        if BLOBS in files:
-            keys = read_table(self.dfs, files[BLOBS], ["key"]).column("key").to_pylist()
-            for i, k in enumerate(keys):
-                index.blobs.setdefault(k, (files[BLOBS], i))
-        if ATTACHMENTS in files:
-            shas = read_table(self.dfs, files[ATTACHMENTS], ["sha256"]).column(0).to_pylist()
-            for i, s in enumerate(shas):
-                index.attachments.setdefault(s, (files[ATTACHMENTS], i))
-        if LEDGER in files:
-            index.ledger.apply(read_table(self.dfs, files[LEDGER]).to_pylist())
-        index.units.append(unit)
+    def _read(self, fn: Callable[[], T]) -> T:
+        """Run a read on a fresh snapshot; if a file vanished under it, re-list and retry."""
+        self.refresh()
+        try:
+            return fn()
+        except FileNotFoundError:
+            self._listing = []
+            self._markers.clear()
+            self._index = Index()
+            self.refresh()
+            return fn()
 
     def known(self) -> Known:
         """Everything a writer appending to this dataset must know (see `ParquetSink`)."""
@@ -258,43 +118,24 @@ class ParquetSource:
             last_order=max((m.order for m in self._markers.values()), default=0),
         )
 
-    def _read(self, fn: Callable[[], T]) -> T:
-        """Run a read against a fresh snapshot; if a file vanished under it, re-list and retry."""
-        self.refresh()
-        try:
-            return fn()
-        except FileNotFoundError:
-            self._listing = []
-            self.refresh()
-            return fn()
-
     # -- loading --------------------------------------------------------------------------------
 
-    def _rows(self, path: str) -> list[dict[str, Any]]:
+    def _row(self, where: Where) -> dict[str, Any]:
         def load() -> _Rows:
-            table = read_table(self.dfs, path)
+            table = read_group(self.dfs, where.path, where.group)
             return _Rows(table.to_pylist(), table.nbytes)
 
-        return self._files.get_or(path, load).rows
+        return self._groups.get_or(f"{where.path}#{where.group}", load).rows[where.row]
 
-    def ref(self, key: str) -> CallRef:
-        """The index entry of a staged call (KeyError if absent); no refresh."""
-        return self._index.calls[key]
-
-    def row(self, key: str) -> dict[str, Any]:
-        ref = self._index.calls[key]
-        return self._rows(ref.path)[ref.row]
-
-    def blob(self, key: str) -> bytes:
-        path, i = self._index.blobs[key]
-        data: bytes = self._rows(path)[i]["data"]
+    def _blob(self, key: str) -> bytes:
+        data: bytes = self._row(self._index.blobs[key])["data"]
         return data
 
-    def attachment(self, sha: str) -> Attachment | None:
+    def _attachment(self, sha: str) -> Attachment | None:
         where = self._index.attachments.get(sha)
         if where is None:
             return None
-        r = self._rows(where[0])[where[1]]
+        r = self._row(where)
         return Attachment(r["sha256"], r["media_type"], r["data"])
 
     def full(self, key: str) -> array[int]:
@@ -321,7 +162,7 @@ class ParquetSource:
             chain.append((cid, ref))
             cid = ref.parent_call_id if ref.prev_len else None
         for cid, ref in reversed(chain):
-            delta = ids_from_bytes(self._rows(ref.path)[ref.row]["delta_tokens"])
+            delta = ids_from_bytes(self._row(ref.where)["delta_tokens"])
             if ref.prev_len:
                 if base is None or len(base) < ref.prev_len:
                     raise ValueError(f"{cid}: needs {ref.prev_len} tokens of its parent")
@@ -329,6 +170,8 @@ class ParquetSource:
                 seq.extend(delta)
             else:
                 seq = delta
+            if len(seq) != ref.cum_len:
+                raise ValueError(f"{cid}: rebuilt {len(seq)} tokens, stored as {ref.cum_len}")
             base = self._fulls.put(cid, seq)
         if base is None:
             raise KeyError(key)
@@ -336,10 +179,9 @@ class ParquetSource:
 
     def _record(self, key: str) -> StagedCallRecord:
         ref = self._index.calls[key]
-        row = self._rows(ref.path)[ref.row]
         parent = self._full(ref.parent_call_id) if ref.prev_len and ref.parent_call_id else None
-        atts = [a for s in ref.attachment_shas if (a := self.attachment(s)) is not None]
-        record, full = decode_row(row, self.blob, parent, atts)
+        atts = [a for s in ref.attachment_shas if (a := self._attachment(s)) is not None]
+        record, full = decode_row(self._row(ref.where), self._blob, parent, atts)
         self._fulls.put(key, full)
         return record
 
@@ -355,11 +197,10 @@ class ParquetSource:
 
     def rollout_info(self, rollout_id: str) -> RolloutInfo:
         def run() -> RolloutInfo:
-            orphans = self._index.ledger.orphans
-            here = any(
-                (r.rollout_id if (r := self._index.calls.get(c)) else rid) == rollout_id
-                for c, (rid, _) in orphans.items()
-            )
+            here = False
+            for call_id, (marked_in, _) in self._index.ledger.orphans.items():
+                ref = self._index.calls.get(call_id)
+                here = here or (ref.rollout_id if ref else marked_in) == rollout_id
             return self._index.ledger.info(rollout_id, here)
 
         return self._read(run)
@@ -381,25 +222,20 @@ class ParquetSource:
         return self._read(lambda: [self._record(k) for k in keys])
 
     def coords(self, keys: Sequence[str]) -> list[CommitCoords]:
-        def run() -> list[CommitCoords]:
-            out = []
-            for k in keys:
-                r = self._index.calls[k]
-                out.append(
-                    CommitCoords(
-                        self.url,
-                        k,
-                        r.digest,
-                        r.extras_digest,
-                        r.prev_len,
-                        r.delta_len,
-                        r.cum_len,
-                        r.weight_version,
-                    )
-                )
-            return out
+        def one(k: str) -> CommitCoords:
+            r = self._index.calls[k]
+            return CommitCoords(
+                self.url,
+                k,
+                r.digest,
+                r.extras_digest,
+                r.prev_len,
+                r.delta_len,
+                r.cum_len,
+                r.weight_version,
+            )
 
-        return self._read(run)
+        return self._read(lambda: [one(k) for k in keys])
 
     def orphaned(self) -> set[str]:
         return self._read(lambda: set(self._index.ledger.orphans))
@@ -415,5 +251,5 @@ class ParquetSource:
         return self._read(run)
 
     def close_reader(self) -> None:
-        self._files.clear()
+        self._groups.clear()
         self._fulls.clear()
