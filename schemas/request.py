@@ -18,15 +18,21 @@ import msgspec
 from msgspec import Meta, Struct
 
 from .request_errors import RequestValidationError, from_msgspec_error, not_an_object
-from .request_messages import UNSTORABLE_PARTS, Message, NonEmptyStr, UserMessage
+from .request_messages import UNSTORABLE_PARTS, Message, UserMessage
+from .request_params import (
+    FunctionDefinition,
+    NamedToolChoice,
+    ResponseFormat,
+    StreamOptions,
+    StructuredOutputs,
+    Tool,
+)
 
 __all__ = [
     "MAX_MESSAGES",
     "MAX_TOOLS",
     "ChatCompletionRequest",
     "FunctionDefinition",
-    "JsonSchemaFormat",
-    "NamedFunction",
     "NamedToolChoice",
     "RequestValidationError",
     "ResponseFormat",
@@ -48,91 +54,6 @@ TokenId = Annotated[int, Meta(ge=0, le=2**31 - 1)]
 
 class _Strict(Struct, forbid_unknown_fields=True):
     """Base: unknown keys are an error, never silently dropped."""
-
-
-class FunctionDefinition(_Strict):
-    """A tool's function: ``parameters`` is a free JSON Schema object."""
-
-    name: NonEmptyStr
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-
-class Tool(_Strict):
-    """``{"type": "function", "function": {...}}``."""
-
-    function: FunctionDefinition
-    type: Literal["function"] = "function"
-
-
-class NamedFunction(_Strict):
-    name: NonEmptyStr
-
-
-class NamedToolChoice(_Strict):
-    """``{"type": "function", "function": {"name": ...}}``: force one tool."""
-
-    function: NamedFunction
-    type: Literal["function"] = "function"
-
-
-class StreamOptions(_Strict):
-    """``include_usage`` (OpenAI) and ``continuous_usage_stats`` (vLLM: usage on every chunk)."""
-
-    include_usage: bool | None = None
-    continuous_usage_stats: bool | None = None
-
-
-class JsonSchemaFormat(_Strict):
-    name: NonEmptyStr
-    description: str | None = None
-    schema: dict[str, Any] | None = None
-    strict: bool | None = None
-
-
-class TextFormat(_Strict, tag="text", tag_field="type"):
-    pass
-
-
-class JsonObjectFormat(_Strict, tag="json_object", tag_field="type"):
-    pass
-
-
-class JsonSchemaResponseFormat(_Strict, tag="json_schema", tag_field="type"):
-    json_schema: JsonSchemaFormat
-
-
-class StructuralTagItem(_Strict):
-    begin: str
-    end: str
-    schema: dict[str, Any] | None = None
-
-
-class StructuralTagFormat(_Strict, tag="structural_tag", tag_field="type"):
-    """vLLM's structural tags: the legacy ``structures`` + ``triggers`` form or ``format``."""
-
-    structures: list[StructuralTagItem] | None = None
-    triggers: list[str] | None = None
-    format: Any = None
-
-
-ResponseFormat = TextFormat | JsonObjectFormat | JsonSchemaResponseFormat | StructuralTagFormat
-
-
-class StructuredOutputs(_Strict):
-    """vLLM's constrained decoding (``structured_outputs``): one of json/regex/choice/grammar/
-    json_object/structural_tag, plus whitespace options."""
-
-    json: str | dict[str, Any] | None = None
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
-    json_object: bool | None = None
-    structural_tag: str | None = None
-    disable_any_whitespace: bool | None = None
-    disable_additional_properties: bool | None = None
-    whitespace_pattern: str | None = None
 
 
 class ChatCompletionRequest(_Strict):

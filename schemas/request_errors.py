@@ -77,8 +77,8 @@ _HINTS = {
     "guided_regex": 'vLLM removed it; send `structured_outputs: {"regex": ...}` instead',
     "guided_choice": 'vLLM removed it; send `structured_outputs: {"choice": [...]}` instead',
     "guided_grammar": 'vLLM removed it; send `structured_outputs: {"grammar": ...}` instead',
-    "guided_whitespace_pattern": "vLLM removed it; send `structured_outputs."
-    '{"whitespace_pattern": ...}` instead',
+    "guided_whitespace_pattern": "vLLM removed it; send "
+    '`structured_outputs: {"whitespace_pattern": ...}` instead',
     "guided_decoding_backend": "vLLM removed it; the backend is a server setting",
     "functions": "the legacy functions API is not supported; send `tools` instead",
     "function_call": "the legacy functions API is not supported; send `tools`/`tool_calls` instead",
@@ -157,7 +157,7 @@ def from_msgspec_error(exc: msgspec.ValidationError) -> RequestValidationError:
         return RequestValidationError(param, f"{text} at {where}", "invalid_type")
     if (m := _BAD_TAG.match(text)) or text.startswith("Invalid enum value "):
         value = _clip(m.group("value") if m else text.removeprefix("Invalid enum value "))
-        if param.endswith(".role") or param == "role":
+        if param.endswith(".role"):
             message = f"Unsupported role {value} at {param}; allowed roles: {_ROLES}"
         elif param.endswith(".type") and ".content[" in param:
             message = f"Unsupported content part type {value} at {param}; allowed: {_PART_TYPES}"
