@@ -19,7 +19,7 @@ from capture_proxy.schemas.attachments import iter_attachment_refs
 from capture_proxy.schemas.request import RequestValidationError
 from capture_proxy.schemas.request_messages import AssistantMessage
 
-VLLM_FIXTURES = Path("/work/shared/fixtures/vllm-0.32.0")
+VLLM_FIXTURES = Path(__file__).resolve().parent / "fixtures" / "vllm-0.32.0"
 OPENCODE_FIXTURES = Path(__file__).resolve().parent / "fixtures" / "opencode-1.18.33"
 
 PNG = b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 3

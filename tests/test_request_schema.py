@@ -24,7 +24,7 @@ from capture_proxy.schemas.request_messages import (
     UserMessage,
 )
 
-VLLM_FIXTURES = Path("/work/shared/fixtures/vllm-0.32.0")
+VLLM_FIXTURES = Path(__file__).resolve().parent / "fixtures" / "vllm-0.32.0"
 DOC = Path(__file__).resolve().parent.parent / "docs" / "request-schema.md"
 
 USER = {"role": "user", "content": "hi"}
