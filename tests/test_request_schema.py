@@ -56,6 +56,12 @@ def refused(data: Any) -> RequestValidationError:
     return err
 
 
+def test_the_vllm_fixture_requests_are_there() -> None:
+    # The parametrized tests below would silently collect nothing without them.
+    names = {p.name for p in VLLM_FIXTURES.glob("*-request.json")}
+    assert names >= {"chat-request.json", "tool-call-request.json"}
+
+
 @pytest.mark.parametrize("path", sorted(VLLM_FIXTURES.glob("*-request.json")), ids=lambda p: p.name)
 def test_real_vllm_fixture_requests_pass(path: Path) -> None:
     data = json.loads(path.read_text())
