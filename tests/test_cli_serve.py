@@ -1,0 +1,136 @@
+"""`capture-proxy serve` as users run it: settings precedence, start-up errors, a real process."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from capture_proxy.reader import open_store
+from capture_proxy.settings import Settings, SettingsError, add_arguments, load_settings
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_flag_beats_environment_beats_default() -> None:
+    env = {"CAPTURE_PROXY_PORT": "9001", "CAPTURE_PROXY_STAGE_TIMEOUT": "2.5"}
+    s = load_settings(_args("--port", "9002"), env)
+    assert s.port == 9002  # flag
+    assert s.stage_timeout == 2.5  # environment
+    assert s.store == Settings().store  # default
+
+
+def test_boolean_settings_from_flag_and_environment() -> None:
+    assert load_settings(_args("--allow-remote-media"), {}).allow_remote_media is True
+    env = {"CAPTURE_PROXY_ALLOW_REMOTE_MEDIA": "yes"}
+    assert load_settings(_args(), env).allow_remote_media is True
+    assert load_settings(_args("--no-allow-remote-media"), env).allow_remote_media is False
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "names"),
+    [
+        (("--port", "x"), {}, "--port"),
+        ((), {"CAPTURE_PROXY_PORT": "70000"}, "--port (CAPTURE_PROXY_PORT)"),
+        ((), {"CAPTURE_PROXY_REQUIRE_ROLLOUT_ID": "maybe"}, "CAPTURE_PROXY_REQUIRE_ROLLOUT_ID"),
+        (("--stage-timeout", "0"), {}, "--stage-timeout"),
+        (("--upstream", "ftp://x"), {}, "--upstream"),
+        ((), {"CAPTURE_PROXY_ON_CAPTURE_FAILURE": "ignore"}, "CAPTURE_PROXY_ON_CAPTURE_FAILURE"),
+        (("--require-rollout-keys",), {}, "--admin-token"),
+    ],
+)
+def test_invalid_settings_name_the_setting(
+    argv: tuple[str, ...], env: dict[str, str], names: str
+) -> None:
+    with pytest.raises(SettingsError) as e:
+        load_settings(_args(*argv), env)
+    assert names in str(e.value)
+
+
+def test_secrets_are_masked_in_public_settings() -> None:
+    s = load_settings(_args("--upstream-api-key", "sk-1", "--admin-token", "t"), {})
+    shown = s.public()
+    assert shown["upstream_api_key"] == "***"
+    assert shown["admin_token"] == "***"
+
+
+def _post(url: str, body: dict[str, object]) -> tuple[dict[str, str], dict[str, object]]:
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        return dict(resp.headers), json.loads(resp.read())
+
+
+def test_serve_fake_stages_calls_and_stops_on_sigterm(tmp_path: Path) -> None:
+    env = {**os.environ, "CAPTURE_PROXY_MIN_FREE_DISK_MB": "0"}
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "capture_proxy",
+            "serve",
+            "--upstream",
+            "fake",
+            "--store",
+            "sqlite:///capture.db",
+            "--port",
+            "0",
+        ],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    try:
+        assert proc.stdout is not None
+        seen = []
+        match = None
+        for _ in range(20):  # log lines may come first
+            seen.append(proc.stdout.readline())
+            match = re.search(r"listening on (http://127\.0\.0\.1:\d+)", seen[-1])
+            if match:
+                break
+        assert match, seen
+        base = match.group(1)
+        headers, body = _post(
+            f"{base}/r/demo/v1/chat/completions",
+            {"model": "policy", "messages": [{"role": "user", "content": "hello"}]},
+        )
+        assert headers["X-Capture-Status"] == "staged"
+        assert body["choices"][0]["message"]["content"]  # type: ignore[index]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0, out
+    with open_store(f"sqlite:///{tmp_path / 'capture.db'}") as store:
+        (record,) = store.calls("demo")
+        store.verify()
+    assert record.call_id == headers["X-Capture-Call-Id"]
+
+
+def test_serve_refuses_bad_settings_in_one_sentence(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "capture_proxy", "serve", "--stage-timeout", "-1"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        "capture-proxy: --stage-timeout (CAPTURE_PROXY_STAGE_TIMEOUT) must be > 0, got -1.0"
+    )
