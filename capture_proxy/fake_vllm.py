@@ -34,9 +34,9 @@ from typing import Any
 
 from aiohttp import web
 
-from .fake_vllm_answer import Answer
+from .fake_vllm_answer import answer_for
 from .fake_vllm_faults import Fault, FaultKind
-from .fake_vllm_generation import ToolCall, Turn, default_turn, plan_answer, sample_logprobs
+from .fake_vllm_generation import ToolCall, Turn, default_turn
 from .fake_vllm_http import (
     complete_response,
     fault_response,
@@ -45,7 +45,7 @@ from .fake_vllm_http import (
     wait_connected,
     write_stream,
 )
-from .fake_vllm_protocol import model_list, reasoning_output_key
+from .fake_vllm_protocol import model_list
 from .fake_vllm_template import decode, encode, reasoning_keys_for, render_chat, token_text
 from .fake_vllm_validate import RequestError, check_model, output_limit, require_messages
 
@@ -57,7 +57,8 @@ _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 class FakeVLLM:
     """A fake vLLM server. Build the aiohttp app with `app`; script answers with `push`.
 
-    Attributes for assertions: ``requests`` (every chat request body, decoded), ``responses``
+    Attributes for assertions: ``requests`` (every chat request body, decoded),
+    ``request_headers`` (their headers, e.g. to see which ``Authorization`` arrived), ``responses``
     (per generated answer: ``id``, ``stream``, ``prompt_token_ids``, ``completion_token_ids``,
     ``logprobs`` (float32 values), ``finish_reason``, ``fault``; recorded before any fault, so
     it is what the upstream produced), ``aborted`` (generations cut off by the client leaving).
@@ -91,6 +92,7 @@ class FakeVLLM:
         self.api_key = api_key
         self.reparse_tool_arguments = reparse_tool_arguments
         self.requests: list[dict[str, Any]] = []
+        self.request_headers: list[dict[str, str]] = []
         self.responses: list[dict[str, Any]] = []
         self.aborted = 0
         self.created = int(time.time())
@@ -214,6 +216,7 @@ class FakeVLLM:
         try:
             body = await read_json(request)
             self.requests.append(body)
+            self.request_headers.append(dict(request.headers))
             check_model(body, self.model)
             tools = body.get("tools") or None
             gen = body.get("add_generation_prompt", True) is not False
@@ -232,66 +235,22 @@ class FakeVLLM:
         delay = self.latency + (fault.seconds if fault is not None else 0.0)
         if delay > 0 and not await wait_connected(request, delay):
             return web.Response(), True
-        answer = self._generate(body, turn, prompt_ids, prompt_text, limit)
+        answer = answer_for(
+            body,
+            turn,
+            prompt_ids=prompt_ids,
+            prompt_text=prompt_text,
+            limit=limit,
+            model=self.model,
+            fingerprint=self.fingerprint,
+            version=self.version,
+            seed=self.seed,
+            new_id=lambda prefix: f"{prefix}{self._hex()}",
+        )
+        self.responses.append(answer.record())
         if body.get("stream"):
             return await write_stream(request, answer, fault, self.chunk_delay)
         return complete_response(request, answer, fault), False
-
-    def _generate(
-        self, body: dict[str, Any], turn: Turn, prompt_ids: list[int], prompt_text: str, limit: int
-    ) -> Answer:
-        """Generate ``turn`` for this request and record what was produced in ``responses``."""
-        kwargs = body.get("chat_template_kwargs")
-        thinking = not (isinstance(kwargs, Mapping) and kwargs.get("enable_thinking") is False)
-        plan = plan_answer(
-            turn,
-            thinking=thinking,
-            parse_tools=bool(body.get("tools")) and body.get("tool_choice") != "none",
-            new_tool_id=lambda: f"chatcmpl-tool-{self._hex()}",
-        )
-        n = min(len(plan.ids), limit)
-        want_logprobs = bool(body.get("logprobs"))
-        top_k = max(0, int(body.get("top_logprobs") or 0)) if want_logprobs else 0
-        logprobs, tops = sample_logprobs(self.seed, prompt_ids, plan.ids[:n], top_k)
-        stream = bool(body.get("stream"))
-        options = body.get("stream_options")
-        fault = turn.fault
-        dropping = fault is not None and fault.kind is FaultKind.DROP_TOKEN_IDS
-        answer = Answer(
-            call_id=f"chatcmpl-{self._hex()}",
-            created=int(time.time()),
-            model=self.model,
-            fingerprint=self.fingerprint,
-            reasoning_key=reasoning_output_key(self.version),
-            prompt_ids=prompt_ids,
-            prompt_text=prompt_text if body.get("return_prompt_text") else None,
-            plan=plan,
-            n=n,
-            logprobs=logprobs,
-            tops=tops,
-            want_logprobs=want_logprobs,
-            want_token_ids=bool(body.get("return_token_ids")),
-            as_token_ids=bool(body.get("return_tokens_as_token_ids")),
-            include_reasoning=body.get("include_reasoning", True) is not False,
-            include_usage=stream
-            and isinstance(options, Mapping)
-            and bool(options.get("include_usage")),
-            drop_all_ids=dropping and fault is not None and fault.every is None,
-            drop_every=fault.every if dropping and fault is not None else None,
-            extra_usage=1 if fault is not None and fault.kind is FaultKind.USAGE_MISMATCH else 0,
-        )
-        self.responses.append(
-            {
-                "id": answer.call_id,
-                "stream": stream,
-                "prompt_token_ids": list(prompt_ids),
-                "completion_token_ids": list(answer.ids),
-                "logprobs": list(logprobs),
-                "finish_reason": plan.finish(n),
-                "fault": fault.kind.value if fault is not None else None,
-            }
-        )
-        return answer
 
 
 async def serve_fake(

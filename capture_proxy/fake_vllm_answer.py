@@ -16,20 +16,31 @@ vLLM behaviours reproduced on purpose, because capture has to survive them:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .fake_vllm_generation import Plan, message_parts, reasoning_token_count, stream_deltas
+from .fake_vllm_faults import FaultKind
+from .fake_vllm_generation import (
+    Plan,
+    Turn,
+    message_parts,
+    plan_answer,
+    reasoning_token_count,
+    sample_logprobs,
+    stream_deltas,
+)
 from .fake_vllm_protocol import (
     DONE,
     ChunkWriter,
     logprobs_content,
     message_body,
+    reasoning_output_key,
     usage_body,
 )
 
-__all__ = ["Answer", "completion_body", "stream_events"]
+__all__ = ["Answer", "answer_for", "completion_body", "stream_events"]
 
 
 @dataclass
@@ -55,10 +66,24 @@ class Answer:
     drop_all_ids: bool = False
     drop_every: int | None = None
     extra_usage: int = 0
+    stream: bool = False
+    fault: str | None = None
 
     @property
     def ids(self) -> list[int]:
         return self.plan.ids[: self.n]
+
+    def record(self) -> dict[str, Any]:
+        """What was generated, for `FakeVLLM.responses` (before any fault touched it)."""
+        return {
+            "id": self.call_id,
+            "stream": self.stream,
+            "prompt_token_ids": list(self.prompt_ids),
+            "completion_token_ids": list(self.ids),
+            "logprobs": self.logprobs[: self.n],
+            "finish_reason": self.plan.finish(self.n),
+            "fault": self.fault,
+        }
 
     def _usage(self, *, stream: bool) -> dict[str, Any]:
         ids = self.ids
@@ -74,6 +99,63 @@ class Answer:
 
     def _dropped(self, k: int) -> bool:
         return self.drop_every is not None and (k + 1) % self.drop_every == 0
+
+
+def answer_for(
+    body: Mapping[str, Any],
+    turn: Turn,
+    *,
+    prompt_ids: list[int],
+    prompt_text: str,
+    limit: int,
+    model: str,
+    fingerprint: str,
+    version: str,
+    seed: int,
+    new_id: Callable[[str], str],
+) -> Answer:
+    """Generate ``turn`` (at most ``limit`` tokens) as the request ``body`` asks for it."""
+    kwargs = body.get("chat_template_kwargs")
+    plan = plan_answer(
+        turn,
+        thinking=not (isinstance(kwargs, Mapping) and kwargs.get("enable_thinking") is False),
+        parse_tools=bool(body.get("tools")) and body.get("tool_choice") != "none",
+        new_tool_id=lambda: new_id("chatcmpl-tool-"),
+    )
+    n = min(len(plan.ids), limit)
+    want_logprobs = bool(body.get("logprobs"))
+    top = body.get("top_logprobs")
+    top_k = top if want_logprobs and type(top) is int and top > 0 else 0
+    logprobs, tops = sample_logprobs(seed, prompt_ids, plan.ids[:n], top_k)
+    stream = bool(body.get("stream"))
+    options = body.get("stream_options")
+    fault = turn.fault
+    kind = fault.kind if fault is not None else None
+    return Answer(
+        call_id=new_id("chatcmpl-"),
+        created=int(time.time()),
+        model=model,
+        fingerprint=fingerprint,
+        reasoning_key=reasoning_output_key(version),
+        prompt_ids=prompt_ids,
+        prompt_text=prompt_text if body.get("return_prompt_text") else None,
+        plan=plan,
+        n=n,
+        logprobs=logprobs,
+        tops=tops,
+        want_logprobs=want_logprobs,
+        want_token_ids=bool(body.get("return_token_ids")),
+        as_token_ids=bool(body.get("return_tokens_as_token_ids")),
+        include_reasoning=body.get("include_reasoning", True) is not False,
+        include_usage=stream
+        and isinstance(options, Mapping)
+        and bool(options.get("include_usage")),
+        drop_all_ids=kind is FaultKind.DROP_TOKEN_IDS and fault is not None and fault.every is None,
+        drop_every=fault.every if kind is FaultKind.DROP_TOKEN_IDS and fault is not None else None,
+        extra_usage=1 if kind is FaultKind.USAGE_MISMATCH else 0,
+        stream=stream,
+        fault=kind.value if kind is not None else None,
+    )
 
 
 def completion_body(a: Answer) -> dict[str, Any]:

@@ -64,8 +64,8 @@ class Turn:
     """One scripted answer.
 
     ``finish_reason`` defaults to ``"tool_calls"`` with tool calls, ``"length"`` when
-    ``max_tokens`` cuts the answer, else ``"stop"``. An explicit ``"length"`` (or any reason other
-    than stop/tool_calls) generates no end-of-turn token.
+    ``max_tokens`` cuts the answer, else ``"stop"``. An explicit reason is sent as given (unless
+    ``max_tokens`` cuts the answer); one other than stop/tool_calls generates no end-of-turn token.
     """
 
     content: str = ""

@@ -200,7 +200,7 @@ async def test_streamed_tool_call_follows_the_fixture(serve: Serve) -> None:
 
 
 async def test_stream_without_usage_or_ids_skips_empty_deltas(serve: Serve) -> None:
-    _, client = await serve(Turn("hi", reasoning="think"))
+    fake, client = await serve(Turn("hi", reasoning="think"), Turn("hi", reasoning="think"))
     got = await chat_stream(client, {"messages": [{"role": "user", "content": "x"}]})
     assert got[0]["prompt_token_ids"] is None
     assert got[0]["prompt_text"] is None
@@ -211,6 +211,12 @@ async def test_stream_without_usage_or_ids_skips_empty_deltas(serve: Serve) -> N
     assert last["choices"][0]["finish_reason"] == "stop"
     assert last["system_fingerprint"].startswith("vllm-0.32.0-")  # no usage chunk follows
     assert all(c["choices"][0]["token_ids"] is None for c in got[1:])
+    # Asking for token ids sends every token, the empty deltas as {}.
+    with_ids = await chat_stream(
+        client, {"messages": [{"role": "user", "content": "x"}], "return_token_ids": True}
+    )
+    assert stream_ids(with_ids) == fake.responses[1]["completion_token_ids"]
+    assert [c["choices"][0]["delta"] for c in with_ids[1:3]] == [{}, {}]  # <think>, \n
 
 
 # --- errors --------------------------------------------------------------------------------
@@ -279,6 +285,7 @@ async def test_api_key_guards_v1_routes_only(serve: Serve) -> None:
         "/v1/chat/completions", json=body, headers={"Authorization": "Bearer sekret"}
     )
     assert ok.status == 200
+    assert fake.request_headers[0]["Authorization"] == "Bearer sekret"
     for path in ("/health", "/version"):
         assert (await client.get(path)).status == 200
     assert (await client.post("/tokenize", json={"prompt": "a"})).status == 200
@@ -338,6 +345,17 @@ async def test_tokenize_agrees_with_the_chat_prompt(serve: Serve) -> None:
         await client.post("/tokenize", json={"prompt": "a<think>", "return_token_strs": True})
     ).json()
     assert (strs["tokens"], strs["token_strs"]) == ([113, 3], ["a", "<think>"])
+
+
+async def test_image_parts_render_as_one_pad_token(serve: Serve) -> None:
+    fake, client = await serve()
+    url = "data:image/png;base64,iVBORw0KGgo="
+    parts = [{"type": "text", "text": "see"}, {"type": "image_url", "image_url": {"url": url}}]
+    got = await chat(
+        client, {"messages": [{"role": "user", "content": parts}], "return_token_ids": True}
+    )
+    assert got["prompt_token_ids"][:10] == [1, *encode("user\n"), *encode("see"), 9]
+    assert fake.requests[0]["messages"][0]["content"] == parts
 
 
 async def test_detokenize_round_trips(serve: Serve) -> None:
@@ -825,6 +843,8 @@ async def test_client_leaving_mid_stream_aborts(serve: Serve, cancellation: bool
         await resp.content.readuntil(b"\n\n")
         resp.close()
         await wait_for(lambda: fake.aborted == 1)
+        await asyncio.sleep(0.05)
+        assert fake.aborted == 1  # counted once
         assert fake.responses[0]["completion_token_ids"][-1] == 2  # the whole answer was planned
     finally:
         if not cancellation:
