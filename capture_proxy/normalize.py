@@ -128,8 +128,8 @@ def _renamed(message: dict[str, Any], i: int) -> dict[str, Any]:
     if reasoning is not None and current is not None and reasoning != current:
         raise RequestValidationError(
             f"messages[{i}].reasoning",
-            f"Assistant message messages[{i}] carries both `reasoning` and `reasoning_content` "
-            "with different text; send only one of them",
+            f"`reasoning` at messages[{i}].reasoning differs from the message's "
+            "`reasoning_content`; an assistant message carries its reasoning once, send only one",
             "reasoning_conflict",
         )
     out = {k: v for k, v in message.items() if k != "reasoning"}

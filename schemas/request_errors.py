@@ -139,13 +139,17 @@ def from_msgspec_error(exc: msgspec.ValidationError) -> RequestValidationError:
         name = _clip(m.group("name"))
         hint = _HINTS.get(name) if not param else None
         tail = hint if hint else "the Chat Completions schema does not allow it"
+        # The message names the full path (DESIGN §4), not just the object holding the key.
+        full = _join(param, name)
+        at = full if param else where
         return RequestValidationError(
-            _join(param, name), f"Unknown field `{name}` at {where}; {tail}", "unknown_field"
+            full, f"Unknown field `{name}` at {at}; {tail}", "unknown_field"
         )
     if m := _MISSING.match(text):
         name = _clip(m.group("name"))
+        full = _join(param, name)
         return RequestValidationError(
-            _join(param, name), f"Missing required field `{name}` at {where}", "missing_field"
+            full, f"Missing required field `{name}` at {full}", "missing_field"
         )
     if type_match:
         if not param:
