@@ -30,6 +30,8 @@ import time
 from array import array
 from collections.abc import Mapping
 
+import pyarrow.fs as pafs
+
 from ..schemas.records import (
     Attachment,
     CommitCoords,
@@ -65,7 +67,9 @@ class ParquetSink:
     format (raising `StoreError` / `StoreFormatError`), creates the dataset if needed, reads the
     keys already staged and starts the writer thread. `max_batch` caps how many queued writes
     share one unit; `cache_tokens` bounds the cache of recent full sequences that children are
-    stored against. `close` commits everything queued; `stage` after `close` raises RuntimeError.
+    stored against. `filesystem` is a configured pyarrow filesystem that `location` is a path
+    in (object storage with credentials, say). `close` commits everything queued; `stage`
+    after `close` raises RuntimeError.
     """
 
     def __init__(
@@ -76,11 +80,12 @@ class ParquetSink:
         fault: FaultHook | None = None,
         max_batch: int = 256,
         cache_tokens: int = 4_000_000,
+        filesystem: pafs.FileSystem | None = None,
     ) -> None:
         self.location = location
         self.url = url or default_url(location)
         self.fault = fault
-        dfs = DatasetFS(location)
+        dfs = DatasetFS(location, filesystem)
         if not check_format(dfs):
             create_dataset(dfs)
         # The reader rebuilds parents' sequences on a cache miss; only the writer thread uses it.

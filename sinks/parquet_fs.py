@@ -32,10 +32,16 @@ class FileEntry:
 
 
 class DatasetFS:
-    """A dataset root: `location` is a local folder path or a pyarrow filesystem URL."""
+    """A dataset root: `location` is a local folder path or a pyarrow filesystem URL.
 
-    def __init__(self, location: str) -> None:
-        if "://" in location:
+    With `filesystem` (for example an `S3FileSystem` configured with credentials), `location`
+    is a path inside it.
+    """
+
+    def __init__(self, location: str, filesystem: pafs.FileSystem | None = None) -> None:
+        if filesystem is not None:
+            fs, root = filesystem, location
+        elif "://" in location:
             fs, root = pafs.FileSystem.from_uri(location)
         else:
             fs, root = pafs.LocalFileSystem(), os.path.abspath(location)
@@ -107,7 +113,9 @@ class DatasetFS:
                 os.replace(tmp, final)
         except BaseException:
             for tmp, _ in staged:
-                _unlink(tmp)
+                # Best effort: the original error is what the caller must see.
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
             raise
         for d in sorted({os.path.dirname(final) for _, final in staged}):
             _fsync_dir(d)
@@ -135,8 +143,3 @@ def _fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _unlink(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)

@@ -15,6 +15,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import pyarrow.fs as pafs
+
 from ..schemas.records import Attachment, CommitCoords, LedgerEntry, RolloutInfo, StagedCallRecord
 from .base import StoreError
 from .codec import decode_row
@@ -42,8 +44,10 @@ class ParquetSource:
     """Reads the dataset at `location` (a folder path or a pyarrow filesystem URL).
 
     Raises `StoreError` when there is no dataset there and `StoreFormatError` when it was
-    written by a newer capture-proxy. `cache_bytes` bounds the decoded row groups kept,
-    `cache_tokens` the rebuilt full sequences (a child is its parent's prefix plus a delta).
+    written by a newer capture-proxy. `filesystem` is a configured pyarrow filesystem that
+    `location` is a path in (object storage with credentials, say). `cache_bytes` bounds the
+    decoded row groups kept, `cache_tokens` the rebuilt full sequences (a child is its
+    parent's prefix plus a delta).
     """
 
     def __init__(
@@ -53,10 +57,11 @@ class ParquetSource:
         url: str | None = None,
         cache_bytes: int = 256 << 20,
         cache_tokens: int = 4_000_000,
+        filesystem: pafs.FileSystem | None = None,
         dfs: DatasetFS | None = None,
     ) -> None:
         self.url = url or default_url(location)
-        self.dfs = dfs or DatasetFS(location)
+        self.dfs = dfs or DatasetFS(location, filesystem)
         if not check_format(self.dfs):
             raise StoreError(f"no capture-proxy Parquet dataset at {location}")
         self._markers: dict[str, Marker] = {}

@@ -203,8 +203,8 @@ class UnitWriter:
             for rel in (marker.rel, *data):
                 try:
                     self.dfs.delete(rel)
-                except Exception:
-                    log.exception("%s: could not remove %s of a failed unit", self.name, rel)
+                except Exception as e:
+                    log.warning("%s: could not remove %s of a failed unit: %s", self.name, rel, e)
             raise
         self.last_order = order
 
