@@ -262,7 +262,8 @@ async def serve_fake(
     ``http://127.0.0.1:PORT`` (without ``/v1``).
     """
     fake = FakeVLLM(**kwargs)
-    runner = web.AppRunner(fake.app(), access_log=None)
+    # A fake answering never (Fault.hang) must not hold a test's teardown for aiohttp's 60 s.
+    runner = web.AppRunner(fake.app(), access_log=None, shutdown_timeout=0.25)
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
     return fake, runner, f"http://{host}:{runner.addresses[0][1]}"

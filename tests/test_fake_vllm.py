@@ -823,6 +823,22 @@ async def test_hang_counts_an_abort_when_the_client_leaves(serve: Serve) -> None
     await wait_for(lambda: fake.aborted == 1)
 
 
+async def test_a_hanging_fake_does_not_hold_teardown() -> None:
+    fake, runner, base = await serve_fake()
+    fake.push(Turn(fault=Fault.hang()))
+    async with aiohttp.ClientSession() as session:
+        call = asyncio.create_task(
+            session.post(base + "/v1/chat/completions", json={"messages": []})
+        )
+        await wait_for(lambda: len(fake.requests) == 1)
+        start = time.monotonic()
+        await runner.cleanup()
+        assert time.monotonic() - start < 10  # aiohttp's default would wait 60 s
+        with pytest.raises(aiohttp.ServerDisconnectedError):
+            await call
+    assert fake.aborted == 1
+
+
 @pytest.mark.parametrize("cancellation", [True, False])
 async def test_client_leaving_mid_stream_aborts(serve: Serve, cancellation: bool) -> None:
     # The test server cancels handlers on disconnect; serve_fake's runner does not.
