@@ -15,12 +15,16 @@ _EXPORTS = {
     "Attachment": "capture_proxy.schemas.records",
     "CallStatus": "capture_proxy.schemas.records",
     "CommitCoords": "capture_proxy.schemas.records",
+    "FakeVLLM": "capture_proxy.fake_vllm",
+    "Fault": "capture_proxy.fake_vllm",
     "LedgerEntry": "capture_proxy.schemas.records",
     "MemorySink": "capture_proxy.sinks.memory",
     "StageResult": "capture_proxy.schemas.records",
     "StagedCallRecord": "capture_proxy.schemas.records",
     "StagingSink": "capture_proxy.sinks.base",
     "StagingSource": "capture_proxy.sinks.base",
+    "ToolCall": "capture_proxy.fake_vllm",
+    "Turn": "capture_proxy.fake_vllm",
     "Store": "capture_proxy.reader",
     "open_store": "capture_proxy.reader",
 }
@@ -29,6 +33,8 @@ __all__ = [
     "Attachment",
     "CallStatus",
     "CommitCoords",
+    "FakeVLLM",
+    "Fault",
     "LedgerEntry",
     "MemorySink",
     "StageResult",
@@ -36,11 +42,14 @@ __all__ = [
     "StagingSink",
     "StagingSource",
     "Store",
+    "ToolCall",
+    "Turn",
     "__version__",
     "open_store",
 ]
 
 if TYPE_CHECKING:
+    from .fake_vllm import FakeVLLM, Fault, ToolCall, Turn
     from .reader import Store, open_store
     from .schemas.records import (
         Attachment,
