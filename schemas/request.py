@@ -18,7 +18,8 @@ import msgspec
 from msgspec import Meta, Struct
 
 from .request_errors import RequestValidationError, from_msgspec_error, not_an_object
-from .request_messages import UNSTORABLE_PARTS, Message, UserMessage
+from .request_free_json import INT64_MAX, INT64_MIN
+from .request_messages import Message
 from .request_params import (
     FunctionDefinition,
     NamedToolChoice,
@@ -27,6 +28,7 @@ from .request_params import (
     StructuredOutputs,
     Tool,
 )
+from .request_policy import check_capturable, check_consistency, check_free_values
 
 __all__ = [
     "MAX_MESSAGES",
@@ -48,8 +50,11 @@ __all__ = [
 MAX_MESSAGES = 100_000
 MAX_TOOLS = 1024
 
-_INT64 = Meta(ge=-(2**63), le=2**63 - 1)
-TokenId = Annotated[int, Meta(ge=0, le=2**31 - 1)]
+_INT64 = Meta(ge=INT64_MIN, le=INT64_MAX)
+# Token counts and ids fit in 32 bits (vLLM's own limit); the bound also keeps every integer the
+# request carries encodable by the digest (int64).
+_I32_MAX = 2**31 - 1
+TokenId = Annotated[int, Meta(ge=0, le=_I32_MAX)]
 
 
 class _Strict(Struct, forbid_unknown_fields=True):
@@ -80,9 +85,9 @@ class ChatCompletionRequest(_Strict):
     ) = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
-    max_tokens: Annotated[int, Meta(ge=1)] | None = None
-    max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
-    n: Annotated[int, Meta(ge=1)] | None = None
+    max_tokens: Annotated[int, Meta(ge=1, le=_I32_MAX)] | None = None
+    max_completion_tokens: Annotated[int, Meta(ge=1, le=_I32_MAX)] | None = None
+    n: Annotated[int, Meta(ge=1, le=_I32_MAX)] | None = None
     presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] | None = None
     response_format: ResponseFormat | None = None
     seed: Annotated[int, _INT64] | None = None
@@ -109,11 +114,11 @@ class ChatCompletionRequest(_Strict):
     service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
     modalities: list[Literal["text", "audio"]] | None = None
     # -- vLLM sampling parameters ------------------------------------------------------------------
-    top_k: Annotated[int, Meta(ge=-1)] | None = None
+    top_k: Annotated[int, Meta(ge=-1, le=_I32_MAX)] | None = None
     min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
     repetition_penalty: Annotated[float, Meta(gt=0.0)] | None = None
     length_penalty: float | None = None
-    min_tokens: Annotated[int, Meta(ge=0)] | None = None
+    min_tokens: Annotated[int, Meta(ge=0, le=_I32_MAX)] | None = None
     stop_token_ids: Annotated[list[TokenId], Meta(max_length=4096)] | None = None
     include_stop_str_in_output: bool | None = None
     ignore_eos: bool | None = None
@@ -123,8 +128,8 @@ class ChatCompletionRequest(_Strict):
     allowed_token_ids: Annotated[list[TokenId], Meta(max_length=2**20)] | None = None
     bad_words: Annotated[list[str], Meta(max_length=4096)] | None = None
     prompt_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
-    truncate_prompt_tokens: Annotated[int, Meta(ge=-1)] | None = None
-    thinking_token_budget: Annotated[int, Meta(ge=-1)] | None = None
+    truncate_prompt_tokens: Annotated[int, Meta(ge=-1, le=_I32_MAX)] | None = None
+    thinking_token_budget: Annotated[int, Meta(ge=-1, le=_I32_MAX)] | None = None
     # -- vLLM extensions -------------------------------------------------------------------------
     echo: bool | None = None
     add_generation_prompt: bool | None = None
@@ -142,7 +147,7 @@ class ChatCompletionRequest(_Strict):
     include_reasoning: bool | None = None
     return_token_ids: bool | None = None
     return_tokens_as_token_ids: bool | None = None
-    routed_experts_prompt_start: Annotated[int, Meta(ge=0)] | None = None
+    routed_experts_prompt_start: Annotated[int, Meta(ge=0, le=_I32_MAX)] | None = None
     vllm_xargs: dict[str, str | int | float | list[str | int | float]] | None = None
     kv_transfer_params: dict[str, Any] | None = None
 
@@ -168,105 +173,7 @@ def validate_request(data: Any) -> ChatCompletionRequest:
         raise RequestValidationError(
             "", "The request body is nested too deeply to validate", "invalid_value"
         ) from None
-    _check_consistency(request)
+    check_free_values(request)
+    check_consistency(request)
     check_capturable(request)
     return request
-
-
-def _invalid(param: str, message: str) -> RequestValidationError:
-    return RequestValidationError(param, message, "invalid_value")
-
-
-def _check_consistency(req: ChatCompletionRequest) -> None:
-    """Combinations vLLM (and OpenAI) refuse: refuse them here, before anything is forwarded."""
-    if req.stream_options is not None and not req.stream:
-        raise _invalid("stream_options", "`stream_options` at stream_options needs `stream: true`")
-    if req.top_logprobs and not req.logprobs:
-        raise _invalid("top_logprobs", "`top_logprobs` at top_logprobs needs `logprobs: true`")
-    if req.prompt_logprobs and req.stream:
-        raise _invalid(
-            "prompt_logprobs",
-            "`prompt_logprobs` at prompt_logprobs is not available with streaming",
-        )
-    if req.continue_final_message and req.add_generation_prompt is not False:
-        raise _invalid(
-            "continue_final_message",
-            "`continue_final_message: true` at continue_final_message needs "
-            "`add_generation_prompt: false`",
-        )
-    choice = req.tool_choice
-    if choice is not None and choice != "none":
-        if not req.tools:
-            raise _invalid("tool_choice", "`tool_choice` at tool_choice needs a non-empty `tools`")
-        if isinstance(choice, NamedToolChoice):
-            names = {tool.function.name for tool in req.tools}
-            if choice.function.name not in names:
-                raise _invalid(
-                    "tool_choice.function.name",
-                    f"Tool {choice.function.name!r:.80} at tool_choice.function.name is not one "
-                    "of the request's `tools`",
-                )
-
-
-def check_capturable(req: ChatCompletionRequest) -> None:
-    """Refuse parameters that would make the call impossible to stage faithfully.
-
-    The policy, per field (``docs/request-schema.md`` explains each):
-
-    - ``include_reasoning: false``: vLLM then drops token ids and logprobs -> refused.
-    - ``n > 1``, ``use_beam_search: true``: capture stages one sampled completion per call.
-    - ``echo: true``: the answer's text would start with prompt text the model did not generate.
-    - ``modalities`` with ``audio``; audio, file and video content parts: the capture stores
-      text and images only.
-
-    ``return_token_ids: false`` and ``logprobs: false`` are allowed: the adapter asks vLLM for
-    them anyway and strips them from the client's answer.
-    """
-    if req.include_reasoning is False:
-        raise RequestValidationError(
-            "include_reasoning",
-            "`include_reasoning: false` at include_reasoning makes vLLM drop the token ids and "
-            "logprobs the capture stages; to turn thinking off send `chat_template_kwargs: "
-            '{"enable_thinking": false}` instead',
-            "capture_disabled",
-        )
-    if req.n is not None and req.n > 1:
-        raise RequestValidationError(
-            "n",
-            f"`n: {req.n}` at n is not supported: the capture stages one completion per call; "
-            "send separate calls instead",
-            "capture_disabled",
-        )
-    if req.use_beam_search:
-        raise RequestValidationError(
-            "use_beam_search",
-            "`use_beam_search: true` at use_beam_search is not supported: beam search does not "
-            "sample from the policy, so its tokens and logprobs are not trainable samples",
-            "capture_disabled",
-        )
-    if req.echo:
-        raise RequestValidationError(
-            "echo",
-            "`echo: true` at echo is not supported: the answer would start with prompt text the "
-            "model did not generate, which no longer matches its completion token ids",
-            "capture_disabled",
-        )
-    if req.modalities is not None and "audio" in req.modalities:
-        raise RequestValidationError(
-            "modalities",
-            "Audio output at modalities is not supported: the capture stores text and images only",
-            "unsupported_content",
-        )
-    for i, message in enumerate(req.messages):
-        if not isinstance(message, UserMessage) or isinstance(message.content, str):
-            continue
-        for j, part in enumerate(message.content):
-            what = UNSTORABLE_PARTS.get(type(part))
-            if what is not None:
-                kind = type(part).__struct_config__.tag
-                raise RequestValidationError(
-                    f"messages[{i}].content[{j}]",
-                    f"Content part type {kind!r} at messages[{i}].content[{j}] is not supported: "
-                    f"the capture stores text and images, not {what}",
-                    "unsupported_content",
-                )

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from capture_proxy.normalize import NormalizedRequest, normalize_request
 from capture_proxy.schemas.attachments import iter_attachment_refs
+from capture_proxy.schemas.digest import encode_value
 from capture_proxy.schemas.request import RequestValidationError
 from capture_proxy.schemas.request_messages import AssistantMessage
 
@@ -567,6 +568,8 @@ def test_request_like_json_only_ever_raises_request_validation_error(
         assert len(staged_urls) == len(_image_urls(n.body))
         assert set(iter_attachment_refs(n.staged)) == set(n.attachments)
         assert all(att.check() for att in n.attachments.values())
+        # What is accepted can be staged: the digest encoding takes every value of it.
+        assert encode_value(n.staged, field="request")
 
 
 def _image_urls(request: dict[str, Any]) -> list[str]:

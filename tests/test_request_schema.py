@@ -9,13 +9,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from capture_proxy.schemas.digest import EncodingError, encode_value
 from capture_proxy.schemas.request import (
     ChatCompletionRequest,
     NamedToolChoice,
     RequestValidationError,
     validate_request,
 )
+from capture_proxy.schemas.request_free_json import MAX_FREE_JSON_DEPTH, check_free_json
 from capture_proxy.schemas.request_messages import (
     AssistantMessage,
     ImagePart,
@@ -568,13 +572,71 @@ def test_hostile_names_are_clipped_in_messages() -> None:
     assert err.code == "unknown_field"
 
 
-def test_deep_nesting_is_an_error_or_passes_never_a_crash() -> None:
+def test_deep_nesting_is_refused_with_its_path() -> None:
     deep: Any = "leaf"
-    for _ in range(5000):
+    for _ in range(1000):  # orjson decodes up to 1024 levels
         deep = [deep]
-    validate_request(body(chat_template_kwargs={"x": deep}))  # free JSON: not traversed
+    err = refused(body(chat_template_kwargs={"x": deep}))
+    assert err.code == "invalid_value"
+    assert err.param == "chat_template_kwargs.x" + "[0]" * 63
+    assert "deeper than 64 levels" in err.message
     err = refused(body(messages=[{"role": "user", "content": [deep]}]))
     assert err.param == "messages[0].content[0]"
+
+
+def test_free_json_nesting_up_to_the_limit_passes() -> None:
+    nested: Any = {"type": "string"}
+    for _ in range(31):  # two levels each: the innermost object is 62 levels down
+        nested = {"type": "object", "properties": {"x": nested}}
+    tool = {"type": "function", "function": {"name": "t", "parameters": nested}}
+    validate_request(body(tools=[tool]))
+
+
+# Found only at staging time, these would make an answered call `capture_failed`: the digest
+# encoding takes int64 integers (orjson decodes integers up to 2**64 - 1).
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "t",
+                            "parameters": {"properties": {"n": {"maximum": 2**64 - 1}}},
+                        },
+                    }
+                ]
+            },
+            "tools[0].function.parameters.properties.n.maximum",
+        ),
+        ({"chat_template_kwargs": {"a": [1, 2, -(2**63) - 1]}}, "chat_template_kwargs.a[2]"),
+        ({"vllm_xargs": {"k": 2**63}}, "vllm_xargs.k"),
+        ({"kv_transfer_params": {"k": float("inf")}}, "kv_transfer_params.k"),
+        (
+            {"structured_outputs": {"json": {"maximum": 2**64 - 1}}},
+            "structured_outputs.json.maximum",
+        ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "n", "schema": {"m": 2**63}},
+                }
+            },
+            "response_format.json_schema.schema.m",
+        ),
+        ({"max_tokens": 2**63}, "max_tokens"),
+        ({"min_tokens": 2**31}, "min_tokens"),
+        ({"seed": 2**63}, "seed"),
+    ],
+)
+def test_values_the_digest_cannot_encode_are_refused_before_forwarding(
+    fields: dict[str, Any], param: str
+) -> None:
+    err = refused(body(**fields))
+    assert (err.code, err.param) == ("invalid_value", param)
 
 
 def _documented_fields() -> set[str]:
@@ -585,3 +647,51 @@ def _documented_fields() -> set[str]:
 def test_every_field_is_documented_and_every_documented_field_exists() -> None:
     # Like datasette's documentation check: adding a field without a doc line fails here.
     assert _documented_fields() == set(ChatCompletionRequest.__struct_fields__)
+
+
+def test_free_json_refuses_what_json_cannot_carry() -> None:
+    with pytest.raises(RequestValidationError) as info:
+        check_free_json({"a": [{1: "x"}]}, "p")
+    assert (info.value.code, info.value.param) == ("invalid_type", "p.a[0]")
+    with pytest.raises(RequestValidationError) as info:
+        check_free_json({"a": {"b": b"bytes"}}, "p")
+    assert (info.value.code, info.value.param) == ("invalid_type", "p.a.b")
+
+
+def _depth(value: Any) -> int:
+    if isinstance(value, dict):
+        return 1 + max(map(_depth, value.values()), default=0)
+    if isinstance(value, list):
+        return 1 + max(map(_depth, value), default=0)
+    return 0
+
+
+FREE_JSON = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**64), max_value=2**64)
+    | st.floats()
+    | st.text(max_size=5),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3)
+    ),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=200)
+@given(value=FREE_JSON)
+def test_free_json_check_agrees_with_the_digest_encoding(value: Any) -> None:
+    refusal = None
+    try:
+        check_free_json(value, "v")
+    except RequestValidationError as err:
+        refusal = err
+    if refusal is None:
+        encode_value(value)  # accepted values are stageable
+        return
+    assert refusal.param.startswith("v")
+    assert refusal.param in refusal.message
+    if _depth(value) <= MAX_FREE_JSON_DEPTH:
+        with pytest.raises(EncodingError):
+            encode_value(value)
