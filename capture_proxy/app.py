@@ -20,17 +20,18 @@ from aiohttp import web
 
 from .capture import Capture
 from .chat import chat_completions
+from .control import add_control_routes
 from .errors import NotFound, ProxyError, error_body
 from .metrics import Metrics
 from .passthrough import passthrough
 from .settings import Settings
-from .sinks.base import StagingSink
+from .sinks.base import StagingSink, StagingSource
 from .sinks.urls import parse_store_url
 from .state import STATE, ProxyState
-from .stores import open_sink
+from .stores import open_sink, open_source
 from .upstream import Upstream
 
-__all__ = ["create_app"]
+__all__ = ["create_admin_app", "create_app"]
 
 log = logging.getLogger("capture_proxy")
 
@@ -170,6 +171,12 @@ def _live_gauges(state: ProxyState) -> dict[str, float]:
     }
 
 
+def _reader_for(sink: StagingSink) -> Callable[[], StagingSource]:
+    if isinstance(sink, StagingSource):
+        return lambda: sink  # MemorySink reads itself
+    return lambda: open_source(sink.url)
+
+
 def create_app(settings: Settings, *, sink: StagingSink | None = None) -> web.Application:
     """The proxy as an aiohttp Application (``sink`` overrides ``settings.store``, for tests)."""
     the_sink = sink if sink is not None else open_sink(settings.store)
@@ -182,6 +189,7 @@ def create_app(settings: Settings, *, sink: StagingSink | None = None) -> web.Ap
             max_pending=settings.max_pending_stages,
             max_inflight=settings.max_inflight,
             max_inflight_per_rollout=settings.max_inflight_per_rollout,
+            source=_reader_for(the_sink),
         ),
         metrics=Metrics(),
     )
@@ -195,10 +203,20 @@ def create_app(settings: Settings, *, sink: StagingSink | None = None) -> web.Ap
         app.router.add_post(prefix + "/tokenize", passthrough)
         app.router.add_post(prefix + "/detokenize", passthrough)
         app.router.add_get(prefix + "/version", passthrough)
+    if not settings.admin_port:
+        add_control_routes(app)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)
     return app
+
+
+def create_admin_app(main: web.Application) -> web.Application:
+    """The control API alone, sharing `main`'s state, for ``--admin-port``."""
+    admin = web.Application(middlewares=[errors_and_metrics])
+    admin[STATE] = main[STATE]
+    add_control_routes(admin)
+    return admin
 
 
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:

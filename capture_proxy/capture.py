@@ -21,7 +21,7 @@ import logging
 import time
 from array import array
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -42,7 +42,7 @@ from .schemas.records import (
     StageResult,
 )
 from .schemas.tokens import full_sequence
-from .sinks.base import StagingSink
+from .sinks.base import StagingSink, StagingSource
 
 __all__ = ["SAMPLING_KEYS", "Call", "Capture", "CompletionLike"]
 
@@ -137,8 +137,14 @@ class Capture:
         max_inflight: int = 0,
         max_inflight_per_rollout: int = 0,
         max_held_ledger: int = 100_000,
+        source: Callable[[], StagingSource] | None = None,
+        max_live_rollouts: int = 10_000,
     ) -> None:
         self.sink = sink
+        #: Opens a reader on the same store: rollouts seen again after a restart resume from it.
+        self.source = source
+        self.max_live_rollouts = max_live_rollouts
+        self._resume_lock = asyncio.Lock()
         self.stage_timeout = stage_timeout
         self.max_pending = max_pending
         self.max_inflight = max_inflight
@@ -164,6 +170,78 @@ class Capture:
             self.rollouts[rollout_id] = live
         return live
 
+    async def ensure_rollout(self, rollout_id: str) -> RolloutLive:
+        """The live rollout, resumed from the store if an earlier process staged into it.
+
+        Resuming keeps sequence numbers, lineage, retries, seal state and the poisoned flag
+        continuous across a restart of the proxy.
+        """
+        live = self.rollouts.get(rollout_id)
+        if live is not None:
+            return live
+        async with self._resume_lock:
+            live = self.rollouts.get(rollout_id)
+            if live is None:
+                if self.source is not None:
+                    live = await asyncio.to_thread(self._resume, rollout_id)
+                if live is None:
+                    live = RolloutLive(rollout_id, created_at_ms=int(time.time() * 1000))
+                self._evict()
+                self.rollouts[rollout_id] = live
+        return live
+
+    def _evict(self) -> None:
+        # Oldest idle rollouts first; a rollout seen again later resumes from the store.
+        excess = len(self.rollouts) - self.max_live_rollouts + 1
+        if excess <= 0:
+            return
+        idle = [rid for rid, r in self.rollouts.items() if r.in_flight == 0][:excess]
+        for rid in idle:
+            del self.rollouts[rid]
+
+    def _resume(self, rollout_id: str) -> RolloutLive | None:
+        assert self.source is not None
+        source = self.source()
+        try:
+            try:
+                info = source.rollout_info(rollout_id)
+            except KeyError:
+                return None
+            records = source.calls(rollout_id, include_orphaned=True)
+            coords = source.coords([r.call_id for r in records])
+            failures = source.failures(rollout_id)
+        finally:
+            source.close_reader()
+        live = RolloutLive(
+            rollout_id,
+            sealed=info.state is RolloutState.SEALED,
+            poisoned=info.poisoned,
+            created_at_ms=info.created_at_ms,
+            policy=dict(info.policy),
+            metadata=dict(info.metadata),
+        )
+        for r, c in zip(records, coords, strict=True):
+            key = request_key(r.request)
+            live.remember_request(key, r.call_id)
+            live.add_lineage(
+                r.call_id, full_sequence(r.prompt_token_ids, r.completion_token_ids), key
+            )
+            live.outcomes[r.call_id] = CallOutcome(
+                r.seq, r.call_id, CallStatus.STAGED, coords=c, retry_of=r.retry_of
+            )
+        for f in failures:
+            live.outcomes[f.call_id] = CallOutcome(
+                f.seq,
+                f.call_id,
+                f.status,
+                reason=f.reason,
+                http_status=f.http_status,
+                message=f.message,
+            )
+        live.next_seq = 1 + max((o.seq for o in live.outcomes.values()), default=-1)
+        log.info("resumed rollout %s from the store at seq %d", rollout_id, live.next_seq)
+        return live
+
     async def create_rollout(
         self,
         rollout_id: str,
@@ -172,7 +250,12 @@ class Capture:
         policy: Mapping[str, Any] | None = None,
         metadata: Mapping[str, Any] | None = None,
     ) -> RolloutLive:
-        if rollout_id in self.rollouts:
+        existing = self.rollouts.get(rollout_id)
+        if existing is None and self.source is not None:
+            existing = await self.ensure_rollout(rollout_id)
+            if not existing.outcomes and not existing.sealed:
+                existing = None  # not in the store either: a fresh rollout
+        if existing is not None:
             raise Conflict(f"rollout {rollout_id} already exists", code="rollout_exists")
         live = self.rollout(rollout_id)
         assert live is not None

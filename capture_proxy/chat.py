@@ -91,6 +91,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     started = time.perf_counter()
     rollout_id = resolve_rollout_id(request, require=state.settings.require_rollout_id)
     state.authorize_call(request, rollout_id)
+    await state.capture.ensure_rollout(rollout_id)
     try:
         data = await _read_json(request, state.settings.max_body_bytes)
         try:

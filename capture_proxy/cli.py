@@ -34,7 +34,7 @@ def _parser() -> argparse.ArgumentParser:
 async def _serve(settings_args: argparse.Namespace) -> int:
     from aiohttp import web
 
-    from .app import create_app
+    from .app import create_admin_app, create_app
     from .state import STATE
 
     settings = load_settings(settings_args)
@@ -59,14 +59,24 @@ async def _serve(settings_args: argparse.Namespace) -> int:
         f"inspect with: capture-proxy inspect {settings.store}",
         flush=True,
     )
+    admin_runner = None
     if not settings.admin_token:
         print("  control API off (no --admin-token)", flush=True)
+    elif settings.admin_port:
+        admin_runner = web.AppRunner(create_admin_app(app), access_log=None)
+        await admin_runner.setup()
+        await web.TCPSite(admin_runner, settings.host, settings.admin_port).start()
+        print(f"  control API on http://{settings.host}:{settings.admin_port}/admin", flush=True)
+    else:
+        print(f"  control API on {state.listen_url}/admin", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     print("capture-proxy stopping: finishing in-flight calls", flush=True)
+    if admin_runner is not None:
+        await admin_runner.cleanup()
     await runner.cleanup()
     return 0
 
