@@ -27,6 +27,8 @@ from .parquet_layout import COMMITS_DIR, Marker, check_format, list_markers, liv
 __all__ = ["ParquetSource", "default_url"]
 
 T = TypeVar("T")
+#: Reads retried when files vanish under them (each retry follows a compaction's cleanup).
+_ATTEMPTS = 5
 
 
 def default_url(location: str) -> str:
@@ -73,10 +75,22 @@ class ParquetSource:
     # -- snapshot -------------------------------------------------------------------------------
 
     def refresh(self) -> None:
-        """Pick up units committed (or retired) since the last call."""
+        """Pick up units committed (or retired) since the last call.
+
+        Raises FileNotFoundError when a listed unit's files were deleted meanwhile (a compaction
+        cleaning up); the reader is then reset, and the next refresh starts over.
+        """
         names = list_markers(self.dfs)
         if names == self._listing:
             return
+        try:
+            self._load(names)
+        except BaseException:
+            self._reset()
+            raise
+        self._listing = names
+
+    def _load(self, names: list[str]) -> None:
         for name in names:
             if name not in self._markers:
                 try:
@@ -97,19 +111,27 @@ class ParquetSource:
             for unit in live:
                 index.add_unit(self.dfs, unit)
             self._index = index
-        self._listing = names
+
+    def _reset(self) -> None:
+        self._listing = []
+        self._markers = {}
+        self._index = Index()
 
     def _read(self, fn: Callable[[], T]) -> T:
-        """Run a read on a fresh snapshot; if a file vanished under it, re-list and retry."""
-        self.refresh()
-        try:
-            return fn()
-        except FileNotFoundError:
-            self._listing = []
-            self._markers.clear()
-            self._index = Index()
-            self.refresh()
-            return fn()
+        """Run a read on a fresh snapshot; if a file vanished under it, re-list and retry.
+
+        Files vanish only when a compaction deletes units it retired (after a grace period, or
+        at once with ``grace_s=0``): re-listing finds the merged unit that replaced them.
+        """
+        for attempt in range(_ATTEMPTS):
+            try:
+                self.refresh()
+                return fn()
+            except FileNotFoundError:
+                self._reset()
+                if attempt == _ATTEMPTS - 1:
+                    raise
+        raise AssertionError("unreachable")
 
     def known(self) -> Known:
         """Everything a writer appending to this dataset must know (see `ParquetSink`)."""
