@@ -6,7 +6,8 @@
 2. on assistant messages, OpenCode's interleaved ``reasoning`` becomes ``reasoning_content`` (the
    canonical name inside the service); both present with the same text keep one, with different
    text are a 422 (``reasoning_conflict``): the proxy will not guess which one the model saw;
-3. `validate_request`: the strict schema and the capture policy;
+3. `validate_request`: the strict schema, limits on free-form values, consistency checks and
+   the capture policy (``docs/request-schema.md``);
 4. image parts: each ``data:image/...;base64,...`` URL is decoded (strict base64) into an
    `Attachment`; the staged copy refers to it as ``attachment:sha256:<hex>``, the forwarded copy
    keeps the data URL. Other URLs are refused (the proxy fetches nothing for a sandbox) unless
