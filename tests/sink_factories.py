@@ -174,7 +174,10 @@ class Session:
 
 
 class SinkCase(Protocol):
-    sink: StagingSink
+    @property
+    def sink(self) -> StagingSink:
+        """The sink under test."""
+        ...
 
     def reopen(self) -> StagingSource:
         """A fresh reader on the store the sink writes."""

@@ -51,11 +51,11 @@ def test_negative_token_id_named_with_its_position(ids: list[int], data: st.Data
 @given(token_lists, st.data())
 def test_out_of_range_or_non_int_token_id_named(ids: list[int], data: st.DataObject) -> None:
     k = data.draw(st.integers(min_value=0, max_value=len(ids) - 1))
-    bad = data.draw(st.sampled_from([2**31, 2**40, 1.5, "7", None]))
-    ids[k] = bad
+    mixed: list[object] = list(ids)
+    mixed[k] = data.draw(st.sampled_from([2**31, 2**40, 1.5, "7", None]))
     lps = [-1.0] * len(ids)
     with pytest.raises(RecordValidationError) as info:
-        make(completion_token_ids=ids, completion_logprobs=lps)
+        make(completion_token_ids=mixed, completion_logprobs=lps)
     assert info.value.field == "completion_token_ids"
     assert info.value.position == k
     assert f"completion_token_ids[{k}]" in str(info.value)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sink_factories import SINKS, Part, Session, SinkCase, image
@@ -20,6 +21,7 @@ from capture_proxy.schemas.records import (
     RolloutInfo,
     RolloutState,
     StagedCallRecord,
+    StageResult,
 )
 
 
@@ -70,11 +72,11 @@ def assert_same(read: StagedCallRecord, staged: StagedCallRecord) -> None:
 
 
 async def stage_session(
-    case: SinkCase, session: Session, turns: int, **kw: object
+    case: SinkCase, session: Session, turns: int, *, extras: dict[str, Any] | None = None
 ) -> list[StagedCallRecord]:
     out = []
     for _ in range(turns):
-        record, atts = session.next(**kw)  # type: ignore[arg-type]
+        record, atts = session.next(extras=extras)
         result = await (
             case.sink.stage(record, attachments=atts) if atts else case.sink.stage(record)
         )
@@ -171,7 +173,7 @@ async def test_concurrent_stage(case: SinkCase) -> None:
         Session(f"conc{i}", image=image(f"c{i}") if i % 3 == 0 else None) for i in range(10)
     ]
 
-    async def run(s: Session) -> list[tuple[StagedCallRecord, object]]:
+    async def run(s: Session) -> list[tuple[StagedCallRecord, StageResult]]:
         out = []
         for _ in range(5):
             r, atts = s.next()
@@ -183,13 +185,13 @@ async def test_concurrent_stage(case: SinkCase) -> None:
         x for xs in await asyncio.wait_for(asyncio.gather(*map(run, sessions)), 30) for x in xs
     ]
     assert len(results) == 50
-    assert all(res.status is CallStatus.STAGED for _, res in results)  # type: ignore[attr-defined]
+    assert all(res.status is CallStatus.STAGED for _, res in results)
     await case.sink.close()
     source = case.reopen()
     read = source.fetch([r.call_id for r, _ in results])
     for got, (want, res) in zip(read, results, strict=True):
         assert_same(got, want)
-        assert source.coords([want.call_id]) == [res.coords]  # type: ignore[attr-defined]
+        assert source.coords([want.call_id]) == [res.coords]
     assert sorted(source.all_keys()) == sorted(r.call_id for r, _ in results)
     Store(source).verify()
 
@@ -310,7 +312,7 @@ async def test_survives_close_and_reopen(case: SinkCase) -> None:
         source = case.reopen()
         for got, want in zip(source.calls("persist"), staged, strict=True):
             assert_same(got, want)
-        source.close_reader() if source is not case.sink else None
+        source.close_reader()
 
 
 async def test_attachments_stored_once(case: SinkCase) -> None:
