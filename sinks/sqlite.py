@@ -114,6 +114,15 @@ class SQLiteSink:
     async def stage(
         self, record: StagedCallRecord, *, attachments: Mapping[str, Attachment] | None = None
     ) -> StageResult:
+        """Write `record` and the attachments its request refers to; see `StagingSink.stage`.
+
+        Returns once the batch holding it has committed (durable). Refuses, writing nothing:
+        a staging key already staged (``duplicate_key``), a reference to an attachment neither
+        given nor already stored (``missing_attachment``), given bytes that do not hash to their
+        sha256 (``bad_attachment``). Given attachments the request does not refer to are not
+        stored: nothing would refer to them. Raises `StoreError` when SQLite fails, ValueError
+        for an unsealed record, RuntimeError after `close`.
+        """
         if not record.digest or not record.extras_digest:
             raise ValueError(f"{record.staging_key}: stage a sealed record (seal_record) only")
         given = dict(attachments or {})

@@ -125,6 +125,20 @@ async def test_unsealed_and_bad_attachment_refused(tmp_path: Path) -> None:
     assert list(SQLiteSource(str(tmp_path / "s.db")).all_keys()) == []
 
 
+async def test_given_but_unreferenced_attachment_is_not_stored(tmp_path: Path) -> None:
+    path = tmp_path / "u.db"
+    sink = SQLiteSink(str(path))
+    record, _ = Session("text-only").next()
+    stray = image("stray")
+    result = await sink.stage(record, attachments={stray.sha256: stray})
+    await sink.close()
+    assert result.status is CallStatus.STAGED
+    source = SQLiteSource(str(path))
+    assert source.unreferenced_attachments() == []
+    assert source.fetch([record.call_id])[0].attachments == ()
+    Store(source).verify()
+
+
 class Gate:
     """A fault hook that holds the writer inside its first write until released, then counts
     (through a separate connection) how many calls were committed at each later write."""
