@@ -33,7 +33,7 @@ from .errors import (
     UpstreamFailed,
 )
 from .identity import resolve_rollout_id
-from .normalize import normalize_request
+from .normalize import NormalizedRequest, normalize_request
 from .schemas.records import CallStatus, StageResult
 from .schemas.request import RequestValidationError
 
@@ -60,7 +60,12 @@ def _apply_policy(state: ProxyState, body: dict[str, Any]) -> None:
             body["max_tokens"] = s.max_tokens_cap
 
 
-async def _read_json(request: web.Request, limit: int) -> Any:
+#: Bodies above this are decoded and normalized on a worker thread: base64-decoding a large
+#: image would otherwise stall every other call on the event loop.
+_OFFLOAD_BYTES = 1 << 20
+
+
+async def _read_body(request: web.Request, limit: int) -> bytes:
     length = request.content_length
     if length is not None and length > limit:
         # Refused from the header, before a byte of the body is read.
@@ -69,15 +74,24 @@ async def _read_json(request: web.Request, limit: int) -> Any:
             code="body_too_large",
         )
     try:
-        raw = await request.read()
+        return await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise PayloadTooLarge(
             f"request body is over the limit of {limit} bytes", code="body_too_large"
         ) from None
+
+
+def _decode_and_normalize(raw: bytes, allow_remote_media: bool) -> NormalizedRequest:
+    """The one JSON decode of the body, then normalization and strict validation."""
     try:
-        return orjson.loads(raw)
+        data = orjson.loads(raw)
     except orjson.JSONDecodeError as e:
         raise BadRequest(f"request body is not valid JSON: {e}", code="invalid_json") from None
+    try:
+        return normalize_request(data, allow_remote_media=allow_remote_media)
+    except RequestValidationError as e:
+        err = PayloadTooLarge if e.status == 413 else Unprocessable
+        raise err(e.message, code=e.code, param=e.param) from None
 
 
 def _capture_headers(call_id: str, status: str) -> dict[str, str]:
@@ -93,13 +107,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     state.authorize_call(request, rollout_id)
     await state.capture.ensure_rollout(rollout_id)
     try:
-        data = await _read_json(request, state.settings.max_body_bytes)
-        try:
-            normalized = normalize_request(
-                data, allow_remote_media=state.settings.allow_remote_media
-            )
-        except RequestValidationError as e:
-            raise Unprocessable(e.message, code=e.code, param=e.param) from None
+        raw = await _read_body(request, state.settings.max_body_bytes)
+        remote = state.settings.allow_remote_media
+        if len(raw) > _OFFLOAD_BYTES:
+            normalized = await asyncio.to_thread(_decode_and_normalize, raw, remote)
+        else:
+            normalized = _decode_and_normalize(raw, remote)
         body = dict(normalized.body)
         staged = dict(normalized.staged)
         _apply_policy(state, body)

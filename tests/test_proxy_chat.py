@@ -242,3 +242,18 @@ async def test_manifest_order_and_status_counts_in_metrics(make_proxy: Any) -> N
     assert 'capture_proxy_calls_total{outcome="rejected",reason="unknown_field"} 1.0' in text
     outcomes = sorted(p.state.capture.rollouts["r1"].outcomes.values(), key=lambda o: o.seq)
     assert [o.status for o in outcomes] == [CallStatus.STAGED, CallStatus.REJECTED]
+
+
+async def test_large_image_body_is_normalized_off_the_event_loop_and_staged(
+    make_proxy: Any,
+) -> None:
+    p = await make_proxy()
+    png = (
+        b"\x89PNG\r\n\x1a\n" + hashlib.sha256(b"seed").digest() * 40_000
+    )  # ~1.3 MB: the offload path
+    url = "data:image/png;base64," + base64.b64encode(png).decode()
+    content = [{"type": "image_url", "image_url": {"url": url}}]
+    resp = await p.chat(chat_body({"role": "user", "content": content}))
+    assert resp.headers["X-Capture-Status"] == "staged"
+    (record,) = p.calls()
+    assert record.attachments[0].data == png
