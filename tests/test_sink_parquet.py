@@ -595,6 +595,112 @@ def _logical_in(record: StagedCallRecord, pairs: list[tuple[StagedCallRecord, An
     return _logical(replace(record, attachments=tuple(known[s] for s in refs)))
 
 
+async def _opencode_session(proxy: Any) -> list[str]:
+    """An OpenCode-like session: a title call (no tools), three tool turns, a streamed answer.
+
+    Tool arguments are replayed re-serialized (compact JSON), as OpenCode does.
+    """
+    system = {"role": "system", "content": "You are opencode. " * 40}
+    tools = [
+        {
+            "type": "function",
+            "function": {"name": "bash", "parameters": {"type": "object", "properties": {}}},
+        }
+    ]
+    user = {"role": "user", "content": "fix the failing test"}
+    title = await proxy.chat(
+        {"model": "policy", "messages": [user], "reasoning_effort": "low", "max_tokens": 32},
+        rollout="sess",
+    )
+    ids = [title.headers["X-Capture-Call-Id"]]
+    messages: list[dict[str, Any]] = [system, user]
+    for turn in range(4):
+        body: dict[str, Any] = {"model": "policy", "messages": messages, "tools": tools}
+        if turn == 3:
+            body.update(stream=True, stream_options={"include_usage": True})
+        resp = await proxy.chat(body, rollout="sess")
+        assert resp.status == 200
+        ids.append(resp.headers["X-Capture-Call-Id"])
+        if turn == 3:
+            assert b"capture-status staged" in await resp.read()
+            break
+        message = (await resp.json())["choices"][0]["message"]
+        calls = message["tool_calls"]
+        for c in calls:
+            c["function"]["arguments"] = json.dumps(
+                json.loads(c["function"]["arguments"]), separators=(",", ":")
+            )
+        messages = [
+            *messages,
+            {"role": "assistant", "content": "", "tool_calls": calls},
+            *({"role": "tool", "tool_call_id": c["id"], "content": f"out {turn}"} for c in calls),
+        ]
+    return ids
+
+
+async def test_same_traffic_through_two_proxies_same_token_data(tmp_path: Path) -> None:
+    from proxy_harness import start_proxy, stop_proxy
+
+    from capture_proxy.fake_vllm import FakeVLLM, ToolCall, Turn
+    from capture_proxy.sinks.sqlite import SQLiteSink, SQLiteSource
+
+    stores = {
+        "sqlite": (SQLiteSink, SQLiteSource, str(tmp_path / "capture.db")),
+        "parquet": (ParquetSink, ParquetSource, str(tmp_path / "ds")),
+    }
+    seen: dict[str, Any] = {}
+    for kind, (sink_cls, source_cls, location) in stores.items():
+        fake = FakeVLLM(seed=3, reparse_tool_arguments=True)
+        fake.push(
+            Turn("Fixing a test"),
+            *(
+                Turn("", reasoning="look", tool_calls=[ToolCall("bash", {"command": f"ls {i}"})])
+                for i in range(3)
+            ),
+            Turn("All green now.", reasoning="done"),
+        )
+        sink = sink_cls(location)  # type: ignore[operator]
+        proxy = await start_proxy(tmp_path / kind, fake=fake, sink=sink)
+        try:
+            ids = await _opencode_session(proxy)
+        finally:
+            await stop_proxy(proxy)  # closes the sink
+        source = source_cls(location)  # type: ignore[operator]
+        records = source.calls("sess")
+        assert [r.call_id for r in records] == ids
+        seq_of = {r.call_id: r.seq for r in records}
+        traj = Store(source).trajectory("sess")
+        seen[kind] = {
+            "tokens": [
+                (
+                    r.seq,
+                    r.prompt_token_ids.tobytes(),
+                    r.completion_token_ids.tobytes(),
+                    r.completion_logprobs.tobytes(),
+                    r.finish_reason,
+                    seq_of.get(r.parent_call_id or ""),
+                )
+                for r in records
+            ],
+            "coords": [(c.prev_len, c.delta_len, c.cum_len) for c in source.coords(ids)],
+            "trajectory": (
+                traj.token_ids.tobytes(),
+                traj.loss_mask.tobytes(),
+                traj.logprobs.tobytes(),
+                traj.call_index.tobytes(),
+                [(s.start, s.end) for s in traj.segments],
+                [(seq_of[d.call_id], d.position, d.parent_len, d.prompt_len) for d in traj.drift],
+                [seq_of[c] for c in traj.apart],
+            ),
+        }
+    assert seen["sqlite"] == seen["parquet"]
+    assert len(seen["parquet"]["tokens"]) == 5
+    assert seen["parquet"]["trajectory"][-1] == [0]  # the title call, kept apart
+    # The replayed, re-serialized tool calls re-render differently: both stores saw the same
+    # drift, at the same positions.
+    assert seen["parquet"]["trajectory"][5]
+
+
 async def test_through_a_pyarrow_filesystem(tmp_path: Path) -> None:
     # A SubTreeFileSystem is not a LocalFileSystem, so this takes the object-storage path:
     # each file is one output stream, no rename, no fsync.
