@@ -136,7 +136,11 @@ class FakeVLLM:
 
     def app(self) -> web.Application:
         """A fresh aiohttp application serving this fake (all apps share the fake's state)."""
-        app = web.Application(middlewares=[self._auth] if self.api_key is not None else [])
+        # vLLM (uvicorn) sets no body limit; aiohttp's default of 1 MiB would refuse images.
+        app = web.Application(
+            middlewares=[self._auth] if self.api_key is not None else [],
+            client_max_size=1 << 30,
+        )
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/version", self._version)
