@@ -151,7 +151,10 @@ def _encode(v: Any, out: list[bytes]) -> None:
         for k in v:
             if type(k) is not str:
                 raise _Fail("", f"map key {k!r:.40} is not a string")
-            items.append((k.encode("utf-8", "surrogatepass"), k))
+            try:
+                items.append((k.encode("utf-8"), k))
+            except UnicodeEncodeError:
+                raise _Fail(f".{k!r}", "map key is not valid UTF-8 (lone surrogate)") from None
         items.sort()
         out.append(b"M")
         out.append(_u64(len(items)))
@@ -214,6 +217,14 @@ def _default_digester(message: Mapping[str, Any], field: str) -> bytes:
     return message_digest(message, field=field)
 
 
+def _bad_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
 def _encode_request(
     request: Mapping[str, Any], out: list[bytes], digester: MessageDigester
 ) -> None:
@@ -222,11 +233,14 @@ def _encode_request(
         raise EncodingError("request.messages", "must be a list of messages")
     rest = {k: v for k, v in request.items() if k != "messages"}
     rest["messages"] = None  # placeholder keeps the key's sort position
-    keys = sorted(rest, key=lambda k: k.encode("utf-8", "surrogatepass"))
+    for k in rest:
+        if type(k) is not str or (not k.isascii() and _bad_utf8(k)):
+            raise EncodingError(f"request.{k!r}", "map key is not a valid UTF-8 string")
+    keys = sorted(rest, key=lambda k: k.encode("utf-8"))
     out.append(b"M")
     out.append(_u64(len(keys)))
     for k in keys:
-        kb = k.encode("utf-8", "surrogatepass")
+        kb = k.encode("utf-8")
         out.append(b"S")
         out.append(_u64(len(kb)))
         out.append(kb)

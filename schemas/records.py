@@ -91,6 +91,9 @@ def as_token_ids(field_name: str, values: Iterable[int] | array[int]) -> array[i
         values = list(values)
         try:
             ids = array("i", values)
+            # array('i') takes True as 1; a bool is not a token id (the digest encodes it apart).
+            if any(v.__class__ is bool for v in values):
+                raise TypeError
         except (TypeError, OverflowError):
             for i, v in enumerate(values):
                 if type(v) is not int:

@@ -9,9 +9,9 @@ never drops attachments to make a write succeed.
 Sinks also keep each rollout's ledger: its state (open/sealed) and every call that was *not*
 staged, with its status and reason, so a rollout cut short stays visible after a restart.
 
-Write your own sink by implementing `StagingSink` (and `StagingSource`, to read it back); run
-``tests/sink_conformance.py`` against it. `MemorySink` is the reference implementation and the test
-double.
+Write your own sink by implementing `StagingSink` (and `StagingSource`, to read it back), register
+it in ``tests/sink_factories.py`` and make ``tests/test_sink_conformance.py`` pass. `MemorySink` is
+the reference implementation and the test double.
 """
 
 from __future__ import annotations

@@ -80,7 +80,14 @@ class MemorySink:
             # leaves the dicts untouched, like a rolled-back transaction.
             if self.fault:
                 self.fault("after_record")
-            new_atts = {k: a for k, a in (attachments or {}).items() if k not in self._attachments}
+            refs = set(record.attachment_refs())
+            # Only what the request refers to is kept, as the other sinks do: an attachment no
+            # record refers to would read as a torn write.
+            new_atts = {
+                k: a
+                for k, a in (attachments or {}).items()
+                if k in refs and k not in self._attachments
+            }
             if self.fault:
                 self.fault("after_attachments")
             coords = CommitCoords(
