@@ -95,7 +95,7 @@ class ParquetSink:
         self._blobs = known.blobs
         self._attachments = known.attachments
         self._rollouts = known.rollouts
-        self._fulls: LRU[tuple[str, array[int]]] = LRU(cache_tokens, lambda v: len(v[1]))
+        self._fulls: LRU[str, tuple[str, array[int]]] = LRU(cache_tokens, lambda v: len(v[1]))
         self._writer = UnitWriter(
             dfs,
             name=location,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -20,6 +20,7 @@ from .parquet_ledger import Ledger
 
 __all__ = ["LRU", "CallRef", "Index", "Known", "Where", "ids_from_bytes"]
 
+K = TypeVar("K", bound=Hashable)
 T = TypeVar("T")
 _LITTLE = sys.byteorder == "little"
 
@@ -133,26 +134,26 @@ class Index:
         self.units.append(unit)
 
 
-class LRU(Generic[T]):
+class LRU(Generic[K, T]):
     """Least-recently-used values, evicted once their total weight exceeds `budget`."""
 
     def __init__(self, budget: int, weigh: Callable[[T], int]) -> None:
         self.budget = budget
         self.weigh = weigh
         self.weight = 0
-        self._items: OrderedDict[str, tuple[T, int]] = OrderedDict()
+        self._items: OrderedDict[K, tuple[T, int]] = OrderedDict()
 
-    def __contains__(self, key: str) -> bool:
+    def __contains__(self, key: K) -> bool:
         return key in self._items
 
-    def get(self, key: str) -> T | None:
+    def get(self, key: K) -> T | None:
         item = self._items.get(key)
         if item is None:
             return None
         self._items.move_to_end(key)
         return item[0]
 
-    def put(self, key: str, value: T) -> T:
+    def put(self, key: K, value: T) -> T:
         old = self._items.pop(key, None)
         if old is not None:
             self.weight -= old[1]
@@ -164,10 +165,6 @@ class LRU(Generic[T]):
             _, (_, evicted) = self._items.popitem(last=False)
             self.weight -= evicted
         return value
-
-    def get_or(self, key: str, load: Callable[[], T]) -> T:
-        value = self.get(key)
-        return self.put(key, load()) if value is None else value
 
     def clear(self) -> None:
         self._items.clear()

@@ -69,8 +69,8 @@ class ParquetSource:
         self._markers: dict[str, Marker] = {}
         self._listing: list[str] = []
         self._index = Index()
-        self._groups: LRU[_Rows] = LRU(cache_bytes, lambda r: r.nbytes)
-        self._fulls: LRU[array[int]] = LRU(cache_tokens, len)
+        self._groups: LRU[tuple[str, int], _Rows] = LRU(cache_bytes, lambda r: r.nbytes)
+        self._fulls: LRU[str, array[int]] = LRU(cache_tokens, len)
 
     # -- snapshot -------------------------------------------------------------------------------
 
@@ -148,11 +148,12 @@ class ParquetSource:
     # -- loading --------------------------------------------------------------------------------
 
     def _row(self, where: Where) -> dict[str, Any]:
-        def load() -> _Rows:
+        key = (where.path, where.group)
+        group = self._groups.get(key)
+        if group is None:
             table = read_group(self.dfs, where.path, where.group)
-            return _Rows(table.to_pylist(), table.nbytes)
-
-        return self._groups.get_or(f"{where.path}#{where.group}", load).rows[where.row]
+            group = self._groups.put(key, _Rows(table.to_pylist(), table.nbytes))
+        return group.rows[where.row]
 
     def _blob(self, key: str) -> bytes:
         data: bytes = self._row(self._index.blobs[key])["data"]
