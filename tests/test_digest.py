@@ -448,18 +448,11 @@ def test_equal_values_have_equal_encodings(a: Any) -> None:
     assert encode_value(copy.deepcopy(a)) == encode_value(a)
 
 
-@pytest.mark.parametrize(
-    ("value", "where"),
-    [
-        ({"extras": {"\ud800": 1}}, "extras"),
-        ({"request": {"messages": [], "\udc00x": 1}}, "request"),
-    ],
-)
-def test_map_keys_with_lone_surrogates_are_refused(value: dict[str, Any], where: str) -> None:
+def test_map_keys_with_lone_surrogates_are_refused() -> None:
     from capture_proxy.schemas.digest import EncodingError, extras_digest, record_digest
 
-    with pytest.raises(EncodingError, match=where):
-        if where == "extras":
-            extras_digest(value["extras"])
-        else:
-            record_digest(replace(minimal(), request=value["request"]))
+    with pytest.raises(EncodingError, match="extras"):
+        extras_digest({"\ud800": 1})
+    bad_request = replace(minimal(), request={"messages": [], "\udc00x": 1})
+    with pytest.raises(EncodingError, match="request"):
+        record_digest(bad_request)
