@@ -18,8 +18,6 @@ time per dataset (a lock enforces it on local folders).
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import os
 import time
 import uuid
 from collections.abc import Iterator
@@ -34,6 +32,7 @@ from .sinks.parquet_layout import (
     BLOBS,
     CALLS,
     COMMITS_DIR,
+    COMPACT_LOCK,
     SCHEMAS,
     TABLES,
     Marker,
@@ -204,15 +203,11 @@ def _clean(dfs: DatasetFS, grace_s: float) -> int:
 @contextlib.contextmanager
 def _exclusive(dfs: DatasetFS) -> Iterator[None]:
     """One compaction at a time: two would both merge the same units (duplicates)."""
-    if not dfs.local:
-        yield  # object storage has no lock: the caller runs one compaction at a time
-        return
-    fd = os.open(dfs.path("_compact.lock"), os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise StoreError(f"another compaction of {dfs.root} is running") from None
+        lock = dfs.lock(COMPACT_LOCK)
+    except BlockingIOError:
+        raise StoreError(f"another compaction of {dfs.root} is running") from None
+    try:
         yield
     finally:
-        os.close(fd)
+        lock.release()

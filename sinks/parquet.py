@@ -20,7 +20,9 @@ SQLite sink uses (`codec.encode_record`): a call stores only the tokens after it
 each message once. The rollout ledger is in the dataset too (``ledger/`` files).
 
 One `ParquetSink` per dataset at a time: it keeps the keys already staged in memory to refuse
-duplicates, so a second writer on the same folder would not see the first one's keys.
+duplicates, so a second writer would not see the first one's keys. On a local folder a lock file
+enforces it (a second sink is refused with `StoreError`); on object storage it is up to the
+deployment. Compaction (`capture_proxy.compact`) may run beside the writer.
 """
 
 from __future__ import annotations
@@ -41,11 +43,19 @@ from ..schemas.records import (
     StagedCallRecord,
     StageResult,
 )
-from .base import FaultHook
+from .base import FaultHook, StoreError
 from .codec import encode_record
 from .parquet_fs import DatasetFS
 from .parquet_index import LRU
-from .parquet_layout import ATTACHMENTS, BLOBS, CALLS, LEDGER, check_format, create_dataset
+from .parquet_layout import (
+    ATTACHMENTS,
+    BLOBS,
+    CALLS,
+    LEDGER,
+    WRITER_LOCK,
+    check_format,
+    create_dataset,
+)
 from .parquet_ledger import failure_row, orphan_row, rollout_row
 from .parquet_source import ParquetSource, default_url
 from .parquet_writer import UnitRows, UnitWriter
@@ -88,9 +98,19 @@ class ParquetSink:
         dfs = DatasetFS(location, filesystem)
         if not check_format(dfs):
             create_dataset(dfs)
-        # The reader rebuilds parents' sequences on a cache miss; only the writer thread uses it.
-        self._reader = ParquetSource(location, url=self.url, dfs=dfs)
-        known = self._reader.known()
+        try:
+            self._lock = dfs.lock(WRITER_LOCK)
+        except BlockingIOError:
+            raise StoreError(
+                f"another ParquetSink is writing {dfs.root}: a dataset has one writer at a time"
+            ) from None
+        try:
+            # Rebuilds parents' sequences on a cache miss; only the writer thread uses it.
+            self._reader = ParquetSource(location, url=self.url, dfs=dfs)
+            known = self._reader.known()
+        except BaseException:
+            self._lock.release()
+            raise
         self._calls = known.calls
         self._blobs = known.blobs
         self._attachments = known.attachments
@@ -144,6 +164,7 @@ class ParquetSink:
         await self._writer.close()
         self._reader.close_reader()
         self._fulls.clear()
+        self._lock.release()
 
     # -- the writer thread ----------------------------------------------------------------------
 

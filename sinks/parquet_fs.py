@@ -10,6 +10,7 @@ already atomic and durable once it completes, so it writes through the filesyste
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import uuid
 from collections.abc import Mapping
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-__all__ = ["DatasetFS", "FileEntry"]
+__all__ = ["DatasetFS", "FileEntry", "Lock"]
 
 #: Suffix of files being written; readers and dataset globs (``*.parquet``, ``*.json``) skip them.
 TMP_SUFFIX = ".tmp"
@@ -29,6 +30,18 @@ class FileEntry:
     name: str
     size: int
     mtime_ns: int
+
+
+class Lock:
+    """An exclusive advisory lock on a file of a local dataset (no-op on object storage)."""
+
+    def __init__(self, fd: int | None) -> None:
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the descriptor drops the flock
+            self._fd = None
 
 
 class DatasetFS:
@@ -119,6 +132,22 @@ class DatasetFS:
             raise
         for d in sorted({os.path.dirname(final) for _, final in staged}):
             _fsync_dir(d)
+
+    def lock(self, rel: str) -> Lock:
+        """Take the lock file `rel` exclusively, or raise BlockingIOError if another holder has it.
+
+        Local folders only: object stores have no lock, so there the caller must ensure it is
+        alone (the returned lock does nothing).
+        """
+        if not self.local:
+            return Lock(None)
+        fd = os.open(self.path(rel), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BaseException:
+            os.close(fd)
+            raise
+        return Lock(fd)
 
     def delete(self, rel: str) -> None:
         """Remove a file; one already gone is fine (deletes are retried after crashes)."""

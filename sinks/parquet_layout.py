@@ -9,6 +9,7 @@
       attachments/<unit>.parquet    content-addressed attachment bytes (sha256, media_type, data)
       ledger/<unit>.parquet         rollout headers, not-staged calls, orphan marks
       _commits/<unit>.json          the commit marker: a unit exists once this file exists
+      _writer.lock, _compact.lock   held by the one writer / the one compaction (local folders)
 
 A *unit* is what one group commit writes: up to one file per table, all immutable. Its data files
 are written and fsynced first; the marker is written last, atomically, and names them. Readers
@@ -41,11 +42,13 @@ __all__ = [
     "BLOBS",
     "CALLS",
     "COMMITS_DIR",
+    "COMPACT_LOCK",
     "FORMAT_FILE",
     "FORMAT_VERSION",
     "LEDGER",
     "SCHEMAS",
     "TABLES",
+    "WRITER_LOCK",
     "Marker",
     "check_format",
     "create_dataset",
@@ -65,6 +68,9 @@ FORMAT_NAME = "capture-proxy-parquet"
 FORMAT_VERSION = 1
 FORMAT_FILE = "_format.json"
 COMMITS_DIR = "_commits"
+#: Lock files (local datasets): one writer, and one compaction, at a time.
+WRITER_LOCK = "_writer.lock"
+COMPACT_LOCK = "_compact.lock"
 
 CALLS, BLOBS, ATTACHMENTS, LEDGER = "calls", "blobs", "attachments", "ledger"
 TABLES = (CALLS, BLOBS, ATTACHMENTS, LEDGER)

@@ -122,6 +122,20 @@ async def test_foreign_or_missing_folder_refused(tmp_path: Path) -> None:
     assert not (tmp_path / "missing").exists()  # a reader never creates a dataset
 
 
+async def test_one_writer_at_a_time(tmp_path: Path) -> None:
+    ds = str(tmp_path / "ds")
+    first = ParquetSink(ds)
+    with pytest.raises(StoreError, match="another ParquetSink is writing"):
+        ParquetSink(ds)
+    reader = ParquetSource(ds)  # readers are never locked out
+    await first.stage(Session("w").next()[0])
+    assert list(reader.all_keys()) == ["w-c0"]
+    await first.close()
+    second = ParquetSink(ds)  # the lock went with the first sink
+    assert (await second.stage(Session("w").next()[0])).reason == "duplicate_key"
+    await second.close()
+
+
 async def test_unsealed_and_bad_attachment_refused(tmp_path: Path) -> None:
     from dataclasses import replace
 
