@@ -18,6 +18,7 @@ Orphaned records are left out, as the reader leaves them out.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import sys
 from array import array
@@ -144,7 +145,6 @@ def _call_columns(records: list[StagedCallRecord]) -> dict[str, Any]:
 
 
 def _trajectory_columns(trajs: list[Trajectory]) -> dict[str, Any]:
-    dicts = [t.to_dict() for t in trajs] if trajs else []
     return {
         "rollout_id": [t.rollout_id for t in trajs],
         "token_ids": [t.token_ids for t in trajs],
@@ -154,8 +154,11 @@ def _trajectory_columns(trajs: list[Trajectory]) -> dict[str, Any]:
         "weight_versions": [t.weight_versions for t in trajs],
         "n_segments": [len(t.segments) for t in trajs],
         "n_drift": [len(t.drift) for t in trajs],
-        "segments": [d["segments"] for d in dicts],
-        "drift": [d["drift"] for d in dicts],
+        "segments": [
+            [{"start": s.start, "end": s.end, "call_ids": list(s.call_ids)} for s in t.segments]
+            for t in trajs
+        ],
+        "drift": [[dataclasses.asdict(d) for d in t.drift] for t in trajs],
         "calls": [t.calls for t in trajs],
         "apart": [t.apart for t in trajs],
         "retries_skipped": [t.retries_skipped for t in trajs],
