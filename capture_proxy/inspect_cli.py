@@ -1,0 +1,322 @@
+"""`capture-proxy inspect STORE`: what a store holds, for a person debugging a rollout.
+
+    capture-proxy inspect sqlite:///capture.db               # rollouts, newest first
+    capture-proxy inspect capture.db --rollout r17           # its calls, staged and failed
+    capture-proxy inspect capture.db --call 01J9... --tokens # one call in full, with token ids
+    capture-proxy inspect capture.db --verify                # every digest; exit 1 on a problem
+    capture-proxy inspect capture.db --rollout r17 --follow  # keep printing new calls
+
+``--json`` prints the same views as JSON (keys in docs/inspect.md). On a terminal the output is
+rich tables sized to it; anywhere else, plain aligned text. Errors are one sentence on stderr
+and exit status 2; ``--verify`` exits 1 when it finds a problem.
+
+The lead's `capture_proxy.cli` wires this in with `add_inspect_parser` and `run_inspect`; `main`
+runs it standalone (``python -c "from capture_proxy.inspect_cli import main; main()"``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from array import array
+from collections.abc import Callable, Sequence
+from types import FrameType
+from typing import IO, Any
+
+import orjson
+
+from .inspect_render import (
+    Out,
+    PlainOut,
+    RichOut,
+    call_row,
+    render_call,
+    render_overview,
+    render_rollout,
+    render_verify,
+)
+from .inspect_views import (
+    InspectError,
+    TokenText,
+    call_view,
+    failure_entry,
+    known_call_ids,
+    overview,
+    rollout_view,
+    staged_entry,
+    verify_view,
+)
+from .reader import Store, open_store
+from .schemas.tokens import full_sequence
+from .sinks.base import StoreError
+
+__all__ = ["Follower", "add_inspect_parser", "load_tokenizer", "main", "run_inspect"]
+
+PROG = "capture-proxy inspect"
+#: Polling bounds for --follow: fast enough to watch a session, slow enough not to load a store.
+MIN_INTERVAL, MAX_INTERVAL = 0.05, 60.0
+#: Parent sequences --follow keeps to compute drift without re-reading them.
+_FOLLOW_CACHE = 256
+
+
+def _interval(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--interval wants seconds, got {text!r}") from None
+    if not MIN_INTERVAL <= value <= MAX_INTERVAL:
+        raise argparse.ArgumentTypeError(
+            f"--interval must be between {MIN_INTERVAL} and {MAX_INTERVAL} seconds, got {value}"
+        )
+    return value
+
+
+def _add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "store",
+        metavar="STORE",
+        help="sqlite:///file.db, parquet:///folder, s3://bucket/prefix, or a path",
+    )
+    what = p.add_mutually_exclusive_group()
+    what.add_argument("--rollout", metavar="ID", help="one rollout's calls, staged and failed")
+    what.add_argument("--call", metavar="ID", help="one call in full (request, response, digests)")
+    what.add_argument(
+        "--verify",
+        action="store_true",
+        help="check every digest and attachment; exit 1 if any fails",
+    )
+    p.add_argument("--tokens", action="store_true", help="with --call: print the token ids")
+    p.add_argument(
+        "--tokenizer",
+        metavar="PATH",
+        help="with --call: a tokenizer.json; shows each token id with its text "
+        "(needs the `tokenizers` package)",
+    )
+    p.add_argument("--json", action="store_true", help="print JSON (keys in docs/inspect.md)")
+    p.add_argument(
+        "--follow",
+        action="store_true",
+        help="keep printing new calls as the store grows (the store, or --rollout); Ctrl-C stops",
+    )
+    p.add_argument(
+        "--interval",
+        type=_interval,
+        default=1.0,
+        metavar="SECONDS",
+        help="how often --follow looks for new calls (default 1)",
+    )
+
+
+def add_inspect_parser(subparsers: Any) -> None:
+    """Add ``inspect`` to a `capture-proxy` subparsers object; run the result with `run_inspect`."""
+    p = subparsers.add_parser(
+        "inspect",
+        help="show what a store holds: rollouts, calls, tokens; verify digests",
+        description=(__doc__ or "").split("\n\n")[0],
+    )
+    _add_arguments(p)
+
+
+def load_tokenizer(path: str) -> TokenText:
+    """Each token id's text, from a Hugging Face tokenizer.json (through `tokenizers`)."""
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise InspectError(
+            "--tokenizer needs the tokenizers package, which is not installed: "
+            "pip install tokenizers"
+        ) from None
+    if not os.path.isfile(path):
+        raise InspectError(f"--tokenizer: no file at {path}")
+    try:
+        tok = Tokenizer.from_file(path)
+    except Exception as e:  # the library raises its own Exception subclass for a bad file
+        raise InspectError(f"--tokenizer: {path} is not a tokenizer.json ({e})") from None
+
+    def text(token_id: int) -> str:
+        decoded: str = tok.decode([token_id], skip_special_tokens=False)
+        # A lone byte of a multi-byte character decodes to nothing: show the vocabulary entry.
+        return decoded or (tok.id_to_token(token_id) or "")
+
+    return text
+
+
+def _out_for(stream: IO[str]) -> Out:
+    if stream.isatty():
+        from rich.console import Console
+
+        return RichOut(Console(file=stream, highlight=False))
+    return PlainOut(stream)
+
+
+def _print_json(view: Any, stream: IO[str], *, compact: bool = False) -> None:
+    option = orjson.OPT_APPEND_NEWLINE | (0 if compact else orjson.OPT_INDENT_2)
+    stream.write(orjson.dumps(view, option=option, default=str).decode())
+    stream.flush()
+
+
+class Follower:
+    """Finds the calls that arrived since the last `poll` (staged, or failed in the ledger).
+
+    `poll` returns them as rollout-view entries (docs/inspect.md), ordered by rollout and seq.
+    Staged calls are found by diffing the store's keys, so a poll reads only the new records
+    (and a new call's parent, to tell drift); failures are read from each followed rollout's
+    ledger.
+    """
+
+    def __init__(self, store: Store, rollout_id: str | None = None) -> None:
+        self.store = store
+        self.rollout_id = rollout_id
+        self.seen = known_call_ids(store, self._rollout_ids())
+        self._parents: dict[str, tuple[int, array[int]]] = {}
+
+    def _rollout_ids(self) -> list[str]:
+        return [self.rollout_id] if self.rollout_id is not None else self.store.rollouts()
+
+    def _remember(self, call_id: str, seq: int, full: array[int]) -> None:
+        self._parents[call_id] = (seq, full)
+        while len(self._parents) > _FOLLOW_CACHE:
+            del self._parents[next(iter(self._parents))]
+
+    def _parent(self, call_id: str | None) -> tuple[int, array[int]] | None:
+        if call_id is None:
+            return None
+        if call_id not in self._parents:
+            try:
+                (p,) = self.store.source.fetch([call_id])
+            except KeyError:
+                return None
+            self._remember(
+                call_id, p.seq, full_sequence(p.prompt_token_ids, p.completion_token_ids)
+            )
+        return self._parents[call_id]
+
+    def seq_of(self, call_id: str) -> int | None:
+        hit = self._parents.get(call_id)
+        return hit[0] if hit is not None else None
+
+    def poll(self) -> list[dict[str, Any]]:
+        new_keys = [k for k in self.store.source.all_keys() if k not in self.seen]
+        self.seen.update(new_keys)
+        records = self.store.source.fetch(new_keys) if new_keys else []
+        orphaned = self.store.source.orphaned() if records else set()
+        entries = []
+        for r in sorted(records, key=lambda r: (r.rollout_id, r.seq)):
+            if self.rollout_id is not None and r.rollout_id != self.rollout_id:
+                continue
+            parent = self._parent(r.parent_call_id)
+            entries.append(
+                staged_entry(r, parent[1] if parent else None, orphaned=r.call_id in orphaned)
+            )
+            self._remember(
+                r.call_id, r.seq, full_sequence(r.prompt_token_ids, r.completion_token_ids)
+            )
+        for rollout_id in self._rollout_ids():
+            for f in self.store.failures(rollout_id):
+                if f.call_id not in self.seen:
+                    self.seen.add(f.call_id)
+                    entries.append(failure_entry(f))
+        entries.sort(key=lambda e: (e["rollout_id"], e["seq"]))
+        return entries
+
+
+def _follow(store: Store, args: argparse.Namespace, stream: IO[str], out: Out) -> int:
+    follower = Follower(store, args.rollout)
+    print(f"following {store.url} every {args.interval:g}s (Ctrl-C to stop)", file=sys.stderr)
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt
+
+    # SIGTERM (a supervisor, `timeout`) ends a follow as cleanly as Ctrl-C: output stays whole.
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        while True:
+            time.sleep(args.interval)
+            for e in follower.poll():
+                if args.json:
+                    _print_json({"event": "call", **e}, stream, compact=True)
+                    continue
+                seq_of = {
+                    k: s
+                    for k in (e.get("parent_call_id"), e.get("retry_of"))
+                    if k
+                    if (s := follower.seq_of(k)) is not None
+                }
+                row = call_row(e, seq_of)
+                prefix = "" if args.rollout else f"{e['rollout_id']}  "
+                out.line(prefix + "  ".join(c for c in row if c), alert=e["status"] != "staged")
+                stream.flush()
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    if (args.tokens or args.tokenizer) and not args.call:
+        raise InspectError("--tokens and --tokenizer go with --call ID")
+    if args.follow and (args.call or args.verify):
+        raise InspectError("--follow follows the store or one --rollout, not --call or --verify")
+
+
+def _run(store: Store, args: argparse.Namespace, stream: IO[str]) -> int:
+    out = _out_for(stream)
+    view: dict[str, Any]
+    render: Callable[[Any, Out], None]
+    if args.verify:
+        view, render = verify_view(store), render_verify
+    elif args.call:
+        text = load_tokenizer(args.tokenizer) if args.tokenizer else None
+        try:
+            view = call_view(
+                store, args.call, tokens=args.tokens or text is not None, token_text=text
+            )
+        except KeyError:
+            raise InspectError(
+                f"no call {args.call!r} in {store.url} (neither staged nor in a ledger)"
+            ) from None
+        render = render_call
+    elif args.rollout:
+        try:
+            view = rollout_view(store, args.rollout)
+        except KeyError:
+            raise InspectError(f"no rollout {args.rollout!r} in {store.url}") from None
+        render = render_rollout
+    else:
+        view, render = overview(store), render_overview
+    if args.json:
+        _print_json(view, stream, compact=args.follow)
+    else:
+        render(view, out)
+        stream.flush()
+    if args.follow:
+        return _follow(store, args, stream, out)
+    return 1 if args.verify and not view["ok"] else 0
+
+
+def run_inspect(args: argparse.Namespace, *, stdout: IO[str] | None = None) -> int:
+    """Run ``inspect`` with parsed arguments; returns the exit status (0, 1: verify failed,
+    2: a usage error or a store/rollout/call that cannot be found or read)."""
+    stream = stdout if stdout is not None else sys.stdout
+    try:
+        _check_flags(args)
+        with open_store(args.store) as store:
+            return _run(store, args, stream)
+    except (InspectError, StoreError) as e:
+        print(f"{PROG}: {e}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        # The reader went away (`inspect ... | head`): not an error, and nothing left to say.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
+
+
+def main(argv: Sequence[str] | None = None, *, stdout: IO[str] | None = None) -> int:
+    """``capture-proxy inspect`` on its own; `argv` excludes the program name."""
+    p = argparse.ArgumentParser(prog=PROG, description=(__doc__ or "").split("\n\n")[0])
+    _add_arguments(p)
+    return run_inspect(p.parse_args(argv), stdout=stdout)
