@@ -10,9 +10,11 @@ from __future__ import annotations
 import sys
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
+
+import pyarrow as pa
 
 from .parquet_fs import DatasetFS
 from .parquet_layout import ATTACHMENTS, BLOBS, CALLS, LEDGER, Marker, read_groups, read_table
@@ -22,6 +24,10 @@ __all__ = ["LRU", "CallRef", "Index", "Known", "Where", "ids_from_bytes"]
 
 K = TypeVar("K", bound=Hashable)
 T = TypeVar("T")
+#: Units up to this size (all their files) are read whole when indexed.
+SMALL_UNIT_BYTES = 1 << 20
+#: Receives a row group read while indexing: (path, group) and the table.
+Keep = Callable[[tuple[str, int], pa.Table], None]
 _LITTLE = sys.byteorder == "little"
 
 #: The columns of a calls file the index reads (the rest is loaded on demand).
@@ -97,11 +103,22 @@ class Index:
     attachments: dict[str, Where] = field(default_factory=dict)
     ledger: Ledger = field(default_factory=Ledger)
 
-    def add_unit(self, dfs: DatasetFS, unit: Marker) -> None:
+    def add_unit(self, dfs: DatasetFS, unit: Marker, keep: Keep | None = None) -> None:
+        """Index `unit`. A small unit's files are read whole, once, and each row group handed to
+        `keep` (the reader's cache): opening a small file costs more than reading all of it.
+        """
         files = unit.files
+        whole = keep is not None and unit.size <= SMALL_UNIT_BYTES
+
+        def groups(path: str, columns: Sequence[str]) -> Iterator[tuple[int, dict[str, Any]]]:
+            for g, t in enumerate(read_groups(dfs, path, None if whole else columns)):
+                if whole and keep is not None:
+                    keep((path, g), t)
+                yield g, t.select(list(columns)).to_pydict()
+
         if CALLS in files:
             path = files[CALLS]
-            for g, t in enumerate(read_groups(dfs, path, _INDEX_COLUMNS)):
+            for g, t in groups(path, _INDEX_COLUMNS):
                 for i, cid in enumerate(t["call_id"]):
                     if cid in self.calls:
                         continue  # a second copy (two writers): the first committed wins
@@ -126,7 +143,7 @@ class Index:
         ):
             if table in files:
                 path = files[table]
-                for g, t in enumerate(read_groups(dfs, path, [column])):
+                for g, t in groups(path, [column]):
                     for i, key in enumerate(t[column]):
                         into.setdefault(key, Where(path, g, i))
         if LEDGER in files:

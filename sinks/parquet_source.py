@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import pyarrow as pa
 import pyarrow.fs as pafs
 
 from ..schemas.records import Attachment, CommitCoords, LedgerEntry, RolloutInfo, StagedCallRecord
@@ -36,10 +36,20 @@ def default_url(location: str) -> str:
     return location if "://" in location else f"parquet:///{location}"
 
 
-@dataclass(frozen=True, slots=True)
-class _Rows:
-    rows: list[dict[str, Any]]
-    nbytes: int
+class _Group:
+    """A cached row group: the Arrow table, turned into Python rows on first use."""
+
+    __slots__ = ("_rows", "nbytes", "table")
+
+    def __init__(self, table: pa.Table) -> None:
+        self.table = table
+        self.nbytes = int(table.nbytes)
+        self._rows: list[dict[str, Any]] | None = None
+
+    def row(self, i: int) -> dict[str, Any]:
+        if self._rows is None:
+            self._rows = self.table.to_pylist()
+        return self._rows[i]
 
 
 class ParquetSource:
@@ -69,7 +79,7 @@ class ParquetSource:
         self._markers: dict[str, Marker] = {}
         self._listing: list[str] = []
         self._index = Index()
-        self._groups: LRU[tuple[str, int], _Rows] = LRU(cache_bytes, lambda r: r.nbytes)
+        self._groups: LRU[tuple[str, int], _Group] = LRU(cache_bytes, lambda g: g.nbytes)
         self._fulls: LRU[str, array[int]] = LRU(cache_tokens, len)
 
     # -- snapshot -------------------------------------------------------------------------------
@@ -104,12 +114,12 @@ class ParquetSource:
         old = self._index.units
         if live[: len(old)] == old:
             for unit in live[len(old) :]:
-                self._index.add_unit(self.dfs, unit)
+                self._index.add_unit(self.dfs, unit, self._keep)
         else:
             # A compaction replaced units: re-index, so ledger rows replay in the new order.
             index = Index()
             for unit in live:
-                index.add_unit(self.dfs, unit)
+                index.add_unit(self.dfs, unit, self._keep)
             self._index = index
 
     def _reset(self) -> None:
@@ -151,9 +161,11 @@ class ParquetSource:
         key = (where.path, where.group)
         group = self._groups.get(key)
         if group is None:
-            table = read_group(self.dfs, where.path, where.group)
-            group = self._groups.put(key, _Rows(table.to_pylist(), table.nbytes))
-        return group.rows[where.row]
+            group = self._groups.put(key, _Group(read_group(self.dfs, where.path, where.group)))
+        return group.row(where.row)
+
+    def _keep(self, key: tuple[str, int], table: pa.Table) -> None:
+        self._groups.put(key, _Group(table))
 
     def _blob(self, key: str) -> bytes:
         data: bytes = self._row(self._index.blobs[key])["data"]
