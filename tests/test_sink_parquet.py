@@ -64,6 +64,8 @@ def data_files(ds: Path) -> list[Path]:
 async def test_layout_format_file_and_url(tmp_path: Path) -> None:
     ds = tmp_path / "a" / "ds"
     sink = ParquetSink(str(ds))
+    assert isinstance(sink, StagingSink)
+    assert isinstance(ParquetSource(str(ds)), StagingSource)
     record, atts = Session("lay", image=image("lay")).next()
     res = await sink.stage(record, attachments=atts)
     await sink.close()
