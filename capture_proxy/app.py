@@ -13,7 +13,7 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 
 import aiohttp
 from aiohttp import web
@@ -24,6 +24,7 @@ from .control import add_control_routes
 from .errors import NotFound, ProxyError, error_body
 from .metrics import Metrics
 from .passthrough import passthrough
+from .policy import RequestPolicy
 from .settings import Settings
 from .sinks.base import StagingSink, StagingSource
 from .sinks.urls import parse_store_url
@@ -34,6 +35,7 @@ from .upstream import Upstream
 __all__ = ["create_admin_app", "create_app"]
 
 log = logging.getLogger("capture_proxy")
+access_log = logging.getLogger("capture_proxy.access")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -45,24 +47,57 @@ def _route_label(request: web.Request) -> str:
     return info.route.resource.canonical
 
 
+def _log_access(
+    state: ProxyState,
+    request: web.Request,
+    route: str,
+    status: int,
+    elapsed: float,
+    headers: Mapping[str, str],
+) -> None:
+    """One line per request with its rollout, call id and capture outcome (never the body)."""
+    call_id = headers.get("X-Capture-Call-Id")
+    rollout_id = (
+        request.match_info.get("rollout_id")
+        or request.headers.get("X-Rollout-Id")
+        or request.headers.get("x-session-id")
+    )
+    outcome = headers.get("X-Capture-Status")
+    live = state.capture.rollouts.get(rollout_id or "anonymous") if call_id else None
+    if live is not None and call_id in live.outcomes:
+        outcome = str(live.outcomes[call_id].status)  # a stream's final outcome, not "pending"
+    access_log.info(
+        "%s %s %d",
+        request.method,
+        route,
+        status,
+        extra={
+            "route": route,
+            "http_status": status,
+            "duration_ms": round(elapsed * 1000, 2),
+            "rollout_id": rollout_id if call_id else None,
+            "call_id": call_id,
+            "status": outcome,
+        },
+    )
+
+
 @web.middleware
 async def errors_and_metrics(request: web.Request, handler: Handler) -> web.StreamResponse:
     """One JSON error body for every error; requests counted by route and status."""
     state = request.app[STATE]
     started = time.perf_counter()
     route = _route_label(request)
-    status = 500
+    response: web.StreamResponse | None = None
     try:
         response = await handler(request)
-        status = response.status
         return response
     except ProxyError as e:
-        status = e.status
-        return web.Response(
+        response = web.Response(
             status=e.status, body=e.body(), content_type="application/json", headers=e.headers
         )
+        return response
     except web.HTTPException as e:
-        status = e.status
         if e.status == 404:
             err: ProxyError = NotFound(
                 f"{request.method} {request.path} is not a route of capture-proxy: only "
@@ -70,9 +105,10 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
                 "/version passed through); nothing is proxied uncaptured",
                 code="route_not_found",
             )
-            return web.Response(status=404, body=err.body(), content_type="application/json")
+            response = web.Response(status=404, body=err.body(), content_type="application/json")
+            return response
         if e.status == 405:
-            return web.Response(
+            response = web.Response(
                 status=405,
                 body=error_body(
                     f"{request.method} is not allowed on {request.path}",
@@ -82,10 +118,17 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
                 content_type="application/json",
                 headers={"Allow": e.headers.get("Allow", "")},
             )
+            return response
+        response = e  # aiohttp's HTTPException is a response: log its status
         raise
     finally:
+        elapsed = time.perf_counter() - started
+        status = response.status if response is not None else 500
         state.metrics.requests.labels(route, str(status)).inc()
-        state.metrics.request_seconds.labels(route).observe(time.perf_counter() - started)
+        state.metrics.request_seconds.labels(route).observe(elapsed)
+        if access_log.isEnabledFor(logging.INFO):
+            headers = response.headers if response is not None else {}
+            _log_access(state, request, route, status, elapsed, headers)
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -190,6 +233,12 @@ def create_app(settings: Settings, *, sink: StagingSink | None = None) -> web.Ap
             max_inflight=settings.max_inflight,
             max_inflight_per_rollout=settings.max_inflight_per_rollout,
             source=_reader_for(the_sink),
+            policy=RequestPolicy(
+                defaults=settings.policy_defaults,
+                force=settings.policy_force,
+                max_tokens_cap=settings.max_tokens_cap,
+                model=settings.served_model,
+            ),
         ),
         metrics=Metrics(),
     )

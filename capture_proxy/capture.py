@@ -27,8 +27,9 @@ from typing import Any, Protocol
 
 import orjson
 
-from .errors import CaptureUnavailable, Conflict, TooManyRequests
+from .errors import CaptureUnavailable, Conflict, TooManyRequests, Unprocessable
 from .ids import new_call_id
+from .policy import PolicyError, RequestPolicy, check_policy
 from .rollouts import CallOutcome, RolloutLive
 from .schemas.digest import EncodingError, seal_record
 from .schemas.records import (
@@ -139,8 +140,10 @@ class Capture:
         max_held_ledger: int = 100_000,
         source: Callable[[], StagingSource] | None = None,
         max_live_rollouts: int = 10_000,
+        policy: RequestPolicy | None = None,
     ) -> None:
         self.sink = sink
+        self.policy = policy or RequestPolicy()
         #: Opens a reader on the same store: rollouts seen again after a restart resume from it.
         self.source = source
         self.max_live_rollouts = max_live_rollouts
@@ -260,7 +263,11 @@ class Capture:
         live = self.rollout(rollout_id)
         assert live is not None
         live.key = key
-        live.policy = dict(policy or {})
+        try:
+            live.policy = check_policy(policy or {}, "policy")
+        except PolicyError as e:
+            del self.rollouts[rollout_id]
+            raise Unprocessable(str(e), code="invalid_policy", param="policy") from None
         live.metadata = dict(metadata or {})
         await self._put_rollout(live)
         return live

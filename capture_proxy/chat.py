@@ -46,20 +46,6 @@ log = logging.getLogger("capture_proxy.chat")
 _JSON = "application/json"
 
 
-def _apply_policy(state: ProxyState, body: dict[str, Any]) -> None:
-    """Operator knobs applied to the forwarded (and so recorded) request."""
-    s = state.settings
-    if s.served_model:
-        body["model"] = s.served_model
-    if s.max_tokens_cap:
-        for key in ("max_tokens", "max_completion_tokens"):
-            value = body.get(key)
-            if isinstance(value, int) and value > s.max_tokens_cap:
-                body[key] = s.max_tokens_cap
-        if "max_tokens" not in body and "max_completion_tokens" not in body:
-            body["max_tokens"] = s.max_tokens_cap
-
-
 #: Bodies above this are decoded and normalized on a worker thread: base64-decoding a large
 #: image would otherwise stall every other call on the event loop.
 _OFFLOAD_BYTES = 1 << 20
@@ -94,6 +80,36 @@ def _decode_and_normalize(raw: bytes, allow_remote_media: bool) -> NormalizedReq
         raise err(e.message, code=e.code, param=e.param) from None
 
 
+async def _guard_context(state: ProxyState, body: dict[str, Any], staged: dict[str, Any]) -> None:
+    """With --max-model-len: refuse (or cap) a call whose prompt + max_tokens cannot fit."""
+    limit = state.settings.max_model_len
+    if not limit:
+        return
+    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    wanted = body.get(key)
+    prompt_len = await state.upstream.count_prompt_tokens(body)
+    room = limit - prompt_len
+    if room <= 0:
+        raise BadRequest(
+            f"the prompt is {prompt_len} tokens: it does not fit the context window of {limit}",
+            code="context_overflow",
+            param="messages",
+        )
+    if wanted is None or wanted <= room:
+        if wanted is None and state.settings.context_overflow == "cap":
+            body[key] = staged[key] = room
+        return
+    if state.settings.context_overflow == "cap":
+        body[key] = staged[key] = room
+        return
+    raise BadRequest(
+        f"{key}={wanted} plus the prompt's {prompt_len} tokens exceeds the context window of "
+        f"{limit}; ask for at most {room}",
+        code="context_overflow",
+        param=key,
+    )
+
+
 def _capture_headers(call_id: str, status: str) -> dict[str, str]:
     return {"X-Capture-Call-Id": call_id, "X-Capture-Status": status}
 
@@ -105,7 +121,6 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     started = time.perf_counter()
     rollout_id = resolve_rollout_id(request, require=state.settings.require_rollout_id)
     state.authorize_call(request, rollout_id)
-    await state.capture.ensure_rollout(rollout_id)
     try:
         raw = await _read_body(request, state.settings.max_body_bytes)
         remote = state.settings.allow_remote_media
@@ -113,10 +128,11 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             normalized = await asyncio.to_thread(_decode_and_normalize, raw, remote)
         else:
             normalized = _decode_and_normalize(raw, remote)
-        body = dict(normalized.body)
-        staged = dict(normalized.staged)
-        _apply_policy(state, body)
-        _apply_policy(state, staged)
+        live = await state.capture.ensure_rollout(rollout_id)
+        policy = state.capture.policy
+        body = policy.apply(normalized.body, live.policy)
+        staged = policy.apply(normalized.staged, live.policy)
+        await _guard_context(state, body, staged)
         call = state.capture.begin_call(rollout_id, staged, normalized.attachments)
     except ProxyError as e:
         if e.status != 409:  # a sealed rollout's ledger is closed

@@ -9,7 +9,11 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from .settings import SettingsError, add_arguments, load_settings
+from .logs import setup_logging
+from .policy import PolicyError
+from .settings import SettingsError, add_arguments, load_settings, settings_markdown
+
+log = logging.getLogger("capture_proxy")
 
 __all__ = ["main"]
 
@@ -28,6 +32,8 @@ def _parser() -> argparse.ArgumentParser:
         "environment variable (flag > environment > default).",
     )
     add_arguments(serve)
+    settings = sub.add_parser("settings", help="list every setting (flag, environment, TOML key)")
+    settings.add_argument("--markdown", action="store_true", help="as the docs/settings.md page")
     return p
 
 
@@ -38,13 +44,16 @@ async def _serve(settings_args: argparse.Namespace) -> int:
     from .state import STATE
 
     settings = load_settings(settings_args)
-    logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
-    )
+    setup_logging(settings.log_level, settings.log_format)
+    log.info("starting with settings %s", settings.public())
     app = create_app(settings)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, settings.host, settings.port)
+    # On SIGTERM the site stops listening, then waits up to shutdown_timeout for in-flight calls
+    # and streams to finish before the cleanup context flushes the sink.
+    site = web.TCPSite(
+        runner, settings.host, settings.port, shutdown_timeout=settings.shutdown_timeout
+    )
     await site.start()
     host, port = runner.addresses[0][:2]
     state = app[STATE]
@@ -86,7 +95,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "serve":
             return asyncio.run(_serve(args))
-    except SettingsError as e:
+        if args.command == "settings":
+            sys.stdout.write(settings_markdown())
+            return 0
+    except (SettingsError, PolicyError) as e:
         print(f"capture-proxy: {e}", file=sys.stderr)
         return 2
     except OSError as e:

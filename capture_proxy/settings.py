@@ -2,9 +2,12 @@
 
 Each field of `Settings` is one setting: its name, type, default and help text. The command-line
 flag (``--stage-timeout``) and the environment variable (``CAPTURE_PROXY_STAGE_TIMEOUT``) are both
-derived from that one declaration, so `--help`, the environment and the docs cannot disagree.
-Precedence: flag > environment > default. Invalid values fail at start with one sentence that
-names the setting.
+derived from that one declaration, and so is the key in a TOML config file (``--config``) and the
+settings page in ``docs/settings.md`` (``capture-proxy settings --markdown``): `--help`, the
+environment, the file and the docs cannot disagree.
+
+Precedence: flag > environment > config file > default. Invalid values fail at start with one
+sentence that names the setting.
 """
 
 from __future__ import annotations
@@ -12,11 +15,21 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, get_type_hints
 
-__all__ = ["ENV_PREFIX", "Settings", "SettingsError", "add_arguments", "load_settings"]
+import orjson
+
+__all__ = [
+    "ENV_PREFIX",
+    "Settings",
+    "SettingsError",
+    "add_arguments",
+    "load_settings",
+    "settings_markdown",
+]
 
 ENV_PREFIX = "CAPTURE_PROXY_"
 _TRUE = {"1", "true", "yes", "on"}
@@ -30,7 +43,10 @@ class SettingsError(ValueError):
 def _s(
     default: Any, help: str, *, choices: Sequence[str] | None = None, secret: bool = False
 ) -> Any:
-    return field(default=default, metadata={"help": help, "choices": choices, "secret": secret})
+    meta = {"help": help, "choices": choices, "secret": secret}
+    if isinstance(default, dict):
+        return field(default_factory=dict, metadata=meta)
+    return field(default=default, metadata=meta)
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +115,34 @@ class Settings:
         False, "sandboxes must send the key minted for their rollout by POST /admin/rollouts"
     )
     seal_timeout: float = _s(60.0, "seconds sealing waits for a rollout's in-flight calls")
+    shutdown_timeout: float = _s(
+        30.0, "on SIGTERM, seconds in-flight calls and streams may take to finish"
+    )
+    # RUF009: `_s` returns a dataclasses.field with a default_factory for dict settings.
+    policy_defaults: dict[str, Any] = _s(  # noqa: RUF009
+        {},
+        "sampling parameters filled in when the client sent none (JSON object, or a TOML table), "
+        'e.g. {"temperature": 1.0, "chat_template_kwargs": {"enable_thinking": true}}',
+    )
+    policy_force: dict[str, Any] = _s(  # noqa: RUF009
+        {}, "sampling parameters imposed on every call, over the client and rollout policies"
+    )
+    max_model_len: int = _s(
+        0,
+        "the upstream's context window: calls whose prompt + max_tokens cannot fit are handled "
+        "per --context-overflow before reaching vLLM (0: no guard; costs a /tokenize per call)",
+    )
+    context_overflow: str = _s(
+        "error",
+        "a call that cannot fit the context: error (400) or cap (lower max_tokens to what fits)",
+        choices=("error", "cap"),
+    )
     log_level: str = _s("info", "log level", choices=("debug", "info", "warning", "error"))
+    log_format: str = _s(
+        "json",
+        "log lines as JSON objects (with rollout and call ids) or plain text",
+        choices=("json", "text"),
+    )
 
     def public(self) -> dict[str, Any]:
         """The settings with secrets masked, for logs and `/readyz`."""
@@ -118,11 +161,23 @@ def _env(name: str) -> str:
     return ENV_PREFIX + name.upper()
 
 
+def _default_text(f: dataclasses.Field[Any]) -> str:
+    if f.default_factory is not dataclasses.MISSING:
+        return repr(f.default_factory())
+    return repr(f.default)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add one flag per setting. Defaults are left as None so the environment can fill them."""
+    parser.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE",
+        help=f"a TOML file of settings (keys as below, snake_case; env {ENV_PREFIX}CONFIG)",
+    )
     hints = get_type_hints(Settings)
     for f in dataclasses.fields(Settings):
-        help_text = f"{f.metadata['help']} (env {_env(f.name)}; default: {f.default!r})"
+        help_text = f"{f.metadata['help']} (env {_env(f.name)}; default: {_default_text(f)})"
         kind = hints[f.name]
         if kind is bool:
             parser.add_argument(
@@ -139,10 +194,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             )
 
 
-def _convert(name: str, kind: Any, raw: Any, source: str) -> Any:
-    if isinstance(raw, bool) or kind is str:
+def _kind(hint: Any) -> type:
+    return dict if getattr(hint, "__origin__", None) is dict else hint  # type: ignore[no-any-return,unused-ignore]
+
+
+def _convert(kind: type, raw: Any, source: str) -> Any:
+    """Convert a flag or environment string (or a TOML value) to the setting's type."""
+    if kind is dict:
+        value = raw
+        if isinstance(raw, str):
+            try:
+                value = orjson.loads(raw) if raw.strip() else {}
+            except orjson.JSONDecodeError as e:
+                raise SettingsError(f"{source} must be a JSON object: {e}") from None
+        if not isinstance(value, dict):
+            raise SettingsError(f"{source} must be a JSON object (a table in TOML), got {raw!r}")
+        return value
+    if type(raw) is kind:
         return raw
-    text = str(raw).strip()
+    if kind is float and type(raw) is int:  # TOML's 10 for a float setting
+        return float(raw)
+    if not isinstance(raw, str):
+        raise SettingsError(f"{source} must be a {kind.__name__}, got {raw!r}")
+    if kind is str:
+        return raw
+    text = raw.strip()
     try:
         if kind is bool:
             low = text.lower()
@@ -160,11 +236,31 @@ def _convert(name: str, kind: Any, raw: Any, source: str) -> Any:
     raise SettingsError(f"{source} must be a {kind.__name__}, got {raw!r}")
 
 
+def _read_config(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as fh:
+            data = tomllib.load(fh)
+    except FileNotFoundError:
+        raise SettingsError(f"--config: no such file {path}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise SettingsError(f"--config {path} is not valid TOML: {e}") from None
+    names = {f.name for f in dataclasses.fields(Settings)}
+    for key in data:
+        if key not in names:
+            raise SettingsError(
+                f"--config {path}: unknown setting {key!r} (settings are the flags' names "
+                "in snake_case, e.g. stage_timeout)"
+            )
+    return data
+
+
 def load_settings(
     args: argparse.Namespace | None = None, environ: Mapping[str, str] | None = None
 ) -> Settings:
-    """Build `Settings` from parsed flags and the environment (flag > environment > default)."""
+    """Build `Settings`: flag > environment > config file (``--config``) > default."""
     environ = os.environ if environ is None else environ
+    config_path = getattr(args, "config", None) or environ.get(ENV_PREFIX + "CONFIG")
+    config = _read_config(config_path) if config_path else {}
     hints = get_type_hints(Settings)
     values: dict[str, Any] = {}
     for f in dataclasses.fields(Settings):
@@ -173,9 +269,11 @@ def load_settings(
             raw, source = flag_value, _flag(f.name)
         elif _env(f.name) in environ:
             raw, source = environ[_env(f.name)], f"{_env(f.name)}"
+        elif f.name in config:
+            raw, source = config[f.name], f"{f.name} in {config_path}"
         else:
             continue
-        value = _convert(f.name, hints[f.name], raw, source)
+        value = _convert(_kind(hints[f.name]), raw, source)
         choices = f.metadata["choices"]
         if choices and value not in choices:
             raise SettingsError(f"{source} must be one of {', '.join(choices)}, got {value!r}")
@@ -183,6 +281,32 @@ def load_settings(
     settings = Settings(**values)
     _check(settings)
     return settings
+
+
+def settings_markdown() -> str:
+    """The settings page (docs/settings.md), generated from the declarations."""
+    hints = get_type_hints(Settings)
+    lines = [
+        "# Settings",
+        "",
+        "Generated by `capture-proxy settings --markdown` from `capture_proxy/settings.py`; a test",
+        "keeps this page equal to that output. Precedence: flag > environment > config file",
+        "(`--config FILE`, TOML, keys in snake_case) > default.",
+        "",
+        "| flag | environment | TOML key | type | default | meaning |",
+        "|---|---|---|---|---|---|",
+    ]
+    for f in dataclasses.fields(Settings):
+        kind = _kind(hints[f.name]).__name__
+        choices = f.metadata["choices"]
+        if choices:
+            kind = " \\| ".join(choices)
+        help_text = f.metadata["help"].replace("|", "\\|")
+        lines.append(
+            f"| `{_flag(f.name)}` | `{_env(f.name)}` | `{f.name}` | {kind} | "
+            f"`{_default_text(f)}` | {help_text} |"
+        )
+    return "\n".join(lines) + "\n"
 
 
 def _check(s: Settings) -> None:
@@ -199,13 +323,20 @@ def _check(s: Settings) -> None:
         "upstream_first_byte_timeout",
         "upstream_idle_timeout",
         "seal_timeout",
+        "shutdown_timeout",
     ):
         if getattr(s, name) <= 0:
             raise bad(name, f"must be > 0, got {getattr(s, name)}")
     for name in ("max_body_bytes", "max_pending_stages"):
         if getattr(s, name) < 1:
             raise bad(name, f"must be >= 1, got {getattr(s, name)}")
-    for name in ("min_free_disk_mb", "max_tokens_cap", "max_inflight", "max_inflight_per_rollout"):
+    for name in (
+        "min_free_disk_mb",
+        "max_tokens_cap",
+        "max_inflight",
+        "max_inflight_per_rollout",
+        "max_model_len",
+    ):
         if getattr(s, name) < 0:
             raise bad(name, f"must be >= 0, got {getattr(s, name)}")
     if s.upstream != "fake" and not s.upstream.startswith(("http://", "https://")):

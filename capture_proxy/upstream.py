@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import aiohttp
 import orjson
 
+from .errors import UpstreamFailed
+
 __all__ = ["PROBE_MESSAGES", "Upstream", "UpstreamInfo", "reasoning_field_for"]
 
 log = logging.getLogger("capture_proxy.upstream")
@@ -89,6 +91,39 @@ class Upstream:
         if field == "auto":
             field = reasoning_field_for(version)
         return UpstreamInfo(version, field, self._fingerprints.get(model, ""))
+
+    async def count_prompt_tokens(self, request: dict[str, object]) -> int:
+        """The prompt's token count from the upstream's /tokenize (the context guard)."""
+        body = {
+            k: request[k]
+            for k in ("model", "messages", "tools", "chat_template_kwargs", "add_generation_prompt")
+            if k in request
+        }
+        try:
+            async with self.session.post(
+                self.url("/tokenize"),
+                data=orjson.dumps(body),
+                headers={**self.headers, "Content-Type": "application/json"},
+            ) as resp:
+                data = orjson.loads(await resp.read())
+                if resp.status != 200:
+                    raise UpstreamFailed(
+                        f"the context guard could not tokenize the prompt: upstream /tokenize "
+                        f"answered {resp.status}",
+                        code="context_guard",
+                    )
+                return int(data["count"])
+        except (
+            aiohttp.ClientError,
+            TimeoutError,
+            orjson.JSONDecodeError,
+            KeyError,
+            TypeError,
+        ) as e:
+            raise UpstreamFailed(
+                f"the context guard could not tokenize the prompt: {type(e).__name__}: {e}",
+                code="context_guard",
+            ) from None
 
     async def _fetch_version(self) -> str:
         try:

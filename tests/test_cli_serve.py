@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -134,3 +135,71 @@ def test_serve_refuses_bad_settings_in_one_sentence(tmp_path: Path) -> None:
     assert proc.stderr.strip() == (
         "capture-proxy: --stage-timeout (CAPTURE_PROXY_STAGE_TIMEOUT) must be > 0, got -1.0"
     )
+
+
+def test_config_file_sits_between_environment_and_default(tmp_path: Path) -> None:
+    cfg = tmp_path / "proxy.toml"
+    cfg.write_text(
+        'store = "sqlite:///from-file.db"\nport = 9100\nstage_timeout = 3\n'
+        "[policy_defaults]\ntemperature = 0.5\n"
+    )
+    s = load_settings(
+        _args("--config", str(cfg), "--port", "9200"), {"CAPTURE_PROXY_STAGE_TIMEOUT": "4"}
+    )
+    assert s.port == 9200  # flag beats file
+    assert s.stage_timeout == 4.0  # environment beats file
+    assert s.store == "sqlite:///from-file.db"  # file beats default
+    assert s.policy_defaults == {"temperature": 0.5}
+    via_env = load_settings(_args(), {"CAPTURE_PROXY_CONFIG": str(cfg)})
+    assert via_env.port == 9100
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("stage_timeot = 3\n", "unknown setting 'stage_timeot'"),
+        ("port = 'x'\n", "port in "),
+        ("port = [\n", "is not valid TOML"),
+        ("policy_force = 3\n", "policy_force in "),
+    ],
+)
+def test_bad_config_file_names_the_key(tmp_path: Path, text: str, message: str) -> None:
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text(text)
+    with pytest.raises(SettingsError, match=message):
+        load_settings(_args("--config", str(cfg)), {})
+
+
+def test_missing_config_file() -> None:
+    with pytest.raises(SettingsError, match="no such file"):
+        load_settings(_args("--config", "/nonexistent/proxy.toml"), {})
+
+
+def test_json_settings_from_flag() -> None:
+    s = load_settings(_args("--policy-force", '{"seed": 3}'), {})
+    assert s.policy_force == {"seed": 3}
+    with pytest.raises(SettingsError, match="--policy-force must be a JSON object"):
+        load_settings(_args("--policy-force", "{seed"), {})
+
+
+def test_settings_page_is_generated_from_the_declarations() -> None:
+    from capture_proxy.settings import settings_markdown
+
+    page = Path(__file__).resolve().parents[1] / "docs" / "settings.md"
+    assert page.read_text() == settings_markdown(), (
+        "run: capture-proxy settings --markdown > docs/settings.md"
+    )
+    for f in dataclasses.fields(Settings):
+        assert f"`--{f.name.replace('_', '-')}`" in page.read_text()
+
+
+def test_help_lists_every_setting() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "capture_proxy", "serve", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout
+    for f in dataclasses.fields(Settings):
+        assert f"--{f.name.replace('_', '-')}" in out

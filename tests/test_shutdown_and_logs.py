@@ -1,0 +1,97 @@
+"""SIGTERM drains in-flight streams before exiting; logs are JSON lines with ids, never bodies."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import sys
+from pathlib import Path
+
+import aiohttp
+from aiohttp.test_utils import TestServer
+
+from capture_proxy.fake_vllm import FakeVLLM, Turn
+from capture_proxy.reader import open_store
+
+SECRET = "sk-never-log-me"
+PROMPT = "my private prompt text"
+
+
+async def _start(tmp_path: Path, upstream: str) -> tuple[asyncio.subprocess.Process, str]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "capture_proxy",
+        "serve",
+        "--upstream",
+        upstream,
+        "--store",
+        f"sqlite:///{tmp_path / 'c.db'}",
+        "--port",
+        "0",
+        "--shutdown-timeout",
+        "20",
+        "--upstream-api-key",
+        SECRET,
+        "--min-free-disk-mb",
+        "0",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert proc.stdout is not None
+    for _ in range(20):
+        line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
+        match = re.search(r"listening on (http://127\.0\.0\.1:\d+)", line)
+        if match:
+            return proc, match.group(1)
+    raise AssertionError("the proxy did not start")
+
+
+async def test_sigterm_lets_an_open_stream_finish_and_stage(tmp_path: Path) -> None:
+    fake = FakeVLLM(chunk_delay=0.02, api_key=SECRET)
+    fake.push(Turn("word " * 40))
+    upstream = TestServer(fake.app())
+    await upstream.start_server()
+    proc, base = await _start(tmp_path, str(upstream.make_url("")).rstrip("/"))
+    try:
+        async with aiohttp.ClientSession() as http:
+            body = {
+                "model": "policy",
+                "stream": True,
+                "messages": [{"role": "user", "content": PROMPT}],
+            }
+            async with http.post(f"{base}/r/ep/v1/chat/completions", json=body) as resp:
+                first = await resp.content.readline()
+                assert first.startswith(b"data: ")
+                proc.send_signal(signal.SIGTERM)  # mid-stream
+                rest = await asyncio.wait_for(resp.content.read(), 30)
+            lines = [x for x in (first + rest).split(b"\n") if x]
+            assert lines[-1] == b"data: [DONE]"
+            assert lines[-2].startswith(b": capture-status staged call_id=")
+            call_id = lines[-2].split(b"call_id=")[1].decode()
+        assert await asyncio.wait_for(proc.wait(), 30) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        await upstream.close()
+    with open_store(f"sqlite:///{tmp_path / 'c.db'}") as store:
+        (record,) = store.calls("ep")
+        store.verify()
+    assert record.call_id == call_id
+
+    assert proc.stderr is not None
+    logs = (await proc.stderr.read()).decode()
+    entries = [json.loads(line) for line in logs.splitlines() if line.strip()]
+    access = [e for e in entries if e["logger"] == "capture_proxy.access"]
+    (chat,) = [e for e in access if e["route"].endswith("/chat/completions")]
+    assert chat["call_id"] == call_id
+    assert chat["rollout_id"] == "ep"
+    assert chat["status"] == "staged"
+    assert {"ts", "level", "msg"} <= set(chat)
+    assert SECRET not in logs
+    assert PROMPT not in logs
