@@ -154,8 +154,8 @@ async def readyz(request: web.Request) -> web.Response:
         problems.append(cap.unavailable_reason)
     if cap.sink_failing:
         problems.append(f"sink failing: {cap.sink_failing}")
-    if cap.held_ledger:
-        problems.append(f"{len(cap.held_ledger)} ledger entries held in memory (sink failing)")
+    if cap.ledger.held:
+        problems.append(f"{len(cap.ledger.held)} ledger entries held in memory (sink failing)")
     body = {"ready": not problems, "problems": problems}
     return web.json_response(body, status=503 if problems else 200)
 
@@ -197,8 +197,8 @@ async def _guards(state: ProxyState, store_url: str) -> None:
     while True:
         if floor and folder:
             state.capture.unavailable_reason = await asyncio.to_thread(_disk_problem, folder, floor)
-        if state.capture.held_ledger:
-            await state.capture.flush_ledger()
+        if state.capture.ledger.held:
+            await state.capture.ledger.flush()
         await asyncio.sleep(1.0)
 
 
@@ -207,7 +207,7 @@ def _live_gauges(state: ProxyState) -> dict[str, float]:
     return {
         "inflight_calls": cap.inflight,
         "pending_stages": cap.pending_stages,
-        "ledger_held_entries": len(cap.held_ledger),
+        "ledger_held_entries": len(cap.ledger.held),
         "rollouts_live": len(cap.rollouts),
         "weight_version": cap.weight_version,
         "ready_capture": 0 if (cap.unavailable_reason or cap.sink_failing) else 1,
@@ -298,7 +298,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             await guards
         await state.wait_background(s.stage_timeout)
         await state.capture.drain(s.stage_timeout)
-        await state.capture.flush_ledger()
+        await state.capture.ledger.flush()
         await state.sink.close()
         await state.session.close()
         if fake_runner is not None:

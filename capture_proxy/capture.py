@@ -16,21 +16,18 @@ as not staged (with why) — crash visibly instead of letting a call through unr
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import time
 from array import array
-from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import orjson
-
 from .errors import CaptureUnavailable, Conflict, TooManyRequests, Unprocessable
 from .ids import new_call_id
+from .ledger import Ledger
 from .policy import PolicyError, RequestPolicy, check_policy
-from .rollouts import CallOutcome, RolloutLive
+from .rollouts import CallOutcome, RolloutLive, request_key, resume_rollout
 from .schemas.digest import EncodingError, seal_record
 from .schemas.records import (
     Attachment,
@@ -44,6 +41,7 @@ from .schemas.records import (
 )
 from .schemas.tokens import full_sequence
 from .sinks.base import StagingSink, StagingSource
+from .staging import Stager
 
 __all__ = ["SAMPLING_KEYS", "Call", "Capture", "CompletionLike"]
 
@@ -111,11 +109,6 @@ class Call:
     finished: bool = False
 
 
-def request_key(request: Mapping[str, Any]) -> bytes:
-    """Identity of a normalized request (retry detection): sha256 of its sorted-key JSON."""
-    return hashlib.sha256(orjson.dumps(request, option=orjson.OPT_SORT_KEYS)).digest()
-
-
 def sampling_of(request: Mapping[str, Any]) -> dict[str, Any]:
     return {k: request[k] for k in SAMPLING_KEYS if k in request}
 
@@ -148,21 +141,15 @@ class Capture:
         self.source = source
         self.max_live_rollouts = max_live_rollouts
         self._resume_lock = asyncio.Lock()
-        self.stage_timeout = stage_timeout
-        self.max_pending = max_pending
+        self.stager = Stager(sink, timeout=stage_timeout, max_pending=max_pending)
         self.max_inflight = max_inflight
         self.max_inflight_per_rollout = max_inflight_per_rollout
         self.weight_version = 0
         self.rollouts: dict[str, RolloutLive] = {}
-        self.pending_stages = 0
         self.inflight = 0
-        #: Ledger entries the sink refused to take (it is failing); retried by `flush_ledger`.
-        self.held_ledger: deque[LedgerEntry] = deque(maxlen=max_held_ledger)
+        self.ledger = Ledger(sink, timeout=stage_timeout, max_held=max_held_ledger)
         self.unavailable_reason: str | None = None  # set by the disk guard
-        #: The last sink error while the sink keeps failing; cleared by the next staged write.
-        self.sink_failing: str | None = None
         self.counts: dict[tuple[str, str], int] = {}  # (status, reason) -> calls
-        self._late_tasks: set[asyncio.Task[Any]] = set()
 
     # -- rollouts ------------------------------------------------------------------------------
 
@@ -186,7 +173,11 @@ class Capture:
             live = self.rollouts.get(rollout_id)
             if live is None:
                 if self.source is not None:
-                    live = await asyncio.to_thread(self._resume, rollout_id)
+                    live = await asyncio.to_thread(resume_rollout, self.source, rollout_id)
+                    if live is not None:
+                        log.info(
+                            "resumed rollout %s from the store at seq %d", rollout_id, live.next_seq
+                        )
                 if live is None:
                     live = RolloutLive(rollout_id, created_at_ms=int(time.time() * 1000))
                 self._evict()
@@ -201,49 +192,6 @@ class Capture:
         idle = [rid for rid, r in self.rollouts.items() if r.in_flight == 0][:excess]
         for rid in idle:
             del self.rollouts[rid]
-
-    def _resume(self, rollout_id: str) -> RolloutLive | None:
-        assert self.source is not None
-        source = self.source()
-        try:
-            try:
-                info = source.rollout_info(rollout_id)
-            except KeyError:
-                return None
-            records = source.calls(rollout_id, include_orphaned=True)
-            coords = source.coords([r.call_id for r in records])
-            failures = source.failures(rollout_id)
-        finally:
-            source.close_reader()
-        live = RolloutLive(
-            rollout_id,
-            sealed=info.state is RolloutState.SEALED,
-            poisoned=info.poisoned,
-            created_at_ms=info.created_at_ms,
-            policy=dict(info.policy),
-            metadata=dict(info.metadata),
-        )
-        for r, c in zip(records, coords, strict=True):
-            key = request_key(r.request)
-            live.remember_request(key, r.call_id)
-            live.add_lineage(
-                r.call_id, full_sequence(r.prompt_token_ids, r.completion_token_ids), key
-            )
-            live.outcomes[r.call_id] = CallOutcome(
-                r.seq, r.call_id, CallStatus.STAGED, coords=c, retry_of=r.retry_of
-            )
-        for f in failures:
-            live.outcomes[f.call_id] = CallOutcome(
-                f.seq,
-                f.call_id,
-                f.status,
-                reason=f.reason,
-                http_status=f.http_status,
-                message=f.message,
-            )
-        live.next_seq = 1 + max((o.seq for o in live.outcomes.values()), default=-1)
-        log.info("resumed rollout %s from the store at seq %d", rollout_id, live.next_seq)
-        return live
 
     async def create_rollout(
         self,
@@ -311,9 +259,9 @@ class Capture:
                 code="capture_unavailable",
                 headers={"Retry-After": "5"},
             )
-        if self.pending_stages >= self.max_pending:
+        if self.stager.full:
             raise CaptureUnavailable(
-                f"{self.pending_stages} staging writes pending (limit {self.max_pending})",
+                f"{self.stager.pending} staging writes pending (limit {self.stager.max_pending})",
                 code="staging_backlog",
                 headers={"Retry-After": "1"},
             )
@@ -431,7 +379,7 @@ class Capture:
             except (RecordValidationError, EncodingError) as e:
                 result = StageResult.failed("invalid_record", str(e))
             else:
-                result = await self._stage(call, record)
+                result = await self.stager.stage(record, call.attachments)
             if result.status is CallStatus.STAGED:
                 assert result.coords is not None
                 call.rollout.add_lineage(
@@ -458,56 +406,6 @@ class Capture:
             return result
         finally:
             self._finish(call)
-
-    async def _stage(self, call: Call, record: StagedCallRecord) -> StageResult:
-        self.pending_stages += 1
-        task: asyncio.Task[StageResult] = asyncio.ensure_future(self._call_sink(call, record))
-        task.add_done_callback(self._stage_done)
-        try:
-            result = await asyncio.wait_for(asyncio.shield(task), self.stage_timeout)
-        except TimeoutError:
-            # The write goes on; if it lands, mark it orphaned so no trainer uses it unknowingly.
-            self._late_tasks.add(task)
-            task.add_done_callback(lambda t: self._late_landed(t, call.call_id))
-            return StageResult.failed(
-                "stage_timeout", f"the sink took longer than {self.stage_timeout:g}s to stage"
-            )
-        except TypeError as e:
-            # Most likely a sink that does not take attachments: its bytes are not staged.
-            self.sink_failing = f"TypeError: {e}"
-            return StageResult.failed("sink_rejected_attachments", f"TypeError: {e}")
-        except Exception as e:  # the sink raised: a failed write leaves nothing behind
-            log.warning("stage %s failed: %s: %s", call.call_id, type(e).__name__, e)
-            self.sink_failing = f"{type(e).__name__}: {e}"
-            return StageResult.failed("sink_error", f"{type(e).__name__}: {e}")
-        if result.status is CallStatus.STAGED:
-            self.sink_failing = None
-        return result
-
-    async def _call_sink(self, call: Call, record: StagedCallRecord) -> StageResult:
-        if call.attachments:
-            # Passed only when there are attachments, so text-only sinks keep working; a sink
-            # that does not take them fails with TypeError -> capture_failed, never a retry
-            # with the attachments dropped.
-            return await self.sink.stage(record, attachments=call.attachments)
-        return await self.sink.stage(record)
-
-    def _stage_done(self, task: asyncio.Task[StageResult]) -> None:
-        self.pending_stages -= 1
-        if not task.cancelled():
-            task.exception()  # retrieved, so a late failure is not logged as "never retrieved"
-
-    def _late_landed(self, task: asyncio.Task[StageResult], call_id: str) -> None:
-        self._late_tasks.discard(task)
-        if task.cancelled() or task.exception() is not None:
-            return
-        if task.result().status is CallStatus.STAGED:
-            log.warning(
-                "late write of %s landed after its stage timeout: marking it orphaned", call_id
-            )
-            orphan = asyncio.ensure_future(self.sink.mark_orphaned(call_id, "stage_timeout"))
-            self._late_tasks.add(orphan)
-            orphan.add_done_callback(self._late_tasks.discard)
 
     async def fail_call(
         self,
@@ -548,7 +446,7 @@ class Capture:
             message=message,
         )
         self._count(CallStatus.REJECTED, reason)
-        await self._write_ledger(entry)
+        await self.ledger.write(entry)
         return call_id
 
     async def _record_not_staged(
@@ -576,40 +474,20 @@ class Capture:
             http_status,
             int(time.time() * 1000),
         )
-        await self._write_ledger(entry)
+        await self.ledger.write(entry)
 
     def _count(self, status: str, reason: str) -> None:
         key = (str(status), reason)
         self.counts[key] = self.counts.get(key, 0) + 1
 
-    async def _write_ledger(self, entry: LedgerEntry) -> None:
-        if self.held_ledger:
-            self.held_ledger.append(entry)  # keep the ledger in order behind what is held
-            await self.flush_ledger()
-            return
-        try:
-            await asyncio.wait_for(self.sink.record_failure(entry), self.stage_timeout)
-        except Exception as e:
-            log.error(
-                "ledger entry for %s (%s) held in memory: the sink failed: %s",
-                entry.call_id,
-                entry.status,
-                e,
-            )
-            self.held_ledger.append(entry)
-
-    async def flush_ledger(self) -> int:
-        """Write held ledger entries, oldest first; returns how many are still held."""
-        while self.held_ledger:
-            entry = self.held_ledger[0]
-            try:
-                await asyncio.wait_for(self.sink.record_failure(entry), self.stage_timeout)
-            except Exception:
-                break
-            self.held_ledger.popleft()
-        return len(self.held_ledger)
-
     async def drain(self, wait_s: float) -> None:
         """Wait for late staging writes (shutdown), up to `wait_s` seconds."""
-        if self._late_tasks:
-            await asyncio.wait(list(self._late_tasks), timeout=wait_s)
+        await self.stager.drain(wait_s)
+
+    @property
+    def pending_stages(self) -> int:
+        return self.stager.pending
+
+    @property
+    def sink_failing(self) -> str | None:
+        return self.stager.sink_failing

@@ -8,15 +8,20 @@ repeats an earlier request (a retry), and what happened to every call so far (th
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from array import array
 from collections import OrderedDict
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .schemas.records import CallStatus, CommitCoords
-from .schemas.tokens import common_prefix_len
+import orjson
 
-__all__ = ["CallOutcome", "LineageCandidate", "RolloutLive"]
+from .schemas.records import CallStatus, CommitCoords, RolloutState
+from .schemas.tokens import common_prefix_len, full_sequence
+from .sinks.base import StagingSource
+
+__all__ = ["CallOutcome", "LineageCandidate", "RolloutLive", "request_key", "resume_rollout"]
 
 #: How many staged calls per rollout are kept as parent candidates. An agent continues one of its
 #: last few calls; keeping all would hold every prompt of a long session in memory.
@@ -126,3 +131,49 @@ class RolloutLive:
         self.lineage.append(LineageCandidate(call_id, full, request_key))
         if len(self.lineage) > LINEAGE_WINDOW:
             del self.lineage[0]
+
+
+def request_key(request: Mapping[str, Any]) -> bytes:
+    """Identity of a normalized request (retry detection): sha256 of its sorted-key JSON."""
+    return hashlib.sha256(orjson.dumps(request, option=orjson.OPT_SORT_KEYS)).digest()
+
+
+def resume_rollout(open_source: Callable[[], StagingSource], rollout_id: str) -> RolloutLive | None:
+    """The rollout as the store has it (None if the store does not know it). Blocking I/O."""
+    source = open_source()
+    try:
+        try:
+            info = source.rollout_info(rollout_id)
+        except KeyError:
+            return None
+        records = source.calls(rollout_id, include_orphaned=True)
+        coords = source.coords([r.call_id for r in records])
+        failures = source.failures(rollout_id)
+    finally:
+        source.close_reader()
+    live = RolloutLive(
+        rollout_id,
+        sealed=info.state is RolloutState.SEALED,
+        poisoned=info.poisoned,
+        created_at_ms=info.created_at_ms,
+        policy=dict(info.policy),
+        metadata=dict(info.metadata),
+    )
+    for r, c in zip(records, coords, strict=True):
+        key = request_key(r.request)
+        live.remember_request(key, r.call_id)
+        live.add_lineage(r.call_id, full_sequence(r.prompt_token_ids, r.completion_token_ids), key)
+        live.outcomes[r.call_id] = CallOutcome(
+            r.seq, r.call_id, CallStatus.STAGED, coords=c, retry_of=r.retry_of
+        )
+    for f in failures:
+        live.outcomes[f.call_id] = CallOutcome(
+            f.seq,
+            f.call_id,
+            f.status,
+            reason=f.reason,
+            http_status=f.http_status,
+            message=f.message,
+        )
+    live.next_seq = 1 + max((o.seq for o in live.outcomes.values()), default=-1)
+    return live
