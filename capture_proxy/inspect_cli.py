@@ -17,9 +17,11 @@ runs it standalone (``python -c "from capture_proxy.inspect_cli import main; mai
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
+import threading
 import time
 from array import array
 from collections.abc import Callable, Sequence
@@ -223,15 +225,20 @@ class Follower:
         return entries
 
 
-def _follow(store: Store, args: argparse.Namespace, stream: IO[str], out: Out) -> int:
-    follower = Follower(store, args.rollout)
-    print(f"following {store.url} every {args.interval:g}s (Ctrl-C to stop)", file=sys.stderr)
+def _follow(follower: Follower, args: argparse.Namespace, stream: IO[str], out: Out) -> int:
+    print(
+        f"following {follower.store.url} every {args.interval:g}s (Ctrl-C to stop)",
+        file=sys.stderr,
+        flush=True,
+    )
 
     def stop(signum: int, frame: FrameType | None) -> None:
         raise KeyboardInterrupt
 
     # SIGTERM (a supervisor, `timeout`) ends a follow as cleanly as Ctrl-C: output stays whole.
-    previous = signal.signal(signal.SIGTERM, stop)
+    # Signal handlers can only be set from the main thread; elsewhere the default stays.
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, stop) if main_thread else None
     try:
         while True:
             time.sleep(args.interval)
@@ -239,20 +246,17 @@ def _follow(store: Store, args: argparse.Namespace, stream: IO[str], out: Out) -
                 if args.json:
                     _print_json({"event": "call", **e}, stream, compact=True)
                     continue
-                seq_of = {
-                    k: s
-                    for k in (e.get("parent_call_id"), e.get("retry_of"))
-                    if k
-                    if (s := follower.seq_of(k)) is not None
-                }
-                row = call_row(e, seq_of)
+                refs = (e.get("parent_call_id"), e.get("retry_of"))
+                seq_of = {k: s for k in refs if k and (s := follower.seq_of(k)) is not None}
                 prefix = "" if args.rollout else f"{e['rollout_id']}  "
-                out.line(prefix + "  ".join(c for c in row if c), alert=e["status"] != "staged")
+                cells = [c for c in call_row(e, seq_of) if c]
+                out.line(prefix + "  ".join(cells), alert=e["status"] != "staged")
                 stream.flush()
     except KeyboardInterrupt:
         return 0
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _check_flags(args: argparse.Namespace) -> None:
@@ -264,7 +268,10 @@ def _check_flags(args: argparse.Namespace) -> None:
 
 def _run(store: Store, args: argparse.Namespace, stream: IO[str]) -> int:
     out = _out_for(stream)
-    view: dict[str, Any]
+    # The baseline is taken before the first view is read: a call landing in between is
+    # printed twice at worst, never missed.
+    follower = Follower(store, args.rollout) if args.follow else None
+    view: dict[str, Any] | None
     render: Callable[[Any, Out], None]
     if args.verify:
         view, render = verify_view(store), render_verify
@@ -280,21 +287,25 @@ def _run(store: Store, args: argparse.Namespace, stream: IO[str]) -> int:
             ) from None
         render = render_call
     elif args.rollout:
+        render = render_rollout
         try:
             view = rollout_view(store, args.rollout)
         except KeyError:
-            raise InspectError(f"no rollout {args.rollout!r} in {store.url}") from None
-        render = render_rollout
+            if follower is None:
+                raise InspectError(f"no rollout {args.rollout!r} in {store.url}") from None
+            # Following a rollout before its first call is how one watches a run start.
+            print(f"no rollout {args.rollout!r} in {store.url} yet: waiting", file=sys.stderr)
+            view = None
     else:
         view, render = overview(store), render_overview
-    if args.json:
-        _print_json(view, stream, compact=args.follow)
-    else:
+    if view is not None and args.json:
+        _print_json(view, stream, compact=follower is not None)
+    elif view is not None:
         render(view, out)
         stream.flush()
-    if args.follow:
-        return _follow(store, args, stream, out)
-    return 1 if args.verify and not view["ok"] else 0
+    if follower is not None:
+        return _follow(follower, args, stream, out)
+    return 1 if view is not None and args.verify and not view["ok"] else 0
 
 
 def run_inspect(args: argparse.Namespace, *, stdout: IO[str] | None = None) -> int:
@@ -310,8 +321,10 @@ def run_inspect(args: argparse.Namespace, *, stdout: IO[str] | None = None) -> i
         return 2
     except BrokenPipeError:
         # The reader went away (`inspect ... | head`): not an error, and nothing left to say.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+        if stream is sys.stdout:
+            # Otherwise Python reports the broken pipe again when it flushes stdout at exit.
+            with contextlib.suppress(OSError, ValueError):
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
 
 

@@ -24,23 +24,25 @@ import subprocess
 import sys
 import termios
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import orjson
 import pytest
-from proxy_harness import Proxy, chat_body, proxy_factory_fixture, user
+from proxy_harness import Proxy, chat_body, proxy_factory_fixture, start_proxy, stop_proxy, user
 from rich.console import Console
 from sink_factories import Session, image
 
 from capture_proxy.fake_vllm import Fault, ToolCall, Turn
 from capture_proxy.inspect_cli import Follower, main
-from capture_proxy.inspect_render import Column, RichOut, render_call, render_rollout
+from capture_proxy.inspect_render import Column, PlainOut, RichOut, render_call, render_rollout
 from capture_proxy.inspect_views import call_view, rollout_view
-from capture_proxy.reader import open_store
-from capture_proxy.schemas.records import CallStatus, LedgerEntry
+from capture_proxy.reader import Store, open_store
+from capture_proxy.schemas.records import CallStatus, LedgerEntry, StagedCallRecord
 from capture_proxy.sinks.sqlite import SQLiteSink
-from capture_proxy.stores import open_sink
+from capture_proxy.stores import open_sink, open_source
 
 make_proxy = proxy_factory_fixture()
 
@@ -125,10 +127,52 @@ async def _story(p: Proxy) -> dict[str, str]:
     return ids
 
 
+@dataclass
+class Story:
+    """The story store, built once per module (tests that damage a store take a `copy`)."""
+
+    store_url: str
+    ids: dict[str, str]
+
+    @property
+    def path(self) -> str:
+        return self.store_url.removeprefix("sqlite:///")
+
+    def calls(self, rollout: str) -> list[StagedCallRecord]:
+        with open_store(self.store_url) as store:
+            return store.calls(rollout)
+
+    def copy(self, tmp_path: Path) -> Story:
+        target = tmp_path / "copy.db"
+        src, dst = sqlite3.connect(self.path), sqlite3.connect(target)
+        try:
+            src.backup(dst)  # a consistent copy, WAL included
+        finally:
+            src.close()
+            dst.close()
+        return Story(f"sqlite:///{target}", dict(self.ids))
+
+
+async def _build_story(folder: Path) -> Story:
+    p = await start_proxy(folder)
+    try:
+        ids = await _story(p)
+    finally:
+        await stop_proxy(p)  # closes the sink: everything is on disk
+    return Story(p.store_url, ids)
+
+
+@pytest.fixture(scope="module")
+def story_store(tmp_path_factory: pytest.TempPathFactory) -> Story:
+    folder = tmp_path_factory.mktemp("story")
+    # Its own event loop, on a thread: the module fixture must not share a test's loop.
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, _build_story(folder)).result(timeout=60)
+
+
 @pytest.fixture
-async def story(make_proxy: Any) -> tuple[Proxy, dict[str, str]]:
-    p = await make_proxy()
-    return p, await _story(p)
+def story(story_store: Story) -> tuple[Story, dict[str, str]]:
+    return story_store, story_store.ids
 
 
 def _delta_tokens(store_url: str, call_id: str) -> bytes:
@@ -370,7 +414,9 @@ async def test_tokens_prints_ids_and_logprobs(story: Any) -> None:
     assert "prompt_text" not in t
 
 
-async def test_tokenizer_shows_each_id_with_its_text(story: Any, tmp_path: Path) -> None:
+def test_tokenizer_shows_each_id_with_its_text(
+    story: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     tokenizers = pytest.importorskip("tokenizers")
     # A word-level tokenizer over the fake vLLM's byte vocabulary (byte b is id b + 16).
     vocab = {"<|endoftext|>": 0, "<|im_start|>": 1, "<|im_end|>": 2, "<think>": 3, "</think>": 4}
@@ -396,6 +442,14 @@ async def test_tokenizer_shows_each_id_with_its_text(story: Any, tmp_path: Path)
         "LOGPROB",
         "TEXT",
     ]
+    garbage = tmp_path / "garbage.json"
+    garbage.write_text('{"not": "a tokenizer"}')
+    capsys.readouterr()
+    code, text = inspect(p.store_url, "--call", ids["image"], "--tokenizer", str(garbage))
+    assert (code, text) == (2, "")
+    err = capsys.readouterr().err
+    assert err.startswith(f"capture-proxy inspect: --tokenizer: {garbage} is not a tokenizer.json")
+    assert err.count("\n") == 1
 
 
 async def test_tokenizer_without_the_package_says_to_install_it(story: Any) -> None:
@@ -417,8 +471,11 @@ async def test_tokenizer_without_the_package_says_to_install_it(story: Any) -> N
 # -- verify -----------------------------------------------------------------------------------
 
 
-async def test_verify_clean_store_then_a_flipped_token_byte(story: Any) -> None:
-    p, ids = story
+async def test_verify_clean_store_then_a_flipped_token_byte(
+    story_store: Story, tmp_path: Path
+) -> None:
+    p = story_store.copy(tmp_path)
+    ids = p.ids
     code, text = inspect(p.store_url, "--verify")
     assert code == 0
     assert text == f"ok: 7 record(s) in {p.store_url} verify\n"
@@ -652,3 +709,129 @@ async def test_follower_reports_new_calls_once_with_drift(tmp_path: Path) -> Non
         "message": "busy",
         "at_ms": 0,
     }
+
+
+# -- Parquet ----------------------------------------------------------------------------------
+
+
+async def test_parquet_dataset_made_by_the_proxy(make_proxy: Any, tmp_path: Path) -> None:
+    url = f"parquet:///{tmp_path / 'dataset'}"
+    p = await make_proxy(sink=open_sink(url))
+    ok = await _chat(p, chat_body(user("hello")), "r-pq", "staged")
+    bad = chat_body(user("a"), {"role": "assistant", "content": "b", "thinking_trace": "t"})
+    rejected = await _chat(p, bad, "r-pq", "rejected")
+    await p.sink.close()  # publish everything the group commit holds
+
+    doc = inspect_json(url, "--rollout", "r-pq")
+    assert [(c["call_id"], c["status"]) for c in doc["calls"]] == [
+        (ok, "staged"),
+        (rejected, "rejected"),
+    ]
+    assert doc["calls"][1]["http_status"] == 422
+    code, text = inspect(url)
+    assert code == 0
+    assert text.splitlines()[2].split()[:4] == ["r-pq", "open", "2", "1"]
+    assert inspect(url, "--verify") == (0, f"ok: 1 record(s) in {url} verify\n")
+    call = inspect_json(url, "--call", ok)["call"]
+    assert call["check"]["ok"] is True
+    assert call["prompt_tokens"] > 0
+
+
+async def test_follow_json_waits_for_a_rollout_that_has_not_started(make_proxy: Any) -> None:
+    p = await make_proxy()
+    await _chat(p, chat_body(user("setup")), "r0", "staged")  # the store exists, r-later not
+    proc = await asyncio.create_subprocess_exec(
+        *RUN,
+        p.store_url,
+        "--rollout",
+        "r-later",
+        "--follow",
+        "--json",
+        "--interval",
+        "0.1",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stderr is not None
+        notes = [(await asyncio.wait_for(proc.stderr.readline(), 15)).decode() for _ in range(2)]
+        assert notes[0] == f"no rollout 'r-later' in {p.store_url} yet: waiting\n"
+        assert notes[1].startswith("following ")
+        staged = await _chat(p, chat_body(user("now")), "r-later", "staged")
+        p.fake.push(Turn(fault=Fault.http_error(503, {"error": {"message": "overloaded"}})))
+        failed = await _chat(p, chat_body(user("again")), "r-later", "upstream_error")
+        events = [
+            orjson.loads(await asyncio.wait_for(proc.stdout.readline(), 15)) for _ in range(2)
+        ]
+    finally:
+        proc.terminate()
+        code = await asyncio.wait_for(proc.wait(), 15)
+    assert code == 0
+    first, second = events
+    assert (first["event"], first["call_id"], first["status"]) == ("call", staged, "staged")
+    assert first["rollout_id"] == "r-later"
+    assert first["prompt_tokens"] == len(p.calls("r-later")[0].prompt_token_ids)
+    assert (second["call_id"], second["status"], second["http_status"]) == (
+        failed,
+        "upstream_error",
+        503,
+    )
+    assert second["reason"] == "upstream_503"
+
+
+# -- damaged stores and broken pipes ----------------------------------------------------------
+
+
+def test_unreadable_rollout_is_one_sentence_and_verify_lists_it(
+    story_store: Story, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    p = story_store.copy(tmp_path)
+    with sqlite3.connect(p.path) as db:  # the drifted call's parent row goes missing
+        db.execute("DELETE FROM calls WHERE call_id = ?", (p.ids["drift_0"],))
+    db.close()
+    code, text = inspect(p.store_url, "--rollout", "r-drift")
+    err = capsys.readouterr().err
+    assert (code, text) == (2, "")
+    assert err.startswith("capture-proxy inspect: rollout 'r-drift' cannot be read (")
+    assert err.endswith("; run inspect --verify\n")
+    assert err.count("\n") == 1
+    code, text = inspect(p.store_url, "--verify")
+    assert code == 1
+    assert f"  {p.ids['drift_1']}: unreadable: " in text
+    # The rest of the store still reads.
+    assert inspect(p.store_url, "--rollout", "r-stop")[0] == 0
+
+
+class _BrokenTrajectories(Store):
+    """A store whose trajectory builder fails (as while trajectory.py is being changed)."""
+
+    def trajectory(self, rollout_id: str, **options: Any) -> Any:
+        raise RuntimeError("segments do not add up")
+
+
+def test_failing_trajectory_leaves_a_note_and_everything_else(story_store: Story) -> None:
+    store = _BrokenTrajectories(open_source(story_store.store_url))
+    with store:
+        view = rollout_view(store, "r-drift")
+    assert view["trajectory"] == {
+        "ok": False,
+        "note": "trajectory unavailable: RuntimeError: segments do not add up",
+    }
+    assert [c["status"] for c in view["calls"]] == ["staged", "staged"]
+    assert view["calls"][1]["drift"] is not None
+    buf = io.StringIO()
+    render_rollout(view, PlainOut(buf))
+    assert buf.getvalue().endswith("trajectory unavailable: RuntimeError: segments do not add up\n")
+
+
+class _ClosedPipe(io.StringIO):
+    def write(self, s: str) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+
+def test_reader_that_went_away_is_not_an_error(
+    story_store: Story, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main([story_store.store_url, "--rollout", "r-stop"], stdout=_ClosedPipe()) == 0
+    assert capsys.readouterr().err == ""
