@@ -10,7 +10,8 @@ ledger — around a request *you* send::
                             headers={"Content-Type": "application/json"}) as resp:
         raw = await resp.read()                                 # or the whole SSE stream
     if resp.status != 200:
-        await client.fail_call(call, f"upstream_{resp.status}", raw.decode(), http_status=resp.status)
+        await client.fail_call(call, f"upstream_{resp.status}", raw.decode(),
+                               http_status=resp.status)
     else:
         result = await client.complete_call(call, raw, upstream=info)   # StageResult
         answer = call.client_body                                # what a client should see
