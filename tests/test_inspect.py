@@ -835,3 +835,36 @@ def test_reader_that_went_away_is_not_an_error(
 ) -> None:
     assert main([story_store.store_url, "--rollout", "r-stop"], stdout=_ClosedPipe()) == 0
     assert capsys.readouterr().err == ""
+
+
+# -- the JSON keys are documented -------------------------------------------------------------
+
+_FREE_FORM = {"request", "response", "sampling", "extras", "metadata", "statuses", "tokens"}
+
+
+def _keys(value: Any, found: set[str]) -> set[str]:
+    if isinstance(value, dict):
+        for k, v in value.items():
+            found.add(k)
+            if k not in _FREE_FORM:
+                _keys(v, found)
+    elif isinstance(value, list):
+        for v in value:
+            _keys(v, found)
+    return found
+
+
+def test_every_json_key_is_documented(story_store: Story) -> None:
+    url, ids = story_store.store_url, story_store.ids
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "inspect.md").read_text()
+    views = [inspect_json(url), inspect_json(url, "--verify")]
+    views += [
+        inspect_json(url, "--rollout", r) for r in ("r-stop", "r-drift", "r-retry", "r-image")
+    ]
+    views += [inspect_json(url, "--call", ids[k], "--tokens") for k in ("image", "stop_422")]
+    tokens = views[-2]["call"]["tokens"]
+    keys = _keys(views, set()) | set(tokens) | {"event"}
+    missing = sorted(k for k in keys if not re.search(rf"\b{re.escape(k)}\b", docs))
+    assert missing == []
+    for view in views:
+        assert f'`view: "{view["view"]}"`' in docs
