@@ -204,7 +204,7 @@ async def _guards(state: ProxyState, store_url: str) -> None:
 
 def _live_gauges(state: ProxyState) -> dict[str, float]:
     cap = state.capture
-    return {
+    out: dict[str, float] = {
         "inflight_calls": cap.inflight,
         "pending_stages": cap.pending_stages,
         "ledger_held_entries": len(cap.ledger.held),
@@ -212,6 +212,10 @@ def _live_gauges(state: ProxyState) -> dict[str, float]:
         "weight_version": cap.weight_version,
         "ready_capture": 0 if (cap.unavailable_reason or cap.sink_failing) else 1,
     }
+    sink_stats = getattr(state.sink, "stats", None)  # optional: sinks with a write queue
+    if callable(sink_stats):
+        out.update({f"sink_{k}": v for k, v in sink_stats().items()})
+    return out
 
 
 def _reader_for(sink: StagingSink) -> Callable[[], StagingSource]:

@@ -220,7 +220,9 @@ async def _fail_upstream(
 def _record_outcome(state: ProxyState, result: StageResult) -> None:
     if result.status is CallStatus.STAGED and result.coords is not None:
         state.metrics.calls.labels(CallStatus.STAGED, "ok").inc()
+        state.metrics.staged_records.inc()
         state.metrics.staged_tokens.inc(result.coords.cum_len)
+        state.metrics.staged_token_bytes.inc(4 * result.coords.delta_len)
     else:
         state.metrics.calls.labels(CallStatus.CAPTURE_FAILED, result.reason or "").inc()
 

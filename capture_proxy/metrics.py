@@ -6,9 +6,10 @@ Each app has its own registry, so several proxies (or tests) in one process do n
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 __all__ = ["Metrics"]
@@ -43,9 +44,13 @@ class _Live(Collector):
 
     def collect(self):  # type: ignore[no-untyped-def]
         for name, value in self.read().items():
-            g = GaugeMetricFamily(f"capture_proxy_{name}", name.replace("_", " "))
-            g.add_metric([], value)
-            yield g
+            doc = name.replace("_", " ")
+            if name.endswith("_total"):
+                family: Any = CounterMetricFamily(f"capture_proxy_{name[:-6]}", doc)
+            else:
+                family = GaugeMetricFamily(f"capture_proxy_{name}", doc)
+            family.add_metric([], value)
+            yield family
 
 
 class Metrics:
@@ -93,6 +98,14 @@ class Metrics:
         self.staged_tokens = Counter(
             "capture_proxy_staged_tokens_total",
             "prompt + completion tokens in staged records",
+            registry=r,
+        )
+        self.staged_records = Counter(
+            "capture_proxy_staged_records_total", "records staged durably", registry=r
+        )
+        self.staged_token_bytes = Counter(
+            "capture_proxy_staged_token_bytes_total",
+            "bytes of token ids stored (4 a token, after the prefix shared with the parent)",
             registry=r,
         )
         self.attachments = Counter(

@@ -104,6 +104,7 @@ class SQLiteSink:
         self.path = str(path)
         self.url = url or f"sqlite:///{self.path}"
         self.fault = fault
+        self.dedup_hits = 0
         self._fulls = TokenLRU(cache_tokens)
         self._writer = GroupCommitWriter(
             _open_writer(self.path), name=self.path, max_batch=max_batch, publish=self._publish
@@ -180,6 +181,10 @@ class SQLiteSink:
 
         await self._writer.submit(work)
 
+    def stats(self) -> dict[str, float]:
+        """Writer figures for /metrics (names without the ``capture_proxy_sink_`` prefix)."""
+        return {**self._writer.stats(), "attachment_dedup_hits_total": self.dedup_hits}
+
     async def close(self) -> None:
         """Finish every queued write, stop the writer thread and close the file.
 
@@ -232,6 +237,7 @@ class SQLiteSink:
         new: list[Attachment] = []
         for sha in refs:
             if conn.execute("SELECT 1 FROM attachments WHERE sha256 = ?", (sha,)).fetchone():
+                self.dedup_hits += 1
                 continue  # stored by an earlier call: a dedup hit
             att = given.get(sha)
             if att is None:

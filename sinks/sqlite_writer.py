@@ -91,6 +91,10 @@ class GroupCommitWriter:
         self._publish = publish
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self.closed = False
+        # Read by /metrics: committed transactions, the work they carried, the last one's size.
+        self.batches = 0
+        self.batched_jobs = 0
+        self.last_batch = 0
         # A daemon thread: an interpreter exiting without close() loses only unacknowledged
         # work (SQLite discards an uncommitted transaction), instead of hanging at exit.
         self._thread = threading.Thread(target=self._run, name=f"sqlite-writer:{name}", daemon=True)
@@ -106,6 +110,14 @@ class GroupCommitWriter:
         # If the caller is cancelled here the work still happens (it may already be inside a
         # commit); the proxy marks such a record orphaned (DESIGN §8).
         return await future
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "queue_depth": self._queue.qsize(),
+            "batches_total": self.batches,
+            "batched_writes_total": self.batched_jobs,
+            "last_batch_size": self.last_batch,
+        }
 
     async def close(self) -> None:
         """Finish all queued work, stop the thread and close the connection."""
@@ -162,6 +174,9 @@ class GroupCommitWriter:
             cause = e.__cause__ if isinstance(e, _BatchLost) and e.__cause__ is not None else e
             outcomes = [(job.future, None, self._batch_error(cause)) for job in jobs]
         else:
+            self.batches += 1
+            self.batched_jobs += len(jobs)
+            self.last_batch = len(jobs)
             try:
                 self._publish(batch.pending)
             except Exception:  # a cache update must not turn committed work into an error

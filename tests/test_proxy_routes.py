@@ -107,6 +107,13 @@ async def test_health_ready_and_metrics(make_proxy: Any) -> None:
         "capture_proxy_pending_stages",
         "capture_proxy_inflight_calls",
         "capture_proxy_ledger_held_entries",
+        "capture_proxy_staged_records_total",
+        "capture_proxy_staged_token_bytes_total",
+        "capture_proxy_overhead_duration_seconds_bucket",
+        "capture_proxy_sink_queue_depth",
+        "capture_proxy_sink_batches_total",
+        "capture_proxy_sink_last_batch_size",
+        "capture_proxy_streams_open",
     ):
         assert name in text, name
     assert (
@@ -155,3 +162,16 @@ async def test_inflight_limits_give_429(make_proxy: Any) -> None:
     other = await p.chat(chat_body(user("c")), rollout="other")
     assert other.status == 200
     assert (await first).status == 200
+
+
+async def test_attachment_dedup_hits_are_counted(make_proxy: Any) -> None:
+    import base64
+
+    p = await make_proxy()
+    url = "data:image/png;base64," + base64.b64encode(b"\x89PNG\r\n\x1a\n" + b"x" * 64).decode()
+    content = [{"type": "image_url", "image_url": {"url": url}}]
+    for _ in range(3):
+        await p.chat(chat_body({"role": "user", "content": content}))
+    text = await (await p.client.get("/metrics")).text()
+    assert "capture_proxy_sink_attachment_dedup_hits_total 2.0" in text
+    assert "capture_proxy_attachments_total 3.0" in text
