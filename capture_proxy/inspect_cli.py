@@ -10,6 +10,9 @@
 rich tables sized to it; anywhere else, plain aligned text. Errors are one sentence on stderr
 and exit status 2; ``--verify`` exits 1 when it finds a problem.
 
+Output goes to an `Out` (see `capture_proxy.inspect_render`): `RichOut` on a terminal,
+`PlainOut` anywhere else. The views themselves are built by `capture_proxy.inspect_views`.
+
 The lead's `capture_proxy.cli` wires this in with `add_inspect_parser` and `run_inspect`; `main`
 runs it standalone (``python -c "from capture_proxy.inspect_cli import main; main()"``).
 """
@@ -23,45 +26,41 @@ import signal
 import sys
 import threading
 import time
-from array import array
 from collections.abc import Callable, Sequence
 from types import FrameType
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import orjson
 
 from .inspect_render import (
+    Column,
     Out,
-    PlainOut,
-    RichOut,
-    call_row,
+    event_line,
     render_call,
     render_overview,
     render_rollout,
     render_verify,
 )
 from .inspect_views import (
+    Follower,
     InspectError,
     TokenText,
     call_view,
-    failure_entry,
-    known_call_ids,
     overview,
     rollout_view,
-    staged_entry,
     verify_view,
 )
 from .reader import Store, open_store
-from .schemas.tokens import full_sequence
 from .sinks.base import StoreError
 
-__all__ = ["Follower", "add_inspect_parser", "load_tokenizer", "main", "run_inspect"]
+if TYPE_CHECKING:
+    from rich.console import Console
+
+__all__ = ["PlainOut", "RichOut", "add_inspect_parser", "load_tokenizer", "main", "run_inspect"]
 
 PROG = "capture-proxy inspect"
 #: Polling bounds for --follow: fast enough to watch a session, slow enough not to load a store.
 MIN_INTERVAL, MAX_INTERVAL = 0.05, 60.0
-#: Parent sequences --follow keeps to compute drift without re-reading them.
-_FOLLOW_CACHE = 256
 
 
 def _interval(text: str) -> float:
@@ -146,6 +145,117 @@ def load_tokenizer(path: str) -> TokenText:
     return text
 
 
+# -- where the output goes ----------------------------------------------------------------
+
+
+class PlainOut:
+    """Aligned plain text: what `inspect` prints when stdout is not a terminal."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        self.stream = stream
+
+    def line(self, text: str = "", *, alert: bool = False, strong: bool = False) -> None:
+        self.stream.write(text + "\n")
+
+    def table(
+        self, columns: Sequence[Column], rows: Sequence[Sequence[str]], alerts: Sequence[bool]
+    ) -> None:
+        widths = [len(c.name) for c in columns]
+        for row in rows:
+            widths = [max(w, len(cell)) for w, cell in zip(widths, row, strict=True)]
+        for cells in ([c.name for c in columns], *rows):
+            parts = [
+                cell.rjust(w) if c.numeric else cell.ljust(w)
+                for c, cell, w in zip(columns, cells, widths, strict=True)
+            ]
+            self.stream.write("  ".join(parts).rstrip() + "\n")
+
+
+class RichOut:
+    """Rich tables and colour, sized to the console (a terminal, or one a test builds)."""
+
+    def __init__(self, console: Console) -> None:
+        self.console = console
+
+    def line(self, text: str = "", *, alert: bool = False, strong: bool = False) -> None:
+        from rich.text import Text
+
+        style = "bold red" if alert else ("bold" if strong else "")
+        self.console.print(Text(text, style=style))
+
+    def table(
+        self, columns: Sequence[Column], rows: Sequence[Sequence[str]], alerts: Sequence[bool]
+    ) -> None:
+        from rich import box
+        from rich.table import Table
+        from rich.text import Text
+
+        keep, widths = _fit(columns, rows, self.console.width)
+        table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+        for i, width in zip(keep, widths, strict=True):
+            table.add_column(
+                columns[i].name,
+                justify="right" if columns[i].numeric else "left",
+                no_wrap=True,
+                overflow="ellipsis",
+                width=width,
+            )
+        for row, alert in zip(rows, alerts, strict=True):
+            cells = (Text(row[i]) for i in keep)
+            table.add_row(*cells, style="bold red" if alert else None)
+        self.console.print(table)
+        hidden = [c.name for i, c in enumerate(columns) if i not in keep and _filled(rows, i)]
+        if hidden:
+            self.console.print(
+                f"(hidden to fit: {', '.join(hidden)}; widen the terminal or use --json)",
+                style="dim",
+                markup=False,
+            )
+
+
+#: Space between two columns of a rich table without edges: padding, rule, padding.
+_GAP = 3
+_MIN_FLEX = 12
+
+
+def _filled(rows: Sequence[Sequence[str]], i: int) -> bool:
+    return any(row[i] not in ("", "-") for row in rows)
+
+
+def _fit(
+    columns: Sequence[Column], rows: Sequence[Sequence[str]], total: int
+) -> tuple[list[int], list[int]]:
+    """Which columns to show, and their widths, on a terminal `total` characters wide.
+
+    Fixed columns keep their natural width (ids must stay whole to be copied); flexible ones
+    share what is left by their `flex`. Empty hideable columns go first; when the rest still
+    does not fit, hideable columns go by their `hide` rank.
+    """
+    natural = [max([len(c.name), *(len(row[i]) for row in rows)]) for i, c in enumerate(columns)]
+    keep = [i for i, c in enumerate(columns) if c.hide == 0 or _filled(rows, i)]
+
+    def need(kept: list[int]) -> int:
+        flex_min = sum(min(natural[i], _MIN_FLEX) for i in kept if columns[i].flex)
+        fixed = sum(natural[i] for i in kept if not columns[i].flex)
+        return flex_min + fixed + _GAP * (len(kept) - 1)
+
+    for i in sorted((i for i in keep if columns[i].hide), key=lambda i: -columns[i].hide):
+        if need(keep) <= total:
+            break
+        keep.remove(i)
+    widths = {i: natural[i] for i in keep}
+    room = total - _GAP * (len(keep) - 1) - sum(natural[i] for i in keep if not columns[i].flex)
+    # Narrow flexible columns keep their natural width and leave the rest to the others.
+    pending = sorted((i for i in keep if columns[i].flex), key=lambda i: natural[i])
+    while pending:
+        weight = sum(columns[i].flex for i in pending)
+        i = pending.pop(0)
+        share = max(min(natural[i], _MIN_FLEX), room * columns[i].flex // weight)
+        widths[i] = min(natural[i], share)
+        room -= widths[i]
+    return keep, [widths[i] for i in keep]
+
+
 def _out_for(stream: IO[str]) -> Out:
     if stream.isatty():
         from rich.console import Console
@@ -158,71 +268,6 @@ def _print_json(view: Any, stream: IO[str], *, compact: bool = False) -> None:
     option = orjson.OPT_APPEND_NEWLINE | (0 if compact else orjson.OPT_INDENT_2)
     stream.write(orjson.dumps(view, option=option, default=str).decode())
     stream.flush()
-
-
-class Follower:
-    """Finds the calls that arrived since the last `poll` (staged, or failed in the ledger).
-
-    `poll` returns them as rollout-view entries (docs/inspect.md), ordered by rollout and seq.
-    Staged calls are found by diffing the store's keys, so a poll reads only the new records
-    (and a new call's parent, to tell drift); failures are read from each followed rollout's
-    ledger.
-    """
-
-    def __init__(self, store: Store, rollout_id: str | None = None) -> None:
-        self.store = store
-        self.rollout_id = rollout_id
-        self.seen = known_call_ids(store, self._rollout_ids())
-        self._parents: dict[str, tuple[int, array[int]]] = {}
-
-    def _rollout_ids(self) -> list[str]:
-        return [self.rollout_id] if self.rollout_id is not None else self.store.rollouts()
-
-    def _remember(self, call_id: str, seq: int, full: array[int]) -> None:
-        self._parents[call_id] = (seq, full)
-        while len(self._parents) > _FOLLOW_CACHE:
-            del self._parents[next(iter(self._parents))]
-
-    def _parent(self, call_id: str | None) -> tuple[int, array[int]] | None:
-        if call_id is None:
-            return None
-        if call_id not in self._parents:
-            try:
-                (p,) = self.store.source.fetch([call_id])
-            except KeyError:
-                return None
-            self._remember(
-                call_id, p.seq, full_sequence(p.prompt_token_ids, p.completion_token_ids)
-            )
-        return self._parents[call_id]
-
-    def seq_of(self, call_id: str) -> int | None:
-        hit = self._parents.get(call_id)
-        return hit[0] if hit is not None else None
-
-    def poll(self) -> list[dict[str, Any]]:
-        new_keys = [k for k in self.store.source.all_keys() if k not in self.seen]
-        self.seen.update(new_keys)
-        records = self.store.source.fetch(new_keys) if new_keys else []
-        orphaned = self.store.source.orphaned() if records else set()
-        entries = []
-        for r in sorted(records, key=lambda r: (r.rollout_id, r.seq)):
-            if self.rollout_id is not None and r.rollout_id != self.rollout_id:
-                continue
-            parent = self._parent(r.parent_call_id)
-            entries.append(
-                staged_entry(r, parent[1] if parent else None, orphaned=r.call_id in orphaned)
-            )
-            self._remember(
-                r.call_id, r.seq, full_sequence(r.prompt_token_ids, r.completion_token_ids)
-            )
-        for rollout_id in self._rollout_ids():
-            for f in self.store.failures(rollout_id):
-                if f.call_id not in self.seen:
-                    self.seen.add(f.call_id)
-                    entries.append(failure_entry(f))
-        entries.sort(key=lambda e: (e["rollout_id"], e["seq"]))
-        return entries
 
 
 def _follow(follower: Follower, args: argparse.Namespace, stream: IO[str], out: Out) -> int:
@@ -248,9 +293,8 @@ def _follow(follower: Follower, args: argparse.Namespace, stream: IO[str], out: 
                     continue
                 refs = (e.get("parent_call_id"), e.get("retry_of"))
                 seq_of = {k: s for k in refs if k and (s := follower.seq_of(k)) is not None}
-                prefix = "" if args.rollout else f"{e['rollout_id']}  "
-                cells = [c for c in call_row(e, seq_of) if c]
-                out.line(prefix + "  ".join(cells), alert=e["status"] != "staged")
+                prefix = "" if args.rollout else f"{e['rollout_id']} "
+                out.line(prefix + event_line(e, seq_of), alert=e["status"] != "staged")
                 stream.flush()
     except KeyboardInterrupt:
         return 0

@@ -1,9 +1,10 @@
-"""Drawing `inspect` views for people: rich tables on a terminal, aligned plain text elsewhere.
+"""Drawing `inspect` views for people, as lines and tables on an `Out`.
 
-Every function here takes a view dict from `capture_proxy.inspect_views` and an `Out`, the
-surface it draws on. `RichOut` sizes tables to the terminal (long previews are cut to fit);
-`PlainOut` writes aligned columns with no colour and no width limit, for pipes, files and
-``grep``. Neither interprets markup: a message that contains ``[red]`` prints as ``[red]``.
+Every ``render_*`` function takes a view dict from `capture_proxy.inspect_views` and an `Out`,
+the surface it draws on: `capture_proxy.inspect_cli.RichOut` on a terminal (tables sized to it,
+long previews cut to fit), `capture_proxy.inspect_cli.PlainOut` anywhere else (aligned columns,
+no colour, no width limit, for pipes, files and ``grep``). Neither interprets markup: a message
+that contains ``[red]`` prints as ``[red]``.
 """
 
 from __future__ import annotations
@@ -12,16 +13,25 @@ import textwrap
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import IO, TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import orjson
 
 from .inspect_views import preview
 
-if TYPE_CHECKING:
-    from rich.console import Console
-
-__all__ = ["Column", "Out", "PlainOut", "RichOut", "fmt_size", "fmt_span", "fmt_time"]
+__all__ = [
+    "Column",
+    "Out",
+    "event_line",
+    "fmt_size",
+    "fmt_span",
+    "fmt_time",
+    "render_call",
+    "render_overview",
+    "render_rollout",
+    "render_tokens",
+    "render_verify",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,119 +48,13 @@ class Column:
 
 
 class Out(Protocol):
+    """Where a view is drawn: lines (an alert is shown loudly) and tables."""
+
     def line(self, text: str = "", *, alert: bool = False, strong: bool = False) -> None: ...
 
     def table(
         self, columns: Sequence[Column], rows: Sequence[Sequence[str]], alerts: Sequence[bool]
     ) -> None: ...
-
-
-class PlainOut:
-    """Aligned plain text: what `inspect` prints when stdout is not a terminal."""
-
-    def __init__(self, stream: IO[str]) -> None:
-        self.stream = stream
-
-    def line(self, text: str = "", *, alert: bool = False, strong: bool = False) -> None:
-        self.stream.write(text + "\n")
-
-    def table(
-        self, columns: Sequence[Column], rows: Sequence[Sequence[str]], alerts: Sequence[bool]
-    ) -> None:
-        widths = [len(c.name) for c in columns]
-        for row in rows:
-            widths = [max(w, len(cell)) for w, cell in zip(widths, row, strict=True)]
-        for cells in ([c.name for c in columns], *rows):
-            parts = [
-                cell.rjust(w) if c.numeric else cell.ljust(w)
-                for c, cell, w in zip(columns, cells, widths, strict=True)
-            ]
-            self.stream.write("  ".join(parts).rstrip() + "\n")
-
-
-class RichOut:
-    """Rich tables and colour, sized to the console (a terminal, or one a test builds)."""
-
-    def __init__(self, console: Console) -> None:
-        self.console = console
-
-    def line(self, text: str = "", *, alert: bool = False, strong: bool = False) -> None:
-        from rich.text import Text
-
-        style = "bold red" if alert else ("bold" if strong else "")
-        self.console.print(Text(text, style=style))
-
-    def table(
-        self, columns: Sequence[Column], rows: Sequence[Sequence[str]], alerts: Sequence[bool]
-    ) -> None:
-        from rich import box
-        from rich.table import Table
-        from rich.text import Text
-
-        keep, widths = _fit(columns, rows, self.console.width)
-        table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
-        for i, width in zip(keep, widths, strict=True):
-            table.add_column(
-                columns[i].name,
-                justify="right" if columns[i].numeric else "left",
-                no_wrap=True,
-                overflow="ellipsis",
-                width=width,
-            )
-        for row, alert in zip(rows, alerts, strict=True):
-            cells = (Text(row[i]) for i in keep)
-            table.add_row(*cells, style="bold red" if alert else None)
-        self.console.print(table)
-        hidden = [c.name for i, c in enumerate(columns) if i not in keep and _filled(rows, i)]
-        if hidden:
-            self.console.print(
-                f"(hidden to fit: {', '.join(hidden)}; widen the terminal or use --json)",
-                style="dim",
-                markup=False,
-            )
-
-
-#: Space between two columns of a rich table without edges: padding, rule, padding.
-_GAP = 3
-_MIN_FLEX = 12
-
-
-def _filled(rows: Sequence[Sequence[str]], i: int) -> bool:
-    return any(row[i] not in ("", "-") for row in rows)
-
-
-def _fit(
-    columns: Sequence[Column], rows: Sequence[Sequence[str]], total: int
-) -> tuple[list[int], list[int]]:
-    """Which columns to show, and their widths, on a terminal `total` characters wide.
-
-    Fixed columns keep their natural width (ids must stay whole to be copied); flexible ones
-    share what is left by their `flex`. Empty hideable columns go first; when the rest still
-    does not fit, hideable columns go by their `hide` rank.
-    """
-    natural = [max([len(c.name), *(len(row[i]) for row in rows)]) for i, c in enumerate(columns)]
-    keep = [i for i, c in enumerate(columns) if c.hide == 0 or _filled(rows, i)]
-
-    def need(kept: list[int]) -> int:
-        flex_min = sum(min(natural[i], _MIN_FLEX) for i in kept if columns[i].flex)
-        fixed = sum(natural[i] for i in kept if not columns[i].flex)
-        return flex_min + fixed + _GAP * (len(kept) - 1)
-
-    for i in sorted((i for i in keep if columns[i].hide), key=lambda i: -columns[i].hide):
-        if need(keep) <= total:
-            break
-        keep.remove(i)
-    widths = {i: natural[i] for i in keep}
-    room = total - _GAP * (len(keep) - 1) - sum(natural[i] for i in keep if not columns[i].flex)
-    # Narrow flexible columns keep their natural width and leave the rest to the others.
-    pending = sorted((i for i in keep if columns[i].flex), key=lambda i: natural[i])
-    while pending:
-        weight = sum(columns[i].flex for i in pending)
-        i = pending.pop(0)
-        share = max(min(natural[i], _MIN_FLEX), room * columns[i].flex // weight)
-        widths[i] = min(natural[i], share)
-        room -= widths[i]
-    return keep, [widths[i] for i in keep]
 
 
 # -- formatting ---------------------------------------------------------------------------------
@@ -294,6 +198,27 @@ def call_row(e: Mapping[str, Any], seq_of: Mapping[str, int]) -> list[str]:
         _preview_cell(e),
         ", ".join(_attachment(a) for a in e.get("attachments", ())),
     ]
+
+
+def event_line(e: Mapping[str, Any], seq_of: Mapping[str, int]) -> str:
+    """A call as one labelled line, for ``--follow`` (a table cannot grow)."""
+    staged = e["status"] == "staged"
+    head = [f"#{e['seq']}", e["call_id"], call_row(e, seq_of)[2]]
+    if staged:
+        head += [
+            e["finish_reason"],
+            f"prompt {e['prompt_tokens']}",
+            f"completion {e['completion_tokens']}",
+        ]
+        if e.get("parent_call_id"):
+            head.append(f"parent {_ref(e['parent_call_id'], seq_of)}")
+        if e.get("retry_of"):
+            head.append(f"retry of {_ref(e['retry_of'], seq_of)}")
+        if e.get("drift"):
+            head.append(f"DRIFT at {e['drift']['position']}/{e['drift']['parent_len']}")
+    tail = [_preview_cell(e)]
+    tail += [_attachment(a) for a in e.get("attachments", ())]
+    return " ".join(head) + " | " + " | ".join(tail)
 
 
 def _is_alert(e: Mapping[str, Any]) -> bool:

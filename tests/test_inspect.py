@@ -36,11 +36,17 @@ from rich.console import Console
 from sink_factories import Session, image
 
 from capture_proxy.fake_vllm import Fault, ToolCall, Turn
-from capture_proxy.inspect_cli import Follower, main
-from capture_proxy.inspect_render import Column, PlainOut, RichOut, render_call, render_rollout
-from capture_proxy.inspect_views import call_view, rollout_view
+from capture_proxy.inspect_cli import PlainOut, RichOut, main
+from capture_proxy.inspect_render import Column, render_call, render_rollout
+from capture_proxy.inspect_views import Follower, call_view, rollout_view
 from capture_proxy.reader import Store, open_store
-from capture_proxy.schemas.records import CallStatus, LedgerEntry, StagedCallRecord
+from capture_proxy.schemas.records import (
+    CallStatus,
+    LedgerEntry,
+    RolloutInfo,
+    RolloutState,
+    StagedCallRecord,
+)
 from capture_proxy.sinks.sqlite import SQLiteSink
 from capture_proxy.stores import open_sink, open_source
 
@@ -668,11 +674,20 @@ async def test_follow_prints_new_calls_as_the_live_store_grows(make_proxy: Any) 
     assert code == 0  # SIGTERM ends a follow cleanly, like Ctrl-C
     text = "".join(seen)
     assert first in text.split("Last call")[0]  # the initial view
-    new = [line for line in seen if line.startswith(("1 ", "2 "))]
-    assert new[0].split()[:3] == ["1", second, "staged"]
-    assert "parent #0" not in new[0]
-    assert new[1].split()[:3] == ["2", rejected, "rejected"]
-    assert "HTTP 422 unknown_field" in new[1]
+    new = [line for line in seen if line.startswith("#")]
+    assert [line.split()[:3] for line in new] == [
+        ["#1", second, "staged"],
+        ["#2", rejected, "rejected"],
+    ]
+    r0, r1 = p.calls("r1")
+    assert r1.parent_call_id == r0.call_id  # a new user turn shares the template's first tokens
+    full0 = len(r0.prompt_token_ids) + len(r0.completion_token_ids)
+    assert (
+        f"stop prompt {len(r1.prompt_token_ids)} completion {len(r1.completion_token_ids)} "
+        f"parent #0 DRIFT at " in new[0]
+    )
+    assert new[0].split(" | ")[0].endswith(f"/{full0}")
+    assert "| HTTP 422 unknown_field: " in new[1]
     assert "r-other" not in text
 
 
@@ -868,3 +883,37 @@ def test_every_json_key_is_documented(story_store: Story) -> None:
     assert missing == []
     for view in views:
         assert f'`view: "{view["view"]}"`' in docs
+
+
+async def test_empty_store_and_a_sealed_rollout_without_calls(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'e.db'}"
+    sink = open_sink(url)
+    await sink.put_rollout(RolloutInfo("r-none", RolloutState.OPEN, False, 1_700_000_000_000))
+    await sink.close()
+    code, text = inspect(url, "--rollout", "r-none")
+    assert code == 0
+    assert "(no calls yet)" in text
+    assert inspect_json(url, "--rollout", "r-none")["last"] is None
+    sink = open_sink(url)
+    await sink.put_rollout(
+        RolloutInfo("r-none", RolloutState.SEALED, False, 1_700_000_000_000, 1_700_000_005_000)
+    )
+    await sink.close()
+    (summary,) = inspect_json(url)["rollouts"]
+    assert (summary["state"], summary["calls"], summary["first_at_ms"]) == ("sealed", 0, None)
+    assert summary["sealed_at_ms"] == 1_700_000_005_000
+    code, text = inspect(url)
+    assert text.splitlines()[2].split() == ["r-none", "sealed", "0", "-", "0", "0", "-", "-"]
+
+
+async def test_store_with_no_rollouts(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'empty.db'}"
+    sink = open_sink(url)
+    await sink.put_rollout(RolloutInfo("r-x", RolloutState.OPEN, False, 1))  # creates the file
+    await sink.close()
+    with sqlite3.connect(url.removeprefix("sqlite:///")) as db:
+        db.execute("DELETE FROM rollouts")
+    db.close()
+    assert inspect(url) == (0, f"0 rollout(s) in {url}, newest first\n(no rollouts yet)\n")
+    assert inspect_json(url)["rollouts"] == []
+    assert inspect(url, "--verify") == (0, f"ok: 0 record(s) in {url} verify\n")
