@@ -54,7 +54,8 @@ make_proxy = proxy_factory_fixture()
 
 TOOLS = [{"type": "function", "function": {"name": "bash", "parameters": {"type": "object"}}}]
 PNG = b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 4  # 1032 bytes
-RUN = [sys.executable, "-c", "from capture_proxy.inspect_cli import main; raise SystemExit(main())"]
+#: The command as people run it (`python -m capture_proxy` is the `capture-proxy` script).
+RUN = [sys.executable, "-m", "capture_proxy", "inspect"]
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 
@@ -462,9 +463,10 @@ async def test_tokenizer_without_the_package_says_to_install_it(story: Any) -> N
     p, ids = story
     code = (
         "import sys; sys.modules['tokenizers'] = None\n"  # as if it were not installed
-        "from capture_proxy.inspect_cli import main; raise SystemExit(main())"
+        "from capture_proxy.cli import main; raise SystemExit(main())"
     )
-    argv = [sys.executable, "-c", code, p.store_url, "--call", ids["image"], "--tokenizer", "t"]
+    argv = [sys.executable, "-c", code, "inspect", p.store_url, "--call", ids["image"]]
+    argv += ["--tokenizer", "t.json"]
     out = await asyncio.to_thread(subprocess.run, argv, capture_output=True, text=True, timeout=30)
     assert out.returncode == 2
     assert out.stdout == ""
@@ -546,6 +548,18 @@ async def test_unknown_ids_and_bad_flags_are_one_sentence(
     await asyncio.to_thread(Path(not_a_store).write_text, "hello")
     assert inspect(f"sqlite:///{not_a_store}")[0] == 2
     assert "not a capture-proxy store" in capsys.readouterr().err
+
+
+def test_capture_proxy_inspect_is_the_same_command(
+    story_store: Story, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from capture_proxy.cli import main as capture_proxy_main
+
+    url = story_store.store_url
+    assert capture_proxy_main(["inspect", url, "--rollout", "r-stop"]) == 0
+    assert capsys.readouterr().out == inspect(url, "--rollout", "r-stop")[1]
+    assert capture_proxy_main(["inspect", url, "--rollout", "nope"]) == 2
+    assert capsys.readouterr().err == f"capture-proxy inspect: no rollout 'nope' in {url}\n"
 
 
 def test_interval_is_bounded(capsys: pytest.CaptureFixture[str]) -> None:
