@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import math
 import re
+import sys
 from array import array
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -83,6 +84,15 @@ def check_id(field_name: str, value: object, *, optional: bool = False) -> None:
         )
 
 
+_HIGH_BYTE = slice(3, None, 4) if sys.byteorder == "little" else slice(0, None, 4)
+_NON_NEGATIVE_HIGH_BYTES = bytes(range(128))
+
+
+def _has_negative(ids: array[int]) -> bool:
+    """True if any int32 is negative: its high byte has the sign bit. Runs in C, no min() loop."""
+    return bool(ids.tobytes()[_HIGH_BYTE].translate(None, _NON_NEGATIVE_HIGH_BYTES))
+
+
 def as_token_ids(field_name: str, values: Iterable[int] | array[int]) -> array[int]:
     """Token ids as an int32 array; raises naming the first bad position."""
     if isinstance(values, array) and values.typecode == "i":
@@ -105,7 +115,7 @@ def as_token_ids(field_name: str, values: Iterable[int] | array[int]) -> array[i
                         field_name, f"token id out of range: {v}", i
                     ) from None
             raise
-    if ids and min(ids) < 0:
+    if ids and _has_negative(ids):
         i = next(i for i, v in enumerate(ids) if v < 0)
         raise RecordValidationError(field_name, f"token id must be >= 0, got {ids[i]}", i)
     return ids
@@ -120,7 +130,11 @@ def as_logprobs(field_name: str, values: Iterable[float] | array[float]) -> arra
             lps = array("f", values)
         except (TypeError, OverflowError):
             raise RecordValidationError(field_name, "not a sequence of floats") from None
-    # max() skips NaN comparisons unpredictably, so check finiteness explicitly.
+    # Fast path in C: a NaN or infinity makes the sum non-finite (1k logprobs cannot overflow
+    # a double), and once all are finite max() is exact. Only a bad array pays for the loop
+    # that finds the position to report.
+    if not lps or (math.isfinite(sum(lps)) and max(lps) <= 0.0):
+        return lps
     for i, v in enumerate(lps):
         if not math.isfinite(v):
             raise RecordValidationError(field_name, f"logprob must be finite, got {v}", i)
