@@ -40,6 +40,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
+import orjson
+
 from .records import RecordValidationError, StagedCallRecord
 from .version import DIGEST_VERSION
 
@@ -47,6 +49,7 @@ __all__ = [
     "RECORD_FIELDS",
     "DigestMismatch",
     "EncodingError",
+    "MessageDigestCache",
     "encode_value",
     "extras_digest",
     "message_digest",
@@ -303,13 +306,42 @@ def seal_record(
     )
 
 
-def verify_record(record: StagedCallRecord) -> None:
+class MessageDigestCache:
+    """A `MessageDigester` that hashes each distinct message once.
+
+    A session re-sends its whole history with every call, so verifying (or sealing) a rollout
+    would otherwise encode its first messages once per call. Entries are keyed by the message's
+    sorted-key JSON bytes (computed in C): equal bytes mean an equal message, so the cached digest
+    is exactly what `message_digest` would return. Bounded: cleared when full.
+    """
+
+    def __init__(self, max_entries: int = 100_000) -> None:
+        self.max_entries = max_entries
+        self._digests: dict[bytes, bytes] = {}
+
+    def __call__(self, message: Mapping[str, Any], field: str) -> bytes:
+        try:
+            key = orjson.dumps(message, option=orjson.OPT_SORT_KEYS)
+        except (TypeError, orjson.JSONEncodeError):
+            return message_digest(message, field=field)  # let the encoder name the problem
+        digest = self._digests.get(key)
+        if digest is None:
+            digest = message_digest(message, field=field)
+            if len(self._digests) >= self.max_entries:
+                self._digests.clear()
+            self._digests[key] = digest
+        return digest
+
+
+def verify_record(
+    record: StagedCallRecord, *, digester: MessageDigester = _default_digester
+) -> None:
     """Raise `DigestMismatch` unless the record's content and attachments match its digests."""
     key = record.staging_key
     ex = extras_digest(record.extras)
     if ex != record.extras_digest:
         raise DigestMismatch(key, "extras_digest", record.extras_digest, ex)
-    d = record_digest(record, extras_hex=ex)
+    d = record_digest(record, extras_hex=ex, digester=digester)
     if d != record.digest:
         raise DigestMismatch(key, "digest", record.digest, d)
     have = {a.sha256: a for a in record.attachments}
