@@ -1,0 +1,715 @@
+"""The deploy/ files agree with the code they deploy.
+
+Docker, compose and Kubernetes cannot run here, so these tests read the files the way those tools
+would and hold every number and path in them against the code: each deployment's environment
+must load into valid `Settings`, probes must hit routes the app registers on the port it listens
+on, scrape targets must be where `/metrics` is, and every series the Grafana dashboard queries must
+appear in a real scrape of a running proxy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tomllib
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+import yaml  # type: ignore[import-untyped,unused-ignore]
+from aiohttp import web
+from aiohttp.test_utils import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+
+from capture_proxy.app import create_app
+from capture_proxy.cli import main
+from capture_proxy.settings import ENV_PREFIX, Settings, load_settings
+from capture_proxy.sinks.memory import MemorySink
+from capture_proxy.sinks.urls import parse_store_url
+
+ROOT = Path(__file__).resolve().parents[1]
+DEPLOY = ROOT / "deploy"
+SETTING_VARS = {ENV_PREFIX + f.name.upper() for f in dataclasses.fields(Settings)}
+SECRET = "value-from-a-secret"  # stands in for values a deployment reads from a secret store
+
+Client = TestClient[web.Request, web.Application]
+
+
+# ---- reading the files -------------------------------------------------------------------------
+
+
+@functools.cache
+def _yaml(rel: str) -> list[Any]:
+    # Cached: pure-Python YAML parsing is slow, and no test changes what it reads.
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    return [d for d in yaml.load_all((DEPLOY / rel).read_text(), Loader=loader) if d is not None]
+
+
+def _dockerfile() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) pairs, continuation lines joined, comments dropped."""
+    out: list[tuple[str, str]] = []
+    pending = ""
+    for raw in (DEPLOY / "Dockerfile").read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        word, _, rest = (pending + line).partition(" ")
+        out.append((word.upper(), rest.strip()))
+        pending = ""
+    return out
+
+
+def _docker(instruction: str) -> list[str]:
+    return [args for word, args in _dockerfile() if word == instruction]
+
+
+def _image_env() -> dict[str, str]:
+    env: dict[str, str] = {}
+    for args in _docker("ENV"):
+        for pair in shlex.split(args):
+            key, _, value = pair.partition("=")
+            env[key] = value
+    return env
+
+
+def _interpolate(text: str, env: Mapping[str, str]) -> str:
+    """Compose's ${VAR}, ${VAR:-default} and ${VAR:?error} (required: a stand-in value)."""
+
+    def one(m: re.Match[str]) -> str:
+        name, op, arg = m.group(1), m.group(2) or "", m.group(3) or ""
+        if env.get(name):
+            return env[name]
+        return arg if op.endswith("-") else ("required" if "?" in op else "")
+
+    return re.sub(r"\$\{(\w+)(:?[-?])?([^}]*)\}", one, text)
+
+
+def _settings(env: Mapping[str, str]) -> Settings:
+    """The settings `capture-proxy serve` builds from this environment (and its errors)."""
+    return load_settings(None, dict(env))
+
+
+def _stop_budget(s: Settings) -> float:
+    """Longest a SIGTERM'd proxy may take to exit 0: in-flight calls get `shutdown_timeout`, then
+    the cleanup waits up to a stage timeout for background stages and another for the staging
+    drain (capture_proxy/app.py). An orchestrator's kill deadline must exceed it."""
+    return s.shutdown_timeout + 2 * s.stage_timeout
+
+
+def _store_dir(settings: Settings) -> Path:
+    store = parse_store_url(settings.store)
+    assert store.kind in ("sqlite", "parquet"), settings.store
+    assert "://" not in store.location, settings.store  # a local folder
+    path = Path(store.location)
+    return path.parent if store.kind == "sqlite" else path
+
+
+def _get_routes(settings: Settings) -> set[str]:
+    app = create_app(settings, sink=MemorySink())
+    return {r.resource.canonical for r in app.router.routes() if r.method == "GET" and r.resource}
+
+
+# ---- every file parses, every variable is a setting --------------------------------------------
+
+
+def test_every_yaml_file_parses_into_mappings() -> None:
+    files = sorted(p.relative_to(DEPLOY) for p in DEPLOY.rglob("*.y*ml"))
+    assert {str(p) for p in files} >= {
+        "docker-compose.yml",
+        "prometheus.yml",
+        "kubernetes/vllm-capture.yaml",
+        "kubernetes/secret.example.yaml",
+        "kubernetes/networkpolicy.yaml",
+    }
+    for rel in files:
+        docs = _yaml(str(rel))
+        assert docs, rel
+        assert all(isinstance(d, dict) for d in docs), rel
+
+
+def test_every_capture_proxy_variable_in_deploy_is_a_setting() -> None:
+    used: dict[str, set[str]] = {}
+    for path in DEPLOY.rglob("*"):
+        if path.is_file():
+            for name in re.findall(r"\bCAPTURE_PROXY_[A-Z0-9_]+", path.read_text()):
+                used.setdefault(name, set()).add(str(path.relative_to(DEPLOY)))
+    unknown = {name: files for name, files in used.items() if name not in SETTING_VARS}
+    assert not unknown, f"not settings of capture-proxy serve: {unknown}"
+    assert len(used) >= 10  # the scan saw the deployments' configuration
+
+
+# ---- Dockerfile --------------------------------------------------------------------------------
+
+
+def test_dockerfile_structure() -> None:
+    assert _docker("FROM") == ["python:3.11-slim"]  # one stage, slim
+    (user,) = _docker("USER")
+    assert user not in ("root", "0")
+    # The switch comes after every RUN: nothing is installed as that user, the image ends as it.
+    words = [word for word, _ in _dockerfile()]
+    assert "RUN" not in words[words.index("USER") :]
+    (entry,) = _docker("ENTRYPOINT")
+    assert json.loads(entry) == ["capture-proxy", "serve"]  # exec form: SIGTERM reaches it
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["capture-proxy"] == "capture_proxy.cli:main"
+    assert _docker("STOPSIGNAL") in ([], ["SIGTERM"])
+    assert any("pip install --no-cache-dir" in run for run in _docker("RUN"))
+
+    settings = _settings(_image_env())
+    assert settings.host == "0.0.0.0"
+    assert settings.port == Settings().port
+    assert [int(p) for p in _docker("EXPOSE")] == [settings.port]
+    assert settings.upstream != "fake"  # a forgotten upstream must not stage fake answers
+    (volume,) = _docker("VOLUME")
+    assert _store_dir(settings) == Path(json.loads(volume)[0])
+
+    (check,) = _docker("HEALTHCHECK")
+    argv = json.loads(check.split(" CMD ", 1)[1])
+    assert argv[0] == "python"
+    assert "/healthz" in argv[-1]
+
+
+def test_dockerfile_copies_every_package_folder() -> None:
+    copied = {src for args in _docker("COPY") for src in args.split()[:-1]}
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    needed = {"pyproject.toml", project["readme"], "capture_proxy"}
+    # capture_proxy/{sinks,adapters,schemas} are symlinks: their targets must be in the image too.
+    for link in (ROOT / "capture_proxy").iterdir():
+        if link.is_symlink():
+            needed.add(os.path.normpath(Path("capture_proxy") / os.readlink(link)))
+    assert needed <= copied
+    assert all((ROOT / src).exists() for src in copied)
+
+
+async def _run_check(argv: list[str], env: Mapping[str, str]) -> int:
+    proc = await asyncio.create_subprocess_exec(
+        *argv, env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    return await asyncio.wait_for(proc.wait(), timeout=30)
+
+
+async def test_healthchecks_pass_on_a_running_proxy_and_fail_without_one(
+    aiohttp_client: Callable[[web.Application], Awaitable[Client]],
+) -> None:
+    client = await aiohttp_client(create_app(Settings(upstream="fake"), sink=MemorySink()))
+    port = str(client.port)
+    (check,) = _docker("HEALTHCHECK")
+    image_check = json.loads(check.split(" CMD ", 1)[1])
+    assert image_check[0] == "python"
+    image_check[0] = sys.executable
+    assert await _run_check(image_check, {"CAPTURE_PROXY_PORT": port}) == 0
+    # The compose healthcheck names the proxy's port itself: point it at the test server.
+    test = _services()["capture-proxy"]["healthcheck"]["test"]
+    assert test[:2] == ["CMD", "python"]
+    configured = _compose_settings().port
+    assert f"127.0.0.1:{configured}/healthz" in test[-1]
+    compose_check = [sys.executable, *test[2:-1], test[-1].replace(f":{configured}/", f":{port}/")]
+    assert await _run_check(compose_check, {}) == 0
+    await client.close()
+    assert await _run_check(image_check, {"CAPTURE_PROXY_PORT": port}) != 0
+
+
+# ---- docker compose ----------------------------------------------------------------------------
+
+# What a user puts in deploy/.env: the required model and the secrets.
+COMPOSE_ENV = {
+    "VLLM_MODEL": "org/model",
+    "VLLM_API_KEY": SECRET,
+    "CAPTURE_PROXY_ADMIN_TOKEN": SECRET,
+}
+
+
+def _services() -> dict[str, Any]:
+    (compose,) = _yaml("docker-compose.yml")
+    services: dict[str, Any] = compose["services"]
+    return services
+
+
+def _compose_settings() -> Settings:
+    env = _services()["capture-proxy"]["environment"]
+    return _settings(
+        {**_image_env(), **{k: _interpolate(str(v), COMPOSE_ENV) for k, v in env.items()}}
+    )
+
+
+def _vllm_flag(args: list[str], flag: str) -> str:
+    return args[args.index(flag) + 1]
+
+
+def _seconds(duration: str) -> int:
+    parts = re.fullmatch(r"(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?", duration)
+    assert duration, duration
+    assert parts, duration
+    h, m, s = (int(x or 0) for x in parts.groups())
+    return h * 3600 + m * 60 + s
+
+
+def _published(spec: str) -> tuple[str, int]:
+    """(host address, container port) of a compose `ports` entry."""
+    parts = spec.split(":")
+    return (parts[0] if len(parts) == 3 else "", int(parts[-1]))
+
+
+def test_compose_runs_vllm_on_a_gpu_out_of_sandboxes_reach() -> None:
+    vllm = _services()["vllm"]
+    assert vllm["image"].startswith("vllm/vllm-openai:")
+    (device,) = vllm["deploy"]["resources"]["reservations"]["devices"]
+    assert device["driver"] == "nvidia"
+    assert "gpu" in device["capabilities"]
+    args = shlex.split(_interpolate(vllm["command"], COMPOSE_ENV))
+    assert args[0] == COMPOSE_ENV["VLLM_MODEL"]  # the model comes from the environment
+    assert _interpolate(vllm["command"], {}).startswith("required")  # and is required
+    assert "ports" not in vllm  # nothing outside the compose network calls vLLM uncaptured
+    assert _seconds(vllm["healthcheck"]["start_period"]) >= 600  # loading takes minutes
+    assert _seconds(vllm["stop_grace_period"]) > int(_vllm_flag(args, "--shutdown-timeout"))
+
+
+def test_compose_proxy_is_vllms_sidecar_with_its_store_on_a_volume() -> None:
+    services = _services()
+    proxy, s = services["capture-proxy"], _compose_settings()
+    assert (DEPLOY / proxy["build"]["context"]).resolve() == ROOT
+    assert (ROOT / proxy["build"]["dockerfile"]).resolve() == DEPLOY / "Dockerfile"
+    # depends_on also orders shutdown: compose stops the proxy (it drains) before vLLM.
+    assert "vllm" in proxy["depends_on"]
+    vllm_args = shlex.split(_interpolate(services["vllm"]["command"], COMPOSE_ENV))
+    assert s.upstream == f"http://vllm:{_vllm_flag(vllm_args, '--port')}"
+    assert s.upstream_api_key == SECRET  # the key vLLM is given (VLLM_API_KEY)
+    assert s.served_model == _vllm_flag(vllm_args, "--served-model-name")
+    (compose,) = _yaml("docker-compose.yml")
+    mounts = dict(reversed(m.split(":")[:2]) for m in proxy["volumes"])
+    assert mounts[str(_store_dir(s))] in compose["volumes"]
+    assert _seconds(proxy["stop_grace_period"]) > _stop_budget(s)
+
+
+def test_compose_publishes_the_control_api_on_loopback_only() -> None:
+    s = _compose_settings()
+    assert s.admin_token == SECRET
+    assert s.admin_port not in (0, s.port)
+    published = [_published(p) for p in _services()["capture-proxy"]["ports"]]
+    assert ("", s.port) in published  # sandboxes reach the proxy port
+    assert {addr for addr, port in published if port == s.admin_port} == {"127.0.0.1"}
+    assert {port for _, port in published} == {s.port, s.admin_port}
+
+
+def test_prometheus_scrapes_the_proxy_where_its_metrics_are() -> None:
+    (conf,) = _yaml("prometheus.yml")
+    jobs = {job["job_name"]: job for job in conf["scrape_configs"]}
+    s = _compose_settings()
+    proxy_job = jobs["capture-proxy"]
+    assert proxy_job.get("metrics_path", "/metrics") in _get_routes(s)
+    targets = [t for group in proxy_job["static_configs"] for t in group["targets"]]
+    assert targets == [f"capture-proxy:{s.port}"]
+    assert urlsplit(s.upstream).netloc in {
+        t for group in jobs["vllm"]["static_configs"] for t in group["targets"]
+    }
+    prometheus = _services()["prometheus"]
+    assert "./prometheus.yml:/etc/prometheus/prometheus.yml:ro" in prometheus["volumes"]
+
+
+# ---- Kubernetes --------------------------------------------------------------------------------
+
+
+def _k8s(kind: str, file: str = "vllm-capture.yaml") -> list[dict[str, Any]]:
+    return [d for d in _yaml(f"kubernetes/{file}") if d["kind"] == kind]
+
+
+def _workload() -> dict[str, Any]:
+    (workload,) = _k8s("StatefulSet") + _k8s("Deployment")
+    return workload
+
+
+def _pod() -> dict[str, Any]:
+    spec: dict[str, Any] = _workload()["spec"]["template"]
+    return spec
+
+
+def _container(name: str) -> dict[str, Any]:
+    (container,) = [c for c in _pod()["spec"]["containers"] if c["name"] == name]
+    found: dict[str, Any] = container
+    return found
+
+
+def _k8s_env(container: Mapping[str, Any]) -> dict[str, str]:
+    """The container's environment as the kubelet builds it (secrets as SECRET)."""
+    env: dict[str, str] = {}
+    for item in container.get("env", []):
+        source = item.get("valueFrom", {})
+        if "secretKeyRef" in source:
+            value = SECRET
+        elif "fieldRef" in source:
+            value = f"<{source['fieldRef']['fieldPath']}>"
+        else:
+            value = re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], str(item["value"]))
+        env[item["name"]] = value
+    return env
+
+
+def _k8s_settings() -> Settings:
+    # The image's ENV (deploy/Dockerfile) under the container's env, as in the running pod.
+    return _settings({**_image_env(), **_k8s_env(_container("capture-proxy"))})
+
+
+def _port(container: Mapping[str, Any], port: int | str) -> int:
+    if isinstance(port, int):
+        return port
+    (number,) = [p["containerPort"] for p in container["ports"] if p.get("name") == port]
+    return int(number)
+
+
+def _pod_ports() -> dict[str, int]:
+    return {
+        p["name"]: int(p["containerPort"]) for c in _pod()["spec"]["containers"] for p in c["ports"]
+    }
+
+
+def _pre_stop_seconds(container: Mapping[str, Any]) -> int:
+    command = container.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command")
+    if not command:
+        return 0
+    assert command[0] == "sleep", command
+    return int(command[1])
+
+
+def test_k8s_pod_runs_vllm_with_the_proxy_as_a_sidecar() -> None:
+    vllm, proxy, s = _container("vllm"), _container("capture-proxy"), _k8s_settings()
+    assert vllm["image"].startswith("vllm/vllm-openai:")
+    assert "nvidia.com/gpu" in vllm["resources"]["limits"]
+    vllm_port = _port(vllm, "vllm")
+    assert s.upstream == f"http://127.0.0.1:{vllm_port}"  # same pod: the loopback
+    assert _vllm_flag(vllm["args"], "--port") == str(vllm_port)
+    assert s.served_model == _vllm_flag(vllm["args"], "--served-model-name")
+    assert s.host == "0.0.0.0"
+    assert _port(proxy, "http") == s.port
+    assert _port(proxy, "admin") == s.admin_port != s.port
+    assert s.admin_token == SECRET
+    assert s.upstream_api_key == SECRET
+    # vLLM requires the very key the proxy sends: one Secret entry for both.
+    key_refs = {
+        e["name"]: e["valueFrom"]["secretKeyRef"]
+        for c in (vllm, proxy)
+        for e in c["env"]
+        if "secretKeyRef" in e.get("valueFrom", {})
+    }
+    assert key_refs["VLLM_API_KEY"] == key_refs["CAPTURE_PROXY_UPSTREAM_API_KEY"]
+
+
+def test_k8s_probes_hit_routes_the_proxy_registers_on_its_port() -> None:
+    proxy, s = _container("capture-proxy"), _k8s_settings()
+    routes = _get_routes(s)
+    assert proxy["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert proxy["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+        probe = proxy[kind]["httpGet"]
+        assert probe["path"] in routes, (kind, probe)
+        assert _port(proxy, probe["port"]) == s.port, kind
+    vllm = _container("vllm")
+    for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert _port(vllm, vllm[kind]["httpGet"]["port"]) == _port(vllm, "vllm"), kind
+    startup = vllm["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 600  # loading takes minutes
+
+
+def test_k8s_store_is_on_a_persistent_volume_the_proxy_user_can_write() -> None:
+    proxy, s = _container("capture-proxy"), _k8s_settings()
+    (mount,) = [m for m in proxy["volumeMounts"] if Path(m["mountPath"]) == _store_dir(s)]
+    claims = {t["metadata"]["name"]: t for t in _workload()["spec"].get("volumeClaimTemplates", [])}
+    claims |= {
+        v["name"]: v for v in _pod()["spec"].get("volumes", []) if "persistentVolumeClaim" in v
+    }
+    assert mount["name"] in claims
+    uid = re.search(r"--uid (\d+)", " ".join(_docker("RUN")))
+    gid = re.search(r"--gid (\d+)", " ".join(_docker("RUN")))
+    assert uid
+    assert gid
+    assert proxy["securityContext"]["runAsUser"] == int(uid.group(1))
+    assert proxy["securityContext"]["runAsNonRoot"] is True
+    assert _pod()["spec"]["securityContext"]["fsGroup"] == int(gid.group(1))
+
+
+def test_k8s_services_expose_the_proxy_never_vllm() -> None:
+    labels = _pod()["metadata"]["labels"]
+    proxy_ports = {
+        _port(_container("capture-proxy"), p["name"]) for p in _container("capture-proxy")["ports"]
+    }
+    s = _k8s_settings()
+    front = []
+    for service in _k8s("Service"):
+        spec = service["spec"]
+        assert spec["selector"].items() <= labels.items()
+        for port in spec["ports"]:
+            target = port.get("targetPort", port["port"])
+            assert _port(_container("capture-proxy"), target) in proxy_ports, port
+        if spec.get("clusterIP") != "None":
+            front += [_port(_container("capture-proxy"), p["targetPort"]) for p in spec["ports"]]
+    assert front == [s.port]  # the Service sandboxes use carries the proxy port alone
+    assert _workload()["spec"].get("serviceName") in {
+        d["metadata"]["name"] for d in _k8s("Service")
+    } | {None}
+
+
+def test_k8s_secret_holds_every_key_the_pod_reads() -> None:
+    (secret,) = _k8s("Secret", "secret.example.yaml")
+    keys = set(secret.get("stringData", {})) | set(secret.get("data", {}))
+    for container in _pod()["spec"]["containers"]:
+        for item in container.get("env", []):
+            ref = item.get("valueFrom", {}).get("secretKeyRef")
+            if ref:
+                assert (ref["name"], ref["key"]) in {(secret["metadata"]["name"], k) for k in keys}
+
+
+def test_k8s_termination_leaves_time_to_drain_in_flight_calls() -> None:
+    s, proxy, vllm = _k8s_settings(), _container("capture-proxy"), _container("vllm")
+    grace = _pod()["spec"]["terminationGracePeriodSeconds"]
+    proxy_calls_done = _pre_stop_seconds(proxy) + s.shutdown_timeout
+    vllm_drain = _pre_stop_seconds(vllm) + int(_vllm_flag(vllm["args"], "--shutdown-timeout"))
+    assert _pre_stop_seconds(proxy) > 0  # the Service forgets the pod before the proxy stops
+    # vLLM keeps answering as long as the proxy may still be finishing calls...
+    assert vllm_drain >= proxy_calls_done
+    # ...and SIGKILL comes after both, including the last calls' staging.
+    assert grace > max(_pre_stop_seconds(proxy) + _stop_budget(s), vllm_drain)
+
+
+def test_k8s_prometheus_annotations_point_at_metrics() -> None:
+    notes, s = _pod()["metadata"]["annotations"], _k8s_settings()
+    assert notes["prometheus.io/scrape"] == "true"
+    assert notes["prometheus.io/port"] == str(s.port)
+    assert notes["prometheus.io/path"] in _get_routes(s)
+
+
+def test_k8s_network_policy_keeps_the_control_api_and_vllm_from_sandboxes() -> None:
+    (policy,) = _k8s("NetworkPolicy", "networkpolicy.yaml")
+    s, ports = _k8s_settings(), _pod_ports()
+    assert (
+        policy["spec"]["podSelector"]["matchLabels"].items() <= _pod()["metadata"]["labels"].items()
+    )
+    for rule in policy["spec"]["ingress"]:
+        opened = {
+            ports[p["port"]] if isinstance(p["port"], str) else p["port"] for p in rule["ports"]
+        }
+        if not rule.get("from"):  # open to every pod: sandboxes
+            assert opened == {s.port}
+        else:
+            assert s.port not in opened
+    admin_rules = [
+        r for r in policy["spec"]["ingress"] if any(p["port"] == "admin" for p in r["ports"])
+    ]
+    assert admin_rules
+    assert all(r.get("from") for r in admin_rules)
+
+
+# ---- systemd -----------------------------------------------------------------------------------
+
+UNIT = DEPLOY / "systemd" / "capture-proxy.service"
+
+
+def _unit() -> dict[str, dict[str, list[str]]]:
+    """Section -> key -> values (systemd allows a key more than once)."""
+    sections: dict[str, dict[str, list[str]]] = {}
+    current: dict[str, list[str]] = {}
+    for raw in UNIT.read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith(("#", ";")):
+            continue
+        if line.startswith("["):
+            current = sections.setdefault(line.strip("[]"), {})
+        else:
+            key, _, value = line.partition("=")
+            current.setdefault(key.strip(), []).append(value.strip())
+    return sections
+
+
+def _env_file() -> dict[str, str]:
+    env = {}
+    for raw in (DEPLOY / "systemd" / "capture-proxy.env.example").read_text().splitlines():
+        line = raw.strip()
+        if line and not line.startswith("#"):
+            key, _, value = line.partition("=")
+            env[key] = value
+    return env
+
+
+def test_systemd_unit_runs_capture_proxy_serve_in_a_sandbox() -> None:
+    service = _unit()["Service"]
+    (exec_start,) = service["ExecStart"]
+    argv = shlex.split(exec_start)
+    assert Path(argv[0]).name == "capture-proxy"
+    assert argv[1:] == ["serve"]
+    assert service["EnvironmentFile"]
+    assert service["Restart"] == ["on-failure"]
+    assert service["KillSignal"] == ["SIGTERM"]
+    assert service["NoNewPrivileges"] == ["yes"]
+    assert service["ProtectSystem"] == ["strict"]
+    assert service["User"] != ["root"]
+    s = _settings(_env_file())
+    writable = [Path(p) for value in service["ReadWritePaths"] for p in value.split()]
+    assert any(_store_dir(s).is_relative_to(p) for p in writable)
+    assert _seconds(service["TimeoutStopSec"][0]) > _stop_budget(s)
+
+
+def test_a_settings_error_exits_2_which_the_unit_does_not_restart(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["serve", "--port", "70000"]) == 2
+    assert "--port" in capsys.readouterr().err
+    assert _unit()["Service"]["RestartPreventExitStatus"] == ["2"]
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="needs systemd-analyze")
+def test_systemd_accepts_every_directive_of_the_unit(tmp_path: Path) -> None:
+    # verify checks that ExecStart exists: point it at this checkout's capture-proxy.
+    here = Path(sys.executable).with_name("capture-proxy")
+    unit = tmp_path / "capture-proxy.service"
+    unit.write_text(re.sub(r"^ExecStart=\S+", f"ExecStart={here}", UNIT.read_text(), flags=re.M))
+    out = subprocess.run(
+        ["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, timeout=60
+    )
+    assert out.stdout + out.stderr == "", out.stdout + out.stderr
+
+
+# ---- Grafana -----------------------------------------------------------------------------------
+
+DASHBOARD = DEPLOY / "grafana" / "capture-proxy.json"
+PROMQL_FUNCTIONS = {"sum", "min", "max", "rate", "increase", "histogram_quantile", "label_values"}
+PROMQL_KEYWORDS = {"by", "without", "and", "or", "unless", "bool"}
+# Series Prometheus adds to every target itself; everything else must come from /metrics.
+SYNTHETIC = {"up": {"job", "instance"}}
+
+
+def _panels() -> Iterator[dict[str, Any]]:
+    for panel in json.loads(DASHBOARD.read_text())["panels"]:
+        yield panel
+        yield from panel.get("panels", [])
+
+
+def _queries() -> list[str]:
+    exprs = [t["expr"] for p in _panels() for t in p.get("targets", [])]
+    templating = json.loads(DASHBOARD.read_text())["templating"]["list"]
+    exprs += [v["definition"] for v in templating if v["type"] == "query"]
+    return exprs
+
+
+def _promql(expr: str) -> tuple[dict[str, set[str]], set[str], set[str]]:
+    """(metric -> label names matched on it, grouping labels, functions) of one query."""
+    text = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)
+    text = re.sub(r"\[[^\]]*\]", "", text)
+    metrics: dict[str, set[str]] = {}
+    for name, matchers in re.findall(r"([A-Za-z_:][\w:]*)\s*\{([^}]*)\}", text):
+        metrics[name] = set(re.findall(r"(\w+)\s*(?:=~|!~|!=|=)", matchers))
+    text = re.sub(r"\{[^}]*\}", "", text)
+    grouping: set[str] = set()
+    for labels in re.findall(r"\b(?:by|without)\s*\(([^)]*)\)", text):
+        grouping |= {x.strip() for x in labels.split(",") if x.strip()}
+    text = re.sub(r"\b(?:by|without)\s*\([^)]*\)", "", text)
+    label_values = re.match(r"label_values\((.*),\s*(\w+)\)$", text)
+    if label_values:  # Grafana's variable query: label_values(series, label)
+        grouping.add(label_values.group(2))
+        text = f"label_values({label_values.group(1)})"
+    text = re.sub(r"\$\w+", "", text)
+    functions = set(re.findall(r"(?<![\w.])([A-Za-z_][\w:]*)\s*\(", text))
+    for word in re.findall(r"(?<![\w.$:])([A-Za-z_:][\w:]*)(?![\w:]|\s*\()", text):
+        if word not in PROMQL_KEYWORDS:
+            metrics.setdefault(word, set())
+    return metrics, grouping, functions
+
+
+def test_dashboard_structure() -> None:
+    dashboard = json.loads(DASHBOARD.read_text())
+    assert dashboard["uid"]
+    assert dashboard["title"]
+    assert dashboard["schemaVersion"] >= 36
+    panels = list(_panels())
+    ids = [p["id"] for p in panels]
+    assert len(ids) == len(set(ids))
+    variables = {v["name"] for v in dashboard["templating"]["list"]}
+    for panel in panels:
+        if panel["type"] == "row":
+            continue
+        assert panel["targets"], panel["title"]
+        assert panel["gridPos"]["w"] > 0, panel["title"]
+        assert panel["datasource"]["uid"].strip("${}") in variables, panel["title"]
+
+
+async def test_dashboard_queries_only_series_a_running_proxy_exports(
+    aiohttp_client: Callable[[web.Application], Awaitable[Client]], tmp_path: Path
+) -> None:
+    # The store the deployments use (SQLite), so the sink's own series are in the scrape too.
+    store = f"sqlite:///{tmp_path / 'capture.db'}"
+    app = create_app(Settings(upstream="fake", store=store, min_free_disk_mb=0))
+    client = await aiohttp_client(app)
+    body = {"model": "policy", "messages": [{"role": "user", "content": "hello"}]}
+    resp = await client.post("/r/deploy/v1/chat/completions", json=body)
+    assert resp.status == 200
+    assert resp.headers["X-Capture-Status"] == "staged"
+    scrape = await (await client.get("/metrics")).text()
+    labels: dict[str, set[str]] = dict(SYNTHETIC)
+    for family in text_string_to_metric_families(scrape):
+        for sample in family.samples:
+            labels.setdefault(sample.name, {"job", "instance"}).update(sample.labels)
+    assert labels["capture_proxy_calls_total"] >= {"outcome", "reason"}  # the call was counted
+
+    used: set[str] = set()
+    for expr in _queries():
+        metrics, grouping, functions = _promql(expr)
+        assert functions <= PROMQL_FUNCTIONS, (expr, functions - PROMQL_FUNCTIONS)
+        assert metrics, expr
+        for name, matched in metrics.items():
+            assert name in labels, f"{name} is not in a /metrics scrape ({expr})"
+            assert matched <= labels[name], (expr, matched - labels[name])
+        known = set().union(*(labels[name] for name in metrics))
+        assert grouping <= known, (expr, grouping - known)
+        used |= set(metrics)
+    # The panels the operators asked for are there.
+    assert {
+        "capture_proxy_requests_total",
+        "capture_proxy_calls_total",
+        "capture_proxy_upstream_duration_seconds_bucket",
+        "capture_proxy_overhead_duration_seconds_bucket",
+        "capture_proxy_staged_tokens_total",
+        "capture_proxy_pending_stages",
+        "capture_proxy_sink_queue_depth",
+        "capture_proxy_inflight_calls",
+        "capture_proxy_ledger_held_entries",
+    } <= used
+
+
+def test_promql_reader_sees_metrics_labels_and_functions() -> None:
+    # The reader above is what makes the dashboard test able to fail: check it on a known query.
+    metrics, grouping, functions = _promql(
+        'histogram_quantile(0.99, sum by (le, route) (rate(capture_proxy_x_bucket{job=~"$job",'
+        ' route!="a{b}"}[$__rate_interval]))) / on() capture_proxy_y and typo_metric'
+    )
+    assert metrics == {
+        "capture_proxy_x_bucket": {"job", "route"},
+        "capture_proxy_y": set(),
+        "typo_metric": set(),
+    }
+    assert grouping == {"le", "route"}
+    assert functions == {"histogram_quantile", "sum", "rate", "on"}
+
+
+# ---- documentation -----------------------------------------------------------------------------
+
+
+def test_deploy_readme_covers_each_deployment_and_file() -> None:
+    readme = (DEPLOY / "README.md").read_text()
+    headings = [
+        line.lstrip("#").strip().lower() for line in readme.splitlines() if line.startswith("#")
+    ]
+    for topic in ("compose", "kubernetes", "systemd", "bare node", "metrics", "disk", "sigterm"):
+        assert any(topic in h for h in headings), topic
+    for path in DEPLOY.rglob("*"):
+        if path.is_file() and path.name != "README.md":
+            assert path.name in readme, f"deploy/README.md does not mention {path.name}"
