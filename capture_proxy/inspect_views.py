@@ -18,7 +18,14 @@ from typing import Any
 
 from .reader import Store
 from .schemas.digest import DigestMismatch, verify_record
-from .schemas.records import Attachment, CallStatus, LedgerEntry, RolloutInfo, StagedCallRecord
+from .schemas.records import (
+    Attachment,
+    CallStatus,
+    CallSummary,
+    LedgerEntry,
+    RolloutInfo,
+    StagedCallRecord,
+)
 from .schemas.tokens import common_prefix_len, full_sequence
 
 __all__ = [
@@ -179,11 +186,32 @@ def _summary(info: RolloutInfo, entries: list[dict[str, Any]]) -> dict[str, Any]
     }
 
 
+def _counted_entries(store: Store, rollout_id: str) -> list[dict[str, Any]]:
+    """What `_summary` counts of a rollout, from call summaries: no token ids or messages are
+    decoded, so listing a large store costs a few columns per call (``--verify`` reads it all).
+    """
+    summaries: list[CallSummary] = _read(
+        f"rollout {rollout_id!r}", lambda: store.source.summaries(rollout_id)
+    )
+    entries = [
+        {
+            "status": CallStatus.STAGED.value,
+            "orphaned": s.orphaned,
+            "prompt_tokens": s.prompt_len,
+            "completion_tokens": s.completion_len,
+            "created_at_ms": s.created_at_ms,
+        }
+        for s in summaries
+    ]
+    entries.extend(failure_entry(f) for f in store.failures(rollout_id))
+    return entries
+
+
 def overview(store: Store) -> dict[str, Any]:
     """Every rollout of the store, newest first, with its counts, tokens and time span."""
     rollouts = []
     for rollout_id in reversed(store.rollouts()):
-        entries, _ = _entries(store, rollout_id)
+        entries = _counted_entries(store, rollout_id)
         rollouts.append(_summary(store.rollout_info(rollout_id), entries))
     return {"view": "rollouts", "store": store.url, "rollouts": rollouts}
 

@@ -28,6 +28,7 @@ __all__ = [
     "ID_PATTERN",
     "Attachment",
     "CallStatus",
+    "CallSummary",
     "CommitCoords",
     "LedgerEntry",
     "RecordValidationError",
@@ -377,3 +378,27 @@ class StagedCallRecord:
             and self.extras_digest == other.extras_digest
             and bool(self.digest)
         )
+
+
+@dataclass(frozen=True, slots=True)
+class CallSummary:
+    """The scalar facts of one staged call, read without decoding its tokens or messages.
+
+    What `StagingSource.summaries` returns: enough for listings (token counts, lineage, times)
+    at the cost of a few columns per call. ``prompt_len + completion_len == cum_len``; `prev_len`
+    is how many of those tokens the call shares with its parent (stored once, with the parent).
+    """
+
+    call_id: str
+    seq: int
+    parent_call_id: str | None
+    retry_of: str | None
+    finish_reason: str
+    prompt_len: int
+    completion_len: int
+    cum_len: int
+    prev_len: int
+    created_at_ms: int
+    weight_version: int
+    #: The write landed after its caller gave up (`StagingSink.mark_orphaned`).
+    orphaned: bool

@@ -17,10 +17,12 @@ the reference implementation and the test double.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from ..schemas.records import (
     Attachment,
+    CallSummary,
     CommitCoords,
     LedgerEntry,
     RolloutInfo,
@@ -28,7 +30,14 @@ from ..schemas.records import (
     StageResult,
 )
 
-__all__ = ["FaultHook", "StagingSink", "StagingSource", "StoreError", "StoreFormatError"]
+__all__ = [
+    "FaultHook",
+    "GcStats",
+    "StagingSink",
+    "StagingSource",
+    "StoreError",
+    "StoreFormatError",
+]
 
 #: Test hook: sinks call it with a point name (``"after_record"``, ``"after_attachments"``)
 #: inside their write; raising there must leave nothing of the call behind.
@@ -41,6 +50,23 @@ class StoreError(Exception):
 
 class StoreFormatError(StoreError):
     """A store was written by a format this version does not know (usually: a newer release)."""
+
+
+@dataclass(frozen=True, slots=True)
+class GcStats:
+    """What a retention pass (`capture-proxy gc`) removed, or with ``dry_run`` would remove."""
+
+    #: The sealed rollouts removed, oldest seal first.
+    rollouts: list[str]
+    #: Their staged calls, orphaned ones included.
+    calls: int
+    #: Message and request blobs no remaining call refers to.
+    blobs: int
+    #: Attachments (image bytes) no remaining call refers to.
+    attachments: int
+    #: The store's size before and after: the file (SQLite) or the live units (Parquet).
+    bytes_before: int
+    bytes_after: int
 
 
 @runtime_checkable
@@ -111,6 +137,16 @@ class StagingSource(Protocol):
 
     def failures(self, rollout_id: str) -> list[LedgerEntry]:
         """The rollout's not-staged calls, in sequence order."""
+        ...
+
+    def summaries(self, rollout_id: str) -> list[CallSummary]:
+        """One `CallSummary` per staged record of the rollout, orphaned ones included (flagged),
+        in sequence order; [] for an unknown rollout.
+
+        Reads only scalar columns (lengths, lineage, times): no token ids, messages or
+        attachments are decoded or checked, so it is cheap enough for listings of a whole store.
+        Use `calls` or `fetch` when the content matters.
+        """
         ...
 
     def fetch(self, keys: Sequence[str]) -> list[StagedCallRecord]:

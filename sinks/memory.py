@@ -15,6 +15,7 @@ from dataclasses import replace
 from ..schemas.records import (
     Attachment,
     CallStatus,
+    CallSummary,
     CommitCoords,
     LedgerEntry,
     RolloutInfo,
@@ -155,6 +156,28 @@ class MemorySink:
 
     def failures(self, rollout_id: str) -> list[LedgerEntry]:
         return sorted(self._failures.get(rollout_id, ()), key=lambda f: f.seq)
+
+    def summaries(self, rollout_id: str) -> list[CallSummary]:
+        rs = sorted(
+            (r for r in self._records.values() if r.rollout_id == rollout_id), key=lambda r: r.seq
+        )
+        return [
+            CallSummary(
+                call_id=r.call_id,
+                seq=r.seq,
+                parent_call_id=r.parent_call_id,
+                retry_of=r.retry_of,
+                finish_reason=r.finish_reason,
+                prompt_len=len(r.prompt_token_ids),
+                completion_len=len(r.completion_token_ids),
+                cum_len=r.cum_len,
+                prev_len=self._coords[r.call_id].prev_len,
+                created_at_ms=r.created_at_ms,
+                weight_version=r.weight_version,
+                orphaned=r.call_id in self._orphaned,
+            )
+            for r in rs
+        ]
 
     def fetch(self, keys: Sequence[str]) -> list[StagedCallRecord]:
         out = []

@@ -16,8 +16,16 @@ from typing import Any, TypeVar
 
 import pyarrow as pa
 import pyarrow.fs as pafs
+import pyarrow.parquet as pq
 
-from ..schemas.records import Attachment, CommitCoords, LedgerEntry, RolloutInfo, StagedCallRecord
+from ..schemas.records import (
+    Attachment,
+    CallSummary,
+    CommitCoords,
+    LedgerEntry,
+    RolloutInfo,
+    StagedCallRecord,
+)
 from .base import StoreError
 from .codec import decode_row
 from .parquet_fs import DatasetFS
@@ -29,6 +37,10 @@ __all__ = ["ParquetSource", "default_url"]
 T = TypeVar("T")
 #: Reads retried when files vanish under them (each retry follows a compaction's cleanup).
 _ATTEMPTS = 5
+#: What `summaries` reads beyond the index: a few scalar columns, never tokens or messages.
+_SUMMARY_COLUMNS = ("retry_of", "finish_reason", "prompt_len", "created_at_ms")
+#: Rows of those columns kept between calls (an overview reads every rollout of a row group).
+_SUMMARY_CACHE_ROWS = 1 << 18
 
 
 def default_url(location: str) -> str:
@@ -81,6 +93,9 @@ class ParquetSource:
         self._index = Index()
         self._groups: LRU[tuple[str, int], _Group] = LRU(cache_bytes, lambda g: g.nbytes)
         self._fulls: LRU[str, array[int]] = LRU(cache_tokens, len)
+        self._summary_columns: LRU[tuple[str, int], dict[str, list[Any]]] = LRU(
+            _SUMMARY_CACHE_ROWS, lambda cols: len(cols["prompt_len"])
+        )
 
     # -- snapshot -------------------------------------------------------------------------------
 
@@ -217,6 +232,22 @@ class ParquetSource:
             raise KeyError(key)
         return base
 
+    def _summary_of(self, where: Where) -> dict[str, list[Any]]:
+        """`_SUMMARY_COLUMNS` of a row group: from a group cached whole, else a projected read."""
+        key = (where.path, where.group)
+        cols = self._summary_columns.get(key)
+        if cols is None:
+            group = self._groups.get(key)
+            if group is not None:
+                table = group.table.select(list(_SUMMARY_COLUMNS))
+            else:
+                with self.dfs.open(where.path) as f:
+                    table = pq.ParquetFile(f).read_row_group(
+                        where.group, columns=list(_SUMMARY_COLUMNS), use_threads=False
+                    )
+            cols = self._summary_columns.put(key, table.to_pydict())
+        return cols
+
     def _record(self, key: str) -> StagedCallRecord:
         ref = self._index.calls[key]
         parent = self._full(ref.parent_call_id) if ref.prev_len and ref.parent_call_id else None
@@ -258,6 +289,35 @@ class ParquetSource:
     def failures(self, rollout_id: str) -> list[LedgerEntry]:
         return self._read(lambda: self._index.ledger.failures_of(rollout_id))
 
+    def summaries(self, rollout_id: str) -> list[CallSummary]:
+        def run() -> list[CallSummary]:
+            calls, orphans = self._index.calls, self._index.ledger.orphans
+            keys = sorted(self._index.by_rollout.get(rollout_id, []), key=lambda k: calls[k].seq)
+            out = []
+            for k in keys:
+                ref = calls[k]
+                cols, i = self._summary_of(ref.where), ref.where.row
+                prompt_len = cols["prompt_len"][i]
+                out.append(
+                    CallSummary(
+                        call_id=k,
+                        seq=ref.seq,
+                        parent_call_id=ref.parent_call_id,
+                        retry_of=cols["retry_of"][i],
+                        finish_reason=cols["finish_reason"][i],
+                        prompt_len=prompt_len,
+                        completion_len=ref.cum_len - prompt_len,
+                        cum_len=ref.cum_len,
+                        prev_len=ref.prev_len,
+                        created_at_ms=cols["created_at_ms"][i],
+                        weight_version=ref.weight_version,
+                        orphaned=k in orphans,
+                    )
+                )
+            return out
+
+        return self._read(run)
+
     def fetch(self, keys: Sequence[str]) -> list[StagedCallRecord]:
         return self._read(lambda: [self._record(k) for k in keys])
 
@@ -293,3 +353,4 @@ class ParquetSource:
     def close_reader(self) -> None:
         self._groups.clear()
         self._fulls.clear()
+        self._summary_columns.clear()

@@ -14,23 +14,13 @@ from __future__ import annotations
 
 import sqlite3
 from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
 
-from .base import StoreError
+from .base import GcStats, StoreError
 from .sqlite_schema import read_format
 
+# GcStats lives in `base` (shared with `parquet_gc`); still importable from here.
 __all__ = ["GcStats", "gc_sqlite"]
-
-
-@dataclass(frozen=True, slots=True)
-class GcStats:
-    rollouts: list[str]
-    calls: int
-    blobs: int
-    attachments: int
-    bytes_before: int
-    bytes_after: int
 
 
 def _chunks(items: list[str], n: int = 500) -> Iterable[list[str]]:

@@ -16,6 +16,7 @@ import orjson
 from ..schemas.records import (
     Attachment,
     CallStatus,
+    CallSummary,
     CommitCoords,
     LedgerEntry,
     RolloutInfo,
@@ -178,6 +179,22 @@ class SQLiteSource:
         return [
             LedgerEntry(rollout_id, call_id, seq, CallStatus(status), reason, msg, http, at_ms)
             for call_id, seq, status, reason, msg, http, at_ms in rows
+        ]
+
+    def summaries(self, rollout_id: str) -> list[CallSummary]:
+        # One pass over the (rollout_id, seq) index; the token and logprob blobs are stored after
+        # every column read here, so SQLite never reads their pages.
+        with self._read() as c:
+            rows = c.execute(
+                "SELECT call_id, seq, parent_call_id, retry_of, finish_reason, prompt_len,"
+                " cum_len, prev_len, created_at_ms, weight_version,"
+                " call_id IN (SELECT call_id FROM orphaned)"
+                " FROM calls WHERE rollout_id = ? ORDER BY seq, rowid",
+                (rollout_id,),
+            ).fetchall()
+        return [
+            CallSummary(cid, seq, parent, retry, finish, p, cum - p, cum, prev, at, wv, bool(o))
+            for cid, seq, parent, retry, finish, p, cum, prev, at, wv, o in rows
         ]
 
     def fetch(self, keys: Sequence[str]) -> list[StagedCallRecord]:
