@@ -21,9 +21,9 @@ from .adapters.vllm import (
     CaptureExtractionError,
     ForwardPlan,
     UpstreamProtocolError,
-    parse_error_body,
 )
-from .capture import Call, sampling_of
+from .capture import Call
+from .chat_stream import stream_call
 from .errors import (
     BadRequest,
     CaptureUnavailable,
@@ -31,6 +31,15 @@ from .errors import (
     ProxyError,
     Unprocessable,
     UpstreamFailed,
+)
+from .forward import (
+    JSON,
+    capture_headers,
+    complete,
+    fail_upstream,
+    record_outcome,
+    relay_upstream_error,
+    send_upstream,
 )
 from .identity import resolve_rollout_id
 from .normalize import NormalizedRequest, normalize_request
@@ -43,7 +52,6 @@ if TYPE_CHECKING:
 __all__ = ["chat_completions"]
 
 log = logging.getLogger("capture_proxy.chat")
-_JSON = "application/json"
 
 
 #: Bodies above this are decoded and normalized on a worker thread: base64-decoding a large
@@ -110,10 +118,6 @@ async def _guard_context(state: ProxyState, body: dict[str, Any], staged: dict[s
     )
 
 
-def _capture_headers(call_id: str, status: str) -> dict[str, str]:
-    return {"X-Capture-Call-Id": call_id, "X-Capture-Status": status}
-
-
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     from .state import STATE
 
@@ -137,14 +141,14 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     except ProxyError as e:
         if e.status != 409:  # a sealed rollout's ledger is closed
             call_id = await state.capture.reject(rollout_id, e.code, e.message, e.status)
-            e.headers.update(_capture_headers(call_id, CallStatus.REJECTED))
+            e.headers.update(capture_headers(call_id, CallStatus.REJECTED))
         state.metrics.calls.labels(CallStatus.REJECTED, e.code).inc()
         raise
     try:
         info = await state.upstream.info(str(body.get("model", "")))
         plan = state.adapter(info.reasoning_field).plan(body)
         if plan.wants.stream:
-            return await _stream(state, request, call, plan, body, info, started)
+            return await stream_call(state, request, call, plan, body, info, started)
         return await _unary(state, call, plan, body, info, started)
     except asyncio.CancelledError:
         # The client went away: the upstream request was closed on the way out (vLLM aborts
@@ -166,86 +170,6 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             await state.capture.fail_call(call, CallStatus.UPSTREAM_ERROR, "internal", "unfinished")
 
 
-async def _send_upstream(state: ProxyState, plan: ForwardPlan) -> aiohttp.ClientResponse:
-    s = state.settings
-    try:
-        async with asyncio.timeout(s.upstream_first_byte_timeout):
-            return await state.session.post(
-                state.upstream.url("/v1/chat/completions"),
-                data=plan.body,
-                headers={**state.upstream.headers, "Content-Type": _JSON},
-            )
-    except TimeoutError:
-        raise UpstreamFailed(
-            f"the upstream sent no response within {s.upstream_first_byte_timeout:g}s",
-            code="upstream_timeout",
-            status=504,
-        ) from None
-    except aiohttp.ClientError as e:
-        state.upstream.mark_stale()
-        raise UpstreamFailed(
-            f"cannot reach the upstream: {type(e).__name__}: {e}", code="upstream_unreachable"
-        ) from None
-
-
-async def _upstream_error(
-    state: ProxyState, call: Call, resp: aiohttp.ClientResponse
-) -> web.Response:
-    """Relay an upstream error answer (OpenAI error body) and record it."""
-    raw = await resp.read()
-    err = parse_error_body(raw, resp.status)
-    message = str(err.get("error", {}).get("message", ""))[:500]
-    await state.capture.fail_call(
-        call, CallStatus.UPSTREAM_ERROR, f"upstream_{resp.status}", message, resp.status
-    )
-    state.metrics.calls.labels(CallStatus.UPSTREAM_ERROR, f"upstream_{resp.status}").inc()
-    return web.Response(
-        status=resp.status,
-        body=orjson.dumps(err),
-        content_type=_JSON,
-        headers=_capture_headers(call.call_id, CallStatus.UPSTREAM_ERROR),
-    )
-
-
-async def _fail_upstream(
-    state: ProxyState, call: Call, e: ProxyError | UpstreamProtocolError
-) -> None:
-    reason = e.code if isinstance(e, ProxyError) else e.reason
-    message = e.message
-    status = e.status if isinstance(e, ProxyError) else 502
-    await state.capture.fail_call(call, CallStatus.UPSTREAM_ERROR, reason, message, status)
-    state.metrics.calls.labels(CallStatus.UPSTREAM_ERROR, reason).inc()
-
-
-def _record_outcome(state: ProxyState, result: StageResult) -> None:
-    if result.status is CallStatus.STAGED and result.coords is not None:
-        state.metrics.calls.labels(CallStatus.STAGED, "ok").inc()
-        state.metrics.staged_records.inc()
-        state.metrics.staged_tokens.inc(result.coords.cum_len)
-        state.metrics.staged_token_bytes.inc(4 * result.coords.delta_len)
-    else:
-        state.metrics.calls.labels(CallStatus.CAPTURE_FAILED, result.reason or "").inc()
-
-
-async def _complete(
-    state: ProxyState, call: Call, completion: Any, body: dict[str, Any], info: Any
-) -> StageResult:
-    t = time.perf_counter()
-    result = await state.capture.complete_call(
-        call,
-        completion,
-        model=str(body.get("model", "")),
-        upstream_version=info.version,
-        tokenizer_fingerprint=info.fingerprint,
-        sampling=sampling_of(body),
-    )
-    state.metrics.stage_seconds.observe(time.perf_counter() - t)
-    if call.attachments:
-        state.metrics.attachments.inc(len(call.attachments))
-    _record_outcome(state, result)
-    return result
-
-
 async def _unary(
     state: ProxyState,
     call: Call,
@@ -256,14 +180,14 @@ async def _unary(
 ) -> web.StreamResponse:
     t_up = time.perf_counter()
     try:
-        resp = await _send_upstream(state, plan)
+        resp = await send_upstream(state, plan)
     except UpstreamFailed as e:
-        await _fail_upstream(state, call, e)
-        e.headers.update(_capture_headers(call.call_id, CallStatus.UPSTREAM_ERROR))
+        await fail_upstream(state, call, e)
+        e.headers.update(capture_headers(call.call_id, CallStatus.UPSTREAM_ERROR))
         raise
     async with resp:
         if resp.status != 200:
-            return await _upstream_error(state, call, resp)
+            return await relay_upstream_error(state, call, resp)
         try:
             async with asyncio.timeout(state.settings.upstream_idle_timeout):
                 raw = await resp.read()
@@ -271,24 +195,26 @@ async def _unary(
             err = UpstreamFailed(
                 f"the upstream answer broke off: {type(e).__name__}: {e}", code="upstream_broken"
             )
-            await _fail_upstream(state, call, err)
-            err.headers.update(_capture_headers(call.call_id, CallStatus.UPSTREAM_ERROR))
+            await fail_upstream(state, call, err)
+            err.headers.update(capture_headers(call.call_id, CallStatus.UPSTREAM_ERROR))
             raise err from None
     upstream_elapsed = time.perf_counter() - t_up
     state.metrics.upstream_seconds.observe(upstream_elapsed)
     try:
-        completion, client_body = state.adapter(info.reasoning_field).parse_response(raw, plan)
+        completion, client_body = state.adapter(info.reasoning_field).parse_response(
+            raw, plan, session=call.rollout_id
+        )
     except UpstreamProtocolError as e:
-        await _fail_upstream(state, call, e)
+        await fail_upstream(state, call, e)
         err = UpstreamFailed(f"the upstream answer is malformed: {e.message}", code=e.reason)
-        err.headers.update(_capture_headers(call.call_id, CallStatus.UPSTREAM_ERROR))
+        err.headers.update(capture_headers(call.call_id, CallStatus.UPSTREAM_ERROR))
         raise err from None
     except CaptureExtractionError as e:
         result = StageResult.failed(e.reason, e.message)
         await state.capture.fail_call(call, CallStatus.CAPTURE_FAILED, e.reason, e.message)
-        _record_outcome(state, result)
+        record_outcome(state, result)
         return _capture_failed_response(state, call, e.client_body or raw, result)
-    result = await _complete(state, call, completion, body, info)
+    result = await complete(state, call, completion, body, info)
     if result.status is not CallStatus.STAGED:
         return _capture_failed_response(state, call, client_body, result)
     state.metrics.overhead_seconds.observe(
@@ -296,8 +222,8 @@ async def _unary(
     )
     return web.Response(
         body=client_body,
-        content_type=_JSON,
-        headers=_capture_headers(call.call_id, CallStatus.STAGED),
+        content_type=JSON,
+        headers=capture_headers(call.call_id, CallStatus.STAGED),
     )
 
 
@@ -313,151 +239,11 @@ def _capture_failed_response(
         return web.Response(
             status=err.status,
             body=err.body(),
-            content_type=_JSON,
-            headers=_capture_headers(call.call_id, CallStatus.CAPTURE_FAILED),
+            content_type=JSON,
+            headers=capture_headers(call.call_id, CallStatus.CAPTURE_FAILED),
         )
     return web.Response(
         body=client_body,
-        content_type=_JSON,
-        headers=_capture_headers(call.call_id, CallStatus.CAPTURE_FAILED),
+        content_type=JSON,
+        headers=capture_headers(call.call_id, CallStatus.CAPTURE_FAILED),
     )
-
-
-def _sse_error(message: str, code: str, type: str = "upstream_error") -> bytes:
-    return (
-        b"data: "
-        + orjson.dumps({"error": {"message": message, "type": type, "param": None, "code": code}})
-        + b"\n\n"
-    )
-
-
-async def _stream(
-    state: ProxyState,
-    request: web.Request,
-    call: Call,
-    plan: ForwardPlan,
-    body: dict[str, Any],
-    info: Any,
-    started: float,
-) -> web.StreamResponse:
-    try:
-        resp = await _send_upstream(state, plan)
-    except UpstreamFailed as e:
-        await _fail_upstream(state, call, e)
-        e.headers.update(_capture_headers(call.call_id, CallStatus.UPSTREAM_ERROR))
-        raise
-    async with resp:
-        if resp.status != 200:
-            return await _upstream_error(state, call, resp)
-        out = web.StreamResponse(
-            headers={
-                "Content-Type": "text/event-stream",
-                "Cache-Control": "no-cache",
-                **_capture_headers(call.call_id, "pending"),
-            }
-        )
-        await out.prepare(request)
-        state.metrics.streams_open.inc()
-        try:
-            return await _relay(state, call, plan, body, info, resp, out)
-        finally:
-            state.metrics.streams_open.dec()
-
-
-async def _relay(
-    state: ProxyState,
-    call: Call,
-    plan: ForwardPlan,
-    body: dict[str, Any],
-    info: Any,
-    resp: aiohttp.ClientResponse,
-    out: web.StreamResponse,
-) -> web.StreamResponse:
-    acc = state.adapter(info.reasoning_field).stream(plan)
-    idle = state.settings.upstream_idle_timeout
-    try:
-        while True:
-            async with asyncio.timeout(idle):
-                chunk = await resp.content.readany()
-            if not chunk:
-                break
-            events = acc.feed(chunk)
-            if events:
-                await out.write(b"".join(events))
-    except TimeoutError:
-        resp.close()
-        return await _end_stream_broken(
-            state,
-            call,
-            out,
-            "upstream_idle_timeout",
-            f"the upstream sent nothing for {idle:g}s mid-stream",
-        )
-    except aiohttp.ClientError as e:
-        return await _end_stream_broken(
-            state,
-            call,
-            out,
-            "upstream_broken",
-            f"the upstream stream broke: {type(e).__name__}: {e}",
-        )
-    except ConnectionResetError:
-        resp.close()
-        await state.capture.fail_call(
-            call,
-            CallStatus.ABORTED,
-            "client_disconnected",
-            "the client closed the connection mid-stream",
-        )
-        state.metrics.calls.labels(CallStatus.ABORTED, "client_disconnected").inc()
-        return out
-    try:
-        completion = acc.finish()
-    except UpstreamProtocolError as e:
-        return await _end_stream_broken(state, call, out, e.reason, e.message)
-    except CaptureExtractionError as e:
-        await state.capture.fail_call(call, CallStatus.CAPTURE_FAILED, e.reason, e.message)
-        result = StageResult.failed(e.reason, e.message)
-        _record_outcome(state, result)
-        return await _end_stream_outcome(state, call, out, result)
-    result = await _complete(state, call, completion, body, info)
-    return await _end_stream_outcome(state, call, out, result)
-
-
-async def _end_stream_broken(
-    state: ProxyState, call: Call, out: web.StreamResponse, reason: str, message: str
-) -> web.StreamResponse:
-    """A broken upstream stream is never completed for the client: an error event, no [DONE]."""
-    await state.capture.fail_call(call, CallStatus.UPSTREAM_ERROR, reason, message, 502)
-    state.metrics.calls.labels(CallStatus.UPSTREAM_ERROR, reason).inc()
-    try:
-        await out.write(_sse_error(message, reason))
-        await out.write_eof()
-    except ConnectionResetError:
-        pass
-    return out
-
-
-async def _end_stream_outcome(
-    state: ProxyState, call: Call, out: web.StreamResponse, result: StageResult
-) -> web.StreamResponse:
-    try:
-        if result.status is CallStatus.STAGED:
-            await out.write(
-                f": capture-status staged call_id={call.call_id}\n\ndata: [DONE]\n\n".encode()
-            )
-        elif state.settings.on_capture_failure == "error":
-            await out.write(
-                _sse_error(
-                    f"the answer could not be staged ({result.reason}: {result.message})",
-                    "capture_failed",
-                    "capture_unavailable",
-                )
-            )
-        else:
-            status = f": capture-status capture_failed call_id={call.call_id}\n\n"
-            await out.write(status.encode() + b"data: [DONE]\n\n")
-        await out.write_eof()
-    except ConnectionResetError:
-        pass  # staged or not, the outcome is recorded; the client is gone
-    return out
