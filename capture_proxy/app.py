@@ -250,6 +250,7 @@ def create_app(settings: Settings, *, sink: StagingSink | None = None) -> web.Ap
     app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[errors_and_metrics])
     app[STATE] = state
     app.cleanup_ctx.append(_lifecycle)
+    app.on_shutdown.append(_mark_shutting_down)
     for prefix in ("", "/r/{rollout_id}"):
         app.router.add_post(prefix + "/v1/chat/completions", chat_completions)
         app.router.add_get(prefix + "/v1/models", passthrough)
@@ -262,6 +263,10 @@ def create_app(settings: Settings, *, sink: StagingSink | None = None) -> web.Ap
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)
     return app
+
+
+async def _mark_shutting_down(app: web.Application) -> None:
+    app[STATE].shutting_down = True
 
 
 def create_admin_app(main: web.Application) -> web.Application:

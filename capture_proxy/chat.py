@@ -151,18 +151,17 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             return await stream_call(state, request, call, plan, body, info, started)
         return await _unary(state, call, plan, body, info, started)
     except asyncio.CancelledError:
-        # The client went away: the upstream request was closed on the way out (vLLM aborts
-        # the generation); record the abort even though this task is being cancelled.
+        # The client went away, or the shutdown deadline passed: the upstream request was
+        # closed on the way out (vLLM aborts the generation); record the abort even though this
+        # task is being cancelled.
         if not call.finished:
-            state.spawn(
-                state.capture.fail_call(
-                    call,
-                    CallStatus.ABORTED,
-                    "client_disconnected",
-                    "the client closed the connection before the answer was complete",
-                )
-            )
-            state.metrics.calls.labels(CallStatus.ABORTED, "client_disconnected").inc()
+            if state.shutting_down:
+                reason, why = "shutdown", "the proxy shut down before the answer was complete"
+            else:
+                reason = "client_disconnected"
+                why = "the client closed the connection before the answer was complete"
+            state.spawn(state.capture.fail_call(call, CallStatus.ABORTED, reason, why))
+            state.metrics.calls.labels(CallStatus.ABORTED, reason).inc()
         raise
     finally:
         if not call.finished and not asyncio.current_task().cancelling():  # type: ignore[union-attr]

@@ -110,8 +110,14 @@ def _run_gc(args: argparse.Namespace) -> int:
             dry_run=args.dry_run,
             vacuum=args.vacuum,
         )
+    elif parsed.kind == "parquet":
+        from .sinks.parquet_gc import gc_parquet
+
+        stats = gc_parquet(
+            parsed.location, older_than_ms=args.older_than, now_ms=now_ms, dry_run=args.dry_run
+        )
     else:
-        print(f"capture-proxy gc: only SQLite stores so far, not {parsed.kind}", file=sys.stderr)
+        print(f"capture-proxy gc: {parsed.url} lives in a process's memory", file=sys.stderr)
         return 2
     verb = "would remove" if args.dry_run else "removed"
     print(
@@ -160,8 +166,9 @@ async def _serve(settings_args: argparse.Namespace) -> int:
     elif settings.admin_port:
         admin_runner = web.AppRunner(create_admin_app(app), access_log=None)
         await admin_runner.setup()
-        await web.TCPSite(admin_runner, settings.host, settings.admin_port).start()
-        print(f"  control API on http://{settings.host}:{settings.admin_port}/admin", flush=True)
+        admin_host = settings.admin_host or settings.host
+        await web.TCPSite(admin_runner, admin_host, settings.admin_port).start()
+        print(f"  control API on http://{admin_host}:{settings.admin_port}/admin", flush=True)
     else:
         print(f"  control API on {state.listen_url}/admin", flush=True)
     stop = asyncio.Event()

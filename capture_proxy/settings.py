@@ -111,6 +111,9 @@ class Settings:
         "", "bearer token for the control API (/admin); empty: the control API is off", secret=True
     )
     admin_port: int = _s(0, "serve the control API on this port instead of the main one (0: main)")
+    admin_host: str = _s(
+        "", "address the --admin-port listener binds (default: --host); e.g. 127.0.0.1"
+    )
     require_rollout_keys: bool = _s(
         False, "sandboxes must send the key minted for their rollout by POST /admin/rollouts"
     )

@@ -32,6 +32,8 @@ class ProxyState:
     session: aiohttp.ClientSession = field(init=False)
     upstream: Upstream = field(init=False)
     upstream_url: str = ""
+    #: Set when shutdown begins: calls cut off by its deadline are recorded as such.
+    shutting_down: bool = False
     listen_url: str = ""
     _adapters: dict[str, VLLMAdapter] = field(default_factory=dict)
     _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
