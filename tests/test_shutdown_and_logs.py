@@ -95,3 +95,63 @@ async def test_sigterm_lets_an_open_stream_finish_and_stage(tmp_path: Path) -> N
     assert {"ts", "level", "msg"} <= set(chat)
     assert SECRET not in logs
     assert PROMPT not in logs
+
+
+async def test_calls_cut_by_the_shutdown_deadline_are_recorded_as_such(tmp_path: Path) -> None:
+    fake = FakeVLLM(chunk_delay=0.2, api_key=SECRET)
+    fake.push(Turn("word " * 100))  # ~40 s of stream: far past the deadline
+    upstream = TestServer(fake.app())
+    await upstream.start_server()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "capture_proxy",
+        "serve",
+        "--upstream",
+        str(upstream.make_url("")).rstrip("/"),
+        "--store",
+        f"sqlite:///{tmp_path / 'c.db'}",
+        "--port",
+        "0",
+        "--shutdown-timeout",
+        "1",
+        "--upstream-api-key",
+        SECRET,
+        "--min-free-disk-mb",
+        "0",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+    try:
+        assert proc.stdout is not None
+        base = ""
+        for _ in range(20):
+            line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
+            match = re.search(r"listening on (http://127\.0\.0\.1:\d+)", line)
+            if match:
+                base = match.group(1)
+                break
+        async with aiohttp.ClientSession() as http:
+            body = {
+                "model": "policy",
+                "stream": True,
+                "messages": [{"role": "user", "content": "x"}],
+            }
+            async with http.post(f"{base}/r/ep/v1/chat/completions", json=body) as resp:
+                await resp.content.readline()
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    rest = await asyncio.wait_for(resp.content.read(), 30)
+                except aiohttp.ClientPayloadError:
+                    rest = b""  # the connection was cut: the client knows it is incomplete
+        assert b"[DONE]" not in rest  # never presented as a whole answer
+        assert await asyncio.wait_for(proc.wait(), 30) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        await upstream.close()
+    with open_store(f"sqlite:///{tmp_path / 'c.db'}") as store:
+        (entry,) = store.failures("ep")
+        assert store.calls("ep") == []
+    assert entry.status == "aborted" and entry.reason == "shutdown"
