@@ -154,4 +154,5 @@ async def test_calls_cut_by_the_shutdown_deadline_are_recorded_as_such(tmp_path:
     with open_store(f"sqlite:///{tmp_path / 'c.db'}") as store:
         (entry,) = store.failures("ep")
         assert store.calls("ep") == []
-    assert entry.status == "aborted" and entry.reason == "shutdown"
+    assert entry.status == "aborted"
+    assert entry.reason == "shutdown"
