@@ -25,7 +25,7 @@ from sink_factories import Session
 from capture_proxy.cli import main
 from capture_proxy.compact import compact_store
 from capture_proxy.reader import open_store
-from capture_proxy.schemas.records import RolloutInfo, RolloutState
+from capture_proxy.schemas.records import CallStatus, RolloutInfo, RolloutState
 from capture_proxy.sinks.parquet import ParquetSink, ParquetSource
 from capture_proxy.sinks.parquet_gc import gc_parquet
 from capture_proxy.stores import open_sink
@@ -128,6 +128,10 @@ def _rows_on_disk(ds: Path, table: str) -> list[dict[str, Any]]:
     return [
         row for f in sorted((ds / table).glob("*.parquet")) for row in pq.read_table(f).to_pylist()
     ]
+
+
+def _marker_files(ds: Path) -> list[bytes]:
+    return [p.read_bytes() for p in sorted((ds / "_commits").glob("*.json"))]
 
 
 def _counts(line: str) -> str:
@@ -277,8 +281,7 @@ async def test_compact_deletes_the_removed_rows_after_the_grace_period(
     assert "old" not in {r["rollout_id"] for r in _rows_on_disk(s.ds, "ledger")}
     assert s.ids["old"] not in {r["call_id"] for r in _rows_on_disk(s.ds, "ledger")}
     assert SHARED_SHA in {r["sha256"] for r in _rows_on_disk(s.ds, "attachments")}
-    markers = [json.loads(p.read_bytes()) for p in (s.ds / "_commits").glob("*.json")]
-    assert len(markers) == 1
+    assert len(_marker_files(s.ds)) == 1
     assert _read_back(s.url, ["recent", "open"]) == before
     # The reader opened before all this re-lists when its files vanish and reads the same data.
     assert [r.digest for r in reader.calls("recent")] == recent
@@ -314,6 +317,30 @@ async def test_kept_ledger_rows_keep_their_commit_order(tmp_path: Path) -> None:
     info = ParquetSource(ds).rollout_info("kept")
     assert (info.state, dict(info.metadata)) == (RolloutState.SEALED, {"v": 2})
     assert ParquetSource(ds).rollouts() == ["first", "kept"]
+
+
+async def test_when_every_rollout_goes_the_dataset_stays_usable(tmp_path: Path) -> None:
+    ds = str(tmp_path / "ds")
+    sink = ParquetSink(ds)
+    for rollout in ("a", "b"):
+        await sink.stage(Session(rollout).next()[0])
+        await sink.put_rollout(RolloutInfo(rollout, RolloutState.SEALED, False, 1, 2))
+    await sink.close()
+    stats = gc_parquet(ds, older_than_ms=0, now_ms=3)
+    assert (stats.rollouts, stats.calls, stats.bytes_after) == (["a", "b"], 2, 0)
+    (marker,) = [m for m in map(json.loads, _marker_files(tmp_path / "ds")) if m["retires"]]
+    assert marker["files"] == {}  # nothing left to write: the marker alone retires every unit
+    source = ParquetSource(ds)
+    assert (source.rollouts(), list(source.all_keys())) == ([], [])
+    # The dataset takes new records (the same ids too) and compacts as before.
+    sink = ParquetSink(ds)
+    res = await sink.stage(Session("a").next()[0])
+    await sink.close()
+    assert res.status is CallStatus.STAGED
+    compact_store(ds, grace_s=0)
+    with open_store(ds) as store:
+        assert store.rollouts() == ["a"]
+        store.verify()
 
 
 def test_gc_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
