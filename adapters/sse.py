@@ -145,6 +145,8 @@ class SSEParser:
         buf = self._buf
         end = len(buf)
         while True:
+            if not self._has_lines:
+                self._simple_events(events)
             m = _EOL.search(buf, self._pos)
             if m is None:
                 break
@@ -162,6 +164,25 @@ class SSEParser:
                 # A blank line outside any event: nothing to dispatch, not part of any raw.
                 self._start = self._pos
         return events
+
+    def _simple_events(self, events: list[SSEEvent]) -> None:
+        """Take complete ``data: <one line>\n\n`` events (what vLLM sends) without the line loop.
+
+        Called between events only. The result is what the general rules give for such an
+        event; anything else (comments, other fields, several lines, CR) is left to them.
+        """
+        buf = self._buf
+        pos = self._pos
+        while buf.startswith(b"data: ", pos):
+            stop = buf.find(b"\n", pos)
+            if stop < 0 or buf[stop + 1 : stop + 2] != b"\n" or buf.find(b"\r", pos, stop) >= 0:
+                break
+            raw = bytes(buf[pos : stop + 2])
+            if len(raw) > self._max:
+                raise SSEError(f"SSE event larger than {self._max} bytes")
+            events.append(SSEEvent(raw[6:-2], None, (), raw))
+            pos = stop + 2
+        self._pos = self._start = pos
 
     def _field(self, line: bytes) -> None:
         self._has_lines = True

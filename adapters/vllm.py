@@ -29,6 +29,7 @@ from typing import Any
 import msgspec
 import orjson
 
+from .vllm_ids import DEFAULT_PREFIX_CACHE_BYTES, PrefixCache, decode_prompt
 from .vllm_stream import StreamAccumulator
 from .vllm_wire import (
     EMPTY_OBJECT,
@@ -79,14 +80,24 @@ class VLLMAdapter:
 
     `reasoning_field` is the name vLLM reads replayed reasoning under: ``reasoning_content``
     (default; vLLM <= 0.15 and >= 0.22) or ``reasoning`` (vLLM 0.16-0.21 read only that).
+
+    Answers parsed with a `session` (the rollout id) leave their prompt + completion in
+    `prefixes`, a cache bounded by `prefix_cache_bytes`: the session's next prompt starts with
+    them, and only its new tokens are decoded (`vllm_ids.decode_prompt`; exact either way).
     """
 
-    __slots__ = ("reasoning_field",)
+    __slots__ = ("prefixes", "reasoning_field")
 
-    def __init__(self, *, reasoning_field: ReasoningField = "reasoning_content") -> None:
+    def __init__(
+        self,
+        *,
+        reasoning_field: ReasoningField = "reasoning_content",
+        prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
+    ) -> None:
         if reasoning_field not in ("reasoning_content", "reasoning"):
             raise ValueError(f"unknown reasoning field {reasoning_field!r}")
         self.reasoning_field: ReasoningField = reasoning_field
+        self.prefixes = PrefixCache(prefix_cache_bytes)
 
     def plan(self, request: dict[str, Any]) -> ForwardPlan:
         """The bytes to forward for a normalized, validated request (which is not modified).
@@ -121,8 +132,13 @@ class VLLMAdapter:
             body["messages"] = _rename_reasoning(request["messages"])
         return ForwardPlan(orjson.dumps(body), wants)
 
-    def parse_response(self, raw: bytes, plan: ForwardPlan) -> tuple[Completion, bytes]:
+    def parse_response(
+        self, raw: bytes, plan: ForwardPlan, *, session: str | None = None
+    ) -> tuple[Completion, bytes]:
         """Extract a non-streamed answer; returns ``(completion, client_body)``.
+
+        `session` names the rollout the call belongs to (see the class docs); without it the
+        prompt ids are decoded in full.
 
         Raises `UpstreamProtocolError` when the answer is broken (malformed JSON, an error body,
         no choices, no finish reason) and `CaptureExtractionError` when it is fine for the client
@@ -141,18 +157,23 @@ class VLLMAdapter:
         if not choices:
             raise UpstreamProtocolError("no_choices", "the response has an empty choices list")
         client_body = _client_body(raw, top, choices, plan.wants)
+        prompt_raw = bytes(top.get("prompt_token_ids", NULL))
         try:
-            completion = _extract(top, choices)
+            prompt = decode_prompt("prompt_token_ids", prompt_raw, self.prefixes.get(session))
+            completion = _extract(top, choices, prompt)
         except CaptureExtractionError as exc:
             exc.client_body = client_body
             raise
         except msgspec.DecodeError as exc:
             raise UpstreamProtocolError("malformed_json", f"response body: {exc}") from None
+        self.prefixes.put(
+            session, prompt_raw, completion.prompt_token_ids, completion.completion_token_ids
+        )
         return completion, client_body
 
-    def stream(self, plan: ForwardPlan) -> StreamAccumulator:
-        """A sans-IO accumulator for the streamed answer to `plan`."""
-        return StreamAccumulator(plan.wants)
+    def stream(self, plan: ForwardPlan, *, session: str | None = None) -> StreamAccumulator:
+        """A sans-IO accumulator for the streamed answer to `plan` (`session`: as above)."""
+        return StreamAccumulator(plan.wants, prefixes=self.prefixes, session=session)
 
     @staticmethod
     def parse_error_body(raw: bytes, status: int) -> dict[str, Any]:
@@ -178,7 +199,7 @@ def _client_body(raw: bytes, top: RawDict, choices: list[RawDict], wants: Client
     return raw if body is None else encode(body)
 
 
-def _extract(top: RawDict, choices: list[RawDict]) -> Completion:
+def _extract(top: RawDict, choices: list[RawDict], prompt: array[int] | None) -> Completion:
     if len(choices) > 1:
         raise CaptureExtractionError(
             "multiple_choices", f"{len(choices)} choices; a record holds exactly one"
@@ -200,8 +221,6 @@ def _extract(top: RawDict, choices: list[RawDict]) -> Completion:
             )
     completion = to_ids("completion_token_ids", ids)
     lps = array("f", [e.logprob for e in entries])
-    prompt_list = decode_ids(top.get("prompt_token_ids", NULL))
-    prompt = None if prompt_list is None else to_ids("prompt_token_ids", prompt_list)
     usage = decode_usage(top.get("usage", NULL))
     prompt, usage = check_counts(prompt, completion, lps, usage)
     response_id = decode_str(top.get("id", NULL)) or ""

@@ -21,12 +21,16 @@ from typing import Any
 import msgspec
 
 from .sse import DEFAULT_MAX_EVENT_SIZE, SSEError, SSEEvent, SSEParser, encode_event
+from .vllm_chunk import read_token_chunk
+from .vllm_ids import PrefixCache, decode_prompt
 from .vllm_wire import (
     EMPTY_OBJECT,
     NULL,
     CaptureExtractionError,
     ClientWants,
     Completion,
+    Logprobs,
+    Message,
     RawDict,
     UpstreamProtocolError,
     Usage,
@@ -52,6 +56,9 @@ from .vllm_wire import (
 )
 
 __all__ = ["StreamAccumulator"]
+
+#: Consecutive events that did not fit `read_token_chunk` before a stream stops trying it.
+_MAX_FAST_MISSES = 8
 
 
 class _ToolCall:
@@ -79,8 +86,17 @@ class StreamAccumulator:
     Build it with `VLLMAdapter.stream(plan)`. Never blocks, never awaits.
     """
 
-    def __init__(self, wants: ClientWants, *, max_event_size: int = DEFAULT_MAX_EVENT_SIZE) -> None:
+    def __init__(
+        self,
+        wants: ClientWants,
+        *,
+        max_event_size: int = DEFAULT_MAX_EVENT_SIZE,
+        prefixes: PrefixCache | None = None,
+        session: str | None = None,
+    ) -> None:
         self._wants = wants
+        self._prefixes = prefixes
+        self._session = session
         self._parser = SSEParser(max_event_size=max_event_size)
         self._closed = False
         self._saw_done = False
@@ -90,10 +106,12 @@ class StreamAccumulator:
         self._response_id: str | None = None
         self._model: str | None = None
         self._fingerprint: str | None = None
-        self._prompt: array[int] | None = None
+        #: The first chunk's prompt_token_ids, decoded at `finish`: off the time to first byte.
+        self._prompt_raw: bytes | None = None
         self._ids: array[int] = array("i")
         self._logprobs: array[float] = array("f")
         self._ids_missing = False
+        self._fast_misses = 0
         self._content: list[str] = []
         self._reasoning: list[str] = []
         self._tools: dict[int, _ToolCall] = {}
@@ -167,7 +185,8 @@ class StreamAccumulator:
                 "missing_token_ids",
                 "a chunk had no token_ids and its logprob tokens are not 'token_id:N'",
             )
-        prompt, usage = check_counts(self._prompt, self._ids, self._logprobs, self._usage)
+        prompt = self._decode_prompt()
+        prompt, usage = check_counts(prompt, self._ids, self._logprobs, self._usage)
         if len(self._routed_experts) > 1 or len(self._media_spans) > 1:
             raise CaptureExtractionError(
                 "routed_experts_split",
@@ -208,6 +227,18 @@ class StreamAccumulator:
         if self._saw_done:
             self._fail("data_after_done", "the upstream sent an event after [DONE]")
             return None
+        if self._fast_misses < _MAX_FAST_MISSES:
+            fast = read_token_chunk(data, event.raw, bool(event.comments), self._wants)
+            if fast is not None:
+                self._fast_misses = 0
+                choice, chunk, relay = fast
+                if self._response_id is None:
+                    self._response_id, self._model = chunk.id, chunk.model
+                self._take(choice.delta, choice.logprobs, choice.token_ids, choice.finish_reason)
+                self._chunks += 1
+                return relay
+            # A stream whose chunks never fit the fast path stops trying it.
+            self._fast_misses += 1
         if data.strip() == b"[DONE]":
             self._saw_done = True
             return None
@@ -239,10 +270,8 @@ class StreamAccumulator:
             self._response_id = decode_str(top.get("id", NULL))
             self._model = decode_str(top.get("model", NULL))
         prompt = top.get("prompt_token_ids")
-        if prompt is not None and self._prompt is None:
-            ids = decode_ids(prompt)
-            if ids is not None:
-                self._prompt = self._to_array("prompt_token_ids", ids)
+        if prompt is not None and self._prompt_raw is None and not is_null(prompt):
+            self._prompt_raw = bytes(prompt)
         usage = top.get("usage")
         if usage is not None and not is_null(usage):
             self._usage = decode_usage(usage)
@@ -262,7 +291,30 @@ class StreamAccumulator:
             self._choice(choice)
 
     def _choice(self, choice: RawDict) -> None:
-        delta = decode_message(choice.get("delta", EMPTY_OBJECT))
+        self._take(
+            decode_message(choice.get("delta", EMPTY_OBJECT)),
+            decode_logprobs(choice.get("logprobs", NULL)),
+            decode_ids(choice.get("token_ids", NULL)),
+            decode_str(choice.get("finish_reason", NULL)),
+        )
+        if "stop_reason" in choice:
+            self._stop_reason = decode_stop_reason(choice["stop_reason"])
+        for key, sink in (
+            ("routed_experts", self._routed_experts),
+            ("media_spans", self._media_spans),
+        ):
+            value = choice.get(key)
+            if value is not None and not is_null(value):
+                sink.append(decode_any(value))
+
+    def _take(
+        self,
+        delta: Message,
+        logprobs: Logprobs | None,
+        ids: list[int] | None,
+        finish_reason: str | None,
+    ) -> None:
+        """Accumulate one choice's delta, logprobs, token ids and finish reason."""
         if delta.content:
             self._content.append(delta.content)
         reasoning = delta.reasoning if delta.reasoning is not None else delta.reasoning_content
@@ -277,39 +329,38 @@ class StreamAccumulator:
                     slot.name = (slot.name or "") + tc.function.name
                 if tc.function.arguments:
                     slot.arguments.append(tc.function.arguments)
-        logprobs = decode_logprobs(choice.get("logprobs", NULL))
         entries = logprobs.content if logprobs is not None and logprobs.content else []
-        ids = decode_ids(choice.get("token_ids", NULL))
         if ids is None and entries:
             # vLLM < 0.10.2 has no token_ids; "token_id:N" logprob tokens carry the same ids.
             ids = ids_from_logprob_tokens(entries)
             if ids is None:
                 self._ids_missing = True
         if ids:
-            self._ids.extend(self._to_array("token_ids", ids))
+            try:
+                self._ids.extend(ids)  # one id per chunk: no temporary array
+            except OverflowError:
+                self._unstageable = self._unstageable or CaptureExtractionError(
+                    "invalid_token_ids", "token_ids: a token id does not fit in int32"
+                )
         if entries:
-            self._logprobs.extend(array("f", [e.logprob for e in entries]))
-        finish_reason = decode_str(choice.get("finish_reason", NULL))
+            self._logprobs.extend([e.logprob for e in entries])
         if finish_reason:
             self._finish_reason = finish_reason
-        if "stop_reason" in choice:
-            self._stop_reason = decode_stop_reason(choice["stop_reason"])
-        for key, sink in (
-            ("routed_experts", self._routed_experts),
-            ("media_spans", self._media_spans),
-        ):
-            value = choice.get(key)
-            if value is not None and not is_null(value):
-                sink.append(decode_any(value))
 
-    def _to_array(self, field: str, ids: list[int]) -> array[int]:
+    def _decode_prompt(self) -> array[int] | None:
+        raw = self._prompt_raw
+        if raw is None:
+            return None
+        cache = self._prefixes
         try:
-            return array("i", ids)
-        except OverflowError:
-            self._unstageable = self._unstageable or CaptureExtractionError(
-                "invalid_token_ids", f"{field}: a token id does not fit in int32"
+            prompt = decode_prompt(
+                "prompt_token_ids", raw, cache.get(self._session) if cache is not None else None
             )
-            return array("i")
+        except msgspec.DecodeError as exc:
+            raise UpstreamProtocolError("malformed_json", f"prompt_token_ids: {exc}") from None
+        if prompt is not None and cache is not None:
+            cache.put(self._session, raw, prompt, self._ids)
+        return prompt
 
 
 def is_error_object(top: RawDict) -> bool:

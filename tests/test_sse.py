@@ -179,3 +179,50 @@ def test_any_split_of_arbitrary_bytes_gives_identical_events(
     assert parse_all(stream, [c for c in cuts if c <= len(stream)]) == whole
     # Whatever the bytes, the raws of the events are exactly a subsequence of the input.
     assert all(e.raw in stream for e in whole[0])
+
+
+class GeneralRulesOnly(SSEParser):
+    """The parser without its fast path for ``data: ...\\n\\n`` events: the reference."""
+
+    def _simple_events(self, events: list[SSEEvent]) -> None:
+        return None
+
+
+_PIECE = st.sampled_from(
+    [
+        b'data: {"a":1}\n\n',
+        b"data: x\n\n",
+        b"data: \n\n",
+        b"data:x\n\n",
+        b": c\n",
+        b"\r\n",
+        b"data: a\r\n\r\n",
+        b"data: y\ndata: z\n\n",
+        b"event: e\n",
+        b"\n",
+        b"data: \xc3\xa9\n\n",
+        b"data: [DONE]\n\n",
+        b"data: q\r",
+        b"\n\n\n",
+    ]
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(pieces=st.lists(_PIECE, max_size=25), cuts=st.lists(st.integers(0, 400), max_size=12))
+def test_fast_path_gives_the_events_of_the_general_rules(
+    pieces: list[bytes], cuts: list[int]
+) -> None:
+    stream = b"".join(pieces)
+    cut_at = sorted(c for c in cuts if c <= len(stream))
+    for feed_at in (cut_at, list(range(1, len(stream)))):
+        fast, slow = SSEParser(), GeneralRulesOnly()
+        got: list[SSEEvent] = []
+        want: list[SSEEvent] = []
+        start = 0
+        for cut in [*feed_at, len(stream)]:
+            got += fast.feed(stream[start:cut])
+            want += slow.feed(stream[start:cut])
+            start = cut
+        assert got + fast.close() == want + slow.close()
+        assert fast.pending == slow.pending

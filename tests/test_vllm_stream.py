@@ -15,11 +15,19 @@ from hypothesis import strategies as st
 from capture_proxy.adapters.sse import SSEParser
 from capture_proxy.adapters.vllm import (
     CaptureExtractionError,
+    ClientWants,
     Completion,
     ForwardPlan,
     StreamAccumulator,
     UpstreamProtocolError,
     VLLMAdapter,
+)
+from capture_proxy.adapters.vllm_chunk import read_token_chunk
+from capture_proxy.adapters.vllm_wire import (
+    decode_choices,
+    decode_object,
+    encode,
+    strip_for_client,
 )
 
 FIXTURES = next(
@@ -402,3 +410,115 @@ def test_every_single_cut_of_a_crlf_stream_relays_the_same_bytes() -> None:
         acc, relayed = run(body, plan, [cut])
         assert relayed == whole, cut
         assert acc.finish() == completion, cut
+
+
+# --- the token-chunk fast path relays what the generic path relays ---------------------------
+
+
+def generic_relay(data: bytes, wants: ClientWants) -> bytes:
+    top = decode_object(data)
+    stripped = strip_for_client(top, decode_choices(top["choices"]), wants)
+    return b"data: " + (data if stripped is None else encode(stripped)) + b"\n\n"
+
+
+WANTS = [
+    plan_for(**asks).wants
+    for asks in (
+        {},
+        {"logprobs": True},
+        {"return_token_ids": True},
+        {"logprobs": True, "return_token_ids": True},
+    )
+]
+
+
+@pytest.mark.parametrize("stream", [CHAT_SSE, TOOL_SSE], ids=["chat", "tool"])
+@pytest.mark.parametrize("wants", WANTS)
+def test_fast_path_takes_the_token_chunks_and_relays_the_generic_bytes(
+    stream: bytes, wants: ClientWants
+) -> None:
+    events = SSEParser().feed(stream)
+    fast = 0
+    for event in events:
+        got = read_token_chunk(event.data, event.raw, False, wants)
+        if got is None:
+            continue
+        fast += 1
+        assert got[2] == generic_relay(event.data, wants)
+    # All but the first chunk (prompt ids), the finish chunk (stop_reason), usage and [DONE].
+    assert fast == len(events) - 4
+
+
+_TEXT = st.text(alphabet=st.sampled_from('ab{}[]",:\\ \n\u00e9\U0001f600'), max_size=12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    content=_TEXT,
+    token=_TEXT,
+    ids=st.one_of(st.none(), st.lists(st.integers(0, 2**31 - 1), max_size=3)),
+    logprobs=st.booleans(),
+    finish=st.sampled_from([None, "stop"]),
+    extra=st.sampled_from([None, "system_fingerprint", "usage", "nested"]),
+    wants=st.sampled_from(WANTS),
+)
+def test_fast_path_never_differs_from_the_generic_path(
+    content: str,
+    token: str,
+    ids: list[int] | None,
+    logprobs: bool,
+    finish: str | None,
+    extra: str | None,
+    wants: ClientWants,
+) -> None:
+    entry = {"token": token, "logprob": -0.25, "bytes": [1], "top_logprobs": []}
+    if extra == "nested":  # a look-alike key inside the logprobs value
+        entry["logprobs"] = {"finish_reason": content}
+    choice: dict[str, Any] = {
+        "index": 0,
+        "delta": {"content": content, "reasoning": token},
+        "logprobs": {"content": [entry]} if logprobs else None,
+        "finish_reason": finish,
+        "token_ids": ids,
+    }
+    chunk: dict[str, Any] = {
+        "id": "c",
+        "object": "chat.completion.chunk",
+        "created": 1,
+        "model": "m",
+        "choices": [choice],
+    }
+    if extra in ("system_fingerprint", "usage"):
+        chunk[extra] = "x" if extra == "system_fingerprint" else {"prompt_tokens": 1}
+    data = orjson.dumps(chunk)
+    got = read_token_chunk(data, b"data: " + data + b"\n\n", False, wants)
+    if extra in ("system_fingerprint", "usage"):
+        assert got is None
+    if got is not None:
+        assert got[2] == generic_relay(data, wants)
+        assert got[0].delta.content == content
+        assert got[0].token_ids == ids
+
+
+def test_session_streams_give_the_ids_of_a_sessionless_stream() -> None:
+    adapter = VLLMAdapter()
+    want = finish(CHAT_SSE)
+    for _ in range(3):  # the second and third reuse the session's cached prompt + completion
+        acc = adapter.stream(plan_for(), session="r7")
+        acc.feed(CHAT_SSE)
+        assert acc.finish() == want
+    entry = adapter.prefixes.get("r7")
+    assert entry is not None
+    assert entry.ids == want.prompt_token_ids + want.completion_token_ids
+
+
+def test_malformed_prompt_ids_fail_the_stream_at_its_end() -> None:
+    # The prompt ids are decoded at the end (off the time to first byte): the stream still
+    # fails as malformed, and the client never gets [DONE] from the proxy.
+    payloads = chunks(CHAT_SSE)
+    payloads[0]["prompt_token_ids"] = [1, "x"]
+    acc, relayed = run(sse(payloads))
+    assert relayed
+    with pytest.raises(UpstreamProtocolError) as info:
+        acc.finish()
+    assert info.value.reason == "malformed_json"
