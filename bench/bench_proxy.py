@@ -1,0 +1,353 @@
+"""capture-proxy against a direct connection and a minimal aiohttp pass-through, side by side.
+
+    .venv/bin/python bench/bench_proxy.py           # the full suite (about 15 minutes)
+    .venv/bin/python bench/bench_proxy.py --quick   # CI: under 2 minutes; exits 0, prints a table
+
+Every process under test runs on its own, on loopback: the fast vLLM-shaped upstream
+(`upstream_fixture.py`, pre-built answers), the minimal pass-through (`passthrough.py`),
+``capture-proxy serve`` with the SQLite store and with the Parquet store, and for each run a
+load generator (`loadgen.py`). "direct" is the load generator talking to the upstream itself.
+
+Each scenario runs every target once per repeat, in rotating order, with the same arrival
+schedule for all targets of a repeat. Per run: CPU ms per call of the target process (all its
+threads, from /proc/<pid>/stat), latency p50/p99 and time to first body byte, throughput and peak
+RSS (VmHWM, reset before the run). "added" is the target's figure minus direct's in the same
+repeat; the table shows medians over repeats, and ratios to the pass-through are medians of the
+per-repeat ratios (this machine is shared and noisy: trust ratios and medians, not single runs).
+
+Options: ``--json PATH`` keeps every run's figures, ``--markdown PATH`` writes the table,
+``--plot PATH`` draws added latency against concurrency (needs matplotlib, a bench-only
+dependency), ``--scenarios a,b`` runs a subset, ``--targets`` likewise, ``--repeats N``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from procstat import cpu_seconds, peak_rss_mb, reset_peak_rss  # noqa: E402
+from report import render_markdown, summarize  # noqa: E402
+
+PY = sys.executable
+TARGETS = ("direct", "passthrough", "sqlite", "parquet")
+
+
+@dataclass(frozen=True)
+class Phase:
+    """An upstream configuration; the targets are started in front of it once per phase."""
+
+    name: str
+    delay: float  # service time before the first byte
+    tick: float  # seconds between stream writes
+    events_per_write: int
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    phase: str
+    stream: bool
+    mode: str  # poisson | closed
+    rate: float = 0.0
+    concurrency: int = 0
+    duration: float = 8.0
+    about: str = ""
+
+    def load_args(self) -> list[str]:
+        args = ["--mode", self.mode, "--duration", str(self.duration)]
+        if self.mode == "poisson":
+            args += ["--rate", str(self.rate)]
+        else:
+            args += ["--concurrency", str(self.concurrency)]
+        return [*args, "--stream"] if self.stream else args
+
+
+PHASES = {
+    "200ms": Phase("200ms", delay=0.2, tick=0.001, events_per_write=1),
+    "fast": Phase("fast", delay=0.0, tick=0.001, events_per_write=1),
+}
+
+
+def scenarios(quick: bool) -> list[Scenario]:
+    if quick:
+        return [
+            Scenario("unary-200ms-poisson100", "200ms", False, "poisson", rate=100, duration=5),
+            Scenario("stream-200ms-poisson5", "200ms", True, "poisson", rate=5, duration=5),
+            Scenario("unary-fast-closed64", "fast", False, "closed", concurrency=64, duration=4),
+        ]
+    return [
+        Scenario(
+            "unary-200ms-poisson100",
+            "200ms",
+            False,
+            "poisson",
+            rate=100,
+            about="latency: 200 ms upstream, Poisson arrivals at 100 calls/s",
+        ),
+        Scenario(
+            "stream-200ms-poisson10",
+            "200ms",
+            True,
+            "poisson",
+            rate=10,
+            about="streams: 200 ms to the first chunk, then 1k token chunks ~1 ms apart",
+        ),
+        Scenario("unary-fast-poisson100", "fast", False, "poisson", rate=100),
+        Scenario("unary-fast-closed1", "fast", False, "closed", concurrency=1, duration=5),
+        Scenario("unary-fast-closed16", "fast", False, "closed", concurrency=16, duration=5),
+        Scenario("unary-fast-closed64", "fast", False, "closed", concurrency=64, duration=6),
+        Scenario("unary-fast-closed256", "fast", False, "closed", concurrency=256, duration=6),
+        Scenario("stream-fast-closed64", "fast", True, "closed", concurrency=64, duration=6),
+        Scenario("stream-fast-closed256", "fast", True, "closed", concurrency=256, duration=6),
+    ]
+
+
+class Proc:
+    """A server process whose stdout says ``listening on http://HOST:PORT``."""
+
+    def __init__(self, name: str, argv: list[str], logdir: Path) -> None:
+        self.name = name
+        self.log = logdir / f"{name}.log"
+        self._out = open(self.log, "wb")  # noqa: SIM115 (closed in stop)
+        self.popen = subprocess.Popen(argv, stdout=self._out, stderr=subprocess.STDOUT)
+        self.url = self._wait_url(60.0)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def _wait_url(self, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            m = re.search(rb"listening on (http://\S+)", self.log.read_bytes())
+            if m:
+                return m.group(1).decode()
+            if self.popen.poll() is not None:
+                break
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"{self.name} did not start:\n{self.log.read_text()[-2000:]}")
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.terminate()
+            try:
+                self.popen.wait(20)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(10)
+        self._out.close()
+
+
+@contextmanager
+def started(phase: Phase, targets: list[str], workdir: Path) -> Iterator[dict[str, Proc | None]]:
+    """The upstream for `phase` and every target in front of it; stopped on exit."""
+    logs = workdir / f"logs-{phase.name}"
+    logs.mkdir(parents=True, exist_ok=True)
+    procs: list[Proc] = []
+    try:
+        upstream = Proc(
+            "upstream",
+            [
+                PY,
+                str(HERE / "upstream_fixture.py"),
+                "--delay",
+                str(phase.delay),
+                "--tick",
+                str(phase.tick),
+                "--events-per-write",
+                str(phase.events_per_write),
+            ],
+            logs,
+        )
+        procs.append(upstream)
+        out: dict[str, Proc | None] = {}
+        for t in targets:
+            if t == "direct":
+                out[t] = None
+                continue
+            if t == "passthrough":
+                argv = [PY, str(HERE / "passthrough.py"), "--upstream", upstream.url]
+            else:
+                store = workdir / f"{phase.name}-store"
+                url = f"sqlite:///{store}.db" if t == "sqlite" else f"parquet:///{store}-parquet"
+                argv = [
+                    PY,
+                    "-m",
+                    "capture_proxy",
+                    "serve",
+                    "--upstream",
+                    upstream.url,
+                    "--store",
+                    url,
+                    "--port",
+                    "0",
+                ]
+            proc = Proc(t, argv, logs)
+            procs.append(proc)
+            out[t] = proc
+        out["upstream"] = upstream
+        yield out
+    finally:
+        for p in reversed(procs):
+            p.stop()
+
+
+def run_load(url: str, scenario: Scenario, seed: int, tag: str, extra: list[str]) -> dict[str, Any]:
+    argv = [PY, str(HERE / "loadgen.py"), "--url", url, "--seed", str(seed), "--tag", tag]
+    argv += scenario.load_args() + extra
+    done = subprocess.run(argv, capture_output=True, timeout=scenario.duration + 180, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"load generator failed: {done.stderr.decode()[-2000:]}")
+    result: dict[str, Any] = orjson.loads(done.stdout)
+    return result
+
+
+def warm_up(url: str, tag: str) -> None:
+    """A few calls of both kinds first: the proxy fetches /version and /tokenize on first use."""
+    for stream in (False, True):
+        s = Scenario("warmup", "", stream, "closed", concurrency=4, duration=30)
+        run_load(url, s, 0, tag, ["--count", "16"])
+
+
+def measure(
+    target: str, proc: Proc | None, url: str, scenario: Scenario, rep: int
+) -> dict[str, Any]:
+    tag = f"{scenario.name}-{rep}-{target}"
+    pid = proc.pid if proc is not None else None
+    if pid is not None:
+        reset_peak_rss(pid)
+        cpu0 = cpu_seconds(pid)
+    load = run_load(url, scenario, 1000 + rep, tag, [])
+    run: dict[str, Any] = {
+        "target": target,
+        "scenario": scenario.name,
+        "repeat": rep,
+        "ok": load["ok"],
+        "errors": load["errors"],
+        "error_samples": load["error_samples"],
+        "elapsed": load["elapsed"],
+        "latencies": load["latencies"],
+        "ttfbs": load["ttfbs"],
+    }
+    if pid is not None:
+        run["cpu_s"] = cpu_seconds(pid) - cpu0
+        run["peak_rss_mb"] = peak_rss_mb(pid)
+    return run
+
+
+def machine() -> dict[str, Any]:
+    model = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "cpus": os.cpu_count(),
+        "cpu_model": model,
+        "python": platform.python_version(),
+        "loadavg_start": os.getloadavg()[0],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="the CI run: under 2 minutes")
+    p.add_argument("--repeats", type=int, default=0, help="runs per target (default 3; quick 1)")
+    p.add_argument("--scenarios", default="", help="comma-separated subset")
+    p.add_argument("--targets", default=",".join(TARGETS))
+    p.add_argument("--json", type=Path, help="write every run's figures here")
+    p.add_argument("--markdown", type=Path, help="write the table here")
+    p.add_argument("--plot", type=Path, help="PNG: added latency against concurrency")
+    p.add_argument("--workdir", type=Path, help="stores and logs (default: a temporary folder)")
+    args = p.parse_args(argv)
+    repeats = args.repeats or (1 if args.quick else 3)
+    targets = [t for t in args.targets.split(",") if t]
+    if "direct" not in targets:
+        targets.insert(0, "direct")  # every "added" figure is relative to it
+    chosen = scenarios(args.quick)
+    if args.scenarios:
+        wanted = set(args.scenarios.split(","))
+        chosen = [s for s in chosen if s.name in wanted]
+    info = machine()
+    info["command"] = " ".join(["bench/bench_proxy.py", *(argv or sys.argv[1:])])
+    info["repeats"] = repeats
+    started_at = time.monotonic()
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench-proxy-"))
+    runs: list[dict[str, Any]] = []
+    try:
+        for phase_name in PHASES:
+            phase_scenarios = [s for s in chosen if s.phase == phase_name]
+            if not phase_scenarios:
+                continue
+            with started(PHASES[phase_name], targets, workdir) as procs:
+                upstream = procs["upstream"]
+                assert upstream is not None
+                urls = {t: (procs[t] or upstream).url for t in targets}
+                for t in targets:
+                    warm_up(urls[t], f"warm-{phase_name}-{t}")
+                for scenario in phase_scenarios:
+                    for rep in range(repeats):
+                        order = targets[rep % len(targets) :] + targets[: rep % len(targets)]
+                        for t in order:
+                            run = measure(t, procs[t], urls[t], scenario, rep)
+                            runs.append(run)
+                            print(_progress(run), file=sys.stderr, flush=True)
+    finally:
+        if args.workdir is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+    info["elapsed_s"] = round(time.monotonic() - started_at)
+    info["loadavg_end"] = os.getloadavg()[0]
+    summary = summarize(runs, chosen, targets)
+    table = render_markdown(summary, chosen, info)
+    print(table)
+    if args.markdown:
+        args.markdown.write_text(table)
+    if args.json:
+        args.json.write_bytes(
+            orjson.dumps(
+                {"machine": info, "summary": summary, "runs": runs}, option=orjson.OPT_INDENT_2
+            )
+        )
+    if args.plot:
+        from plot import plot_added_latency
+
+        message = plot_added_latency(summary, args.plot)
+        print(message, file=sys.stderr)
+    return 0
+
+
+def _progress(run: dict[str, Any]) -> str:
+    lat = sorted(run["latencies"]) or [0.0]
+    cpu = run.get("cpu_s")
+    per_call = f"{1000 * cpu / run['ok']:.2f} ms/call" if cpu is not None and run["ok"] else "-"
+    return (
+        f"{run['scenario']:<24} rep {run['repeat']} {run['target']:<11} ok {run['ok']:>5} "
+        f"err {run['errors']:>3} p50 {1000 * statistics.median(lat):7.1f} ms  cpu {per_call}"
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
