@@ -182,8 +182,15 @@ def decode_row(
             f"cum {row['cum_len']}, rebuilt {len(full)})"
         )
     keys = bytes(row["message_keys"])
-    messages = [orjson.loads(blob(keys[i : i + 32].hex())) for i in range(0, len(keys), 32)]
-    request = orjson.loads(blob(str(row["request_key"])))
+    try:
+        messages = [orjson.loads(blob(keys[i : i + 32].hex())) for i in range(0, len(keys), 32)]
+        request = orjson.loads(blob(str(row["request_key"])))
+    except KeyError as e:
+        # A missing blob is damage, not an unknown key: say so, so no caller reads it as
+        # "no such call" (KeyError is what fetch() raises for keys that were never staged).
+        raise ValueError(
+            f"{row['call_id']}: a stored blob is missing ({e}): the store is damaged"
+        ) from None
     request["messages"] = messages
     record = StagedCallRecord(
         rollout_id=row["rollout_id"],
