@@ -27,5 +27,6 @@ async def test_missing_blob_is_damage_not_an_unknown_rollout(make_proxy: Any, ca
             store.verify()
     assert main(["inspect", p.store_url, "--rollout", "a"]) == 2
     err = capsys.readouterr().err
-    assert "no rollout" not in err and "--verify" in err
+    assert "no rollout" not in err
+    assert "--verify" in err
     assert main(["inspect", p.store_url, "--verify"]) == 1
