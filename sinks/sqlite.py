@@ -35,7 +35,14 @@ from ..schemas.records import (
 )
 from .base import FaultHook, StoreError
 from .codec import encode_record
-from .sqlite_schema import CALL_COLUMNS, TokenLRU, read_format, rebuild_full, upgrade
+from .sqlite_schema import (
+    CALL_COLUMNS,
+    TokenLRU,
+    pack_blob,
+    read_format,
+    rebuild_full,
+    upgrade,
+)
 from .sqlite_source import SQLiteSource
 from .sqlite_writer import Batch, GroupCommitWriter
 
@@ -254,7 +261,8 @@ class SQLiteSink:
         encoded = encode_record(record, self._parent_full(conn, batch, record))
         row = encoded.row
         conn.executemany(
-            "INSERT OR IGNORE INTO blobs (key, data) VALUES (?, ?)", encoded.blobs.items()
+            "INSERT OR IGNORE INTO blobs (key, data, codec) VALUES (?, ?, ?)",
+            [(k, *pack_blob(v)) for k, v in encoded.blobs.items()],
         )
         conn.execute(_INSERT_CALL, [row[c] for c in CALL_COLUMNS])
         if self.fault is not None:

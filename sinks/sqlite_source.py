@@ -25,7 +25,14 @@ from ..schemas.records import (
 )
 from .base import StoreError, StoreFormatError
 from .codec import decode_row
-from .sqlite_schema import CALL_COLUMNS, FORMAT_VERSION, TokenLRU, read_format, rebuild_full
+from .sqlite_schema import (
+    CALL_COLUMNS,
+    FORMAT_VERSION,
+    TokenLRU,
+    read_format,
+    rebuild_full,
+    unpack_blob,
+)
 
 __all__ = ["SQLiteSource"]
 
@@ -47,10 +54,12 @@ class _Decoder:
     def blob(self, key: str) -> bytes:
         data = self.blobs.get(key)
         if data is None:
-            row = self.conn.execute("SELECT data FROM blobs WHERE key = ?", (key,)).fetchone()
+            row = self.conn.execute(
+                "SELECT data, codec FROM blobs WHERE key = ?", (key,)
+            ).fetchone()
             if row is None:
                 raise KeyError(f"blob {key} is missing")
-            data = self.blobs[key] = bytes(row[0])
+            data = self.blobs[key] = unpack_blob(key, bytes(row[0]), row[1])
         return data
 
     def attachments_of(self, call_id: str) -> list[Attachment]:
