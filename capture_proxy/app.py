@@ -21,7 +21,7 @@ from aiohttp import web
 from .capture import Capture
 from .chat import chat_completions
 from .control import add_control_routes
-from .errors import NotFound, ProxyError, error_body
+from .errors import NotFound, PayloadTooLarge, ProxyError, error_body
 from .metrics import Metrics
 from .passthrough import passthrough
 from .policy import RequestPolicy
@@ -90,6 +90,20 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
     route = _route_label(request)
     response: web.StreamResponse | None = None
     try:
+        limit = state.settings.max_body_bytes
+        length = request.content_length
+        if (
+            length is not None
+            and length > limit
+            and request.match_info.handler is not chat_completions
+        ):
+            # Every route refuses an oversized body from its header, before reading a byte (the
+            # chat route does it itself, so that its ledger records the refused call).
+            raise PayloadTooLarge(
+                f"request body of {request.content_length} bytes is over the limit of {limit} "
+                "bytes",
+                code="body_too_large",
+            )
         response = await handler(request)
         return response
     except ProxyError as e:

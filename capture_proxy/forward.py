@@ -48,6 +48,15 @@ async def send_upstream(state: ProxyState, plan: ForwardPlan) -> aiohttp.ClientR
                 data=plan.body,
                 headers={**state.upstream.headers, "Content-Type": JSON},
             )
+    except aiohttp.ConnectionTimeoutError:
+        # Before the generic TimeoutError: aiohttp's connect timeout is a TimeoutError too.
+        state.upstream.mark_stale()
+        raise UpstreamFailed(
+            f"could not connect to the upstream within {s.upstream_connect_timeout:g}s "
+            "(--upstream-connect-timeout)",
+            code="upstream_connect_timeout",
+            status=504,
+        ) from None
     except TimeoutError:
         raise UpstreamFailed(
             f"the upstream sent no response within {s.upstream_first_byte_timeout:g}s",

@@ -347,12 +347,6 @@ def test_oversized_bodies_on_other_routes_are_cut_off_at_the_limit(live: Live, p
     assert healthy(live)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=TimeoutError,
-    reason="only the chat route checks Content-Length before reading: passthrough.py and "
-    "control.py call request.read(), which waits for a body announced at 1 TiB",
-)
 @OTHER_ROUTES
 def test_oversized_bodies_on_other_routes_are_refused_before_they_are_read(
     live: Live, path: str
@@ -561,11 +555,6 @@ async def test_upstream_connect_timeout_is_an_upstream_error(tmp_path: Path) -> 
     assert elapsed < 5
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="forward.send_upstream catches aiohttp.ConnectionTimeoutError (a TimeoutError) as a "
-    "first-byte timeout: the message says 'no response within 900s' for a 0.3 s connect timeout",
-)
 async def test_upstream_connect_timeout_message_names_the_connect_timeout(tmp_path: Path) -> None:
     backlog = _FullBacklog()
     try:
