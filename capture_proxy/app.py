@@ -23,7 +23,7 @@ from .chat import chat_completions
 from .control import add_control_routes
 from .errors import NotFound, PayloadTooLarge, ProxyError, error_body
 from .metrics import Metrics
-from .passthrough import passthrough
+from .passthrough import PASSTHROUGH_PATHS, passthrough
 from .policy import RequestPolicy
 from .settings import Settings
 from .sinks.base import StagingSink, StagingSource
@@ -267,10 +267,9 @@ def create_app(settings: Settings, *, sink: StagingSink | None = None) -> web.Ap
     app.on_shutdown.append(_mark_shutting_down)
     for prefix in ("", "/r/{rollout_id}"):
         app.router.add_post(prefix + "/v1/chat/completions", chat_completions)
-        app.router.add_get(prefix + "/v1/models", passthrough)
-        app.router.add_post(prefix + "/tokenize", passthrough)
-        app.router.add_post(prefix + "/detokenize", passthrough)
-        app.router.add_get(prefix + "/version", passthrough)
+        for path in PASSTHROUGH_PATHS:
+            method = "POST" if path in ("/tokenize", "/detokenize") else "GET"
+            app.router.add_route(method, prefix + path, passthrough)
     if not settings.admin_port:
         add_control_routes(app)
     app.router.add_get("/healthz", healthz)

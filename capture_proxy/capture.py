@@ -16,6 +16,7 @@ as not staged (with why) — crash visibly instead of letting a call through unr
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 from array import array
@@ -27,7 +28,7 @@ from .errors import CaptureUnavailable, Conflict, TooManyRequests, Unprocessable
 from .ids import new_call_id
 from .ledger import Ledger
 from .policy import PolicyError, RequestPolicy, check_policy
-from .rollouts import CallOutcome, RolloutLive, request_key, resume_rollout
+from .rollouts import KEY_HASH_FIELD, CallOutcome, RolloutLive, request_key, resume_rollout
 from .schemas.digest import EncodingError, seal_record
 from .schemas.records import (
     Attachment,
@@ -163,25 +164,34 @@ class Capture:
     async def ensure_rollout(self, rollout_id: str) -> RolloutLive:
         """The live rollout, resumed from the store if an earlier process staged into it.
 
-        Resuming keeps sequence numbers, lineage, retries, seal state and the poisoned flag
-        continuous across a restart of the proxy.
+        Resuming keeps sequence numbers, lineage, retries, seal state, the poisoned flag and the
+        rollout's key continuous across a restart of the proxy.
         """
+        live = await self.find_rollout(rollout_id)
+        if live is None:
+            async with self._resume_lock:
+                live = self.rollouts.get(rollout_id)
+                if live is None:
+                    live = RolloutLive(rollout_id, created_at_ms=int(time.time() * 1000))
+                    self._evict()
+                    self.rollouts[rollout_id] = live
+        return live
+
+    async def find_rollout(self, rollout_id: str) -> RolloutLive | None:
+        """The live rollout, or the store's (then made live), or None: never creates one."""
         live = self.rollouts.get(rollout_id)
-        if live is not None:
+        if live is not None or self.source is None:
             return live
         async with self._resume_lock:
             live = self.rollouts.get(rollout_id)
             if live is None:
-                if self.source is not None:
-                    live = await asyncio.to_thread(resume_rollout, self.source, rollout_id)
-                    if live is not None:
-                        log.info(
-                            "resumed rollout %s from the store at seq %d", rollout_id, live.next_seq
-                        )
-                if live is None:
-                    live = RolloutLive(rollout_id, created_at_ms=int(time.time() * 1000))
-                self._evict()
-                self.rollouts[rollout_id] = live
+                live = await asyncio.to_thread(resume_rollout, self.source, rollout_id)
+                if live is not None:
+                    log.info(
+                        "resumed rollout %s from the store at seq %d", rollout_id, live.next_seq
+                    )
+                    self._evict()
+                    self.rollouts[rollout_id] = live
         return live
 
     def _evict(self) -> None:
@@ -210,7 +220,7 @@ class Capture:
             raise Conflict(f"rollout {rollout_id} already exists", code="rollout_exists")
         live = self.rollout(rollout_id)
         assert live is not None
-        live.key = key
+        live.key_sha256 = hashlib.sha256(key.encode()).hexdigest() if key is not None else None
         try:
             live.policy = check_policy(policy or {}, "policy")
         except PolicyError as e:
@@ -227,7 +237,9 @@ class Capture:
             live.poisoned,
             live.created_at_ms,
             int(time.time() * 1000) if live.sealed else None,
-            live.metadata,
+            {**live.metadata, KEY_HASH_FIELD: live.key_sha256}
+            if live.key_sha256
+            else live.metadata,
             live.policy,
         )
         await self.sink.put_rollout(info)

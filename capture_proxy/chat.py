@@ -124,7 +124,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     started = time.perf_counter()
     rollout_id = resolve_rollout_id(request, require=state.settings.require_rollout_id)
-    state.authorize_call(request, rollout_id)
+    await state.authorize_call(request, rollout_id)
     try:
         raw = await _read_body(request, state.settings.max_body_bytes)
         remote = state.settings.allow_remote_media

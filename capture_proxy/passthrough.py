@@ -12,15 +12,26 @@ from aiohttp import web
 from .errors import UpstreamFailed
 from .state import STATE
 
-__all__ = ["passthrough"]
+__all__ = ["PASSTHROUGH_PATHS", "passthrough"]
+
+#: The routes relayed uncaptured (also under ``/r/{rollout_id}``), and the upstream path of each.
+PASSTHROUGH_PATHS = ("/v1/models", "/tokenize", "/detokenize", "/version")
+_UPSTREAM_PATH = {
+    **{p: p for p in PASSTHROUGH_PATHS},
+    **{f"/r/{{rollout_id}}{p}": p for p in PASSTHROUGH_PATHS},
+}
 
 
 async def passthrough(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    path = request.path
-    if path.startswith("/r/"):
-        path = path[len("/r/") :].split("/", 1)[1]
-        path = "/" + path
+    rollout_id = request.match_info.get("rollout_id")
+    if rollout_id is not None:
+        await state.authorize_call(
+            request, rollout_id
+        )  # keyed rollouts guard every route of theirs
+    # The upstream path is the route's own, never rebuilt from the request's (decoded) path: a
+    # rollout id holding %2F or %3F must not steer the proxy's key to another upstream route.
+    path = _UPSTREAM_PATH[request.match_info.route.resource.canonical]  # type: ignore[union-attr]
     body = await request.read() if request.method == "POST" else None
     headers = dict(state.upstream.headers)
     if body is not None:

@@ -21,7 +21,17 @@ from .schemas.records import CallStatus, CommitCoords, RolloutState
 from .schemas.tokens import common_prefix_len, full_sequence
 from .sinks.base import StagingSource
 
-__all__ = ["CallOutcome", "LineageCandidate", "RolloutLive", "request_key", "resume_rollout"]
+#: Where a keyed rollout's key hash is kept in its stored metadata.
+KEY_HASH_FIELD = "capture_proxy_key_sha256"
+
+__all__ = [
+    "KEY_HASH_FIELD",
+    "CallOutcome",
+    "LineageCandidate",
+    "RolloutLive",
+    "request_key",
+    "resume_rollout",
+]
 
 #: How many staged calls per rollout are kept as parent candidates. An agent continues one of its
 #: last few calls; keeping all would hold every prompt of a long session in memory.
@@ -66,7 +76,9 @@ class RolloutLive:
     sealed: bool = False
     poisoned: bool = False
     created_at_ms: int = 0
-    key: str | None = None  # per-rollout API key, when keys are required
+    #: sha256 of the rollout's API key, when keys are required. Only the hash is kept, in memory
+    #: and in the store (rollout metadata), so a sandbox keeps its key across a proxy restart.
+    key_sha256: str | None = None
     policy: dict[str, Any] = field(default_factory=dict)
     metadata: dict[str, Any] = field(default_factory=dict)
     in_flight: int = 0
@@ -157,7 +169,8 @@ def resume_rollout(open_source: Callable[[], StagingSource], rollout_id: str) ->
         poisoned=info.poisoned,
         created_at_ms=info.created_at_ms,
         policy=dict(info.policy),
-        metadata=dict(info.metadata),
+        metadata={k: v for k, v in info.metadata.items() if k != KEY_HASH_FIELD},
+        key_sha256=info.metadata.get(KEY_HASH_FIELD),
     )
     for r, c in zip(records, coords, strict=True):
         key = request_key(r.request)

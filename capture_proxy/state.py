@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
@@ -58,7 +59,7 @@ class ProxyState:
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=wait_s)
 
-    def authorize_call(self, request: web.Request, rollout_id: str) -> None:
+    async def authorize_call(self, request: web.Request, rollout_id: str) -> None:
         """With --require-rollout-keys: the bearer key must be the one minted for the rollout."""
         if not self.settings.require_rollout_keys:
             return
@@ -68,13 +69,14 @@ class ProxyState:
                 "this proxy requires the rollout's key: send Authorization: Bearer <key>",
                 code="missing_rollout_key",
             )
-        live = self.capture.rollouts.get(rollout_id)
-        if live is None or live.key is None:
+        live = await self.capture.find_rollout(rollout_id)  # never creates one
+        if live is None or live.key_sha256 is None:
             raise Forbidden(
                 f"rollout {rollout_id} was not created through the control API",
                 code="unknown_rollout",
             )
-        if not hmac.compare_digest(auth[7:].encode(), live.key.encode()):
+        given = hashlib.sha256(auth[7:].encode()).hexdigest()
+        if not hmac.compare_digest(given, live.key_sha256):
             raise Forbidden(
                 f"the key does not belong to rollout {rollout_id}", code="wrong_rollout_key"
             )
