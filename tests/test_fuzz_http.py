@@ -590,3 +590,79 @@ async def test_proxy_survives_a_flood_of_aborted_requests(tmp_path: Path) -> Non
         assert (await p.client.get("/healthz")).status == 200
     finally:
         await stop_proxy(p)
+
+
+# -- the OpenAPI description (docs/openapi.yaml) -------------------------------------------------
+
+OPENAPI = Path(__file__).resolve().parents[1] / "docs" / "openapi.yaml"
+
+
+def openapi_operations() -> set[tuple[str, str]]:
+    """(METHOD, path) of every operation in docs/openapi.yaml, read from its layout (paths at
+    two spaces, methods at four) so this check needs no YAML parser."""
+    ops: set[tuple[str, str]] = set()
+    path = None
+    in_paths = False
+    for line in OPENAPI.read_text().splitlines():
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        if not line.startswith(" "):
+            in_paths = line.startswith("paths:")
+            continue
+        if not in_paths:
+            continue
+        stripped = line.strip()
+        if line.startswith("  /") and stripped.endswith(":"):
+            path = stripped[:-1]
+        elif line.startswith("    ") and not line.startswith("     ") and path:
+            method = stripped.split(":")[0]
+            if method in ("get", "post", "put", "delete", "patch"):
+                ops.add((method.upper(), path))
+    return ops
+
+
+def test_openapi_describes_exactly_the_proxy_routes() -> None:
+    from capture_proxy.app import create_app
+    from capture_proxy.settings import Settings
+
+    app = create_app(Settings(admin_token="t", store="memory://openapi"))
+    routes = {
+        (r.method, r.resource.canonical)
+        for r in app.router.routes()
+        if r.resource is not None and r.method != "HEAD"
+    }
+    assert openapi_operations() == routes
+
+
+def test_schemathesis_finds_no_server_error_and_no_undocumented_answer(tmp_path: Path) -> None:
+    schemathesis = pytest.importorskip("schemathesis")
+    from reliability_workers import start_proxy as serve
+    from schemathesis import checks
+    from schemathesis.specs.openapi import checks as openapi_checks  # noqa: F401
+
+    proxy = serve("fake", f"sqlite:///{tmp_path / 'schema.db'}", "--admin-token", "t")
+    try:
+        base = proxy.wait_ready()
+        schema = schemathesis.openapi.from_path(str(OPENAPI))
+        run = [
+            checks.not_a_server_error,
+            checks.status_code_conformance,
+            checks.content_type_conformance,
+            checks.response_schema_conformance,
+        ]
+
+        seen: dict[str, set[int]] = {}
+
+        @settings(max_examples=200, deadline=None, database=None)
+        @given(schema.as_strategy())
+        def one(case: Any) -> None:
+            response = case.call(base_url=base, headers={"Authorization": "Bearer t"}, timeout=30)
+            seen.setdefault(case.operation.label, set()).add(response.status_code)
+            case.validate_response(response, checks=run)
+
+        one()
+        # Every documented operation was called, and the chat route staged some calls.
+        assert len(seen) == len(openapi_operations()), sorted(seen)
+        assert 200 in seen["POST /r/{rollout_id}/v1/chat/completions"], seen
+    finally:
+        assert proxy.terminate() == 0, proxy.output()
