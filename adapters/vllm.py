@@ -3,7 +3,8 @@
 `VLLMAdapter.plan` turns the proxy's normalized request into the exact bytes to forward, asking
 vLLM for the token-level data a record needs (``return_token_ids``, ``logprobs``, usage on streams)
 and remembering what the client itself asked for (`ClientWants`). `parse_response` decodes the
-answer once: the top level as raw JSON values, only the fields it reads into typed Structs; it
+answer once: the top level as raw JSON values, only the fields it reads into typed Structs (an
+answer of exactly vLLM 0.32's shape in a single typed pass, `vllm_answer.read_answer`); it
 rebuilds the client's body from the untouched raw values minus what the client did not ask for,
 and returns the extraction as a `Completion`. `stream` returns a sans-IO `StreamAccumulator` for
 streamed answers.
@@ -29,6 +30,7 @@ from typing import Any
 import msgspec
 import orjson
 
+from .vllm_answer import read_answer
 from .vllm_ids import DEFAULT_PREFIX_CACHE_BYTES, PrefixCache, decode_prompt
 from .vllm_stream import StreamAccumulator
 from .vllm_wire import (
@@ -38,6 +40,7 @@ from .vllm_wire import (
     ClientWants,
     Completion,
     ForwardPlan,
+    Logprobs,
     RawDict,
     ReasoningField,
     UpstreamProtocolError,
@@ -144,23 +147,18 @@ class VLLMAdapter:
         no choices, no finish reason) and `CaptureExtractionError` when it is fine for the client
         but cannot be staged exactly; that error's ``client_body`` holds the body to relay.
         """
-        try:
-            top = decode_object(raw)
-            choices = decode_choices(top["choices"]) if "choices" in top else None
-        except msgspec.DecodeError as exc:
-            raise UpstreamProtocolError("malformed_json", f"response body: {exc}") from None
-        if choices is None:
-            if "error" in top or "message" in top:
-                body = parse_error_body(raw, 200)
-                raise UpstreamProtocolError("error_body", body["error"]["message"], error_body=body)
-            raise UpstreamProtocolError("no_choices", "the response has no choices")
-        if not choices:
-            raise UpstreamProtocolError("no_choices", "the response has an empty choices list")
-        client_body = _client_body(raw, top, choices, plan.wants)
+        fast = read_answer(raw, plan.wants)
+        if fast is not None:
+            top, choices, client_body = fast.top, [fast.choice], fast.client_body
+            typed: tuple[Logprobs | None, list[int]] | None = (fast.logprobs, fast.token_ids)
+        else:
+            top, choices = _top_and_choices(raw)
+            client_body = _client_body(raw, top, choices, plan.wants)
+            typed = None
         prompt_raw = bytes(top.get("prompt_token_ids", NULL))
         try:
             prompt = decode_prompt("prompt_token_ids", prompt_raw, self.prefixes.get(session))
-            completion = _extract(top, choices, prompt)
+            completion = _extract(top, choices, prompt, typed)
         except CaptureExtractionError as exc:
             exc.client_body = client_body
             raise
@@ -193,13 +191,36 @@ def _rename_reasoning(messages: Any) -> Any:
     return out
 
 
+def _top_and_choices(raw: bytes) -> tuple[RawDict, list[RawDict]]:
+    """The generic read: the top level and the choices as raw values; refuses broken answers."""
+    try:
+        top = decode_object(raw)
+        choices = decode_choices(top["choices"]) if "choices" in top else None
+    except msgspec.DecodeError as exc:
+        raise UpstreamProtocolError("malformed_json", f"response body: {exc}") from None
+    if choices is None:
+        if "error" in top or "message" in top:
+            body = parse_error_body(raw, 200)
+            raise UpstreamProtocolError("error_body", body["error"]["message"], error_body=body)
+        raise UpstreamProtocolError("no_choices", "the response has no choices")
+    if not choices:
+        raise UpstreamProtocolError("no_choices", "the response has an empty choices list")
+    return top, choices
+
+
 def _client_body(raw: bytes, top: RawDict, choices: list[RawDict], wants: ClientWants) -> bytes:
     body = strip_for_client(top, choices, wants)
     # Nothing to strip: forward vLLM's bytes as they are (never re-encode what can be relayed).
     return raw if body is None else encode(body)
 
 
-def _extract(top: RawDict, choices: list[RawDict], prompt: array[int] | None) -> Completion:
+def _extract(
+    top: RawDict,
+    choices: list[RawDict],
+    prompt: array[int] | None,
+    typed: tuple[Logprobs | None, list[int]] | None,
+) -> Completion:
+    """The completion from raw values; `typed`: logprobs and ids the fast path decoded."""
     if len(choices) > 1:
         raise CaptureExtractionError(
             "multiple_choices", f"{len(choices)} choices; a record holds exactly one"
@@ -209,9 +230,13 @@ def _extract(top: RawDict, choices: list[RawDict], prompt: array[int] | None) ->
     if not finish_reason:
         raise UpstreamProtocolError("missing_finish_reason", "choices[0] has no finish_reason")
     message = decode_message(choice.get("message", EMPTY_OBJECT))
-    logprobs = decode_logprobs(choice.get("logprobs", NULL))
+    ids: list[int] | None
+    if typed is not None:
+        logprobs, ids = typed
+    else:
+        logprobs = decode_logprobs(choice.get("logprobs", NULL))
+        ids = decode_ids(choice.get("token_ids", NULL))
     entries = logprobs.content if logprobs is not None and logprobs.content is not None else []
-    ids = decode_ids(choice.get("token_ids", NULL))
     if ids is None:
         ids = ids_from_logprob_tokens(entries) if entries else None
         if ids is None:

@@ -10,7 +10,10 @@ from typing import Any
 
 import orjson
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from capture_proxy.adapters import vllm as vllm_module
 from capture_proxy.adapters.vllm import (
     CaptureExtractionError,
     ForwardPlan,
@@ -18,6 +21,8 @@ from capture_proxy.adapters.vllm import (
     VLLMAdapter,
     parse_error_body,
 )
+from capture_proxy.adapters.vllm_answer import read_answer
+from capture_proxy.adapters.vllm_ids import decode_prompt
 
 FIXTURES = next(
     p
@@ -424,3 +429,74 @@ def test_parse_error_body_wraps_other_shapes() -> None:
     }
     assert "empty body" in parse_error_body(b"", 503)["error"]["message"]
     assert len(parse_error_body(b"x" * 5000, 500)["error"]["message"]) < 1100
+
+
+# --- the one-pass reader of vLLM 0.32 answers gives the generic path's results ---------------
+
+
+def generic(raw: bytes, plan: ForwardPlan) -> tuple[Any, bytes]:
+    """The generic read (what `parse_response` does when `read_answer` declines)."""
+    top, choices = vllm_module._top_and_choices(raw)
+    body = vllm_module._client_body(raw, top, choices, plan.wants)
+    prompt = decode_prompt("prompt_token_ids", bytes(top.get("prompt_token_ids", b"null")), None)
+    return vllm_module._extract(top, choices, prompt, None), body
+
+
+@pytest.mark.parametrize("raw", [CHAT, TOOL], ids=["chat", "tool"])
+def test_fixtures_take_the_one_pass_reader_with_the_generic_results(raw: bytes) -> None:
+    plan = plan_for()
+    assert read_answer(raw, plan.wants) is not None
+    assert parse(raw, plan) == generic(raw, plan)
+
+
+def test_other_shapes_and_clients_that_asked_take_the_generic_path() -> None:
+    response = json.loads(CHAT)
+    response["new_top"] = 1
+    assert read_answer(orjson.dumps(response), plan_for().wants) is None
+    assert read_answer(CHAT, plan_for(logprobs=True).wants) is None
+    assert read_answer(CHAT, plan_for(return_token_ids=True).wants) is None
+    response = json.loads(CHAT)
+    del response["choices"][0]["token_ids"]  # the "token_id:N" fallback reads the tokens
+    assert read_answer(orjson.dumps(response), plan_for().wants) is None
+    assert read_answer(CHAT[:-10], plan_for().wants) is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    drop=st.sets(st.sampled_from(["service_tier", "metrics", "prompt_text", "usage", "id"])),
+    non_null=st.sets(st.sampled_from(["prompt_logprobs", "kv_transfer_params", "metrics"])),
+    choice_drop=st.sets(st.sampled_from(["logprobs", "stop_reason", "routed_experts", "index"])),
+    logprobs_null=st.booleans(),
+    content=st.text(max_size=20),
+    finish=st.sampled_from(["stop", "length", None]),
+)
+def test_one_pass_reader_never_differs_from_the_generic_path(
+    drop: set[str],
+    non_null: set[str],
+    choice_drop: set[str],
+    logprobs_null: bool,
+    content: str,
+    finish: str | None,
+) -> None:
+    response = json.loads(CHAT)
+    choice = response["choices"][0]
+    choice["message"]["content"] = content
+    choice["finish_reason"] = finish
+    if logprobs_null:
+        choice["logprobs"] = None
+    for key in non_null:
+        response[key] = {"x": [1, None]}
+    for key in drop:
+        del response[key]
+    for key in choice_drop:
+        del choice[key]
+    raw = orjson.dumps(response)
+    plan = plan_for()
+
+    def outcome(read: Any) -> Any:
+        try:
+            return read()
+        except (CaptureExtractionError, UpstreamProtocolError) as e:
+            return type(e), e.reason
+
+    assert outcome(lambda: parse(raw, plan)) == outcome(lambda: generic(raw, plan))
