@@ -168,6 +168,10 @@ async def readyz(request: web.Request) -> web.Response:
         problems.append(cap.unavailable_reason)
     if cap.sink_failing:
         problems.append(f"sink failing: {cap.sink_failing}")
+    if cap.stager.late_writes:
+        problems.append(f"{cap.stager.late_writes} staging writes past their deadline (sink slow)")
+    if cap.ledger.late:
+        problems.append(f"{cap.ledger.late} ledger writes past their deadline (sink slow)")
     if cap.ledger.held:
         problems.append(f"{len(cap.ledger.held)} ledger entries held in memory (sink failing)")
     body = {"ready": not problems, "problems": problems}
@@ -222,6 +226,7 @@ def _live_gauges(state: ProxyState) -> dict[str, float]:
         "inflight_calls": cap.inflight,
         "pending_stages": cap.pending_stages,
         "ledger_held_entries": len(cap.ledger.held),
+        "late_writes": cap.stager.late_writes + cap.ledger.late,
         "rollouts_live": len(cap.rollouts),
         "weight_version": cap.weight_version,
         "ready_capture": 0 if (cap.unavailable_reason or cap.sink_failing) else 1,

@@ -20,6 +20,7 @@ import hashlib
 import logging
 import time
 from array import array
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -47,6 +48,10 @@ from .staging import Stager
 __all__ = ["SAMPLING_KEYS", "Call", "Capture", "CompletionLike"]
 
 log = logging.getLogger("capture_proxy.capture")
+
+#: Ids of sealed rollouts remembered (not their state) so late calls get their 409 without a
+#: store lookup; about 100 bytes each.
+_SEALED_IDS_KEPT = 100_000
 
 #: Request keys that shape sampling. The values actually forwarded upstream are recorded with
 #: every call (and covered by its digest): a trainer must know the policy that made each token.
@@ -108,6 +113,9 @@ class Call:
     admitted_ms: int
     rollout: RolloutLive
     finished: bool = False
+    #: Set once staging starts: from then on the call's outcome is the staging's, even if the
+    #: client goes away (staging runs to the end without it).
+    staging: bool = False
 
 
 def sampling_of(request: Mapping[str, Any]) -> dict[str, Any]:
@@ -142,6 +150,7 @@ class Capture:
         self.source = source
         self.max_live_rollouts = max_live_rollouts
         self._resume_lock = asyncio.Lock()
+        self._sealed: OrderedDict[str, None] = OrderedDict()
         self.stager = Stager(sink, timeout=stage_timeout, max_pending=max_pending)
         self.max_inflight = max_inflight
         self.max_inflight_per_rollout = max_inflight_per_rollout
@@ -156,6 +165,8 @@ class Capture:
 
     def rollout(self, rollout_id: str, *, create: bool = True) -> RolloutLive | None:
         live = self.rollouts.get(rollout_id)
+        if live is None and rollout_id in self._sealed:
+            return RolloutLive(rollout_id, sealed=True)  # refuses calls; never held live
         if live is None and create:
             live = RolloutLive(rollout_id, created_at_ms=int(time.time() * 1000))
             self.rollouts[rollout_id] = live
@@ -180,19 +191,28 @@ class Capture:
     async def find_rollout(self, rollout_id: str) -> RolloutLive | None:
         """The live rollout, or the store's (then made live), or None: never creates one."""
         live = self.rollouts.get(rollout_id)
+        if live is None and rollout_id in self._sealed:
+            return RolloutLive(rollout_id, sealed=True)
         if live is not None or self.source is None:
             return live
         async with self._resume_lock:
             live = self.rollouts.get(rollout_id)
             if live is None:
                 live = await asyncio.to_thread(resume_rollout, self.source, rollout_id)
-                if live is not None:
+                if live is not None and live.sealed:
+                    self._remember_sealed(rollout_id)  # looked at for its 409: not held live
+                elif live is not None:
                     log.info(
                         "resumed rollout %s from the store at seq %d", rollout_id, live.next_seq
                     )
                     self._evict()
                     self.rollouts[rollout_id] = live
         return live
+
+    def _remember_sealed(self, rollout_id: str) -> None:
+        self._sealed[rollout_id] = None
+        while len(self._sealed) > _SEALED_IDS_KEPT:
+            self._sealed.popitem(last=False)  # forgotten ids are looked up in the store again
 
     def _evict(self) -> None:
         # Oldest idle rollouts first; a rollout seen again later resumes from the store.
@@ -245,8 +265,8 @@ class Capture:
         await self.sink.put_rollout(info)
 
     async def seal(self, rollout_id: str, wait_s: float) -> RolloutLive:
-        """Refuse new calls for the rollout, wait for its in-flight calls (up to `timeout`)."""
-        live = self.rollouts.get(rollout_id)
+        """Refuse new calls for the rollout, wait for its in-flight calls (up to `wait_s`)."""
+        live = await self.find_rollout(rollout_id)
         if live is None:
             raise KeyError(rollout_id)
         live.sealed = True
@@ -257,6 +277,11 @@ class Capture:
                 "seal %s: %d calls still in flight after %.1fs", rollout_id, live.in_flight, wait_s
             )
         await self._put_rollout(live)
+        if live.in_flight == 0 and self.rollouts.get(rollout_id) is live:
+            # A sealed rollout takes no more calls: memory holds live work only (its id, for
+            # the 409s). A manifest request reads it from the store.
+            del self.rollouts[rollout_id]
+            self._remember_sealed(rollout_id)
         return live
 
     # -- calls ---------------------------------------------------------------------------------
@@ -378,6 +403,7 @@ class Capture:
         """Build, seal and stage the call's record. Never raises for capture problems: a call that
         cannot be staged returns ``capture_failed`` and is in the ledger, its rollout poisoned.
         """
+        call.staging = True
         try:
             try:
                 record = self.build_record(
@@ -493,8 +519,9 @@ class Capture:
         self.counts[key] = self.counts.get(key, 0) + 1
 
     async def drain(self, wait_s: float) -> None:
-        """Wait for late staging writes (shutdown), up to `wait_s` seconds."""
+        """Wait for late staging and ledger writes (shutdown), up to `wait_s` seconds each."""
         await self.stager.drain(wait_s)
+        await self.ledger.drain(wait_s)
 
     @property
     def pending_stages(self) -> int:

@@ -154,7 +154,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         # The client went away, or the shutdown deadline passed: the upstream request was
         # closed on the way out (vLLM aborts the generation); record the abort even though this
         # task is being cancelled.
-        if not call.finished:
+        if not call.finished and not call.staging:
             if state.shutting_down:
                 reason, why = "shutdown", "the proxy shut down before the answer was complete"
             else:
@@ -164,7 +164,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             state.metrics.calls.labels(CallStatus.ABORTED, reason).inc()
         raise
     finally:
-        if not call.finished and not asyncio.current_task().cancelling():  # type: ignore[union-attr]
+        if not call.finished and not call.staging and not asyncio.current_task().cancelling():  # type: ignore[union-attr]
             # Defensive: every path above completes or fails the call; never leave it pending.
             await state.capture.fail_call(call, CallStatus.UPSTREAM_ERROR, "internal", "unfinished")
 

@@ -112,6 +112,14 @@ def record_outcome(state: ProxyState, result: StageResult) -> None:
 async def complete(
     state: ProxyState, call: Call, completion: Any, body: dict[str, Any], info: Any
 ) -> StageResult:
+    """Stage the call. The staging runs as its own task: a client that goes away meanwhile
+    cancels only its wait, never a write halfway, and the call still gets its outcome."""
+    return await asyncio.shield(state.spawn(_complete(state, call, completion, body, info)))
+
+
+async def _complete(
+    state: ProxyState, call: Call, completion: Any, body: dict[str, Any], info: Any
+) -> StageResult:
     t = time.perf_counter()
     result = await state.capture.complete_call(
         call,

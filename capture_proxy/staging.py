@@ -1,9 +1,10 @@
 """Staging writes with a deadline and a bound: `Stager`.
 
-A sink slower than the stage timeout makes the call `capture_failed`; the write is not cancelled
-(a half-cancelled write is worse than a late one), and if it still lands, the record is marked
-orphaned so no trainer uses it unknowingly. Writes in progress, late ones included, are counted:
-the proxy refuses new calls beyond `max_pending` instead of queueing without bound.
+A sink slower than the stage timeout makes the call `capture_failed`; the write is not
+cancelled (a half-cancelled write is worse than a late one), and the call is marked orphaned at
+once, so if the write still lands no trainer uses it unknowingly. Writes in progress, late ones
+included, never exceed `max_pending`: new calls are refused beyond it, and a stage waits for a
+slot within its deadline, instead of queueing without bound.
 """
 
 from __future__ import annotations
@@ -27,9 +28,17 @@ class Stager:
         self.timeout = timeout
         self.max_pending = max_pending
         self.pending = 0
+        # Writes in progress, late ones included, never exceed max_pending: a stage waits for a
+        # slot (within its deadline) instead of piling more work onto a slow sink.
+        self._slots = asyncio.Semaphore(max_pending)
         #: The last sink error while the sink keeps failing; cleared by the next staged write.
         self.sink_failing: str | None = None
         self._late: set[asyncio.Task[Any]] = set()
+
+    @property
+    def late_writes(self) -> int:
+        """Writes (and orphan marks) still running past their deadline: the sink is slow."""
+        return len(self._late)
 
     @property
     def full(self) -> bool:
@@ -39,14 +48,30 @@ class Stager:
         self, record: StagedCallRecord, attachments: Mapping[str, Attachment]
     ) -> StageResult:
         """Stage `record`; never raises: failures come back as ``capture_failed`` results."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout
+        try:
+            await asyncio.wait_for(self._slots.acquire(), self.timeout)
+        except TimeoutError:
+            return StageResult.failed(
+                "staging_backlog",
+                f"{self.pending} staging writes stayed pending for {self.timeout:g}s "
+                f"(limit {self.max_pending})",
+            )
         self.pending += 1
         task: asyncio.Task[StageResult] = asyncio.ensure_future(self._write(record, attachments))
         task.add_done_callback(self._done)
         try:
-            result = await asyncio.wait_for(asyncio.shield(task), self.timeout)
+            result = await asyncio.wait_for(asyncio.shield(task), max(0.0, deadline - loop.time()))
         except TimeoutError:
+            # The write goes on (a half-cancelled write is worse than a late one). Mark the call
+            # orphaned now, queued behind the write: if the write lands, even during shutdown,
+            # no trainer reads it as a normal record.
             self._late.add(task)
-            task.add_done_callback(lambda t: self._landed_late(t, record.call_id))
+            task.add_done_callback(self._late.discard)
+            orphan = asyncio.ensure_future(self._mark_orphaned(record.call_id))
+            self._late.add(orphan)
+            orphan.add_done_callback(self._late.discard)
             return StageResult.failed(
                 "stage_timeout", f"the sink took longer than {self.timeout:g}s to stage"
             )
@@ -80,22 +105,20 @@ class Stager:
 
     def _done(self, task: asyncio.Task[StageResult]) -> None:
         self.pending -= 1
+        self._slots.release()
         if not task.cancelled():
             task.exception()  # retrieved, so a late failure is not logged as "never retrieved"
 
-    def _landed_late(self, task: asyncio.Task[StageResult], call_id: str) -> None:
-        self._late.discard(task)
-        if task.cancelled() or task.exception() is not None:
-            return
-        if task.result().status is CallStatus.STAGED:
-            log.warning(
-                "late write of %s landed after its stage timeout: marking it orphaned",
-                call_id,
-                extra={"call_id": call_id},
-            )
-            orphan = asyncio.ensure_future(self.sink.mark_orphaned(call_id, "stage_timeout"))
-            self._late.add(orphan)
-            orphan.add_done_callback(self._late.discard)
+    async def _mark_orphaned(self, call_id: str) -> None:
+        log.warning(
+            "staging %s passed its deadline: marking it orphaned in case the write lands",
+            call_id,
+            extra={"call_id": call_id},
+        )
+        try:
+            await self.sink.mark_orphaned(call_id, "stage_timeout")
+        except Exception as e:  # the capture_failed ledger entry still says what happened
+            log.error("could not mark %s orphaned: %s", call_id, e, extra={"call_id": call_id})
 
     async def drain(self, wait_s: float) -> None:
         """Wait for late writes and orphan marks (shutdown), up to `wait_s` seconds."""

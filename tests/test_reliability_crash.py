@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import re
 import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+from proxy_harness import chat_body, start_proxy, stop_proxy, user
 
 from capture_proxy.reader import open_store
 
@@ -87,3 +89,26 @@ def test_rss_slope_is_a_least_squares_fit() -> None:
     assert soak.slope_per_minute([(0, 100.0), (60, 101.0), (120, 102.0)]) == pytest.approx(1.0)
     assert soak.slope_per_minute([(0, 5.0), (30, 5.0)]) == 0.0
     assert soak.slope_per_minute([(0, 5.0)]) == 0.0
+
+
+async def test_sealed_rollouts_do_not_stay_in_memory(tmp_path: Path) -> None:
+    p = await start_proxy(tmp_path, admin_token="t", min_free_disk_mb=0)
+    admin = {"Authorization": "Bearer t"}
+    try:
+        for i in range(20):
+            for turn in range(2):
+                resp = await p.chat(chat_body(user(f"session {i} turn {turn}")), rollout=f"s{i}")
+                assert resp.headers["X-Capture-Status"] == "staged"
+            assert (await p.client.post(f"/admin/rollouts/s{i}/seal", headers=admin)).status == 200
+        # Sealed rollouts are still refused and still have manifests (from the store) ...
+        late = await p.chat(chat_body(user("late")), rollout="s0")
+        assert late.status == 409
+        manifest = await (await p.client.get("/admin/rollouts/s3/manifest", headers=admin)).json()
+        assert [c["status"] for c in manifest["calls"]] == ["staged", "staged"]
+        # ... but the proxy no longer holds them.
+        text = await (await p.client.get("/metrics")).text()
+        live = re.search(r"^capture_proxy_rollouts_live (\S+)$", text, re.M)
+        assert live is not None
+        assert float(live.group(1)) == 0, f"{live.group(1)} rollouts still held"
+    finally:
+        await stop_proxy(p)

@@ -460,11 +460,6 @@ async def test_staging_backlog_refuses_new_calls_with_retry_after(
         assert len(store.source.orphaned()) == 2
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="capture.Stager.stage does not check max_pending: the bound is checked only when a "
-    "call is admitted, so calls admitted together all stage (pending grows with concurrency)",
-)
 async def test_a_burst_never_has_more_writes_pending_than_the_bound(
     tmp_path: Path, proxies: Any
 ) -> None:
@@ -494,11 +489,6 @@ async def test_a_burst_never_has_more_writes_pending_than_the_bound(
 # -- known gaps (the lead owns the code; see the report) ---------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="ledger.Ledger.write gives up on a ledger write after stage_timeout but the sink "
-    "still performs it; flush() then submits the same entry again: one failure, two entries",
-)
 async def test_each_failure_is_in_the_ledger_once_after_a_lock(
     tmp_path: Path, proxies: Any
 ) -> None:
@@ -514,12 +504,6 @@ async def test_each_failure_is_in_the_ledger_once_after_a_lock(
     assert entries == [failed["call_id"]]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="app._lifecycle waits only stage_timeout for late writes, then closes the sink: a "
-    "write landing later cannot be marked orphaned (RuntimeError: store closed), so a record "
-    "its client was told is capture_failed reads back as a normal staged record",
-)
 async def test_late_writes_at_shutdown_are_still_marked_orphaned(
     tmp_path: Path, proxies: Any
 ) -> None:
@@ -532,12 +516,6 @@ async def test_late_writes_at_shutdown_are_still_marked_orphaned(
         assert {f["call_id"] for f in failed} <= store.source.orphaned()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="chat.py: a client that disconnects while its record is being staged cancels the "
-    "handler inside Capture.complete_call; the write lands but the manifest keeps the call "
-    "'pending' forever and no outcome is counted in capture_proxy_calls_total",
-)
 async def test_client_gone_during_staging_still_gets_an_outcome(
     tmp_path: Path, proxies: Any
 ) -> None:
