@@ -9,6 +9,7 @@ it, with the installer's reason: it is never a skip, which would hide a missing 
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -49,8 +50,14 @@ def vllm_url() -> Iterator[str]:
     """A real vLLM 0.32 (CPU) serving the tiny model on a free loopback port: its base URL.
 
     Prepared on first use (venv + model in the cache), started once per session (~1 min) and
-    stopped (its whole process group) at the end.
+    stopped (its whole process group) at the end. With `CAPTURE_PROXY_VLLM_URL` set, that
+    server is used instead (nothing is started): it must be the tiny model, and idle, since
+    other requests batched beside the tests' can flip the random model's near-tied greedy picks.
     """
+    running = os.environ.get("CAPTURE_PROXY_VLLM_URL")
+    if running:  # a server started by hand (scripts/tiny_vllm.py serve), for quick iterations
+        yield running.rstrip("/")
+        return
     began = time.monotonic()
     try:
         tiny_vllm.prepare()

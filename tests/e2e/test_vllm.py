@@ -1,0 +1,307 @@
+"""The proxy in front of a real vLLM 0.32 (CPU, the tiny random model of scripts/tiny_vllm.py).
+
+`-m vllm`. Each call through the proxy is followed (never overlapped: batching can flip the
+near-tied greedy picks of a random model) by the same effective request sent straight to vLLM at
+temperature 0: the staged prompt and completion ids must be vLLM's own. The model is text-only,
+answers mostly in reasoning, and never makes a tool call on its own, so tool calls are written
+into the history by the test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+from array import array
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import opencode_env
+import pytest
+from proxy_harness import Proxy, sse_lines, start_proxy, stop_proxy
+
+from capture_proxy.reader import open_store
+from capture_proxy.schemas.records import StagedCallRecord
+
+pytestmark = pytest.mark.vllm
+
+TOOLS: list[dict[str, Any]] = [
+    {
+        "type": "function",
+        "function": {
+            "name": "bash",
+            "description": "Run a shell command.",
+            "parameters": {
+                "type": "object",
+                "properties": {"command": {"type": "string"}},
+                "required": ["command"],
+            },
+        },
+    }
+]
+SYSTEM = {"role": "system", "content": "You are a coding agent. Use the tools."}
+USER = {"role": "user", "content": "List the files here."}
+REASONING = "The user wants the files. I will run ls."
+TOOL_CALL = {
+    "id": "call_ls_1",
+    "type": "function",
+    "function": {"name": "bash", "arguments": '{"command": "ls -la"}'},
+}
+TOOL_CALL_TURN: dict[str, Any] = {"role": "assistant", "content": "", "tool_calls": [TOOL_CALL]}
+TOOL_RESULT = {"role": "tool", "tool_call_id": "call_ls_1", "content": "a.txt\nb.txt\nmain.py"}
+MAX_TOKENS = 24
+
+
+def body(messages: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    return {
+        "model": "policy",
+        "messages": messages,
+        "tools": TOOLS,
+        "temperature": 0,
+        "max_tokens": MAX_TOKENS,
+        **extra,
+    }
+
+
+def as_forwarded(client_body: dict[str, Any]) -> dict[str, Any]:
+    """What the proxy sends vLLM for `client_body` (no policy set): replayed `reasoning` renamed
+    `reasoning_content` in place, plus the token fields capture asks for."""
+    forwarded = copy.deepcopy(client_body)
+    for message in forwarded["messages"]:
+        if "reasoning" in message:
+            message["reasoning_content"] = message.pop("reasoning")
+    forwarded.update(return_token_ids=True, logprobs=True)
+    forwarded.setdefault("top_logprobs", 0)
+    if forwarded.get("stream"):
+        forwarded["stream_options"] = {"include_usage": True}
+    return forwarded
+
+
+async def direct(url: str, request: dict[str, Any]) -> tuple[list[int], list[int], list[float]]:
+    """Send `request` straight to vLLM; its prompt ids, completion ids and logprobs."""
+    timeout = aiohttp.ClientTimeout(total=120)
+    async with (
+        aiohttp.ClientSession(timeout=timeout) as session,
+        session.post(f"{url}/v1/chat/completions", json=request) as resp,
+    ):
+        raw = await resp.read()
+        assert resp.status == 200, raw[:2000]
+    if not request.get("stream"):
+        answer = json.loads(raw)
+        choice = answer["choices"][0]
+        logprobs = [t["logprob"] for t in choice["logprobs"]["content"]]
+        return answer["prompt_token_ids"], choice["token_ids"], logprobs
+    events = [json.loads(line[6:]) for line in raw.split(b"\n") if line.startswith(b"data: {")]
+    assert raw.rstrip().endswith(b"data: [DONE]")
+    ids = [t for e in events for c in e["choices"] for t in c.get("token_ids") or []]
+    logprobs = [
+        t["logprob"]
+        for e in events
+        for c in e["choices"]
+        for t in (c.get("logprobs") or {}).get("content") or []
+    ]
+    return events[0]["prompt_token_ids"], ids, logprobs
+
+
+async def assert_vllm_agrees(url: str, record: StagedCallRecord, sent: dict[str, Any]) -> None:
+    """The record is the effective request `sent` to the proxy, and vLLM, asked again, gives the
+    staged prompt and completion ids (greedy) with the same logprobs."""
+    forwarded = as_forwarded(sent)
+    capture_keys = ("return_token_ids", "logprobs", "top_logprobs", "stream_options")
+    staged_request = {k: v for k, v in forwarded.items() if k not in capture_keys}
+    for key in ("logprobs", "top_logprobs", "stream_options"):  # what the client itself asked
+        if key in sent:
+            staged_request[key] = sent[key]
+    assert record.request == staged_request
+    prompt, completion, logprobs = await direct(url, forwarded)
+    assert record.prompt_token_ids.tolist() == prompt
+    assert record.completion_token_ids.tolist() == completion
+    assert len(completion) > 0
+    # Same request, same single-sequence batch: identical here so far (0.0); a small tolerance
+    # keeps a kernel-level rounding difference from failing what ids already prove.
+    assert max(abs(a - b) for a, b in zip(record.completion_logprobs, logprobs, strict=True)) < 1e-3
+
+
+async def stream_through(p: Proxy, rollout: str, request: dict[str, Any]) -> dict[str, Any]:
+    """Stream `request` through the proxy; the reasoning and content it relayed, and its status."""
+    resp = await p.chat(request, rollout=rollout)
+    assert resp.status == 200, await resp.text()
+    assert resp.headers["X-Capture-Status"] == "pending"
+    reasoning, content, status = "", "", ""
+    async for line in sse_lines(resp):
+        if line.startswith(b": capture-status "):
+            status = line.decode()
+        elif line.startswith(b"data: {"):
+            event = json.loads(line[6:])
+            assert "prompt_token_ids" not in event  # not asked for: not relayed
+            for choice in event["choices"]:
+                assert "token_ids" not in choice
+                reasoning += choice["delta"].get("reasoning") or ""
+                content += choice["delta"].get("content") or ""
+    call_id = resp.headers["X-Capture-Call-Id"]
+    assert status == f": capture-status staged call_id={call_id}"
+    return {"reasoning": reasoning, "content": content, "call_id": call_id}
+
+
+async def test_multi_turn_through_the_proxy_stages_vllms_own_ids(
+    vllm_url: str, tmp_path: Path, control: Any
+) -> None:
+    p = await start_proxy(tmp_path, upstream=vllm_url, admin_token=control.TOKEN)
+    rollout = "vllm-multi-turn"
+    try:
+        # Turn 1, not streamed; the client asks for logprobs and gets exactly what was staged.
+        first_body = body([SYSTEM, USER], logprobs=True)
+        resp = await p.chat(first_body, rollout=rollout)
+        first = await resp.json()
+        assert resp.status == 200, first
+        assert resp.headers["X-Capture-Status"] == "staged"
+        assert "prompt_token_ids" not in first or first["prompt_token_ids"] is None
+        (r1,) = p.calls(rollout)
+        relayed = [t["logprob"] for t in first["choices"][0]["logprobs"]["content"]]
+        assert array("f", relayed).tobytes() == r1.completion_logprobs.tobytes()
+        await assert_vllm_agrees(vllm_url, r1, first_body)
+
+        # Turn 2, streamed: the agent replays its tool call with `reasoning` (after the last user
+        # message, where the template keeps it) and the tool's result.
+        history = [SYSTEM, USER, {**TOOL_CALL_TURN, "reasoning": REASONING}, TOOL_RESULT]
+        second_body = body(history, stream=True)
+        second = await stream_through(p, rollout, second_body)
+        r2 = p.calls(rollout)[1]
+        assert r2.call_id == second["call_id"]
+        assert r2.request["messages"][2]["reasoning_content"] == REASONING
+        assert "reasoning" not in r2.request["messages"][2]
+        assert (r2.response.get("reasoning_content") or "") == second["reasoning"]
+        await assert_vllm_agrees(vllm_url, r2, second_body)
+
+        # The replayed reasoning reached the prompt: without it vLLM renders fewer ids.
+        bare = copy.deepcopy(history)
+        del bare[2]["reasoning"]
+        without, _, _ = await direct(vllm_url, as_forwarded(body(bare, max_tokens=1)))
+        assert without != r2.prompt_token_ids.tolist()
+        assert len(without) < len(r2.prompt_token_ids)
+
+        # Turn 3, not streamed: the answer replayed as the agent would, then a new user message
+        # (the template now drops the earlier reasoning: a new user turn ends that tool loop).
+        answer = {"role": "assistant", "content": second["content"]}
+        if second["reasoning"]:
+            answer["reasoning"] = second["reasoning"]
+        third_body = body([*history, answer, {"role": "user", "content": "How many files?"}])
+        resp = await p.chat(third_body, rollout=rollout)
+        assert resp.status == 200, await resp.text()
+        assert resp.headers["X-Capture-Status"] == "staged"
+        r3 = p.calls(rollout)[2]
+        await assert_vllm_agrees(vllm_url, r3, third_body)
+
+        manifest = await control(p.client).seal(rollout)
+        assert [c["status"] for c in manifest["calls"]] == ["staged"] * 3
+        assert [c["call_id"] for c in manifest["calls"]] == [r1.call_id, r2.call_id, r3.call_id]
+        with open_store(p.store_url) as store:
+            fetched = store.fetch([c["coords"] for c in manifest["calls"]])
+            assert [r.prompt_token_ids for r in fetched] == [
+                r.prompt_token_ids for r in (r1, r2, r3)
+            ]
+            assert store.failures(rollout) == []
+            traj = store.trajectory(rollout)
+            store.verify()
+        generated = sum(len(r.completion_token_ids) for r in (r1, r2, r3))
+        assert sum(traj.loss_mask) == generated
+        assert r1.upstream_version == "0.32.0"
+        assert r1.tokenizer_fingerprint
+    finally:
+        await stop_proxy(p)
+
+
+async def test_streamed_and_unary_calls_stage_the_same_ids(vllm_url: str, tmp_path: Path) -> None:
+    p = await start_proxy(tmp_path, upstream=vllm_url)
+    try:
+        history = [SYSTEM, USER, {**TOOL_CALL_TURN, "reasoning": REASONING}, TOOL_RESULT]
+        unary = body(history)
+        resp = await p.chat(unary, rollout="vllm-both")
+        assert resp.headers["X-Capture-Status"] == "staged"
+        await resp.read()
+        await stream_through(p, "vllm-both", body(history, stream=True))
+        r1, r2 = p.calls("vllm-both")
+        assert r1.prompt_token_ids == r2.prompt_token_ids
+        assert r1.completion_token_ids == r2.completion_token_ids
+        assert r1.completion_logprobs.tobytes() == r2.completion_logprobs.tobytes()
+        # Not a retry: the stream flag makes it another request.
+        assert r2.retry_of is None
+    finally:
+        await stop_proxy(p)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the staged `request` keeps JSON objects with sorted keys, while vLLM renders tool "
+    "schemas with `tojson` in the client's key order: re-sending record.request renders other "
+    "prompt ids than the call had",
+)
+async def test_staged_request_resent_renders_the_staged_prompt(
+    vllm_url: str, tmp_path: Path
+) -> None:
+    p = await start_proxy(tmp_path, upstream=vllm_url)
+    try:
+        resp = await p.chat(body([SYSTEM, USER]), rollout="vllm-resend")
+        assert resp.status == 200
+        await resp.read()
+        (record,) = p.calls("vllm-resend")
+        prompt, _, _ = await direct(vllm_url, as_forwarded(dict(record.request)))
+        assert prompt == record.prompt_token_ids.tolist()
+    finally:
+        await stop_proxy(p)
+
+
+async def test_opencode_against_real_vllm_every_call_accounted_for(
+    vllm_url: str, tmp_path: Path, control: Any, opencode_binary: Path
+) -> None:
+    # Steered to finish (docs/e2e.md): a regex answer with thinking off ends the agent loop after
+    # one call; text only, as the tiny model cannot take images.
+    p = await start_proxy(tmp_path, upstream=vllm_url, admin_token=control.TOKEN)
+    rollout = "vllm-opencode"
+    try:
+        api = control(p.client)
+        created = await api.create(rollout)
+        work = tmp_path / "work"
+        work.mkdir()
+        steer = {
+            "structured_outputs": {"regex": "Done\\."},
+            "chat_template_kwargs": {"enable_thinking": False},
+        }
+        done = await asyncio.to_thread(
+            opencode_env.opencode_run,
+            created["base_url"],
+            "list the files",
+            cwd=work,
+            timeout=300,
+            image_input=False,
+            model_options=steer,
+        )
+        manifest = await api.seal(rollout)
+        calls = manifest["calls"]
+        assert done.returncode == 0, (done.stderr[-3000:], calls)
+        events = [json.loads(x) for x in done.stdout.splitlines() if x.startswith("{")]
+        assert "".join(e["part"]["text"] for e in events if e["type"] == "text") == "Done."
+        agent_steps = [e for e in events if e["type"] == "step_finish"]
+        # The title call and one call per agent step, each staged or on the ledger with a reason.
+        assert len(calls) >= 1 + len(agent_steps)
+        assert [c["seq"] for c in calls] == list(range(len(calls)))
+        with open_store(p.store_url) as store:
+            failures = {f.call_id: f for f in store.failures(rollout)}
+            staged = [c for c in calls if c["status"] == "staged"]
+            records = store.fetch([c["coords"] for c in staged])
+            store.verify()
+        for call in calls:
+            if call["status"] != "staged":
+                assert failures[call["call_id"]].status == call["status"], call
+                assert call["reason"], call
+        assert len(failures) == len(calls) - len(staged)
+        agent = [r for r in records if r.request.get("tools")]
+        assert len(agent) == len(agent_steps) >= 1
+        for record in agent:
+            # OpenCode's system prompt and tool schemas: ~16k ids with the 4k tokenizer.
+            assert len(record.prompt_token_ids) > 10_000
+            assert record.response["content"] == "Done."
+            assert record.request["structured_outputs"] == steer["structured_outputs"]
+    finally:
+        await stop_proxy(p)
