@@ -36,6 +36,7 @@ import math
 import struct
 import sys
 from array import array
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import fields, replace
 from typing import Any
@@ -50,6 +51,7 @@ __all__ = [
     "DigestMismatch",
     "EncodingError",
     "MessageDigestCache",
+    "RequestValueCache",
     "encode_value",
     "extras_digest",
     "message_digest",
@@ -228,8 +230,15 @@ def _bad_utf8(text: str) -> bool:
     return False
 
 
+#: The canonical encoding of one request value, given its field name (for error paths).
+ValueEncoder = Callable[[Any, str], bytes]
+
+
 def _encode_request(
-    request: Mapping[str, Any], out: list[bytes], digester: MessageDigester
+    request: Mapping[str, Any],
+    out: list[bytes],
+    digester: MessageDigester,
+    encoder: ValueEncoder | None = None,
 ) -> None:
     messages = request.get("messages")
     if not isinstance(messages, list):
@@ -255,6 +264,8 @@ def _encode_request(
                     raise EncodingError(f"request.messages[{i}]", "must be an object")
                 out.append(b"H")
                 out.append(digester(m, f"request.messages[{i}]"))
+        elif encoder is not None and type(rest[k]) in (dict, list):
+            out.append(encoder(rest[k], f"request.{k}"))
         else:
             try:
                 _encode(rest[k], out)
@@ -267,10 +278,12 @@ def record_digest(
     *,
     extras_hex: str | None = None,
     digester: MessageDigester = _default_digester,
+    encoder: ValueEncoder | None = None,
 ) -> str:
     """Hex SHA-256 of the record's logical content (see the module docs for the layout).
 
-    `digester` lets a caller that has already hashed a session's earlier messages reuse them.
+    `digester` lets a caller that has already hashed a session's earlier messages reuse them;
+    `encoder` (a `RequestValueCache`) likewise the encodings of large request values.
     """
     out: list[bytes] = [RECORD_DOMAIN]
     for name in RECORD_FIELDS:
@@ -279,7 +292,7 @@ def record_digest(
         out.append(_u64(len(nb)))
         out.append(nb)
         if name == "request":
-            _encode_request(record.request, out, digester)
+            _encode_request(record.request, out, digester, encoder)
             continue
         value = (
             extras_hex
@@ -296,11 +309,15 @@ def record_digest(
 
 
 def seal_record(
-    record: StagedCallRecord, *, digester: MessageDigester = _default_digester
+    record: StagedCallRecord,
+    *,
+    digester: MessageDigester = _default_digester,
+    encoder: ValueEncoder | None = None,
 ) -> StagedCallRecord:
     """A copy of `record` with `extras_digest` and `digest` computed. Raises `EncodingError`."""
     ex = extras_digest(record.extras)
-    return _with_digests(record, record_digest(record, extras_hex=ex, digester=digester), ex)
+    digest = record_digest(record, extras_hex=ex, digester=digester, encoder=encoder)
+    return _with_digests(record, digest, ex)
 
 
 _RECORD_ATTRS = tuple(f.name for f in fields(StagedCallRecord))
@@ -317,6 +334,56 @@ def _with_digests(record: StagedCallRecord, digest: str, extras_hex: str) -> Sta
     object.__setattr__(sealed, "extras_digest", extras_hex)
     object.__setattr__(sealed, "digest", digest)
     return sealed
+
+
+class RequestValueCache:
+    """A `ValueEncoder` that encodes each distinct large request value once.
+
+    Every call of an agent session re-sends the same tool definitions (10-20 KB of nested JSON
+    Schema), and walking them in Python is most of a request's digest. Entries are keyed by the
+    value's sorted-key JSON bytes (computed in C): equal bytes mean an equal value, and so the
+    same canonical encoding, with one exception this class rules out: orjson writes NaN and
+    infinities as ``null``, so a value whose JSON holds a ``null`` token is never cached. Values
+    under `min_bytes` of JSON are encoded directly (caching them would not pay). At most
+    `max_entries` are kept, least recently used dropped first.
+    """
+
+    def __init__(self, max_entries: int = 64, min_bytes: int = 512) -> None:
+        self.max_entries = max_entries
+        self.min_bytes = min_bytes
+        self._encodings: OrderedDict[bytes, bytes] = OrderedDict()
+
+    def __call__(self, value: Any, field: str) -> bytes:
+        try:
+            key = orjson.dumps(value, option=_CACHE_KEY_OPTIONS)
+        except (TypeError, orjson.JSONEncodeError):
+            return encode_value(value, field=field)  # the encoder names the problem
+        if len(key) < self.min_bytes or _has_null_token(key):
+            return encode_value(value, field=field)
+        encoded = self._encodings.get(key)
+        if encoded is None:
+            encoded = encode_value(value, field=field)
+            self._encodings[key] = encoded
+            if len(self._encodings) > self.max_entries:
+                self._encodings.popitem(last=False)
+        else:
+            self._encodings.move_to_end(key)
+        return encoded
+
+
+#: Subclasses of str/int/dict/list are refused, as the canonical encoder refuses them.
+_CACHE_KEY_OPTIONS = orjson.OPT_SORT_KEYS | orjson.OPT_PASSTHROUGH_SUBCLASS
+
+
+def _has_null_token(key: bytes) -> bool:
+    """True if compact JSON `key` holds a null token (first, or after ``:``, ``[`` or ``,``),
+    which could have been a NaN; a "null" inside a string only costs a cache miss."""
+    at = key.find(b"null")
+    while at >= 0:
+        if at == 0 or key[at - 1] in b":[,":
+            return True
+        at = key.find(b"null", at + 4)
+    return False
 
 
 class MessageDigestCache:
