@@ -30,7 +30,7 @@ from .ids import new_call_id
 from .ledger import Ledger
 from .policy import PolicyError, RequestPolicy, check_policy
 from .rollouts import KEY_HASH_FIELD, CallOutcome, RolloutLive, request_key, resume_rollout
-from .schemas.digest import EncodingError, seal_record
+from .schemas.digest import EncodingError, RequestValueCache, seal_record
 from .schemas.records import (
     Attachment,
     CallStatus,
@@ -160,6 +160,8 @@ class Capture:
         self.ledger = Ledger(sink, timeout=stage_timeout, max_held=max_held_ledger)
         self.unavailable_reason: str | None = None  # set by the disk guard
         self.counts: dict[tuple[str, str], int] = {}  # (status, reason) -> calls
+        #: Encodes the tool definitions every call of a session repeats once (same digests).
+        self._request_values = RequestValueCache()
 
     # -- rollouts ------------------------------------------------------------------------------
 
@@ -388,7 +390,7 @@ class Capture:
             sampling=dict(sampling),
             extras=completion.extras,
         )
-        return seal_record(record)
+        return seal_record(record, encoder=self._request_values)
 
     async def complete_call(
         self,
