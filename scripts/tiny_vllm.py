@@ -617,13 +617,19 @@ def main(argv: list[str] | None = None) -> int:
     proc = start(args.cache, args.port, timeout=args.timeout)
     print(f"serving http://127.0.0.1:{args.port}/v1 (model {SERVED_MODEL_NAME!r}, pid {proc.pid})")
     print(f"log: {paths.logs / f'server-{args.port}.log'}", flush=True)
-    # Forward Ctrl-C / SIGTERM to the server's process group instead of orphaning it.
-    signal.signal(signal.SIGTERM, lambda *_: stop(proc))
+    # Forward Ctrl-C / SIGTERM to the server's process group instead of orphaning it. The
+    # handler only interrupts `proc.wait()`: stopping from inside the handler would wait on the
+    # lock the interrupted `wait` holds, for stop's whole 30 s timeout (observed).
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         return proc.wait()
     except KeyboardInterrupt:
         stop(proc)
         return 130
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":
