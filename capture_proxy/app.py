@@ -12,6 +12,7 @@ import contextlib
 import logging
 import os
 import shutil
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 
@@ -237,10 +238,27 @@ def _live_gauges(state: ProxyState) -> dict[str, float]:
     return out
 
 
-def _reader_for(sink: StagingSink) -> Callable[[], StagingSource]:
-    if isinstance(sink, StagingSource):
-        return lambda: sink  # MemorySink reads itself
-    return lambda: open_source(sink.url)
+class SharedReader:
+    """One reader on the sink's store, opened on first use and then shared: readers are
+    thread-safe and see later commits, and opening a Parquet dataset indexes every unit."""
+
+    def __init__(self, sink: StagingSink) -> None:
+        self.sink = sink
+        self._own = not isinstance(sink, StagingSource)  # MemorySink reads itself
+        self._source: StagingSource | None = None if self._own else sink  # type: ignore[assignment]
+        self._lock = threading.Lock()
+
+    def __call__(self) -> StagingSource:
+        with self._lock:
+            if self._source is None:
+                self._source = open_source(self.sink.url)
+            return self._source
+
+    def close(self) -> None:
+        with self._lock:
+            if self._source is not None and self._own:
+                self._source.close_reader()
+                self._source = None
 
 
 def create_app(settings: Settings, *, sink: StagingSink | None = None) -> web.Application:
@@ -255,7 +273,7 @@ def create_app(settings: Settings, *, sink: StagingSink | None = None) -> web.Ap
             max_pending=settings.max_pending_stages,
             max_inflight=settings.max_inflight,
             max_inflight_per_rollout=settings.max_inflight_per_rollout,
-            source=_reader_for(the_sink),
+            source=SharedReader(the_sink),
             policy=RequestPolicy(
                 defaults=settings.policy_defaults,
                 force=settings.policy_force,
@@ -327,6 +345,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         await state.capture.drain(s.stage_timeout)
         await state.capture.ledger.flush()
         await state.sink.close()
+        if isinstance(state.capture.source, SharedReader):
+            state.capture.source.close()
         await state.session.close()
         if fake_runner is not None:
             await fake_runner.cleanup()

@@ -21,11 +21,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .errors import BadRequest, NotFound, Unauthorized, Unprocessable
 from .ids import new_call_id, valid_rollout_id
-from .rollouts import CallOutcome, RolloutLive
-from .schemas.records import CallStatus
-from .sinks.base import StagingSource
+from .rollouts import RolloutLive, resume_rollout
 from .state import STATE, ProxyState
-from .stores import open_source
 
 __all__ = ["add_control_routes"]
 
@@ -115,43 +112,13 @@ def _manifest_live(live: RolloutLive) -> dict[str, Any]:
 
 
 def _manifest_from_store(state: ProxyState, rollout_id: str) -> dict[str, Any] | None:
-    """A manifest rebuilt from the store, for rollouts this process has not seen (a restart)."""
-    sink = state.sink
-    own = not isinstance(sink, StagingSource)  # MemorySink reads itself
-    source: StagingSource = sink if isinstance(sink, StagingSource) else open_source(sink.url)
-    try:
-        try:
-            info = source.rollout_info(rollout_id)
-        except KeyError:
-            return None
-        records = source.calls(rollout_id)
-        coords = source.coords([r.call_id for r in records])
-        outcomes = [
-            CallOutcome(r.seq, r.call_id, CallStatus.STAGED, coords=c, retry_of=r.retry_of)
-            for r, c in zip(records, coords, strict=True)
-        ]
-        outcomes += [
-            CallOutcome(
-                f.seq,
-                f.call_id,
-                f.status,
-                reason=f.reason,
-                http_status=f.http_status,
-                message=f.message,
-            )
-            for f in source.failures(rollout_id)
-        ]
-    finally:
-        if own:
-            source.close_reader()
-    outcomes.sort(key=lambda o: o.seq)
-    return {
-        "rollout_id": rollout_id,
-        "state": str(info.state),
-        "poisoned": info.poisoned,
-        "in_flight": 0,
-        "calls": [o.to_dict() for o in outcomes],
-    }
+    """A manifest rebuilt from the store, for rollouts this process does not hold (a restart,
+    or sealed and released from memory). Blocking I/O: run it on a thread."""
+    source = state.capture.source
+    if source is None:
+        return None
+    live = resume_rollout(source, rollout_id)
+    return None if live is None else _manifest_live(live)
 
 
 async def manifest(request: web.Request) -> web.Response:

@@ -151,18 +151,22 @@ def request_key(request: Mapping[str, Any]) -> bytes:
 
 
 def resume_rollout(open_source: Callable[[], StagingSource], rollout_id: str) -> RolloutLive | None:
-    """The rollout as the store has it (None if the store does not know it). Blocking I/O."""
+    """The rollout as the store has it (None if the store does not know it). Blocking I/O.
+
+    Reads the cheap per-call summaries for sequence numbers and the manifest, and decodes only
+    the last `LINEAGE_WINDOW` records (the parent and retry candidates), so resuming a long
+    rollout costs about as much as a short one.
+    """
     source = open_source()
     try:
-        try:
-            info = source.rollout_info(rollout_id)
-        except KeyError:
-            return None
-        records = source.calls(rollout_id, include_orphaned=True)
-        coords = source.coords([r.call_id for r in records])
-        failures = source.failures(rollout_id)
-    finally:
-        source.close_reader()
+        info = source.rollout_info(rollout_id)
+    except KeyError:
+        return None
+    summaries = source.summaries(rollout_id)
+    keys = [s.call_id for s in summaries]
+    coords = source.coords(keys)
+    recent = source.fetch([s.call_id for s in summaries if not s.orphaned][-LINEAGE_WINDOW:])
+    failures = source.failures(rollout_id)
     live = RolloutLive(
         rollout_id,
         sealed=info.state is RolloutState.SEALED,
@@ -172,13 +176,14 @@ def resume_rollout(open_source: Callable[[], StagingSource], rollout_id: str) ->
         metadata={k: v for k, v in info.metadata.items() if k != KEY_HASH_FIELD},
         key_sha256=info.metadata.get(KEY_HASH_FIELD),
     )
-    for r, c in zip(records, coords, strict=True):
+    for summary, c in zip(summaries, coords, strict=True):
+        live.outcomes[summary.call_id] = CallOutcome(
+            summary.seq, summary.call_id, CallStatus.STAGED, coords=c, retry_of=summary.retry_of
+        )
+    for r in recent:
         key = request_key(r.request)
         live.remember_request(key, r.call_id)
         live.add_lineage(r.call_id, full_sequence(r.prompt_token_ids, r.completion_token_ids), key)
-        live.outcomes[r.call_id] = CallOutcome(
-            r.seq, r.call_id, CallStatus.STAGED, coords=c, retry_of=r.retry_of
-        )
     for f in failures:
         live.outcomes[f.call_id] = CallOutcome(
             f.seq,

@@ -259,11 +259,12 @@ async def test_slow_sink_times_out_and_late_write_is_orphaned(make_proxy: Any) -
     resp = await p.chat(chat_body(user("x")))
     assert resp.headers["X-Capture-Status"] == "capture_failed"
     _only_failure(p, CallStatus.CAPTURE_FAILED, "stage_timeout")
+    # Marked orphaned at the deadline, before the late write lands; then the write lands.
+    assert sink.orphaned() == {resp.headers["X-Capture-Call-Id"]}
     for _ in range(50):
-        if sink.orphaned():
+        if sink.calls("r1", include_orphaned=True):
             break
         await asyncio.sleep(0.05)
-    assert sink.orphaned() == {resp.headers["X-Capture-Call-Id"]}
     assert sink.calls("r1") == []
     assert len(sink.calls("r1", include_orphaned=True)) == 1
     assert sink.rollout_info("r1").poisoned
