@@ -36,7 +36,6 @@ import pyarrow.fs as pafs
 
 from ..schemas.records import (
     Attachment,
-    CommitCoords,
     LedgerEntry,
     RolloutInfo,
     RolloutState,
@@ -59,6 +58,7 @@ from .parquet_layout import (
 from .parquet_ledger import failure_row, orphan_row, rollout_row
 from .parquet_source import ParquetSource, default_url
 from .parquet_writer import UnitRows, UnitWriter
+from .staging_rules import coords_for, new_attachments
 
 __all__ = ["ParquetSink", "ParquetSource"]
 
@@ -95,6 +95,7 @@ class ParquetSink:
         self.location = location
         self.url = url or default_url(location)
         self.fault = fault
+        self.dedup_hits = 0
         dfs = DatasetFS(location, filesystem)
         if not check_format(dfs):
             create_dataset(dfs)
@@ -159,6 +160,10 @@ class ParquetSink:
 
         await self._writer.submit(work)
 
+    def stats(self) -> dict[str, float]:
+        """Writer figures for /metrics (names without the ``capture_proxy_sink_`` prefix)."""
+        return {**self._writer.stats(), "attachment_dedup_hits_total": self.dedup_hits}
+
     async def close(self) -> None:
         """Commit every queued write and stop the writer thread."""
         await self._writer.close()
@@ -212,22 +217,13 @@ class ParquetSink:
         key = record.staging_key
         if key in self._calls or key in batch.calls:
             return StageResult.failed("duplicate_key", f"staging key {key} is already staged")
-        new: list[Attachment] = []
-        for sha in dict.fromkeys(record.attachment_refs()):
-            if sha in self._attachments or sha in batch.attachments:
-                continue  # stored by an earlier call: a dedup hit
-            att = given.get(sha)
-            if att is None:
-                return StageResult.failed(
-                    "missing_attachment",
-                    f"the request refers to attachment {sha}, which was neither given "
-                    "nor already stored",
-                )
-            if att.sha256 != sha or not att.check():
-                return StageResult.failed(
-                    "bad_attachment", f"the bytes given for attachment {sha} do not hash to it"
-                )
-            new.append(att)
+        checked = new_attachments(
+            record, given, lambda sha: sha in self._attachments or sha in batch.attachments
+        )
+        if isinstance(checked, StageResult):
+            return checked
+        new, hits = checked
+        self.dedup_hits += hits
         encoded = encode_record(record, self._parent_full(batch, record))
         part.rows[CALLS].append(encoded.row)
         part.calls[key] = (record.rollout_id, encoded.full)
@@ -251,15 +247,4 @@ class ParquetSink:
             self.fault("after_attachments")
         self._ensure_rollout(batch, part, record.rollout_id)
         row = encoded.row
-        return StageResult.staged(
-            CommitCoords(
-                store=self.url,
-                staging_key=key,
-                digest=record.digest,
-                extras_digest=record.extras_digest,
-                prev_len=row["prev_len"],
-                delta_len=row["delta_len"],
-                cum_len=row["cum_len"],
-                weight_version=record.weight_version,
-            )
-        )
+        return StageResult.staged(coords_for(self.url, record, row))

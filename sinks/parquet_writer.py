@@ -12,11 +12,7 @@ of the batch gets a `StoreError`, and nothing of the batch is visible.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
-import queue
-import threading
 import time
 from array import array
 from collections.abc import Callable
@@ -26,6 +22,7 @@ from typing import Any
 from .base import StoreError
 from .parquet_fs import DatasetFS
 from .parquet_layout import TABLES, Marker, new_unit_name, table_bytes, unit_files
+from .writer_thread import Job, Outcome, WriterThread
 
 __all__ = ["UnitRows", "UnitWriter", "Work"]
 
@@ -57,28 +54,12 @@ class UnitRows:
 
 #: A piece of work: runs on the writer thread; reads the batch so far, adds its rows to `part`.
 Work = Callable[["UnitRows", "UnitRows"], Any]
-_Outcome = tuple["asyncio.Future[Any]", Any, "BaseException | None"]
 
 
-@dataclass(slots=True)
-class _Job:
-    work: Work
-    loop: asyncio.AbstractEventLoop
-    future: asyncio.Future[Any]
-
-
-def _settle(outcomes: list[_Outcome]) -> None:
-    for future, value, error in outcomes:
-        if future.done():  # the caller gave up (cancelled, e.g. a stage timeout)
-            continue
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(value)
-
-
-class UnitWriter:
+class UnitWriter(WriterThread[Work]):
     """Commits submitted work to `dfs` in units; `publish` sees each committed batch's rows."""
+
+    kind = "parquet"
 
     def __init__(
         self,
@@ -89,65 +70,15 @@ class UnitWriter:
         last_order: int,
         publish: Callable[[UnitRows], None],
     ) -> None:
+        super().__init__(name=name, max_batch=max_batch)
         self.dfs = dfs
-        self.name = name
-        self.max_batch = max(1, max_batch)
         self.last_order = last_order
         self._publish = publish
-        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self.closed = False
-        # Daemon: an interpreter exiting without close() loses only unacknowledged work (a unit
-        # without its marker does not exist), instead of hanging at exit.
-        self._thread = threading.Thread(
-            target=self._run, name=f"parquet-writer:{name}", daemon=True
-        )
-        self._thread.start()
+        self.start()
 
-    async def submit(self, work: Work) -> Any:
-        """Run `work` in the next unit; return its result once that unit is committed."""
-        if self.closed:
-            raise RuntimeError(f"the Parquet store {self.name} is closed")
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[Any] = loop.create_future()
-        self._queue.put(_Job(work, loop, future))
-        # A cancelled caller does not stop the work (it may be mid-commit already); the proxy
-        # marks such a record orphaned (DESIGN §8).
-        return await future
-
-    async def close(self) -> None:
-        """Commit everything queued, then stop the thread."""
-        if not self.closed:
-            self.closed = True
-            self._queue.put(None)
-        await asyncio.to_thread(self._thread.join)
-
-    def _run(self) -> None:
-        stopping = False
-        while not stopping:
-            job = self._queue.get()
-            if job is None:
-                break
-            jobs = [job]
-            while len(jobs) < self.max_batch:
-                try:
-                    more = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if more is None:
-                    stopping = True
-                    break
-                jobs.append(more)
-            try:
-                self._commit(jobs)
-            except BaseException as e:  # never leave a caller waiting on a dead thread
-                log.exception("%s: the writer failed", self.name)
-                self._deliver(
-                    jobs, [(j.future, None, StoreError(f"{self.name}: {e}")) for j in jobs]
-                )
-
-    def _commit(self, jobs: list[_Job]) -> None:
+    def _commit(self, jobs: list[Job[Work]]) -> None:
         batch = UnitRows()
-        outcomes: list[_Outcome] = []
+        outcomes: list[Outcome] = []
         wrote: list[bool] = []
         for job in jobs:
             part = UnitRows()
@@ -176,6 +107,7 @@ class UnitWriter:
                     for (f, v, error), w in zip(outcomes, wrote, strict=True)
                 ]
             else:
+                self._committed(jobs)
                 try:
                     self._publish(batch)
                 except Exception:  # a cache update must not turn committed work into an error
@@ -207,13 +139,3 @@ class UnitWriter:
                     log.warning("%s: could not remove %s of a failed unit: %s", self.name, rel, e)
             raise
         self.last_order = order
-
-    @staticmethod
-    def _deliver(jobs: list[_Job], outcomes: list[_Outcome]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list[_Outcome]] = {}
-        for job, outcome in zip(jobs, outcomes, strict=True):
-            by_loop.setdefault(job.loop, []).append(outcome)
-        for loop, items in by_loop.items():
-            # A closed loop raises RuntimeError: nobody is waiting for these any more.
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(_settle, items)

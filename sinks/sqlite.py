@@ -27,7 +27,6 @@ import orjson
 
 from ..schemas.records import (
     Attachment,
-    CommitCoords,
     LedgerEntry,
     RolloutInfo,
     StagedCallRecord,
@@ -45,6 +44,7 @@ from .sqlite_schema import (
 )
 from .sqlite_source import SQLiteSource
 from .sqlite_writer import Batch, GroupCommitWriter
+from .staging_rules import coords_for, new_attachments
 
 __all__ = ["SQLiteSink", "SQLiteSource"]
 
@@ -57,6 +57,10 @@ _ENSURE_ROLLOUT = (
     "INSERT OR IGNORE INTO rollouts (id, state, created_at_ms, sealed_at_ms, metadata, policy)"
     " VALUES (?, 'open', ?, NULL, '{}', '{}')"
 )
+
+
+def _has_attachment(conn: sqlite3.Connection, sha: str) -> bool:
+    return conn.execute("SELECT 1 FROM attachments WHERE sha256 = ?", (sha,)).fetchone() is not None
 
 
 def _now_ms() -> int:
@@ -241,23 +245,11 @@ class SQLiteSink:
         if conn.execute("SELECT 1 FROM calls WHERE call_id = ?", (key,)).fetchone():
             return StageResult.failed("duplicate_key", f"staging key {key} is already staged")
         refs = list(dict.fromkeys(record.attachment_refs()))
-        new: list[Attachment] = []
-        for sha in refs:
-            if conn.execute("SELECT 1 FROM attachments WHERE sha256 = ?", (sha,)).fetchone():
-                self.dedup_hits += 1
-                continue  # stored by an earlier call: a dedup hit
-            att = given.get(sha)
-            if att is None:
-                return StageResult.failed(
-                    "missing_attachment",
-                    f"the request refers to attachment {sha}, which was neither given "
-                    "nor already stored",
-                )
-            if att.sha256 != sha or not att.check():
-                return StageResult.failed(
-                    "bad_attachment", f"the bytes given for attachment {sha} do not hash to it"
-                )
-            new.append(att)
+        checked = new_attachments(record, given, lambda sha: _has_attachment(conn, sha))
+        if isinstance(checked, StageResult):
+            return checked
+        new, hits = checked
+        self.dedup_hits += hits
         encoded = encode_record(record, self._parent_full(conn, batch, record))
         row = encoded.row
         conn.executemany(
@@ -280,15 +272,4 @@ class SQLiteSink:
             self.fault("after_attachments")
         conn.execute(_ENSURE_ROLLOUT, (record.rollout_id, _now_ms()))
         batch.pending[key] = (record.rollout_id, encoded.full)
-        return StageResult.staged(
-            CommitCoords(
-                store=self.url,
-                staging_key=key,
-                digest=record.digest,
-                extras_digest=record.extras_digest,
-                prev_len=row["prev_len"],
-                delta_len=row["delta_len"],
-                cum_len=row["cum_len"],
-                weight_version=record.weight_version,
-            )
-        )
+        return StageResult.staged(coords_for(self.url, record, row))

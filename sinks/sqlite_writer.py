@@ -17,17 +17,14 @@ at once (datasette's one-writer-thread-per-file shape).
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
-import queue
 import sqlite3
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from .base import StoreError
+from .writer_thread import Job, Outcome, WriterThread
 
 __all__ = ["Batch", "GroupCommitWriter", "Work"]
 
@@ -47,35 +44,19 @@ class Batch:
 
 #: A unit of work: runs on the writer thread, inside a savepoint of the batch's transaction.
 Work = Callable[[sqlite3.Connection, Batch], Any]
-_Outcome = tuple[asyncio.Future[Any], Any, BaseException | None]
-
-
-@dataclass(slots=True)
-class _Job:
-    work: Work
-    loop: asyncio.AbstractEventLoop
-    future: asyncio.Future[Any]
 
 
 class _BatchLost(Exception):
     """SQLite rolled back the whole transaction on its own."""
 
 
-def _settle(outcomes: list[_Outcome]) -> None:
-    for future, value, error in outcomes:
-        if future.done():  # the caller gave up (cancelled, e.g. a stage timeout)
-            continue
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(value)
-
-
-class GroupCommitWriter:
+class GroupCommitWriter(WriterThread[Work]):
     """Owns `conn` (autocommit mode) from now on; closes it when `close` has drained the queue.
 
     `publish` receives each committed batch's `Batch.pending`, on the writer thread.
     """
+
+    kind = "sqlite"
 
     def __init__(
         self,
@@ -85,72 +66,18 @@ class GroupCommitWriter:
         max_batch: int,
         publish: Callable[[dict[str, Any]], None],
     ) -> None:
-        self.name = name
-        self.max_batch = max(1, max_batch)
+        super().__init__(name=name, max_batch=max_batch)
         self._conn = conn
         self._publish = publish
-        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self.closed = False
-        # Read by /metrics: committed transactions, the work they carried, the last one's size.
-        self.batches = 0
-        self.batched_jobs = 0
-        self.last_batch = 0
-        # A daemon thread: an interpreter exiting without close() loses only unacknowledged
-        # work (SQLite discards an uncommitted transaction), instead of hanging at exit.
-        self._thread = threading.Thread(target=self._run, name=f"sqlite-writer:{name}", daemon=True)
-        self._thread.start()
+        self.start()
 
-    async def submit(self, work: Work) -> Any:
-        """Run `work` in the next batch; return its result once that batch has committed."""
-        if self.closed:
-            raise RuntimeError(f"the SQLite store {self.name} is closed")
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[Any] = loop.create_future()
-        self._queue.put(_Job(work, loop, future))
-        # If the caller is cancelled here the work still happens (it may already be inside a
-        # commit); the proxy marks such a record orphaned (DESIGN §8).
-        return await future
+    def _on_exit(self) -> None:
+        self._conn.close()
 
-    def stats(self) -> dict[str, float]:
-        return {
-            "queue_depth": self._queue.qsize(),
-            "batches_total": self.batches,
-            "batched_writes_total": self.batched_jobs,
-            "last_batch_size": self.last_batch,
-        }
-
-    async def close(self) -> None:
-        """Finish all queued work, stop the thread and close the connection."""
-        if not self.closed:
-            self.closed = True
-            self._queue.put(None)
-        await asyncio.to_thread(self._thread.join)
-
-    def _run(self) -> None:
-        try:
-            stopping = False
-            while not stopping:
-                job = self._queue.get()
-                if job is None:
-                    break
-                jobs = [job]
-                while len(jobs) < self.max_batch:
-                    try:
-                        more = self._queue.get_nowait()
-                    except queue.Empty:
-                        break
-                    if more is None:
-                        stopping = True
-                        break
-                    jobs.append(more)
-                self._write(jobs)
-        finally:
-            self._conn.close()
-
-    def _write(self, jobs: list[_Job]) -> None:
+    def _commit(self, jobs: list[Job[Work]]) -> None:
         conn = self._conn
         batch = Batch()
-        outcomes: list[_Outcome] = []
+        outcomes: list[Outcome] = []
         try:
             conn.execute("BEGIN IMMEDIATE")
             for job in jobs:
@@ -174,9 +101,7 @@ class GroupCommitWriter:
             cause = e.__cause__ if isinstance(e, _BatchLost) and e.__cause__ is not None else e
             outcomes = [(job.future, None, self._batch_error(cause)) for job in jobs]
         else:
-            self.batches += 1
-            self.batched_jobs += len(jobs)
-            self.last_batch = len(jobs)
+            self._committed(jobs)
             try:
                 self._publish(batch.pending)
             except Exception:  # a cache update must not turn committed work into an error
@@ -209,13 +134,3 @@ class GroupCommitWriter:
         )
         err.__cause__ = e
         return err
-
-    @staticmethod
-    def _deliver(jobs: list[_Job], outcomes: list[_Outcome]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list[_Outcome]] = {}
-        for job, outcome in zip(jobs, outcomes, strict=True):
-            by_loop.setdefault(job.loop, []).append(outcome)
-        for loop, items in by_loop.items():
-            # A closed loop raises RuntimeError: nobody is waiting for these any more.
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(_settle, items)

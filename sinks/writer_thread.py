@@ -1,0 +1,135 @@
+"""`WriterThread`: the group-commit machinery both real sinks share.
+
+Callers on an event loop `submit` work; one thread takes everything queued (up to `max_batch`,
+see `staging_rules.take_batch`) and commits it together: one transaction (SQLite) or one unit
+(Parquet), so one fsync answers many concurrent `stage()` calls. Callers are answered only after
+the commit, with one ``loop.call_soon_threadsafe`` per batch. A subclass says how a batch is
+committed (`_commit`); this class owns the queue, the thread, delivery and the counters that
+`/metrics` reads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from .base import StoreError
+from .staging_rules import take_batch
+
+__all__ = ["Job", "Outcome", "WriterThread"]
+
+log = logging.getLogger(__name__)
+
+W = TypeVar("W")
+#: (the caller's future, its result, or the error it gets)
+Outcome = tuple["asyncio.Future[Any]", Any, "BaseException | None"]
+
+
+@dataclass(slots=True)
+class Job(Generic[W]):
+    work: W
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[Any]
+
+
+def _settle(outcomes: list[Outcome]) -> None:
+    for future, value, error in outcomes:
+        if future.done():  # the caller gave up (cancelled, e.g. a stage timeout)
+            continue
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(value)
+
+
+class WriterThread(Generic[W]):
+    """Subclasses implement `_commit(jobs)`, which must end with `_deliver(jobs, outcomes)`,
+    and may override `_on_exit` (runs on the thread when it stops)."""
+
+    kind = "store"
+
+    def __init__(self, *, name: str, max_batch: int) -> None:
+        self.name = name
+        self.max_batch = max(1, max_batch)
+        self._queue: queue.SimpleQueue[Job[W] | None] = queue.SimpleQueue()
+        self.closed = False
+        # Read by /metrics: committed batches, the writes they carried, the last one's size.
+        self.batches = 0
+        self.batched_jobs = 0
+        self.last_batch = 0
+        # Daemon: an interpreter exiting without close() loses only unacknowledged work (an
+        # uncommitted transaction or a unit without its marker does not exist).
+        self._thread = threading.Thread(
+            target=self._run, name=f"{self.kind}-writer:{name}", daemon=True
+        )
+
+    def start(self) -> None:
+        self._thread.start()
+
+    async def submit(self, work: W) -> Any:
+        """Run `work` in the next batch; return its result once that batch has committed."""
+        if self.closed:
+            raise RuntimeError(f"the {self.kind} store {self.name} is closed")
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+        self._queue.put(Job(work, loop, future))
+        # A cancelled caller does not stop the work (it may be mid-commit already); the proxy
+        # marks such a record orphaned (DESIGN §8).
+        return await future
+
+    async def close(self) -> None:
+        """Commit everything queued, then stop the thread."""
+        if not self.closed:
+            self.closed = True
+            self._queue.put(None)
+        await asyncio.to_thread(self._thread.join)
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "queue_depth": self._queue.qsize(),
+            "batches_total": self.batches,
+            "batched_writes_total": self.batched_jobs,
+            "last_batch_size": self.last_batch,
+        }
+
+    def _run(self) -> None:
+        try:
+            stopping = False
+            while not stopping:
+                jobs, stopping = take_batch(self._queue, self.max_batch)
+                if not jobs:
+                    continue
+                try:
+                    self._commit(jobs)
+                except BaseException as e:  # never leave a caller waiting on a dead thread
+                    log.exception("%s: the writer failed", self.name)
+                    err = StoreError(f"{self.name}: {e}")
+                    self._deliver(jobs, [(j.future, None, err) for j in jobs])
+        finally:
+            self._on_exit()
+
+    def _commit(self, jobs: list[Job[W]]) -> None:
+        raise NotImplementedError
+
+    def _on_exit(self) -> None:
+        pass
+
+    def _committed(self, jobs: list[Job[W]]) -> None:
+        self.batches += 1
+        self.batched_jobs += len(jobs)
+        self.last_batch = len(jobs)
+
+    @staticmethod
+    def _deliver(jobs: list[Job[W]], outcomes: list[Outcome]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[Outcome]] = {}
+        for job, outcome in zip(jobs, outcomes, strict=True):
+            by_loop.setdefault(job.loop, []).append(outcome)
+        for loop, items in by_loop.items():
+            # A closed loop raises RuntimeError: nobody is waiting for these any more.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(_settle, items)
