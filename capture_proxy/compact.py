@@ -19,36 +19,24 @@ from __future__ import annotations
 
 import contextlib
 import time
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import pyarrow as pa
-
 from .sinks.base import StoreError
 from .sinks.parquet_fs import TMP_SUFFIX, DatasetFS
+from .sinks.parquet_gc import load_markers, replace_units
 from .sinks.parquet_layout import (
-    ATTACHMENTS,
-    BLOBS,
     CALLS,
     COMMITS_DIR,
     COMPACT_LOCK,
-    SCHEMAS,
     TABLES,
     Marker,
     check_format,
-    encode_table,
-    list_markers,
     live_units,
-    read_table,
-    unit_files,
 )
 from .sinks.urls import parse_store_url
 
 __all__ = ["CompactStats", "compact_store"]
-
-#: Per table, the key a row is unique by: a merged file keeps the first copy.
-_UNIQUE = {CALLS: "call_id", BLOBS: "key", ATTACHMENTS: "sha256"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +69,7 @@ def compact_store(
     if not check_format(dfs):
         raise StoreError(f"no capture-proxy Parquet dataset at {parsed.location}")
     with _exclusive(dfs):
-        markers = _load_markers(dfs)
+        markers = load_markers(dfs)
         live = live_units(markers)
         after = [
             _merge(dfs, run, markers) if len(run) > 1 else run[0]
@@ -111,66 +99,15 @@ def _runs(live: list[Marker], target_bytes: int) -> list[list[Marker]]:
     return runs
 
 
-def _load_markers(dfs: DatasetFS) -> dict[str, Marker]:
-    out = {}
-    for name in list_markers(dfs):
-        with contextlib.suppress(FileNotFoundError):
-            out[name] = Marker.decode(dfs.read(f"{COMMITS_DIR}/{name}.json"))
-    return out
-
-
 def _merge(dfs: DatasetFS, run: list[Marker], markers: dict[str, Marker]) -> Marker:
     """Write `run`'s rows as one unit whose marker retires them; return its marker."""
-    # The merged unit takes the order of the last unit it replaces: ledger rows replay in the
-    # same place relative to every other unit, and units committed meanwhile still come after.
-    unit = f"{run[-1].order:020d}-{uuid.uuid4().hex[:12]}"
-    data: dict[str, bytes] = {}
-    rows: dict[str, int] = {}
-    tables = [t for t in TABLES if any(t in m.files for m in run)]
-    files = unit_files(unit, tables)
-    for t in tables:
-        parts = [read_table(dfs, m.files[t]).cast(SCHEMAS[t]) for m in run if t in m.files]
-        table = pa.concat_tables(parts)
-        if t in _UNIQUE:
-            table = _first_of_each(table, _UNIQUE[t])
-        data[files[t]] = encode_table(table)
-        rows[t] = table.num_rows
-    # Units these retired whose markers still exist stay retired when this unit is itself
-    # merged later and its marker deleted: a retired unit must never come back to life.
-    inherited = [u for m in run for u in m.retires if u in markers]
-    marker = Marker(
-        unit=unit,
-        files=files,
-        rows=rows,
-        retires=tuple(dict.fromkeys([*(m.unit for m in run), *inherited])),
-        created_at_ms=int(time.time() * 1000),
-        size=sum(map(len, data.values())),
-    )
-    try:
-        dfs.put_all(data)
-        dfs.put_all({marker.rel: marker.encode()})
-    except BaseException:
-        for rel in (marker.rel, *data):
-            with contextlib.suppress(OSError):
-                dfs.delete(rel)
-        raise
-    return marker
-
-
-def _first_of_each(table: pa.Table, key: str) -> pa.Table:
-    keys = table.column(key).to_pylist()
-    first: dict[str, int] = {}
-    for i, k in enumerate(keys):
-        first.setdefault(k, i)
-    if len(first) == len(keys):
-        return table
-    return table.take(pa.array(sorted(first.values()), pa.int64()))
+    return replace_units(dfs, run, markers, lambda table_name, table: table)
 
 
 def _clean(dfs: DatasetFS, grace_s: float) -> int:
     """Delete units retired over `grace_s` ago, then unreferenced files older than that."""
     deadline_ms = (time.time() - grace_s) * 1000
-    markers = _load_markers(dfs)
+    markers = load_markers(dfs)
     deleted = 0
     for m in markers.values():
         if m.created_at_ms > deadline_ms:
@@ -186,7 +123,7 @@ def _clean(dfs: DatasetFS, grace_s: float) -> int:
                 deleted += 1
             dfs.delete(old.rel)
             deleted += 1
-    referenced = {rel for m in _load_markers(dfs).values() for rel in m.files.values()}
+    referenced = {rel for m in load_markers(dfs).values() for rel in m.files.values()}
     for folder in (*TABLES, COMMITS_DIR):
         for entry in dfs.listdir(folder):
             rel = f"{folder}/{entry.name}"
