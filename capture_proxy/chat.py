@@ -36,7 +36,7 @@ from .forward import (
     JSON,
     capture_headers,
     complete,
-    fail_upstream,
+    fail_and_raise,
     record_outcome,
     relay_upstream_error,
     send_upstream,
@@ -178,12 +178,7 @@ async def _unary(
     started: float,
 ) -> web.StreamResponse:
     t_up = time.perf_counter()
-    try:
-        resp = await send_upstream(state, plan)
-    except UpstreamFailed as e:
-        await fail_upstream(state, call, e)
-        e.headers.update(capture_headers(call.call_id, CallStatus.UPSTREAM_ERROR))
-        raise
+    resp = await send_upstream(state, call, plan)
     async with resp:
         if resp.status != 200:
             return await relay_upstream_error(state, call, resp)
@@ -194,9 +189,7 @@ async def _unary(
             err = UpstreamFailed(
                 f"the upstream answer broke off: {type(e).__name__}: {e}", code="upstream_broken"
             )
-            await fail_upstream(state, call, err)
-            err.headers.update(capture_headers(call.call_id, CallStatus.UPSTREAM_ERROR))
-            raise err from None
+            await fail_and_raise(state, call, err)
     upstream_elapsed = time.perf_counter() - t_up
     state.metrics.upstream_seconds.observe(upstream_elapsed)
     try:
@@ -204,10 +197,8 @@ async def _unary(
             raw, plan, session=call.rollout_id
         )
     except UpstreamProtocolError as e:
-        await fail_upstream(state, call, e)
-        err = UpstreamFailed(f"the upstream answer is malformed: {e.message}", code=e.reason)
-        err.headers.update(capture_headers(call.call_id, CallStatus.UPSTREAM_ERROR))
-        raise err from None
+        malformed = UpstreamFailed(f"the upstream answer is malformed: {e.message}", code=e.reason)
+        await fail_and_raise(state, call, malformed)
     except CaptureExtractionError as e:
         result = StageResult.failed(e.reason, e.message)
         await state.capture.fail_call(call, CallStatus.CAPTURE_FAILED, e.reason, e.message)

@@ -17,11 +17,9 @@ from aiohttp import web
 
 from .adapters.vllm import CaptureExtractionError, ForwardPlan, UpstreamProtocolError
 from .capture import Call
-from .errors import UpstreamFailed
 from .forward import (
     capture_headers,
     complete,
-    fail_upstream,
     record_outcome,
     relay_upstream_error,
     send_upstream,
@@ -44,12 +42,7 @@ async def stream_call(
     info: Any,
     started: float,
 ) -> web.StreamResponse:
-    try:
-        resp = await send_upstream(state, plan)
-    except UpstreamFailed as e:
-        await fail_upstream(state, call, e)
-        e.headers.update(capture_headers(call.call_id, CallStatus.UPSTREAM_ERROR))
-        raise
+    resp = await send_upstream(state, call, plan)
     async with resp:
         if resp.status != 200:
             return await relay_upstream_error(state, call, resp)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import aiohttp
 import orjson
@@ -25,6 +25,7 @@ __all__ = [
     "JSON",
     "capture_headers",
     "complete",
+    "fail_and_raise",
     "fail_upstream",
     "record_outcome",
     "relay_upstream_error",
@@ -39,7 +40,23 @@ def capture_headers(call_id: str, status: str) -> dict[str, str]:
     return {"X-Capture-Call-Id": call_id, "X-Capture-Status": status}
 
 
-async def send_upstream(state: ProxyState, plan: ForwardPlan) -> aiohttp.ClientResponse:
+async def send_upstream(state: ProxyState, call: Call, plan: ForwardPlan) -> aiohttp.ClientResponse:
+    """POST the call upstream; its response once the headers are in. A failure to get there is
+    recorded for the call and raised as the error the client gets."""
+    try:
+        return await _post(state, plan)
+    except UpstreamFailed as e:
+        await fail_and_raise(state, call, e)
+
+
+async def fail_and_raise(state: ProxyState, call: Call, err: UpstreamFailed) -> NoReturn:
+    """Record `err` as the call's upstream failure, then raise it to the client."""
+    await fail_upstream(state, call, err)
+    err.headers.update(capture_headers(call.call_id, CallStatus.UPSTREAM_ERROR))
+    raise err
+
+
+async def _post(state: ProxyState, plan: ForwardPlan) -> aiohttp.ClientResponse:
     s = state.settings
     try:
         async with asyncio.timeout(s.upstream_first_byte_timeout):
