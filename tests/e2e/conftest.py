@@ -12,9 +12,9 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
@@ -27,20 +27,27 @@ for _extra in (_TESTS, _TESTS.parent / "scripts"):
 import opencode_env  # noqa: E402
 import tiny_vllm  # noqa: E402
 
+T = TypeVar("T")
 ADMIN_TOKEN = "e2e-admin-token"
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+
+
+def _or_fail(what: str, step: Callable[[], T]) -> T:
+    """Run a set-up step; if it raises, fail the test with what failed and why (never skip)."""
+    try:
+        return step()
+    except Exception as e:
+        error = e
+    # Outside the `except`: the report is the one line, not a chained traceback.
+    pytest.fail(f"{what} failed: {type(error).__name__}: {error}", pytrace=False)
 
 
 @pytest.fixture(scope="session")
 def opencode_binary() -> Path:
     """OpenCode 1.18.33, installed into the cache on first use (npm)."""
     began = time.monotonic()
-    try:
-        binary = opencode_env.install()
-    except Exception as e:  # npm missing, registry unreachable, wrong version installed, ...
-        pytest.fail(
-            f"installing OpenCode {opencode_env.OPENCODE_VERSION} failed: {e}", pytrace=False
-        )
+    # npm missing, registry unreachable, wrong version installed, ...
+    binary = _or_fail(f"installing OpenCode {opencode_env.OPENCODE_VERSION}", opencode_env.install)
     sys.stderr.write(f"\n[e2e] OpenCode ready in {time.monotonic() - began:.1f} s: {binary}\n")
     return binary
 
@@ -59,19 +66,10 @@ def vllm_url() -> Iterator[str]:
         yield running.rstrip("/")
         return
     began = time.monotonic()
-    try:
-        tiny_vllm.prepare()
-    except Exception as e:
-        pytest.fail(
-            f"preparing vLLM {tiny_vllm.VLLM_VERSION} (scripts/tiny_vllm.py) failed: {e}",
-            pytrace=False,
-        )
+    _or_fail(f"preparing vLLM {tiny_vllm.VLLM_VERSION} (scripts/tiny_vllm.py)", tiny_vllm.prepare)
     prepared = time.monotonic()
     port = tiny_vllm.free_port()
-    try:
-        proc = tiny_vllm.start(None, port)
-    except Exception as e:
-        pytest.fail(f"starting vLLM on 127.0.0.1:{port} failed: {e}", pytrace=False)
+    proc = _or_fail(f"starting vLLM on 127.0.0.1:{port}", lambda: tiny_vllm.start(None, port))
     sys.stderr.write(
         f"\n[vllm] prepared in {prepared - began:.1f} s, "
         f"started in {time.monotonic() - prepared:.1f} s on port {port}\n"

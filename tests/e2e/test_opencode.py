@@ -12,6 +12,9 @@ import asyncio
 import base64
 import hashlib
 import json
+import os
+import subprocess
+import sys
 from array import array
 from pathlib import Path
 from typing import Any
@@ -240,3 +243,38 @@ async def test_opencode_hangs_up_on_a_slow_title_call_which_is_recorded_aborted(
         assert traj.calls == [r.call_id for r in records]
     finally:
         await stop_proxy(p)
+
+
+def test_a_failed_install_fails_the_suites_with_the_reason(tmp_path: Path) -> None:
+    # A cache that cannot be created: both installers fail. The suites must fail saying why;
+    # a skip would let CI pass with the end-to-end tests silently missing.
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    env = {k: v for k, v in os.environ.items() if k != "CAPTURE_PROXY_VLLM_URL"}
+    env["CAPTURE_PROXY_CACHE"] = str(blocker / "cache")
+    here = Path(__file__).resolve().parent
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            f"{here / 'test_opencode.py'}::test_opencode_session_is_captured_exactly",
+            f"{here / 'test_vllm.py'}::test_streamed_and_unary_calls_stage_the_same_ids",
+        ],
+        cwd=here.parent.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    out = done.stdout + done.stderr
+    assert done.returncode == 1, out[-3000:]
+    assert f"installing OpenCode {opencode_env.OPENCODE_VERSION} failed" in out
+    assert "preparing vLLM 0.32.0 (scripts/tiny_vllm.py) failed" in out
+    assert "Not a directory" in out
+    assert "2 errors" in out
+    assert "skipped" not in out
