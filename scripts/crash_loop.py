@@ -47,7 +47,7 @@ class Violation(AssertionError):
 @dataclass
 class Round:
     round: int
-    killed_after_s: float
+    killed_after_s: float  # after the round's first acknowledged call
     exit: str  # "SIGKILL", or "SIGTERM rc=0" for the last, clean round
     start_s: float  # spawn to listening: the restart on the same store
     acked: int  # calls acknowledged as staged in this round
@@ -123,6 +123,12 @@ async def crash_loop(
             start_s = time.perf_counter() - t0
             before = len(loader.acked)
             loader.start(base)
+            # The random moment is counted from the round's first acknowledged call, so a slow
+            # start on a loaded machine cannot turn a round into a kill before any work.
+            for _ in range(600):
+                if len(loader.acked) > before:
+                    break
+                await asyncio.sleep(0.05)
             delay = rng.uniform(*kill_after)
             await asyncio.sleep(delay)
             if last:

@@ -41,6 +41,7 @@ from reliability_workers import Loader, open_fds, rss_mb, start_fake, start_prox
 from capture_proxy.reader import open_store
 
 _STAGED = re.compile(r'^capture_proxy_calls_total\{outcome="staged",reason="ok"\} (\S+)$', re.M)
+_ADMIN = "soak-admin-token"
 _LIVE = re.compile(r"^capture_proxy_rollouts_live (\S+)$", re.M)
 
 
@@ -55,6 +56,7 @@ class SoakReport:
     acked: int = 0
     staged_metric: int = 0  # capture_proxy_calls_total{outcome="staged"} at the end
     records_in_store: int = 0
+    sealed: int = 0  # rollouts sealed through the control API during the run
     rollouts_live: int = 0  # rollouts the proxy keeps in memory at the end (capped at 10k)
     verified_sample: int = 0
     rss_start_mb: float = 0.0
@@ -121,8 +123,9 @@ async def soak(
     url = f"sqlite:///{folder / 'soak.db'}" if kind == "sqlite" else f"parquet:///{folder / 'ds'}"
     report = SoakReport(kind, minutes, concurrency)
     fake = start_fake(latency=0.05, chunk_delay=0.002)
-    proxy = start_proxy(fake.url, url, "--log-level", "warning")
-    loader = Loader(f"soak-{kind}", concurrency=concurrency, seed=seed)
+    proxy = start_proxy(fake.url, url, "--log-level", "warning", "--admin-token", _ADMIN)
+    # Each finished session's rollout is sealed, as a rollout driver does.
+    loader = Loader(f"soak-{kind}", concurrency=concurrency, seed=seed, admin_token=_ADMIN)
     samples: list[tuple[float, float, int]] = []
 
     def sample(t: float) -> None:
@@ -153,6 +156,7 @@ async def soak(
     finally:
         report.stop_rc = await asyncio.to_thread(proxy.terminate)
         fake.kill()
+    report.sealed = loader.outcomes.pop("sealed", 0)
     report.calls = sum(loader.outcomes.values())
     report.calls_per_s = round(report.calls / ran, 1)
     report.outcomes = dict(loader.outcomes)

@@ -163,6 +163,8 @@ class Loader:
     stream_ratio: float = 0.5
     image_ratio: float = 0.3
     max_tokens: int = 160
+    #: With the proxy's admin token, each finished session's rollout is sealed (as a driver does).
+    admin_token: str | None = None
     acked: dict[str, str] = field(default_factory=dict)
     outcomes: Counter[str] = field(default_factory=Counter)
     latencies: list[float] = field(default_factory=list)
@@ -240,12 +242,25 @@ class Loader:
             s.turn += 1
             if s.turn >= self.turns:
                 self._sessions[i] = self._new_session()
+                if self.admin_token:
+                    await self._seal(base_url, s.rollout)
                 continue
             s.messages = [
                 *s.messages,
                 {"role": "assistant", "content": text or "(no answer)"},
                 self._next_user(s),
             ]
+
+    async def _seal(self, base_url: str, rollout: str) -> None:
+        assert self._http is not None
+        url = f"{base_url}/admin/rollouts/{rollout}/seal"
+        headers = {"Authorization": f"Bearer {self.admin_token}"}
+        try:
+            async with self._http.post(url, headers=headers) as resp:
+                await resp.read()
+                self.outcomes["sealed" if resp.status == 200 else f"seal_{resp.status}"] += 1
+        except (aiohttp.ClientError, TimeoutError):
+            self.outcomes["conn_error"] += 1
 
     def _next_user(self, s: _Session) -> dict[str, Any]:
         text = f"turn {s.turn}: now run step {self.rng.randrange(1000)} and report"
