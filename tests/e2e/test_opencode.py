@@ -228,6 +228,11 @@ async def test_opencode_hangs_up_on_a_slow_title_call_which_is_recorded_aborted(
         assert title_call["reason"]
         assert "coords" not in title_call
         assert [c["status"] for c in agent_calls] == ["staged", "staged"]
+        # The fake notices the hang-up by polling: give it a moment (bounded).
+        for _ in range(50):
+            if fake.aborted:
+                break
+            await asyncio.sleep(0.1)
         assert fake.aborted == 1
         assert len(fake.responses) == 2  # the title was never generated
 
