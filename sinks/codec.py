@@ -82,8 +82,11 @@ def _from_le(typecode: str, data: bytes) -> array[Any]:
 
 
 def _dumps(value: Any) -> bytes:
-    # Sorted keys make equal values produce equal bytes, so content addressing deduplicates.
-    return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
+    # Keys keep the client's order: chat templates render tool schemas (and anything else) in
+    # the order they were sent, so a trainer re-rendering `record.request` must get the same
+    # bytes the upstream saw. A client re-sends its history unchanged, so content addressing
+    # still stores each message once; the digest sorts keys itself (schemas/digest.py).
+    return orjson.dumps(value)
 
 
 def blob_key(data: bytes) -> str:
@@ -112,11 +115,13 @@ def encode_record(record: StagedCallRecord, parent_full: array[int] | None) -> E
     blobs: dict[str, bytes] = {}
     message_keys = bytearray()
     request = dict(record.request)
-    for message in request.pop("messages", None) or ():
+    for message in request.get("messages") or ():
         data = _dumps(message)
         key = blob_key(data)
         blobs[key] = data
         message_keys += bytes.fromhex(key)
+    if "messages" in request:
+        request["messages"] = None  # stored apart; the placeholder keeps the key's position
     rest = _dumps(request)
     request_key = blob_key(rest)
     blobs[request_key] = rest

@@ -231,12 +231,6 @@ async def test_streamed_and_unary_calls_stage_the_same_ids(vllm_url: str, tmp_pa
         await stop_proxy(p)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the staged `request` keeps JSON objects with sorted keys, while vLLM renders tool "
-    "schemas with `tojson` in the client's key order: re-sending record.request renders other "
-    "prompt ids than the call had",
-)
 async def test_staged_request_resent_renders_the_staged_prompt(
     vllm_url: str, tmp_path: Path
 ) -> None:
