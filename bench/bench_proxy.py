@@ -70,6 +70,7 @@ class Scenario:
     concurrency: int = 0
     duration: float = 8.0
     about: str = ""
+    drain: float | None = None  # None: the run's default (DRAIN)
 
     def load_args(self) -> list[str]:
         args = ["--mode", self.mode, "--duration", str(self.duration)]
@@ -83,6 +84,9 @@ class Scenario:
 PHASES = {
     "200ms": Phase("200ms", delay=0.2, tick=0.001, events_per_write=1),
     "fast": Phase("fast", delay=0.0, tick=0.001, events_per_write=1),
+    # 256 streams at once: fresh processes (their RSS is the streams', not earlier runs' state),
+    # and 16 token events per write so the upstream itself keeps up on two cores.
+    "burst": Phase("burst", delay=0.0, tick=0.002, events_per_write=16),
 }
 
 
@@ -123,7 +127,16 @@ def scenarios(quick: bool) -> list[Scenario]:
         Scenario("unary-fast-closed64", "fast", False, "closed", concurrency=64, duration=6),
         Scenario("unary-fast-closed256", "fast", False, "closed", concurrency=256, duration=6),
         Scenario("stream-fast-closed64", "fast", True, "closed", concurrency=64, duration=6),
-        Scenario("stream-fast-closed256", "fast", True, "closed", concurrency=256, duration=6),
+        Scenario(
+            "stream-burst-closed256",
+            "burst",
+            True,
+            "closed",
+            concurrency=256,
+            duration=6,
+            drain=40.0,
+            about="256 streams open at once: RSS and errors",
+        ),
     ]
 
 
@@ -249,7 +262,7 @@ def measure(
     if pid is not None:
         reset_peak_rss(pid)
         cpu0 = cpu_seconds(pid)
-    load = run_load(url, scenario, 1000 + rep, tag, [], drain)
+    load = run_load(url, scenario, 1000 + rep, tag, [], scenario.drain or drain)
     run: dict[str, Any] = {
         "target": target,
         "scenario": scenario.name,

@@ -101,7 +101,7 @@ GOALS = (
     ("unary-200ms-poisson100", "added99_x", 2.0, "added p99 <= 2x pass-through"),
     ("stream-200ms-poisson", "ttfb_x", 1.5, "stream added TTFB <= 1.5x pass-through"),
     ("stream-200ms-poisson", "cpu_x", 2.0, "stream CPU (1k chunks) <= 2x pass-through"),
-    ("stream-fast-closed256", "peak_rss_mb", 300.0, "256 open streams: RSS <= 300 MB"),
+    ("stream-burst-closed256", "peak_rss_mb", 300.0, "256 open streams: RSS <= 300 MB"),
 )
 
 
