@@ -8,6 +8,7 @@ from array import array
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import orjson
 import pytest
 from hypothesis import given, settings
@@ -438,8 +439,13 @@ def generic(raw: bytes, plan: ForwardPlan) -> tuple[Any, bytes]:
     """The generic read (what `parse_response` does when `read_answer` declines)."""
     top, choices = vllm_module._top_and_choices(raw)
     body = vllm_module._client_body(raw, top, choices, plan.wants)
-    prompt = decode_prompt("prompt_token_ids", bytes(top.get("prompt_token_ids", b"null")), None)
-    return vllm_module._extract(top, choices, prompt, None), body
+    try:
+        prompt = decode_prompt(
+            "prompt_token_ids", bytes(top.get("prompt_token_ids", b"null")), None
+        )
+        return vllm_module._extract(top, choices, prompt, None), body
+    except msgspec.DecodeError as exc:  # as parse_response maps it
+        raise UpstreamProtocolError("malformed_json", str(exc)) from None
 
 
 @pytest.mark.parametrize("raw", [CHAT, TOOL], ids=["chat", "tool"])
@@ -490,6 +496,33 @@ def test_one_pass_reader_never_differs_from_the_generic_path(
         del response[key]
     for key in choice_drop:
         del choice[key]
+    raw = orjson.dumps(response)
+    plan = plan_for()
+
+    def outcome(read: Any) -> Any:
+        try:
+            return read()
+        except (CaptureExtractionError, UpstreamProtocolError) as e:
+            return type(e), e.reason
+
+    assert outcome(lambda: parse(raw, plan)) == outcome(lambda: generic(raw, plan))
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda r: r.update(kv_transfer_params={"prompt_token_ids": [9, 9]}),
+        lambda r: r.update(prompt_token_ids=None, kv_transfer_params={"prompt_token_ids": [9]}),
+        lambda r: r.update(metrics={"prompt_token_ids": [1, 2]}),
+        lambda r: r.update(prompt_token_ids=[1, [2], 3]),
+        lambda r: r.update(prompt_token_ids=[1, "]", 3]),
+        lambda r: r.update(prompt_token_ids="\u0000prompt_token_ids"),
+    ],
+    ids=["nested-after", "top-null", "nested-metrics", "nested-list", "bracket-string", "spoof"],
+)
+def test_prompt_ids_cut_out_of_the_answer_never_change_the_outcome(edit: Any) -> None:
+    response = json.loads(CHAT)
+    edit(response)
     raw = orjson.dumps(response)
     plan = plan_for()
 
