@@ -149,7 +149,6 @@ class Capture:
         #: Opens a reader on the same store: rollouts seen again after a restart resume from it.
         self.source = source
         self.max_live_rollouts = max_live_rollouts
-        self._resume_lock = asyncio.Lock()
         self._sealed: OrderedDict[str, None] = OrderedDict()
         self.stager = Stager(sink, timeout=stage_timeout, max_pending=max_pending)
         self.max_inflight = max_inflight
@@ -182,34 +181,35 @@ class Capture:
         """
         live = await self.find_rollout(rollout_id)
         if live is None:
-            async with self._resume_lock:
-                live = self.rollouts.get(rollout_id)
-                if live is None:
-                    live = RolloutLive(rollout_id, created_at_ms=int(time.time() * 1000))
-                    self._evict()
-                    self.rollouts[rollout_id] = live
+            live = self.rollouts.get(rollout_id)  # created meanwhile by a concurrent call
+            if live is None:
+                live = RolloutLive(rollout_id, created_at_ms=int(time.time() * 1000))
+                self._evict()
+                self.rollouts[rollout_id] = live
         return live
 
     async def find_rollout(self, rollout_id: str) -> RolloutLive | None:
-        """The live rollout, or the store's (then made live), or None: never creates one."""
+        """The live rollout, or the store's (then made live), or None: never creates one.
+
+        No lock: concurrent first calls of one rollout may both read the store; the first to
+        come back registers its copy and the others use it.
+        """
         live = self.rollouts.get(rollout_id)
         if live is None and rollout_id in self._sealed:
             return RolloutLive(rollout_id, sealed=True)
         if live is not None or self.source is None:
             return live
-        async with self._resume_lock:
-            live = self.rollouts.get(rollout_id)
-            if live is None:
-                live = await asyncio.to_thread(resume_rollout, self.source, rollout_id)
-                if live is not None and live.sealed:
-                    self._remember_sealed(rollout_id)  # looked at for its 409: not held live
-                elif live is not None:
-                    log.info(
-                        "resumed rollout %s from the store at seq %d", rollout_id, live.next_seq
-                    )
-                    self._evict()
-                    self.rollouts[rollout_id] = live
-        return live
+        found = await asyncio.to_thread(resume_rollout, self.source, rollout_id)
+        live = self.rollouts.get(rollout_id)
+        if live is not None or found is None:
+            return live
+        if found.sealed:
+            self._remember_sealed(rollout_id)  # looked at for its 409: not held live
+            return found
+        log.info("resumed rollout %s from the store at seq %d", rollout_id, found.next_seq)
+        self._evict()
+        self.rollouts[rollout_id] = found
+        return found
 
     def _remember_sealed(self, rollout_id: str) -> None:
         self._sealed[rollout_id] = None

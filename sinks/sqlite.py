@@ -252,10 +252,14 @@ class SQLiteSink:
         self.dedup_hits += hits
         encoded = encode_record(record, self._parent_full(conn, batch, record))
         row = encoded.row
-        conn.executemany(
-            "INSERT OR IGNORE INTO blobs (key, data, codec) VALUES (?, ?, ?)",
-            [(k, *pack_blob(v)) for k, v in encoded.blobs.items()],
-        )
+        # A session re-sends its history every call: look each blob up (a primary-key probe)
+        # before compressing it, so only new messages pay for zlib.
+        fresh = [
+            (k, *pack_blob(v))
+            for k, v in encoded.blobs.items()
+            if conn.execute("SELECT 1 FROM blobs WHERE key = ?", (k,)).fetchone() is None
+        ]
+        conn.executemany("INSERT OR IGNORE INTO blobs (key, data, codec) VALUES (?, ?, ?)", fresh)
         conn.execute(_INSERT_CALL, [row[c] for c in CALL_COLUMNS])
         if self.fault is not None:
             self.fault("after_record")
