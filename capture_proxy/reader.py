@@ -17,7 +17,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .schemas.digest import DigestMismatch, MessageDigestCache, verify_record
+from .schemas.digest import (
+    DigestMismatch,
+    MessageDigestCache,
+    RequestValueCache,
+    verify_record,
+)
 from .schemas.records import CommitCoords, LedgerEntry, RolloutInfo, StagedCallRecord
 from .sinks.base import StagingSource
 from .stores import open_source
@@ -62,6 +67,7 @@ class Store:
         self.url = source.url
         # A rollout's history recurs in every call: verify each distinct message once.
         self._digester = MessageDigestCache()
+        self._encoder = RequestValueCache()
 
     def __enter__(self) -> Store:
         return self
@@ -101,7 +107,7 @@ class Store:
         items = list(items)
         records = self.source.fetch([_key_of(i) for i in items])
         for item, record in zip(items, records, strict=True):
-            verify_record(record, digester=self._digester)
+            verify_record(record, digester=self._digester, encoder=self._encoder)
             want = (
                 item.digest
                 if isinstance(item, CommitCoords)
@@ -117,7 +123,7 @@ class Store:
         for key in self.source.all_keys():
             try:
                 (record,) = self.source.fetch([key])
-                verify_record(record, digester=self._digester)
+                verify_record(record, digester=self._digester, encoder=self._encoder)
             except DigestMismatch as e:
                 found.append(Problem(key, str(e)))
             except Exception as e:  # a torn or undecodable row is a problem to report, not a crash

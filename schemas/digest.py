@@ -392,7 +392,9 @@ class MessageDigestCache:
     A session re-sends its whole history with every call, so verifying (or sealing) a rollout
     would otherwise encode its first messages once per call. Entries are keyed by the message's
     sorted-key JSON bytes (computed in C): equal bytes mean an equal message, so the cached digest
-    is exactly what `message_digest` would return. Bounded: cleared when full.
+    is exactly what `message_digest` would return. (orjson writes NaN as ``null``, but records
+    only ever hold values decoded from JSON, which has no NaN, and a miss is encoded strictly.)
+    Bounded: cleared when full.
     """
 
     def __init__(self, max_entries: int = 100_000) -> None:
@@ -414,14 +416,21 @@ class MessageDigestCache:
 
 
 def verify_record(
-    record: StagedCallRecord, *, digester: MessageDigester = _default_digester
+    record: StagedCallRecord,
+    *,
+    digester: MessageDigester = _default_digester,
+    encoder: ValueEncoder | None = None,
 ) -> None:
-    """Raise `DigestMismatch` unless the record's content and attachments match its digests."""
+    """Raise `DigestMismatch` unless the record's content and attachments match its digests.
+
+    A reader verifying many records of one store passes a `MessageDigestCache` and a
+    `RequestValueCache`, so a session's history and tool definitions are encoded once.
+    """
     key = record.staging_key
     ex = extras_digest(record.extras)
     if ex != record.extras_digest:
         raise DigestMismatch(key, "extras_digest", record.extras_digest, ex)
-    d = record_digest(record, extras_hex=ex, digester=digester)
+    d = record_digest(record, extras_hex=ex, digester=digester, encoder=encoder)
     if d != record.digest:
         raise DigestMismatch(key, "digest", record.digest, d)
     have = {a.sha256: a for a in record.attachments}
