@@ -210,7 +210,7 @@ def _disk_problem(folder: str, floor: int) -> str | None:
 
 
 async def _guards(state: ProxyState, store_url: str) -> None:
-    """Once a second: the free-disk floor, and writing ledger entries the sink refused."""
+    """Once a second: the free-disk floor, ledger entries the sink refused, idle rollouts."""
     floor = state.settings.min_free_disk_mb * 2**20
     folder = _store_dir(store_url)
     while True:
@@ -218,6 +218,7 @@ async def _guards(state: ProxyState, store_url: str) -> None:
             state.capture.unavailable_reason = await asyncio.to_thread(_disk_problem, folder, floor)
         if state.capture.ledger.held:
             await state.capture.ledger.flush()
+        state.capture.evict_idle(state.settings.rollout_idle_timeout)
         await asyncio.sleep(1.0)
 
 

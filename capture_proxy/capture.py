@@ -211,6 +211,20 @@ class Capture:
         self.rollouts[rollout_id] = found
         return found
 
+    def evict_idle(self, idle_s: float) -> int:
+        """Release rollouts with nothing in flight and no call for `idle_s` seconds; a later
+        call resumes them from the store. Keeps memory bounded by live work, not by every
+        rollout ever seen (each holds up to 32 token sequences). Returns how many went."""
+        cutoff = time.monotonic() - idle_s
+        idle = [
+            rid
+            for rid, r in self.rollouts.items()
+            if r.in_flight == 0 and r.last_active and r.last_active < cutoff
+        ]
+        for rid in idle:
+            del self.rollouts[rid]
+        return len(idle)
+
     def _remember_sealed(self, rollout_id: str) -> None:
         self._sealed[rollout_id] = None
         while len(self._sealed) > _SEALED_IDS_KEPT:

@@ -119,11 +119,13 @@ class CaptureClient:
         raw = response if isinstance(response, bytes) else orjson.dumps(response)
         try:
             if plan.wants.stream:
-                acc = self.adapter.stream(plan)
+                acc = self.adapter.stream(plan, session=call.rollout_id)
                 prepared.client_body = b"".join(acc.feed(raw))
                 completion = acc.finish()
             else:
-                completion, prepared.client_body = self.adapter.parse_response(raw, plan)
+                completion, prepared.client_body = self.adapter.parse_response(
+                    raw, plan, session=call.rollout_id
+                )
         except UpstreamProtocolError as e:
             await self.capture.fail_call(call, CallStatus.UPSTREAM_ERROR, e.reason, e.message, 502)
             return StageResult(CallStatus.UPSTREAM_ERROR, None, e.reason, e.message)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import time
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -82,6 +83,8 @@ class RolloutLive:
     policy: dict[str, Any] = field(default_factory=dict)
     metadata: dict[str, Any] = field(default_factory=dict)
     in_flight: int = 0
+    #: time.monotonic() of the last admitted call: idle rollouts leave memory (resumed if seen).
+    last_active: float = 0.0
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     lineage: list[LineageCandidate] = field(default_factory=list)
     # request_key -> call ids with that exact normalized request (oldest first)
@@ -98,6 +101,7 @@ class RolloutLive:
 
     def enter(self) -> None:
         self.in_flight += 1
+        self.last_active = time.monotonic()
         self.idle.clear()
 
     def leave(self) -> None:

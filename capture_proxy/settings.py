@@ -118,6 +118,11 @@ class Settings:
         False, "sandboxes must send the key minted for their rollout by POST /admin/rollouts"
     )
     seal_timeout: float = _s(60.0, "seconds sealing waits for a rollout's in-flight calls")
+    rollout_idle_timeout: float = _s(
+        600.0,
+        "seconds after its last call an unsealed rollout is released from memory (a later call "
+        "resumes it from the store)",
+    )
     shutdown_timeout: float = _s(
         30.0, "on SIGTERM, seconds in-flight calls and streams may take to finish"
     )
@@ -327,6 +332,7 @@ def _check(s: Settings) -> None:
         "upstream_idle_timeout",
         "seal_timeout",
         "shutdown_timeout",
+        "rollout_idle_timeout",
     ):
         if getattr(s, name) <= 0:
             raise bad(name, f"must be > 0, got {getattr(s, name)}")

@@ -184,3 +184,15 @@ async def test_control_api_on_its_own_port(make_proxy: Any) -> None:
         assert resp.status == 201
     finally:
         await admin.close()
+
+
+async def test_idle_rollouts_leave_memory_and_resume_from_the_store(make_proxy: Any) -> None:
+    p = await make_proxy(admin_token=TOKEN)
+    await p.chat(chat_body(user("first")), rollout="idle")
+    assert "idle" in p.state.capture.rollouts
+    assert p.state.capture.evict_idle(0.0) == 1  # nothing in flight, idle for >= 0 s
+    assert "idle" not in p.state.capture.rollouts
+    resp = await p.chat(chat_body(user("first")), rollout="idle")  # the same request again
+    assert resp.headers["X-Capture-Status"] == "staged"
+    first, again = p.calls("idle")
+    assert again.seq == 1 and again.retry_of == first.call_id  # continuity from the store
