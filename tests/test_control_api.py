@@ -195,4 +195,5 @@ async def test_idle_rollouts_leave_memory_and_resume_from_the_store(make_proxy: 
     resp = await p.chat(chat_body(user("first")), rollout="idle")  # the same request again
     assert resp.headers["X-Capture-Status"] == "staged"
     first, again = p.calls("idle")
-    assert again.seq == 1 and again.retry_of == first.call_id  # continuity from the store
+    assert again.seq == 1
+    assert again.retry_of == first.call_id
