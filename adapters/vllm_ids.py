@@ -115,6 +115,12 @@ class PrefixCache:
             self._entries.move_to_end(session)
         return entry
 
+    def drop(self, session: str) -> None:
+        """Forget a session that will send no more calls (sealed or idle rollout)."""
+        old = self._entries.pop(session, None)
+        if old is not None:
+            self.bytes -= old.size
+
     def put(
         self, session: str | None, prompt_raw: bytes, prompt: array[int], completion: array[int]
     ) -> None:

@@ -218,7 +218,7 @@ async def _guards(state: ProxyState, store_url: str) -> None:
             state.capture.unavailable_reason = await asyncio.to_thread(_disk_problem, folder, floor)
         if state.capture.ledger.held:
             await state.capture.ledger.flush()
-        state.capture.evict_idle(state.settings.rollout_idle_timeout)
+        state.forget_rollouts(state.capture.evict_idle(state.settings.rollout_idle_timeout))
         await asyncio.sleep(1.0)
 
 
@@ -252,7 +252,9 @@ class SharedReader:
     def __call__(self) -> StagingSource:
         with self._lock:
             if self._source is None:
-                self._source = open_source(self.sink.url)
+                # Small cache: this reader lives as long as the proxy and mostly reads a few
+                # rollouts' last calls (resume, manifests), never the whole store.
+                self._source = open_source(self.sink.url, cache_bytes=8 << 20)
             return self._source
 
     def close(self) -> None:

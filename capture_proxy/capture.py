@@ -211,10 +211,10 @@ class Capture:
         self.rollouts[rollout_id] = found
         return found
 
-    def evict_idle(self, idle_s: float) -> int:
+    def evict_idle(self, idle_s: float) -> list[str]:
         """Release rollouts with nothing in flight and no call for `idle_s` seconds; a later
         call resumes them from the store. Keeps memory bounded by live work, not by every
-        rollout ever seen (each holds up to 32 token sequences). Returns how many went."""
+        rollout ever seen (each holds up to 32 token sequences). Returns the ids released."""
         cutoff = time.monotonic() - idle_s
         idle = [
             rid
@@ -223,7 +223,7 @@ class Capture:
         ]
         for rid in idle:
             del self.rollouts[rid]
-        return len(idle)
+        return idle
 
     def _remember_sealed(self, rollout_id: str) -> None:
         self._sealed[rollout_id] = None

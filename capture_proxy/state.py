@@ -48,6 +48,12 @@ class ProxyState:
             adapter = self._adapters[reasoning_field] = VLLMAdapter(reasoning_field=rf)
         return adapter
 
+    def forget_rollouts(self, rollout_ids: list[str]) -> None:
+        """Drop per-rollout caches of rollouts that left memory (sealed or idle)."""
+        for adapter in self._adapters.values():
+            for rollout_id in rollout_ids:
+                adapter.prefixes.drop(rollout_id)
+
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         """Run `coro` to completion even if the request that started it is cancelled."""
         task = asyncio.ensure_future(coro)

@@ -32,8 +32,12 @@ def open_sink(url: str, **options: Any) -> StagingSink:
     return _MEMORY.setdefault(parsed.url, MemorySink(parsed.url, **options))
 
 
-def open_source(url: str) -> StagingSource:
-    """A reader for the store at `url`; raises `StoreError` when there is no store there."""
+def open_source(url: str, *, cache_bytes: int | None = None) -> StagingSource:
+    """A reader for the store at `url`; raises `StoreError` when there is no store there.
+
+    `cache_bytes` bounds a Parquet reader's row-group cache (a long-lived reader inside the
+    proxy wants a small one; a trainer reading in bulk, the default).
+    """
     parsed = parse_store_url(url)
     if parsed.kind == "sqlite":
         from .sinks.sqlite import SQLiteSource
@@ -42,6 +46,8 @@ def open_source(url: str) -> StagingSource:
     if parsed.kind == "parquet":
         from .sinks.parquet import ParquetSource
 
+        if cache_bytes is not None:
+            return ParquetSource(parsed.location, url=parsed.url, cache_bytes=cache_bytes)
         return ParquetSource(parsed.location, url=parsed.url)
     if parsed.url not in _MEMORY:
         raise StoreError(f"no in-process store named {parsed.url}")

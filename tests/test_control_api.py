@@ -190,10 +190,19 @@ async def test_idle_rollouts_leave_memory_and_resume_from_the_store(make_proxy: 
     p = await make_proxy(admin_token=TOKEN)
     await p.chat(chat_body(user("first")), rollout="idle")
     assert "idle" in p.state.capture.rollouts
-    assert p.state.capture.evict_idle(0.0) == 1  # nothing in flight, idle for >= 0 s
+    assert p.state.capture.evict_idle(0.0) == ["idle"]  # nothing in flight, idle for >= 0 s
     assert "idle" not in p.state.capture.rollouts
     resp = await p.chat(chat_body(user("first")), rollout="idle")  # the same request again
     assert resp.headers["X-Capture-Status"] == "staged"
     first, again = p.calls("idle")
     assert again.seq == 1
     assert again.retry_of == first.call_id
+
+
+async def test_sealing_drops_the_rollouts_prompt_prefix_cache(make_proxy: Any) -> None:
+    p = await make_proxy(admin_token=TOKEN)
+    await p.chat(chat_body(user("x")), rollout="ep")
+    adapters = list(p.state._adapters.values())
+    assert any(a.prefixes.get("ep") is not None for a in adapters)
+    assert (await p.client.post("/admin/rollouts/ep/seal", headers=ADMIN)).status == 200
+    assert all(a.prefixes.get("ep") is None for a in adapters)
