@@ -124,3 +124,22 @@ async def test_library_missing_token_ids_is_capture_failed(tmp_path: Path) -> No
     assert result.reason == "missing_token_ids"
     assert client.capture.rollouts["ep"].poisoned
     await client.close()
+
+
+async def test_an_answer_that_makes_an_invalid_record_is_capture_failed(tmp_path: Path) -> None:
+    sink = open_sink(f"sqlite:///{tmp_path / 'lib.db'}")
+    client = CaptureClient(sink)
+    call = await client.begin_call("ep", chat_body(user("x")))
+    body = orjson.loads(
+        (Path(__file__).parent / "fixtures/vllm-0.32.0/chat-response.json").read_bytes()
+    )
+    body["choices"][0]["logprobs"]["content"][2]["logprob"] = 0.5  # not a log-probability
+    result = await client.complete_call(call, body)
+    assert result.status == "capture_failed"
+    assert result.reason == "invalid_record"
+    assert "completion_logprobs[2]" in (result.message or "")
+    await client.close()
+    source = open_source(f"sqlite:///{tmp_path / 'lib.db'}")
+    assert source.calls("ep") == []
+    (entry,) = source.failures("ep")
+    assert entry.reason == "invalid_record"
