@@ -1,5 +1,5 @@
-"""A process that stages into a SQLite store until it is killed (tests/test_crash.py), or until
-its disk fills up (tests/test_sink_sqlite.py).
+"""A process that stages into a store (SQLite or Parquet, by URL) until it is killed
+(tests/test_crash.py), or until its SQLite file fills up (tests/test_sink_sqlite.py).
 
     python tests/crash_worker.py STORE loop --round R [--sessions K] [--max-records N]
                                             [--max-seconds T]
@@ -31,18 +31,24 @@ from pathlib import Path
 from sink_factories import Session, image
 
 from capture_proxy.schemas.records import CallStatus
-from capture_proxy.sinks.sqlite import SQLiteSink, SQLiteSource
+from capture_proxy.sinks.sqlite import SQLiteSink
+from capture_proxy.sinks.urls import parse_store_url
+from capture_proxy.stores import open_sink, open_source
 
 #: A session ends after this many calls and a new one starts: keeps records (and the test's
 #: verification of all of them) small while still crossing kills mid-session.
 SESSION_TURNS = 12
 
 
-def _sessions(store: Path, round_no: int, count: int) -> list[Session]:
+def _store_exists(url: str) -> bool:
+    return Path(parse_store_url(url).location).exists()
+
+
+def _sessions(url: str, round_no: int, count: int) -> list[Session]:
     """Continue the unfinished sessions earlier rounds left in the store; start new ones."""
     out: list[Session] = []
-    if store.exists():
-        source = SQLiteSource(str(store))
+    if _store_exists(url):
+        source = open_source(url)
         for rollout_id in source.rollouts():
             calls = source.calls(rollout_id)
             if calls and calls[-1].seq + 1 < SESSION_TURNS and len(out) < count:
@@ -62,9 +68,8 @@ def _new_session(round_no: int, n: int) -> Session:
 
 
 async def loop(args: argparse.Namespace) -> None:
-    store = Path(args.store)
-    sessions = _sessions(store, args.round, args.sessions)
-    sink = SQLiteSink(str(store))
+    sessions = _sessions(args.store, args.round, args.sessions)
+    sink = open_sink(args.store)
     print("ready", flush=True)
     deadline = time.monotonic() + args.max_seconds
     budget = [args.max_records]
@@ -90,7 +95,7 @@ async def loop(args: argparse.Namespace) -> None:
 
 
 async def diskfull(args: argparse.Namespace) -> None:
-    store = Path(args.store)
+    store = Path(parse_store_url(args.store).location)
     sink = SQLiteSink(str(store))
     first, atts = Session("ok", image=image("ok")).next()
     assert (await sink.stage(first, attachments=atts)).status is CallStatus.STAGED
@@ -124,7 +129,7 @@ async def diskfull(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("store")
+    parser.add_argument("store", help="store URL: sqlite:///x.db or parquet:///dir")
     parser.add_argument("mode", choices=["loop", "diskfull"])
     parser.add_argument("--round", type=int, default=0)
     parser.add_argument("--sessions", type=int, default=8)

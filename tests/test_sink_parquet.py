@@ -12,14 +12,12 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import random
 import resource
 import shutil
 import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -419,97 +417,7 @@ def test_disk_full_fails_the_batch_then_recovers(tmp_path: Path) -> None:
     assert not list(ds.rglob("*.tmp"))
 
 
-class Worker:
-    """This module run as the staging worker, with its stdout collected on a thread."""
-
-    def __init__(self, ds: Path, round_no: int) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, str(HERE), str(ds), "loop", str(round_no)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            cwd=HERE.parent,
-        )
-        self.lines: list[bytes] = []
-        self.ready = threading.Event()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line)
-            if line == b"ready\n":
-                self.ready.set()
-
-    def kill(self) -> tuple[int, str]:
-        self.proc.send_signal(signal.SIGKILL)
-        rc = self.proc.wait(timeout=10)
-        self._reader.join(timeout=10)
-        assert self.proc.stdout is not None
-        assert self.proc.stderr is not None
-        stderr = self.proc.stderr.read().decode(errors="replace")
-        self.proc.stdout.close()
-        self.proc.stderr.close()
-        return rc, stderr
-
-    def acknowledged(self) -> list[str]:
-        # A line cut short by the kill was acknowledged but not fully printed: not counted.
-        return [ln[:-1].decode() for ln in self.lines if ln.endswith(b"\n") and ln != b"ready\n"]
-
-
-def test_sigkill_loses_no_acknowledged_record(tmp_path: Path) -> None:
-    ds = tmp_path / "crash"
-    rng = random.Random(20261129)
-    acknowledged: list[str] = []
-    for round_no in range(3):
-        worker = Worker(ds, round_no)
-        ready = worker.ready.wait(20)
-        if ready:
-            time.sleep(rng.uniform(0.2, 0.6))
-        rc, stderr = worker.kill()
-        assert ready, f"the worker did not start:\n{stderr}"
-        assert rc == -signal.SIGKILL, f"worker ended on its own (rc {rc}):\n{stderr}"
-        acknowledged += worker.acknowledged()
-        with Store(ParquetSource(str(ds))) as s:
-            assert [r.call_id for r in s.fetch(acknowledged)] == acknowledged  # all verify
-            s.verify()  # nothing torn, no attachment without its record
-    assert len(acknowledged) >= 20, f"too little was staged: {len(acknowledged)}"
-    assert any(k.startswith("r2-") for k in acknowledged)  # sessions continued across kills
-    # The sessions continued from what the killed rounds staged: each stored only its delta.
-    coords = ParquetSource(str(ds)).coords([k for k in acknowledged if k.startswith("r2-")])
-    assert all(c.prev_len > 0 for c in coords)
-
-
-def _worker_sessions(ds: Path, round_no: int) -> list[Session]:
-    """Continue the sessions an earlier (killed) round left in the dataset, or start four."""
-    if ds.exists():
-        source = ParquetSource(str(ds))
-        last = [calls[-1] for rid in source.rollouts() if (calls := source.calls(rid))]
-        if last:
-            return [
-                Session.resume(r, seed=round_no, prefix=f"r{round_no}-{r.rollout_id}") for r in last
-            ]
-    return [
-        Session(f"s{i}", image=image(f"s{i}") if i % 2 == 0 else None, prefix=f"r0-s{i}")
-        for i in range(4)
-    ]
-
-
-async def _worker_loop(ds: Path, sessions: list[Session]) -> None:
-    sink = ParquetSink(str(ds))
-    print("ready", flush=True)
-
-    async def run(s: Session) -> None:
-        for _ in range(2000):
-            new = image(f"{s.prefix}-t{s.seq}") if s.seq % 4 == 3 else None
-            record, atts = s.next(new_prompt=200, completion=50, new_image=new)
-            result = await sink.stage(record, attachments=atts)
-            if result.status is not CallStatus.STAGED:
-                raise SystemExit(f"not staged: {result}")
-            sys.stdout.write(record.staging_key + "\n")
-            sys.stdout.flush()
-
-    await asyncio.gather(*(run(s) for s in sessions))
+# The SIGKILL test for this sink runs in tests/test_crash.py (one worker for both sinks).
 
 
 async def _worker_diskfull(ds: Path) -> None:
@@ -757,7 +665,5 @@ async def test_ledger_headers_replay_in_commit_order(tmp_path: Path) -> None:
 if __name__ == "__main__":
     _store, _mode = Path(sys.argv[1]), sys.argv[2]
     os.environ.setdefault("PYTHONHASHSEED", "0")
-    if _mode == "loop":
-        asyncio.run(_worker_loop(_store, _worker_sessions(_store, int(sys.argv[3]))))
-    else:
-        asyncio.run(_worker_diskfull(_store))
+    assert _mode == "diskfull", _mode
+    asyncio.run(_worker_diskfull(_store))
