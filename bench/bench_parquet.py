@@ -48,11 +48,11 @@ from typing import Any
 
 import orjson
 
-from capture_proxy.compact import compact_store
-from capture_proxy.reader import Store
+from capture_proxy.read.reader import Store
 from capture_proxy.schemas.digest import seal_record, verify_record
 from capture_proxy.schemas.records import CallStatus, StagedCallRecord
 from capture_proxy.sinks.base import StagingSink, StagingSource
+from capture_proxy.sinks.parquet import compact_store
 
 SYSTEM_TOKENS = 8_000
 TOOLS_TOKENS = 2_000

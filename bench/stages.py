@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from workload import TURNS, build_workload, tag_request
 
 from capture_proxy.adapters.vllm import VLLMAdapter
-from capture_proxy.capture import Capture, sampling_of
-from capture_proxy.normalize import normalize_request
+from capture_proxy.core.capture import Capture, sampling_of
+from capture_proxy.core.normalize import normalize_request
 from capture_proxy.sinks.codec import encode_record
 from capture_proxy.sinks.memory import MemorySink
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import orjson
 
-from capture_proxy.fake_vllm_protocol import DONE, ChunkWriter, message_body, usage_body
+from capture_proxy.testing.fake_vllm._protocol import DONE, ChunkWriter, message_body, usage_body
 
 __all__ = ["COUNTER_PLACEHOLDER", "TURNS", "Workload", "build_workload", "tag_request", "turn_of"]
 

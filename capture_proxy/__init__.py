@@ -15,18 +15,18 @@ _EXPORTS = {
     "Attachment": "capture_proxy.schemas.records",
     "CallStatus": "capture_proxy.schemas.records",
     "CommitCoords": "capture_proxy.schemas.records",
-    "FakeVLLM": "capture_proxy.fake_vllm",
-    "Fault": "capture_proxy.fake_vllm",
+    "FakeVLLM": "capture_proxy.testing.fake_vllm",
+    "Fault": "capture_proxy.testing.fake_vllm",
     "LedgerEntry": "capture_proxy.schemas.records",
     "MemorySink": "capture_proxy.sinks.memory",
     "StageResult": "capture_proxy.schemas.records",
     "StagedCallRecord": "capture_proxy.schemas.records",
     "StagingSink": "capture_proxy.sinks.base",
     "StagingSource": "capture_proxy.sinks.base",
-    "ToolCall": "capture_proxy.fake_vllm",
-    "Turn": "capture_proxy.fake_vllm",
-    "Store": "capture_proxy.reader",
-    "open_store": "capture_proxy.reader",
+    "ToolCall": "capture_proxy.testing.fake_vllm",
+    "Turn": "capture_proxy.testing.fake_vllm",
+    "Store": "capture_proxy.read.reader",
+    "open_store": "capture_proxy.read.reader",
 }
 
 __all__ = [
@@ -49,8 +49,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from .fake_vllm import FakeVLLM, Fault, ToolCall, Turn
-    from .reader import Store, open_store
+    from .read.reader import Store, open_store
     from .schemas.records import (
         Attachment,
         CallStatus,
@@ -61,6 +60,7 @@ if TYPE_CHECKING:
     )
     from .sinks.base import StagingSink, StagingSource
     from .sinks.memory import MemorySink
+    from .testing.fake_vllm import FakeVLLM, Fault, ToolCall, Turn
 
 
 def __getattr__(name: str) -> Any:

@@ -9,9 +9,9 @@ import signal
 import sys
 from collections.abc import Sequence
 
+from .core.policy import PolicyError
 from .logs import setup_logging
-from .policy import PolicyError
-from .settings import SettingsError, add_arguments, load_settings, settings_markdown
+from .server.settings import SettingsError, add_arguments, load_settings, settings_markdown
 from .sinks.base import StoreError
 
 log = logging.getLogger("capture_proxy")
@@ -36,7 +36,7 @@ def _parser() -> argparse.ArgumentParser:
     settings = sub.add_parser("settings", help="list every setting (flag, environment, TOML key)")
     settings.add_argument("--markdown", action="store_true", help="as the docs/settings.md page")
 
-    from .inspect_cli import add_inspect_parser
+    from .inspect.cli import add_inspect_parser
 
     add_inspect_parser(sub)
 
@@ -101,7 +101,7 @@ def _run_gc(args: argparse.Namespace) -> int:
     parsed = parse_store_url(args.store)
     now_ms = int(time.time() * 1000)
     if parsed.kind == "sqlite":
-        from .sinks.sqlite_gc import gc_sqlite
+        from .sinks.sqlite import gc_sqlite
 
         stats = gc_sqlite(
             parsed.location,
@@ -111,7 +111,7 @@ def _run_gc(args: argparse.Namespace) -> int:
             vacuum=args.vacuum,
         )
     elif parsed.kind == "parquet":
-        from .sinks.parquet_gc import gc_parquet
+        from .sinks.parquet import gc_parquet
 
         stats = gc_parquet(
             parsed.location, older_than_ms=args.older_than, now_ms=now_ms, dry_run=args.dry_run
@@ -132,8 +132,8 @@ def _run_gc(args: argparse.Namespace) -> int:
 async def _serve(settings_args: argparse.Namespace) -> int:
     from aiohttp import web
 
-    from .app import create_admin_app, create_app
-    from .state import STATE
+    from .server.app import create_admin_app, create_app
+    from .server.state import STATE
 
     settings = load_settings(settings_args)
     setup_logging(settings.log_level, settings.log_format)
@@ -192,11 +192,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.stdout.write(settings_markdown())
             return 0
         if args.command == "inspect":
-            from .inspect_cli import run_inspect
+            from .inspect.cli import run_inspect
 
             return run_inspect(args)
         if args.command == "export":
-            from .export import export_store
+            from .read.export import export_store
 
             rows = export_store(
                 args.store,
@@ -208,7 +208,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"wrote {rows} row(s) to {args.out}")
             return 0
         if args.command == "compact":
-            from .compact import compact_store
+            from .sinks.parquet import compact_store
 
             c = compact_store(args.store, target_bytes=args.target_mb << 20)
             print(

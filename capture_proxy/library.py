@@ -34,12 +34,12 @@ from .adapters.vllm import (
     UpstreamProtocolError,
     VLLMAdapter,
 )
-from .capture import Call, Capture, sampling_of
-from .normalize import normalize_request
-from .policy import RequestPolicy
+from .core.capture import Call, Capture, sampling_of
+from .core.normalize import normalize_request
+from .core.policy import RequestPolicy
 from .schemas.records import CallStatus, StageResult
 from .sinks.base import StagingSink, StagingSource
-from .upstream import UpstreamInfo
+from .upstream.client import UpstreamInfo
 
 __all__ = ["CaptureClient", "PreparedCall"]
 
@@ -92,7 +92,7 @@ class CaptureClient:
         """Normalize, validate and admit a request; raises `RequestValidationError` for a bad
         one (recorded in the rollout's ledger as ``rejected``) and `ProxyError` for admission
         refusals (sealed rollout, limits)."""
-        from .schemas.request_errors import RequestValidationError
+        from .schemas.request import RequestValidationError
 
         live = await self.capture.ensure_rollout(rollout_id)
         try:

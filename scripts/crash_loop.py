@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from reliability_workers import Loader, start_fake, start_proxy
 
-from capture_proxy.reader import open_store
+from capture_proxy.read.reader import open_store
 
 
 class Violation(AssertionError):

@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from reliability_workers import Loader, open_fds, rss_mb, start_fake, start_proxy
 
-from capture_proxy.reader import open_store
+from capture_proxy.read.reader import open_store
 
 _STAGED = re.compile(r'^capture_proxy_calls_total\{outcome="staged",reason="ok"\} (\S+)$', re.M)
 _ADMIN = "soak-admin-token"

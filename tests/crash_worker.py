@@ -31,9 +31,9 @@ from pathlib import Path
 from sink_factories import Session, image
 
 from capture_proxy.schemas.records import CallStatus
+from capture_proxy.sinks.registry import open_sink, open_source
 from capture_proxy.sinks.sqlite import SQLiteSink
 from capture_proxy.sinks.urls import parse_store_url
-from capture_proxy.stores import open_sink, open_source
 
 #: A session ends after this many calls and a new one starts: keeps records (and the test's
 #: verification of all of them) small while still crossing kills mid-session.

@@ -18,14 +18,14 @@ import orjson
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from capture_proxy.app import create_app
-from capture_proxy.fake_vllm import FakeVLLM
 from capture_proxy.schemas.records import LedgerEntry, StagedCallRecord
-from capture_proxy.settings import Settings
+from capture_proxy.server.app import create_app
+from capture_proxy.server.settings import Settings
+from capture_proxy.server.state import STATE, ProxyState
 from capture_proxy.sinks.base import StagingSink, StagingSource
 from capture_proxy.sinks.memory import MemorySink
-from capture_proxy.state import STATE, ProxyState
-from capture_proxy.stores import open_sink, open_source
+from capture_proxy.sinks.registry import open_sink, open_source
+from capture_proxy.testing.fake_vllm import FakeVLLM
 
 
 @dataclass

@@ -315,7 +315,7 @@ class Loader:
 
 
 async def _serve_fake(latency: float, chunk_delay: float) -> None:
-    from capture_proxy.fake_vllm import serve_fake
+    from capture_proxy.testing.fake_vllm import serve_fake
 
     fake, runner, url = await serve_fake(latency=latency, chunk_delay=chunk_delay)
     print(f"fake vLLM on {url}", flush=True)

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from capture_proxy.reader import open_store
-from capture_proxy.settings import Settings, SettingsError, add_arguments, load_settings
+from capture_proxy.read.reader import open_store
+from capture_proxy.server.settings import Settings, SettingsError, add_arguments, load_settings
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -183,7 +183,7 @@ def test_json_settings_from_flag() -> None:
 
 
 def test_settings_page_is_generated_from_the_declarations() -> None:
-    from capture_proxy.settings import settings_markdown
+    from capture_proxy.server.settings import settings_markdown
 
     page = Path(__file__).resolve().parents[1] / "docs" / "settings.md"
     assert page.read_text() == settings_markdown(), (

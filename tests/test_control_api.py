@@ -9,9 +9,9 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from proxy_harness import chat_body, proxy_factory_fixture, start_proxy, stop_proxy, user
 
-from capture_proxy.app import create_admin_app
-from capture_proxy.fake_vllm import FakeVLLM
-from capture_proxy.reader import open_store
+from capture_proxy.read.reader import open_store
+from capture_proxy.server.app import create_admin_app
+from capture_proxy.testing.fake_vllm import FakeVLLM
 
 make_proxy = proxy_factory_fixture()
 TOKEN = "admin-secret"

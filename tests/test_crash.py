@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 from sink_factories import Session
 
-from capture_proxy.reader import open_store
+from capture_proxy.read.reader import open_store
 from capture_proxy.schemas.records import CallStatus
-from capture_proxy.stores import open_sink, open_source
+from capture_proxy.sinks.registry import open_sink, open_source
 
 WORKER = Path(__file__).with_name("crash_worker.py")
 ROUNDS = 5

@@ -9,7 +9,7 @@ import pytest
 from proxy_harness import chat_body, proxy_factory_fixture, user
 
 from capture_proxy.cli import main
-from capture_proxy.reader import StoreCorrupted, open_store
+from capture_proxy.read.reader import StoreCorrupted, open_store
 
 make_proxy = proxy_factory_fixture()
 

@@ -21,9 +21,8 @@ import pyarrow.parquet as pq
 import pytest
 from sink_factories import ParquetCase, Session, image
 
-from capture_proxy.compact import compact_store
-from capture_proxy.export import export_store
-from capture_proxy.reader import Store, open_store
+from capture_proxy.read.export import export_store
+from capture_proxy.read.reader import Store, open_store
 from capture_proxy.schemas.digest import DigestMismatch, seal_record
 from capture_proxy.schemas.records import (
     CallStatus,
@@ -33,7 +32,7 @@ from capture_proxy.schemas.records import (
     StagedCallRecord,
 )
 from capture_proxy.sinks.base import StagingSink, StoreError
-from capture_proxy.sinks.parquet import ParquetSink, ParquetSource
+from capture_proxy.sinks.parquet import ParquetSink, ParquetSource, compact_store
 from capture_proxy.sinks.sqlite import SQLiteSink
 
 

@@ -21,8 +21,8 @@ from aiohttp.test_utils import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from capture_proxy.fake_vllm import FakeVLLM, Fault, ToolCall, Turn, serve_fake
-from capture_proxy.fake_vllm_template import decode, encode
+from capture_proxy.testing.fake_vllm import FakeVLLM, Fault, ToolCall, Turn, serve_fake
+from capture_proxy.testing.fake_vllm._template import decode, encode
 
 FIXTURES = Path("/work/shared/fixtures/vllm-0.32.0")
 Client = TestClient[web.Request, web.Application]

@@ -28,9 +28,9 @@ from hypothesis import strategies as st
 from proxy_harness import Proxy, chat_body, start_proxy, stop_proxy, user
 from reliability_workers import rss_mb
 
-from capture_proxy.fake_vllm import FakeVLLM, Fault, Turn
-from capture_proxy.reader import open_store
+from capture_proxy.read.reader import open_store
 from capture_proxy.schemas.records import CallStatus
+from capture_proxy.testing.fake_vllm import FakeVLLM, Fault, Turn
 
 LIMIT = 256 * 1024  # --max-body-bytes for this module: big enough for images, small to exceed
 ROLLOUT = "fuzz"
@@ -622,8 +622,8 @@ def openapi_operations() -> set[tuple[str, str]]:
 
 
 def test_openapi_describes_exactly_the_proxy_routes() -> None:
-    from capture_proxy.app import create_app
-    from capture_proxy.settings import Settings
+    from capture_proxy.server.app import create_app
+    from capture_proxy.server.settings import Settings
 
     app = create_app(Settings(admin_token="t", store="memory://openapi"))
     routes = {

@@ -13,7 +13,7 @@ from typing import Any
 from proxy_harness import chat_body, proxy_factory_fixture, user
 
 from capture_proxy.cli import main
-from capture_proxy.reader import open_store
+from capture_proxy.read.reader import open_store
 
 make_proxy = proxy_factory_fixture()
 ADMIN = {"Authorization": "Bearer t"}

@@ -23,12 +23,10 @@ from proxy_harness import Proxy, chat_body, proxy_factory_fixture, user
 from sink_factories import Session
 
 from capture_proxy.cli import main
-from capture_proxy.compact import compact_store
-from capture_proxy.reader import open_store
+from capture_proxy.read.reader import open_store
 from capture_proxy.schemas.records import CallStatus, RolloutInfo, RolloutState
-from capture_proxy.sinks.parquet import ParquetSink, ParquetSource
-from capture_proxy.sinks.parquet_gc import gc_parquet
-from capture_proxy.stores import open_sink
+from capture_proxy.sinks.parquet import ParquetSink, ParquetSource, compact_store, gc_parquet
+from capture_proxy.sinks.registry import open_sink
 
 make_proxy = proxy_factory_fixture()
 ADMIN = {"Authorization": "Bearer t"}

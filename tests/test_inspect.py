@@ -35,11 +35,10 @@ from proxy_harness import Proxy, chat_body, proxy_factory_fixture, start_proxy, 
 from rich.console import Console
 from sink_factories import Session, image
 
-from capture_proxy.fake_vllm import Fault, ToolCall, Turn
-from capture_proxy.inspect_cli import PlainOut, RichOut, main
-from capture_proxy.inspect_render import Column, render_call, render_rollout
-from capture_proxy.inspect_views import Follower, call_view, rollout_view
-from capture_proxy.reader import Store, open_store
+from capture_proxy.inspect.cli import PlainOut, RichOut, main
+from capture_proxy.inspect.render import Column, render_call, render_rollout
+from capture_proxy.inspect.views import Follower, call_view, rollout_view
+from capture_proxy.read.reader import Store, open_store
 from capture_proxy.schemas.records import (
     CallStatus,
     LedgerEntry,
@@ -47,8 +46,9 @@ from capture_proxy.schemas.records import (
     RolloutState,
     StagedCallRecord,
 )
+from capture_proxy.sinks.registry import open_sink, open_source
 from capture_proxy.sinks.sqlite import SQLiteSink
-from capture_proxy.stores import open_sink, open_source
+from capture_proxy.testing.fake_vllm import Fault, ToolCall, Turn
 
 make_proxy = proxy_factory_fixture()
 

@@ -12,13 +12,13 @@ import pytest
 from aiohttp.test_utils import TestServer
 from proxy_harness import chat_body, start_proxy, stop_proxy, user
 
-from capture_proxy.fake_vllm import FakeVLLM, ToolCall, Turn
+from capture_proxy.core.policy import RequestPolicy
 from capture_proxy.library import CaptureClient
-from capture_proxy.policy import RequestPolicy
 from capture_proxy.schemas.digest import verify_record
-from capture_proxy.schemas.request_errors import RequestValidationError
-from capture_proxy.stores import open_sink, open_source
-from capture_proxy.upstream import Upstream
+from capture_proxy.schemas.request import RequestValidationError
+from capture_proxy.sinks.registry import open_sink, open_source
+from capture_proxy.testing.fake_vllm import FakeVLLM, ToolCall, Turn
+from capture_proxy.upstream.client import Upstream
 
 TOOLS = [{"type": "function", "function": {"name": "bash", "parameters": {"type": "object"}}}]
 IDS_AND_TIMES = {"call_id", "created_at_ms", "digest", "parent_call_id", "retry_of"}

@@ -14,11 +14,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from capture_proxy.normalize import NormalizedRequest, normalize_request
+from capture_proxy.core.normalize import NormalizedRequest, normalize_request
 from capture_proxy.schemas.attachments import iter_attachment_refs
 from capture_proxy.schemas.digest import encode_value
 from capture_proxy.schemas.request import RequestValidationError
-from capture_proxy.schemas.request_messages import AssistantMessage
+from capture_proxy.schemas.request._messages import AssistantMessage
 
 VLLM_FIXTURES = Path(__file__).resolve().parent / "fixtures" / "vllm-0.32.0"
 OPENCODE_FIXTURES = Path(__file__).resolve().parent / "fixtures" / "opencode-1.18.33"

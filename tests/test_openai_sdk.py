@@ -9,9 +9,9 @@ import openai
 import pytest
 from proxy_harness import proxy_factory_fixture
 
-from capture_proxy.fake_vllm import FakeVLLM, Fault, ToolCall, Turn
-from capture_proxy.reader import open_store
+from capture_proxy.read.reader import open_store
 from capture_proxy.schemas.records import CallStatus
+from capture_proxy.testing.fake_vllm import FakeVLLM, Fault, ToolCall, Turn
 
 make_proxy = proxy_factory_fixture()
 TOOLS: Any = [

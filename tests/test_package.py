@@ -28,20 +28,78 @@ def test_public_names_are_sorted_and_resolve() -> None:
         assert getattr(capture_proxy, name) is not None
 
 
-def _imports(folder: str) -> set[str]:
+#: What each layer (a folder of `capture_proxy`) may import of the others. Modules at the package
+#: root (`cli`, `library`, `errors`, ...) are the top of the stack and are not listed.
+LAYERS: dict[str, set[str]] = {
+    "schemas": set(),
+    "adapters": {"schemas"},
+    "sinks": {"schemas"},
+    "core": {"schemas", "adapters", "sinks", "errors"},
+    "upstream": {"schemas", "adapters", "errors"},
+    "read": {"schemas", "sinks", "errors"},
+    "inspect": {"schemas", "sinks", "read", "errors"},
+    "testing": set(),
+    "server": {"schemas", "adapters", "sinks", "core", "upstream", "testing", "errors", "logs"},
+}
+#: Only these may import aiohttp (the HTTP server, the upstream client, the fake vLLM).
+AIOHTTP_LAYERS = {"server", "upstream", "testing"}
+
+
+def _module_name(path: Path) -> list[str]:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return parts[:-1] if parts[-1] == "__init__" else parts
+
+
+def _imports_of(path: Path) -> set[str]:
+    """The top-level names imported from `capture_proxy` (and "aiohttp") by one module."""
+    here = _module_name(path)
+    package = here if path.name == "__init__.py" else here[:-1]
     found: set[str] = set()
-    for path in (ROOT / folder).glob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module is not None:
-                if node.level >= 2:
-                    found.add(node.module.split(".")[0])
-                elif node.module.startswith("capture_proxy."):
-                    found.add(node.module.split(".")[1])
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - node.level + 1]
+                target = [*base, *(node.module.split(".") if node.module else [])]
+                names = [a.name for a in node.names] if len(target) == 1 else []
+            else:
+                target = (node.module or "").split(".")
+                names = []
+            if target[0] == "aiohttp":
+                found.add("aiohttp")
+            elif target[0] == "capture_proxy":
+                found.update([target[1]] if len(target) > 1 else names)
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                top = alias.name.split(".")
+                if top[0] == "aiohttp":
+                    found.add("aiohttp")
+                elif top[0] == "capture_proxy" and len(top) > 1:
+                    found.add(top[1])
     return found
 
 
-def test_imports_run_one_way() -> None:
-    # schemas imports none of the others; adapters and sinks only schemas (DESIGN: STYLE.md §2).
-    assert _imports("schemas") <= set()
-    assert _imports("adapters") <= {"schemas"}
-    assert _imports("sinks") <= {"schemas"}
+def test_layers_import_only_the_layers_below_them() -> None:
+    layers = {p.name for p in (ROOT / "capture_proxy").iterdir() if (p / "__init__.py").exists()}
+    assert layers == set(LAYERS), "a new folder needs its rule here"
+    for layer, allowed in LAYERS.items():
+        for path in (ROOT / "capture_proxy" / layer).rglob("*.py"):
+            used = _imports_of(path) - {layer}
+            if layer in AIOHTTP_LAYERS:
+                used.discard("aiohttp")
+            assert used <= allowed, f"{path.relative_to(ROOT)} imports {sorted(used - allowed)}"
+
+
+def test_no_symlinks_in_the_package() -> None:
+    links = [p for p in (ROOT / "capture_proxy").rglob("*") if p.is_symlink()]
+    assert links == []
+
+
+def test_no_filename_prefix_families() -> None:
+    # Three or more modules sharing a prefix are a subpackage (STYLE.md §1).
+    for folder in [ROOT / "capture_proxy", *(ROOT / "capture_proxy").rglob("*/")]:
+        stems = [p.stem for p in folder.glob("*.py") if not p.stem.startswith("_")]
+        prefixes: dict[str, int] = {}
+        for stem in stems:
+            if "_" in stem:
+                prefixes[stem.split("_")[0]] = prefixes.get(stem.split("_")[0], 0) + 1
+        assert all(n < 3 for n in prefixes.values()), (folder, prefixes)

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from proxy_harness import chat_body, proxy_factory_fixture, user
 
-from capture_proxy.policy import PolicyError, RequestPolicy
+from capture_proxy.core.policy import PolicyError, RequestPolicy
 
 make_proxy = proxy_factory_fixture()
 TOKEN = "t"

@@ -10,11 +10,11 @@ from typing import Any
 import orjson
 from proxy_harness import chat_body, proxy_factory_fixture, sse_lines, user
 
-from capture_proxy.fake_vllm import FakeVLLM, ToolCall, Turn
-from capture_proxy.reader import Store
+from capture_proxy.read.reader import Store
 from capture_proxy.schemas.digest import verify_record
 from capture_proxy.schemas.records import CallStatus
-from capture_proxy.stores import open_source
+from capture_proxy.sinks.registry import open_source
+from capture_proxy.testing.fake_vllm import FakeVLLM, ToolCall, Turn
 
 make_proxy = proxy_factory_fixture()
 

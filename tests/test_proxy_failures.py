@@ -10,9 +10,9 @@ import orjson
 import pytest
 from proxy_harness import chat_body, proxy_factory_fixture, sse_lines, user
 
-from capture_proxy.fake_vllm import FakeVLLM, Fault, Turn
 from capture_proxy.schemas.records import CallStatus
 from capture_proxy.sinks.memory import MemorySink
+from capture_proxy.testing.fake_vllm import FakeVLLM, Fault, Turn
 
 make_proxy = proxy_factory_fixture()
 

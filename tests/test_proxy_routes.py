@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from proxy_harness import chat_body, proxy_factory_fixture, user
 
-from capture_proxy.fake_vllm import FakeVLLM
+from capture_proxy.testing.fake_vllm import FakeVLLM
 
 make_proxy = proxy_factory_fixture()
 

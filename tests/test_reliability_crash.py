@@ -16,7 +16,7 @@ from types import ModuleType
 import pytest
 from proxy_harness import chat_body, start_proxy, stop_proxy, user
 
-from capture_proxy.reader import open_store
+from capture_proxy.read.reader import open_store
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
@@ -132,7 +132,7 @@ async def test_a_new_rollout_does_not_read_the_whole_store(kind: str, tmp_path: 
     into); that lookup must not cost a read of the whole store. (It did for Parquet, where each
     lookup opened a fresh reader that indexed every unit: the first 10-minute soak fell to
     2.5 calls/s with a 115 s p99.)"""
-    from capture_proxy.stores import open_sink
+    from capture_proxy.sinks.registry import open_sink
 
     url = f"sqlite:///{tmp_path / 'store.db'}" if kind == "sqlite" else f"parquet:///{tmp_path}/ds"
     sink = open_sink(url)

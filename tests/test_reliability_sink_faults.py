@@ -38,7 +38,7 @@ import pytest
 from fsspec.implementations.local import LocalFileSystem as FsspecLocal
 from proxy_harness import Proxy, chat_body, sse_lines, start_proxy, stop_proxy, user
 
-from capture_proxy.reader import open_store
+from capture_proxy.read.reader import open_store
 from capture_proxy.schemas.records import CallStatus
 from capture_proxy.sinks.base import StagingSink
 from capture_proxy.sinks.parquet import ParquetSink

@@ -19,8 +19,8 @@ from capture_proxy.schemas.request import (
     RequestValidationError,
     validate_request,
 )
-from capture_proxy.schemas.request_free_json import MAX_FREE_JSON_DEPTH, check_free_json
-from capture_proxy.schemas.request_messages import (
+from capture_proxy.schemas.request._free_json import MAX_FREE_JSON_DEPTH, check_free_json
+from capture_proxy.schemas.request._messages import (
     AssistantMessage,
     ImagePart,
     TextPart,

@@ -13,8 +13,8 @@ from pathlib import Path
 import aiohttp
 from aiohttp.test_utils import TestServer
 
-from capture_proxy.fake_vllm import FakeVLLM, Turn
-from capture_proxy.reader import open_store
+from capture_proxy.read.reader import open_store
+from capture_proxy.testing.fake_vllm import FakeVLLM, Turn
 
 SECRET = "sk-never-log-me"
 PROMPT = "my private prompt text"

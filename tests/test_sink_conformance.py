@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from sink_factories import SINKS, Part, Session, SinkCase, image
 
-from capture_proxy.reader import Store, StoreCorrupted
+from capture_proxy.read.reader import Store, StoreCorrupted
 from capture_proxy.schemas.attachments import attachment_url
 from capture_proxy.schemas.digest import verify_record
 from capture_proxy.schemas.records import (

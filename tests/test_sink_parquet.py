@@ -26,7 +26,7 @@ import pyarrow.parquet as pq
 import pytest
 from sink_factories import Session, image
 
-from capture_proxy.reader import Store
+from capture_proxy.read.reader import Store
 from capture_proxy.schemas.records import (
     CallStatus,
     LedgerEntry,
@@ -39,8 +39,8 @@ from capture_proxy.sinks.base import StagingSink, StagingSource, StoreError, Sto
 from capture_proxy.sinks.codec import ROW_FIELDS
 from capture_proxy.sinks.memory import MemorySink
 from capture_proxy.sinks.parquet import ParquetSink, ParquetSource
-from capture_proxy.sinks.parquet_layout import CALLS_SCHEMA, FORMAT_VERSION
-from capture_proxy.stores import open_sink, open_source
+from capture_proxy.sinks.parquet._layout import CALLS_SCHEMA, FORMAT_VERSION
+from capture_proxy.sinks.registry import open_sink, open_source
 
 HERE = Path(__file__)
 
@@ -565,8 +565,8 @@ async def _opencode_session(proxy: Any) -> list[str]:
 async def test_same_traffic_through_two_proxies_same_token_data(tmp_path: Path) -> None:
     from proxy_harness import start_proxy, stop_proxy
 
-    from capture_proxy.fake_vllm import FakeVLLM, ToolCall, Turn
     from capture_proxy.sinks.sqlite import SQLiteSink, SQLiteSource
+    from capture_proxy.testing.fake_vllm import FakeVLLM, ToolCall, Turn
 
     stores = {
         "sqlite": (SQLiteSink, SQLiteSource, str(tmp_path / "capture.db")),

@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 from sink_factories import Session, image
 
-from capture_proxy.reader import Store
+from capture_proxy.read.reader import Store
 from capture_proxy.schemas.records import CallStatus, StagedCallRecord
 from capture_proxy.sinks.base import StoreError, StoreFormatError
 from capture_proxy.sinks.codec import ROW_FIELDS
 from capture_proxy.sinks.sqlite import SQLiteSink, SQLiteSource
-from capture_proxy.sinks.sqlite_schema import CALL_COLUMNS, FORMAT_VERSION, MIGRATIONS
+from capture_proxy.sinks.sqlite._schema import CALL_COLUMNS, FORMAT_VERSION, MIGRATIONS
 
 WORKER = Path(__file__).with_name("crash_worker.py")
 

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 from sink_factories import Session
 
-from capture_proxy.reader import Store
+from capture_proxy.read.reader import Store
 from capture_proxy.sinks.base import StoreFormatError
 from capture_proxy.sinks.codec import encode_record
 from capture_proxy.sinks.sqlite import SQLiteSink, SQLiteSource
-from capture_proxy.sinks.sqlite_schema import CALL_COLUMNS, MIGRATIONS
+from capture_proxy.sinks.sqlite._schema import CALL_COLUMNS, MIGRATIONS
 
 
 def _format_1_store(path: Path) -> list[str]:

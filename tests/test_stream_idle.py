@@ -8,8 +8,8 @@ from typing import Any
 
 from proxy_harness import chat_body, proxy_factory_fixture, sse_lines, user
 
-from capture_proxy.fake_vllm import FakeVLLM, Turn
 from capture_proxy.schemas.records import CallStatus
+from capture_proxy.testing.fake_vllm import FakeVLLM, Turn
 
 make_proxy = proxy_factory_fixture()
 

@@ -13,9 +13,8 @@ import orjson
 import pytest
 from sink_factories import SINKS, ParquetCase, Session, SinkCase, image
 
-from capture_proxy.compact import compact_store
-from capture_proxy.inspect_views import InspectError, overview, rollout_view
-from capture_proxy.reader import Store
+from capture_proxy.inspect.views import InspectError, overview, rollout_view
+from capture_proxy.read.reader import Store
 from capture_proxy.schemas.digest import seal_record
 from capture_proxy.schemas.records import (
     Attachment,
@@ -25,8 +24,8 @@ from capture_proxy.schemas.records import (
     StagedCallRecord,
 )
 from capture_proxy.sinks.base import StagingSink, StagingSource
-from capture_proxy.sinks.parquet import ParquetSource
-from capture_proxy.sinks.parquet_index import SMALL_UNIT_BYTES
+from capture_proxy.sinks.parquet import ParquetSource, compact_store
+from capture_proxy.sinks.parquet._index import SMALL_UNIT_BYTES
 from capture_proxy.sinks.sqlite import SQLiteSink, SQLiteSource
 
 ROLLOUTS = ("ra", "rb", "rc", "never-seen")

@@ -13,12 +13,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from capture_proxy.reader import Store
+from capture_proxy.read.reader import Store
+from capture_proxy.read.trajectory import Drift, Segment, build_trajectory, trajectory_from_records
 from capture_proxy.schemas.digest import seal_record
 from capture_proxy.schemas.records import StagedCallRecord
 from capture_proxy.sinks.memory import MemorySink
 from capture_proxy.sinks.parquet import ParquetSink, ParquetSource
-from capture_proxy.trajectory import Drift, Segment, build_trajectory, trajectory_from_records
 
 TOOLS = [{"type": "function", "function": {"name": "bash", "parameters": {"type": "object"}}}]
 

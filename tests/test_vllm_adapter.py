@@ -14,7 +14,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from capture_proxy.adapters import vllm as vllm_module
 from capture_proxy.adapters.vllm import (
     CaptureExtractionError,
     ForwardPlan,
@@ -22,8 +21,9 @@ from capture_proxy.adapters.vllm import (
     VLLMAdapter,
     parse_error_body,
 )
-from capture_proxy.adapters.vllm_answer import read_answer
-from capture_proxy.adapters.vllm_ids import decode_prompt
+from capture_proxy.adapters.vllm import _adapter as vllm_module
+from capture_proxy.adapters.vllm._answer import read_answer
+from capture_proxy.adapters.vllm._ids import decode_prompt
 
 FIXTURES = next(
     p

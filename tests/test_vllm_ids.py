@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from capture_proxy.adapters.vllm import CaptureExtractionError, VLLMAdapter
-from capture_proxy.adapters.vllm_ids import (
+from capture_proxy.adapters.vllm._ids import (
     Prefix,
     PrefixCache,
     common_prefix_len,

@@ -22,8 +22,8 @@ from capture_proxy.adapters.vllm import (
     UpstreamProtocolError,
     VLLMAdapter,
 )
-from capture_proxy.adapters.vllm_chunk import read_token_chunk
-from capture_proxy.adapters.vllm_wire import (
+from capture_proxy.adapters.vllm._chunk import read_token_chunk
+from capture_proxy.adapters.vllm._wire import (
     decode_choices,
     decode_object,
     encode,

@@ -21,7 +21,7 @@ import opencode_env
 import pytest
 from proxy_harness import Proxy, sse_lines, start_proxy, stop_proxy
 
-from capture_proxy.reader import open_store
+from capture_proxy.read.reader import open_store
 from capture_proxy.schemas.records import StagedCallRecord
 
 pytestmark = pytest.mark.vllm

@@ -1,0 +1,1 @@
+"""The capture core: admission, rollouts, records, staging and the ledger. No HTTP here."""

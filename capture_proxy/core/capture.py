@@ -1,0 +1,548 @@
+"""The capture core: everything that turns one model call into a staged record, without HTTP.
+
+The proxy's handlers are a thin layer over `Capture`; a framework that calls vLLM itself uses the
+same object directly::
+
+    capture = Capture(sink)
+    call = await capture.begin_call("rollout-7", staged_request, attachments)
+    ...                                     # send the request, parse the answer into a Completion
+    result = await capture.complete_call(call, completion, upstream_version=..., ...)
+    if result.status != "staged": ...       # capture_failed: the rollout is now poisoned
+
+Policy written into the code: a call is either staged exactly, or recorded in its rollout's ledger
+as not staged (with why) — crash visibly instead of letting a call through unrecorded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from array import array
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from ..errors import CaptureUnavailable, Conflict, TooManyRequests, Unprocessable
+from ..schemas.digest import EncodingError, RequestValueCache, seal_record
+from ..schemas.records import (
+    Attachment,
+    CallStatus,
+    LedgerEntry,
+    RecordValidationError,
+    RolloutInfo,
+    RolloutState,
+    StagedCallRecord,
+    StageResult,
+)
+from ..schemas.tokens import full_sequence
+from ..sinks.base import StagingSink, StagingSource
+from .ids import new_call_id
+from .ledger import Ledger
+from .policy import PolicyError, RequestPolicy, check_policy
+from .rollouts import KEY_HASH_FIELD, CallOutcome, RolloutLive, request_key, resume_rollout
+from .staging import Stager
+
+__all__ = ["SAMPLING_KEYS", "Call", "Capture", "CompletionLike"]
+
+log = logging.getLogger("capture_proxy.capture")
+
+#: Ids of sealed rollouts remembered (not their state) so late calls get their 409 without a
+#: store lookup; about 100 bytes each.
+_SEALED_IDS_KEPT = 100_000
+
+#: Request keys that shape sampling. The values actually forwarded upstream are recorded with
+#: every call (and covered by its digest): a trainer must know the policy that made each token.
+SAMPLING_KEYS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "max_tokens",
+    "max_completion_tokens",
+    "min_tokens",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "length_penalty",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "logit_bias",
+    "n",
+    "reasoning_effort",
+    "chat_template_kwargs",
+    "structured_outputs",
+    "response_format",
+    "tool_choice",
+)
+
+
+class CompletionLike(Protocol):
+    """What the core needs from a parsed upstream answer (see `adapters.vllm.Completion`)."""
+
+    @property
+    def prompt_token_ids(self) -> array[int]: ...
+    @property
+    def completion_token_ids(self) -> array[int]: ...
+    @property
+    def completion_logprobs(self) -> array[float]: ...
+    @property
+    def finish_reason(self) -> str: ...
+    @property
+    def message(self) -> dict[str, Any]: ...
+    @property
+    def extras(self) -> dict[str, Any]: ...
+
+
+@dataclass(slots=True)
+class Call:
+    """A call admitted by `Capture.begin_call`, until it is completed or failed."""
+
+    call_id: str
+    rollout_id: str
+    seq: int
+    request: Mapping[str, Any]  # the staged (normalized, attachments by reference) request
+    attachments: Mapping[str, Attachment]
+    request_key: bytes
+    retry_of: str | None
+    weight_version: int
+    admitted_ms: int
+    rollout: RolloutLive
+    finished: bool = False
+    #: Set once staging starts: from then on the call's outcome is the staging's, even if the
+    #: client goes away (staging runs to the end without it).
+    staging: bool = False
+
+
+def sampling_of(request: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: request[k] for k in SAMPLING_KEYS if k in request}
+
+
+class Capture:
+    """Admits calls, builds their records, stages them through a `StagingSink`, keeps the ledger.
+
+    `stage_timeout`: a sink slower than this makes the call `capture_failed`; if the write still
+    lands later, the record is marked orphaned (so no trainer uses it unknowingly).
+    `max_pending`: staging writes in progress at once (including late ones); beyond it new calls
+    are refused with 503 before anything is forwarded — back-pressure, never an unbounded queue.
+    """
+
+    def __init__(
+        self,
+        sink: StagingSink,
+        *,
+        stage_timeout: float = 10.0,
+        max_pending: int = 256,
+        max_inflight: int = 0,
+        max_inflight_per_rollout: int = 0,
+        max_held_ledger: int = 100_000,
+        source: Callable[[], StagingSource] | None = None,
+        max_live_rollouts: int = 10_000,
+        policy: RequestPolicy | None = None,
+    ) -> None:
+        self.sink = sink
+        self.policy = policy or RequestPolicy()
+        #: Opens a reader on the same store: rollouts seen again after a restart resume from it.
+        self.source = source
+        self.max_live_rollouts = max_live_rollouts
+        self._sealed: OrderedDict[str, None] = OrderedDict()
+        self.stager = Stager(sink, timeout=stage_timeout, max_pending=max_pending)
+        self.max_inflight = max_inflight
+        self.max_inflight_per_rollout = max_inflight_per_rollout
+        self.weight_version = 0
+        self.rollouts: dict[str, RolloutLive] = {}
+        self.inflight = 0
+        self.ledger = Ledger(sink, timeout=stage_timeout, max_held=max_held_ledger)
+        self.unavailable_reason: str | None = None  # set by the disk guard
+        self.counts: dict[tuple[str, str], int] = {}  # (status, reason) -> calls
+        #: Encodes the tool definitions every call of a session repeats once (same digests).
+        self._request_values = RequestValueCache()
+
+    # -- rollouts ------------------------------------------------------------------------------
+
+    def rollout(self, rollout_id: str, *, create: bool = True) -> RolloutLive | None:
+        live = self.rollouts.get(rollout_id)
+        if live is None and rollout_id in self._sealed:
+            return RolloutLive(rollout_id, sealed=True)  # refuses calls; never held live
+        if live is None and create:
+            live = RolloutLive(rollout_id, created_at_ms=int(time.time() * 1000))
+            self.rollouts[rollout_id] = live
+        return live
+
+    async def ensure_rollout(self, rollout_id: str) -> RolloutLive:
+        """The live rollout, resumed from the store if an earlier process staged into it.
+
+        Resuming keeps sequence numbers, lineage, retries, seal state, the poisoned flag and the
+        rollout's key continuous across a restart of the proxy.
+        """
+        live = await self.find_rollout(rollout_id)
+        if live is None:
+            live = self.rollouts.get(rollout_id)  # created meanwhile by a concurrent call
+            if live is None:
+                live = RolloutLive(rollout_id, created_at_ms=int(time.time() * 1000))
+                self._evict()
+                self.rollouts[rollout_id] = live
+        return live
+
+    async def find_rollout(self, rollout_id: str) -> RolloutLive | None:
+        """The live rollout, or the store's (then made live), or None: never creates one.
+
+        No lock: concurrent first calls of one rollout may both read the store; the first to
+        come back registers its copy and the others use it.
+        """
+        live = self.rollouts.get(rollout_id)
+        if live is None and rollout_id in self._sealed:
+            return RolloutLive(rollout_id, sealed=True)
+        if live is not None or self.source is None:
+            return live
+        found = await asyncio.to_thread(resume_rollout, self.source, rollout_id)
+        live = self.rollouts.get(rollout_id)
+        if live is not None or found is None:
+            return live
+        if found.sealed:
+            self._remember_sealed(rollout_id)  # looked at for its 409: not held live
+            return found
+        log.info("resumed rollout %s from the store at seq %d", rollout_id, found.next_seq)
+        self._evict()
+        self.rollouts[rollout_id] = found
+        return found
+
+    def evict_idle(self, idle_s: float) -> list[str]:
+        """Release rollouts with nothing in flight and no call for `idle_s` seconds; a later
+        call resumes them from the store. Keeps memory bounded by live work, not by every
+        rollout ever seen (each holds up to 32 token sequences). Returns the ids released."""
+        cutoff = time.monotonic() - idle_s
+        idle = [
+            rid
+            for rid, r in self.rollouts.items()
+            if r.in_flight == 0 and r.last_active and r.last_active < cutoff
+        ]
+        for rid in idle:
+            del self.rollouts[rid]
+        return idle
+
+    def _remember_sealed(self, rollout_id: str) -> None:
+        self._sealed[rollout_id] = None
+        while len(self._sealed) > _SEALED_IDS_KEPT:
+            self._sealed.popitem(last=False)  # forgotten ids are looked up in the store again
+
+    def _evict(self) -> None:
+        # Oldest idle rollouts first; a rollout seen again later resumes from the store.
+        excess = len(self.rollouts) - self.max_live_rollouts + 1
+        if excess <= 0:
+            return
+        idle = [rid for rid, r in self.rollouts.items() if r.in_flight == 0][:excess]
+        for rid in idle:
+            del self.rollouts[rid]
+
+    async def create_rollout(
+        self,
+        rollout_id: str,
+        *,
+        key: str | None = None,
+        policy: Mapping[str, Any] | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> RolloutLive:
+        existing = self.rollouts.get(rollout_id)
+        if existing is None and self.source is not None:
+            existing = await self.ensure_rollout(rollout_id)
+            if not existing.outcomes and not existing.sealed:
+                existing = None  # not in the store either: a fresh rollout
+        if existing is not None:
+            raise Conflict(f"rollout {rollout_id} already exists", code="rollout_exists")
+        live = self.rollout(rollout_id)
+        assert live is not None
+        live.key_sha256 = hashlib.sha256(key.encode()).hexdigest() if key is not None else None
+        try:
+            live.policy = check_policy(policy or {}, "policy")
+        except PolicyError as e:
+            del self.rollouts[rollout_id]
+            raise Unprocessable(str(e), code="invalid_policy", param="policy") from None
+        live.metadata = dict(metadata or {})
+        await self._put_rollout(live)
+        return live
+
+    async def _put_rollout(self, live: RolloutLive) -> None:
+        info = RolloutInfo(
+            live.rollout_id,
+            RolloutState.SEALED if live.sealed else RolloutState.OPEN,
+            live.poisoned,
+            live.created_at_ms,
+            int(time.time() * 1000) if live.sealed else None,
+            {**live.metadata, KEY_HASH_FIELD: live.key_sha256}
+            if live.key_sha256
+            else live.metadata,
+            live.policy,
+        )
+        await self.sink.put_rollout(info)
+
+    async def seal(self, rollout_id: str, wait_s: float) -> RolloutLive:
+        """Refuse new calls for the rollout, wait for its in-flight calls (up to `wait_s`)."""
+        live = await self.find_rollout(rollout_id)
+        if live is None:
+            raise KeyError(rollout_id)
+        live.sealed = True
+        try:
+            await asyncio.wait_for(live.idle.wait(), wait_s)
+        except TimeoutError:
+            log.warning(
+                "seal %s: %d calls still in flight after %.1fs", rollout_id, live.in_flight, wait_s
+            )
+        await self._put_rollout(live)
+        if live.in_flight == 0 and self.rollouts.get(rollout_id) is live:
+            # A sealed rollout takes no more calls: memory holds live work only (its id, for
+            # the 409s). A manifest request reads it from the store.
+            del self.rollouts[rollout_id]
+            self._remember_sealed(rollout_id)
+        return live
+
+    # -- calls ---------------------------------------------------------------------------------
+
+    def check_admission(self, live: RolloutLive) -> None:
+        """Raise the error a new call of this rollout gets now, if any (nothing forwarded yet)."""
+        if live.sealed:
+            raise Conflict(f"rollout {live.rollout_id} is sealed", code="rollout_sealed")
+        if self.unavailable_reason is not None:
+            raise CaptureUnavailable(
+                f"not accepting calls: {self.unavailable_reason}",
+                code="capture_unavailable",
+                headers={"Retry-After": "5"},
+            )
+        if self.stager.full:
+            raise CaptureUnavailable(
+                f"{self.stager.pending} staging writes pending (limit {self.stager.max_pending})",
+                code="staging_backlog",
+                headers={"Retry-After": "1"},
+            )
+        if self.max_inflight and self.inflight >= self.max_inflight:
+            raise TooManyRequests(
+                f"{self.inflight} calls in flight (limit {self.max_inflight})",
+                code="too_many_inflight",
+                headers={"Retry-After": "1"},
+            )
+        if self.max_inflight_per_rollout and live.in_flight >= self.max_inflight_per_rollout:
+            raise TooManyRequests(
+                f"rollout {live.rollout_id} has {live.in_flight} calls in flight "
+                f"(limit {self.max_inflight_per_rollout})",
+                code="too_many_inflight_rollout",
+                headers={"Retry-After": "1"},
+            )
+
+    def begin_call(
+        self,
+        rollout_id: str,
+        request: Mapping[str, Any],
+        attachments: Mapping[str, Attachment] | None = None,
+    ) -> Call:
+        """Admit a call: assign its id and sequence number, link retries, stamp the weight version.
+
+        Raises a `ProxyError` (409 sealed, 429/503 limits) when the call must not proceed.
+        """
+        live = self.rollout(rollout_id)
+        assert live is not None
+        self.check_admission(live)
+        key = request_key(request)
+        call = Call(
+            call_id=new_call_id(),
+            rollout_id=rollout_id,
+            seq=live.take_seq(),
+            request=request,
+            attachments=attachments or {},
+            request_key=key,
+            retry_of=live.retry_of(key),
+            weight_version=self.weight_version,
+            admitted_ms=int(time.time() * 1000),
+            rollout=live,
+        )
+        live.remember_request(key, call.call_id)
+        live.outcomes[call.call_id] = CallOutcome(
+            call.seq, call.call_id, "pending", retry_of=call.retry_of
+        )
+        live.enter()
+        self.inflight += 1
+        return call
+
+    def _finish(self, call: Call) -> None:
+        if not call.finished:
+            call.finished = True
+            call.rollout.leave()
+            self.inflight -= 1
+
+    def build_record(
+        self,
+        call: Call,
+        completion: CompletionLike,
+        *,
+        model: str,
+        upstream_version: str,
+        tokenizer_fingerprint: str,
+        sampling: Mapping[str, Any],
+    ) -> StagedCallRecord:
+        """The sealed record for a completed call (raises RecordValidationError/EncodingError)."""
+        parent = call.rollout.choose_parent(completion.prompt_token_ids, call.request_key)
+        record = StagedCallRecord(
+            rollout_id=call.rollout_id,
+            call_id=call.call_id,
+            seq=call.seq,
+            model=model,
+            finish_reason=completion.finish_reason,
+            request=call.request,
+            response=completion.message,
+            prompt_token_ids=completion.prompt_token_ids,
+            completion_token_ids=completion.completion_token_ids,
+            completion_logprobs=completion.completion_logprobs,
+            parent_call_id=parent,
+            retry_of=call.retry_of,
+            created_at_ms=call.admitted_ms,
+            weight_version=call.weight_version,
+            upstream_version=upstream_version,
+            tokenizer_fingerprint=tokenizer_fingerprint,
+            sampling=dict(sampling),
+            extras=completion.extras,
+        )
+        return seal_record(record, encoder=self._request_values)
+
+    async def complete_call(
+        self,
+        call: Call,
+        completion: CompletionLike,
+        *,
+        model: str,
+        upstream_version: str = "",
+        tokenizer_fingerprint: str = "",
+        sampling: Mapping[str, Any] | None = None,
+    ) -> StageResult:
+        """Build, seal and stage the call's record. Never raises for capture problems: a call that
+        cannot be staged returns ``capture_failed`` and is in the ledger, its rollout poisoned.
+        """
+        call.staging = True
+        try:
+            try:
+                record = self.build_record(
+                    call,
+                    completion,
+                    model=model,
+                    upstream_version=upstream_version,
+                    tokenizer_fingerprint=tokenizer_fingerprint,
+                    sampling=sampling if sampling is not None else sampling_of(call.request),
+                )
+            except (RecordValidationError, EncodingError) as e:
+                result = StageResult.failed("invalid_record", str(e))
+            else:
+                result = await self.stager.stage(record, call.attachments)
+            if result.status is CallStatus.STAGED:
+                assert result.coords is not None
+                call.rollout.add_lineage(
+                    call.call_id,
+                    full_sequence(completion.prompt_token_ids, completion.completion_token_ids),
+                    call.request_key,
+                )
+                call.rollout.outcomes[call.call_id] = CallOutcome(
+                    call.seq,
+                    call.call_id,
+                    CallStatus.STAGED,
+                    coords=result.coords,
+                    retry_of=call.retry_of,
+                )
+                self._count(CallStatus.STAGED, "ok")
+            else:
+                await self._record_not_staged(
+                    call,
+                    CallStatus.CAPTURE_FAILED,
+                    result.reason or "capture_failed",
+                    result.message or "",
+                    None,
+                )
+            return result
+        finally:
+            self._finish(call)
+
+    async def fail_call(
+        self,
+        call: Call,
+        status: CallStatus,
+        reason: str,
+        message: str,
+        http_status: int | None = None,
+    ) -> None:
+        """Record an admitted call that ended without a record (upstream error, abort, ...)."""
+        try:
+            await self._record_not_staged(call, status, reason, message, http_status)
+        finally:
+            self._finish(call)
+
+    async def reject(self, rollout_id: str, reason: str, message: str, http_status: int) -> str:
+        """Record a call refused before it was admitted (a 4xx); returns its call id."""
+        live = self.rollout(rollout_id)
+        assert live is not None
+        call_id = new_call_id()
+        seq = live.take_seq()
+        entry = LedgerEntry(
+            rollout_id,
+            call_id,
+            seq,
+            CallStatus.REJECTED,
+            reason,
+            message,
+            http_status,
+            int(time.time() * 1000),
+        )
+        live.outcomes[call_id] = CallOutcome(
+            seq,
+            call_id,
+            CallStatus.REJECTED,
+            reason=reason,
+            http_status=http_status,
+            message=message,
+        )
+        self._count(CallStatus.REJECTED, reason)
+        await self.ledger.write(entry)
+        return call_id
+
+    async def _record_not_staged(
+        self, call: Call, status: CallStatus, reason: str, message: str, http_status: int | None
+    ) -> None:
+        if status is CallStatus.CAPTURE_FAILED:
+            call.rollout.poisoned = True
+        call.rollout.outcomes[call.call_id] = CallOutcome(
+            call.seq,
+            call.call_id,
+            status,
+            reason=reason,
+            http_status=http_status,
+            message=message,
+            retry_of=call.retry_of,
+        )
+        self._count(status, reason)
+        entry = LedgerEntry(
+            call.rollout_id,
+            call.call_id,
+            call.seq,
+            status,
+            reason,
+            message,
+            http_status,
+            int(time.time() * 1000),
+        )
+        await self.ledger.write(entry)
+
+    def _count(self, status: str, reason: str) -> None:
+        key = (str(status), reason)
+        self.counts[key] = self.counts.get(key, 0) + 1
+
+    async def drain(self, wait_s: float) -> None:
+        """Wait for late staging and ledger writes (shutdown), up to `wait_s` seconds each."""
+        await self.stager.drain(wait_s)
+        await self.ledger.drain(wait_s)
+
+    @property
+    def pending_stages(self) -> int:
+        return self.stager.pending
+
+    @property
+    def sink_failing(self) -> str | None:
+        return self.stager.sink_failing

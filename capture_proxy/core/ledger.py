@@ -1,0 +1,84 @@
+"""The write side of each rollout's ledger: every call that was not staged, and why.
+
+Ledger entries go through the same sink as records. When the sink itself is failing, an entry
+that cannot be written is held in memory (bounded), reported by `/readyz` and `/metrics`, and
+written, in order, once the sink recovers: a rollout cut short must stay visible.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+
+from ..schemas.records import LedgerEntry
+from ..sinks.base import StagingSink
+
+__all__ = ["Ledger"]
+
+log = logging.getLogger("capture_proxy.ledger")
+
+
+class Ledger:
+    def __init__(self, sink: StagingSink, *, timeout: float, max_held: int = 100_000) -> None:
+        self.sink = sink
+        self.timeout = timeout
+        #: Entries the sink refused to take (it is failing); retried by `flush`.
+        self.held: deque[LedgerEntry] = deque(maxlen=max_held)
+        self._late: set[asyncio.Task[None]] = set()
+
+    async def write(self, entry: LedgerEntry) -> None:
+        if self.held:
+            self.held.append(entry)  # keep the ledger in order behind what is held
+            await self.flush()
+            return
+        if not await self._send(entry):
+            self.held.append(entry)
+
+    async def _send(self, entry: LedgerEntry) -> bool:
+        """True once the sink took `entry` or is still taking it past the deadline.
+
+        A write that outlives the deadline is not sent again (that would write the entry twice):
+        it is held for a retry only if it finally fails.
+        """
+        task = asyncio.ensure_future(self.sink.record_failure(entry))
+        try:
+            await asyncio.wait_for(asyncio.shield(task), self.timeout)
+        except TimeoutError:
+            self._late.add(task)
+            task.add_done_callback(lambda t: self._late_done(t, entry))
+            return True
+        except Exception as e:
+            log.error(
+                "ledger entry for %s (%s) held in memory: the sink failed: %s",
+                entry.call_id,
+                entry.status,
+                e,
+                extra={"rollout_id": entry.rollout_id, "call_id": entry.call_id},
+            )
+            return False
+        return True
+
+    def _late_done(self, task: asyncio.Task[None], entry: LedgerEntry) -> None:
+        self._late.discard(task)
+        if task.cancelled() or task.exception() is not None:
+            self.held.append(entry)
+
+    async def flush(self) -> int:
+        """Write held entries, oldest first; returns how many are still held."""
+        while self.held:
+            entry = self.held.popleft()
+            if not await self._send(entry):
+                self.held.appendleft(entry)
+                break
+        return len(self.held)
+
+    @property
+    def late(self) -> int:
+        """Ledger writes still running past their deadline."""
+        return len(self._late)
+
+    async def drain(self, wait_s: float) -> None:
+        """Wait for ledger writes that outlived their deadline (shutdown)."""
+        if self._late:
+            await asyncio.wait(list(self._late), timeout=wait_s)

@@ -1,0 +1,119 @@
+"""The training request policy: what the operator and the driver impose on every call.
+
+For RL the trainer must know the exact sampling policy behind each token, but agents send what
+they like (OpenCode sends no temperature and asks for 32000 output tokens). The policy rewrites
+the request before it is forwarded, and the record stores the *effective* request, so what the
+trainer reads is what vLLM sampled with.
+
+Precedence, lowest to highest::
+
+    client  <  operator defaults (filled only where the client sent nothing)
+            <  rollout policy (set by the driver in POST /admin/rollouts)
+            <  operator-forced values
+
+then the ``max_tokens`` cap and the model override. ``chat_template_kwargs`` merge key by key
+at each level instead of replacing the whole object.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..schemas.request import RequestValidationError, validate_request
+
+__all__ = ["POLICY_KEYS", "PolicyError", "RequestPolicy"]
+
+#: What a policy may set. Sampling parameters and the knobs that decide what the model sees.
+POLICY_KEYS = frozenset(
+    {
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "seed",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "min_tokens",
+        "max_tokens",
+        "max_completion_tokens",
+        "stop",
+        "stop_token_ids",
+        "chat_template_kwargs",
+        "reasoning_effort",
+        "skip_special_tokens",
+        "include_stop_str_in_output",
+    }
+)
+_MERGED = "chat_template_kwargs"
+
+
+class PolicyError(ValueError):
+    """A policy names a key it may not set, or a value the request schema refuses."""
+
+
+def check_policy(values: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """Validate a policy mapping; raises `PolicyError` naming `where` and the key."""
+    if not isinstance(values, Mapping):
+        raise PolicyError(f"{where} must be an object of sampling parameters")
+    for key in values:
+        if key not in POLICY_KEYS:
+            allowed = ", ".join(sorted(POLICY_KEYS))
+            raise PolicyError(f"{where}.{key} is not a policy parameter (allowed: {allowed})")
+    probe = {"model": "policy-check", "messages": [{"role": "user", "content": "x"}], **values}
+    try:
+        validate_request(probe)
+    except RequestValidationError as e:
+        raise PolicyError(f"{where}.{e.param or ''}: {e.message}") from None
+    return dict(values)
+
+
+def _merge(base: Any, over: Mapping[str, Any]) -> dict[str, Any]:
+    merged = dict(base) if isinstance(base, Mapping) else {}
+    merged.update(over)
+    return merged
+
+
+@dataclass(frozen=True, slots=True)
+class RequestPolicy:
+    """Operator policy. Build it once at start (it validates); `apply` per call."""
+
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+    force: Mapping[str, Any] = field(default_factory=dict)
+    max_tokens_cap: int = 0
+    model: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "defaults", check_policy(self.defaults, "policy_defaults"))
+        object.__setattr__(self, "force", check_policy(self.force, "policy_force"))
+
+    def apply(
+        self, request: Mapping[str, Any], rollout: Mapping[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """A new top-level request dict with the policy applied (nested values are shared)."""
+        out = dict(request)
+        for key, value in self.defaults.items():
+            if key == _MERGED:
+                out[key] = {**value, **(out.get(key) or {})}
+            elif key not in out or out[key] is None:
+                out[key] = value
+        for level in (rollout or {}, self.force):
+            for key, value in level.items():
+                out[key] = _merge(out.get(key), value) if key == _MERGED else value
+        cap = self.max_tokens_cap
+        if cap:
+            for key in ("max_tokens", "max_completion_tokens"):
+                value = out.get(key)
+                if isinstance(value, int) and value > cap:
+                    out[key] = cap
+            if out.get("max_tokens") is None and out.get("max_completion_tokens") is None:
+                out["max_tokens"] = cap
+        if self.model:
+            out["model"] = self.model
+        return out
+
+    @property
+    def active(self) -> bool:
+        return bool(self.defaults or self.force or self.max_tokens_cap or self.model)

@@ -1,0 +1,201 @@
+"""Live per-rollout state: sequence numbers, lineage candidates, retries, in-flight calls, outcomes.
+
+This is what the proxy must remember between the calls of one rollout to record them right: the
+next sequence number, which earlier call a new call continues (its parent), whether a call
+repeats an earlier request (a retry), and what happened to every call so far (the manifest).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from array import array
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from ..schemas.records import CallStatus, CommitCoords, RolloutState
+from ..schemas.tokens import common_prefix_len, full_sequence
+from ..sinks.base import StagingSource
+
+#: Where a keyed rollout's key hash is kept in its stored metadata.
+KEY_HASH_FIELD = "capture_proxy_key_sha256"
+
+__all__ = [
+    "KEY_HASH_FIELD",
+    "CallOutcome",
+    "LineageCandidate",
+    "RolloutLive",
+    "request_key",
+    "resume_rollout",
+]
+
+#: How many staged calls per rollout are kept as parent candidates. An agent continues one of its
+#: last few calls; keeping all would hold every prompt of a long session in memory.
+LINEAGE_WINDOW = 32
+
+
+@dataclass(slots=True)
+class LineageCandidate:
+    call_id: str
+    full: array[int]  # prompt + completion
+    request_key: bytes
+
+
+@dataclass(slots=True)
+class CallOutcome:
+    """One line of the manifest."""
+
+    seq: int
+    call_id: str
+    status: str  # a CallStatus value, or "pending" while in flight
+    coords: CommitCoords | None = None
+    reason: str | None = None
+    http_status: int | None = None
+    message: str | None = None
+    retry_of: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"seq": self.seq, "call_id": self.call_id, "status": self.status}
+        if self.retry_of:
+            d["retry_of"] = self.retry_of
+        if self.coords is not None:
+            d["coords"] = self.coords.to_dict()
+        if self.status not in (CallStatus.STAGED, "pending"):
+            d.update(reason=self.reason, http_status=self.http_status, message=self.message)
+        return d
+
+
+@dataclass(slots=True)
+class RolloutLive:
+    rollout_id: str
+    next_seq: int = 0
+    sealed: bool = False
+    poisoned: bool = False
+    created_at_ms: int = 0
+    #: sha256 of the rollout's API key, when keys are required. Only the hash is kept, in memory
+    #: and in the store (rollout metadata), so a sandbox keeps its key across a proxy restart.
+    key_sha256: str | None = None
+    policy: dict[str, Any] = field(default_factory=dict)
+    metadata: dict[str, Any] = field(default_factory=dict)
+    in_flight: int = 0
+    #: time.monotonic() of the last admitted call: idle rollouts leave memory (resumed if seen).
+    last_active: float = 0.0
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
+    lineage: list[LineageCandidate] = field(default_factory=list)
+    # request_key -> call ids with that exact normalized request (oldest first)
+    requests: OrderedDict[bytes, str] = field(default_factory=OrderedDict)
+    outcomes: dict[str, CallOutcome] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.idle.set()
+
+    def take_seq(self) -> int:
+        seq = self.next_seq
+        self.next_seq += 1
+        return seq
+
+    def enter(self) -> None:
+        self.in_flight += 1
+        self.last_active = time.monotonic()
+        self.idle.clear()
+
+    def leave(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight <= 0:
+            self.in_flight = 0
+            self.idle.set()
+
+    def retry_of(self, request_key: bytes) -> str | None:
+        """The latest earlier call with exactly this normalized request, if any."""
+        return self.requests.get(request_key)
+
+    def remember_request(self, request_key: bytes, call_id: str) -> None:
+        self.requests[request_key] = call_id
+        self.requests.move_to_end(request_key)
+        while len(self.requests) > 4 * LINEAGE_WINDOW:
+            self.requests.popitem(last=False)
+
+    def choose_parent(self, prompt: array[int], request_key: bytes) -> str | None:
+        """The staged call whose prompt + completion shares the longest prefix with `prompt`.
+
+        Ties go to the latest call. Earlier attempts of the same request (retries) are not
+        candidates: a retry is their sibling, not their continuation.
+        """
+        best_id: str | None = None
+        best = 0
+        # Longest candidates first lets the search stop once no candidate can beat `best`.
+        ordered = sorted(
+            enumerate(self.lineage), key=lambda p: (len(p[1].full), p[0]), reverse=True
+        )
+        best_index = -1
+        for index, cand in ordered:
+            if len(cand.full) < best:
+                break
+            if cand.request_key == request_key:
+                continue
+            n = common_prefix_len(cand.full, prompt)
+            if n > best or (n == best and n > 0 and index > best_index):
+                best, best_id, best_index = n, cand.call_id, index
+        return best_id
+
+    def add_lineage(self, call_id: str, full: array[int], request_key: bytes) -> None:
+        self.lineage.append(LineageCandidate(call_id, full, request_key))
+        if len(self.lineage) > LINEAGE_WINDOW:
+            del self.lineage[0]
+
+
+def request_key(request: Mapping[str, Any]) -> bytes:
+    """Identity of a normalized request (retry detection): sha256 of its sorted-key JSON."""
+    return hashlib.sha256(orjson.dumps(request, option=orjson.OPT_SORT_KEYS)).digest()
+
+
+def resume_rollout(open_source: Callable[[], StagingSource], rollout_id: str) -> RolloutLive | None:
+    """The rollout as the store has it (None if the store does not know it). Blocking I/O.
+
+    Reads the cheap per-call summaries for sequence numbers and the manifest, and decodes only
+    the last `LINEAGE_WINDOW` records (the parent and retry candidates), so resuming a long
+    rollout costs about as much as a short one.
+    """
+    source = open_source()
+    try:
+        info = source.rollout_info(rollout_id)
+    except KeyError:
+        return None
+    summaries = source.summaries(rollout_id)
+    keys = [s.call_id for s in summaries]
+    coords = source.coords(keys)
+    recent = source.fetch([s.call_id for s in summaries if not s.orphaned][-LINEAGE_WINDOW:])
+    failures = source.failures(rollout_id)
+    live = RolloutLive(
+        rollout_id,
+        sealed=info.state is RolloutState.SEALED,
+        poisoned=info.poisoned,
+        created_at_ms=info.created_at_ms,
+        policy=dict(info.policy),
+        metadata={k: v for k, v in info.metadata.items() if k != KEY_HASH_FIELD},
+        key_sha256=info.metadata.get(KEY_HASH_FIELD),
+    )
+    for summary, c in zip(summaries, coords, strict=True):
+        live.outcomes[summary.call_id] = CallOutcome(
+            summary.seq, summary.call_id, CallStatus.STAGED, coords=c, retry_of=summary.retry_of
+        )
+    for r in recent:
+        key = request_key(r.request)
+        live.remember_request(key, r.call_id)
+        live.add_lineage(r.call_id, full_sequence(r.prompt_token_ids, r.completion_token_ids), key)
+    for f in failures:
+        live.outcomes[f.call_id] = CallOutcome(
+            f.seq,
+            f.call_id,
+            f.status,
+            reason=f.reason,
+            http_status=f.http_status,
+            message=f.message,
+        )
+    live.next_seq = 1 + max((o.seq for o in live.outcomes.values()), default=-1)
+    return live

@@ -1,0 +1,1 @@
+"""``capture-proxy inspect``: views of a store built as data, drawn as tables or JSON."""

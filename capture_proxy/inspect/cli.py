@@ -1,0 +1,379 @@
+"""`capture-proxy inspect STORE`: what a store holds, for a person debugging a rollout.
+
+    capture-proxy inspect sqlite:///capture.db               # rollouts, newest first
+    capture-proxy inspect capture.db --rollout r17           # its calls, staged and failed
+    capture-proxy inspect capture.db --call 01J9... --tokens # one call in full, with token ids
+    capture-proxy inspect capture.db --verify                # every digest; exit 1 on a problem
+    capture-proxy inspect capture.db --rollout r17 --follow  # keep printing new calls
+
+``--json`` prints the same views as JSON (keys in docs/inspect.md). On a terminal the output is
+rich tables sized to it; anywhere else, plain aligned text. Errors are one sentence on stderr
+and exit status 2; ``--verify`` exits 1 when it finds a problem.
+
+Output goes to an `Out` (see `capture_proxy.inspect.render`): `RichOut` on a terminal,
+`PlainOut` anywhere else. The views themselves are built by `capture_proxy.inspect.views`.
+
+The lead's `capture_proxy.cli` wires this in with `add_inspect_parser` and `run_inspect`; `main`
+runs it standalone (``python -c "from capture_proxy.inspect.cli import main; main()"``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from types import FrameType
+from typing import IO, TYPE_CHECKING, Any
+
+import orjson
+
+from ..read.reader import Store, open_store
+from ..sinks.base import StoreError
+from .render import (
+    Column,
+    Out,
+    event_line,
+    render_call,
+    render_overview,
+    render_rollout,
+    render_verify,
+)
+from .views import (
+    Follower,
+    InspectError,
+    TokenText,
+    call_view,
+    overview,
+    rollout_view,
+    verify_view,
+)
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+__all__ = ["PlainOut", "RichOut", "add_inspect_parser", "load_tokenizer", "main", "run_inspect"]
+
+PROG = "capture-proxy inspect"
+#: Polling bounds for --follow: fast enough to watch a session, slow enough not to load a store.
+MIN_INTERVAL, MAX_INTERVAL = 0.05, 60.0
+
+
+def _interval(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--interval wants seconds, got {text!r}") from None
+    if not MIN_INTERVAL <= value <= MAX_INTERVAL:
+        raise argparse.ArgumentTypeError(
+            f"--interval must be between {MIN_INTERVAL} and {MAX_INTERVAL} seconds, got {value}"
+        )
+    return value
+
+
+def _add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "store",
+        metavar="STORE",
+        help="sqlite:///file.db, parquet:///folder, s3://bucket/prefix, or a path",
+    )
+    what = p.add_mutually_exclusive_group()
+    what.add_argument("--rollout", metavar="ID", help="one rollout's calls, staged and failed")
+    what.add_argument("--call", metavar="ID", help="one call in full (request, response, digests)")
+    what.add_argument(
+        "--verify",
+        action="store_true",
+        help="check every digest and attachment; exit 1 if any fails",
+    )
+    p.add_argument("--tokens", action="store_true", help="with --call: print the token ids")
+    p.add_argument(
+        "--tokenizer",
+        metavar="PATH",
+        help="with --call: a tokenizer.json; shows each token id with its text "
+        "(needs the `tokenizers` package)",
+    )
+    p.add_argument("--json", action="store_true", help="print JSON (keys in docs/inspect.md)")
+    p.add_argument(
+        "--follow",
+        action="store_true",
+        help="keep printing new calls as the store grows (the store, or --rollout); Ctrl-C stops",
+    )
+    p.add_argument(
+        "--interval",
+        type=_interval,
+        default=1.0,
+        metavar="SECONDS",
+        help="how often --follow looks for new calls (default 1)",
+    )
+
+
+def add_inspect_parser(subparsers: Any) -> None:
+    """Add ``inspect`` to a `capture-proxy` subparsers object; run the result with `run_inspect`."""
+    p = subparsers.add_parser(
+        "inspect",
+        help="show what a store holds: rollouts, calls, tokens; verify digests",
+        description=(__doc__ or "").split("\n\n")[0],
+    )
+    _add_arguments(p)
+
+
+def load_tokenizer(path: str) -> TokenText:
+    """Each token id's text, from a Hugging Face tokenizer.json (through `tokenizers`)."""
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise InspectError(
+            "--tokenizer needs the tokenizers package, which is not installed: "
+            "pip install tokenizers"
+        ) from None
+    if not os.path.isfile(path):
+        raise InspectError(f"--tokenizer: no file at {path}")
+    try:
+        tok = Tokenizer.from_file(path)
+    except Exception as e:  # the library raises its own Exception subclass for a bad file
+        raise InspectError(f"--tokenizer: {path} is not a tokenizer.json ({e})") from None
+
+    def text(token_id: int) -> str:
+        decoded: str = tok.decode([token_id], skip_special_tokens=False)
+        # A lone byte of a multi-byte character decodes to nothing: show the vocabulary entry.
+        return decoded or (tok.id_to_token(token_id) or "")
+
+    return text
+
+
+# -- where the output goes ----------------------------------------------------------------
+
+
+class PlainOut:
+    """Aligned plain text: what `inspect` prints when stdout is not a terminal."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        self.stream = stream
+
+    def line(self, text: str = "", *, alert: bool = False, strong: bool = False) -> None:
+        self.stream.write(text + "\n")
+
+    def table(
+        self, columns: Sequence[Column], rows: Sequence[Sequence[str]], alerts: Sequence[bool]
+    ) -> None:
+        widths = [len(c.name) for c in columns]
+        for row in rows:
+            widths = [max(w, len(cell)) for w, cell in zip(widths, row, strict=True)]
+        for cells in ([c.name for c in columns], *rows):
+            parts = [
+                cell.rjust(w) if c.numeric else cell.ljust(w)
+                for c, cell, w in zip(columns, cells, widths, strict=True)
+            ]
+            self.stream.write("  ".join(parts).rstrip() + "\n")
+
+
+class RichOut:
+    """Rich tables and colour, sized to the console (a terminal, or one a test builds)."""
+
+    def __init__(self, console: Console) -> None:
+        self.console = console
+
+    def line(self, text: str = "", *, alert: bool = False, strong: bool = False) -> None:
+        from rich.text import Text
+
+        style = "bold red" if alert else ("bold" if strong else "")
+        self.console.print(Text(text, style=style))
+
+    def table(
+        self, columns: Sequence[Column], rows: Sequence[Sequence[str]], alerts: Sequence[bool]
+    ) -> None:
+        from rich import box
+        from rich.table import Table
+        from rich.text import Text
+
+        keep, widths = _fit(columns, rows, self.console.width)
+        table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+        for i, width in zip(keep, widths, strict=True):
+            table.add_column(
+                columns[i].name,
+                justify="right" if columns[i].numeric else "left",
+                no_wrap=True,
+                overflow="ellipsis",
+                width=width,
+            )
+        for row, alert in zip(rows, alerts, strict=True):
+            cells = (Text(row[i]) for i in keep)
+            table.add_row(*cells, style="bold red" if alert else None)
+        self.console.print(table)
+        hidden = [c.name for i, c in enumerate(columns) if i not in keep and _filled(rows, i)]
+        if hidden:
+            self.console.print(
+                f"(hidden to fit: {', '.join(hidden)}; widen the terminal or use --json)",
+                style="dim",
+                markup=False,
+            )
+
+
+#: Space between two columns of a rich table without edges: padding, rule, padding.
+_GAP = 3
+_MIN_FLEX = 12
+
+
+def _filled(rows: Sequence[Sequence[str]], i: int) -> bool:
+    return any(row[i] not in ("", "-") for row in rows)
+
+
+def _fit(
+    columns: Sequence[Column], rows: Sequence[Sequence[str]], total: int
+) -> tuple[list[int], list[int]]:
+    """Which columns to show, and their widths, on a terminal `total` characters wide.
+
+    Fixed columns keep their natural width (ids must stay whole to be copied); flexible ones
+    share what is left by their `flex`. Empty hideable columns go first; when the rest still
+    does not fit, hideable columns go by their `hide` rank.
+    """
+    natural = [max([len(c.name), *(len(row[i]) for row in rows)]) for i, c in enumerate(columns)]
+    keep = [i for i, c in enumerate(columns) if c.hide == 0 or _filled(rows, i)]
+
+    def need(kept: list[int]) -> int:
+        flex_min = sum(min(natural[i], _MIN_FLEX) for i in kept if columns[i].flex)
+        fixed = sum(natural[i] for i in kept if not columns[i].flex)
+        return flex_min + fixed + _GAP * (len(kept) - 1)
+
+    for i in sorted((i for i in keep if columns[i].hide), key=lambda i: -columns[i].hide):
+        if need(keep) <= total:
+            break
+        keep.remove(i)
+    widths = {i: natural[i] for i in keep}
+    room = total - _GAP * (len(keep) - 1) - sum(natural[i] for i in keep if not columns[i].flex)
+    # Narrow flexible columns keep their natural width and leave the rest to the others.
+    pending = sorted((i for i in keep if columns[i].flex), key=lambda i: natural[i])
+    while pending:
+        weight = sum(columns[i].flex for i in pending)
+        i = pending.pop(0)
+        share = max(min(natural[i], _MIN_FLEX), room * columns[i].flex // weight)
+        widths[i] = min(natural[i], share)
+        room -= widths[i]
+    return keep, [widths[i] for i in keep]
+
+
+def _out_for(stream: IO[str]) -> Out:
+    if stream.isatty():
+        from rich.console import Console
+
+        return RichOut(Console(file=stream, highlight=False))
+    return PlainOut(stream)
+
+
+def _print_json(view: Any, stream: IO[str], *, compact: bool = False) -> None:
+    option = orjson.OPT_APPEND_NEWLINE | (0 if compact else orjson.OPT_INDENT_2)
+    stream.write(orjson.dumps(view, option=option, default=str).decode())
+    stream.flush()
+
+
+def _follow(follower: Follower, args: argparse.Namespace, stream: IO[str], out: Out) -> int:
+    print(
+        f"following {follower.store.url} every {args.interval:g}s (Ctrl-C to stop)",
+        file=sys.stderr,
+        flush=True,
+    )
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt
+
+    # SIGTERM (a supervisor, `timeout`) ends a follow as cleanly as Ctrl-C: output stays whole.
+    # Signal handlers can only be set from the main thread; elsewhere the default stays.
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, stop) if main_thread else None
+    try:
+        while True:
+            time.sleep(args.interval)
+            for e in follower.poll():
+                if args.json:
+                    _print_json({"event": "call", **e}, stream, compact=True)
+                    continue
+                refs = (e.get("parent_call_id"), e.get("retry_of"))
+                seq_of = {k: s for k in refs if k and (s := follower.seq_of(k)) is not None}
+                prefix = "" if args.rollout else f"{e['rollout_id']} "
+                out.line(prefix + event_line(e, seq_of), alert=e["status"] != "staged")
+                stream.flush()
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    if (args.tokens or args.tokenizer) and not args.call:
+        raise InspectError("--tokens and --tokenizer go with --call ID")
+    if args.follow and (args.call or args.verify):
+        raise InspectError("--follow follows the store or one --rollout, not --call or --verify")
+
+
+def _run(store: Store, args: argparse.Namespace, stream: IO[str]) -> int:
+    out = _out_for(stream)
+    # The baseline is taken before the first view is read: a call landing in between is
+    # printed twice at worst, never missed.
+    follower = Follower(store, args.rollout) if args.follow else None
+    view: dict[str, Any] | None
+    render: Callable[[Any, Out], None]
+    if args.verify:
+        view, render = verify_view(store), render_verify
+    elif args.call:
+        text = load_tokenizer(args.tokenizer) if args.tokenizer else None
+        try:
+            view = call_view(
+                store, args.call, tokens=args.tokens or text is not None, token_text=text
+            )
+        except KeyError:
+            raise InspectError(
+                f"no call {args.call!r} in {store.url} (neither staged nor in a ledger)"
+            ) from None
+        render = render_call
+    elif args.rollout:
+        render = render_rollout
+        try:
+            view = rollout_view(store, args.rollout)
+        except KeyError:
+            if follower is None:
+                raise InspectError(f"no rollout {args.rollout!r} in {store.url}") from None
+            # Following a rollout before its first call is how one watches a run start.
+            print(f"no rollout {args.rollout!r} in {store.url} yet: waiting", file=sys.stderr)
+            view = None
+    else:
+        view, render = overview(store), render_overview
+    if view is not None and args.json:
+        _print_json(view, stream, compact=follower is not None)
+    elif view is not None:
+        render(view, out)
+        stream.flush()
+    if follower is not None:
+        return _follow(follower, args, stream, out)
+    return 1 if view is not None and args.verify and not view["ok"] else 0
+
+
+def run_inspect(args: argparse.Namespace, *, stdout: IO[str] | None = None) -> int:
+    """Run ``inspect`` with parsed arguments; returns the exit status (0, 1: verify failed,
+    2: a usage error or a store/rollout/call that cannot be found or read)."""
+    stream = stdout if stdout is not None else sys.stdout
+    try:
+        _check_flags(args)
+        with open_store(args.store) as store:
+            return _run(store, args, stream)
+    except (InspectError, StoreError) as e:
+        print(f"{PROG}: {e}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        # The reader went away (`inspect ... | head`): not an error, and nothing left to say.
+        if stream is sys.stdout:
+            # Otherwise Python reports the broken pipe again when it flushes stdout at exit.
+            with contextlib.suppress(OSError, ValueError):
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+def main(argv: Sequence[str] | None = None, *, stdout: IO[str] | None = None) -> int:
+    """``capture-proxy inspect`` on its own; `argv` excludes the program name."""
+    p = argparse.ArgumentParser(prog=PROG, description=(__doc__ or "").split("\n\n")[0])
+    _add_arguments(p)
+    return run_inspect(p.parse_args(argv), stdout=stdout)

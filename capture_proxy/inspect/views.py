@@ -1,0 +1,424 @@
+"""The data behind `capture-proxy inspect`: every view as plain, JSON-ready dicts.
+
+Both outputs come from these dicts: ``--json`` prints them as they are, and
+`capture_proxy.inspect.render` draws them as tables, so the two can never disagree. The keys are
+documented in docs/inspect.md; add a key there when you add one here.
+
+Views read through the `Store` API only, so they work the same on SQLite files and Parquet
+datasets. A read that fails because the store is damaged becomes an `InspectError` naming the
+thing and pointing at ``--verify``, never a traceback.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from ..read.reader import Store
+from ..schemas.digest import DigestMismatch, verify_record
+from ..schemas.records import (
+    Attachment,
+    CallStatus,
+    CallSummary,
+    LedgerEntry,
+    RolloutInfo,
+    StagedCallRecord,
+)
+from ..schemas.tokens import common_prefix_len, full_sequence
+
+__all__ = [
+    "Follower",
+    "InspectError",
+    "call_view",
+    "failure_entry",
+    "overview",
+    "preview",
+    "rollout_view",
+    "staged_entry",
+    "verify_view",
+]
+
+#: Characters kept of each previewed text (reasoning, content, tool arguments).
+PREVIEW_CHARS = 60
+
+#: Text of one token id, from a tokenizer the user named (``--tokenizer``).
+TokenText = Callable[[int], str]
+
+
+class InspectError(Exception):
+    """One sentence for the user, naming what was not found or cannot be read (exit status 2)."""
+
+
+def preview(value: object, limit: int = PREVIEW_CHARS) -> str:
+    """One line of at most `limit` characters: newlines shown as ``\\n``, cut with ``...``."""
+    if value is None:
+        return ""
+    text = value if isinstance(value, str) else str(value)
+    text = text.replace("\r", "").replace("\n", "\\n").replace("\t", " ").strip()
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def attachment_entry(att: Attachment) -> dict[str, Any]:
+    return {"sha256": att.sha256, "media_type": att.media_type, "size": att.size}
+
+
+def _drift(record: StagedCallRecord, parent_full: array[int] | None) -> dict[str, Any] | None:
+    """Where the call's prompt stops extending its parent's prompt + completion (DESIGN §6)."""
+    if parent_full is None:
+        return None
+    shared = common_prefix_len(parent_full, record.prompt_token_ids)
+    if shared == len(parent_full):
+        return None
+    return {
+        "position": shared,
+        "parent_len": len(parent_full),
+        "prompt_len": len(record.prompt_token_ids),
+    }
+
+
+def _tool_calls(message: Mapping[str, Any]) -> list[dict[str, Any]]:
+    out = []
+    for tc in message.get("tool_calls") or ():
+        fn = tc.get("function") if isinstance(tc, Mapping) else None
+        if isinstance(fn, Mapping):
+            out.append({"name": fn.get("name"), "arguments": preview(fn.get("arguments"))})
+    return out
+
+
+def _content_text(content: object) -> str:
+    """The text of a message's content (a string or a list of parts)."""
+    if isinstance(content, list):
+        return " ".join(
+            str(p.get("text", "")) for p in content if isinstance(p, Mapping) and "text" in p
+        )
+    return "" if content is None else str(content)
+
+
+def staged_entry(
+    record: StagedCallRecord, parent_full: array[int] | None, *, orphaned: bool = False
+) -> dict[str, Any]:
+    """A staged call as one row of the rollout view (and one ``--follow`` event)."""
+    response = record.response
+    return {
+        "rollout_id": record.rollout_id,
+        "seq": record.seq,
+        "call_id": record.call_id,
+        "status": record.status.value,
+        "orphaned": orphaned,
+        "finish_reason": record.finish_reason,
+        "prompt_tokens": len(record.prompt_token_ids),
+        "completion_tokens": len(record.completion_token_ids),
+        "parent_call_id": record.parent_call_id,
+        "retry_of": record.retry_of,
+        "drift": _drift(record, parent_full),
+        "weight_version": record.weight_version,
+        "created_at_ms": record.created_at_ms,
+        "reasoning": preview(response.get("reasoning_content")),
+        "content": preview(_content_text(response.get("content"))),
+        "tool_calls": _tool_calls(response),
+        "attachments": [attachment_entry(a) for a in record.attachments],
+    }
+
+
+def failure_entry(entry: LedgerEntry) -> dict[str, Any]:
+    """A call that was not staged, as one row of the rollout view: what happened and why."""
+    return {
+        "rollout_id": entry.rollout_id,
+        "seq": entry.seq,
+        "call_id": entry.call_id,
+        "status": entry.status.value,
+        "reason": entry.reason,
+        "http_status": entry.http_status,
+        "message": entry.message,
+        "at_ms": entry.at_ms,
+    }
+
+
+def entry_time(entry: Mapping[str, Any]) -> int:
+    return int(entry.get("created_at_ms") or entry.get("at_ms") or 0)
+
+
+def _read(what: str, read: Callable[[], Any]) -> Any:
+    """Run a store read; a damaged store becomes one sentence instead of a traceback."""
+    try:
+        return read()
+    except KeyError:
+        raise
+    except (ValueError, OSError) as e:
+        raise InspectError(f"{what} cannot be read ({e}); run inspect --verify") from e
+
+
+def _entries(store: Store, rollout_id: str) -> tuple[list[dict[str, Any]], dict[str, int]]:
+    """Staged calls and ledger failures of a rollout, interleaved by seq."""
+    records: list[StagedCallRecord] = _read(
+        f"rollout {rollout_id!r}", lambda: store.calls(rollout_id, include_orphaned=True)
+    )
+    orphaned = store.source.orphaned()
+    fulls: dict[str, array[int]] = {}
+    entries = []
+    for r in records:
+        parent = fulls.get(r.parent_call_id) if r.parent_call_id else None
+        entries.append(staged_entry(r, parent, orphaned=r.call_id in orphaned))
+        fulls[r.call_id] = full_sequence(r.prompt_token_ids, r.completion_token_ids)
+    entries.extend(failure_entry(f) for f in store.failures(rollout_id))
+    entries.sort(key=lambda e: (e["seq"], entry_time(e)))
+    return entries, {e["call_id"]: e["seq"] for e in entries}
+
+
+def _summary(info: RolloutInfo, entries: list[dict[str, Any]]) -> dict[str, Any]:
+    staged = [e for e in entries if e["status"] == CallStatus.STAGED.value]
+    times = [t for t in map(entry_time, entries) if t]
+    return {
+        "rollout_id": info.rollout_id,
+        "state": info.state.value,
+        "poisoned": info.poisoned,
+        "calls": len(entries),
+        "statuses": dict(Counter(e["status"] for e in entries)),
+        "orphaned": sum(1 for e in staged if e["orphaned"]),
+        "prompt_tokens": sum(e["prompt_tokens"] for e in staged),
+        "completion_tokens": sum(e["completion_tokens"] for e in staged),
+        "created_at_ms": info.created_at_ms,
+        "sealed_at_ms": info.sealed_at_ms,
+        "first_at_ms": min(times, default=None),
+        "last_at_ms": max(times, default=None),
+    }
+
+
+def _counted_entries(store: Store, rollout_id: str) -> list[dict[str, Any]]:
+    """What `_summary` counts of a rollout, from call summaries: no token ids or messages are
+    decoded, so listing a large store costs a few columns per call (``--verify`` reads it all).
+    """
+    summaries: list[CallSummary] = _read(
+        f"rollout {rollout_id!r}", lambda: store.source.summaries(rollout_id)
+    )
+    entries = [
+        {
+            "status": CallStatus.STAGED.value,
+            "orphaned": s.orphaned,
+            "prompt_tokens": s.prompt_len,
+            "completion_tokens": s.completion_len,
+            "created_at_ms": s.created_at_ms,
+        }
+        for s in summaries
+    ]
+    entries.extend(failure_entry(f) for f in store.failures(rollout_id))
+    return entries
+
+
+def overview(store: Store) -> dict[str, Any]:
+    """Every rollout of the store, newest first, with its counts, tokens and time span."""
+    rollouts = []
+    for rollout_id in reversed(store.rollouts()):
+        entries = _counted_entries(store, rollout_id)
+        rollouts.append(_summary(store.rollout_info(rollout_id), entries))
+    return {"view": "rollouts", "store": store.url, "rollouts": rollouts}
+
+
+def _trajectory(store: Store, rollout_id: str) -> dict[str, Any]:
+    # The trajectory builder is the trainer's view; if it fails on this store, inspect still
+    # shows everything else and says why the trajectory is missing.
+    try:
+        t = store.trajectory(rollout_id)
+    except Exception as e:
+        return {"ok": False, "note": f"trajectory unavailable: {type(e).__name__}: {e}"}
+    d = t.to_dict()
+    return {
+        "ok": True,
+        "tokens": len(t),
+        "trained_tokens": sum(t.loss_mask),
+        "segments": d["segments"],
+        "drift": d["drift"],
+        "apart": d["apart"],
+        "retries_skipped": d["retries_skipped"],
+    }
+
+
+def rollout_view(store: Store, rollout_id: str) -> dict[str, Any]:
+    """A rollout's calls in order, staged and failed; KeyError for an unknown rollout."""
+    if rollout_id not in store.rollouts():
+        raise KeyError(rollout_id)
+    info = store.rollout_info(rollout_id)
+    entries, _ = _entries(store, rollout_id)
+    return {
+        "view": "rollout",
+        "store": store.url,
+        "rollout": {
+            **_summary(info, entries),
+            "metadata": dict(info.metadata),
+        },
+        "calls": entries,
+        "last": entries[-1] if entries else None,
+        "trajectory": _trajectory(store, rollout_id),
+    }
+
+
+def find_call(store: Store, call_id: str) -> StagedCallRecord | LedgerEntry:
+    """The staged record with that id, else the ledger entry; KeyError when neither exists."""
+    try:
+        (record,) = _read(f"call {call_id!r}", lambda: store.source.fetch([call_id]))
+        return record  # type: ignore[no-any-return]
+    except KeyError:
+        pass
+    for rollout_id in store.rollouts():
+        for entry in store.failures(rollout_id):
+            if entry.call_id == call_id:
+                return entry
+    raise KeyError(call_id)
+
+
+def _check(record: StagedCallRecord) -> dict[str, Any]:
+    try:
+        verify_record(record)
+    except DigestMismatch as e:
+        return {"ok": False, "problem": str(e)}
+    return {"ok": True, "problem": None}
+
+
+def _tokens(record: StagedCallRecord, text: TokenText | None) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "prompt_token_ids": record.prompt_token_ids.tolist(),
+        "completion_token_ids": record.completion_token_ids.tolist(),
+        "completion_logprobs": record.completion_logprobs.tolist(),
+    }
+    if text is not None:
+        out["prompt_text"] = [text(i) for i in record.prompt_token_ids]
+        out["completion_text"] = [text(i) for i in record.completion_token_ids]
+    return out
+
+
+def call_view(
+    store: Store, call_id: str, *, tokens: bool = False, token_text: TokenText | None = None
+) -> dict[str, Any]:
+    """One call in full: request, response, tokens, digests and their check; or its failure."""
+    found = find_call(store, call_id)
+    if isinstance(found, LedgerEntry):
+        return {"view": "call", "store": store.url, "call": failure_entry(found)}
+    r = found
+    (coords,) = store.coords([r.call_id])
+    call: dict[str, Any] = {
+        "rollout_id": r.rollout_id,
+        "seq": r.seq,
+        "call_id": r.call_id,
+        "status": r.status.value,
+        "orphaned": r.call_id in store.source.orphaned(),
+        "parent_call_id": r.parent_call_id,
+        "retry_of": r.retry_of,
+        "created_at_ms": r.created_at_ms,
+        "weight_version": r.weight_version,
+        "model": r.model,
+        "upstream_version": r.upstream_version,
+        "tokenizer_fingerprint": r.tokenizer_fingerprint,
+        "schema_version": r.schema_version,
+        "finish_reason": r.finish_reason,
+        "sampling": dict(r.sampling),
+        "request": dict(r.request),
+        "response": dict(r.response),
+        "extras": dict(r.extras),
+        "prompt_tokens": len(r.prompt_token_ids),
+        "completion_tokens": len(r.completion_token_ids),
+        "stored": {
+            "prev_len": coords.prev_len,
+            "delta_len": coords.delta_len,
+            "cum_len": coords.cum_len,
+        },
+        "digest": r.digest,
+        "extras_digest": r.extras_digest,
+        "check": _check(r),
+        "attachments": [{**attachment_entry(a), "ok": a.check()} for a in r.attachments],
+    }
+    if tokens:
+        call["tokens"] = _tokens(r, token_text)
+    return {"view": "call", "store": store.url, "call": call}
+
+
+def verify_view(store: Store) -> dict[str, Any]:
+    """Every digest and attachment checked; `ok` is false when any problem was found."""
+    checked = len(list(store.source.all_keys()))
+    problems = [{"key": p.key, "message": p.message} for p in store.problems()]
+    return {
+        "view": "verify",
+        "store": store.url,
+        "ok": not problems,
+        "checked": checked,
+        "problems": problems,
+    }
+
+
+def known_call_ids(store: Store, rollout_ids: Iterable[str]) -> set[str]:
+    """Call ids already in the store (staged anywhere, failed in `rollout_ids`): the baseline
+    ``--follow`` reports new calls against."""
+    seen = set(store.source.all_keys())
+    for rollout_id in rollout_ids:
+        seen.update(f.call_id for f in store.failures(rollout_id))
+    return seen
+
+
+#: Parent sequences `Follower` keeps to tell drift without re-reading them.
+_FOLLOW_CACHE = 256
+
+
+class Follower:
+    """Finds the calls that arrived since the last `poll` (staged, or failed in the ledger).
+
+    `poll` returns them as rollout-view entries (docs/inspect.md), ordered by rollout and seq.
+    Staged calls are found by diffing the store's keys, so a poll reads only the new records
+    (and a new call's parent, to tell drift); failures are read from each followed rollout's
+    ledger.
+    """
+
+    def __init__(self, store: Store, rollout_id: str | None = None) -> None:
+        self.store = store
+        self.rollout_id = rollout_id
+        self.seen = known_call_ids(store, self._rollout_ids())
+        self._parents: dict[str, tuple[int, array[int]]] = {}
+
+    def _rollout_ids(self) -> list[str]:
+        return [self.rollout_id] if self.rollout_id is not None else self.store.rollouts()
+
+    def _remember(self, call_id: str, seq: int, full: array[int]) -> None:
+        self._parents[call_id] = (seq, full)
+        while len(self._parents) > _FOLLOW_CACHE:
+            del self._parents[next(iter(self._parents))]
+
+    def _parent(self, call_id: str | None) -> tuple[int, array[int]] | None:
+        if call_id is None:
+            return None
+        if call_id not in self._parents:
+            try:
+                (p,) = self.store.source.fetch([call_id])
+            except KeyError:
+                return None
+            self._remember(
+                call_id, p.seq, full_sequence(p.prompt_token_ids, p.completion_token_ids)
+            )
+        return self._parents[call_id]
+
+    def seq_of(self, call_id: str) -> int | None:
+        hit = self._parents.get(call_id)
+        return hit[0] if hit is not None else None
+
+    def poll(self) -> list[dict[str, Any]]:
+        new_keys = [k for k in self.store.source.all_keys() if k not in self.seen]
+        self.seen.update(new_keys)
+        records = self.store.source.fetch(new_keys) if new_keys else []
+        orphaned = self.store.source.orphaned() if records else set()
+        entries = []
+        for r in sorted(records, key=lambda r: (r.rollout_id, r.seq)):
+            if self.rollout_id is not None and r.rollout_id != self.rollout_id:
+                continue
+            parent = self._parent(r.parent_call_id)
+            entries.append(
+                staged_entry(r, parent[1] if parent else None, orphaned=r.call_id in orphaned)
+            )
+            self._remember(
+                r.call_id, r.seq, full_sequence(r.prompt_token_ids, r.completion_token_ids)
+            )
+        for rollout_id in self._rollout_ids():
+            for f in self.store.failures(rollout_id):
+                if f.call_id not in self.seen:
+                    self.seen.add(f.call_id)
+                    entries.append(failure_entry(f))
+        entries.sort(key=lambda e: (e["rollout_id"], e["seq"]))
+        return entries

@@ -1,0 +1,1 @@
+"""The trainer's read side: `open_store`, records, trajectories and exports."""

@@ -1,0 +1,214 @@
+"""Trajectories: a rollout's calls linearized into one token sequence a trainer learns from.
+
+    >>> traj = open_store("parquet:///runs/capture").trajectory("rollout-17")
+    >>> traj.token_ids, traj.loss_mask, traj.logprobs      # int32 ids, 0/1 mask, float32
+    >>> traj.segments                                      # where drift forced a new sequence
+    >>> traj.drift                                         # which call drifted, where, by how much
+
+The walk (docs/trajectories.md has a worked example): take the rollout's staged calls in
+sequence order, keep only the latest attempt of each retried call, and keep calls without tools
+(OpenCode's title call) apart when the rollout has calls with tools. The first call opens a
+segment with its prompt (mask 0) and completion (mask 1). Each later call either *extends* the
+running sequence (the previous call's prompt + completion is a prefix of its prompt): its new
+prompt tokens are appended with mask 0 and its completion with mask 1; or it has *drifted* (the
+chat template re-rendered history differently, the agent edited its context, tool arguments
+were re-serialized): the drift is reported and the call opens a new segment with its whole
+prompt (mask 0). Nothing is spliced: every segment is a sequence the model actually saw.
+"""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..schemas.records import StagedCallRecord
+from ..schemas.tokens import common_prefix_len, full_sequence
+from ..sinks.base import StagingSource
+
+__all__ = [
+    "Drift",
+    "Segment",
+    "Trajectory",
+    "build_trajectory",
+    "has_tools",
+    "trajectory_from_records",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """Tokens ``[start, end)`` of the trajectory: one sequence, built by `call_ids` in order."""
+
+    start: int
+    end: int
+    call_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Drift:
+    """A call whose prompt does not extend the sequence before it.
+
+    `parent_call_id` is the call before it in the trajectory, whose prompt + completion
+    (`parent_len` tokens) the call's prompt (`prompt_len` tokens) should have started with;
+    `position` is the first token where they differ (their common prefix length).
+    """
+
+    call_id: str
+    parent_call_id: str
+    position: int
+    parent_len: int
+    prompt_len: int
+
+
+@dataclass(slots=True)
+class Trajectory:
+    """One rollout as training data; every per-token array has ``len(token_ids)`` entries."""
+
+    rollout_id: str
+    #: The linearized token ids (int32): segment after segment.
+    token_ids: array[int] = field(default_factory=lambda: array("i"))
+    #: 1 on tokens the policy generated (train on them), 0 on prompt tokens.
+    loss_mask: array[int] = field(default_factory=lambda: array("b"))
+    #: The generating logprob of each generated token (float32); 0.0 on prompt tokens.
+    logprobs: array[float] = field(default_factory=lambda: array("f"))
+    #: Per token: the index in `calls` of the call that added it.
+    call_index: array[int] = field(default_factory=lambda: array("i"))
+    #: Per token: the weight version of the call that first produced it (0 for prompt text).
+    weight_versions: array[int] = field(default_factory=lambda: array("q"))
+    segments: list[Segment] = field(default_factory=list)
+    drift: list[Drift] = field(default_factory=list)
+    #: The call ids in the trajectory, in order.
+    calls: list[str] = field(default_factory=list)
+    #: Calls kept apart (no tools: e.g. OpenCode's title call); see `include_untooled`.
+    apart: list[str] = field(default_factory=list)
+    #: Earlier attempts of retried calls (the latest attempt is in the trajectory).
+    retries_skipped: list[str] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain lists and dicts (JSON-ready)."""
+        return {
+            "rollout_id": self.rollout_id,
+            "token_ids": self.token_ids.tolist(),
+            "loss_mask": self.loss_mask.tolist(),
+            "logprobs": self.logprobs.tolist(),
+            "call_index": self.call_index.tolist(),
+            "weight_versions": self.weight_versions.tolist(),
+            "segments": [
+                {"start": s.start, "end": s.end, "call_ids": list(s.call_ids)}
+                for s in self.segments
+            ],
+            "drift": [
+                {
+                    "call_id": d.call_id,
+                    "parent_call_id": d.parent_call_id,
+                    "position": d.position,
+                    "parent_len": d.parent_len,
+                    "prompt_len": d.prompt_len,
+                }
+                for d in self.drift
+            ],
+            "calls": list(self.calls),
+            "apart": list(self.apart),
+            "retries_skipped": list(self.retries_skipped),
+        }
+
+
+def has_tools(record: StagedCallRecord) -> bool:
+    """True when the call offered the model tools (OpenCode's agent calls; not its title call)."""
+    tools = record.request.get("tools")
+    return isinstance(tools, list) and len(tools) > 0
+
+
+def _latest_attempts(
+    records: list[StagedCallRecord],
+) -> tuple[list[StagedCallRecord], list[str]]:
+    """Keep the latest attempt of each retried call; also return the skipped attempts' ids."""
+    root: dict[str, str] = {}
+    for r in records:  # in seq order, so a retry's target was seen before it (if staged)
+        root[r.call_id] = root.get(r.retry_of, r.retry_of) if r.retry_of else r.call_id
+    latest: dict[str, StagedCallRecord] = {}
+    for r in records:
+        latest[root[r.call_id]] = r
+    kept = [r for r in records if latest[root[r.call_id]] is r]
+    skipped = [r.call_id for r in records if latest[root[r.call_id]] is not r]
+    return kept, skipped
+
+
+def build_trajectory(
+    source: StagingSource, rollout_id: str, *, include_untooled: bool = False
+) -> Trajectory:
+    """Linearize a rollout's staged calls (see the module docs). KeyError for an unknown rollout.
+
+    `include_untooled` walks calls without tools like the others instead of listing them in
+    `Trajectory.apart`. Orphaned records (staged after their caller gave up) are not used.
+    """
+    if rollout_id not in source.rollouts():
+        raise KeyError(rollout_id)
+    return trajectory_from_records(
+        rollout_id, source.calls(rollout_id), include_untooled=include_untooled
+    )
+
+
+def trajectory_from_records(
+    rollout_id: str, records: list[StagedCallRecord], *, include_untooled: bool = False
+) -> Trajectory:
+    """`build_trajectory` over records already read (the rollout's, in sequence order)."""
+    kept, skipped = _latest_attempts(records)
+    traj = Trajectory(rollout_id, retries_skipped=skipped)
+    # Keep untooled calls apart only when there is a tooled main line to keep them apart from.
+    if not include_untooled and any(map(has_tools, kept)):
+        traj.apart = [r.call_id for r in kept if not has_tools(r)]
+        kept = [r for r in kept if has_tools(r)]
+    _linearize(traj, kept)
+    return traj
+
+
+def _zeros(kind: str, n: int) -> array[Any]:
+    return array(kind, bytes(array(kind).itemsize * n))
+
+
+def _linearize(traj: Trajectory, records: list[StagedCallRecord]) -> None:
+    tokens, mask, lps = traj.token_ids, traj.loss_mask, traj.logprobs
+    index, versions = traj.call_index, traj.weight_versions
+    seg_start = 0
+    seg_calls: list[str] = []
+    # Within a segment the tokens so far are exactly the previous call's prompt + completion,
+    # so "extends the running sequence" is a prefix test against tokens[seg_start:].
+    running = array("i")
+    prev: StagedCallRecord | None = None
+    for i, r in enumerate(records):
+        prompt, completion = r.prompt_token_ids, r.completion_token_ids
+        shared = common_prefix_len(running, prompt) if prev is not None else 0
+        if prev is not None and shared == len(running):
+            new_prompt = prompt[shared:]
+            new_versions: array[int] = _zeros("q", len(new_prompt))
+        else:
+            if prev is not None:
+                traj.drift.append(Drift(r.call_id, prev.call_id, shared, len(running), len(prompt)))
+                traj.segments.append(Segment(seg_start, len(tokens), tuple(seg_calls)))
+            # A new segment re-states the whole prompt. Its shared prefix was produced by
+            # earlier calls: those tokens keep their weight versions; the rest are 0.
+            new_prompt = prompt
+            new_versions = versions[seg_start : seg_start + shared]
+            new_versions.extend(_zeros("q", len(prompt) - shared))
+            seg_start, seg_calls = len(tokens), []
+        n_new, n_out = len(new_prompt), len(completion)
+        tokens.extend(new_prompt)
+        tokens.extend(completion)
+        mask.extend(_zeros("b", n_new))
+        mask.extend(array("b", [1]) * n_out)
+        lps.extend(_zeros("f", n_new))
+        lps.extend(r.completion_logprobs)
+        index.extend(array("i", [i]) * (n_new + n_out))
+        versions.extend(new_versions)
+        versions.extend(array("q", [r.weight_version]) * n_out)
+        traj.calls.append(r.call_id)
+        seg_calls.append(r.call_id)
+        running = full_sequence(prompt, completion)
+        prev = r
+    if seg_calls:
+        traj.segments.append(Segment(seg_start, len(tokens), tuple(seg_calls)))

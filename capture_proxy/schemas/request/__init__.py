@@ -1,0 +1,54 @@
+"""The strict Chat Completions request schema (msgspec), its error paths and the request policy.
+
+`decode_request` turns a body into typed structs or a `RequestValidationError` that names the
+JSON path of what was wrong; the private modules hold the messages, parameters, free-form JSON
+bounds and policy keys.
+"""
+
+from __future__ import annotations
+
+from ._errors import (
+    RequestValidationError,
+    json_type_name,
+    not_an_object,
+)
+from ._messages import (
+    ImagePart,
+    UserMessage,
+)
+from ._params import (
+    FunctionDefinition,
+    NamedToolChoice,
+    ResponseFormat,
+    StreamOptions,
+    StructuredOutputs,
+    Tool,
+)
+from ._policy import (
+    check_capturable,
+)
+from ._schema import (
+    MAX_MESSAGES,
+    MAX_TOOLS,
+    ChatCompletionRequest,
+    validate_request,
+)
+
+__all__ = [
+    "MAX_MESSAGES",
+    "MAX_TOOLS",
+    "ChatCompletionRequest",
+    "FunctionDefinition",
+    "ImagePart",
+    "NamedToolChoice",
+    "RequestValidationError",
+    "ResponseFormat",
+    "StreamOptions",
+    "StructuredOutputs",
+    "Tool",
+    "UserMessage",
+    "check_capturable",
+    "json_type_name",
+    "not_an_object",
+    "validate_request",
+]

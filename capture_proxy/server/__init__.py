@@ -1,0 +1,1 @@
+"""The aiohttp server: the chat route, pass-through routes, control API, metrics, settings."""

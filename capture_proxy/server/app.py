@@ -1,0 +1,355 @@
+"""The aiohttp application: routes, error middleware, and the lifecycle of its resources.
+
+One pooled `aiohttp.ClientSession` to the upstream, the sink, the bundled fake vLLM (with
+``--upstream fake``) and the background guards are opened and closed through aiohttp's cleanup
+context, so a test or an embedding program gets the same lifecycle as ``capture-proxy serve``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+
+import aiohttp
+from aiohttp import web
+
+from ..core.capture import Capture
+from ..core.policy import RequestPolicy
+from ..errors import NotFound, PayloadTooLarge, ProxyError, error_body
+from ..sinks.base import StagingSink, StagingSource
+from ..sinks.registry import open_sink, open_source
+from ..sinks.urls import parse_store_url
+from ..upstream.client import Upstream
+from .chat import chat_completions
+from .control import add_control_routes
+from .metrics import Metrics
+from .passthrough import PASSTHROUGH_PATHS, passthrough
+from .settings import Settings
+from .state import STATE, ProxyState
+
+__all__ = ["create_admin_app", "create_app"]
+
+log = logging.getLogger("capture_proxy")
+access_log = logging.getLogger("capture_proxy.access")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _route_label(request: web.Request) -> str:
+    info = request.match_info
+    if info.http_exception is not None or info.route.resource is None:
+        return "unmatched"
+    return info.route.resource.canonical
+
+
+def _log_access(
+    state: ProxyState,
+    request: web.Request,
+    route: str,
+    status: int,
+    elapsed: float,
+    headers: Mapping[str, str],
+) -> None:
+    """One line per request with its rollout, call id and capture outcome (never the body)."""
+    call_id = headers.get("X-Capture-Call-Id")
+    rollout_id = (
+        request.match_info.get("rollout_id")
+        or request.headers.get("X-Rollout-Id")
+        or request.headers.get("x-session-id")
+    )
+    outcome = headers.get("X-Capture-Status")
+    live = state.capture.rollouts.get(rollout_id or "anonymous") if call_id else None
+    if live is not None and call_id in live.outcomes:
+        outcome = str(live.outcomes[call_id].status)  # a stream's final outcome, not "pending"
+    access_log.info(
+        "%s %s %d",
+        request.method,
+        route,
+        status,
+        extra={
+            "route": route,
+            "http_status": status,
+            "duration_ms": round(elapsed * 1000, 2),
+            "rollout_id": rollout_id if call_id else None,
+            "call_id": call_id,
+            "status": outcome,
+        },
+    )
+
+
+@web.middleware
+async def errors_and_metrics(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """One JSON error body for every error; requests counted by route and status."""
+    state = request.app[STATE]
+    started = time.perf_counter()
+    route = _route_label(request)
+    response: web.StreamResponse | None = None
+    try:
+        limit = state.settings.max_body_bytes
+        length = request.content_length
+        if (
+            length is not None
+            and length > limit
+            and request.match_info.handler is not chat_completions
+        ):
+            # Every route refuses an oversized body from its header, before reading a byte (the
+            # chat route does it itself, so that its ledger records the refused call).
+            raise PayloadTooLarge(
+                f"request body of {request.content_length} bytes is over the limit of {limit} "
+                "bytes",
+                code="body_too_large",
+            )
+        response = await handler(request)
+        return response
+    except ProxyError as e:
+        response = web.Response(
+            status=e.status, body=e.body(), content_type="application/json", headers=e.headers
+        )
+        return response
+    except web.HTTPException as e:
+        if e.status == 404:
+            err: ProxyError = NotFound(
+                f"{request.method} {request.path} is not a route of capture-proxy: only "
+                "/v1/chat/completions is captured (plus /v1/models, /tokenize, /detokenize, "
+                "/version passed through); nothing is proxied uncaptured",
+                code="route_not_found",
+            )
+            response = web.Response(status=404, body=err.body(), content_type="application/json")
+            return response
+        if e.status == 405:
+            response = web.Response(
+                status=405,
+                body=error_body(
+                    f"{request.method} is not allowed on {request.path}",
+                    type="invalid_request_error",
+                    code="method_not_allowed",
+                ),
+                content_type="application/json",
+                headers={"Allow": e.headers.get("Allow", "")},
+            )
+            return response
+        response = e  # aiohttp's HTTPException is a response: log its status
+        raise
+    finally:
+        elapsed = time.perf_counter() - started
+        status = response.status if response is not None else 500
+        state.metrics.requests.labels(route, str(status)).inc()
+        state.metrics.request_seconds.labels(route).observe(elapsed)
+        if access_log.isEnabledFor(logging.INFO):
+            headers = response.headers if response is not None else {}
+            _log_access(state, request, route, status, elapsed, headers)
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    """Ready when the upstream answers, the sink is writable, and no ledger entry is held."""
+    state = request.app[STATE]
+    problems: list[str] = []
+    try:
+        async with state.session.get(
+            state.upstream.url("/version"),
+            headers=state.upstream.headers,
+            timeout=aiohttp.ClientTimeout(total=2),
+        ) as resp:
+            if resp.status >= 500:
+                problems.append(f"upstream /version answered {resp.status}")
+    except (aiohttp.ClientError, TimeoutError) as e:
+        problems.append(f"upstream unreachable: {type(e).__name__}")
+    cap = state.capture
+    if cap.unavailable_reason:
+        problems.append(cap.unavailable_reason)
+    if cap.sink_failing:
+        problems.append(f"sink failing: {cap.sink_failing}")
+    if cap.stager.late_writes:
+        problems.append(f"{cap.stager.late_writes} staging writes past their deadline (sink slow)")
+    if cap.ledger.late:
+        problems.append(f"{cap.ledger.late} ledger writes past their deadline (sink slow)")
+    if cap.ledger.held:
+        problems.append(f"{len(cap.ledger.held)} ledger entries held in memory (sink failing)")
+    body = {"ready": not problems, "problems": problems}
+    return web.json_response(body, status=503 if problems else 200)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    return web.Response(
+        body=request.app[STATE].metrics.render(),
+        headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
+    )
+
+
+def _store_dir(url: str) -> str | None:
+    parsed = parse_store_url(url)
+    if parsed.kind == "memory" or "://" in parsed.location:
+        return None
+    path = os.path.abspath(parsed.location)
+    return path if parsed.kind == "parquet" else os.path.dirname(path)
+
+
+def _disk_problem(folder: str, floor: int) -> str | None:
+    """Why the store's disk is below the floor, or None. Blocking: run it on a thread."""
+    probe = folder
+    while not os.path.exists(probe) and probe != os.path.dirname(probe):
+        probe = os.path.dirname(probe)
+    try:
+        free = shutil.disk_usage(probe).free
+    except OSError as e:
+        return f"cannot read free disk at {probe}: {e}"
+    if free < floor:
+        mib = 2**20
+        return f"free disk at the store ({free // mib} MiB) is below the floor ({floor // mib} MiB)"
+    return None
+
+
+async def _guards(state: ProxyState, store_url: str) -> None:
+    """Once a second: the free-disk floor, ledger entries the sink refused, idle rollouts."""
+    floor = state.settings.min_free_disk_mb * 2**20
+    folder = _store_dir(store_url)
+    while True:
+        if floor and folder:
+            state.capture.unavailable_reason = await asyncio.to_thread(_disk_problem, folder, floor)
+        if state.capture.ledger.held:
+            await state.capture.ledger.flush()
+        state.forget_rollouts(state.capture.evict_idle(state.settings.rollout_idle_timeout))
+        await asyncio.sleep(1.0)
+
+
+def _live_gauges(state: ProxyState) -> dict[str, float]:
+    cap = state.capture
+    out: dict[str, float] = {
+        "inflight_calls": cap.inflight,
+        "pending_stages": cap.pending_stages,
+        "ledger_held_entries": len(cap.ledger.held),
+        "late_writes": cap.stager.late_writes + cap.ledger.late,
+        "rollouts_live": len(cap.rollouts),
+        "weight_version": cap.weight_version,
+        "ready_capture": 0 if (cap.unavailable_reason or cap.sink_failing) else 1,
+    }
+    sink_stats = getattr(state.sink, "stats", None)  # optional: sinks with a write queue
+    if callable(sink_stats):
+        out.update({f"sink_{k}": v for k, v in sink_stats().items()})
+    return out
+
+
+class SharedReader:
+    """One reader on the sink's store, opened on first use and then shared: readers are
+    thread-safe and see later commits, and opening a Parquet dataset indexes every unit."""
+
+    def __init__(self, sink: StagingSink) -> None:
+        self.sink = sink
+        self._own = not isinstance(sink, StagingSource)  # MemorySink reads itself
+        self._source: StagingSource | None = None if self._own else sink  # type: ignore[assignment]
+        self._lock = threading.Lock()
+
+    def __call__(self) -> StagingSource:
+        with self._lock:
+            if self._source is None:
+                # Small cache: this reader lives as long as the proxy and mostly reads a few
+                # rollouts' last calls (resume, manifests), never the whole store.
+                self._source = open_source(self.sink.url, cache_bytes=8 << 20)
+            return self._source
+
+    def close(self) -> None:
+        with self._lock:
+            if self._source is not None and self._own:
+                self._source.close_reader()
+                self._source = None
+
+
+def create_app(settings: Settings, *, sink: StagingSink | None = None) -> web.Application:
+    """The proxy as an aiohttp Application (``sink`` overrides ``settings.store``, for tests)."""
+    the_sink = sink if sink is not None else open_sink(settings.store)
+    state = ProxyState(
+        settings=settings,
+        sink=the_sink,
+        capture=Capture(
+            the_sink,
+            stage_timeout=settings.stage_timeout,
+            max_pending=settings.max_pending_stages,
+            max_inflight=settings.max_inflight,
+            max_inflight_per_rollout=settings.max_inflight_per_rollout,
+            source=SharedReader(the_sink),
+            policy=RequestPolicy(
+                defaults=settings.policy_defaults,
+                force=settings.policy_force,
+                max_tokens_cap=settings.max_tokens_cap,
+                model=settings.served_model,
+            ),
+        ),
+        metrics=Metrics(),
+    )
+    state.metrics.add_live(lambda: _live_gauges(state))
+    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[errors_and_metrics])
+    app[STATE] = state
+    app.cleanup_ctx.append(_lifecycle)
+    app.on_shutdown.append(_mark_shutting_down)
+    for prefix in ("", "/r/{rollout_id}"):
+        app.router.add_post(prefix + "/v1/chat/completions", chat_completions)
+        for path in PASSTHROUGH_PATHS:
+            method = "POST" if path in ("/tokenize", "/detokenize") else "GET"
+            app.router.add_route(method, prefix + path, passthrough)
+    if not settings.admin_port:
+        add_control_routes(app)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+async def _mark_shutting_down(app: web.Application) -> None:
+    app[STATE].shutting_down = True
+
+
+def create_admin_app(main: web.Application) -> web.Application:
+    """The control API alone, sharing `main`'s state, for ``--admin-port``."""
+    admin = web.Application(middlewares=[errors_and_metrics])
+    admin[STATE] = main[STATE]
+    add_control_routes(admin)
+    return admin
+
+
+async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
+    state = app[STATE]
+    s = state.settings
+    fake_runner: web.AppRunner | None = None
+    upstream_url = s.upstream
+    if upstream_url == "fake":
+        from ..testing.fake_vllm import serve_fake
+
+        _, fake_runner, upstream_url = await serve_fake(host="127.0.0.1", port=0)
+        log.info("serving the bundled fake vLLM at %s", upstream_url)
+    state.upstream_url = upstream_url
+    state.session = aiohttp.ClientSession(
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=s.upstream_connect_timeout),
+        connector=aiohttp.TCPConnector(limit=0, limit_per_host=0),
+    )
+    state.upstream = Upstream(
+        upstream_url,
+        state.session,
+        api_key=s.upstream_api_key,
+        reasoning_field=s.upstream_reasoning_field,
+    )
+    guards = asyncio.create_task(_guards(state, s.store))
+    try:
+        yield
+    finally:
+        guards.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await guards
+        await state.wait_background(s.stage_timeout)
+        await state.capture.drain(s.stage_timeout)
+        await state.capture.ledger.flush()
+        await state.sink.close()
+        if isinstance(state.capture.source, SharedReader):
+            state.capture.source.close()
+        await state.session.close()
+        if fake_runner is not None:
+            await fake_runner.cleanup()

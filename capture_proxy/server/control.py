@@ -1,0 +1,158 @@
+"""The control API for rollout drivers (DESIGN §5): create rollouts, read manifests, seal.
+
+Every route needs ``Authorization: Bearer <admin token>`` (compared in constant time). Without
+``--admin-token`` the API is off: its routes answer 404 saying so. It is served on the main port,
+or on ``--admin-port`` to keep it off the network sandboxes can reach.
+
+Request bodies are validated with pydantic models: the control API is low-volume and benefits
+from pydantic's readable error messages more than from msgspec's speed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import secrets
+from typing import Any
+
+import orjson
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ..core.ids import new_call_id, valid_rollout_id
+from ..core.rollouts import RolloutLive, resume_rollout
+from ..errors import BadRequest, NotFound, Unauthorized, Unprocessable
+from .state import STATE, ProxyState
+
+__all__ = ["add_control_routes"]
+
+
+class CreateRollout(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    rollout_id: str | None = Field(default=None, min_length=1, max_length=128)
+    policy: dict[str, Any] = Field(default_factory=dict)
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+class WeightVersion(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    weight_version: int = Field(ge=0)
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
+
+
+def _authorize(request: web.Request) -> ProxyState:
+    state = request.app[STATE]
+    token = state.settings.admin_token
+    if not token:
+        raise NotFound(
+            "the control API is off: start capture-proxy with --admin-token", code="control_api_off"
+        )
+    auth = request.headers.get("Authorization", "")
+    given = auth[7:] if auth.startswith("Bearer ") else ""
+    if not hmac.compare_digest(given.encode(), token.encode()):
+        raise Unauthorized(
+            "the control API needs Authorization: Bearer <admin token>", code="admin_token"
+        )
+    return state
+
+
+async def _body(request: web.Request, model: type[BaseModel]) -> Any:
+    raw = await request.read()
+    try:
+        return model.model_validate_json(raw or b"{}")
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "body"
+        raise Unprocessable(f"{where}: {first['msg']}", code="invalid_body", param=where) from None
+
+
+def _base_url(state: ProxyState, request: web.Request, rollout_id: str) -> str:
+    base = state.settings.public_url or state.listen_url or f"{request.scheme}://{request.host}"
+    return f"{base.rstrip('/')}/r/{rollout_id}/v1"
+
+
+async def create_rollout(request: web.Request) -> web.Response:
+    state = _authorize(request)
+    body = await _body(request, CreateRollout)
+    rollout_id = body.rollout_id or f"ro-{new_call_id().lower()}"
+    if not valid_rollout_id(rollout_id):
+        raise BadRequest(
+            f"rollout_id must be 1-128 characters of [A-Za-z0-9._:-], got {rollout_id[:64]!r}",
+            code="invalid_rollout_id",
+            param="rollout_id",
+        )
+    key = secrets.token_urlsafe(32) if state.settings.require_rollout_keys else None
+    await state.capture.create_rollout(
+        rollout_id, key=key, policy=body.policy, metadata=body.metadata
+    )
+    return _json(
+        {
+            "rollout_id": rollout_id,
+            "base_url": _base_url(state, request, rollout_id),
+            "api_key": key,
+        },
+        status=201,
+    )
+
+
+def _manifest_live(live: RolloutLive) -> dict[str, Any]:
+    outcomes = sorted(live.outcomes.values(), key=lambda o: o.seq)
+    return {
+        "rollout_id": live.rollout_id,
+        "state": "sealed" if live.sealed else "open",
+        "poisoned": live.poisoned,
+        "in_flight": live.in_flight,
+        "calls": [o.to_dict() for o in outcomes],
+    }
+
+
+def _manifest_from_store(state: ProxyState, rollout_id: str) -> dict[str, Any] | None:
+    """A manifest rebuilt from the store, for rollouts this process does not hold (a restart,
+    or sealed and released from memory). Blocking I/O: run it on a thread."""
+    source = state.capture.source
+    if source is None:
+        return None
+    live = resume_rollout(source, rollout_id)
+    return None if live is None else _manifest_live(live)
+
+
+async def manifest(request: web.Request) -> web.Response:
+    state = _authorize(request)
+    rollout_id = request.match_info["rollout_id"]
+    live = state.capture.rollouts.get(rollout_id)
+    if live is not None:
+        return _json(_manifest_live(live))
+    found = await asyncio.to_thread(_manifest_from_store, state, rollout_id)
+    if found is None:
+        raise NotFound(f"no rollout {rollout_id}", code="unknown_rollout")
+    return _json(found)
+
+
+async def seal(request: web.Request) -> web.Response:
+    state = _authorize(request)
+    rollout_id = request.match_info["rollout_id"]
+    try:
+        live = await state.capture.seal(rollout_id, state.settings.seal_timeout)
+        state.forget_rollouts([rollout_id])
+    except KeyError:
+        raise NotFound(f"no live rollout {rollout_id} to seal", code="unknown_rollout") from None
+    return _json(_manifest_live(live))
+
+
+async def put_weight_version(request: web.Request) -> web.Response:
+    state = _authorize(request)
+    body = await _body(request, WeightVersion)
+    state.capture.weight_version = body.weight_version
+    return _json({"weight_version": body.weight_version})
+
+
+def add_control_routes(app: web.Application) -> None:
+    app.router.add_post("/admin/rollouts", create_rollout)
+    app.router.add_get("/admin/rollouts/{rollout_id}/manifest", manifest)
+    app.router.add_post("/admin/rollouts/{rollout_id}/seal", seal)
+    app.router.add_put("/admin/weight-version", put_weight_version)

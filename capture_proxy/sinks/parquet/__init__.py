@@ -1,0 +1,23 @@
+"""The Parquet store: immutable units in a dataset folder (local or a pyarrow filesystem),
+an index, ledger files, garbage collection and compaction.
+"""
+
+from __future__ import annotations
+
+from ._compact import (
+    compact_store,
+)
+from ._gc import (
+    gc_parquet,
+)
+from ._sink import (
+    ParquetSink,
+    ParquetSource,
+)
+
+__all__ = [
+    "ParquetSink",
+    "ParquetSource",
+    "compact_store",
+    "gc_parquet",
+]

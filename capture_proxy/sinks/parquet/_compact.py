@@ -1,0 +1,150 @@
+"""Compaction: merge a Parquet dataset's many small units into a few large files.
+
+    capture-proxy compact parquet:///runs/capture
+
+Every group commit writes a small unit (a few files and a commit marker), so a busy proxy leaves
+thousands of small files; readers and Arrow tools are faster on a few large ones. Compaction reads
+runs of consecutive live units, writes their rows as one new unit, and commits it with a marker
+that *retires* the units it replaces, in one atomic step: a reader (or the proxy, still writing)
+sees the old units or the merged one, never both and never neither. Rows are copied as they
+are (no re-encoding), so every record, digest and coordinate resolves identically afterwards.
+
+Retired files are not deleted at once: a reader that listed them a moment ago may still be
+reading them. A later run deletes units retired more than `grace_s` seconds ago, and leftovers
+(files of commits that crashed before their marker) older than that. Run one compaction at a
+time per dataset (a lock enforces it on local folders).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from ..base import StoreError
+from ..urls import parse_store_url
+from ._fs import TMP_SUFFIX, DatasetFS
+from ._gc import load_markers, replace_units
+from ._layout import (
+    CALLS,
+    COMMITS_DIR,
+    COMPACT_LOCK,
+    TABLES,
+    Marker,
+    check_format,
+    live_units,
+)
+
+__all__ = ["CompactStats", "compact_store"]
+
+
+@dataclass(frozen=True, slots=True)
+class CompactStats:
+    """What a compaction did. `*_before` / `*_after` count the live units and their files."""
+
+    units_before: int
+    units_after: int
+    files_before: int
+    files_after: int
+    bytes_before: int
+    bytes_after: int
+    #: Staged calls in the dataset (unchanged by compaction).
+    records: int
+    #: Files deleted: units retired more than `grace_s` ago, and crashed commits' leftovers.
+    deleted_files: int
+
+
+def compact_store(
+    url: str, *, target_bytes: int = 256 << 20, grace_s: float = 600.0
+) -> CompactStats:
+    """Merge the small units of the Parquet dataset at `url` into units of up to `target_bytes`.
+
+    Raises `StoreError` for a store that is not a Parquet dataset or a compaction already running.
+    """
+    parsed = parse_store_url(url)
+    if parsed.kind != "parquet":
+        raise StoreError(f"compact merges Parquet datasets; {url} is a {parsed.kind} store")
+    dfs = DatasetFS(parsed.location)
+    if not check_format(dfs):
+        raise StoreError(f"no capture-proxy Parquet dataset at {parsed.location}")
+    with _exclusive(dfs):
+        markers = load_markers(dfs)
+        live = live_units(markers)
+        after = [
+            _merge(dfs, run, markers) if len(run) > 1 else run[0]
+            for run in _runs(live, target_bytes)
+        ]
+        deleted = _clean(dfs, grace_s)
+    return CompactStats(
+        units_before=len(live),
+        units_after=len(after),
+        files_before=sum(len(m.files) for m in live),
+        files_after=sum(len(m.files) for m in after),
+        bytes_before=sum(m.size for m in live),
+        bytes_after=sum(m.size for m in after),
+        records=sum(m.rows.get(CALLS, 0) for m in after),
+        deleted_files=deleted,
+    )
+
+
+def _runs(live: list[Marker], target_bytes: int) -> list[list[Marker]]:
+    """Consecutive units grouped up to `target_bytes` (consecutive: ledger order is kept)."""
+    runs: list[list[Marker]] = []
+    for unit in live:
+        if runs and sum(m.size for m in runs[-1]) + unit.size <= target_bytes:
+            runs[-1].append(unit)
+        else:
+            runs.append([unit])
+    return runs
+
+
+def _merge(dfs: DatasetFS, run: list[Marker], markers: dict[str, Marker]) -> Marker:
+    """Write `run`'s rows as one unit whose marker retires them; return its marker."""
+    return replace_units(dfs, run, markers, lambda table_name, table: table)
+
+
+def _clean(dfs: DatasetFS, grace_s: float) -> int:
+    """Delete units retired over `grace_s` ago, then unreferenced files older than that."""
+    deadline_ms = (time.time() - grace_s) * 1000
+    markers = load_markers(dfs)
+    deleted = 0
+    for m in markers.values():
+        if m.created_at_ms > deadline_ms:
+            continue
+        for name in m.retires:
+            old = markers.get(name)
+            if old is None:
+                continue
+            # Data files first, marker last: a crash in between leaves a retired marker whose
+            # files are gone, which readers never open (it is retired).
+            for rel in old.files.values():
+                dfs.delete(rel)
+                deleted += 1
+            dfs.delete(old.rel)
+            deleted += 1
+    referenced = {rel for m in load_markers(dfs).values() for rel in m.files.values()}
+    for folder in (*TABLES, COMMITS_DIR):
+        for entry in dfs.listdir(folder):
+            rel = f"{folder}/{entry.name}"
+            stale = entry.mtime_ns / 1e6 <= deadline_ms
+            leftover = entry.name.endswith(TMP_SUFFIX) or (
+                folder != COMMITS_DIR and rel not in referenced
+            )
+            if stale and leftover:
+                dfs.delete(rel)
+                deleted += 1
+    return deleted
+
+
+@contextlib.contextmanager
+def _exclusive(dfs: DatasetFS) -> Iterator[None]:
+    """One compaction at a time: two would both merge the same units (duplicates)."""
+    try:
+        lock = dfs.lock(COMPACT_LOCK)
+    except BlockingIOError:
+        raise StoreError(f"another compaction of {dfs.root} is running") from None
+    try:
+        yield
+    finally:
+        lock.release()

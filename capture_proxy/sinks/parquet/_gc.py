@@ -1,0 +1,293 @@
+"""Retention for Parquet datasets: remove whole sealed rollouts older than a cutoff.
+
+    capture-proxy gc parquet:///runs/capture --older-than 7d
+
+Only sealed rollouts go, and only whole: their calls, their ledger rows (header, failures,
+orphan marks), and every blob and attachment no remaining call refers to. Units are immutable,
+so this is a compaction with a filter: the live units from the first to the last one holding
+anything that goes are rewritten as one unit without those rows, and its commit marker retires
+all of them in one atomic step. A reader sees the dataset before or after, never a mix. The span
+is consecutive and the new unit takes the place of its last unit, so every kept row keeps its
+place in commit order (ledger rows replay in that order, and later headers win). Rows are
+copied as they are, so every remaining record, digest and coordinate reads back identically.
+
+The retired files stay on disk for readers that listed them a moment ago; `capture-proxy
+compact` deletes them once its grace period has passed.
+
+The writer deduplicates blobs and attachments against what the dataset already holds, so
+removing one while a proxy writes could leave a new call referring to bytes that are gone. gc
+therefore takes the writer lock as well as the compaction lock, and refuses while a proxy holds
+it (a dry run takes only the compaction lock, so files do not vanish under it). Object stores
+have no locks: stop the proxy before collecting one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.fs as pafs
+
+from ...schemas.records import RolloutState
+from ..base import GcStats, StoreError
+from ._fs import DatasetFS, Lock
+from ._layout import (
+    ATTACHMENTS,
+    BLOBS,
+    CALLS,
+    COMMITS_DIR,
+    COMPACT_LOCK,
+    LEDGER,
+    SCHEMAS,
+    TABLES,
+    WRITER_LOCK,
+    Marker,
+    check_format,
+    encode_table,
+    list_markers,
+    live_units,
+    read_table,
+    unit_files,
+)
+from ._ledger import Ledger
+
+__all__ = ["gc_parquet", "load_markers", "replace_units"]
+
+#: Per table, the key a row is unique by: a rewritten file keeps the first copy (as readers do).
+_UNIQUE = {CALLS: "call_id", BLOBS: "key", ATTACHMENTS: "sha256"}
+#: A row filter: (table name, the span's rows of that table) -> the rows to keep.
+Select = Callable[[str, pa.Table], pa.Table]
+_CALL_REFS = ["call_id", "rollout_id", "request_key", "message_keys", "attachment_shas"]
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """What goes, and which live units (by position) hold any of it."""
+
+    rollouts: list[str]
+    calls: frozenset[str]
+    blobs: frozenset[str]
+    attachments: frozenset[str]
+    touched: tuple[int, ...]
+
+    def select(self, name: str, table: pa.Table) -> pa.Table:
+        def among(column: str, values: frozenset[str]) -> pa.ChunkedArray:
+            return pc.is_in(table.column(column), value_set=pa.array(sorted(values), pa.string()))
+
+        if name == CALLS:
+            drop = among("rollout_id", frozenset(self.rollouts))
+        elif name == BLOBS:
+            drop = among("key", self.blobs)
+        elif name == ATTACHMENTS:
+            drop = among("sha256", self.attachments)
+        else:
+            # The same rule as `_goes`, over the whole table at once.
+            orphan = pc.equal(table.column("kind"), "orphan")
+            drop = pc.or_(
+                among("rollout_id", frozenset(self.rollouts)),
+                pc.and_(orphan, among("call_id", self.calls)),
+            )
+        # is_in is false for nulls (a ledger row without a call id): such rows are kept.
+        return table.filter(pc.invert(drop))
+
+
+def gc_parquet(
+    location: str,
+    *,
+    older_than_ms: int,
+    now_ms: int,
+    dry_run: bool = False,
+    filesystem: pafs.FileSystem | None = None,
+) -> GcStats:
+    """Remove the rollouts of the Parquet dataset at `location` sealed before
+    ``now_ms - older_than_ms``; with `dry_run`, only say what would go.
+
+    `bytes_before` / `bytes_after` count the live units (what readers read); disk space comes
+    back when a later `compact` deletes the retired files. Raises `StoreError` when there is no
+    dataset at `location`, while a proxy writes to it, or while a compaction runs.
+    """
+    dfs = DatasetFS(location, filesystem)
+    if not check_format(dfs):
+        raise StoreError(f"no capture-proxy Parquet dataset at {location}")
+    with _locked(dfs, writer=not dry_run):
+        markers = load_markers(dfs)
+        live = live_units(markers)
+        plan = _plan(dfs, live, now_ms - older_than_ms)
+        before = after = sum(m.size for m in live)
+        if plan.touched and not dry_run:
+            span = live[plan.touched[0] : plan.touched[-1] + 1]
+            merged = replace_units(dfs, span, markers, plan.select)
+            after = before - sum(m.size for m in span) + merged.size
+    return GcStats(
+        rollouts=plan.rollouts,
+        calls=len(plan.calls),
+        blobs=len(plan.blobs),
+        attachments=len(plan.attachments),
+        bytes_before=before,
+        bytes_after=after,
+    )
+
+
+def _plan(dfs: DatasetFS, live: Sequence[Marker], cutoff_ms: int) -> _Plan:
+    ledger = Ledger()
+    ledger_rows = []
+    for m in live:
+        rows = read_table(dfs, m.files[LEDGER]).to_pylist() if LEDGER in m.files else []
+        ledger.apply(rows)
+        ledger_rows.append(rows)
+    sealed = [
+        (info.sealed_at_ms, rollout_id)
+        for rollout_id, info in ledger.rollouts.items()
+        if info.state is RolloutState.SEALED
+        and info.sealed_at_ms is not None
+        and info.sealed_at_ms < cutoff_ms
+    ]
+    rollouts = [r for _, r in sorted(sealed, key=lambda s: s[0])]  # stable: ties keep ledger order
+    if not rollouts:
+        return _Plan([], frozenset(), frozenset(), frozenset(), ())
+    going, touched = set(rollouts), set()
+    calls: set[str] = set()
+    blob_refs: set[str] = set()
+    attachment_refs: set[str] = set()
+    for i, m in enumerate(live):
+        if CALLS not in m.files:
+            continue
+        t = read_table(dfs, m.files[CALLS], _CALL_REFS).to_pydict()
+        for call_id, rollout_id, request_key, keys, shas in zip(
+            *(t[c] for c in _CALL_REFS), strict=True
+        ):
+            if rollout_id in going:
+                calls.add(call_id)
+                touched.add(i)
+            else:
+                blob_refs.add(request_key)
+                keys = keys or b""
+                blob_refs.update(keys[j : j + 32].hex() for j in range(0, len(keys), 32))
+                attachment_refs.update(shas or ())
+    blobs = _unreferenced(dfs, live, BLOBS, "key", blob_refs, touched)
+    attachments = _unreferenced(dfs, live, ATTACHMENTS, "sha256", attachment_refs, touched)
+    for i, rows in enumerate(ledger_rows):
+        if any(_goes(r, going, calls) for r in rows):
+            touched.add(i)
+    return _Plan(
+        rollouts, frozenset(calls), frozenset(blobs), frozenset(attachments), tuple(sorted(touched))
+    )
+
+
+def _goes(row: dict[str, Any], rollouts: set[str], calls: set[str]) -> bool:
+    """A ledger row that goes: any row of a removed rollout, and orphan marks of removed calls
+    (a mark written before its call's rollout was known names no rollout)."""
+    return row["rollout_id"] in rollouts or (row["kind"] == "orphan" and row["call_id"] in calls)
+
+
+def _unreferenced(
+    dfs: DatasetFS,
+    live: Sequence[Marker],
+    table: str,
+    column: str,
+    referenced: set[str],
+    touched: set[int],
+) -> set[str]:
+    """Keys of `table` that no kept call refers to; adds the units holding them to `touched`."""
+    found: set[str] = set()
+    for i, m in enumerate(live):
+        if table in m.files:
+            keys = set(read_table(dfs, m.files[table], [column]).column(column).to_pylist())
+            if keys - referenced:
+                found |= keys - referenced
+                touched.add(i)
+    return found
+
+
+def load_markers(dfs: DatasetFS) -> dict[str, Marker]:
+    """Every commit marker of the dataset (retired ones too), by unit name."""
+    out = {}
+    for name in list_markers(dfs):
+        with contextlib.suppress(FileNotFoundError):  # deleted by a cleanup since the listing
+            out[name] = Marker.decode(dfs.read(f"{COMMITS_DIR}/{name}.json"))
+    return out
+
+
+def replace_units(
+    dfs: DatasetFS, span: Sequence[Marker], markers: dict[str, Marker], select: Select
+) -> Marker:
+    """Write the rows of the consecutive live units `span`, filtered by `select`, as one unit
+    whose marker retires them all; return that marker.
+
+    The new unit takes the order of the last unit it replaces, so its rows keep their place
+    among the other units. A table left without rows gets no file (a unit may be a marker only:
+    it still retires). On failure, whatever was written is removed and nothing changed.
+    """
+    unit = f"{span[-1].order:020d}-{uuid.uuid4().hex[:12]}"
+    data: dict[str, bytes] = {}
+    rows: dict[str, int] = {}
+    files = unit_files(unit, TABLES)
+    for t, rel in files.items():
+        parts = [read_table(dfs, m.files[t]).cast(SCHEMAS[t]) for m in span if t in m.files]
+        if not parts:
+            continue
+        table = select(t, pa.concat_tables(parts))
+        if t in _UNIQUE:
+            table = _first_of_each(table, _UNIQUE[t])
+        if table.num_rows:
+            data[rel] = encode_table(table)
+            rows[t] = table.num_rows
+    # Units those retired whose markers still exist stay retired once this marker is itself
+    # retired and deleted: a retired unit must never come back to life.
+    inherited = [u for m in span for u in m.retires if u in markers]
+    marker = Marker(
+        unit=unit,
+        files={t: rel for t, rel in files.items() if rel in data},
+        rows=rows,
+        retires=tuple(dict.fromkeys([*(m.unit for m in span), *inherited])),
+        created_at_ms=int(time.time() * 1000),  # wall time: compaction's grace period runs on it
+        size=sum(map(len, data.values())),
+    )
+    try:
+        dfs.put_all(data)
+        dfs.put_all({marker.rel: marker.encode()})
+    except BaseException:
+        for rel in (marker.rel, *data):
+            with contextlib.suppress(OSError):
+                dfs.delete(rel)
+        raise
+    return marker
+
+
+def _first_of_each(table: pa.Table, key: str) -> pa.Table:
+    first: dict[str, int] = {}
+    for i, k in enumerate(table.column(key).to_pylist()):
+        first.setdefault(k, i)
+    if len(first) == table.num_rows:
+        return table
+    return table.take(pa.array(sorted(first.values()), pa.int64()))
+
+
+@contextlib.contextmanager
+def _locked(dfs: DatasetFS, *, writer: bool) -> Iterator[None]:
+    held: list[Lock] = []
+    try:
+        if writer:
+            try:
+                held.append(dfs.lock(WRITER_LOCK))
+            except BlockingIOError:
+                raise StoreError(
+                    f"stop the proxy writing to {dfs.root} first; SQLite stores can be "
+                    "collected while the proxy runs"
+                ) from None
+        try:
+            held.append(dfs.lock(COMPACT_LOCK))
+        except BlockingIOError:
+            raise StoreError(
+                f"a compaction of {dfs.root} is running; run gc once it has finished"
+            ) from None
+        yield
+    finally:
+        for lock in reversed(held):
+            lock.release()

@@ -1,0 +1,250 @@
+"""`ParquetSink`: stage records into a Parquet dataset folder (local, or object storage later).
+
+The dataset is a folder of immutable Parquet files grouped into *units* (`parquet_layout`
+describes the files). Concurrent `stage` calls are group-committed: everything queued while the
+previous unit was being written becomes the next unit, written by one thread
+(`parquet_writer.UnitWriter`) as data files under temporary names, fsynced and renamed, then a
+commit marker, the same way. `stage` returns only once the marker naming its record is durable.
+A crash at any moment leaves either the whole unit or no unit: files without a marker are not
+part of the dataset.
+
+Within a unit each record is its own all-or-nothing piece: a record that is refused (duplicate
+key, missing attachment) or whose write raises (for example the ``fault`` hook at
+``"after_record"`` / ``"after_attachments"``) leaves no row, and its `stage` returns or raises
+that; **the other records of the batch still commit**. If writing the unit itself fails, every
+record in it gets a `StoreError` and nothing of the batch is visible.
+
+Attachments go into the same unit as the record that first refers to them, content-addressed:
+each sha256 is stored once per dataset. Storage is linear in a session, with the encoding the
+SQLite sink uses (`codec.encode_record`): a call stores only the tokens after its parent's, and
+each message once. The rollout ledger is in the dataset too (``ledger/`` files).
+
+One `ParquetSink` per dataset at a time: it keeps the keys already staged in memory to refuse
+duplicates, so a second writer would not see the first one's keys. On a local folder a lock file
+enforces it (a second sink is refused with `StoreError`); on object storage it is up to the
+deployment. Compaction (`capture_proxy.sinks.parquet.compact_store`) may run beside the writer.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from array import array
+from collections.abc import Mapping
+
+import pyarrow.fs as pafs
+
+from ...schemas.records import (
+    Attachment,
+    LedgerEntry,
+    RolloutInfo,
+    RolloutState,
+    StagedCallRecord,
+    StageResult,
+)
+from ..base import FaultHook, StoreError
+from ..codec import encode_record
+from ..staging_rules import coords_for, new_attachments
+from ._fs import DatasetFS
+from ._index import LRU
+from ._layout import (
+    ATTACHMENTS,
+    BLOBS,
+    CALLS,
+    LEDGER,
+    WRITER_LOCK,
+    check_format,
+    create_dataset,
+)
+from ._ledger import failure_row, orphan_row, rollout_row
+from ._source import ParquetSource, default_url
+from ._writer import UnitRows, UnitWriter
+
+__all__ = ["ParquetSink", "ParquetSource"]
+
+log = logging.getLogger(__name__)
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class ParquetSink:
+    """A `StagingSink` writing the Parquet dataset at `location` (created when missing).
+
+    `location` is a folder path or a pyarrow filesystem URL; `url` is what coordinates report
+    (default ``parquet:///<location>``). Construct it once at startup: the constructor checks the
+    format (raising `StoreError` / `StoreFormatError`), creates the dataset if needed, reads the
+    keys already staged and starts the writer thread. `max_batch` caps how many queued writes
+    share one unit; `cache_tokens` bounds the cache of recent full sequences that children are
+    stored against. `filesystem` is a configured pyarrow filesystem that `location` is a path
+    in (object storage with credentials, say). `close` commits everything queued; `stage`
+    after `close` raises RuntimeError.
+    """
+
+    def __init__(
+        self,
+        location: str,
+        *,
+        url: str | None = None,
+        fault: FaultHook | None = None,
+        max_batch: int = 256,
+        cache_tokens: int = 4_000_000,
+        filesystem: pafs.FileSystem | None = None,
+    ) -> None:
+        self.location = location
+        self.url = url or default_url(location)
+        self.fault = fault
+        self.dedup_hits = 0
+        dfs = DatasetFS(location, filesystem)
+        if not check_format(dfs):
+            create_dataset(dfs)
+        try:
+            self._lock = dfs.lock(WRITER_LOCK)
+        except BlockingIOError:
+            raise StoreError(
+                f"another ParquetSink is writing {dfs.root}: a dataset has one writer at a time"
+            ) from None
+        try:
+            # Rebuilds parents' sequences on a cache miss; only the writer thread uses it.
+            self._reader = ParquetSource(location, url=self.url, dfs=dfs)
+            known = self._reader.known()
+        except BaseException:
+            self._lock.release()
+            raise
+        self._calls = known.calls
+        self._blobs = known.blobs
+        self._attachments = known.attachments
+        self._rollouts = known.rollouts
+        self._fulls: LRU[str, tuple[str, array[int]]] = LRU(cache_tokens, lambda v: len(v[1]))
+        self._writer = UnitWriter(
+            dfs,
+            name=location,
+            max_batch=max_batch,
+            last_order=known.last_order,
+            publish=self._publish,
+        )
+
+    # -- StagingSink ----------------------------------------------------------------------------
+
+    async def stage(
+        self, record: StagedCallRecord, *, attachments: Mapping[str, Attachment] | None = None
+    ) -> StageResult:
+        if not record.digest or not record.extras_digest:
+            raise ValueError(f"{record.staging_key}: stage a sealed record (seal_record) only")
+        given = dict(attachments or {})
+        result: StageResult = await self._writer.submit(
+            lambda batch, part: self._stage_one(batch, part, record, given)
+        )
+        return result
+
+    async def record_failure(self, entry: LedgerEntry) -> None:
+        def work(batch: UnitRows, part: UnitRows) -> None:
+            self._ensure_rollout(batch, part, entry.rollout_id)
+            part.rows[LEDGER].append(failure_row(entry))
+
+        await self._writer.submit(work)
+
+    async def put_rollout(self, info: RolloutInfo) -> None:
+        def work(batch: UnitRows, part: UnitRows) -> None:
+            part.rows[LEDGER].append(rollout_row(info))
+            part.rollouts.add(info.rollout_id)
+
+        await self._writer.submit(work)
+
+    async def mark_orphaned(self, call_id: str, reason: str) -> None:
+        def work(batch: UnitRows, part: UnitRows) -> None:
+            staged = batch.calls.get(call_id)
+            rollout_id = staged[0] if staged else self._calls.get(call_id)
+            part.rows[LEDGER].append(orphan_row(call_id, rollout_id, reason, _now_ms()))
+
+        await self._writer.submit(work)
+
+    def stats(self) -> dict[str, float]:
+        """Writer figures for /metrics (names without the ``capture_proxy_sink_`` prefix)."""
+        return {**self._writer.stats(), "attachment_dedup_hits_total": self.dedup_hits}
+
+    async def close(self) -> None:
+        """Commit every queued write and stop the writer thread."""
+        await self._writer.close()
+        self._reader.close_reader()
+        self._fulls.clear()
+        self._lock.release()
+
+    # -- the writer thread ----------------------------------------------------------------------
+
+    def _publish(self, batch: UnitRows) -> None:
+        # Only committed units reach these: a record whose unit failed must not be a parent.
+        for call_id, (rollout_id, full) in batch.calls.items():
+            self._calls[call_id] = rollout_id
+            self._fulls.put(call_id, (rollout_id, full))
+        self._blobs |= batch.blobs
+        self._attachments |= batch.attachments
+        self._rollouts |= batch.rollouts
+
+    def _ensure_rollout(self, batch: UnitRows, part: UnitRows, rollout_id: str) -> None:
+        if rollout_id in self._rollouts or rollout_id in batch.rollouts:
+            return
+        part.rows[LEDGER].append(
+            rollout_row(RolloutInfo(rollout_id, RolloutState.OPEN, False, _now_ms()))
+        )
+        part.rollouts.add(rollout_id)
+
+    def _parent_full(self, batch: UnitRows, record: StagedCallRecord) -> array[int] | None:
+        parent = record.parent_call_id
+        if parent is None:
+            return None
+        hit = batch.calls.get(parent) or self._fulls.get(parent)
+        if hit is None:
+            if self._calls.get(parent) != record.rollout_id:
+                return None  # not staged here, or another rollout's: store the call whole
+            try:
+                hit = self._fulls.put(parent, (record.rollout_id, self._reader.full(parent)))
+            except (KeyError, ValueError, OSError) as e:
+                # Storing this call whole keeps it exact; `verify` reports the damaged ancestor.
+                log.warning("%s: storing whole, parent unreadable: %s", record.call_id, e)
+                return None
+        rollout_id, full = hit
+        return full if rollout_id == record.rollout_id else None
+
+    def _stage_one(
+        self,
+        batch: UnitRows,
+        part: UnitRows,
+        record: StagedCallRecord,
+        given: dict[str, Attachment],
+    ) -> StageResult:
+        key = record.staging_key
+        if key in self._calls or key in batch.calls:
+            return StageResult.failed("duplicate_key", f"staging key {key} is already staged")
+        checked = new_attachments(
+            record, given, lambda sha: sha in self._attachments or sha in batch.attachments
+        )
+        if isinstance(checked, StageResult):
+            return checked
+        new, hits = checked
+        self.dedup_hits += hits
+        encoded = encode_record(record, self._parent_full(batch, record))
+        part.rows[CALLS].append(encoded.row)
+        part.calls[key] = (record.rollout_id, encoded.full)
+        for blob_key, data in encoded.blobs.items():
+            if blob_key not in self._blobs and blob_key not in batch.blobs:
+                part.rows[BLOBS].append({"key": blob_key, "data": data})
+                part.blobs.add(blob_key)
+        if self.fault is not None:
+            self.fault("after_record")
+        for att in new:
+            part.rows[ATTACHMENTS].append(
+                {
+                    "sha256": att.sha256,
+                    "media_type": att.media_type,
+                    "size": att.size,
+                    "data": att.data,
+                }
+            )
+            part.attachments.add(att.sha256)
+        if self.fault is not None:
+            self.fault("after_attachments")
+        self._ensure_rollout(batch, part, record.rollout_id)
+        row = encoded.row
+        return StageResult.staged(coords_for(self.url, record, row))

@@ -1,0 +1,141 @@
+"""`UnitWriter`: one thread turns queued writes into committed units of a Parquet dataset.
+
+Callers on an event loop `submit` a piece of work; the writer thread takes everything queued (up
+to `max_batch`) and runs each piece against a fresh `UnitRows` of its own, merging it into the
+batch only when the piece returns: a piece that raises (a fault hook, an encoding error) leaves
+no row behind and its caller gets the exception, while the rest of the batch commits. The batch
+is then written as one unit (`parquet_layout`): data files under temporary names, fsynced,
+renamed; then the commit marker, the same way. Only after the marker is durable is any caller
+answered. If writing fails, the unit is retracted (marker first, then its files), every caller
+of the batch gets a `StoreError`, and nothing of the batch is visible.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from array import array
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..base import StoreError
+from ..writer_thread import Job, Outcome, WriterThread
+from ._fs import DatasetFS
+from ._layout import TABLES, Marker, new_unit_name, table_bytes, unit_files
+
+__all__ = ["UnitRows", "UnitWriter", "Work"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class UnitRows:
+    """Rows bound for one unit, and the keys they add (what later work of the batch must see)."""
+
+    rows: dict[str, list[dict[str, Any]]] = field(default_factory=lambda: {t: [] for t in TABLES})
+    #: staged call id -> (rollout id, prompt + completion)
+    calls: dict[str, tuple[str, array[int]]] = field(default_factory=dict)
+    blobs: set[str] = field(default_factory=set)
+    attachments: set[str] = field(default_factory=set)
+    rollouts: set[str] = field(default_factory=set)
+
+    def merge(self, other: UnitRows) -> None:
+        for table, rows in other.rows.items():
+            self.rows[table].extend(rows)
+        self.calls.update(other.calls)
+        self.blobs |= other.blobs
+        self.attachments |= other.attachments
+        self.rollouts |= other.rollouts
+
+    def empty(self) -> bool:
+        return not any(self.rows.values())
+
+
+#: A piece of work: runs on the writer thread; reads the batch so far, adds its rows to `part`.
+Work = Callable[["UnitRows", "UnitRows"], Any]
+
+
+class UnitWriter(WriterThread[Work]):
+    """Commits submitted work to `dfs` in units; `publish` sees each committed batch's rows."""
+
+    kind = "parquet"
+
+    def __init__(
+        self,
+        dfs: DatasetFS,
+        *,
+        name: str,
+        max_batch: int,
+        last_order: int,
+        publish: Callable[[UnitRows], None],
+    ) -> None:
+        super().__init__(name=name, max_batch=max_batch)
+        self.dfs = dfs
+        self.last_order = last_order
+        self._publish = publish
+        self.start()
+
+    def _commit(self, jobs: list[Job[Work]]) -> None:
+        batch = UnitRows()
+        outcomes: list[Outcome] = []
+        wrote: list[bool] = []
+        for job in jobs:
+            part = UnitRows()
+            try:
+                value = job.work(batch, part)
+            except Exception as e:  # this job fails alone: its part is dropped
+                outcomes.append((job.future, None, e))
+                wrote.append(False)
+            else:
+                batch.merge(part)
+                outcomes.append((job.future, value, None))
+                wrote.append(not part.empty())
+        if not batch.empty():
+            try:
+                self._write_unit(batch)
+            except BaseException as e:
+                # BaseException too: whatever stops this unit, every caller whose rows were in
+                # it must hear it (a refused record or a failed job keeps its own outcome).
+                err = StoreError(
+                    f"committing to {self.name} failed ({type(e).__name__}: {e}); nothing of "
+                    "this batch was stored"
+                )
+                err.__cause__ = e
+                outcomes = [
+                    (f, None, err) if w else (f, v, error)
+                    for (f, v, error), w in zip(outcomes, wrote, strict=True)
+                ]
+            else:
+                self._committed(jobs)
+                try:
+                    self._publish(batch)
+                except Exception:  # a cache update must not turn committed work into an error
+                    log.exception("%s: publishing a committed unit failed", self.name)
+        self._deliver(jobs, outcomes)
+
+    def _write_unit(self, batch: UnitRows) -> None:
+        unit, order = new_unit_name(self.last_order)
+        tables = [t for t in TABLES if batch.rows[t]]
+        files = unit_files(unit, tables)
+        data = {files[t]: table_bytes(t, batch.rows[t]) for t in tables}
+        marker = Marker(
+            unit=unit,
+            files=files,
+            rows={t: len(batch.rows[t]) for t in tables},
+            created_at_ms=int(time.time() * 1000),
+            size=sum(map(len, data.values())),
+        )
+        try:
+            self.dfs.put_all(data)
+            self.dfs.put_all({marker.rel: marker.encode()})
+        except BaseException:
+            # Retract whatever landed, marker first: a unit whose marker is gone does not exist,
+            # and its files are then plain leftovers (compaction removes them).
+            for rel in (marker.rel, *data):
+                try:
+                    self.dfs.delete(rel)
+                except Exception as e:
+                    log.warning("%s: could not remove %s of a failed unit: %s", self.name, rel, e)
+            raise
+        self.last_order = order

@@ -1,0 +1,287 @@
+"""The SQLite store's on-disk format: tables, the format version and its migrations.
+
+One file holds everything (docs/storage.md describes it):
+
+* ``meta``: ``application`` (always ``capture-proxy``) and ``format_version`` (an integer).
+* ``calls``: one row per staged record, the columns of `sinks.codec.ROW_FIELDS` (its
+  ``attachment_shas`` list lives in ``call_attachments``); indexed on ``(rollout_id, seq)``.
+* ``blobs``: content-addressed messages and request bodies (key = sha256 of the bytes; since
+  format 2 stored zlib-compressed when that is smaller, ``codec`` says which).
+* ``attachments``: content-addressed image bytes, stored once per store; ``call_attachments``
+  lists which call refers to which, in order of first reference.
+* ``rollouts``, ``failures``, ``orphaned``: each rollout's ledger.
+
+The format version is an integer with a chain of migrations (``MIGRATIONS[i]`` turns format ``i``
+into ``i + 1``; format 0 is an empty file). A writer migrates an older file forward in one
+transaction; a file written by a newer capture-proxy is refused, never guessed at.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import sys
+import zlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Callable
+
+from ..base import StoreError, StoreFormatError
+from ..codec import ROW_FIELDS
+
+__all__ = [
+    "CALL_COLUMNS",
+    "FORMAT_VERSION",
+    "MIGRATIONS",
+    "TokenLRU",
+    "pack_blob",
+    "read_format",
+    "rebuild_full",
+    "unpack_blob",
+    "upgrade",
+]
+
+APPLICATION = "capture-proxy"
+
+#: The codec row columns stored in ``calls``; ``attachment_shas`` is normalized into
+#: ``call_attachments`` (one row per reference, with its order), so it is not a column.
+CALL_COLUMNS = tuple(f for f in ROW_FIELDS if f != "attachment_shas")
+
+_CALL_TYPES = {
+    "call_id": "TEXT PRIMARY KEY",
+    "rollout_id": "TEXT NOT NULL",
+    "seq": "INTEGER NOT NULL",
+    "parent_call_id": "TEXT",
+    "retry_of": "TEXT",
+    "created_at_ms": "INTEGER NOT NULL",
+    "weight_version": "INTEGER NOT NULL",
+    "model": "TEXT NOT NULL",
+    "upstream_version": "TEXT NOT NULL",
+    "tokenizer_fingerprint": "TEXT NOT NULL",
+    "finish_reason": "TEXT NOT NULL",
+    "schema_version": "INTEGER NOT NULL",
+    "sampling": "BLOB NOT NULL",
+    "response": "BLOB NOT NULL",
+    "extras": "BLOB NOT NULL",
+    "request_key": "TEXT NOT NULL",
+    "message_keys": "BLOB NOT NULL",
+    "prompt_len": "INTEGER NOT NULL",
+    "prev_len": "INTEGER NOT NULL",
+    "delta_len": "INTEGER NOT NULL",
+    "cum_len": "INTEGER NOT NULL",
+    "delta_tokens": "BLOB NOT NULL",
+    "completion_logprobs": "BLOB NOT NULL",
+    "digest": "TEXT NOT NULL",
+    "extras_digest": "TEXT NOT NULL",
+}
+# A codec change that adds a column must come with a migration; fail at import, not at write.
+assert tuple(_CALL_TYPES) == CALL_COLUMNS, "calls table out of step with codec.ROW_FIELDS"
+
+
+def _migrate_0_to_1(conn: sqlite3.Connection) -> None:
+    calls = ",\n  ".join(f"{name} {decl}" for name, decl in _CALL_TYPES.items())
+    statements = [
+        "CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
+        f"CREATE TABLE calls (\n  {calls}\n)",
+        "CREATE INDEX calls_rollout_seq ON calls (rollout_id, seq)",
+        "CREATE TABLE blobs (key TEXT PRIMARY KEY, data BLOB NOT NULL)",
+        "CREATE TABLE attachments (sha256 TEXT PRIMARY KEY, media_type TEXT NOT NULL,"
+        " size INTEGER NOT NULL, data BLOB NOT NULL)",
+        "CREATE TABLE call_attachments (call_id TEXT NOT NULL, sha256 TEXT NOT NULL,"
+        " ord INTEGER NOT NULL, PRIMARY KEY (call_id, ord))",
+        "CREATE INDEX call_attachments_sha ON call_attachments (sha256)",
+        "CREATE TABLE rollouts (id TEXT PRIMARY KEY, state TEXT NOT NULL,"
+        " created_at_ms INTEGER NOT NULL, sealed_at_ms INTEGER, metadata TEXT NOT NULL,"
+        " policy TEXT NOT NULL)",
+        "CREATE TABLE failures (rollout_id TEXT NOT NULL, call_id TEXT NOT NULL,"
+        " seq INTEGER NOT NULL, status TEXT NOT NULL, reason TEXT NOT NULL,"
+        " message TEXT NOT NULL, http_status INTEGER, at_ms INTEGER NOT NULL)",
+        "CREATE INDEX failures_rollout_seq ON failures (rollout_id, seq)",
+        "CREATE TABLE orphaned (call_id TEXT PRIMARY KEY, reason TEXT NOT NULL,"
+        " at_ms INTEGER NOT NULL)",
+    ]
+    for sql in statements:
+        conn.execute(sql)
+    conn.execute("INSERT INTO meta (key, value) VALUES ('application', ?)", (APPLICATION,))
+    conn.execute("INSERT INTO meta (key, value) VALUES ('format_version', '0')")
+
+
+def _migrate_1_to_2(conn: sqlite3.Connection) -> None:
+    # Format 2: message and request blobs may be zlib-compressed (codec 1). Their key stays the
+    # sha256 of the uncompressed bytes, so content addressing and digests are unchanged; blobs
+    # written by format 1 keep codec 0 (stored as is).
+    conn.execute("ALTER TABLE blobs ADD COLUMN codec INTEGER NOT NULL DEFAULT 0")
+
+
+#: ``MIGRATIONS[i]`` upgrades format ``i`` to ``i + 1``. Append; never edit a shipped step.
+MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (_migrate_0_to_1, _migrate_1_to_2)
+
+#: Blob codecs (the ``blobs.codec`` column).
+BLOB_RAW, BLOB_ZLIB = 0, 1
+#: Blobs shorter than this are stored as they are: compression would not pay for itself.
+_COMPRESS_FROM = 256
+
+
+def pack_blob(data: bytes) -> tuple[bytes, int]:
+    """The stored form of a blob: zlib (level 1: cheap, ~3x on chat JSON) when it is smaller."""
+    if len(data) >= _COMPRESS_FROM:
+        packed = zlib.compress(data, 1)
+        if len(packed) < len(data):
+            return packed, BLOB_ZLIB
+    return data, BLOB_RAW
+
+
+def unpack_blob(key: str, data: bytes, codec: int) -> bytes:
+    if codec == BLOB_RAW:
+        return data
+    if codec == BLOB_ZLIB:
+        try:
+            return zlib.decompress(data)
+        except zlib.error as e:
+            raise ValueError(f"blob {key} is damaged: {e}") from None
+    raise ValueError(f"blob {key} has an unknown codec {codec}")
+
+
+FORMAT_VERSION = len(MIGRATIONS)
+
+
+def read_format(conn: sqlite3.Connection, where: str) -> int:
+    """The file's format version (0 for an empty file); refuses files that are not ours.
+
+    Raises `StoreFormatError` for a file written by a newer capture-proxy and `StoreError` for a
+    SQLite file that is not a capture-proxy store (or not SQLite at all).
+    """
+    try:
+        tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        if not tables:
+            return 0
+        if "meta" not in tables:
+            raise StoreError(f"{where} is a SQLite file but not a capture-proxy store")
+        meta = dict(conn.execute("SELECT key, value FROM meta").fetchall())
+    except sqlite3.DatabaseError as e:
+        raise StoreError(f"{where} is not a capture-proxy store: {e}") from e
+    if meta.get("application") != APPLICATION:
+        raise StoreError(f"{where} is a SQLite file but not a capture-proxy store")
+    try:
+        version = int(meta["format_version"])
+    except (KeyError, ValueError) as e:
+        raise StoreError(f"{where}: its format_version is missing or not an integer") from e
+    if version > FORMAT_VERSION:
+        raise StoreFormatError(
+            f"{where} was written by a newer capture-proxy "
+            f"(format {version} > {FORMAT_VERSION}): upgrade capture-proxy to read it"
+        )
+    return version
+
+
+def upgrade(conn: sqlite3.Connection, where: str) -> None:
+    """Bring the file to `FORMAT_VERSION` in one transaction (creating it when empty).
+
+    `conn` must be in autocommit mode (``isolation_level=None``).
+    """
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        # Read the version inside the write lock: two processes opening a new file at once
+        # must not both run the migrations.
+        version = read_format(conn, where)
+        for step in MIGRATIONS[version:]:
+            step(conn)
+        if version < FORMAT_VERSION:
+            conn.execute(
+                "UPDATE meta SET value = ? WHERE key = 'format_version'", (str(FORMAT_VERSION),)
+            )
+        conn.execute("COMMIT")
+    except BaseException:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+        raise
+
+
+def _tokens(data: bytes) -> array[int]:
+    # The codec stores token ids as little-endian int32 whatever the host's byte order.
+    ids = array("i")
+    ids.frombytes(data)
+    if sys.byteorder != "little":
+        ids.byteswap()
+    return ids
+
+
+class TokenLRU:
+    """Recently used full sequences (call id -> rollout id, prompt + completion), LRU-evicted
+    once they hold more than `max_tokens` tokens in total."""
+
+    def __init__(self, max_tokens: int) -> None:
+        self.max_tokens = max_tokens
+        self.tokens = 0
+        self._items: OrderedDict[str, tuple[str, array[int]]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def get(self, call_id: str) -> tuple[str, array[int]] | None:
+        item = self._items.get(call_id)
+        if item is not None:
+            self._items.move_to_end(call_id)
+        return item
+
+    def put(self, call_id: str, rollout_id: str, full: array[int]) -> None:
+        old = self._items.pop(call_id, None)
+        if old is not None:
+            self.tokens -= len(old[1])
+        self._items[call_id] = (rollout_id, full)
+        self.tokens += len(full)
+        while self.tokens > self.max_tokens and self._items:
+            _, (_, evicted) = self._items.popitem(last=False)
+            self.tokens -= len(evicted)
+
+
+def rebuild_full(
+    conn: sqlite3.Connection, call_id: str, cache: TokenLRU | None = None
+) -> array[int] | None:
+    """The stored call's prompt + completion, rebuilt through its parent chain (None if absent).
+
+    Walks up iteratively (no recursion limit for long sessions) until a call that stores its
+    whole sequence (prev_len 0) or one found in `cache`, then replays the deltas downward in one
+    array (truncate to the shared prefix, append the delta: no copy per generation), and adds the
+    result to `cache`. Raises `ValueError` for a chain that does not add up (a cycle, a missing
+    ancestor, lengths that disagree): only a damaged file holds one.
+    """
+    chain: list[tuple[str, int, bytes, int]] = []
+    seen: set[str] = set()
+    base: array[int] | None = None
+    rollout_id = ""
+    key: str | None = call_id
+    while key is not None:
+        hit = cache.get(key) if cache is not None else None
+        if hit is not None:
+            base = hit[1]
+            break
+        if key in seen:
+            raise ValueError(f"{call_id}: the parent chain loops at {key}")
+        seen.add(key)
+        row = conn.execute(
+            "SELECT rollout_id, parent_call_id, prev_len, delta_tokens, cum_len"
+            " FROM calls WHERE call_id = ?",
+            (key,),
+        ).fetchone()
+        if row is None:
+            if key == call_id:
+                return None
+            raise ValueError(f"{call_id}: ancestor {key} is missing from the store")
+        rollout, parent, prev_len, delta, cum_len = row
+        if key == call_id:
+            rollout_id = rollout
+        chain.append((key, int(prev_len), bytes(delta), int(cum_len)))
+        key = parent if prev_len else None
+    if not chain:
+        return base
+    seq = array("i", base) if base is not None else array("i")  # a copy: cached arrays stay as is
+    for key, prev_len, delta, cum_len in reversed(chain):
+        if len(seq) < prev_len:
+            raise ValueError(f"{call_id}: ancestor {key} needs {prev_len} tokens of its parent")
+        del seq[prev_len:]
+        seq.extend(_tokens(delta))
+        if len(seq) != cum_len:
+            raise ValueError(f"{key}: rebuilt {len(seq)} tokens, the row says {cum_len}")
+    if cache is not None:
+        cache.put(call_id, rollout_id, seq)
+    return seq

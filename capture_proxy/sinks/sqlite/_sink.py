@@ -1,0 +1,279 @@
+"""`SQLiteSink`: stage records into one SQLite file, with group commit.
+
+Durability: the file is in WAL mode with ``synchronous=FULL``, and `stage` returns only after the
+``COMMIT`` holding its record has returned, so an acknowledged record survives a process kill *and*
+a power loss. (``synchronous=NORMAL`` is the usual WAL choice and is crash-safe against a process
+kill, but it does not sync the WAL at each commit: a power loss can lose the last commits, which
+the caller was already told were durable.)
+
+Throughput comes from group commit (`sqlite_writer.GroupCommitWriter`), not from a weaker sync:
+concurrent `stage` calls share one transaction and one fsync, each record in its own savepoint so
+a refused or failing record rolls back alone. The record, its message blobs, its new attachments
+and its attachment references are written in that one savepoint: a crash at any moment leaves all
+of them or none.
+"""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+import time
+from array import array
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from ...schemas.records import (
+    Attachment,
+    LedgerEntry,
+    RolloutInfo,
+    StagedCallRecord,
+    StageResult,
+)
+from ..base import FaultHook, StoreError
+from ..codec import encode_record
+from ..staging_rules import coords_for, new_attachments
+from ._schema import (
+    CALL_COLUMNS,
+    TokenLRU,
+    pack_blob,
+    read_format,
+    rebuild_full,
+    upgrade,
+)
+from ._source import SQLiteSource
+from ._writer import Batch, GroupCommitWriter
+
+__all__ = ["SQLiteSink", "SQLiteSource"]
+
+log = logging.getLogger(__name__)
+
+_INSERT_CALL = (
+    f"INSERT INTO calls ({', '.join(CALL_COLUMNS)}) VALUES ({', '.join('?' * len(CALL_COLUMNS))})"
+)
+_ENSURE_ROLLOUT = (
+    "INSERT OR IGNORE INTO rollouts (id, state, created_at_ms, sealed_at_ms, metadata, policy)"
+    " VALUES (?, 'open', ?, NULL, '{}', '{}')"
+)
+
+
+def _has_attachment(conn: sqlite3.Connection, sha: str) -> bool:
+    return conn.execute("SELECT 1 FROM attachments WHERE sha256 = ?", (sha,)).fetchone() is not None
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def _open_writer(path: str) -> sqlite3.Connection:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    try:
+        # check_same_thread=False: opened here (so errors reach the constructor's caller), then
+        # used by the writer thread only.
+        conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    except sqlite3.Error as e:
+        raise StoreError(f"cannot open the SQLite store {path}: {e}") from e
+    try:
+        # Check that the file is ours before changing anything in it (journal mode included).
+        read_format(conn, path)
+        conn.execute("PRAGMA busy_timeout = 10000")
+        mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+        if str(mode).lower() != "wal":
+            raise StoreError(f"{path}: SQLite refused WAL mode (got {mode!r})")
+        conn.execute("PRAGMA synchronous = FULL")  # see the module docstring
+        upgrade(conn, path)
+    except sqlite3.Error as e:
+        conn.close()
+        raise StoreError(f"cannot open the SQLite store {path}: {e}") from e
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+class SQLiteSink:
+    """A `StagingSink` writing one SQLite file (created, with its folders, when missing).
+
+    Construct it once at startup: the constructor opens the file, checks its format (raising
+    `StoreError` / `StoreFormatError`) and starts the writer thread. `close` finishes every
+    queued write. `fault` is a test hook called at ``"after_record"`` and ``"after_attachments"``
+    inside each record's write; `max_batch` caps how many queued writes share one commit;
+    `cache_tokens` bounds the cache of recent full sequences used to store children as deltas.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        url: str | None = None,
+        fault: FaultHook | None = None,
+        max_batch: int = 256,
+        cache_tokens: int = 4_000_000,
+    ) -> None:
+        self.path = str(path)
+        self.url = url or f"sqlite:///{self.path}"
+        self.fault = fault
+        self.dedup_hits = 0
+        self._fulls = TokenLRU(cache_tokens)
+        self._writer = GroupCommitWriter(
+            _open_writer(self.path), name=self.path, max_batch=max_batch, publish=self._publish
+        )
+
+    # -- StagingSink -------------------------------------------------------------------------
+
+    async def stage(
+        self, record: StagedCallRecord, *, attachments: Mapping[str, Attachment] | None = None
+    ) -> StageResult:
+        """Write `record` and the attachments its request refers to; see `StagingSink.stage`.
+
+        Returns once the batch holding it has committed (durable). Refuses, writing nothing:
+        a staging key already staged (``duplicate_key``), a reference to an attachment neither
+        given nor already stored (``missing_attachment``), given bytes that do not hash to their
+        sha256 (``bad_attachment``). Given attachments the request does not refer to are not
+        stored: nothing would refer to them. Raises `StoreError` when SQLite fails, ValueError
+        for an unsealed record, RuntimeError after `close`.
+        """
+        if not record.digest or not record.extras_digest:
+            raise ValueError(f"{record.staging_key}: stage a sealed record (seal_record) only")
+        given = dict(attachments or {})
+        result: StageResult = await self._writer.submit(
+            lambda conn, batch: self._stage_one(conn, batch, record, given)
+        )
+        return result
+
+    async def record_failure(self, entry: LedgerEntry) -> None:
+        def work(conn: sqlite3.Connection, batch: Batch) -> None:
+            conn.execute(_ENSURE_ROLLOUT, (entry.rollout_id, _now_ms()))
+            conn.execute(
+                "INSERT INTO failures (rollout_id, call_id, seq, status, reason, message,"
+                " http_status, at_ms) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    entry.rollout_id,
+                    entry.call_id,
+                    entry.seq,
+                    entry.status.value,
+                    entry.reason,
+                    entry.message,
+                    entry.http_status,
+                    entry.at_ms,
+                ),
+            )
+
+        await self._writer.submit(work)
+
+    async def put_rollout(self, info: RolloutInfo) -> None:
+        def work(conn: sqlite3.Connection, batch: Batch) -> None:
+            conn.execute(
+                "INSERT INTO rollouts (id, state, created_at_ms, sealed_at_ms, metadata, policy)"
+                " VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO UPDATE SET"
+                " state = excluded.state, created_at_ms = excluded.created_at_ms,"
+                " sealed_at_ms = excluded.sealed_at_ms, metadata = excluded.metadata,"
+                " policy = excluded.policy",
+                (
+                    info.rollout_id,
+                    info.state.value,
+                    info.created_at_ms,
+                    info.sealed_at_ms,
+                    orjson.dumps(dict(info.metadata)).decode(),
+                    orjson.dumps(dict(info.policy)).decode(),
+                ),
+            )
+
+        await self._writer.submit(work)
+
+    async def mark_orphaned(self, call_id: str, reason: str) -> None:
+        def work(conn: sqlite3.Connection, batch: Batch) -> None:
+            conn.execute(
+                "INSERT OR REPLACE INTO orphaned (call_id, reason, at_ms) VALUES (?, ?, ?)",
+                (call_id, reason, _now_ms()),
+            )
+
+        await self._writer.submit(work)
+
+    def stats(self) -> dict[str, float]:
+        """Writer figures for /metrics (names without the ``capture_proxy_sink_`` prefix)."""
+        return {**self._writer.stats(), "attachment_dedup_hits_total": self.dedup_hits}
+
+    async def close(self) -> None:
+        """Finish every queued write, stop the writer thread and close the file.
+
+        `stage` after `close` raises RuntimeError."""
+        await self._writer.close()
+
+    # -- the writer thread -----------------------------------------------------------------
+
+    def _publish(self, pending: dict[str, Any]) -> None:
+        # Only committed sequences enter the cache: a rolled-back parent must not be extended.
+        for call_id, (rollout_id, full) in pending.items():
+            self._fulls.put(call_id, rollout_id, full)
+
+    def _parent_full(
+        self, conn: sqlite3.Connection, batch: Batch, record: StagedCallRecord
+    ) -> array[int] | None:
+        parent = record.parent_call_id
+        if parent is None:
+            return None
+        hit = batch.pending.get(parent) or self._fulls.get(parent)
+        if hit is None:
+            row = conn.execute("SELECT rollout_id FROM calls WHERE call_id = ?", (parent,))
+            found = row.fetchone()
+            if found is None or found[0] != record.rollout_id:
+                return None
+            try:
+                # Not in this batch and not cached, so committed earlier: safe to cache.
+                full = rebuild_full(conn, parent, self._fulls)
+            except ValueError as e:
+                # Storing this call whole keeps it exact; `verify` reports the damaged ancestor.
+                log.warning(
+                    "%s: storing whole, its parent cannot be rebuilt: %s", record.call_id, e
+                )
+                return None
+            return full
+        rollout_id, full = hit
+        return full if rollout_id == record.rollout_id else None
+
+    def _stage_one(
+        self,
+        conn: sqlite3.Connection,
+        batch: Batch,
+        record: StagedCallRecord,
+        given: dict[str, Attachment],
+    ) -> StageResult:
+        key = record.staging_key
+        if conn.execute("SELECT 1 FROM calls WHERE call_id = ?", (key,)).fetchone():
+            return StageResult.failed("duplicate_key", f"staging key {key} is already staged")
+        refs = list(dict.fromkeys(record.attachment_refs()))
+        checked = new_attachments(record, given, lambda sha: _has_attachment(conn, sha))
+        if isinstance(checked, StageResult):
+            return checked
+        new, hits = checked
+        self.dedup_hits += hits
+        encoded = encode_record(record, self._parent_full(conn, batch, record))
+        row = encoded.row
+        # A session re-sends its history every call: look each blob up (a primary-key probe)
+        # before compressing it, so only new messages pay for zlib.
+        fresh = [
+            (k, *pack_blob(v))
+            for k, v in encoded.blobs.items()
+            if conn.execute("SELECT 1 FROM blobs WHERE key = ?", (k,)).fetchone() is None
+        ]
+        conn.executemany("INSERT OR IGNORE INTO blobs (key, data, codec) VALUES (?, ?, ?)", fresh)
+        conn.execute(_INSERT_CALL, [row[c] for c in CALL_COLUMNS])
+        if self.fault is not None:
+            self.fault("after_record")
+        conn.executemany(
+            "INSERT OR IGNORE INTO attachments (sha256, media_type, size, data)"
+            " VALUES (?, ?, ?, ?)",
+            [(a.sha256, a.media_type, a.size, a.data) for a in new],
+        )
+        conn.executemany(
+            "INSERT INTO call_attachments (call_id, sha256, ord) VALUES (?, ?, ?)",
+            [(key, sha, i) for i, sha in enumerate(refs)],
+        )
+        if self.fault is not None:
+            self.fault("after_attachments")
+        conn.execute(_ENSURE_ROLLOUT, (record.rollout_id, _now_ms()))
+        batch.pending[key] = (record.rollout_id, encoded.full)
+        return StageResult.staged(coords_for(self.url, record, row))

@@ -1,0 +1,252 @@
+"""`SQLiteSource`: read a SQLite store back (synchronous, read-only, plain `sqlite3`)."""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import threading
+import urllib.parse
+from array import array
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import orjson
+
+from ...schemas.records import (
+    Attachment,
+    CallStatus,
+    CallSummary,
+    CommitCoords,
+    LedgerEntry,
+    RolloutInfo,
+    RolloutState,
+    StagedCallRecord,
+)
+from ..base import StoreError, StoreFormatError
+from ..codec import decode_row
+from ._schema import (
+    CALL_COLUMNS,
+    FORMAT_VERSION,
+    TokenLRU,
+    read_format,
+    rebuild_full,
+    unpack_blob,
+)
+
+__all__ = ["SQLiteSource"]
+
+_SELECT_CALLS = f"SELECT {', '.join(CALL_COLUMNS)} FROM calls"
+#: Full sequences kept while decoding one `calls` / `fetch`: enough for a session's parents
+#: without holding every ancestor of a long rollout in memory.
+_DECODE_CACHE_TOKENS = 2_000_000
+
+
+class _Decoder:
+    """Decodes rows within one read, reusing parents' sequences, blobs and attachments."""
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self.conn = conn
+        self.fulls = TokenLRU(_DECODE_CACHE_TOKENS)
+        self.blobs: dict[str, bytes] = {}
+        self.attachments: dict[str, Attachment] = {}
+
+    def blob(self, key: str) -> bytes:
+        data = self.blobs.get(key)
+        if data is None:
+            row = self.conn.execute(
+                "SELECT data, codec FROM blobs WHERE key = ?", (key,)
+            ).fetchone()
+            if row is None:
+                raise KeyError(f"blob {key} is missing")
+            data = self.blobs[key] = unpack_blob(key, bytes(row[0]), row[1])
+        return data
+
+    def attachments_of(self, call_id: str) -> list[Attachment]:
+        out = []
+        rows = self.conn.execute(
+            "SELECT ca.sha256, a.media_type, a.data FROM call_attachments ca"
+            " JOIN attachments a ON a.sha256 = ca.sha256 WHERE ca.call_id = ? ORDER BY ca.ord",
+            (call_id,),
+        )
+        for sha, media_type, data in rows:
+            att = self.attachments.get(sha)
+            if att is None:
+                att = self.attachments[sha] = Attachment(sha, media_type, bytes(data))
+            out.append(att)
+        return out
+
+    def record(self, values: Sequence[Any]) -> StagedCallRecord:
+        row = dict(zip(CALL_COLUMNS, values, strict=True))
+        call_id, parent = row["call_id"], row["parent_call_id"]
+        parent_full: array[int] | None = None
+        if row["prev_len"]:
+            if parent is None:
+                raise ValueError(f"{call_id}: stored as a delta but names no parent")
+            parent_full = rebuild_full(self.conn, parent, self.fulls)
+            if parent_full is None:
+                raise ValueError(f"{call_id}: its parent {parent} is missing from the store")
+        record, full = decode_row(row, self.blob, parent_full, self.attachments_of(call_id))
+        self.fulls.put(call_id, record.rollout_id, full)
+        return record
+
+
+class SQLiteSource:
+    """A `StagingSource` over a SQLite store, opened read-only (safe beside a live writer).
+
+    Raises `StoreError` when `path` does not exist or is not a capture-proxy store, and
+    `StoreFormatError` when it was written by a newer capture-proxy. Each method reads one
+    consistent snapshot. Safe to share between threads (calls are serialized).
+    """
+
+    def __init__(self, path: str, *, url: str | None = None) -> None:
+        self.path = str(path)
+        self.url = url or f"sqlite:///{self.path}"
+        if not os.path.isfile(self.path):
+            raise StoreError(f"no capture-proxy store at {self.path}: the file does not exist")
+        uri = "file:" + urllib.parse.quote(os.path.abspath(self.path)) + "?mode=ro"
+        try:
+            conn = sqlite3.connect(uri, uri=True, isolation_level=None, check_same_thread=False)
+        except sqlite3.Error as e:
+            raise StoreError(f"cannot open the SQLite store {self.path}: {e}") from e
+        try:
+            version = read_format(conn, self.path)
+        except BaseException:
+            conn.close()
+            raise
+        if version == 0:
+            conn.close()
+            raise StoreError(f"{self.path} is not a capture-proxy store (it holds no tables)")
+        if version < FORMAT_VERSION:
+            conn.close()
+            raise StoreFormatError(
+                f"{self.path} has the older format {version} (this capture-proxy reads "
+                f"{FORMAT_VERSION}): open it once for writing to migrate it"
+            )
+        self._conn = conn
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def _read(self) -> Iterator[sqlite3.Connection]:
+        # One read transaction per method: a record, its blobs and its attachments come from the
+        # same snapshot even while a writer commits.
+        with self._lock:
+            self._conn.execute("BEGIN")
+            try:
+                yield self._conn
+            finally:
+                self._conn.execute("COMMIT")
+
+    def rollouts(self) -> list[str]:
+        with self._read() as c:
+            return [
+                r[0] for r in c.execute("SELECT id FROM rollouts ORDER BY created_at_ms, rowid")
+            ]
+
+    def rollout_info(self, rollout_id: str) -> RolloutInfo:
+        with self._read() as c:
+            row = c.execute(
+                "SELECT state, created_at_ms, sealed_at_ms, metadata, policy FROM rollouts"
+                " WHERE id = ?",
+                (rollout_id,),
+            ).fetchone()
+            if row is None:
+                raise KeyError(f"no rollout {rollout_id!r} in {self.url}")
+            poisoned = c.execute(
+                "SELECT EXISTS (SELECT 1 FROM failures WHERE rollout_id = ? AND status = ?)"
+                " OR EXISTS (SELECT 1 FROM orphaned o JOIN calls c ON c.call_id = o.call_id"
+                " WHERE c.rollout_id = ?)",
+                (rollout_id, CallStatus.CAPTURE_FAILED.value, rollout_id),
+            ).fetchone()[0]
+        state, created, sealed, metadata, policy = row
+        return RolloutInfo(
+            rollout_id,
+            RolloutState(state),
+            bool(poisoned),
+            int(created),
+            None if sealed is None else int(sealed),
+            orjson.loads(metadata),
+            orjson.loads(policy),
+        )
+
+    def calls(self, rollout_id: str, *, include_orphaned: bool = False) -> list[StagedCallRecord]:
+        where = "" if include_orphaned else " AND call_id NOT IN (SELECT call_id FROM orphaned)"
+        with self._read() as c:
+            rows = c.execute(
+                f"{_SELECT_CALLS} WHERE rollout_id = ?{where} ORDER BY seq, rowid", (rollout_id,)
+            ).fetchall()
+            decoder = _Decoder(c)
+            return [decoder.record(r) for r in rows]
+
+    def failures(self, rollout_id: str) -> list[LedgerEntry]:
+        with self._read() as c:
+            rows = c.execute(
+                "SELECT call_id, seq, status, reason, message, http_status, at_ms FROM failures"
+                " WHERE rollout_id = ? ORDER BY seq, rowid",
+                (rollout_id,),
+            ).fetchall()
+        return [
+            LedgerEntry(rollout_id, call_id, seq, CallStatus(status), reason, msg, http, at_ms)
+            for call_id, seq, status, reason, msg, http, at_ms in rows
+        ]
+
+    def summaries(self, rollout_id: str) -> list[CallSummary]:
+        # One pass over the (rollout_id, seq) index; the token and logprob blobs are stored after
+        # every column read here, so SQLite never reads their pages.
+        with self._read() as c:
+            rows = c.execute(
+                "SELECT call_id, seq, parent_call_id, retry_of, finish_reason, prompt_len,"
+                " cum_len, prev_len, created_at_ms, weight_version,"
+                " call_id IN (SELECT call_id FROM orphaned)"
+                " FROM calls WHERE rollout_id = ? ORDER BY seq, rowid",
+                (rollout_id,),
+            ).fetchall()
+        return [
+            CallSummary(cid, seq, parent, retry, finish, p, cum - p, cum, prev, at, wv, bool(o))
+            for cid, seq, parent, retry, finish, p, cum, prev, at, wv, o in rows
+        ]
+
+    def fetch(self, keys: Sequence[str]) -> list[StagedCallRecord]:
+        with self._read() as c:
+            decoder = _Decoder(c)
+            out = []
+            for key in keys:
+                row = c.execute(f"{_SELECT_CALLS} WHERE call_id = ?", (key,)).fetchone()
+                if row is None:
+                    raise KeyError(f"no staged record {key!r} in {self.url}")
+                out.append(decoder.record(row))
+            return out
+
+    def coords(self, keys: Sequence[str]) -> list[CommitCoords]:
+        out = []
+        with self._read() as c:
+            for key in keys:
+                row = c.execute(
+                    "SELECT digest, extras_digest, prev_len, delta_len, cum_len, weight_version"
+                    " FROM calls WHERE call_id = ?",
+                    (key,),
+                ).fetchone()
+                if row is None:
+                    raise KeyError(f"no staged record {key!r} in {self.url}")
+                out.append(CommitCoords(self.url, key, *row))
+        return out
+
+    def orphaned(self) -> set[str]:
+        with self._read() as c:
+            return {r[0] for r in c.execute("SELECT call_id FROM orphaned")}
+
+    def all_keys(self) -> list[str]:
+        with self._read() as c:
+            return [r[0] for r in c.execute("SELECT call_id FROM calls ORDER BY rowid")]
+
+    def unreferenced_attachments(self) -> list[str]:
+        with self._read() as c:
+            rows = c.execute(
+                "SELECT sha256 FROM attachments WHERE sha256 NOT IN"
+                " (SELECT sha256 FROM call_attachments) ORDER BY sha256"
+            )
+            return [r[0] for r in rows]
+
+    def close_reader(self) -> None:
+        with self._lock:
+            self._conn.close()

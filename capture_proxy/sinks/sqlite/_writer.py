@@ -1,0 +1,136 @@
+"""`GroupCommitWriter`: one thread owns a SQLite connection and commits queued work in batches.
+
+Callers on an event loop `submit` a function of the connection; the writer thread takes
+everything queued (up to `max_batch`) into ONE ``BEGIN IMMEDIATE`` transaction, runs each function
+inside its own ``SAVEPOINT`` (a failing one rolls back alone and its caller gets the exception),
+then ``COMMIT``s: one fsync for the whole batch. Only after the commit returns is any caller
+answered, with one ``loop.call_soon_threadsafe`` per batch. If the commit fails, or SQLite rolls
+the whole transaction back on its own (``SQLITE_FULL``, ``SQLITE_IOERR``, ...), every caller of
+the batch gets a `StoreError` and nothing of the batch is visible.
+
+Why a dedicated thread with `sqlite3` and not aiosqlite: aiosqlite runs each statement as its own
+round trip to its thread, so a batch of N records with savepoints would cost several event-loop
+hops per record and the batching decision would live on the loop. A writer thread that blocks on a
+queue forms the batch itself, does the CPU work of encoding off the loop, and answers everyone
+at once (datasette's one-writer-thread-per-file shape).
+"""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..base import StoreError
+from ..writer_thread import Job, Outcome, WriterThread
+
+__all__ = ["Batch", "GroupCommitWriter", "Work"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Batch:
+    """Scratch space shared by the work of one transaction.
+
+    Work puts what it wrote under `pending` (for later work of the same batch to see); the
+    writer hands `pending` to its `publish` callback only once the batch has committed.
+    """
+
+    pending: dict[str, Any] = field(default_factory=dict)
+
+
+#: A unit of work: runs on the writer thread, inside a savepoint of the batch's transaction.
+Work = Callable[[sqlite3.Connection, Batch], Any]
+
+
+class _BatchLost(Exception):
+    """SQLite rolled back the whole transaction on its own."""
+
+
+class GroupCommitWriter(WriterThread[Work]):
+    """Owns `conn` (autocommit mode) from now on; closes it when `close` has drained the queue.
+
+    `publish` receives each committed batch's `Batch.pending`, on the writer thread.
+    """
+
+    kind = "sqlite"
+
+    def __init__(
+        self,
+        conn: sqlite3.Connection,
+        *,
+        name: str,
+        max_batch: int,
+        publish: Callable[[dict[str, Any]], None],
+    ) -> None:
+        super().__init__(name=name, max_batch=max_batch)
+        self._conn = conn
+        self._publish = publish
+        self.start()
+
+    def _on_exit(self) -> None:
+        self._conn.close()
+
+    def _commit(self, jobs: list[Job[Work]]) -> None:
+        conn = self._conn
+        batch = Batch()
+        outcomes: list[Outcome] = []
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            for job in jobs:
+                conn.execute("SAVEPOINT job")
+                try:
+                    value = job.work(conn, batch)
+                except Exception as e:
+                    self._undo_job(conn, e)
+                    outcomes.append((job.future, None, self._job_error(e)))
+                else:
+                    conn.execute("RELEASE job")
+                    outcomes.append((job.future, value, None))
+            conn.execute("COMMIT")
+        except BaseException as e:
+            # BaseException too: whatever stops this batch, every waiting caller must hear it.
+            if conn.in_transaction:
+                try:
+                    conn.execute("ROLLBACK")
+                except sqlite3.Error:
+                    log.exception("%s: rollback after a failed batch failed", self.name)
+            cause = e.__cause__ if isinstance(e, _BatchLost) and e.__cause__ is not None else e
+            outcomes = [(job.future, None, self._batch_error(cause)) for job in jobs]
+        else:
+            self._committed(jobs)
+            try:
+                self._publish(batch.pending)
+            except Exception:  # a cache update must not turn committed work into an error
+                log.exception("%s: publishing a committed batch failed", self.name)
+        self._deliver(jobs, outcomes)
+
+    @staticmethod
+    def _undo_job(conn: sqlite3.Connection, error: Exception) -> None:
+        try:
+            conn.execute("ROLLBACK TO job")
+            conn.execute("RELEASE job")
+        except sqlite3.Error:
+            raise _BatchLost() from error
+        if not conn.in_transaction:
+            raise _BatchLost() from error
+
+    def _job_error(self, e: Exception) -> Exception:
+        # SQLite errors become StoreError (one sentence naming the file); anything else (an
+        # encoding error, a fault hook) reaches the caller as it was raised.
+        if isinstance(e, sqlite3.Error):
+            err = StoreError(f"writing to {self.name} failed, nothing of it was stored: {e}")
+            err.__cause__ = e
+            return err
+        return e
+
+    def _batch_error(self, e: BaseException) -> Exception:
+        err = StoreError(
+            f"writing a batch to {self.name} failed ({type(e).__name__}: {e}); nothing of "
+            "this batch was stored"
+        )
+        err.__cause__ = e
+        return err

@@ -1,0 +1,3 @@
+from capture_proxy.testing.fake_vllm import main
+
+main()

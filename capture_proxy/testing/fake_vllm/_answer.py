@@ -1,0 +1,240 @@
+"""One generated answer as vLLM 0.32 sends it: a non-streaming body or the stream's events.
+
+Sans-IO: `Answer` holds what was generated and what the request asked for; `completion_body`
+returns the JSON body, `stream_events` the ``data:`` events (``[DONE]`` included). The HTTP side
+(`fake_vllm`) writes them and injects faults between them.
+
+vLLM behaviours reproduced on purpose, because capture has to survive them:
+
+- ``include_reasoning: false`` hides reasoning *and* the completion's token ids and logprobs
+  (null), while ``prompt_token_ids`` are still sent;
+- a streamed token whose delta is empty (a ``<think>`` marker, the tool-call syntax, the final
+  ``<|im_end|>``) is sent as ``delta: {}`` only when token ids or logprobs were asked for, and is
+  otherwise not sent at all;
+- the finish chunk carries ``system_fingerprint`` only when no usage chunk follows.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ._faults import FaultKind
+from ._generation import (
+    Plan,
+    Turn,
+    message_parts,
+    plan_answer,
+    reasoning_token_count,
+    sample_logprobs,
+    stream_deltas,
+)
+from ._protocol import (
+    DONE,
+    ChunkWriter,
+    logprobs_content,
+    message_body,
+    reasoning_output_key,
+    usage_body,
+)
+
+__all__ = ["Answer", "answer_for", "completion_body", "stream_events"]
+
+
+@dataclass
+class Answer:
+    """Everything needed to write one answer; ``n`` is how many of ``plan.ids`` were generated."""
+
+    call_id: str
+    created: int
+    model: str
+    fingerprint: str
+    reasoning_key: str
+    prompt_ids: list[int]
+    prompt_text: str | None
+    plan: Plan
+    n: int
+    logprobs: list[float]
+    tops: list[list[tuple[int, float]]]
+    want_logprobs: bool = False
+    want_token_ids: bool = False
+    as_token_ids: bool = False
+    include_reasoning: bool = True
+    include_usage: bool = False
+    drop_all_ids: bool = False
+    drop_every: int | None = None
+    extra_usage: int = 0
+    stream: bool = False
+    fault: str | None = None
+
+    @property
+    def ids(self) -> list[int]:
+        return self.plan.ids[: self.n]
+
+    def record(self) -> dict[str, Any]:
+        """What was generated, for `FakeVLLM.responses` (before any fault touched it)."""
+        return {
+            "id": self.call_id,
+            "stream": self.stream,
+            "prompt_token_ids": list(self.prompt_ids),
+            "completion_token_ids": list(self.ids),
+            "logprobs": self.logprobs[: self.n],
+            "finish_reason": self.plan.finish(self.n),
+            "fault": self.fault,
+        }
+
+    def _usage(self, *, stream: bool) -> dict[str, Any]:
+        ids = self.ids
+        return usage_body(
+            len(self.prompt_ids),
+            len(ids) + self.extra_usage,
+            reasoning_token_count(ids),
+            stream=stream,
+        )
+
+    def _prompt_ids_out(self) -> list[int] | None:
+        return self.prompt_ids if self.want_token_ids and not self.drop_all_ids else None
+
+    def _dropped(self, k: int) -> bool:
+        return self.drop_every is not None and (k + 1) % self.drop_every == 0
+
+
+def answer_for(
+    body: Mapping[str, Any],
+    turn: Turn,
+    *,
+    prompt_ids: list[int],
+    prompt_text: str,
+    limit: int,
+    model: str,
+    fingerprint: str,
+    version: str,
+    seed: int,
+    new_id: Callable[[str], str],
+) -> Answer:
+    """Generate ``turn`` (at most ``limit`` tokens) as the request ``body`` asks for it."""
+    kwargs = body.get("chat_template_kwargs")
+    plan = plan_answer(
+        turn,
+        thinking=not (isinstance(kwargs, Mapping) and kwargs.get("enable_thinking") is False),
+        parse_tools=bool(body.get("tools")) and body.get("tool_choice") != "none",
+        new_tool_id=lambda: new_id("chatcmpl-tool-"),
+    )
+    n = min(len(plan.ids), limit)
+    want_logprobs = bool(body.get("logprobs"))
+    top = body.get("top_logprobs")
+    top_k = top if want_logprobs and type(top) is int and top > 0 else 0
+    logprobs, tops = sample_logprobs(seed, prompt_ids, plan.ids[:n], top_k)
+    stream = bool(body.get("stream"))
+    options = body.get("stream_options")
+    fault = turn.fault
+    kind = fault.kind if fault is not None else None
+    return Answer(
+        call_id=new_id("chatcmpl-"),
+        created=int(time.time()),
+        model=model,
+        fingerprint=fingerprint,
+        reasoning_key=reasoning_output_key(version),
+        prompt_ids=prompt_ids,
+        prompt_text=prompt_text if body.get("return_prompt_text") else None,
+        plan=plan,
+        n=n,
+        logprobs=logprobs,
+        tops=tops,
+        want_logprobs=want_logprobs,
+        want_token_ids=bool(body.get("return_token_ids")),
+        as_token_ids=bool(body.get("return_tokens_as_token_ids")),
+        include_reasoning=body.get("include_reasoning", True) is not False,
+        include_usage=stream
+        and isinstance(options, Mapping)
+        and bool(options.get("include_usage")),
+        drop_all_ids=kind is FaultKind.DROP_TOKEN_IDS and fault is not None and fault.every is None,
+        drop_every=fault.every if kind is FaultKind.DROP_TOKEN_IDS and fault is not None else None,
+        extra_usage=1 if kind is FaultKind.USAGE_MISMATCH else 0,
+        stream=stream,
+        fault=kind.value if kind is not None else None,
+    )
+
+
+def completion_body(a: Answer) -> dict[str, Any]:
+    """The ``chat.completion`` body, key for key in the order of ``chat-response.json``."""
+    ids = a.ids
+    reasoning, content, calls = message_parts(a.plan, a.n)
+    hidden = not a.include_reasoning
+    lp: list[dict[str, Any]] | None = None
+    if a.want_logprobs and not hidden:
+        lp = logprobs_content(ids, a.logprobs[: a.n], a.tops[: a.n], as_token_ids=a.as_token_ids)
+    token_ids: list[int] | None = list(ids) if a.want_token_ids and not hidden else None
+    if a.drop_every is not None:
+        keep = [k for k in range(len(ids)) if not a._dropped(k)]
+        token_ids = None if token_ids is None else [ids[k] for k in keep]
+        lp = None if lp is None else [lp[k] for k in keep]
+    if a.drop_all_ids:
+        token_ids = None
+    choice = {
+        "index": 0,
+        "message": message_body(a.reasoning_key, None if hidden else reasoning, content, calls),
+        "logprobs": None if lp is None else {"content": lp},
+        "finish_reason": a.plan.finish(a.n),
+        "stop_reason": None,
+        "token_ids": token_ids,
+        "routed_experts": None,
+    }
+    return {
+        "id": a.call_id,
+        "object": "chat.completion",
+        "created": a.created,
+        "model": a.model,
+        "choices": [choice],
+        "service_tier": None,
+        "system_fingerprint": a.fingerprint,
+        "usage": a._usage(stream=False),
+        "prompt_logprobs": None,
+        "prompt_token_ids": a._prompt_ids_out(),
+        "prompt_text": a.prompt_text,
+        "kv_transfer_params": None,
+        "ec_transfer_params": None,
+        "metrics": None,
+    }
+
+
+def stream_events(a: Answer) -> Iterator[bytes]:
+    """The stream's events: role chunk, one chunk per token, usage (if asked), ``[DONE]``."""
+    writer = ChunkWriter(a.call_id, a.created, a.model)
+    yield writer.first(a._prompt_ids_out(), a.prompt_text)
+    hidden = not a.include_reasoning
+    ids = a.ids
+    deltas = stream_deltas(a.plan, a.n, include_reasoning=a.include_reasoning)
+    finish = a.plan.finish(a.n)
+    send_ids = a.want_token_ids and not hidden and not a.drop_all_ids
+    fingerprint = None if a.include_usage else a.fingerprint
+    for k, token in enumerate(ids):
+        last = k == len(ids) - 1
+        lp = None
+        if a.want_logprobs and not hidden:
+            lp = logprobs_content(
+                [token], [a.logprobs[k]], [a.tops[k]], as_token_ids=a.as_token_ids
+            )
+        delta = deltas[k]
+        if delta is None:
+            if not last and lp is None and (not a.want_token_ids or hidden):
+                continue
+            delta = {}
+        if a._dropped(k) and not last:
+            continue
+        yield writer.token(
+            delta,
+            lp,
+            [token] if send_ids else None,
+            finish_reason=finish if last else None,
+            fingerprint=fingerprint if last else None,
+        )
+    if not ids:
+        yield writer.token(
+            {}, None, [] if send_ids else None, finish_reason=finish, fingerprint=fingerprint
+        )
+    if a.include_usage:
+        yield writer.usage(a._usage(stream=True), a.fingerprint)
+    yield DONE

@@ -1,0 +1,269 @@
+"""What the fake vLLM "generates": scripted turns turned into token ids, logprobs and deltas.
+
+A `Turn` becomes exactly the text a faithful replay of the answer renders after the generation
+prompt (see `fake_vllm_template`)::
+
+    <think>\\n{reasoning}\\n</think>\\n\\n{content}
+    [\\n]<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>   (per tool call)
+    <|im_end|>
+
+so replaying the answer unchanged makes the next prompt extend this prompt + completion exactly.
+Tool arguments are generated as ``json.dumps(arguments, ensure_ascii=False)``
+(``{"command": "ls"}``, spaces included, as vLLM's hermes parser returns them).
+"""
+
+from __future__ import annotations
+
+import codecs
+import hashlib
+import json
+import random
+import struct
+from array import array
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._faults import Fault
+from ._template import (
+    BYTE_OFFSET,
+    THINK_END,
+    THINK_START,
+    decode,
+    encode,
+    token_bytes,
+    tool_call_text,
+)
+
+__all__ = [
+    "Plan",
+    "PlannedCall",
+    "ToolCall",
+    "Turn",
+    "default_turn",
+    "message_parts",
+    "plan_answer",
+    "reasoning_token_count",
+    "sample_logprobs",
+    "stream_deltas",
+]
+
+_POST_REASONING = frozenset({"content", "sep", "tool_head", "tool_args", "tool_tail"})
+
+
+@dataclass
+class ToolCall:
+    """A tool call the scripted model makes: generated as a hermes ``<tool_call>`` block."""
+
+    name: str
+    arguments: dict[str, Any]
+
+
+@dataclass
+class Turn:
+    """One scripted answer.
+
+    ``finish_reason`` defaults to ``"tool_calls"`` with tool calls, ``"length"`` when
+    ``max_tokens`` cuts the answer, else ``"stop"``. An explicit reason is sent as given (unless
+    ``max_tokens`` cuts the answer); one other than stop/tool_calls generates no end-of-turn token.
+    """
+
+    content: str = ""
+    reasoning: str | None = None
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    finish_reason: str | None = None
+    fault: Fault | None = None
+
+
+@dataclass(frozen=True)
+class PlannedCall:
+    """A tool call's id, text and token positions (start, header chunk, end exclusive)."""
+
+    id: str
+    name: str
+    arguments: str
+    start: int
+    header: int
+    end: int
+
+
+@dataclass
+class Plan:
+    """The full answer as tokens: id, kind and tool index per position, and the tool calls."""
+
+    ids: list[int] = field(default_factory=list)
+    kinds: list[str] = field(default_factory=list)
+    tool_index: list[int] = field(default_factory=list)
+    calls: list[PlannedCall] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    def add(self, kind: str, text: str, tool: int = -1) -> None:
+        ids = encode(text)
+        self.ids.extend(ids)
+        self.kinds.extend([kind] * len(ids))
+        self.tool_index.extend([tool] * len(ids))
+
+    def finish(self, n: int) -> str:
+        """The finish reason when the first ``n`` tokens were generated."""
+        if n < len(self.ids):
+            return "length"
+        if self.finish_reason:
+            return self.finish_reason
+        return "tool_calls" if self.calls else "stop"
+
+
+def plan_answer(
+    turn: Turn, *, thinking: bool, parse_tools: bool, new_tool_id: Callable[[], str]
+) -> Plan:
+    """Tokens of ``turn``; with ``parse_tools`` false its tool calls stay plain content text."""
+    plan = Plan(finish_reason=turn.finish_reason)
+    if thinking and turn.reasoning:
+        plan.add("think", "<think>\n")
+        plan.add("reasoning", turn.reasoning)
+        plan.add("think", "\n</think>\n\n")
+    plan.add("content", turn.content)
+    for i, call in enumerate(turn.tool_calls):
+        args = json.dumps(call.arguments, ensure_ascii=False)
+        if i or turn.content:
+            plan.add("sep" if parse_tools else "content", "\n")
+        if not parse_tools:
+            plan.add("content", tool_call_text(call.name, args))
+            continue
+        start = len(plan.ids)
+        plan.add(
+            "tool_head", f'<tool_call>\n{{"name": {json.dumps(call.name, ensure_ascii=False)},', i
+        )
+        header = len(plan.ids) - 1
+        plan.add("tool_head", ' "arguments": ', i)
+        plan.add("tool_args", args, i)
+        plan.add("tool_tail", "}\n</tool_call>", i)
+        plan.calls.append(PlannedCall(new_tool_id(), call.name, args, start, header, len(plan.ids)))
+    if turn.finish_reason in (None, "stop", "tool_calls"):
+        plan.add("eos", "<|im_end|>")
+    return plan
+
+
+def message_parts(plan: Plan, n: int) -> tuple[str | None, str | None, list[PlannedCall]]:
+    """(reasoning, content, tool calls) as vLLM's parsers return them for the first ``n`` tokens.
+
+    A tool call cut short does not parse: then, as with the hermes parser, there are no tool calls
+    and all the text after the reasoning is content.
+    """
+    ids, kinds = plan.ids[:n], plan.kinds[:n]
+    reasoning = decode(t for t, k in zip(ids, kinds, strict=True) if k == "reasoning") or None
+    started = [c for c in plan.calls if c.start < n]
+    if all(c.end <= n for c in started):
+        content = decode(t for t, k in zip(ids, kinds, strict=True) if k == "content")
+        return reasoning, content or None, started
+    rest = decode(t for t, k in zip(ids, kinds, strict=True) if k in _POST_REASONING)
+    return reasoning, rest or None, []
+
+
+def reasoning_token_count(ids: list[int]) -> int:
+    """Tokens between ``<think>`` and ``</think>`` (or the end), as vLLM's Qwen3 parser counts."""
+    if THINK_START not in ids:
+        return 0
+    start = ids.index(THINK_START) + 1
+    end = ids.index(THINK_END) if THINK_END in ids else len(ids)
+    return max(0, end - start)
+
+
+def stream_deltas(plan: Plan, n: int, *, include_reasoning: bool) -> list[dict[str, Any] | None]:
+    """The ``delta`` of each of the first ``n`` tokens' chunks; None where vLLM's parser has none.
+
+    Text is decoded incrementally per channel, so a multi-byte character arrives whole with its
+    last byte. Tool calls stream as vLLM 0.32's hermes parser does: one delta with id, type, index
+    and name once the name is complete, then the argument text piece by piece.
+    """
+    decoders: dict[tuple[str, int], codecs.IncrementalDecoder] = {}
+    headers = {c.header: c for c in plan.calls}
+    out: list[dict[str, Any] | None] = []
+    for k in range(n):
+        kind, tool = plan.kinds[k], plan.tool_index[k]
+        delta: dict[str, Any] | None = None
+        if kind in ("reasoning", "content", "tool_args"):
+            dec = decoders.setdefault(
+                (kind, tool), codecs.getincrementaldecoder("utf-8")("replace")
+            )
+            piece = dec.decode(token_bytes(plan.ids[k]))
+            if piece and kind == "content":
+                delta = {"content": piece}
+            elif piece and kind == "reasoning" and include_reasoning:
+                delta = {"reasoning": piece}
+            elif piece and kind == "tool_args":
+                delta = {
+                    "content": None,
+                    "tool_calls": [{"index": tool, "function": {"arguments": piece}}],
+                }
+        elif k in headers:
+            call = headers[k]
+            head = {
+                "id": call.id,
+                "type": "function",
+                "index": tool,
+                "function": {"name": call.name},
+            }
+            delta = {"content": None, "tool_calls": [head]}
+        out.append(delta)
+    return out
+
+
+def _f32(x: float) -> float:
+    # vLLM computes logprobs in float32; keep every value exactly representable.
+    value: float = struct.unpack("<f", struct.pack("<f", x))[0]
+    return value
+
+
+def sample_logprobs(
+    seed: int, prompt_ids: list[int], ids: list[int], top_k: int
+) -> tuple[list[float], list[list[tuple[int, float]]]]:
+    """Deterministic negative float32 logprobs for ``ids`` and ``top_k`` alternatives per position.
+
+    Depends only on the seed, the prompt and the position, so a retried call gets the same values.
+    The sampled token comes first in each top list (as in vLLM, whose logprob dict starts with it).
+    """
+    digest = hashlib.sha256(
+        seed.to_bytes(8, "little", signed=True) + array("i", prompt_ids).tobytes()
+    )
+    rng = random.Random(digest.digest())
+    logprobs: list[float] = []
+    tops: list[list[tuple[int, float]]] = []
+    for token in ids:
+        u = rng.random()
+        lp = _f32(-(0.02 + 4.0 * u * u))
+        logprobs.append(lp)
+        top: list[tuple[int, float]] = [(token, lp)] if top_k > 0 else []
+        seen = {token}
+        for j in range(1, top_k):
+            alt = BYTE_OFFSET + (token * 7 + 37 * j) % 256
+            while alt in seen:
+                alt = BYTE_OFFSET + (alt + 1 - BYTE_OFFSET) % 256
+            seen.add(alt)
+            top.append((alt, _f32(lp - 0.25 * j - 0.5 * rng.random())))
+        tops.append(top)
+    return logprobs, tops
+
+
+def _last_user_text(request: Mapping[str, Any]) -> str:
+    for message in reversed(request.get("messages") or []):
+        if isinstance(message, Mapping) and message.get("role") == "user":
+            content = message.get("content")
+            if isinstance(content, str):
+                return content
+            if isinstance(content, list):
+                return " ".join(
+                    str(p.get("text", ""))
+                    for p in content
+                    if isinstance(p, Mapping) and p.get("type") == "text"
+                )
+    return ""
+
+
+def default_turn(request: Mapping[str, Any]) -> Turn:
+    """The answer when nothing was scripted: a little reasoning and an echo of the user's words."""
+    words = _last_user_text(request).split()
+    if not words:
+        return Turn(content="Hello! How can I help?", reasoning="No question was asked.")
+    echo = " ".join(words[:12]) + (" ..." if len(words) > 12 else "")
+    reasoning = f"The user wrote {len(words)} words. I will repeat the first few."
+    return Turn(content=f"You said: {echo}", reasoning=reasoning)

@@ -1,0 +1,213 @@
+"""vLLM 0.32's OpenAI wire shapes, built as dicts with the key order vLLM sends.
+
+Every shape here is checked against ``fixtures/vllm-0.32.0`` by ``tests/test_fake_vllm.py``.
+vLLM serializes with pydantic (compact JSON, UTF-8, shortest float repr); ``orjson`` writes the
+same bytes. Streamed chunks are dumped with ``exclude_unset``, so a field vLLM sets to None
+explicitly (``token_ids`` when not asked for, ``prompt_text``) is sent as ``null`` and fields it
+never sets are absent; the trailing usage chunk also excludes None.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import orjson
+
+from ._generation import PlannedCall
+from ._template import token_bytes, token_text
+
+__all__ = [
+    "DONE",
+    "ChunkWriter",
+    "error_body",
+    "logprobs_content",
+    "message_body",
+    "model_list",
+    "reasoning_output_key",
+    "sse",
+    "stream_error_event",
+    "usage_body",
+]
+
+DONE = b"data: [DONE]\n\n"
+
+
+def sse(obj: Any) -> bytes:
+    """One server-sent event carrying ``obj`` as compact JSON (vLLM's separator is a blank line)."""
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+def error_body(message: str, err_type: str, code: int, param: str | None = None) -> dict[str, Any]:
+    """vLLM's ErrorResponse: ``{"error": {"message", "type", "param", "code"}}``."""
+    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+
+
+def stream_error_event(message: str, code: int) -> bytes:
+    """The event vLLM sends when generation fails mid-stream (``json.dumps``, so with spaces)."""
+    err_type = "InternalServerError" if code >= 500 else "BadRequestError"
+    return b"data: " + json.dumps(error_body(message, err_type, code)).encode() + b"\n\n"
+
+
+def reasoning_output_key(version: str) -> str:
+    """``reasoning`` from vLLM 0.16 on; ``reasoning_content`` before."""
+    try:
+        major, minor = (int(p) for p in version.split(".")[:2])
+    except ValueError:
+        return "reasoning"
+    return "reasoning_content" if (major, minor) < (0, 16) else "reasoning"
+
+
+def _token_string(token_id: int, as_token_ids: bool) -> str:
+    return f"token_id:{token_id}" if as_token_ids else token_text(token_id)
+
+
+def logprobs_content(
+    ids: Sequence[int],
+    logprobs: Sequence[float],
+    tops: Sequence[Sequence[tuple[int, float]]],
+    *,
+    as_token_ids: bool,
+) -> list[dict[str, Any]]:
+    """``logprobs.content`` entries: ``{token, logprob, bytes, top_logprobs}`` per token.
+
+    ``bytes`` is the token's own bytes (vLLM gives the UTF-8 of its decoded text, which is the
+    same for every token that is valid UTF-8 by itself). Top entries have no nested list and, as
+    in vLLM, their ``bytes`` are the UTF-8 of their ``token`` string, ``"token_id:N"`` included.
+    """
+    out: list[dict[str, Any]] = []
+    for token_id, lp, top in zip(ids, logprobs, tops, strict=True):
+        top_entries = []
+        for alt, alt_lp in top:
+            text = _token_string(alt, as_token_ids)
+            top_entries.append({"token": text, "logprob": alt_lp, "bytes": list(text.encode())})
+        out.append(
+            {
+                "token": _token_string(token_id, as_token_ids),
+                "logprob": lp,
+                "bytes": list(token_bytes(token_id)),
+                "top_logprobs": top_entries,
+            }
+        )
+    return out
+
+
+def message_body(
+    reasoning_key: str, reasoning: str | None, content: str | None, calls: Sequence[PlannedCall]
+) -> dict[str, Any]:
+    """A non-streaming ``choices[0].message``; ``tool_calls`` is present only when there are any."""
+    message: dict[str, Any] = {
+        "role": "assistant",
+        "content": content,
+        "refusal": None,
+        "annotations": None,
+        "audio": None,
+        "function_call": None,
+    }
+    if calls:
+        message["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in calls
+        ]
+    message[reasoning_key] = reasoning
+    return message
+
+
+def usage_body(prompt: int, completion: int, reasoning: int, *, stream: bool) -> dict[str, Any]:
+    """``usage``; the streamed one omits the null ``prompt_tokens_details``."""
+    usage: dict[str, Any] = {
+        "prompt_tokens": prompt,
+        "total_tokens": prompt + completion,
+        "completion_tokens": completion,
+    }
+    if not stream:
+        usage["prompt_tokens_details"] = None
+    usage["completion_tokens_details"] = {"reasoning_tokens": reasoning}
+    return usage
+
+
+class ChunkWriter:
+    """Builds the ``chat.completion.chunk`` events of one stream."""
+
+    def __init__(self, call_id: str, created: int, model: str) -> None:
+        self._head = {
+            "id": call_id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+        }
+
+    def first(self, prompt_token_ids: list[int] | None, prompt_text: str | None) -> bytes:
+        """The role chunk: ``delta {role, content: ""}``, the prompt ids when asked for."""
+        choice = {
+            "index": 0,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
+        return sse(
+            {
+                **self._head,
+                "choices": [choice],
+                "prompt_token_ids": prompt_token_ids,
+                "prompt_text": prompt_text,
+            }
+        )
+
+    def token(
+        self,
+        delta: dict[str, Any],
+        logprobs: list[dict[str, Any]] | None,
+        token_ids: list[int] | None,
+        *,
+        finish_reason: str | None = None,
+        fingerprint: str | None = None,
+    ) -> bytes:
+        """One generated token's chunk; the last carries ``finish_reason`` and ``stop_reason``."""
+        choice: dict[str, Any] = {
+            "index": 0,
+            "delta": delta,
+            "logprobs": None if logprobs is None else {"content": logprobs},
+            "finish_reason": finish_reason,
+        }
+        if finish_reason is not None:
+            choice["stop_reason"] = None
+        choice["token_ids"] = token_ids
+        chunk: dict[str, Any] = {**self._head, "choices": [choice]}
+        if fingerprint is not None:
+            chunk["system_fingerprint"] = fingerprint
+        return sse(chunk)
+
+    def usage(self, usage: dict[str, Any], fingerprint: str) -> bytes:
+        """The final chunk with empty ``choices`` (only with ``stream_options.include_usage``)."""
+        return sse({**self._head, "choices": [], "usage": usage, "system_fingerprint": fingerprint})
+
+
+def model_list(model: str, created: int, max_model_len: int, perm_id: str) -> dict[str, Any]:
+    """``GET /v1/models`` (``root`` is the model name; vLLM shows the weights' path there)."""
+    permission = {
+        "id": perm_id,
+        "object": "model_permission",
+        "created": created,
+        "allow_create_engine": False,
+        "allow_sampling": True,
+        "allow_logprobs": True,
+        "allow_search_indices": False,
+        "allow_view": True,
+        "allow_fine_tuning": False,
+        "organization": "*",
+        "group": None,
+        "is_blocking": False,
+    }
+    card = {
+        "id": model,
+        "object": "model",
+        "created": created,
+        "owned_by": "vllm",
+        "root": model,
+        "parent": None,
+        "max_model_len": max_model_len,
+        "permission": [permission],
+    }
+    return {"object": "list", "data": [card]}
