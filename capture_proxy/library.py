@@ -1,59 +1,83 @@
-"""Capture without the HTTP hop, for frameworks that call vLLM themselves.
+"""Capture without the HTTP hop, for frameworks that drive vLLM from their own process.
 
-`CaptureClient` runs exactly what the proxy runs for a call — normalization, strict validation,
-the request policy, the token fields vLLM must return, record building, digests, staging, the
-ledger — around a request *you* send::
+`CaptureClient` runs the proxy's own per-call flow (`capture_proxy.core.exchange.Exchange`):
+normalization, strict validation, the request policy, the context guard, the token fields vLLM
+must return, the upstream round trip, record building, digests, staging and the ledger::
 
-    client = CaptureClient(open_sink("sqlite:///capture.db"))
-    call = await client.begin_call("rollout-7", request)        # raises RequestValidationError
-    async with session.post(f"{vllm}/v1/chat/completions", data=call.body,
-                            headers={"Content-Type": "application/json"}) as resp:
-        raw = await resp.read()                                 # or the whole SSE stream
-    if resp.status != 200:
-        await client.fail_call(call, f"upstream_{resp.status}", raw.decode(),
-                               http_status=resp.status)
-    else:
-        result = await client.complete_call(call, raw, upstream=info)   # StageResult
-        answer = call.client_body                                # what a client should see
+    client = CaptureClient(open_sink("sqlite:///capture.db"), upstream="http://127.0.0.1:8000")
+    result = await client.chat("rollout-7", request)    # ChatResult
+    result.status      # "staged", "capture_failed", "upstream_error" (ledgered), ...
+    result.body        # what a client of the proxy would get (JSON, or the SSE bytes)
+    await client.close()
 
-`result.status` is ``staged`` (with `result.coords`) or ``capture_failed`` (in the ledger, the
-rollout poisoned). The records are the ones the proxy would stage for the same exchange.
+A framework that must send the request itself uses the thin wrapper around the same flow::
+
+    call = await client.begin_call("rollout-7", request)  # RequestValidationError if refused
+    raw = ...                                   # POST call.body to vLLM's /v1/chat/completions
+    result = await client.complete_call(call, raw)       # StageResult; call.client_body
+
+The records are the ones the proxy stages for the same exchange.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
-from .adapters.vllm import (
-    CaptureExtractionError,
-    ForwardPlan,
-    UpstreamProtocolError,
-    VLLMAdapter,
-)
-from .core.capture import Call, Capture, sampling_of
-from .core.normalize import normalize_request
+from .adapters.vllm import ForwardPlan, VLLMAdapter
+from .core.capture import Call, Capture
+from .core.exchange import Exchange, ExchangeConfig, Outcome, Pipeline
 from .core.policy import RequestPolicy
+from .core.transport import UpstreamInfo, UpstreamReply, UpstreamTransport
+from .errors import ProxyError, UpstreamFailed
 from .schemas.records import CallStatus, StageResult
+from .schemas.request import RequestValidationError
 from .sinks.base import StagingSink, StagingSource
-from .upstream.client import UpstreamInfo
 
-__all__ = ["CaptureClient", "PreparedCall"]
+__all__ = ["CaptureClient", "ChatResult", "PreparedCall"]
+
+
+@dataclass(slots=True)
+class ChatResult:
+    """How one `CaptureClient.chat` call ended."""
+
+    #: ``staged``, ``capture_failed`` or ``upstream_error``.
+    status: CallStatus
+    call_id: str
+    #: The HTTP status a client of the proxy would see for the answer (200, or the upstream's).
+    http_status: int
+    #: The answer as a client of the proxy would see it: JSON, or the whole SSE byte stream.
+    body: bytes
+    #: The staging result (coordinates when staged), None when nothing was staged.
+    result: StageResult | None
+    reason: str = ""
+    message: str = ""
 
 
 @dataclass(slots=True)
 class PreparedCall:
     """An admitted call: send `body` to the upstream's /v1/chat/completions."""
 
-    call: Call
-    plan: ForwardPlan
-    #: The effective request as forwarded (policy applied, images inline), decoded.
-    request: dict[str, Any]
+    exchange: Exchange
     #: The answer a client should see (token fields it did not ask for removed), once complete.
     client_body: bytes | None = None
+
+    @property
+    def call(self) -> Call:
+        return self.exchange.admitted
+
+    @property
+    def plan(self) -> ForwardPlan:
+        assert self.exchange.plan is not None
+        return self.exchange.plan
+
+    @property
+    def request(self) -> dict[str, Any]:
+        """The effective request as forwarded (policy applied, images inline), decoded."""
+        return self.exchange.request
 
     @property
     def body(self) -> bytes:
@@ -65,17 +89,27 @@ class PreparedCall:
 
 
 class CaptureClient:
-    """The capture core with its vLLM adapter, as a library."""
+    """The proxy's capture flow as a library.
+
+    `upstream` is the vLLM to call (a base URL, or any `UpstreamTransport`); without one, only
+    `begin_call`/`complete_call` work (the caller sends the request). `max_model_len` turns on
+    the context guard (refuse, or with ``context_overflow="cap"`` cap max_tokens). `source`
+    opens a reader on the same store, so rollouts resume after a restart.
+    """
 
     def __init__(
         self,
         sink: StagingSink,
         *,
+        upstream: str | UpstreamTransport | None = None,
+        api_key: str = "",
         adapter: VLLMAdapter | None = None,
         policy: RequestPolicy | None = None,
         stage_timeout: float = 10.0,
         max_pending: int = 256,
         allow_remote_media: bool = False,
+        max_model_len: int = 0,
+        context_overflow: str = "refuse",
         source: Callable[[], StagingSource] | None = None,
     ) -> None:
         self.capture = Capture(
@@ -85,26 +119,64 @@ class CaptureClient:
             policy=policy,
             source=source,
         )
-        self.adapter = adapter or VLLMAdapter()
-        self.allow_remote_media = allow_remote_media
+        self._own_upstream: Any = None
+        if isinstance(upstream, str):
+            from .upstream.http import HTTPUpstream  # aiohttp only when it is used
+
+            upstream = self._own_upstream = HTTPUpstream(upstream, api_key=api_key)
+        self.pipeline = Pipeline(
+            self.capture,
+            upstream if upstream is not None else _NoUpstream(),
+            ExchangeConfig(
+                allow_remote_media=allow_remote_media,
+                max_model_len=max_model_len,
+                context_overflow="cap" if context_overflow == "cap" else "refuse",
+            ),
+        )
+        if adapter is not None:
+            self.pipeline.use_adapter(adapter)
+
+    async def chat(self, rollout_id: str, request: bytes | Mapping[str, Any]) -> ChatResult:
+        """Run one call through the whole flow: validate, admit, call the upstream, stage.
+
+        Raises `ProxyError` for a refused request (recorded as ``rejected``; its
+        `RequestValidationError` is the ``__cause__``) and `UpstreamFailed` when the upstream
+        cannot be reached or its answer breaks off (recorded as ``upstream_error``).
+        """
+        exchange = self.pipeline.exchange(rollout_id)
+        await exchange.prepare(request)
+        try:
+            outcome = await exchange.send()
+            if outcome is None and exchange.streamed:
+                body = b"".join([piece async for piece in exchange.relay_stream()])
+                outcome = exchange.outcome
+                assert outcome is not None
+                outcome.body = body
+            elif outcome is None:
+                outcome = await exchange.read_unary()
+        finally:
+            if not exchange.finished:
+                await exchange.abort("client_disconnected", "the caller stopped waiting")
+        return _result(outcome)
+
+    async def stream(self, rollout_id: str, request: bytes | Mapping[str, Any]) -> Streamed:
+        """Like `chat` for a streamed request, yielding the SSE bytes as they arrive."""
+        exchange = self.pipeline.exchange(rollout_id)
+        await exchange.prepare(request)
+        return Streamed(exchange)
 
     async def begin_call(self, rollout_id: str, request: Mapping[str, Any]) -> PreparedCall:
-        """Normalize, validate and admit a request; raises `RequestValidationError` for a bad
+        """Normalize, validate and admit a request. Raises `RequestValidationError` for a bad
         one (recorded in the rollout's ledger as ``rejected``) and `ProxyError` for admission
         refusals (sealed rollout, limits)."""
-        from .schemas.request import RequestValidationError
-
-        live = await self.capture.ensure_rollout(rollout_id)
+        exchange = self.pipeline.exchange(rollout_id)
         try:
-            normalized = normalize_request(request, allow_remote_media=self.allow_remote_media)
-        except RequestValidationError as e:
-            await self.capture.reject(rollout_id, e.code, e.message, e.status)
+            await exchange.prepare(request)
+        except ProxyError as e:
+            if isinstance(e.__cause__, RequestValidationError):
+                raise e.__cause__ from None
             raise
-        policy = self.capture.policy
-        body = policy.apply(normalized.body, live.policy)
-        staged = policy.apply(normalized.staged, live.policy)
-        call = self.capture.begin_call(rollout_id, staged, normalized.attachments)
-        return PreparedCall(call, self.adapter.plan(body), body)
+        return PreparedCall(exchange)
 
     async def complete_call(
         self,
@@ -115,32 +187,21 @@ class CaptureClient:
     ) -> StageResult:
         """Stage the call from the upstream's 200 answer: the JSON body, or for a streamed
         call the whole SSE byte stream. Never raises for capture problems."""
-        call, plan = prepared.call, prepared.plan
+        exchange = prepared.exchange
+        if upstream is not None:
+            exchange.info = upstream
         raw = response if isinstance(response, bytes) else orjson.dumps(response)
         try:
-            if plan.wants.stream:
-                acc = self.adapter.stream(plan, session=call.rollout_id)
-                prepared.client_body = b"".join(acc.feed(raw))
-                completion = acc.finish()
+            if exchange.streamed:
+                outcome = await exchange.finish_stream(raw)
             else:
-                completion, prepared.client_body = self.adapter.parse_response(
-                    raw, plan, session=call.rollout_id
-                )
-        except UpstreamProtocolError as e:
-            await self.capture.fail_call(call, CallStatus.UPSTREAM_ERROR, e.reason, e.message, 502)
-            return StageResult(CallStatus.UPSTREAM_ERROR, None, e.reason, e.message)
-        except CaptureExtractionError as e:
-            prepared.client_body = e.client_body or prepared.client_body
-            await self.capture.fail_call(call, CallStatus.CAPTURE_FAILED, e.reason, e.message)
-            return StageResult.failed(e.reason, e.message)
-        return await self.capture.complete_call(
-            call,
-            completion,
-            model=str(prepared.request.get("model", "")),
-            upstream_version=upstream.version if upstream else "",
-            tokenizer_fingerprint=upstream.fingerprint if upstream else "",
-            sampling=sampling_of(prepared.request),
-        )
+                outcome = await exchange.finish_unary(raw)
+        except UpstreamFailed as e:
+            return StageResult(CallStatus.UPSTREAM_ERROR, None, e.code, e.message)
+        prepared.client_body = outcome.body or prepared.client_body
+        if outcome.result is not None:
+            return outcome.result
+        return StageResult(outcome.status, None, outcome.reason, outcome.message)
 
     async def fail_call(
         self,
@@ -156,8 +217,65 @@ class CaptureClient:
 
     async def seal(self, rollout_id: str, wait_s: float = 60.0) -> None:
         await self.capture.seal(rollout_id, wait_s)
+        self.pipeline.forget_rollouts([rollout_id])
 
     async def close(self) -> None:
+        await self.pipeline.wait_background(self.capture.stager.timeout)
         await self.capture.drain(self.capture.stager.timeout)
         await self.capture.ledger.flush()
         await self.capture.sink.close()
+        if self._own_upstream is not None:
+            await self._own_upstream.close()
+
+
+class Streamed:
+    """A streamed call in progress: iterate it for the SSE bytes; `result` once it is over."""
+
+    def __init__(self, exchange: Exchange) -> None:
+        self.exchange = exchange
+        self.result: ChatResult | None = None
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        exchange = self.exchange
+        try:
+            outcome = await exchange.send()
+            if outcome is None:
+                async for piece in exchange.relay_stream():
+                    yield piece
+                outcome = exchange.outcome
+            assert outcome is not None
+            self.result = _result(outcome)
+        finally:
+            if not exchange.finished:
+                await exchange.abort("client_disconnected", "the caller stopped reading")
+
+
+def _result(outcome: Outcome) -> ChatResult:
+    return ChatResult(
+        outcome.status,
+        outcome.call_id,
+        outcome.http_status,
+        outcome.body,
+        outcome.result,
+        outcome.reason,
+        outcome.message,
+    )
+
+
+class _NoUpstream:
+    """The upstream of a client whose caller sends requests itself: facts unknown."""
+
+    async def info(self, model: str) -> UpstreamInfo:
+        return UpstreamInfo("", "reasoning_content", "")
+
+    async def count_prompt_tokens(self, request: Mapping[str, Any]) -> int:
+        raise UpstreamFailed(
+            "the context guard needs an upstream: CaptureClient(..., upstream=URL)",
+            code="context_guard",
+        )
+
+    async def post_chat(self, body: bytes) -> UpstreamReply:
+        raise UpstreamFailed(
+            "this CaptureClient has no upstream: pass CaptureClient(..., upstream=URL) to chat",
+            code="no_upstream",
+        )

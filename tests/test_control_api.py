@@ -202,7 +202,7 @@ async def test_idle_rollouts_leave_memory_and_resume_from_the_store(make_proxy: 
 async def test_sealing_drops_the_rollouts_prompt_prefix_cache(make_proxy: Any) -> None:
     p = await make_proxy(admin_token=TOKEN)
     await p.chat(chat_body(user("x")), rollout="ep")
-    adapters = list(p.state._adapters.values())
+    adapters = list(p.state.pipeline._adapters.values())
     assert any(a.prefixes.get("ep") is not None for a in adapters)
     assert (await p.client.post("/admin/rollouts/ep/seal", headers=ADMIN)).status == 200
     assert all(a.prefixes.get("ep") is None for a in adapters)

@@ -18,7 +18,7 @@ from capture_proxy.schemas.digest import verify_record
 from capture_proxy.schemas.request import RequestValidationError
 from capture_proxy.sinks.registry import open_sink, open_source
 from capture_proxy.testing.fake_vllm import FakeVLLM, ToolCall, Turn
-from capture_proxy.upstream.client import Upstream
+from capture_proxy.upstream import HTTPUpstream
 
 TOOLS = [{"type": "function", "function": {"name": "bash", "parameters": {"type": "object"}}}]
 IDS_AND_TIMES = {"call_id", "created_at_ms", "digest", "parent_call_id", "retry_of"}
@@ -70,7 +70,7 @@ async def test_proxy_and_library_stage_identical_records(tmp_path: Path, stream:
     try:
         async with aiohttp.ClientSession() as http:
             base = str(upstream.make_url("")).rstrip("/")
-            info = await Upstream(base, http).info("policy")
+            info = await HTTPUpstream(base, http).info("policy")
             call = await client.begin_call("ep", first)
             async with http.post(
                 f"{base}/v1/chat/completions",

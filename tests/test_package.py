@@ -35,7 +35,7 @@ LAYERS: dict[str, set[str]] = {
     "adapters": {"schemas"},
     "sinks": {"schemas"},
     "core": {"schemas", "adapters", "sinks", "errors"},
-    "upstream": {"schemas", "adapters", "errors"},
+    "upstream": {"schemas", "adapters", "core", "errors"},
     "read": {"schemas", "sinks", "errors"},
     "inspect": {"schemas", "sinks", "read", "errors"},
     "testing": set(),

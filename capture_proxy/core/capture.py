@@ -1,13 +1,9 @@
 """The capture core: everything that turns one model call into a staged record, without HTTP.
 
-The proxy's handlers are a thin layer over `Capture`; a framework that calls vLLM itself uses the
-same object directly::
-
-    capture = Capture(sink)
-    call = await capture.begin_call("rollout-7", staged_request, attachments)
-    ...                                     # send the request, parse the answer into a Completion
-    result = await capture.complete_call(call, completion, upstream_version=..., ...)
-    if result.status != "staged": ...       # capture_failed: the rollout is now poisoned
+`Capture` admits calls (sequence numbers, retries, weight version), builds and seals their
+records, stages them through the `Stager` and keeps the ledger of calls that were not staged. The
+flow of one call around it (decode, upstream, relay) is `capture_proxy.core.exchange.Exchange`;
+every outcome is reported once to the `Capture.on_outcome` subscribers (the proxy's metrics).
 
 Policy written into the code: a call is either staged exactly, or recorded in its rollout's ledger
 as not staged (with why) — crash visibly instead of letting a call through unrecorded.
@@ -25,11 +21,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ..errors import CaptureUnavailable, Conflict, TooManyRequests, Unprocessable
+from ..errors import CaptureUnavailable, Conflict, ProxyError, TooManyRequests, Unprocessable
 from ..schemas.digest import EncodingError, RequestValueCache, seal_record
 from ..schemas.records import (
     Attachment,
     CallStatus,
+    CommitCoords,
     LedgerEntry,
     RecordValidationError,
     RolloutInfo,
@@ -45,7 +42,7 @@ from .policy import PolicyError, RequestPolicy, check_policy
 from .rollouts import KEY_HASH_FIELD, CallOutcome, RolloutLive, request_key, resume_rollout
 from .staging import Stager
 
-__all__ = ["SAMPLING_KEYS", "Call", "Capture", "CompletionLike"]
+__all__ = ["SAMPLING_KEYS", "Call", "CallReport", "Capture", "CompletionLike"]
 
 log = logging.getLogger("capture_proxy.capture")
 
@@ -116,6 +113,29 @@ class Call:
     #: Set once staging starts: from then on the call's outcome is the staging's, even if the
     #: client goes away (staging runs to the end without it).
     staging: bool = False
+    #: When the flow began (``time.perf_counter()``) and how long the upstream took, when the
+    #: flow measured it: reported with the outcome (the proxy's overhead histogram).
+    started: float | None = None
+    upstream_seconds: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CallReport:
+    """One call's outcome, reported once to every `Capture.on_outcome` subscriber.
+
+    `coords` is set for ``staged``; `attachments` counts the images of a call that reached
+    staging; the timings are None where they were not measured (a refused call has none).
+    """
+
+    rollout_id: str
+    call_id: str | None
+    status: CallStatus
+    reason: str
+    coords: CommitCoords | None = None
+    attachments: int = 0
+    stage_seconds: float | None = None
+    upstream_seconds: float | None = None
+    overhead_seconds: float | None = None
 
 
 def sampling_of(request: Mapping[str, Any]) -> dict[str, Any]:
@@ -158,7 +178,9 @@ class Capture:
         self.inflight = 0
         self.ledger = Ledger(sink, timeout=stage_timeout, max_held=max_held_ledger)
         self.unavailable_reason: str | None = None  # set by the disk guard
-        self.counts: dict[tuple[str, str], int] = {}  # (status, reason) -> calls
+        #: Called with a `CallReport` once per call outcome (metrics subscribe here). A
+        #: subscriber must be quick and must not raise.
+        self.on_outcome: list[Callable[[CallReport], None]] = []
         #: Encodes the tool definitions every call of a session repeats once (same digests).
         self._request_values = RequestValueCache()
 
@@ -420,6 +442,7 @@ class Capture:
         cannot be staged returns ``capture_failed`` and is in the ledger, its rollout poisoned.
         """
         call.staging = True
+        t0 = time.perf_counter()
         try:
             try:
                 record = self.build_record(
@@ -448,7 +471,23 @@ class Capture:
                     coords=result.coords,
                     retry_of=call.retry_of,
                 )
-                self._count(CallStatus.STAGED, "ok")
+                done = time.perf_counter()
+                overhead = None
+                if call.started is not None and call.upstream_seconds is not None:
+                    overhead = max(0.0, done - call.started - call.upstream_seconds)
+                self._report(
+                    CallReport(
+                        call.rollout_id,
+                        call.call_id,
+                        CallStatus.STAGED,
+                        "ok",
+                        result.coords,
+                        len(call.attachments),
+                        done - t0,
+                        call.upstream_seconds,
+                        overhead,
+                    )
+                )
             else:
                 await self._record_not_staged(
                     call,
@@ -456,6 +495,8 @@ class Capture:
                     result.reason or "capture_failed",
                     result.message or "",
                     None,
+                    attachments=len(call.attachments),
+                    stage_seconds=time.perf_counter() - t0,
                 )
             return result
         finally:
@@ -499,12 +540,28 @@ class Capture:
             http_status=http_status,
             message=message,
         )
-        self._count(CallStatus.REJECTED, reason)
+        self._report(CallReport(rollout_id, call_id, CallStatus.REJECTED, reason))
         await self.ledger.write(entry)
         return call_id
 
+    async def refuse(self, rollout_id: str, err: ProxyError) -> str | None:
+        """Record a call refused with `err` before admission; returns its call id. A 409 (the
+        rollout is sealed: its ledger is closed) is reported but not written."""
+        if err.status == 409:
+            self._report(CallReport(rollout_id, None, CallStatus.REJECTED, err.code))
+            return None
+        return await self.reject(rollout_id, err.code, err.message, err.status)
+
     async def _record_not_staged(
-        self, call: Call, status: CallStatus, reason: str, message: str, http_status: int | None
+        self,
+        call: Call,
+        status: CallStatus,
+        reason: str,
+        message: str,
+        http_status: int | None,
+        *,
+        attachments: int = 0,
+        stage_seconds: float | None = None,
     ) -> None:
         if status is CallStatus.CAPTURE_FAILED:
             call.rollout.poisoned = True
@@ -517,7 +574,16 @@ class Capture:
             message=message,
             retry_of=call.retry_of,
         )
-        self._count(status, reason)
+        self._report(
+            CallReport(
+                call.rollout_id,
+                call.call_id,
+                status,
+                reason,
+                attachments=attachments,
+                stage_seconds=stage_seconds,
+            )
+        )
         entry = LedgerEntry(
             call.rollout_id,
             call.call_id,
@@ -530,9 +596,9 @@ class Capture:
         )
         await self.ledger.write(entry)
 
-    def _count(self, status: str, reason: str) -> None:
-        key = (str(status), reason)
-        self.counts[key] = self.counts.get(key, 0) + 1
+    def _report(self, report: CallReport) -> None:
+        for subscriber in self.on_outcome:
+            subscriber(report)
 
     async def drain(self, wait_s: float) -> None:
         """Wait for late staging and ledger writes (shutdown), up to `wait_s` seconds each."""

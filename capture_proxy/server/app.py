@@ -16,16 +16,16 @@ import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 
-import aiohttp
 from aiohttp import web
 
 from ..core.capture import Capture
+from ..core.exchange import ExchangeConfig, Pipeline
 from ..core.policy import RequestPolicy
 from ..errors import NotFound, PayloadTooLarge, ProxyError, error_body
 from ..sinks.base import StagingSink, StagingSource
 from ..sinks.registry import open_sink, open_source
 from ..sinks.urls import parse_store_url
-from ..upstream.client import Upstream
+from ..upstream.http import HTTPUpstream
 from .chat import chat_completions
 from .control import add_control_routes
 from .metrics import Metrics
@@ -154,16 +154,9 @@ async def readyz(request: web.Request) -> web.Response:
     """Ready when the upstream answers, the sink is writable, and no ledger entry is held."""
     state = request.app[STATE]
     problems: list[str] = []
-    try:
-        async with state.session.get(
-            state.upstream.url("/version"),
-            headers=state.upstream.headers,
-            timeout=aiohttp.ClientTimeout(total=2),
-        ) as resp:
-            if resp.status >= 500:
-                problems.append(f"upstream /version answered {resp.status}")
-    except (aiohttp.ClientError, TimeoutError) as e:
-        problems.append(f"upstream unreachable: {type(e).__name__}")
+    upstream_problem = await state.upstream.problem()
+    if upstream_problem:
+        problems.append(upstream_problem)
     cap = state.capture
     if cap.unavailable_reason:
         problems.append(cap.unavailable_reason)
@@ -218,7 +211,9 @@ async def _guards(state: ProxyState, store_url: str) -> None:
             state.capture.unavailable_reason = await asyncio.to_thread(_disk_problem, folder, floor)
         if state.capture.ledger.held:
             await state.capture.ledger.flush()
-        state.forget_rollouts(state.capture.evict_idle(state.settings.rollout_idle_timeout))
+        state.pipeline.forget_rollouts(
+            state.capture.evict_idle(state.settings.rollout_idle_timeout)
+        )
         await asyncio.sleep(1.0)
 
 
@@ -287,6 +282,7 @@ def create_app(settings: Settings, *, sink: StagingSink | None = None) -> web.Ap
         metrics=Metrics(),
     )
     state.metrics.add_live(lambda: _live_gauges(state))
+    state.capture.on_outcome.append(state.metrics.observe)
     app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[errors_and_metrics])
     app[STATE] = state
     app.cleanup_ctx.append(_lifecycle)
@@ -327,15 +323,22 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         _, fake_runner, upstream_url = await serve_fake(host="127.0.0.1", port=0)
         log.info("serving the bundled fake vLLM at %s", upstream_url)
     state.upstream_url = upstream_url
-    state.session = aiohttp.ClientSession(
-        timeout=aiohttp.ClientTimeout(total=None, sock_connect=s.upstream_connect_timeout),
-        connector=aiohttp.TCPConnector(limit=0, limit_per_host=0),
-    )
-    state.upstream = Upstream(
+    state.upstream = HTTPUpstream(
         upstream_url,
-        state.session,
         api_key=s.upstream_api_key,
         reasoning_field=s.upstream_reasoning_field,
+        connect_timeout=s.upstream_connect_timeout,
+        first_byte_timeout=s.upstream_first_byte_timeout,
+        idle_timeout=s.upstream_idle_timeout,
+    )
+    state.pipeline = Pipeline(
+        state.capture,
+        state.upstream,
+        ExchangeConfig(
+            allow_remote_media=s.allow_remote_media,
+            max_model_len=s.max_model_len,
+            context_overflow="cap" if s.context_overflow == "cap" else "refuse",
+        ),
     )
     guards = asyncio.create_task(_guards(state, s.store))
     try:
@@ -344,12 +347,12 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         guards.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await guards
-        await state.wait_background(s.stage_timeout)
+        await state.pipeline.wait_background(s.stage_timeout)
         await state.capture.drain(s.stage_timeout)
         await state.capture.ledger.flush()
         await state.sink.close()
         if isinstance(state.capture.source, SharedReader):
             state.capture.source.close()
-        await state.session.close()
+        await state.upstream.close()
         if fake_runner is not None:
             await fake_runner.cleanup()

@@ -1,62 +1,40 @@
-"""POST /v1/chat/completions: the captured route, streamed and not.
+"""POST /v1/chat/completions: the captured route, as HTTP around one `Exchange`.
 
-The request path decodes the body once, normalizes and validates it, admits the call, and sends
-it upstream with the token fields capture needs. The answer is relayed without the fields the
-client did not ask for; the record is staged before the client learns the call is over (the
-``X-Capture-Status`` header, or for streams the ``: capture-status`` comment before ``[DONE]``).
+The handler does only HTTP work: read the body, hand it to the exchange, and turn its outcome into
+a status, headers (``X-Capture-Status``, ``X-Capture-Call-Id``) and a body — or, for a stream,
+relay the bytes the exchange yields and close with ``: capture-status <outcome> call_id=...`` and
+``data: [DONE]``, or with an SSE error event and no ``[DONE]`` when the answer is not whole (so no
+client mistakes a cut-off answer for a complete one; docs/architecture.md has the whole flow).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from typing import TYPE_CHECKING, Any
 
-import aiohttp
 import orjson
 from aiohttp import web
 
-from ..adapters.vllm import (
-    CaptureExtractionError,
-    ForwardPlan,
-    UpstreamProtocolError,
-)
-from ..core.capture import Call
-from ..core.normalize import NormalizedRequest, normalize_request
-from ..errors import (
-    BadRequest,
-    CaptureUnavailable,
-    PayloadTooLarge,
-    ProxyError,
-    Unprocessable,
-    UpstreamFailed,
-)
-from ..schemas.records import CallStatus, StageResult
-from ..schemas.request import RequestValidationError
-from .chat_stream import stream_call
-from .forward import (
-    JSON,
-    capture_headers,
-    complete,
-    fail_and_raise,
-    record_outcome,
-    relay_upstream_error,
-    send_upstream,
-)
+from ..core.exchange import Exchange, Outcome
+from ..errors import CaptureUnavailable, PayloadTooLarge, ProxyError, UpstreamFailed
+from ..schemas.records import CallStatus
 from .identity import resolve_rollout_id
+from .state import STATE, ProxyState
 
-if TYPE_CHECKING:
-    from .state import ProxyState
-
-__all__ = ["chat_completions"]
+__all__ = ["capture_headers", "chat_completions", "sse_error"]
 
 log = logging.getLogger("capture_proxy.chat")
 
+JSON = "application/json"
 
-#: Bodies above this are decoded and normalized on a worker thread: base64-decoding a large
-#: image would otherwise stall every other call on the event loop.
-_OFFLOAD_BYTES = 1 << 20
+
+def capture_headers(call_id: str, status: str) -> dict[str, str]:
+    return {"X-Capture-Call-Id": call_id, "X-Capture-Status": status}
+
+
+def sse_error(message: str, code: str, type: str = "upstream_error") -> bytes:
+    error = {"error": {"message": message, "type": type, "param": None, "code": code}}
+    return b"data: " + orjson.dumps(error) + b"\n\n"
 
 
 async def _read_body(request: web.Request, limit: int) -> bytes:
@@ -69,171 +47,120 @@ async def _read_body(request: web.Request, limit: int) -> bytes:
         )
     try:
         return await request.read()
-    except web.HTTPRequestEntityTooLarge:
+    except web.HTTPRequestEntityTooLarge as e:
         raise PayloadTooLarge(
             f"request body is over the limit of {limit} bytes", code="body_too_large"
-        ) from None
-
-
-def _decode_and_normalize(raw: bytes, allow_remote_media: bool) -> NormalizedRequest:
-    """The one JSON decode of the body, then normalization and strict validation."""
-    try:
-        data = orjson.loads(raw)
-    except orjson.JSONDecodeError as e:
-        raise BadRequest(f"request body is not valid JSON: {e}", code="invalid_json") from None
-    try:
-        return normalize_request(data, allow_remote_media=allow_remote_media)
-    except RequestValidationError as e:
-        err = PayloadTooLarge if e.status == 413 else Unprocessable
-        raise err(e.message, code=e.code, param=e.param) from None
-
-
-async def _guard_context(state: ProxyState, body: dict[str, Any], staged: dict[str, Any]) -> None:
-    """With --max-model-len: refuse (or cap) a call whose prompt + max_tokens cannot fit."""
-    limit = state.settings.max_model_len
-    if not limit:
-        return
-    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    wanted = body.get(key)
-    prompt_len = await state.upstream.count_prompt_tokens(body)
-    room = limit - prompt_len
-    if room <= 0:
-        raise BadRequest(
-            f"the prompt is {prompt_len} tokens: it does not fit the context window of {limit}",
-            code="context_overflow",
-            param="messages",
-        )
-    if wanted is None or wanted <= room:
-        if wanted is None and state.settings.context_overflow == "cap":
-            body[key] = staged[key] = room
-        return
-    if state.settings.context_overflow == "cap":
-        body[key] = staged[key] = room
-        return
-    raise BadRequest(
-        f"{key}={wanted} plus the prompt's {prompt_len} tokens exceeds the context window of "
-        f"{limit}; ask for at most {room}",
-        code="context_overflow",
-        param=key,
-    )
+        ) from e
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    from .state import STATE
-
     state = request.app[STATE]
-    started = time.perf_counter()
     rollout_id = resolve_rollout_id(request, require=state.settings.require_rollout_id)
     await state.authorize_call(request, rollout_id)
+    exchange = state.pipeline.exchange(rollout_id)
     try:
-        raw = await _read_body(request, state.settings.max_body_bytes)
-        remote = state.settings.allow_remote_media
-        if len(raw) > _OFFLOAD_BYTES:
-            normalized = await asyncio.to_thread(_decode_and_normalize, raw, remote)
-        else:
-            normalized = _decode_and_normalize(raw, remote)
-        live = await state.capture.ensure_rollout(rollout_id)
-        policy = state.capture.policy
-        body = policy.apply(normalized.body, live.policy)
-        staged = policy.apply(normalized.staged, live.policy)
-        await _guard_context(state, body, staged)
-        call = state.capture.begin_call(rollout_id, staged, normalized.attachments)
-    except ProxyError as e:
-        if e.status != 409:  # a sealed rollout's ledger is closed
-            call_id = await state.capture.reject(rollout_id, e.code, e.message, e.status)
-            e.headers.update(capture_headers(call_id, CallStatus.REJECTED))
-        state.metrics.calls.labels(CallStatus.REJECTED, e.code).inc()
-        raise
-    try:
-        info = await state.upstream.info(str(body.get("model", "")))
-        plan = state.adapter(info.reasoning_field).plan(body)
-        if plan.wants.stream:
-            return await stream_call(state, request, call, plan, body, info, started)
-        return await _unary(state, call, plan, body, info, started)
+        try:
+            try:
+                body = await _read_body(request, state.settings.max_body_bytes)
+            except ProxyError as e:
+                await exchange.refuse(e)
+                raise
+            await exchange.prepare(body)
+        except ProxyError as e:
+            if exchange.outcome is not None:
+                e.headers.update(capture_headers(exchange.outcome.call_id, CallStatus.REJECTED))
+            raise
+        try:
+            upstream_error = await exchange.send()
+            if upstream_error is not None:
+                return _unary_response(state, upstream_error)
+            if exchange.streamed:
+                return await _stream(state, request, exchange)
+            outcome = await exchange.read_unary()
+        except UpstreamFailed as e:  # recorded by the exchange; the client gets it
+            e.headers.update(capture_headers(exchange.admitted.call_id, CallStatus.UPSTREAM_ERROR))
+            raise
+        return _unary_response(state, outcome)
     except asyncio.CancelledError:
-        # The client went away, or the shutdown deadline passed: the upstream request was
-        # closed on the way out (vLLM aborts the generation); record the abort even though this
-        # task is being cancelled.
-        if not call.finished and not call.staging:
-            if state.shutting_down:
-                reason, why = "shutdown", "the proxy shut down before the answer was complete"
-            else:
-                reason = "client_disconnected"
-                why = "the client closed the connection before the answer was complete"
-            state.spawn(state.capture.fail_call(call, CallStatus.ABORTED, reason, why))
-            state.metrics.calls.labels(CallStatus.ABORTED, reason).inc()
+        # The client went away, or the shutdown deadline passed: record the abort even though
+        # this task is being cancelled (closing the upstream request makes vLLM abort).
+        if state.shutting_down:
+            reason, why = "shutdown", "the proxy shut down before the answer was complete"
+        else:
+            reason = "client_disconnected"
+            why = "the client closed the connection before the answer was complete"
+        state.pipeline.spawn(exchange.abort(reason, why))
         raise
     finally:
-        if not call.finished and not call.staging and not asyncio.current_task().cancelling():  # type: ignore[union-attr]
-            # Defensive: every path above completes or fails the call; never leave it pending.
-            await state.capture.fail_call(call, CallStatus.UPSTREAM_ERROR, "internal", "unfinished")
+        if not exchange.finished and not asyncio.current_task().cancelling():  # type: ignore[union-attr]
+            # Defensive: every path above ends the call; never leave it pending.
+            await exchange.abort("internal", "the call ended without an outcome")
 
 
-async def _unary(
-    state: ProxyState,
-    call: Call,
-    plan: ForwardPlan,
-    body: dict[str, Any],
-    info: Any,
-    started: float,
-) -> web.StreamResponse:
-    t_up = time.perf_counter()
-    resp = await send_upstream(state, call, plan)
-    async with resp:
-        if resp.status != 200:
-            return await relay_upstream_error(state, call, resp)
-        try:
-            async with asyncio.timeout(state.settings.upstream_idle_timeout):
-                raw = await resp.read()
-        except (TimeoutError, aiohttp.ClientError) as e:
-            err = UpstreamFailed(
-                f"the upstream answer broke off: {type(e).__name__}: {e}", code="upstream_broken"
-            )
-            await fail_and_raise(state, call, err)
-    upstream_elapsed = time.perf_counter() - t_up
-    state.metrics.upstream_seconds.observe(upstream_elapsed)
-    try:
-        completion, client_body = state.adapter(info.reasoning_field).parse_response(
-            raw, plan, session=call.rollout_id
-        )
-    except UpstreamProtocolError as e:
-        malformed = UpstreamFailed(f"the upstream answer is malformed: {e.message}", code=e.reason)
-        await fail_and_raise(state, call, malformed)
-    except CaptureExtractionError as e:
-        result = StageResult.failed(e.reason, e.message)
-        await state.capture.fail_call(call, CallStatus.CAPTURE_FAILED, e.reason, e.message)
-        record_outcome(state, result)
-        return _capture_failed_response(state, call, e.client_body or raw, result)
-    result = await complete(state, call, completion, body, info)
-    if result.status is not CallStatus.STAGED:
-        return _capture_failed_response(state, call, client_body, result)
-    state.metrics.overhead_seconds.observe(
-        max(0.0, time.perf_counter() - started - upstream_elapsed)
-    )
-    return web.Response(
-        body=client_body,
-        content_type=JSON,
-        headers=capture_headers(call.call_id, CallStatus.STAGED),
-    )
-
-
-def _capture_failed_response(
-    state: ProxyState, call: Call, client_body: bytes, result: StageResult
-) -> web.Response:
-    if state.settings.on_capture_failure == "error":
+def _unary_response(state: ProxyState, outcome: Outcome) -> web.Response:
+    headers = capture_headers(outcome.call_id, outcome.status)
+    if outcome.status is CallStatus.CAPTURE_FAILED and state.settings.on_capture_failure == "error":
         err = CaptureUnavailable(
-            f"the answer could not be staged ({result.reason}: {result.message}); "
+            f"the answer could not be staged ({outcome.reason}: {outcome.message}); "
             "the proxy runs with --on-capture-failure=error",
             code="capture_failed",
         )
-        return web.Response(
-            status=err.status,
-            body=err.body(),
-            content_type=JSON,
-            headers=capture_headers(call.call_id, CallStatus.CAPTURE_FAILED),
-        )
+        return web.Response(status=err.status, body=err.body(), content_type=JSON, headers=headers)
     return web.Response(
-        body=client_body,
-        content_type=JSON,
-        headers=capture_headers(call.call_id, CallStatus.CAPTURE_FAILED),
+        status=outcome.http_status, body=outcome.body, content_type=JSON, headers=headers
     )
+
+
+async def _stream(
+    state: ProxyState, request: web.Request, exchange: Exchange
+) -> web.StreamResponse:
+    call = exchange.admitted
+    out = web.StreamResponse(
+        headers={
+            "Content-Type": "text/event-stream",
+            "Cache-Control": "no-cache",
+            **capture_headers(call.call_id, "pending"),
+        }
+    )
+    await out.prepare(request)
+    state.metrics.streams_open.inc()
+    pieces = exchange.relay_stream()
+    try:
+        try:
+            async for piece in pieces:
+                await out.write(piece)
+        except ConnectionResetError:
+            await pieces.aclose()
+            await exchange.abort(
+                "client_disconnected", "the client closed the connection mid-stream"
+            )
+            return out
+        await _stream_tail(state, out, exchange.outcome)
+        return out
+    finally:
+        state.metrics.streams_open.dec()
+
+
+async def _stream_tail(state: ProxyState, out: web.StreamResponse, outcome: Outcome | None) -> None:
+    """How a stream ends: its capture status and ``[DONE]``, or an SSE error event."""
+    assert outcome is not None
+    if outcome.status is CallStatus.STAGED:
+        tail = f": capture-status staged call_id={outcome.call_id}\n\ndata: [DONE]\n\n".encode()
+    elif outcome.status is CallStatus.CAPTURE_FAILED:
+        if state.settings.on_capture_failure == "error":
+            tail = sse_error(
+                f"the answer could not be staged ({outcome.reason}: {outcome.message})",
+                "capture_failed",
+                "capture_unavailable",
+            )
+        else:
+            status = f": capture-status capture_failed call_id={outcome.call_id}\n\n"
+            tail = status.encode() + b"data: [DONE]\n\n"
+    else:
+        # The upstream broke or stalled: never complete the stream for the client.
+        tail = sse_error(outcome.message, outcome.reason)
+    try:
+        await out.write(tail)
+        await out.write_eof()
+    except ConnectionResetError:
+        pass  # the outcome is recorded either way; the client is gone

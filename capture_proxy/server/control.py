@@ -138,7 +138,7 @@ async def seal(request: web.Request) -> web.Response:
     rollout_id = request.match_info["rollout_id"]
     try:
         live = await state.capture.seal(rollout_id, state.settings.seal_timeout)
-        state.forget_rollouts([rollout_id])
+        state.pipeline.forget_rollouts([rollout_id])
     except KeyError:
         raise NotFound(f"no live rollout {rollout_id} to seal", code="unknown_rollout") from None
     return _json(_manifest_live(live))

@@ -12,6 +12,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from ..core.capture import CallReport
+from ..schemas.records import CallStatus
+
 __all__ = ["Metrics"]
 
 _LATENCY_BUCKETS = (
@@ -114,6 +117,22 @@ class Metrics:
         self.streams_open = Gauge(
             "capture_proxy_streams_open", "streamed responses in progress", registry=r
         )
+
+    def observe(self, report: CallReport) -> None:
+        """Count one call's outcome (subscribed to `Capture.on_outcome`)."""
+        self.calls.labels(report.status, report.reason).inc()
+        if report.status is CallStatus.STAGED and report.coords is not None:
+            self.staged_records.inc()
+            self.staged_tokens.inc(report.coords.cum_len)
+            self.staged_token_bytes.inc(4 * report.coords.delta_len)
+        if report.attachments:
+            self.attachments.inc(report.attachments)
+        if report.stage_seconds is not None:
+            self.stage_seconds.observe(report.stage_seconds)
+        if report.upstream_seconds is not None:
+            self.upstream_seconds.observe(report.upstream_seconds)
+        if report.overhead_seconds is not None:
+            self.overhead_seconds.observe(report.overhead_seconds)
 
     def add_live(self, read: Callable[[], dict[str, float]]) -> None:
         self.registry.register(_Live(read))

@@ -6,10 +6,8 @@ are not forwarded; the proxy's own upstream key is used instead.
 
 from __future__ import annotations
 
-import aiohttp
 from aiohttp import web
 
-from ..errors import UpstreamFailed
 from .state import STATE
 
 __all__ = ["PASSTHROUGH_PATHS", "passthrough"]
@@ -33,23 +31,9 @@ async def passthrough(request: web.Request) -> web.Response:
     # rollout id holding %2F or %3F must not steer the proxy's key to another upstream route.
     path = _UPSTREAM_PATH[request.match_info.route.resource.canonical]  # type: ignore[union-attr]
     body = await request.read() if request.method == "POST" else None
-    headers = dict(state.upstream.headers)
-    if body is not None:
-        headers["Content-Type"] = request.headers.get("Content-Type", "application/json")
-    try:
-        async with state.session.request(
-            request.method,
-            state.upstream.url(path),
-            data=body,
-            headers=headers,
-            timeout=aiohttp.ClientTimeout(total=state.settings.upstream_first_byte_timeout),
-        ) as resp:
-            raw = await resp.read()
-            content_type = resp.headers.get("Content-Type", "application/json")
-            status = resp.status
-    except (aiohttp.ClientError, TimeoutError) as e:
-        state.upstream.mark_stale()
-        raise UpstreamFailed(f"cannot reach the upstream: {type(e).__name__}: {e}") from None
+    status, content_type, raw = await state.upstream.relay(
+        request.method, path, body, request.headers.get("Content-Type")
+    )
     return web.Response(
         status=status,
         body=raw,

@@ -2,21 +2,17 @@
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import hmac
-from collections.abc import Coroutine
 from dataclasses import dataclass, field
-from typing import Any
 
-import aiohttp
 from aiohttp import web
 
-from ..adapters.vllm import ReasoningField, VLLMAdapter
 from ..core.capture import Capture
+from ..core.exchange import Pipeline
 from ..errors import Forbidden, Unauthorized
 from ..sinks.base import StagingSink
-from ..upstream.client import Upstream
+from ..upstream.http import HTTPUpstream
 from .metrics import Metrics
 from .settings import Settings
 
@@ -29,41 +25,14 @@ class ProxyState:
     sink: StagingSink
     capture: Capture
     metrics: Metrics
-    # Filled at startup (they need the event loop): see app.lifecycle.
-    session: aiohttp.ClientSession = field(init=False)
-    upstream: Upstream = field(init=False)
+    # Filled at startup (they need the event loop): see app._lifecycle.
+    upstream: HTTPUpstream = field(init=False)
+    #: The per-call flow every chat request runs through (`Exchange`s).
+    pipeline: Pipeline = field(init=False)
     upstream_url: str = ""
     #: Set when shutdown begins: calls cut off by its deadline are recorded as such.
     shutting_down: bool = False
     listen_url: str = ""
-    _adapters: dict[str, VLLMAdapter] = field(default_factory=dict)
-    _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
-
-    def adapter(self, reasoning_field: str) -> VLLMAdapter:
-        adapter = self._adapters.get(reasoning_field)
-        if adapter is None:
-            rf: ReasoningField = (
-                "reasoning" if reasoning_field == "reasoning" else "reasoning_content"
-            )
-            adapter = self._adapters[reasoning_field] = VLLMAdapter(reasoning_field=rf)
-        return adapter
-
-    def forget_rollouts(self, rollout_ids: list[str]) -> None:
-        """Drop per-rollout caches of rollouts that left memory (sealed or idle)."""
-        for adapter in self._adapters.values():
-            for rollout_id in rollout_ids:
-                adapter.prefixes.drop(rollout_id)
-
-    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
-        """Run `coro` to completion even if the request that started it is cancelled."""
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
-
-    async def wait_background(self, wait_s: float) -> None:
-        if self._tasks:
-            await asyncio.wait(list(self._tasks), timeout=wait_s)
 
     async def authorize_call(self, request: web.Request, rollout_id: str) -> None:
         """With --require-rollout-keys: the bearer key must be the one minted for the rollout."""

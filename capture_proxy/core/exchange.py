@@ -1,0 +1,447 @@
+"""One call, from the client's body to its outcome: the flow the proxy and the library share.
+
+    exchange = pipeline.exchange(rollout_id)
+    await exchange.prepare(body)          # decode, normalize, validate, policy, admit, plan
+    failed = await exchange.send()        # POST upstream; an upstream error is already recorded
+    outcome = await exchange.read_unary() # or: async for piece in exchange.relay_stream(): ...
+
+Every step that ends the call records why: a refused body is ``rejected`` in the ledger, an
+upstream failure ``upstream_error``, a client that went away ``aborted`` (`abort`), an answer
+that cannot be staged ``capture_failed``. Staging runs as its own task (`Pipeline.spawn`), so a
+client that leaves mid-write cancels only its wait, never the write. The HTTP handler
+(`capture_proxy.server.chat`) only turns bodies and `Outcome`s into HTTP; `CaptureClient`
+(`capture_proxy.library`) runs the same flow in-process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncGenerator, Coroutine, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import orjson
+
+from ..adapters.vllm import (
+    CaptureExtractionError,
+    Completion,
+    ForwardPlan,
+    ReasoningField,
+    UpstreamProtocolError,
+    VLLMAdapter,
+    parse_error_body,
+)
+from ..errors import BadRequest, PayloadTooLarge, ProxyError, Unprocessable, UpstreamFailed
+from ..schemas.records import CallStatus, StageResult
+from ..schemas.request import RequestValidationError
+from .capture import Call, Capture, sampling_of
+from .normalize import NormalizedRequest, normalize_request
+from .transport import UpstreamInfo, UpstreamReply, UpstreamTransport
+
+__all__ = ["Exchange", "ExchangeConfig", "Outcome", "Pipeline"]
+
+#: Bodies above this are decoded and normalized on a worker thread: base64-decoding a large
+#: image would otherwise stall every other call on the event loop.
+OFFLOAD_BYTES = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class ExchangeConfig:
+    """The settings one call's flow depends on (the proxy fills it from its `Settings`)."""
+
+    #: Accept ``http(s)`` image URLs (forwarded as they are) instead of only ``data:`` URLs.
+    allow_remote_media: bool = False
+    #: With a context window: refuse (or cap) a call whose prompt + max_tokens cannot fit.
+    max_model_len: int = 0
+    context_overflow: Literal["refuse", "cap"] = "refuse"
+
+
+@dataclass(slots=True)
+class Outcome:
+    """How a call ended. `body` is what a client gets for a unary call: the answer (token fields
+    it did not ask for removed) or the upstream's relayed error body."""
+
+    status: CallStatus
+    call_id: str
+    http_status: int = 200
+    body: bytes = b""
+    reason: str = ""
+    message: str = ""
+    result: StageResult | None = None
+
+
+class Pipeline:
+    """What every exchange shares: the capture core, the upstream, the adapters, the settings.
+
+    `spawn` runs a coroutine to completion even if the request that started it is cancelled
+    (staging, and the ledger entry of an aborted call); the proxy passes its own, which it
+    drains at shutdown.
+    """
+
+    def __init__(
+        self,
+        capture: Capture,
+        upstream: UpstreamTransport,
+        config: ExchangeConfig | None = None,
+    ) -> None:
+        self.capture = capture
+        self.upstream = upstream
+        self.config = config or ExchangeConfig()
+        self._adapters: dict[str, VLLMAdapter] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def exchange(self, rollout_id: str) -> Exchange:
+        return Exchange(self, rollout_id)
+
+    def adapter(self, reasoning_field: str) -> VLLMAdapter:
+        adapter = self._adapters.get(reasoning_field)
+        if adapter is None:
+            rf: ReasoningField = (
+                "reasoning" if reasoning_field == "reasoning" else "reasoning_content"
+            )
+            adapter = self._adapters[reasoning_field] = VLLMAdapter(reasoning_field=rf)
+        return adapter
+
+    def use_adapter(self, adapter: VLLMAdapter) -> None:
+        """Use `adapter` for its reasoning field (instead of a default one)."""
+        self._adapters[adapter.reasoning_field] = adapter
+
+    def forget_rollouts(self, rollout_ids: list[str]) -> None:
+        """Drop per-rollout caches of rollouts that left memory (sealed or idle)."""
+        for adapter in self._adapters.values():
+            for rollout_id in rollout_ids:
+                adapter.prefixes.drop(rollout_id)
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        """Run `coro` to completion even if the request that started it is cancelled."""
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def wait_background(self, wait_s: float) -> None:
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=wait_s)
+
+
+def decode_and_normalize(
+    raw: bytes | Mapping[str, Any], allow_remote_media: bool
+) -> NormalizedRequest:
+    """The one JSON decode of a body, then normalization and strict validation, as the
+    `ProxyError` a client gets (`RequestValidationError` stays its cause)."""
+    if isinstance(raw, bytes | bytearray):
+        try:
+            data = orjson.loads(raw)
+        except orjson.JSONDecodeError as e:
+            raise BadRequest(f"request body is not valid JSON: {e}", code="invalid_json") from e
+    else:
+        data = raw
+    try:
+        return normalize_request(data, allow_remote_media=allow_remote_media)
+    except RequestValidationError as e:
+        err = PayloadTooLarge if e.status == 413 else Unprocessable
+        raise err(e.message, code=e.code, param=e.param) from e
+
+
+class Exchange:
+    """One client call through a `Pipeline`; see the module docstring for the order of steps."""
+
+    def __init__(self, pipeline: Pipeline, rollout_id: str) -> None:
+        self.pipeline = pipeline
+        self.capture = pipeline.capture
+        self.rollout_id = rollout_id
+        self.started = time.perf_counter()
+        #: Set by `prepare` once the call is admitted.
+        self.call: Call | None = None
+        self.request: dict[str, Any] = {}
+        self.plan: ForwardPlan | None = None
+        self.info = UpstreamInfo("", "reasoning_content", "")
+        self.outcome: Outcome | None = None
+        self._reply: UpstreamReply | None = None
+        self._t_up = 0.0
+        self._upstream_s: float | None = None
+
+    # -- prepare -----------------------------------------------------------------------------
+
+    async def prepare(self, body: bytes | Mapping[str, Any]) -> None:
+        """Decode, normalize, validate, apply the policy, admit and plan the call.
+
+        Raises the `ProxyError` the client gets; a refusal is in the rollout's ledger as
+        ``rejected`` (except 409: a sealed rollout's ledger is closed).
+        """
+        capture = self.capture
+        try:
+            remote = self.pipeline.config.allow_remote_media
+            if isinstance(body, bytes) and len(body) > OFFLOAD_BYTES:
+                normalized = await asyncio.to_thread(decode_and_normalize, body, remote)
+            else:
+                normalized = decode_and_normalize(body, remote)
+            live = await capture.ensure_rollout(self.rollout_id)
+            request = capture.policy.apply(normalized.body, live.policy)
+            staged = capture.policy.apply(normalized.staged, live.policy)
+            await self._guard_context(request, staged)
+            self.call = capture.begin_call(self.rollout_id, staged, normalized.attachments)
+        except ProxyError as e:
+            await self.refuse(e)
+            raise
+        self.request = request
+        self.info = await self.pipeline.upstream.info(str(request.get("model", "")))
+        self.plan = self.adapter.plan(request)
+
+    async def refuse(self, err: ProxyError) -> None:
+        """Record the call as refused with `err` before admission (``rejected`` in the ledger,
+        except a 409); `prepare` does it for its own refusals, the caller for earlier ones such
+        as a body over the size limit."""
+        call_id = await self.capture.refuse(self.rollout_id, err)
+        if call_id is not None:
+            self.outcome = Outcome(
+                CallStatus.REJECTED, call_id, err.status, err.body(), err.code, err.message
+            )
+
+    async def _guard_context(self, body: dict[str, Any], staged: dict[str, Any]) -> None:
+        config = self.pipeline.config
+        limit = config.max_model_len
+        if not limit:
+            return
+        key = (
+            "max_completion_tokens"
+            if body.get("max_completion_tokens") is not None
+            else "max_tokens"
+        )
+        wanted = body.get(key)
+        prompt_len = await self.pipeline.upstream.count_prompt_tokens(body)
+        room = limit - prompt_len
+        if room <= 0:
+            raise BadRequest(
+                f"the prompt is {prompt_len} tokens: it does not fit the context window of {limit}",
+                code="context_overflow",
+                param="messages",
+            )
+        if wanted is None or wanted <= room:
+            if wanted is None and config.context_overflow == "cap":
+                body[key] = staged[key] = room
+            return
+        if config.context_overflow == "cap":
+            body[key] = staged[key] = room
+            return
+        raise BadRequest(
+            f"{key}={wanted} plus the prompt's {prompt_len} tokens exceeds the context window of "
+            f"{limit}; ask for at most {room}",
+            code="context_overflow",
+            param=key,
+        )
+
+    @property
+    def adapter(self) -> VLLMAdapter:
+        return self.pipeline.adapter(self.info.reasoning_field)
+
+    @property
+    def admitted(self) -> Call:
+        if self.call is None or self.plan is None:
+            raise RuntimeError("the exchange was not prepared")
+        return self.call
+
+    @property
+    def streamed(self) -> bool:
+        """Whether the client asked for a stream (known once prepared)."""
+        return self.plan is not None and self.plan.wants.stream
+
+    @property
+    def finished(self) -> bool:
+        """The call has its outcome, or staging has begun (it will get one without the client)."""
+        call = self.call
+        return call is None or call.finished or call.staging
+
+    # -- send --------------------------------------------------------------------------------
+
+    async def send(self) -> Outcome | None:
+        """Send the call upstream. None: a 200 is coming, relay it with `read_unary` or
+        `relay_stream`. An `Outcome`: the upstream answered an error, recorded and ready to
+        relay. Raises `UpstreamFailed` (recorded) when the upstream cannot be reached."""
+        call = self.admitted
+        assert self.plan is not None
+        self._t_up = time.perf_counter()
+        try:
+            self._reply = await self.pipeline.upstream.post_chat(self.plan.body)
+        except UpstreamFailed as e:
+            await self.fail_upstream(e)
+            raise
+        if self._reply.status == 200:
+            return None
+        async with self._reply:
+            try:
+                raw = await self._reply.read()
+            except UpstreamFailed:
+                raw = b""
+        status = self._reply.status
+        err = parse_error_body(raw, status)
+        message = str(err.get("error", {}).get("message", ""))[:500]
+        await self.capture.fail_call(
+            call, CallStatus.UPSTREAM_ERROR, f"upstream_{status}", message, status
+        )
+        return self._ended(
+            Outcome(
+                CallStatus.UPSTREAM_ERROR,
+                call.call_id,
+                status,
+                orjson.dumps(err),
+                f"upstream_{status}",
+                message,
+            )
+        )
+
+    # -- relay -------------------------------------------------------------------------------
+
+    async def read_unary(self) -> Outcome:
+        """Read the upstream's 200 answer, then stage it. Raises `UpstreamFailed` (recorded)
+        when the answer breaks off or is malformed."""
+        assert self._reply is not None
+        async with self._reply:
+            try:
+                raw = await self._reply.read()
+            except UpstreamFailed as e:
+                await self.fail_upstream(e)
+                raise
+        self._upstream_s = time.perf_counter() - self._t_up
+        return await self.finish_unary(raw)
+
+    async def finish_unary(self, raw: bytes) -> Outcome:
+        """Parse a unary 200 answer and stage it (also the library's entry point)."""
+        call, plan = self.admitted, self.plan
+        assert plan is not None
+        try:
+            completion, client_body = self.adapter.parse_response(
+                raw, plan, session=call.rollout_id
+            )
+        except UpstreamProtocolError as e:
+            malformed = UpstreamFailed(
+                f"the upstream answer is malformed: {e.message}", code=e.reason
+            )
+            await self.fail_upstream(malformed)
+            raise malformed from e
+        except CaptureExtractionError as e:
+            return await self._not_captured(e, e.client_body or raw)
+        return await self._stage(completion, client_body)
+
+    async def relay_stream(self) -> AsyncGenerator[bytes, None]:
+        """The bytes to send the client as the upstream's stream arrives; then the call is
+        staged and `outcome` is set. An upstream that breaks or stalls ends the iteration with
+        an ``upstream_error`` outcome (recorded): the caller must not complete the stream."""
+        call, plan = self.admitted, self.plan
+        assert plan is not None
+        assert self._reply is not None
+        acc = self.adapter.stream(plan, session=call.rollout_id)
+        async with self._reply:
+            chunks = self._reply.chunks()
+            try:
+                async for chunk in chunks:
+                    events = acc.feed(chunk)
+                    if events:
+                        yield b"".join(events)
+            except UpstreamFailed as e:
+                await self.fail_upstream(e, http_status=502)
+                return
+            finally:
+                if isinstance(chunks, AsyncGenerator):
+                    await chunks.aclose()  # its idle timer stops now, not at garbage collection
+        try:
+            completion = acc.finish()
+        except UpstreamProtocolError as e:
+            await self.fail_upstream(UpstreamFailed(e.message, code=e.reason), http_status=502)
+            return
+        except CaptureExtractionError as e:
+            await self._not_captured(e, b"")
+            return
+        await self._stage(completion, b"")
+
+    async def finish_stream(self, raw: bytes) -> Outcome:
+        """Stage a whole SSE byte stream received by someone else (the library's entry point)."""
+        call, plan = self.admitted, self.plan
+        assert plan is not None
+        acc = self.adapter.stream(plan, session=call.rollout_id)
+        client_body = b"".join(acc.feed(raw))
+        try:
+            completion = acc.finish()
+        except UpstreamProtocolError as e:
+            err = UpstreamFailed(e.message, code=e.reason)
+            await self.fail_upstream(err, http_status=502)
+            assert self.outcome is not None
+            return self.outcome
+        except CaptureExtractionError as e:
+            return await self._not_captured(e, client_body)
+        return await self._stage(completion, client_body)
+
+    # -- finish and fail -----------------------------------------------------------------------
+
+    async def _stage(self, completion: Completion, client_body: bytes) -> Outcome:
+        call = self.admitted
+        if self._upstream_s is not None:
+            call.upstream_seconds = self._upstream_s
+            call.started = self.started
+        # Its own task: a client that goes away meanwhile cancels only this wait.
+        task = self.pipeline.spawn(
+            self.capture.complete_call(
+                call,
+                completion,
+                model=str(self.request.get("model", "")),
+                upstream_version=self.info.version,
+                tokenizer_fingerprint=self.info.fingerprint,
+                sampling=sampling_of(self.request),
+            )
+        )
+        result: StageResult = await asyncio.shield(task)
+        status = (
+            CallStatus.STAGED if result.status is CallStatus.STAGED else CallStatus.CAPTURE_FAILED
+        )
+        return self._ended(
+            Outcome(
+                status,
+                call.call_id,
+                200,
+                client_body,
+                result.reason or "",
+                result.message or "",
+                result,
+            )
+        )
+
+    async def _not_captured(self, e: CaptureExtractionError, client_body: bytes) -> Outcome:
+        """The answer came, but carries no record (missing token ids, ...): capture_failed."""
+        call = self.admitted
+        await self.capture.fail_call(call, CallStatus.CAPTURE_FAILED, e.reason, e.message)
+        return self._ended(
+            Outcome(
+                CallStatus.CAPTURE_FAILED,
+                call.call_id,
+                200,
+                client_body,
+                e.reason,
+                e.message,
+                StageResult.failed(e.reason, e.message),
+            )
+        )
+
+    async def fail_upstream(self, err: UpstreamFailed, *, http_status: int | None = None) -> None:
+        """Record the call as ``upstream_error`` for `err` (which the client then gets)."""
+        call = self.admitted
+        status = err.status if http_status is None else http_status
+        await self.capture.fail_call(call, CallStatus.UPSTREAM_ERROR, err.code, err.message, status)
+        self._ended(
+            Outcome(CallStatus.UPSTREAM_ERROR, call.call_id, status, b"", err.code, err.message)
+        )
+
+    async def abort(self, reason: str, message: str) -> None:
+        """The client went away (or the proxy is shutting down) before the call ended: close
+        the upstream request (vLLM aborts the generation) and record ``aborted``."""
+        if self._reply is not None:
+            self._reply.close()
+        call = self.call
+        if call is None or call.finished or call.staging:
+            return  # already has (or is getting) its outcome
+        await self.capture.fail_call(call, CallStatus.ABORTED, reason, message)
+        self._ended(Outcome(CallStatus.ABORTED, call.call_id, 499, b"", reason, message))
+
+    def _ended(self, outcome: Outcome) -> Outcome:
+        self.outcome = outcome
+        return outcome

@@ -1,0 +1,68 @@
+"""The upstream as the capture core sees it: a small interface, no HTTP library.
+
+`Exchange` talks to vLLM only through an `UpstreamTransport` (httpx's one-method transport is the
+model). `capture_proxy.upstream.HTTPUpstream` is the aiohttp implementation the proxy and the
+library use; a test or a framework with its own client can provide another.
+
+Every failure to reach the upstream or read its answer is raised as
+`capture_proxy.errors.UpstreamFailed` (with a ``code`` such as ``upstream_timeout``), never as
+the HTTP library's own exception: the flow maps one kind of error to one ledger entry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+__all__ = ["UpstreamInfo", "UpstreamReply", "UpstreamTransport"]
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamInfo:
+    """Facts about the upstream that every record carries (fetched lazily, refreshed)."""
+
+    #: vLLM's version (``GET /version``), "" when unknown.
+    version: str
+    #: The field replayed reasoning is sent in: ``reasoning_content`` or ``reasoning``.
+    reasoning_field: str
+    #: ``sha256:<hex>`` of the ids the upstream's /tokenize gives a fixed probe; "" when unknown.
+    fingerprint: str
+
+
+class UpstreamReply(Protocol):
+    """The upstream's answer to one chat request, once its status line is in.
+
+    Use it as an async context manager (the connection is released on exit). `read` returns
+    the whole body; `chunks` yields the body as it arrives. Both raise `UpstreamFailed` when the
+    answer breaks off or stalls longer than the transport's idle timeout.
+    """
+
+    @property
+    def status(self) -> int: ...
+
+    async def read(self) -> bytes: ...
+
+    def chunks(self) -> AsyncIterator[bytes]: ...
+
+    def close(self) -> None: ...
+
+    async def __aenter__(self) -> UpstreamReply: ...
+
+    async def __aexit__(self, *exc: object) -> None: ...
+
+
+class UpstreamTransport(Protocol):
+    """What the capture flow needs from an upstream vLLM."""
+
+    async def info(self, model: str) -> UpstreamInfo:
+        """Version, reasoning field and tokenizer fingerprint for `model` (cached)."""
+        ...
+
+    async def count_prompt_tokens(self, request: Mapping[str, Any]) -> int:
+        """The prompt's length in tokens as the upstream renders it (the context guard)."""
+        ...
+
+    async def post_chat(self, body: bytes) -> UpstreamReply:
+        """POST `body` to the chat route; the reply once its headers are in."""
+        ...

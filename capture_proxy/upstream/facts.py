@@ -1,0 +1,33 @@
+"""What the proxy learns about its upstream: the reasoning field by version, the tokenizer probe."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from array import array
+from typing import Any
+
+__all__ = ["PROBE_MESSAGES", "fingerprint_of", "reasoning_field_for"]
+
+#: The fixed conversation whose token ids fingerprint the upstream's tokenizer + chat template.
+PROBE_MESSAGES = [
+    {"role": "system", "content": "capture-proxy tokenizer probe v1"},
+    {"role": "user", "content": 'Hello, world! 0123456789 {"k": [1, 2.5]} ü 漢字 🙂\n\tend'},
+]
+
+
+def reasoning_field_for(version: str) -> str:
+    """vLLM 0.16–0.21 read replayed reasoning only as `reasoning`; others `reasoning_content`."""
+    m = re.match(r"(\d+)\.(\d+)", version or "")
+    if m and int(m.group(1)) == 0 and 16 <= int(m.group(2)) <= 21:
+        return "reasoning"
+    return "reasoning_content"
+
+
+def fingerprint_of(tokens: Any) -> str:
+    """``sha256:<hex>`` of the probe's token ids as int32, or "" when they are not ids."""
+    try:
+        ids = array("i", tokens)
+    except (TypeError, OverflowError):
+        return ""
+    return "sha256:" + hashlib.sha256(ids.tobytes()).hexdigest()

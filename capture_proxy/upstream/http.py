@@ -1,0 +1,313 @@
+"""The upstream vLLM behind one aiohttp client: chat, pass-through routes, facts, readiness.
+
+Every aiohttp error and timeout is turned into the project's `UpstreamFailed` in one place
+(`_mapped`, raised ``from`` the original so its cause stays in tracebacks), the way httpx maps
+httpcore's exceptions at its boundary. Facts about the upstream (version, reasoning field,
+tokenizer fingerprint) are fetched lazily — a sidecar may start before vLLM is up — and fetched
+again after the upstream was unreachable (it may have restarted with another model).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Iterator, Mapping
+from typing import Any
+
+import aiohttp
+import orjson
+
+from ..core.transport import UpstreamInfo
+from ..errors import UpstreamFailed
+from .facts import PROBE_MESSAGES, fingerprint_of, reasoning_field_for
+
+__all__ = ["HTTPUpstream", "HTTPUpstreamReply"]
+
+log = logging.getLogger("capture_proxy.upstream")
+
+JSON = "application/json"
+_REFRESH_SECONDS = 300.0
+#: What the context guard sends to /tokenize: the parts of a chat request that shape the prompt.
+_PROMPT_KEYS = ("model", "messages", "tools", "chat_template_kwargs", "add_generation_prompt")
+
+
+class HTTPUpstream:
+    """An upstream vLLM at `base_url` (with or without ``/v1``), reached over HTTP.
+
+    Pass a shared `session` (the proxy pools one per process), or none and the client opens its
+    own on first use; `close` closes only a session it opened. Timeouts: `connect_timeout` to
+    open a connection, `first_byte_timeout` until the response headers, `idle_timeout` between
+    two reads of a response body.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        session: aiohttp.ClientSession | None = None,
+        *,
+        api_key: str = "",
+        reasoning_field: str = "auto",
+        connect_timeout: float = 10.0,
+        first_byte_timeout: float = 600.0,
+        idle_timeout: float = 300.0,
+    ) -> None:
+        self.base_url = base_url.rstrip("/").removesuffix("/v1")
+        self._session = session
+        self._own_session = session is None
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.connect_timeout = connect_timeout
+        self.first_byte_timeout = first_byte_timeout
+        self.idle_timeout = idle_timeout
+        self._reasoning_setting = reasoning_field
+        self._version: str | None = None
+        self._fingerprints: dict[str, str] = {}
+        self._fetched_at = 0.0
+        self._lock = asyncio.Lock()
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout),
+                connector=aiohttp.TCPConnector(limit=0, limit_per_host=0),
+            )
+        return self._session
+
+    async def close(self) -> None:
+        if self._own_session and self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def url(self, path: str) -> str:
+        return self.base_url + path
+
+    def mark_stale(self) -> None:
+        """Fetch version and fingerprint again: the upstream was unreachable (maybe restarted)."""
+        self._version = None
+        self._fingerprints.clear()
+
+    # -- errors ------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _mapped(self, what: str, *, code: str = "upstream_unreachable") -> Iterator[None]:
+        """The one map from aiohttp's errors and timeouts to `UpstreamFailed`."""
+        try:
+            yield
+        except aiohttp.ConnectionTimeoutError as e:
+            # Before TimeoutError: aiohttp's connect timeout is a TimeoutError too.
+            self.mark_stale()
+            raise UpstreamFailed(
+                f"could not connect to the upstream within {self.connect_timeout:g}s "
+                "(--upstream-connect-timeout)",
+                code="upstream_connect_timeout",
+                status=504,
+            ) from e
+        except TimeoutError as e:
+            raise UpstreamFailed(
+                f"the upstream sent no response within {self.first_byte_timeout:g}s",
+                code="upstream_timeout",
+                status=504,
+            ) from e
+        except aiohttp.ClientError as e:
+            self.mark_stale()
+            raise UpstreamFailed(f"{what}: {type(e).__name__}: {e}", code=code) from e
+
+    # -- the chat route ----------------------------------------------------------------------
+
+    async def post_chat(self, body: bytes) -> HTTPUpstreamReply:
+        """POST a chat request; the reply once its headers are in (`UpstreamFailed` if not)."""
+        with self._mapped("cannot reach the upstream"):
+            async with asyncio.timeout(self.first_byte_timeout):
+                resp = await self.session.post(
+                    self.url("/v1/chat/completions"),
+                    data=body,
+                    headers={**self.headers, "Content-Type": JSON},
+                )
+        return HTTPUpstreamReply(resp, self.idle_timeout)
+
+    # -- other routes ------------------------------------------------------------------------
+
+    async def relay(
+        self, method: str, path: str, body: bytes | None, content_type: str | None
+    ) -> tuple[int, str, bytes]:
+        """One uncaptured request (pass-through routes): status, content type and body."""
+        headers = dict(self.headers)
+        if body is not None:
+            headers["Content-Type"] = content_type or JSON
+        with self._mapped("cannot reach the upstream"):
+            async with self.session.request(
+                method,
+                self.url(path),
+                data=body,
+                headers=headers,
+                timeout=aiohttp.ClientTimeout(
+                    total=self.first_byte_timeout, sock_connect=self.connect_timeout
+                ),
+            ) as resp:
+                return resp.status, resp.headers.get("Content-Type", JSON), await resp.read()
+
+    async def problem(self, within: float = 2.0) -> str | None:
+        """Why the upstream is not ready (``/version`` unreachable or 5xx within `within`
+        seconds), or None."""
+        try:
+            async with self.session.get(
+                self.url("/version"),
+                headers=self.headers,
+                timeout=aiohttp.ClientTimeout(total=within, sock_connect=self.connect_timeout),
+            ) as resp:
+                if resp.status >= 500:
+                    return f"upstream /version answered {resp.status}"
+        except (aiohttp.ClientError, TimeoutError) as e:
+            return f"upstream unreachable: {type(e).__name__}"
+        return None
+
+    async def count_prompt_tokens(self, request: Mapping[str, Any]) -> int:
+        """The prompt's token count from the upstream's /tokenize (the context guard)."""
+        body = {k: request[k] for k in _PROMPT_KEYS if k in request}
+        what = "the context guard could not tokenize the prompt"
+        try:
+            status, _, raw = await self.relay("POST", "/tokenize", orjson.dumps(body), JSON)
+        except UpstreamFailed as e:
+            raise UpstreamFailed(f"{what}: {e.message}", code="context_guard") from e
+        if status != 200:
+            raise UpstreamFailed(
+                f"{what}: upstream /tokenize answered {status}", code="context_guard"
+            )
+        try:
+            return int(orjson.loads(raw)["count"])
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+            raise UpstreamFailed(f"{what}: {type(e).__name__}: {e}", code="context_guard") from e
+
+    # -- facts -------------------------------------------------------------------------------
+
+    async def info(self, model: str) -> UpstreamInfo:
+        if time.monotonic() - self._fetched_at > _REFRESH_SECONDS:
+            self.mark_stale()
+        if self._version is None or model not in self._fingerprints:
+            async with self._lock:
+                if self._version is None:
+                    self._version = await self._fetch_version()
+                    self._fetched_at = time.monotonic()
+                if model not in self._fingerprints:
+                    self._fingerprints[model] = await self._fetch_fingerprint(model)
+        version = self._version or ""
+        field = self._reasoning_setting
+        if field == "auto":
+            field = reasoning_field_for(version)
+        return UpstreamInfo(version, field, self._fingerprints.get(model, ""))
+
+    async def _fetch_version(self) -> str:
+        try:
+            status, _, raw = await self.relay("GET", "/version", None, None)
+            if status == 200:
+                return str(orjson.loads(raw).get("version", ""))
+            log.warning("upstream /version answered %d", status)
+        except (UpstreamFailed, orjson.JSONDecodeError, AttributeError) as e:
+            log.warning("upstream /version failed: %s", e)
+        return ""
+
+    async def _fetch_fingerprint(self, model: str) -> str:
+        body = {"model": model, "messages": PROBE_MESSAGES, "add_generation_prompt": True}
+        try:
+            status, _, raw = await self.relay("POST", "/tokenize", orjson.dumps(body), JSON)
+            if status != 200:
+                log.warning("upstream /tokenize answered %d: no tokenizer fingerprint", status)
+                return ""
+            return fingerprint_of(orjson.loads(raw)["tokens"])
+        except (UpstreamFailed, orjson.JSONDecodeError, KeyError, TypeError) as e:
+            log.warning("upstream /tokenize failed: %s: no tokenizer fingerprint", e)
+            return ""
+
+
+class HTTPUpstreamReply:
+    """An aiohttp response as an `UpstreamReply`, with the idle timeout between reads."""
+
+    def __init__(self, resp: aiohttp.ClientResponse, idle_timeout: float) -> None:
+        self._resp = resp
+        self._idle = idle_timeout
+
+    @property
+    def status(self) -> int:
+        return self._resp.status
+
+    async def __aenter__(self) -> HTTPUpstreamReply:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._resp.release()
+
+    def close(self) -> None:
+        """Drop the connection (vLLM aborts the generation when its client goes away)."""
+        self._resp.close()
+
+    async def read(self) -> bytes:
+        try:
+            async with asyncio.timeout(self._idle):
+                return await self._resp.read()
+        except (TimeoutError, aiohttp.ClientError) as e:
+            raise UpstreamFailed(
+                f"the upstream answer broke off: {type(e).__name__}: {e}", code="upstream_broken"
+            ) from e
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        loop = asyncio.get_running_loop()
+        watch = _IdleWatch(self._resp, self._idle)
+        try:
+            while True:
+                watch.waiting_since = loop.time()
+                try:
+                    chunk = await self._resp.content.readany()
+                except (_UpstreamIdle, TimeoutError) as e:
+                    self._resp.close()
+                    raise UpstreamFailed(
+                        f"the upstream sent nothing for {self._idle:g}s mid-stream",
+                        code="upstream_idle_timeout",
+                    ) from e
+                except aiohttp.ClientError as e:
+                    raise UpstreamFailed(
+                        f"the upstream stream broke: {type(e).__name__}: {e}",
+                        code="upstream_broken",
+                    ) from e
+                watch.waiting_since = None
+                if not chunk:
+                    return
+                yield chunk
+        finally:
+            watch.stop()
+
+
+class _UpstreamIdle(Exception):
+    """Set on the upstream body by `_IdleWatch`: a read waited longer than the idle timeout."""
+
+
+class _IdleWatch:
+    """The idle timeout for the reads of one stream, without a timer per chunk.
+
+    ``asyncio.timeout()`` around each read schedules and cancels a timer per chunk: ~10 µs, a
+    third of what relaying a token chunk costs. Here a read only records when it started
+    (`waiting_since`, None between reads: writing to the client does not count), and one timer
+    wakes when the current read would be due and fails it by setting `_UpstreamIdle` on the
+    response body, which `readany` then raises.
+    """
+
+    def __init__(self, resp: aiohttp.ClientResponse, idle: float) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._resp = resp
+        self._idle = idle
+        self.waiting_since: float | None = None
+        self._handle = self._loop.call_later(idle, self._check)
+
+    def _check(self) -> None:
+        since = self.waiting_since
+        now = self._loop.time()
+        if since is not None and now - since >= self._idle:
+            self._resp.content.set_exception(_UpstreamIdle())
+            return
+        self._handle = self._loop.call_at(
+            (now if since is None else since) + self._idle, self._check
+        )
+
+    def stop(self) -> None:
+        self._handle.cancel()
