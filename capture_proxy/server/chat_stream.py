@@ -4,7 +4,7 @@ Headers go out first (``X-Capture-Status: pending``); each upstream chunk is rel
 arrives, minus the fields the client did not ask for; at the end the record is staged and the
 stream closes with ``: capture-status <outcome> call_id=...`` and ``data: [DONE]`` — or, when the
 upstream broke, with an SSE error event and no ``[DONE]``, so no client mistakes a cut-off answer
-for a whole one (DESIGN §8).
+for a whole one (docs/contract.md, "Failure semantics").
 """
 
 from __future__ import annotations

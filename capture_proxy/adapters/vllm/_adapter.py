@@ -79,7 +79,7 @@ __all__ = [
 
 
 class VLLMAdapter:
-    """Speaks vLLM's OpenAI-compatible chat API (checked against vLLM 0.32, see DESIGN §3).
+    """Speaks vLLM's OpenAI-compatible chat API (vLLM 0.32, see docs/upstream-facts.md).
 
     `reasoning_field` is the name vLLM reads replayed reasoning under: ``reasoning_content``
     (default; vLLM <= 0.15 and >= 0.22) or ``reasoning`` (vLLM 0.16-0.21 read only that).
