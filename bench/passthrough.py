@@ -5,7 +5,7 @@
 It reads the request body, POSTs it to the same path upstream over a pooled keep-alive session,
 and returns the upstream's bytes: whole for a JSON answer, chunk by chunk as they arrive for an
 event stream. This is the least an aiohttp proxy can do per call, so capture-proxy's CPU and added
-latency are reported as multiples of it (DESIGN §9). Prints ``listening on http://HOST:PORT``.
+latency are reported as multiples of it (docs/reports/performance.md). Prints ``listening on http://HOST:PORT``.
 """
 
 from __future__ import annotations

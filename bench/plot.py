@@ -1,10 +1,10 @@
-"""The PNG of docs/performance.md: added latency against concurrency, per target.
+"""The PNG of docs/reports/performance.md: added latency against concurrency, per target.
 
 Reads the summary `bench_proxy.py` builds (closed-loop scenarios ``unary-fast-closed<N>``).
 matplotlib is a bench-only dependency (``.venv/bin/pip install matplotlib``); without it the
 plot is skipped with a message, and the table is still printed.
 
-    .venv/bin/python bench/plot.py results.json docs/performance-latency.png
+    .venv/bin/python bench/plot.py results.json docs/reports/performance-latency.png
 """
 
 from __future__ import annotations

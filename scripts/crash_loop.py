@@ -41,7 +41,7 @@ from capture_proxy.read.reader import open_store
 
 
 class Violation(AssertionError):
-    """The store broke a promise of DESIGN §8 after a kill."""
+    """The store broke a promise of docs/contract.md ("Durability") after a kill."""
 
 
 @dataclass

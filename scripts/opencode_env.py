@@ -12,7 +12,7 @@ OpenCode is installed once into `<cache>/opencode-<version>/` (cache: `$CAPTURE_
 `~/.cache/capture-proxy`). Each run gets a fresh temporary HOME holding its `opencode.json`, so no
 user configuration, session database or credentials leak in, and nothing is fetched: the provider
 package `@ai-sdk/openai-compatible` is bundled in the OpenCode binary (checked: runs in a network
-namespace with loopback only, see docs/e2e.md), and the models.dev fetch is disabled.
+namespace with loopback only, see docs/reports/e2e.md), and the models.dev fetch is disabled.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ and a sample of them must fetch and verify.
 Prints each sample as a JSON line, then a JSON report with the RSS slope (MiB per minute, a
 least-squares fit after the first fifth of the run), descriptors at start and end, staged counts
 and latency percentiles. Exits 1 when a check fails. ``tests/test_reliability_crash.py`` runs a
-short variant in CI; docs/reliability.md records the 10-minute figures.
+short variant in CI; docs/reports/reliability.md records the 10-minute figures.
 """
 
 from __future__ import annotations

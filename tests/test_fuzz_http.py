@@ -3,7 +3,7 @@
 A sandbox runs model-written code, so anything may arrive: random JSON shapes, wrong types, huge
 numbers, deep nesting, invalid UTF-8, invalid base64, random bytes, oversized bodies, path and
 header tricks. Whatever arrives, the proxy answers below 500, keeps running (``/healthz``), stays
-within bounded memory, and every refused call is in its rollout's ledger (DESIGN §8).
+within bounded memory, and every refused call is in its rollout's ledger (docs/contract.md).
 
 Hypothesis drives the random parts against one proxy (and fake vLLM) per module; hostile bytes
 that an HTTP client library refuses to send go through a raw socket.

@@ -28,7 +28,7 @@ JPEG = b"\xff\xd8\xff\xe0" + b"\x10JFIF" * 50
 PNG_URL = "data:image/png;base64," + base64.b64encode(PNG).decode()
 JPEG_URL = "data:image/jpeg;base64," + base64.b64encode(JPEG).decode()
 
-# -- OpenCode 1.18.33 request shapes (DESIGN §3) --------------------------------------------------
+# -- OpenCode 1.18.33 request shapes (docs/upstream-facts.md) -------------------------------------
 
 TOOLS = [
     {
@@ -117,7 +117,7 @@ def image_message(*urls: str) -> dict[str, Any]:
 def refused(data: Any, **kwargs: Any) -> RequestValidationError:
     with pytest.raises(RequestValidationError) as info:
         normalize_request(data, **kwargs)
-    assert info.value.param in info.value.message  # DESIGN §4: the message names the path
+    assert info.value.param in info.value.message  # docs/contract.md: the message names the path
     return info.value
 
 

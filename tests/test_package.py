@@ -95,7 +95,7 @@ def test_no_symlinks_in_the_package() -> None:
 
 
 def test_no_filename_prefix_families() -> None:
-    # Three or more modules sharing a prefix are a subpackage (STYLE.md §1).
+    # Three or more modules sharing a prefix are a subpackage (docs/architecture.md, "The layers").
     for folder in [ROOT / "capture_proxy", *(ROOT / "capture_proxy").rglob("*/")]:
         stems = [p.stem for p in folder.glob("*.py") if not p.stem.startswith("_")]
         prefixes: dict[str, int] = {}

@@ -1,4 +1,4 @@
-"""Pass-through routes, 404s, health, metrics, and the header rules of DESIGN §4."""
+"""Pass-through routes, 404s, health, metrics, and the header rules of docs/contract.md."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """A real ``capture-proxy serve`` process, SIGKILLed under load and restarted on the same store; and
-a short soak of one. These are the CI variants of ``scripts/crash_loop.py`` (DESIGN §8: nothing
-acknowledged is lost, nothing is torn, restarts need no manual step) and ``scripts/soak.py``
-(memory, descriptors and staged counts after steady load); docs/reliability.md has the long runs.
+a short soak of one. These are the CI variants of ``scripts/crash_loop.py`` (docs/contract.md,
+"Failure semantics": nothing acknowledged is lost, nothing is torn, restarts need no manual step)
+and ``scripts/soak.py`` (memory, descriptors and staged counts after steady load);
+docs/reports/reliability.md has the long runs.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The store fails under a running proxy, then recovers: a full filesystem, a read-only store, a
-locked SQLite file, a sink that takes seconds, and the free-disk floor (DESIGN §8).
+locked SQLite file, a sink that takes seconds, and the free-disk floor (docs/contract.md).
 
 For each fault, while it lasts: every call is answered per ``--on-capture-failure`` (``poison``:
 the model's answer with ``capture_failed``; ``error``: 503, or an SSE error event on a stream), the
@@ -75,7 +75,7 @@ async def send(p: Proxy, text: str, *, stream: bool = False) -> dict[str, Any]:
 
 
 def check_capture_failed(got: dict[str, Any], policy: str, stream: bool) -> None:
-    """What DESIGN §8 promises a client whose call could not be staged."""
+    """What docs/contract.md promises a client whose call could not be staged."""
     if policy == "poison":
         assert got["http"] == 200, got
         assert got["status"] == "capture_failed", got

@@ -52,7 +52,7 @@ def refused(data: Any) -> RequestValidationError:
     with pytest.raises(RequestValidationError) as info:
         validate_request(data)
     err = info.value
-    # Every error names its path in the message too (DESIGN §4).
+    # Every error names its path in the message too (docs/contract.md, "Errors and limits").
     assert err.param in err.message
     assert err.status in (413, 422)
     assert err.type == "invalid_request_error"

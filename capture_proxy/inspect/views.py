@@ -65,7 +65,8 @@ def attachment_entry(att: Attachment) -> dict[str, Any]:
 
 
 def _drift(record: StagedCallRecord, parent_full: array[int] | None) -> dict[str, Any] | None:
-    """Where the call's prompt stops extending its parent's prompt + completion (DESIGN §6)."""
+    """Where the call's prompt stops extending its parent's prompt + completion: its drift
+    (docs/trajectories.md)."""
     if parent_full is None:
         return None
     shared = common_prefix_len(parent_full, record.prompt_token_ids)

@@ -1,4 +1,4 @@
-"""The control API for rollout drivers (DESIGN §5): create rollouts, read manifests, seal.
+"""The control API for rollout drivers (docs/contract.md): create rollouts, read manifests, seal.
 
 Every route needs ``Authorization: Bearer <admin token>`` (compared in constant time). Without
 ``--admin-token`` the API is off: its routes answer 404 saying so. It is served on the main port,

@@ -1,4 +1,4 @@
-"""Which rollout a request belongs to (DESIGN §4)."""
+"""Which rollout a request belongs to (docs/contract.md)."""
 
 from __future__ import annotations
 

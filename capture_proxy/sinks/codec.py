@@ -1,6 +1,6 @@
 """The storage encoding shared by the SQLite and Parquet sinks: one logical record <-> one row.
 
-Storage is linear in a session (DESIGN §6):
+Storage is linear in a session (docs/storage.md):
 
 * Tokens: a call stores only ``full[prev_len:]``, where ``full`` is its prompt + completion and
   ``prev_len`` the longest common prefix with its parent's prompt + completion. A call that drifted

@@ -79,7 +79,7 @@ class WriterThread(Generic[W]):
         future: asyncio.Future[Any] = loop.create_future()
         self._queue.put(Job(work, loop, future))
         # A cancelled caller does not stop the work (it may be mid-commit already); the proxy
-        # marks such a record orphaned (DESIGN §8).
+        # marks such a record orphaned (docs/contract.md).
         return await future
 
     async def close(self) -> None:

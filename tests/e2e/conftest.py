@@ -81,7 +81,7 @@ def vllm_url() -> Iterator[str]:
 
 
 class Control:
-    """The control API (DESIGN §5) of a proxy test client, as a rollout driver uses it.
+    """The control API (docs/contract.md) of a proxy test client, as a rollout driver uses it.
 
     Start the proxy with ``admin_token=Control.TOKEN``.
     """

@@ -249,8 +249,8 @@ async def test_staged_request_resent_renders_the_staged_prompt(
 async def test_opencode_against_real_vllm_every_call_accounted_for(
     vllm_url: str, tmp_path: Path, control: Any, opencode_binary: Path
 ) -> None:
-    # Steered to finish (docs/e2e.md): a regex answer with thinking off ends the agent loop after
-    # one call; text only, as the tiny model cannot take images.
+    # Steered to finish (docs/reports/e2e.md): a regex answer with thinking off ends the agent
+    # loop after one call; text only, as the tiny model cannot take images.
     p = await start_proxy(tmp_path, upstream=vllm_url, admin_token=control.TOKEN)
     rollout = "vllm-opencode"
     try:

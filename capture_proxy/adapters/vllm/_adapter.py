@@ -4,7 +4,7 @@
 vLLM for the token-level data a record needs (``return_token_ids``, ``logprobs``, usage on streams)
 and remembering what the client itself asked for (`ClientWants`). `parse_response` decodes the
 answer once: the top level as raw JSON values, only the fields it reads into typed Structs (an
-answer of exactly vLLM 0.32's shape in a single typed pass, `vllm_answer.read_answer`); it
+answer of exactly vLLM 0.32's shape in a single typed pass, `_answer.read_answer`); it
 rebuilds the client's body from the untouched raw values minus what the client did not ask for,
 and returns the extraction as a `Completion`. `stream` returns a sans-IO `StreamAccumulator` for
 streamed answers.
@@ -79,14 +79,14 @@ __all__ = [
 
 
 class VLLMAdapter:
-    """Speaks vLLM's OpenAI-compatible chat API (checked against vLLM 0.32, see DESIGN §3).
+    """Speaks vLLM's OpenAI-compatible chat API (vLLM 0.32, see docs/upstream-facts.md).
 
     `reasoning_field` is the name vLLM reads replayed reasoning under: ``reasoning_content``
     (default; vLLM <= 0.15 and >= 0.22) or ``reasoning`` (vLLM 0.16-0.21 read only that).
 
     Answers parsed with a `session` (the rollout id) leave their prompt + completion in
     `prefixes`, a cache bounded by `prefix_cache_bytes`: the session's next prompt starts with
-    them, and only its new tokens are decoded (`vllm_ids.decode_prompt`; exact either way).
+    them, and only its new tokens are decoded (`_ids.decode_prompt`; exact either way).
     """
 
     __slots__ = ("prefixes", "reasoning_field")

@@ -7,7 +7,7 @@ Almost every event of a vLLM stream is one generated token::
 
 `read_token_chunk` decodes such an event straight into Structs (no per-field raw pass) and builds
 the client's copy by cutting ``,"token_ids":[…]`` out of the bytes and putting ``null`` in place
-of the logprobs: the same bytes the generic path (`vllm_wire.strip_for_client`, re-encoding)
+of the logprobs: the same bytes the generic path (`_wire.strip_for_client`, re-encoding)
 produces for vLLM's compact JSON, at a fraction of the cost. Anything else (another key, another
 key order, spaces between tokens, several choices) returns None and the caller takes the generic
 path, so the fast path can only be faster, never different.

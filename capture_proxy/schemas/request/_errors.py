@@ -139,7 +139,7 @@ def from_msgspec_error(exc: msgspec.ValidationError) -> RequestValidationError:
         name = _clip(m.group("name"))
         hint = _HINTS.get(name) if not param else None
         tail = hint if hint else "the Chat Completions schema does not allow it"
-        # The message names the full path (DESIGN §4), not just the object holding the key.
+        # The message names the full path (docs/contract.md), not just the object holding the key.
         full = _join(param, name)
         at = full if param else where
         return RequestValidationError(

@@ -108,7 +108,7 @@ class DatasetFS:
         Local: every file goes to a temporary name and is fsynced, then all are renamed into
         place and their directories fsynced, so when this returns every file and every directory
         entry is on disk. Object storage: one upload per file (atomic and durable on completion).
-        Several files do not appear together; commit markers (see `parquet_layout`) give that.
+        Several files do not appear together; commit markers (see `_layout`) give that.
         """
         if not self.local:
             for rel, data in files.items():

@@ -1,9 +1,9 @@
 """`ParquetSink`: stage records into a Parquet dataset folder (local, or object storage later).
 
-The dataset is a folder of immutable Parquet files grouped into *units* (`parquet_layout`
+The dataset is a folder of immutable Parquet files grouped into *units* (`_layout`
 describes the files). Concurrent `stage` calls are group-committed: everything queued while the
 previous unit was being written becomes the next unit, written by one thread
-(`parquet_writer.UnitWriter`) as data files under temporary names, fsynced and renamed, then a
+(`_writer.UnitWriter`) as data files under temporary names, fsynced and renamed, then a
 commit marker, the same way. `stage` returns only once the marker naming its record is durable.
 A crash at any moment leaves either the whole unit or no unit: files without a marker are not
 part of the dataset.

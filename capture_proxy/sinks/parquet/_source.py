@@ -1,6 +1,6 @@
 """`ParquetSource`: read a Parquet dataset back (the `StagingSource` protocol).
 
-The reader keeps an index of the committed units (`parquet_index`) and loads row groups only
+The reader keeps an index of the committed units (`_index`) and loads row groups only
 when a record is asked for, with LRU caches for row groups and for full token sequences. Every
 public call first re-lists the commit markers, so a reader sees commits made after it was
 opened; when a compaction removed a file the reader had listed, the call re-lists and retries.

@@ -4,7 +4,7 @@ Callers on an event loop `submit` a piece of work; the writer thread takes every
 to `max_batch`) and runs each piece against a fresh `UnitRows` of its own, merging it into the
 batch only when the piece returns: a piece that raises (a fault hook, an encoding error) leaves
 no row behind and its caller gets the exception, while the rest of the batch commits. The batch
-is then written as one unit (`parquet_layout`): data files under temporary names, fsynced,
+is then written as one unit (`_layout`): data files under temporary names, fsynced,
 renamed; then the commit marker, the same way. Only after the marker is durable is any caller
 answered. If writing fails, the unit is retracted (marker first, then its files), every caller
 of the batch gets a `StoreError`, and nothing of the batch is visible.

@@ -19,7 +19,7 @@ from pathlib import Path
 from ..base import GcStats, StoreError
 from ._schema import read_format
 
-# GcStats lives in `base` (shared with `parquet_gc`); still importable from here.
+# GcStats lives in `base` (shared with `parquet._gc`); still importable from here.
 __all__ = ["GcStats", "gc_sqlite"]
 
 

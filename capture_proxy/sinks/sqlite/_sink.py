@@ -6,7 +6,7 @@ a power loss. (``synchronous=NORMAL`` is the usual WAL choice and is crash-safe 
 kill, but it does not sync the WAL at each commit: a power loss can lose the last commits, which
 the caller was already told were durable.)
 
-Throughput comes from group commit (`sqlite_writer.GroupCommitWriter`), not from a weaker sync:
+Throughput comes from group commit (`_writer.GroupCommitWriter`), not from a weaker sync:
 concurrent `stage` calls share one transaction and one fsync, each record in its own savepoint so
 a refused or failing record rolls back alone. The record, its message blobs, its new attachments
 and its attachment references are written in that one savepoint: a crash at any moment leaves all

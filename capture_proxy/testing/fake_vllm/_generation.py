@@ -1,7 +1,7 @@
 """What the fake vLLM "generates": scripted turns turned into token ids, logprobs and deltas.
 
 A `Turn` becomes exactly the text a faithful replay of the answer renders after the generation
-prompt (see `fake_vllm_template`)::
+prompt (see `_template`)::
 
     <think>\\n{reasoning}\\n</think>\\n\\n{content}
     [\\n]<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>   (per tool call)
