@@ -12,7 +12,7 @@ from capture_proxy.read.reader import Store
 from capture_proxy.sinks.base import StoreFormatError
 from capture_proxy.sinks.codec import encode_record
 from capture_proxy.sinks.sqlite import SQLiteSink, SQLiteSource
-from capture_proxy.sinks.sqlite._schema import CALL_COLUMNS, MIGRATIONS
+from capture_proxy.sinks.sqlite._schema import CALL_COLUMNS, FORMAT_VERSION, MIGRATIONS
 
 
 def _format_1_store(path: Path) -> list[str]:
@@ -56,7 +56,7 @@ async def test_format_1_store_is_refused_for_reading_then_migrated_by_a_writer(
     assert [r.call_id for r in records] == keys
     with sqlite3.connect(path) as conn:
         assert conn.execute("SELECT value FROM meta WHERE key='format_version'").fetchone() == (
-            "2",
+            str(FORMAT_VERSION),
         )
         assert {c for (c,) in conn.execute("SELECT DISTINCT codec FROM blobs")} == {0}
 

@@ -186,13 +186,14 @@ class Capture:
 
     # -- rollouts ------------------------------------------------------------------------------
 
-    def rollout(self, rollout_id: str, *, create: bool = True) -> RolloutLive | None:
+    def rollout(self, rollout_id: str) -> RolloutLive | None:
+        """The rollout as this process holds it now, or None. Never creates one and never reads
+        the store: a path that admits, refuses or seals a call resolves it with `ensure_rollout`
+        or `find_rollout`, so a rollout this process no longer holds (a restart, eviction)
+        resumes from the store instead of restarting at seq 0."""
         live = self.rollouts.get(rollout_id)
         if live is None and rollout_id in self._sealed:
             return RolloutLive(rollout_id, sealed=True)  # refuses calls; never held live
-        if live is None and create:
-            live = RolloutLive(rollout_id, created_at_ms=int(time.time() * 1000))
-            self.rollouts[rollout_id] = live
         return live
 
     async def ensure_rollout(self, rollout_id: str) -> RolloutLive:
@@ -237,6 +238,8 @@ class Capture:
         """Release rollouts with nothing in flight and no call for `idle_s` seconds; a later
         call resumes them from the store. Keeps memory bounded by live work, not by every
         rollout ever seen (each holds up to 32 token sequences). Returns the ids released."""
+        if not self._store_caught_up():
+            return []
         cutoff = time.monotonic() - idle_s
         idle = [
             rid
@@ -252,10 +255,16 @@ class Capture:
         while len(self._sealed) > _SEALED_IDS_KEPT:
             self._sealed.popitem(last=False)  # forgotten ids are looked up in the store again
 
+    def _store_caught_up(self) -> bool:
+        # A rollout may leave memory only when the store holds all of it: a ledger entry still
+        # held in memory or still being written would be missing from the resumed rollout, and
+        # its sequence number handed out again.
+        return not self.ledger.held and not self.ledger.late
+
     def _evict(self) -> None:
         # Oldest idle rollouts first; a rollout seen again later resumes from the store.
         excess = len(self.rollouts) - self.max_live_rollouts + 1
-        if excess <= 0:
+        if excess <= 0 or not self._store_caught_up():
             return
         idle = [rid for rid, r in self.rollouts.items() if r.in_flight == 0][:excess]
         for rid in idle:
@@ -269,22 +278,19 @@ class Capture:
         policy: Mapping[str, Any] | None = None,
         metadata: Mapping[str, Any] | None = None,
     ) -> RolloutLive:
-        existing = self.rollouts.get(rollout_id)
-        if existing is None and self.source is not None:
-            existing = await self.ensure_rollout(rollout_id)
-            if not existing.outcomes and not existing.sealed:
-                existing = None  # not in the store either: a fresh rollout
-        if existing is not None:
-            raise Conflict(f"rollout {rollout_id} already exists", code="rollout_exists")
-        live = self.rollout(rollout_id)
-        assert live is not None
-        live.key_sha256 = hashlib.sha256(key.encode()).hexdigest() if key is not None else None
         try:
-            live.policy = check_policy(policy or {}, "policy")
+            checked = check_policy(policy or {}, "policy")
         except PolicyError as e:
-            del self.rollouts[rollout_id]
             raise Unprocessable(str(e), code="invalid_policy", param="policy") from None
+        # Known here or in the store (created, called or sealed by an earlier process): taken.
+        if await self.find_rollout(rollout_id) is not None:
+            raise Conflict(f"rollout {rollout_id} already exists", code="rollout_exists")
+        live = RolloutLive(rollout_id, created_at_ms=int(time.time() * 1000))
+        live.key_sha256 = hashlib.sha256(key.encode()).hexdigest() if key is not None else None
+        live.policy = checked
         live.metadata = dict(metadata or {})
+        self._evict()
+        self.rollouts[rollout_id] = live  # no await since the lookup: nobody registered it since
         await self._put_rollout(live)
         return live
 
@@ -307,6 +313,14 @@ class Capture:
         live = await self.find_rollout(rollout_id)
         if live is None:
             raise KeyError(rollout_id)
+        if live.sealed and self.rollouts.get(rollout_id) is not live:
+            # Sealed earlier and released from memory: nothing to wait for or write (writing
+            # this copy's header could replace the stored one); answer the stored rollout.
+            if self.source is not None:
+                stored = await asyncio.to_thread(resume_rollout, self.source, rollout_id)
+                if stored is not None:
+                    return stored
+            return live
         live.sealed = True
         try:
             await asyncio.wait_for(live.idle.wait(), wait_s)
@@ -362,10 +376,18 @@ class Capture:
     ) -> Call:
         """Admit a call: assign its id and sequence number, link retries, stamp the weight version.
 
+        Resolve the rollout first with `ensure_rollout` (it may have to read the store).
         Raises a `ProxyError` (409 sealed, 429/503 limits) when the call must not proceed.
         """
         live = self.rollout(rollout_id)
-        assert live is not None
+        if live is None:
+            # Released from memory since it was resolved (idle or over the live-rollout cap):
+            # only the store knows its next sequence number now, so never start it afresh.
+            raise CaptureUnavailable(
+                f"rollout {rollout_id} is not loaded: resolve it (ensure_rollout) and retry",
+                code="rollout_not_loaded",
+                headers={"Retry-After": "0"},
+            )
         self.check_admission(live)
         key = request_key(request)
         call = Call(
@@ -517,9 +539,15 @@ class Capture:
             self._finish(call)
 
     async def reject(self, rollout_id: str, reason: str, message: str, http_status: int) -> str:
-        """Record a call refused before it was admitted (a 4xx); returns its call id."""
-        live = self.rollout(rollout_id)
-        assert live is not None
+        """Record a call refused before it was admitted (a 4xx); returns its call id.
+
+        The rollout is resolved first (from the store if this process does not hold it), so the
+        refusal takes the next sequence number. A sealed rollout's ledger is closed: the refusal
+        becomes `Conflict` (409, ``rollout_sealed``) and nothing is written.
+        """
+        live = await self.ensure_rollout(rollout_id)
+        if live.sealed:
+            raise Conflict(f"rollout {rollout_id} is sealed", code="rollout_sealed")
         call_id = new_call_id()
         seq = live.take_seq()
         entry = LedgerEntry(

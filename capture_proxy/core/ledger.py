@@ -12,7 +12,7 @@ import logging
 from collections import deque
 
 from ..schemas.records import LedgerEntry
-from ..sinks.base import StagingSink
+from ..sinks.base import DuplicateSeq, StagingSink
 
 __all__ = ["Ledger"]
 
@@ -26,6 +26,8 @@ class Ledger:
         #: Entries the sink refused to take (it is failing); retried by `flush`.
         self.held: deque[LedgerEntry] = deque(maxlen=max_held)
         self._late: set[asyncio.Task[None]] = set()
+        #: Entries the store refused for good (`DuplicateSeq`): logged, never written.
+        self.refused = 0
 
     async def write(self, entry: LedgerEntry) -> None:
         if self.held:
@@ -48,6 +50,11 @@ class Ledger:
             self._late.add(task)
             task.add_done_callback(lambda t: self._late_done(t, entry))
             return True
+        except DuplicateSeq as e:
+            # The store will never take it (another call holds its seq): holding it would stall
+            # every later entry behind it. Logged in full instead, for the operator.
+            self._refused(entry, e)
+            return True
         except Exception as e:
             log.error(
                 "ledger entry for %s (%s) held in memory: the sink failed: %s",
@@ -61,8 +68,24 @@ class Ledger:
 
     def _late_done(self, task: asyncio.Task[None], entry: LedgerEntry) -> None:
         self._late.discard(task)
-        if task.cancelled() or task.exception() is not None:
+        error = None if task.cancelled() else task.exception()
+        if isinstance(error, DuplicateSeq):
+            self._refused(entry, error)
+        elif task.cancelled() or error is not None:
             self.held.append(entry)
+
+    def _refused(self, entry: LedgerEntry, error: DuplicateSeq) -> None:
+        self.refused += 1
+        log.error(
+            "ledger entry refused by the store, not written: %s; the entry: %s seq %d %s %s: %s",
+            error,
+            entry.call_id,
+            entry.seq,
+            entry.status,
+            entry.reason,
+            entry.message,
+            extra={"rollout_id": entry.rollout_id, "call_id": entry.call_id},
+        )
 
     async def flush(self) -> int:
         """Write held entries, oldest first; returns how many are still held."""

@@ -35,7 +35,7 @@ __all__ = ["Problem", "Store", "StoreCorrupted", "open_store"]
 
 @dataclass(frozen=True, slots=True)
 class Problem:
-    """One thing `verify` found wrong: which key (or attachment) and what."""
+    """One thing `verify` found wrong: which key (attachment, rollout) and what."""
 
     key: str
     message: str
@@ -130,6 +130,31 @@ class Store:
                 found.append(Problem(key, f"unreadable: {type(e).__name__}: {e}"))
         for sha in self.source.unreferenced_attachments():
             found.append(Problem(f"attachment:{sha}", "attachment without a record"))
+        found.extend(self._duplicate_seqs())
+        return found
+
+    def _duplicate_seqs(self) -> list[Problem]:
+        """Sequence numbers held by more than one call of a rollout (staged or in the ledger).
+
+        Stores refuse them now; a store written before that rule, or by two writers at once,
+        may hold some: the rollout's order and lineage are then ambiguous. A call's own record
+        and ledger entry (a write that landed after its caller gave up) are one call.
+        """
+        found: list[Problem] = []
+        for rollout_id in self.source.rollouts():
+            holders: dict[int, set[str]] = {}
+            for summary in self.source.summaries(rollout_id):
+                holders.setdefault(summary.seq, set()).add(summary.call_id)
+            for failure in self.source.failures(rollout_id):
+                holders.setdefault(failure.seq, set()).add(failure.call_id)
+            for seq, calls in sorted(holders.items()):
+                if len(calls) > 1:
+                    found.append(
+                        Problem(
+                            f"rollout:{rollout_id}",
+                            f"seq {seq} is held by {len(calls)} calls ({', '.join(sorted(calls))})",
+                        )
+                    )
         return found
 
     def verify(self) -> None:

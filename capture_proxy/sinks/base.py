@@ -31,6 +31,7 @@ from ..schemas.records import (
 )
 
 __all__ = [
+    "DuplicateSeq",
     "FaultHook",
     "GcStats",
     "StagingSink",
@@ -50,6 +51,22 @@ class StoreError(Exception):
 
 class StoreFormatError(StoreError):
     """A store was written by a format this version does not know (usually: a newer release)."""
+
+
+class DuplicateSeq(StoreError):
+    """The store already holds another call at this ``(rollout, seq)``; nothing was written.
+
+    A store holds one call per sequence number of a rollout: its staged record or its ledger
+    entry (one call may have both: a write that landed after its caller gave up). `stage`
+    refuses a second one as ``capture_failed`` with reason ``duplicate_seq``; `record_failure`
+    raises this.
+    """
+
+    def __init__(self, rollout_id: str, seq: int, holder: str) -> None:
+        super().__init__(f"rollout {rollout_id} already holds seq {seq} (call {holder})")
+        self.rollout_id = rollout_id
+        self.seq = seq
+        self.holder = holder
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,13 +109,17 @@ class StagingSink(Protocol):
         and this call's prompt + completion, and reports that prefix as `prev_len`.
 
         Returns ``StageResult.staged(coords)`` once durable, ``StageResult.failed(...)`` for a
-        record it refuses (for example a duplicate staging key), and raises for I/O failures;
+        record it refuses (a duplicate staging key; ``duplicate_seq`` when another call of the
+        rollout already holds the record's seq, see `DuplicateSeq`), and raises for I/O failures;
         in every case but the first, nothing of the call was written.
         """
         ...
 
     async def record_failure(self, entry: LedgerEntry) -> None:
-        """Add a not-staged call to its rollout's ledger (creating the rollout if new)."""
+        """Add a not-staged call to its rollout's ledger (creating the rollout if new).
+
+        Raises `DuplicateSeq` when another call of the rollout already holds the entry's seq.
+        """
         ...
 
     async def put_rollout(self, info: RolloutInfo) -> None:

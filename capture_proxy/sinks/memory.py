@@ -24,7 +24,7 @@ from ..schemas.records import (
     StageResult,
 )
 from ..schemas.tokens import common_prefix_len, full_sequence
-from .base import FaultHook
+from .base import DuplicateSeq, FaultHook
 
 __all__ = ["MemorySink"]
 
@@ -49,6 +49,8 @@ class MemorySink:
         self._rollouts: dict[str, RolloutInfo] = {}
         self._failures: dict[str, list[LedgerEntry]] = {}
         self._orphaned: dict[str, str] = {}
+        #: rollout id -> seq -> the call holding it (staged or in the ledger)
+        self._seqs: dict[str, dict[int, str]] = {}
         self._lock = asyncio.Lock()
         self.closed = False
 
@@ -65,6 +67,11 @@ class MemorySink:
             key = record.staging_key
             if key in self._records:
                 return StageResult.failed("duplicate_key", f"staging key {key} is already staged")
+            holder = self._seq_holder(record.rollout_id, record.seq, key)
+            if holder is not None:
+                return StageResult.failed(
+                    "duplicate_seq", str(DuplicateSeq(record.rollout_id, record.seq, holder))
+                )
             for ref in record.attachment_refs():
                 if ref not in (attachments or {}) and ref not in self._attachments:
                     return StageResult.failed(
@@ -104,12 +111,17 @@ class MemorySink:
             self._attachments.update(new_atts)
             self._records[key] = replace(record, attachments=())
             self._coords[key] = coords
+            self._seqs.setdefault(record.rollout_id, {}).setdefault(record.seq, key)
             self._ensure_rollout(record.rollout_id)
             return StageResult.staged(coords)
 
     async def record_failure(self, entry: LedgerEntry) -> None:
+        holder = self._seq_holder(entry.rollout_id, entry.seq, entry.call_id)
+        if holder is not None:
+            raise DuplicateSeq(entry.rollout_id, entry.seq, holder)
         self._ensure_rollout(entry.rollout_id)
         self._failures.setdefault(entry.rollout_id, []).append(entry)
+        self._seqs.setdefault(entry.rollout_id, {}).setdefault(entry.seq, entry.call_id)
 
     async def put_rollout(self, info: RolloutInfo) -> None:
         self._rollouts[info.rollout_id] = info
@@ -119,6 +131,10 @@ class MemorySink:
 
     async def close(self) -> None:
         self.closed = True
+
+    def _seq_holder(self, rollout_id: str, seq: int, call_id: str) -> str | None:
+        holder = self._seqs.get(rollout_id, {}).get(seq)
+        return holder if holder is not None and holder != call_id else None
 
     def _ensure_rollout(self, rollout_id: str) -> None:
         if rollout_id not in self._rollouts:

@@ -86,6 +86,8 @@ class Known:
     """What a writer must know of a dataset to append to it (duplicates, dedup, lineage)."""
 
     calls: dict[str, str]  # call id -> rollout id
+    #: rollout id -> seq -> the call holding it (staged, or in the ledger): one call per seq.
+    seqs: dict[str, dict[int, str]]
     blobs: set[str]
     attachments: set[str]
     rollouts: set[str]

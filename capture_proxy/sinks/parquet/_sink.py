@@ -9,20 +9,21 @@ A crash at any moment leaves either the whole unit or no unit: files without a m
 part of the dataset.
 
 Within a unit each record is its own all-or-nothing piece: a record that is refused (duplicate
-key, missing attachment) or whose write raises (for example the ``fault`` hook at
-``"after_record"`` / ``"after_attachments"``) leaves no row, and its `stage` returns or raises
-that; **the other records of the batch still commit**. If writing the unit itself fails, every
-record in it gets a `StoreError` and nothing of the batch is visible.
+key, a seq another call of its rollout holds, missing attachment) or whose write raises (for
+example the ``fault`` hook at ``"after_record"`` / ``"after_attachments"``) leaves no row, and its
+`stage` returns or raises that; **the other records of the batch still commit**. If writing the
+unit itself fails, every record in it gets a `StoreError` and nothing of the batch is visible.
 
 Attachments go into the same unit as the record that first refers to them, content-addressed:
 each sha256 is stored once per dataset. Storage is linear in a session, with the encoding the
 SQLite sink uses (`codec.encode_record`): a call stores only the tokens after its parent's, and
 each message once. The rollout ledger is in the dataset too (``ledger/`` files).
 
-One `ParquetSink` per dataset at a time: it keeps the keys already staged in memory to refuse
-duplicates, so a second writer would not see the first one's keys. On a local folder a lock file
-enforces it (a second sink is refused with `StoreError`); on object storage it is up to the
-deployment. Compaction (`capture_proxy.sinks.parquet.compact_store`) may run beside the writer.
+One `ParquetSink` per dataset at a time: it keeps the keys already staged, and which call holds
+each (rollout, seq), in memory to refuse duplicates, so a second writer would not see the first
+one's. On a local folder a lock file enforces it (a second sink is refused with `StoreError`); on
+object storage it is up to the deployment. Compaction (`capture_proxy.sinks.parquet.compact_store`)
+may run beside the writer.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from ...schemas.records import (
     StagedCallRecord,
     StageResult,
 )
-from ..base import FaultHook, StoreError
+from ..base import DuplicateSeq, FaultHook, StoreError
 from ..codec import encode_record
 from ..staging_rules import coords_for, new_attachments
 from ._fs import DatasetFS
@@ -113,6 +114,7 @@ class ParquetSink:
             self._lock.release()
             raise
         self._calls = known.calls
+        self._seqs = known.seqs
         self._blobs = known.blobs
         self._attachments = known.attachments
         self._rollouts = known.rollouts
@@ -140,8 +142,12 @@ class ParquetSink:
 
     async def record_failure(self, entry: LedgerEntry) -> None:
         def work(batch: UnitRows, part: UnitRows) -> None:
+            holder = self._seq_holder(batch, entry.rollout_id, entry.seq, entry.call_id)
+            if holder is not None:
+                raise DuplicateSeq(entry.rollout_id, entry.seq, holder)
             self._ensure_rollout(batch, part, entry.rollout_id)
             part.rows[LEDGER].append(failure_row(entry))
+            part.seqs[(entry.rollout_id, entry.seq)] = entry.call_id
 
         await self._writer.submit(work)
 
@@ -181,6 +187,13 @@ class ParquetSink:
         self._blobs |= batch.blobs
         self._attachments |= batch.attachments
         self._rollouts |= batch.rollouts
+        for (rollout_id, seq), call_id in batch.seqs.items():
+            self._seqs.setdefault(rollout_id, {}).setdefault(seq, call_id)
+
+    def _seq_holder(self, batch: UnitRows, rollout_id: str, seq: int, call_id: str) -> str | None:
+        """Another call already at (rollout_id, seq): committed, or earlier in this batch."""
+        holder = batch.seqs.get((rollout_id, seq)) or self._seqs.get(rollout_id, {}).get(seq)
+        return holder if holder is not None and holder != call_id else None
 
     def _ensure_rollout(self, batch: UnitRows, part: UnitRows, rollout_id: str) -> None:
         if rollout_id in self._rollouts or rollout_id in batch.rollouts:
@@ -217,6 +230,11 @@ class ParquetSink:
         key = record.staging_key
         if key in self._calls or key in batch.calls:
             return StageResult.failed("duplicate_key", f"staging key {key} is already staged")
+        holder = self._seq_holder(batch, record.rollout_id, record.seq, key)
+        if holder is not None:
+            return StageResult.failed(
+                "duplicate_seq", str(DuplicateSeq(record.rollout_id, record.seq, holder))
+            )
         checked = new_attachments(
             record, given, lambda sha: sha in self._attachments or sha in batch.attachments
         )
@@ -227,6 +245,7 @@ class ParquetSink:
         encoded = encode_record(record, self._parent_full(batch, record))
         part.rows[CALLS].append(encoded.row)
         part.calls[key] = (record.rollout_id, encoded.full)
+        part.seqs[(record.rollout_id, record.seq)] = key
         for blob_key, data in encoded.blobs.items():
             if blob_key not in self._blobs and blob_key not in batch.blobs:
                 part.rows[BLOBS].append({"key": blob_key, "data": data})

@@ -162,8 +162,16 @@ class ParquetSource:
         """Everything a writer appending to this dataset must know (see `ParquetSink`)."""
         self.refresh()
         idx = self._index
+        seqs: dict[str, dict[int, str]] = {}
+        for call_id, ref in idx.calls.items():
+            seqs.setdefault(ref.rollout_id, {}).setdefault(ref.seq, call_id)
+        for rollout_id, failures in idx.ledger.failures.items():
+            held = seqs.setdefault(rollout_id, {})
+            for f in failures:
+                held.setdefault(f.seq, f.call_id)
         return Known(
             calls={k: r.rollout_id for k, r in idx.calls.items()},
+            seqs=seqs,
             blobs=set(idx.blobs),
             attachments=set(idx.attachments),
             rollouts=set(idx.ledger.rollouts) | set(idx.by_rollout),

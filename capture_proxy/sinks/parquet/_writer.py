@@ -36,6 +36,8 @@ class UnitRows:
     rows: dict[str, list[dict[str, Any]]] = field(default_factory=lambda: {t: [] for t in TABLES})
     #: staged call id -> (rollout id, prompt + completion)
     calls: dict[str, tuple[str, array[int]]] = field(default_factory=dict)
+    #: (rollout id, seq) -> the call now holding it (a staged record or a ledger entry)
+    seqs: dict[tuple[str, int], str] = field(default_factory=dict)
     blobs: set[str] = field(default_factory=set)
     attachments: set[str] = field(default_factory=set)
     rollouts: set[str] = field(default_factory=set)
@@ -44,6 +46,7 @@ class UnitRows:
         for table, rows in other.rows.items():
             self.rows[table].extend(rows)
         self.calls.update(other.calls)
+        self.seqs.update(other.seqs)
         self.blobs |= other.blobs
         self.attachments |= other.attachments
         self.rollouts |= other.rollouts

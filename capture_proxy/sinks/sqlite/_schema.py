@@ -11,6 +11,9 @@ One file holds everything (docs/storage.md describes it):
   lists which call refers to which, in order of first reference.
 * ``rollouts``, ``failures``, ``orphaned``: each rollout's ledger.
 
+Since format 3 the file refuses a second call at one ``(rollout_id, seq)`` (staged or in the
+ledger; a call's own record and ledger entry may share it): triggers on ``calls`` and ``failures``.
+
 The format version is an integer with a chain of migrations (``MIGRATIONS[i]`` turns format ``i``
 into ``i + 1``; format 0 is an empty file). A writer migrates an older file forward in one
 transaction; a file written by a newer capture-proxy is refused, never guessed at.
@@ -30,8 +33,10 @@ from ..codec import ROW_FIELDS
 
 __all__ = [
     "CALL_COLUMNS",
+    "DUPLICATE_SEQ",
     "FORMAT_VERSION",
     "MIGRATIONS",
+    "READABLE_FROM",
     "TokenLRU",
     "pack_blob",
     "read_format",
@@ -112,8 +117,42 @@ def _migrate_1_to_2(conn: sqlite3.Connection) -> None:
     conn.execute("ALTER TABLE blobs ADD COLUMN codec INTEGER NOT NULL DEFAULT 0")
 
 
+#: What the store's triggers raise for a second call at one ``(rollout_id, seq)``.
+DUPLICATE_SEQ = "duplicate_seq"
+
+
+def _migrate_2_to_3(conn: sqlite3.Connection) -> None:
+    # Format 3: one call per (rollout_id, seq), over staged records and the ledger together. A
+    # record and a ledger entry of the *same* call may share their seq: a write that landed after
+    # its caller gave up is staged (then marked orphaned) and also in the ledger as
+    # capture_failed. Triggers rather than a unique index: an index cannot be built over a file
+    # that already holds duplicates (written before this rule), and such a file must still open;
+    # `Store.verify` reports what it holds. Both lookups use the (rollout_id, seq) indexes.
+    conn.execute(
+        "CREATE TRIGGER calls_one_per_seq BEFORE INSERT ON calls WHEN EXISTS ("
+        "SELECT 1 FROM calls WHERE rollout_id = NEW.rollout_id AND seq = NEW.seq"
+        ") OR EXISTS ("
+        "SELECT 1 FROM failures WHERE rollout_id = NEW.rollout_id AND seq = NEW.seq"
+        " AND call_id != NEW.call_id"
+        f") BEGIN SELECT RAISE(ABORT, '{DUPLICATE_SEQ}'); END"
+    )
+    conn.execute(
+        "CREATE TRIGGER failures_one_per_seq BEFORE INSERT ON failures WHEN EXISTS ("
+        "SELECT 1 FROM calls WHERE rollout_id = NEW.rollout_id AND seq = NEW.seq"
+        " AND call_id != NEW.call_id"
+        ") OR EXISTS ("
+        "SELECT 1 FROM failures WHERE rollout_id = NEW.rollout_id AND seq = NEW.seq"
+        " AND call_id != NEW.call_id"
+        f") BEGIN SELECT RAISE(ABORT, '{DUPLICATE_SEQ}'); END"
+    )
+
+
 #: ``MIGRATIONS[i]`` upgrades format ``i`` to ``i + 1``. Append; never edit a shipped step.
-MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (_migrate_0_to_1, _migrate_1_to_2)
+MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (
+    _migrate_0_to_1,
+    _migrate_1_to_2,
+    _migrate_2_to_3,
+)
 
 #: Blob codecs (the ``blobs.codec`` column).
 BLOB_RAW, BLOB_ZLIB = 0, 1
@@ -142,6 +181,9 @@ def unpack_blob(key: str, data: bytes, codec: int) -> bytes:
 
 
 FORMAT_VERSION = len(MIGRATIONS)
+#: The oldest format a reader takes as it is: format 3 added write rules only (triggers), so a
+#: format-2 file reads the same (and `verify` can report the duplicates it may hold).
+READABLE_FROM = 2
 
 
 def read_format(conn: sqlite3.Connection, where: str) -> int:

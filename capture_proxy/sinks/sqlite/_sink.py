@@ -32,7 +32,7 @@ from ...schemas.records import (
     StagedCallRecord,
     StageResult,
 )
-from ..base import FaultHook, StoreError
+from ..base import DuplicateSeq, FaultHook, StoreError
 from ..codec import encode_record
 from ..staging_rules import coords_for, new_attachments
 from ._schema import (
@@ -65,6 +65,20 @@ def _has_attachment(conn: sqlite3.Connection, sha: str) -> bool:
 
 def _now_ms() -> int:
     return int(time.time() * 1000)
+
+
+def _seq_holder(conn: sqlite3.Connection, rollout_id: str, seq: int, call_id: str) -> str | None:
+    """Another call already at (rollout_id, seq), staged or in the ledger (format 3's rule;
+    checked here first so the refusal names the seq, the triggers being the last word)."""
+    for table in ("calls", "failures"):
+        row = conn.execute(
+            f"SELECT call_id FROM {table} WHERE rollout_id = ? AND seq = ? AND call_id != ?"
+            " LIMIT 1",
+            (rollout_id, seq, call_id),
+        ).fetchone()
+        if row is not None:
+            return str(row[0])
+    return None
 
 
 def _open_writer(path: str) -> sqlite3.Connection:
@@ -129,7 +143,8 @@ class SQLiteSink:
         """Write `record` and the attachments its request refers to; see `StagingSink.stage`.
 
         Returns once the batch holding it has committed (durable). Refuses, writing nothing:
-        a staging key already staged (``duplicate_key``), a reference to an attachment neither
+        a staging key already staged (``duplicate_key``), a seq another call of the rollout
+        already holds (``duplicate_seq``), a reference to an attachment neither
         given nor already stored (``missing_attachment``), given bytes that do not hash to their
         sha256 (``bad_attachment``). Given attachments the request does not refer to are not
         stored: nothing would refer to them. Raises `StoreError` when SQLite fails, ValueError
@@ -145,6 +160,9 @@ class SQLiteSink:
 
     async def record_failure(self, entry: LedgerEntry) -> None:
         def work(conn: sqlite3.Connection, batch: Batch) -> None:
+            holder = _seq_holder(conn, entry.rollout_id, entry.seq, entry.call_id)
+            if holder is not None:
+                raise DuplicateSeq(entry.rollout_id, entry.seq, holder)
             conn.execute(_ENSURE_ROLLOUT, (entry.rollout_id, _now_ms()))
             conn.execute(
                 "INSERT INTO failures (rollout_id, call_id, seq, status, reason, message,"
@@ -244,6 +262,11 @@ class SQLiteSink:
         key = record.staging_key
         if conn.execute("SELECT 1 FROM calls WHERE call_id = ?", (key,)).fetchone():
             return StageResult.failed("duplicate_key", f"staging key {key} is already staged")
+        holder = _seq_holder(conn, record.rollout_id, record.seq, key)
+        if holder is not None:
+            return StageResult.failed(
+                "duplicate_seq", str(DuplicateSeq(record.rollout_id, record.seq, holder))
+            )
         refs = list(dict.fromkeys(record.attachment_refs()))
         checked = new_attachments(record, given, lambda sha: _has_attachment(conn, sha))
         if isinstance(checked, StageResult):

@@ -28,6 +28,7 @@ from ..codec import decode_row
 from ._schema import (
     CALL_COLUMNS,
     FORMAT_VERSION,
+    READABLE_FROM,
     TokenLRU,
     read_format,
     rebuild_full,
@@ -117,11 +118,11 @@ class SQLiteSource:
         if version == 0:
             conn.close()
             raise StoreError(f"{self.path} is not a capture-proxy store (it holds no tables)")
-        if version < FORMAT_VERSION:
+        if version < READABLE_FROM:
             conn.close()
             raise StoreFormatError(
                 f"{self.path} has the older format {version} (this capture-proxy reads "
-                f"{FORMAT_VERSION}): open it once for writing to migrate it"
+                f"{READABLE_FROM} to {FORMAT_VERSION}): open it once for writing to migrate it"
             )
         self._conn = conn
         self._lock = threading.Lock()
