@@ -33,7 +33,7 @@ from ..errors import (
     UpstreamFailed,
 )
 from ..schemas.records import CallStatus, StageResult
-from ..schemas.request import RequestValidationError
+from ..schemas.request import FreeJsonLimits, RequestValidationError, check_free_json_limits
 from .chat_stream import stream_call
 from .forward import (
     JSON,
@@ -75,14 +75,24 @@ async def _read_body(request: web.Request, limit: int) -> bytes:
         ) from None
 
 
-def _decode_and_normalize(raw: bytes, allow_remote_media: bool) -> NormalizedRequest:
-    """The one JSON decode of the body, then normalization and strict validation."""
+def _decode_and_normalize(
+    raw: bytes, allow_remote_media: bool, free_json: FreeJsonLimits
+) -> NormalizedRequest:
+    """The one JSON decode of the body, then normalization and strict validation.
+
+    Free-form values are bounded on the raw body first: a hostile one is refused before the
+    decode builds ~30 bytes of Python per byte of it.
+    """
     try:
-        data = orjson.loads(raw)
-    except orjson.JSONDecodeError as e:
-        raise BadRequest(f"request body is not valid JSON: {e}", code="invalid_json") from None
-    try:
-        return normalize_request(data, allow_remote_media=allow_remote_media)
+        is_json = check_free_json_limits(raw, free_json)
+        if not is_json and len(raw) > _OFFLOAD_BYTES:
+            # orjson would build objects up to the first error: refuse a large body outright.
+            raise BadRequest("request body is not valid JSON", code="invalid_json")
+        try:
+            data = orjson.loads(raw)
+        except orjson.JSONDecodeError as e:
+            raise BadRequest(f"request body is not valid JSON: {e}", code="invalid_json") from None
+        return normalize_request(data, allow_remote_media=allow_remote_media, free_json=free_json)
     except RequestValidationError as e:
         err = PayloadTooLarge if e.status == 413 else Unprocessable
         raise err(e.message, code=e.code, param=e.param) from None
@@ -127,11 +137,13 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     await state.authorize_call(request, rollout_id)
     try:
         raw = await _read_body(request, state.settings.max_body_bytes)
-        remote = state.settings.allow_remote_media
+        s = state.settings
+        remote = s.allow_remote_media
+        limits = FreeJsonLimits(s.max_free_json_bytes, s.max_free_json_items)
         if len(raw) > _OFFLOAD_BYTES:
-            normalized = await asyncio.to_thread(_decode_and_normalize, raw, remote)
+            normalized = await asyncio.to_thread(_decode_and_normalize, raw, remote, limits)
         else:
-            normalized = _decode_and_normalize(raw, remote)
+            normalized = _decode_and_normalize(raw, remote, limits)
         live = await state.capture.ensure_rollout(rollout_id)
         policy = state.capture.policy
         body = policy.apply(normalized.body, live.policy)
