@@ -54,8 +54,9 @@ __all__ = ["chat_completions"]
 log = logging.getLogger("capture_proxy.chat")
 
 
-#: Bodies above this are decoded and normalized on a worker thread: base64-decoding a large
-#: image would otherwise stall every other call on the event loop.
+#: Bodies above this are decoded and normalized, and their request key and digest computed, on
+#: a worker thread: base64-decoding a large image or walking large JSON would otherwise stall
+#: every other call on the event loop.
 _OFFLOAD_BYTES = 1 << 20
 
 
@@ -149,7 +150,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         body = policy.apply(normalized.body, live.policy)
         staged = policy.apply(normalized.staged, live.policy)
         await _guard_context(state, body, staged)
-        call = state.capture.begin_call(rollout_id, staged, normalized.attachments)
+        if len(raw) > _OFFLOAD_BYTES:
+            call = await state.capture.begin_call_offloaded(
+                rollout_id, staged, normalized.attachments
+            )
+        else:
+            call = state.capture.begin_call(rollout_id, staged, normalized.attachments)
     except ProxyError as e:
         if e.status != 409:  # a sealed rollout's ledger is closed
             call_id = await state.capture.reject(rollout_id, e.code, e.message, e.status)
