@@ -34,7 +34,7 @@ from .core.policy import RequestPolicy
 from .core.transport import UpstreamInfo, UpstreamReply, UpstreamTransport
 from .errors import ProxyError, UpstreamFailed
 from .schemas.records import CallStatus, StageResult
-from .schemas.request import RequestValidationError
+from .schemas.request import FreeJsonLimits, RequestValidationError
 from .sinks.base import StagingSink, StagingSource
 
 __all__ = ["CaptureClient", "ChatResult", "PreparedCall"]
@@ -93,7 +93,8 @@ class CaptureClient:
 
     `upstream` is the vLLM to call (a base URL, or any `UpstreamTransport`); without one, only
     `begin_call`/`complete_call` work (the caller sends the request). `max_model_len` turns on
-    the context guard (refuse, or with ``context_overflow="cap"`` cap max_tokens). `source`
+    the context guard (refuse, or with ``context_overflow="cap"`` cap max_tokens); `free_json`
+    bounds free-form JSON values as the proxy's ``--max-free-json-*`` settings do. `source`
     opens a reader on the same store, so rollouts resume after a restart.
     """
 
@@ -110,6 +111,7 @@ class CaptureClient:
         allow_remote_media: bool = False,
         max_model_len: int = 0,
         context_overflow: str = "refuse",
+        free_json: FreeJsonLimits | None = None,
         source: Callable[[], StagingSource] | None = None,
     ) -> None:
         self.capture = Capture(
@@ -131,6 +133,7 @@ class CaptureClient:
                 allow_remote_media=allow_remote_media,
                 max_model_len=max_model_len,
                 context_overflow="cap" if context_overflow == "cap" else "refuse",
+                free_json=free_json or FreeJsonLimits(),
             ),
         )
         if adapter is not None:

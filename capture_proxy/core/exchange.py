@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncGenerator, Coroutine, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import orjson
@@ -34,15 +34,16 @@ from ..adapters.vllm import (
 )
 from ..errors import BadRequest, PayloadTooLarge, ProxyError, Unprocessable, UpstreamFailed
 from ..schemas.records import CallStatus, StageResult
-from ..schemas.request import RequestValidationError
+from ..schemas.request import FreeJsonLimits, RequestValidationError, check_free_json_limits
 from .capture import Call, Capture, sampling_of
 from .normalize import NormalizedRequest, normalize_request
 from .transport import UpstreamInfo, UpstreamReply, UpstreamTransport
 
 __all__ = ["Exchange", "ExchangeConfig", "Outcome", "Pipeline"]
 
-#: Bodies above this are decoded and normalized on a worker thread: base64-decoding a large
-#: image would otherwise stall every other call on the event loop.
+#: Bodies above this are decoded and normalized, and their request key and digest computed, on
+#: a worker thread: base64-decoding a large image or walking large JSON would otherwise stall
+#: every other call on the event loop.
 OFFLOAD_BYTES = 1 << 20
 
 
@@ -55,6 +56,8 @@ class ExchangeConfig:
     #: With a context window: refuse (or cap) a call whose prompt + max_tokens cannot fit.
     max_model_len: int = 0
     context_overflow: Literal["refuse", "cap"] = "refuse"
+    #: Bounds on free-form JSON values (``--max-free-json-bytes``, ``--max-free-json-items``).
+    free_json: FreeJsonLimits = field(default_factory=FreeJsonLimits)
 
 
 @dataclass(slots=True)
@@ -126,19 +129,27 @@ class Pipeline:
 
 
 def decode_and_normalize(
-    raw: bytes | Mapping[str, Any], allow_remote_media: bool
+    raw: bytes | Mapping[str, Any], allow_remote_media: bool, free_json: FreeJsonLimits
 ) -> NormalizedRequest:
     """The one JSON decode of a body, then normalization and strict validation, as the
-    `ProxyError` a client gets (`RequestValidationError` stays its cause)."""
-    if isinstance(raw, bytes | bytearray):
-        try:
-            data = orjson.loads(raw)
-        except orjson.JSONDecodeError as e:
-            raise BadRequest(f"request body is not valid JSON: {e}", code="invalid_json") from e
-    else:
-        data = raw
+    `ProxyError` a client gets (`RequestValidationError` stays its cause).
+
+    Free-form values are bounded on the raw body first: a hostile one is refused before the
+    decode builds ~30 bytes of Python per byte of it.
+    """
     try:
-        return normalize_request(data, allow_remote_media=allow_remote_media)
+        if isinstance(raw, bytes | bytearray):
+            is_json = check_free_json_limits(bytes(raw), free_json)
+            if not is_json and len(raw) > OFFLOAD_BYTES:
+                # orjson would build objects up to the first error: refuse a large body outright.
+                raise BadRequest("request body is not valid JSON", code="invalid_json")
+            try:
+                data = orjson.loads(raw)
+            except orjson.JSONDecodeError as e:
+                raise BadRequest(f"request body is not valid JSON: {e}", code="invalid_json") from e
+        else:
+            data = raw
+        return normalize_request(data, allow_remote_media=allow_remote_media, free_json=free_json)
     except RequestValidationError as e:
         err = PayloadTooLarge if e.status == 413 else Unprocessable
         raise err(e.message, code=e.code, param=e.param) from e
@@ -172,16 +183,22 @@ class Exchange:
         """
         capture = self.capture
         try:
-            remote = self.pipeline.config.allow_remote_media
-            if isinstance(body, bytes) and len(body) > OFFLOAD_BYTES:
-                normalized = await asyncio.to_thread(decode_and_normalize, body, remote)
+            config = self.pipeline.config
+            remote, limits = config.allow_remote_media, config.free_json
+            large = isinstance(body, bytes) and len(body) > OFFLOAD_BYTES
+            if large:
+                normalized = await asyncio.to_thread(decode_and_normalize, body, remote, limits)
             else:
-                normalized = decode_and_normalize(body, remote)
+                normalized = decode_and_normalize(body, remote, limits)
             live = await capture.ensure_rollout(self.rollout_id)
             request = capture.policy.apply(normalized.body, live.policy)
             staged = capture.policy.apply(normalized.staged, live.policy)
             await self._guard_context(request, staged)
-            self.call = capture.begin_call(self.rollout_id, staged, normalized.attachments)
+            rid, attachments = self.rollout_id, normalized.attachments
+            if large:
+                self.call = await capture.begin_call_offloaded(rid, staged, attachments)
+            else:
+                self.call = capture.begin_call(rid, staged, attachments)
         except ProxyError as e:
             await self.refuse(e)
             raise

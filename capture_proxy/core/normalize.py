@@ -30,6 +30,7 @@ from ..schemas.attachments import attachment_url
 from ..schemas.records import Attachment
 from ..schemas.request import (
     ChatCompletionRequest,
+    FreeJsonLimits,
     ImagePart,
     RequestValidationError,
     UserMessage,
@@ -76,11 +77,14 @@ def normalize_request(
     *,
     allow_remote_media: bool = False,
     max_attachment_bytes: int = DEFAULT_MAX_ATTACHMENT_BYTES,
+    free_json: FreeJsonLimits | None = None,
 ) -> NormalizedRequest:
     """Normalize and validate one decoded Chat Completions body.
 
     Raises `RequestValidationError` (and nothing else) for any body it refuses; its ``param``
-    names the JSON path of the problem.
+    names the JSON path of the problem. `free_json` bounds the free-form values (tool
+    ``parameters``, ``chat_template_kwargs``, ...; `FreeJsonLimits`' defaults when None); images
+    have their own limit, `max_attachment_bytes` per image.
 
     Decoding and hashing images is CPU work proportional to their size: about 8 ms per MiB of
     image on the 2-core development machine (base64 decoding dominates), against well under
@@ -90,7 +94,7 @@ def normalize_request(
     if not isinstance(data, dict):
         raise not_an_object(data)
     body = _rename_reasoning(data)
-    request = validate_request(body)
+    request = validate_request(body, free_json=free_json)
     staged, attachments = _stage_images(body, request, allow_remote_media, max_attachment_bytes)
     return NormalizedRequest(body, staged, attachments, request)
 

@@ -35,6 +35,7 @@ import hashlib
 import math
 import struct
 import sys
+import threading
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -344,14 +345,28 @@ class RequestValueCache:
     value's sorted-key JSON bytes (computed in C): equal bytes mean an equal value, and so the
     same canonical encoding, with one exception this class rules out: orjson writes NaN and
     infinities as ``null``, so a value whose JSON holds a ``null`` token is never cached. Values
-    under `min_bytes` of JSON are encoded directly (caching them would not pay). At most
-    `max_entries` are kept, least recently used dropped first.
+    under `min_bytes` of JSON are encoded directly (caching them would not pay).
+
+    Bounded by count and by size: at most `max_entries` are kept and at most `max_bytes` of keys
+    and encodings together, least recently used dropped first; a value whose entry would take
+    over a quarter of `max_bytes` is never kept (one huge value would evict every session's
+    tools, and is rarely sent twice). Safe to share between threads (records of large requests
+    are sealed on worker threads).
     """
 
-    def __init__(self, max_entries: int = 64, min_bytes: int = 512) -> None:
+    def __init__(
+        self, max_entries: int = 64, min_bytes: int = 512, max_bytes: int = 16 * 2**20
+    ) -> None:
         self.max_entries = max_entries
         self.min_bytes = min_bytes
+        self.max_bytes = max_bytes
+        #: Bytes of keys and encodings held now.
+        self.bytes = 0
         self._encodings: OrderedDict[bytes, bytes] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._encodings)
 
     def __call__(self, value: Any, field: str) -> bytes:
         try:
@@ -360,14 +375,23 @@ class RequestValueCache:
             return encode_value(value, field=field)  # the encoder names the problem
         if len(key) < self.min_bytes or _has_null_token(key):
             return encode_value(value, field=field)
-        encoded = self._encodings.get(key)
-        if encoded is None:
-            encoded = encode_value(value, field=field)
-            self._encodings[key] = encoded
-            if len(self._encodings) > self.max_entries:
-                self._encodings.popitem(last=False)
-        else:
-            self._encodings.move_to_end(key)
+        with self._lock:
+            encoded = self._encodings.get(key)
+            if encoded is not None:
+                self._encodings.move_to_end(key)
+                return encoded
+        # Encoded outside the lock: two threads may both encode a new value, to equal bytes.
+        encoded = encode_value(value, field=field)
+        size = len(key) + len(encoded)
+        if size > self.max_bytes // 4:
+            return encoded
+        with self._lock:
+            if key not in self._encodings:
+                self._encodings[key] = encoded
+                self.bytes += size
+                while len(self._encodings) > self.max_entries or self.bytes > self.max_bytes:
+                    old_key, old = self._encodings.popitem(last=False)
+                    self.bytes -= len(old_key) + len(old)
         return encoded
 
 
@@ -394,12 +418,19 @@ class MessageDigestCache:
     sorted-key JSON bytes (computed in C): equal bytes mean an equal message, so the cached digest
     is exactly what `message_digest` would return. (orjson writes NaN as ``null``, but records
     only ever hold values decoded from JSON, which has no NaN, and a miss is encoded strictly.)
-    Bounded: cleared when full.
+    Bounded by count (`max_entries`) and by the bytes of its keys (`max_bytes`): cleared when
+    either is full; a message over a quarter of `max_bytes` is hashed but never kept.
     """
 
-    def __init__(self, max_entries: int = 100_000) -> None:
+    def __init__(self, max_entries: int = 100_000, max_bytes: int = 64 * 2**20) -> None:
         self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        #: Bytes of keys held now.
+        self.bytes = 0
         self._digests: dict[bytes, bytes] = {}
+
+    def __len__(self) -> int:
+        return len(self._digests)
 
     def __call__(self, message: Mapping[str, Any], field: str) -> bytes:
         try:
@@ -409,9 +440,13 @@ class MessageDigestCache:
         digest = self._digests.get(key)
         if digest is None:
             digest = message_digest(message, field=field)
-            if len(self._digests) >= self.max_entries:
+            if len(key) > self.max_bytes // 4:
+                return digest
+            if len(self._digests) >= self.max_entries or self.bytes + len(key) > self.max_bytes:
                 self._digests.clear()
+                self.bytes = 0
             self._digests[key] = digest
+            self.bytes += len(key)
         return digest
 
 

@@ -22,6 +22,7 @@ from ..core.capture import Capture
 from ..core.exchange import ExchangeConfig, Pipeline
 from ..core.policy import RequestPolicy
 from ..errors import NotFound, PayloadTooLarge, ProxyError, error_body
+from ..schemas.request import FreeJsonLimits
 from ..sinks.base import StagingSink, StagingSource
 from ..sinks.registry import open_sink, open_source
 from ..sinks.urls import parse_store_url
@@ -338,6 +339,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             allow_remote_media=s.allow_remote_media,
             max_model_len=s.max_model_len,
             context_overflow="cap" if s.context_overflow == "cap" else "refuse",
+            free_json=FreeJsonLimits(s.max_free_json_bytes, s.max_free_json_items),
         ),
     )
     guards = asyncio.create_task(_guards(state, s.store))

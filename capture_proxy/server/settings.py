@@ -85,6 +85,16 @@ class Settings:
     allow_remote_media: bool = _s(
         False, "accept image URLs other than data: URLs (forwarded as-is, not captured as bytes)"
     )
+    max_free_json_bytes: int = _s(
+        2**20,
+        "largest free-form JSON value of a request (a tool's parameters, chat_template_kwargs, "
+        "...), in bytes; 413 above it",
+    )
+    max_free_json_items: int = _s(
+        500_000,
+        "JSON values (objects, arrays, numbers, strings) in all free-form values of a request "
+        "together; 413 above it",
+    )
     stage_timeout: float = _s(10.0, "seconds a sink may take to stage a call before it fails")
     max_pending_stages: int = _s(
         256, "staging writes in progress at once; beyond it calls get 503 with Retry-After"
@@ -336,7 +346,12 @@ def _check(s: Settings) -> None:
     ):
         if getattr(s, name) <= 0:
             raise bad(name, f"must be > 0, got {getattr(s, name)}")
-    for name in ("max_body_bytes", "max_pending_stages"):
+    for name in (
+        "max_body_bytes",
+        "max_pending_stages",
+        "max_free_json_bytes",
+        "max_free_json_items",
+    ):
         if getattr(s, name) < 1:
             raise bad(name, f"must be >= 1, got {getattr(s, name)}")
     for name in (

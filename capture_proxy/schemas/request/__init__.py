@@ -2,7 +2,7 @@
 
 `decode_request` turns a body into typed structs or a `RequestValidationError` that names the
 JSON path of what was wrong; the private modules hold the messages, parameters, free-form JSON
-bounds and policy keys.
+bounds (`check_free_json_limits` checks them on a raw body, before decoding) and policy keys.
 """
 
 from __future__ import annotations
@@ -11,6 +11,12 @@ from ._errors import (
     RequestValidationError,
     json_type_name,
     not_an_object,
+)
+from ._limits import (
+    DEFAULT_MAX_FREE_JSON_BYTES,
+    DEFAULT_MAX_FREE_JSON_ITEMS,
+    FreeJsonLimits,
+    check_free_json_limits,
 )
 from ._messages import (
     ImagePart,
@@ -35,9 +41,12 @@ from ._schema import (
 )
 
 __all__ = [
+    "DEFAULT_MAX_FREE_JSON_BYTES",
+    "DEFAULT_MAX_FREE_JSON_ITEMS",
     "MAX_MESSAGES",
     "MAX_TOOLS",
     "ChatCompletionRequest",
+    "FreeJsonLimits",
     "FunctionDefinition",
     "ImagePart",
     "NamedToolChoice",
@@ -48,6 +57,7 @@ __all__ = [
     "Tool",
     "UserMessage",
     "check_capturable",
+    "check_free_json_limits",
     "json_type_name",
     "not_an_object",
     "validate_request",

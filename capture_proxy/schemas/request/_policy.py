@@ -7,10 +7,14 @@ this order after the schema.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import orjson
 
 from ._errors import RequestValidationError
 from ._free_json import check_free_json
+from ._limits import FreeJsonLimits, count_items, too_large, too_many_items
 from ._messages import UNSTORABLE_PARTS, UserMessage
 from ._params import JsonSchemaResponseFormat, NamedToolChoice, StructuralTagFormat
 
@@ -20,24 +24,41 @@ if TYPE_CHECKING:
 __all__ = ["check_capturable", "check_consistency", "check_free_values"]
 
 
-def check_free_values(req: ChatCompletionRequest) -> None:
-    """Free-form values must be stageable too (see `check_free_json`)."""
+def check_free_values(req: ChatCompletionRequest, limits: FreeJsonLimits | None = None) -> None:
+    """Free-form values must be stageable (see `check_free_json`) and within `limits`: bytes of
+    JSON per value, JSON values over all of them (``_limits`` says why)."""
+    limits = limits or FreeJsonLimits()
+    total = 0
+    for param, value in _free_values(req):
+        if value is None:
+            continue
+        check_free_json(value, param)
+        # A string's length is a lower bound of its JSON: enough to refuse, free to compute.
+        size = len(value) if type(value) is str else len(orjson.dumps(value))
+        if size > limits.max_bytes:
+            raise too_large(param, size, limits)
+        total += count_items(value, limits.max_items - total)
+        if total > limits.max_items:
+            raise too_many_items(param, limits)
+
+
+def _free_values(req: ChatCompletionRequest) -> Iterator[tuple[str, Any]]:
     for i, tool in enumerate(req.tools or ()):
         if tool.function.parameters is not None:
-            check_free_json(tool.function.parameters, f"tools[{i}].function.parameters")
+            yield f"tools[{i}].function.parameters", tool.function.parameters
     fmt = req.response_format
     if isinstance(fmt, JsonSchemaResponseFormat) and fmt.json_schema.schema is not None:
-        check_free_json(fmt.json_schema.schema, "response_format.json_schema.schema")
+        yield "response_format.json_schema.schema", fmt.json_schema.schema
     elif isinstance(fmt, StructuralTagFormat):
-        check_free_json(fmt.format, "response_format.format")
+        yield "response_format.format", fmt.format
         for k, item in enumerate(fmt.structures or ()):
-            check_free_json(item.schema, f"response_format.structures[{k}].schema")
+            yield f"response_format.structures[{k}].schema", item.schema
     if req.structured_outputs is not None:
-        check_free_json(req.structured_outputs.json, "structured_outputs.json")
+        yield "structured_outputs.json", req.structured_outputs.json
     for name in _FREE_FIELDS:
         value = getattr(req, name)
         if value is not None:
-            check_free_json(value, name)
+            yield name, value
 
 
 _FREE_FIELDS = (

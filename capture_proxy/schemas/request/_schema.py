@@ -19,6 +19,7 @@ from msgspec import Meta, Struct
 
 from ._errors import RequestValidationError, from_msgspec_error, not_an_object
 from ._free_json import INT64_MAX, INT64_MIN
+from ._limits import FreeJsonLimits
 from ._messages import Message
 from ._params import (
     FunctionDefinition,
@@ -152,13 +153,16 @@ class ChatCompletionRequest(_Strict):
     kv_transfer_params: dict[str, Any] | None = None
 
 
-def validate_request(data: Any) -> ChatCompletionRequest:
+def validate_request(
+    data: Any, *, free_json: FreeJsonLimits | None = None
+) -> ChatCompletionRequest:
     """Validate a decoded JSON body against the strict schema and the capture policy.
 
     Raises `RequestValidationError` for the first problem found: an unknown key, a missing or
     mistyped field, an out-of-range value, an inconsistent combination (``stream_options``
     without ``stream``, ``top_logprobs`` without ``logprobs``, ...), or a parameter that would
-    defeat capture (`check_capturable`).
+    defeat capture (`check_capturable`), or free-form JSON over `free_json` (the defaults of
+    `FreeJsonLimits` when None).
 
     Assistant reasoning must be under ``reasoning_content``: call
     `capture_proxy.core.normalize.normalize_request`, which renames OpenCode's ``reasoning`` first.
@@ -173,7 +177,7 @@ def validate_request(data: Any) -> ChatCompletionRequest:
         raise RequestValidationError(
             "", "The request body is nested too deeply to validate", "invalid_value"
         ) from None
-    check_free_values(request)
+    check_free_values(request, free_json)
     check_consistency(request)
     check_capturable(request)
     return request
