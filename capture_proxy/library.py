@@ -31,6 +31,7 @@ from .adapters.vllm import ForwardPlan, VLLMAdapter
 from .core.capture import Call, Capture
 from .core.exchange import Exchange, ExchangeConfig, Outcome, Pipeline
 from .core.policy import RequestPolicy
+from .core.shared_reader import SharedReader
 from .core.transport import UpstreamInfo, UpstreamReply, UpstreamTransport
 from .errors import ProxyError, UpstreamFailed
 from .schemas.records import CallStatus, StageResult
@@ -92,10 +93,12 @@ class CaptureClient:
     """The proxy's capture flow as a library.
 
     `upstream` is the vLLM to call (a base URL, or any `UpstreamTransport`); without one, only
-    `begin_call`/`complete_call` work (the caller sends the request). `max_model_len` turns on
+    `begin_call`/`complete_call` work (the caller sends the request). The timeouts are the
+    proxy's ``--upstream-*-timeout`` settings for a URL upstream. `max_model_len` turns on
     the context guard (refuse, or with ``context_overflow="cap"`` cap max_tokens); `free_json`
-    bounds free-form JSON values as the proxy's ``--max-free-json-*`` settings do. `source`
-    opens a reader on the same store, so rollouts resume after a restart.
+    bounds free-form JSON values as the proxy's ``--max-free-json-*`` settings do. Rollouts seen
+    before (by this process or an earlier one) resume from the store through a reader on the
+    sink's own store; `source` replaces that reader.
     """
 
     def __init__(
@@ -104,6 +107,9 @@ class CaptureClient:
         *,
         upstream: str | UpstreamTransport | None = None,
         api_key: str = "",
+        connect_timeout: float = 10.0,
+        first_byte_timeout: float = 600.0,
+        idle_timeout: float = 300.0,
         adapter: VLLMAdapter | None = None,
         policy: RequestPolicy | None = None,
         stage_timeout: float = 10.0,
@@ -114,18 +120,25 @@ class CaptureClient:
         free_json: FreeJsonLimits | None = None,
         source: Callable[[], StagingSource] | None = None,
     ) -> None:
+        self._reader = SharedReader(sink) if source is None else None
         self.capture = Capture(
             sink,
             stage_timeout=stage_timeout,
             max_pending=max_pending,
             policy=policy,
-            source=source,
+            source=source if source is not None else self._reader,
         )
         self._own_upstream: Any = None
         if isinstance(upstream, str):
             from .upstream.http import HTTPUpstream  # aiohttp only when it is used
 
-            upstream = self._own_upstream = HTTPUpstream(upstream, api_key=api_key)
+            upstream = self._own_upstream = HTTPUpstream(
+                upstream,
+                api_key=api_key,
+                connect_timeout=connect_timeout,
+                first_byte_timeout=first_byte_timeout,
+                idle_timeout=idle_timeout,
+            )
         self.pipeline = Pipeline(
             self.capture,
             upstream if upstream is not None else _NoUpstream(),
@@ -227,6 +240,8 @@ class CaptureClient:
         await self.capture.drain(self.capture.stager.timeout)
         await self.capture.ledger.flush()
         await self.capture.sink.close()
+        if self._reader is not None:
+            self._reader.close()
         if self._own_upstream is not None:
             await self._own_upstream.close()
 

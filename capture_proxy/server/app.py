@@ -12,7 +12,6 @@ import contextlib
 import logging
 import os
 import shutil
-import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 
@@ -21,10 +20,11 @@ from aiohttp import web
 from ..core.capture import Capture
 from ..core.exchange import ExchangeConfig, Pipeline
 from ..core.policy import RequestPolicy
+from ..core.shared_reader import SharedReader
 from ..errors import NotFound, PayloadTooLarge, ProxyError, error_body
 from ..schemas.request import FreeJsonLimits
-from ..sinks.base import StagingSink, StagingSource
-from ..sinks.registry import open_sink, open_source
+from ..sinks.base import StagingSink
+from ..sinks.registry import open_sink
 from ..sinks.urls import parse_store_url
 from ..upstream.http import HTTPUpstream
 from .chat import chat_completions
@@ -233,31 +233,6 @@ def _live_gauges(state: ProxyState) -> dict[str, float]:
     if callable(sink_stats):
         out.update({f"sink_{k}": v for k, v in sink_stats().items()})
     return out
-
-
-class SharedReader:
-    """One reader on the sink's store, opened on first use and then shared: readers are
-    thread-safe and see later commits, and opening a Parquet dataset indexes every unit."""
-
-    def __init__(self, sink: StagingSink) -> None:
-        self.sink = sink
-        self._own = not isinstance(sink, StagingSource)  # MemorySink reads itself
-        self._source: StagingSource | None = None if self._own else sink  # type: ignore[assignment]
-        self._lock = threading.Lock()
-
-    def __call__(self) -> StagingSource:
-        with self._lock:
-            if self._source is None:
-                # Small cache: this reader lives as long as the proxy and mostly reads a few
-                # rollouts' last calls (resume, manifests), never the whole store.
-                self._source = open_source(self.sink.url, cache_bytes=8 << 20)
-            return self._source
-
-    def close(self) -> None:
-        with self._lock:
-            if self._source is not None and self._own:
-                self._source.close_reader()
-                self._source = None
 
 
 def create_app(settings: Settings, *, sink: StagingSink | None = None) -> web.Application:

@@ -1,0 +1,35 @@
+"""One long-lived reader on the store a sink writes, for resuming rollouts and manifests."""
+
+from __future__ import annotations
+
+import threading
+
+from ..sinks.base import StagingSink, StagingSource
+from ..sinks.registry import open_source
+
+__all__ = ["SharedReader"]
+
+
+class SharedReader:
+    """One reader on the sink's store, opened on first use and then shared: readers are
+    thread-safe and see later commits, and opening a Parquet dataset indexes every unit."""
+
+    def __init__(self, sink: StagingSink) -> None:
+        self.sink = sink
+        self._own = not isinstance(sink, StagingSource)  # MemorySink reads itself
+        self._source: StagingSource | None = None if self._own else sink  # type: ignore[assignment]
+        self._lock = threading.Lock()
+
+    def __call__(self) -> StagingSource:
+        with self._lock:
+            if self._source is None:
+                # Small cache: this reader lives as long as the proxy and mostly reads a few
+                # rollouts' last calls (resume, manifests), never the whole store.
+                self._source = open_source(self.sink.url, cache_bytes=8 << 20)
+            return self._source
+
+    def close(self) -> None:
+        with self._lock:
+            if self._source is not None and self._own:
+                self._source.close_reader()
+                self._source = None
