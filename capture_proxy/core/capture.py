@@ -284,7 +284,7 @@ class Capture:
         try:
             checked = check_policy(policy or {}, "policy")
         except PolicyError as e:
-            raise Unprocessable(str(e), code="invalid_policy", param="policy") from None
+            raise Unprocessable(str(e), code="invalid_policy", param="policy") from e
         # Known here or in the store (created, called or sealed by an earlier process): taken.
         if await self.find_rollout(rollout_id) is not None:
             raise Conflict(f"rollout {rollout_id} already exists", code="rollout_exists")

@@ -256,7 +256,7 @@ def _strict_b64decode(payload: str, param: str) -> bytes:
         # validate=True: a character outside the alphabet (whitespace included) or bad padding
         # is an error instead of being skipped: what is staged is exactly what vLLM decodes.
         return base64.b64decode(payload, validate=True)
-    except (binascii.Error, ValueError):
+    except (binascii.Error, ValueError) as exc:
         raise RequestValidationError(
             param, f"Invalid base64 image data at {param}", "invalid_image"
-        ) from None
+        ) from exc

@@ -66,7 +66,7 @@ def check_policy(values: Mapping[str, Any], where: str) -> dict[str, Any]:
     try:
         validate_request(probe)
     except RequestValidationError as e:
-        raise PolicyError(f"{where}.{e.param or ''}: {e.message}") from None
+        raise PolicyError(f"{where}.{e.param or ''}: {e.message}") from e
     return dict(values)
 
 

@@ -66,8 +66,8 @@ MIN_INTERVAL, MAX_INTERVAL = 0.05, 60.0
 def _interval(text: str) -> float:
     try:
         value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--interval wants seconds, got {text!r}") from None
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"--interval wants seconds, got {text!r}") from exc
     if not MIN_INTERVAL <= value <= MAX_INTERVAL:
         raise argparse.ArgumentTypeError(
             f"--interval must be between {MIN_INTERVAL} and {MAX_INTERVAL} seconds, got {value}"
@@ -125,17 +125,17 @@ def load_tokenizer(path: str) -> TokenText:
     """Each token id's text, from a Hugging Face tokenizer.json (through `tokenizers`)."""
     try:
         from tokenizers import Tokenizer
-    except ImportError:
+    except ImportError as exc:
         raise InspectError(
             "--tokenizer needs the tokenizers package, which is not installed: "
             "pip install tokenizers"
-        ) from None
+        ) from exc
     if not os.path.isfile(path):
         raise InspectError(f"--tokenizer: no file at {path}")
     try:
         tok = Tokenizer.from_file(path)
     except Exception as e:  # the library raises its own Exception subclass for a bad file
-        raise InspectError(f"--tokenizer: {path} is not a tokenizer.json ({e})") from None
+        raise InspectError(f"--tokenizer: {path} is not a tokenizer.json ({e})") from e
 
     def text(token_id: int) -> str:
         decoded: str = tok.decode([token_id], skip_special_tokens=False)
@@ -325,18 +325,18 @@ def _run(store: Store, args: argparse.Namespace, stream: IO[str]) -> int:
             view = call_view(
                 store, args.call, tokens=args.tokens or text is not None, token_text=text
             )
-        except KeyError:
+        except KeyError as exc:
             raise InspectError(
                 f"no call {args.call!r} in {store.url} (neither staged nor in a ledger)"
-            ) from None
+            ) from exc
         render = render_call
     elif args.rollout:
         render = render_rollout
         try:
             view = rollout_view(store, args.rollout)
-        except KeyError:
+        except KeyError as exc:
             if follower is None:
-                raise InspectError(f"no rollout {args.rollout!r} in {store.url}") from None
+                raise InspectError(f"no rollout {args.rollout!r} in {store.url}") from exc
             # Following a rollout before its first call is how one watches a run start.
             print(f"no rollout {args.rollout!r} in {store.url} yet: waiting", file=sys.stderr)
             view = None

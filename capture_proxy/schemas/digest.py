@@ -131,8 +131,8 @@ def _encode(v: Any, out: list[bytes]) -> None:
     if t is str:
         try:
             b = v.encode("utf-8")
-        except UnicodeEncodeError:
-            raise _Fail("", "string is not valid UTF-8 (lone surrogate)") from None
+        except UnicodeEncodeError as exc:
+            raise _Fail("", "string is not valid UTF-8 (lone surrogate)") from exc
         out.append(b"S")
         out.append(_u64(len(b)))
         out.append(b)
@@ -159,8 +159,8 @@ def _encode(v: Any, out: list[bytes]) -> None:
                 raise _Fail("", f"map key {k!r:.40} is not a string")
             try:
                 items.append((k.encode("utf-8"), k))
-            except UnicodeEncodeError:
-                raise _Fail(f".{k!r}", "map key is not valid UTF-8 (lone surrogate)") from None
+            except UnicodeEncodeError as exc:
+                raise _Fail(f".{k!r}", "map key is not valid UTF-8 (lone surrogate)") from exc
         items.sort()
         out.append(b"M")
         out.append(_u64(len(items)))
@@ -171,7 +171,7 @@ def _encode(v: Any, out: list[bytes]) -> None:
             try:
                 _encode(v[k], out)
             except _Fail as e:
-                raise _Fail(f".{k}{e.path}", e.message) from None
+                raise _Fail(f".{k}{e.path}", e.message) from e
     elif t is list or t is tuple:
         out.append(b"L")
         out.append(_u64(len(v)))
@@ -179,7 +179,7 @@ def _encode(v: Any, out: list[bytes]) -> None:
             try:
                 _encode(item, out)
             except _Fail as e:
-                raise _Fail(f"[{i}]{e.path}", e.message) from None
+                raise _Fail(f"[{i}]{e.path}", e.message) from e
     elif t is array and v.typecode == "i":
         out.append(b"i")
         out.append(_u64(len(v)))
@@ -202,7 +202,7 @@ def encode_value(value: Any, *, field: str = "value") -> bytes:
     try:
         _encode(value, out)
     except _Fail as e:
-        raise EncodingError(f"{field}{e.path}", e.message) from None
+        raise EncodingError(f"{field}{e.path}", e.message) from e
     return b"".join(out)
 
 
@@ -271,7 +271,7 @@ def _encode_request(
             try:
                 _encode(rest[k], out)
             except _Fail as e:
-                raise EncodingError(f"request.{k}{e.path}", e.message) from None
+                raise EncodingError(f"request.{k}{e.path}", e.message) from e
 
 
 def record_digest(
@@ -303,7 +303,7 @@ def record_digest(
         try:
             _encode(value, out)
         except _Fail as e:
-            raise EncodingError(f"{name}{e.path}", e.message) from None
+            raise EncodingError(f"{name}{e.path}", e.message) from e
     # One update over the joined parts: hashing ~1,500 small parts one call at a time costs
     # more than copying them once (the token arrays dominate the bytes either way).
     return hashlib.sha256(b"".join(out)).hexdigest()

@@ -105,12 +105,12 @@ def as_token_ids(field_name: str, values: Iterable[int] | array[int]) -> array[i
             # array('i') takes True as 1; a bool is not a token id (the digest encodes it apart).
             if any(v.__class__ is bool for v in values):
                 raise TypeError
-        except (TypeError, OverflowError):
+        except (TypeError, OverflowError) as exc:
             for i, v in enumerate(values):
                 if type(v) is not int:
                     raise RecordValidationError(
                         field_name, f"token id must be an int, got {v!r:.40}", i
-                    ) from None
+                    ) from exc
                 if not 0 <= v < 2**31:
                     raise RecordValidationError(
                         field_name, f"token id out of range: {v}", i
@@ -129,8 +129,8 @@ def as_logprobs(field_name: str, values: Iterable[float] | array[float]) -> arra
     else:
         try:
             lps = array("f", values)
-        except (TypeError, OverflowError):
-            raise RecordValidationError(field_name, "not a sequence of floats") from None
+        except (TypeError, OverflowError) as exc:
+            raise RecordValidationError(field_name, "not a sequence of floats") from exc
     # Fast path in C: a NaN or infinity makes the sum non-finite (1k logprobs cannot overflow
     # a double), and once all are finite max() is exact. Only a bad array pays for the loop
     # that finds the position to report.

@@ -68,7 +68,7 @@ async def _body(request: web.Request, model: type[BaseModel]) -> Any:
     except ValidationError as e:
         first = e.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "body"
-        raise Unprocessable(f"{where}: {first['msg']}", code="invalid_body", param=where) from None
+        raise Unprocessable(f"{where}: {first['msg']}", code="invalid_body", param=where) from e
 
 
 def _base_url(state: ProxyState, request: web.Request, rollout_id: str) -> str:
@@ -139,8 +139,8 @@ async def seal(request: web.Request) -> web.Response:
     try:
         live = await state.capture.seal(rollout_id, state.settings.seal_timeout)
         state.pipeline.forget_rollouts([rollout_id])
-    except KeyError:
-        raise NotFound(f"no live rollout {rollout_id} to seal", code="unknown_rollout") from None
+    except KeyError as exc:
+        raise NotFound(f"no live rollout {rollout_id} to seal", code="unknown_rollout") from exc
     return _json(_manifest_live(live))
 
 

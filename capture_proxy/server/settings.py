@@ -224,7 +224,7 @@ def _convert(kind: type, raw: Any, source: str) -> Any:
             try:
                 value = orjson.loads(raw) if raw.strip() else {}
             except orjson.JSONDecodeError as e:
-                raise SettingsError(f"{source} must be a JSON object: {e}") from None
+                raise SettingsError(f"{source} must be a JSON object: {e}") from e
         if not isinstance(value, dict):
             raise SettingsError(f"{source} must be a JSON object (a table in TOML), got {raw!r}")
         return value
@@ -258,10 +258,10 @@ def _read_config(path: str) -> dict[str, Any]:
     try:
         with open(path, "rb") as fh:
             data = tomllib.load(fh)
-    except FileNotFoundError:
-        raise SettingsError(f"--config: no such file {path}") from None
+    except FileNotFoundError as exc:
+        raise SettingsError(f"--config: no such file {path}") from exc
     except tomllib.TOMLDecodeError as e:
-        raise SettingsError(f"--config {path} is not valid TOML: {e}") from None
+        raise SettingsError(f"--config {path} is not valid TOML: {e}") from e
     names = {f.name for f in dataclasses.fields(Settings)}
     for key in data:
         if key not in names:

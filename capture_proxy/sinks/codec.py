@@ -195,7 +195,7 @@ def decode_row(
         # "no such call" (KeyError is what fetch() raises for keys that were never staged).
         raise ValueError(
             f"{row['call_id']}: a stored blob is missing ({e}): the store is damaged"
-        ) from None
+        ) from e
     request["messages"] = messages
     record = StagedCallRecord(
         rollout_id=row["rollout_id"],

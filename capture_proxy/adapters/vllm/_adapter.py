@@ -163,7 +163,7 @@ class VLLMAdapter:
             exc.client_body = client_body
             raise
         except msgspec.DecodeError as exc:
-            raise UpstreamProtocolError("malformed_json", f"response body: {exc}") from None
+            raise UpstreamProtocolError("malformed_json", f"response body: {exc}") from exc
         self.prefixes.put(
             session, prompt_raw, completion.prompt_token_ids, completion.completion_token_ids
         )
@@ -197,7 +197,7 @@ def _top_and_choices(raw: bytes) -> tuple[RawDict, list[RawDict]]:
         top = decode_object(raw)
         choices = decode_choices(top["choices"]) if "choices" in top else None
     except msgspec.DecodeError as exc:
-        raise UpstreamProtocolError("malformed_json", f"response body: {exc}") from None
+        raise UpstreamProtocolError("malformed_json", f"response body: {exc}") from exc
     if choices is None:
         if "error" in top or "message" in top:
             body = parse_error_body(raw, 200)

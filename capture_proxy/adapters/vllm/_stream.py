@@ -357,7 +357,7 @@ class StreamAccumulator:
                 "prompt_token_ids", raw, cache.get(self._session) if cache is not None else None
             )
         except msgspec.DecodeError as exc:
-            raise UpstreamProtocolError("malformed_json", f"prompt_token_ids: {exc}") from None
+            raise UpstreamProtocolError("malformed_json", f"prompt_token_ids: {exc}") from exc
         if prompt is not None and cache is not None:
             cache.put(self._session, raw, prompt, self._ids)
         return prompt

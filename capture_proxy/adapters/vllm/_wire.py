@@ -249,11 +249,11 @@ def to_ids(field: str, values: list[int]) -> array[int]:
     try:
         # struct packs a list about twice as fast as array("i", values) converts it.
         ids.frombytes(struct.pack(f"={len(values)}i", *values))
-    except struct.error:
+    except struct.error as exc:
         bad = next((v for v in values if not -(2**31) <= v < 2**31), None)
         raise CaptureExtractionError(
             "invalid_token_ids", f"{field}: token id {bad} does not fit in int32"
-        ) from None
+        ) from exc
     return ids
 
 

@@ -201,7 +201,7 @@ def check_free_json_limits(raw: bytes, limits: FreeJsonLimits) -> bool:
     try:
         shape = _BODY.decode(raw)
     except msgspec.ValidationError as exc:
-        raise from_msgspec_error(exc) from None  # only "not an object" can fail at this level
+        raise from_msgspec_error(exc) from exc  # only "not an object" can fail at this level
     except (msgspec.DecodeError, RecursionError):
         return False
     values = [(param, value) for param, value in _free_values(shape) if value]

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, TypeAlias
 
-from msgspec import Meta, Struct
+from msgspec import Meta
+
+from ._strict import Strict
 
 __all__ = [
     "MAX_CONTENT_PARTS",
@@ -57,20 +59,16 @@ MAX_TOOL_CALLS = 1024
 NonEmptyStr = Annotated[str, Meta(min_length=1)]
 
 
-class _Strict(Struct, forbid_unknown_fields=True):
-    """Base: unknown keys are an error, never silently dropped."""
-
-
 # -- content parts ------------------------------------------------------------------------------
 
 
-class TextPart(_Strict, tag="text", tag_field="type"):
+class TextPart(Strict, tag="text", tag_field="type"):
     """``{"type": "text", "text": "..."}``."""
 
     text: str
 
 
-class ImageURL(_Strict):
+class ImageURL(Strict):
     """``url`` is a ``data:image/...;base64,...`` URL (or, with ``--allow-remote-media``, an
     ``http(s)`` URL); ``detail`` is OpenAI's resolution hint."""
 
@@ -78,57 +76,57 @@ class ImageURL(_Strict):
     detail: Literal["auto", "low", "high"] | None = None
 
 
-class ImagePart(_Strict, tag="image_url", tag_field="type"):
+class ImagePart(Strict, tag="image_url", tag_field="type"):
     """``{"type": "image_url", "image_url": {"url": ..., "detail"?: ...}}``: stored as an
     attachment (its bytes) and referred to by sha256 in the staged request."""
 
     image_url: ImageURL
 
 
-class InputAudio(_Strict):
+class InputAudio(Strict):
     data: str
     format: str
 
 
-class InputAudioPart(_Strict, tag="input_audio", tag_field="type"):
+class InputAudioPart(Strict, tag="input_audio", tag_field="type"):
     """Recognized so it can be refused by name: the capture stores no audio."""
 
     input_audio: InputAudio
 
 
-class FileRef(_Strict):
+class FileRef(Strict):
     file_data: str | None = None
     file_id: str | None = None
     filename: str | None = None
 
 
-class FilePart(_Strict, tag="file", tag_field="type"):
+class FilePart(Strict, tag="file", tag_field="type"):
     """Recognized so it can be refused by name: the capture stores no files."""
 
     file: FileRef
 
 
-class VideoURL(_Strict):
+class VideoURL(Strict):
     url: str
 
 
-class VideoURLPart(_Strict, tag="video_url", tag_field="type"):
+class VideoURLPart(Strict, tag="video_url", tag_field="type"):
     """vLLM extension. Recognized so it can be refused by name: the capture stores no video."""
 
     video_url: VideoURL
 
 
-class AudioURL(_Strict):
+class AudioURL(Strict):
     url: str
 
 
-class AudioURLPart(_Strict, tag="audio_url", tag_field="type"):
+class AudioURLPart(Strict, tag="audio_url", tag_field="type"):
     """vLLM extension. Recognized so it can be refused by name: the capture stores no audio."""
 
     audio_url: AudioURL
 
 
-class RefusalPart(_Strict, tag="refusal", tag_field="type"):
+class RefusalPart(Strict, tag="refusal", tag_field="type"):
     """``{"type": "refusal", "refusal": "..."}`` in a replayed assistant message."""
 
     refusal: str
@@ -149,7 +147,7 @@ AssistantContent = (
 # -- tool calls -----------------------------------------------------------------------------------
 
 
-class FunctionCall(_Strict):
+class FunctionCall(Strict):
     """``arguments`` is the JSON text of the arguments, exactly as the client replays it (OpenCode
     re-serializes it compactly, a known source of tokenization drift)."""
 
@@ -157,7 +155,7 @@ class FunctionCall(_Strict):
     arguments: str
 
 
-class ToolCall(_Strict):
+class ToolCall(Strict):
     """``{"id", "type": "function", "function": {"name", "arguments"}}``."""
 
     id: NonEmptyStr
@@ -168,22 +166,22 @@ class ToolCall(_Strict):
 # -- messages -------------------------------------------------------------------------------------
 
 
-class SystemMessage(_Strict, tag="system", tag_field="role"):
+class SystemMessage(Strict, tag="system", tag_field="role"):
     content: TextContent
     name: str | None = None
 
 
-class DeveloperMessage(_Strict, tag="developer", tag_field="role"):
+class DeveloperMessage(Strict, tag="developer", tag_field="role"):
     content: TextContent
     name: str | None = None
 
 
-class UserMessage(_Strict, tag="user", tag_field="role"):
+class UserMessage(Strict, tag="user", tag_field="role"):
     content: UserContent
     name: str | None = None
 
 
-class AssistantMessage(_Strict, tag="assistant", tag_field="role"):
+class AssistantMessage(Strict, tag="assistant", tag_field="role"):
     """A replayed assistant turn. OpenCode sends ``{"content": "", "tool_calls": [...]}`` for a
     turn that only called tools, with its reasoning under ``reasoning`` (renamed to
     ``reasoning_content`` by normalization) or ``reasoning_content``."""
@@ -195,7 +193,7 @@ class AssistantMessage(_Strict, tag="assistant", tag_field="role"):
     refusal: str | None = None
 
 
-class ToolMessage(_Strict, tag="tool", tag_field="role"):
+class ToolMessage(Strict, tag="tool", tag_field="role"):
     """A tool result: ``{"role": "tool", "tool_call_id": ..., "content": ...}``."""
 
     tool_call_id: NonEmptyStr

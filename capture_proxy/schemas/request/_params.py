@@ -6,9 +6,8 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from msgspec import Struct
-
 from ._messages import NonEmptyStr
+from ._strict import Strict
 
 __all__ = [
     "FunctionDefinition",
@@ -27,11 +26,7 @@ __all__ = [
 ]
 
 
-class _Strict(Struct, forbid_unknown_fields=True):
-    """Base: unknown keys are an error, never silently dropped."""
-
-
-class FunctionDefinition(_Strict):
+class FunctionDefinition(Strict):
     """A tool's function: ``parameters`` is a free JSON Schema object."""
 
     name: NonEmptyStr
@@ -40,57 +35,57 @@ class FunctionDefinition(_Strict):
     strict: bool | None = None
 
 
-class Tool(_Strict):
+class Tool(Strict):
     """``{"type": "function", "function": {...}}``."""
 
     function: FunctionDefinition
     type: Literal["function"] = "function"
 
 
-class NamedFunction(_Strict):
+class NamedFunction(Strict):
     name: NonEmptyStr
 
 
-class NamedToolChoice(_Strict):
+class NamedToolChoice(Strict):
     """``{"type": "function", "function": {"name": ...}}``: force one tool."""
 
     function: NamedFunction
     type: Literal["function"] = "function"
 
 
-class StreamOptions(_Strict):
+class StreamOptions(Strict):
     """``include_usage`` (OpenAI) and ``continuous_usage_stats`` (vLLM: usage on every chunk)."""
 
     include_usage: bool | None = None
     continuous_usage_stats: bool | None = None
 
 
-class JsonSchemaFormat(_Strict):
+class JsonSchemaFormat(Strict):
     name: NonEmptyStr
     description: str | None = None
     schema: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class TextFormat(_Strict, tag="text", tag_field="type"):
+class TextFormat(Strict, tag="text", tag_field="type"):
     pass
 
 
-class JsonObjectFormat(_Strict, tag="json_object", tag_field="type"):
+class JsonObjectFormat(Strict, tag="json_object", tag_field="type"):
     pass
 
 
-class JsonSchemaResponseFormat(_Strict, tag="json_schema", tag_field="type"):
+class JsonSchemaResponseFormat(Strict, tag="json_schema", tag_field="type"):
     json_schema: JsonSchemaFormat
 
 
-class StructuralTagItem(_Strict):
+class StructuralTagItem(Strict):
     begin: str
     end: str
     schema: dict[str, Any] | None = None
 
 
-class StructuralTagFormat(_Strict, tag="structural_tag", tag_field="type"):
+class StructuralTagFormat(Strict, tag="structural_tag", tag_field="type"):
     """vLLM's structural tags: the legacy ``structures`` + ``triggers`` form or ``format``."""
 
     structures: list[StructuralTagItem] | None = None
@@ -101,7 +96,7 @@ class StructuralTagFormat(_Strict, tag="structural_tag", tag_field="type"):
 ResponseFormat = TextFormat | JsonObjectFormat | JsonSchemaResponseFormat | StructuralTagFormat
 
 
-class StructuredOutputs(_Strict):
+class StructuredOutputs(Strict):
     """vLLM's constrained decoding (``structured_outputs``): one of json/regex/choice/grammar/
     json_object/structural_tag, plus whitespace options."""
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 import msgspec
-from msgspec import Meta, Struct
+from msgspec import Meta
 
 from ._errors import RequestValidationError, from_msgspec_error, not_an_object
 from ._free_json import INT64_MAX, INT64_MIN
@@ -30,6 +30,7 @@ from ._params import (
     Tool,
 )
 from ._policy import check_capturable, check_consistency, check_free_values
+from ._strict import Strict
 
 __all__ = [
     "MAX_MESSAGES",
@@ -58,11 +59,7 @@ _I32_MAX = 2**31 - 1
 TokenId = Annotated[int, Meta(ge=0, le=_I32_MAX)]
 
 
-class _Strict(Struct, forbid_unknown_fields=True):
-    """Base: unknown keys are an error, never silently dropped."""
-
-
-class ChatCompletionRequest(_Strict):
+class ChatCompletionRequest(Strict):
     """A validated Chat Completions request (``POST /v1/chat/completions``).
 
     Fields are OpenAI's first, then vLLM's sampling parameters, then vLLM's extensions. A field
@@ -173,10 +170,10 @@ def validate_request(
         request = msgspec.convert(data, ChatCompletionRequest, strict=True)
     except msgspec.ValidationError as exc:
         raise from_msgspec_error(exc) from exc
-    except RecursionError:
+    except RecursionError as exc:
         raise RequestValidationError(
             "", "The request body is nested too deeply to validate", "invalid_value"
-        ) from None
+        ) from exc
     check_free_values(request, free_json)
     check_consistency(request)
     check_capturable(request)

@@ -142,8 +142,8 @@ def _exclusive(dfs: DatasetFS) -> Iterator[None]:
     """One compaction at a time: two would both merge the same units (duplicates)."""
     try:
         lock = dfs.lock(COMPACT_LOCK)
-    except BlockingIOError:
-        raise StoreError(f"another compaction of {dfs.root} is running") from None
+    except BlockingIOError as exc:
+        raise StoreError(f"another compaction of {dfs.root} is running") from exc
     try:
         yield
     finally:

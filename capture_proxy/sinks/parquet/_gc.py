@@ -276,17 +276,17 @@ def _locked(dfs: DatasetFS, *, writer: bool) -> Iterator[None]:
         if writer:
             try:
                 held.append(dfs.lock(WRITER_LOCK))
-            except BlockingIOError:
+            except BlockingIOError as exc:
                 raise StoreError(
                     f"stop the proxy writing to {dfs.root} first; SQLite stores can be "
                     "collected while the proxy runs"
-                ) from None
+                ) from exc
         try:
             held.append(dfs.lock(COMPACT_LOCK))
-        except BlockingIOError:
+        except BlockingIOError as exc:
             raise StoreError(
                 f"a compaction of {dfs.root} is running; run gc once it has finished"
-            ) from None
+            ) from exc
         yield
     finally:
         for lock in reversed(held):

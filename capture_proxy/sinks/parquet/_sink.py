@@ -102,10 +102,10 @@ class ParquetSink:
             create_dataset(dfs)
         try:
             self._lock = dfs.lock(WRITER_LOCK)
-        except BlockingIOError:
+        except BlockingIOError as exc:
             raise StoreError(
                 f"another ParquetSink is writing {dfs.root}: a dataset has one writer at a time"
-            ) from None
+            ) from exc
         try:
             # Rebuilds parents' sequences on a cache miss; only the writer thread uses it.
             self._reader = ParquetSource(location, url=self.url, dfs=dfs)

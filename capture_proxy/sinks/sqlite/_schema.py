@@ -176,7 +176,7 @@ def unpack_blob(key: str, data: bytes, codec: int) -> bytes:
         try:
             return zlib.decompress(data)
         except zlib.error as e:
-            raise ValueError(f"blob {key} is damaged: {e}") from None
+            raise ValueError(f"blob {key} is damaged: {e}") from e
     raise ValueError(f"blob {key} has an unknown codec {codec}")
 
 
