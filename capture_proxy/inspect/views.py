@@ -16,6 +16,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from ..errors import CaptureProxyError
 from ..read.reader import Store
 from ..schemas.digest import DigestMismatch, verify_record
 from ..schemas.records import (
@@ -47,7 +48,7 @@ PREVIEW_CHARS = 60
 TokenText = Callable[[int], str]
 
 
-class InspectError(Exception):
+class InspectError(CaptureProxyError):
     """One sentence for the user, naming what was not found or cannot be read (exit status 2)."""
 
 

@@ -16,6 +16,8 @@ from typing import Any, Literal
 import msgspec
 import orjson
 
+from ...errors import CaptureProxyError
+
 __all__ = [
     "CaptureExtractionError",
     "ClientWants",
@@ -29,7 +31,7 @@ __all__ = [
 ReasoningField = Literal["reasoning_content", "reasoning"]
 
 
-class CaptureExtractionError(Exception):
+class CaptureExtractionError(CaptureProxyError):
     """The answer is fine for the client but cannot be staged exactly.
 
     `reason` is a stable slug for metrics and the ledger: ``missing_token_ids``,
@@ -45,7 +47,7 @@ class CaptureExtractionError(Exception):
         self.client_body = client_body
 
 
-class UpstreamProtocolError(Exception):
+class UpstreamProtocolError(CaptureProxyError):
     """The upstream answer itself is broken; the client must not see it as a success.
 
     `reason`: ``malformed_json``, ``error_body``, ``error_event``, ``no_choices``,
