@@ -40,7 +40,7 @@ from ..schemas.records import (
 from ..schemas.tokens import full_sequence
 from ..sinks.base import StagingSink, StagingSource
 from .ids import new_call_id
-from .ledger import Ledger
+from .ledger import LedgerWriter
 from .policy import PolicyError, RequestPolicy, check_policy
 from .rollouts import KEY_HASH_FIELD, CallOutcome, RolloutLive, request_key, resume_rollout
 from .staging import Stager
@@ -156,7 +156,7 @@ class Capture:
         self.weight_version = 0
         self.rollouts: dict[str, RolloutLive] = {}
         self.inflight = 0
-        self.ledger = Ledger(sink, timeout=stage_timeout, max_held=max_held_ledger)
+        self.ledger = LedgerWriter(sink, timeout=stage_timeout, max_held=max_held_ledger)
         self.unavailable_reason: str | None = None  # set by the disk guard
         self.counts: dict[tuple[str, str], int] = {}  # (status, reason) -> calls
         #: Encodes the tool definitions every call of a session repeats once (same digests).

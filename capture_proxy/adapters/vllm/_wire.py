@@ -142,7 +142,7 @@ class Function(msgspec.Struct, gc=False):
     arguments: str | None = None
 
 
-class ToolCall(msgspec.Struct, gc=False):
+class WireToolCall(msgspec.Struct, gc=False):
     index: int = 0
     id: str | None = None
     type: str | None = None
@@ -155,7 +155,7 @@ class Message(msgspec.Struct, gc=False):
     content: str | None = None
     reasoning: str | None = None
     reasoning_content: str | None = None
-    tool_calls: list[ToolCall] | None = None
+    tool_calls: list[WireToolCall] | None = None
 
 
 class Usage(msgspec.Struct, gc=False):
@@ -259,7 +259,7 @@ def to_ids(field: str, values: list[int]) -> array[int]:
     return ids
 
 
-def normalize_tool_call(tc: ToolCall) -> dict[str, Any]:
+def normalize_tool_call(tc: WireToolCall) -> dict[str, Any]:
     fn = tc.function or Function()
     return {
         "id": tc.id,

@@ -27,6 +27,7 @@ __all__ = [
     "UNSTORABLE_PARTS",
     "AssistantContentPart",
     "AssistantMessage",
+    "AssistantToolCall",
     "AudioURL",
     "AudioURLPart",
     "DeveloperMessage",
@@ -41,7 +42,6 @@ __all__ = [
     "RefusalPart",
     "SystemMessage",
     "TextPart",
-    "ToolCall",
     "ToolMessage",
     "UserContentPart",
     "UserMessage",
@@ -157,7 +157,7 @@ class FunctionCall(_Strict):
     arguments: str
 
 
-class ToolCall(_Strict):
+class AssistantToolCall(_Strict):
     """``{"id", "type": "function", "function": {"name", "arguments"}}``."""
 
     id: NonEmptyStr
@@ -190,7 +190,7 @@ class AssistantMessage(_Strict, tag="assistant", tag_field="role"):
 
     content: AssistantContent = None
     reasoning_content: str | None = None
-    tool_calls: Annotated[list[ToolCall], Meta(max_length=MAX_TOOL_CALLS)] | None = None
+    tool_calls: Annotated[list[AssistantToolCall], Meta(max_length=MAX_TOOL_CALLS)] | None = None
     name: str | None = None
     refusal: str | None = None
 
