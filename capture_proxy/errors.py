@@ -1,5 +1,13 @@
-"""Errors that become HTTP answers. Each class carries its status; `error_body` builds the one
-OpenAI-style body every error uses: ``{"error": {"message", "type", "param", "code"}}``.
+"""The project's errors: `CaptureProxyError`, the root of every error capture-proxy raises on
+purpose, and the errors that become HTTP answers.
+
+Each HTTP error carries its status; `error_body` builds the one OpenAI-style body every error
+uses: ``{"error": {"message", "type", "param", "code"}}``.
+
+This module imports nothing of ours, so every layer (``schemas`` at the bottom included) may
+derive its errors from `CaptureProxyError`; ``tests/test_package.py`` holds it to that. The root
+lives here rather than in ``schemas/`` because it is not part of any schema: it is the one home of
+the project's errors, next to the HTTP errors users already import from here.
 """
 
 from __future__ import annotations
@@ -10,6 +18,7 @@ import orjson
 
 __all__ = [
     "BadRequest",
+    "CaptureProxyError",
     "CaptureUnavailable",
     "Conflict",
     "Forbidden",
@@ -30,7 +39,18 @@ def error_body(
     return orjson.dumps({"error": {"message": message, "type": type, "param": param, "code": code}})
 
 
-class ProxyError(Exception):
+class CaptureProxyError(Exception):
+    """The root of every error capture-proxy raises on purpose.
+
+    ``except CaptureProxyError`` catches a refused request (`RequestValidationError`), a store that
+    cannot be opened or read (`StoreError`, `StoreCorrupted`), a broken upstream answer
+    (`UpstreamProtocolError`), an answer that cannot be captured (`CaptureExtractionError`), an
+    invalid record, policy or setting, and every error the proxy answers over HTTP
+    (`ProxyError`). Errors that were ``ValueError`` before keep that base too.
+    """
+
+
+class ProxyError(CaptureProxyError):
     """An error answered to the client. `code` is a short machine-readable reason."""
 
     status = 500

@@ -6,9 +6,25 @@ It lives in `capture_proxy.testing.fake_vllm`; this module keeps
 
 from __future__ import annotations
 
-from .testing.fake_vllm import FakeVLLM, Fault, ToolCall, Turn, main, serve_fake
+from typing import Any
 
-__all__ = ["FakeVLLM", "Fault", "ToolCall", "Turn", "main", "serve_fake"]
+from .testing.fake_vllm import (
+    FakeToolCall,
+    FakeVLLM,
+    Fault,
+    Turn,
+    deprecated_alias,
+    main,
+    serve_fake,
+)
+
+__all__ = ["FakeToolCall", "FakeVLLM", "Fault", "Turn", "main", "serve_fake"]
+
+
+def __getattr__(name: str) -> Any:
+    # ``ToolCall``, renamed `FakeToolCall`, still resolves for one release, with a warning.
+    return deprecated_alias(__name__, name)
+
 
 if __name__ == "__main__":
     main()

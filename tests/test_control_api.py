@@ -50,7 +50,7 @@ async def test_create_rollout_shapes_and_errors(make_proxy: Any) -> None:
     generated = await (await p.client.post("/admin/rollouts", json={}, headers=ADMIN)).json()
     assert generated["rollout_id"].startswith("ro-")
     bad = await p.client.post("/admin/rollouts", json={"rollout_id": "a/b"}, headers=ADMIN)
-    assert bad.status == 400
+    assert bad.status == 422
     extra = await p.client.post("/admin/rollouts", json={"rolout_id": "x"}, headers=ADMIN)
     assert extra.status == 422
     assert (await extra.json())["error"]["param"] == "rolout_id"

@@ -21,13 +21,13 @@ from aiohttp.test_utils import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from capture_proxy.testing.fake_vllm import FakeVLLM, Fault, ToolCall, Turn, serve_fake
+from capture_proxy.testing.fake_vllm import FakeToolCall, FakeVLLM, Fault, Turn, serve_fake
 from capture_proxy.testing.fake_vllm._template import decode, encode
 
 FIXTURES = Path("/work/shared/fixtures/vllm-0.32.0")
 Client = TestClient[web.Request, web.Application]
 Serve = Callable[..., Awaitable[tuple[FakeVLLM, Client]]]
-LS_LA = ToolCall("bash", {"command": "ls -la"})
+LS_LA = FakeToolCall("bash", {"command": "ls -la"})
 
 
 def fixture(name: str) -> Any:
@@ -578,9 +578,13 @@ async def test_unchanged_replay_extends_prompt_and_completion(
         Turn(
             "Let me look.",
             reasoning="List first.",
-            tool_calls=[LS_LA, ToolCall("read", {"path": "é.txt"})],
+            tool_calls=[LS_LA, FakeToolCall("read", {"path": "é.txt"})],
         ),
-        Turn("", reasoning="Now read it.", tool_calls=[ToolCall("bash", {"command": "cat a.txt"})]),
+        Turn(
+            "",
+            reasoning="Now read it.",
+            tool_calls=[FakeToolCall("bash", {"command": "cat a.txt"})],
+        ),
         Turn("Done: a.txt"),
     ]
     fake, client = await serve(*turns)
@@ -632,7 +636,8 @@ async def test_replay_extends_for_any_text(content: str, reasoning: str, arg: st
     fake, runner, base = await serve_fake()
     try:
         fake.push(
-            Turn(content, reasoning=reasoning, tool_calls=[ToolCall("f", {"a": arg})]), Turn("end")
+            Turn(content, reasoning=reasoning, tool_calls=[FakeToolCall("f", {"a": arg})]),
+            Turn("end"),
         )
         request = tool_request(return_token_ids=True)
         async with aiohttp.ClientSession() as session:

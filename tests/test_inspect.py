@@ -48,7 +48,7 @@ from capture_proxy.schemas.records import (
 )
 from capture_proxy.sinks.registry import open_sink, open_source
 from capture_proxy.sinks.sqlite import SQLiteSink
-from capture_proxy.testing.fake_vllm import Fault, ToolCall, Turn
+from capture_proxy.testing.fake_vllm import FakeToolCall, Fault, Turn
 
 make_proxy = proxy_factory_fixture()
 
@@ -97,7 +97,7 @@ async def _story(p: Proxy) -> dict[str, str]:
     # OpenCode re-serializes tool arguments compactly when it replays them: the replayed turn
     # renders other tokens than the model generated, so the next call drifts.
     p.fake.push(
-        Turn("", reasoning="I should look.", tool_calls=[ToolCall("bash", {"command": "ls"})])
+        Turn("", reasoning="I should look.", tool_calls=[FakeToolCall("bash", {"command": "ls"})])
     )
     first = chat_body(user("list files"), tools=TOOLS, tool_choice="auto")
     resp = await p.chat(first, rollout="r-drift")

@@ -17,7 +17,7 @@ from capture_proxy.library import CaptureClient
 from capture_proxy.schemas.digest import verify_record
 from capture_proxy.schemas.request import RequestValidationError
 from capture_proxy.sinks.registry import open_sink, open_source
-from capture_proxy.testing.fake_vllm import FakeVLLM, ToolCall, Turn
+from capture_proxy.testing.fake_vllm import FakeToolCall, FakeVLLM, Turn
 from capture_proxy.upstream import HTTPUpstream
 
 TOOLS = [{"type": "function", "function": {"name": "bash", "parameters": {"type": "object"}}}]
@@ -26,7 +26,7 @@ IDS_AND_TIMES = {"call_id", "created_at_ms", "digest", "parent_call_id", "retry_
 
 def _turns() -> list[Turn]:
     return [
-        Turn("", reasoning="look", tool_calls=[ToolCall("bash", {"command": "ls"})]),
+        Turn("", reasoning="look", tool_calls=[FakeToolCall("bash", {"command": "ls"})]),
         Turn("done", reasoning="ok"),
     ]
 

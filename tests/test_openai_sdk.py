@@ -11,7 +11,7 @@ from proxy_harness import proxy_factory_fixture
 
 from capture_proxy.read.reader import open_store
 from capture_proxy.schemas.records import CallStatus
-from capture_proxy.testing.fake_vllm import FakeVLLM, Fault, ToolCall, Turn
+from capture_proxy.testing.fake_vllm import FakeToolCall, FakeVLLM, Fault, Turn
 
 make_proxy = proxy_factory_fixture()
 TOOLS: Any = [
@@ -33,7 +33,7 @@ def _client(p: Any, rollout: str, **kwargs: Any) -> openai.AsyncOpenAI:
 
 async def test_sdk_tool_call_round_trip_non_streaming(make_proxy: Any) -> None:
     fake = FakeVLLM()
-    fake.push(Turn("", tool_calls=[ToolCall("bash", {"command": "ls"})]), Turn("two files"))
+    fake.push(Turn("", tool_calls=[FakeToolCall("bash", {"command": "ls"})]), Turn("two files"))
     p = await make_proxy(fake=fake)
     sdk = _client(p, "sdk")
     messages: list[Any] = [{"role": "user", "content": "list files"}]

@@ -29,16 +29,18 @@ def test_public_names_are_sorted_and_resolve() -> None:
 
 
 #: What each layer (a folder of `capture_proxy`) may import of the others. Modules at the package
-#: root (`cli`, `library`, `errors`, ...) are the top of the stack and are not listed.
+#: root (`cli`, `library`, ...) are the top of the stack and are not listed, except `errors`: it
+#: holds `CaptureProxyError`, the root every layer's errors derive from, so every layer may import
+#: it and it imports nothing of ours (`test_errors_import_nothing_of_ours`).
 LAYERS: dict[str, set[str]] = {
-    "schemas": set(),
-    "adapters": {"schemas"},
-    "sinks": {"schemas"},
+    "schemas": {"errors"},
+    "adapters": {"schemas", "errors"},
+    "sinks": {"schemas", "errors"},
     "core": {"schemas", "adapters", "sinks", "errors"},
     "upstream": {"schemas", "adapters", "core", "errors"},
     "read": {"schemas", "sinks", "errors"},
     "inspect": {"schemas", "sinks", "read", "errors"},
-    "testing": set(),
+    "testing": {"errors"},
     "server": {"schemas", "adapters", "sinks", "core", "upstream", "testing", "errors", "logs"},
 }
 #: Only these may import aiohttp (the HTTP server, the upstream client, the fake vLLM).
@@ -87,6 +89,12 @@ def test_layers_import_only_the_layers_below_them() -> None:
             if layer in AIOHTTP_LAYERS:
                 used.discard("aiohttp")
             assert used <= allowed, f"{path.relative_to(ROOT)} imports {sorted(used - allowed)}"
+
+
+def test_errors_import_nothing_of_ours() -> None:
+    # Every layer may import `errors`; were it to import a layer, that layer would be importable
+    # from below itself.
+    assert _imports_of(ROOT / "capture_proxy" / "errors.py") == set()
 
 
 def test_no_symlinks_in_the_package() -> None:

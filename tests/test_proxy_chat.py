@@ -14,7 +14,7 @@ from capture_proxy.read.reader import Store
 from capture_proxy.schemas.digest import verify_record
 from capture_proxy.schemas.records import CallStatus
 from capture_proxy.sinks.registry import open_source
-from capture_proxy.testing.fake_vllm import FakeVLLM, ToolCall, Turn
+from capture_proxy.testing.fake_vllm import FakeToolCall, FakeVLLM, Turn
 
 make_proxy = proxy_factory_fixture()
 
@@ -111,7 +111,7 @@ async def test_stream_relays_usage_when_client_asked(make_proxy: Any) -> None:
 async def test_tool_call_stream_and_replay_with_reasoning_links_parent(make_proxy: Any) -> None:
     fake = FakeVLLM()
     fake.push(
-        Turn("", reasoning="I should look.", tool_calls=[ToolCall("bash", {"command": "ls"})]),
+        Turn("", reasoning="I should look.", tool_calls=[FakeToolCall("bash", {"command": "ls"})]),
         Turn("Two files.", reasoning="Done."),
     )
     p = await make_proxy(fake=fake)

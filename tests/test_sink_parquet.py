@@ -566,7 +566,7 @@ async def test_same_traffic_through_two_proxies_same_token_data(tmp_path: Path) 
     from proxy_harness import start_proxy, stop_proxy
 
     from capture_proxy.sinks.sqlite import SQLiteSink, SQLiteSource
-    from capture_proxy.testing.fake_vllm import FakeVLLM, ToolCall, Turn
+    from capture_proxy.testing.fake_vllm import FakeToolCall, FakeVLLM, Turn
 
     stores = {
         "sqlite": (SQLiteSink, SQLiteSource, str(tmp_path / "capture.db")),
@@ -578,7 +578,9 @@ async def test_same_traffic_through_two_proxies_same_token_data(tmp_path: Path) 
         fake.push(
             Turn("Fixing a test"),
             *(
-                Turn("", reasoning="look", tool_calls=[ToolCall("bash", {"command": f"ls {i}"})])
+                Turn(
+                    "", reasoning="look", tool_calls=[FakeToolCall("bash", {"command": f"ls {i}"})]
+                )
                 for i in range(3)
             ),
             Turn("All green now.", reasoning="done"),

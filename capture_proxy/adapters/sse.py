@@ -27,6 +27,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from ..errors import CaptureProxyError
+
 __all__ = ["DEFAULT_MAX_EVENT_SIZE", "SSEError", "SSEEvent", "SSEParser", "encode_event"]
 
 #: The largest event (its raw bytes) a parser accepts by default: 64 MiB.
@@ -36,7 +38,7 @@ _EOL = re.compile(rb"\r\n|\r|\n")
 _BOM = b"\xef\xbb\xbf"
 
 
-class SSEError(ValueError):
+class SSEError(CaptureProxyError, ValueError):
     """The bytes cannot be parsed as SSE: an event over the size limit, or a feed after close."""
 
 

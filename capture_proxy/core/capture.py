@@ -38,7 +38,7 @@ from ..schemas.records import (
 from ..schemas.tokens import full_sequence
 from ..sinks.base import StagingSink, StagingSource
 from .ids import new_call_id
-from .ledger import Ledger
+from .ledger import LedgerWriter
 from .policy import PolicyError, RequestPolicy, check_policy
 from .rollouts import KEY_HASH_FIELD, CallOutcome, RolloutLive, request_key, resume_rollout
 from .staging import Stager
@@ -179,7 +179,7 @@ class Capture:
         self.weight_version = 0
         self.rollouts: dict[str, RolloutLive] = {}
         self.inflight = 0
-        self.ledger = Ledger(sink, timeout=stage_timeout, max_held=max_held_ledger)
+        self.ledger = LedgerWriter(sink, timeout=stage_timeout, max_held=max_held_ledger)
         self.unavailable_reason: str | None = None  # set by the disk guard
         #: Called with a `CallReport` once per call outcome (metrics subscribe here). A
         #: subscriber must be quick and must not raise.

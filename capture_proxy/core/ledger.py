@@ -14,12 +14,14 @@ from collections import deque
 from ..schemas.records import LedgerEntry
 from ..sinks.base import DuplicateSeq, StagingSink
 
-__all__ = ["Ledger"]
+__all__ = ["LedgerWriter"]
 
 log = logging.getLogger("capture_proxy.ledger")
 
 
-class Ledger:
+class LedgerWriter:
+    """Writes ledger entries through the sink; holds, in order, what a failing sink refused."""
+
     def __init__(self, sink: StagingSink, *, timeout: float, max_held: int = 100_000) -> None:
         self.sink = sink
         self.timeout = timeout

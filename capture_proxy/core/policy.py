@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..errors import CaptureProxyError
 from ..schemas.request import RequestValidationError, validate_request
 
 __all__ = ["POLICY_KEYS", "PolicyError", "RequestPolicy"]
@@ -50,7 +51,7 @@ POLICY_KEYS = frozenset(
 _MERGED = "chat_template_kwargs"
 
 
-class PolicyError(ValueError):
+class PolicyError(CaptureProxyError, ValueError):
     """A policy names a key it may not set, or a value the request schema refuses."""
 
 

@@ -27,6 +27,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from types import FrameType
 from typing import IO, TYPE_CHECKING, Any
 
@@ -43,6 +44,7 @@ from .render import (
     render_rollout,
     render_verify,
 )
+from .shapes import CallView, OverviewView, RolloutView, VerifyView
 from .views import (
     Follower,
     InspectError,
@@ -291,7 +293,7 @@ def _follow(follower: Follower, args: argparse.Namespace, stream: IO[str], out: 
                 if args.json:
                     _print_json({"event": "call", **e}, stream, compact=True)
                     continue
-                refs = (e.get("parent_call_id"), e.get("retry_of"))
+                refs = (e["parent_call_id"], e["retry_of"]) if e["status"] == "staged" else ()
                 seq_of = {k: s for k in refs if k and (s := follower.seq_of(k)) is not None}
                 prefix = "" if args.rollout else f"{e['rollout_id']} "
                 out.line(prefix + event_line(e, seq_of), alert=e["status"] != "staged")
@@ -315,41 +317,45 @@ def _run(store: Store, args: argparse.Namespace, stream: IO[str]) -> int:
     # The baseline is taken before the first view is read: a call landing in between is
     # printed twice at worst, never missed.
     follower = Follower(store, args.rollout) if args.follow else None
-    view: dict[str, Any] | None
-    render: Callable[[Any, Out], None]
+    view: OverviewView | RolloutView | CallView | VerifyView | None = None
+    # Each view bound to its own renderer, so mypy checks the pair.
+    draw: Callable[[Out], None] | None = None
+    failed = False
     if args.verify:
-        view, render = verify_view(store), render_verify
+        verified = verify_view(store)
+        view, draw, failed = verified, partial(render_verify, verified), not verified["ok"]
     elif args.call:
         text = load_tokenizer(args.tokenizer) if args.tokenizer else None
         try:
-            view = call_view(
+            call = call_view(
                 store, args.call, tokens=args.tokens or text is not None, token_text=text
             )
         except KeyError as exc:
             raise InspectError(
                 f"no call {args.call!r} in {store.url} (neither staged nor in a ledger)"
             ) from exc
-        render = render_call
+        view, draw = call, partial(render_call, call)
     elif args.rollout:
-        render = render_rollout
         try:
-            view = rollout_view(store, args.rollout)
+            rollout = rollout_view(store, args.rollout)
         except KeyError as exc:
             if follower is None:
                 raise InspectError(f"no rollout {args.rollout!r} in {store.url}") from exc
             # Following a rollout before its first call is how one watches a run start.
             print(f"no rollout {args.rollout!r} in {store.url} yet: waiting", file=sys.stderr)
-            view = None
+        else:
+            view, draw = rollout, partial(render_rollout, rollout)
     else:
-        view, render = overview(store), render_overview
+        listed = overview(store)
+        view, draw = listed, partial(render_overview, listed)
     if view is not None and args.json:
         _print_json(view, stream, compact=follower is not None)
-    elif view is not None:
-        render(view, out)
+    elif draw is not None:
+        draw(out)
         stream.flush()
     if follower is not None:
         return _follow(follower, args, stream, out)
-    return 1 if view is not None and args.verify and not view["ok"] else 0
+    return 1 if failed else 0
 
 
 def run_inspect(args: argparse.Namespace, *, stdout: IO[str] | None = None) -> int:

@@ -1,6 +1,7 @@
 """Drawing `inspect` views for people, as lines and tables on an `Out`.
 
-Every ``render_*`` function takes a view dict from `capture_proxy.inspect.views` and an `Out`,
+Every ``render_*`` function takes a view from `capture_proxy.inspect.views` (typed in
+`capture_proxy.inspect.shapes`) and an `Out`,
 the surface it draws on: `capture_proxy.inspect.cli.RichOut` on a terminal (tables sized to it,
 long previews cut to fit), `capture_proxy.inspect.cli.PlainOut` anywhere else (aligned columns,
 no colour, no width limit, for pipes, files and ``grep``). Neither interprets markup: a message
@@ -17,6 +18,17 @@ from typing import Any, Protocol
 
 import orjson
 
+from .shapes import (
+    AttachmentEntry,
+    CallEntry,
+    CallView,
+    OverviewView,
+    RolloutView,
+    TokensDetail,
+    TrajectorySummary,
+    TrajectoryUnavailable,
+    VerifyView,
+)
 from .views import preview
 
 __all__ = [
@@ -90,7 +102,7 @@ def _statuses(counts: Mapping[str, int], *, skip_staged: bool) -> str:
     return ", ".join(parts) or "-"
 
 
-def _attachment(a: Mapping[str, Any], *, full: bool = False) -> str:
+def _attachment(a: AttachmentEntry, *, full: bool = False) -> str:
     sha = a["sha256"] if full else a["sha256"][:12]
     return f"{a['media_type']} {fmt_size(a['size'])} sha256:{sha}"
 
@@ -114,7 +126,7 @@ _OVERVIEW = (
 )
 
 
-def render_overview(view: Mapping[str, Any], out: Out) -> None:
+def render_overview(view: OverviewView, out: Out) -> None:
     rollouts = view["rollouts"]
     out.line(f"{len(rollouts)} rollout(s) in {view['store']}, newest first", strong=True)
     if not rollouts:
@@ -160,7 +172,7 @@ _ROLLOUT = (
 )
 
 
-def _preview_cell(e: Mapping[str, Any]) -> str:
+def _preview_cell(e: CallEntry) -> str:
     """What the call did (staged) or why it failed (not staged), in one line."""
     if e["status"] != "staged":
         http = f"HTTP {e['http_status']} " if e.get("http_status") else ""
@@ -180,52 +192,64 @@ def _ref(call_id: str | None, seq_of: Mapping[str, int]) -> str:
     return f"#{seq_of[call_id]}" if call_id in seq_of else call_id
 
 
-def call_row(e: Mapping[str, Any], seq_of: Mapping[str, int]) -> list[str]:
-    staged = e["status"] == "staged"
-    parent = _ref(e.get("parent_call_id"), seq_of)
-    if e.get("retry_of"):
+def call_row(e: CallEntry, seq_of: Mapping[str, int]) -> list[str]:
+    if e["status"] != "staged":
+        # Not staged: no finish reason, tokens, parent, drift or attachments to show.
+        return [
+            str(e["seq"]),
+            e["call_id"],
+            e["status"],
+            "-",
+            "-",
+            "-",
+            "-",
+            "",
+            _preview_cell(e),
+            "",
+        ]
+    parent = _ref(e["parent_call_id"], seq_of)
+    if e["retry_of"]:
         parent = f"{parent} retry of {_ref(e['retry_of'], seq_of)}".strip()
-    drift = e.get("drift")
+    drift = e["drift"]
     return [
         str(e["seq"]),
         e["call_id"],
-        "staged, ORPHANED" if e.get("orphaned") else e["status"],
-        e["finish_reason"] if staged else "-",
-        str(e["prompt_tokens"]) if staged else "-",
-        str(e["completion_tokens"]) if staged else "-",
+        "staged, ORPHANED" if e["orphaned"] else e["status"],
+        e["finish_reason"],
+        str(e["prompt_tokens"]),
+        str(e["completion_tokens"]),
         parent or "-",
         f"at {drift['position']}/{drift['parent_len']}" if drift else "",
         _preview_cell(e),
-        ", ".join(_attachment(a) for a in e.get("attachments", ())),
+        ", ".join(_attachment(a) for a in e["attachments"]),
     ]
 
 
-def event_line(e: Mapping[str, Any], seq_of: Mapping[str, int]) -> str:
+def event_line(e: CallEntry, seq_of: Mapping[str, int]) -> str:
     """A call as one labelled line, for ``--follow`` (a table cannot grow)."""
-    staged = e["status"] == "staged"
     head = [f"#{e['seq']}", e["call_id"], call_row(e, seq_of)[2]]
-    if staged:
+    tail = [_preview_cell(e)]
+    if e["status"] == "staged":
         head += [
             e["finish_reason"],
             f"prompt {e['prompt_tokens']}",
             f"completion {e['completion_tokens']}",
         ]
-        if e.get("parent_call_id"):
+        if e["parent_call_id"]:
             head.append(f"parent {_ref(e['parent_call_id'], seq_of)}")
-        if e.get("retry_of"):
+        if e["retry_of"]:
             head.append(f"retry of {_ref(e['retry_of'], seq_of)}")
-        if e.get("drift"):
+        if e["drift"]:
             head.append(f"DRIFT at {e['drift']['position']}/{e['drift']['parent_len']}")
-    tail = [_preview_cell(e)]
-    tail += [_attachment(a) for a in e.get("attachments", ())]
+        tail += [_attachment(a) for a in e["attachments"]]
     return " ".join(head) + " | " + " | ".join(tail)
 
 
-def _is_alert(e: Mapping[str, Any]) -> bool:
+def _is_alert(e: CallEntry) -> bool:
     return e["status"] != "staged" or bool(e.get("orphaned"))
 
 
-def render_rollout(view: Mapping[str, Any], out: Out) -> None:
+def render_rollout(view: RolloutView, out: Out) -> None:
     r, calls = view["rollout"], view["calls"]
     out.line(
         f"Rollout {r['rollout_id']} ({r['state']}) in {view['store']}: {r['calls']} call(s) "
@@ -236,7 +260,7 @@ def render_rollout(view: Mapping[str, Any], out: Out) -> None:
     )
     if r["poisoned"]:
         bad = [
-            f"#{e['seq']} {e['call_id']} ({'orphaned' if e.get('orphaned') else e['reason']})"
+            f"#{e['seq']} {e['call_id']} ({'orphaned' if e['status'] == 'staged' else e['reason']})"
             for e in calls
             if e["status"] == "capture_failed" or e.get("orphaned")
         ]
@@ -245,7 +269,7 @@ def render_rollout(view: Mapping[str, Any], out: Out) -> None:
             "missing these calls; do not train on it as if complete.",
             alert=True,
         )
-    if r.get("metadata"):
+    if r["metadata"]:
         out.line(f"metadata: {_json(r['metadata'])}")
     if not calls:
         out.line("(no calls yet)")
@@ -254,7 +278,7 @@ def render_rollout(view: Mapping[str, Any], out: Out) -> None:
         out.table(_ROLLOUT, [call_row(e, seq_of) for e in calls], [_is_alert(e) for e in calls])
     last = view["last"]
     if last is not None and last["status"] != "staged":
-        http = f"HTTP {last['http_status']}, " if last.get("http_status") else ""
+        http = f"HTTP {last['http_status']}, " if last["http_status"] else ""
         out.line(
             f"Last call #{last['seq']} {last['call_id']} was {last['status']} "
             f"({http}{last['reason']}): {last['message']}",
@@ -265,8 +289,8 @@ def render_rollout(view: Mapping[str, Any], out: Out) -> None:
     _render_trajectory(view["trajectory"], out)
 
 
-def _render_trajectory(t: Mapping[str, Any], out: Out) -> None:
-    if not t["ok"]:
+def _render_trajectory(t: TrajectorySummary | TrajectoryUnavailable, out: Out) -> None:
+    if t["ok"] is False:
         out.line(t["note"])
         return
     text = (
@@ -301,7 +325,7 @@ def _block(out: Out, text: str, indent: int = 6) -> None:
         out.line(pad + line)
 
 
-def _part(part: Any, attachments: Mapping[str, Mapping[str, Any]]) -> str:
+def _part(part: Any, attachments: Mapping[str, AttachmentEntry]) -> str:
     if not isinstance(part, Mapping):
         return _json(part)
     kind = part.get("type")
@@ -320,7 +344,7 @@ def _part(part: Any, attachments: Mapping[str, Mapping[str, Any]]) -> str:
 
 
 def _message(
-    out: Out, label: str, m: Mapping[str, Any], atts: Mapping[str, Mapping[str, Any]]
+    out: Out, label: str, m: Mapping[str, Any], atts: Mapping[str, AttachmentEntry]
 ) -> None:
     extra = f" (tool_call_id {m['tool_call_id']})" if m.get("tool_call_id") else ""
     if m.get("name"):
@@ -346,11 +370,11 @@ def _extra(key: str, value: Any) -> str:
     return f"{key}={text}" if len(text) <= 40 else f"{key} ({len(text)} B of JSON)"
 
 
-def render_call(view: Mapping[str, Any], out: Out) -> None:
+def render_call(view: CallView, out: Out) -> None:
     c = view["call"]
     if c["status"] != "staged":
         out.line(f"Call {c['call_id']} was {c['status']}, not staged", alert=True)
-        http = str(c["http_status"]) if c.get("http_status") else "-"
+        http = str(c["http_status"]) if c["http_status"] else "-"
         _fields(
             out,
             [
@@ -370,7 +394,7 @@ def render_call(view: Mapping[str, Any], out: Out) -> None:
         alert=c["orphaned"] or not check["ok"],
         strong=True,
     )
-    atts = {a["sha256"]: a for a in c["attachments"]}
+    atts: dict[str, AttachmentEntry] = {a["sha256"]: a for a in c["attachments"]}
     pairs = [
         ("rollout", f"{c['rollout_id']} (seq {c['seq']})"),
         ("parent", c["parent_call_id"] or "-"),
@@ -422,7 +446,7 @@ def _token(text: str) -> str:
     return _json(text)  # quoted and escaped: a leading space or a newline stays visible
 
 
-def render_tokens(t: Mapping[str, Any], out: Out) -> None:
+def render_tokens(t: TokensDetail, out: Out) -> None:
     prompt, completion = t["prompt_token_ids"], t["completion_token_ids"]
     out.line(f"Prompt token ids ({len(prompt)})", strong=True)
     if "prompt_text" in t:
@@ -456,7 +480,7 @@ def render_tokens(t: Mapping[str, Any], out: Out) -> None:
 # -- verify -------------------------------------------------------------------------------------
 
 
-def render_verify(view: Mapping[str, Any], out: Out) -> None:
+def render_verify(view: VerifyView, out: Out) -> None:
     if view["ok"]:
         out.line(f"ok: {view['checked']} record(s) in {view['store']} verify", strong=True)
         return

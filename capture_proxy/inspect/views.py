@@ -1,8 +1,9 @@
 """The data behind `capture-proxy inspect`: every view as plain, JSON-ready dicts.
 
 Both outputs come from these dicts: ``--json`` prints them as they are, and
-`capture_proxy.inspect.render` draws them as tables, so the two can never disagree. The keys are
-documented in docs/inspect.md; add a key there when you add one here.
+`capture_proxy.inspect.render` draws them as tables, so the two can never disagree. Their shapes
+are TypedDicts (`capture_proxy.inspect.shapes`), so mypy holds the renderer to what is built here.
+The keys are documented in docs/inspect.md; add a key there (and in `shapes`) when you add one.
 
 Views read through the `Store` API only, so they work the same on SQLite files and Parquet
 datasets. A read that fails because the store is damaged becomes an `InspectError` naming the
@@ -13,20 +14,40 @@ from __future__ import annotations
 
 from array import array
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Literal, TypeAlias, TypedDict, TypeVar, cast
 
+from ..errors import CaptureProxyError
 from ..read.reader import Store
 from ..schemas.digest import DigestMismatch, verify_record
 from ..schemas.records import (
     Attachment,
-    CallStatus,
     CallSummary,
     LedgerEntry,
     RolloutInfo,
     StagedCallRecord,
 )
 from ..schemas.tokens import common_prefix_len, full_sequence
+from .shapes import (
+    AttachmentEntry,
+    CallEntry,
+    CallView,
+    DigestCheck,
+    FailureEntry,
+    FailureStatus,
+    OverviewView,
+    PromptDrift,
+    RolloutSummary,
+    RolloutView,
+    StagedCallDetail,
+    StagedEntry,
+    TokensDetail,
+    ToolCallPreview,
+    TrajectorySummary,
+    TrajectoryUnavailable,
+    VerifyProblem,
+    VerifyView,
+)
 
 __all__ = [
     "Follower",
@@ -47,7 +68,7 @@ PREVIEW_CHARS = 60
 TokenText = Callable[[int], str]
 
 
-class InspectError(Exception):
+class InspectError(CaptureProxyError):
     """One sentence for the user, naming what was not found or cannot be read (exit status 2)."""
 
 
@@ -60,11 +81,11 @@ def preview(value: object, limit: int = PREVIEW_CHARS) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def attachment_entry(att: Attachment) -> dict[str, Any]:
+def attachment_entry(att: Attachment) -> AttachmentEntry:
     return {"sha256": att.sha256, "media_type": att.media_type, "size": att.size}
 
 
-def _drift(record: StagedCallRecord, parent_full: array[int] | None) -> dict[str, Any] | None:
+def _drift(record: StagedCallRecord, parent_full: array[int] | None) -> PromptDrift | None:
     """Where the call's prompt stops extending its parent's prompt + completion: its drift
     (docs/trajectories.md)."""
     if parent_full is None:
@@ -79,8 +100,8 @@ def _drift(record: StagedCallRecord, parent_full: array[int] | None) -> dict[str
     }
 
 
-def _tool_calls(message: Mapping[str, Any]) -> list[dict[str, Any]]:
-    out = []
+def _tool_calls(message: Mapping[str, Any]) -> list[ToolCallPreview]:
+    out: list[ToolCallPreview] = []
     for tc in message.get("tool_calls") or ():
         fn = tc.get("function") if isinstance(tc, Mapping) else None
         if isinstance(fn, Mapping):
@@ -99,14 +120,14 @@ def _content_text(content: object) -> str:
 
 def staged_entry(
     record: StagedCallRecord, parent_full: array[int] | None, *, orphaned: bool = False
-) -> dict[str, Any]:
+) -> StagedEntry:
     """A staged call as one row of the rollout view (and one ``--follow`` event)."""
     response = record.response
     return {
         "rollout_id": record.rollout_id,
         "seq": record.seq,
         "call_id": record.call_id,
-        "status": record.status.value,
+        "status": _staged(record),
         "orphaned": orphaned,
         "finish_reason": record.finish_reason,
         "prompt_tokens": len(record.prompt_token_ids),
@@ -123,13 +144,19 @@ def staged_entry(
     }
 
 
-def failure_entry(entry: LedgerEntry) -> dict[str, Any]:
+def _staged(record: StagedCallRecord) -> Literal["staged"]:
+    # A record read from a store is staged by definition; its status is printed as stored.
+    return cast(Literal["staged"], record.status.value)
+
+
+def failure_entry(entry: LedgerEntry) -> FailureEntry:
     """A call that was not staged, as one row of the rollout view: what happened and why."""
     return {
         "rollout_id": entry.rollout_id,
         "seq": entry.seq,
         "call_id": entry.call_id,
-        "status": entry.status.value,
+        # The ledger holds only calls that were not staged.
+        "status": cast(FailureStatus, entry.status.value),
         "reason": entry.reason,
         "http_status": entry.http_status,
         "message": entry.message,
@@ -137,11 +164,25 @@ def failure_entry(entry: LedgerEntry) -> dict[str, Any]:
     }
 
 
-def entry_time(entry: Mapping[str, Any]) -> int:
-    return int(entry.get("created_at_ms") or entry.get("at_ms") or 0)
+class _CountedCall(TypedDict):
+    """What the overview counts of a staged call, read from its summary alone."""
+
+    status: Literal["staged"]
+    orphaned: bool
+    prompt_tokens: int
+    completion_tokens: int
+    created_at_ms: int
 
 
-def _read(what: str, read: Callable[[], Any]) -> Any:
+_Counted: TypeAlias = StagedEntry | FailureEntry | _CountedCall
+T = TypeVar("T")
+
+
+def entry_time(entry: _Counted) -> int:
+    return entry["created_at_ms"] if entry["status"] == "staged" else entry["at_ms"]
+
+
+def _read(what: str, read: Callable[[], T]) -> T:
     """Run a store read; a damaged store becomes one sentence instead of a traceback."""
     try:
         return read()
@@ -151,14 +192,14 @@ def _read(what: str, read: Callable[[], Any]) -> Any:
         raise InspectError(f"{what} cannot be read ({e}); run inspect --verify") from e
 
 
-def _entries(store: Store, rollout_id: str) -> tuple[list[dict[str, Any]], dict[str, int]]:
+def _entries(store: Store, rollout_id: str) -> tuple[list[CallEntry], dict[str, int]]:
     """Staged calls and ledger failures of a rollout, interleaved by seq."""
-    records: list[StagedCallRecord] = _read(
+    records = _read(
         f"rollout {rollout_id!r}", lambda: store.calls(rollout_id, include_orphaned=True)
     )
     orphaned = store.source.orphaned()
     fulls: dict[str, array[int]] = {}
-    entries = []
+    entries: list[CallEntry] = []
     for r in records:
         parent = fulls.get(r.parent_call_id) if r.parent_call_id else None
         entries.append(staged_entry(r, parent, orphaned=r.call_id in orphaned))
@@ -168,8 +209,8 @@ def _entries(store: Store, rollout_id: str) -> tuple[list[dict[str, Any]], dict[
     return entries, {e["call_id"]: e["seq"] for e in entries}
 
 
-def _summary(info: RolloutInfo, entries: list[dict[str, Any]]) -> dict[str, Any]:
-    staged = [e for e in entries if e["status"] == CallStatus.STAGED.value]
+def _summary(info: RolloutInfo, entries: Sequence[_Counted]) -> RolloutSummary:
+    staged = [e for e in entries if e["status"] == "staged"]
     times = [t for t in map(entry_time, entries) if t]
     return {
         "rollout_id": info.rollout_id,
@@ -187,16 +228,16 @@ def _summary(info: RolloutInfo, entries: list[dict[str, Any]]) -> dict[str, Any]
     }
 
 
-def _counted_entries(store: Store, rollout_id: str) -> list[dict[str, Any]]:
+def _counted_entries(store: Store, rollout_id: str) -> list[_Counted]:
     """What `_summary` counts of a rollout, from call summaries: no token ids or messages are
     decoded, so listing a large store costs a few columns per call (``--verify`` reads it all).
     """
     summaries: list[CallSummary] = _read(
         f"rollout {rollout_id!r}", lambda: store.source.summaries(rollout_id)
     )
-    entries = [
+    entries: list[_Counted] = [
         {
-            "status": CallStatus.STAGED.value,
+            "status": "staged",
             "orphaned": s.orphaned,
             "prompt_tokens": s.prompt_len,
             "completion_tokens": s.completion_len,
@@ -208,7 +249,7 @@ def _counted_entries(store: Store, rollout_id: str) -> list[dict[str, Any]]:
     return entries
 
 
-def overview(store: Store) -> dict[str, Any]:
+def overview(store: Store) -> OverviewView:
     """Every rollout of the store, newest first, with its counts, tokens and time span."""
     rollouts = []
     for rollout_id in reversed(store.rollouts()):
@@ -217,7 +258,7 @@ def overview(store: Store) -> dict[str, Any]:
     return {"view": "rollouts", "store": store.url, "rollouts": rollouts}
 
 
-def _trajectory(store: Store, rollout_id: str) -> dict[str, Any]:
+def _trajectory(store: Store, rollout_id: str) -> TrajectorySummary | TrajectoryUnavailable:
     # The trajectory builder is the trainer's view; if it fails on this store, inspect still
     # shows everything else and says why the trajectory is missing.
     try:
@@ -236,7 +277,7 @@ def _trajectory(store: Store, rollout_id: str) -> dict[str, Any]:
     }
 
 
-def rollout_view(store: Store, rollout_id: str) -> dict[str, Any]:
+def rollout_view(store: Store, rollout_id: str) -> RolloutView:
     """A rollout's calls in order, staged and failed; KeyError for an unknown rollout."""
     if rollout_id not in store.rollouts():
         raise KeyError(rollout_id)
@@ -259,7 +300,7 @@ def find_call(store: Store, call_id: str) -> StagedCallRecord | LedgerEntry:
     """The staged record with that id, else the ledger entry; KeyError when neither exists."""
     try:
         (record,) = _read(f"call {call_id!r}", lambda: store.source.fetch([call_id]))
-        return record  # type: ignore[no-any-return]
+        return record
     except KeyError:
         pass
     for rollout_id in store.rollouts():
@@ -269,7 +310,7 @@ def find_call(store: Store, call_id: str) -> StagedCallRecord | LedgerEntry:
     raise KeyError(call_id)
 
 
-def _check(record: StagedCallRecord) -> dict[str, Any]:
+def _check(record: StagedCallRecord) -> DigestCheck:
     try:
         verify_record(record)
     except DigestMismatch as e:
@@ -277,8 +318,8 @@ def _check(record: StagedCallRecord) -> dict[str, Any]:
     return {"ok": True, "problem": None}
 
 
-def _tokens(record: StagedCallRecord, text: TokenText | None) -> dict[str, Any]:
-    out: dict[str, Any] = {
+def _tokens(record: StagedCallRecord, text: TokenText | None) -> TokensDetail:
+    out: TokensDetail = {
         "prompt_token_ids": record.prompt_token_ids.tolist(),
         "completion_token_ids": record.completion_token_ids.tolist(),
         "completion_logprobs": record.completion_logprobs.tolist(),
@@ -291,18 +332,18 @@ def _tokens(record: StagedCallRecord, text: TokenText | None) -> dict[str, Any]:
 
 def call_view(
     store: Store, call_id: str, *, tokens: bool = False, token_text: TokenText | None = None
-) -> dict[str, Any]:
+) -> CallView:
     """One call in full: request, response, tokens, digests and their check; or its failure."""
     found = find_call(store, call_id)
     if isinstance(found, LedgerEntry):
         return {"view": "call", "store": store.url, "call": failure_entry(found)}
     r = found
     (coords,) = store.coords([r.call_id])
-    call: dict[str, Any] = {
+    call: StagedCallDetail = {
         "rollout_id": r.rollout_id,
         "seq": r.seq,
         "call_id": r.call_id,
-        "status": r.status.value,
+        "status": _staged(r),
         "orphaned": r.call_id in store.source.orphaned(),
         "parent_call_id": r.parent_call_id,
         "retry_of": r.retry_of,
@@ -334,10 +375,10 @@ def call_view(
     return {"view": "call", "store": store.url, "call": call}
 
 
-def verify_view(store: Store) -> dict[str, Any]:
+def verify_view(store: Store) -> VerifyView:
     """Every digest and attachment checked; `ok` is false when any problem was found."""
     checked = len(list(store.source.all_keys()))
-    problems = [{"key": p.key, "message": p.message} for p in store.problems()]
+    problems: list[VerifyProblem] = [{"key": p.key, "message": p.message} for p in store.problems()]
     return {
         "view": "verify",
         "store": store.url,
@@ -400,12 +441,12 @@ class Follower:
         hit = self._parents.get(call_id)
         return hit[0] if hit is not None else None
 
-    def poll(self) -> list[dict[str, Any]]:
+    def poll(self) -> list[CallEntry]:
         new_keys = [k for k in self.store.source.all_keys() if k not in self.seen]
         self.seen.update(new_keys)
         records = self.store.source.fetch(new_keys) if new_keys else []
         orphaned = self.store.source.orphaned() if records else set()
-        entries = []
+        entries: list[CallEntry] = []
         for r in sorted(records, key=lambda r: (r.rollout_id, r.seq)):
             if self.rollout_id is not None and r.rollout_id != self.rollout_id:
                 continue

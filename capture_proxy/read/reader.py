@@ -17,6 +17,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ..errors import CaptureProxyError
 from ..schemas.digest import (
     DigestMismatch,
     MessageDigestCache,
@@ -41,7 +42,7 @@ class Problem:
     message: str
 
 
-class StoreCorrupted(Exception):
+class StoreCorrupted(CaptureProxyError):
     """`Store.verify` found problems; `.problems` lists every one of them."""
 
     def __init__(self, problems: list[Problem]) -> None:

@@ -44,6 +44,7 @@ from typing import Any
 
 import orjson
 
+from ..errors import CaptureProxyError
 from .records import RecordValidationError, StagedCallRecord
 from .version import DIGEST_VERSION
 
@@ -100,7 +101,7 @@ class EncodingError(RecordValidationError):
     """A value has no canonical encoding (NaN, a non-string key, an int beyond int64, ...)."""
 
 
-class DigestMismatch(ValueError):
+class DigestMismatch(CaptureProxyError, ValueError):
     """Stored bytes do not hash to the digest stored with them: the record was altered."""
 
     def __init__(self, key: str, what: str, expected: str, actual: str) -> None:

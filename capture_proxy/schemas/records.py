@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from ..errors import CaptureProxyError
 from .version import RECORD_SCHEMA_VERSION
 
 __all__ = [
@@ -46,7 +47,7 @@ ID_PATTERN = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
 
-class RecordValidationError(ValueError):
+class RecordValidationError(CaptureProxyError, ValueError):
     """A value cannot be part of a record; the message names the field (and position)."""
 
     def __init__(self, field_name: str, message: str, position: int | None = None) -> None:

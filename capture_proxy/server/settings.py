@@ -22,6 +22,8 @@ from typing import Any, get_type_hints
 
 import orjson
 
+from ..errors import CaptureProxyError
+
 __all__ = [
     "ENV_PREFIX",
     "Settings",
@@ -36,7 +38,7 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
 
-class SettingsError(ValueError):
+class SettingsError(CaptureProxyError, ValueError):
     """A setting has an invalid value; the message names the flag and the variable."""
 
 

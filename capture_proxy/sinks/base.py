@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+from ..errors import CaptureProxyError
 from ..schemas.records import (
     Attachment,
     CallSummary,
@@ -45,7 +46,7 @@ __all__ = [
 FaultHook = Callable[[str], None]
 
 
-class StoreError(Exception):
+class StoreError(CaptureProxyError):
     """A store cannot be opened or used (bad URL, missing file, unwritable)."""
 
 

@@ -26,7 +26,7 @@ from proxy_harness import Proxy, start_proxy, stop_proxy
 from capture_proxy.read.reader import open_store
 from capture_proxy.schemas.records import CallStatus, StagedCallRecord
 from capture_proxy.schemas.tokens import full_sequence
-from capture_proxy.testing.fake_vllm import FakeVLLM, Fault, ToolCall, Turn
+from capture_proxy.testing.fake_vllm import FakeToolCall, FakeVLLM, Fault, Turn
 from capture_proxy.testing.fake_vllm._template import decode, encode
 
 # opencode_binary: installs OpenCode (once per session) or fails the test saying why.
@@ -47,7 +47,7 @@ def script(*, title: Turn) -> Any:
         if not body.get("tools"):
             return title
         if not any(m.get("role") == "tool" for m in body["messages"]):
-            call = ToolCall("bash", {"command": "ls -la"})
+            call = FakeToolCall("bash", {"command": "ls -la"})
             return Turn("", reasoning=REASONING, tool_calls=[call])
         return Turn(FINAL, reasoning="The listing is done.")
 

@@ -16,6 +16,8 @@ from typing import Any, Literal
 import msgspec
 import orjson
 
+from ...errors import CaptureProxyError
+
 __all__ = [
     "CaptureExtractionError",
     "ClientWants",
@@ -29,7 +31,7 @@ __all__ = [
 ReasoningField = Literal["reasoning_content", "reasoning"]
 
 
-class CaptureExtractionError(Exception):
+class CaptureExtractionError(CaptureProxyError):
     """The answer is fine for the client but cannot be staged exactly.
 
     `reason` is a stable slug for metrics and the ledger: ``missing_token_ids``,
@@ -45,7 +47,7 @@ class CaptureExtractionError(Exception):
         self.client_body = client_body
 
 
-class UpstreamProtocolError(Exception):
+class UpstreamProtocolError(CaptureProxyError):
     """The upstream answer itself is broken; the client must not see it as a success.
 
     `reason`: ``malformed_json``, ``error_body``, ``error_event``, ``no_choices``,
@@ -140,7 +142,7 @@ class Function(msgspec.Struct, gc=False):
     arguments: str | None = None
 
 
-class ToolCall(msgspec.Struct, gc=False):
+class WireToolCall(msgspec.Struct, gc=False):
     index: int = 0
     id: str | None = None
     type: str | None = None
@@ -153,7 +155,7 @@ class Message(msgspec.Struct, gc=False):
     content: str | None = None
     reasoning: str | None = None
     reasoning_content: str | None = None
-    tool_calls: list[ToolCall] | None = None
+    tool_calls: list[WireToolCall] | None = None
 
 
 class Usage(msgspec.Struct, gc=False):
@@ -257,7 +259,7 @@ def to_ids(field: str, values: list[int]) -> array[int]:
     return ids
 
 
-def normalize_tool_call(tc: ToolCall) -> dict[str, Any]:
+def normalize_tool_call(tc: WireToolCall) -> dict[str, Any]:
     fn = tc.function or Function()
     return {
         "id": tc.id,

@@ -12,10 +12,12 @@ import re
 
 import msgspec
 
+from ...errors import CaptureProxyError
+
 __all__ = ["RequestValidationError", "from_msgspec_error", "json_type_name", "not_an_object"]
 
 
-class RequestValidationError(Exception):
+class RequestValidationError(CaptureProxyError):
     """A request the proxy refuses before forwarding anything.
 
     Attributes:

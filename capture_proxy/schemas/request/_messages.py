@@ -29,6 +29,7 @@ __all__ = [
     "UNSTORABLE_PARTS",
     "AssistantContentPart",
     "AssistantMessage",
+    "AssistantToolCall",
     "AudioURL",
     "AudioURLPart",
     "DeveloperMessage",
@@ -43,7 +44,6 @@ __all__ = [
     "RefusalPart",
     "SystemMessage",
     "TextPart",
-    "ToolCall",
     "ToolMessage",
     "UserContentPart",
     "UserMessage",
@@ -155,7 +155,7 @@ class FunctionCall(Strict):
     arguments: str
 
 
-class ToolCall(Strict):
+class AssistantToolCall(Strict):
     """``{"id", "type": "function", "function": {"name", "arguments"}}``."""
 
     id: NonEmptyStr
@@ -188,7 +188,7 @@ class AssistantMessage(Strict, tag="assistant", tag_field="role"):
 
     content: AssistantContent = None
     reasoning_content: str | None = None
-    tool_calls: Annotated[list[ToolCall], Meta(max_length=MAX_TOOL_CALLS)] | None = None
+    tool_calls: Annotated[list[AssistantToolCall], Meta(max_length=MAX_TOOL_CALLS)] | None = None
     name: str | None = None
     refusal: str | None = None
 

@@ -55,7 +55,7 @@ from ._layout import (
     read_table,
     unit_files,
 )
-from ._ledger import Ledger
+from ._ledger import LedgerState
 
 __all__ = ["gc_parquet", "load_markers", "replace_units"]
 
@@ -135,7 +135,7 @@ def gc_parquet(
 
 
 def _plan(dfs: DatasetFS, live: Sequence[Marker], cutoff_ms: int) -> _Plan:
-    ledger = Ledger()
+    ledger = LedgerState()
     ledger_rows = []
     for m in live:
         rows = read_table(dfs, m.files[LEDGER]).to_pylist() if LEDGER in m.files else []

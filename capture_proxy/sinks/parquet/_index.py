@@ -18,7 +18,7 @@ import pyarrow as pa
 
 from ._fs import DatasetFS
 from ._layout import ATTACHMENTS, BLOBS, CALLS, LEDGER, Marker, read_groups, read_table
-from ._ledger import Ledger
+from ._ledger import LedgerState
 
 __all__ = ["LRU", "CallRef", "Index", "Known", "Where", "ids_from_bytes"]
 
@@ -103,7 +103,7 @@ class Index:
     by_rollout: dict[str, list[str]] = field(default_factory=dict)
     blobs: dict[str, Where] = field(default_factory=dict)
     attachments: dict[str, Where] = field(default_factory=dict)
-    ledger: Ledger = field(default_factory=Ledger)
+    ledger: LedgerState = field(default_factory=LedgerState)
 
     def add_unit(self, dfs: DatasetFS, unit: Marker, keep: Keep | None = None) -> None:
         """Index `unit`. A small unit's files are read whole, once, and each row group handed to

@@ -16,7 +16,7 @@ import orjson
 
 from ...schemas.records import CallStatus, LedgerEntry, RolloutInfo, RolloutState
 
-__all__ = ["Ledger", "failure_row", "orphan_row", "rollout_row"]
+__all__ = ["LedgerState", "failure_row", "orphan_row", "rollout_row"]
 
 
 def rollout_row(info: RolloutInfo) -> dict[str, Any]:
@@ -56,7 +56,7 @@ def orphan_row(call_id: str, rollout_id: str | None, reason: str, at_ms: int) ->
     }
 
 
-class Ledger:
+class LedgerState:
     """Ledger state folded from rows in commit order."""
 
     def __init__(self) -> None:

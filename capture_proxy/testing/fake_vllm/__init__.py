@@ -6,20 +6,44 @@
 
 from __future__ import annotations
 
+import warnings
+from typing import Any
+
 from ._app import (
+    FakeToolCall,
     FakeVLLM,
     Fault,
-    ToolCall,
     Turn,
     main,
     serve_fake,
 )
 
 __all__ = [
+    "FakeToolCall",
     "FakeVLLM",
     "Fault",
-    "ToolCall",
     "Turn",
     "main",
     "serve_fake",
 ]
+
+
+def deprecated_alias(module: str, name: str) -> Any:
+    """The value of a name the fake's modules kept for one release after a rename, with a warning.
+
+    ``ToolCall`` was renamed `FakeToolCall`: the request schema and the vLLM adapter each have a
+    tool call class of their own, and one public name should say which it is.
+    """
+    if name != "ToolCall":
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+    warnings.warn(
+        f"{module}.ToolCall is deprecated and will be removed in the next release: "
+        "use FakeToolCall",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return FakeToolCall
+
+
+def __getattr__(name: str) -> Any:
+    return deprecated_alias(__name__, name)

@@ -8,7 +8,8 @@ scripted `Turn` s, else from ``script(request)``, else a default echo answer.
 In a test::
 
     fake = FakeVLLM()
-    fake.push(Turn("", reasoning="look first", tool_calls=[ToolCall("bash", {"command": "ls"})]))
+    ls = FakeToolCall("bash", {"command": "ls"})
+    fake.push(Turn("", reasoning="look first", tool_calls=[ls]))
     client = await aiohttp_client(fake.app())
     ...
     assert fake.responses[0]["completion_token_ids"] == staged.completion_token_ids
@@ -36,7 +37,7 @@ from aiohttp import web
 
 from ._answer import answer_for
 from ._faults import Fault, FaultKind
-from ._generation import ToolCall, Turn, default_turn
+from ._generation import FakeToolCall, Turn, default_turn
 from ._http import (
     complete_response,
     fault_response,
@@ -49,7 +50,7 @@ from ._protocol import model_list
 from ._template import decode, encode, reasoning_keys_for, render_chat, token_text
 from ._validate import RequestError, check_model, output_limit, require_messages
 
-__all__ = ["FakeVLLM", "Fault", "ToolCall", "Turn", "main", "serve_fake"]
+__all__ = ["FakeToolCall", "FakeVLLM", "Fault", "Turn", "main", "serve_fake"]
 
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 

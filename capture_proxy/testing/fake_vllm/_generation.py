@@ -36,9 +36,9 @@ from ._template import (
 )
 
 __all__ = [
+    "FakeToolCall",
     "Plan",
     "PlannedCall",
-    "ToolCall",
     "Turn",
     "default_turn",
     "message_parts",
@@ -52,7 +52,7 @@ _POST_REASONING = frozenset({"content", "sep", "tool_head", "tool_args", "tool_t
 
 
 @dataclass
-class ToolCall:
+class FakeToolCall:
     """A tool call the scripted model makes: generated as a hermes ``<tool_call>`` block."""
 
     name: str
@@ -70,7 +70,7 @@ class Turn:
 
     content: str = ""
     reasoning: str | None = None
-    tool_calls: list[ToolCall] = field(default_factory=list)
+    tool_calls: list[FakeToolCall] = field(default_factory=list)
     finish_reason: str | None = None
     fault: Fault | None = None
 
