@@ -147,3 +147,17 @@ async def test_chat_without_an_upstream_says_how_to_give_one(tmp_path: Path) -> 
     finally:
         await client.close()
     assert _stored(tmp_path, "ep") == ([], [("upstream_error", "no_upstream")])
+
+
+async def test_a_new_client_on_the_same_store_continues_the_rollout(
+    tmp_path: Path, fake: tuple[FakeVLLM, str]
+) -> None:
+    _, base = fake
+    for _ in range(2):  # two processes' worth of clients, one after the other
+        client = _client(tmp_path, base)
+        try:
+            result = await client.chat("ep", chat_body(user("hi")))
+            assert result.status is CallStatus.STAGED
+        finally:
+            await client.close()
+    assert _stored(tmp_path, "ep") == ([0, 1], [])

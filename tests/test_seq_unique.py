@@ -24,6 +24,7 @@ from capture_proxy.read.reader import Store, StoreCorrupted
 from capture_proxy.schemas.records import CallStatus, LedgerEntry
 from capture_proxy.sinks.base import DuplicateSeq
 from capture_proxy.sinks.codec import encode_record
+from capture_proxy.sinks.memory import MemorySink
 from capture_proxy.sinks.parquet import ParquetSink, ParquetSource
 from capture_proxy.sinks.registry import open_sink
 from capture_proxy.sinks.sqlite import SQLiteSink, SQLiteSource
@@ -129,13 +130,14 @@ async def test_a_reopened_store_still_refuses_duplicates(tmp_path: Path, kind: s
 async def test_a_duplicate_the_store_refuses_is_capture_failed_naming_the_seq(
     tmp_path: Path,
 ) -> None:
-    # A library client without a reader on its store cannot resume a rollout: its first call
-    # after a restart takes seq 0 again. The store refuses it, loudly.
+    # A client whose reader does not see its store (here: an empty in-process one) cannot resume
+    # a rollout: its first call after a restart takes seq 0 again. The store refuses it, loudly.
     url = f"sqlite:///{tmp_path / 'lib.db'}"
     answer = orjson.loads((FIXTURES / "chat-response.json").read_bytes())
     body = {"model": "policy", "messages": [{"role": "user", "content": "x"}]}
+    blind = MemorySink("memory://blind")
     for expected in ("staged", "capture_failed"):
-        client = CaptureClient(open_sink(url))
+        client = CaptureClient(open_sink(url), source=lambda: blind)
         call = await client.begin_call("ep", body)
         result = await client.complete_call(call, answer)
         assert result.status == expected
