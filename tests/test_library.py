@@ -10,7 +10,6 @@ import aiohttp
 import orjson
 import pytest
 from aiohttp.test_utils import TestServer
-from proxy_harness import chat_body, start_proxy, stop_proxy, user
 
 from capture_proxy.core.policy import RequestPolicy
 from capture_proxy.library import CaptureClient
@@ -19,6 +18,7 @@ from capture_proxy.schemas.request import RequestValidationError
 from capture_proxy.sinks.registry import open_sink, open_source
 from capture_proxy.testing.fake_vllm import FakeVLLM, ToolCall, Turn
 from capture_proxy.upstream.client import Upstream
+from tests.support.proxy_harness import chat_body, start_proxy, stop_proxy, user
 
 TOOLS = [{"type": "function", "function": {"name": "bash", "parameters": {"type": "object"}}}]
 IDS_AND_TIMES = {"call_id", "created_at_ms", "digest", "parent_call_id", "retry_of"}
