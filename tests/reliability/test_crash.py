@@ -72,6 +72,7 @@ class Worker:
         ]
 
 
+@pytest.mark.slow  # rounds of a real worker process killed mid-write: ~10-20 s per sink
 @pytest.mark.parametrize("kind", ["sqlite", "parquet"])
 def test_sigkill_loses_no_acknowledged_record(tmp_path: Path, kind: str) -> None:
     store = (

@@ -16,9 +16,9 @@ from capture_proxy.read.reader import open_store
 from scripts import crash_loop, soak
 from tests.support.proxy_harness import chat_body, start_proxy, stop_proxy, user
 
-pytestmark = pytest.mark.slow
 
-
+# slow: real processes under load, ~25 s per sink. The checks of the checks below stay fast.
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["sqlite", "parquet"])
 async def test_sigkill_under_load_loses_nothing_acknowledged(kind: str, tmp_path: Path) -> None:
     # check_store runs after every round and raises Violation if an acknowledged call is missing,
@@ -54,6 +54,7 @@ def test_store_check_catches_a_lost_acknowledged_call(tmp_path: Path) -> None:
         crash_loop.check_store(url, {real: "another-rollout"})
 
 
+@pytest.mark.slow  # 12 s of load per sink
 @pytest.mark.parametrize("kind", ["sqlite", "parquet"])
 async def test_short_soak_keeps_counts_memory_and_descriptors(kind: str, tmp_path: Path) -> None:
     report = await soak.soak(kind, tmp_path, minutes=0.2, concurrency=32, sample_every=2.0)
