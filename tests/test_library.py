@@ -45,7 +45,7 @@ def _logical(record: Any) -> dict[str, Any]:
 
 @pytest.mark.parametrize("stream", [False, True])
 async def test_proxy_and_library_stage_identical_records(tmp_path: Path, stream: bool) -> None:
-    policy = {"policy_defaults": {"temperature": 0.5}, "max_tokens_cap": 64}
+    policy: dict[str, Any] = {"policy_defaults": {"temperature": 0.5}, "max_tokens_cap": 64}
     first = chat_body(user("list files"), tools=TOOLS, tool_choice="auto", stream=stream)
 
     # Through the proxy.

@@ -44,7 +44,7 @@ def fixture(name: str) -> Any:
 
 def client_request(name: str, **extra: Any) -> dict[str, Any]:
     """The fixture's request as OpenCode would send it: without the capture keys."""
-    req = fixture(name)
+    req: dict[str, Any] = fixture(name)
     for key in CAPTURE_KEYS:
         req.pop(key, None)
     req.update(extra)

@@ -422,15 +422,13 @@ def generic_relay(data: bytes, wants: ClientWants) -> bytes:
     return b"data: " + (data if stripped is None else encode(stripped)) + b"\n\n"
 
 
-WANTS = [
-    plan_for(**asks).wants
-    for asks in (
-        {},
-        {"logprobs": True},
-        {"return_token_ids": True},
-        {"logprobs": True, "return_token_ids": True},
-    )
+ASKS: list[dict[str, Any]] = [
+    {},
+    {"logprobs": True},
+    {"return_token_ids": True},
+    {"logprobs": True, "return_token_ids": True},
 ]
+WANTS = [plan_for(**asks).wants for asks in ASKS]
 
 
 @pytest.mark.parametrize("stream", [CHAT_SSE, TOOL_SSE], ids=["chat", "tool"])

@@ -47,9 +47,9 @@ async def fill(sink: StagingSink, *, turns: int = 4) -> list[StagedCallRecord]:
             finish_reason="stop",
             request={"model": "tiny-qwen", "messages": [{"role": "user", "content": "Title?"}]},
             response={"role": "assistant", "content": "A title"},
-            prompt_token_ids=[5, 6, 7],
-            completion_token_ids=[8],
-            completion_logprobs=[-0.5],
+            prompt_token_ids=array("i", [5, 6, 7]),
+            completion_token_ids=array("i", [8]),
+            completion_logprobs=array("f", [-0.5]),
         )
     )
     assert (await sink.stage(title)).status is CallStatus.STAGED
@@ -118,7 +118,7 @@ async def test_per_call_parquet_read_by_pyarrow_and_duckdb(
         assert row["digest"] == r.digest
         assert orjson.loads(row["request"]) == r.request
         assert orjson.loads(row["response"]) == r.response
-    got = duckdb.sql(
+    got = duckdb.execute(
         "SELECT call_id, prompt_token_ids, completion_logprobs, weight_version, finish_reason "
         f"FROM read_parquet('{out}') ORDER BY rollout_id, seq"
     ).fetchall()
@@ -140,7 +140,7 @@ async def test_per_call_jsonl(store: tuple[str, list[StagedCallRecord]], tmp_pat
         r = by_id[line["call_id"]]
         assert line["completion_token_ids"] == r.completion_token_ids.tolist()
         assert _f32(line["completion_logprobs"]) == r.completion_logprobs.tobytes()
-    ((n, tokens),) = duckdb.sql(
+    ((n, tokens),) = duckdb.execute(
         "SELECT count(*), sum(len(prompt_token_ids)) "
         f"FROM read_json('{out}', format='newline_delimited')"
     ).fetchall()
@@ -173,10 +173,10 @@ async def test_per_trajectory(
             assert row["calls"] == traj.calls
             assert row["apart"] == traj.apart
     summary = dict(
-        duckdb.sql(f"SELECT rollout_id, n_drift FROM {q} ORDER BY rollout_id").fetchall()
+        duckdb.execute(f"SELECT rollout_id, n_drift FROM {q} ORDER BY rollout_id").fetchall()
     )
     assert summary == {"ra": 0, "rb": 1}
-    apart = duckdb.sql(f"SELECT apart FROM {q} WHERE rollout_id = 'ra'").fetchall()
+    apart = duckdb.execute(f"SELECT apart FROM {q} WHERE rollout_id = 'ra'").fetchall()
     assert apart == [(["ra-title"],)]
 
 

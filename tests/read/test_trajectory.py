@@ -50,9 +50,9 @@ def call(
             finish_reason="stop",
             request=request,
             response={"role": "assistant", "content": f"answer {i}"},
-            prompt_token_ids=prompt,
-            completion_token_ids=completion,
-            completion_logprobs=[-(k + 1) / 8 for k in range(len(completion))],
+            prompt_token_ids=array("i", prompt),
+            completion_token_ids=array("i", completion),
+            completion_logprobs=array("f", [-(k + 1) / 8 for k in range(len(completion))]),
             retry_of=retry_of,
             weight_version=wv,
         )

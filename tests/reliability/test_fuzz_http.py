@@ -639,6 +639,7 @@ def test_openapi_describes_exactly_the_proxy_routes() -> None:
 def test_schemathesis_finds_no_server_error_and_no_undocumented_answer(tmp_path: Path) -> None:
     import schemathesis  # a test dependency: this check never skips
     from schemathesis import checks
+    from schemathesis.core.result import Ok
     from schemathesis.specs.openapi import checks as openapi_checks  # noqa: F401
 
     from tests.support.reliability_workers import start_proxy as serve
@@ -664,7 +665,10 @@ def test_schemathesis_finds_no_server_error_and_no_undocumented_answer(tmp_path:
         # Each operation gets its own bounded run (drawing 200 cases from the whole schema missed
         # one now and then); 16 each makes about the same ~200 calls, as operations without
         # parameters stop after their one possible case.
-        operations = [result.ok() for result in schema.get_all_operations()]
+        operations = []
+        for result in schema.get_all_operations():
+            assert isinstance(result, Ok), result  # every operation of the description is usable
+            operations.append(result.ok())
         for operation in operations:
             fuzz = given(operation.as_strategy())(check)
             settings(max_examples=16, deadline=None, database=None)(fuzz)()

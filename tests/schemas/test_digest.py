@@ -48,9 +48,9 @@ def minimal() -> StagedCallRecord:
             finish_reason="stop",
             request={"messages": [{"role": "user", "content": "hi"}]},
             response={"role": "assistant", "content": "hello"},
-            prompt_token_ids=[1, 2, 3],
-            completion_token_ids=[4],
-            completion_logprobs=[-0.5],
+            prompt_token_ids=array("i", [1, 2, 3]),
+            completion_token_ids=array("i", [4]),
+            completion_logprobs=array("f", [-0.5]),
         )
     )
 
@@ -120,9 +120,9 @@ def rich(image_sha: str = "5f" * 32) -> StagedCallRecord:
                     }
                 ],
             },
-            prompt_token_ids=[151644, 8948, 198, 0, 2147483647, 42],
-            completion_token_ids=[151657, 515, 151658],
-            completion_logprobs=[-0.0, -1.25, -17.5],
+            prompt_token_ids=array("i", [151644, 8948, 198, 0, 2147483647, 42]),
+            completion_token_ids=array("i", [151657, 515, 151658]),
+            completion_logprobs=array("f", [-0.0, -1.25, -17.5]),
             parent_call_id="call-0041",
             retry_of="call-0040",
             created_at_ms=1764441600123,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from array import array
 from typing import Any
 
 import pytest
@@ -50,9 +51,9 @@ def record(tools: Any, seq: int = 0) -> StagedCallRecord:
             "temperature": 0.5,
         },
         response={"role": "assistant", "content": "ok"},
-        prompt_token_ids=[1, 2, 3],
-        completion_token_ids=[4],
-        completion_logprobs=[-0.5],
+        prompt_token_ids=array("i", [1, 2, 3]),
+        completion_token_ids=array("i", [4]),
+        completion_logprobs=array("f", [-0.5]),
     )
 
 

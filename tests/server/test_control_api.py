@@ -176,7 +176,7 @@ async def test_manifest_survives_a_restart(tmp_path: Any) -> None:
 async def test_control_api_on_its_own_port(make_proxy: Any) -> None:
     p = await make_proxy(admin_token=TOKEN, admin_port=1)  # any non-zero: main app has no /admin
     assert (await p.client.post("/admin/rollouts", json={}, headers=ADMIN)).status == 404
-    admin = TestClient(TestServer(create_admin_app(p.client.app)))  # type: ignore[arg-type]
+    admin = TestClient(TestServer(create_admin_app(p.client.app)))
     await admin.start_server()
     try:
         resp = await admin.post("/admin/rollouts", json={"rollout_id": "x"}, headers=ADMIN)

@@ -7,6 +7,7 @@ from typing import Any
 
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageFunctionToolCall
 
 from capture_proxy.read.reader import open_store
 from capture_proxy.schemas.records import CallStatus
@@ -40,7 +41,10 @@ async def test_sdk_tool_call_round_trip_non_streaming(make_proxy: Any) -> None:
     )
     assert raw.headers["x-capture-status"] == "staged"
     first = raw.parse()
-    call = first.choices[0].message.tool_calls[0]  # type: ignore[index]
+    tool_calls = first.choices[0].message.tool_calls
+    assert tool_calls is not None
+    call = tool_calls[0]
+    assert isinstance(call, ChatCompletionMessageFunctionToolCall)
     assert call.function.name == "bash"
     assert json.loads(call.function.arguments) == {"command": "ls"}
     messages += [

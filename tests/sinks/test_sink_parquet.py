@@ -583,13 +583,13 @@ async def test_same_traffic_through_two_proxies_same_token_data(tmp_path: Path) 
             ),
             Turn("All green now.", reasoning="done"),
         )
-        sink = sink_cls(location)  # type: ignore[operator]
+        sink = sink_cls(location)
         proxy = await start_proxy(tmp_path / kind, fake=fake, sink=sink)
         try:
             ids = await _opencode_session(proxy)
         finally:
             await stop_proxy(proxy)  # closes the sink
-        source = source_cls(location)  # type: ignore[operator]
+        source = source_cls(location)
         records = source.calls("sess")
         assert [r.call_id for r in records] == ids
         seq_of = {r.call_id: r.seq for r in records}

@@ -38,7 +38,7 @@ class Proxy:
 
     @property
     def state(self) -> ProxyState:
-        return self.client.app[STATE]  # type: ignore[index]
+        return self.client.app[STATE]
 
     def source(self) -> StagingSource:
         if isinstance(self.sink, MemorySink):
@@ -60,7 +60,7 @@ class Proxy:
         try:
             return src.calls(rollout)
         finally:
-            if src is not self.sink:
+            if not isinstance(self.sink, MemorySink):  # a reader of its own: close it
                 src.close_reader()
 
     def failures(self, rollout: str = "r1") -> list[LedgerEntry]:
@@ -68,7 +68,7 @@ class Proxy:
         try:
             return src.failures(rollout)
         finally:
-            if src is not self.sink:
+            if not isinstance(self.sink, MemorySink):
                 src.close_reader()
 
 
@@ -86,7 +86,10 @@ async def start_proxy(
     store_url = f"sqlite:///{tmp_path / 'store.db'}"
     if sink is None:
         sink = open_sink(store_url)
-    values = {"upstream": str(upstream.make_url("")).rstrip("/"), "store": store_url}
+    values: dict[str, Any] = {
+        "upstream": str(upstream.make_url("")).rstrip("/"),
+        "store": store_url,
+    }
     values.update(settings)
     names = {f.name for f in dataclasses.fields(Settings)}
     app = create_app(Settings(**{k: v for k, v in values.items() if k in names}), sink=sink)

@@ -93,7 +93,7 @@ class Spawned:
         """The URL the process announced; raises with its output if it did not start."""
         if not self._ready.wait(timeout):
             self.kill()
-            raise RuntimeError(f"{self.proc.args} did not start:\n{self.output()}")
+            raise RuntimeError(f"{self.proc.args!r} did not start:\n{self.output()}")
         return self.url
 
     def kill(self) -> int:

@@ -136,7 +136,7 @@ class Session:
         prompt = array("i", self.full[:drift_at] if drift_at is not None else self.full)
         prompt.extend(_tokens(self.rng, new_prompt))
         out = array("i", _tokens(self.rng, completion))
-        logprobs = [-self.rng.random() * 5 for _ in range(completion)]
+        logprobs = array("f", [-self.rng.random() * 5 for _ in range(completion)])
         call_id = f"{self.prefix}-c{self.seq}"
         response = {
             "role": "assistant",
@@ -192,7 +192,10 @@ class SinkCase(Protocol):
         ...
 
 
-SinkFactory = Callable[[Path, FaultHook | None], SinkCase]
+class SinkFactory(Protocol):
+    """A `SinkCase` class: ``factory(tmp_path)``, or ``factory(tmp_path, fault)``."""
+
+    def __call__(self, tmp_path: Path, fault: FaultHook | None = None, /) -> SinkCase: ...
 
 
 def _flip_json_letter(data: bytes) -> bytes:
