@@ -1,6 +1,6 @@
 """SIGKILL a process that is staging, at random moments, round after round on the same store:
 every record it acknowledged is there and verifies, nothing is torn, and the store still opens
-for writing. Both sinks, one worker (tests/crash_worker.py). (Power loss is argued in
+for writing. Both sinks, one worker (tests/support/crash_worker.py). (Power loss is argued in
 docs/storage.md; a kill is what a test can do.)
 """
 

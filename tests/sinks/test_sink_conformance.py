@@ -1,5 +1,5 @@
-"""The suite every sink passes (`tests/sink_factories.py` registers them): what `StagingSink` and
-`StagingSource` promise, checked through each backend's own files.
+"""The suite every sink passes (`tests/support/sink_factories.py` registers them): what
+`StagingSink` and `StagingSource` promise, checked through each backend's own files.
 """
 
 from __future__ import annotations

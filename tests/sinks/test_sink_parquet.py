@@ -418,7 +418,7 @@ def test_disk_full_fails_the_batch_then_recovers(tmp_path: Path) -> None:
     assert not list(ds.rglob("*.tmp"))
 
 
-# The SIGKILL test for this sink runs in tests/test_crash.py (one worker for both sinks).
+# The SIGKILL test for this sink is in tests/reliability/test_crash.py (one worker, both sinks).
 
 
 async def _worker_diskfull(ds: Path) -> None:

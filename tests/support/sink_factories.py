@@ -3,7 +3,7 @@
 `SINKS` maps a sink kind to a factory ``factory(tmp_path, fault=None) -> SinkCase``. A `SinkCase`
 holds the `sink` to write through, opens a fresh reader on the same store (`reopen`), and knows
 how to damage the store behind the sink's back (`tamper`) and count stored attachments, so
-`tests/test_sink_conformance.py` can hold every backend to the same suite. A new backend
+`tests/sinks/test_sink_conformance.py` can hold every backend to the same suite. A new backend
 registers here and must pass that suite.
 
 `Session` builds the sealed records of a multi-turn agent session (a growing conversation, token
