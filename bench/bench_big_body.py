@@ -26,12 +26,8 @@ from typing import Any
 
 import aiohttp
 import orjson
-
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent / "tests"))
-from procstat import peak_rss_mb, reset_peak_rss, rss_mb  # noqa: E402
-from reliability_workers import start_proxy  # noqa: E402
+from bench_proxy import Proc  # bench/ is a folder of scripts run by path: siblings import flat
+from procstat import peak_rss_mb, reset_peak_rss, rss_mb
 
 SHAPES = ("numbers", "empty_objects", "tool_parameters")
 _SMALL = {"model": "policy", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -128,19 +124,21 @@ def main() -> None:
             parser.error(f"unknown shape {s!r}; choose from {', '.join(SHAPES)}")
     with tempfile.TemporaryDirectory(prefix="bench-big-body-") as tmp:
         store = f"sqlite:///{tmp}/capture.db"
-        proxy = start_proxy("fake", store, *args.proxy_arg)
+        argv = [sys.executable, "-m", "capture_proxy", "serve", "--upstream", "fake"]
+        argv += ["--store", store, "--port", "0", "--min-free-disk-mb", "64", *args.proxy_arg]
+        proxy = Proc("proxy", argv, Path(tmp))
         try:
-            base = proxy.wait_ready()
+            base = proxy.url
             rows = []
             for shape in shapes:
                 row = asyncio.run(run_shape(base, proxy.pid, shape, args.mib))
                 rows.append(row)
                 print(orjson.dumps(row).decode(), flush=True)
-                if proxy.proc.poll() is not None:
-                    print(f"the proxy exited with {proxy.proc.returncode}", flush=True)
+                if proxy.popen.poll() is not None:
+                    print(f"the proxy exited with {proxy.popen.returncode}", flush=True)
                     break
         finally:
-            proxy.terminate()
+            proxy.stop()
     print()
     print("| shape | body MiB | big call | took s | worst small-call stall s | peak RSS MB |")
     print("|---|---|---|---|---|---|")

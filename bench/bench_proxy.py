@@ -41,10 +41,12 @@ from typing import Any
 
 import orjson
 
+# bench/ is a folder of scripts run by path (`python bench/bench_proxy.py`): Python puts the
+# script's folder first on sys.path, so its siblings import by name.
+from procstat import cpu_seconds, peak_rss_mb, reset_peak_rss
+from report import render_markdown, summarize
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from procstat import cpu_seconds, peak_rss_mb, reset_peak_rss  # noqa: E402
-from report import render_markdown, summarize  # noqa: E402
 
 PY = sys.executable
 TARGETS = ("direct", "passthrough", "sqlite", "parquet")

@@ -25,13 +25,10 @@ import asyncio
 import random
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 import orjson
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from workload import TURNS, build_workload, tag_request
 
 

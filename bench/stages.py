@@ -16,15 +16,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 import orjson
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from workload import TURNS, build_workload, tag_request
 
 from capture_proxy.adapters.vllm import VLLMAdapter

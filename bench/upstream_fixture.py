@@ -22,13 +22,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import sys
-from pathlib import Path
 
 import orjson
 from aiohttp import web
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from workload import Workload, build_workload, turn_of
 
 __all__ = ["make_app"]

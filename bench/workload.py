@@ -5,9 +5,9 @@ about 30 KB (two system prompts, ten tool definitions, a short history with a to
 result, replayed reasoning) and vLLM 0.32 answers with about 16k prompt token ids and 1,024
 completion tokens with logprobs (about 200 KB of JSON). The answers are built with the shapes and
 key order of ``tests/fixtures/vllm-0.32.0`` (the fake vLLM's protocol module, which
-``tests/test_fake_vllm.py`` checks against those fixtures), with token ids spread over a 151k
-vocabulary as a Qwen tokenizer gives them and tokens of a few characters, so their byte size and
-digit counts are realistic.
+``tests/testing/test_fake_vllm.py`` checks against those fixtures), with token ids spread over a
+151k vocabulary as a Qwen tokenizer gives them and tokens of a few characters, so their byte size
+and digit counts are realistic.
 
 Sessions, not one answer repeated: there are `TURNS` answers, and turn t's prompt is turn t-1's
 prompt + completion + a tool result of `TOOL_RESULT_TOKENS` tokens, as in an agent session (the

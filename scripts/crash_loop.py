@@ -1,7 +1,7 @@
 """SIGKILL ``capture-proxy serve`` at random moments under load, round after round, on one store.
 
-    python scripts/crash_loop.py --store sqlite --rounds 20 [--seed N] [--concurrency 16]
-    python scripts/crash_loop.py --store parquet --rounds 20
+    python -m scripts.crash_loop --store sqlite --rounds 20 [--seed N] [--concurrency 16]
+    python -m scripts.crash_loop --store parquet --rounds 20
 
 Each round starts a real proxy process on the same store (no manual step between rounds) in front
 of the fake vLLM (its own process), sends agent-like traffic (multi-turn sessions, about half of
@@ -16,7 +16,7 @@ SIGKILL after a random, seeded delay. Then, with the proxy dead:
 The sessions carry on into the next round, so each restarted proxy resumes their rollouts from the
 store (it logs ``resumed rollout ... from the store``). A last round stops the proxy with SIGTERM
 and every rollout's trajectory is built. Prints one JSON line per round and a JSON summary; exits
-1 at the first violation. ``tests/test_reliability_crash.py`` runs a short variant in CI.
+1 at the first violation. ``tests/reliability/test_reliability_crash.py`` runs a short variant.
 """
 
 from __future__ import annotations
@@ -33,11 +33,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-from reliability_workers import Loader, start_fake, start_proxy
-
 from capture_proxy.read.reader import open_store
+from tests.support.reliability_workers import Loader, start_fake, start_proxy
 
 
 class Violation(AssertionError):

@@ -5,7 +5,7 @@
 
 From Python (the test suite)::
 
-    from opencode_env import opencode_run
+    from scripts.opencode_env import opencode_run
     done = opencode_run(base_url, "list the files", files=[png], cwd=tmp, timeout=120)
 
 OpenCode is installed once into `<cache>/opencode-<version>/` (cache: `$CAPTURE_PROXY_CACHE`, else

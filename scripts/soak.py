@@ -1,7 +1,7 @@
 """Soak ``capture-proxy serve``: steady agent-like load for minutes; memory and descriptors.
 
-    python scripts/soak.py --minutes 10 --concurrency 64 --store sqlite
-    python scripts/soak.py --minutes 10 --concurrency 64 --store parquet
+    python -m scripts.soak --minutes 10 --concurrency 64 --store sqlite
+    python -m scripts.soak --minutes 10 --concurrency 64 --store parquet
 
 The proxy and the fake vLLM each run as their own process on loopback; this process plays
 `--concurrency` sandboxes (multi-turn sessions, about half streamed, some with images). Every
@@ -13,8 +13,9 @@ and a sample of them must fetch and verify.
 
 Prints each sample as a JSON line, then a JSON report with the RSS slope (MiB per minute, a
 least-squares fit after the first fifth of the run), descriptors at start and end, staged counts
-and latency percentiles. Exits 1 when a check fails. ``tests/test_reliability_crash.py`` runs a
-short variant in CI; docs/reports/reliability.md records the 10-minute figures.
+and latency percentiles. Exits 1 when a check fails.
+``tests/reliability/test_reliability_crash.py`` runs a short variant in CI;
+docs/reports/reliability.md records the 10-minute figures.
 """
 
 from __future__ import annotations
@@ -34,11 +35,8 @@ from typing import Any
 
 import aiohttp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-from reliability_workers import Loader, open_fds, rss_mb, start_fake, start_proxy
-
 from capture_proxy.read.reader import open_store
+from tests.support.reliability_workers import Loader, open_fds, rss_mb, start_fake, start_proxy
 
 _STAGED = re.compile(r'^capture_proxy_calls_total\{outcome="staged",reason="ok"\} (\S+)$', re.M)
 _ADMIN = "soak-admin-token"

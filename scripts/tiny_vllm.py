@@ -7,7 +7,7 @@ Nothing here touches a model hub: the model and its tokenizer are built locally 
 
 From Python (the test suite)::
 
-    from tiny_vllm import prepare, start, stop
+    from scripts.tiny_vllm import prepare, start, stop
     paths = prepare(cache_dir)          # venv + model, reused when already built
     proc = start(cache_dir, port)       # returns once GET /health answers 200
     ...                                 # http://127.0.0.1:{port}/v1, model name "policy"

@@ -10,7 +10,6 @@ import aiohttp
 import orjson
 import pytest
 from aiohttp.test_utils import TestServer
-from proxy_harness import chat_body, start_proxy, stop_proxy, user
 
 from capture_proxy.core.policy import RequestPolicy
 from capture_proxy.library import CaptureClient
@@ -19,6 +18,7 @@ from capture_proxy.schemas.request import RequestValidationError
 from capture_proxy.sinks.registry import open_sink, open_source
 from capture_proxy.testing.fake_vllm import FakeToolCall, FakeVLLM, Turn
 from capture_proxy.upstream import HTTPUpstream
+from tests.support.proxy_harness import chat_body, start_proxy, stop_proxy, user
 
 TOOLS = [{"type": "function", "function": {"name": "bash", "parameters": {"type": "object"}}}]
 IDS_AND_TIMES = {"call_id", "created_at_ms", "digest", "parent_call_id", "retry_of"}
@@ -45,7 +45,7 @@ def _logical(record: Any) -> dict[str, Any]:
 
 @pytest.mark.parametrize("stream", [False, True])
 async def test_proxy_and_library_stage_identical_records(tmp_path: Path, stream: bool) -> None:
-    policy = {"policy_defaults": {"temperature": 0.5}, "max_tokens_cap": 64}
+    policy: dict[str, Any] = {"policy_defaults": {"temperature": 0.5}, "max_tokens_cap": 64}
     first = chat_body(user("list files"), tools=TOOLS, tool_choice="auto", stream=stream)
 
     # Through the proxy.

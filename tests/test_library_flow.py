@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 from aiohttp.test_utils import TestServer
-from proxy_harness import chat_body, user
 
 from capture_proxy.errors import BadRequest, ProxyError, UpstreamFailed
 from capture_proxy.library import CaptureClient
 from capture_proxy.schemas.records import CallStatus
 from capture_proxy.sinks.registry import open_sink, open_source
 from capture_proxy.testing.fake_vllm import FakeVLLM, Fault, Turn
+from tests.support.proxy_harness import chat_body, user
 
 
 @pytest.fixture

@@ -18,14 +18,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-_TESTS = Path(__file__).resolve().parent.parent
-# The harness lives in tests/ and the runners in scripts/; neither is a package.
-for _extra in (_TESTS, _TESTS.parent / "scripts"):
-    if str(_extra) not in sys.path:
-        sys.path.insert(0, str(_extra))
-
-import opencode_env  # noqa: E402
-import tiny_vllm  # noqa: E402
+from scripts import opencode_env, tiny_vllm
 
 T = TypeVar("T")
 ADMIN_TOKEN = "e2e-admin-token"

@@ -19,15 +19,15 @@ from array import array
 from pathlib import Path
 from typing import Any
 
-import opencode_env
 import pytest
-from proxy_harness import Proxy, start_proxy, stop_proxy
 
 from capture_proxy.read.reader import open_store
 from capture_proxy.schemas.records import CallStatus, StagedCallRecord
 from capture_proxy.schemas.tokens import full_sequence
 from capture_proxy.testing.fake_vllm import FakeToolCall, FakeVLLM, Fault, Turn
 from capture_proxy.testing.fake_vllm._template import decode, encode
+from scripts import opencode_env
+from tests.support.proxy_harness import Proxy, start_proxy, stop_proxy
 
 # opencode_binary: installs OpenCode (once per session) or fails the test saying why.
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("opencode_binary")]

@@ -17,12 +17,12 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import opencode_env
 import pytest
-from proxy_harness import Proxy, sse_lines, start_proxy, stop_proxy
 
 from capture_proxy.read.reader import open_store
 from capture_proxy.schemas.records import StagedCallRecord
+from scripts import opencode_env
+from tests.support.proxy_harness import Proxy, sse_lines, start_proxy, stop_proxy
 
 pytestmark = pytest.mark.vllm
 

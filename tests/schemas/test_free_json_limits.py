@@ -1,0 +1,193 @@
+"""Free-form JSON is bounded: bytes per value, JSON values per request (--max-free-json-*).
+
+A refused body gets a 413 naming the value's JSON path, the limit and the setting that raises
+it; nothing is forwarded, and the refusal is in the rollout's ledger as ``rejected``. The same
+limits hold on the raw body (before decoding) and on a decoded request (the library's path).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import pytest
+
+from capture_proxy.core.normalize import normalize_request
+from capture_proxy.schemas.records import CallStatus
+from capture_proxy.schemas.request import (
+    FreeJsonLimits,
+    RequestValidationError,
+    check_free_json_limits,
+)
+from tests.support.proxy_harness import chat_body, user
+
+
+def _tool(name: str, parameters: Any) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
+# Each case: extra request keys, the JSON path the refusal must name, the limit's error code.
+_CASES = [
+    pytest.param(
+        {"chat_template_kwargs": {"x": [7] * 600}},
+        "chat_template_kwargs",
+        "free_json_too_large",
+        id="template-kwargs-bytes",
+    ),
+    pytest.param(
+        {"chat_template_kwargs": {"x": [{}] * 150}},
+        "chat_template_kwargs",
+        "free_json_too_many_items",
+        id="template-kwargs-items",
+    ),
+    pytest.param(
+        {"tools": [_tool("a", {"type": "object"}), _tool("b", {"x": "y" * 2000})]},
+        "tools[1].function.parameters",
+        "free_json_too_large",
+        id="tool-parameters-bytes",
+    ),
+    pytest.param(
+        # Each tool is small: only counted together do they pass the limit.
+        {"tools": [_tool(f"t{i}", {"x": [0] * 40}) for i in range(4)]},
+        "tools[2].function.parameters",
+        "free_json_too_many_items",
+        id="tool-parameters-items-summed",
+    ),
+    pytest.param(
+        {"mm_processor_kwargs": {"x": "z" * 1500}},
+        "mm_processor_kwargs",
+        "free_json_too_large",
+        id="mm-processor-kwargs-bytes",
+    ),
+    pytest.param(
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "s", "schema": {"x": [[]] * 200}},
+            }
+        },
+        "response_format.json_schema.schema",
+        "free_json_too_many_items",
+        id="response-format-schema-items",
+    ),
+    pytest.param(
+        {"structured_outputs": {"json": {"x": "q" * 1200}}},
+        "structured_outputs.json",
+        "free_json_too_large",
+        id="structured-outputs-bytes",
+    ),
+]
+_LIMITS = {"max_free_json_bytes": 1000, "max_free_json_items": 100}
+
+
+@pytest.mark.parametrize(("extra", "param", "code"), _CASES)
+async def test_free_form_value_over_a_limit_is_413_named_and_in_the_ledger(
+    make_proxy: Any, extra: dict[str, Any], param: str, code: str
+) -> None:
+    p = await make_proxy(**_LIMITS)
+    resp = await p.chat(chat_body(user("hi"), **extra))
+    assert resp.status == 413
+    err = (await resp.json())["error"]
+    assert (err["code"], err["param"]) == (code, param)
+    assert param in err["message"]
+    setting = "--max-free-json-bytes" if code == "free_json_too_large" else "--max-free-json-items"
+    assert setting in err["message"]
+    limit = "1000 bytes" if code == "free_json_too_large" else "100 JSON values"
+    assert limit in err["message"]
+    assert resp.headers["X-Capture-Status"] == "rejected"
+    assert p.fake.requests == []
+    (entry,) = p.failures()
+    assert entry.status is CallStatus.REJECTED
+    assert (entry.reason, entry.http_status) == (code, 413)
+    assert entry.call_id == resp.headers["X-Capture-Call-Id"]
+    assert p.calls() == []
+
+
+async def test_values_within_the_limits_are_staged(make_proxy: Any) -> None:
+    p = await make_proxy(**_LIMITS)
+    body = chat_body(
+        user("hi"),
+        chat_template_kwargs={"enable_thinking": False, "x": list(range(40))},
+        tools=[_tool("a", {"type": "object", "properties": {"q": {"type": "string"}}})],
+    )
+    resp = await p.chat(body)
+    assert resp.status == 200, await resp.text()
+    assert resp.headers["X-Capture-Status"] == "staged"
+    (record,) = p.calls()
+    assert record.request["chat_template_kwargs"]["x"] == list(range(40))
+
+
+async def test_a_hostile_body_under_the_body_limit_is_refused_before_decoding(
+    make_proxy: Any,
+) -> None:
+    # 4 MiB of empty objects: over the default 1 MiB per value, refused from the raw bytes.
+    p = await make_proxy()
+    value: dict[str, list[dict[str, int]]] = {"x": [{}] * 1_400_000}
+    raw = orjson.dumps(chat_body(user("hi"), chat_template_kwargs=value))
+    resp = await p.client.post("/r/r1/v1/chat/completions", data=raw)
+    assert resp.status == 413
+    err = (await resp.json())["error"]
+    assert err["param"] == "chat_template_kwargs"
+    assert f"is {len(orjson.dumps(value))} bytes of JSON" in err["message"]
+    (entry,) = p.failures()
+    assert (entry.status, entry.reason) == (CallStatus.REJECTED, "free_json_too_large")
+
+
+# -- the checks on their own --------------------------------------------------------------------
+
+_SMALL = FreeJsonLimits(max_bytes=1000, max_items=100)
+
+
+@pytest.mark.parametrize(("extra", "param", "code"), _CASES)
+def test_raw_and_decoded_checks_agree(extra: dict[str, Any], param: str, code: str) -> None:
+    body = chat_body(user("hi"), **extra)
+    with pytest.raises(RequestValidationError) as raw_err:
+        check_free_json_limits(orjson.dumps(body), _SMALL)
+    with pytest.raises(RequestValidationError) as decoded_err:
+        normalize_request(body, free_json=_SMALL)
+    for e in (raw_err.value, decoded_err.value):
+        assert (e.param, e.code, e.status) == (param, code, 413)
+
+
+def test_commas_inside_strings_do_not_count_as_values() -> None:
+    # The cheap count over-counts commas in strings; the exact count then decides.
+    body = chat_body(user("hi"), chat_template_kwargs={"note": "a," * 400})
+    assert check_free_json_limits(orjson.dumps(body), _SMALL) is True
+    normalize_request(body, free_json=_SMALL)
+
+
+def test_a_value_of_the_wrong_shape_is_bounded_as_a_whole() -> None:
+    # `tools` is not a list of tools: the schema refuses it later, but its size is bounded now.
+    body = chat_body(user("hi"), tools={"x": "y" * 2000})
+    with pytest.raises(RequestValidationError) as e:
+        check_free_json_limits(orjson.dumps(body), _SMALL)
+    assert (e.value.param, e.value.code) == ("tools", "free_json_too_large")
+
+
+def test_not_json_and_not_an_object() -> None:
+    assert check_free_json_limits(b"{not json", _SMALL) is False
+    with pytest.raises(RequestValidationError) as e:
+        check_free_json_limits(b"[1, 2]", _SMALL)
+    assert (e.value.param, e.value.code, e.value.status) == ("", "invalid_type", 422)
+
+
+async def test_a_large_body_that_is_not_json_is_400_without_decoding(make_proxy: Any) -> None:
+    p = await make_proxy()
+    raw = b'{"messages": [' + b"{}," * 700_000 + b"oops"
+    resp = await p.client.post("/r/r1/v1/chat/completions", data=raw)
+    assert resp.status == 400
+    assert (await resp.json())["error"]["code"] == "invalid_json"
+    (entry,) = p.failures()
+    assert (entry.status, entry.reason) == (CallStatus.REJECTED, "invalid_json")
+
+
+def test_the_defaults_take_an_agents_tools() -> None:
+    # 128 tools with 30-property schemas: well inside the defaults.
+    schema = {
+        "type": "object",
+        "properties": {f"p{i}": {"type": "string", "description": "x" * 40} for i in range(30)},
+        "required": ["p0"],
+    }
+    body = chat_body(user("hi"), tools=[_tool(f"t{i}", schema) for i in range(128)])
+    assert check_free_json_limits(orjson.dumps(body), FreeJsonLimits()) is True
+    normalize_request(body)
