@@ -1,8 +1,8 @@
 """Digests: SHA-256 over a versioned, length-delimited, typed binary encoding.
 
 The byte layout is specified in ``docs/digest.md`` with a worked vector; this module is its only
-implementation, and golden vectors in ``tests/test_digest.py`` pin it. JSON text is never hashed:
-the same value has many JSON spellings, but exactly one encoding here.
+implementation, and golden vectors in ``tests/schemas/test_digest.py`` pin it. JSON text is never
+hashed: the same value has many JSON spellings, but exactly one encoding here.
 
 Value encoding (all integers little-endian):
 

@@ -10,8 +10,8 @@ Sinks also keep each rollout's ledger: its state (open/sealed) and every call th
 staged, with its status and reason, so a rollout cut short stays visible after a restart.
 
 Write your own sink by implementing `StagingSink` (and `StagingSource`, to read it back), register
-it in ``tests/sink_factories.py`` and make ``tests/test_sink_conformance.py`` pass. `MemorySink` is
-the reference implementation and the test double.
+it in ``tests/support/sink_factories.py`` and make ``tests/sinks/test_sink_conformance.py`` pass.
+`MemorySink` is the reference implementation and the test double.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """vLLM 0.32's OpenAI wire shapes, built as dicts with the key order vLLM sends.
 
-Every shape here is checked against ``fixtures/vllm-0.32.0`` by ``tests/test_fake_vllm.py``.
+Every shape here is checked against ``fixtures/vllm-0.32.0`` by ``tests/testing/test_fake_vllm.py``.
 vLLM serializes with pydantic (compact JSON, UTF-8, shortest float repr); ``orjson`` writes the
 same bytes. Streamed chunks are dumped with ``exclude_unset``, so a field vLLM sets to None
 explicitly (``token_ids`` when not asked for, ``prompt_text``) is sent as ``null`` and fields it
