@@ -111,3 +111,9 @@ def test_no_filename_prefix_families() -> None:
             if "_" in stem:
                 prefixes[stem.split("_")[0]] = prefixes.get(stem.split("_")[0], 0) + 1
         assert all(n < 3 for n in prefixes.values()), (folder, prefixes)
+
+
+def test_modules_at_the_root_do_not_import_aiohttp() -> None:
+    # The CLI and the library reach HTTP only through server/ and upstream/ (loaded on use).
+    for path in (ROOT / "capture_proxy").glob("*.py"):
+        assert "aiohttp" not in _imports_of(path), path.name

@@ -1,0 +1,60 @@
+"""``capture-proxy serve``: run the application on its sockets until a signal stops it."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+from aiohttp import web
+
+from .app import create_admin_app, create_app
+from .settings import Settings
+from .state import STATE
+
+__all__ = ["serve"]
+
+
+async def serve(settings: Settings) -> None:
+    """Serve the proxy (and the control API on its own port, if set) until SIGINT or SIGTERM."""
+    app = create_app(settings)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    # On SIGTERM the site stops listening, then waits up to shutdown_timeout for in-flight calls
+    # and streams to finish before the cleanup context flushes the sink.
+    site = web.TCPSite(
+        runner, settings.host, settings.port, shutdown_timeout=settings.shutdown_timeout
+    )
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    state = app[STATE]
+    state.listen_url = f"http://{host}:{port}"
+    print(
+        f"capture-proxy listening on {state.listen_url} -> upstream {state.upstream_url}, "
+        f"store {settings.store}",
+        flush=True,
+    )
+    print(
+        f"  point OpenAI clients at {state.listen_url}/r/<rollout-id>/v1 ; "
+        f"inspect with: capture-proxy inspect {settings.store}",
+        flush=True,
+    )
+    admin_runner = None
+    if not settings.admin_token:
+        print("  control API off (no --admin-token)", flush=True)
+    elif settings.admin_port:
+        admin_runner = web.AppRunner(create_admin_app(app), access_log=None)
+        await admin_runner.setup()
+        admin_host = settings.admin_host or settings.host
+        await web.TCPSite(admin_runner, admin_host, settings.admin_port).start()
+        print(f"  control API on http://{admin_host}:{settings.admin_port}/admin", flush=True)
+    else:
+        print(f"  control API on {state.listen_url}/admin", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    print("capture-proxy stopping: finishing in-flight calls", flush=True)
+    if admin_runner is not None:
+        await admin_runner.cleanup()
+    await runner.cleanup()
