@@ -31,12 +31,14 @@ from ..schemas.records import (
 )
 
 __all__ = [
+    "CompactStats",
     "FaultHook",
     "GcStats",
     "StagingSink",
     "StagingSource",
     "StoreError",
     "StoreFormatError",
+    "UnsupportedStoreOperation",
 ]
 
 #: Test hook: sinks call it with a point name (``"after_record"``, ``"after_attachments"``)
@@ -50,6 +52,13 @@ class StoreError(Exception):
 
 class StoreFormatError(StoreError):
     """A store was written by a format this version does not know (usually: a newer release)."""
+
+
+class UnsupportedStoreOperation(StoreError):
+    """The store's kind has no such operation (gc of an in-process store, compaction of SQLite).
+
+    A usage error: nothing was read or changed.
+    """
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +76,23 @@ class GcStats:
     #: The store's size before and after: the file (SQLite) or the live units (Parquet).
     bytes_before: int
     bytes_after: int
+
+
+@dataclass(frozen=True, slots=True)
+class CompactStats:
+    """What a compaction (`capture-proxy compact`) did. `*_before` / `*_after` count the live
+    units (groups of files committed together) and their files."""
+
+    units_before: int
+    units_after: int
+    files_before: int
+    files_after: int
+    bytes_before: int
+    bytes_after: int
+    #: Staged calls in the store (unchanged by compaction).
+    records: int
+    #: Files deleted: units retired more than `grace_s` ago, and crashed commits' leftovers.
+    deleted_files: int
 
 
 @runtime_checkable
