@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from .core.policy import PolicyError
 from .logs import setup_logging
 from .server.settings import SettingsError, add_arguments, load_settings, settings_markdown
-from .sinks.base import StoreError
+from .sinks.base import StoreError, UnsupportedStoreOperation
 
 log = logging.getLogger("capture_proxy")
 
@@ -95,29 +95,15 @@ def _duration(text: str) -> int:
 def _run_gc(args: argparse.Namespace) -> int:
     import time
 
-    from .sinks.urls import parse_store_url
+    from .sinks.registry import gc_store
 
-    parsed = parse_store_url(args.store)
-    now_ms = int(time.time() * 1000)
-    if parsed.kind == "sqlite":
-        from .sinks.sqlite import gc_sqlite
-
-        stats = gc_sqlite(
-            parsed.location,
-            older_than_ms=args.older_than,
-            now_ms=now_ms,
-            dry_run=args.dry_run,
-            vacuum=args.vacuum,
-        )
-    elif parsed.kind == "parquet":
-        from .sinks.parquet import gc_parquet
-
-        stats = gc_parquet(
-            parsed.location, older_than_ms=args.older_than, now_ms=now_ms, dry_run=args.dry_run
-        )
-    else:
-        print(f"capture-proxy gc: {parsed.url} lives in a process's memory", file=sys.stderr)
-        return 2
+    stats = gc_store(
+        args.store,
+        older_than_ms=args.older_than,
+        now_ms=int(time.time() * 1000),
+        dry_run=args.dry_run,
+        vacuum=args.vacuum,
+    )
     verb = "would remove" if args.dry_run else "removed"
     print(
         f"{verb} {len(stats.rollouts)} sealed rollout(s), {stats.calls} call(s); "
@@ -163,7 +149,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"wrote {rows} row(s) to {args.out}")
             return 0
         if args.command == "compact":
-            from .sinks.parquet import compact_store
+            from .sinks.registry import compact_store
 
             c = compact_store(args.store, target_bytes=args.target_mb << 20)
             print(
@@ -176,6 +162,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _run_gc(args)
     except (SettingsError, PolicyError) as e:
         print(f"capture-proxy: {e}", file=sys.stderr)
+        return 2
+    except UnsupportedStoreOperation as e:  # gc of memory://, compact of SQLite: a usage error
+        print(f"capture-proxy {args.command}: {e}", file=sys.stderr)
         return 2
     except (StoreError, KeyError, ValueError) as e:
         print(f"capture-proxy {args.command}: {e}", file=sys.stderr)

@@ -24,8 +24,7 @@ from ..core.shared_reader import SharedReader
 from ..errors import NotFound, PayloadTooLarge, ProxyError, error_body
 from ..schemas.request import FreeJsonLimits
 from ..sinks.base import StagingSink
-from ..sinks.registry import open_sink
-from ..sinks.urls import parse_store_url
+from ..sinks.registry import open_sink, store_local_dir
 from ..upstream.http import HTTPUpstream
 from .chat import chat_completions
 from .control import add_control_routes
@@ -180,14 +179,6 @@ async def metrics(request: web.Request) -> web.Response:
     )
 
 
-def _store_dir(url: str) -> str | None:
-    parsed = parse_store_url(url)
-    if parsed.kind == "memory" or "://" in parsed.location:
-        return None
-    path = os.path.abspath(parsed.location)
-    return path if parsed.kind == "parquet" else os.path.dirname(path)
-
-
 def _disk_problem(folder: str, floor: int) -> str | None:
     """Why the store's disk is below the floor, or None. Blocking: run it on a thread."""
     probe = folder
@@ -206,7 +197,7 @@ def _disk_problem(folder: str, floor: int) -> str | None:
 async def _guards(state: ProxyState, store_url: str) -> None:
     """Once a second: the free-disk floor, ledger entries the sink refused, idle rollouts."""
     floor = state.settings.min_free_disk_mb * 2**20
-    folder = _store_dir(store_url)
+    folder = store_local_dir(store_url)  # the store kind's local folder; None: not on a disk
     while True:
         if floor and folder:
             state.capture.unavailable_reason = await asyncio.to_thread(_disk_problem, folder, floor)

@@ -32,6 +32,7 @@ from ..schemas.records import (
 )
 
 __all__ = [
+    "CompactStats",
     "DuplicateSeq",
     "FaultHook",
     "GcStats",
@@ -39,6 +40,7 @@ __all__ = [
     "StagingSource",
     "StoreError",
     "StoreFormatError",
+    "UnsupportedStoreOperation",
 ]
 
 #: Test hook: sinks call it with a point name (``"after_record"``, ``"after_attachments"``)
@@ -70,6 +72,13 @@ class DuplicateSeq(StoreError):
         self.holder = holder
 
 
+class UnsupportedStoreOperation(StoreError):
+    """The store's kind has no such operation (gc of an in-process store, compaction of SQLite).
+
+    A usage error: nothing was read or changed.
+    """
+
+
 @dataclass(frozen=True, slots=True)
 class GcStats:
     """What a retention pass (`capture-proxy gc`) removed, or with ``dry_run`` would remove."""
@@ -85,6 +94,23 @@ class GcStats:
     #: The store's size before and after: the file (SQLite) or the live units (Parquet).
     bytes_before: int
     bytes_after: int
+
+
+@dataclass(frozen=True, slots=True)
+class CompactStats:
+    """What a compaction (`capture-proxy compact`) did. `*_before` / `*_after` count the live
+    units (groups of files committed together) and their files."""
+
+    units_before: int
+    units_after: int
+    files_before: int
+    files_after: int
+    bytes_before: int
+    bytes_after: int
+    #: Staged calls in the store (unchanged by compaction).
+    records: int
+    #: Files deleted: units retired more than `grace_s` ago, and crashed commits' leftovers.
+    deleted_files: int
 
 
 @runtime_checkable

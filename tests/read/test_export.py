@@ -371,7 +371,7 @@ async def test_cleanup_after_grace_and_of_leftovers(tmp_path: Path) -> None:
 
 
 async def test_compact_refuses_what_it_cannot_compact(tmp_path: Path) -> None:
-    with pytest.raises(StoreError, match="sqlite store"):
+    with pytest.raises(StoreError, match="is a SQLite store"):
         compact_store(f"sqlite:///{tmp_path / 'x.db'}")
     with pytest.raises(StoreError, match="no capture-proxy Parquet dataset"):
         compact_store(str(tmp_path / "missing"))

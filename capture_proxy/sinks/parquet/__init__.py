@@ -5,6 +5,7 @@ an index, ledger files, garbage collection and compaction.
 from __future__ import annotations
 
 from ._compact import (
+    compact_dataset,
     compact_store,
 )
 from ._gc import (
@@ -18,6 +19,7 @@ from ._sink import (
 __all__ = [
     "ParquetSink",
     "ParquetSource",
+    "compact_dataset",
     "compact_store",
     "gc_parquet",
 ]

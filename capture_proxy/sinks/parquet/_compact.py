@@ -13,6 +13,9 @@ Retired files are not deleted at once: a reader that listed them a moment ago ma
 reading them. A later run deletes units retired more than `grace_s` seconds ago, and leftovers
 (files of commits that crashed before their marker) older than that. Run one compaction at a
 time per dataset (a lock enforces it on local folders).
+
+`compact_dataset` is the Parquet store kind's `compact` (`capture_proxy.sinks.kinds`): callers
+reach it through the registry, which refuses other kinds in one place.
 """
 
 from __future__ import annotations
@@ -20,10 +23,8 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 
-from ..base import StoreError
-from ..urls import parse_store_url
+from ..base import CompactStats, StoreError
 from ._fs import TMP_SUFFIX, DatasetFS
 from ._gc import load_markers, replace_units
 from ._layout import (
@@ -36,38 +37,30 @@ from ._layout import (
     live_units,
 )
 
-__all__ = ["CompactStats", "compact_store"]
-
-
-@dataclass(frozen=True, slots=True)
-class CompactStats:
-    """What a compaction did. `*_before` / `*_after` count the live units and their files."""
-
-    units_before: int
-    units_after: int
-    files_before: int
-    files_after: int
-    bytes_before: int
-    bytes_after: int
-    #: Staged calls in the dataset (unchanged by compaction).
-    records: int
-    #: Files deleted: units retired more than `grace_s` ago, and crashed commits' leftovers.
-    deleted_files: int
+__all__ = ["CompactStats", "compact_dataset", "compact_store"]
 
 
 def compact_store(
     url: str, *, target_bytes: int = 256 << 20, grace_s: float = 600.0
 ) -> CompactStats:
-    """Merge the small units of the Parquet dataset at `url` into units of up to `target_bytes`.
+    """Merge the small units of the Parquet store at `url` (a URL or a folder) into units of up
+    to `target_bytes`; the same as `capture_proxy.sinks.registry.compact_store`.
 
-    Raises `StoreError` for a store that is not a Parquet dataset or a compaction already running.
+    Raises `UnsupportedStoreOperation` for a store of another kind, `StoreError` when there is
+    no dataset there or a compaction is already running.
     """
-    parsed = parse_store_url(url)
-    if parsed.kind != "parquet":
-        raise StoreError(f"compact merges Parquet datasets; {url} is a {parsed.kind} store")
-    dfs = DatasetFS(parsed.location)
+    from ..registry import compact_store as compact
+
+    return compact(url, target_bytes=target_bytes, grace_s=grace_s)
+
+
+def compact_dataset(location: str, *, target_bytes: int, grace_s: float) -> CompactStats:
+    """The Parquet kind's compaction: merge the dataset at `location` (a local folder or a
+    pyarrow filesystem URL). Raises `StoreError` when there is no dataset there or a compaction
+    is already running."""
+    dfs = DatasetFS(location)
     if not check_format(dfs):
-        raise StoreError(f"no capture-proxy Parquet dataset at {parsed.location}")
+        raise StoreError(f"no capture-proxy Parquet dataset at {location}")
     with _exclusive(dfs):
         markers = load_markers(dfs)
         live = live_units(markers)

@@ -1,0 +1,135 @@
+"""The built-in store kinds: SQLite, Parquet and the in-process memory store.
+
+They register through `register_store_kind`, the function a plugin uses; the registry imports this
+module the first time it is used. Each method imports its kind's package when called, so
+resolving a URL imports neither sqlite3's store code nor pyarrow, and reading SQLite never
+imports pyarrow. docs/storage.md ("Store kinds") has a row per kind; a test keeps it so.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from .base import CompactStats, GcStats, StagingSink, StagingSource, StoreError
+from .memory import MemorySink
+from .registry import StoreKind, register_store_kind
+from .urls import StoreURL
+
+__all__ = ["MemoryKind", "ParquetKind", "SQLiteKind"]
+
+
+class SQLiteKind(StoreKind):
+    """One SQLite file: ``sqlite:///x.db``, or a path ending in .db, .sqlite, .sqlite3."""
+
+    name = "sqlite"
+    label = "SQLite"
+    path_schemes = ("sqlite",)
+    path_suffixes = (".db", ".sqlite", ".sqlite3")
+
+    def open_sink(self, store: StoreURL, **options: Any) -> StagingSink:
+        from .sqlite import SQLiteSink
+
+        return SQLiteSink(store.location, url=store.url, **options)
+
+    def open_source(self, store: StoreURL, *, cache_bytes: int | None = None) -> StagingSource:
+        from .sqlite import SQLiteSource
+
+        return SQLiteSource(store.location, url=store.url)
+
+    def gc(
+        self,
+        store: StoreURL,
+        *,
+        older_than_ms: int,
+        now_ms: int,
+        dry_run: bool = False,
+        vacuum: bool = False,
+    ) -> GcStats:
+        from .sqlite import gc_sqlite
+
+        return gc_sqlite(
+            store.location,
+            older_than_ms=older_than_ms,
+            now_ms=now_ms,
+            dry_run=dry_run,
+            vacuum=vacuum,
+        )
+
+    def local_dir(self, store: StoreURL) -> str | None:
+        return os.path.dirname(os.path.abspath(store.location))
+
+
+class ParquetKind(StoreKind):
+    """A Parquet dataset folder: ``parquet:///dir``, a pyarrow filesystem URL (``s3://``, ...),
+    or any plain path SQLite does not claim."""
+
+    name = "parquet"
+    label = "Parquet"
+    path_schemes = ("parquet",)
+    url_schemes = ("file", "s3", "gs", "gcs", "hdfs", "abfs", "az")
+    plain_paths = True
+
+    def open_sink(self, store: StoreURL, **options: Any) -> StagingSink:
+        from .parquet import ParquetSink
+
+        return ParquetSink(store.location, url=store.url, **options)
+
+    def open_source(self, store: StoreURL, *, cache_bytes: int | None = None) -> StagingSource:
+        from .parquet import ParquetSource
+
+        if cache_bytes is not None:
+            return ParquetSource(store.location, url=store.url, cache_bytes=cache_bytes)
+        return ParquetSource(store.location, url=store.url)
+
+    def gc(
+        self,
+        store: StoreURL,
+        *,
+        older_than_ms: int,
+        now_ms: int,
+        dry_run: bool = False,
+        vacuum: bool = False,
+    ) -> GcStats:
+        # `vacuum` has nothing to do here: a later compaction deletes the retired files.
+        from .parquet import gc_parquet
+
+        return gc_parquet(
+            store.location, older_than_ms=older_than_ms, now_ms=now_ms, dry_run=dry_run
+        )
+
+    def compact(self, store: StoreURL, *, target_bytes: int, grace_s: float) -> CompactStats:
+        from .parquet import compact_dataset
+
+        return compact_dataset(store.location, target_bytes=target_bytes, grace_s=grace_s)
+
+    def local_dir(self, store: StoreURL) -> str | None:
+        return None if "://" in store.location else os.path.abspath(store.location)
+
+
+class MemoryKind(StoreKind):
+    """``memory://name``: a `MemorySink` that lives as long as the process (tests), so a reader
+    opened later by the same URL sees what was written. No gc, no compaction, no disk."""
+
+    name = "memory"
+    label = "in-process"
+    url_schemes = ("memory",)
+
+    def __init__(self) -> None:
+        self.stores: dict[str, MemorySink] = {}
+
+    def open_sink(self, store: StoreURL, **options: Any) -> StagingSink:
+        return self.stores.setdefault(store.url, MemorySink(store.url, **options))
+
+    def open_source(self, store: StoreURL, *, cache_bytes: int | None = None) -> StagingSource:
+        if store.url not in self.stores:
+            raise StoreError(f"no in-process store named {store.url}")
+        return self.stores[store.url]
+
+    def describe(self, store: StoreURL) -> str:
+        return f"{store.url} lives in a process's memory"
+
+
+register_store_kind(SQLiteKind())
+register_store_kind(ParquetKind())
+register_store_kind(MemoryKind())
