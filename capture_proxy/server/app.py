@@ -204,12 +204,20 @@ def _disk_problem(folder: str, floor: int) -> str | None:
 
 
 async def _guards(state: ProxyState, store_url: str) -> None:
-    """Once a second: the free-disk floor, ledger entries the sink refused, idle rollouts."""
+    """Once a second: the free-disk floor, the sink's own problem (a SQLite file deleted or
+    replaced under it), ledger entries the sink refused, idle rollouts."""
     floor = state.settings.min_free_disk_mb * 2**20
     folder = _store_dir(store_url)
+    # Optional on sinks, like `stats`: blocking (a stat), so asked from a thread.
+    sink_problem = getattr(state.sink, "problem", None)
     while True:
         if floor and folder:
             state.capture.unavailable_reason = await asyncio.to_thread(_disk_problem, folder, floor)
+        if callable(sink_problem):
+            problem = await asyncio.to_thread(sink_problem)
+            if problem:
+                # The sink-failure path: /readyz fails naming it, writes already fail with it.
+                state.capture.stager.sink_failing = problem
         if state.capture.ledger.held:
             await state.capture.ledger.flush()
         state.pipeline.forget_rollouts(
