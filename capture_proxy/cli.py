@@ -55,6 +55,18 @@ def _parser() -> argparse.ArgumentParser:
         help="with --per trajectory: keep calls without tools (title calls) in the trajectory",
     )
 
+    replay = sub.add_parser(
+        "replay-ledger",
+        help="write a ledger journal (entries a stopped proxy could not store) into a store",
+        description="A proxy that stops with ledger entries its store would not take writes "
+        "them to <store>.ledger-journal.jsonl, or to stderr as 'capture-proxy ledger-journal' "
+        "lines; the next serve on the store replays the journal by itself. This command replays "
+        "one explicitly (a file of saved stderr lines too), then removes it. Entries already in "
+        "the store are skipped. Stop the proxy first: a store has one writer.",
+    )
+    replay.add_argument("store", help="store URL or path")
+    replay.add_argument("journal", nargs="?", help="default: the store's own journal file")
+
     compact = sub.add_parser(
         "compact", help="merge a Parquet store's small files (records and digests unchanged)"
     )
@@ -114,14 +126,40 @@ def _run_gc(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _replay_ledger(args: argparse.Namespace) -> int:
+    from .core.journal import journal_path, replay_journal
+    from .sinks.registry import open_sink, open_source
+
+    journal = args.journal or journal_path(args.store)
+    if journal is None:
+        print(
+            f"capture-proxy replay-ledger: {args.store} has no journal file: name one",
+            file=sys.stderr,
+        )
+        return 2
+    sink = open_sink(args.store)
+    try:
+        source = open_source(sink.url)
+        try:
+            done = await replay_journal(sink, source, journal)
+        finally:
+            source.close_reader()
+    finally:
+        await sink.close()
+    print(
+        f"replayed {journal}: {done.written} entries written, {done.already} already in the "
+        f"store, {done.refused} refused (logged); the journal is removed"
+    )
+    return 0
+
+
 async def _serve(settings_args: argparse.Namespace) -> int:
     from .server.run import serve
 
     settings = load_settings(settings_args)
     setup_logging(settings.log_level, settings.log_format)
     log.info("starting with settings %s", settings.public())
-    await serve(settings)
-    return 0
+    return await serve(settings)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -160,6 +198,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if args.command == "gc":
             return _run_gc(args)
+        if args.command == "replay-ledger":
+            return asyncio.run(_replay_ledger(args))
     except (SettingsError, PolicyError) as e:
         print(f"capture-proxy: {e}", file=sys.stderr)
         return 2

@@ -2,7 +2,9 @@
 
 Ledger entries go through the same sink as records. When the sink itself is failing, an entry
 that cannot be written is held in memory (bounded), reported by `/readyz` and `/metrics`, and
-written, in order, once the sink recovers: a rollout cut short must stay visible.
+written, in order, once the sink recovers: a rollout cut short must stay visible. Entries still
+held when the proxy stops are spilled to the ledger journal (`core/journal.py`), to be replayed
+into the store at the next start.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections import deque
 
 from ..schemas.records import LedgerEntry
 from ..sinks.base import DuplicateSeq, StagingSink
+from .journal import spill_journal
 
 __all__ = ["LedgerWriter"]
 
@@ -30,14 +33,35 @@ class LedgerWriter:
         self._late: set[asyncio.Task[None]] = set()
         #: Entries the store refused for good (`DuplicateSeq`): logged, never written.
         self.refused = 0
+        #: Held entries pushed out by newer ones (more than `max_held` held): logged, lost.
+        self.dropped = 0
+        #: Entries written to the journal (or stderr) at shutdown, and where (`spill`).
+        self.spilled = 0
+        self.spilled_to = ""
 
     async def write(self, entry: LedgerEntry) -> None:
         if self.held:
-            self.held.append(entry)  # keep the ledger in order behind what is held
+            self._hold(entry)  # keep the ledger in order behind what is held
             await self.flush()
             return
         if not await self._send(entry):
-            self.held.append(entry)
+            self._hold(entry)
+
+    def _hold(self, entry: LedgerEntry) -> None:
+        if len(self.held) == self.held.maxlen:
+            lost = self.held[0]
+            self.dropped += 1
+            log.error(
+                "more than %d ledger entries held: the oldest is lost: %s seq %d %s %s: %s",
+                self.held.maxlen,
+                lost.call_id,
+                lost.seq,
+                lost.status,
+                lost.reason,
+                lost.message,
+                extra={"rollout_id": lost.rollout_id, "call_id": lost.call_id},
+            )
+        self.held.append(entry)
 
     async def _send(self, entry: LedgerEntry) -> bool:
         """True once the sink took `entry` or is still taking it past the deadline.
@@ -74,7 +98,7 @@ class LedgerWriter:
         if isinstance(error, DuplicateSeq):
             self._refused(entry, error)
         elif task.cancelled() or error is not None:
-            self.held.append(entry)
+            self._hold(entry)
 
     def _refused(self, entry: LedgerEntry, error: DuplicateSeq) -> None:
         self.refused += 1
@@ -97,6 +121,22 @@ class LedgerWriter:
                 self.held.appendleft(entry)
                 break
         return len(self.held)
+
+    def spill(self, journal: str | None) -> int:
+        """Move every held entry to the ledger journal at `journal` (stderr where it is None or
+        cannot be written); returns how many. Blocking: shutdown only, once the sink is closed.
+        """
+        entries = list(self.held)
+        if entries:
+            self.spilled_to = spill_journal(entries, journal)
+            self.spilled += len(entries)
+            self.held.clear()
+        return len(entries)
+
+    @property
+    def unsaved(self) -> int:
+        """Entries that never reached the store in this run: spilled or dropped."""
+        return self.spilled + self.dropped
 
     @property
     def late(self) -> int:

@@ -19,6 +19,7 @@ from aiohttp import web
 
 from ..core.capture import Capture
 from ..core.exchange import ExchangeConfig, Pipeline
+from ..core.journal import journal_path, replay_journal
 from ..core.policy import RequestPolicy
 from ..core.shared_reader import SharedReader
 from ..errors import NotFound, PayloadTooLarge, ProxyError, error_body
@@ -195,12 +196,20 @@ def _disk_problem(folder: str, floor: int) -> str | None:
 
 
 async def _guards(state: ProxyState, store_url: str) -> None:
-    """Once a second: the free-disk floor, ledger entries the sink refused, idle rollouts."""
+    """Once a second: the free-disk floor, the sink's own problem (a SQLite file deleted or
+    replaced under it), ledger entries the sink refused, idle rollouts."""
     floor = state.settings.min_free_disk_mb * 2**20
     folder = store_local_dir(store_url)  # the store kind's local folder; None: not on a disk
+    # Optional on sinks, like `stats`: blocking (a stat), so asked from a thread.
+    sink_problem = getattr(state.sink, "problem", None)
     while True:
         if floor and folder:
             state.capture.unavailable_reason = await asyncio.to_thread(_disk_problem, folder, floor)
+        if callable(sink_problem):
+            problem = await asyncio.to_thread(sink_problem)
+            if problem:
+                # The sink-failure path: /readyz fails naming it, writes already fail with it.
+                state.capture.stager.sink_failing = problem
         if state.capture.ledger.held:
             await state.capture.ledger.flush()
         state.pipeline.forget_rollouts(
@@ -279,6 +288,47 @@ def create_admin_app(main: web.Application) -> web.Application:
     return admin
 
 
+async def _replay(state: ProxyState, journal: str) -> None:
+    """Before serving: the ledger entries a previous run could not store go into the store
+    (raises `StoreError`, so the proxy does not start, if the store refuses them)."""
+    reader = SharedReader(state.sink)
+    try:
+        done = await replay_journal(state.sink, reader(), journal)
+    finally:
+        reader.close()
+    log.warning(
+        "replayed the ledger journal %s into the store: %d entries written, %d already there, "
+        "%d refused (logged)",
+        journal,
+        done.written,
+        done.already,
+        done.refused,
+    )
+
+
+async def _spill(state: ProxyState, journal: str | None) -> None:
+    """At exit: ledger entries the store never took go to the journal (or stderr), loudly.
+
+    `serve` exits with status 1 when any did (`LedgerWriter.unsaved`)."""
+    ledger = state.capture.ledger
+    await asyncio.sleep(0)  # late ledger writes that failed at close are held by now
+    spilled = await asyncio.to_thread(ledger.spill, journal)
+    if ledger.unsaved:
+        lost = f"; {ledger.dropped} more were lost (over the held limit)" if ledger.dropped else ""
+        replay = (
+            "it is replayed into the store when the proxy starts again on it"
+            if ledger.spilled_to == journal
+            else f"save them to a file and run: capture-proxy replay-ledger {state.sink.url} FILE"
+        )
+        log.error(
+            "%d ledger entries never reached the store: written to %s (%s)%s; exit status 1",
+            spilled,
+            ledger.spilled_to or "nowhere",
+            replay,
+            lost,
+        )
+
+
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     state = app[STATE]
     s = state.settings
@@ -308,6 +358,9 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             free_json=FreeJsonLimits(s.max_free_json_bytes, s.max_free_json_items),
         ),
     )
+    journal = journal_path(state.sink.url)
+    if journal is not None and await asyncio.to_thread(os.path.exists, journal):
+        await _replay(state, journal)
     guards = asyncio.create_task(_guards(state, s.store))
     try:
         yield
@@ -319,6 +372,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         await state.capture.drain(s.stage_timeout)
         await state.capture.ledger.flush()
         await state.sink.close()
+        await _spill(state, journal)
         if isinstance(state.capture.source, SharedReader):
             state.capture.source.close()
         await state.upstream.close()

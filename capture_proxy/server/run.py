@@ -14,8 +14,11 @@ from .state import STATE
 __all__ = ["serve"]
 
 
-async def serve(settings: Settings) -> None:
-    """Serve the proxy (and the control API on its own port, if set) until SIGINT or SIGTERM."""
+async def serve(settings: Settings) -> int:
+    """Serve the proxy (and the control API on its own port, if set) until SIGINT or SIGTERM.
+
+    Returns the exit status: 1 when ledger entries could not be written to the store and were
+    spilled to the ledger journal (or stderr) instead, else 0."""
     app = create_app(settings)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
@@ -58,3 +61,4 @@ async def serve(settings: Settings) -> None:
     if admin_runner is not None:
         await admin_runner.cleanup()
     await runner.cleanup()
+    return 1 if state.capture.ledger.unsaved else 0

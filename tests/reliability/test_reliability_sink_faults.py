@@ -214,7 +214,7 @@ def tmpfs(where: Path, size: str) -> Iterator[Path]:
 def fill(folder: Path, leave: int = 0) -> Path:
     """Fill the filesystem of `folder` until at most `leave` bytes are free."""
     filler = folder / "filler"
-    with open(filler, "wb") as f:
+    with open(filler, "wb", buffering=0) as f:  # unbuffered: nothing left to flush at close
 
         def free() -> int:
             st = os.statvfs(folder)

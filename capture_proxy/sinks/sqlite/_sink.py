@@ -11,6 +11,10 @@ concurrent `stage` calls share one transaction and one fsync, each record in its
 a refused or failing record rolls back alone. The record, its message blobs, its new attachments
 and its attachment references are written in that one savepoint: a crash at any moment leaves all
 of them or none.
+
+One writer per file: the sink holds a lock file beside the store for its whole life, and refuses
+to acknowledge anything once the file at its path is no longer the one it writes (deleted or
+replaced under it); `_file` says how and why.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from ...schemas.records import (
 from ..base import DuplicateSeq, FaultHook, StoreError
 from ..codec import encode_record
 from ..staging_rules import coords_for, new_attachments
+from ._file import FileIdentity, WriterLock
 from ._schema import (
     CALL_COLUMNS,
     TokenLRU,
@@ -110,11 +115,15 @@ def _open_writer(path: str) -> sqlite3.Connection:
 class SQLiteSink:
     """A `StagingSink` writing one SQLite file (created, with its folders, when missing).
 
-    Construct it once at startup: the constructor opens the file, checks its format (raising
-    `StoreError` / `StoreFormatError`) and starts the writer thread. `close` finishes every
-    queued write. `fault` is a test hook called at ``"after_record"`` and ``"after_attachments"``
-    inside each record's write; `max_batch` caps how many queued writes share one commit;
-    `cache_tokens` bounds the cache of recent full sequences used to store children as deltas.
+    Construct it once at startup: the constructor takes the store's writer lock (raising
+    `StoreError`, naming the other writer's pid, while another sink holds it), opens the file,
+    checks its format (raising `StoreError` / `StoreFormatError`) and starts the writer thread.
+    `close` finishes every queued write and releases the lock. Once the file at `path` is
+    deleted or replaced, every write fails with `StoreError` and `problem` says why.
+
+    `fault` is a test hook called at ``"after_record"`` and ``"after_attachments"`` inside each
+    record's write; `max_batch` caps how many queued writes share one commit; `cache_tokens`
+    bounds the cache of recent full sequences used to store children as deltas.
     """
 
     def __init__(
@@ -131,8 +140,24 @@ class SQLiteSink:
         self.fault = fault
         self.dedup_hits = 0
         self._fulls = TokenLRU(cache_tokens)
+        Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+        self._lock = WriterLock(self.path)
+        try:
+            conn = _open_writer(self.path)
+            try:
+                self.identity = FileIdentity(self.path)
+            except OSError as e:
+                conn.close()
+                raise StoreError(f"cannot open the SQLite store {self.path}: {e}") from e
+        except BaseException:
+            self._lock.release()
+            raise
         self._writer = GroupCommitWriter(
-            _open_writer(self.path), name=self.path, max_batch=max_batch, publish=self._publish
+            conn,
+            name=self.path,
+            max_batch=max_batch,
+            publish=self._publish,
+            check=self.identity.check,
         )
 
     # -- StagingSink -------------------------------------------------------------------------
@@ -210,6 +235,12 @@ class SQLiteSink:
 
         await self._writer.submit(work)
 
+    def problem(self) -> str | None:
+        """Why this sink cannot store anything now (its file was deleted or replaced), or None.
+
+        Blocking (one ``stat``): call it from a thread. The proxy's guard asks once a second."""
+        return self.identity.problem()
+
     def stats(self) -> dict[str, float]:
         """Writer figures for /metrics (names without the ``capture_proxy_sink_`` prefix)."""
         return {**self._writer.stats(), "attachment_dedup_hits_total": self.dedup_hits}
@@ -218,7 +249,10 @@ class SQLiteSink:
         """Finish every queued write, stop the writer thread and close the file.
 
         `stage` after `close` raises RuntimeError."""
-        await self._writer.close()
+        try:
+            await self._writer.close()
+        finally:
+            self._lock.release()
 
     # -- the writer thread -----------------------------------------------------------------
 

@@ -6,7 +6,9 @@ inside its own ``SAVEPOINT`` (a failing one rolls back alone and its caller gets
 then ``COMMIT``s: one fsync for the whole batch. Only after the commit returns is any caller
 answered, with one ``loop.call_soon_threadsafe`` per batch. If the commit fails, or SQLite rolls
 the whole transaction back on its own (``SQLITE_FULL``, ``SQLITE_IOERR``, ...), every caller of
-the batch gets a `StoreError` and nothing of the batch is visible.
+the batch gets a `StoreError` and nothing of the batch is visible. `check` runs before each batch
+and again after its commit, before anyone is answered: when it raises (the file at the store's
+path is no longer the one being written), every caller of the batch gets that error instead.
 
 Why a dedicated thread with `sqlite3` and not aiosqlite: aiosqlite runs each statement as its own
 round trip to its thread, so a batch of N records with savepoints would cost several event-loop
@@ -53,7 +55,8 @@ class _BatchLost(Exception):
 class GroupCommitWriter(WriterThread[Work]):
     """Owns `conn` (autocommit mode) from now on; closes it when `close` has drained the queue.
 
-    `publish` receives each committed batch's `Batch.pending`, on the writer thread.
+    `publish` receives each committed batch's `Batch.pending`, on the writer thread. `check`
+    (on the writer thread) raises `StoreError` when the batch must not be acknowledged.
     """
 
     kind = "sqlite"
@@ -65,10 +68,12 @@ class GroupCommitWriter(WriterThread[Work]):
         name: str,
         max_batch: int,
         publish: Callable[[dict[str, Any]], None],
+        check: Callable[[], None] = lambda: None,
     ) -> None:
         super().__init__(name=name, max_batch=max_batch)
         self._conn = conn
         self._publish = publish
+        self._check = check
         self.start()
 
     def _on_exit(self) -> None:
@@ -79,6 +84,7 @@ class GroupCommitWriter(WriterThread[Work]):
         batch = Batch()
         outcomes: list[Outcome] = []
         try:
+            self._check()
             conn.execute("BEGIN IMMEDIATE")
             for job in jobs:
                 conn.execute("SAVEPOINT job")
@@ -91,6 +97,9 @@ class GroupCommitWriter(WriterThread[Work]):
                     conn.execute("RELEASE job")
                     outcomes.append((job.future, value, None))
             conn.execute("COMMIT")
+            # After the commit too: a file deleted or replaced meanwhile got this batch, and
+            # nobody will read it there, so nobody is told it is stored.
+            self._check()
         except BaseException as e:
             # BaseException too: whatever stops this batch, every waiting caller must hear it.
             if conn.in_transaction:
@@ -128,6 +137,8 @@ class GroupCommitWriter(WriterThread[Work]):
         return e
 
     def _batch_error(self, e: BaseException) -> Exception:
+        if isinstance(e, StoreError):  # already one sentence naming the file (`check`)
+            return StoreError(str(e))  # one instance per caller: each raise adds its traceback
         err = StoreError(
             f"writing a batch to {self.name} failed ({type(e).__name__}: {e}); nothing of "
             "this batch was stored"
