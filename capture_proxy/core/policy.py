@@ -13,6 +13,11 @@ Precedence, lowest to highest::
 
 then the ``max_tokens`` cap and the model override. ``chat_template_kwargs`` merge key by key
 at each level instead of replacing the whole object.
+
+The output limit has two spellings, ``max_tokens`` and ``max_completion_tokens``, and vLLM reads
+``max_completion_tokens`` first: a level that sets the limit under one spelling removes the other
+from the request (so a client's ``max_completion_tokens: 40`` cannot beat a forced
+``max_tokens: 5``), and a default limit is not added when the client set one under either name.
 """
 
 from __future__ import annotations
@@ -49,6 +54,8 @@ POLICY_KEYS = frozenset(
     }
 )
 _MERGED = "chat_template_kwargs"
+#: The two spellings of the output limit: one limit, whichever name carries it.
+_LIMITS = ("max_tokens", "max_completion_tokens")
 
 
 class PolicyError(CaptureProxyError, ValueError):
@@ -95,14 +102,23 @@ class RequestPolicy:
     ) -> dict[str, Any]:
         """A new top-level request dict with the policy applied (nested values are shared)."""
         out = dict(request)
+        client_limit = any(out.get(k) is not None for k in _LIMITS)
         for key, value in self.defaults.items():
             if key == _MERGED:
                 out[key] = {**value, **(out.get(key) or {})}
+            elif key in _LIMITS:
+                if not client_limit:
+                    out[key] = value
             elif key not in out or out[key] is None:
                 out[key] = value
         for level in (rollout or {}, self.force):
             for key, value in level.items():
                 out[key] = _merge(out.get(key), value) if key == _MERGED else value
+            set_limits = [k for k in _LIMITS if k in level]
+            if len(set_limits) == 1:
+                # One limit: the level's spelling governs, the other one goes.
+                other = _LIMITS[1] if set_limits[0] == _LIMITS[0] else _LIMITS[0]
+                out.pop(other, None)
         cap = self.max_tokens_cap
         if cap:
             for key in ("max_tokens", "max_completion_tokens"):
