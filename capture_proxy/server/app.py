@@ -371,10 +371,11 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         await state.pipeline.wait_background(s.stage_timeout)
         await state.capture.drain(s.stage_timeout)
         await state.capture.ledger.flush()
-        await state.sink.close()
-        await _spill(state, journal)
+        # Readers first: the writer's close then folds the WAL into the file (SQLite).
         if isinstance(state.capture.source, SharedReader):
             state.capture.source.close()
+        await state.sink.close()
+        await _spill(state, journal)
         await state.upstream.close()
         if fake_runner is not None:
             await fake_runner.cleanup()
