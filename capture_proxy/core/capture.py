@@ -48,7 +48,7 @@ __all__ = ["SAMPLING_KEYS", "Call", "CallReport", "Capture", "CompletionLike"]
 log = logging.getLogger("capture_proxy.capture")
 
 #: Ids of sealed rollouts remembered (not their state) so late calls get their 409 without a
-#: store lookup; about 100 bytes each.
+#: store lookup; about 200 bytes each (with the key hash of a keyed rollout).
 _SEALED_IDS_KEPT = 100_000
 
 #: Request keys that shape sampling. The values actually forwarded upstream are recorded with
@@ -172,7 +172,8 @@ class Capture:
         #: Opens a reader on the same store: rollouts seen again after a restart resume from it.
         self.source = source
         self.max_live_rollouts = max_live_rollouts
-        self._sealed: OrderedDict[str, None] = OrderedDict()
+        #: Sealed rollout id -> its key hash (None if unkeyed): its own key still gets a 409.
+        self._sealed: OrderedDict[str, str | None] = OrderedDict()
         self.stager = Stager(sink, timeout=stage_timeout, max_pending=max_pending)
         self.max_inflight = max_inflight
         self.max_inflight_per_rollout = max_inflight_per_rollout
@@ -196,8 +197,11 @@ class Capture:
         resumes from the store instead of restarting at seq 0."""
         live = self.rollouts.get(rollout_id)
         if live is None and rollout_id in self._sealed:
-            return RolloutLive(rollout_id, sealed=True)  # refuses calls; never held live
+            return self._sealed_placeholder(rollout_id)  # refuses calls; never held live
         return live
+
+    def _sealed_placeholder(self, rollout_id: str) -> RolloutLive:
+        return RolloutLive(rollout_id, sealed=True, key_sha256=self._sealed[rollout_id])
 
     async def ensure_rollout(self, rollout_id: str) -> RolloutLive:
         """The live rollout, resumed from the store if an earlier process staged into it.
@@ -222,7 +226,7 @@ class Capture:
         """
         live = self.rollouts.get(rollout_id)
         if live is None and rollout_id in self._sealed:
-            return RolloutLive(rollout_id, sealed=True)
+            return self._sealed_placeholder(rollout_id)
         if live is not None or self.source is None:
             return live
         found = await asyncio.to_thread(resume_rollout, self.source, rollout_id)
@@ -230,7 +234,7 @@ class Capture:
         if live is not None or found is None:
             return live
         if found.sealed:
-            self._remember_sealed(rollout_id)  # looked at for its 409: not held live
+            self._remember_sealed(found)  # looked at for its 409: not held live
             return found
         log.info("resumed rollout %s from the store at seq %d", rollout_id, found.next_seq)
         self._evict()
@@ -253,8 +257,8 @@ class Capture:
             del self.rollouts[rid]
         return idle
 
-    def _remember_sealed(self, rollout_id: str) -> None:
-        self._sealed[rollout_id] = None
+    def _remember_sealed(self, live: RolloutLive) -> None:
+        self._sealed[live.rollout_id] = live.key_sha256
         while len(self._sealed) > _SEALED_IDS_KEPT:
             self._sealed.popitem(last=False)  # forgotten ids are looked up in the store again
 
@@ -336,7 +340,7 @@ class Capture:
             # A sealed rollout takes no more calls: memory holds live work only (its id, for
             # the 409s). A manifest request reads it from the store.
             del self.rollouts[rollout_id]
-            self._remember_sealed(rollout_id)
+            self._remember_sealed(live)
         return live
 
     # -- calls ---------------------------------------------------------------------------------
@@ -595,7 +599,14 @@ class Capture:
             message=message,
         )
         self._report(CallReport(rollout_id, call_id, CallStatus.REJECTED, reason))
-        await self.ledger.write(entry)
+        # Held "in flight" until its entry is written: a rollout created by this refusal (an id
+        # never seen) may leave memory under the live-rollout cap only once the store has the
+        # entry, or a resumed copy would hand its sequence number out again.
+        live.enter()
+        try:
+            await self.ledger.write(entry)
+        finally:
+            live.leave()
         return call_id
 
     async def refuse(self, rollout_id: str, err: ProxyError) -> str | None:

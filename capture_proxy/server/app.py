@@ -16,6 +16,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from ..core.capture import Capture
 from ..core.exchange import ExchangeConfig, Pipeline
@@ -235,8 +236,31 @@ def _live_gauges(state: ProxyState) -> dict[str, float]:
     return out
 
 
+class _OneLineParseErrors(logging.Filter):
+    """aiohttp logs a request it cannot parse (an over-long URL or header, a malformed request
+    line) with a full traceback, once per request: a sandbox could fill the log with them. Keep
+    one warning line naming the refusal (the client got aiohttp's 400) and drop the traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError):
+            reason = " ".join(str(exc.message or type(exc).__name__).split())[:160]
+            record.msg = "refused a malformed request (%d): %s"
+            record.args = (exc.code, reason)
+            record.exc_info = record.exc_text = None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
+def _quiet_parse_errors() -> None:
+    server_log = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, _OneLineParseErrors) for f in server_log.filters):
+        server_log.addFilter(_OneLineParseErrors())
+
+
 def create_app(settings: Settings, *, sink: StagingSink | None = None) -> web.Application:
     """The proxy as an aiohttp Application (``sink`` overrides ``settings.store``, for tests)."""
+    _quiet_parse_errors()
     the_sink = sink if sink is not None else open_sink(settings.store)
     state = ProxyState(
         settings=settings,
@@ -306,6 +330,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         connect_timeout=s.upstream_connect_timeout,
         first_byte_timeout=s.upstream_first_byte_timeout,
         idle_timeout=s.upstream_idle_timeout,
+        total_timeout=s.upstream_total_timeout,
     )
     state.pipeline = Pipeline(
         state.capture,

@@ -24,7 +24,7 @@ from ..core.ids import new_call_id, valid_rollout_id
 from ..core.rollouts import RolloutLive, resume_rollout
 from ..errors import NotFound, Unauthorized, Unprocessable
 from ..schemas.request import RequestValidationError
-from .state import STATE, ProxyState
+from .state import STATE, ProxyState, token_bytes
 from .validation import answer_for, check_rollout_policy, read_body
 
 __all__ = ["add_control_routes"]
@@ -57,7 +57,7 @@ def _authorize(request: web.Request) -> ProxyState:
         )
     auth = request.headers.get("Authorization", "")
     given = auth[7:] if auth.startswith("Bearer ") else ""
-    if not hmac.compare_digest(given.encode(), token.encode()):
+    if not hmac.compare_digest(token_bytes(given), token.encode()):
         raise Unauthorized(
             "the control API needs Authorization: Bearer <admin token>", code="admin_token"
         )
