@@ -230,6 +230,15 @@ def _live_gauges(state: ProxyState) -> dict[str, float]:
         "weight_version": cap.weight_version,
         "ready_capture": 0 if (cap.unavailable_reason or cap.sink_failing) else 1,
     }
+    # Quota usage without a label per rollout (ids are unbounded): the largest among live
+    # rollouts, next to the limits; refusals are counted by reason in calls_total.
+    live = cap.rollouts.values()
+    out["rollout_calls_used_max"] = max((r.calls_used for r in live), default=0)
+    out["rollout_bytes_used_max"] = max(
+        (r.bytes_staged + r.bytes_reserved for r in live), default=0
+    )
+    out["rollout_calls_limit"] = cap.max_rollout_calls
+    out["rollout_bytes_limit"] = cap.max_rollout_bytes
     sink_stats = getattr(state.sink, "stats", None)  # optional: sinks with a write queue
     if callable(sink_stats):
         out.update({f"sink_{k}": v for k, v in sink_stats().items()})
@@ -271,6 +280,8 @@ def create_app(settings: Settings, *, sink: StagingSink | None = None) -> web.Ap
             max_pending=settings.max_pending_stages,
             max_inflight=settings.max_inflight,
             max_inflight_per_rollout=settings.max_inflight_per_rollout,
+            max_rollout_calls=settings.max_rollout_calls,
+            max_rollout_bytes=settings.max_rollout_bytes,
             source=SharedReader(the_sink),
             policy=RequestPolicy(
                 defaults=settings.policy_defaults,
