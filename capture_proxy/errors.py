@@ -28,6 +28,7 @@ __all__ = [
     "TooManyRequests",
     "Unauthorized",
     "Unprocessable",
+    "UnsupportedMediaType",
     "UpstreamFailed",
     "error_body",
 ]
@@ -104,6 +105,11 @@ class Conflict(ProxyError):
 
 class PayloadTooLarge(ProxyError):
     status = 413
+    type = "invalid_request_error"
+
+
+class UnsupportedMediaType(ProxyError):
+    status = 415
     type = "invalid_request_error"
 
 

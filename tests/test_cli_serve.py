@@ -61,7 +61,9 @@ def test_invalid_settings_name_the_setting(
 
 
 def test_secrets_are_masked_in_public_settings() -> None:
-    s = load_settings(_args("--upstream-api-key", "sk-1", "--admin-token", "t"), {})
+    s = load_settings(
+        _args("--upstream-api-key", "sk-1", "--admin-token", "cli-admin-token-0123456789"), {}
+    )
     shown = s.public()
     assert shown["upstream_api_key"] == "***"
     assert shown["admin_token"] == "***"

@@ -33,7 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from capture_proxy.cli import main
 from capture_proxy.server.app import create_app
-from capture_proxy.server.settings import ENV_PREFIX, Settings, load_settings
+from capture_proxy.server.settings import ENV_PREFIX, Settings, SettingsError, load_settings
 from capture_proxy.sinks.memory import MemorySink
 from capture_proxy.sinks.urls import parse_store_url
 
@@ -549,7 +549,11 @@ def test_systemd_unit_runs_capture_proxy_serve_in_a_sandbox() -> None:
     assert service["NoNewPrivileges"] == ["yes"]
     assert service["ProtectSystem"] == ["strict"]
     assert service["User"] != ["root"]
-    s = _settings(_env_file())
+    env = _env_file()
+    # The example's token is a placeholder, refused at start until the operator replaces it.
+    with pytest.raises(SettingsError, match="placeholder"):
+        _settings(env)
+    s = _settings({**env, f"{ENV_PREFIX}ADMIN_TOKEN": "0123456789abcdef0123456789abcdef"})
     writable = [Path(p) for value in service["ReadWritePaths"] for p in value.split()]
     assert any(_store_dir(s).is_relative_to(p) for p in writable)
     assert _seconds(service["TimeoutStopSec"][0]) > _stop_budget(s)

@@ -40,7 +40,14 @@ from ..sinks.base import StagingSink, StagingSource
 from .ids import new_call_id
 from .ledger import LedgerWriter
 from .policy import PolicyError, RequestPolicy, check_policy
-from .rollouts import KEY_HASH_FIELD, CallOutcome, RolloutLive, request_key, resume_rollout
+from .rollouts import (
+    KEY_HASH_FIELD,
+    CallOutcome,
+    RolloutLive,
+    record_bytes,
+    request_key,
+    resume_rollout,
+)
 from .staging import Stager
 
 __all__ = ["SAMPLING_KEYS", "Call", "CallReport", "Capture", "CompletionLike"]
@@ -48,7 +55,7 @@ __all__ = ["SAMPLING_KEYS", "Call", "CallReport", "Capture", "CompletionLike"]
 log = logging.getLogger("capture_proxy.capture")
 
 #: Ids of sealed rollouts remembered (not their state) so late calls get their 409 without a
-#: store lookup; about 100 bytes each.
+#: store lookup; about 200 bytes each (with the key hash of a keyed rollout).
 _SEALED_IDS_KEPT = 100_000
 
 #: Request keys that shape sampling. The values actually forwarded upstream are recorded with
@@ -120,6 +127,10 @@ class Call:
     upstream_seconds: float | None = None
     #: A large request (`Capture.begin_call_offloaded`): its record is sealed on a worker thread.
     offload: bool = False
+    #: Bytes reserved against the rollout's byte quota while in flight (the body's size), and
+    #: what its record counts once built (`record_bytes`).
+    reserved: int = 0
+    record_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +163,8 @@ class Capture:
     lands later, the record is marked orphaned (so no trainer uses it unknowingly).
     `max_pending`: staging writes in progress at once (including late ones); beyond it new calls
     are refused with 503 before anything is forwarded — back-pressure, never an unbounded queue.
+    `max_rollout_calls`, `max_rollout_bytes`: per-rollout quotas (0: none); a call past either is
+    refused with 429 naming the quota, so one sandbox cannot fill the store for every other.
     """
 
     def __init__(
@@ -166,13 +179,19 @@ class Capture:
         source: Callable[[], StagingSource] | None = None,
         max_live_rollouts: int = 10_000,
         policy: RequestPolicy | None = None,
+        max_rollout_calls: int = 0,
+        max_rollout_bytes: int = 0,
     ) -> None:
         self.sink = sink
         self.policy = policy or RequestPolicy()
         #: Opens a reader on the same store: rollouts seen again after a restart resume from it.
         self.source = source
         self.max_live_rollouts = max_live_rollouts
-        self._sealed: OrderedDict[str, None] = OrderedDict()
+        #: Per-rollout quotas (0: none), checked at admission: see `check_admission`.
+        self.max_rollout_calls = max_rollout_calls
+        self.max_rollout_bytes = max_rollout_bytes
+        #: Sealed rollout id -> its key hash (None if unkeyed): its own key still gets a 409.
+        self._sealed: OrderedDict[str, str | None] = OrderedDict()
         self.stager = Stager(sink, timeout=stage_timeout, max_pending=max_pending)
         self.max_inflight = max_inflight
         self.max_inflight_per_rollout = max_inflight_per_rollout
@@ -196,8 +215,11 @@ class Capture:
         resumes from the store instead of restarting at seq 0."""
         live = self.rollouts.get(rollout_id)
         if live is None and rollout_id in self._sealed:
-            return RolloutLive(rollout_id, sealed=True)  # refuses calls; never held live
+            return self._sealed_placeholder(rollout_id)  # refuses calls; never held live
         return live
+
+    def _sealed_placeholder(self, rollout_id: str) -> RolloutLive:
+        return RolloutLive(rollout_id, sealed=True, key_sha256=self._sealed[rollout_id])
 
     async def ensure_rollout(self, rollout_id: str) -> RolloutLive:
         """The live rollout, resumed from the store if an earlier process staged into it.
@@ -222,7 +244,7 @@ class Capture:
         """
         live = self.rollouts.get(rollout_id)
         if live is None and rollout_id in self._sealed:
-            return RolloutLive(rollout_id, sealed=True)
+            return self._sealed_placeholder(rollout_id)
         if live is not None or self.source is None:
             return live
         found = await asyncio.to_thread(resume_rollout, self.source, rollout_id)
@@ -230,7 +252,7 @@ class Capture:
         if live is not None or found is None:
             return live
         if found.sealed:
-            self._remember_sealed(rollout_id)  # looked at for its 409: not held live
+            self._remember_sealed(found)  # looked at for its 409: not held live
             return found
         log.info("resumed rollout %s from the store at seq %d", rollout_id, found.next_seq)
         self._evict()
@@ -253,8 +275,8 @@ class Capture:
             del self.rollouts[rid]
         return idle
 
-    def _remember_sealed(self, rollout_id: str) -> None:
-        self._sealed[rollout_id] = None
+    def _remember_sealed(self, live: RolloutLive) -> None:
+        self._sealed[live.rollout_id] = live.key_sha256
         while len(self._sealed) > _SEALED_IDS_KEPT:
             self._sealed.popitem(last=False)  # forgotten ids are looked up in the store again
 
@@ -336,15 +358,19 @@ class Capture:
             # A sealed rollout takes no more calls: memory holds live work only (its id, for
             # the 409s). A manifest request reads it from the store.
             del self.rollouts[rollout_id]
-            self._remember_sealed(rollout_id)
+            self._remember_sealed(live)
         return live
 
     # -- calls ---------------------------------------------------------------------------------
 
-    def check_admission(self, live: RolloutLive) -> None:
-        """Raise the error a new call of this rollout gets now, if any (nothing forwarded yet)."""
+    def check_admission(self, live: RolloutLive, size: int = 0) -> None:
+        """Raise the error a new call of this rollout gets now, if any (nothing forwarded yet).
+
+        `size` is the call's body size, reserved against the byte quota while it is in flight.
+        """
         if live.sealed:
             raise Conflict(f"rollout {live.rollout_id} is sealed", code="rollout_sealed")
+        self._check_quotas(live, size)
         if self.unavailable_reason is not None:
             raise CaptureUnavailable(
                 f"not accepting calls: {self.unavailable_reason}",
@@ -371,6 +397,26 @@ class Capture:
                 headers={"Retry-After": "1"},
             )
 
+    def _check_quotas(self, live: RolloutLive, size: int) -> None:
+        # 429, not 403 or 413: the rollout used up its allowance (as an API answers a spent
+        # quota); the request itself is fine. No Retry-After: waiting frees nothing. Clients
+        # that retry 429s (the OpenAI SDKs, OpenCode) give up after a few tries.
+        if self.max_rollout_calls and live.calls_used >= self.max_rollout_calls:
+            raise TooManyRequests(
+                f"rollout {live.rollout_id} has made {live.calls_used} calls: its call quota "
+                f"(--max-rollout-calls {self.max_rollout_calls}) is spent",
+                code="rollout_call_quota",
+            )
+        used = live.bytes_staged + live.bytes_reserved
+        limit = self.max_rollout_bytes
+        if limit and (used >= limit or used + size > limit):
+            raise TooManyRequests(
+                f"rollout {live.rollout_id} has staged {used} bytes (with calls in flight); "
+                f"a call of {size} more would pass its byte quota "
+                f"(--max-rollout-bytes {limit})",
+                code="rollout_byte_quota",
+            )
+
     def begin_call(
         self,
         rollout_id: str,
@@ -378,11 +424,13 @@ class Capture:
         attachments: Mapping[str, Attachment] | None = None,
         *,
         key: bytes | None = None,
+        size: int = 0,
     ) -> Call:
         """Admit a call: assign its id and sequence number, link retries, stamp the weight version.
 
         Resolve the rollout first with `ensure_rollout` (it may have to read the store).
-        `key` is the request's `request_key` when the caller has computed it already.
+        `key` is the request's `request_key` when the caller has computed it already; `size`
+        the body's size, held against the rollout's byte quota until the call ends.
         Raises a `ProxyError` (409 sealed, 429/503 limits) when the call must not proceed.
         """
         live = self.rollout(rollout_id)
@@ -394,7 +442,7 @@ class Capture:
                 code="rollout_not_loaded",
                 headers={"Retry-After": "0"},
             )
-        self.check_admission(live)
+        self.check_admission(live, size)
         if key is None:
             key = request_key(request)
         call = Call(
@@ -408,7 +456,10 @@ class Capture:
             weight_version=self.weight_version,
             admitted_ms=int(time.time() * 1000),
             rollout=live,
+            reserved=size,
         )
+        live.calls_used += 1
+        live.bytes_reserved += size
         live.remember_request(key, call.call_id)
         live.outcomes[call.call_id] = CallOutcome(
             call.seq, call.call_id, "pending", retry_of=call.retry_of
@@ -422,6 +473,8 @@ class Capture:
         rollout_id: str,
         request: Mapping[str, Any],
         attachments: Mapping[str, Attachment] | None = None,
+        *,
+        size: int = 0,
     ) -> Call:
         """`begin_call` for a large request: its request key now, and its record's digest when
         it completes, are computed on a worker thread, so other calls are served meanwhile.
@@ -430,13 +483,14 @@ class Capture:
         costs ~0.1 ms, so small requests are better served by `begin_call`.
         """
         key = await asyncio.to_thread(request_key, request)
-        call = self.begin_call(rollout_id, request, attachments, key=key)
+        call = self.begin_call(rollout_id, request, attachments, key=key, size=size)
         call.offload = True
         return call
 
     def _finish(self, call: Call) -> None:
         if not call.finished:
             call.finished = True
+            call.rollout.bytes_reserved -= call.reserved
             call.rollout.leave()
             self.inflight -= 1
 
@@ -472,7 +526,9 @@ class Capture:
             sampling=dict(sampling),
             extras=completion.extras,
         )
-        return seal_record(record, encoder=self._request_values)
+        sealed = seal_record(record, encoder=self._request_values)
+        call.record_bytes = record_bytes(sealed, call.attachments.values())
+        return sealed
 
     async def complete_call(
         self,
@@ -507,6 +563,7 @@ class Capture:
                 result = await self.stager.stage(record, call.attachments)
             if result.status is CallStatus.STAGED:
                 assert result.coords is not None
+                call.rollout.bytes_staged += call.record_bytes
                 call.rollout.add_lineage(
                     call.call_id,
                     full_sequence(completion.prompt_token_ids, completion.completion_token_ids),
@@ -595,7 +652,14 @@ class Capture:
             message=message,
         )
         self._report(CallReport(rollout_id, call_id, CallStatus.REJECTED, reason))
-        await self.ledger.write(entry)
+        # Held "in flight" until its entry is written: a rollout created by this refusal (an id
+        # never seen) may leave memory under the live-rollout cap only once the store has the
+        # entry, or a resumed copy would hand its sequence number out again.
+        live.enter()
+        try:
+            await self.ledger.write(entry)
+        finally:
+            live.leave()
         return call_id
 
     async def refuse(self, rollout_id: str, err: ProxyError) -> str | None:

@@ -195,10 +195,11 @@ class Exchange:
             staged = capture.policy.apply(normalized.staged, live.policy)
             await self._guard_context(request, staged)
             rid, attachments = self.rollout_id, normalized.attachments
+            size = len(body) if isinstance(body, bytes) else 0  # held against the byte quota
             if large:
-                self.call = await capture.begin_call_offloaded(rid, staged, attachments)
+                self.call = await capture.begin_call_offloaded(rid, staged, attachments, size=size)
             else:
-                self.call = capture.begin_call(rid, staged, attachments)
+                self.call = capture.begin_call(rid, staged, attachments, size=size)
         except ProxyError as e:
             await self.refuse(e)
             raise

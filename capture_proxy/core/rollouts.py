@@ -12,13 +12,13 @@ import hashlib
 import time
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
-from ..schemas.records import CallStatus, CommitCoords, RolloutState
+from ..schemas.records import Attachment, CallStatus, CommitCoords, RolloutState, StagedCallRecord
 from ..schemas.tokens import common_prefix_len, full_sequence
 from ..sinks.base import StagingSource
 
@@ -30,6 +30,7 @@ __all__ = [
     "CallOutcome",
     "LineageCandidate",
     "RolloutLive",
+    "record_bytes",
     "request_key",
     "resume_rollout",
 ]
@@ -37,6 +38,8 @@ __all__ = [
 #: How many staged calls per rollout are kept as parent candidates. An agent continues one of its
 #: last few calls; keeping all would hold every prompt of a long session in memory.
 LINEAGE_WINDOW = 32
+#: Records decoded at a time when a resumed rollout's staged bytes are counted.
+_USAGE_BATCH = 64
 
 
 @dataclass(slots=True)
@@ -90,6 +93,12 @@ class RolloutLive:
     # request_key -> call ids with that exact normalized request (oldest first)
     requests: OrderedDict[bytes, str] = field(default_factory=OrderedDict)
     outcomes: dict[str, CallOutcome] = field(default_factory=dict)
+    #: Quota usage (``--max-rollout-calls``, ``--max-rollout-bytes``): calls admitted (refusals
+    #: not counted), `record_bytes` of every record staged, and the bodies of calls in flight
+    #: (reserved at admission, so concurrent calls cannot all slip under the quota at once).
+    calls_used: int = 0
+    bytes_staged: int = 0
+    bytes_reserved: int = 0
 
     def __post_init__(self) -> None:
         self.idle.set()
@@ -149,6 +158,22 @@ class RolloutLive:
             del self.lineage[0]
 
 
+def record_bytes(record: StagedCallRecord, attachments: Iterable[Attachment] = ()) -> int:
+    """What a staged call counts against its rollout's byte quota: its request, answer and
+    extras as JSON, 4 bytes per token id and logprob, and its images' bytes (`attachments`, or the
+    record's own when read back). `sampling` is not counted: it repeats values of the request.
+
+    A logical size, the same whether computed when staging or from the store after a restart,
+    and independent of how a sink compresses or shares what it stores.
+    """
+    parts: tuple[Mapping[str, Any], ...] = (record.request, record.response, record.extras)
+    size = sum(len(orjson.dumps(v)) for v in parts)
+    tokens = len(record.prompt_token_ids) + len(record.completion_token_ids)
+    size += 4 * (tokens + len(record.completion_logprobs))
+    images = tuple(attachments) or record.attachments
+    return size + sum(len(a.data) for a in images)
+
+
 def request_key(request: Mapping[str, Any]) -> bytes:
     """Identity of a normalized request (retry detection): sha256 of its sorted-key JSON."""
     return hashlib.sha256(orjson.dumps(request, option=orjson.OPT_SORT_KEYS)).digest()
@@ -198,4 +223,10 @@ def resume_rollout(open_source: Callable[[], StagingSource], rollout_id: str) ->
             message=f.message,
         )
     live.next_seq = 1 + max((o.seq for o in live.outcomes.values()), default=-1)
+    # Quota usage is derived from what the rollout staged, never reset by a restart. Counting
+    # the bytes decodes every record (in batches, on this worker thread): O(rollout) per resume.
+    live.calls_used = len(summaries) + sum(1 for f in failures if f.status != CallStatus.REJECTED)
+    for start in range(0, len(keys), _USAGE_BATCH):
+        batch = source.fetch(keys[start : start + _USAGE_BATCH])
+        live.bytes_staged += sum(record_bytes(r) for r in batch)
     return live

@@ -16,6 +16,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from ..core.capture import Capture
 from ..core.exchange import ExchangeConfig, Pipeline
@@ -229,14 +230,46 @@ def _live_gauges(state: ProxyState) -> dict[str, float]:
         "weight_version": cap.weight_version,
         "ready_capture": 0 if (cap.unavailable_reason or cap.sink_failing) else 1,
     }
+    # Quota usage without a label per rollout (ids are unbounded): the largest among live
+    # rollouts, next to the limits; refusals are counted by reason in calls_total.
+    live = cap.rollouts.values()
+    out["rollout_calls_used_max"] = max((r.calls_used for r in live), default=0)
+    out["rollout_bytes_used_max"] = max(
+        (r.bytes_staged + r.bytes_reserved for r in live), default=0
+    )
+    out["rollout_calls_limit"] = cap.max_rollout_calls
+    out["rollout_bytes_limit"] = cap.max_rollout_bytes
     sink_stats = getattr(state.sink, "stats", None)  # optional: sinks with a write queue
     if callable(sink_stats):
         out.update({f"sink_{k}": v for k, v in sink_stats().items()})
     return out
 
 
+class _OneLineParseErrors(logging.Filter):
+    """aiohttp logs a request it cannot parse (an over-long URL or header, a malformed request
+    line) with a full traceback, once per request: a sandbox could fill the log with them. Keep
+    one warning line naming the refusal (the client got aiohttp's 400) and drop the traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError):
+            reason = " ".join(str(exc.message or type(exc).__name__).split())[:160]
+            record.msg = "refused a malformed request (%d): %s"
+            record.args = (exc.code, reason)
+            record.exc_info = record.exc_text = None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
+def _quiet_parse_errors() -> None:
+    server_log = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, _OneLineParseErrors) for f in server_log.filters):
+        server_log.addFilter(_OneLineParseErrors())
+
+
 def create_app(settings: Settings, *, sink: StagingSink | None = None) -> web.Application:
     """The proxy as an aiohttp Application (``sink`` overrides ``settings.store``, for tests)."""
+    _quiet_parse_errors()
     the_sink = sink if sink is not None else open_sink(settings.store)
     state = ProxyState(
         settings=settings,
@@ -247,6 +280,8 @@ def create_app(settings: Settings, *, sink: StagingSink | None = None) -> web.Ap
             max_pending=settings.max_pending_stages,
             max_inflight=settings.max_inflight,
             max_inflight_per_rollout=settings.max_inflight_per_rollout,
+            max_rollout_calls=settings.max_rollout_calls,
+            max_rollout_bytes=settings.max_rollout_bytes,
             source=SharedReader(the_sink),
             policy=RequestPolicy(
                 defaults=settings.policy_defaults,
@@ -347,6 +382,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         connect_timeout=s.upstream_connect_timeout,
         first_byte_timeout=s.upstream_first_byte_timeout,
         idle_timeout=s.upstream_idle_timeout,
+        total_timeout=s.upstream_total_timeout,
     )
     state.pipeline = Pipeline(
         state.capture,

@@ -16,7 +16,13 @@ import orjson
 from aiohttp import web
 
 from ..core.exchange import Exchange, Outcome
-from ..errors import CaptureUnavailable, PayloadTooLarge, ProxyError, UpstreamFailed
+from ..errors import (
+    CaptureUnavailable,
+    PayloadTooLarge,
+    ProxyError,
+    UnsupportedMediaType,
+    UpstreamFailed,
+)
 from ..schemas.records import CallStatus
 from .identity import resolve_rollout_id
 from .state import STATE, ProxyState
@@ -53,6 +59,19 @@ async def _read_body(request: web.Request, limit: int) -> bytes:
         ) from e
 
 
+def _check_json(request: web.Request) -> None:
+    """Only JSON bodies: a web page in an operator's browser may post a form or text/plain to
+    any address without asking first (no CORS preflight), but never ``application/json``."""
+    given = request.headers.get("Content-Type")
+    if request.content_type != JSON or given is None:
+        shown = (given or "none")[:100]
+        raise UnsupportedMediaType(
+            f"the chat route takes Content-Type: application/json (a charset may follow), "
+            f"got {shown!r}",
+            code="unsupported_media_type",
+        )
+
+
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     rollout_id = resolve_rollout_id(request, require=state.settings.require_rollout_id)
@@ -61,6 +80,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     try:
         try:
             try:
+                _check_json(request)
                 body = await _read_body(request, state.settings.max_body_bytes)
             except ProxyError as e:
                 await exchange.refuse(e)

@@ -24,7 +24,7 @@ from ..core.ids import new_call_id, valid_rollout_id
 from ..core.rollouts import RolloutLive, resume_rollout
 from ..errors import NotFound, Unauthorized, Unprocessable
 from ..schemas.request import RequestValidationError
-from .state import STATE, ProxyState
+from .state import STATE, ProxyState, token_bytes
 from .validation import answer_for, check_rollout_policy, read_body
 
 __all__ = ["add_control_routes"]
@@ -57,7 +57,7 @@ def _authorize(request: web.Request) -> ProxyState:
         )
     auth = request.headers.get("Authorization", "")
     given = auth[7:] if auth.startswith("Bearer ") else ""
-    if not hmac.compare_digest(given.encode(), token.encode()):
+    if not hmac.compare_digest(token_bytes(given), token.encode()):
         raise Unauthorized(
             "the control API needs Authorization: Bearer <admin token>", code="admin_token"
         )
@@ -98,13 +98,25 @@ async def create_rollout(request: web.Request) -> web.Response:
     )
 
 
-def _manifest_live(live: RolloutLive) -> dict[str, Any]:
+def _manifest_live(live: RolloutLive, state: ProxyState) -> dict[str, Any]:
     outcomes = sorted(live.outcomes.values(), key=lambda o: o.seq)
+    cap = state.capture
     return {
         "rollout_id": live.rollout_id,
         "state": "sealed" if live.sealed else "open",
         "poisoned": live.poisoned,
         "in_flight": live.in_flight,
+        # The rollout's quotas: what it used (refused calls not counted; bytes as
+        # `record_bytes`, plus the bodies of calls in flight) and the limits (None: none).
+        "usage": {
+            "calls": live.calls_used,
+            "bytes": live.bytes_staged,
+            "bytes_in_flight": live.bytes_reserved,
+        },
+        "limits": {
+            "calls": cap.max_rollout_calls or None,
+            "bytes": cap.max_rollout_bytes or None,
+        },
         "calls": [o.to_dict() for o in outcomes],
     }
 
@@ -116,7 +128,7 @@ def _manifest_from_store(state: ProxyState, rollout_id: str) -> dict[str, Any] |
     if source is None:
         return None
     live = resume_rollout(source, rollout_id)
-    return None if live is None else _manifest_live(live)
+    return None if live is None else _manifest_live(live, state)
 
 
 async def manifest(request: web.Request) -> web.Response:
@@ -124,7 +136,7 @@ async def manifest(request: web.Request) -> web.Response:
     rollout_id = request.match_info["rollout_id"]
     live = state.capture.rollouts.get(rollout_id)
     if live is not None:
-        return _json(_manifest_live(live))
+        return _json(_manifest_live(live, state))
     found = await asyncio.to_thread(_manifest_from_store, state, rollout_id)
     if found is None:
         raise NotFound(f"no rollout {rollout_id}", code="unknown_rollout")
@@ -139,7 +151,7 @@ async def seal(request: web.Request) -> web.Response:
         state.pipeline.forget_rollouts([rollout_id])
     except KeyError as exc:
         raise NotFound(f"no live rollout {rollout_id} to seal", code="unknown_rollout") from exc
-    return _json(_manifest_live(live))
+    return _json(_manifest_live(live, state))
 
 
 async def put_weight_version(request: web.Request) -> web.Response:

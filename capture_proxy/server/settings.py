@@ -84,6 +84,11 @@ class Settings:
         False, "answer 400 to calls that name no rollout (path, X-Rollout-Id or x-session-id)"
     )
     max_body_bytes: int = _s(64 * 2**20, "largest request body accepted (413 above it)")
+    max_passthrough_body_bytes: int = _s(
+        2**20,
+        "largest body of a pass-through route (/tokenize, /detokenize), relayed uncaptured; "
+        "413 above it",
+    )
     allow_remote_media: bool = _s(
         False, "accept image URLs other than data: URLs (forwarded as-is, not captured as bytes)"
     )
@@ -113,6 +118,11 @@ class Settings:
     upstream_idle_timeout: float = _s(
         300.0, "seconds the upstream may stay silent between stream chunks or body bytes"
     )
+    upstream_total_timeout: float = _s(
+        3600.0,
+        "seconds from sending a call upstream until its whole answer is in, unary or streamed "
+        "(a trickling upstream fails past it; 0: no deadline)",
+    )
     max_inflight: int = _s(
         0, "calls in flight at once across rollouts; excess gets 429 (0: no limit)"
     )
@@ -120,7 +130,13 @@ class Settings:
         0, "calls in flight at once in one rollout; excess gets 429 (0: no limit)"
     )
     admin_token: str = _s(
-        "", "bearer token for the control API (/admin); empty: the control API is off", secret=True
+        "",
+        "bearer token for the control API (/admin), at least 16 characters; empty: the control "
+        "API is off. Prefer the environment or --admin-token-file: a flag shows in ps",
+        secret=True,
+    )
+    admin_token_file: str = _s(
+        "", "file whose first line is the control API's bearer token (instead of --admin-token)"
     )
     admin_port: int = _s(0, "serve the control API on this port instead of the main one (0: main)")
     admin_host: str = _s(
@@ -128,6 +144,14 @@ class Settings:
     )
     require_rollout_keys: bool = _s(
         False, "sandboxes must send the key minted for their rollout by POST /admin/rollouts"
+    )
+    max_rollout_bytes: int = _s(
+        2**30,
+        "bytes one rollout may stage (its records' requests, answers, tokens and images); "
+        "further calls get 429 (0: no limit)",
+    )
+    max_rollout_calls: int = _s(
+        10_000, "calls one rollout may make (refused ones not counted); beyond, 429 (0: no limit)"
     )
     seal_timeout: float = _s(60.0, "seconds sealing waits for a rollout's in-flight calls")
     rollout_idle_timeout: float = _s(
@@ -298,9 +322,44 @@ def load_settings(
         if choices and value not in choices:
             raise SettingsError(f"{source} must be one of {', '.join(choices)}, got {value!r}")
         values[f.name] = value
+    if values.get("admin_token_file"):
+        values["admin_token"] = _read_token_file(values)
     settings = Settings(**values)
     _check(settings)
     return settings
+
+
+def _read_token_file(values: Mapping[str, Any]) -> str:
+    path = values["admin_token_file"]
+    where = f"{_flag('admin_token_file')} ({_env('admin_token_file')})"
+    if values.get("admin_token"):
+        raise SettingsError(f"{where} and --admin-token are both set: give one, not both")
+    try:
+        with open(path, encoding="utf-8") as fh:
+            token = fh.readline().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise SettingsError(f"{where}: cannot read {path}: {e}") from e
+    if not token:
+        raise SettingsError(f"{where}: {path} holds no token on its first line")
+    return token
+
+
+#: Words of the placeholders people leave in example files and templates.
+_PLACEHOLDERS = ("changeme", "change-me", "change_me", "replace", "placeholder", "example", "xxxx")
+_MIN_TOKEN = 16
+
+
+def _weak_token(token: str) -> str | None:
+    """Why `token` is too weak to guard the control API, or None."""
+    if len(token) < _MIN_TOKEN:
+        return f"{len(token)} characters (at least {_MIN_TOKEN} needed)"
+    low = token.lower()
+    for word in _PLACEHOLDERS:
+        if word in low:
+            return f"a placeholder (it holds {word!r})"
+    if len(set(token)) < 6:
+        return "too repetitive (fewer than 6 distinct characters)"
+    return None
 
 
 def settings_markdown() -> str:
@@ -350,6 +409,7 @@ def _check(s: Settings) -> None:
             raise bad(name, f"must be > 0, got {getattr(s, name)}")
     for name in (
         "max_body_bytes",
+        "max_passthrough_body_bytes",
         "max_pending_stages",
         "max_free_json_bytes",
         "max_free_json_items",
@@ -362,11 +422,18 @@ def _check(s: Settings) -> None:
         "max_inflight",
         "max_inflight_per_rollout",
         "max_model_len",
+        "upstream_total_timeout",
+        "max_rollout_bytes",
+        "max_rollout_calls",
     ):
         if getattr(s, name) < 0:
             raise bad(name, f"must be >= 0, got {getattr(s, name)}")
     if s.upstream != "fake" and not s.upstream.startswith(("http://", "https://")):
         raise bad("upstream", f"must be an http(s) URL or 'fake', got {s.upstream!r}")
+    if s.admin_token:
+        why = _weak_token(s.admin_token)
+        if why:
+            raise bad("admin_token", f"is {why}: use a random one, e.g. openssl rand -hex 32")
     if s.require_rollout_keys and not s.admin_token:
         raise bad(
             "require_rollout_keys",

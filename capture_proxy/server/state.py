@@ -16,7 +16,14 @@ from ..upstream.http import HTTPUpstream
 from .metrics import Metrics
 from .settings import Settings
 
-__all__ = ["STATE", "ProxyState"]
+__all__ = ["STATE", "ProxyState", "token_bytes"]
+
+
+def token_bytes(token: str) -> bytes:
+    """A bearer token as bytes, whatever the client sent: aiohttp decodes header bytes that are
+    not UTF-8 as surrogate escapes, which plain ``encode()`` refuses (a 500). Such a token then
+    simply does not match."""
+    return token.encode("utf-8", "surrogateescape")
 
 
 @dataclass(eq=False)
@@ -44,13 +51,15 @@ class ProxyState:
                 "this proxy requires the rollout's key: send Authorization: Bearer <key>",
                 code="missing_rollout_key",
             )
-        live = await self.capture.find_rollout(rollout_id)  # never creates one
+        # Never creates one. A sealed rollout keeps its key hash (remembered with its id, or
+        # read from the store), so its own key gets the 409 of a sealed rollout, not a 403.
+        live = await self.capture.find_rollout(rollout_id)
         if live is None or live.key_sha256 is None:
             raise Forbidden(
                 f"rollout {rollout_id} was not created through the control API",
                 code="unknown_rollout",
             )
-        given = hashlib.sha256(auth[7:].encode()).hexdigest()
+        given = hashlib.sha256(token_bytes(auth[7:])).hexdigest()
         if not hmac.compare_digest(given, live.key_sha256):
             raise Forbidden(
                 f"the key does not belong to rollout {rollout_id}", code="wrong_rollout_key"

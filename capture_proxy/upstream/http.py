@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import Any
 
@@ -31,6 +32,13 @@ JSON = "application/json"
 _REFRESH_SECONDS = 300.0
 #: What the context guard sends to /tokenize: the parts of a chat request that shape the prompt.
 _PROMPT_KEYS = ("model", "messages", "tools", "chat_template_kwargs", "add_generation_prompt")
+#: Tokenizer fingerprints kept, by model name. The name is the client's choice (a sandbox may send
+#: a new one with every call): the least recently used are dropped and fetched again if seen.
+_FINGERPRINTS_KEPT = 32
+#: Longest wait for a fact (``/version``, the fingerprint's ``/tokenize``). Calls wait for them,
+#: so a hanging upstream route must not hold every call for the first-byte timeout; a fact not
+#: fetched in time is left empty until the next refresh.
+_FACT_TIMEOUT = 5.0
 
 
 class HTTPUpstream:
@@ -39,7 +47,8 @@ class HTTPUpstream:
     Pass a shared `session` (the proxy pools one per process), or none and the client opens its
     own on first use; `close` closes only a session it opened. Timeouts: `connect_timeout` to
     open a connection, `first_byte_timeout` until the response headers, `idle_timeout` between
-    two reads of a response body.
+    two reads of a response body, `total_timeout` (0: none) from sending a chat call until its
+    whole answer is in, so an upstream that trickles bytes cannot hold a call forever.
     """
 
     def __init__(
@@ -52,6 +61,7 @@ class HTTPUpstream:
         connect_timeout: float = 10.0,
         first_byte_timeout: float = 600.0,
         idle_timeout: float = 300.0,
+        total_timeout: float = 0.0,
     ) -> None:
         self.base_url = base_url.rstrip("/").removesuffix("/v1")
         self._session = session
@@ -60,9 +70,11 @@ class HTTPUpstream:
         self.connect_timeout = connect_timeout
         self.first_byte_timeout = first_byte_timeout
         self.idle_timeout = idle_timeout
+        self.total_timeout = total_timeout
+        self.fact_timeout = min(_FACT_TIMEOUT, first_byte_timeout)
         self._reasoning_setting = reasoning_field
         self._version: str | None = None
-        self._fingerprints: dict[str, str] = {}
+        self._fingerprints: OrderedDict[str, str] = OrderedDict()
         self._fetched_at = 0.0
         self._lock = asyncio.Lock()
 
@@ -118,21 +130,33 @@ class HTTPUpstream:
 
     async def post_chat(self, body: bytes) -> HTTPUpstreamReply:
         """POST a chat request; the reply once its headers are in (`UpstreamFailed` if not)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.total_timeout if self.total_timeout else None
+        first_byte = self.first_byte_timeout
+        if self.total_timeout:
+            first_byte = min(first_byte, self.total_timeout)
         with self._mapped("cannot reach the upstream"):
-            async with asyncio.timeout(self.first_byte_timeout):
+            async with asyncio.timeout(first_byte):
                 resp = await self.session.post(
                     self.url("/v1/chat/completions"),
                     data=body,
                     headers={**self.headers, "Content-Type": JSON},
                 )
-        return HTTPUpstreamReply(resp, self.idle_timeout)
+        return HTTPUpstreamReply(resp, self.idle_timeout, deadline, self.total_timeout)
 
     # -- other routes ------------------------------------------------------------------------
 
     async def relay(
-        self, method: str, path: str, body: bytes | None, content_type: str | None
+        self,
+        method: str,
+        path: str,
+        body: bytes | None,
+        content_type: str | None,
+        *,
+        within: float | None = None,
     ) -> tuple[int, str, bytes]:
-        """One uncaptured request (pass-through routes): status, content type and body."""
+        """One uncaptured request (pass-through routes): status, content type and body, within
+        `within` seconds (default: the first-byte timeout)."""
         headers = dict(self.headers)
         if body is not None:
             headers["Content-Type"] = content_type or JSON
@@ -143,7 +167,7 @@ class HTTPUpstream:
                 data=body,
                 headers=headers,
                 timeout=aiohttp.ClientTimeout(
-                    total=self.first_byte_timeout, sock_connect=self.connect_timeout
+                    total=within or self.first_byte_timeout, sock_connect=self.connect_timeout
                 ),
             ) as resp:
                 return resp.status, resp.headers.get("Content-Type", JSON), await resp.read()
@@ -186,12 +210,19 @@ class HTTPUpstream:
         if time.monotonic() - self._fetched_at > _REFRESH_SECONDS:
             self.mark_stale()
         if self._version is None or model not in self._fingerprints:
+            # One fetch at a time (the others wait for its answer), each bounded by
+            # `fact_timeout`: a hanging route delays calls by that much once, then the fact is
+            # left empty until the next refresh.
             async with self._lock:
                 if self._version is None:
                     self._version = await self._fetch_version()
                     self._fetched_at = time.monotonic()
                 if model not in self._fingerprints:
                     self._fingerprints[model] = await self._fetch_fingerprint(model)
+                    while len(self._fingerprints) > _FINGERPRINTS_KEPT:
+                        self._fingerprints.popitem(last=False)
+        else:
+            self._fingerprints.move_to_end(model)
         version = self._version or ""
         field = self._reasoning_setting
         if field == "auto":
@@ -200,7 +231,9 @@ class HTTPUpstream:
 
     async def _fetch_version(self) -> str:
         try:
-            status, _, raw = await self.relay("GET", "/version", None, None)
+            status, _, raw = await self.relay(
+                "GET", "/version", None, None, within=self.fact_timeout
+            )
             if status == 200:
                 return str(orjson.loads(raw).get("version", ""))
             log.warning("upstream /version answered %d", status)
@@ -211,7 +244,9 @@ class HTTPUpstream:
     async def _fetch_fingerprint(self, model: str) -> str:
         body = {"model": model, "messages": PROBE_MESSAGES, "add_generation_prompt": True}
         try:
-            status, _, raw = await self.relay("POST", "/tokenize", orjson.dumps(body), JSON)
+            status, _, raw = await self.relay(
+                "POST", "/tokenize", orjson.dumps(body), JSON, within=self.fact_timeout
+            )
             if status != 200:
                 log.warning("upstream /tokenize answered %d: no tokenizer fingerprint", status)
                 return ""
@@ -222,11 +257,28 @@ class HTTPUpstream:
 
 
 class HTTPUpstreamReply:
-    """An aiohttp response as an `UpstreamReply`, with the idle timeout between reads."""
+    """An aiohttp response as an `UpstreamReply`, with the idle timeout between reads and the
+    call's total deadline (`deadline`, in loop time; None: none)."""
 
-    def __init__(self, resp: aiohttp.ClientResponse, idle_timeout: float) -> None:
+    def __init__(
+        self,
+        resp: aiohttp.ClientResponse,
+        idle_timeout: float,
+        deadline: float | None = None,
+        total_timeout: float = 0.0,
+    ) -> None:
         self._resp = resp
         self._idle = idle_timeout
+        self._deadline = deadline
+        self._total = total_timeout
+
+    def _past_deadline(self) -> UpstreamFailed:
+        return UpstreamFailed(
+            f"the upstream's answer was not whole within {self._total:g}s "
+            "(--upstream-total-timeout)",
+            code="upstream_deadline",
+            status=504,
+        )
 
     @property
     def status(self) -> int:
@@ -243,22 +295,39 @@ class HTTPUpstreamReply:
         self._resp.close()
 
     async def read(self) -> bytes:
+        loop = asyncio.get_running_loop()
+        wait = self._idle
+        if self._deadline is not None:
+            wait = min(wait, self._deadline - loop.time())
         try:
-            async with asyncio.timeout(self._idle):
+            async with asyncio.timeout(wait):
                 return await self._resp.read()
-        except (TimeoutError, aiohttp.ClientError) as e:
+        except TimeoutError as e:
+            if self._deadline is not None and loop.time() >= self._deadline:
+                self._resp.close()
+                raise self._past_deadline() from e
+            raise UpstreamFailed(
+                f"the upstream answer broke off: {type(e).__name__}: {e}", code="upstream_broken"
+            ) from e
+        except aiohttp.ClientError as e:
             raise UpstreamFailed(
                 f"the upstream answer broke off: {type(e).__name__}: {e}", code="upstream_broken"
             ) from e
 
     async def chunks(self) -> AsyncIterator[bytes]:
         loop = asyncio.get_running_loop()
-        watch = _IdleWatch(self._resp, self._idle)
+        watch = _IdleWatch(self._resp, self._idle, self._deadline)
         try:
             while True:
+                if self._deadline is not None and loop.time() >= self._deadline:
+                    self._resp.close()
+                    raise self._past_deadline()
                 watch.waiting_since = loop.time()
                 try:
                     chunk = await self._resp.content.readany()
+                except _UpstreamDeadline as e:
+                    self._resp.close()
+                    raise self._past_deadline() from e
                 except (_UpstreamIdle, TimeoutError) as e:
                     self._resp.close()
                     raise UpstreamFailed(
@@ -282,6 +351,10 @@ class _UpstreamIdle(Exception):
     """Set on the upstream body by `_IdleWatch`: a read waited longer than the idle timeout."""
 
 
+class _UpstreamDeadline(Exception):
+    """Set on the upstream body by `_IdleWatch`: the call's total deadline passed mid-read."""
+
+
 class _IdleWatch:
     """The idle timeout for the reads of one stream, without a timer per chunk.
 
@@ -292,22 +365,36 @@ class _IdleWatch:
     response body, which `readany` then raises.
     """
 
-    def __init__(self, resp: aiohttp.ClientResponse, idle: float) -> None:
+    def __init__(
+        self, resp: aiohttp.ClientResponse, idle: float, deadline: float | None = None
+    ) -> None:
         self._loop = asyncio.get_running_loop()
         self._resp = resp
         self._idle = idle
+        self._deadline = deadline
         self.waiting_since: float | None = None
-        self._handle = self._loop.call_later(idle, self._check)
+        self._handle = self._loop.call_at(self._due(self._loop.time()), self._check)
+
+    def _due(self, since: float) -> float:
+        due = since + self._idle
+        return due if self._deadline is None else min(due, self._deadline)
 
     def _check(self) -> None:
         since = self.waiting_since
         now = self._loop.time()
+        if since is not None and self._deadline is not None and now >= self._deadline:
+            self._resp.content.set_exception(_UpstreamDeadline())
+            return
         if since is not None and now - since >= self._idle:
             self._resp.content.set_exception(_UpstreamIdle())
             return
-        self._handle = self._loop.call_at(
-            (now if since is None else since) + self._idle, self._check
-        )
+        if since is not None:
+            due = self._due(since)
+        elif self._deadline is not None and self._deadline > now:
+            due = min(now + self._idle, self._deadline)
+        else:
+            due = now + self._idle  # past the deadline between reads: the read loop checks it
+        self._handle = self._loop.call_at(due, self._check)
 
     def stop(self) -> None:
         self._handle.cancel()

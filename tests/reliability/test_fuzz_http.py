@@ -94,7 +94,9 @@ def check_ledger(live: Live) -> None:
 
 async def _post(live: Live, body: bytes, headers: dict[str, str] | None = None) -> tuple[int, str]:
     resp = await live.proxy.client.post(
-        f"/r/{ROLLOUT}/v1/chat/completions", data=body, headers=headers or {}
+        f"/r/{ROLLOUT}/v1/chat/completions",
+        data=body,
+        headers={"Content-Type": "application/json", **(headers or {})},
     )
     await resp.read()  # a stream included: the whole answer
     call_id = resp.headers.get("X-Capture-Call-Id")
@@ -408,7 +410,8 @@ def test_dot_rollout_ids_are_opaque_names(live: Live) -> None:
         ("...", "/v1/chat/completions", b"X-Rollout-Id: ...\r\n"),
     ]:
         head = (
-            f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n".encode()
+            f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n".encode()
             + header
             + b"\r\n"
         )
@@ -468,6 +471,7 @@ def test_client_headers_are_not_forwarded_upstream(live: Live) -> None:
             f"/r/{ROLLOUT}/v1/chat/completions",
             data=json.dumps(chat_body(user("headers"), max_tokens=4)),
             headers={
+                "Content-Type": "application/json",
                 "Authorization": "Bearer sandbox-key",
                 "X-Forwarded-For": "10.0.0.1",
                 "Cookie": "session=1",
@@ -644,7 +648,8 @@ def test_schemathesis_finds_no_server_error_and_no_undocumented_answer(tmp_path:
 
     from tests.support.reliability_workers import start_proxy as serve
 
-    proxy = serve("fake", f"sqlite:///{tmp_path / 'schema.db'}", "--admin-token", "t")
+    token = "schemathesis-admin-token-0123"
+    proxy = serve("fake", f"sqlite:///{tmp_path / 'schema.db'}", "--admin-token", token)
     try:
         base = proxy.wait_ready()
         schema = schemathesis.openapi.from_path(str(OPENAPI))
@@ -658,7 +663,9 @@ def test_schemathesis_finds_no_server_error_and_no_undocumented_answer(tmp_path:
         seen: dict[str, set[int]] = {}
 
         def check(case: Any) -> None:
-            response = case.call(base_url=base, headers={"Authorization": "Bearer t"}, timeout=30)
+            response = case.call(
+                base_url=base, headers={"Authorization": f"Bearer {token}"}, timeout=30
+            )
             seen.setdefault(case.operation.label, set()).add(response.status_code)
             case.validate_response(response, checks=run)
 

@@ -21,6 +21,8 @@ from capture_proxy.schemas.request import (
 )
 from tests.support.proxy_harness import chat_body, user
 
+JSON_CT = {"Content-Type": "application/json"}
+
 
 def _tool(name: str, parameters: Any) -> dict[str, Any]:
     return {"type": "function", "function": {"name": name, "parameters": parameters}}
@@ -124,7 +126,7 @@ async def test_a_hostile_body_under_the_body_limit_is_refused_before_decoding(
     p = await make_proxy()
     value: dict[str, list[dict[str, int]]] = {"x": [{}] * 1_400_000}
     raw = orjson.dumps(chat_body(user("hi"), chat_template_kwargs=value))
-    resp = await p.client.post("/r/r1/v1/chat/completions", data=raw)
+    resp = await p.client.post("/r/r1/v1/chat/completions", data=raw, headers=JSON_CT)
     assert resp.status == 413
     err = (await resp.json())["error"]
     assert err["param"] == "chat_template_kwargs"
@@ -174,7 +176,7 @@ def test_not_json_and_not_an_object() -> None:
 async def test_a_large_body_that_is_not_json_is_400_without_decoding(make_proxy: Any) -> None:
     p = await make_proxy()
     raw = b'{"messages": [' + b"{}," * 700_000 + b"oops"
-    resp = await p.client.post("/r/r1/v1/chat/completions", data=raw)
+    resp = await p.client.post("/r/r1/v1/chat/completions", data=raw, headers=JSON_CT)
     assert resp.status == 400
     assert (await resp.json())["error"]["code"] == "invalid_json"
     (entry,) = p.failures()

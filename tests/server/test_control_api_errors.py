@@ -13,6 +13,8 @@ import pytest
 
 from tests.support.proxy_harness import chat_body, user
 
+JSON_CT = {"Content-Type": "application/json"}
+
 TOKEN = "admin-secret"
 ADMIN = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
 
@@ -23,7 +25,7 @@ async def _post(p: Any, path: str, body: bytes, method: str = "POST") -> tuple[i
 
 
 async def _chat(p: Any, body: bytes) -> tuple[int, Any]:
-    resp = await p.client.post("/r/r1/v1/chat/completions", data=body)
+    resp = await p.client.post("/r/r1/v1/chat/completions", data=body, headers=JSON_CT)
     return resp.status, await resp.json()
 
 

@@ -14,6 +14,8 @@ from capture_proxy.sinks.memory import MemorySink
 from capture_proxy.testing.fake_vllm import FakeVLLM, Fault, Turn
 from tests.support.proxy_harness import chat_body, sse_lines, user
 
+JSON_CT = {"Content-Type": "application/json"}
+
 
 async def _events(resp: aiohttp.ClientResponse) -> list[bytes]:
     return [line async for line in sse_lines(resp) if line]
@@ -83,7 +85,7 @@ async def test_invalid_request_is_422_recorded_and_not_forwarded(
 
 async def test_invalid_json_is_400(make_proxy: Any) -> None:
     p = await make_proxy()
-    resp = await p.client.post("/r/r1/v1/chat/completions", data=b"{not json")
+    resp = await p.client.post("/r/r1/v1/chat/completions", data=b"{not json", headers=JSON_CT)
     assert resp.status == 400
     assert (await resp.json())["error"]["code"] == "invalid_json"
     _only_failure(p, CallStatus.REJECTED, "invalid_json")

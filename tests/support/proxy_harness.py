@@ -53,7 +53,8 @@ class Proxy:
         headers: Mapping[str, str] | None = None,
     ) -> aiohttp.ClientResponse:
         path = f"/r/{rollout}/v1/chat/completions" if rollout else "/v1/chat/completions"
-        return await self.client.post(path, data=orjson.dumps(body), headers=dict(headers or {}))
+        sent = {"Content-Type": "application/json", **(headers or {})}
+        return await self.client.post(path, data=orjson.dumps(body), headers=sent)
 
     def calls(self, rollout: str = "r1") -> list[StagedCallRecord]:
         src = self.source()

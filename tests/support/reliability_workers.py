@@ -279,7 +279,8 @@ class Loader:
     async def _call(self, url: str, body: dict[str, Any]) -> tuple[str, str]:
         assert self._http is not None
         rollout = url.split("/r/", 1)[1].split("/", 1)[0]
-        async with self._http.post(url, data=orjson.dumps(body)) as resp:
+        headers = {"Content-Type": "application/json"}
+        async with self._http.post(url, data=orjson.dumps(body), headers=headers) as resp:
             status = resp.headers.get("X-Capture-Status", "")
             call_id = resp.headers.get("X-Capture-Call-Id", "")
             if resp.status != 200:
