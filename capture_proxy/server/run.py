@@ -19,6 +19,12 @@ async def serve(settings: Settings) -> int:
 
     Returns the exit status: 1 when ledger entries could not be written to the store and were
     spilled to the ledger journal (or stderr) instead, else 0."""
+    # Signals first: a SIGTERM that arrives while starting (or right after the banner, which is
+    # how supervisors and tests see readiness) stops the proxy cleanly instead of killing it.
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
     app = create_app(settings)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
@@ -52,10 +58,6 @@ async def serve(settings: Settings) -> int:
         print(f"  control API on http://{admin_host}:{settings.admin_port}/admin", flush=True)
     else:
         print(f"  control API on {state.listen_url}/admin", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     print("capture-proxy stopping: finishing in-flight calls", flush=True)
     if admin_runner is not None:
