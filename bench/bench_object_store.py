@@ -2,8 +2,8 @@
 
     .venv/bin/python bench/bench_object_store.py [--units 1000] [--batch 16] [--quick] [--json]
 
-Needs the spike's extra packages (see docs/reports/object-store-spike.md):
-``pip install 'moto[server]' obstore deltalake``. Everything runs against moto's S3 server,
+Needs the test extra (moto's server, obstore) and, for option (c) only, ``pip install deltalake``
+(see docs/reports/object-store-spike.md). Everything runs against moto's S3 server,
 started here as a subprocess on 127.0.0.1 (a free port) and stopped at the end; no other network.
 
 1. Conditional writes: does the server honour ``If-None-Match: *`` (create-if-absent: a second put
@@ -50,7 +50,7 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +61,6 @@ import obstore
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.fs as pafs
-from deltalake import DeltaTable, write_deltalake
 from obstore.exceptions import AlreadyExistsError, PreconditionError
 from obstore.store import S3Store
 
@@ -344,9 +343,13 @@ class Delta(Option):
     name = "delta"
 
     def __init__(self, moto: Moto, prefix: str) -> None:
+        # Imported here: deltalake is needed for this option only (the spike did not adopt it).
+        from deltalake import DeltaTable, write_deltalake
+
+        self.table_type, self.write = DeltaTable, write_deltalake
         self.uri = f"s3://{BUCKET}/{prefix}"
         self.options = delta_options(moto)
-        self.tables: dict[str, DeltaTable] = {}
+        self.tables: dict[str, Any] = {}
 
     def commit(self, calls: list[dict[str, Any]], blobs: list[dict[str, Any]]) -> None:
         for name, rows in ((BLOBS, blobs), (CALLS, calls)):
@@ -354,13 +357,13 @@ class Delta(Option):
             table = self.tables.get(name)
             if table is None:
                 uri = f"{self.uri}/{name}"
-                write_deltalake(uri, data, mode="append", storage_options=self.options)
-                self.tables[name] = DeltaTable(uri, storage_options=self.options)
+                self.write(uri, data, mode="append", storage_options=self.options)
+                self.tables[name] = self.table_type(uri, storage_options=self.options)
             else:
-                write_deltalake(table, data, mode="append")
+                self.write(table, data, mode="append")
 
     def open_and_list(self) -> int:
-        dt = DeltaTable(f"{self.uri}/{CALLS}", storage_options=self.options)
+        dt = self.table_type(f"{self.uri}/{CALLS}", storage_options=self.options)
         ids = dt.to_pyarrow_table(columns=["rollout_id"]).column("rollout_id")
         return len(pc.unique(ids))
 
@@ -452,6 +455,13 @@ def _getter(key: str, what: str, scale: float = 1) -> Callable[[dict[str, Any]],
     return get
 
 
+def _version(package: str) -> str:
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return "not installed"
+
+
 def _units_of(key: str) -> int:
     return int(key.split("_")[1])
 
@@ -469,7 +479,7 @@ def main() -> None:
     chosen = args.options.split(",")
     env = {
         "python": platform.python_version(),
-        **{p: version(p) for p in ("pyarrow", "obstore", "deltalake", "moto")},
+        **{p: _version(p) for p in ("pyarrow", "obstore", "deltalake", "moto")},
         "cpus": os.cpu_count(),
         "load": os.getloadavg()[0],
     }
