@@ -472,7 +472,7 @@ class Capture:
             sampling=dict(sampling),
             extras=completion.extras,
         )
-        return seal_record(record, encoder=self._request_values)
+        return seal_record(record, attachments=call.attachments, encoder=self._request_values)
 
     async def complete_call(
         self,

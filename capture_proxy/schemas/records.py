@@ -17,17 +17,20 @@ import math
 import re
 import sys
 from array import array
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
 from ..errors import CaptureProxyError
-from .version import RECORD_SCHEMA_VERSION
+from .version import DIGEST_VERSION_OF_SCHEMA, RECORD_SCHEMA_VERSION
 
 __all__ = [
     "ID_PATTERN",
+    "LOGPROBS_MODE_UNKNOWN",
+    "V2_DEFAULTS",
     "Attachment",
+    "BridgeSpan",
     "CallStatus",
     "CallSummary",
     "CommitCoords",
@@ -37,6 +40,7 @@ __all__ = [
     "RolloutState",
     "StageResult",
     "StagedCallRecord",
+    "WeightSpan",
     "as_logprobs",
     "as_token_ids",
     "check_id",
@@ -274,6 +278,68 @@ class RolloutInfo:
     policy: Mapping[str, Any] = field(default_factory=dict)
 
 
+#: ``(version, start, end)``: the engine's weight version that sampled completion tokens
+#: ``[start, end)``.
+WeightSpan = tuple[str, int, int]
+#: ``(start, end, reason)``: prompt tokens ``[start, end)`` that the proxy inserted (not the
+#: model, not the environment), and why; a trainer keeps them at loss mask 0.
+BridgeSpan = tuple[int, int, str]
+
+#: The logprobs mode when nobody said which one vLLM ran with.
+LOGPROBS_MODE_UNKNOWN = "unknown"
+
+#: Fields added by record schema 2, with the value that means "unknown / not used". A version-1
+#: record holds exactly these values (its digest does not cover the fields).
+V2_DEFAULTS: Mapping[str, Any] = {
+    "engine_weight_version": None,
+    "weight_spans": (),
+    "token_in": False,
+    "bridge_spans": (),
+    "replica": "",
+    "effective_sampling": None,
+    "logprobs_mode": LOGPROBS_MODE_UNKNOWN,
+}
+
+
+def _int_at(name: str, value: object, i: int) -> int:
+    if type(value) is not int or value < 0:
+        raise RecordValidationError(name, f"positions must be non-negative ints, got {value!r}", i)
+    return value
+
+
+def _spans(
+    name: str, values: object, limit: int, label_at: int, what: str
+) -> tuple[tuple[Any, ...], ...]:
+    """Validate ``[start, end)`` spans (with one string label at `label_at`): in bounds of
+    `limit` tokens (`what`), non-empty, in order and not overlapping. Returns them as tuples."""
+    if isinstance(values, (str, bytes, Mapping)) or not isinstance(values, Iterable):
+        raise RecordValidationError(name, f"must be a list of spans, got {values!r:.80}")
+    out: list[tuple[Any, ...]] = []
+    end_before = 0
+    for i, span in enumerate(values):
+        if isinstance(span, (str, bytes, Mapping)) or not isinstance(span, Iterable):
+            raise RecordValidationError(name, f"a span is a list of 3 values, got {span!r:.80}", i)
+        items = tuple(span)
+        if len(items) != 3:
+            raise RecordValidationError(name, f"a span is a list of 3 values, got {span!r:.80}", i)
+        label = items[label_at]
+        if not isinstance(label, str) or not label:
+            raise RecordValidationError(name, f"needs a non-empty string, got {label!r:.40}", i)
+        start, end = (items[1], items[2]) if label_at == 0 else (items[0], items[1])
+        start, end = _int_at(name, start, i), _int_at(name, end, i)
+        if not start < end <= limit:
+            raise RecordValidationError(
+                name, f"span [{start}, {end}) is empty or beyond the {limit} {what}", i
+            )
+        if start < end_before:
+            raise RecordValidationError(
+                name, f"span [{start}, {end}) starts before the previous one ends ({end_before})", i
+            )
+        end_before = end
+        out.append(items)
+    return tuple(out)
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class StagedCallRecord:
     """One model call, exactly as the model saw and produced it.
@@ -288,6 +354,16 @@ class StagedCallRecord:
     assistant message (``role``, ``content``, ``reasoning_content``, ``tool_calls``).
     `attachments` is filled on records read back from a store; writers pass attachments to
     `StagingSink.stage` separately.
+
+    Versions: `weight_version` is the driver's version at admission; `engine_weight_version` is
+    the engine's own when it reports one (vLLM's ``/weight_info``), and `weight_spans` says which
+    engine version sampled which completion tokens (``[]``: unknown). Also recorded: whether the
+    call went token-in (`token_in`) and which prompt tokens the proxy inserted (`bridge_spans`),
+    the upstream replica (`replica`, ``""`` for a single upstream), the sampling parameters the
+    engine applied after its own defaults (`effective_sampling`, None when unknown), and the
+    engine's logprobs mode (`logprobs_mode`: ``raw_logprobs``, ``processed_logprobs``, ... or
+    ``"unknown"``). These came with record schema 2 (`schema_version`); a version-1 record read
+    from an older store holds their defaults.
     """
 
     rollout_id: str
@@ -308,6 +384,13 @@ class StagedCallRecord:
     tokenizer_fingerprint: str = ""
     sampling: Mapping[str, Any] = field(default_factory=dict)
     extras: Mapping[str, Any] = field(default_factory=dict)
+    engine_weight_version: str | None = None
+    weight_spans: Sequence[WeightSpan] = ()
+    token_in: bool = False
+    bridge_spans: Sequence[BridgeSpan] = ()
+    replica: str = ""
+    effective_sampling: Mapping[str, Any] | None = None
+    logprobs_mode: str = LOGPROBS_MODE_UNKNOWN
     status: CallStatus = CallStatus.STAGED
     schema_version: int = RECORD_SCHEMA_VERSION
     digest: str = ""
@@ -339,6 +422,11 @@ class StagedCallRecord:
                 f"record format {self.schema_version} is newer than this capture-proxy "
                 f"understands ({RECORD_SCHEMA_VERSION}): upgrade capture-proxy",
             )
+        if self.schema_version not in DIGEST_VERSION_OF_SCHEMA:
+            raise RecordValidationError(
+                "schema_version",
+                f"must be one of {sorted(DIGEST_VERSION_OF_SCHEMA)}, got {self.schema_version}",
+            )
         # frozen dataclass: object.__setattr__ is the sanctioned way to normalize in __post_init__.
         object.__setattr__(self, "status", CallStatus(self.status))
         prompt = as_token_ids("prompt_token_ids", self.prompt_token_ids)
@@ -356,6 +444,45 @@ class StagedCallRecord:
         object.__setattr__(self, "completion_token_ids", completion)
         object.__setattr__(self, "completion_logprobs", logprobs)
         object.__setattr__(self, "attachments", tuple(self.attachments))
+        self._check_v2_fields(len(prompt), len(completion))
+
+    def _check_v2_fields(self, prompt_len: int, completion_len: int) -> None:
+        ewv = self.engine_weight_version
+        if ewv is not None and (not isinstance(ewv, str) or not ewv):
+            raise RecordValidationError(
+                "engine_weight_version", f"must be a non-empty string or None, got {ewv!r:.80}"
+            )
+        weight_spans = _spans(
+            "weight_spans", self.weight_spans, completion_len, 0, "completion tokens"
+        )
+        bridge_spans = _spans("bridge_spans", self.bridge_spans, prompt_len, 2, "prompt tokens")
+        object.__setattr__(self, "weight_spans", weight_spans)
+        object.__setattr__(self, "bridge_spans", bridge_spans)
+        if type(self.token_in) is not bool:
+            raise RecordValidationError("token_in", f"must be true or false, got {self.token_in!r}")
+        if not isinstance(self.replica, str):
+            raise RecordValidationError("replica", f"must be a string, got {self.replica!r:.80}")
+        if self.effective_sampling is not None and not isinstance(self.effective_sampling, Mapping):
+            raise RecordValidationError(
+                "effective_sampling", "must be a mapping, or None when unknown"
+            )
+        if not isinstance(self.logprobs_mode, str) or not self.logprobs_mode:
+            raise RecordValidationError(
+                "logprobs_mode",
+                f'must be a non-empty string ("unknown" allowed), got {self.logprobs_mode!r:.80}',
+            )
+        if self.schema_version < 2:
+            # A version-1 digest does not cover these fields: a value there would be unsealed.
+            for name, default in V2_DEFAULTS.items():
+                if getattr(self, name) != default:
+                    raise RecordValidationError(
+                        name, "needs record schema_version 2 (a version-1 record cannot hold it)"
+                    )
+
+    @property
+    def digest_version(self) -> int:
+        """The digest encoding this record is sealed and verified with (docs/digest.md)."""
+        return DIGEST_VERSION_OF_SCHEMA[self.schema_version]
 
     @property
     def staging_key(self) -> str:

@@ -343,6 +343,7 @@ async def test_attachments_in_order_of_first_reference(case: SinkCase) -> None:
             {"type": "image_url", "image_url": {"url": attachment_url(two.sha256)}},
         ],
     }
+    s.known = {one.sha256: one, two.sha256: two}
     record, _ = s.next()
     res = await case.sink.stage(record, attachments={one.sha256: one, two.sha256: two})
     assert res.status is CallStatus.STAGED

@@ -80,6 +80,9 @@ class Session:
         self.prefix = prefix or rollout_id
         self.rng = random.Random(f"{rollout_id}:{seed}")
         self.images: dict[str, Attachment] = {image.sha256: image} if image is not None else {}
+        #: Every image the session refers to, staged here or before a resume (sealing binds
+        #: their media types).
+        self.known: dict[str, Attachment] = dict(self.images)
         self.seq = 0
         self.parent: str | None = None
         self.full = array("i")
@@ -103,6 +106,8 @@ class Session:
         s.full = array("i", last.prompt_token_ids)
         s.full.extend(last.completion_token_ids)
         s.messages = [dict(m) for m in last.request["messages"]]
+        # Read back from the store, `last` holds its images: their media types seal later calls.
+        s.known = {a.sha256: a for a in last.attachments}
         s.messages.append(dict(last.response))
         s.messages.append({"role": "user", "content": f"continue turn {s.seq}"})
         return s
@@ -122,6 +127,7 @@ class Session:
         """
         if new_image is not None:
             self.images[new_image.sha256] = new_image
+            self.known[new_image.sha256] = new_image
             self.messages.append(
                 {
                     "role": "user",
@@ -161,7 +167,7 @@ class Session:
             sampling={"temperature": 1.0, "max_tokens": 32000},
             extras=extras or {},
         )
-        sealed = seal_record(record)
+        sealed = seal_record(record, attachments=self.known)
         self.seq += 1
         self.parent = call_id
         self.full = array("i", prompt)
