@@ -25,6 +25,7 @@ from typing import Any, Protocol
 from ..errors import CaptureUnavailable, Conflict, ProxyError, TooManyRequests, Unprocessable
 from ..schemas.digest import EncodingError, RequestValueCache, seal_record
 from ..schemas.records import (
+    LOGPROBS_MODE_UNKNOWN,
     Attachment,
     CallStatus,
     CommitCoords,
@@ -503,8 +504,12 @@ class Capture:
         upstream_version: str,
         tokenizer_fingerprint: str,
         sampling: Mapping[str, Any],
+        logprobs_mode: str = LOGPROBS_MODE_UNKNOWN,
     ) -> StagedCallRecord:
-        """The sealed record for a completed call (raises RecordValidationError/EncodingError)."""
+        """The sealed record for a completed call (raises RecordValidationError/EncodingError).
+
+        `logprobs_mode` is the upstream's, as far as the proxy knows it.
+        """
         parent = call.rollout.choose_parent(completion.prompt_token_ids, call.request_key)
         record = StagedCallRecord(
             rollout_id=call.rollout_id,
@@ -525,8 +530,9 @@ class Capture:
             tokenizer_fingerprint=tokenizer_fingerprint,
             sampling=dict(sampling),
             extras=completion.extras,
+            logprobs_mode=logprobs_mode,
         )
-        sealed = seal_record(record, encoder=self._request_values)
+        sealed = seal_record(record, attachments=call.attachments, encoder=self._request_values)
         call.record_bytes = record_bytes(sealed, call.attachments.values())
         return sealed
 
@@ -539,6 +545,7 @@ class Capture:
         upstream_version: str = "",
         tokenizer_fingerprint: str = "",
         sampling: Mapping[str, Any] | None = None,
+        logprobs_mode: str = LOGPROBS_MODE_UNKNOWN,
     ) -> StageResult:
         """Build, seal and stage the call's record. Never raises for capture problems: a call that
         cannot be staged returns ``capture_failed`` and is in the ledger, its rollout poisoned.
@@ -554,6 +561,7 @@ class Capture:
                 upstream_version=upstream_version,
                 tokenizer_fingerprint=tokenizer_fingerprint,
                 sampling=sampling if sampling is not None else sampling_of(call.request),
+                logprobs_mode=logprobs_mode,
             )
             try:
                 record = await asyncio.to_thread(build) if call.offload else build()

@@ -58,6 +58,9 @@ class ExchangeConfig:
     context_overflow: Literal["refuse", "cap"] = "refuse"
     #: Bounds on free-form JSON values (``--max-free-json-bytes``, ``--max-free-json-items``).
     free_json: FreeJsonLimits = field(default_factory=FreeJsonLimits)
+    #: The upstream's logprobs mode as declared (``--upstream-logprobs-mode``), stamped on every
+    #: record: ``raw_logprobs``, ``processed_logprobs`` or ``unknown``.
+    logprobs_mode: str = "unknown"
 
 
 @dataclass(slots=True)
@@ -406,6 +409,7 @@ class Exchange:
                 upstream_version=self.info.version,
                 tokenizer_fingerprint=self.info.fingerprint,
                 sampling=sampling_of(self.request),
+                logprobs_mode=self.pipeline.config.logprobs_mode,
             )
         )
         result: StageResult = await asyncio.shield(task)

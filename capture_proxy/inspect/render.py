@@ -24,6 +24,7 @@ from .shapes import (
     CallView,
     OverviewView,
     RolloutView,
+    StagedCallDetail,
     TokensDetail,
     TrajectorySummary,
     TrajectoryUnavailable,
@@ -370,6 +371,29 @@ def _extra(key: str, value: Any) -> str:
     return f"{key}={text}" if len(text) <= 40 else f"{key} ({len(text)} B of JSON)"
 
 
+def _v2_pairs(c: StagedCallDetail) -> list[tuple[str, str]]:
+    """Lines for the fields of record schema 2 the call has (absent ones are not shown)."""
+    pairs: list[tuple[str, str]] = []
+    if "effective_sampling" in c:
+        applied = " ".join(f"{k}={_json(v)}" for k, v in sorted(c["effective_sampling"].items()))
+        pairs.append(("effective sampling", applied or "-"))
+    if "logprobs_mode" in c:
+        pairs.append(("logprobs mode", c["logprobs_mode"]))
+    if "engine_weight_version" in c:
+        pairs.append(("engine weights", c["engine_weight_version"]))
+    if "weight_spans" in c:
+        spans = ", ".join(f"{v} [{a}, {b})" for v, a, b in c["weight_spans"])
+        pairs.append(("weight spans", f"{spans} (completion positions)"))
+    if "token_in" in c:
+        pairs.append(("token-in", "yes"))
+    if "bridge_spans" in c:
+        spans = ", ".join(f"[{a}, {b}) {why}" for a, b, why in c["bridge_spans"])
+        pairs.append(("inserted by proxy", f"{spans} (prompt positions)"))
+    if "replica" in c:
+        pairs.append(("replica", c["replica"]))
+    return pairs
+
+
 def render_call(view: CallView, out: Out) -> None:
     c = view["call"]
     if c["status"] != "staged":
@@ -414,6 +438,7 @@ def render_call(view: CallView, out: Out) -> None:
             "parent)",
         ),
         ("sampling", " ".join(f"{k}={_json(v)}" for k, v in sorted(c["sampling"].items())) or "-"),
+        *_v2_pairs(c),
         ("extras", ", ".join(_extra(k, v) for k, v in sorted(c["extras"].items())) or "-"),
         ("digest", c["digest"]),
         ("extras digest", c["extras_digest"]),

@@ -220,6 +220,17 @@ class StagedCallDetail(TypedDict):
     attachments: list[CheckedAttachmentEntry]
     #: With ``--tokens``.
     tokens: NotRequired[TokensDetail]
+    # Fields of record schema 2, each present only when set (not at its "unknown" default), so
+    # records from before them show as they always did.
+    engine_weight_version: NotRequired[str]
+    #: ``[version, start, end]`` over completion positions.
+    weight_spans: NotRequired[list[list[Any]]]
+    token_in: NotRequired[bool]
+    #: ``[start, end, reason]`` over prompt positions.
+    bridge_spans: NotRequired[list[list[Any]]]
+    replica: NotRequired[str]
+    effective_sampling: NotRequired[dict[str, Any]]
+    logprobs_mode: NotRequired[str]
 
 
 class CallView(TypedDict):

@@ -21,6 +21,7 @@ from ..errors import CaptureProxyError
 from ..read.reader import Store
 from ..schemas.digest import DigestMismatch, verify_record
 from ..schemas.records import (
+    LOGPROBS_MODE_UNKNOWN,
     Attachment,
     CallSummary,
     LedgerEntry,
@@ -370,9 +371,28 @@ def call_view(
         "check": _check(r),
         "attachments": [{**attachment_entry(a), "ok": a.check()} for a in r.attachments],
     }
+    _add_v2_fields(call, r)
     if tokens:
         call["tokens"] = _tokens(r, token_text)
     return {"view": "call", "store": store.url, "call": call}
+
+
+def _add_v2_fields(call: StagedCallDetail, r: StagedCallRecord) -> None:
+    """The fields of record schema 2 that say something (not at their "unknown" default)."""
+    if r.engine_weight_version is not None:
+        call["engine_weight_version"] = r.engine_weight_version
+    if r.weight_spans:
+        call["weight_spans"] = [list(span) for span in r.weight_spans]
+    if r.token_in:
+        call["token_in"] = True
+    if r.bridge_spans:
+        call["bridge_spans"] = [list(span) for span in r.bridge_spans]
+    if r.replica:
+        call["replica"] = r.replica
+    if r.effective_sampling is not None:
+        call["effective_sampling"] = dict(r.effective_sampling)
+    if r.logprobs_mode != LOGPROBS_MODE_UNKNOWN:
+        call["logprobs_mode"] = r.logprobs_mode
 
 
 def verify_view(store: Store) -> VerifyView:

@@ -4,6 +4,7 @@
     >>> traj.token_ids, traj.loss_mask, traj.logprobs      # int32 ids, 0/1 mask, float32
     >>> traj.segments                                      # where drift forced a new sequence
     >>> traj.drift                                         # which call drifted, where, by how much
+    >>> traj.breaks                                        # every segment break, with its reason
 
 The walk (docs/trajectories.md has a worked example): take the rollout's staged calls in
 sequence order, keep only the latest attempt of each retried call, and keep calls without tools
@@ -27,6 +28,7 @@ from ..schemas.tokens import common_prefix_len, full_sequence
 from ..sinks.base import StagingSource
 
 __all__ = [
+    "Break",
     "Drift",
     "Segment",
     "Trajectory",
@@ -61,6 +63,23 @@ class Drift:
     prompt_len: int
 
 
+@dataclass(frozen=True, slots=True)
+class Break:
+    """Where and why a new segment began: the one list of segment breaks of a `Trajectory`.
+
+    `position` is the index in `Trajectory.token_ids` where the new segment starts, opened by
+    call `call_id`. `reason` says why: ``"drift"`` (the call's prompt did not extend the running
+    sequence; `detail` is its `Drift`). Other reasons (``not_staged``, ``history_edited``,
+    ``tools_changed``, ``replica_moved``) come with the features that produce them; a trainer
+    should treat an unknown reason as a break like any other.
+    """
+
+    call_id: str
+    position: int
+    reason: str
+    detail: Drift | None = None
+
+
 @dataclass(slots=True)
 class Trajectory:
     """One rollout as training data; every per-token array has ``len(token_ids)`` entries."""
@@ -76,7 +95,13 @@ class Trajectory:
     call_index: array[int] = field(default_factory=lambda: array("i"))
     #: Per token: the weight version of the call that first produced it (0 for prompt text).
     weight_versions: array[int] = field(default_factory=lambda: array("q"))
+    #: Per token: the engine's own weight version that sampled it, from the record's
+    #: `weight_spans` (carried like `weight_versions`); None where unknown and on prompt text.
+    engine_weight_versions: list[str | None] = field(default_factory=list)
     segments: list[Segment] = field(default_factory=list)
+    #: Every segment break, in order, with its reason (`Break`).
+    breaks: list[Break] = field(default_factory=list)
+    #: The breaks whose reason is drift, as `Drift` (each is the `detail` of its `Break`).
     drift: list[Drift] = field(default_factory=list)
     #: The call ids in the trajectory, in order.
     calls: list[str] = field(default_factory=list)
@@ -97,24 +122,43 @@ class Trajectory:
             "logprobs": self.logprobs.tolist(),
             "call_index": self.call_index.tolist(),
             "weight_versions": self.weight_versions.tolist(),
+            "engine_weight_versions": list(self.engine_weight_versions),
             "segments": [
                 {"start": s.start, "end": s.end, "call_ids": list(s.call_ids)}
                 for s in self.segments
             ],
-            "drift": [
+            "breaks": [
                 {
-                    "call_id": d.call_id,
-                    "parent_call_id": d.parent_call_id,
-                    "position": d.position,
-                    "parent_len": d.parent_len,
-                    "prompt_len": d.prompt_len,
+                    "call_id": b.call_id,
+                    "position": b.position,
+                    "reason": b.reason,
+                    "detail": None if b.detail is None else _drift_dict(b.detail),
                 }
-                for d in self.drift
+                for b in self.breaks
             ],
+            "drift": [_drift_dict(d) for d in self.drift],
             "calls": list(self.calls),
             "apart": list(self.apart),
             "retries_skipped": list(self.retries_skipped),
         }
+
+
+def _drift_dict(d: Drift) -> dict[str, Any]:
+    return {
+        "call_id": d.call_id,
+        "parent_call_id": d.parent_call_id,
+        "position": d.position,
+        "parent_len": d.parent_len,
+        "prompt_len": d.prompt_len,
+    }
+
+
+def _engine_versions(record: StagedCallRecord) -> list[str | None]:
+    """Per completion token, the engine weight version of the span covering it (else None)."""
+    out: list[str | None] = [None] * len(record.completion_token_ids)
+    for version, start, end in record.weight_spans:
+        out[start:end] = [version] * (end - start)
+    return out
 
 
 def has_tools(record: StagedCallRecord) -> bool:
@@ -174,6 +218,7 @@ def _zeros(kind: str, n: int) -> array[Any]:
 def _linearize(traj: Trajectory, records: list[StagedCallRecord]) -> None:
     tokens, mask, lps = traj.token_ids, traj.loss_mask, traj.logprobs
     index, versions = traj.call_index, traj.weight_versions
+    engine = traj.engine_weight_versions
     seg_start = 0
     seg_calls: list[str] = []
     # Within a segment the tokens so far are exactly the previous call's prompt + completion,
@@ -186,15 +231,20 @@ def _linearize(traj: Trajectory, records: list[StagedCallRecord]) -> None:
         if prev is not None and shared == len(running):
             new_prompt = prompt[shared:]
             new_versions: array[int] = _zeros("q", len(new_prompt))
+            new_engine: list[str | None] = [None] * len(new_prompt)
         else:
             if prev is not None:
-                traj.drift.append(Drift(r.call_id, prev.call_id, shared, len(running), len(prompt)))
+                drift = Drift(r.call_id, prev.call_id, shared, len(running), len(prompt))
+                traj.drift.append(drift)
+                traj.breaks.append(Break(r.call_id, len(tokens), "drift", drift))
                 traj.segments.append(Segment(seg_start, len(tokens), tuple(seg_calls)))
             # A new segment re-states the whole prompt. Its shared prefix was produced by
-            # earlier calls: those tokens keep their weight versions; the rest are 0.
+            # earlier calls: those tokens keep their weight versions; the rest are 0 (None).
             new_prompt = prompt
             new_versions = versions[seg_start : seg_start + shared]
             new_versions.extend(_zeros("q", len(prompt) - shared))
+            new_engine = engine[seg_start : seg_start + shared]
+            new_engine.extend([None] * (len(prompt) - shared))
             seg_start, seg_calls = len(tokens), []
         n_new, n_out = len(new_prompt), len(completion)
         tokens.extend(new_prompt)
@@ -206,6 +256,8 @@ def _linearize(traj: Trajectory, records: list[StagedCallRecord]) -> None:
         index.extend(array("i", [i]) * (n_new + n_out))
         versions.extend(new_versions)
         versions.extend(array("q", [r.weight_version]) * n_out)
+        engine.extend(new_engine)
+        engine.extend(_engine_versions(r))
         traj.calls.append(r.call_id)
         seg_calls.append(r.call_id)
         running = full_sequence(prompt, completion)

@@ -22,11 +22,14 @@ i     u64 count, int32 values (token ids)
 f     u64 count, float32 bit patterns (logprobs)
 ====  ===========================================================================
 
-The record digest hashes ``b"capture-proxy:record:v1\\0"`` followed by each field of
-`RECORD_FIELDS`, in that order, as an S-encoded name then the encoded value. In the request, the
-``messages`` list is encoded as a list of ``H`` message digests (each the SHA-256 of
-``b"capture-proxy:message:v1\\0"`` + the message's encoding): a message that recurs in every later
-call of a session is hashed (and stored) once.
+The record digest hashes ``b"capture-proxy:record:v<N>\\0"`` followed by each field of the
+record's encoding (`RECORD_FIELDS` for digest version 2, `RECORD_FIELDS_V1` for version 1), in that
+order, as an S-encoded name then the encoded value. The encoding is chosen by the record's
+`schema_version` (`StagedCallRecord.digest_version`), so records sealed by an older release keep
+verifying. In the request, the ``messages`` list is encoded as a list of ``H`` message digests
+(each the SHA-256 of ``b"capture-proxy:message:v1\\0"`` + the message's encoding): a message that
+recurs in every later call of a session is hashed (and stored) once. Version 2 also binds each
+attachment's media type, beside its sha256, in the record digest.
 """
 
 from __future__ import annotations
@@ -45,11 +48,12 @@ from typing import Any
 import orjson
 
 from ..errors import CaptureProxyError
-from .records import RecordValidationError, StagedCallRecord
+from .records import Attachment, RecordValidationError, StagedCallRecord
 from .version import DIGEST_VERSION
 
 __all__ = [
     "RECORD_FIELDS",
+    "RECORD_FIELDS_V1",
     "DigestMismatch",
     "EncodingError",
     "MessageDigestCache",
@@ -63,12 +67,14 @@ __all__ = [
 ]
 
 RECORD_DOMAIN = b"capture-proxy:record:v%d\x00" % DIGEST_VERSION
-EXTRAS_DOMAIN = b"capture-proxy:extras:v%d\x00" % DIGEST_VERSION
-MESSAGE_DOMAIN = b"capture-proxy:message:v%d\x00" % DIGEST_VERSION
+#: Version 2 changed only the record's encoding: messages and extras encode as in version 1, so
+#: their domains (and every digest a cache holds) are shared by both versions.
+EXTRAS_DOMAIN = b"capture-proxy:extras:v1\x00"
+MESSAGE_DOMAIN = b"capture-proxy:message:v1\x00"
 
-#: The fields the record digest covers, in encoding order. Attachments are not here: the request
-#: names each by sha256, which binds the bytes to the record.
-RECORD_FIELDS = (
+#: The fields a version-1 record digest covers, in encoding order. Attachments are not here: the
+#: request names each by sha256, which binds the bytes to the record.
+RECORD_FIELDS_V1 = (
     "schema_version",
     "rollout_id",
     "call_id",
@@ -89,6 +95,20 @@ RECORD_FIELDS = (
     "completion_logprobs",
     "extras_digest",
 )
+#: The fields a version-2 record digest covers: version 1's, then the fields of record schema 2,
+#: then ``attachments``: ``[sha256, media_type]`` per attachment, in order of first reference.
+RECORD_FIELDS = (
+    *RECORD_FIELDS_V1,
+    "engine_weight_version",
+    "weight_spans",
+    "token_in",
+    "bridge_spans",
+    "replica",
+    "effective_sampling",
+    "logprobs_mode",
+    "attachments",
+)
+_FIELDS_OF = {1: RECORD_FIELDS_V1, 2: RECORD_FIELDS}
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 _u64 = struct.Struct("<Q").pack
@@ -281,14 +301,20 @@ def record_digest(
     extras_hex: str | None = None,
     digester: MessageDigester = _default_digester,
     encoder: ValueEncoder | None = None,
+    media_types: Mapping[str, str] | None = None,
 ) -> str:
     """Hex SHA-256 of the record's logical content (see the module docs for the layout).
 
-    `digester` lets a caller that has already hashed a session's earlier messages reuse them;
-    `encoder` (a `RequestValueCache`) likewise the encodings of large request values.
+    The encoding is the record's own (`StagedCallRecord.digest_version`). Version 2 binds the
+    media type of each attachment the request refers to: from `media_types` (sha256 -> media
+    type) when given, else from ``record.attachments``; a reference with neither raises
+    `EncodingError` naming it. `digester` lets a caller that has already hashed a session's
+    earlier messages reuse them; `encoder` (a `RequestValueCache`) likewise the encodings of
+    large request values.
     """
-    out: list[bytes] = [RECORD_DOMAIN]
-    for name in RECORD_FIELDS:
+    version = record.digest_version
+    out: list[bytes] = [b"capture-proxy:record:v%d\x00" % version]
+    for name in _FIELDS_OF[version]:
         nb = name.encode()
         out.append(b"S")
         out.append(_u64(len(nb)))
@@ -296,11 +322,12 @@ def record_digest(
         if name == "request":
             _encode_request(record.request, out, digester, encoder)
             continue
-        value = (
-            extras_hex
-            if name == "extras_digest" and extras_hex is not None
-            else getattr(record, name)
-        )
+        if name == "attachments":
+            value: Any = _attachment_types(record, media_types)
+        elif name == "extras_digest" and extras_hex is not None:
+            value = extras_hex
+        else:
+            value = getattr(record, name)
         try:
             _encode(value, out)
         except _Fail as e:
@@ -310,15 +337,44 @@ def record_digest(
     return hashlib.sha256(b"".join(out)).hexdigest()
 
 
+def _attachment_types(
+    record: StagedCallRecord, media_types: Mapping[str, str] | None
+) -> list[list[str]]:
+    known = (
+        media_types
+        if media_types is not None
+        else {a.sha256: a.media_type for a in record.attachments}
+    )
+    out = []
+    for sha in dict.fromkeys(record.attachment_refs()):
+        media_type = known.get(sha)
+        if media_type is None:
+            raise EncodingError(
+                "attachments",
+                f"the request refers to attachment {sha}, but its media type was not given "
+                "(pass the attachment to seal the record)",
+            )
+        out.append([sha, media_type])
+    return out
+
+
 def seal_record(
     record: StagedCallRecord,
     *,
+    attachments: Mapping[str, Attachment] | None = None,
     digester: MessageDigester = _default_digester,
     encoder: ValueEncoder | None = None,
 ) -> StagedCallRecord:
-    """A copy of `record` with `extras_digest` and `digest` computed. Raises `EncodingError`."""
+    """A copy of `record` with `extras_digest` and `digest` computed. Raises `EncodingError`.
+
+    `attachments` (sha256 -> attachment) are the attachments staged with the record, which a
+    version-2 digest binds by media type; without them, ``record.attachments`` are used.
+    """
     ex = extras_digest(record.extras)
-    digest = record_digest(record, extras_hex=ex, digester=digester, encoder=encoder)
+    types = None if attachments is None else {k: a.media_type for k, a in attachments.items()}
+    digest = record_digest(
+        record, extras_hex=ex, digester=digester, encoder=encoder, media_types=types
+    )
     return _with_digests(record, digest, ex)
 
 
@@ -459,21 +515,32 @@ def verify_record(
 ) -> None:
     """Raise `DigestMismatch` unless the record's content and attachments match its digests.
 
-    A reader verifying many records of one store passes a `MessageDigestCache` and a
-    `RequestValueCache`, so a session's history and tool definitions are encoded once.
+    The digest is recomputed with the record's own encoding (version 1 or 2, from its
+    `schema_version`); version 2 also binds each attachment's media type. A reader verifying many
+    records of one store passes a `MessageDigestCache` and a `RequestValueCache`, so a session's
+    history and tool definitions are encoded once.
     """
     key = record.staging_key
     ex = extras_digest(record.extras)
     if ex != record.extras_digest:
         raise DigestMismatch(key, "extras_digest", record.extras_digest, ex)
+    have = {a.sha256: a for a in record.attachments}
+    refs = list(dict.fromkeys(record.attachment_refs()))
+    if record.digest_version >= 2:
+        # Version 2 binds each attachment's media type: without the attachment there is no
+        # digest to compare, so the missing bytes are what to report.
+        _check_present(key, refs, have)
     d = record_digest(record, extras_hex=ex, digester=digester, encoder=encoder)
     if d != record.digest:
         raise DigestMismatch(key, "digest", record.digest, d)
-    have = {a.sha256: a for a in record.attachments}
-    for ref in record.attachment_refs():
-        att = have.get(ref)
-        if att is None:
-            raise DigestMismatch(key, f"attachment {ref}", ref, "missing")
-        actual = hashlib.sha256(att.data).hexdigest()
+    _check_present(key, refs, have)
+    for ref in refs:
+        actual = hashlib.sha256(have[ref].data).hexdigest()
         if actual != ref:
             raise DigestMismatch(key, f"attachment {ref}", ref, actual)
+
+
+def _check_present(key: str, refs: list[str], have: Mapping[str, Attachment]) -> None:
+    for ref in refs:
+        if ref not in have:
+            raise DigestMismatch(key, f"attachment {ref}", ref, "missing")

@@ -17,17 +17,27 @@ import math
 import re
 import sys
 from array import array
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from ..errors import CaptureProxyError
-from .version import RECORD_SCHEMA_VERSION
+from .fields import (
+    LOGPROBS_MODE_UNKNOWN,
+    V2_DEFAULTS,
+    BridgeSpan,
+    RecordValidationError,
+    WeightSpan,
+    check_spans,
+)
+from .version import DIGEST_VERSION_OF_SCHEMA, RECORD_SCHEMA_VERSION
 
 __all__ = [
     "ID_PATTERN",
+    "LOGPROBS_MODE_UNKNOWN",
+    "V2_DEFAULTS",
     "Attachment",
+    "BridgeSpan",
     "CallStatus",
     "CallSummary",
     "CommitCoords",
@@ -37,6 +47,7 @@ __all__ = [
     "RolloutState",
     "StageResult",
     "StagedCallRecord",
+    "WeightSpan",
     "as_logprobs",
     "as_token_ids",
     "check_id",
@@ -45,16 +56,6 @@ __all__ = [
 #: Rollout ids, call ids and staging keys: 1-128 characters of ``[A-Za-z0-9._:-]``.
 ID_PATTERN = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
-
-
-class RecordValidationError(CaptureProxyError, ValueError):
-    """A value cannot be part of a record; the message names the field (and position)."""
-
-    def __init__(self, field_name: str, message: str, position: int | None = None) -> None:
-        where = field_name if position is None else f"{field_name}[{position}]"
-        super().__init__(f"{where}: {message}")
-        self.field = field_name
-        self.position = position
 
 
 class CallStatus(StrEnum):
@@ -288,6 +289,16 @@ class StagedCallRecord:
     assistant message (``role``, ``content``, ``reasoning_content``, ``tool_calls``).
     `attachments` is filled on records read back from a store; writers pass attachments to
     `StagingSink.stage` separately.
+
+    Versions: `weight_version` is the driver's version at admission; `engine_weight_version` is
+    the engine's own when it reports one (vLLM's ``/weight_info``), and `weight_spans` says which
+    engine version sampled which completion tokens (``[]``: unknown). Also recorded: whether the
+    call went token-in (`token_in`) and which prompt tokens the proxy inserted (`bridge_spans`),
+    the upstream replica (`replica`, ``""`` for a single upstream), the sampling parameters the
+    engine applied after its own defaults (`effective_sampling`, None when unknown), and the
+    engine's logprobs mode (`logprobs_mode`: ``raw_logprobs``, ``processed_logprobs``, ... or
+    ``"unknown"``). These came with record schema 2 (`schema_version`); a version-1 record read
+    from an older store holds their defaults.
     """
 
     rollout_id: str
@@ -308,6 +319,13 @@ class StagedCallRecord:
     tokenizer_fingerprint: str = ""
     sampling: Mapping[str, Any] = field(default_factory=dict)
     extras: Mapping[str, Any] = field(default_factory=dict)
+    engine_weight_version: str | None = None
+    weight_spans: Sequence[WeightSpan] = ()
+    token_in: bool = False
+    bridge_spans: Sequence[BridgeSpan] = ()
+    replica: str = ""
+    effective_sampling: Mapping[str, Any] | None = None
+    logprobs_mode: str = LOGPROBS_MODE_UNKNOWN
     status: CallStatus = CallStatus.STAGED
     schema_version: int = RECORD_SCHEMA_VERSION
     digest: str = ""
@@ -339,6 +357,11 @@ class StagedCallRecord:
                 f"record format {self.schema_version} is newer than this capture-proxy "
                 f"understands ({RECORD_SCHEMA_VERSION}): upgrade capture-proxy",
             )
+        if self.schema_version not in DIGEST_VERSION_OF_SCHEMA:
+            raise RecordValidationError(
+                "schema_version",
+                f"must be one of {sorted(DIGEST_VERSION_OF_SCHEMA)}, got {self.schema_version}",
+            )
         # frozen dataclass: object.__setattr__ is the sanctioned way to normalize in __post_init__.
         object.__setattr__(self, "status", CallStatus(self.status))
         prompt = as_token_ids("prompt_token_ids", self.prompt_token_ids)
@@ -356,6 +379,47 @@ class StagedCallRecord:
         object.__setattr__(self, "completion_token_ids", completion)
         object.__setattr__(self, "completion_logprobs", logprobs)
         object.__setattr__(self, "attachments", tuple(self.attachments))
+        self._check_v2_fields(len(prompt), len(completion))
+
+    def _check_v2_fields(self, prompt_len: int, completion_len: int) -> None:
+        ewv = self.engine_weight_version
+        if ewv is not None and (not isinstance(ewv, str) or not ewv):
+            raise RecordValidationError(
+                "engine_weight_version", f"must be a non-empty string or None, got {ewv!r:.80}"
+            )
+        weight_spans = check_spans(
+            "weight_spans", self.weight_spans, completion_len, 0, "completion tokens"
+        )
+        bridge_spans = check_spans(
+            "bridge_spans", self.bridge_spans, prompt_len, 2, "prompt tokens"
+        )
+        object.__setattr__(self, "weight_spans", weight_spans)
+        object.__setattr__(self, "bridge_spans", bridge_spans)
+        if type(self.token_in) is not bool:
+            raise RecordValidationError("token_in", f"must be true or false, got {self.token_in!r}")
+        if not isinstance(self.replica, str):
+            raise RecordValidationError("replica", f"must be a string, got {self.replica!r:.80}")
+        if self.effective_sampling is not None and not isinstance(self.effective_sampling, Mapping):
+            raise RecordValidationError(
+                "effective_sampling", "must be a mapping, or None when unknown"
+            )
+        if not isinstance(self.logprobs_mode, str) or not self.logprobs_mode:
+            raise RecordValidationError(
+                "logprobs_mode",
+                f'must be a non-empty string ("unknown" allowed), got {self.logprobs_mode!r:.80}',
+            )
+        if self.schema_version < 2:
+            # A version-1 digest does not cover these fields: a value there would be unsealed.
+            for name, default in V2_DEFAULTS.items():
+                if getattr(self, name) != default:
+                    raise RecordValidationError(
+                        name, "needs record schema_version 2 (a version-1 record cannot hold it)"
+                    )
+
+    @property
+    def digest_version(self) -> int:
+        """The digest encoding this record is sealed and verified with (docs/digest.md)."""
+        return DIGEST_VERSION_OF_SCHEMA[self.schema_version]
 
     @property
     def staging_key(self) -> str:

@@ -392,6 +392,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             max_model_len=s.max_model_len,
             context_overflow="cap" if s.context_overflow == "cap" else "refuse",
             free_json=FreeJsonLimits(s.max_free_json_bytes, s.max_free_json_items),
+            logprobs_mode=s.upstream_logprobs_mode,
         ),
     )
     journal = journal_path(state.sink.url)

@@ -75,6 +75,13 @@ class Settings:
         "field replayed reasoning is sent upstream under; auto reads the upstream's /version",
         choices=("auto", "reasoning_content", "reasoning"),
     )
+    upstream_logprobs_mode: str = _s(
+        "unknown",
+        "the --logprobs-mode vLLM was started with, recorded on every call (vLLM's default "
+        "raw_logprobs are taken before temperature and penalties; training wants "
+        "processed_logprobs)",
+        choices=("raw_logprobs", "processed_logprobs", "unknown"),
+    )
     on_capture_failure: str = _s(
         "poison",
         "when a call cannot be staged: poison (answer, poison the rollout) or error (503)",

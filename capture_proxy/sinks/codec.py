@@ -30,9 +30,22 @@ import orjson
 from ..schemas.records import Attachment, StagedCallRecord
 from ..schemas.tokens import common_prefix_len, full_sequence
 
-__all__ = ["ROW_FIELDS", "EncodedCall", "decode_row", "encode_record"]
+__all__ = ["ROW_FIELDS", "V2_ROW_FIELDS", "EncodedCall", "decode_row", "encode_record"]
 
 _LITTLE = sys.byteorder == "little"
+
+#: The columns added with record schema 2 (SQLite format 4; nullable in Parquet). A row written
+#: before them has none of them (or NULLs), and reads back as a version-1 record with defaults.
+#: `weight_spans`, `bridge_spans` and `effective_sampling` are JSON bytes (NULL: the default).
+V2_ROW_FIELDS = (
+    "engine_weight_version",
+    "weight_spans",
+    "token_in",
+    "bridge_spans",
+    "replica",
+    "effective_sampling",
+    "logprobs_mode",
+)
 
 #: The scalar columns of a stored call, in a stable order (both sinks use these names).
 ROW_FIELDS = (
@@ -62,6 +75,7 @@ ROW_FIELDS = (
     "digest",
     "extras_digest",
     "attachment_shas",
+    *V2_ROW_FIELDS,
 )
 
 
@@ -154,8 +168,32 @@ def encode_record(record: StagedCallRecord, parent_full: array[int] | None) -> E
         "digest": record.digest,
         "extras_digest": record.extras_digest,
         "attachment_shas": list(dict.fromkeys(record.attachment_refs())),
+        "engine_weight_version": record.engine_weight_version,
+        "weight_spans": _dumps(record.weight_spans) if record.weight_spans else None,
+        "token_in": record.token_in,
+        "bridge_spans": _dumps(record.bridge_spans) if record.bridge_spans else None,
+        "replica": record.replica,
+        "effective_sampling": (
+            None if record.effective_sampling is None else _dumps(record.effective_sampling)
+        ),
+        "logprobs_mode": record.logprobs_mode,
     }
     return EncodedCall(row, blobs, full)
+
+
+def _v2_fields(row: Mapping[str, Any]) -> dict[str, Any]:
+    """The schema-2 fields of a row; a missing column or NULL is the field's default."""
+    out: dict[str, Any] = {}
+    for name in V2_ROW_FIELDS:
+        value = row.get(name)
+        if value is None:
+            continue
+        if name in ("weight_spans", "bridge_spans", "effective_sampling"):
+            value = orjson.loads(bytes(value))
+        elif name == "token_in":
+            value = bool(value)  # SQLite has no booleans: 0/1
+        out[name] = value
+    return out
 
 
 def decode_row(
@@ -220,5 +258,6 @@ def decode_row(
         digest=row["digest"],
         extras_digest=row["extras_digest"],
         attachments=tuple(attachments),
+        **_v2_fields(row),
     )
     return record, full

@@ -348,6 +348,51 @@ async def test_orphaned_record_is_flagged_and_poisons(tmp_path: Path) -> None:
 # -- one call ---------------------------------------------------------------------------------
 
 
+async def test_call_shows_the_fields_of_record_schema_2_only_when_set(tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    from capture_proxy.schemas.digest import seal_record
+    from tests.support.sink_factories import V2_VALUES
+
+    sink = SQLiteSink(str(tmp_path / "s.db"))
+    session = Session("r-v2")
+    plain, _ = session.next()
+    full, _ = session.next()
+    full = seal_record(replace(full, **V2_VALUES))
+    for record in (plain, full):
+        assert (await sink.stage(record)).status is CallStatus.STAGED
+    await sink.close()
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    code, text = inspect(url, "--call", full.call_id)
+    assert code == 0
+    shown = {
+        "effective sampling": "temperature=0.6 top_k=20 top_p=0.95",
+        "logprobs mode": "processed_logprobs",
+        "engine weights": "ckpt-7",
+        "weight spans": "ckpt-7 [0, 5), ckpt-8 [5, 12) (completion positions)",
+        "token-in": "yes",
+        "inserted by proxy": "[3, 4) end_of_turn (prompt positions)",
+        "replica": "http://vllm-0:8000",
+    }
+    for label, value in shown.items():
+        assert re.search(rf"^  {re.escape(label)} +{re.escape(value)}$", text, re.M), label
+    call = inspect_json(url, "--call", full.call_id)["call"]
+    assert call["effective_sampling"] == V2_VALUES["effective_sampling"]
+    assert call["weight_spans"] == [["ckpt-7", 0, 5], ["ckpt-8", 5, 12]]
+    assert call["bridge_spans"] == [[3, 4, "end_of_turn"]]
+    assert (call["token_in"], call["replica"], call["logprobs_mode"]) == (
+        True,
+        "http://vllm-0:8000",
+        "processed_logprobs",
+    )
+    # A call with every new field at its "unknown" default shows none of them.
+    code, text = inspect(url, "--call", plain.call_id)
+    for label in ("effective sampling", "logprobs mode", "engine weights", "replica"):
+        assert label not in text
+    plain_doc = inspect_json(url, "--call", plain.call_id)["call"]
+    assert not set(V2_VALUES) & set(plain_doc)
+
+
 async def test_call_shows_image_as_media_type_size_and_sha256(story: Any) -> None:
     p, ids = story
     sha = hashlib.sha256(PNG).hexdigest()

@@ -14,7 +14,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from capture_proxy.read.reader import Store
-from capture_proxy.read.trajectory import Drift, Segment, build_trajectory, trajectory_from_records
+from capture_proxy.read.trajectory import (
+    Break,
+    Drift,
+    Segment,
+    build_trajectory,
+    trajectory_from_records,
+)
 from capture_proxy.schemas.digest import seal_record
 from capture_proxy.schemas.records import StagedCallRecord
 from capture_proxy.sinks.memory import MemorySink
@@ -33,6 +39,7 @@ def call(
     wv: int = 0,
     retry_of: str | None = None,
     text: str | None = None,
+    spans: list[tuple[str, int, int]] | None = None,
 ) -> StagedCallRecord:
     """A sealed record: call id ``c<i>``, seq `i`, logprobs -(k+1)/8 for completion token k."""
     request: dict[str, Any] = {
@@ -55,6 +62,7 @@ def call(
             completion_logprobs=array("f", [-(k + 1) / 8 for k in range(len(completion))]),
             retry_of=retry_of,
             weight_version=wv,
+            weight_spans=spans or (),
         )
     )
 
@@ -94,6 +102,34 @@ async def test_worked_example() -> None:
     assert traj.logprobs.tolist() == [0, 0, 0, -0.125, -0.25, 0, -0.125, -0.25] + [0] * 9 + [-0.125]
     assert traj.segments == [Segment(0, 8, ("c1", "c2")), Segment(8, 18, ("c3",))]
     assert traj.drift == [Drift("c3", "c2", 7, 8, 9)]
+    assert traj.breaks == [Break("c3", 8, "drift", Drift("c3", "c2", 7, 8, 9))]
+    # No record says which engine weights sampled its tokens: unknown everywhere.
+    assert traj.engine_weight_versions == [None] * 18
+
+
+async def test_engine_weight_versions_follow_weight_spans_like_weight_versions() -> None:
+    # c1 straddles an engine update: its first token by "w1", the second by "w2". c2 reports no
+    # spans (unknown). c3 drifts: its re-stated prompt keeps the versions of the shared prefix.
+    c1 = call(1, [10, 11], [20, 21], wv=1, spans=[("w1", 0, 1), ("w2", 1, 2)])
+    c2 = call(2, [10, 11, 20, 21, 13], [22], wv=1)
+    c3 = call(3, [10, 11, 20, 99], [24, 25], wv=2, spans=[("w3", 0, 2)])
+    traj = build_trajectory(await memory_with(c1, c2, c3), "r")
+    seg0 = [None, None, "w1", "w2", None, None]
+    seg1 = [None, None, "w1", None, "w3", "w3"]
+    assert traj.engine_weight_versions == seg0 + seg1
+    assert len(traj.engine_weight_versions) == len(traj.token_ids)
+    assert traj.weight_versions.tolist() == [*[0, 0, 1, 1, 0, 1], *[0, 0, 1, 0, 2, 2]]
+    assert traj.breaks == [Break("c3", 6, "drift", Drift("c3", "c2", 3, 6, 4))]
+    d = traj.to_dict()
+    assert d["engine_weight_versions"] == seg0 + seg1
+    assert d["breaks"] == [
+        {
+            "call_id": "c3",
+            "position": 6,
+            "reason": "drift",
+            "detail": d["drift"][0],
+        }
+    ]
 
 
 # -- the rules one by one --------------------------------------------------------------------------

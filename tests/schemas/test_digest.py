@@ -1,6 +1,9 @@
-"""The digest encoding, pinned: golden vectors, one vector rebuilt from docs/digest.md with
-`struct`, the doc's worked example, coverage of every digest field, and refusals that name the
-path of the bad value.
+"""The digest encoding, pinned: golden vectors of both versions, one vector of each rebuilt from
+docs/digest.md with `struct`, the doc's worked example, coverage of every digest field, and
+refusals that name the path of the bad value.
+
+`minimal` and `rich` are version-1 records (what the previous release sealed: they must keep
+verifying); `minimal_v2` and `rich_v2` are version 2, with every field of record schema 2 set.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import re
 import struct
 from array import array
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import fields, replace
 from typing import Any
 
 import pytest
@@ -22,6 +25,7 @@ from capture_proxy.schemas.attachments import attachment_url
 from capture_proxy.schemas.digest import (
     MESSAGE_DOMAIN,
     RECORD_FIELDS,
+    RECORD_FIELDS_V1,
     DigestMismatch,
     EncodingError,
     encode_value,
@@ -31,16 +35,26 @@ from capture_proxy.schemas.digest import (
     seal_record,
     verify_record,
 )
-from capture_proxy.schemas.records import Attachment, StagedCallRecord
+from capture_proxy.schemas.records import (
+    V2_DEFAULTS as DEFAULTS,
+)
+from capture_proxy.schemas.records import (
+    Attachment,
+    RecordValidationError,
+    StagedCallRecord,
+)
 from tests.support import ROOT
 
 DOC = ROOT / "docs" / "digest.md"
 IMAGE = Attachment.from_bytes(b"\x89PNG\r\n\x1a\n golden image bytes", "image/png")
 
 
-def minimal() -> StagedCallRecord:
+def minimal(**v2: Any) -> StagedCallRecord:
+    """The minimal record; version 1 unless fields of version 2 are given."""
     return seal_record(
         StagedCallRecord(
+            schema_version=2 if v2 else 1,
+            **v2,
             rollout_id="r1",
             call_id="c1",
             seq=0,
@@ -55,8 +69,10 @@ def minimal() -> StagedCallRecord:
     )
 
 
-def rich(image_sha: str = "5f" * 32) -> StagedCallRecord:
-    """Tool calls, reasoning, an image reference, extras, and every optional field set."""
+def rich(image_sha: str = "5f" * 32, **v2: Any) -> StagedCallRecord:
+    """Tool calls, reasoning, an image reference, extras, and every optional field of version 1
+    set; version 2 when fields of version 2 are given (then the image is `IMAGE`, with its media
+    type)."""
     tools = [
         {
             "type": "function",
@@ -95,6 +111,8 @@ def rich(image_sha: str = "5f" * 32) -> StagedCallRecord:
     ]
     return seal_record(
         StagedCallRecord(
+            schema_version=2 if v2 else 1,
+            **v2,
             rollout_id="rollout-7",
             call_id="call-0042",
             seq=3,
@@ -143,8 +161,50 @@ def rich(image_sha: str = "5f" * 32) -> StagedCallRecord:
                 "routed_experts_prompt_start": 3,
                 "note": None,
             },
-        )
+        ),
+        attachments={image_sha: IMAGE} if v2 else None,
     )
+
+
+#: Every field of record schema 2 set to something other than its default.
+V2_FIELDS: dict[str, Any] = {
+    "engine_weight_version": "ckpt-17",
+    "weight_spans": [("ckpt-17", 0, 2), ("ckpt-18", 2, 3)],
+    "token_in": True,
+    "bridge_spans": [(4, 5, "end_of_turn")],
+    "replica": "http://vllm-1:8000",
+    "effective_sampling": {"temperature": 0.7, "top_p": 0.95, "top_k": 20},
+    "logprobs_mode": "processed_logprobs",
+}
+
+
+#: The image part of `minimal_v2`'s user message.
+IMAGE_PART = {"type": "image_url", "image_url": {"url": attachment_url(IMAGE.sha256)}}
+
+
+def minimal_v2() -> StagedCallRecord:
+    """The version-2 vector of docs/digest.md: `minimal` with an image and a few new fields."""
+    return seal_record(
+        StagedCallRecord(
+            rollout_id="r1",
+            call_id="c1",
+            seq=0,
+            model="m",
+            finish_reason="stop",
+            request={"messages": [{"role": "user", "content": [IMAGE_PART]}]},
+            response={"role": "assistant", "content": "hello"},
+            prompt_token_ids=array("i", [1, 2, 3]),
+            completion_token_ids=array("i", [4]),
+            completion_logprobs=array("f", [-0.5]),
+            weight_spans=[("w1", 0, 1)],
+            logprobs_mode="raw_logprobs",
+        ),
+        attachments={IMAGE.sha256: IMAGE},
+    )
+
+
+def rich_v2() -> StagedCallRecord:
+    return rich(IMAGE.sha256, **V2_FIELDS)
 
 
 # -- golden vectors ---------------------------------------------------------------------------
@@ -158,6 +218,16 @@ GOLDEN = {
     "rich": (
         rich,
         "cc2419bba9422c9dd846fb1a452f8929a38ed2346a15d72066c16acf7ce98486",
+        "ded97e4ba9f9db6cdb88f0023a6d3df9048ad7f84a162eab86a3b8977bd794e5",
+    ),
+    "minimal_v2": (
+        minimal_v2,
+        "3545d3dd6dee9b4519c929cabbb072090d057db6b2c6de9ae3ca967e0f5b7544",
+        "bcd7dd3dccf7647ed8735c4a01859bb091fc460fb6f942737dff1b85f4b32db3",
+    ),
+    "rich_v2": (
+        rich_v2,
+        "de0469f34ea880ef5036e563459b6e411b98c5a0a0b8735a32df5ebdee764639",
         "ded97e4ba9f9db6cdb88f0023a6d3df9048ad7f84a162eab86a3b8977bd794e5",
     ),
 }
@@ -214,11 +284,59 @@ def test_minimal_record_built_by_hand_from_the_spec() -> None:
         ("completion_logprobs", b"f" + _u64(1) + struct.pack("<f", -0.5)),
         ("extras_digest", _s(extras_hex)),
     ]
-    assert tuple(name for name, _ in fields) == RECORD_FIELDS
+    assert tuple(name for name, _ in fields) == RECORD_FIELDS_V1
     data = b"capture-proxy:record:v1\x00" + b"".join(_s(name) + value for name, value in fields)
     record = minimal()
     assert extras_hex == record.extras_digest == GOLDEN["minimal"][2]
     assert hashlib.sha256(data).hexdigest() == record.digest == GOLDEN["minimal"][1]
+
+
+def test_minimal_v2_record_built_by_hand_from_the_spec() -> None:
+    """Version 2 from docs/digest.md with struct: version 1's fields, the new ones, and the
+    attachments with their media types, after the ``record:v2`` domain."""
+    image_part = _map(
+        {
+            "type": _s("image_url"),
+            "image_url": _map({"url": _s("attachment:sha256:" + IMAGE.sha256)}),
+        }
+    )
+    message = _map({"role": _s("user"), "content": b"L" + _u64(1) + image_part})
+    message_h = hashlib.sha256(b"capture-proxy:message:v1\x00" + message).digest()
+    extras_hex = hashlib.sha256(b"capture-proxy:extras:v1\x00" + b"M" + _u64(0)).hexdigest()
+    fields = [
+        ("schema_version", _i(2)),
+        ("rollout_id", _s("r1")),
+        ("call_id", _s("c1")),
+        ("parent_call_id", b"N"),
+        ("seq", _i(0)),
+        ("retry_of", b"N"),
+        ("created_at_ms", _i(0)),
+        ("weight_version", _i(0)),
+        ("model", _s("m")),
+        ("upstream_version", _s("")),
+        ("tokenizer_fingerprint", _s("")),
+        ("sampling", b"M" + _u64(0)),
+        ("finish_reason", _s("stop")),
+        ("request", _map({"messages": b"L" + _u64(1) + b"H" + message_h})),
+        ("response", _map({"role": _s("assistant"), "content": _s("hello")})),
+        ("prompt_token_ids", b"i" + _u64(3) + struct.pack("<3i", 1, 2, 3)),
+        ("completion_token_ids", b"i" + _u64(1) + struct.pack("<i", 4)),
+        ("completion_logprobs", b"f" + _u64(1) + struct.pack("<f", -0.5)),
+        ("extras_digest", _s(extras_hex)),
+        ("engine_weight_version", b"N"),
+        ("weight_spans", b"L" + _u64(1) + b"L" + _u64(3) + _s("w1") + _i(0) + _i(1)),
+        ("token_in", b"F"),
+        ("bridge_spans", b"L" + _u64(0)),
+        ("replica", _s("")),
+        ("effective_sampling", b"N"),
+        ("logprobs_mode", _s("raw_logprobs")),
+        ("attachments", b"L" + _u64(1) + b"L" + _u64(2) + _s(IMAGE.sha256) + _s("image/png")),
+    ]
+    assert tuple(name for name, _ in fields) == RECORD_FIELDS
+    data = b"capture-proxy:record:v2\x00" + b"".join(_s(name) + value for name, value in fields)
+    record = minimal_v2()
+    assert extras_hex == record.extras_digest == GOLDEN["minimal_v2"][2]
+    assert hashlib.sha256(data).hexdigest() == record.digest == GOLDEN["minimal_v2"][1]
 
 
 def test_worked_example_in_the_doc_is_what_the_code_produces() -> None:
@@ -233,6 +351,7 @@ def test_worked_example_in_the_doc_is_what_the_code_produces() -> None:
     assert message_digest(message).hex() == sha_block.strip()
     assert GOLDEN["minimal"][1] in text
     assert GOLDEN["minimal"][2] in text
+    assert GOLDEN["minimal_v2"][1] in text
     assert encode_value(array("i", [1, 2])).hex(" ") in text
     assert encode_value(array("f", [-0.5])).hex(" ") in text
 
@@ -254,7 +373,10 @@ def _edit_message(r: StagedCallRecord) -> StagedCallRecord:
 
 
 EDITS: dict[str, Callable[[StagedCallRecord], StagedCallRecord]] = {
-    "schema_version": lambda r: replace(r, schema_version=0),
+    # Read as version 2 (whose digest also needs the image's media type).
+    "schema_version": lambda r: replace(
+        r, schema_version=2, attachments=(Attachment("5f" * 32, "image/png", b""),)
+    ),
     "rollout_id": lambda r: replace(r, rollout_id="rollout-8"),
     "call_id": lambda r: replace(r, call_id="call-0043"),
     "parent_call_id": lambda r: replace(r, parent_call_id=None),
@@ -278,13 +400,28 @@ EDITS: dict[str, Callable[[StagedCallRecord], StagedCallRecord]] = {
     "completion_logprobs": _bump_logprob,
     "extras_digest": lambda r: replace(r, extras_digest="0" * 64),
 }
+#: Edits of a version-2 record's own fields (applied to `rich_v2`).
+EDITS_V2: dict[str, Callable[[StagedCallRecord], StagedCallRecord]] = {
+    **EDITS,
+    "schema_version": lambda r: replace(r, schema_version=1, **DEFAULTS),
+    "engine_weight_version": lambda r: replace(r, engine_weight_version="ckpt-18"),
+    "weight_spans": lambda r: replace(r, weight_spans=[("ckpt-17", 0, 1), ("ckpt-18", 1, 3)]),
+    "token_in": lambda r: replace(r, token_in=False),
+    "bridge_spans": lambda r: replace(r, bridge_spans=[(4, 5, "end_of_turn_length")]),
+    "replica": lambda r: replace(r, replica="http://vllm-2:8000"),
+    "effective_sampling": lambda r: replace(r, effective_sampling=None),
+    "logprobs_mode": lambda r: replace(r, logprobs_mode="raw_logprobs"),
+    # An attachment's media type edited in the store (its bytes unchanged).
+    "attachments": lambda r: replace(r, attachments=(replace(IMAGE, media_type="image/jpeg"),)),
+}
 
 
 def test_every_record_field_has_an_edit() -> None:
-    assert set(EDITS) == set(RECORD_FIELDS)
+    assert set(EDITS) == set(RECORD_FIELDS_V1)
+    assert set(EDITS_V2) == set(RECORD_FIELDS)
 
 
-@pytest.mark.parametrize("name", RECORD_FIELDS)
+@pytest.mark.parametrize("name", RECORD_FIELDS_V1)
 def test_editing_a_covered_field_changes_the_digest(name: str) -> None:
     record = rich()
     edited = EDITS[name](record)
@@ -292,6 +429,47 @@ def test_editing_a_covered_field_changes_the_digest(name: str) -> None:
     assert record_digest(edited) != record.digest
     with pytest.raises(DigestMismatch, match=r"call-004[23]: (digest|extras_digest) mismatch"):
         verify_record(edited)  # the stored digest no longer matches
+
+
+@pytest.mark.parametrize("name", RECORD_FIELDS)
+def test_editing_a_covered_field_of_a_v2_record_breaks_verify(name: str) -> None:
+    record = replace(rich_v2(), attachments=(IMAGE,))
+    verify_record(record)
+    edited = EDITS_V2[name](record)
+    assert getattr(edited, name) != getattr(record, name)
+    with pytest.raises(DigestMismatch, match=r"call-004[23]: (digest|extras_digest) mismatch"):
+        verify_record(edited)
+
+
+def test_v1_records_verify_with_the_v1_encoding() -> None:
+    """A record sealed by the previous release (schema 1, digest v1) keeps verifying."""
+    record = replace(rich(IMAGE.sha256), attachments=(IMAGE,))
+    assert record.digest_version == 1
+    verify_record(record)
+    # Its digest does not bind the media type (version 1 did not): only version 2 does.
+    verify_record(replace(record, attachments=(replace(IMAGE, media_type="image/jpeg"),)))
+
+
+def test_a_v1_record_cannot_hold_fields_of_version_2() -> None:
+    """A version-1 digest does not cover them, so they would be unsealed: refused by name."""
+    fits_minimal = {**V2_FIELDS, "weight_spans": [("w1", 0, 1)], "bridge_spans": [(0, 1, "x")]}
+    v1 = {f.name: getattr(minimal(), f.name) for f in fields(StagedCallRecord)}
+    for name, value in fits_minimal.items():
+        with pytest.raises(RecordValidationError, match=f"^{name}: needs record schema_version 2"):
+            StagedCallRecord(**{**v1, name: value})
+
+
+def test_sealing_a_v2_record_needs_its_attachments_media_types() -> None:
+    with pytest.raises(EncodingError, match=f"attachments: .*{IMAGE.sha256}.*media type"):
+        seal_record(replace(minimal_v2(), digest=""), attachments={})
+    # Read back from a store, a record carries its attachments: they are used.
+    assert seal_record(replace(minimal_v2(), attachments=(IMAGE,))).digest == minimal_v2().digest
+
+
+def test_an_edited_attachment_media_type_names_the_record() -> None:
+    record = replace(minimal_v2(), attachments=(replace(IMAGE, media_type="image/gif"),))
+    with pytest.raises(DigestMismatch, match="c1: digest mismatch"):
+        verify_record(record)
 
 
 def test_request_keys_beyond_messages_are_covered() -> None:

@@ -4,6 +4,7 @@ storage codec bit for bit (property tests)."""
 from __future__ import annotations
 
 import math
+import re
 import struct
 from array import array
 from typing import Any
@@ -123,13 +124,50 @@ def test_good_ids_accepted(value: str) -> None:
         ({"request": [1]}, "request"),
         ({"extras": None}, "extras"),
         ({"schema_version": 99}, "schema_version"),
+        ({"schema_version": 0}, "schema_version"),
+        ({"engine_weight_version": ""}, "engine_weight_version"),
+        ({"engine_weight_version": 3}, "engine_weight_version"),
+        ({"weight_spans": "v1"}, "weight_spans"),
+        ({"weight_spans": [("v1", 0)]}, "weight_spans"),
+        ({"weight_spans": [(1, 0, 1)]}, "weight_spans"),
+        ({"weight_spans": [("v1", 0, 3)]}, "weight_spans"),  # 2 completion tokens
+        ({"weight_spans": [("v1", 1, 1)]}, "weight_spans"),
+        ({"weight_spans": [("v1", 0, 2), ("v2", 1, 2)]}, "weight_spans"),
+        ({"weight_spans": [("v1", -1, 1)]}, "weight_spans"),
+        ({"token_in": 1}, "token_in"),
+        ({"bridge_spans": [(0, 4, "eot")]}, "bridge_spans"),  # 3 prompt tokens
+        ({"bridge_spans": [(0, 1, "")]}, "bridge_spans"),
+        ({"bridge_spans": {"a": 1}}, "bridge_spans"),
+        ({"replica": None}, "replica"),
+        ({"effective_sampling": [1]}, "effective_sampling"),
+        ({"logprobs_mode": ""}, "logprobs_mode"),
+        ({"logprobs_mode": None}, "logprobs_mode"),
+        ({"schema_version": 1, "token_in": True}, "token_in"),
     ],
 )
 def test_other_fields_named(overrides: dict[str, Any], field: str) -> None:
     with pytest.raises(RecordValidationError) as info:
         make(**overrides)
     assert info.value.field == field
-    assert str(info.value).startswith(f"{field}: ")
+    # A span list names the bad span's position too: "weight_spans[1]: ...".
+    assert re.match(rf"{field}(\[\d+\])?: ", str(info.value))
+
+
+def test_version_2_fields_default_to_unknown_and_spans_become_tuples() -> None:
+    r = make()
+    assert r.schema_version == 2
+    assert r.digest_version == 2
+    assert (r.engine_weight_version, r.weight_spans, r.token_in, r.bridge_spans) == (
+        None,
+        (),
+        False,
+        (),
+    )
+    assert (r.replica, r.effective_sampling, r.logprobs_mode) == ("", None, "unknown")
+    spans = make(weight_spans=[["v1", 0, 1], ["v2", 1, 2]], bridge_spans=[[0, 1, "eot"]])
+    assert spans.weight_spans == (("v1", 0, 1), ("v2", 1, 2))
+    assert spans.bridge_spans == ((0, 1, "eot"),)
+    assert make(schema_version=1).digest_version == 1
 
 
 # -- token arrays through the storage codec ---------------------------------------------------

@@ -8,6 +8,7 @@ from array import array
 from typing import Any
 
 import orjson
+import pytest
 
 from capture_proxy.read.reader import Store
 from capture_proxy.schemas.digest import verify_record
@@ -57,6 +58,34 @@ async def test_unary_call_is_staged_exactly_and_client_sees_plain_openai(make_pr
     assert sent["logprobs"] is True
     assert sent["top_logprobs"] == 0
     assert "return_tokens_as_token_ids" not in sent
+    # Nobody declared the upstream's logprobs mode, and the proxy knows nothing of the rest of
+    # record schema 2 yet: every such field says "unknown / not used".
+    assert record.schema_version == 2
+    assert record.logprobs_mode == "unknown"
+    assert (record.engine_weight_version, record.weight_spans, record.replica) == (None, (), "")
+    assert (record.token_in, record.bridge_spans, record.effective_sampling) == (False, (), None)
+
+
+async def test_declared_upstream_logprobs_mode_is_stamped_on_every_record(
+    make_proxy: Any,
+) -> None:
+    p = await make_proxy(upstream_logprobs_mode="processed_logprobs")
+    for stream in (False, True):
+        resp = await p.chat(chat_body(user("hi"), stream=stream))
+        assert resp.status == 200
+        await resp.read()
+    records = p.calls()
+    assert [r.logprobs_mode for r in records] == ["processed_logprobs"] * 2
+    for record in records:
+        verify_record(record)
+
+
+def test_an_undeclared_logprobs_mode_is_refused_naming_the_setting() -> None:
+    from capture_proxy.server.settings import SettingsError, load_settings
+
+    env = {"CAPTURE_PROXY_UPSTREAM_LOGPROBS_MODE": "raw_logits"}
+    with pytest.raises(SettingsError, match="CAPTURE_PROXY_UPSTREAM_LOGPROBS_MODE must be one of"):
+        load_settings(environ=env)
 
 
 async def test_client_that_asked_for_logprobs_gets_them(make_proxy: Any) -> None:

@@ -27,7 +27,7 @@ from capture_proxy.sinks.memory import MemorySink
 from capture_proxy.sinks.parquet import ParquetSink, ParquetSource
 from capture_proxy.sinks.registry import open_sink
 from capture_proxy.sinks.sqlite import SQLiteSink, SQLiteSource
-from capture_proxy.sinks.sqlite._schema import CALL_COLUMNS, FORMAT_VERSION, MIGRATIONS
+from capture_proxy.sinks.sqlite._schema import CALL_COLUMNS_3, FORMAT_VERSION, MIGRATIONS
 from tests.support import FIXTURES as SUPPORT_FIXTURES
 from tests.support.sink_factories import SINKS, Session, SinkCase
 
@@ -48,7 +48,7 @@ def _failure(call_id: str, seq: int, rollout_id: str = "r") -> LedgerEntry:
 
 
 async def test_a_second_record_at_a_seq_is_refused_and_the_writer_goes_on(case: SinkCase) -> None:
-    a, b = Session("r", prefix="a"), Session("r", prefix="b")
+    a, b = Session("r", prefix="a", schema_version=1), Session("r", prefix="b", schema_version=1)
     first, _ = a.next()
     assert (await case.sink.stage(first)).status == "staged"
     clash, _ = b.next()  # seq 0 again, another call
@@ -176,15 +176,15 @@ def _format_2_store_with_duplicates(path: Path) -> list[str]:
     MIGRATIONS[1](conn)
     conn.execute("UPDATE meta SET value = '2' WHERE key = 'format_version'")
     keys = []
-    a, b = Session("r", prefix="a"), Session("r", prefix="b")
+    a, b = Session("r", prefix="a", schema_version=1), Session("r", prefix="b", schema_version=1)
     for session in (a, b, a):
         record, _ = session.next()
         enc = encode_record(record, None)
         conn.executemany("INSERT OR IGNORE INTO blobs (key, data) VALUES (?, ?)", enc.blobs.items())
-        marks = ",".join("?" * len(CALL_COLUMNS))
+        marks = ",".join("?" * len(CALL_COLUMNS_3))
         conn.execute(
-            f"INSERT INTO calls ({', '.join(CALL_COLUMNS)}) VALUES ({marks})",
-            [enc.row[c] for c in CALL_COLUMNS],
+            f"INSERT INTO calls ({', '.join(CALL_COLUMNS_3)}) VALUES ({marks})",
+            [enc.row[c] for c in CALL_COLUMNS_3],
         )
         keys.append(record.call_id)
     conn.execute("INSERT INTO rollouts VALUES ('r', 'open', 0, NULL, '{}', '{}')")

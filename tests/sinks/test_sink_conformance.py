@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,7 @@ import pytest
 
 from capture_proxy.read.reader import Store, StoreCorrupted
 from capture_proxy.schemas.attachments import attachment_url
-from capture_proxy.schemas.digest import verify_record
+from capture_proxy.schemas.digest import DigestMismatch, seal_record, verify_record
 from capture_proxy.schemas.records import (
     CallStatus,
     LedgerEntry,
@@ -22,7 +23,7 @@ from capture_proxy.schemas.records import (
     StagedCallRecord,
     StageResult,
 )
-from tests.support.sink_factories import SINKS, Part, Session, SinkCase, image
+from tests.support.sink_factories import SINKS, V2_VALUES, Part, Session, SinkCase, image
 
 
 class Fault:
@@ -102,6 +103,65 @@ async def test_round_trip(case: SinkCase, with_image: bool) -> None:
     assert [r.call_id for r in source.calls("rt")] == [s.call_id for s in staged]
     assert source.rollouts() == ["rt"]
     Store(source).verify()
+
+
+async def test_a_v2_record_round_trips_every_new_field(case: SinkCase) -> None:
+    img = image("v2")
+    session = Session("v2", image=img)
+    plain, atts = session.next()
+    record = seal_record(replace(plain, **V2_VALUES), attachments=atts)
+    assert (await case.sink.stage(record, attachments=atts)).status is CallStatus.STAGED
+    await case.sink.close()
+    (read,) = case.reopen().fetch([record.call_id])
+    assert_same(read, record)
+    assert read.schema_version == 2
+    for name, value in V2_VALUES.items():
+        assert getattr(read, name) == value, name
+
+
+async def test_an_edited_attachment_media_type_fails_verify(case: SinkCase) -> None:
+    img = image("media")
+    staged = await stage_session(case, Session("mt", image=img), 2)
+    await case.sink.close()
+    case.tamper(staged[0].call_id, "media_type")
+    read = case.reopen().fetch([staged[0].call_id])[0]
+    assert read.attachments[0].media_type == "image/jpeg"
+    with pytest.raises(DigestMismatch, match=f"{staged[0].call_id}: digest mismatch"):
+        verify_record(read)
+
+
+async def test_a_store_of_the_previous_release_reads_verifies_and_takes_v2_records(
+    tmp_path: Path, kind: str
+) -> None:
+    """Version-1 records stored without the schema-2 columns (the release before) read back as
+    version 1 with defaults, verify with the v1 encoding, before and after a writer migrates the
+    store, and the session continues with version-2 records."""
+    case = SINKS[kind](tmp_path)
+    img = image("old")
+    session = Session("old", image=img, schema_version=1)
+    old = await stage_session(case, session, 2)
+    reopens = kind != "memory"  # a memory store lives in its sink: it goes on writing there
+    if reopens:
+        await case.sink.close()
+    case.downgrade()
+    for record in case.reopen().fetch([r.call_id for r in old]):  # before any writer opens it
+        assert record.schema_version == 1
+        assert record.logprobs_mode == "unknown"
+        assert record.weight_spans == ()
+        verify_record(record)
+    if reopens:
+        case = SINKS[kind](tmp_path)  # a writer opens the store: SQLite migrates it
+    session.schema_version = 2
+    new, atts = session.next()
+    new = seal_record(replace(new, **V2_VALUES), attachments=atts)
+    assert (await case.sink.stage(new, attachments=atts)).status is CallStatus.STAGED
+    await case.sink.close()
+    source = case.reopen()
+    read = source.fetch([*(r.call_id for r in old), new.call_id])
+    assert [r.schema_version for r in read] == [1, 1, 2]
+    assert_same(read[-1], new)
+    with Store(source) as store:
+        store.verify()
 
 
 async def test_linear_storage_and_drift(case: SinkCase) -> None:
@@ -343,6 +403,7 @@ async def test_attachments_in_order_of_first_reference(case: SinkCase) -> None:
             {"type": "image_url", "image_url": {"url": attachment_url(two.sha256)}},
         ],
     }
+    s.known = {one.sha256: one, two.sha256: two}
     record, _ = s.next()
     res = await case.sink.stage(record, attachments={one.sha256: one, two.sha256: two})
     assert res.status is CallStatus.STAGED

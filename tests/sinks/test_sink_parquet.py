@@ -669,3 +669,28 @@ if __name__ == "__main__":
     os.environ.setdefault("PYTHONHASHSEED", "0")
     assert _mode == "diskfull", _mode
     asyncio.run(_worker_diskfull(_store))
+
+
+async def test_units_without_the_schema_2_columns_compact_with_new_ones(tmp_path: Path) -> None:
+    """A dataset the previous release wrote (calls files without the schema-2 columns) merges
+    with new units: the old rows stay version-1 records and every record still verifies."""
+    from capture_proxy.sinks.parquet import compact_store
+    from tests.support.sink_factories import ParquetCase
+
+    case = ParquetCase(tmp_path)
+    session = Session("mix", schema_version=1)
+    for _ in range(2):
+        record, _ = session.next()
+        assert (await case.sink.stage(record)).status == "staged"
+    await case.sink.close()
+    case.downgrade()
+    case = ParquetCase(tmp_path)
+    session.schema_version = 2
+    record, _ = session.next()
+    assert (await case.sink.stage(record)).status == "staged"
+    await case.sink.close()
+    stats = compact_store(str(case.location), grace_s=0)
+    assert stats.units_after == 1
+    with Store(ParquetSource(str(case.location))) as store:
+        assert [r.schema_version for r in store.calls("mix")] == [1, 1, 2]
+        store.verify()

@@ -11,7 +11,7 @@ from capture_proxy.read.reader import Store
 from capture_proxy.sinks.base import StoreFormatError
 from capture_proxy.sinks.codec import encode_record
 from capture_proxy.sinks.sqlite import SQLiteSink, SQLiteSource
-from capture_proxy.sinks.sqlite._schema import CALL_COLUMNS, FORMAT_VERSION, MIGRATIONS
+from capture_proxy.sinks.sqlite._schema import CALL_COLUMNS_3, FORMAT_VERSION, MIGRATIONS
 from tests.support.sink_factories import Session
 
 
@@ -23,15 +23,15 @@ def _format_1_store(path: Path) -> list[str]:
     conn.execute("UPDATE meta SET value = '1' WHERE key = 'format_version'")
     keys = []
     parent = None
-    session = Session("r1", seed=3)
+    session = Session("r1", seed=3, schema_version=1)
     for _ in range(3):
         record, _atts = session.next(new_prompt=400)
         enc = encode_record(record, parent)
         conn.executemany("INSERT OR IGNORE INTO blobs (key, data) VALUES (?, ?)", enc.blobs.items())
-        marks = ",".join("?" * len(CALL_COLUMNS))
+        marks = ",".join("?" * len(CALL_COLUMNS_3))
         conn.execute(
-            f"INSERT INTO calls ({', '.join(CALL_COLUMNS)}) VALUES ({marks})",
-            [enc.row[c] for c in CALL_COLUMNS],
+            f"INSERT INTO calls ({', '.join(CALL_COLUMNS_3)}) VALUES ({marks})",
+            [enc.row[c] for c in CALL_COLUMNS_3],
         )
         conn.execute("INSERT OR IGNORE INTO rollouts VALUES ('r1', 'open', 0, NULL, '{}', '{}')")
         parent = enc.full

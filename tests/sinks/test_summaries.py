@@ -81,7 +81,7 @@ async def stage_story(sink: StagingSink) -> None:
         await staged(sink, record, atts)
         ra.append(record)
     retry = replace(ra[2], call_id="ra-retry", seq=3, retry_of="ra-c2", finish_reason="length")
-    await staged(sink, seal_record(retry), atts)
+    await staged(sink, seal_record(retry, attachments=atts), atts)
     b = Session("rb")
     for turn in range(3):
         record, _ = b.next(drift_at=7 if turn == 2 else None)

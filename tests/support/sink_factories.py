@@ -28,7 +28,19 @@ from capture_proxy.sinks.base import FaultHook, StagingSink, StagingSource
 from capture_proxy.sinks.memory import MemorySink
 from capture_proxy.sinks.sqlite import SQLiteSink, SQLiteSource
 
-Part = Literal["tokens", "message", "attachment"]
+Part = Literal["tokens", "message", "attachment", "media_type"]
+
+#: The fields of record schema 2, each set to something other than its default (for records of
+#: a session's 12-token completions and 40-token prompts).
+V2_VALUES: dict[str, Any] = {
+    "engine_weight_version": "ckpt-7",
+    "weight_spans": (("ckpt-7", 0, 5), ("ckpt-8", 5, 12)),
+    "token_in": True,
+    "bridge_spans": ((3, 4, "end_of_turn"),),
+    "replica": "http://vllm-0:8000",
+    "effective_sampling": {"temperature": 0.6, "top_p": 0.95, "top_k": 20},
+    "logprobs_mode": "processed_logprobs",
+}
 
 # -- records ----------------------------------------------------------------------------------
 
@@ -75,11 +87,17 @@ class Session:
         seed: int = 0,
         image: Attachment | None = None,
         prefix: str | None = None,
+        schema_version: int = 2,
     ) -> None:
         self.rollout_id = rollout_id
+        #: 1 builds records as the release before record schema 2 sealed them (old stores).
+        self.schema_version = schema_version
         self.prefix = prefix or rollout_id
         self.rng = random.Random(f"{rollout_id}:{seed}")
         self.images: dict[str, Attachment] = {image.sha256: image} if image is not None else {}
+        #: Every image the session refers to, staged here or before a resume (sealing binds
+        #: their media types).
+        self.known: dict[str, Attachment] = dict(self.images)
         self.seq = 0
         self.parent: str | None = None
         self.full = array("i")
@@ -103,6 +121,8 @@ class Session:
         s.full = array("i", last.prompt_token_ids)
         s.full.extend(last.completion_token_ids)
         s.messages = [dict(m) for m in last.request["messages"]]
+        # Read back from the store, `last` holds its images: their media types seal later calls.
+        s.known = {a.sha256: a for a in last.attachments}
         s.messages.append(dict(last.response))
         s.messages.append({"role": "user", "content": f"continue turn {s.seq}"})
         return s
@@ -122,6 +142,7 @@ class Session:
         """
         if new_image is not None:
             self.images[new_image.sha256] = new_image
+            self.known[new_image.sha256] = new_image
             self.messages.append(
                 {
                     "role": "user",
@@ -160,8 +181,9 @@ class Session:
             tokenizer_fingerprint="f" * 64,
             sampling={"temperature": 1.0, "max_tokens": 32000},
             extras=extras or {},
+            schema_version=self.schema_version,
         )
-        sealed = seal_record(record)
+        sealed = seal_record(record, attachments=self.known)
         self.seq += 1
         self.parent = call_id
         self.full = array("i", prompt)
@@ -189,6 +211,11 @@ class SinkCase(Protocol):
 
     def attachment_count(self) -> int:
         """How many attachment copies the store holds."""
+        ...
+
+    def downgrade(self) -> None:
+        """Turn the store (sink closed) into what the release before record schema 2 wrote:
+        no storage for the schema-2 fields (its records must be version 1)."""
         ...
 
 
@@ -234,10 +261,18 @@ class MemoryCase:
         else:
             sha = rec.attachment_refs()[0]
             att = self.sink._attachments[sha]
-            self.sink._attachments[sha] = Attachment(sha, att.media_type, _flip_byte(att.data, 9))
+            data, media_type = att.data, att.media_type
+            if part == "attachment":
+                data = _flip_byte(data, 9)
+            else:
+                media_type = "image/jpeg"
+            self.sink._attachments[sha] = Attachment(sha, media_type, data)
 
     def attachment_count(self) -> int:
         return len(self.sink._attachments)
+
+    def downgrade(self) -> None:
+        pass  # records are kept as objects: nothing is stored per column
 
 
 class SQLiteCase:
@@ -273,9 +308,24 @@ class SQLiteCase:
                 (data,) = db.execute(
                     "SELECT data FROM attachments WHERE sha256=?", (sha,)
                 ).fetchone()
-                db.execute(
-                    "UPDATE attachments SET data=? WHERE sha256=?", (_flip_byte(data, 9), sha)
-                )
+                if part == "attachment":
+                    db.execute(
+                        "UPDATE attachments SET data=? WHERE sha256=?", (_flip_byte(data, 9), sha)
+                    )
+                else:
+                    db.execute(
+                        "UPDATE attachments SET media_type='image/jpeg' WHERE sha256=?", (sha,)
+                    )
+        db.close()
+
+    def downgrade(self) -> None:
+        """Format 3: format 4's columns dropped (SQLite >= 3.35), the version set back."""
+        from capture_proxy.sinks.codec import V2_ROW_FIELDS
+
+        with sqlite3.connect(self.path) as db:
+            for name in V2_ROW_FIELDS:
+                db.execute(f"ALTER TABLE calls DROP COLUMN {name}")
+            db.execute("UPDATE meta SET value='3' WHERE key='format_version'")
         db.close()
 
     def attachment_count(self) -> int:
@@ -339,10 +389,45 @@ class ParquetCase:
         elif part == "message":
             blob_key = bytes(self._value("call_id", key, "message_keys"))[:32].hex()
             ok = self._rewrite("key", blob_key, "data", _flip_json_letter)
-        else:
+        elif part == "attachment":
             sha = self._value("call_id", key, "attachment_shas")[0]
             ok = self._rewrite("sha256", sha, "data", lambda d: _flip_byte(d, 9))
+        else:
+            sha = self._value("call_id", key, "attachment_shas")[0]
+            ok = self._rewrite_text("sha256", sha, "media_type", "image/jpeg")
         assert ok, f"tamper: found nothing to edit for {part} of {key}"
+
+    def _rewrite_text(self, match: str, value: str, column: str, text: str) -> bool:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        done = False
+        for f in sorted(self.location.rglob("*.parquet")):
+            table = pq.read_table(f)
+            if match not in table.column_names or column not in table.column_names:
+                continue
+            keys = table.column(match).to_pylist()
+            if value not in keys:
+                continue
+            col = [
+                text if k == value else v
+                for k, v in zip(keys, table.column(column).to_pylist(), strict=True)
+            ]
+            idx = table.column_names.index(column)
+            table = table.set_column(idx, table.schema.field(idx), pa.array(col, pa.string()))
+            pq.write_table(table, f)
+            done = True
+        return done
+
+    def downgrade(self) -> None:
+        """Calls files rewritten without the schema-2 columns, as the previous release wrote."""
+        import pyarrow.parquet as pq
+
+        from capture_proxy.sinks.codec import V2_ROW_FIELDS
+
+        for f in sorted((self.location / "calls").glob("*.parquet")):
+            table = pq.read_table(f)
+            pq.write_table(table.drop_columns(list(V2_ROW_FIELDS)), f)
 
     def attachment_count(self) -> int:
         import pyarrow.parquet as pq

@@ -44,11 +44,11 @@ from ._layout import (
     COMMITS_DIR,
     COMPACT_LOCK,
     LEDGER,
-    SCHEMAS,
     TABLES,
     WRITER_LOCK,
     Marker,
     check_format,
+    conform,
     encode_table,
     list_markers,
     live_units,
@@ -229,7 +229,7 @@ def replace_units(
     rows: dict[str, int] = {}
     files = unit_files(unit, TABLES)
     for t, rel in files.items():
-        parts = [read_table(dfs, m.files[t]).cast(SCHEMAS[t]) for m in span if t in m.files]
+        parts = [conform(t, read_table(dfs, m.files[t])) for m in span if t in m.files]
         if not parts:
             continue
         table = select(t, pa.concat_tables(parts))

@@ -51,6 +51,7 @@ __all__ = [
     "WRITER_LOCK",
     "Marker",
     "check_format",
+    "conform",
     "create_dataset",
     "encode_table",
     "list_markers",
@@ -106,6 +107,15 @@ CALLS_SCHEMA = pa.schema(
         ("digest", _s),
         ("extras_digest", _s),
         ("attachment_shas", pa.list_(_s)),
+        # Record schema 2 (`codec.V2_ROW_FIELDS`). Nullable: files written before these columns
+        # lack them, and their rows read back as version-1 records (`conform` fills nulls).
+        ("engine_weight_version", _s),
+        ("weight_spans", _b),
+        ("token_in", pa.bool_()),
+        ("bridge_spans", _b),
+        ("replica", _s),
+        ("effective_sampling", _b),
+        ("logprobs_mode", _s),
     ]
 )
 BLOBS_SCHEMA = pa.schema([("key", _s), ("data", _b)])
@@ -142,12 +152,24 @@ _DICTIONARY_COLUMNS = [
     "upstream_version",
     "tokenizer_fingerprint",
     "finish_reason",
+    "replica",
+    "logprobs_mode",
     "media_type",
     "kind",
     "status",
     "reason",
     "state",
 ]
+
+
+def conform(name: str, table: pa.Table) -> pa.Table:
+    """`table` (read from a file of table `name`) in the current schema: columns added since the
+    file was written are filled with nulls (their defaults), then types are cast."""
+    schema = SCHEMAS[name]
+    for field in schema:
+        if field.name not in table.column_names:
+            table = table.append_column(field, pa.nulls(table.num_rows, field.type))
+    return table.select(schema.names).cast(schema)
 
 
 def table_bytes(name: str, rows: Sequence[Mapping[str, Any]]) -> bytes:

@@ -5,6 +5,7 @@ One file holds everything (docs/storage.md describes it):
 * ``meta``: ``application`` (always ``capture-proxy``) and ``format_version`` (an integer).
 * ``calls``: one row per staged record, the columns of `sinks.codec.ROW_FIELDS` (its
   ``attachment_shas`` list lives in ``call_attachments``); indexed on ``(rollout_id, seq)``.
+  Format 4 added the columns of record schema 2 (NULL in rows written before).
 * ``blobs``: content-addressed messages and request bodies (key = sha256 of the bytes; since
   format 2 stored zlib-compressed when that is smaller, ``codec`` says which).
 * ``attachments``: content-addressed image bytes, stored once per store; ``call_attachments``
@@ -33,11 +34,13 @@ from ..codec import ROW_FIELDS
 
 __all__ = [
     "CALL_COLUMNS",
+    "CALL_COLUMNS_3",
     "DUPLICATE_SEQ",
     "FORMAT_VERSION",
     "MIGRATIONS",
     "READABLE_FROM",
     "TokenLRU",
+    "call_columns",
     "pack_blob",
     "read_format",
     "rebuild_full",
@@ -78,11 +81,25 @@ _CALL_TYPES = {
     "digest": "TEXT NOT NULL",
     "extras_digest": "TEXT NOT NULL",
 }
+#: Added by format 4 (record schema 2). Nullable and without defaults: rows written before read
+#: NULL, which the codec decodes as a version-1 record's defaults.
+_CALL_TYPES_4 = {
+    "engine_weight_version": "TEXT",
+    "weight_spans": "BLOB",
+    "token_in": "INTEGER",
+    "bridge_spans": "BLOB",
+    "replica": "TEXT",
+    "effective_sampling": "BLOB",
+    "logprobs_mode": "TEXT",
+}
+#: The columns a file of format 2 or 3 has (a reader takes those files as they are).
+CALL_COLUMNS_3 = tuple(_CALL_TYPES)
 # A codec change that adds a column must come with a migration; fail at import, not at write.
-assert tuple(_CALL_TYPES) == CALL_COLUMNS, "calls table out of step with codec.ROW_FIELDS"
+assert (*_CALL_TYPES, *_CALL_TYPES_4) == CALL_COLUMNS, "calls out of step with codec.ROW_FIELDS"
 
 
 def _migrate_0_to_1(conn: sqlite3.Connection) -> None:
+    # Format 1's columns only: later formats add theirs in their own step.
     calls = ",\n  ".join(f"{name} {decl}" for name, decl in _CALL_TYPES.items())
     statements = [
         "CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
@@ -147,11 +164,19 @@ def _migrate_2_to_3(conn: sqlite3.Connection) -> None:
     )
 
 
+def _migrate_3_to_4(conn: sqlite3.Connection) -> None:
+    # Format 4: the columns of record schema 2 (`codec.V2_ROW_FIELDS`). Rows already stored keep
+    # NULL there and stay version-1 records, verified with the digest they were sealed with.
+    for name, decl in _CALL_TYPES_4.items():
+        conn.execute(f"ALTER TABLE calls ADD COLUMN {name} {decl}")
+
+
 #: ``MIGRATIONS[i]`` upgrades format ``i`` to ``i + 1``. Append; never edit a shipped step.
 MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (
     _migrate_0_to_1,
     _migrate_1_to_2,
     _migrate_2_to_3,
+    _migrate_3_to_4,
 )
 
 #: Blob codecs (the ``blobs.codec`` column).
@@ -182,8 +207,14 @@ def unpack_blob(key: str, data: bytes, codec: int) -> bytes:
 
 FORMAT_VERSION = len(MIGRATIONS)
 #: The oldest format a reader takes as it is: format 3 added write rules only (triggers), so a
-#: format-2 file reads the same (and `verify` can report the duplicates it may hold).
+#: format-2 file reads the same (and `verify` can report the duplicates it may hold); format 4
+#: added columns that a reader of an older file reads as their defaults (`call_columns`).
 READABLE_FROM = 2
+
+
+def call_columns(version: int) -> tuple[str, ...]:
+    """The `calls` columns a file of format `version` has (a reader selects only those)."""
+    return CALL_COLUMNS if version >= 4 else CALL_COLUMNS_3
 
 
 def read_format(conn: sqlite3.Connection, where: str) -> int:

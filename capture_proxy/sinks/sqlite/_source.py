@@ -26,10 +26,10 @@ from ...schemas.records import (
 from ..base import StoreError, StoreFormatError
 from ..codec import decode_row
 from ._schema import (
-    CALL_COLUMNS,
     FORMAT_VERSION,
     READABLE_FROM,
     TokenLRU,
+    call_columns,
     read_format,
     rebuild_full,
     unpack_blob,
@@ -37,7 +37,6 @@ from ._schema import (
 
 __all__ = ["SQLiteSource"]
 
-_SELECT_CALLS = f"SELECT {', '.join(CALL_COLUMNS)} FROM calls"
 #: Full sequences kept while decoding one `calls` / `fetch`: enough for a session's parents
 #: without holding every ancestor of a long rollout in memory.
 _DECODE_CACHE_TOKENS = 2_000_000
@@ -46,8 +45,9 @@ _DECODE_CACHE_TOKENS = 2_000_000
 class _Decoder:
     """Decodes rows within one read, reusing parents' sequences, blobs and attachments."""
 
-    def __init__(self, conn: sqlite3.Connection) -> None:
+    def __init__(self, conn: sqlite3.Connection, columns: Sequence[str]) -> None:
         self.conn = conn
+        self.columns = columns
         self.fulls = TokenLRU(_DECODE_CACHE_TOKENS)
         self.blobs: dict[str, bytes] = {}
         self.attachments: dict[str, Attachment] = {}
@@ -78,7 +78,7 @@ class _Decoder:
         return out
 
     def record(self, values: Sequence[Any]) -> StagedCallRecord:
-        row = dict(zip(CALL_COLUMNS, values, strict=True))
+        row = dict(zip(self.columns, values, strict=True))
         call_id, parent = row["call_id"], row["parent_call_id"]
         parent_full: array[int] | None = None
         if row["prev_len"]:
@@ -126,6 +126,10 @@ class SQLiteSource:
             )
         self._conn = conn
         self._lock = threading.Lock()
+        # A file a writer has not migrated yet lacks the newest columns: read what it has, and
+        # its rows decode as the record versions they were written as.
+        self._columns = call_columns(version)
+        self._select_calls = f"SELECT {', '.join(self._columns)} FROM calls"
 
     @contextmanager
     def _read(self) -> Iterator[sqlite3.Connection]:
@@ -174,9 +178,10 @@ class SQLiteSource:
         where = "" if include_orphaned else " AND call_id NOT IN (SELECT call_id FROM orphaned)"
         with self._read() as c:
             rows = c.execute(
-                f"{_SELECT_CALLS} WHERE rollout_id = ?{where} ORDER BY seq, rowid", (rollout_id,)
+                f"{self._select_calls} WHERE rollout_id = ?{where} ORDER BY seq, rowid",
+                (rollout_id,),
             ).fetchall()
-            decoder = _Decoder(c)
+            decoder = _Decoder(c, self._columns)
             return [decoder.record(r) for r in rows]
 
     def failures(self, rollout_id: str) -> list[LedgerEntry]:
@@ -209,10 +214,10 @@ class SQLiteSource:
 
     def fetch(self, keys: Sequence[str]) -> list[StagedCallRecord]:
         with self._read() as c:
-            decoder = _Decoder(c)
+            decoder = _Decoder(c, self._columns)
             out = []
             for key in keys:
-                row = c.execute(f"{_SELECT_CALLS} WHERE call_id = ?", (key,)).fetchone()
+                row = c.execute(f"{self._select_calls} WHERE call_id = ?", (key,)).fetchone()
                 if row is None:
                     raise KeyError(f"no staged record {key!r} in {self.url}")
                 out.append(decoder.record(row))
