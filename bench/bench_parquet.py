@@ -338,8 +338,10 @@ def bench_sink(
     t_warm = _median_time(lambda: warm_store.fetch(keys), passes)
     t_decode = _median_time(decode_only, passes)
     t_verify = _median_time(verify_only, passes)
-    t_traj = _median_time(lambda: Store(source()).trajectory(records[0].rollout_id), passes)
-    traj = warm_store.trajectory(records[0].rollout_id)
+    t_traj = _median_time(
+        lambda: Store(source()).trajectory(records[0].rollout_id, include_open=True), passes
+    )
+    traj = warm_store.trajectory(records[0].rollout_id, include_open=True)
     warm_store.close()
     out.update(
         {

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import sys
 from collections.abc import Sequence
@@ -43,7 +44,9 @@ def _parser() -> argparse.ArgumentParser:
         "export",
         help="write a flat training table (Parquet or JSON lines) from a store",
         description="Write every staged call, or every rollout's trajectory, as one table. "
-        "Every record is verified first; nothing is written if one does not verify.",
+        "Open (not sealed) and poisoned (a call answered but not staged) rollouts are left out "
+        "unless asked for; what was left out is said on stderr. Every record is verified "
+        "first; nothing is written if one does not verify.",
     )
     export.add_argument("store", help="store URL or path (sqlite:///x.db, parquet:///dir, ...)")
     export.add_argument("out", help="output file")
@@ -54,6 +57,39 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="with --per trajectory: keep calls without tools (title calls) in the trajectory",
     )
+    export.add_argument(
+        "--include-open",
+        action="store_true",
+        help="also export rollouts not sealed yet (seal finished ones: capture-proxy seal)",
+    )
+    export.add_argument(
+        "--include-poisoned",
+        action="store_true",
+        help="also export rollouts with a call answered but not staged (their trajectory "
+        "misses what the policy generated there)",
+    )
+    export.add_argument(
+        "--no-verify",
+        dest="verify",
+        action="store_false",
+        help="do not recompute every record's digest (faster; for data verified already)",
+    )
+    export.add_argument(
+        "--json",
+        action="store_true",
+        help="print the summary (rows, rollouts, left out by why) as one JSON object",
+    )
+
+    seal = sub.add_parser(
+        "seal",
+        help="seal rollouts in a store offline (no proxy running)",
+        description="Mark rollouts sealed (finished) in the store, as the control API's seal "
+        "does, for runs without a control API: export and iter_trajectories leave open "
+        "rollouts out. Refused while a proxy writes the store (its writer lock is held): seal "
+        "through the proxy's control API then, or stop it first.",
+    )
+    seal.add_argument("store", help="store URL or path")
+    seal.add_argument("rollouts", nargs="+", metavar="ROLLOUT", help="rollout ids to seal")
 
     replay = sub.add_parser(
         "replay-ledger",
@@ -153,6 +189,67 @@ async def _replay_ledger(args: argparse.Namespace) -> int:
     return 0
 
 
+def _report_export(args: argparse.Namespace, summary: dict[str, object]) -> None:
+    left = summary["left_out"]
+    assert isinstance(left, dict)
+    if args.json:
+        print(json.dumps({"out": args.out, **summary}))
+    else:
+        print(f"wrote {summary['rows']} row(s) of {summary['rollouts']} rollout(s) to {args.out}")
+    parts = []
+    if left["open"]:
+        parts.append(
+            f"{len(left['open'])} open (not sealed: --include-open exports them, "
+            "or seal finished ones with capture-proxy seal)"
+        )
+    if left["poisoned"]:
+        parts.append(
+            f"{len(left['poisoned'])} poisoned (a call answered but not staged: "
+            "--include-poisoned exports them)"
+        )
+    if parts:
+        n = len(left["open"]) + len(left["poisoned"])
+        print(f"capture-proxy export: left out {n} rollout(s): {'; '.join(parts)}", file=sys.stderr)
+
+
+async def _seal(args: argparse.Namespace) -> int:
+    import dataclasses
+    import time
+
+    from .schemas.records import RolloutInfo, RolloutState
+    from .sinks.registry import open_sink, open_source
+
+    def read_infos() -> list[RolloutInfo]:
+        source = open_source(args.store)  # a missing store is an error (a writer would make one)
+        try:
+            return [source.rollout_info(r) for r in args.rollouts]  # KeyError names a missing one
+        finally:
+            source.close_reader()
+
+    read_infos()  # nothing is opened for writing when a store or a rollout is missing
+    try:
+        sink = open_sink(args.store)  # takes the writer lock: refused while a proxy writes
+    except StoreError as e:
+        raise StoreError(
+            f"{e}. A running proxy seals through its control API "
+            "(POST /admin/rollouts/ROLLOUT/seal); or stop it, then seal offline"
+        ) from e
+    try:
+        infos = read_infos()  # again under the lock: nothing changes them now
+        now = int(time.time() * 1000)
+        for info in infos:
+            if info.state is RolloutState.SEALED:
+                print(f"{info.rollout_id}: already sealed")
+                continue
+            await sink.put_rollout(
+                dataclasses.replace(info, state=RolloutState.SEALED, sealed_at_ms=now)
+            )
+            print(f"{info.rollout_id}: sealed")
+    finally:
+        await sink.close()
+    return 0
+
+
 async def _serve(settings_args: argparse.Namespace) -> int:
     from .server.run import serve
 
@@ -177,15 +274,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "export":
             from .read.export import export_store
 
-            rows = export_store(
+            summary = export_store(
                 args.store,
                 args.out,
                 format=args.format,
                 per=args.per,
+                verify=args.verify,
                 include_untooled=args.include_untooled,
+                include_open=args.include_open,
+                include_poisoned=args.include_poisoned,
             )
-            print(f"wrote {rows} row(s) to {args.out}")
+            _report_export(args, summary.to_dict())
             return 0
+        if args.command == "seal":
+            return asyncio.run(_seal(args))
         if args.command == "compact":
             from .sinks.registry import compact_store
 

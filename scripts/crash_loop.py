@@ -80,12 +80,17 @@ def check_store(url: str, acked: dict[str, str], *, trajectories: bool = False) 
             raise Violation(str(e)) from e
         total = 0
         for rollout_id in store.rollouts():
-            seqs = [r.seq for r in store.calls(rollout_id, include_orphaned=True)]
+            seqs = [
+                r.seq
+                for r in store.calls(
+                    rollout_id, include_orphaned=True, include_open=True, include_poisoned=True
+                )
+            ]
             if len(seqs) != len(set(seqs)):
                 raise Violation(f"rollout {rollout_id} has two records with one seq: {seqs}")
             total += len(seqs)
             if trajectories:
-                store.trajectory(rollout_id)
+                store.trajectory(rollout_id, include_open=True, include_poisoned=True)
         return total
 
 

@@ -294,9 +294,13 @@ def _render_trajectory(t: TrajectorySummary | TrajectoryUnavailable, out: Out) -
     if t["ok"] is False:
         out.line(t["note"])
         return
+    flags = [t["state"]]
+    if t["poisoned"]:
+        flags.append("POISONED")
+    flags.append(f"{t['n_failures']} not staged")
     text = (
-        f"Trajectory: {t['tokens']} tokens ({t['trained_tokens']} generated), "
-        f"{len(t['segments'])} segment(s)"
+        f"Trajectory ({', '.join(flags)}): {t['tokens']} tokens ({t['trained_tokens']} "
+        f"generated), {len(t['segments'])} segment(s)"
     )
     if t["drift"]:
         text += "; drift: " + ", ".join(
@@ -304,11 +308,15 @@ def _render_trajectory(t: TrajectorySummary | TrajectoryUnavailable, out: Out) -
         )
     else:
         text += ", no drift"
+    if t["breaks"]:
+        text += "; breaks: " + ", ".join(
+            f"{b['reason']} at token {b['position']} ({b['call_id']})" for b in t["breaks"]
+        )
     if t["apart"]:
         text += f"; kept apart (no tools): {', '.join(t['apart'])}"
     if t["retries_skipped"]:
         text += f"; retried attempts skipped: {', '.join(t['retries_skipped'])}"
-    out.line(text)
+    out.line(text, alert=t["poisoned"])
 
 
 # -- one call -----------------------------------------------------------------------------------

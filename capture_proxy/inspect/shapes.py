@@ -31,7 +31,9 @@ __all__ = [
     "StoredCoords",
     "TokensDetail",
     "ToolCallPreview",
+    "TrajectoryBreak",
     "TrajectoryDrift",
+    "TrajectoryNotStaged",
     "TrajectorySegment",
     "TrajectorySummary",
     "TrajectoryUnavailable",
@@ -146,11 +148,32 @@ class TrajectoryDrift(TypedDict):
     prompt_len: int
 
 
+class TrajectoryBreak(TypedDict):
+    """Where a new segment began (token `position`), opened by `call_id`, and why."""
+
+    call_id: str
+    position: int
+    reason: str
+
+
+class TrajectoryNotStaged(TypedDict):
+    seq: int
+    call_id: str
+    status: str
+    reason: str
+
+
 class TrajectorySummary(TypedDict):
     ok: Literal[True]
+    #: The trajectory's own flags, as a trainer reads them (`Trajectory.state`, ...).
+    state: str
+    poisoned: bool
+    n_failures: int
+    not_staged: list[TrajectoryNotStaged]
     tokens: int
     trained_tokens: int
     segments: list[TrajectorySegment]
+    breaks: list[TrajectoryBreak]
     drift: list[TrajectoryDrift]
     apart: list[str]
     retries_skipped: list[str]

@@ -195,8 +195,17 @@ def _read(what: str, read: Callable[[], T]) -> T:
 
 def _entries(store: Store, rollout_id: str) -> tuple[list[CallEntry], dict[str, int]]:
     """Staged calls and ledger failures of a rollout, interleaved by seq."""
+    # A debugging view shows everything: open, poisoned and orphaned alike, and each call's
+    # digest check is its own line in the call view (and --verify), so no read-time check here.
     records = _read(
-        f"rollout {rollout_id!r}", lambda: store.calls(rollout_id, include_orphaned=True)
+        f"rollout {rollout_id!r}",
+        lambda: store.calls(
+            rollout_id,
+            include_orphaned=True,
+            include_open=True,
+            include_poisoned=True,
+            verify=False,
+        ),
     )
     orphaned = store.source.orphaned()
     fulls: dict[str, array[int]] = {}
@@ -263,15 +272,23 @@ def _trajectory(store: Store, rollout_id: str) -> TrajectorySummary | Trajectory
     # The trajectory builder is the trainer's view; if it fails on this store, inspect still
     # shows everything else and says why the trajectory is missing.
     try:
-        t = store.trajectory(rollout_id)
+        t = store.trajectory(rollout_id, include_open=True, include_poisoned=True, verify=False)
     except Exception as e:
         return {"ok": False, "note": f"trajectory unavailable: {type(e).__name__}: {e}"}
     d = t.to_dict()
     return {
         "ok": True,
+        "state": d["state"],
+        "poisoned": d["poisoned"],
+        "n_failures": d["n_failures"],
+        "not_staged": d["not_staged"],
         "tokens": len(t),
         "trained_tokens": sum(t.loss_mask),
         "segments": d["segments"],
+        "breaks": [
+            {"call_id": b["call_id"], "position": b["position"], "reason": b["reason"]}
+            for b in d["breaks"]
+        ],
         "drift": d["drift"],
         "apart": d["apart"],
         "retries_skipped": d["retries_skipped"],

@@ -7,18 +7,23 @@ Per call, a row holds the call's identity and lineage, its versions, the full pr
 completion token ids (``list<int32>``), the completion logprobs (``list<float32>``), its digests
 and the request / response as JSON text. Per trajectory, a row holds a rollout's linearized
 episode (`capture_proxy.read.trajectory`): token ids, loss mask, logprobs, per-token call index and
-weight version, and its segments and drift. Any Arrow tool reads the Parquet file (pyarrow,
+weight version, and its segments, breaks and drift. Every row says its rollout's `state`,
+whether it is `poisoned` and its `n_failures`. Any Arrow tool reads the Parquet file (pyarrow,
 DuckDB, Polars, Spark); ``duckdb.read_json`` reads the JSON Lines.
 
-Every record is verified against its digest while exporting (a mismatch stops the export), and
-the output appears only when complete: it is written to a temporary file and renamed.
-Orphaned records are left out, as the reader leaves them out.
+Like the reader's trainer-facing reads, the export leaves out open rollouts (not sealed yet) and
+poisoned ones (a call answered but not staged) unless asked for them (``include_open``,
+``include_poisoned``), and says which it left out (`ExportSummary.left_out`). Every record is
+verified against its digest while exporting (a mismatch stops the export; ``verify=False`` skips
+the check), and the output appears only when complete: it is written to a temporary file and
+renamed. Orphaned records are left out, as the reader leaves them out.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import sys
 from array import array
@@ -29,12 +34,12 @@ import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ..schemas.digest import verify_record
 from ..schemas.records import StagedCallRecord
 from .reader import Store, open_store
+from .status import RolloutExcluded, RolloutStatus, check_included
 from .trajectory import Trajectory, trajectory_from_records
 
-__all__ = ["CALL_SCHEMA", "TRAJECTORY_SCHEMA", "export_store"]
+__all__ = ["CALL_SCHEMA", "TRAJECTORY_SCHEMA", "ExportSummary", "export_store"]
 
 _LITTLE = sys.byteorder == "little"
 _json = pa.string()
@@ -42,6 +47,9 @@ _json = pa.string()
 CALL_SCHEMA = pa.schema(
     [
         ("rollout_id", pa.string()),
+        ("state", pa.string()),
+        ("poisoned", pa.bool_()),
+        ("n_failures", pa.int32()),
         ("call_id", pa.string()),
         ("seq", pa.int64()),
         ("parent_call_id", pa.string()),
@@ -77,9 +85,21 @@ _DRIFT = pa.struct(
         ("prompt_len", pa.int64()),
     ]
 )
+_BREAK = pa.struct([("call_id", pa.string()), ("position", pa.int64()), ("reason", pa.string())])
+_NOT_STAGED = pa.struct(
+    [
+        ("seq", pa.int64()),
+        ("call_id", pa.string()),
+        ("status", pa.string()),
+        ("reason", pa.string()),
+    ]
+)
 TRAJECTORY_SCHEMA = pa.schema(
     [
         ("rollout_id", pa.string()),
+        ("state", pa.string()),
+        ("poisoned", pa.bool_()),
+        ("n_failures", pa.int32()),
         ("token_ids", pa.list_(pa.int32())),
         ("loss_mask", pa.list_(pa.int8())),
         ("logprobs", pa.list_(pa.float32())),
@@ -87,8 +107,11 @@ TRAJECTORY_SCHEMA = pa.schema(
         ("weight_versions", pa.list_(pa.int64())),
         ("n_segments", pa.int32()),
         ("n_drift", pa.int32()),
+        ("n_breaks", pa.int32()),
         ("segments", pa.list_(_SEGMENT)),
+        ("breaks", pa.list_(_BREAK)),
         ("drift", pa.list_(_DRIFT)),
+        ("not_staged", pa.list_(_NOT_STAGED)),
         ("calls", pa.list_(pa.string())),
         ("apart", pa.list_(pa.string())),
         ("retries_skipped", pa.list_(pa.string())),
@@ -118,9 +141,13 @@ def _dumps(value: Any) -> str:
     return orjson.dumps(value, option=orjson.OPT_SORT_KEYS).decode()
 
 
-def _call_columns(records: list[StagedCallRecord]) -> dict[str, Any]:
+def _call_columns(records: list[StagedCallRecord], status: RolloutStatus) -> dict[str, Any]:
+    n = len(records)
     return {
         "rollout_id": [r.rollout_id for r in records],
+        "state": [str(status.state)] * n,
+        "poisoned": [status.poisoned] * n,
+        "n_failures": [status.n_failures] * n,
         "call_id": [r.call_id for r in records],
         "seq": [r.seq for r in records],
         "parent_call_id": [r.parent_call_id for r in records],
@@ -147,6 +174,9 @@ def _call_columns(records: list[StagedCallRecord]) -> dict[str, Any]:
 def _trajectory_columns(trajs: list[Trajectory]) -> dict[str, Any]:
     return {
         "rollout_id": [t.rollout_id for t in trajs],
+        "state": [str(t.state) for t in trajs],
+        "poisoned": [t.poisoned for t in trajs],
+        "n_failures": [t.n_failures for t in trajs],
         "token_ids": [t.token_ids for t in trajs],
         "loss_mask": [t.loss_mask for t in trajs],
         "logprobs": [t.logprobs for t in trajs],
@@ -154,11 +184,17 @@ def _trajectory_columns(trajs: list[Trajectory]) -> dict[str, Any]:
         "weight_versions": [t.weight_versions for t in trajs],
         "n_segments": [len(t.segments) for t in trajs],
         "n_drift": [len(t.drift) for t in trajs],
+        "n_breaks": [len(t.breaks) for t in trajs],
         "segments": [
             [{"start": s.start, "end": s.end, "call_ids": list(s.call_ids)} for s in t.segments]
             for t in trajs
         ],
+        "breaks": [
+            [{"call_id": b.call_id, "position": b.position, "reason": b.reason} for b in t.breaks]
+            for t in trajs
+        ],
         "drift": [[dataclasses.asdict(d) for d in t.drift] for t in trajs],
+        "not_staged": [[dataclasses.asdict(n) for n in t.not_staged] for t in trajs],
         "calls": [t.calls for t in trajs],
         "apart": [t.apart for t in trajs],
         "retries_skipped": [t.retries_skipped for t in trajs],
@@ -186,21 +222,58 @@ def _jsonl_rows(columns: dict[str, Any]) -> Iterator[dict[str, Any]]:
         }
 
 
+@dataclasses.dataclass(slots=True)
+class ExportSummary:
+    """What `export_store` wrote, and which rollouts it left out and why."""
+
+    #: Rows written.
+    rows: int = 0
+    #: Rollouts exported.
+    rollouts: int = 0
+    #: Rollout ids left out, by why: ``"open"`` (not sealed; ``include_open``) and
+    #: ``"poisoned"`` (``include_poisoned``; a rollout both open and poisoned counts here).
+    #: Only rollouts with staged calls are listed (the others have nothing to export).
+    left_out: dict[str, list[str]] = dataclasses.field(
+        default_factory=lambda: {"open": [], "poisoned": []}
+    )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rows": self.rows, "rollouts": self.rollouts, "left_out": self.left_out}
+
+
 def _batches(
-    store: Store, per: str, verify: bool, include_untooled: bool
+    store: Store,
+    per: str,
+    *,
+    verify: bool,
+    include_untooled: bool,
+    include_open: bool,
+    include_poisoned: bool,
+    summary: ExportSummary,
 ) -> Iterator[dict[str, Any]]:
     """Columns for one rollout at a time (memory stays bounded by the largest rollout)."""
     for rollout_id in store.rollouts():
-        records = store.calls(rollout_id)
-        if verify:
-            for r in records:
-                verify_record(r)
+        status = store.status(rollout_id)
+        try:
+            check_included(
+                rollout_id, status, include_open=include_open, include_poisoned=include_poisoned
+            )
+        except RolloutExcluded as e:
+            if store.source.summaries(rollout_id):
+                why = "poisoned" if e.keyword == "include_poisoned" else "open"
+                summary.left_out[why].append(rollout_id)
+            continue
+        records = store.calls(rollout_id, include_open=True, include_poisoned=True, verify=verify)
         if per == "call":
             if records:
-                yield _call_columns(records)
+                summary.rollouts += 1
+                yield _call_columns(records, status)
         else:
-            traj = trajectory_from_records(rollout_id, records, include_untooled=include_untooled)
+            traj = trajectory_from_records(
+                rollout_id, records, include_untooled=include_untooled, status=status
+            )
             if traj.calls or traj.apart:
+                summary.rollouts += 1
                 yield _trajectory_columns([traj])
 
 
@@ -212,10 +285,14 @@ def export_store(
     per: Literal["call", "trajectory"] = "call",
     verify: bool = True,
     include_untooled: bool = False,
-) -> int:
-    """Write the store at `source_url` to the file `out`; return the number of rows written.
+    include_open: bool = False,
+    include_poisoned: bool = False,
+) -> ExportSummary:
+    """Write the store at `source_url` to the file `out`; say what was written and left out.
 
-    Raises `DigestMismatch` (and writes nothing) when a record does not verify.
+    Open and poisoned rollouts are left out unless `include_open` / `include_poisoned`.
+    Raises `DigestMismatch` (and writes nothing) when a record does not verify; ``verify=False``
+    skips the check.
     """
     if format not in ("parquet", "jsonl"):
         raise ValueError(f"format must be 'parquet' or 'jsonl', not {format!r}")
@@ -223,14 +300,23 @@ def export_store(
         raise ValueError(f"per must be 'call' or 'trajectory', not {per!r}")
     schema = CALL_SCHEMA if per == "call" else TRAJECTORY_SCHEMA
     tmp = f"{out}.{os.getpid()}.tmp"
-    rows = 0
+    summary = ExportSummary()
+    batches = functools.partial(
+        _batches,
+        per=per,
+        verify=verify,
+        include_untooled=include_untooled,
+        include_open=include_open,
+        include_poisoned=include_poisoned,
+        summary=summary,
+    )
     with open_store(source_url) as store:
         try:
             with open(tmp, "wb") as f:
                 write = _parquet_writer(f, schema) if format == "parquet" else _jsonl_writer(f)
                 with write as emit:
-                    for columns in _batches(store, per, verify, include_untooled):
-                        rows += emit(columns, schema)
+                    for columns in batches(store):
+                        summary.rows += emit(columns, schema)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, out)
@@ -238,7 +324,7 @@ def export_store(
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
             raise
-    return rows
+    return summary
 
 
 Emit = Callable[[dict[str, Any], pa.Schema], int]

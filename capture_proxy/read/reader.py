@@ -2,18 +2,23 @@
 
     >>> from capture_proxy import open_store
     >>> store = open_store("sqlite:///capture.db")
-    >>> for rollout_id in store.rollouts():
-    ...     traj = store.trajectory(rollout_id)          # token_ids, loss_mask, logprobs, ...
+    >>> for traj in store.iter_trajectories():           # sealed, not poisoned, verified
+    ...     traj.token_ids, traj.loss_mask, traj.logprobs
     >>> records = store.fetch(manifest_coords)           # verifies every digest; raises on mismatch
     >>> store.verify()                                   # raises on any corruption in the store
 
-Everything read through `fetch` and `verify` is checked against its digest; `calls` returns the
-records as stored (call `verify_record` on them, or use `fetch`, when integrity matters).
+The trainer-facing reads (`calls`, `trajectory`, `iter_trajectories`) take the same three
+keywords, with safe defaults: ``include_open=False`` (leave out rollouts not sealed yet),
+``include_poisoned=False`` (leave out rollouts with a call answered but not staged, see
+`capture_proxy.read.status`) and ``verify=True`` (recompute every record's digest on read;
+``verify=False`` skips it, for data already verified). The iterator skips what the filters leave
+out; `calls` and `trajectory`, asked for one rollout by name, raise `RolloutExcluded` naming
+the keyword to pass. `fetch` and `verify` always check digests.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -27,11 +32,12 @@ from ..schemas.digest import (
 from ..schemas.records import CommitCoords, LedgerEntry, RolloutInfo, StagedCallRecord
 from ..sinks.base import StagingSource
 from ..sinks.registry import open_source
+from .status import RolloutExcluded, RolloutStatus, check_included, rollout_status
 
 if TYPE_CHECKING:
     from .trajectory import Trajectory
 
-__all__ = ["Problem", "Store", "StoreCorrupted", "open_store"]
+__all__ = ["Problem", "RolloutExcluded", "Store", "StoreCorrupted", "open_store"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,9 +92,41 @@ class Store:
     def rollout_info(self, rollout_id: str) -> RolloutInfo:
         return self.source.rollout_info(rollout_id)
 
-    def calls(self, rollout_id: str, *, include_orphaned: bool = False) -> list[StagedCallRecord]:
-        """The rollout's staged records in sequence order (failures are not records)."""
-        return self.source.calls(rollout_id, include_orphaned=include_orphaned)
+    def status(self, rollout_id: str) -> RolloutStatus:
+        """The rollout's state, whether it is poisoned and its not-staged calls (KeyError if
+        unknown)."""
+        return rollout_status(self.source, rollout_id)
+
+    def calls(
+        self,
+        rollout_id: str,
+        *,
+        include_orphaned: bool = False,
+        include_open: bool = False,
+        include_poisoned: bool = False,
+        verify: bool = True,
+    ) -> list[StagedCallRecord]:
+        """The rollout's staged records in sequence order (failures are not records).
+
+        Raises `RolloutExcluded` for an open rollout unless `include_open`, for a poisoned one
+        unless `include_poisoned`, KeyError for an unknown one, and `DigestMismatch` when a
+        record does not verify (unless ``verify=False``). `include_orphaned` adds records
+        marked orphaned (they poison their rollout, so it needs `include_poisoned` too).
+        """
+        check_included(
+            rollout_id,
+            self.status(rollout_id),
+            include_open=include_open,
+            include_poisoned=include_poisoned,
+        )
+        records = self.source.calls(rollout_id, include_orphaned=include_orphaned)
+        if verify:
+            self._verify(records)
+        return records
+
+    def _verify(self, records: Iterable[StagedCallRecord]) -> None:
+        for record in records:
+            verify_record(record, digester=self._digester, encoder=self._encoder)
 
     def failures(self, rollout_id: str) -> list[LedgerEntry]:
         """What was not staged in the rollout, and why."""
@@ -164,11 +202,69 @@ class Store:
         if found:
             raise StoreCorrupted(found)
 
-    def trajectory(self, rollout_id: str, **options: Any) -> Trajectory:
-        """The rollout as one training episode; see `capture_proxy.read.trajectory.Trajectory`."""
-        from .trajectory import build_trajectory
+    def trajectory(
+        self,
+        rollout_id: str,
+        *,
+        include_untooled: bool = False,
+        include_open: bool = False,
+        include_poisoned: bool = False,
+        verify: bool = True,
+    ) -> Trajectory:
+        """The rollout as one training episode; see `capture_proxy.read.trajectory.Trajectory`.
 
-        return build_trajectory(self.source, rollout_id, **options)
+        Raises like `calls`: `RolloutExcluded` for an open or poisoned rollout not asked for,
+        KeyError for an unknown one, `DigestMismatch` for a record that does not verify.
+        """
+        status = self.status(rollout_id)
+        check_included(
+            rollout_id, status, include_open=include_open, include_poisoned=include_poisoned
+        )
+        return self._trajectory(rollout_id, status, include_untooled, verify)
+
+    def _trajectory(
+        self, rollout_id: str, status: RolloutStatus, include_untooled: bool, verify: bool
+    ) -> Trajectory:
+        from .trajectory import trajectory_from_records
+
+        records = self.source.calls(rollout_id)
+        if verify:
+            self._verify(records)
+        return trajectory_from_records(
+            rollout_id, records, include_untooled=include_untooled, status=status
+        )
+
+    def iter_trajectories(
+        self,
+        *,
+        include_untooled: bool = False,
+        include_open: bool = False,
+        include_poisoned: bool = False,
+        verify: bool = True,
+        skipped: dict[str, list[str]] | None = None,
+    ) -> Iterator[Trajectory]:
+        """Every rollout's trajectory, oldest rollout first, one rollout in memory at a time.
+
+        Open rollouts (unless `include_open`) and poisoned ones (unless `include_poisoned`) are
+        left out; pass a dict as `skipped` to learn which: it gets ``"open"`` and
+        ``"poisoned"`` lists of rollout ids (a rollout both open and poisoned is counted as
+        poisoned). Rollouts without any staged call yield nothing. Raises `DigestMismatch` when
+        a record does not verify (unless ``verify=False``).
+        """
+        for rollout_id in self.rollouts():
+            status = self.status(rollout_id)
+            try:
+                check_included(
+                    rollout_id, status, include_open=include_open, include_poisoned=include_poisoned
+                )
+            except RolloutExcluded as e:
+                if skipped is not None:
+                    why = "poisoned" if e.keyword == "include_poisoned" else "open"
+                    skipped.setdefault(why, []).append(rollout_id)
+                continue
+            traj = self._trajectory(rollout_id, status, include_untooled, verify)
+            if traj.calls or traj.apart:
+                yield traj
 
 
 def open_store(url: str) -> Store:

@@ -5,6 +5,7 @@
     >>> traj.segments                                      # where drift forced a new sequence
     >>> traj.drift                                         # which call drifted, where, by how much
     >>> traj.breaks                                        # every segment break, with its reason
+    >>> traj.poisoned, traj.state, traj.not_staged         # what the store could not capture
 
 The walk (docs/trajectories.md has a worked example): take the rollout's staged calls in
 sequence order, keep only the latest attempt of each retried call, and keep calls without tools
@@ -15,6 +16,9 @@ prompt tokens are appended with mask 0 and its completion with mask 1; or it has
 chat template re-rendered history differently, the agent edited its context, tool arguments
 were re-serialized): the drift is reported and the call opens a new segment with its whole
 prompt (mask 0). Nothing is spliced: every segment is a sequence the model actually saw.
+A call that follows an answered-but-not-staged call (`capture_proxy.read.status`) also opens a
+new segment (a ``not_staged`` break): its prompt holds what the policy generated in that call,
+which must not read as prompt tokens of a sequence the policy generated.
 """
 
 from __future__ import annotations
@@ -23,13 +27,15 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..schemas.records import StagedCallRecord
+from ..schemas.records import RolloutState, StagedCallRecord
 from ..schemas.tokens import common_prefix_len, full_sequence
 from ..sinks.base import StagingSource
+from .status import UNKNOWN, NotStaged, RolloutStatus, rollout_status
 
 __all__ = [
     "Break",
     "Drift",
+    "NotStaged",
     "Segment",
     "Trajectory",
     "build_trajectory",
@@ -69,15 +75,17 @@ class Break:
 
     `position` is the index in `Trajectory.token_ids` where the new segment starts, opened by
     call `call_id`. `reason` says why: ``"drift"`` (the call's prompt did not extend the running
-    sequence; `detail` is its `Drift`). Other reasons (``not_staged``, ``history_edited``,
-    ``tools_changed``, ``replica_moved``) come with the features that produce them; a trainer
-    should treat an unknown reason as a break like any other.
+    sequence; `detail` is its `Drift`) or ``"not_staged"`` (an answered call before it was not
+    staged, so its prompt holds tokens the policy generated that the store has no record of;
+    `detail` is that call's `NotStaged`). Other reasons (``history_edited``, ``tools_changed``,
+    ``replica_moved``) come with the features that produce them; a trainer should treat an
+    unknown reason as a break like any other.
     """
 
     call_id: str
     position: int
     reason: str
-    detail: Drift | None = None
+    detail: Drift | NotStaged | None = None
 
 
 @dataclass(slots=True)
@@ -85,6 +93,13 @@ class Trajectory:
     """One rollout as training data; every per-token array has ``len(token_ids)`` entries."""
 
     rollout_id: str
+    #: ``open`` or ``sealed`` (`RolloutState`): an open rollout may still get calls.
+    state: RolloutState = RolloutState.OPEN
+    #: A call was answered but not staged (`not_staged` entries whose `poisons` is true): the
+    #: store misses tokens the policy generated in this rollout.
+    poisoned: bool = False
+    #: Calls of the rollout that were not staged, in sequence order, poisoning or not.
+    not_staged: list[NotStaged] = field(default_factory=list)
     #: The linearized token ids (int32): segment after segment.
     token_ids: array[int] = field(default_factory=lambda: array("i"))
     #: 1 on tokens the policy generated (train on them), 0 on prompt tokens.
@@ -113,10 +128,19 @@ class Trajectory:
     def __len__(self) -> int:
         return len(self.token_ids)
 
+    @property
+    def n_failures(self) -> int:
+        """How many calls of the rollout were not staged (``len(not_staged)``)."""
+        return len(self.not_staged)
+
     def to_dict(self) -> dict[str, Any]:
         """Plain lists and dicts (JSON-ready)."""
         return {
             "rollout_id": self.rollout_id,
+            "state": str(self.state),
+            "poisoned": self.poisoned,
+            "n_failures": self.n_failures,
+            "not_staged": [_not_staged_dict(n) for n in self.not_staged],
             "token_ids": self.token_ids.tolist(),
             "loss_mask": self.loss_mask.tolist(),
             "logprobs": self.logprobs.tolist(),
@@ -132,7 +156,7 @@ class Trajectory:
                     "call_id": b.call_id,
                     "position": b.position,
                     "reason": b.reason,
-                    "detail": None if b.detail is None else _drift_dict(b.detail),
+                    "detail": _detail_dict(b.detail),
                 }
                 for b in self.breaks
             ],
@@ -141,6 +165,16 @@ class Trajectory:
             "apart": list(self.apart),
             "retries_skipped": list(self.retries_skipped),
         }
+
+
+def _detail_dict(detail: Drift | NotStaged | None) -> dict[str, Any] | None:
+    if isinstance(detail, Drift):
+        return _drift_dict(detail)
+    return None if detail is None else _not_staged_dict(detail)
+
+
+def _not_staged_dict(n: NotStaged) -> dict[str, Any]:
+    return {"seq": n.seq, "call_id": n.call_id, "status": n.status, "reason": n.reason}
 
 
 def _drift_dict(d: Drift) -> dict[str, Any]:
@@ -189,20 +223,34 @@ def build_trajectory(
 
     `include_untooled` walks calls without tools like the others instead of listing them in
     `Trajectory.apart`. Orphaned records (staged after their caller gave up) are not used.
+    The records are not verified here: `Store.trajectory` verifies them by default.
     """
-    if rollout_id not in source.rollouts():
-        raise KeyError(rollout_id)
+    status = rollout_status(source, rollout_id)
     return trajectory_from_records(
-        rollout_id, source.calls(rollout_id), include_untooled=include_untooled
+        rollout_id, source.calls(rollout_id), include_untooled=include_untooled, status=status
     )
 
 
 def trajectory_from_records(
-    rollout_id: str, records: list[StagedCallRecord], *, include_untooled: bool = False
+    rollout_id: str,
+    records: list[StagedCallRecord],
+    *,
+    include_untooled: bool = False,
+    status: RolloutStatus = UNKNOWN,
 ) -> Trajectory:
-    """`build_trajectory` over records already read (the rollout's, in sequence order)."""
+    """`build_trajectory` over records already read (the rollout's, in sequence order).
+
+    `status` is the rollout's state and not-staged calls (`rollout_status`); without it the
+    trajectory is marked open, with no call known to be missing.
+    """
     kept, skipped = _latest_attempts(records)
-    traj = Trajectory(rollout_id, retries_skipped=skipped)
+    traj = Trajectory(
+        rollout_id,
+        state=status.state,
+        poisoned=status.poisoned,
+        not_staged=list(status.not_staged),
+        retries_skipped=skipped,
+    )
     # Keep untooled calls apart only when there is a tooled main line to keep them apart from.
     if not include_untooled and any(map(has_tools, kept)):
         traj.apart = [r.call_id for r in kept if not has_tools(r)]
@@ -225,18 +273,31 @@ def _linearize(traj: Trajectory, records: list[StagedCallRecord]) -> None:
     # so "extends the running sequence" is a prefix test against tokens[seg_start:].
     running = array("i")
     prev: StagedCallRecord | None = None
+    answered_lost = [n for n in traj.not_staged if n.poisons]
     for i, r in enumerate(records):
         prompt, completion = r.prompt_token_ids, r.completion_token_ids
         shared = common_prefix_len(running, prompt) if prev is not None else 0
-        if prev is not None and shared == len(running):
+        # The last answered-but-not-staged call between this call and the one before it: its
+        # answer is likely in this prompt's new tokens, and nothing says which ones.
+        lost = (
+            next((n for n in reversed(answered_lost) if prev.seq < n.seq < r.seq), None)
+            if prev is not None and len(prompt) > len(running)
+            else None
+        )
+        if prev is not None and shared == len(running) and lost is None:
             new_prompt = prompt[shared:]
             new_versions: array[int] = _zeros("q", len(new_prompt))
             new_engine: list[str | None] = [None] * len(new_prompt)
         else:
-            if prev is not None:
+            if prev is not None and shared < len(running):
+                # Drift first: the drifted call re-states its whole prompt either way, and the
+                # not-staged call stays listed in `not_staged`.
                 drift = Drift(r.call_id, prev.call_id, shared, len(running), len(prompt))
                 traj.drift.append(drift)
                 traj.breaks.append(Break(r.call_id, len(tokens), "drift", drift))
+            elif prev is not None:
+                traj.breaks.append(Break(r.call_id, len(tokens), "not_staged", lost))
+            if prev is not None:
                 traj.segments.append(Segment(seg_start, len(tokens), tuple(seg_calls)))
             # A new segment re-states the whole prompt. Its shared prefix was produced by
             # earlier calls: those tokens keep their weight versions; the rest are 0 (None).

@@ -147,7 +147,7 @@ class Story:
 
     def calls(self, rollout: str) -> list[StagedCallRecord]:
         with open_store(self.store_url) as store:
-            return store.calls(rollout)
+            return store.calls(rollout, include_open=True, include_poisoned=True)
 
     def copy(self, tmp_path: Path) -> Story:
         target = tmp_path / "copy.db"

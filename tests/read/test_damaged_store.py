@@ -20,7 +20,7 @@ async def test_missing_blob_is_damage_not_an_unknown_rollout(make_proxy: Any, ca
         conn.execute("DELETE FROM blobs WHERE rowid = (SELECT min(rowid) FROM blobs)")
     with open_store(p.store_url) as store:
         with pytest.raises(ValueError, match="blob is missing"):
-            store.calls("a")
+            store.calls("a", include_open=True)
         with pytest.raises(StoreCorrupted, match="blob is missing"):
             store.verify()
     assert main(["inspect", p.store_url, "--rollout", "a"]) == 2

@@ -68,6 +68,11 @@ async def fill(sink: StagingSink, *, turns: int = 4) -> list[StagedCallRecord]:
     return staged
 
 
+async def seal(sink: StagingSink, *rollout_ids: str) -> None:
+    for rollout_id in rollout_ids:
+        await sink.put_rollout(RolloutInfo(rollout_id, RolloutState.SEALED, False, 1, 2))
+
+
 def listing(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir())
 
@@ -83,6 +88,7 @@ async def store(
         url = f"sqlite:///{tmp_path / 'capture.db'}"
         sink = SQLiteSink(str(tmp_path / "capture.db"))
     staged = await fill(sink)
+    await seal(sink, "ra", "rb")
     await sink.close()
     return url, staged
 
@@ -99,7 +105,7 @@ async def test_per_call_parquet_read_by_pyarrow_and_duckdb(
 ) -> None:
     url, staged = store
     out = tmp_path / "calls.parquet"
-    assert export_store(url, str(out), format="parquet", per="call") == len(staged)
+    assert export_store(url, str(out), format="parquet", per="call").rows == len(staged)
     table = pq.read_table(out)
     assert table.schema.field("prompt_token_ids").type.value_type == "int32"
     assert table.schema.field("completion_logprobs").type.value_type == "float"
@@ -133,7 +139,7 @@ async def test_per_call_parquet_read_by_pyarrow_and_duckdb(
 async def test_per_call_jsonl(store: tuple[str, list[StagedCallRecord]], tmp_path: Path) -> None:
     url, staged = store
     out = tmp_path / "calls.jsonl"
-    assert export_store(url, str(out), format="jsonl", per="call") == len(staged)
+    assert export_store(url, str(out), format="jsonl", per="call").rows == len(staged)
     lines = [json.loads(x) for x in out.read_bytes().splitlines()]
     by_id = {r.call_id: r for r in staged}
     for line in lines:
@@ -154,7 +160,8 @@ async def test_per_trajectory(
 ) -> None:
     url, _ = store
     out = tmp_path / f"traj.{fmt}"
-    assert export_store(url, str(out), format=fmt, per="trajectory") == 2  # type: ignore[arg-type]
+    done = export_store(url, str(out), format=fmt, per="trajectory")  # type: ignore[arg-type]
+    assert (done.rows, done.rollouts) == (2, 2)
     if fmt == "parquet":
         rows = pq.read_table(out).to_pylist()
         q = f"read_parquet('{out}')"
@@ -172,6 +179,11 @@ async def test_per_trajectory(
             assert (row["n_segments"], row["n_drift"]) == (len(traj.segments), len(traj.drift))
             assert row["calls"] == traj.calls
             assert row["apart"] == traj.apart
+            # rb's upstream_error is a failure, not poison.
+            assert (row["state"], row["poisoned"]) == ("sealed", False)
+            assert row["n_failures"] == (1 if row["rollout_id"] == "rb" else 0)
+            assert row["n_breaks"] == len(traj.breaks)
+            assert [b["reason"] for b in row["breaks"]] == [b.reason for b in traj.breaks]
     summary = dict(
         duckdb.execute(f"SELECT rollout_id, n_drift FROM {q} ORDER BY rollout_id").fetchall()
     )
@@ -183,6 +195,7 @@ async def test_per_trajectory(
 async def test_tampered_store_exports_nothing(tmp_path: Path) -> None:
     case = ParquetCase(tmp_path)
     staged = await fill(case.sink, turns=2)
+    await seal(case.sink, "ra", "rb")
     await case.sink.close()
     case.tamper(staged[-1].call_id, "tokens")
     out = tmp_path / "out.parquet"
@@ -202,8 +215,18 @@ async def test_orphans_are_not_exported(tmp_path: Path) -> None:
     await sink.mark_orphaned(drop.call_id, "stage_timeout")
     await sink.close()
     out = tmp_path / "o.jsonl"
-    assert export_store(str(tmp_path / "ds"), str(out), format="jsonl", per="call") == 1
-    assert json.loads(out.read_bytes())["call_id"] == keep.call_id
+    done = export_store(
+        str(tmp_path / "ds"),
+        str(out),
+        format="jsonl",
+        per="call",
+        include_open=True,
+        include_poisoned=True,
+    )
+    assert done.rows == 1
+    row = json.loads(out.read_bytes())
+    assert row["call_id"] == keep.call_id
+    assert (row["poisoned"], row["state"], row["n_failures"]) == (True, "open", 1)
 
 
 # -- compaction -----------------------------------------------------------------------------------
@@ -223,7 +246,9 @@ def snapshot(ds: Path) -> dict[str, Any]:
         "info": [source.rollout_info(r) for r in rollouts],
         "failures": [source.failures(r) for r in rollouts],
         "orphaned": source.orphaned(),
-        "trajectories": [s.trajectory(r).to_dict() for r in rollouts],
+        "trajectories": [
+            s.trajectory(r, include_open=True, include_poisoned=True).to_dict() for r in rollouts
+        ],
         "problems": s.problems(),
     }
 

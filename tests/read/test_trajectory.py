@@ -222,7 +222,7 @@ async def test_same_trajectory_from_a_parquet_store(tmp_path: Path) -> None:
     for r in records:
         await sink.stage(r)
     await sink.close()
-    from_parquet = Store(ParquetSource(str(tmp_path / "ds"))).trajectory("r")
+    from_parquet = Store(ParquetSource(str(tmp_path / "ds"))).trajectory("r", include_open=True)
     from_memory = build_trajectory(await memory_with(*records), "r")
     assert from_parquet.to_dict() == from_memory.to_dict()
     assert from_parquet.drift == [Drift("c3", "c2", 3, 6, 4)]

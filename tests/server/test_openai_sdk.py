@@ -95,7 +95,7 @@ async def test_sdk_retry_after_a_5xx_is_counted_once(make_proxy: Any) -> None:
     assert failure.http_status == 503
     assert record.retry_of == failure.call_id  # linked to the attempt it repeats
     with open_store(p.store_url) as store:
-        traj = store.trajectory("sdk")
+        traj = store.trajectory("sdk", include_open=True)
     assert traj.calls == [record.call_id]
     assert sum(traj.loss_mask) == len(record.completion_token_ids)
 
@@ -111,7 +111,7 @@ async def test_sdk_retry_of_a_staged_call_keeps_the_latest(make_proxy: Any) -> N
     first, second = p.calls("sdk")
     assert second.retry_of == first.call_id
     with open_store(p.store_url) as store:
-        traj = store.trajectory("sdk")
+        traj = store.trajectory("sdk", include_open=True)
     assert traj.calls == [second.call_id]
     assert traj.retries_skipped == [first.call_id]
     assert sum(traj.loss_mask) == len(second.completion_token_ids)

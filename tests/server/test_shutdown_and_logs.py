@@ -80,7 +80,7 @@ async def test_sigterm_lets_an_open_stream_finish_and_stage(tmp_path: Path) -> N
             await proc.wait()
         await upstream.close()
     with open_store(f"sqlite:///{tmp_path / 'c.db'}") as store:
-        (record,) = store.calls("ep")
+        (record,) = store.calls("ep", include_open=True)
         store.verify()
     assert record.call_id == call_id
 
@@ -153,6 +153,6 @@ async def test_calls_cut_by_the_shutdown_deadline_are_recorded_as_such(tmp_path:
         await upstream.close()
     with open_store(f"sqlite:///{tmp_path / 'c.db'}") as store:
         (entry,) = store.failures("ep")
-        assert store.calls("ep") == []
+        assert store.calls("ep", include_open=True) == []
     assert entry.status == "aborted"
     assert entry.reason == "shutdown"

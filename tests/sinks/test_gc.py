@@ -55,7 +55,7 @@ async def test_gc_removes_old_sealed_rollouts_only(make_proxy: Any, capsys: Any)
         assert sorted(store.rollouts()) == ["open", "recent"]
         store.verify()  # no torn record, no orphan attachment, shared blobs intact
         for rollout in ("open", "recent"):
-            (record,) = store.calls(rollout)
+            (record,) = store.calls(rollout, include_open=True)
             assert record.request["messages"][0] == SYSTEM
             assert len(record.attachments) == 1
     # The proxy keeps working on the same store.

@@ -97,7 +97,9 @@ def _read_back(url: str, rollouts: list[str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     with open_store(url) as store:
         for r in rollouts:
-            records = store.calls(r, include_orphaned=True)
+            records = store.calls(
+                r, include_orphaned=True, include_open=True, include_poisoned=True
+            )
             out[r] = (
                 store.rollout_info(r),
                 store.failures(r),
@@ -115,7 +117,7 @@ def _read_back(url: str, rollouts: list[str]) -> dict[str, Any]:
                     for x in records
                 ],
                 store.coords([x.call_id for x in records]),
-                store.trajectory(r).to_dict(),
+                store.trajectory(r, include_open=True, include_poisoned=True).to_dict(),
             )
     return out
 
@@ -157,7 +159,7 @@ async def test_gc_removes_old_sealed_rollouts_only(
         assert store.rollouts() == kept
         store.verify()  # no torn record, no orphan attachment, shared blobs intact
         for rollout in kept:
-            (record,) = store.calls(rollout)
+            (record,) = store.calls(rollout, include_open=True)
             assert record.request["messages"][0] == SYSTEM
             assert [a.sha256 for a in record.attachments] == [SHARED_SHA]
         assert store.failures("old") == []
@@ -175,7 +177,7 @@ async def test_gc_removes_old_sealed_rollouts_only(
     await p2.sink.close()
     with open_store(s.url) as store:
         store.verify()
-        (record,) = store.calls("later")
+        (record,) = store.calls("later", include_open=True)
         assert [a.sha256 for a in record.attachments] == [SHARED_SHA, OLD_SHA]
 
 

@@ -119,7 +119,7 @@ async def test_a_plugin_kind_is_opened_by_url_everywhere(tape: TapeKind, tmp_pat
 
     # A trainer reads it back by URL.
     with open_store("tape://run") as reader:
-        [record] = reader.calls("r1")
+        [record] = reader.calls("r1", include_open=True)
         reader.verify()
     assert record.rollout_id == "r1"
     assert open_source("tape://run") is sink

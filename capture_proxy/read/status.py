@@ -1,0 +1,127 @@
+"""What a rollout is, beyond its records: open or sealed, its calls that were not staged, poisoned.
+
+A rollout is *poisoned* when a call was answered but not staged: the client got tokens the store
+does not hold (``capture_failed``; an ``orphaned`` record, whose write landed after the proxy had
+given up on it; later ``lost_in_crash``). Its trajectory then misses what the policy generated
+in that call, and the next calls' prompts hold those tokens as if they were context. Calls that
+were not answered (``upstream_error``, ``rejected``, ``aborted``) are failures too, counted in
+`RolloutStatus.n_failures`, but the episode the store holds is still the one the model saw: they
+do not poison.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import CaptureProxyError
+from ..schemas.records import CallStatus, RolloutState
+from ..sinks.base import StagingSource
+
+__all__ = [
+    "POISONING",
+    "NotStaged",
+    "RolloutExcluded",
+    "RolloutStatus",
+    "check_included",
+    "rollout_status",
+]
+
+#: Not-staged statuses that poison a rollout: the client was answered, the store has no record.
+POISONING = frozenset({CallStatus.CAPTURE_FAILED.value, "orphaned", "lost_in_crash"})
+
+
+@dataclass(frozen=True, slots=True)
+class NotStaged:
+    """A call of the rollout the store holds no usable record of.
+
+    `status` is the ledger's (``capture_failed``, ``upstream_error``, ``rejected``,
+    ``aborted``) or ``orphaned`` for a record marked orphaned without a ledger entry; `reason`
+    is the ledger's machine-readable reason (``orphaned`` for the latter).
+    """
+
+    seq: int
+    call_id: str
+    status: str
+    reason: str
+
+    @property
+    def poisons(self) -> bool:
+        """True when the client was answered: the rollout misses tokens the policy generated."""
+        return self.status in POISONING
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutStatus:
+    """A rollout's state (open/sealed), whether it is poisoned, and its not-staged calls."""
+
+    state: RolloutState
+    poisoned: bool
+    not_staged: tuple[NotStaged, ...] = ()
+
+    @property
+    def n_failures(self) -> int:
+        """Calls of the rollout that were not staged, poisoning or not."""
+        return len(self.not_staged)
+
+
+#: What a trajectory built without the store's ledger says: not known to be sealed.
+UNKNOWN = RolloutStatus(RolloutState.OPEN, False)
+
+
+def rollout_status(source: StagingSource, rollout_id: str) -> RolloutStatus:
+    """Read the rollout's header, ledger and orphan marks. KeyError for an unknown rollout."""
+    if rollout_id not in source.rollouts():
+        raise KeyError(rollout_id)
+    try:
+        info = source.rollout_info(rollout_id)
+        state, header_poisoned = info.state, info.poisoned
+    except KeyError:  # calls without a header (a store written before headers): not sealed
+        state, header_poisoned = RolloutState.OPEN, False
+    entries = [
+        NotStaged(f.seq, f.call_id, f.status.value, f.reason) for f in source.failures(rollout_id)
+    ]
+    # A record that landed after its caller gave up is usually in the ledger as well (the
+    # caller saw capture_failed): one call, listed once.
+    listed = {e.call_id for e in entries}
+    entries.extend(
+        NotStaged(s.seq, s.call_id, "orphaned", "orphaned")
+        for s in source.summaries(rollout_id)
+        if s.orphaned and s.call_id not in listed
+    )
+    entries.sort(key=lambda e: e.seq)
+    poisoned = header_poisoned or any(e.poisons for e in entries)
+    return RolloutStatus(state, poisoned, tuple(entries))
+
+
+class RolloutExcluded(CaptureProxyError):
+    """A rollout named in a trainer-facing read is open or poisoned, and the read did not ask
+    for such rollouts (``include_open=True`` / ``include_poisoned=True``, named in the message
+    and in `keyword`)."""
+
+    def __init__(self, rollout_id: str, message: str, keyword: str) -> None:
+        super().__init__(message)
+        self.rollout_id = rollout_id
+        self.keyword = keyword
+
+
+def check_included(
+    rollout_id: str, status: RolloutStatus, *, include_open: bool, include_poisoned: bool
+) -> None:
+    """Raise `RolloutExcluded` when the filters leave the rollout out."""
+    if status.poisoned and not include_poisoned:
+        bad = [e for e in status.not_staged if e.poisons]
+        what = ", ".join(f"{e.call_id} (seq {e.seq}) {e.status}: {e.reason}" for e in bad[:3])
+        raise RolloutExcluded(
+            rollout_id,
+            f"rollout {rollout_id!r} is poisoned (answered but not staged: "
+            f"{what or 'flagged in its header'}): pass include_poisoned=True to read it anyway",
+            "include_poisoned",
+        )
+    if status.state is not RolloutState.SEALED and not include_open:
+        raise RolloutExcluded(
+            rollout_id,
+            f"rollout {rollout_id!r} is open (not sealed: calls may still be added): pass "
+            "include_open=True to read it anyway, or seal it first (the control API, or "
+            "`capture-proxy seal STORE ROLLOUT` offline)",
+            "include_open",
+        )
