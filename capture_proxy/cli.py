@@ -222,7 +222,13 @@ async def _seal(args: argparse.Namespace) -> int:
     def read_infos() -> list[RolloutInfo]:
         source = open_source(args.store)  # a missing store is an error (a writer would make one)
         try:
-            return [source.rollout_info(r) for r in args.rollouts]  # KeyError names a missing one
+            known = set(source.rollouts())
+            missing = [r for r in args.rollouts if r not in known]
+            if missing:
+                raise StoreError(
+                    f"no rollout {', '.join(map(repr, missing))} in {args.store}: nothing sealed"
+                )
+            return [source.rollout_info(r) for r in args.rollouts]
         finally:
             source.close_reader()
 
