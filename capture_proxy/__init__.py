@@ -40,6 +40,8 @@ _EXPORTS = {
     "RecordValidationError": "capture_proxy.schemas.records",
     "RequestPolicy": "capture_proxy.core.policy",
     "RequestValidationError": "capture_proxy.schemas.request",
+    "NotStaged": "capture_proxy.read.status",
+    "RolloutExcluded": "capture_proxy.read.status",
     "RolloutInfo": "capture_proxy.schemas.records",
     "RolloutState": "capture_proxy.schemas.records",
     "Segment": "capture_proxy.read.trajectory",
@@ -83,12 +85,14 @@ __all__ = [
     "HTTPUpstream",
     "LedgerEntry",
     "MemorySink",
+    "NotStaged",
     "PolicyError",
     "PreparedCall",
     "ProxyError",
     "RecordValidationError",
     "RequestPolicy",
     "RequestValidationError",
+    "RolloutExcluded",
     "RolloutInfo",
     "RolloutState",
     "Segment",
@@ -118,6 +122,7 @@ if TYPE_CHECKING:
     from .errors import CaptureProxyError, ProxyError
     from .library import CaptureClient, ChatResult, PreparedCall
     from .read.reader import Store, StoreCorrupted, open_store
+    from .read.status import NotStaged, RolloutExcluded
     from .read.trajectory import Drift, Segment, Trajectory
     from .schemas.digest import DigestMismatch, EncodingError
     from .schemas.records import (
