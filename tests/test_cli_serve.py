@@ -120,7 +120,7 @@ def test_serve_fake_stages_calls_and_stops_on_sigterm(tmp_path: Path) -> None:
         out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 0, out
     with open_store(f"sqlite:///{tmp_path / 'capture.db'}") as store:
-        (record,) = store.calls("demo")
+        (record,) = store.calls("demo", include_open=True, include_poisoned=True)
         store.verify()
     assert record.call_id == headers["X-Capture-Call-Id"]
 

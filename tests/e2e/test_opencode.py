@@ -153,7 +153,7 @@ async def test_opencode_session_is_captured_exactly(tmp_path: Path, control: Any
             assert [r.call_id for r in records] == [c["call_id"] for c in calls]
             assert [r.digest for r in records] == [c["coords"]["digest"] for c in calls]
             assert store.failures("oc-image-tool") == []
-            traj = store.trajectory("oc-image-tool")
+            traj = store.trajectory("oc-image-tool", include_open=True)
             store.verify()
         title, first, second = records
         assert_staged_as_produced(records, fake)
@@ -241,7 +241,7 @@ async def test_opencode_hangs_up_on_a_slow_title_call_which_is_recorded_aborted(
             assert failure.call_id == title_call["call_id"]
             assert failure.status is CallStatus.ABORTED
             records = store.fetch([c["coords"] for c in agent_calls])
-            traj = store.trajectory("oc-slow-title")
+            traj = store.trajectory("oc-slow-title", include_open=True)
             store.verify()
         assert_staged_as_produced(records, fake)
         assert traj.apart == []

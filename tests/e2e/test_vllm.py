@@ -202,7 +202,7 @@ async def test_multi_turn_through_the_proxy_stages_vllms_own_ids(
                 r.prompt_token_ids for r in (r1, r2, r3)
             ]
             assert store.failures(rollout) == []
-            traj = store.trajectory(rollout)
+            traj = store.trajectory(rollout, include_open=True)
             store.verify()
         generated = sum(len(r.completion_token_ids) for r in (r1, r2, r3))
         assert sum(traj.loss_mask) == generated

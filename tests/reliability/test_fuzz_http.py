@@ -83,7 +83,12 @@ def check_ledger(live: Live) -> None:
     """Every call answered with a call id is in the store: staged ones as records, the others
     (rejected before forwarding, or an upstream error) in the rollout's ledger."""
     with open_store(live.proxy.store_url) as store:
-        staged = {r.call_id for r in store.calls(ROLLOUT, include_orphaned=True)}
+        staged = {
+            r.call_id
+            for r in store.calls(
+                ROLLOUT, include_orphaned=True, include_open=True, include_poisoned=True
+            )
+        }
         failed = {f.call_id: f.status for f in store.failures(ROLLOUT)}
     for call_id, status in live.sent.items():
         if status in ("staged", "pending"):
@@ -421,7 +426,9 @@ def test_dot_rollout_ids_are_opaque_names(live: Live) -> None:
         got[rollout] = headers["x-capture-call-id"]
     with open_store(live.proxy.store_url) as store:
         for rollout, call_id in got.items():
-            assert [r.call_id for r in store.calls(rollout)] == [call_id]
+            assert [
+                r.call_id for r in store.calls(rollout, include_open=True, include_poisoned=True)
+            ] == [call_id]
     assert sorted(p.name for p in live.folder.iterdir()) == before
 
 

@@ -48,7 +48,7 @@ def test_store_check_catches_a_lost_acknowledged_call(tmp_path: Path) -> None:
     url = crash_loop.store_url("sqlite", tmp_path)
     with open_store(url) as store:
         rollout = store.rollouts()[0]
-        real = store.calls(rollout)[0].call_id
+        real = store.calls(rollout, include_open=True, include_poisoned=True)[0].call_id
     with pytest.raises(crash_loop.Violation, match="missing"):
         crash_loop.check_store(url, {real: rollout, "01JZZZZZZZZZZZZZZZZZZZZZZZ": rollout})
     with pytest.raises(crash_loop.Violation, match="not its rollout"):

@@ -149,7 +149,7 @@ async def fault_then_recovery(p: Proxy, fault: Fault, policy: str) -> None:
 
     with open_store(p.store_url) as store:
         store.verify()
-        staged = [r.call_id for r in store.calls("r1")]
+        staged = [r.call_id for r in store.calls("r1", include_open=True, include_poisoned=True)]
         assert staged == [before["call_id"], after["call_id"]]
         ledger = [f for f in store.failures("r1") if f.status is CallStatus.CAPTURE_FAILED]
         assert {f.call_id for f in ledger} == set(failed)
@@ -455,8 +455,13 @@ async def test_staging_backlog_refuses_new_calls_with_retry_after(
     assert (await send(p, "the backlog has drained"))["status"] == "staged"
     with open_store(p.store_url) as store:
         store.verify()
-        assert len(store.calls("r1")) == 1  # the late writes are orphaned
-        assert len(store.calls("r1", include_orphaned=True)) == 3
+        assert (
+            len(store.calls("r1", include_open=True, include_poisoned=True)) == 1
+        )  # the late writes are orphaned
+        assert (
+            len(store.calls("r1", include_orphaned=True, include_open=True, include_poisoned=True))
+            == 3
+        )
         assert len(store.source.orphaned()) == 2
 
 
@@ -512,7 +517,7 @@ async def test_late_writes_at_shutdown_are_still_marked_orphaned(
     assert [f["status"] for f in failed] == ["capture_failed"] * 2
     await stop_proxy(p)  # a graceful stop while the writes are still on their way
     with open_store(p.store_url) as store:
-        assert store.calls("r1") == []
+        assert store.calls("r1", include_open=True, include_poisoned=True) == []
         assert {f["call_id"] for f in failed} <= store.source.orphaned()
 
 
@@ -534,7 +539,12 @@ async def test_client_gone_during_staging_still_gets_an_outcome(
     ).json()
     (entry,) = manifest["calls"]
     with open_store(p.store_url) as store:
-        landed = [r.call_id for r in store.calls("r1", include_orphaned=True)]
+        landed = [
+            r.call_id
+            for r in store.calls(
+                "r1", include_orphaned=True, include_open=True, include_poisoned=True
+            )
+        ]
     assert landed == [entry["call_id"]]
     assert entry["status"] != "pending", manifest
     counted = await metric(p, "staged", "ok") + await metric(p, "aborted", "client_disconnected")
