@@ -21,6 +21,7 @@ import orjson
 from ..schemas.records import Attachment, CallStatus, CommitCoords, RolloutState, StagedCallRecord
 from ..schemas.tokens import common_prefix_len, full_sequence
 from ..sinks.base import StagingSource
+from .weights import DECREASED_FROM
 
 #: Where a keyed rollout's key hash is kept in its stored metadata.
 KEY_HASH_FIELD = "capture_proxy_key_sha256"
@@ -61,11 +62,15 @@ class CallOutcome:
     http_status: int | None = None
     message: str | None = None
     retry_of: str | None = None
+    #: Stamped with a lower weight version than the rollout's previous call: that call's version.
+    weight_version_decreased_from: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"seq": self.seq, "call_id": self.call_id, "status": self.status}
         if self.retry_of:
             d["retry_of"] = self.retry_of
+        if self.weight_version_decreased_from is not None:
+            d["weight_version_decreased_from"] = self.weight_version_decreased_from
         if self.coords is not None:
             d["coords"] = self.coords.to_dict()
         if self.status not in (CallStatus.STAGED, "pending"):
@@ -99,6 +104,9 @@ class RolloutLive:
     calls_used: int = 0
     bytes_staged: int = 0
     bytes_reserved: int = 0
+    #: The weight version the rollout's last admitted call was stamped with (None: no call yet),
+    #: so a lower one is flagged; resumed from the last staged record.
+    last_weight_version: int | None = None
 
     def __post_init__(self) -> None:
         self.idle.set()
@@ -229,4 +237,10 @@ def resume_rollout(open_source: Callable[[], StagingSource], rollout_id: str) ->
     for start in range(0, len(keys), _USAGE_BATCH):
         batch = source.fetch(keys[start : start + _USAGE_BATCH])
         live.bytes_staged += sum(record_bytes(r) for r in batch)
+        for r in batch:  # the flag a record carries shows in its manifest line again
+            decreased = r.extras.get(DECREASED_FROM)
+            if isinstance(decreased, int):
+                live.outcomes[r.call_id].weight_version_decreased_from = decreased
+    if summaries:
+        live.last_weight_version = summaries[-1].weight_version
     return live
