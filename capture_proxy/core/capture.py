@@ -294,7 +294,8 @@ class Capture:
     def evict_idle(self, idle_s: float) -> list[str]:
         """Release rollouts with nothing in flight and no call for `idle_s` seconds; a later
         call resumes them from the store. Keeps memory bounded by live work, not by every
-        rollout ever seen (each holds up to 32 token sequences). Returns the ids released."""
+        rollout ever seen (each holds the index of its token sequences). Returns the ids
+        released."""
         if not self._store_caught_up():
             return []
         cutoff = time.monotonic() - idle_s
@@ -621,6 +622,7 @@ class Capture:
                 assert result.coords is not None
                 call.rollout.bytes_staged += call.record_bytes
                 call.rollout.add_lineage(
+                    call.seq,
                     call.call_id,
                     full_sequence(completion.prompt_token_ids, completion.completion_token_ids),
                     call.request_key,
