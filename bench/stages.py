@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import statistics
 import time
+from array import array
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -26,6 +27,7 @@ from workload import TURNS, build_workload, tag_request
 from capture_proxy.adapters.vllm import VLLMAdapter
 from capture_proxy.core.capture import Capture, sampling_of
 from capture_proxy.core.normalize import normalize_request
+from capture_proxy.schemas.tokens import full_sequence
 from capture_proxy.sinks.codec import encode_record
 from capture_proxy.sinks.memory import MemorySink
 
@@ -48,6 +50,7 @@ async def run(rounds: int) -> dict[str, float]:
     adapter = VLLMAdapter()
     capture = Capture(MemorySink())
     clock = Clock()
+    fulls: dict[str, array[int]] = {}
     for i in range(rounds):
         turn = i % TURNS
         rollout = f"r{i // TURNS}"
@@ -80,10 +83,14 @@ async def run(rounds: int) -> dict[str, float]:
                 tokenizer_fingerprint="sha256:x",
                 sampling=sampling_of(norm.body),
             )
-        parent = call.rollout.lineage[-1].full if call.rollout.lineage else None
+        parent = fulls.get(record.parent_call_id) if record.parent_call_id else None
         with clock("store: encode record (writer thread)"):
             encode_record(record, parent)
         await capture.complete_call(call, completion, model="policy")
+        # What the sink's cache of committed sequences holds for the next call's delta.
+        fulls[call.call_id] = full_sequence(
+            completion.prompt_token_ids, completion.completion_token_ids
+        )
     # The first session's turns warm caches up: leave them out.
     return {k: 1000 * statistics.median(v[TURNS:]) for k, v in clock.samples.items()}
 

@@ -50,6 +50,7 @@ from .rollouts import (
     resume_rollout,
 )
 from .staging import Stager
+from .weights import DECREASED_FROM, state_header, stored_weight_version
 
 __all__ = ["SAMPLING_KEYS", "Call", "CallReport", "Capture", "CompletionLike"]
 
@@ -128,6 +129,9 @@ class Call:
     upstream_seconds: float | None = None
     #: A large request (`Capture.begin_call_offloaded`): its record is sealed on a worker thread.
     offload: bool = False
+    #: The rollout's previous call was stamped with this higher weight version (a rollback):
+    #: recorded in the record's extras and the manifest, never refused.
+    weight_version_decreased_from: int | None = None
     #: Bytes reserved against the rollout's byte quota while in flight (the body's size), and
     #: what its record counts once built (`record_bytes`).
     reserved: int = 0
@@ -207,6 +211,33 @@ class Capture:
         #: Encodes the tool definitions every call of a session repeats once (same digests).
         self._request_values = RequestValueCache()
 
+    # -- weight version ------------------------------------------------------------------------
+
+    async def set_weight_version(self, version: int) -> None:
+        """Stamp later calls with `version`, once the store holds it (a restart restores it).
+
+        Raises `CaptureUnavailable` (503) when the store cannot take it; the version in use then
+        stays what it was, so no call is stamped with a version a restart would forget.
+        """
+        try:
+            await self.sink.put_rollout(state_header(version))
+        except Exception as exc:  # any sink failure: the driver must learn it was not applied
+            raise CaptureUnavailable(
+                f"the weight version {version} could not be stored ({exc}); calls are still "
+                f"stamped {self.weight_version}",
+                code="weight_version_not_stored",
+                headers={"Retry-After": "1"},
+            ) from exc
+        self.weight_version = version
+
+    async def restore_weight_version(self) -> int:
+        """Take up the weight version last set on the store (at start); returns the version."""
+        if self.source is not None:
+            stored = await asyncio.to_thread(stored_weight_version, self.source)
+            if stored is not None:
+                self.weight_version = stored
+        return self.weight_version
+
     # -- rollouts ------------------------------------------------------------------------------
 
     def rollout(self, rollout_id: str) -> RolloutLive | None:
@@ -263,7 +294,8 @@ class Capture:
     def evict_idle(self, idle_s: float) -> list[str]:
         """Release rollouts with nothing in flight and no call for `idle_s` seconds; a later
         call resumes them from the store. Keeps memory bounded by live work, not by every
-        rollout ever seen (each holds up to 32 token sequences). Returns the ids released."""
+        rollout ever seen (each holds the index of its token sequences). Returns the ids
+        released."""
         if not self._store_caught_up():
             return []
         cutoff = time.monotonic() - idle_s
@@ -446,6 +478,15 @@ class Capture:
         self.check_admission(live, size)
         if key is None:
             key = request_key(request)
+        previous, live.last_weight_version = live.last_weight_version, self.weight_version
+        decreased = previous if previous is not None and self.weight_version < previous else None
+        if decreased is not None:
+            log.warning(
+                "rollout %s: call stamped weight version %d after %d (flagged in its record)",
+                rollout_id,
+                self.weight_version,
+                decreased,
+            )
         call = Call(
             call_id=new_call_id(),
             rollout_id=rollout_id,
@@ -458,12 +499,17 @@ class Capture:
             admitted_ms=int(time.time() * 1000),
             rollout=live,
             reserved=size,
+            weight_version_decreased_from=decreased,
         )
         live.calls_used += 1
         live.bytes_reserved += size
         live.remember_request(key, call.call_id)
         live.outcomes[call.call_id] = CallOutcome(
-            call.seq, call.call_id, "pending", retry_of=call.retry_of
+            call.seq,
+            call.call_id,
+            "pending",
+            retry_of=call.retry_of,
+            weight_version_decreased_from=decreased,
         )
         live.enter()
         self.inflight += 1
@@ -511,6 +557,9 @@ class Capture:
         `logprobs_mode` is the upstream's, as far as the proxy knows it.
         """
         parent = call.rollout.choose_parent(completion.prompt_token_ids, call.request_key)
+        extras = completion.extras
+        if call.weight_version_decreased_from is not None:
+            extras = {**extras, DECREASED_FROM: call.weight_version_decreased_from}
         record = StagedCallRecord(
             rollout_id=call.rollout_id,
             call_id=call.call_id,
@@ -529,7 +578,7 @@ class Capture:
             upstream_version=upstream_version,
             tokenizer_fingerprint=tokenizer_fingerprint,
             sampling=dict(sampling),
-            extras=completion.extras,
+            extras=extras,
             logprobs_mode=logprobs_mode,
         )
         sealed = seal_record(record, attachments=call.attachments, encoder=self._request_values)
@@ -573,6 +622,7 @@ class Capture:
                 assert result.coords is not None
                 call.rollout.bytes_staged += call.record_bytes
                 call.rollout.add_lineage(
+                    call.seq,
                     call.call_id,
                     full_sequence(completion.prompt_token_ids, completion.completion_token_ids),
                     call.request_key,
@@ -583,6 +633,7 @@ class Capture:
                     CallStatus.STAGED,
                     coords=result.coords,
                     retry_of=call.retry_of,
+                    weight_version_decreased_from=call.weight_version_decreased_from,
                 )
                 done = time.perf_counter()
                 overhead = None

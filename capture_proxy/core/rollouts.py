@@ -19,8 +19,10 @@ from typing import Any
 import orjson
 
 from ..schemas.records import Attachment, CallStatus, CommitCoords, RolloutState, StagedCallRecord
-from ..schemas.tokens import common_prefix_len, full_sequence
+from ..schemas.tokens import full_sequence
 from ..sinks.base import StagingSource
+from .lineage import LineageIndex
+from .weights import DECREASED_FROM
 
 #: Where a keyed rollout's key hash is kept in its stored metadata.
 KEY_HASH_FIELD = "capture_proxy_key_sha256"
@@ -28,25 +30,16 @@ KEY_HASH_FIELD = "capture_proxy_key_sha256"
 __all__ = [
     "KEY_HASH_FIELD",
     "CallOutcome",
-    "LineageCandidate",
     "RolloutLive",
     "record_bytes",
     "request_key",
     "resume_rollout",
 ]
 
-#: How many staged calls per rollout are kept as parent candidates. An agent continues one of its
-#: last few calls; keeping all would hold every prompt of a long session in memory.
-LINEAGE_WINDOW = 32
+#: How many request keys per rollout are kept for retry detection (a retry repeats a recent call).
+REQUESTS_KEPT = 128
 #: Records decoded at a time when a resumed rollout's staged bytes are counted.
 _USAGE_BATCH = 64
-
-
-@dataclass(slots=True)
-class LineageCandidate:
-    call_id: str
-    full: array[int]  # prompt + completion
-    request_key: bytes
 
 
 @dataclass(slots=True)
@@ -61,11 +54,15 @@ class CallOutcome:
     http_status: int | None = None
     message: str | None = None
     retry_of: str | None = None
+    #: Stamped with a lower weight version than the rollout's previous call: that call's version.
+    weight_version_decreased_from: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"seq": self.seq, "call_id": self.call_id, "status": self.status}
         if self.retry_of:
             d["retry_of"] = self.retry_of
+        if self.weight_version_decreased_from is not None:
+            d["weight_version_decreased_from"] = self.weight_version_decreased_from
         if self.coords is not None:
             d["coords"] = self.coords.to_dict()
         if self.status not in (CallStatus.STAGED, "pending"):
@@ -89,7 +86,8 @@ class RolloutLive:
     #: time.monotonic() of the last admitted call: idle rollouts leave memory (resumed if seen).
     last_active: float = 0.0
     idle: asyncio.Event = field(default_factory=asyncio.Event)
-    lineage: list[LineageCandidate] = field(default_factory=list)
+    #: Every staged call of the rollout, for the parent search (`LineageIndex`).
+    lineage: LineageIndex = field(default_factory=LineageIndex)
     # request_key -> call ids with that exact normalized request (oldest first)
     requests: OrderedDict[bytes, str] = field(default_factory=OrderedDict)
     outcomes: dict[str, CallOutcome] = field(default_factory=dict)
@@ -99,6 +97,9 @@ class RolloutLive:
     calls_used: int = 0
     bytes_staged: int = 0
     bytes_reserved: int = 0
+    #: The weight version the rollout's last admitted call was stamped with (None: no call yet),
+    #: so a lower one is flagged; resumed from the last staged record.
+    last_weight_version: int | None = None
 
     def __post_init__(self) -> None:
         self.idle.set()
@@ -126,36 +127,20 @@ class RolloutLive:
     def remember_request(self, request_key: bytes, call_id: str) -> None:
         self.requests[request_key] = call_id
         self.requests.move_to_end(request_key)
-        while len(self.requests) > 4 * LINEAGE_WINDOW:
+        while len(self.requests) > REQUESTS_KEPT:
             self.requests.popitem(last=False)
 
     def choose_parent(self, prompt: array[int], request_key: bytes) -> str | None:
         """The staged call whose prompt + completion shares the longest prefix with `prompt`.
 
         Ties go to the latest call. Earlier attempts of the same request (retries) are not
-        candidates: a retry is their sibling, not their continuation.
+        candidates: a retry is their sibling, not their continuation. Every staged call of the
+        rollout is a candidate (`LineageIndex`), however long ago it was staged.
         """
-        best_id: str | None = None
-        best = 0
-        # Longest candidates first lets the search stop once no candidate can beat `best`.
-        ordered = sorted(
-            enumerate(self.lineage), key=lambda p: (len(p[1].full), p[0]), reverse=True
-        )
-        best_index = -1
-        for index, cand in ordered:
-            if len(cand.full) < best:
-                break
-            if cand.request_key == request_key:
-                continue
-            n = common_prefix_len(cand.full, prompt)
-            if n > best or (n == best and n > 0 and index > best_index):
-                best, best_id, best_index = n, cand.call_id, index
-        return best_id
+        return self.lineage.choose(prompt, request_key)
 
-    def add_lineage(self, call_id: str, full: array[int], request_key: bytes) -> None:
-        self.lineage.append(LineageCandidate(call_id, full, request_key))
-        if len(self.lineage) > LINEAGE_WINDOW:
-            del self.lineage[0]
+    def add_lineage(self, seq: int, call_id: str, full: array[int], request_key: bytes) -> None:
+        self.lineage.add(seq, call_id, full, request_key)
 
 
 def record_bytes(record: StagedCallRecord, attachments: Iterable[Attachment] = ()) -> int:
@@ -182,9 +167,9 @@ def request_key(request: Mapping[str, Any]) -> bytes:
 def resume_rollout(open_source: Callable[[], StagingSource], rollout_id: str) -> RolloutLive | None:
     """The rollout as the store has it (None if the store does not know it). Blocking I/O.
 
-    Reads the cheap per-call summaries for sequence numbers and the manifest, and decodes only
-    the last `LINEAGE_WINDOW` records (the parent and retry candidates), so resuming a long
-    rollout costs about as much as a short one.
+    Reads the per-call summaries for sequence numbers and the manifest, then decodes the
+    staged records in batches, once: for the quota's byte count, the parent search's index and
+    the retry candidates. O(rollout) per resume, on a worker thread.
     """
     source = open_source()
     try:
@@ -194,7 +179,6 @@ def resume_rollout(open_source: Callable[[], StagingSource], rollout_id: str) ->
     summaries = source.summaries(rollout_id)
     keys = [s.call_id for s in summaries]
     coords = source.coords(keys)
-    recent = source.fetch([s.call_id for s in summaries if not s.orphaned][-LINEAGE_WINDOW:])
     failures = source.failures(rollout_id)
     live = RolloutLive(
         rollout_id,
@@ -209,10 +193,6 @@ def resume_rollout(open_source: Callable[[], StagingSource], rollout_id: str) ->
         live.outcomes[summary.call_id] = CallOutcome(
             summary.seq, summary.call_id, CallStatus.STAGED, coords=c, retry_of=summary.retry_of
         )
-    for r in recent:
-        key = request_key(r.request)
-        live.remember_request(key, r.call_id)
-        live.add_lineage(r.call_id, full_sequence(r.prompt_token_ids, r.completion_token_ids), key)
     for f in failures:
         live.outcomes[f.call_id] = CallOutcome(
             f.seq,
@@ -224,9 +204,23 @@ def resume_rollout(open_source: Callable[[], StagingSource], rollout_id: str) ->
         )
     live.next_seq = 1 + max((o.seq for o in live.outcomes.values()), default=-1)
     # Quota usage is derived from what the rollout staged, never reset by a restart. Counting
-    # the bytes decodes every record (in batches, on this worker thread): O(rollout) per resume.
+    # the bytes decodes every record (in batches, on this worker thread): O(rollout) per resume;
+    # the same pass rebuilds the parent search's index (orphaned records are no parents).
     live.calls_used = len(summaries) + sum(1 for f in failures if f.status != CallStatus.REJECTED)
+    orphaned = {s.call_id for s in summaries if s.orphaned}
     for start in range(0, len(keys), _USAGE_BATCH):
         batch = source.fetch(keys[start : start + _USAGE_BATCH])
         live.bytes_staged += sum(record_bytes(r) for r in batch)
+        for r in batch:
+            if r.call_id not in orphaned:
+                key = request_key(r.request)
+                live.remember_request(key, r.call_id)
+                full = full_sequence(r.prompt_token_ids, r.completion_token_ids)
+                live.add_lineage(r.seq, r.call_id, full, key)
+            # The flag a record carries shows in its manifest line again.
+            decreased = r.extras.get(DECREASED_FROM)
+            if isinstance(decreased, int):
+                live.outcomes[r.call_id].weight_version_decreased_from = decreased
+    if summaries:
+        live.last_weight_version = summaries[-1].weight_version
     return live

@@ -398,6 +398,9 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     journal = journal_path(state.sink.url)
     if journal is not None and await asyncio.to_thread(os.path.exists, journal):
         await _replay(state, journal)
+    version = await state.capture.restore_weight_version()
+    if version:
+        log.info("weight version %d, as last set on the store", version)
     guards = asyncio.create_task(_guards(state, s.store))
     try:
         yield

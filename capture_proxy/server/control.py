@@ -157,7 +157,7 @@ async def seal(request: web.Request) -> web.Response:
 async def put_weight_version(request: web.Request) -> web.Response:
     state = _authorize(request)
     body = read_body(await request.read(), WeightVersion)
-    state.capture.weight_version = body.weight_version
+    await state.capture.set_weight_version(body.weight_version)
     return _json({"weight_version": body.weight_version})
 
 

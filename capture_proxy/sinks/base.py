@@ -32,6 +32,7 @@ from ..schemas.records import (
 )
 
 __all__ = [
+    "PROXY_STATE_ROLLOUT",
     "CompactStats",
     "DuplicateSeq",
     "FaultHook",
@@ -42,6 +43,13 @@ __all__ = [
     "StoreFormatError",
     "UnsupportedStoreOperation",
 ]
+
+#: The id of the rollout header that holds the proxy's own state (today: the driver's weight
+#: version, in its metadata), written with `StagingSink.put_rollout` like any rollout header, so
+#: every store kind keeps it without a table or file of its own. Sources leave it out of
+#: `StagingSource.rollouts()`. The ``/`` keeps it apart from every rollout a client can name
+#: (rollout ids are ``[A-Za-z0-9._:-]``).
+PROXY_STATE_ROLLOUT = "capture-proxy/state"
 
 #: Test hook: sinks call it with a point name (``"after_record"``, ``"after_attachments"``)
 #: inside their write; raising there must leave nothing of the call behind.
@@ -172,7 +180,7 @@ class StagingSource(Protocol):
     url: str
 
     def rollouts(self) -> list[str]:
-        """Rollout ids, oldest first."""
+        """Rollout ids, oldest first (without `PROXY_STATE_ROLLOUT`)."""
         ...
 
     def rollout_info(self, rollout_id: str) -> RolloutInfo:

@@ -24,7 +24,7 @@ from ..schemas.records import (
     StageResult,
 )
 from ..schemas.tokens import common_prefix_len, full_sequence
-from .base import DuplicateSeq, FaultHook
+from .base import PROXY_STATE_ROLLOUT, DuplicateSeq, FaultHook
 
 __all__ = ["MemorySink"]
 
@@ -145,7 +145,7 @@ class MemorySink:
     # -- StagingSource -----------------------------------------------------------------------
 
     def rollouts(self) -> list[str]:
-        return list(self._rollouts)
+        return [r for r in self._rollouts if r != PROXY_STATE_ROLLOUT]
 
     def rollout_info(self, rollout_id: str) -> RolloutInfo:
         info = self._rollouts[rollout_id]

@@ -265,13 +265,13 @@ def test_unknown_upstream_fields_pass_through_untouched() -> None:
 def test_routed_experts_and_media_spans_go_to_extras() -> None:
     response = json.loads(CHAT)
     response["choices"][0]["routed_experts"] = "k05VTVBZAQB2AHsnZGVzY3InOiAn"
-    response["choices"][0]["media_spans"] = [[3, 10]]
+    response["choices"][0]["media_spans"] = [{"start": 3, "end": 10}]
     completion, body = parse(response)
     assert completion.extras["routed_experts"] == "k05VTVBZAQB2AHsnZGVzY3InOiAn"
-    assert completion.extras["media_spans"] == [[3, 10]]
+    assert completion.extras["media_spans"] == [{"start": 3, "end": 10}]
     choice = orjson.loads(body)["choices"][0]
     assert "routed_experts" not in choice
-    assert choice["media_spans"] == [[3, 10]]
+    assert choice["media_spans"] == [{"start": 3, "end": 10}]
 
 
 def test_old_vllm_reasoning_content_and_stop_reason() -> None:
@@ -319,6 +319,24 @@ def test_missing_prompt_ids() -> None:
     response = json.loads(CHAT)
     del response["prompt_token_ids"]
     assert "prompt_token_ids" in extraction_error(response, "missing_token_ids").message
+
+
+@pytest.mark.parametrize(
+    ("spans", "where"),
+    [
+        ("3-10", "a list of objects, got a string"),
+        (7, "a list of objects, got a number"),
+        ({"start": 3}, "a list of objects, got an object"),
+        ([[3, 10]], "media_spans[0] must be an object, got an array"),
+        ([{"start": 3, "end": 10}, 4], "media_spans[1] must be an object, got a number"),
+    ],
+)
+def test_media_spans_that_are_not_a_list_of_objects_are_not_staged(spans: Any, where: str) -> None:
+    for at_top in (False, True):
+        response = json.loads(CHAT)
+        (response if at_top else response["choices"][0])["media_spans"] = spans
+        error = extraction_error(response, "invalid_media_spans")
+        assert where in error.message
 
 
 def test_missing_logprobs() -> None:

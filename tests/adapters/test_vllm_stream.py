@@ -378,6 +378,19 @@ def test_multiple_choices_and_oversized_ids() -> None:
     extraction_error(payloads, "routed_experts_split")
 
 
+def test_media_spans_must_be_a_list_of_objects() -> None:
+    for spans in ("3-10", 7, [[3, 10]], [{"start": 3, "end": 10}, "x"]):
+        payloads = chunks(CHAT_SSE)
+        payloads[-3]["choices"][0]["media_spans"] = spans
+        assert "media_spans" in extraction_error(payloads, "invalid_media_spans").message
+    payloads = chunks(CHAT_SSE)
+    payloads[0]["media_spans"] = "3-10"  # at the top level of a chunk too
+    extraction_error(payloads, "invalid_media_spans")
+    payloads = chunks(CHAT_SSE)
+    payloads[-3]["choices"][0]["media_spans"] = [{"start": 3, "end": 10}]
+    assert finish(sse(payloads)).extras["media_spans"] == [{"start": 3, "end": 10}]
+
+
 # --- chunk boundaries never matter ---------------------------------------------------------
 
 

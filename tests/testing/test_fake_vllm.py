@@ -20,7 +20,16 @@ from aiohttp.test_utils import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from capture_proxy.testing.fake_vllm import FakeToolCall, FakeVLLM, Fault, Turn, serve_fake
+from capture_proxy.testing.fake_vllm import (
+    FakeToolCall,
+    FakeVLLM,
+    Fault,
+    Turn,
+    experts_for,
+    read_experts,
+    serve_fake,
+)
+from capture_proxy.testing.fake_vllm._experts import LAYERS, TOP_K
 from capture_proxy.testing.fake_vllm._template import decode, encode
 from tests import support
 
@@ -883,3 +892,37 @@ def test_module_runs_standalone() -> None:
     )
     assert "--port" in out.stdout
     assert "--model" in out.stdout
+
+
+# -- routed experts (--enable-return-routed-experts) ------------------------------------------
+
+
+async def test_routed_experts_cover_prompt_and_output_from_the_start_asked(serve: Serve) -> None:
+    _, client = await serve(routed_experts=True)
+    body = {"model": "policy", "messages": [{"role": "user", "content": "hi"}]}
+    full = await chat(client, {**body, "return_token_ids": True})
+    ids = full["prompt_token_ids"] + full["choices"][0]["token_ids"]
+    shape, values = read_experts(full["choices"][0]["routed_experts"])
+    assert shape == (len(ids), LAYERS, TOP_K)
+    assert values == experts_for(ids)
+    # From a start on: only the positions after it, the same values there.
+    start = len(full["prompt_token_ids"]) - 3
+    delta = await chat(client, {**body, "routed_experts_prompt_start": start})
+    shape, values = read_experts(delta["choices"][0]["routed_experts"])
+    assert shape == (len(ids) - start, LAYERS, TOP_K)
+    assert values == experts_for(ids, start)
+    # Streamed: on the finish chunk, the same string.
+    chunks = await chat_stream(client, {**body, "routed_experts_prompt_start": start})
+    carried = [
+        c["choices"][0]["routed_experts"]
+        for c in chunks
+        if "routed_experts" in c.get("choices", [{}])[0]
+    ]
+    assert carried == [delta["choices"][0]["routed_experts"]]
+    assert chunks[-1]["choices"][0]["finish_reason"] is not None
+
+
+async def test_routed_experts_are_null_unless_the_server_returns_them(serve: Serve) -> None:
+    _, client = await serve()
+    got = await chat(client, {"model": "policy", "messages": [{"role": "user", "content": "hi"}]})
+    assert got["choices"][0]["routed_experts"] is None

@@ -36,8 +36,8 @@ class CaptureExtractionError(CaptureProxyError):
 
     `reason` is a stable slug for metrics and the ledger: ``missing_token_ids``,
     ``missing_logprobs``, ``missing_usage``, ``token_count_mismatch``, ``multiple_choices``,
-    ``invalid_token_ids``, ``routed_experts_split``. `client_body` is set by
-    `VLLMAdapter.parse_response`: the body to send the client anyway (policy ``poison``).
+    ``invalid_token_ids``, ``routed_experts_split``, ``invalid_media_spans``. `client_body` is
+    set by `VLLMAdapter.parse_response`: the body to send the client anyway (policy ``poison``).
     """
 
     def __init__(self, reason: str, message: str, *, client_body: bytes | None = None) -> None:
@@ -332,8 +332,42 @@ def make_extras(
     if routed_experts is not None:
         extras["routed_experts"] = routed_experts
     if media_spans is not None:
+        check_media_spans(media_spans)
         extras["media_spans"] = media_spans
     return extras
+
+
+def check_media_spans(media_spans: Any) -> None:
+    """Refuse ``media_spans`` that are not a list of JSON objects (`CaptureExtractionError`).
+
+    A trainer maps each span onto the prompt's tokens; a string, a number or a list that mixes
+    objects with other values cannot say where an image sits, so staging it would hand the
+    trainer a record it cannot use while looking complete.
+    """
+    if not isinstance(media_spans, list):
+        raise CaptureExtractionError(
+            "invalid_media_spans",
+            f"media_spans must be a list of objects, got {_json_type(media_spans)}",
+        )
+    for i, span in enumerate(media_spans):
+        if not isinstance(span, dict):
+            raise CaptureExtractionError(
+                "invalid_media_spans",
+                f"media_spans[{i}] must be an object, got {_json_type(span)}",
+            )
+
+
+def _json_type(value: Any) -> str:
+    """The JSON name of a decoded value's type, as the upstream wrote it."""
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    return "an object" if isinstance(value, dict) else "null"
 
 
 def parse_error_body(raw: bytes, status: int) -> dict[str, Any]:

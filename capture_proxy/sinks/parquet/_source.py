@@ -26,7 +26,7 @@ from ...schemas.records import (
     RolloutInfo,
     StagedCallRecord,
 )
-from ..base import StoreError
+from ..base import PROXY_STATE_ROLLOUT, StoreError
 from ..codec import decode_row
 from ._fs import DatasetFS
 from ._index import LRU, CallRef, Index, Known, Where, ids_from_bytes
@@ -268,7 +268,7 @@ class ParquetSource:
 
     def rollouts(self) -> list[str]:
         def run() -> list[str]:
-            ids = list(self._index.ledger.rollouts)
+            ids = [r for r in self._index.ledger.rollouts if r != PROXY_STATE_ROLLOUT]
             seen = set(ids)
             return ids + [r for r in self._index.by_rollout if r not in seen]
 

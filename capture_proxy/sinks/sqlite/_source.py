@@ -23,7 +23,7 @@ from ...schemas.records import (
     RolloutState,
     StagedCallRecord,
 )
-from ..base import StoreError, StoreFormatError
+from ..base import PROXY_STATE_ROLLOUT, StoreError, StoreFormatError
 from ..codec import decode_row
 from ._schema import (
     FORMAT_VERSION,
@@ -144,9 +144,11 @@ class SQLiteSource:
 
     def rollouts(self) -> list[str]:
         with self._read() as c:
-            return [
-                r[0] for r in c.execute("SELECT id FROM rollouts ORDER BY created_at_ms, rowid")
-            ]
+            rows = c.execute(
+                "SELECT id FROM rollouts WHERE id != ? ORDER BY created_at_ms, rowid",
+                (PROXY_STATE_ROLLOUT,),
+            )
+            return [r[0] for r in rows]
 
     def rollout_info(self, rollout_id: str) -> RolloutInfo:
         with self._read() as c:

@@ -17,13 +17,16 @@ from ._app import (
     main,
     serve_fake,
 )
+from ._experts import experts_for, read_experts
 
 __all__ = [
     "FakeToolCall",
     "FakeVLLM",
     "Fault",
     "Turn",
+    "experts_for",
     "main",
+    "read_experts",
     "serve_fake",
 ]
 

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ._experts import encode_experts, experts_for
 from ._faults import FaultKind
 from ._generation import (
     Plan,
@@ -68,6 +69,8 @@ class Answer:
     extra_usage: int = 0
     stream: bool = False
     fault: str | None = None
+    #: ``routed_experts`` (base64 ``.npy``) when the fake returns them, else None.
+    experts: str | None = None
 
     @property
     def ids(self) -> list[int]:
@@ -113,8 +116,14 @@ def answer_for(
     version: str,
     seed: int,
     new_id: Callable[[str], str],
+    routed_experts: bool = False,
 ) -> Answer:
-    """Generate ``turn`` (at most ``limit`` tokens) as the request ``body`` asks for it."""
+    """Generate ``turn`` (at most ``limit`` tokens) as the request ``body`` asks for it.
+
+    With `routed_experts` (a server started with ``--enable-return-routed-experts``), the answer
+    carries the experts of the prompt and output positions from the request's
+    ``routed_experts_prompt_start`` (default 0) on (`_experts`).
+    """
     kwargs = body.get("chat_template_kwargs")
     plan = plan_answer(
         turn,
@@ -131,6 +140,11 @@ def answer_for(
     options = body.get("stream_options")
     fault = turn.fault
     kind = fault.kind if fault is not None else None
+    experts = None
+    if routed_experts:
+        start = body.get("routed_experts_prompt_start")
+        start = start if type(start) is int else 0
+        experts = encode_experts(experts_for([*prompt_ids, *plan.ids[:n]], start))
     return Answer(
         call_id=new_id("chatcmpl-"),
         created=int(time.time()),
@@ -155,6 +169,7 @@ def answer_for(
         extra_usage=1 if kind is FaultKind.USAGE_MISMATCH else 0,
         stream=stream,
         fault=kind.value if kind is not None else None,
+        experts=experts,
     )
 
 
@@ -180,7 +195,7 @@ def completion_body(a: Answer) -> dict[str, Any]:
         "finish_reason": a.plan.finish(a.n),
         "stop_reason": None,
         "token_ids": token_ids,
-        "routed_experts": None,
+        "routed_experts": a.experts,
     }
     return {
         "id": a.call_id,
@@ -230,10 +245,16 @@ def stream_events(a: Answer) -> Iterator[bytes]:
             [token] if send_ids else None,
             finish_reason=finish if last else None,
             fingerprint=fingerprint if last else None,
+            routed_experts=a.experts if last else None,
         )
     if not ids:
         yield writer.token(
-            {}, None, [] if send_ids else None, finish_reason=finish, fingerprint=fingerprint
+            {},
+            None,
+            [] if send_ids else None,
+            finish_reason=finish,
+            fingerprint=fingerprint,
+            routed_experts=a.experts,
         )
     if a.include_usage:
         yield writer.usage(a._usage(stream=True), a.fingerprint)

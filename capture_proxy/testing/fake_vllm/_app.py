@@ -67,7 +67,9 @@ class FakeVLLM:
     ``version`` decides which replayed reasoning keys are read (0.16–0.21: only ``reasoning``)
     and the output key. ``latency`` delays every answer's first byte, ``chunk_delay`` each further
     stream event. ``reparse_tool_arguments`` renders replayed tool arguments re-serialized (as real
-    vLLM + Qwen3 does) instead of verbatim.
+    vLLM + Qwen3 does) instead of verbatim. ``routed_experts`` answers as a server started with
+    ``--enable-return-routed-experts`` does: every choice carries ``routed_experts``, honouring
+    the request's ``routed_experts_prompt_start`` (the values: `_experts.experts_for`).
     """
 
     def __init__(
@@ -82,6 +84,7 @@ class FakeVLLM:
         script: Callable[[dict[str, Any]], Turn] | None = None,
         api_key: str | None = None,
         reparse_tool_arguments: bool = False,
+        routed_experts: bool = False,
     ) -> None:
         self.model = model
         self.version = version
@@ -92,6 +95,7 @@ class FakeVLLM:
         self.script = script
         self.api_key = api_key
         self.reparse_tool_arguments = reparse_tool_arguments
+        self.routed_experts = routed_experts
         self.requests: list[dict[str, Any]] = []
         self.request_headers: list[dict[str, str]] = []
         self.responses: list[dict[str, Any]] = []
@@ -251,6 +255,7 @@ class FakeVLLM:
             version=self.version,
             seed=self.seed,
             new_id=lambda prefix: f"{prefix}{self._hex()}",
+            routed_experts=self.routed_experts,
         )
         self.responses.append(answer.record())
         if body.get("stream"):

@@ -163,8 +163,10 @@ class ChunkWriter:
         *,
         finish_reason: str | None = None,
         fingerprint: str | None = None,
+        routed_experts: str | None = None,
     ) -> bytes:
-        """One generated token's chunk; the last carries ``finish_reason`` and ``stop_reason``."""
+        """One generated token's chunk; the last carries ``finish_reason`` and ``stop_reason``
+        (and ``routed_experts`` when the fake returns them)."""
         choice: dict[str, Any] = {
             "index": 0,
             "delta": delta,
@@ -174,6 +176,8 @@ class ChunkWriter:
         if finish_reason is not None:
             choice["stop_reason"] = None
         choice["token_ids"] = token_ids
+        if routed_experts is not None:
+            choice["routed_experts"] = routed_experts
         chunk: dict[str, Any] = {**self._head, "choices": [choice]}
         if fingerprint is not None:
             chunk["system_fingerprint"] = fingerprint
