@@ -505,10 +505,12 @@ class Capture:
         tokenizer_fingerprint: str,
         sampling: Mapping[str, Any],
         logprobs_mode: str = LOGPROBS_MODE_UNKNOWN,
+        effective_sampling: Mapping[str, Any] | None = None,
     ) -> StagedCallRecord:
         """The sealed record for a completed call (raises RecordValidationError/EncodingError).
 
-        `logprobs_mode` is the upstream's, as far as the proxy knows it.
+        `logprobs_mode` is the upstream's, as far as the proxy knows it; `effective_sampling`
+        the sampling it applied after its own defaults (None: unknown).
         """
         parent = call.rollout.choose_parent(completion.prompt_token_ids, call.request_key)
         record = StagedCallRecord(
@@ -531,6 +533,9 @@ class Capture:
             sampling=dict(sampling),
             extras=completion.extras,
             logprobs_mode=logprobs_mode,
+            effective_sampling=(
+                dict(effective_sampling) if effective_sampling is not None else None
+            ),
         )
         sealed = seal_record(record, attachments=call.attachments, encoder=self._request_values)
         call.record_bytes = record_bytes(sealed, call.attachments.values())
@@ -546,6 +551,7 @@ class Capture:
         tokenizer_fingerprint: str = "",
         sampling: Mapping[str, Any] | None = None,
         logprobs_mode: str = LOGPROBS_MODE_UNKNOWN,
+        effective_sampling: Mapping[str, Any] | None = None,
     ) -> StageResult:
         """Build, seal and stage the call's record. Never raises for capture problems: a call that
         cannot be staged returns ``capture_failed`` and is in the ledger, its rollout poisoned.
@@ -562,6 +568,7 @@ class Capture:
                 tokenizer_fingerprint=tokenizer_fingerprint,
                 sampling=sampling if sampling is not None else sampling_of(call.request),
                 logprobs_mode=logprobs_mode,
+                effective_sampling=effective_sampling,
             )
             try:
                 record = await asyncio.to_thread(build) if call.offload else build()
