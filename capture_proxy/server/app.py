@@ -401,6 +401,17 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             logprobs_mode=s.upstream_logprobs_mode,
         ),
     )
+    if s.upstream_logprobs_mode != "processed_logprobs":
+        # Said at start, before any call: the effective sampling is known only once the upstream
+        # is reached (then /readyz names it, see Pipeline.check_logprobs_mode).
+        log.warning(
+            "upstream logprobs mode is %s (--upstream-logprobs-mode): when the effective "
+            "sampling changes the distribution (temperature != 1, top_p < 1, top_k > 0, "
+            "penalties, the model's own generation-config defaults included) the recorded "
+            "logprobs are not those of the distribution sampled from; for training start vLLM "
+            "with --logprobs-mode processed_logprobs and declare it here",
+            s.upstream_logprobs_mode,
+        )
     journal = journal_path(state.sink.url)
     if journal is not None and await asyncio.to_thread(os.path.exists, journal):
         await _replay(state, journal)
