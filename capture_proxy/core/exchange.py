@@ -39,7 +39,13 @@ from ..schemas.request import FreeJsonLimits, RequestValidationError, check_free
 from .capture import Call, Capture, sampling_of
 from .normalize import NormalizedRequest, normalize_request
 from .sampling import changes_distribution, effective_sampling
-from .transport import UpstreamInfo, UpstreamReply, UpstreamRestarted, UpstreamTransport
+from .transport import (
+    EngineWeights,
+    UpstreamInfo,
+    UpstreamReply,
+    UpstreamRestarted,
+    UpstreamTransport,
+)
 
 __all__ = ["Exchange", "ExchangeConfig", "Outcome", "Pipeline"]
 
@@ -435,6 +441,7 @@ class Exchange:
         if info.problems:
             # A fact is missing from this record ("" fingerprint or version): say why, on it.
             completion.extras["upstream_fact_problems"] = list(info.problems)
+        engine_version, weight_spans = await self._engine_weights(completion)
         sampling = sampling_of(self.request)
         effective = effective_sampling(sampling, info.sampling_defaults)
         if effective is not None:
@@ -450,6 +457,8 @@ class Exchange:
                 sampling=sampling,
                 logprobs_mode=self.pipeline.config.logprobs_mode,
                 effective_sampling=effective,
+                engine_weight_version=engine_version,
+                weight_spans=weight_spans,
             )
         )
         result: StageResult = await asyncio.shield(task)
@@ -467,6 +476,22 @@ class Exchange:
                 result,
             )
         )
+
+    async def _engine_weights(
+        self, completion: Completion
+    ) -> tuple[str | None, list[tuple[str, int, int]]]:
+        """The engine's weight version for the call and its span over the completion: known when
+        the version read before the call was planned equals one read after the answer (one
+        request, only when the upstream serves it), else ``(None, [])``: unknown."""
+        before = self.info.engine_weight_version
+        upstream = self.pipeline.upstream
+        if before is None or not isinstance(upstream, EngineWeights):
+            return None, []
+        after = await upstream.read_engine_weight_version()
+        if after != before:
+            return None, []
+        n = len(completion.completion_token_ids)
+        return before, [(before, 0, n)] if n else []
 
     async def _not_captured(self, e: CaptureExtractionError, client_body: bytes) -> Outcome:
         """The answer came, but carries no record (missing token ids, ...): capture_failed."""

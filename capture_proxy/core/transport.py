@@ -13,11 +13,17 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from ..errors import UpstreamFailed
 
-__all__ = ["UpstreamInfo", "UpstreamReply", "UpstreamRestarted", "UpstreamTransport"]
+__all__ = [
+    "EngineWeights",
+    "UpstreamInfo",
+    "UpstreamReply",
+    "UpstreamRestarted",
+    "UpstreamTransport",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +44,9 @@ class UpstreamInfo:
     #: Why a fact is missing (``/version`` or ``/tokenize`` failing), one sentence each; a record
     #: staged with a missing fact carries these in its extras (``upstream_fact_problems``).
     problems: tuple[str, ...] = ()
+    #: The engine's own weight version (vLLM's ``/weight_info``) as last read before the call
+    #: was planned; None when the upstream does not serve it.
+    engine_weight_version: str | None = None
 
 
 class UpstreamRestarted(UpstreamFailed):
@@ -88,4 +97,13 @@ class UpstreamTransport(Protocol):
 
     async def post_chat(self, body: bytes) -> UpstreamReply:
         """POST `body` to the chat route; the reply once its headers are in."""
+        ...
+
+
+@runtime_checkable
+class EngineWeights(Protocol):
+    """An upstream that can say which weights its engine holds (optional for a transport)."""
+
+    async def read_engine_weight_version(self) -> str | None:
+        """The engine's weight version now (one request), or None when it does not say."""
         ...

@@ -213,6 +213,11 @@ class HTTPUpstream:
         (cached per upstream process; see `capture_proxy.upstream.known`)."""
         return await self.known.info(model)
 
+    async def read_engine_weight_version(self) -> str | None:
+        """vLLM's own weight version now (``/weight_info``, served with
+        ``VLLM_SERVER_DEV_MODE=1``), or None when not served: one request when it is."""
+        return await self.known.read_engine_weight_version()
+
     def fact_problems(self) -> list[str]:
         """The facts about the upstream that are missing now, one sentence each."""
         return self.known.problems()

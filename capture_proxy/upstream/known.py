@@ -78,6 +78,11 @@ class Known:
         self._lock = asyncio.Lock()
         #: How many times a new connection's check found another process.
         self.restarts_seen = 0
+        #: The engine's weight version as last read (``/weight_info``), and whether the route
+        #: is served (None: not asked yet in this process).
+        self.engine_weight_version: str | None = None
+        self.engine_weights_served: bool | None = None
+        self._weights_asked_at = -RETRY_SECONDS
         #: How long a fact that could not be fetched is left unknown (`RETRY_SECONDS`).
         self.retry_seconds = RETRY_SECONDS
 
@@ -85,12 +90,40 @@ class Known:
         """Ask for every fact again: the upstream was unreachable (maybe restarted)."""
         self.version = None
         self.models.clear()
+        self._forget_weights()
+
+    def _forget_weights(self) -> None:
+        self.engine_weight_version = None
+        self.engine_weights_served = None
+        self._weights_asked_at = -RETRY_SECONDS - self.retry_seconds
+
+    async def read_engine_weight_version(self) -> str | None:
+        """The engine's weight version now (``GET /weight_info``, vLLM's dev-mode route), or None
+        when the route is not served (asked once per upstream process) or fails."""
+        if self.engine_weights_served is False:
+            return None
+        self._weights_asked_at = time.monotonic()
+        version: str | None = None
+        try:
+            status, raw = await self._fetch("GET", "/weight_info", None, self.timeout)
+            if status == 200:
+                got = orjson.loads(raw).get("weight_version")
+                version = str(got) if got is not None and got != "" else None
+            self.engine_weights_served = status != 404
+        except (UpstreamFailed, orjson.JSONDecodeError, AttributeError) as e:
+            log.warning("upstream /weight_info failed: %s: engine weight version unknown", e)
+        self.engine_weight_version = version
+        return version
 
     def _version_due(self, now: float) -> bool:
         if self.version is None:
             return True
         wait = self.retry_seconds if self.version_problem else REFRESH_SECONDS
         return now - self._version_at > wait
+
+    def _weights_due(self, now: float) -> bool:
+        served = self.engine_weights_served
+        return served is None and now - self._weights_asked_at > self.retry_seconds
 
     def _model_due(self, model: str, now: float) -> bool:
         facts = self.models.get(model)
@@ -103,11 +136,11 @@ class Known:
         """The facts for a call to `model`, fetching what is missing or due (one fetch at a time:
         the others wait for its answer)."""
         now = time.monotonic()
-        if self._version_due(now) or self._model_due(model, now):
+        if self._version_due(now) or self._model_due(model, now) or self._weights_due(now):
             async with self._lock:
                 now = time.monotonic()
                 want_version, want_model = self._version_due(now), self._model_due(model, now)
-                if want_version or want_model:
+                if want_version or want_model or self._weights_due(now):
                     version, facts = await self._fetch_all(model, want_version, want_model)
                     if version is not None:
                         self._keep_version(version)
@@ -132,6 +165,7 @@ class Known:
             facts.fingerprint if facts else "",
             facts.sampling_defaults if facts else None,
             problems,
+            self.engine_weight_version,
         )
 
     def _keep_version(self, version: tuple[str, str]) -> None:
@@ -180,6 +214,7 @@ class Known:
             self._keep_model(model, facts)
         if changed:
             self.restarts_seen += 1
+            self._forget_weights()  # they were the old process's
             log.warning("the upstream is a new process (%s): planning the call again", changed)
             raise UpstreamRestarted(f"the upstream changed under the call ({', '.join(changed)})")
 
@@ -194,13 +229,20 @@ class Known:
             jobs.append(self._fetch_version())
         if want_model:
             jobs += [self._fetch_fingerprint(model), self._fetch_defaults(model)]
+        if self._weights_due(time.monotonic()):
+            # Whether /weight_info is served, asked once per process beside the other facts
+            # (its answer is kept by read_engine_weight_version itself).
+            jobs.append(self._read_weights_quietly())
         got = await asyncio.gather(*jobs)
-        version: tuple[str, str] | None = got.pop(0) if want_version else None
+        version: tuple[str, str] | None = got[0] if want_version else None
         facts = None
         if want_model:
-            (fingerprint, problem), defaults = got
+            (fingerprint, problem), defaults = got[1:3] if want_version else got[0:2]
             facts = ModelFacts(fingerprint, defaults, problem, time.monotonic())
         return version, facts
+
+    async def _read_weights_quietly(self) -> None:
+        await self.read_engine_weight_version()
 
     async def _fetch_version(self) -> tuple[str, str]:
         """``(version, problem)``: the version, or "" and why it is unknown."""
