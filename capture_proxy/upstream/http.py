@@ -4,8 +4,8 @@ Every aiohttp error and timeout is turned into the project's `UpstreamFailed` in
 (`_mapped`, raised ``from`` the original so its cause stays in tracebacks), the way httpx maps
 httpcore's exceptions at its boundary. Facts about the upstream (version, reasoning field,
 tokenizer fingerprint, sampling defaults) are fetched lazily — a sidecar may start before vLLM is
-up — and fetched again for each new upstream process (`known.Known`): after the upstream was
-unreachable, and when a chat call opens a new connection (`connector.WatchedConnector`).
+up — and fetched again for each new upstream process (`known.UpstreamFacts`): after the upstream
+was unreachable, and when a chat call opens a new connection (`connector.WatchedConnector`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import orjson
 from ..core.transport import UpstreamInfo
 from ..errors import UpstreamFailed
 from .connector import WatchedConnector
-from .known import Known
+from .known import UpstreamFacts
 
 __all__ = ["HTTPUpstream", "HTTPUpstreamReply"]
 
@@ -70,7 +70,9 @@ class HTTPUpstream:
         self.first_byte_timeout = first_byte_timeout
         self.idle_timeout = idle_timeout
         self.total_timeout = total_timeout
-        self.known = Known(self._fetch, reasoning_field, min(_FACT_TIMEOUT, first_byte_timeout))
+        self.known = UpstreamFacts(
+            self._fetch, reasoning_field, min(_FACT_TIMEOUT, first_byte_timeout)
+        )
 
     @property
     def session(self) -> aiohttp.ClientSession:

@@ -2,12 +2,13 @@
 
 Facts (version, tokenizer fingerprint, sampling defaults) are asked for lazily — a sidecar may
 start before vLLM is up — and kept until the upstream process changes. A new process is noticed
-two ways: a connection failure (`Known.forget`), and a check when a new connection opens for a
-chat call (`Known.verify`, called by `capture_proxy.upstream.connector`): a server restart closes
-every connection, so a call that reuses a pooled connection still talks to the process its facts
-came from, and a call on a new connection may not. That check asks for the facts again (in
-parallel, about one round trip, only when a connection opens) and, when they differ from those
-the call was planned with, raises `UpstreamRestarted` before the request is sent.
+two ways: a connection failure (`UpstreamFacts.forget`), and a check when a new connection opens
+for a chat call (`UpstreamFacts.verify`, called by `capture_proxy.upstream.connector`): a server
+restart closes every connection, so a call that reuses a pooled connection still talks to the
+process its facts came from, and a call on a new connection may not. That check asks for the
+facts again (in parallel, about one round trip, only when a connection opens) and, when they
+differ from those the call was planned with, raises `UpstreamRestarted` before the request is
+sent.
 
 A fact that could not be fetched is asked for again after `RETRY_SECONDS`, not kept as unknown.
 """
@@ -29,7 +30,7 @@ from ..core.transport import UpstreamInfo, UpstreamRestarted
 from ..errors import UpstreamFailed
 from .facts import PROBE_MESSAGES, fingerprint_of, reasoning_field_for, sampling_defaults_of
 
-__all__ = ["RETRY_SECONDS", "Known", "ModelFacts"]
+__all__ = ["RETRY_SECONDS", "ModelFacts", "UpstreamFacts"]
 
 log = logging.getLogger("capture_proxy.upstream")
 
@@ -64,7 +65,7 @@ class ModelFacts:
     fetched_at: float
 
 
-class Known:
+class UpstreamFacts:
     """The facts cache of one upstream, asked through `fetch` within `timeout` seconds each."""
 
     def __init__(self, fetch: Fetch, reasoning_setting: str, timeout: float) -> None:
