@@ -18,7 +18,7 @@ import logging
 import time
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -551,10 +551,16 @@ class Capture:
         tokenizer_fingerprint: str,
         sampling: Mapping[str, Any],
         logprobs_mode: str = LOGPROBS_MODE_UNKNOWN,
+        effective_sampling: Mapping[str, Any] | None = None,
+        engine_weight_version: str | None = None,
+        weight_spans: Sequence[tuple[str, int, int]] = (),
     ) -> StagedCallRecord:
         """The sealed record for a completed call (raises RecordValidationError/EncodingError).
 
-        `logprobs_mode` is the upstream's, as far as the proxy knows it.
+        `logprobs_mode` is the upstream's, as far as the proxy knows it; `effective_sampling`
+        the sampling it applied after its own defaults (None: unknown); `engine_weight_version`
+        and `weight_spans` the engine's own weight version and which completion tokens it sampled
+        (None and ``[]``: unknown).
         """
         parent = call.rollout.choose_parent(completion.prompt_token_ids, call.request_key)
         extras = completion.extras
@@ -580,6 +586,11 @@ class Capture:
             sampling=dict(sampling),
             extras=extras,
             logprobs_mode=logprobs_mode,
+            effective_sampling=(
+                dict(effective_sampling) if effective_sampling is not None else None
+            ),
+            engine_weight_version=engine_weight_version,
+            weight_spans=weight_spans,
         )
         sealed = seal_record(record, attachments=call.attachments, encoder=self._request_values)
         call.record_bytes = record_bytes(sealed, call.attachments.values())
@@ -595,6 +606,9 @@ class Capture:
         tokenizer_fingerprint: str = "",
         sampling: Mapping[str, Any] | None = None,
         logprobs_mode: str = LOGPROBS_MODE_UNKNOWN,
+        effective_sampling: Mapping[str, Any] | None = None,
+        engine_weight_version: str | None = None,
+        weight_spans: Sequence[tuple[str, int, int]] = (),
     ) -> StageResult:
         """Build, seal and stage the call's record. Never raises for capture problems: a call that
         cannot be staged returns ``capture_failed`` and is in the ledger, its rollout poisoned.
@@ -611,6 +625,9 @@ class Capture:
                 tokenizer_fingerprint=tokenizer_fingerprint,
                 sampling=sampling if sampling is not None else sampling_of(call.request),
                 logprobs_mode=logprobs_mode,
+                effective_sampling=effective_sampling,
+                engine_weight_version=engine_weight_version,
+                weight_spans=weight_spans,
             )
             try:
                 record = await asyncio.to_thread(build) if call.offload else build()

@@ -16,6 +16,7 @@ client that leaves mid-write cancels only its wait, never the write. The HTTP ha
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncGenerator, Coroutine, Mapping
 from dataclasses import dataclass, field
@@ -37,9 +38,18 @@ from ..schemas.records import CallStatus, StageResult
 from ..schemas.request import FreeJsonLimits, RequestValidationError, check_free_json_limits
 from .capture import Call, Capture, sampling_of
 from .normalize import NormalizedRequest, normalize_request
-from .transport import UpstreamInfo, UpstreamReply, UpstreamTransport
+from .sampling import changes_distribution, effective_sampling
+from .transport import (
+    EngineWeights,
+    UpstreamInfo,
+    UpstreamReply,
+    UpstreamRestarted,
+    UpstreamTransport,
+)
 
 __all__ = ["Exchange", "ExchangeConfig", "Outcome", "Pipeline"]
+
+log = logging.getLogger("capture_proxy.exchange")
 
 #: Bodies above this are decoded and normalized, and their request key and digest computed, on
 #: a worker thread: base64-decoding a large image or walking large JSON would otherwise stall
@@ -96,6 +106,8 @@ class Pipeline:
         self.config = config or ExchangeConfig()
         self._adapters: dict[str, VLLMAdapter] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
+        #: Warnings about what the records say, by kind, each logged once (``/readyz`` shows them).
+        self.warnings: dict[str, str] = {}
 
     def exchange(self, rollout_id: str) -> Exchange:
         return Exchange(self, rollout_id)
@@ -118,6 +130,24 @@ class Pipeline:
         for adapter in self._adapters.values():
             for rollout_id in rollout_ids:
                 adapter.prefixes.drop(rollout_id)
+
+    def check_logprobs_mode(self, effective: Mapping[str, Any]) -> None:
+        """Warn (once) when the upstream's logprobs are raw, or may be, while a call's effective
+        sampling changes the distribution: its logprobs are then not those of the
+        distribution its tokens were sampled from."""
+        mode = self.config.logprobs_mode
+        if mode == "processed_logprobs" or "logprobs_mode" in self.warnings:
+            return
+        changed = changes_distribution(effective)
+        if changed:
+            self.warnings["logprobs_mode"] = (
+                f"the upstream's logprobs mode is {mode} while the effective sampling "
+                f"changes the distribution ({', '.join(changed)}, the model's own defaults "
+                "included): the recorded logprobs are not those of the distribution sampled "
+                "from; start vLLM with --logprobs-mode processed_logprobs and declare it with "
+                "--upstream-logprobs-mode"
+            )
+            log.warning("%s", self.warnings["logprobs_mode"])
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         """Run `coro` to completion even if the request that started it is cancelled."""
@@ -284,7 +314,14 @@ class Exchange:
         assert self.plan is not None
         self._t_up = time.perf_counter()
         try:
-            self._reply = await self.pipeline.upstream.post_chat(self.plan.body)
+            try:
+                self._reply = await self.pipeline.upstream.post_chat(self.plan.body)
+            except UpstreamRestarted:
+                # A new upstream process (noticed before anything was sent): plan the call again
+                # with its facts (version, reasoning field, fingerprint, defaults), once.
+                self.info = await self.pipeline.upstream.info(str(self.request.get("model", "")))
+                self.plan = self.adapter.plan(self.request)
+                self._reply = await self.pipeline.upstream.post_chat(self.plan.body)
         except UpstreamFailed as e:
             await self.fail_upstream(e)
             raise
@@ -400,16 +437,28 @@ class Exchange:
         if self._upstream_s is not None:
             call.upstream_seconds = self._upstream_s
             call.started = self.started
+        info = self.info
+        if info.problems:
+            # A fact is missing from this record ("" fingerprint or version): say why, on it.
+            completion.extras["upstream_fact_problems"] = list(info.problems)
+        engine_version, weight_spans = await self._engine_weights(completion)
+        sampling = sampling_of(self.request)
+        effective = effective_sampling(sampling, info.sampling_defaults)
+        if effective is not None:
+            self.pipeline.check_logprobs_mode(effective)
         # Its own task: a client that goes away meanwhile cancels only this wait.
         task = self.pipeline.spawn(
             self.capture.complete_call(
                 call,
                 completion,
                 model=str(self.request.get("model", "")),
-                upstream_version=self.info.version,
-                tokenizer_fingerprint=self.info.fingerprint,
-                sampling=sampling_of(self.request),
+                upstream_version=info.version,
+                tokenizer_fingerprint=info.fingerprint,
+                sampling=sampling,
                 logprobs_mode=self.pipeline.config.logprobs_mode,
+                effective_sampling=effective,
+                engine_weight_version=engine_version,
+                weight_spans=weight_spans,
             )
         )
         result: StageResult = await asyncio.shield(task)
@@ -427,6 +476,22 @@ class Exchange:
                 result,
             )
         )
+
+    async def _engine_weights(
+        self, completion: Completion
+    ) -> tuple[str | None, list[tuple[str, int, int]]]:
+        """The engine's weight version for the call and its span over the completion: known when
+        the version read before the call was planned equals one read after the answer (one
+        request, only when the upstream serves it), else ``(None, [])``: unknown."""
+        before = self.info.engine_weight_version
+        upstream = self.pipeline.upstream
+        if before is None or not isinstance(upstream, EngineWeights):
+            return None, []
+        after = await upstream.read_engine_weight_version()
+        if after != before:
+            return None, []
+        n = len(completion.completion_token_ids)
+        return before, [(before, 0, n)] if n else []
 
     async def _not_captured(self, e: CaptureExtractionError, client_body: bytes) -> Outcome:
         """The answer came, but carries no record (missing token ids, ...): capture_failed."""

@@ -13,14 +13,23 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["UpstreamInfo", "UpstreamReply", "UpstreamTransport"]
+from ..errors import UpstreamFailed
+
+__all__ = [
+    "EngineWeights",
+    "UpstreamInfo",
+    "UpstreamReply",
+    "UpstreamRestarted",
+    "UpstreamTransport",
+]
 
 
 @dataclass(frozen=True, slots=True)
 class UpstreamInfo:
-    """Facts about the upstream that every record carries (fetched lazily, refreshed)."""
+    """Facts about the upstream that every record carries (fetched lazily, refreshed for each
+    new upstream process)."""
 
     #: vLLM's version (``GET /version``), "" when unknown.
     version: str
@@ -28,6 +37,29 @@ class UpstreamInfo:
     reasoning_field: str
     #: ``sha256:<hex>`` of the ids the upstream's /tokenize gives a fixed probe; "" when unknown.
     fingerprint: str
+    #: The sampling parameters the upstream fills in for a request that sets none of them (the
+    #: model's generation-config defaults, read from a probe render); None when unknown (the
+    #: render route is not served): then no effective sampling is recorded.
+    sampling_defaults: Mapping[str, Any] | None = None
+    #: Why a fact is missing (``/version`` or ``/tokenize`` failing), one sentence each; a record
+    #: staged with a missing fact carries these in its extras (``upstream_fact_problems``).
+    problems: tuple[str, ...] = ()
+    #: The engine's own weight version (vLLM's ``/weight_info``) as last read before the call
+    #: was planned; None when the upstream does not serve it.
+    engine_weight_version: str | None = None
+
+
+class UpstreamRestarted(UpstreamFailed):
+    """The upstream is a new process whose facts differ from those the call was planned with.
+
+    Raised by `UpstreamTransport.post_chat` *before* the request is sent (the check runs when a
+    new connection opens, the only way a new process can be reached), so the caller can plan the
+    call again with fresh `UpstreamTransport.info` and send it once more. A transport that cannot
+    tell never raises it.
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="upstream_restarted", status=502)
 
 
 class UpstreamReply(Protocol):
@@ -65,4 +97,13 @@ class UpstreamTransport(Protocol):
 
     async def post_chat(self, body: bytes) -> UpstreamReply:
         """POST `body` to the chat route; the reply once its headers are in."""
+        ...
+
+
+@runtime_checkable
+class EngineWeights(Protocol):
+    """An upstream that can say which weights its engine holds (optional for a transport)."""
+
+    async def read_engine_weight_version(self) -> str | None:
+        """The engine's weight version now (one request), or None when it does not say."""
         ...

@@ -153,7 +153,12 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
-    """Ready when the upstream answers, the sink is writable, and no ledger entry is held."""
+    """Ready when the upstream answers, the sink is writable, and no ledger entry is held.
+
+    ``warnings`` lists what makes records less than they should be without making the proxy
+    unable to capture (a missing upstream fact, raw logprobs under a sampling that changes the
+    distribution): they do not fail readiness, since every record states them and a fleet
+    should not stop serving over them."""
     state = request.app[STATE]
     problems: list[str] = []
     upstream_problem = await state.upstream.problem()
@@ -170,7 +175,8 @@ async def readyz(request: web.Request) -> web.Response:
         problems.append(f"{cap.ledger.late} ledger writes past their deadline (sink slow)")
     if cap.ledger.held:
         problems.append(f"{len(cap.ledger.held)} ledger entries held in memory (sink failing)")
-    body = {"ready": not problems, "problems": problems}
+    warnings = [*state.upstream.fact_problems(), *state.pipeline.warnings.values()]
+    body = {"ready": not problems, "problems": problems, "warnings": warnings}
     return web.json_response(body, status=503 if problems else 200)
 
 
@@ -395,6 +401,17 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             logprobs_mode=s.upstream_logprobs_mode,
         ),
     )
+    if s.upstream_logprobs_mode != "processed_logprobs":
+        # Said at start, before any call: the effective sampling is known only once the upstream
+        # is reached (then /readyz names it, see Pipeline.check_logprobs_mode).
+        log.warning(
+            "upstream logprobs mode is %s (--upstream-logprobs-mode): when the effective "
+            "sampling changes the distribution (temperature != 1, top_p < 1, top_k > 0, "
+            "penalties, the model's own generation-config defaults included) the recorded "
+            "logprobs are not those of the distribution sampled from; for training start vLLM "
+            "with --logprobs-mode processed_logprobs and declare it here",
+            s.upstream_logprobs_mode,
+        )
     journal = journal_path(state.sink.url)
     if journal is not None and await asyncio.to_thread(os.path.exists, journal):
         await _replay(state, journal)

@@ -1,4 +1,5 @@
-"""What the proxy learns about its upstream: the reasoning field by version, the tokenizer probe."""
+"""What the proxy learns about its upstream: the reasoning field by version, the tokenizer probe,
+the sampling defaults of a probe render."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import re
 from array import array
 from typing import Any
 
-__all__ = ["PROBE_MESSAGES", "fingerprint_of", "reasoning_field_for"]
+from ..core.sampling import RESOLVED_SAMPLING_KEYS
+
+__all__ = ["PROBE_MESSAGES", "fingerprint_of", "reasoning_field_for", "sampling_defaults_of"]
 
 #: The fixed conversation whose token ids fingerprint the upstream's tokenizer + chat template.
 PROBE_MESSAGES = [
@@ -31,3 +34,13 @@ def fingerprint_of(tokens: Any) -> str:
     except (TypeError, OverflowError):
         return ""
     return "sha256:" + hashlib.sha256(ids.tobytes()).hexdigest()
+
+
+def sampling_defaults_of(render: Any) -> dict[str, Any] | None:
+    """The resolved sampling parameters of a probe render's answer (vLLM's `GenerateRequest`,
+    whose ``sampling_params`` hold the model's defaults for a request that set none), or None
+    when the answer has none."""
+    params = render.get("sampling_params") if isinstance(render, dict) else None
+    if not isinstance(params, dict):
+        return None
+    return {k: params[k] for k in RESOLVED_SAMPLING_KEYS if k in params}

@@ -3,8 +3,9 @@
 Every aiohttp error and timeout is turned into the project's `UpstreamFailed` in one place
 (`_mapped`, raised ``from`` the original so its cause stays in tracebacks), the way httpx maps
 httpcore's exceptions at its boundary. Facts about the upstream (version, reasoning field,
-tokenizer fingerprint) are fetched lazily — a sidecar may start before vLLM is up — and fetched
-again after the upstream was unreachable (it may have restarted with another model).
+tokenizer fingerprint, sampling defaults) are fetched lazily — a sidecar may start before vLLM is
+up — and fetched again for each new upstream process (`known.UpstreamFacts`): after the upstream
+was unreachable, and when a chat call opens a new connection (`connector.WatchedConnector`).
 """
 
 from __future__ import annotations
@@ -12,8 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import Any
 
@@ -22,22 +21,19 @@ import orjson
 
 from ..core.transport import UpstreamInfo
 from ..errors import UpstreamFailed
-from .facts import PROBE_MESSAGES, fingerprint_of, reasoning_field_for
+from .connector import WatchedConnector
+from .known import UpstreamFacts
 
 __all__ = ["HTTPUpstream", "HTTPUpstreamReply"]
 
 log = logging.getLogger("capture_proxy.upstream")
 
 JSON = "application/json"
-_REFRESH_SECONDS = 300.0
 #: What the context guard sends to /tokenize: the parts of a chat request that shape the prompt.
 _PROMPT_KEYS = ("model", "messages", "tools", "chat_template_kwargs", "add_generation_prompt")
-#: Tokenizer fingerprints kept, by model name. The name is the client's choice (a sandbox may send
-#: a new one with every call): the least recently used are dropped and fetched again if seen.
-_FINGERPRINTS_KEPT = 32
-#: Longest wait for a fact (``/version``, the fingerprint's ``/tokenize``). Calls wait for them,
-#: so a hanging upstream route must not hold every call for the first-byte timeout; a fact not
-#: fetched in time is left empty until the next refresh.
+#: Longest wait for a fact (``/version``, the fingerprint's ``/tokenize``, the probe render).
+#: Calls wait for them, so a hanging upstream route must not hold every call for the first-byte
+#: timeout; a fact not fetched in time is left empty and asked for again a few seconds later.
 _FACT_TIMEOUT = 5.0
 
 
@@ -45,7 +41,10 @@ class HTTPUpstream:
     """An upstream vLLM at `base_url` (with or without ``/v1``), reached over HTTP.
 
     Pass a shared `session` (the proxy pools one per process), or none and the client opens its
-    own on first use; `close` closes only a session it opened. Timeouts: `connect_timeout` to
+    own on first use; `close` closes only a session it opened. Only a session of its own
+    notices an upstream restart before a call is sent (`capture_proxy.core.transport.
+    UpstreamRestarted`); with a shared one, a restart is noticed when a connection fails.
+    Timeouts: `connect_timeout` to
     open a connection, `first_byte_timeout` until the response headers, `idle_timeout` between
     two reads of a response body, `total_timeout` (0: none) from sending a chat call until its
     whole answer is in, so an upstream that trickles bytes cannot hold a call forever.
@@ -71,21 +70,27 @@ class HTTPUpstream:
         self.first_byte_timeout = first_byte_timeout
         self.idle_timeout = idle_timeout
         self.total_timeout = total_timeout
-        self.fact_timeout = min(_FACT_TIMEOUT, first_byte_timeout)
-        self._reasoning_setting = reasoning_field
-        self._version: str | None = None
-        self._fingerprints: OrderedDict[str, str] = OrderedDict()
-        self._fetched_at = 0.0
-        self._lock = asyncio.Lock()
+        self.known = UpstreamFacts(
+            self._fetch, reasoning_field, min(_FACT_TIMEOUT, first_byte_timeout)
+        )
 
     @property
     def session(self) -> aiohttp.ClientSession:
         if self._session is None:
             self._session = aiohttp.ClientSession(
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout),
-                connector=aiohttp.TCPConnector(limit=0, limit_per_host=0),
+                connector=WatchedConnector(self.known.verify, limit=0, limit_per_host=0),
             )
         return self._session
+
+    @property
+    def fact_timeout(self) -> float:
+        """Longest wait for one fact (``/version``, ``/tokenize``, the probe render)."""
+        return self.known.timeout
+
+    @fact_timeout.setter
+    def fact_timeout(self, seconds: float) -> None:
+        self.known.timeout = seconds
 
     async def close(self) -> None:
         if self._own_session and self._session is not None:
@@ -96,9 +101,8 @@ class HTTPUpstream:
         return self.base_url + path
 
     def mark_stale(self) -> None:
-        """Fetch version and fingerprint again: the upstream was unreachable (maybe restarted)."""
-        self._version = None
-        self._fingerprints.clear()
+        """Fetch every fact again: the upstream was unreachable (maybe restarted)."""
+        self.known.forget()
 
     # -- errors ------------------------------------------------------------------------------
 
@@ -207,53 +211,24 @@ class HTTPUpstream:
     # -- facts -------------------------------------------------------------------------------
 
     async def info(self, model: str) -> UpstreamInfo:
-        if time.monotonic() - self._fetched_at > _REFRESH_SECONDS:
-            self.mark_stale()
-        if self._version is None or model not in self._fingerprints:
-            # One fetch at a time (the others wait for its answer), each bounded by
-            # `fact_timeout`: a hanging route delays calls by that much once, then the fact is
-            # left empty until the next refresh.
-            async with self._lock:
-                if self._version is None:
-                    self._version = await self._fetch_version()
-                    self._fetched_at = time.monotonic()
-                if model not in self._fingerprints:
-                    self._fingerprints[model] = await self._fetch_fingerprint(model)
-                    while len(self._fingerprints) > _FINGERPRINTS_KEPT:
-                        self._fingerprints.popitem(last=False)
-        else:
-            self._fingerprints.move_to_end(model)
-        version = self._version or ""
-        field = self._reasoning_setting
-        if field == "auto":
-            field = reasoning_field_for(version)
-        return UpstreamInfo(version, field, self._fingerprints.get(model, ""))
+        """Version, reasoning field, tokenizer fingerprint and sampling defaults for `model`
+        (cached per upstream process; see `capture_proxy.upstream.known`)."""
+        return await self.known.info(model)
 
-    async def _fetch_version(self) -> str:
-        try:
-            status, _, raw = await self.relay(
-                "GET", "/version", None, None, within=self.fact_timeout
-            )
-            if status == 200:
-                return str(orjson.loads(raw).get("version", ""))
-            log.warning("upstream /version answered %d", status)
-        except (UpstreamFailed, orjson.JSONDecodeError, AttributeError) as e:
-            log.warning("upstream /version failed: %s", e)
-        return ""
+    async def read_engine_weight_version(self) -> str | None:
+        """vLLM's own weight version now (``/weight_info``, served with
+        ``VLLM_SERVER_DEV_MODE=1``), or None when not served: one request when it is."""
+        return await self.known.read_engine_weight_version()
 
-    async def _fetch_fingerprint(self, model: str) -> str:
-        body = {"model": model, "messages": PROBE_MESSAGES, "add_generation_prompt": True}
-        try:
-            status, _, raw = await self.relay(
-                "POST", "/tokenize", orjson.dumps(body), JSON, within=self.fact_timeout
-            )
-            if status != 200:
-                log.warning("upstream /tokenize answered %d: no tokenizer fingerprint", status)
-                return ""
-            return fingerprint_of(orjson.loads(raw)["tokens"])
-        except (UpstreamFailed, orjson.JSONDecodeError, KeyError, TypeError) as e:
-            log.warning("upstream /tokenize failed: %s: no tokenizer fingerprint", e)
-            return ""
+    def fact_problems(self) -> list[str]:
+        """The facts about the upstream that are missing now, one sentence each."""
+        return self.known.problems()
+
+    async def _fetch(
+        self, method: str, path: str, body: bytes | None, within: float
+    ) -> tuple[int, bytes]:
+        status, _, raw = await self.relay(method, path, body, JSON, within=within)
+        return status, raw
 
 
 class HTTPUpstreamReply:

@@ -193,7 +193,7 @@ async def test_client_chosen_model_names_are_not_pinned_in_memory(make_proxy: An
     p = await make_proxy(served_model="")
     for i in range(80):
         await p.chat(chat_body(user("x"), model=f"m{i}"))
-    assert len(p.state.upstream._fingerprints) <= 32
+    assert len(p.state.upstream.known.models) <= 32
 
 
 # -- upstream deadlines -----------------------------------------------------------------------

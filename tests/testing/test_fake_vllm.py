@@ -926,3 +926,42 @@ async def test_routed_experts_are_null_unless_the_server_returns_them(serve: Ser
     _, client = await serve()
     got = await chat(client, {"model": "policy", "messages": [{"role": "user", "content": "hi"}]})
     assert got["choices"][0]["routed_experts"] is None
+
+
+USER_HI = {"role": "user", "content": "hi"}
+
+
+# -- scale-out render and dev-mode weight routes ------------------------------------------------
+
+
+async def test_the_render_route_needs_scale_out(serve: Serve) -> None:
+    _, client = await serve()
+    resp = await client.post("/v1/chat/completions/render", json={"messages": [USER_HI]})
+    assert resp.status == 403
+    assert await resp.json() == {"detail": "Scale-out endpoints are disabled"}
+
+
+async def test_the_render_route_resolves_sampling_over_the_generation_config(
+    serve: Serve,
+) -> None:
+    fake, client = await serve(scale_out=True, generation_config={"temperature": 0.6, "top_k": 20})
+    body = {"model": "policy", "messages": [USER_HI], "top_p": 0.9, "max_tokens": 7}
+    resp = await client.post("/v1/chat/completions/render", json=body)
+    assert resp.status == 200
+    answer = await resp.json()
+    assert set(answer) == {"token_ids", "sampling_params", "features", "reasoning_parser_kwargs"}
+    assert answer["token_ids"] == fake.tokenize_chat([USER_HI])
+    params = answer["sampling_params"]
+    assert (params["temperature"], params["top_k"], params["top_p"]) == (0.6, 20, 0.9)
+    assert (params["min_p"], params["repetition_penalty"], params["max_tokens"]) == (0.0, 1.0, 7)
+
+
+async def test_weight_routes_exist_only_in_dev_mode(serve: Serve) -> None:
+    _, plain = await serve()
+    assert (await plain.get("/weight_info")).status == 404
+    _, dev = await serve(dev_mode=True)
+    assert await (await dev.get("/weight_info")).json() == {"weight_version": "default"}
+    resp = await dev.post("/update_weight_version", json={"new_version": "step-3"})
+    assert resp.status == 200
+    assert await (await dev.get("/weight_info")).json() == {"weight_version": "step-3"}
+    assert (await dev.post("/update_weight_version", json={"new_version": 3})).status == 400

@@ -18,7 +18,9 @@ Standalone: ``python -m capture_proxy.fake_vllm --port 8000`` (binds 127.0.0.1),
 ``capture-proxy serve --upstream fake``.
 
 Routes: ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /version``, ``POST /tokenize``,
-``POST /detokenize``, ``GET /health``. With ``api_key`` every ``/v1`` route wants
+``POST /detokenize``, ``GET /health``; with ``scale_out`` ``POST /v1/chat/completions/render``
+(403 without, as vLLM); with ``dev_mode`` ``GET /weight_info`` and ``POST /update_weight_version``
+(404 without). With ``api_key`` every ``/v1`` route wants
 ``Authorization: Bearer <key>`` (401 ``{"error": "Unauthorized"}`` otherwise, as vLLM).
 """
 
@@ -28,6 +30,7 @@ import argparse
 import asyncio
 import collections
 import hashlib
+import json
 import random
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -47,6 +50,7 @@ from ._http import (
     write_stream,
 )
 from ._protocol import model_list
+from ._render import resolve_sampling, weight_version_update
 from ._template import decode, encode, reasoning_keys_for, render_chat, token_text
 from ._validate import RequestError, check_model, output_limit, require_messages
 
@@ -70,6 +74,12 @@ class FakeVLLM:
     vLLM + Qwen3 does) instead of verbatim. ``routed_experts`` answers as a server started with
     ``--enable-return-routed-experts`` does: every choice carries ``routed_experts``, honouring
     the request's ``routed_experts_prompt_start`` (the values: `_experts.experts_for`).
+
+    ``generation_config`` holds the model's sampling defaults (``{"temperature": 0.6, "top_p":
+    0.95, "top_k": 20}`` for Qwen3), which the render route resolves requests over;
+    ``scale_out`` serves that route (vLLM's ``--enable-scale-out``); ``dev_mode`` serves the
+    weight-version routes (``VLLM_SERVER_DEV_MODE=1``), whose version is ``weight_version``.
+    To imitate a restart, stop one fake's server and start another fake on the same port.
     """
 
     def __init__(
@@ -85,6 +95,9 @@ class FakeVLLM:
         api_key: str | None = None,
         reparse_tool_arguments: bool = False,
         routed_experts: bool = False,
+        generation_config: Mapping[str, Any] | None = None,
+        scale_out: bool = False,
+        dev_mode: bool = False,
     ) -> None:
         self.model = model
         self.version = version
@@ -96,6 +109,12 @@ class FakeVLLM:
         self.api_key = api_key
         self.reparse_tool_arguments = reparse_tool_arguments
         self.routed_experts = routed_experts
+        self.generation_config: dict[str, Any] = dict(generation_config or {})
+        self.scale_out = scale_out
+        self.dev_mode = dev_mode
+        self.weight_version = "default"
+        #: Requests per route other than chat (``"/version"``, ``"/weight_info"``, ...).
+        self.route_hits: collections.Counter[str] = collections.Counter()
         self.requests: list[dict[str, Any]] = []
         self.request_headers: list[dict[str, str]] = []
         self.responses: list[dict[str, Any]] = []
@@ -152,7 +171,48 @@ class FakeVLLM:
         app.router.add_post("/tokenize", self._tokenize)
         app.router.add_post("/detokenize", self._detokenize)
         app.router.add_get("/health", self._health)
+        app.router.add_post("/v1/chat/completions/render", self._render_chat)
+        app.router.add_get("/weight_info", self._weight_info)
+        app.router.add_post("/update_weight_version", self._update_weight_version)
         return app
+
+    # -- scale-out and dev-mode routes (_render) ------------------------------------------------
+
+    async def _render_chat(self, request: web.Request) -> web.Response:
+        self.route_hits[request.path] += 1
+        if not self.scale_out:
+            return json_response(403, {"detail": "Scale-out endpoints are disabled"})
+        try:
+            body = await read_json(request)
+            check_model(body, self.model)
+            gen = body.get("add_generation_prompt", True) is not False
+            ids = encode(self._render(require_messages(body), body.get("tools") or None, gen))
+        except RequestError as exc:
+            return exc.response()
+        room = max(self.max_model_len - len(ids), 0)
+        answer = {
+            "token_ids": ids,
+            "sampling_params": resolve_sampling(body, self.generation_config, room),
+            "features": None,
+            "reasoning_parser_kwargs": {},
+        }
+        return json_response(200, answer)
+
+    async def _weight_info(self, request: web.Request) -> web.Response:
+        self.route_hits[request.path] += 1
+        if not self.dev_mode:
+            return json_response(404, {"detail": "Not Found"})
+        return json_response(200, {"weight_version": self.weight_version})
+
+    async def _update_weight_version(self, request: web.Request) -> web.Response:
+        self.route_hits[request.path] += 1
+        if not self.dev_mode:
+            return json_response(404, {"detail": "Not Found"})
+        try:
+            self.weight_version = weight_version_update(await read_json(request))
+        except RequestError as exc:
+            return exc.response()
+        return json_response(200, {"weight_version": self.weight_version})
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: _Handler) -> web.StreamResponse:
@@ -168,6 +228,7 @@ class FakeVLLM:
         return json_response(200, cards)
 
     async def _version(self, request: web.Request) -> web.Response:
+        self.route_hits[request.path] += 1
         return json_response(200, {"version": self.version})
 
     async def _health(self, request: web.Request) -> web.Response:
@@ -279,6 +340,16 @@ async def serve_fake(
     return fake, runner, f"http://{host}:{runner.addresses[0][1]}"
 
 
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """``python -m capture_proxy.fake_vllm``: serve a fake vLLM on 127.0.0.1."""
     parser = argparse.ArgumentParser(
@@ -289,11 +360,30 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--version", default="0.32.0", help="vLLM version to imitate")
     parser.add_argument("--max-model-len", type=int, default=8192, help="context length")
     parser.add_argument("--api-key", default=None, help="require this bearer key on /v1 routes")
+    parser.add_argument(
+        "--enable-scale-out",
+        action="store_true",
+        help="serve POST /v1/chat/completions/render (as vLLM's flag)",
+    )
+    parser.add_argument(
+        "--dev-mode",
+        action="store_true",
+        help="serve /weight_info and /update_weight_version (vLLM's VLLM_SERVER_DEV_MODE=1)",
+    )
+    parser.add_argument(
+        "--generation-config",
+        type=_json_object,
+        default=None,
+        help='the model\'s sampling defaults as JSON, e.g. \'{"temperature": 0.6, "top_k": 20}\'',
+    )
     args = parser.parse_args(argv)
     fake = FakeVLLM(
         model=args.model,
         version=args.version,
         max_model_len=args.max_model_len,
         api_key=args.api_key,
+        generation_config=args.generation_config,
+        scale_out=args.enable_scale_out,
+        dev_mode=args.dev_mode,
     )
     web.run_app(fake.app(), host="127.0.0.1", port=args.port)
