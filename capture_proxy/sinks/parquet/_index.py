@@ -124,11 +124,14 @@ class Index:
                 for i, cid in enumerate(t["call_id"]):
                     if cid in self.calls:
                         continue  # a second copy (two writers): the first committed wins
+                    # Interned: a rollout's calls share its id, a child its parent's id (the
+                    # index holds every call, so a copy of each per call adds up).
+                    parent = t["parent_call_id"][i]
                     ref = CallRef(
                         Where(path, g, i),
-                        t["rollout_id"][i],
+                        sys.intern(t["rollout_id"][i]),
                         t["seq"][i],
-                        t["parent_call_id"][i],
+                        None if parent is None else sys.intern(parent),
                         t["prev_len"][i],
                         t["delta_len"][i],
                         t["cum_len"][i],
@@ -137,6 +140,7 @@ class Index:
                         t["weight_version"][i],
                         tuple(t["attachment_shas"][i] or ()),
                     )
+                    cid = sys.intern(cid)
                     self.calls[cid] = ref
                     self.by_rollout.setdefault(ref.rollout_id, []).append(cid)
         for table, column, into in (
