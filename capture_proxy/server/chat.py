@@ -16,12 +16,18 @@ import orjson
 from aiohttp import web
 
 from ..core.exchange import Exchange, Outcome
-from ..errors import CaptureUnavailable, PayloadTooLarge, ProxyError, UpstreamFailed
+from ..errors import (
+    CaptureUnavailable,
+    PayloadTooLarge,
+    ProxyError,
+    RequestTimeout,
+    UpstreamFailed,
+)
 from ..schemas.records import CallStatus
 from .identity import resolve_rollout_id
 from .state import STATE, ProxyState
 
-__all__ = ["capture_headers", "chat_completions", "sse_error"]
+__all__ = ["capture_headers", "chat_completions", "read_body_within", "sse_error"]
 
 log = logging.getLogger("capture_proxy.chat")
 
@@ -37,7 +43,10 @@ def sse_error(message: str, code: str, type: str = "upstream_error") -> bytes:
     return b"data: " + orjson.dumps(error) + b"\n\n"
 
 
-async def _read_body(request: web.Request, limit: int) -> bytes:
+async def read_body_within(request: web.Request, limit: int, within: float) -> bytes:
+    """The request's body, refused over `limit` bytes (413) or when it takes longer than
+    `within` seconds to arrive (408, ``--client-body-timeout``: a client trickling its body
+    must not hold a connection and a call forever)."""
     length = request.content_length
     if length is not None and length > limit:
         # Refused from the header, before a byte of the body is read.
@@ -46,10 +55,16 @@ async def _read_body(request: web.Request, limit: int) -> bytes:
             code="body_too_large",
         )
     try:
-        return await request.read()
+        async with asyncio.timeout(within):
+            return await request.read()
     except web.HTTPRequestEntityTooLarge as e:
         raise PayloadTooLarge(
             f"request body is over the limit of {limit} bytes", code="body_too_large"
+        ) from e
+    except TimeoutError as e:
+        raise RequestTimeout(
+            f"the request body did not arrive within {within:g}s (--client-body-timeout)",
+            code="body_timeout",
         ) from e
 
 
@@ -61,7 +76,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     try:
         try:
             try:
-                body = await _read_body(request, state.settings.max_body_bytes)
+                body = await read_body_within(
+                    request, state.settings.max_body_bytes, state.settings.client_body_timeout
+                )
             except ProxyError as e:
                 await exchange.refuse(e)
                 raise
@@ -125,23 +142,45 @@ async def _stream(
     await out.prepare(request)
     state.metrics.streams_open.inc()
     pieces = exchange.relay_stream()
+    # A write waits only while the client's buffers are full; one that waits past the deadline
+    # means the client stopped reading. Without it, that client would pin the call, the
+    # upstream request and the connection for as long as it liked.
+    deadline = state.settings.client_write_timeout
     try:
         try:
             async for piece in pieces:
-                await out.write(piece)
+                async with asyncio.timeout(deadline):
+                    await out.write(piece)
         except ConnectionResetError:
             await pieces.aclose()
             await exchange.abort(
                 "client_disconnected", "the client closed the connection mid-stream"
             )
             return out
-        await _stream_tail(state, out, exchange.outcome)
+        except TimeoutError:
+            await pieces.aclose()
+            await exchange.abort(
+                "client_stalled",
+                f"the client read nothing of its stream for {deadline:g}s "
+                "(--client-write-timeout); the proxy closed the connection",
+            )
+            _drop(request)
+            return out
+        await _stream_tail(state, request, out, exchange.outcome)
         return out
     finally:
         state.metrics.streams_open.dec()
 
 
-async def _stream_tail(state: ProxyState, out: web.StreamResponse, outcome: Outcome | None) -> None:
+def _drop(request: web.Request) -> None:
+    """Close the client's connection without sending what is still buffered for it."""
+    if request.transport is not None:
+        request.transport.abort()
+
+
+async def _stream_tail(
+    state: ProxyState, request: web.Request, out: web.StreamResponse, outcome: Outcome | None
+) -> None:
     """How a stream ends: its capture status and ``[DONE]``, or an SSE error event."""
     assert outcome is not None
     if outcome.status is CallStatus.STAGED:
@@ -160,7 +199,10 @@ async def _stream_tail(state: ProxyState, out: web.StreamResponse, outcome: Outc
         # The upstream broke or stalled: never complete the stream for the client.
         tail = sse_error(outcome.message, outcome.reason)
     try:
-        await out.write(tail)
-        await out.write_eof()
+        async with asyncio.timeout(state.settings.client_write_timeout):
+            await out.write(tail)
+            await out.write_eof()
     except ConnectionResetError:
         pass  # the outcome is recorded either way; the client is gone
+    except TimeoutError:
+        _drop(request)  # the outcome is recorded; the client stopped reading
