@@ -724,7 +724,8 @@ def test_every_deployment_is_safe_for_hostile_sandboxes(name: str) -> None:
     # The control API (which mints keys) is on its own port only, behind a token from a secret.
     assert s.admin_token == SECRET, name
     assert s.admin_port not in (0, s.port), name
-    main_routes = {r.resource.canonical for r in create_app(s, sink=MemorySink()).router.routes()}
+    app = create_app(s, sink=MemorySink())
+    main_routes = {r.resource.canonical for r in app.router.routes() if r.resource}
     assert not [r for r in main_routes if r.startswith("/admin")], name
     # Slow and greedy clients are bounded (the defaults: these files do not switch them off).
     assert s.max_connections > 0, name

@@ -27,7 +27,7 @@ from ..schemas.records import CallStatus
 from .identity import resolve_rollout_id
 from .state import STATE, ProxyState
 
-__all__ = ["capture_headers", "chat_completions", "read_body_within", "sse_error"]
+__all__ = ["capture_headers", "chat_completions", "sse_error"]
 
 log = logging.getLogger("capture_proxy.chat")
 
@@ -43,7 +43,7 @@ def sse_error(message: str, code: str, type: str = "upstream_error") -> bytes:
     return b"data: " + orjson.dumps(error) + b"\n\n"
 
 
-async def read_body_within(request: web.Request, limit: int, within: float) -> bytes:
+async def _read_body(request: web.Request, limit: int, within: float) -> bytes:
     """The request's body, refused over `limit` bytes (413) or when it takes longer than
     `within` seconds to arrive (408, ``--client-body-timeout``: a client trickling its body
     must not hold a connection and a call forever)."""
@@ -76,7 +76,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     try:
         try:
             try:
-                body = await read_body_within(
+                body = await _read_body(
                     request, state.settings.max_body_bytes, state.settings.client_body_timeout
                 )
             except ProxyError as e:
@@ -142,34 +142,63 @@ async def _stream(
     await out.prepare(request)
     state.metrics.streams_open.inc()
     pieces = exchange.relay_stream()
-    # A write waits only while the client's buffers are full; one that waits past the deadline
-    # means the client stopped reading. Without it, that client would pin the call, the
-    # upstream request and the connection for as long as it liked.
     deadline = state.settings.client_write_timeout
     try:
         try:
             async for piece in pieces:
-                async with asyncio.timeout(deadline):
-                    await out.write(piece)
+                if not await _write_within(request, out, piece, deadline):
+                    # Without this, a client that stops reading would pin the call, the
+                    # upstream request and the connection for as long as it liked.
+                    await pieces.aclose()
+                    await exchange.abort(
+                        "client_stalled",
+                        f"the client read nothing of its stream for {deadline:g}s "
+                        "(--client-write-timeout); the proxy closed the connection",
+                    )
+                    _drop(request)
+                    return out
         except ConnectionResetError:
             await pieces.aclose()
             await exchange.abort(
                 "client_disconnected", "the client closed the connection mid-stream"
             )
             return out
-        except TimeoutError:
-            await pieces.aclose()
-            await exchange.abort(
-                "client_stalled",
-                f"the client read nothing of its stream for {deadline:g}s "
-                "(--client-write-timeout); the proxy closed the connection",
-            )
-            _drop(request)
-            return out
         await _stream_tail(state, request, out, exchange.outcome)
         return out
     finally:
         state.metrics.streams_open.dec()
+
+
+async def _write_within(
+    request: web.Request,
+    out: web.StreamResponse,
+    data: bytes,
+    seconds: float,
+    *,
+    last: bool = False,
+) -> bool:
+    """Write `data` (and end the response if `last`); False when the client has not made room
+    for it within `seconds`.
+
+    A write waits only while the connection's buffers are full, so one that waits that long
+    means the client stopped reading. A client that reads keeps the transport's buffer below
+    its low-water mark, and then the write cannot wait: it goes without a timer (arming one
+    costs about 9 µs, for every piece of every stream).
+    """
+    transport = request.transport
+    if transport is not None and not last:
+        low, _ = transport.get_write_buffer_limits()
+        if transport.get_write_buffer_size() + len(data) <= low:
+            await out.write(data)
+            return True
+    try:
+        async with asyncio.timeout(seconds):
+            await out.write(data)
+            if last:
+                await out.write_eof()
+    except TimeoutError:
+        return False
+    return True
 
 
 def _drop(request: web.Request) -> None:
@@ -199,10 +228,9 @@ async def _stream_tail(
         # The upstream broke or stalled: never complete the stream for the client.
         tail = sse_error(outcome.message, outcome.reason)
     try:
-        async with asyncio.timeout(state.settings.client_write_timeout):
-            await out.write(tail)
-            await out.write_eof()
+        if not await _write_within(
+            request, out, tail, state.settings.client_write_timeout, last=True
+        ):
+            _drop(request)  # the outcome is recorded either way; the client stopped reading
     except ConnectionResetError:
         pass  # the outcome is recorded either way; the client is gone
-    except TimeoutError:
-        _drop(request)  # the outcome is recorded; the client stopped reading
