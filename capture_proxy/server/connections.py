@@ -9,9 +9,10 @@ descriptors, and then nothing works: not the upstream, not the store, not even `
   the OpenAI error form, without reading its request (clients such as the OpenAI SDK retry it);
   the connection is half-closed and dropped a second later, so the client reads the answer
   instead of a reset;
-- drops a connection whose client leaves the answer unread (the transport's buffer full, writing
-  paused) for longer than its write deadline: nothing else frees a connection held that way.
-  A stream enforces a shorter deadline of its own and records its call (`server.chat`).
+- drops a connection whose client leaves its answer unread (the transport's buffer full, writing
+  paused) for `unread_timeout` (``server.run``: twice ``--client-write-timeout``): nothing else
+  frees a connection held that way. A stream enforces the write deadline itself and records its
+  call as stalled (`server.chat`); this is the backstop for every other answer.
 
 Deadlines on reading requests are aiohttp's (the header deadline) and the handlers' (the body
 deadline); ``server.run`` puts them together.
@@ -25,7 +26,7 @@ from collections.abc import Callable
 
 from ..errors import error_body
 
-__all__ = ["MAX_LINGERING", "ConnectionGate", "refusal_answer"]
+__all__ = ["MAX_LINGERING", "ConnectionGate"]
 
 log = logging.getLogger("capture_proxy.connections")
 
@@ -36,7 +37,7 @@ _LINGER_S = 1.0
 MAX_LINGERING = 16
 
 
-def refusal_answer(limit: int) -> bytes:
+def _refusal_answer(limit: int) -> bytes:
     """The whole HTTP answer a connection over the cap gets."""
     body = error_body(
         f"capture-proxy is at its connection limit ({limit} open, --max-connections): retry",
@@ -68,7 +69,7 @@ class ConnectionGate:
         self.refused = 0
         self.dropped_unread = 0
         self.lingering = 0
-        self.refusal = refusal_answer(limit)
+        self.refusal = _refusal_answer(limit)
 
     def wrap(self, factory: Callable[[], asyncio.Protocol]) -> Callable[[], asyncio.Protocol]:
         return lambda: _Gated(self, factory)
@@ -88,7 +89,7 @@ class _Gated(asyncio.Protocol):
     exactly as if it had accepted it itself (aiohttp never asks the transport for its protocol).
     """
 
-    __slots__ = ("_factory", "_gate", "_inner", "_refused", "_timer", "_transport")
+    __slots__ = ("_factory", "_gate", "_inner", "_lingers", "_refused", "_timer", "_transport")
 
     def __init__(self, gate: ConnectionGate, factory: Callable[[], asyncio.Protocol]) -> None:
         self._gate = gate
@@ -97,6 +98,7 @@ class _Gated(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._refused = False
+        self._lingers = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -126,6 +128,7 @@ class _Gated(asyncio.Protocol):
         # does not turn our close into a reset that would hide the 503 from it.
         transport.write_eof()
         gate.lingering += 1
+        self._lingers = True
         loop = asyncio.get_running_loop()
         self._timer = loop.call_later(_LINGER_S, transport.abort)
 
@@ -169,7 +172,8 @@ class _Gated(asyncio.Protocol):
             self._timer = None
         self._transport = None
         if self._refused:
-            self._gate.lingering = max(0, self._gate.lingering - 1)
+            if self._lingers:
+                self._gate.lingering -= 1
             return
         if self._inner is not None:
             self._gate.open -= 1
