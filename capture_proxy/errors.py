@@ -25,6 +25,7 @@ __all__ = [
     "NotFound",
     "PayloadTooLarge",
     "ProxyError",
+    "RequestTimeout",
     "TooManyRequests",
     "Unauthorized",
     "Unprocessable",
@@ -101,6 +102,13 @@ class NotFound(ProxyError):
 class Conflict(ProxyError):
     status = 409
     type = "conflict_error"
+
+
+class RequestTimeout(ProxyError):
+    """The client did not send its request in time (``--client-body-timeout``)."""
+
+    status = 408
+    type = "invalid_request_error"
 
 
 class PayloadTooLarge(ProxyError):

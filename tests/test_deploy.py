@@ -33,6 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from capture_proxy.cli import main
 from capture_proxy.server.app import create_app
+from capture_proxy.server.run import connection_budget
 from capture_proxy.server.settings import ENV_PREFIX, Settings, SettingsError, load_settings
 from capture_proxy.sinks.memory import MemorySink
 from capture_proxy.sinks.urls import parse_store_url
@@ -40,7 +41,10 @@ from capture_proxy.sinks.urls import parse_store_url
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
 SETTING_VARS = {ENV_PREFIX + f.name.upper() for f in dataclasses.fields(Settings)}
-SECRET = "value-from-a-secret"  # stands in for values a deployment reads from a secret store
+# Stands in for values a deployment reads from a secret store (shaped like `openssl rand -hex 32`).
+SECRET = "9f2c4e6a8b0d1f3a5c7e9b1d3f5a7c9e0b2d4f6a8c0e2b4d6f8a0c2e4b6d8f0a"
+#: What an operator gives the image at run time (deploy/Dockerfile bakes in no secret).
+RUNTIME_SECRETS = {"CAPTURE_PROXY_ADMIN_TOKEN": SECRET}
 
 Client = TestClient[web.Request, web.Application]
 
@@ -168,10 +172,11 @@ def test_dockerfile_structure() -> None:
     assert _docker("STOPSIGNAL") in ([], ["SIGTERM"])
     assert any("pip install --no-cache-dir" in run for run in _docker("RUN"))
 
-    settings = _settings(_image_env())
+    settings = _settings({**_image_env(), **RUNTIME_SECRETS})
     assert settings.host == "0.0.0.0"
     assert settings.port == Settings().port
-    assert [int(p) for p in _docker("EXPOSE")] == [settings.port]
+    exposed = [int(p) for args in _docker("EXPOSE") for p in args.split()]
+    assert exposed == [settings.port, settings.admin_port]
     assert settings.upstream != "fake"  # a forgotten upstream must not stage fake answers
     (volume,) = _docker("VOLUME")
     assert _store_dir(settings) == Path(json.loads(volume)[0])
@@ -527,13 +532,17 @@ def _unit() -> dict[str, dict[str, list[str]]]:
     return sections
 
 
-def _env_file() -> dict[str, str]:
+def _env_file(*, filled_in: bool = True) -> dict[str, str]:
+    """The example EnvironmentFile; `filled_in`: with the admin token the operator must add."""
     env = {}
     for raw in (DEPLOY / "systemd" / "capture-proxy.env.example").read_text().splitlines():
         line = raw.strip()
         if line and not line.startswith("#"):
             key, _, value = line.partition("=")
             env[key] = value
+    if filled_in:
+        assert env["CAPTURE_PROXY_ADMIN_TOKEN"] == ""  # the example ships no token to copy
+        env.update(RUNTIME_SECRETS)
     return env
 
 
@@ -549,10 +558,13 @@ def test_systemd_unit_runs_capture_proxy_serve_in_a_sandbox() -> None:
     assert service["NoNewPrivileges"] == ["yes"]
     assert service["ProtectSystem"] == ["strict"]
     assert service["User"] != ["root"]
+    # The example ships no token: refused at start, naming the setting, until the operator fills
+    # it in; a placeholder would be refused too.
+    with pytest.raises(SettingsError, match="admin-token"):
+        _settings(_env_file(filled_in=False))
     env = _env_file()
-    # The example's token is a placeholder, refused at start until the operator replaces it.
     with pytest.raises(SettingsError, match="placeholder"):
-        _settings(env)
+        _settings({**env, f"{ENV_PREFIX}ADMIN_TOKEN": "replace-with-output-of-openssl-rand-hex-32"})
     s = _settings({**env, f"{ENV_PREFIX}ADMIN_TOKEN": "0123456789abcdef0123456789abcdef"})
     writable = [Path(p) for value in service["ReadWritePaths"] for p in value.split()]
     assert any(_store_dir(s).is_relative_to(p) for p in writable)
@@ -698,6 +710,60 @@ def test_promql_reader_sees_metrics_labels_and_functions() -> None:
     }
     assert grouping == {"le", "route"}
     assert functions == {"histogram_quantile", "sum", "rate", "on"}
+
+
+# ---- safe for hostile sandboxes (docs/security.md) ---------------------------------------------
+
+DEPLOYMENTS: dict[str, Callable[[], Settings]] = {
+    "image": lambda: _settings({**_image_env(), **RUNTIME_SECRETS}),
+    "compose": _compose_settings,
+    "kubernetes": _k8s_settings,
+    "systemd": lambda: _settings(_env_file()),
+}
+
+
+@pytest.mark.parametrize("name", DEPLOYMENTS)
+def test_every_deployment_is_safe_for_hostile_sandboxes(name: str) -> None:
+    s = DEPLOYMENTS[name]()
+    # A sandbox can write only into the rollout whose key it holds, and must name it.
+    assert s.require_rollout_keys, name
+    assert s.require_rollout_id, name
+    # The control API (which mints keys) is on its own port only, behind a token from a secret.
+    assert s.admin_token == SECRET, name
+    assert s.admin_port not in (0, s.port), name
+    app = create_app(s, sink=MemorySink())
+    main_routes = {r.resource.canonical for r in app.router.routes() if r.resource}
+    assert not [r for r in main_routes if r.startswith("/admin")], name
+    # Slow and greedy clients are bounded (the defaults: these files do not switch them off).
+    assert s.max_connections > 0, name
+    for deadline in ("client_header_timeout", "client_body_timeout", "client_write_timeout"):
+        assert 0 < getattr(s, deadline) <= 300, (name, deadline)
+
+
+def test_no_deployment_runs_without_its_admin_token() -> None:
+    # The image bakes in no token and will not start without one: keys need the control API.
+    assert "CAPTURE_PROXY_ADMIN_TOKEN" not in _image_env()
+    with pytest.raises(SettingsError, match="--admin-token"):
+        _settings(_image_env())
+    # Compose refuses to start without it in deploy/.env...
+    env = _services()["capture-proxy"]["environment"]
+    assert _interpolate(env["CAPTURE_PROXY_ADMIN_TOKEN"], {}) == "required"
+    # ...Kubernetes reads it from the Secret...
+    [token] = [e for e in _container("capture-proxy")["env"] if e["name"].endswith("ADMIN_TOKEN")]
+    assert token["valueFrom"]["secretKeyRef"]["key"] == "admin-token"
+    # ...and the systemd example ships none: the unit fails, naming it, until the operator adds one
+    # (to the EnvironmentFile, never the command line, where `ps` would show it).
+    with pytest.raises(SettingsError, match="--admin-token"):
+        _settings(_env_file(filled_in=False))
+    assert "token" not in _unit()["Service"]["ExecStart"][0].lower()
+
+
+def test_deployments_give_the_proxy_descriptors_for_its_connection_cap() -> None:
+    default_cap = Settings().max_connections
+    assert connection_budget(int(_unit()["Service"]["LimitNOFILE"][0])) >= default_cap
+    nofile = _services()["capture-proxy"]["ulimits"]["nofile"]
+    assert nofile["soft"] == nofile["hard"]
+    assert connection_budget(int(nofile["hard"])) >= default_cap
 
 
 # ---- documentation -----------------------------------------------------------------------------

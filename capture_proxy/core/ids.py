@@ -1,19 +1,26 @@
-"""Identifiers: call ids that sort by time, and rollout id checks."""
+"""Identifiers: call ids nobody can guess, and rollout id checks.
+
+Sandboxes see call ids (``X-Capture-Call-Id``) and may see rollout ids (the control API names a
+rollout the driver did not name ``ro-`` + a lower-cased call id), and they run model-written
+code: an id must not tell them the next one. Each id carries 80 bits from the
+operating system's CSPRNG (`secrets`), drawn afresh for every id. The first 48 bits are the
+creation time in milliseconds, so ids made in different milliseconds sort by time; ids made in
+the same millisecond sort in no particular order (nothing relies on that order: manifests,
+``inspect`` and trajectories order calls by ``seq``, rollouts by their creation time).
+"""
 
 from __future__ import annotations
 
-import os
-import threading
+import secrets
 import time
 
 from ..schemas.records import ID_PATTERN
 
-__all__ = ["new_call_id", "valid_rollout_id"]
+__all__ = ["RANDOM_BITS", "new_call_id", "valid_rollout_id"]
 
 _CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
-_lock = threading.Lock()
-_last_ms = 0
-_last_rand = 0
+#: Random bits in every id: guessing one id takes about 2**79 tries, however many ids were seen.
+RANDOM_BITS = 80
 
 
 def _b32(value: int, length: int) -> str:
@@ -25,21 +32,13 @@ def _b32(value: int, length: int) -> str:
 
 
 def new_call_id(now_ms: int | None = None) -> str:
-    """A ULID-shaped id (26 chars, Crockford base32): 48-bit milliseconds, 80 random bits.
+    """A ULID-shaped id (26 chars, Crockford base32): 48-bit milliseconds, then 80 random bits.
 
-    Ids made in the same millisecond by this process increase monotonically, so sorting call ids
-    sorts calls by admission time, as `inspect` and manifests rely on.
+    The random part is fresh for every id, never the previous id's plus one (the ULID spec's
+    "monotonic" variant would make the next id in the same millisecond a guess away).
     """
-    global _last_ms, _last_rand
     ms = int(time.time() * 1000) if now_ms is None else now_ms
-    with _lock:
-        if ms <= _last_ms:
-            ms = _last_ms
-            rand = (_last_rand + 1) & ((1 << 80) - 1)
-        else:
-            rand = int.from_bytes(os.urandom(10), "big") >> 1  # headroom for increments
-        _last_ms, _last_rand = ms, rand
-    return _b32(ms, 10) + _b32(rand, 16)
+    return _b32(ms & ((1 << 48) - 1), 10) + _b32(secrets.randbits(RANDOM_BITS), 16)
 
 
 def valid_rollout_id(value: str) -> bool:

@@ -23,7 +23,7 @@ from ..core.exchange import ExchangeConfig, Pipeline
 from ..core.journal import journal_path, replay_journal
 from ..core.policy import RequestPolicy
 from ..core.shared_reader import SharedReader
-from ..errors import NotFound, PayloadTooLarge, ProxyError, error_body
+from ..errors import NotFound, PayloadTooLarge, ProxyError, RequestTimeout, error_body
 from ..schemas.request import FreeJsonLimits
 from ..sinks.base import StagingSink
 from ..sinks.registry import open_sink, store_local_dir
@@ -107,7 +107,12 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
                 "bytes",
                 code="body_too_large",
             )
-        response = await handler(request)
+        if request.body_exists and request.match_info.handler is not chat_completions:
+            response = await _with_body_deadline(
+                request, handler, state.settings.client_body_timeout
+            )
+        else:
+            response = await handler(request)
         return response
     except ProxyError as e:
         response = web.Response(
@@ -146,6 +151,35 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
         if access_log.isEnabledFor(logging.INFO):
             headers = response.headers if response is not None else {}
             _log_access(state, request, route, status, elapsed, headers)
+
+
+async def _with_body_deadline(
+    request: web.Request, handler: Handler, within: float
+) -> web.StreamResponse:
+    """Run `handler` with a deadline on the request's body: all of it must have arrived within
+    `within` seconds of the head (408 otherwise), however the handler reads it. The deadline
+    is lifted the moment the last byte arrives, so a slow handler is not cut short. (The chat
+    route has its own, so that its ledger records the refused call.)"""
+    deadline = asyncio.timeout(within)
+    active = True
+
+    def lift() -> None:
+        if active and not deadline.expired():
+            deadline.reschedule(None)
+
+    try:
+        async with deadline:
+            request.content.on_eof(lift)
+            return await handler(request)
+    except TimeoutError as e:
+        if not deadline.expired():
+            raise
+        raise RequestTimeout(
+            f"the request body did not arrive within {within:g}s (--client-body-timeout)",
+            code="body_timeout",
+        ) from e
+    finally:
+        active = False
 
 
 async def healthz(request: web.Request) -> web.Response:

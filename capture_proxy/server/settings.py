@@ -91,6 +91,26 @@ class Settings:
         False, "answer 400 to calls that name no rollout (path, X-Rollout-Id or x-session-id)"
     )
     max_body_bytes: int = _s(64 * 2**20, "largest request body accepted (413 above it)")
+    client_header_timeout: float = _s(
+        60.0,
+        "seconds a client connection may take to send a whole request head, counted from when "
+        "it opens or from its previous answer; then it is closed (idle keep-alive ones too)",
+    )
+    client_body_timeout: float = _s(
+        60.0, "seconds a client may take to send a request body once its head is in (408 after)"
+    )
+    client_write_timeout: float = _s(
+        60.0,
+        "seconds a client may leave its answer unread (the connection's buffers full): a stream "
+        "is then cut and its call recorded aborted (client_stalled); any connection left unread "
+        "twice as long is closed",
+    )
+    max_connections: int = _s(
+        4096,
+        "client connections open at once on the proxy port; a new one beyond it gets 503 with "
+        "Retry-After and is closed (0: no cap). Lowered at start to what the open-file limit "
+        "allows",
+    )
     max_passthrough_body_bytes: int = _s(
         2**20,
         "largest body of a pass-through route (/tokenize, /detokenize), relayed uncaptured; "
@@ -411,6 +431,9 @@ def _check(s: Settings) -> None:
         "seal_timeout",
         "shutdown_timeout",
         "rollout_idle_timeout",
+        "client_header_timeout",
+        "client_body_timeout",
+        "client_write_timeout",
     ):
         if getattr(s, name) <= 0:
             raise bad(name, f"must be > 0, got {getattr(s, name)}")
@@ -432,6 +455,7 @@ def _check(s: Settings) -> None:
         "upstream_total_timeout",
         "max_rollout_bytes",
         "max_rollout_calls",
+        "max_connections",
     ):
         if getattr(s, name) < 0:
             raise bad(name, f"must be >= 0, got {getattr(s, name)}")

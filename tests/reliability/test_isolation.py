@@ -135,6 +135,39 @@ async def test_the_path_decides_the_rollout_over_headers(make_proxy: Any) -> Non
     assert p.calls("B") == []
 
 
+@pytest.mark.parametrize(
+    ("rollout", "header"),
+    [("driver-42", None), (None, "X-Rollout-Id"), (None, "x-session-id")],
+)
+async def test_a_sandbox_cannot_squat_a_rollout_id_before_its_driver_creates_it(
+    make_proxy: Any, rollout: str | None, header: str | None
+) -> None:
+    # The settings every file in deploy/ ships (docs/security.md).
+    p, key_a, _ = await keyed(make_proxy, require_rollout_id=True)
+    headers = {**bearer(key_a), **({header: "driver-42"} if header else {})}
+    resp = await p.chat(chat_body(user("squat")), rollout=rollout, headers=headers)
+    assert resp.status == 403
+    assert (await resp.json())["error"]["code"] == "unknown_rollout"
+    assert p.fake.requests == []
+    source = p.source()
+    try:
+        assert "driver-42" not in source.rollouts()  # the refusal created nothing
+    finally:
+        source.close_reader()
+    # The driver creates the id later: it is still free, and only its own key writes into it.
+    resp = await p.client.post("/admin/rollouts", json={"rollout_id": "driver-42"}, headers=ADMIN)
+    assert resp.status == 201
+    key = (await resp.json())["api_key"]
+    resp = await p.chat(chat_body(user("hi")), rollout="driver-42", headers=bearer(key))
+    assert resp.headers["X-Capture-Status"] == "staged"
+    assert [r.call_id for r in p.calls("driver-42")] == [resp.headers["X-Capture-Call-Id"]]
+    assert p.failures("driver-42") == []
+    # A call that names no rollout at all is refused as such.
+    resp = await p.chat(chat_body(user("x")), rollout=None, headers=bearer(key))
+    assert resp.status == 400
+    assert (await resp.json())["error"]["code"] == "rollout_id_required"
+
+
 PASSTHROUGH = [
     ("GET", "/v1/models", None),
     ("GET", "/version", None),
