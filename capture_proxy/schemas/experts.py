@@ -27,6 +27,8 @@ import math
 import struct
 from dataclasses import dataclass
 
+from ..errors import CaptureProxyError
+
 __all__ = [
     "EXPERTS",
     "EXPERTS_INCOMPLETE",
@@ -49,7 +51,7 @@ _MAGIC = b"\x93NUMPY"
 _PREAMBLE = {1: (10, "<H"), 2: (12, "<I"), 3: (12, "<I")}
 
 
-class ExpertsFormatError(ValueError):
+class ExpertsFormatError(CaptureProxyError):
     """A ``routed_experts`` value is not a base64 ``.npy`` array this module can read."""
 
 

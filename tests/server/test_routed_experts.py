@@ -10,7 +10,7 @@ from typing import Any
 import orjson
 import pytest
 
-from capture_proxy.read.experts import ExpertsIncomplete
+from capture_proxy import ExpertsIncomplete
 from capture_proxy.read.reader import open_store
 from capture_proxy.schemas.records import StagedCallRecord
 from capture_proxy.sinks.registry import open_sink
