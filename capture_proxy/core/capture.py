@@ -541,6 +541,8 @@ class Capture:
         live = self.rollout(rollout_id)
         index = live.experts if live is not None else None
 
+        # The experts lookup only reads the index: a call staged meanwhile is not a candidate
+        # for this one, which then asks for more positions than it needed, never fewer.
         def keys() -> tuple[bytes, ExpertsPlan | None]:
             return request_key(request), index.plan(request) if index is not None else None
 

@@ -103,6 +103,20 @@ async def test_each_call_stores_only_the_experts_its_parent_did_not(make_proxy: 
         assert read_experts(full)[1] == experts_for(_full(record))
 
 
+async def test_large_requests_choose_their_start_off_the_event_loop(
+    make_proxy: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every body counts as large: admission hashes the messages on a worker thread.
+    monkeypatch.setattr("capture_proxy.core.exchange.OFFLOAD_BYTES", 0)
+    fake = FakeVLLM(routed_experts=True)
+    fake.push(*_turns(3))
+    p = await make_proxy(fake=fake)
+    await _session(p, 3)
+    records = p.calls()
+    assert fake.requests[2]["routed_experts_prompt_start"] == len(_full(records[1]))
+    assert sum(_rows(r) for r in records) == len(_full(records[-1]))
+
+
 async def test_streamed_calls_continue_their_parent_too(make_proxy: Any) -> None:
     fake = FakeVLLM(routed_experts=True)
     fake.push(*_turns(2))
