@@ -28,6 +28,8 @@ _EXPORTS = {
     "DigestMismatch": "capture_proxy.schemas.digest",
     "Drift": "capture_proxy.read.trajectory",
     "EncodingError": "capture_proxy.schemas.digest",
+    "ExpertsIncomplete": "capture_proxy.read.experts",
+    "ExpertsUnavailable": "capture_proxy.read.experts",
     "FakeToolCall": "capture_proxy.testing.fake_vllm",
     "FakeVLLM": "capture_proxy.testing.fake_vllm",
     "Fault": "capture_proxy.testing.fake_vllm",
@@ -79,6 +81,8 @@ __all__ = [
     "DigestMismatch",
     "Drift",
     "EncodingError",
+    "ExpertsIncomplete",
+    "ExpertsUnavailable",
     "FakeToolCall",
     "FakeVLLM",
     "Fault",
@@ -121,6 +125,7 @@ if TYPE_CHECKING:
     from .core.transport import UpstreamInfo, UpstreamTransport
     from .errors import CaptureProxyError, ProxyError
     from .library import CaptureClient, ChatResult, PreparedCall
+    from .read.experts import ExpertsIncomplete, ExpertsUnavailable
     from .read.reader import Store, StoreCorrupted, open_store
     from .read.status import NotStaged, RolloutExcluded
     from .read.trajectory import Drift, Segment, Trajectory

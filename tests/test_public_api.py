@@ -108,6 +108,9 @@ ERRORS = [
     "capture_proxy.core.policy:PolicyError",
     "capture_proxy.server.settings:SettingsError",
     "capture_proxy.read.reader:StoreCorrupted",
+    "capture_proxy.read.experts:ExpertsUnavailable",
+    "capture_proxy.read.experts:ExpertsIncomplete",
+    "capture_proxy.schemas.experts:ExpertsFormatError",
     "capture_proxy.inspect.views:InspectError",
 ]
 

@@ -19,7 +19,7 @@ import time
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ..errors import CaptureUnavailable, Conflict, ProxyError, TooManyRequests, Unprocessable
@@ -38,6 +38,7 @@ from ..schemas.records import (
 )
 from ..schemas.tokens import full_sequence
 from ..sinks.base import StagingSink, StagingSource
+from .experts import ExpertsParent, ExpertsPlan, record_experts
 from .ids import new_call_id
 from .ledger import LedgerWriter
 from .policy import PolicyError, RequestPolicy, check_policy
@@ -136,6 +137,10 @@ class Call:
     #: what its record counts once built (`record_bytes`).
     reserved: int = 0
     record_bytes: int = 0
+    #: Where its routed experts start (the earlier call it continues), chosen at admission; and
+    #: once its record is built, its own entry for the calls after it (`core/experts.py`).
+    experts: ExpertsPlan = field(default_factory=ExpertsPlan)
+    experts_entry: tuple[bytes, ExpertsParent] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -458,12 +463,15 @@ class Capture:
         *,
         key: bytes | None = None,
         size: int = 0,
+        experts: ExpertsPlan | None = None,
     ) -> Call:
-        """Admit a call: assign its id and sequence number, link retries, stamp the weight version.
+        """Admit a call: assign its id and sequence number, link retries, stamp the weight version,
+        choose where its routed experts start.
 
         Resolve the rollout first with `ensure_rollout` (it may have to read the store).
         `key` is the request's `request_key` when the caller has computed it already; `size`
-        the body's size, held against the rollout's byte quota until the call ends.
+        the body's size, held against the rollout's byte quota until the call ends; `experts`
+        the rollout's `ExpertsIndex.plan` for the request, when computed already.
         Raises a `ProxyError` (409 sealed, 429/503 limits) when the call must not proceed.
         """
         live = self.rollout(rollout_id)
@@ -500,6 +508,7 @@ class Capture:
             rollout=live,
             reserved=size,
             weight_version_decreased_from=decreased,
+            experts=experts if experts is not None else live.experts.plan(request),
         )
         live.calls_used += 1
         live.bytes_reserved += size
@@ -529,8 +538,18 @@ class Capture:
         Both walk the whole request (the digest in Python, object by object); a thread hop
         costs ~0.1 ms, so small requests are better served by `begin_call`.
         """
-        key = await asyncio.to_thread(request_key, request)
-        call = self.begin_call(rollout_id, request, attachments, key=key, size=size)
+        live = self.rollout(rollout_id)
+        index = live.experts if live is not None else None
+
+        # The experts lookup only reads the index: a call staged meanwhile is not a candidate
+        # for this one, which then asks for more positions than it needed, never fewer.
+        def keys() -> tuple[bytes, ExpertsPlan | None]:
+            return request_key(request), index.plan(request) if index is not None else None
+
+        key, experts = await asyncio.to_thread(keys)
+        call = self.begin_call(
+            rollout_id, request, attachments, key=key, size=size, experts=experts
+        )
         call.offload = True
         return call
 
@@ -566,6 +585,18 @@ class Capture:
         extras = completion.extras
         if call.weight_version_decreased_from is not None:
             extras = {**extras, DECREASED_FROM: call.weight_version_decreased_from}
+        experts, call.experts_entry = record_experts(
+            call.experts,
+            call.request,
+            completion.message,
+            completion.prompt_token_ids,
+            completion.completion_token_ids,
+            extras,
+            call.seq,
+            call.call_id,
+        )
+        if experts:
+            extras = {**extras, **experts}
         record = StagedCallRecord(
             rollout_id=call.rollout_id,
             call_id=call.call_id,
@@ -644,6 +675,8 @@ class Capture:
                     full_sequence(completion.prompt_token_ids, completion.completion_token_ids),
                     call.request_key,
                 )
+                if call.experts_entry is not None:
+                    call.rollout.experts.add(*call.experts_entry)
                 call.rollout.outcomes[call.call_id] = CallOutcome(
                     call.seq,
                     call.call_id,

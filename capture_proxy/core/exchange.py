@@ -238,7 +238,7 @@ class Exchange:
             raise
         self.request = request
         self.info = await self.pipeline.upstream.info(str(request.get("model", "")))
-        self.plan = self.adapter.plan(request)
+        self.plan = self._plan()
 
     async def refuse(self, err: ProxyError) -> None:
         """Record the call as refused with `err` before admission (``rejected`` in the ledger,
@@ -283,6 +283,11 @@ class Exchange:
             param=key,
         )
 
+    def _plan(self) -> ForwardPlan:
+        assert self.call is not None
+        start = self.call.experts.start  # an earlier call staged the experts before it
+        return self.adapter.plan(self.request, routed_experts_prompt_start=start)
+
     @property
     def adapter(self) -> VLLMAdapter:
         return self.pipeline.adapter(self.info.reasoning_field)
@@ -320,7 +325,7 @@ class Exchange:
                 # A new upstream process (noticed before anything was sent): plan the call again
                 # with its facts (version, reasoning field, fingerprint, defaults), once.
                 self.info = await self.pipeline.upstream.info(str(self.request.get("model", "")))
-                self.plan = self.adapter.plan(self.request)
+                self.plan = self._plan()
                 self._reply = await self.pipeline.upstream.post_chat(self.plan.body)
         except UpstreamFailed as e:
             await self.fail_upstream(e)

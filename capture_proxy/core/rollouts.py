@@ -21,6 +21,7 @@ import orjson
 from ..schemas.records import Attachment, CallStatus, CommitCoords, RolloutState, StagedCallRecord
 from ..schemas.tokens import full_sequence
 from ..sinks.base import StagingSource
+from .experts import ExpertsIndex, stored_entry
 from .lineage import LineageIndex
 from .weights import DECREASED_FROM
 
@@ -88,6 +89,9 @@ class RolloutLive:
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     #: Every staged call of the rollout, for the parent search (`LineageIndex`).
     lineage: LineageIndex = field(default_factory=LineageIndex)
+    #: The staged calls that hold routed experts, by their messages: where a new call's experts
+    #: may start (`capture_proxy.core.experts`).
+    experts: ExpertsIndex = field(default_factory=ExpertsIndex)
     # request_key -> call ids with that exact normalized request (oldest first)
     requests: OrderedDict[bytes, str] = field(default_factory=OrderedDict)
     outcomes: dict[str, CallOutcome] = field(default_factory=dict)
@@ -168,8 +172,9 @@ def resume_rollout(open_source: Callable[[], StagingSource], rollout_id: str) ->
     """The rollout as the store has it (None if the store does not know it). Blocking I/O.
 
     Reads the per-call summaries for sequence numbers and the manifest, then decodes the
-    staged records in batches, once: for the quota's byte count, the parent search's index and
-    the retry candidates. O(rollout) per resume, on a worker thread.
+    staged records in batches, once: for the quota's byte count, the parent search's index, the
+    retry candidates and the calls routed experts may continue. O(rollout) per resume, on a
+    worker thread.
     """
     source = open_source()
     try:
@@ -217,6 +222,9 @@ def resume_rollout(open_source: Callable[[], StagingSource], rollout_id: str) ->
                 live.remember_request(key, r.call_id)
                 full = full_sequence(r.prompt_token_ids, r.completion_token_ids)
                 live.add_lineage(r.seq, r.call_id, full, key)
+                entry = stored_entry(r.request, r.response, full, r.extras, r.seq, r.call_id)
+                if entry is not None:
+                    live.experts.add(*entry)
             # The flag a record carries shows in its manifest line again.
             decreased = r.extras.get(DECREASED_FROM)
             if isinstance(decreased, int):

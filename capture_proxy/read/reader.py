@@ -234,6 +234,43 @@ class Store:
             rollout_id, records, include_untooled=include_untooled, status=status
         )
 
+    def routed_experts(
+        self,
+        call_id: str,
+        *,
+        include_open: bool = False,
+        include_poisoned: bool = False,
+        verify: bool = True,
+        allow_incomplete: bool = False,
+    ) -> str | None:
+        """The call's routed experts over its whole prompt + completion, or None when its record
+        has none (vLLM without ``--enable-return-routed-experts``).
+
+        A record stores only the rows its parent did not (`capture_proxy.read.experts`); this
+        rebuilds the full array, as vLLM encodes it: a base64 ``.npy`` string whose first axis
+        is the position. Raises like `calls` (`RolloutExcluded`, KeyError, `DigestMismatch`),
+        `ExpertsIncomplete` when the call is flagged ``routed_experts_incomplete`` (unless
+        `allow_incomplete`: then the rows before its start are its parent's) and
+        `ExpertsUnavailable` when a record of the chain is missing.
+        """
+        from .experts import assemble_experts
+
+        def fetch(key: str) -> StagedCallRecord:
+            if verify:
+                (found,) = self.fetch([key])
+            else:
+                (found,) = self.source.fetch([key])
+            return found
+
+        record = fetch(call_id)
+        check_included(
+            record.rollout_id,
+            self.status(record.rollout_id),
+            include_open=include_open,
+            include_poisoned=include_poisoned,
+        )
+        return assemble_experts(fetch, record, allow_incomplete=allow_incomplete)
+
     def iter_trajectories(
         self,
         *,

@@ -91,6 +91,16 @@ def test_plan_injects_token_fields_without_touching_the_callers_dict() -> None:
     )
 
 
+def test_plan_asks_for_routed_experts_from_the_start_given_unless_the_client_chose() -> None:
+    req = client_request("chat-request.json")
+    assert "routed_experts_prompt_start" not in orjson.loads(VLLMAdapter().plan(req).body)
+    plan = VLLMAdapter().plan(req, routed_experts_prompt_start=40)
+    assert orjson.loads(plan.body)["routed_experts_prompt_start"] == 40
+    req["routed_experts_prompt_start"] = 7
+    plan = VLLMAdapter().plan(req, routed_experts_prompt_start=40)
+    assert orjson.loads(plan.body)["routed_experts_prompt_start"] == 7
+
+
 def test_plan_stream_asks_for_usage_and_remembers_the_client_did_not() -> None:
     req = client_request("chat-request.json", stream=True)
     plan = VLLMAdapter().plan(req)

@@ -102,13 +102,17 @@ class VLLMAdapter:
         self.reasoning_field: ReasoningField = reasoning_field
         self.prefixes = PrefixCache(prefix_cache_bytes)
 
-    def plan(self, request: dict[str, Any]) -> ForwardPlan:
+    def plan(
+        self, request: dict[str, Any], *, routed_experts_prompt_start: int | None = None
+    ) -> ForwardPlan:
         """The bytes to forward for a normalized, validated request (which is not modified).
 
         Adds ``return_token_ids: true``, ``logprobs: true`` and ``top_logprobs`` (the client's
         value if it asked for logprobs, else 0); on streams ``stream_options.include_usage: true``.
         ``return_tokens_as_token_ids`` is left as the client sent it: it rewrites the logprob
-        tokens the client sees.
+        tokens the client sees. `routed_experts_prompt_start` is sent when given and the client
+        did not send one itself: the routed experts of the positions before it are staged
+        already (with an earlier call), so vLLM need not return them again.
         """
         stream = request.get("stream") is True
         client_logprobs = request.get("logprobs") is True
@@ -128,6 +132,8 @@ class VLLMAdapter:
         body["return_token_ids"] = True
         body["logprobs"] = True
         body["top_logprobs"] = top_logprobs if client_logprobs and top_logprobs else 0
+        if routed_experts_prompt_start is not None and "routed_experts_prompt_start" not in body:
+            body["routed_experts_prompt_start"] = routed_experts_prompt_start
         if stream:
             opts["include_usage"] = True
             body["stream_options"] = opts
