@@ -14,6 +14,7 @@ from aiohttp.test_utils import TestServer
 
 from capture_proxy.read.reader import open_store
 from capture_proxy.server.app import create_admin_app
+from capture_proxy.server.settings import SettingsError, load_settings
 from capture_proxy.sinks.base import StoreError
 from capture_proxy.sinks.registry import open_sink
 from capture_proxy.sinks.remote import StoreAccessDenied
@@ -57,6 +58,8 @@ async def episode(p: Proxy, rollout: str = "ep-1") -> dict[str, Any]:
         assert resp.headers["X-Capture-Status"] == "staged"
         answer = (await resp.json())["choices"][0]["message"]["content"]
         messages += [{"role": "assistant", "content": answer}, user(f"and then {turn}?")]
+    refused = await p.chat({"model": "policy", "messages": "not a list"}, rollout=rollout)
+    assert refused.headers["X-Capture-Status"] == "rejected"  # a ledger entry to read back
     sealed = await p.client.post(f"/admin/rollouts/{rollout}/seal", headers=ADMIN)
     assert sealed.status == 200
     manifest: dict[str, Any] = await sealed.json()
@@ -82,14 +85,16 @@ async def test_a_remote_store_reads_like_the_local_one(
 ) -> None:
     p = await served(make_proxy, tmp_path, store_kind)
     manifest = await episode(p)
-    coords = [c["coords"] for c in manifest["calls"]]
+    coords = [c["coords"] for c in manifest["calls"] if c["status"] == "staged"]
 
     def read() -> None:
         with open_store(p.sink.url) as local, open_store(url_of(p), token=READER_TOKEN) as remote:
             assert remote.url == url_of(p)
             assert remote.rollouts() == local.rollouts() == ["ep-1"]
             assert remote.rollout_info("ep-1") == local.rollout_info("ep-1")
-            assert remote.failures("ep-1") == local.failures("ep-1") == []
+            (failure,) = remote.failures("ep-1")
+            assert remote.failures("ep-1") == local.failures("ep-1")
+            assert failure.status == "rejected"
             here, there = local.calls("ep-1"), remote.calls("ep-1")
             assert [r.digest for r in there] == [r.digest for r in here]
             assert [r.prompt_token_ids for r in there] == [r.prompt_token_ids for r in here]
@@ -295,3 +300,47 @@ def test_a_remote_store_cannot_be_written() -> None:
 
     with pytest.raises(UnsupportedStoreOperation, match="read-only"):
         open_sink("http://127.0.0.1:8100")
+
+
+# -- the reader token's settings --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("token", ["short-token", "changeme-changeme-1", "a" * 40])
+def test_weak_reader_tokens_are_refused_at_start(token: str) -> None:
+    with pytest.raises(SettingsError, match="--reader-token"):
+        load_settings(
+            environ={
+                "CAPTURE_PROXY_ADMIN_TOKEN": ADMIN_TOKEN,
+                "CAPTURE_PROXY_READER_TOKEN": token,
+            }
+        )
+
+
+def test_the_reader_token_needs_the_control_api_and_a_token_of_its_own() -> None:
+    with pytest.raises(SettingsError, match="needs --admin-token"):
+        load_settings(environ={"CAPTURE_PROXY_READER_TOKEN": READER_TOKEN})
+    with pytest.raises(SettingsError, match="is the admin token"):
+        load_settings(
+            environ={
+                "CAPTURE_PROXY_ADMIN_TOKEN": ADMIN_TOKEN,
+                "CAPTURE_PROXY_READER_TOKEN": ADMIN_TOKEN,
+            }
+        )
+
+
+def test_the_reader_token_is_read_from_a_file(tmp_path: Path) -> None:
+    path = tmp_path / "reader"
+    path.write_text(READER_TOKEN + "\n")
+    admin = {"CAPTURE_PROXY_ADMIN_TOKEN": ADMIN_TOKEN}
+    settings = load_settings(environ={**admin, "CAPTURE_PROXY_READER_TOKEN_FILE": str(path)})
+    assert settings.reader_token == READER_TOKEN
+    assert settings.public()["reader_token"] == "***"
+    with pytest.raises(SettingsError, match="reader-token-file"):
+        load_settings(environ={**admin, "CAPTURE_PROXY_READER_TOKEN_FILE": str(tmp_path / "no")})
+    both = {
+        **admin,
+        "CAPTURE_PROXY_READER_TOKEN_FILE": str(path),
+        "CAPTURE_PROXY_READER_TOKEN": READER_TOKEN,
+    }
+    with pytest.raises(SettingsError, match="--reader-token are both set"):
+        load_settings(environ=both)
