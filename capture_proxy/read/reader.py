@@ -6,6 +6,7 @@
     ...     traj.token_ids, traj.loss_mask, traj.logprobs
     >>> records = store.fetch(manifest_coords)           # verifies every digest; raises on mismatch
     >>> store.verify()                                   # raises on any corruption in the store
+    >>> remote = open_store("http://proxy-host:8100", token=reader_token)  # the same API
 
 The trainer-facing reads (`calls`, `trajectory`, `iter_trajectories`) take the same three
 keywords, with safe defaults: ``include_open=False`` (leave out rollouts not sealed yet),
@@ -67,7 +68,8 @@ def _key_of(item: str | CommitCoords | Mapping[str, Any]) -> str:
 
 
 class Store:
-    """A staged-data store opened for reading (SQLite file or Parquet dataset)."""
+    """A staged-data store opened for reading (SQLite file, Parquet dataset, or a proxy's store
+    over HTTP)."""
 
     def __init__(self, source: StagingSource) -> None:
         self.source = source
@@ -304,6 +306,14 @@ class Store:
                 yield traj
 
 
-def open_store(url: str) -> Store:
-    """Open a store for reading: ``sqlite:///path.db``, ``parquet:///dir``, ``s3://bucket/prefix``."""
-    return Store(open_source(url))
+def open_store(url: str, *, token: str | None = None) -> Store:
+    """Open a store for reading: ``sqlite:///path.db``, ``parquet:///dir``, ``s3://bucket/prefix``,
+    or ``http://HOST:PORT`` (``https://``): the store of a running proxy, read through its control
+    API with `token`, its ``--reader-token`` or ``--admin-token`` (default: the environment's
+    ``CAPTURE_PROXY_READER_TOKEN``). A remote store has the same read API; its records are
+    verified here, on the reading side (docs/contract.md, "Reading the store from another host").
+
+    Raises `StoreError` when there is no store there; for a proxy, `StoreAccessDenied` (a
+    `StoreError`) when it refuses the token.
+    """
+    return Store(open_source(url, token=token))

@@ -32,6 +32,7 @@ from .chat import chat_completions
 from .control import add_control_routes
 from .metrics import Metrics
 from .passthrough import PASSTHROUGH_PATHS, passthrough
+from .read_routes import add_read_routes
 from .settings import Settings
 from .state import STATE, ProxyState
 
@@ -345,6 +346,7 @@ def create_app(settings: Settings, *, sink: StagingSink | None = None) -> web.Ap
             app.router.add_route(method, prefix + path, passthrough)
     if not settings.admin_port:
         add_control_routes(app)
+        add_read_routes(app)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)
@@ -360,6 +362,7 @@ def create_admin_app(main: web.Application) -> web.Application:
     admin = web.Application(middlewares=[errors_and_metrics])
     admin[STATE] = main[STATE]
     add_control_routes(admin)
+    add_read_routes(admin)
     return admin
 
 

@@ -22,8 +22,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..core.ids import new_call_id, valid_rollout_id
 from ..core.rollouts import RolloutLive, resume_rollout
-from ..errors import NotFound, Unauthorized, Unprocessable
+from ..errors import Forbidden, NotFound, Unauthorized, Unprocessable
 from ..schemas.request import RequestValidationError
+from .read_routes import reader_may_not
 from .state import STATE, ProxyState, token_bytes
 from .validation import answer_for, check_rollout_policy, read_body
 
@@ -58,6 +59,12 @@ def _authorize(request: web.Request) -> ProxyState:
     auth = request.headers.get("Authorization", "")
     given = auth[7:] if auth.startswith("Bearer ") else ""
     if not hmac.compare_digest(token_bytes(given), token.encode()):
+        if reader_may_not(request):
+            raise Forbidden(
+                "the reader token only reads the store (/admin/store); this route needs the "
+                "admin token",
+                code="reader_token_read_only",
+            )
         raise Unauthorized(
             "the control API needs Authorization: Bearer <admin token>", code="admin_token"
         )

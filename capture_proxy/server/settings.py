@@ -165,6 +165,16 @@ class Settings:
     admin_token_file: str = _s(
         "", "file whose first line is the control API's bearer token (instead of --admin-token)"
     )
+    reader_token: str = _s(
+        "",
+        "bearer token that may only read the store through the control API (trainers on other "
+        "hosts: open_store('http://HOST:PORT', token=...)), at least 16 characters and not the "
+        "admin token; needs --admin-token. Prefer the environment or --reader-token-file",
+        secret=True,
+    )
+    reader_token_file: str = _s(
+        "", "file whose first line is the reader token (instead of --reader-token)"
+    )
     admin_port: int = _s(0, "serve the control API on this port instead of the main one (0: main)")
     admin_host: str = _s(
         "", "address the --admin-port listener binds (default: --host); e.g. 127.0.0.1"
@@ -349,18 +359,20 @@ def load_settings(
         if choices and value not in choices:
             raise SettingsError(f"{source} must be one of {', '.join(choices)}, got {value!r}")
         values[f.name] = value
-    if values.get("admin_token_file"):
-        values["admin_token"] = _read_token_file(values)
+    for name in ("admin_token", "reader_token"):
+        if values.get(f"{name}_file"):
+            values[name] = _read_token_file(values, name)
     settings = Settings(**values)
     _check(settings)
     return settings
 
 
-def _read_token_file(values: Mapping[str, Any]) -> str:
-    path = values["admin_token_file"]
-    where = f"{_flag('admin_token_file')} ({_env('admin_token_file')})"
-    if values.get("admin_token"):
-        raise SettingsError(f"{where} and --admin-token are both set: give one, not both")
+def _read_token_file(values: Mapping[str, Any], name: str) -> str:
+    """The token in the file `values` names for the setting `name` (``admin_token``, ...)."""
+    path = values[f"{name}_file"]
+    where = f"{_flag(f'{name}_file')} ({_env(f'{name}_file')})"
+    if values.get(name):
+        raise SettingsError(f"{where} and {_flag(name)} are both set: give one, not both")
     try:
         with open(path, encoding="utf-8") as fh:
             token = fh.readline().strip()
@@ -461,10 +473,17 @@ def _check(s: Settings) -> None:
             raise bad(name, f"must be >= 0, got {getattr(s, name)}")
     if s.upstream != "fake" and not s.upstream.startswith(("http://", "https://")):
         raise bad("upstream", f"must be an http(s) URL or 'fake', got {s.upstream!r}")
-    if s.admin_token:
-        why = _weak_token(s.admin_token)
+    for name in ("admin_token", "reader_token"):
+        why = _weak_token(getattr(s, name)) if getattr(s, name) else None
         if why:
-            raise bad("admin_token", f"is {why}: use a random one, e.g. openssl rand -hex 32")
+            raise bad(name, f"is {why}: use a random one, e.g. openssl rand -hex 32")
+    if s.reader_token and not s.admin_token:
+        raise bad(
+            "reader_token",
+            "needs --admin-token: the store's read routes are part of the control API",
+        )
+    if s.reader_token and s.reader_token == s.admin_token:
+        raise bad("reader_token", "is the admin token: give readers a token of their own, or none")
     if s.require_rollout_keys and not s.admin_token:
         raise bad(
             "require_rollout_keys",

@@ -1,4 +1,5 @@
-"""The built-in store kinds: SQLite, Parquet and the in-process memory store.
+"""The built-in store kinds: SQLite, Parquet, the in-process memory store, and the store of a
+running proxy read over HTTP.
 
 They register through `register_store_kind`, the function a plugin uses; the registry imports this
 module the first time it is used. Each method imports its kind's package when called, so
@@ -11,12 +12,19 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .base import CompactStats, GcStats, StagingSink, StagingSource, StoreError
+from .base import (
+    CompactStats,
+    GcStats,
+    StagingSink,
+    StagingSource,
+    StoreError,
+    UnsupportedStoreOperation,
+)
 from .memory import MemorySink
 from .registry import StoreKind, register_store_kind
 from .urls import StoreURL
 
-__all__ = ["MemoryKind", "ParquetKind", "SQLiteKind"]
+__all__ = ["MemoryKind", "ParquetKind", "RemoteKind", "SQLiteKind"]
 
 
 class SQLiteKind(StoreKind):
@@ -130,6 +138,36 @@ class MemoryKind(StoreKind):
         return f"{store.url} lives in a process's memory"
 
 
+class RemoteKind(StoreKind):
+    """``http://HOST:PORT`` (or ``https://``): the store of a running proxy, read through the
+    read routes of its control API with a token (`capture_proxy.sinks.remote`). Read-only: the
+    proxy writes its own store; gc and compaction run where the store is."""
+
+    name = "remote"
+    label = "remote"
+    url_schemes = ("http", "https")
+    takes_token = True
+
+    def open_sink(self, store: StoreURL, **options: Any) -> StagingSink:
+        raise UnsupportedStoreOperation(
+            f"{self.describe(store)}: it is read-only; the proxy there writes its own store"
+        )
+
+    def open_source(
+        self, store: StoreURL, *, cache_bytes: int | None = None, token: str | None = None
+    ) -> StagingSource:
+        from .remote import RemoteSource
+
+        # Where no token is passed (the `inspect` and `export` commands), the environment's:
+        # the variable the proxy reads its --reader-token from, so one setting serves both.
+        token = token if token is not None else os.environ.get("CAPTURE_PROXY_READER_TOKEN")
+        return RemoteSource(store.url, token=token)
+
+    def describe(self, store: StoreURL) -> str:
+        return f"{store.url} is a proxy's store read over HTTP"
+
+
 register_store_kind(SQLiteKind())
 register_store_kind(ParquetKind())
 register_store_kind(MemoryKind())
+register_store_kind(RemoteKind())

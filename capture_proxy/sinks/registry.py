@@ -22,6 +22,7 @@ from .base import (
     GcStats,
     StagingSink,
     StagingSource,
+    StoreError,
     UnsupportedStoreOperation,
 )
 from .urls import StoreURL, parse_store_url
@@ -63,6 +64,9 @@ class StoreKind:
     path_suffixes: ClassVar[tuple[str, ...]] = ()
     #: A plain path no kind's suffix claims is this kind (at most one kind: Parquet).
     plain_paths: ClassVar[bool] = False
+    #: Opening a reader takes a ``token`` (a store behind an HTTP server that asks for one);
+    #: `open_source` refuses a token for kinds without it.
+    takes_token: ClassVar[bool] = False
 
     def open_sink(self, store: StoreURL, **options: Any) -> StagingSink:
         """A writer for `store`, created when there is none. `options` are the sink's own
@@ -180,14 +184,26 @@ def open_sink(url: str, **options: Any) -> StagingSink:
     return kind.open_sink(store, **options)
 
 
-def open_source(url: str, *, cache_bytes: int | None = None) -> StagingSource:
+def open_source(
+    url: str, *, cache_bytes: int | None = None, token: str | None = None
+) -> StagingSource:
     """A reader for the store at `url`; raises `StoreError` when there is no store there.
 
     `cache_bytes` bounds a Parquet reader's row-group cache (a long-lived reader inside the
-    proxy wants a small one; a trainer reading in bulk, the default).
+    proxy wants a small one; a trainer reading in bulk, the default). `token` is for kinds that
+    ask for one (a proxy's store read over HTTP); giving one to another kind is a `StoreError`.
     """
     kind, store = resolve_store(url)
-    return kind.open_source(store, cache_bytes=cache_bytes)
+    if not kind.takes_token:
+        if token is not None:
+            raise StoreError(
+                f"a token is for stores read through a proxy (http://, https://); "
+                f"{kind.describe(store)}"
+            )
+        return kind.open_source(store, cache_bytes=cache_bytes)
+    opener: Any = kind.open_source  # the kind's own signature, which takes `token`
+    source: StagingSource = opener(store, cache_bytes=cache_bytes, token=token)
+    return source
 
 
 def gc_store(

@@ -158,7 +158,7 @@ def test_an_unknown_scheme_lists_the_known_kinds(tape: TapeKind) -> None:
     assert str(caught.value) == (
         "store URL 'ftp://host/store': unknown scheme 'ftp'; the known store kinds are "
         "sqlite (sqlite:///); parquet (parquet:///, file://, s3://, gs://, gcs://, hdfs://, "
-        "abfs://, az://); memory (memory://); tape (tape://)"
+        "abfs://, az://); memory (memory://); remote (http://, https://); tape (tape://)"
     )
 
 
@@ -187,7 +187,7 @@ def test_a_kind_cannot_take_another_kinds_urls(tape: TapeKind) -> None:
         ValueError, match=r"^store kind paths: already taken: plain paths by parquet$"
     ):
         register_store_kind(Paths())
-    assert [k.name for k in store_kinds()] == ["sqlite", "parquet", "memory", "tape"]
+    assert [k.name for k in store_kinds()] == ["sqlite", "parquet", "memory", "remote", "tape"]
 
 
 def test_each_kind_picks_its_local_folder(tmp_path: Path) -> None:
