@@ -48,7 +48,7 @@ class WeightVersion(BaseModel):
     weight_version: int = Field(ge=0)
 
 
-class Outcome(BaseModel):
+class OutcomeBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     #: A number or an object of numbers: checked by `check_reward`, which names the component.
@@ -176,7 +176,7 @@ async def put_weight_version(request: web.Request) -> web.Response:
     return _json({"weight_version": body.weight_version})
 
 
-def _outcome_of(body: Outcome) -> RolloutOutcome:
+def _outcome_of(body: OutcomeBody) -> RolloutOutcome:
     try:
         reward = check_reward(body.reward)
     except RequestValidationError as e:
@@ -200,7 +200,7 @@ async def put_outcome(request: web.Request) -> web.Response:
             f"an outcome body is at most {MAX_OUTCOME_BYTES} bytes, got {len(raw)}",
             code="outcome_too_large",
         )
-    outcome = _outcome_of(read_body(raw, Outcome))
+    outcome = _outcome_of(read_body(raw, OutcomeBody))
     try:
         header = await state.capture.put_outcome(rollout_id, outcome)
     except KeyError as exc:
