@@ -14,7 +14,8 @@ import pytest
 
 from capture_proxy.cli import main
 from capture_proxy.read.reader import open_store
-from capture_proxy.schemas.records import RolloutState
+from capture_proxy.schemas.outcome import RolloutOutcome
+from capture_proxy.schemas.records import RolloutInfo, RolloutState
 from capture_proxy.sinks.base import StagingSink
 from capture_proxy.sinks.parquet import ParquetSink
 from capture_proxy.sinks.sqlite import SQLiteSink
@@ -109,6 +110,26 @@ async def test_seal_writes_the_state_into_the_store(
         assert len(store.calls("running")) == 2
     code, text, _ = await run(["seal", url, "done"], capsys)
     assert (code, text) == (0, "done: already sealed\n")
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "parquet"])
+async def test_sealing_offline_keeps_the_rollouts_outcomes(
+    kind: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = await three_rollouts(kind, tmp_path)
+    graded = RolloutOutcome(reward=1.0, group_id="g", at_ms=5)
+    _, sink = open_writer(kind, tmp_path)
+    with open_store(url) as store:
+        header = store.rollout_info("done")
+    await sink.put_rollout(
+        RolloutInfo("done", header.state, False, header.created_at_ms, None, {}, {}, (graded,))
+    )
+    await sink.close()
+    code, _, _ = await run(["seal", url, "done"], capsys)
+    assert code == 0
+    with open_store(url) as store:
+        info = store.rollout_info("done")
+        assert (info.state, info.outcome_history) == (RolloutState.SEALED, (graded,))
 
 
 @pytest.mark.parametrize("kind", ["sqlite", "parquet"])

@@ -19,11 +19,12 @@ import time
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from ..errors import CaptureUnavailable, Conflict, ProxyError, TooManyRequests, Unprocessable
 from ..schemas.digest import EncodingError, RequestValueCache, seal_record
+from ..schemas.outcome import RolloutOutcome
 from ..schemas.records import (
     LOGPROBS_MODE_UNKNOWN,
     Attachment,
@@ -41,6 +42,7 @@ from ..sinks.base import StagingSink, StagingSource
 from .experts import ExpertsParent, ExpertsPlan, record_experts
 from .ids import new_call_id
 from .ledger import LedgerWriter
+from .outcomes import HeaderLocks, check_driver_metadata, with_outcome
 from .policy import PolicyError, RequestPolicy, check_policy
 from .rollouts import (
     KEY_HASH_FIELD,
@@ -215,6 +217,8 @@ class Capture:
         self.on_outcome: list[Callable[[CallReport], None]] = []
         #: Encodes the tool definitions every call of a session repeats once (same digests).
         self._request_values = RequestValueCache()
+        #: Serializes the writes of each rollout's header (creation, seal, outcomes).
+        self._headers = HeaderLocks()
 
     # -- weight version ------------------------------------------------------------------------
 
@@ -345,6 +349,7 @@ class Capture:
             checked = check_policy(policy or {}, "policy")
         except PolicyError as e:
             raise Unprocessable(str(e), code="invalid_policy", param="policy") from e
+        check_driver_metadata(dict(metadata or {}))
         # Known here or in the store (created, called or sealed by an earlier process): taken.
         if await self.find_rollout(rollout_id) is not None:
             raise Conflict(f"rollout {rollout_id} already exists", code="rollout_exists")
@@ -354,22 +359,24 @@ class Capture:
         live.metadata = dict(metadata or {})
         self._evict()
         self.rollouts[rollout_id] = live  # no await since the lookup: nobody registered it since
-        await self._put_rollout(live)
+        async with self._headers.hold(rollout_id):
+            await self.sink.put_rollout(self._header(live))
         return live
 
-    async def _put_rollout(self, live: RolloutLive) -> None:
-        info = RolloutInfo(
+    def _header(self, live: RolloutLive) -> RolloutInfo:
+        """The header to store for a live rollout (sealed once its seal is written)."""
+        return RolloutInfo(
             live.rollout_id,
-            RolloutState.SEALED if live.sealed else RolloutState.OPEN,
+            RolloutState.OPEN if live.sealed_at_ms is None else RolloutState.SEALED,
             live.poisoned,
             live.created_at_ms,
-            int(time.time() * 1000) if live.sealed else None,
+            live.sealed_at_ms,
             {**live.metadata, KEY_HASH_FIELD: live.key_sha256}
             if live.key_sha256
             else live.metadata,
             live.policy,
+            live.outcome_history,
         )
-        await self.sink.put_rollout(info)
 
     async def seal(self, rollout_id: str, wait_s: float) -> RolloutLive:
         """Refuse new calls for the rollout, wait for its in-flight calls (up to `wait_s`)."""
@@ -391,13 +398,52 @@ class Capture:
             log.warning(
                 "seal %s: %d calls still in flight after %.1fs", rollout_id, live.in_flight, wait_s
             )
-        await self._put_rollout(live)
+        async with self._headers.hold(rollout_id):
+            live.sealed_at_ms = int(time.time() * 1000)
+            await self.sink.put_rollout(self._header(live))
         if live.in_flight == 0 and self.rollouts.get(rollout_id) is live:
             # A sealed rollout takes no more calls: memory holds live work only (its id, for
             # the 409s). A manifest request reads it from the store.
             del self.rollouts[rollout_id]
             self._remember_sealed(live)
         return live
+
+    async def put_outcome(self, rollout_id: str, outcome: RolloutOutcome) -> RolloutInfo:
+        """Store `outcome` as the rollout's latest, open or sealed; returns the header written.
+
+        The history keeps every earlier outcome. Raises KeyError for a rollout neither this
+        process nor the store knows, `Conflict` (409) past `MAX_OUTCOMES`, and
+        `CaptureUnavailable` (503) when the store cannot take it: then nothing changed.
+        """
+        async with self._headers.hold(rollout_id):
+            live = await self.find_rollout(rollout_id)
+            if live is None:
+                raise KeyError(rollout_id)
+            held = self.rollouts.get(rollout_id) is live
+            if held:
+                history = with_outcome(rollout_id, live.outcome_history, outcome)
+                header = replace(self._header(live), outcome_history=history)
+            else:
+                # Sealed and released from memory: the stored header is the whole truth
+                # (its seal time, metadata and outcomes), and is written back as it is.
+                open_source = self.source
+                if open_source is None:
+                    raise KeyError(rollout_id)
+                stored = await asyncio.to_thread(lambda: open_source().rollout_info(rollout_id))
+                history = with_outcome(rollout_id, stored.outcome_history, outcome)
+                header = replace(stored, outcome_history=history)
+            try:
+                await self.sink.put_rollout(header)
+            except Exception as exc:  # any sink failure: the driver must learn it was not kept
+                raise CaptureUnavailable(
+                    f"the outcome of rollout {rollout_id} could not be stored ({exc}); "
+                    "nothing was changed",
+                    code="outcome_not_stored",
+                    headers={"Retry-After": "1"},
+                ) from exc
+            if held:
+                live.outcome_history = history
+            return header
 
     # -- calls ---------------------------------------------------------------------------------
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import orjson
 
+from ..schemas.outcome import RolloutOutcome
 from ..schemas.records import Attachment, CallStatus, CommitCoords, RolloutState, StagedCallRecord
 from ..schemas.tokens import full_sequence
 from ..sinks.base import StagingSource
@@ -76,8 +77,13 @@ class RolloutLive:
     rollout_id: str
     next_seq: int = 0
     sealed: bool = False
+    #: When the seal was written to the store (None before): the header says sealed only then,
+    #: not while the seal still waits for calls in flight.
+    sealed_at_ms: int | None = None
     poisoned: bool = False
     created_at_ms: int = 0
+    #: Every outcome the driver sent, oldest first (`RolloutInfo.outcome_history`).
+    outcome_history: tuple[RolloutOutcome, ...] = ()
     #: sha256 of the rollout's API key, when keys are required. Only the hash is kept, in memory
     #: and in the store (rollout metadata), so a sandbox keeps its key across a proxy restart.
     key_sha256: str | None = None
@@ -188,8 +194,10 @@ def resume_rollout(open_source: Callable[[], StagingSource], rollout_id: str) ->
     live = RolloutLive(
         rollout_id,
         sealed=info.state is RolloutState.SEALED,
+        sealed_at_ms=info.sealed_at_ms if info.state is RolloutState.SEALED else None,
         poisoned=info.poisoned,
         created_at_ms=info.created_at_ms,
+        outcome_history=info.outcome_history,
         policy=dict(info.policy),
         metadata={k: v for k, v in info.metadata.items() if k != KEY_HASH_FIELD},
         key_sha256=info.metadata.get(KEY_HASH_FIELD),

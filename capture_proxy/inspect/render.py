@@ -23,6 +23,7 @@ from .shapes import (
     CallEntry,
     CallView,
     OverviewView,
+    RolloutDetail,
     RolloutView,
     StagedCallDetail,
     TokensDetail,
@@ -272,6 +273,7 @@ def render_rollout(view: RolloutView, out: Out) -> None:
         )
     if r["metadata"]:
         out.line(f"metadata: {_json(r['metadata'])}")
+    _render_outcome(r, out)
     if not calls:
         out.line("(no calls yet)")
     else:
@@ -288,6 +290,20 @@ def render_rollout(view: RolloutView, out: Out) -> None:
     elif last is not None:
         out.line(f"Last call #{last['seq']} staged, finish reason {last['finish_reason']}.")
     _render_trajectory(view["trajectory"], out)
+
+
+def _render_outcome(r: RolloutDetail, out: Out) -> None:
+    o = r["outcome"]
+    if o is None:
+        return
+    reward = "-" if o["reward"] is None else _json(o["reward"])
+    earlier = f"; {r['outcomes'] - 1} earlier, replaced" if r["outcomes"] > 1 else ""
+    out.line(
+        f"outcome: reward {reward}, group {o['group_id'] or '-'} "
+        f"(sent {fmt_time(o['at_ms'])} UTC{earlier})"
+    )
+    if o["metadata"]:
+        out.line(f"outcome metadata: {_json(o['metadata'])}")
 
 
 def _render_trajectory(t: TrajectorySummary | TrajectoryUnavailable, out: Out) -> None:

@@ -21,6 +21,7 @@ __all__ = [
     "DigestCheck",
     "FailureEntry",
     "FailureStatus",
+    "OutcomeEntry",
     "OverviewView",
     "PromptDrift",
     "RolloutDetail",
@@ -124,8 +125,19 @@ class RolloutSummary(TypedDict):
     last_at_ms: int | None
 
 
+class OutcomeEntry(TypedDict):
+    """The driver's latest outcome of a rollout (`RolloutOutcome.to_dict`)."""
+
+    reward: float | dict[str, float] | None
+    group_id: str | None
+    metadata: dict[str, Any] | None
+    at_ms: int
+
+
 class RolloutDetail(RolloutSummary):
     metadata: dict[str, Any]
+    outcome: OutcomeEntry | None
+    outcomes: int
 
 
 class OverviewView(TypedDict):

@@ -20,6 +20,7 @@ from typing import Any, Literal, TypeAlias, TypedDict, TypeVar, cast
 from ..errors import CaptureProxyError
 from ..read.reader import Store
 from ..schemas.digest import DigestMismatch, verify_record
+from ..schemas.outcome import RolloutOutcome
 from ..schemas.records import (
     LOGPROBS_MODE_UNKNOWN,
     Attachment,
@@ -36,6 +37,7 @@ from .shapes import (
     DigestCheck,
     FailureEntry,
     FailureStatus,
+    OutcomeEntry,
     OverviewView,
     PromptDrift,
     RolloutSummary,
@@ -307,10 +309,22 @@ def rollout_view(store: Store, rollout_id: str) -> RolloutView:
         "rollout": {
             **_summary(info, entries),
             "metadata": dict(info.metadata),
+            "outcome": None if info.outcome is None else _outcome(info.outcome),
+            "outcomes": len(info.outcome_history),
         },
         "calls": entries,
         "last": entries[-1] if entries else None,
         "trajectory": _trajectory(store, rollout_id),
+    }
+
+
+def _outcome(outcome: RolloutOutcome) -> OutcomeEntry:
+    reward = outcome.reward
+    return {
+        "reward": dict(reward) if isinstance(reward, Mapping) else reward,
+        "group_id": outcome.group_id,
+        "metadata": None if outcome.metadata is None else dict(outcome.metadata),
+        "at_ms": outcome.at_ms,
     }
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import CaptureProxyError
+from ..schemas.outcome import RolloutOutcome
 from ..schemas.records import CallStatus, RolloutState
 from ..sinks.base import StagingSource
 
@@ -52,11 +53,13 @@ class NotStaged:
 
 @dataclass(frozen=True, slots=True)
 class RolloutStatus:
-    """A rollout's state (open/sealed), whether it is poisoned, and its not-staged calls."""
+    """A rollout's state (open/sealed), whether it is poisoned, its not-staged calls, and the
+    outcome its driver sent last (None before any)."""
 
     state: RolloutState
     poisoned: bool
     not_staged: tuple[NotStaged, ...] = ()
+    outcome: RolloutOutcome | None = None
 
     @property
     def n_failures(self) -> int:
@@ -74,9 +77,9 @@ def rollout_status(source: StagingSource, rollout_id: str) -> RolloutStatus:
         raise KeyError(rollout_id)
     try:
         info = source.rollout_info(rollout_id)
-        state, header_poisoned = info.state, info.poisoned
+        state, header_poisoned, outcome = info.state, info.poisoned, info.outcome
     except KeyError:  # calls without a header (a store written before headers): not sealed
-        state, header_poisoned = RolloutState.OPEN, False
+        state, header_poisoned, outcome = RolloutState.OPEN, False, None
     entries = [
         NotStaged(f.seq, f.call_id, f.status.value, f.reason) for f in source.failures(rollout_id)
     ]
@@ -90,7 +93,7 @@ def rollout_status(source: StagingSource, rollout_id: str) -> RolloutStatus:
     )
     entries.sort(key=lambda e: e.seq)
     poisoned = header_poisoned or any(e.poisons for e in entries)
-    return RolloutStatus(state, poisoned, tuple(entries))
+    return RolloutStatus(state, poisoned, tuple(entries), outcome)
 
 
 class RolloutExcluded(CaptureProxyError):

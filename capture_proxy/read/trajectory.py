@@ -124,6 +124,13 @@ class Trajectory:
     apart: list[str] = field(default_factory=list)
     #: Earlier attempts of retried calls (the latest attempt is in the trajectory).
     retries_skipped: list[str] = field(default_factory=list)
+    #: The rollout's reward, from the driver's latest outcome (``PUT .../outcome``) when it is
+    #: one number; None when it is an object (see `reward_components`) or none was sent.
+    reward: float | None = None
+    #: The reward's named components when the driver sent an object; None otherwise.
+    reward_components: dict[str, float] | None = None
+    #: The rollout's group (the rollouts of one prompt), from the latest outcome; None if unset.
+    group_id: str | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -164,6 +171,9 @@ class Trajectory:
             "calls": list(self.calls),
             "apart": list(self.apart),
             "retries_skipped": list(self.retries_skipped),
+            "reward": self.reward,
+            "reward_components": self.reward_components,
+            "group_id": self.group_id,
         }
 
 
@@ -240,16 +250,20 @@ def trajectory_from_records(
 ) -> Trajectory:
     """`build_trajectory` over records already read (the rollout's, in sequence order).
 
-    `status` is the rollout's state and not-staged calls (`rollout_status`); without it the
-    trajectory is marked open, with no call known to be missing.
+    `status` is the rollout's state, not-staged calls and outcome (`rollout_status`); without
+    it the trajectory is marked open, with no call known to be missing and no reward.
     """
     kept, skipped = _latest_attempts(records)
+    outcome = status.outcome
     traj = Trajectory(
         rollout_id,
         state=status.state,
         poisoned=status.poisoned,
         not_staged=list(status.not_staged),
         retries_skipped=skipped,
+        reward=None if outcome is None else outcome.scalar_reward,
+        reward_components=None if outcome is None else outcome.reward_components,
+        group_id=None if outcome is None else outcome.group_id,
     )
     # Keep untooled calls apart only when there is a tooled main line to keep them apart from.
     if not include_untooled and any(map(has_tools, kept)):

@@ -30,6 +30,7 @@ from .fields import (
     WeightSpan,
     check_spans,
 )
+from .outcome import RolloutOutcome
 from .version import DIGEST_VERSION_OF_SCHEMA, RECORD_SCHEMA_VERSION
 
 __all__ = [
@@ -264,7 +265,7 @@ class LedgerEntry:
 
 @dataclass(frozen=True, slots=True)
 class RolloutInfo:
-    """A rollout's ledger header: its state and whether any call failed capture."""
+    """A rollout's ledger header: its state, whether any call failed capture, and its outcomes."""
 
     rollout_id: str
     state: RolloutState
@@ -273,6 +274,13 @@ class RolloutInfo:
     sealed_at_ms: int | None = None
     metadata: Mapping[str, Any] = field(default_factory=dict)
     policy: Mapping[str, Any] = field(default_factory=dict)
+    #: Every outcome the driver sent (``PUT /admin/rollouts/{id}/outcome``), oldest first.
+    outcome_history: tuple[RolloutOutcome, ...] = ()
+
+    @property
+    def outcome(self) -> RolloutOutcome | None:
+        """The rollout's outcome: the last one sent (None before any)."""
+        return self.outcome_history[-1] if self.outcome_history else None
 
 
 @dataclass(frozen=True, slots=True, eq=False)

@@ -1,4 +1,5 @@
-"""The control API for rollout drivers (docs/contract.md): create rollouts, read manifests, seal.
+"""The control API for rollout drivers (docs/contract.md): create rollouts, read manifests, seal,
+send outcomes.
 
 Every route needs ``Authorization: Bearer <admin token>`` (compared in constant time). Without
 ``--admin-token`` the API is off: its routes answer 404 saying so. It is served on the main port,
@@ -14,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import secrets
+import time
 from typing import Any
 
 import orjson
@@ -21,12 +23,14 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..core.ids import new_call_id, valid_rollout_id
+from ..core.outcomes import MAX_OUTCOME_BYTES
 from ..core.rollouts import RolloutLive, resume_rollout
-from ..errors import Forbidden, NotFound, Unauthorized, Unprocessable
+from ..errors import Forbidden, NotFound, PayloadTooLarge, Unauthorized, Unprocessable
+from ..schemas.outcome import RolloutOutcome
 from ..schemas.request import RequestValidationError
 from .read_routes import reader_may_not
 from .state import STATE, ProxyState, token_bytes
-from .validation import answer_for, check_rollout_policy, read_body
+from .validation import answer_for, check_reward, check_rollout_policy, read_body
 
 __all__ = ["add_control_routes"]
 
@@ -43,6 +47,15 @@ class WeightVersion(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     weight_version: int = Field(ge=0)
+
+
+class OutcomeBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    #: A number or an object of numbers: checked by `check_reward`, which names the component.
+    reward: Any = None
+    group_id: str | None = Field(default=None, min_length=1, max_length=256)
+    metadata: dict[str, Any] | None = None
 
 
 def _json(data: Any, status: int = 200) -> web.Response:
@@ -125,6 +138,8 @@ def _manifest_live(live: RolloutLive, state: ProxyState) -> dict[str, Any]:
             "bytes": cap.max_rollout_bytes or None,
         },
         "calls": [o.to_dict() for o in outcomes],
+        # The driver's latest outcome (PUT .../outcome), None before any.
+        "outcome": live.outcome_history[-1].to_dict() if live.outcome_history else None,
     }
 
 
@@ -168,8 +183,48 @@ async def put_weight_version(request: web.Request) -> web.Response:
     return _json({"weight_version": body.weight_version})
 
 
+def _outcome_of(body: OutcomeBody) -> RolloutOutcome:
+    try:
+        reward = check_reward(body.reward)
+    except RequestValidationError as e:
+        raise answer_for(e) from e
+    if reward is None and body.group_id is None and body.metadata is None:
+        raise Unprocessable(
+            "An outcome needs one of `reward`, `group_id`, `metadata` at the top level of the "
+            "request body; a later outcome replaces the whole earlier one",
+            code="empty_outcome",
+            param="",
+        )
+    return RolloutOutcome(reward, body.group_id, body.metadata, int(time.time() * 1000))
+
+
+async def put_outcome(request: web.Request) -> web.Response:
+    state = _authorize(request)
+    rollout_id = request.match_info["rollout_id"]
+    raw = await request.read()
+    if len(raw) > MAX_OUTCOME_BYTES:
+        raise PayloadTooLarge(
+            f"an outcome body is at most {MAX_OUTCOME_BYTES} bytes, got {len(raw)}",
+            code="outcome_too_large",
+        )
+    outcome = _outcome_of(read_body(raw, OutcomeBody))
+    try:
+        header = await state.capture.put_outcome(rollout_id, outcome)
+    except KeyError as exc:
+        raise NotFound(f"no rollout {rollout_id}", code="unknown_rollout") from exc
+    return _json(
+        {
+            "rollout_id": rollout_id,
+            "state": str(header.state),
+            "outcome": outcome.to_dict(),
+            "revisions": len(header.outcome_history),
+        }
+    )
+
+
 def add_control_routes(app: web.Application) -> None:
     app.router.add_post("/admin/rollouts", create_rollout)
     app.router.add_get("/admin/rollouts/{rollout_id}/manifest", manifest)
     app.router.add_post("/admin/rollouts/{rollout_id}/seal", seal)
+    app.router.add_put("/admin/rollouts/{rollout_id}/outcome", put_outcome)
     app.router.add_put("/admin/weight-version", put_weight_version)

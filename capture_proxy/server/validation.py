@@ -10,6 +10,8 @@ the chat route.
 
 from __future__ import annotations
 
+import json
+import math
 from collections.abc import Mapping
 from typing import Any, TypeVar, get_args
 
@@ -19,6 +21,7 @@ from pydantic_core import ErrorDetails
 
 from ..core.policy import POLICY_KEYS
 from ..errors import BadRequest, PayloadTooLarge, ProxyError, Unprocessable
+from ..schemas.outcome import first_non_finite
 from ..schemas.request import (
     RequestValidationError,
     json_type_name,
@@ -28,6 +31,7 @@ from ..schemas.request import (
 
 __all__ = [
     "answer_for",
+    "check_reward",
     "check_rollout_policy",
     "decode_object",
     "from_pydantic_error",
@@ -60,14 +64,74 @@ def answer_for(error: RequestValidationError) -> ProxyError:
 
 
 def decode_object(raw: bytes) -> dict[str, Any]:
-    """The body as a JSON object (empty is ``{}``): 400 if it is not JSON, 422 if not an object."""
+    """The body as a JSON object (empty is ``{}``): 400 if it is not JSON, 422 if not an object.
+
+    A NaN or an infinity (which Python's ``json.dumps`` writes, and JSON has no word for) is a
+    422 naming where it is, like any other value the control API refuses.
+    """
     try:
         data = orjson.loads(raw or b"{}")
     except orjson.JSONDecodeError as e:
+        _refuse_non_finite(raw)
         raise BadRequest(f"request body is not valid JSON: {e}", code="invalid_json") from e
     if not isinstance(data, dict):
         raise answer_for(not_an_object(data))
     return data
+
+
+def _refuse_non_finite(raw: bytes) -> None:
+    # orjson refuses NaN, Infinity and numbers past float64 (1e400) as it refuses broken JSON;
+    # the standard library reads them as floats, so it can say which value it was. A body it
+    # cannot read either (or too deep for it) stays a 400.
+    try:
+        lenient = json.loads(raw)
+    except (ValueError, RecursionError):
+        return
+    found = first_non_finite(lenient)
+    if found is None:
+        return
+    param, value = found
+    shown = "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    where = param or "the top level of the request body"
+    raise answer_for(
+        RequestValidationError(
+            param, f"Expected a finite number, got `{shown}` at {where}", "invalid_value"
+        )
+    )
+
+
+def check_reward(value: object) -> float | dict[str, float] | None:
+    """An outcome's ``reward``: a number or an object of numbers (None: not sent).
+
+    Raises `RequestValidationError` naming ``reward`` or the component (``reward.format``).
+    Numbers are finite already: `decode_object` refused the others.
+    """
+    if value is None:
+        return None
+    if isinstance(value, dict):
+        if not value:
+            raise RequestValidationError(
+                "reward", "Expected an object with one reward at least at reward", "invalid_value"
+            )
+        for name, part in value.items():
+            if not _is_number(part):
+                raise RequestValidationError(
+                    f"reward.{name}",
+                    f"Expected `float`, got `{json_type_name(part)}` at reward.{name}",
+                    "invalid_type",
+                )
+        return {str(name): float(part) for name, part in value.items()}
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    raise RequestValidationError(
+        "reward",
+        f"Expected `float | object | null`, got `{json_type_name(value)}` at reward",
+        "invalid_type",
+    )
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def read_body(raw: bytes, model: type[M]) -> M:

@@ -38,6 +38,7 @@ from capture_proxy.inspect.render import Column, render_call, render_rollout
 from capture_proxy.inspect.shapes import StagedEntry
 from capture_proxy.inspect.views import Follower, call_view, rollout_view
 from capture_proxy.read.reader import Store, open_store
+from capture_proxy.schemas.outcome import RolloutOutcome
 from capture_proxy.schemas.records import (
     CallStatus,
     LedgerEntry,
@@ -343,6 +344,39 @@ async def test_orphaned_record_is_flagged_and_poisons(tmp_path: Path) -> None:
     doc = inspect_json(url)
     assert doc["rollouts"][0]["orphaned"] == 1
     assert doc["rollouts"][0]["poisoned"] is True
+
+
+async def test_the_rollout_shows_its_latest_outcome(tmp_path: Path) -> None:
+    sink = SQLiteSink(str(tmp_path / "s.db"))
+    record, atts = Session("r-graded").next()
+    assert (await sink.stage(record, attachments=atts)).status is CallStatus.STAGED
+    first = RolloutOutcome(reward=0.0, group_id="g-7", at_ms=1_700_000_000_000)
+    latest = RolloutOutcome(
+        reward={"correct": 1.0, "format": 0.5},
+        group_id="g-7",
+        metadata={"judge": "rubric-v2"},
+        at_ms=1_700_000_060_000,
+    )
+    header = RolloutInfo("r-graded", RolloutState.SEALED, False, 1, 2, {}, {}, (first, latest))
+    await sink.put_rollout(header)
+    await sink.close()
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    code, text = inspect(url, "--rollout", "r-graded")
+    assert code == 0
+    assert (
+        'outcome: reward {"correct":1.0,"format":0.5}, group g-7 '
+        "(sent 2023-11-14 22:14:20 UTC; 1 earlier, replaced)"
+    ) in text
+    assert 'outcome metadata: {"judge":"rubric-v2"}' in text
+    rollout = inspect_json(url, "--rollout", "r-graded")["rollout"]
+    assert rollout["outcome"] == latest.to_dict()
+    assert rollout["outcomes"] == 2
+    # A rollout without an outcome says nothing of it.
+    sink = SQLiteSink(str(tmp_path / "s.db"))
+    await sink.put_rollout(RolloutInfo("r-plain", RolloutState.OPEN, False, 3))
+    await sink.close()
+    assert "outcome" not in inspect(url, "--rollout", "r-plain")[1]
+    assert inspect_json(url, "--rollout", "r-plain")["rollout"]["outcome"] is None
 
 
 # -- one call ---------------------------------------------------------------------------------

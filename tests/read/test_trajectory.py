@@ -6,6 +6,7 @@ same trajectory from every sink.
 from __future__ import annotations
 
 from array import array
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from capture_proxy.read.trajectory import (
     trajectory_from_records,
 )
 from capture_proxy.schemas.digest import seal_record
+from capture_proxy.schemas.outcome import RolloutOutcome
 from capture_proxy.schemas.records import StagedCallRecord
 from capture_proxy.sinks.memory import MemorySink
 from capture_proxy.sinks.parquet import ParquetSink, ParquetSource
@@ -277,3 +279,32 @@ def test_invariants(turns: list[tuple[int, int, int | None, bool, int]]) -> None
     assert [traj.calls[traj.call_index[k]] for k in trained] == [
         r.call_id for r in records for _ in r.completion_token_ids
     ]
+
+
+# -- the driver's outcome ------------------------------------------------------------------------
+
+
+async def test_the_latest_outcome_gives_the_reward_and_group() -> None:
+    sink = await memory_with(call(0, [1, 2], [3]))
+    traj = build_trajectory(sink, "r")
+    assert (traj.reward, traj.reward_components, traj.group_id) == (None, None, None)
+    scalar = RolloutOutcome(reward=0.75, group_id="g-1", at_ms=1)
+    info = replace(sink.rollout_info("r"), outcome_history=(scalar,))
+    await sink.put_rollout(info)
+    traj = build_trajectory(sink, "r")
+    assert (traj.reward, traj.reward_components, traj.group_id) == (0.75, None, "g-1")
+    # An object of rewards is the components; the scalar reward is then None.
+    parts = RolloutOutcome(reward={"correct": 1.0, "style": 0.5}, at_ms=2)
+    await sink.put_rollout(replace(info, outcome_history=(scalar, parts)))
+    traj = build_trajectory(sink, "r")
+    assert (traj.reward, traj.reward_components, traj.group_id) == (
+        None,
+        {"correct": 1.0, "style": 0.5},
+        None,  # the latest outcome named no group: it replaced the earlier one whole
+    )
+    d = traj.to_dict()
+    assert (d["reward"], d["reward_components"], d["group_id"]) == (
+        None,
+        {"correct": 1.0, "style": 0.5},
+        None,
+    )

@@ -15,6 +15,7 @@ import pytest
 from capture_proxy.read.reader import Store, StoreCorrupted
 from capture_proxy.schemas.attachments import attachment_url
 from capture_proxy.schemas.digest import DigestMismatch, seal_record, verify_record
+from capture_proxy.schemas.outcome import RolloutOutcome
 from capture_proxy.schemas.records import (
     CallStatus,
     LedgerEntry,
@@ -347,6 +348,35 @@ async def test_ledger_round_trip(case: SinkCase) -> None:
     assert set(source.rollouts()) == {"led", "other", "poisoned", "orph"}
     with pytest.raises(KeyError):
         source.rollout_info("nope")
+
+
+async def test_a_header_keeps_its_outcome_history_apart_from_the_metadata(case: SinkCase) -> None:
+    sink = case.sink
+    first = RolloutOutcome(reward=0.25, group_id="g-1", at_ms=10)
+    second = RolloutOutcome(
+        reward={"correctness": 1.0, "format": -0.5}, metadata={"judge": "j-2"}, at_ms=20
+    )
+    await sink.put_rollout(
+        RolloutInfo("graded", RolloutState.OPEN, False, 1000, None, {"task": "t1"}, {}, (first,))
+    )
+    staged = await stage_session(case, Session("graded"), 1)
+    await sink.put_rollout(
+        RolloutInfo(
+            "graded", RolloutState.SEALED, False, 1000, 2000, {"task": "t1"}, {}, (first, second)
+        )
+    )
+    await sink.put_rollout(RolloutInfo("plain", RolloutState.OPEN, False, 1000, None, {"a": 1}))
+    await sink.close()
+    source = case.reopen()
+
+    info = source.rollout_info("graded")
+    assert (info.state, info.sealed_at_ms) == (RolloutState.SEALED, 2000)
+    assert dict(info.metadata) == {"task": "t1"}  # the history is not the driver's metadata
+    assert info.outcome_history == (first, second)
+    assert info.outcome == second
+    assert [r.call_id for r in source.calls("graded")] == [staged[0].call_id]
+    plain = source.rollout_info("plain")
+    assert (plain.outcome_history, plain.outcome, dict(plain.metadata)) == ((), None, {"a": 1})
 
 
 async def test_fetch_order_and_missing_key(case: SinkCase) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 
 import orjson
 
+from ...schemas.outcome import header_metadata, split_header_metadata
 from ...schemas.records import CallStatus, LedgerEntry, RolloutInfo, RolloutState
 
 __all__ = ["LedgerState", "failure_row", "orphan_row", "rollout_row"]
@@ -27,7 +28,9 @@ def rollout_row(info: RolloutInfo) -> dict[str, Any]:
         "poisoned": info.poisoned,
         "at_ms": info.created_at_ms,
         "sealed_at_ms": info.sealed_at_ms,
-        "metadata": orjson.dumps(dict(info.metadata), option=orjson.OPT_SORT_KEYS),
+        "metadata": orjson.dumps(
+            header_metadata(info.metadata, info.outcome_history), option=orjson.OPT_SORT_KEYS
+        ),
         "policy": orjson.dumps(dict(info.policy), option=orjson.OPT_SORT_KEYS),
     }
 
@@ -70,14 +73,16 @@ class LedgerState:
         for row in rows:
             kind = row["kind"]
             if kind == "rollout":
+                metadata, outcomes = split_header_metadata(orjson.loads(row["metadata"] or b"{}"))
                 self.rollouts[row["rollout_id"]] = RolloutInfo(
                     rollout_id=row["rollout_id"],
                     state=RolloutState(row["state"]),
                     poisoned=bool(row["poisoned"]),
                     created_at_ms=int(row["at_ms"] or 0),
                     sealed_at_ms=row["sealed_at_ms"],
-                    metadata=orjson.loads(row["metadata"] or b"{}"),
+                    metadata=metadata,
                     policy=orjson.loads(row["policy"] or b"{}"),
+                    outcome_history=outcomes,
                 )
             elif kind == "failure":
                 self.failures.setdefault(row["rollout_id"], []).append(

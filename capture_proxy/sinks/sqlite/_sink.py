@@ -29,6 +29,7 @@ from typing import Any
 
 import orjson
 
+from ...schemas.outcome import header_metadata
 from ...schemas.records import (
     Attachment,
     LedgerEntry,
@@ -219,7 +220,7 @@ class SQLiteSink:
                     info.state.value,
                     info.created_at_ms,
                     info.sealed_at_ms,
-                    orjson.dumps(dict(info.metadata)).decode(),
+                    orjson.dumps(header_metadata(info.metadata, info.outcome_history)).decode(),
                     orjson.dumps(dict(info.policy)).decode(),
                 ),
             )

@@ -13,6 +13,7 @@ from typing import Any
 
 import orjson
 
+from ...schemas.outcome import split_header_metadata
 from ...schemas.records import (
     Attachment,
     CallStatus,
@@ -166,14 +167,16 @@ class SQLiteSource:
                 (rollout_id, CallStatus.CAPTURE_FAILED.value, rollout_id),
             ).fetchone()[0]
         state, created, sealed, metadata, policy = row
+        driver_metadata, outcomes = split_header_metadata(orjson.loads(metadata))
         return RolloutInfo(
             rollout_id,
             RolloutState(state),
             bool(poisoned),
             int(created),
             None if sealed is None else int(sealed),
-            orjson.loads(metadata),
+            driver_metadata,
             orjson.loads(policy),
+            outcomes,
         )
 
     def calls(self, rollout_id: str, *, include_orphaned: bool = False) -> list[StagedCallRecord]:
