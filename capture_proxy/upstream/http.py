@@ -35,6 +35,8 @@ _PROMPT_KEYS = ("model", "messages", "tools", "chat_template_kwargs", "add_gener
 #: Calls wait for them, so a hanging upstream route must not hold every call for the first-byte
 #: timeout; a fact not fetched in time is left empty and asked for again a few seconds later.
 _FACT_TIMEOUT = 5.0
+#: Connections the facts requests may hold at once (their own pool: see `facts_session`).
+_FACTS_CONNECTIONS = 4
 
 
 class HTTPUpstream:
@@ -65,6 +67,7 @@ class HTTPUpstream:
         self.base_url = base_url.rstrip("/").removesuffix("/v1")
         self._session = session
         self._own_session = session is None
+        self._facts_session: aiohttp.ClientSession | None = None
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.connect_timeout = connect_timeout
         self.first_byte_timeout = first_byte_timeout
@@ -84,6 +87,22 @@ class HTTPUpstream:
         return self._session
 
     @property
+    def facts_session(self) -> aiohttp.ClientSession:
+        """The small pool the facts requests use (``/version``, the probe ``/tokenize`` and
+        render, ``/weight_info``). A new chat connection's check asks for several facts at once:
+        through the chat pool each would open (and keep) a connection of its own, growing the
+        pool to a multiple of the calls in flight. A shared session given by the caller is used
+        as it is."""
+        if not self._own_session:
+            return self.session
+        if self._facts_session is None:
+            self._facts_session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout),
+                connector=aiohttp.TCPConnector(limit=_FACTS_CONNECTIONS),
+            )
+        return self._facts_session
+
+    @property
     def fact_timeout(self) -> float:
         """Longest wait for one fact (``/version``, ``/tokenize``, the probe render)."""
         return self.known.timeout
@@ -96,6 +115,9 @@ class HTTPUpstream:
         if self._own_session and self._session is not None:
             await self._session.close()
             self._session = None
+        if self._facts_session is not None:
+            await self._facts_session.close()
+            self._facts_session = None
 
     def url(self, path: str) -> str:
         return self.base_url + path
@@ -158,6 +180,7 @@ class HTTPUpstream:
         content_type: str | None,
         *,
         within: float | None = None,
+        session: aiohttp.ClientSession | None = None,
     ) -> tuple[int, str, bytes]:
         """One uncaptured request (pass-through routes): status, content type and body, within
         `within` seconds (default: the first-byte timeout)."""
@@ -165,7 +188,7 @@ class HTTPUpstream:
         if body is not None:
             headers["Content-Type"] = content_type or JSON
         with self._mapped("cannot reach the upstream"):
-            async with self.session.request(
+            async with (session or self.session).request(
                 method,
                 self.url(path),
                 data=body,
@@ -227,7 +250,9 @@ class HTTPUpstream:
     async def _fetch(
         self, method: str, path: str, body: bytes | None, within: float
     ) -> tuple[int, bytes]:
-        status, _, raw = await self.relay(method, path, body, JSON, within=within)
+        status, _, raw = await self.relay(
+            method, path, body, JSON, within=within, session=self.facts_session
+        )
         return status, raw
 
 

@@ -18,7 +18,11 @@ QWEN3 = {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
 async def test_a_call_without_temperature_records_the_models_defaults(make_proxy: Any) -> None:
     fake = FakeVLLM(scale_out=True, generation_config=QWEN3)
     p = await make_proxy(fake=fake)
-    for text in ("a", "b", "c"):
+    await p.chat(chat_body(user("a"), max_tokens=8))
+    # The facts are fetched once, and checked once more when the first chat connection opens.
+    probes = fake.route_hits["/v1/chat/completions/render"]
+    assert probes <= 2
+    for text in ("b", "c"):
         await p.chat(chat_body(user(text), max_tokens=8))
     await p.chat(chat_body(user("d"), temperature=1.0, top_k=None, presence_penalty=0.5))
     first, *_, last = p.calls()
@@ -38,7 +42,8 @@ async def test_a_call_without_temperature_records_the_models_defaults(make_proxy
     assert last.effective_sampling["temperature"] == 1.0
     assert last.effective_sampling["top_k"] == 20
     assert last.effective_sampling["presence_penalty"] == 0.5
-    assert fake.route_hits["/v1/chat/completions/render"] == 1  # one probe, not one per call
+    # Later calls reuse their connection: no probe per call.
+    assert fake.route_hits["/v1/chat/completions/render"] == probes
 
 
 async def test_without_the_render_route_the_effective_sampling_is_unknown(
