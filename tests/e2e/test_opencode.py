@@ -215,7 +215,9 @@ async def test_opencode_hangs_up_on_a_slow_title_call_which_is_recorded_aborted(
 ) -> None:
     # OpenCode does not wait for its title call: it exits when the agent loop ends. A title
     # answer slower than the whole session is cut off, and the manifest must say so.
-    slow_title = Turn(TITLE, fault=Fault.delay_first_byte(OPENCODE_TIMEOUT_S))
+    # Longer than OpenCode may live (it is killed at OPENCODE_TIMEOUT_S): never answered in time,
+    # even on a loaded machine where the session itself is slow.
+    slow_title = Turn(TITLE, fault=Fault.delay_first_byte(2 * OPENCODE_TIMEOUT_S))
     fake = FakeVLLM(script=script(title=slow_title), max_model_len=FAKE_CONTEXT)
     p, events, manifest, _ = await session(tmp_path, control, fake, "oc-slow-title")
     try:
