@@ -21,6 +21,7 @@ import pyarrow.json as pajson
 import pyarrow.parquet as pq
 import pytest
 
+from capture_proxy.cli import main
 from capture_proxy.read.export import export_store
 from capture_proxy.read.reader import Store, open_store
 from capture_proxy.schemas.digest import DigestMismatch, seal_record
@@ -418,3 +419,23 @@ async def test_compact_refuses_what_it_cannot_compact(tmp_path: Path) -> None:
     finally:
         os.close(fd)
     assert len(live_markers(ds)) > 1  # nothing was merged
+
+
+async def test_a_tampered_record_stops_a_stdout_export_with_status_1(
+    tmp_path: Path, capsysbinary: pytest.CaptureFixture[bytes]
+) -> None:
+    # On stdout the rows stream: the rollouts read before the bad record are out already, so
+    # the exit status and stderr are what tell the consumer the export is not whole.
+    case = ParquetCase(tmp_path)
+    staged = await fill(case.sink, turns=2)
+    await seal(case.sink, "ra", "rb")
+    await case.sink.close()
+    case.tamper(staged[-1].call_id, "tokens")
+    url = f"parquet:///{case.location}"
+    assert main(["export", url, "-", "--per", "segment"]) == 1
+    out, err = capsysbinary.readouterr()
+    assert [json.loads(line)["rollout_id"] for line in out.splitlines()] == ["ra"]
+    assert err.startswith(b"capture-proxy export: ")
+    assert staged[-1].call_id.encode() in err
+    with pytest.raises(ValueError, match="per must be 'call', 'trajectory' or 'segment'"):
+        export_store(url, str(tmp_path / "x.parquet"), per="turn")  # type: ignore[arg-type]
