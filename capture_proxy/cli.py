@@ -42,16 +42,56 @@ def _parser() -> argparse.ArgumentParser:
 
     export = sub.add_parser(
         "export",
-        help="write a flat training table (Parquet or JSON lines) from a store",
-        description="Write every staged call, or every rollout's trajectory, as one table. "
-        "Open (not sealed) and poisoned (a call answered but not staged) rollouts are left out "
-        "unless asked for; what was left out is said on stderr. Every record is verified "
-        "first; nothing is written if one does not verify.",
+        help="write a training table (Parquet or JSON lines) from a store",
+        description="Write every staged call, every rollout's trajectory, or every segment "
+        "(prompt_ids, response_ids, response_mask, response_logprobs: the shape RL trainers "
+        "take) as one table, a GRPO group's rollouts next to each other. Open (not sealed) and "
+        "poisoned (a call answered but not staged) rollouts are left out unless asked for; "
+        "what was left out is said on stderr. Every record is verified first; nothing is "
+        "written if one does not verify. The images rows refer to go to OUT's sibling "
+        "<name>.attachments.parquet.",
     )
     export.add_argument("store", help="store URL or path (sqlite:///x.db, parquet:///dir, ...)")
-    export.add_argument("out", help="output file")
-    export.add_argument("--format", choices=("parquet", "jsonl"), default="parquet")
-    export.add_argument("--per", choices=("call", "trajectory"), default="call")
+    export.add_argument("out", help="output file, or - for JSON Lines on stdout")
+    export.add_argument(
+        "--format",
+        choices=("parquet", "jsonl"),
+        default=None,
+        help="default: JSON Lines for - and names ending in .jsonl, Parquet otherwise",
+    )
+    export.add_argument(
+        "--per",
+        choices=("call", "trajectory", "segment"),
+        default="call",
+        help="one row per call, per rollout, or per segment (the trainers' shape)",
+    )
+    export.add_argument(
+        "--rollout",
+        action="append",
+        dest="rollouts",
+        metavar="ID",
+        help="export only this rollout (repeatable)",
+    )
+    export.add_argument(
+        "--group",
+        action="append",
+        dest="groups",
+        metavar="GROUP",
+        help="export only the rollouts of this group, as the driver reported it (repeatable)",
+    )
+    export.add_argument(
+        "--since",
+        type=_since,
+        metavar="TIME",
+        help="only rollouts sealed at or after TIME: milliseconds since the epoch or an ISO "
+        "8601 time (the last_sealed_at_ms of the previous export's --json summary)",
+    )
+    export.add_argument(
+        "--no-attachments",
+        dest="attachments",
+        action="store_false",
+        help="do not write the images rows refer to (their sha256 stay in attachment_shas)",
+    )
     export.add_argument(
         "--include-untooled",
         action="store_true",
@@ -132,6 +172,25 @@ def _parser() -> argparse.ArgumentParser:
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
+def _since(text: str) -> int:
+    """'1764583200000' or '2026-12-01T10:00:00Z' -> milliseconds since the epoch (a time
+    without a zone is UTC)."""
+    import datetime
+
+    text = text.strip()
+    if text.isdigit():
+        return int(text)
+    try:
+        when = datetime.datetime.fromisoformat(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected milliseconds since the epoch or an ISO 8601 time, got {text!r}"
+        ) from None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=datetime.UTC)
+    return int(when.timestamp() * 1000)
+
+
 def _duration(text: str) -> int:
     """'7d' -> milliseconds; argparse turns the ValueError into a usage error naming the flag."""
     text = text.strip()
@@ -192,10 +251,20 @@ async def _replay_ledger(args: argparse.Namespace) -> int:
 def _report_export(args: argparse.Namespace, summary: dict[str, object]) -> None:
     left = summary["left_out"]
     assert isinstance(left, dict)
+    # With the rows on stdout, the summary goes to stderr.
+    report = sys.stderr if args.out == "-" else sys.stdout
     if args.json:
-        print(json.dumps({"out": args.out, **summary}))
+        print(json.dumps({"out": args.out, **summary}), file=report)
     else:
-        print(f"wrote {summary['rows']} row(s) of {summary['rollouts']} rollout(s) to {args.out}")
+        print(
+            f"wrote {summary['rows']} row(s) of {summary['rollouts']} rollout(s) to {args.out}",
+            file=report,
+        )
+        if summary["attachments_out"]:
+            print(
+                f"wrote {summary['attachments']} attachment(s) to {summary['attachments_out']}",
+                file=report,
+            )
     parts = []
     if left["open"]:
         parts.append(
@@ -210,6 +279,32 @@ def _report_export(args: argparse.Namespace, summary: dict[str, object]) -> None
     if parts:
         n = len(left["open"]) + len(left["poisoned"])
         print(f"capture-proxy export: left out {n} rollout(s): {'; '.join(parts)}", file=sys.stderr)
+
+
+def _export(args: argparse.Namespace) -> int:
+    from .read.export import export_format, export_store
+
+    try:
+        fmt = export_format(args.out, args.format)
+    except ValueError as e:  # Parquet to stdout: a usage error
+        print(f"capture-proxy export: {e}", file=sys.stderr)
+        return 2
+    summary = export_store(
+        args.store,
+        args.out,
+        format=fmt,
+        per=args.per,
+        verify=args.verify,
+        include_untooled=args.include_untooled,
+        include_open=args.include_open,
+        include_poisoned=args.include_poisoned,
+        rollouts=args.rollouts,
+        group=args.groups,
+        since=args.since,
+        attachments=args.attachments and args.out != "-",
+    )
+    _report_export(args, summary.to_dict())
+    return 0
 
 
 async def _seal(args: argparse.Namespace) -> int:
@@ -278,20 +373,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return run_inspect(args)
         if args.command == "export":
-            from .read.export import export_store
-
-            summary = export_store(
-                args.store,
-                args.out,
-                format=args.format,
-                per=args.per,
-                verify=args.verify,
-                include_untooled=args.include_untooled,
-                include_open=args.include_open,
-                include_poisoned=args.include_poisoned,
-            )
-            _report_export(args, summary.to_dict())
-            return 0
+            return _export(args)
         if args.command == "seal":
             return asyncio.run(_seal(args))
         if args.command == "compact":

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from ..errors import CaptureProxyError
@@ -222,19 +223,29 @@ class Store:
         check_included(
             rollout_id, status, include_open=include_open, include_poisoned=include_poisoned
         )
-        return self._trajectory(rollout_id, status, include_untooled, verify)
+        return self._read(rollout_id, status, include_untooled, verify)[1]
 
-    def _trajectory(
+    def _read(
         self, rollout_id: str, status: RolloutStatus, include_untooled: bool, verify: bool
-    ) -> Trajectory:
+    ) -> tuple[list[StagedCallRecord], Trajectory]:
+        """The rollout's records and its trajectory, with the driver's outcome on it: the one
+        place trajectories are built for `trajectory`, `iter_trajectories` and the export."""
         from .trajectory import trajectory_from_records
 
         records = self.source.calls(rollout_id)
         if verify:
             self._verify(records)
-        return trajectory_from_records(
+        traj = trajectory_from_records(
             rollout_id, records, include_untooled=include_untooled, status=status
         )
+        # The outcome the filters and the group order saw (`_outcome`), so the two never differ.
+        outcome = self._outcome(rollout_id)
+        traj.reward, traj.reward_components, traj.group_id = (
+            outcome.reward,
+            outcome.reward_components,
+            outcome.group_id,
+        )
+        return records, traj
 
     def routed_experts(
         self,
@@ -273,24 +284,58 @@ class Store:
         )
         return assemble_experts(fetch, record, allow_incomplete=allow_incomplete)
 
-    def iter_trajectories(
+    def _outcome(self, rollout_id: str) -> RewardView:
+        """The reward and group the driver reported for the rollout (its latest outcome), read
+        from its header without its records (ordering by group and the group filter ask it of
+        every rollout)."""
+        try:
+            outcome = self.source.rollout_info(rollout_id).outcome
+        except KeyError:  # calls without a header (a store written before headers)
+            return _NO_OUTCOME
+        if outcome is None:
+            return _NO_OUTCOME
+        return RewardView(outcome.scalar_reward, outcome.reward_components, outcome.group_id)
+
+    def _sealed_at_ms(self, rollout_id: str) -> int | None:
+        try:
+            return self.source.rollout_info(rollout_id).sealed_at_ms
+        except KeyError:  # calls without a header (a store written before headers): not sealed
+            return None
+
+    def _select(
         self,
         *,
-        include_untooled: bool = False,
-        include_open: bool = False,
-        include_poisoned: bool = False,
-        verify: bool = True,
-        skipped: dict[str, list[str]] | None = None,
-    ) -> Iterator[Trajectory]:
-        """Every rollout's trajectory, oldest rollout first, one rollout in memory at a time.
-
-        Open rollouts (unless `include_open`) and poisoned ones (unless `include_poisoned`) are
-        left out; pass a dict as `skipped` to learn which: it gets ``"open"`` and
-        ``"poisoned"`` lists of rollout ids (a rollout both open and poisoned is counted as
-        poisoned). Rollouts without any staged call yield nothing. Raises `DigestMismatch` when
-        a record does not verify (unless ``verify=False``).
-        """
-        for rollout_id in self.rollouts():
+        include_open: bool,
+        include_poisoned: bool,
+        since: int | datetime | None,
+        group: str | Iterable[str] | None,
+        rollouts: Iterable[str] | None,
+        skipped: dict[str, list[str]] | None,
+    ) -> list[SelectedRollout]:
+        """The rollouts the filters keep, in export order: oldest first, except that the
+        rollouts of one group follow each other (at the place of the group's oldest rollout),
+        so a GRPO group is adjacent. Reads headers and ledgers only, no records."""
+        since_ms = as_epoch_ms(since)
+        groups = {group} if isinstance(group, str) else None if group is None else set(group)
+        known = self.rollouts()
+        if rollouts is None:
+            ids = known
+        else:
+            wanted = set(rollouts)
+            missing = sorted(wanted.difference(known))
+            if missing:
+                raise KeyError(f"no rollout {', '.join(map(repr, missing))} in {self.url}")
+            ids = [r for r in known if r in wanted]
+        kept: list[SelectedRollout] = []
+        for rollout_id in ids:
+            outcome = self._outcome(rollout_id)
+            if groups is not None and outcome.group_id not in groups:
+                continue
+            sealed_at = self._sealed_at_ms(rollout_id)
+            # A rollout sealed before `since` was taken by an earlier export. An open one (no
+            # seal time yet) is kept when open rollouts are asked for.
+            if since_ms is not None and sealed_at is not None and sealed_at < since_ms:
+                continue
             status = self.status(rollout_id)
             try:
                 check_included(
@@ -301,9 +346,87 @@ class Store:
                     why = "poisoned" if e.keyword == "include_poisoned" else "open"
                     skipped.setdefault(why, []).append(rollout_id)
                 continue
-            traj = self._trajectory(rollout_id, status, include_untooled, verify)
+            kept.append(SelectedRollout(rollout_id, status, sealed_at, outcome))
+        # Each rollout sorts at the place of its group's first rollout (its own place when it
+        # has no group): groups stay together, everything else keeps the store's order.
+        first: dict[str, int] = {}
+        places = [
+            first.setdefault(s.outcome.group_id, i) if s.outcome.group_id is not None else i
+            for i, s in enumerate(kept)
+        ]
+        order = sorted(range(len(kept)), key=lambda i: (places[i], i))
+        return [kept[i] for i in order]
+
+    def iter_trajectories(
+        self,
+        *,
+        include_untooled: bool = False,
+        include_open: bool = False,
+        include_poisoned: bool = False,
+        verify: bool = True,
+        since: int | datetime | None = None,
+        group: str | Iterable[str] | None = None,
+        skipped: dict[str, list[str]] | None = None,
+    ) -> Iterator[Trajectory]:
+        """Every rollout's trajectory, oldest rollout first, one rollout in memory at a time.
+
+        The rollouts of one group (`Trajectory.group_id`) come one after the other, at the place
+        of the group's oldest rollout. Open rollouts (unless `include_open`) and poisoned ones
+        (unless `include_poisoned`) are left out; pass a dict as `skipped` to learn which: it
+        gets ``"open"`` and ``"poisoned"`` lists of rollout ids (a rollout both open and
+        poisoned is counted as poisoned). `since` (a `datetime`, or milliseconds since the
+        epoch) keeps only rollouts sealed at or after it: a training loop that reads
+        incrementally passes the time of its previous pass, so a rollout that ran long and was
+        sealed late is not missed. `group` (a group id, or several) keeps only those groups.
+        Rollouts without any staged call yield nothing. Raises `DigestMismatch` when a record
+        does not verify (unless ``verify=False``).
+        """
+        selected = self._select(
+            include_open=include_open,
+            include_poisoned=include_poisoned,
+            since=since,
+            group=group,
+            rollouts=None,
+            skipped=skipped,
+        )
+        for sel in selected:
+            traj = self._read(sel.rollout_id, sel.status, include_untooled, verify)[1]
             if traj.calls or traj.apart:
                 yield traj
+
+
+@dataclass(frozen=True, slots=True)
+class RewardView:
+    """The reward and group of a rollout's latest outcome, as trainers read them: `reward` is
+    None when the driver sent an object of numbers (then `reward_components` holds them)."""
+
+    reward: float | None = None
+    reward_components: dict[str, float] | None = None
+    group_id: str | None = None
+
+
+_NO_OUTCOME = RewardView()
+
+
+@dataclass(frozen=True, slots=True)
+class SelectedRollout:
+    """A rollout the trainer-facing filters keep, with what was read to decide it."""
+
+    rollout_id: str
+    status: RolloutStatus
+    sealed_at_ms: int | None
+    outcome: RewardView
+
+
+def as_epoch_ms(when: int | datetime | None) -> int | None:
+    """`since` as milliseconds since the epoch (a naive datetime is taken as UTC)."""
+    if when is None or (isinstance(when, int) and not isinstance(when, bool)):
+        return when
+    if isinstance(when, datetime):
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=UTC)
+        return int(when.timestamp() * 1000)
+    raise TypeError(f"since must be a datetime or milliseconds since the epoch, not {when!r}")
 
 
 def open_store(url: str, *, token: str | None = None) -> Store:

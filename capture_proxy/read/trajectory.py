@@ -100,6 +100,13 @@ class Trajectory:
     poisoned: bool = False
     #: Calls of the rollout that were not staged, in sequence order, poisoning or not.
     not_staged: list[NotStaged] = field(default_factory=list)
+    #: The rollout's reward, from the driver's latest outcome (``PUT .../outcome``) when it is
+    #: one number; None when it is an object (then see `reward_components`) or none was sent.
+    reward: float | None = None
+    #: The reward's parts, when the driver reported the reward as an object of numbers.
+    reward_components: dict[str, float] | None = None
+    #: The rollout's group as the driver reported it (GRPO: the rollouts of one prompt).
+    group_id: str | None = None
     #: The linearized token ids (int32): segment after segment.
     token_ids: array[int] = field(default_factory=lambda: array("i"))
     #: 1 on tokens the policy generated (train on them), 0 on prompt tokens.
@@ -124,13 +131,6 @@ class Trajectory:
     apart: list[str] = field(default_factory=list)
     #: Earlier attempts of retried calls (the latest attempt is in the trajectory).
     retries_skipped: list[str] = field(default_factory=list)
-    #: The rollout's reward, from the driver's latest outcome (``PUT .../outcome``) when it is
-    #: one number; None when it is an object (see `reward_components`) or none was sent.
-    reward: float | None = None
-    #: The reward's named components when the driver sent an object; None otherwise.
-    reward_components: dict[str, float] | None = None
-    #: The rollout's group (the rollouts of one prompt), from the latest outcome; None if unset.
-    group_id: str | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -148,6 +148,11 @@ class Trajectory:
             "poisoned": self.poisoned,
             "n_failures": self.n_failures,
             "not_staged": [_not_staged_dict(n) for n in self.not_staged],
+            "reward": self.reward,
+            "reward_components": (
+                None if self.reward_components is None else dict(self.reward_components)
+            ),
+            "group_id": self.group_id,
             "token_ids": self.token_ids.tolist(),
             "loss_mask": self.loss_mask.tolist(),
             "logprobs": self.logprobs.tolist(),
@@ -171,9 +176,6 @@ class Trajectory:
             "calls": list(self.calls),
             "apart": list(self.apart),
             "retries_skipped": list(self.retries_skipped),
-            "reward": self.reward,
-            "reward_components": self.reward_components,
-            "group_id": self.group_id,
         }
 
 

@@ -16,10 +16,12 @@ from typing import Any
 
 import duckdb
 import orjson
+import pyarrow as pa
 import pyarrow.json as pajson
 import pyarrow.parquet as pq
 import pytest
 
+from capture_proxy.cli import main
 from capture_proxy.read.export import export_store
 from capture_proxy.read.reader import Store, open_store
 from capture_proxy.schemas.digest import DigestMismatch, seal_record
@@ -146,12 +148,19 @@ async def test_per_call_jsonl(store: tuple[str, list[StagedCallRecord]], tmp_pat
         r = by_id[line["call_id"]]
         assert line["completion_token_ids"] == r.completion_token_ids.tolist()
         assert _f32(line["completion_logprobs"]) == r.completion_logprobs.tobytes()
+        # JSON values are nested objects, not JSON text inside JSON.
+        assert (line["request"], line["response"]) == (r.request, r.response)
+        assert line["extras"] == r.extras
     ((n, tokens),) = duckdb.execute(
         "SELECT count(*), sum(len(prompt_token_ids)) "
         f"FROM read_json('{out}', format='newline_delimited')"
     ).fetchall()
     assert (n, tokens) == (len(staged), sum(len(r.prompt_token_ids) for r in staged))
-    assert pajson.read_json(out).num_rows == len(staged)
+    # pyarrow's JSON reader needs one type per field: a message's content is a string in one
+    # call and a list of parts in another, so it reads the calls' columns without `request`.
+    schema = pa.schema([("call_id", pa.string()), ("prompt_token_ids", pa.list_(pa.int32()))])
+    opts = pajson.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore")
+    assert pajson.read_json(out, parse_options=opts).num_rows == len(staged)
 
 
 @pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
@@ -410,3 +419,23 @@ async def test_compact_refuses_what_it_cannot_compact(tmp_path: Path) -> None:
     finally:
         os.close(fd)
     assert len(live_markers(ds)) > 1  # nothing was merged
+
+
+async def test_a_tampered_record_stops_a_stdout_export_with_status_1(
+    tmp_path: Path, capsysbinary: pytest.CaptureFixture[bytes]
+) -> None:
+    # On stdout the rows stream: the rollouts read before the bad record are out already, so
+    # the exit status and stderr are what tell the consumer the export is not whole.
+    case = ParquetCase(tmp_path)
+    staged = await fill(case.sink, turns=2)
+    await seal(case.sink, "ra", "rb")
+    await case.sink.close()
+    case.tamper(staged[-1].call_id, "tokens")
+    url = f"parquet:///{case.location}"
+    assert main(["export", url, "-", "--per", "segment"]) == 1
+    out, err = capsysbinary.readouterr()
+    assert [json.loads(line)["rollout_id"] for line in out.splitlines()] == ["ra"]
+    assert err.startswith(b"capture-proxy export: ")
+    assert staged[-1].call_id.encode() in err
+    with pytest.raises(ValueError, match="per must be 'call', 'trajectory' or 'segment'"):
+        export_store(url, str(tmp_path / "x.parquet"), per="turn")  # type: ignore[arg-type]

@@ -1,0 +1,278 @@
+"""Export a store as a table trainers take as it is: one row per call, per rollout or per segment.
+
+    capture-proxy export sqlite:///capture.db segments.parquet --per segment
+    capture-proxy export parquet:///capture traj.jsonl --per trajectory
+    capture-proxy export sqlite:///capture.db - --per segment | head -1      # JSON Lines on stdout
+
+Every row starts with its rollout's columns: `rollout_id`, the driver's outcome (`reward`,
+`reward_components`, `group_id`), `state`, `poisoned`, `n_failures`, `sealed_at_ms` and
+`num_turns`. Per call, a row holds the call's identity, lineage, versions, full prompt and
+completion token ids, logprobs, digests, request and response. Per trajectory, a row holds the
+rollout's linearized episode (`capture_proxy.read.trajectory`). Per segment, a row holds one
+sequence the model saw in one pass, split as RL trainers take it: `prompt_ids` (everything before
+its first generated token), `response_ids`, `response_mask` (1 on generated tokens, 0 on tool
+output and template tokens inside the response) and `response_logprobs`. docs/trajectories.md
+lists every column and maps them onto verl, SkyRL and NeMo RL.
+
+Like the reader's trainer-facing reads, the export leaves out open rollouts (not sealed yet) and
+poisoned ones (a call answered but not staged) unless asked for them (``include_open``,
+``include_poisoned``), and says which it left out (`ExportSummary.left_out`); it can be limited
+to named rollouts, groups, and rollouts sealed since a time. Rows come oldest rollout first,
+the rollouts of one group together. Every record is verified against its digest while exporting
+(a mismatch stops the export; ``verify=False`` skips the check), and a file appears only when
+complete: it is written to a temporary file and renamed. The images the rows refer to go, once
+each, to a sibling Parquet file keyed by sha256 (`attachments_path`).
+
+A Parquet export carries file-level metadata (`read_export_metadata`): the export format version,
+the capture-proxy version, the store URL, and the tokenizer fingerprints of the exported calls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import sys
+from collections.abc import Iterable
+from datetime import datetime
+from typing import Literal
+
+from ..reader import SelectedRollout, Store, open_store
+from ._columns import ATTACHMENT_SCHEMA, CALL_SCHEMA, SCHEMAS, SEGMENT_SCHEMA, TRAJECTORY_SCHEMA
+from ._columns import rows_of as _rows_of
+from ._write import AttachmentFile, JsonLinesOut, ParquetOut, RowsOut, atomic_file
+
+__all__ = [
+    "ATTACHMENT_SCHEMA",
+    "CALL_SCHEMA",
+    "EXPORT_FORMAT_VERSION",
+    "SEGMENT_SCHEMA",
+    "TRAJECTORY_SCHEMA",
+    "ExportSummary",
+    "attachments_path",
+    "export_format",
+    "export_store",
+    "read_export_metadata",
+]
+
+#: The version of the exported tables' layout (columns, their types and meaning), in every
+#: Parquet export's metadata. Bumped when a column changes type or meaning; new columns do not.
+EXPORT_FORMAT_VERSION = 1
+#: The prefix of the file-level metadata keys of a Parquet export.
+METADATA_PREFIX = "capture_proxy."
+#: The default size of a row group, in Arrow's in-memory bytes.
+ROW_GROUP_BYTES = 128 << 20
+
+Format = Literal["parquet", "jsonl"]
+Per = Literal["call", "trajectory", "segment"]
+
+
+def export_format(out: str, format: str | None = None) -> Format:
+    """The format to write `out` in: `format` when given, else JSON Lines for ``-`` (stdout) and
+    names ending in ``.jsonl`` or ``.ndjson``, Parquet otherwise.
+
+    Raises ValueError for an unknown format, and for Parquet to stdout (a Parquet file ends with
+    its footer, written once everything else is: it needs a file).
+    """
+    if format is None:
+        jsonl = out == "-" or out.endswith((".jsonl", ".ndjson"))
+        return "jsonl" if jsonl else "parquet"
+    if format not in ("parquet", "jsonl"):
+        raise ValueError(f"format must be 'parquet' or 'jsonl', not {format!r}")
+    if format == "parquet" and out == "-":
+        raise ValueError(
+            "Parquet cannot be written to stdout (its footer is written last, into a file): "
+            "name an output file, or write JSON Lines to stdout (--format jsonl, or no --format)"
+        )
+    return format  # type: ignore[return-value]
+
+
+def attachments_path(out: str) -> str:
+    """Where the attachments of the export at `out` go: ``traj.parquet`` ->
+    ``traj.attachments.parquet`` (named after the export, so two exports in one folder do not
+    overwrite each other's images)."""
+    stem, ext = os.path.splitext(out)
+    return f"{stem if ext in ('.parquet', '.jsonl', '.ndjson') else out}.attachments.parquet"
+
+
+def _capture_proxy_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("capture-proxy")
+    except PackageNotFoundError:  # running from a source tree that was not installed
+        return "unknown"
+
+
+def read_export_metadata(path: str) -> dict[str, str]:
+    """The file-level metadata of a Parquet export (or of its attachments file), without the
+    key prefix: ``export_format_version``, ``capture_proxy_version``, ``store``, ``per`` and
+    ``tokenizer_fingerprints`` (a JSON list: the distinct fingerprints of the exported calls)."""
+    import pyarrow.parquet as pq
+
+    raw = pq.read_metadata(path).metadata or {}
+    prefix = METADATA_PREFIX.encode()
+    return {k[len(prefix) :].decode(): v.decode() for k, v in raw.items() if k.startswith(prefix)}
+
+
+@dataclasses.dataclass(slots=True)
+class ExportSummary:
+    """What `export_store` wrote, and which rollouts it left out and why."""
+
+    #: Rows written.
+    rows: int = 0
+    #: Rollouts exported.
+    rollouts: int = 0
+    #: Rollout ids left out, by why: ``"open"`` (not sealed; ``include_open``) and
+    #: ``"poisoned"`` (``include_poisoned``; a rollout both open and poisoned counts here).
+    #: Only rollouts with staged calls are listed (the others have nothing to export).
+    left_out: dict[str, list[str]] = dataclasses.field(
+        default_factory=lambda: {"open": [], "poisoned": []}
+    )
+    #: Distinct attachments written to `attachments_out`.
+    attachments: int = 0
+    #: The attachments file, or None when no row refers to one (or the export went to stdout).
+    attachments_out: str | None = None
+    #: The latest seal time (ms since the epoch) of the exported rollouts: pass it as `since` to
+    #: the next export to get what was sealed since (rollouts sealed in that very millisecond
+    #: come again: drop repeated rollout ids).
+    last_sealed_at_ms: int | None = None
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "rows": self.rows,
+            "rollouts": self.rollouts,
+            "left_out": self.left_out,
+            "attachments": self.attachments,
+            "attachments_out": self.attachments_out,
+            "last_sealed_at_ms": self.last_sealed_at_ms,
+        }
+
+
+def export_store(
+    source: str | Store,
+    out: str,
+    *,
+    format: Format | None = None,
+    per: Per = "call",
+    verify: bool = True,
+    include_untooled: bool = False,
+    include_open: bool = False,
+    include_poisoned: bool = False,
+    rollouts: Iterable[str] | None = None,
+    group: str | Iterable[str] | None = None,
+    since: int | datetime | None = None,
+    attachments: bool = True,
+    row_group_bytes: int = ROW_GROUP_BYTES,
+) -> ExportSummary:
+    """Write the store (a URL, or a `Store` already open) to `out`; say what was written and
+    left out. ``out="-"`` writes JSON Lines to stdout.
+
+    `format` defaults from `out` (`export_format`). `per` is ``"call"``, ``"trajectory"`` or
+    ``"segment"``. Open and poisoned rollouts are left out unless `include_open` /
+    `include_poisoned`; `rollouts` (ids), `group` (one group id or several) and `since` (a
+    `datetime` or ms since the epoch: rollouts sealed at or after it) narrow the export further.
+    The attachments the rows refer to are written to `attachments_path(out)` unless
+    ``attachments=False`` (never for stdout). Raises `DigestMismatch` (and writes no file) when a
+    record does not verify, ``verify=False`` skips the check; KeyError for a rollout id the store
+    does not hold; ValueError for a bad `format` or `per`.
+    """
+    fmt = export_format(out, format)
+    if per not in SCHEMAS:
+        raise ValueError(f"per must be 'call', 'trajectory' or 'segment', not {per!r}")
+    schema = SCHEMAS[per]
+    store = open_store(source) if isinstance(source, str) else source
+    summary = ExportSummary()
+    skipped: dict[str, list[str]] = {"open": [], "poisoned": []}
+    try:
+        selected = store._select(
+            include_open=include_open,
+            include_poisoned=include_poisoned,
+            since=since,
+            group=group,
+            rollouts=rollouts,
+            skipped=skipped,
+        )
+        # Rollouts without any staged call have nothing to export, left out or not.
+        summary.left_out = {
+            why: [r for r in ids if store.source.summaries(r)] for why, ids in skipped.items()
+        }
+        metadata = {
+            "export_format_version": str(EXPORT_FORMAT_VERSION),
+            "capture_proxy_version": _capture_proxy_version(),
+            "store": store.url,
+            "per": per,
+        }
+        run = _Run(store, per, selected, verify, include_untooled, summary, metadata)
+        if out == "-":
+            run.write(JsonLinesOut(sys.stdout.buffer), None)
+            return summary
+        side = AttachmentFile(f"{attachments_path(out)}.{os.getpid()}.tmp") if attachments else None
+        try:
+            with atomic_file(out) as f:
+                rows_out: RowsOut = (
+                    ParquetOut(f, schema, row_group_bytes) if fmt == "parquet" else JsonLinesOut(f)
+                )
+                try:
+                    run.write(rows_out, side)
+                except BaseException:
+                    rows_out.abort()
+                    raise
+                has_side = side is not None and side.close(run.file_metadata())
+        except BaseException:
+            if side is not None:
+                side.discard()
+            raise
+        _place_attachments(side if has_side else None, out, summary)
+        return summary
+    finally:
+        if isinstance(source, str):
+            store.close()
+
+
+def _place_attachments(side: AttachmentFile | None, out: str, s: ExportSummary) -> None:
+    final = attachments_path(out)
+    if side is not None:
+        os.replace(side.path, final)
+        s.attachments, s.attachments_out = len(side.seen), final
+    else:
+        # The export at `out` was replaced: an attachments file from an earlier export to the
+        # same name would describe rows that are gone.
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(final)
+
+
+@dataclasses.dataclass(slots=True)
+class _Run:
+    store: Store
+    per: Per
+    selected: list[SelectedRollout]
+    verify: bool
+    include_untooled: bool
+    summary: ExportSummary
+    metadata: dict[str, str]
+
+    def write(self, rows_out: RowsOut, side: AttachmentFile | None) -> None:
+        """Every selected rollout's rows, one rollout in memory at a time."""
+        fingerprints: dict[str, None] = {}
+        for sel in self.selected:
+            records, traj = self.store._read(
+                sel.rollout_id, sel.status, self.include_untooled, self.verify
+            )
+            if not (traj.calls or traj.apart):
+                continue
+            rows = _rows_of(self.per, sel, records, traj)
+            self.summary.rows += rows_out.emit(rows.columns)
+            self.summary.rollouts += 1
+            if sel.sealed_at_ms is not None:
+                last = self.summary.last_sealed_at_ms
+                self.summary.last_sealed_at_ms = max(last or 0, sel.sealed_at_ms)
+            fingerprints.update(dict.fromkeys(r.tokenizer_fingerprint for r in rows.records))
+            if side is not None:
+                side.add(rows.attachments())
+        self.metadata["tokenizer_fingerprints"] = json.dumps([f for f in fingerprints if f])
+        rows_out.finish(self.file_metadata())
+
+    def file_metadata(self) -> dict[str, str]:
+        return {METADATA_PREFIX + k: v for k, v in self.metadata.items()}
