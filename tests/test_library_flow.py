@@ -69,6 +69,7 @@ async def test_stream_yields_the_bytes_as_they_arrive(
     tmp_path: Path, fake: tuple[FakeVLLM, str]
 ) -> None:
     upstream, base = fake
+    upstream.chunk_delay = 0.02  # events apart in time, so reads cannot coalesce them
     upstream.push(Turn("one two three"))
     client = _client(tmp_path, base)
     try:
