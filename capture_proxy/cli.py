@@ -261,7 +261,8 @@ async def _serve(settings_args: argparse.Namespace) -> int:
 
     settings = load_settings(settings_args)
     setup_logging(settings.log_level, settings.log_format)
-    log.info("starting with settings %s", settings.public())
+    # Fields, not a formatted dict: in JSON mode a log pipeline reads settings.port directly.
+    log.info("starting", extra={"settings": settings.public()})
     return await serve(settings)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import sys
 
 from aiohttp import web
 
@@ -37,29 +38,37 @@ async def serve(settings: Settings) -> int:
     host, port = runner.addresses[0][:2]
     state = app[STATE]
     state.listen_url = f"http://{host}:{port}"
+    # The banner is for people and readiness probes: stderr, beside the logs, so stdout carries
+    # nothing a pipeline could mistake for output.
     print(
         f"capture-proxy listening on {state.listen_url} -> upstream {state.upstream_url}, "
         f"store {settings.store}",
+        file=sys.stderr,
         flush=True,
     )
     print(
         f"  point OpenAI clients at {state.listen_url}/r/<rollout-id>/v1 ; "
         f"inspect with: capture-proxy inspect {settings.store}",
+        file=sys.stderr,
         flush=True,
     )
     admin_runner = None
     if not settings.admin_token:
-        print("  control API off (no --admin-token)", flush=True)
+        print("  control API off (no --admin-token)", file=sys.stderr, flush=True)
     elif settings.admin_port:
         admin_runner = web.AppRunner(create_admin_app(app), access_log=None)
         await admin_runner.setup()
         admin_host = settings.admin_host or settings.host
         await web.TCPSite(admin_runner, admin_host, settings.admin_port).start()
-        print(f"  control API on http://{admin_host}:{settings.admin_port}/admin", flush=True)
+        print(
+            f"  control API on http://{admin_host}:{settings.admin_port}/admin",
+            file=sys.stderr,
+            flush=True,
+        )
     else:
-        print(f"  control API on {state.listen_url}/admin", flush=True)
+        print(f"  control API on {state.listen_url}/admin", file=sys.stderr, flush=True)
     await stop.wait()
-    print("capture-proxy stopping: finishing in-flight calls", flush=True)
+    print("capture-proxy stopping: finishing in-flight calls", file=sys.stderr, flush=True)
     if admin_runner is not None:
         await admin_runner.cleanup()
     await runner.cleanup()
