@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import json
 import logging
 import sys
 from collections.abc import Sequence
 
+from . import __version__
 from .core.policy import PolicyError
 from .logs import setup_logging
 from .server.settings import SettingsError, add_arguments, load_settings, settings_markdown
@@ -19,12 +21,41 @@ log = logging.getLogger("capture_proxy")
 __all__ = ["main"]
 
 
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """``--help`` shows every flag's default: "(default: X)" after its help, unless the help
+    says it already (serve's settings do, since their argparse default is None so that the
+    environment can fill them). Switches and flags without a default show none.
+    """
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if not action.help and _shows_default(action):
+            # argparse skips the help column of a flag without help: give it one for the default.
+            action = copy.copy(action)
+            action.help = "(default: %(default)s)"
+        return super()._format_action(action)
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or not _shows_default(action):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def _shows_default(action: argparse.Action) -> bool:
+    # A switch (nargs 0: --include-open, --no-verify) is off unless given: no default to show.
+    if action.nargs == 0 or action.default in (None, argparse.SUPPRESS):
+        return False
+    return bool(action.option_strings) or action.nargs in ("?", "*")
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="capture-proxy",
         description="OpenAI-compatible proxy in front of vLLM that stages the exact tokens of "
         "every call, or reports loudly that it could not.",
+        formatter_class=_DefaultsFormatter,
     )
+    p.add_argument("--version", action="version", version=f"capture-proxy {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     serve = sub.add_parser(
         "serve",
@@ -126,6 +157,9 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="SQLite: shrink the file afterwards (exclusive lock: stop the proxy)",
     )
+    # Every subcommand, including those added by other modules (inspect), shows its defaults.
+    for command in sub.choices.values():
+        command.formatter_class = _DefaultsFormatter
     return p
 
 

@@ -109,7 +109,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         type=_interval,
         default=1.0,
         metavar="SECONDS",
-        help="how often --follow looks for new calls (default 1)",
+        help="how often --follow looks for new calls (default: %(default)s)",
     )
 
 
