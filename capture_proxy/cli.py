@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
+import dataclasses
 import json
 import logging
 import sys
@@ -12,6 +13,7 @@ from collections.abc import Sequence
 
 from . import __version__
 from .core.policy import PolicyError
+from .inspect.progress import progress_bar
 from .logs import setup_logging
 from .server.settings import SettingsError, add_arguments, load_settings, settings_markdown
 from .sinks.base import StoreError, UnsupportedStoreOperation
@@ -139,6 +141,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     compact.add_argument("store", help="a Parquet store URL or folder")
     compact.add_argument("--target-mb", type=int, default=256, help="size of merged files")
+    compact.add_argument(
+        "--json",
+        action="store_true",
+        help="print the summary (units, files and bytes before and after, records, deleted "
+        "files) as one JSON object",
+    )
 
     gc = sub.add_parser(
         "gc",
@@ -156,6 +164,12 @@ def _parser() -> argparse.ArgumentParser:
         "--vacuum",
         action="store_true",
         help="SQLite: shrink the file afterwards (exclusive lock: stop the proxy)",
+    )
+    gc.add_argument(
+        "--json",
+        action="store_true",
+        help="print the summary (rollouts, calls, blobs, attachments, bytes before and after) "
+        "as one JSON object",
     )
     # Every subcommand, including those added by other modules (inspect), shows its defaults.
     for command in sub.choices.values():
@@ -179,13 +193,19 @@ def _run_gc(args: argparse.Namespace) -> int:
 
     from .sinks.registry import gc_store
 
-    stats = gc_store(
-        args.store,
-        older_than_ms=args.older_than,
-        now_ms=int(time.time() * 1000),
-        dry_run=args.dry_run,
-        vacuum=args.vacuum,
-    )
+    with progress_bar("removing" if not args.dry_run else "looking") as progress:
+        stats = gc_store(
+            args.store,
+            older_than_ms=args.older_than,
+            now_ms=int(time.time() * 1000),
+            dry_run=args.dry_run,
+            vacuum=args.vacuum,
+            progress=progress,
+        )
+    if args.json:
+        summary = {"store": args.store, "dry_run": args.dry_run, **dataclasses.asdict(stats)}
+        print(json.dumps(summary))
+        return 0
     verb = "would remove" if args.dry_run else "removed"
     print(
         f"{verb} {len(stats.rollouts)} sealed rollout(s), {stats.calls} call(s); "
@@ -247,7 +267,6 @@ def _report_export(args: argparse.Namespace, summary: dict[str, object]) -> None
 
 
 async def _seal(args: argparse.Namespace) -> int:
-    import dataclasses
     import time
 
     from .schemas.records import RolloutInfo, RolloutState
@@ -332,7 +351,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "compact":
             from .sinks.registry import compact_store
 
-            c = compact_store(args.store, target_bytes=args.target_mb << 20)
+            with progress_bar("compacting") as progress:
+                c = compact_store(args.store, target_bytes=args.target_mb << 20, progress=progress)
+            if args.json:
+                print(json.dumps({"store": args.store, **dataclasses.asdict(c)}))
+                return 0
             print(
                 f"{c.units_before} unit(s) -> {c.units_after}, {c.files_before} file(s) -> "
                 f"{c.files_after}, {c.records} record(s) unchanged; "
