@@ -143,7 +143,8 @@ def scenarios(quick: bool) -> list[Scenario]:
 
 
 class Proc:
-    """A server process whose stdout says ``listening on http://HOST:PORT``."""
+    """A server process that says ``listening on http://HOST:PORT`` (on stdout or stderr: both
+    go to its log file)."""
 
     def __init__(self, name: str, argv: list[str], logdir: Path) -> None:
         self.name = name

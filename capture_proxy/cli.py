@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
+import dataclasses
 import json
 import logging
 import sys
 from collections.abc import Sequence
 
+from . import __version__
 from .core.policy import PolicyError
+from .inspect.progress import progress_bar
 from .logs import setup_logging
 from .server.settings import SettingsError, add_arguments, load_settings, settings_markdown
 from .sinks.base import StoreError, UnsupportedStoreOperation
@@ -19,12 +23,41 @@ log = logging.getLogger("capture_proxy")
 __all__ = ["main"]
 
 
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """``--help`` shows every flag's default: "(default: X)" after its help, unless the help
+    says it already (serve's settings do, since their argparse default is None so that the
+    environment can fill them). Switches and flags without a default show none.
+    """
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if not action.help and _shows_default(action):
+            # argparse skips the help column of a flag without help: give it one for the default.
+            action = copy.copy(action)
+            action.help = "(default: %(default)s)"
+        return super()._format_action(action)
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or not _shows_default(action):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def _shows_default(action: argparse.Action) -> bool:
+    # A switch (nargs 0: --include-open, --no-verify) is off unless given: no default to show.
+    if action.nargs == 0 or action.default in (None, argparse.SUPPRESS):
+        return False
+    return bool(action.option_strings) or action.nargs in ("?", "*")
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="capture-proxy",
         description="OpenAI-compatible proxy in front of vLLM that stages the exact tokens of "
         "every call, or reports loudly that it could not.",
+        formatter_class=_DefaultsFormatter,
     )
+    p.add_argument("--version", action="version", version=f"capture-proxy {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     serve = sub.add_parser(
         "serve",
@@ -148,6 +181,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     compact.add_argument("store", help="a Parquet store URL or folder")
     compact.add_argument("--target-mb", type=int, default=256, help="size of merged files")
+    compact.add_argument(
+        "--json",
+        action="store_true",
+        help="print the summary (units, files and bytes before and after, records, deleted "
+        "files) as one JSON object",
+    )
 
     gc = sub.add_parser(
         "gc",
@@ -166,6 +205,15 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="SQLite: shrink the file afterwards (exclusive lock: stop the proxy)",
     )
+    gc.add_argument(
+        "--json",
+        action="store_true",
+        help="print the summary (rollouts, calls, blobs, attachments, bytes before and after) "
+        "as one JSON object",
+    )
+    # Every subcommand, including those added by other modules (inspect), shows its defaults.
+    for command in sub.choices.values():
+        command.formatter_class = _DefaultsFormatter
     return p
 
 
@@ -204,13 +252,19 @@ def _run_gc(args: argparse.Namespace) -> int:
 
     from .sinks.registry import gc_store
 
-    stats = gc_store(
-        args.store,
-        older_than_ms=args.older_than,
-        now_ms=int(time.time() * 1000),
-        dry_run=args.dry_run,
-        vacuum=args.vacuum,
-    )
+    with progress_bar("removing" if not args.dry_run else "looking") as progress:
+        stats = gc_store(
+            args.store,
+            older_than_ms=args.older_than,
+            now_ms=int(time.time() * 1000),
+            dry_run=args.dry_run,
+            vacuum=args.vacuum,
+            progress=progress,
+        )
+    if args.json:
+        summary = {"store": args.store, "dry_run": args.dry_run, **dataclasses.asdict(stats)}
+        print(json.dumps(summary))
+        return 0
     verb = "would remove" if args.dry_run else "removed"
     print(
         f"{verb} {len(stats.rollouts)} sealed rollout(s), {stats.calls} call(s); "
@@ -308,7 +362,6 @@ def _export(args: argparse.Namespace) -> int:
 
 
 async def _seal(args: argparse.Namespace) -> int:
-    import dataclasses
     import time
 
     from .schemas.records import RolloutInfo, RolloutState
@@ -356,7 +409,8 @@ async def _serve(settings_args: argparse.Namespace) -> int:
 
     settings = load_settings(settings_args)
     setup_logging(settings.log_level, settings.log_format)
-    log.info("starting with settings %s", settings.public())
+    # Fields, not a formatted dict: in JSON mode a log pipeline reads settings.port directly.
+    log.info("starting", extra={"settings": settings.public()})
     return await serve(settings)
 
 
@@ -379,7 +433,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "compact":
             from .sinks.registry import compact_store
 
-            c = compact_store(args.store, target_bytes=args.target_mb << 20)
+            with progress_bar("compacting") as progress:
+                c = compact_store(args.store, target_bytes=args.target_mb << 20, progress=progress)
+            if args.json:
+                print(json.dumps({"store": args.store, **dataclasses.asdict(c)}))
+                return 0
             print(
                 f"{c.units_before} unit(s) -> {c.units_after}, {c.files_before} file(s) -> "
                 f"{c.files_after}, {c.records} record(s) unchanged; "

@@ -19,10 +19,20 @@ from typing import Any
 
 import orjson
 
-__all__ = ["JsonFormatter", "RepeatFilter", "flush_repeats", "setup_logging"]
+__all__ = ["JsonFormatter", "RepeatFilter", "TextFormatter", "flush_repeats", "setup_logging"]
 
-#: `extra=` keys copied into the JSON object when a log call provides them.
-_FIELDS = ("rollout_id", "call_id", "status", "route", "http_status", "duration_ms", "reason")
+#: `extra=` keys copied into the JSON object when a log call provides them. ``settings`` is the
+#: start-up settings (`Settings.public()`), kept an object so a log pipeline can query its keys.
+_FIELDS = (
+    "rollout_id",
+    "call_id",
+    "status",
+    "route",
+    "http_status",
+    "duration_ms",
+    "reason",
+    "settings",
+)
 
 
 class JsonFormatter(logging.Formatter):
@@ -121,13 +131,34 @@ def flush_repeats(*, all_windows: bool = False) -> None:
                 f.flush(all_windows=all_windows)
 
 
+class TextFormatter(logging.Formatter):
+    """Plain lines for people: the message, then the same `extra=` fields as ``key=value``."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s %(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = super().format(record)
+        fields = []
+        for key in _FIELDS:
+            value = record.__dict__.get(key)
+            if value is not None:
+                text = value if isinstance(value, str) else orjson.dumps(value, default=str)
+                fields.append(f"{key}={text if isinstance(text, str) else text.decode()}")
+        if not fields:
+            return line
+        # The traceback, if any, stays last: fields go at the end of the first line.
+        head, sep, rest = line.partition("\n")
+        return f"{head} {' '.join(fields)}{sep}{rest}"
+
+
 def setup_logging(level: str, fmt: str) -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.addFilter(RepeatFilter())
     if fmt == "json":
         handler.setFormatter(JsonFormatter())
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
+        handler.setFormatter(TextFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

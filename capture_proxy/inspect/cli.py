@@ -35,6 +35,7 @@ import orjson
 
 from ..read.reader import Store, open_store
 from ..sinks.base import StoreError
+from .progress import progress_bar
 from .render import (
     Column,
     Out,
@@ -109,7 +110,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         type=_interval,
         default=1.0,
         metavar="SECONDS",
-        help="how often --follow looks for new calls (default 1)",
+        help="how often --follow looks for new calls (default: %(default)s)",
     )
 
 
@@ -322,7 +323,8 @@ def _run(store: Store, args: argparse.Namespace, stream: IO[str]) -> int:
     draw: Callable[[Out], None] | None = None
     failed = False
     if args.verify:
-        verified = verify_view(store)
+        with progress_bar("verifying") as progress:
+            verified = verify_view(store, progress=progress)
         view, draw, failed = verified, partial(render_verify, verified), not verified["ok"]
     elif args.call:
         text = load_tokenizer(args.tokenizer) if args.tokenizer else None

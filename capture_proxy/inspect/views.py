@@ -30,6 +30,7 @@ from ..schemas.records import (
     StagedCallRecord,
 )
 from ..schemas.tokens import common_prefix_len, full_sequence
+from ..sinks.base import Progress
 from .shapes import (
     AttachmentEntry,
     CallEntry,
@@ -426,10 +427,13 @@ def _add_v2_fields(call: StagedCallDetail, r: StagedCallRecord) -> None:
         call["logprobs_mode"] = r.logprobs_mode
 
 
-def verify_view(store: Store) -> VerifyView:
-    """Every digest and attachment checked; `ok` is false when any problem was found."""
+def verify_view(store: Store, *, progress: Progress | None = None) -> VerifyView:
+    """Every digest and attachment checked; `ok` is false when any problem was found.
+    `progress` is told how far the check is (`Store.problems`)."""
     checked = len(list(store.source.all_keys()))
-    problems: list[VerifyProblem] = [{"key": p.key, "message": p.message} for p in store.problems()]
+    problems: list[VerifyProblem] = [
+        {"key": p.key, "message": p.message} for p in store.problems(progress=progress)
+    ]
     return {
         "view": "verify",
         "store": store.url,

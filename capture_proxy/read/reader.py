@@ -32,7 +32,7 @@ from ..schemas.digest import (
     verify_record,
 )
 from ..schemas.records import CommitCoords, LedgerEntry, RolloutInfo, StagedCallRecord
-from ..sinks.base import StagingSource
+from ..sinks.base import Progress, StagingSource
 from ..sinks.registry import open_source
 from .status import RolloutExcluded, RolloutStatus, check_included, rollout_status
 
@@ -159,10 +159,15 @@ class Store:
                 raise DigestMismatch(record.staging_key, "coordinate digest", want, record.digest)
         return records
 
-    def problems(self) -> list[Problem]:
-        """Every integrity problem in the store (empty when it verifies)."""
+    def problems(self, *, progress: Progress | None = None) -> list[Problem]:
+        """Every integrity problem in the store (empty when it verifies). `progress` is told
+        ``(records checked, records + 1)`` as it goes, and ``(n, n)`` once the store-wide
+        checks (attachments, sequence numbers) are done."""
         found: list[Problem] = []
-        for key in self.source.all_keys():
+        keys = list(self.source.all_keys())
+        for done, key in enumerate(keys, 1):
+            if progress is not None:
+                progress(done - 1, len(keys) + 1)
             try:
                 (record,) = self.source.fetch([key])
                 verify_record(record, digester=self._digester, encoder=self._encoder)
@@ -173,6 +178,8 @@ class Store:
         for sha in self.source.unreferenced_attachments():
             found.append(Problem(f"attachment:{sha}", "attachment without a record"))
         found.extend(self._duplicate_seqs())
+        if progress is not None:
+            progress(len(keys) + 1, len(keys) + 1)
         return found
 
     def _duplicate_seqs(self) -> list[Problem]:

@@ -14,6 +14,7 @@ import contextlib
 import logging
 import resource
 import signal
+import sys
 from dataclasses import dataclass, field
 
 from aiohttp import web
@@ -177,25 +178,29 @@ async def serve(settings: Settings) -> int:
     open_files = raise_open_file_limit()
     listening = await listen(settings, open_files=open_files)
     state = listening.app[STATE]
+    # The banner is for people and readiness probes: stderr, beside the logs, so stdout carries
+    # nothing a pipeline could mistake for output.
     print(
         f"capture-proxy listening on {state.listen_url} -> upstream {state.upstream_url}, "
         f"store {settings.store}",
+        file=sys.stderr,
         flush=True,
     )
     print(
         f"  point OpenAI clients at {state.listen_url}/r/<rollout-id>/v1 ; "
         f"inspect with: capture-proxy inspect {settings.store}",
+        file=sys.stderr,
         flush=True,
     )
     if not settings.admin_token:
-        print("  control API off (no --admin-token)", flush=True)
+        print("  control API off (no --admin-token)", file=sys.stderr, flush=True)
     elif listening.admin_url:
-        print(f"  control API on {listening.admin_url}/admin", flush=True)
+        print(f"  control API on {listening.admin_url}/admin", file=sys.stderr, flush=True)
     else:
-        print(f"  control API on {state.listen_url}/admin", flush=True)
+        print(f"  control API on {state.listen_url}/admin", file=sys.stderr, flush=True)
     flusher = asyncio.create_task(_flush_logs_repeatedly())
     await stop.wait()
-    print("capture-proxy stopping: finishing in-flight calls", flush=True)
+    print("capture-proxy stopping: finishing in-flight calls", file=sys.stderr, flush=True)
     await listening.close()
     flusher.cancel()
     with contextlib.suppress(asyncio.CancelledError):

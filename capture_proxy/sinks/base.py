@@ -37,6 +37,7 @@ __all__ = [
     "DuplicateSeq",
     "FaultHook",
     "GcStats",
+    "Progress",
     "StagingSink",
     "StagingSource",
     "StoreError",
@@ -54,6 +55,11 @@ PROXY_STATE_ROLLOUT = "capture-proxy/state"
 #: Test hook: sinks call it with a point name (``"after_record"``, ``"after_attachments"``)
 #: inside their write; raising there must leave nothing of the call behind.
 FaultHook = Callable[[str], None]
+
+#: Told how far a long store operation (gc, compaction, verification) is: ``progress(done,
+#: total)`` in the operation's own steps, called as each step ends (`capture-proxy` draws a bar
+#: with it on a terminal). Operations take it as ``progress=None``: nobody is told.
+Progress = Callable[[int, int], None]
 
 
 class StoreError(CaptureProxyError):

@@ -15,6 +15,7 @@ from typing import Any
 from .base import (
     CompactStats,
     GcStats,
+    Progress,
     StagingSink,
     StagingSource,
     StoreError,
@@ -53,6 +54,7 @@ class SQLiteKind(StoreKind):
         now_ms: int,
         dry_run: bool = False,
         vacuum: bool = False,
+        progress: Progress | None = None,
     ) -> GcStats:
         from .sqlite import gc_sqlite
 
@@ -62,6 +64,7 @@ class SQLiteKind(StoreKind):
             now_ms=now_ms,
             dry_run=dry_run,
             vacuum=vacuum,
+            progress=progress,
         )
 
     def local_dir(self, store: StoreURL) -> str | None:
@@ -98,18 +101,32 @@ class ParquetKind(StoreKind):
         now_ms: int,
         dry_run: bool = False,
         vacuum: bool = False,
+        progress: Progress | None = None,
     ) -> GcStats:
         # `vacuum` has nothing to do here: a later compaction deletes the retired files.
         from .parquet import gc_parquet
 
         return gc_parquet(
-            store.location, older_than_ms=older_than_ms, now_ms=now_ms, dry_run=dry_run
+            store.location,
+            older_than_ms=older_than_ms,
+            now_ms=now_ms,
+            dry_run=dry_run,
+            progress=progress,
         )
 
-    def compact(self, store: StoreURL, *, target_bytes: int, grace_s: float) -> CompactStats:
+    def compact(
+        self,
+        store: StoreURL,
+        *,
+        target_bytes: int,
+        grace_s: float,
+        progress: Progress | None = None,
+    ) -> CompactStats:
         from .parquet import compact_dataset
 
-        return compact_dataset(store.location, target_bytes=target_bytes, grace_s=grace_s)
+        return compact_dataset(
+            store.location, target_bytes=target_bytes, grace_s=grace_s, progress=progress
+        )
 
     def local_dir(self, store: StoreURL) -> str | None:
         return None if "://" in store.location else os.path.abspath(store.location)

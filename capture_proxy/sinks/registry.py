@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 from .base import (
     CompactStats,
     GcStats,
+    Progress,
     StagingSink,
     StagingSource,
     StoreError,
@@ -78,13 +79,13 @@ class StoreKind:
         bounds a reader's cache where it has one (None: the kind's default)."""
         raise NotImplementedError
 
-    #: Retention, or None: a method ``gc(self, store, *, older_than_ms, now_ms, dry_run, vacuum)
-    #: -> GcStats`` removes the rollouts sealed before ``now_ms - older_than_ms`` (with
+    #: Retention, or None: a method ``gc(self, store, *, older_than_ms, now_ms, dry_run, vacuum,
+    #: progress) -> GcStats`` removes the rollouts sealed before ``now_ms - older_than_ms`` (with
     #: ``dry_run``, only says what would go; ``vacuum``: give the space back now, where the kind
-    #: can).
+    #: can; ``progress``: a `Progress` callback or None).
     gc: Callable[..., GcStats] | None = None
 
-    #: Compaction, or None: a method ``compact(self, store, *, target_bytes, grace_s)
+    #: Compaction, or None: a method ``compact(self, store, *, target_bytes, grace_s, progress)
     #: -> CompactStats`` merges small files into files of up to ``target_bytes`` and deletes
     #: files retired more than ``grace_s`` seconds ago.
     compact: Callable[..., CompactStats] | None = None
@@ -207,9 +208,16 @@ def open_source(
 
 
 def gc_store(
-    url: str, *, older_than_ms: int, now_ms: int, dry_run: bool = False, vacuum: bool = False
+    url: str,
+    *,
+    older_than_ms: int,
+    now_ms: int,
+    dry_run: bool = False,
+    vacuum: bool = False,
+    progress: Progress | None = None,
 ) -> GcStats:
-    """Remove the store's rollouts sealed before ``now_ms - older_than_ms`` (`capture-proxy gc`).
+    """Remove the store's rollouts sealed before ``now_ms - older_than_ms`` (`capture-proxy gc`);
+    `progress` is told how far it is.
 
     Raises `UnsupportedStoreOperation` for a kind without retention (the in-process store).
     """
@@ -217,22 +225,32 @@ def gc_store(
     if kind.gc is None:
         raise _unsupported("gc", "gc", store, kind)
     return kind.gc(
-        store, older_than_ms=older_than_ms, now_ms=now_ms, dry_run=dry_run, vacuum=vacuum
+        store,
+        older_than_ms=older_than_ms,
+        now_ms=now_ms,
+        dry_run=dry_run,
+        vacuum=vacuum,
+        progress=progress,
     )
 
 
 def compact_store(
-    url: str, *, target_bytes: int = 256 << 20, grace_s: float = 600.0
+    url: str,
+    *,
+    target_bytes: int = 256 << 20,
+    grace_s: float = 600.0,
+    progress: Progress | None = None,
 ) -> CompactStats:
     """Merge the store's small files into files of up to `target_bytes` (`capture-proxy
-    compact`); files retired more than `grace_s` seconds ago are deleted.
+    compact`); files retired more than `grace_s` seconds ago are deleted. `progress` is told
+    how far it is.
 
     Raises `UnsupportedStoreOperation` for a kind without compaction (SQLite, memory).
     """
     kind, store = resolve_store(url)
     if kind.compact is None:
         raise _unsupported("compact", "compaction", store, kind)
-    return kind.compact(store, target_bytes=target_bytes, grace_s=grace_s)
+    return kind.compact(store, target_bytes=target_bytes, grace_s=grace_s, progress=progress)
 
 
 def store_local_dir(url: str) -> str | None:

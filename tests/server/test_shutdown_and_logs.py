@@ -20,7 +20,10 @@ SECRET = "sk-never-log-me"
 PROMPT = "my private prompt text"
 
 
-async def _start(tmp_path: Path, upstream: str) -> tuple[asyncio.subprocess.Process, str]:
+async def _start(
+    tmp_path: Path, upstream: str
+) -> tuple[asyncio.subprocess.Process, str, list[str]]:
+    """The proxy process, its URL (from the banner, on stderr) and the stderr lines read so far."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
@@ -42,13 +45,20 @@ async def _start(tmp_path: Path, upstream: str) -> tuple[asyncio.subprocess.Proc
         stderr=asyncio.subprocess.PIPE,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
-    assert proc.stdout is not None
+    url, seen = await _banner(proc)
+    return proc, url, seen
+
+
+async def _banner(proc: asyncio.subprocess.Process) -> tuple[str, list[str]]:
+    """Read stderr up to the banner (log lines come first); its URL and the lines read."""
+    assert proc.stderr is not None
+    seen: list[str] = []
     for _ in range(20):
-        line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
-        match = re.search(r"listening on (http://127\.0\.0\.1:\d+)", line)
+        seen.append((await asyncio.wait_for(proc.stderr.readline(), 30)).decode())
+        match = re.search(r"listening on (http://127\.0\.0\.1:\d+)", seen[-1])
         if match:
-            return proc, match.group(1)
-    raise AssertionError("the proxy did not start")
+            return match.group(1), seen
+    raise AssertionError(f"the proxy did not start: {seen}")
 
 
 async def test_sigterm_lets_an_open_stream_finish_and_stage(tmp_path: Path) -> None:
@@ -56,7 +66,7 @@ async def test_sigterm_lets_an_open_stream_finish_and_stage(tmp_path: Path) -> N
     fake.push(Turn("word " * 40))
     upstream = TestServer(fake.app())
     await upstream.start_server()
-    proc, base = await _start(tmp_path, str(upstream.make_url("")).rstrip("/"))
+    proc, base, early = await _start(tmp_path, str(upstream.make_url("")).rstrip("/"))
     try:
         async with aiohttp.ClientSession() as http:
             body = {
@@ -85,8 +95,20 @@ async def test_sigterm_lets_an_open_stream_finish_and_stage(tmp_path: Path) -> N
     assert record.call_id == call_id
 
     assert proc.stderr is not None
-    logs = (await proc.stderr.read()).decode()
-    entries = [json.loads(line) for line in logs.splitlines() if line.strip()]
+    assert proc.stdout is not None
+    assert (await proc.stdout.read()) == b""  # the banner and the logs go to stderr
+    logs = "".join(early) + (await proc.stderr.read()).decode()
+    log_lines = [line for line in logs.splitlines() if line.strip()]
+    entries = [json.loads(line) for line in log_lines if line.startswith("{")]
+    # Besides JSON log lines, stderr holds only the plain banner (its lines and the goodbye).
+    banner = [line for line in log_lines if not line.startswith("{")]
+    assert banner[0].startswith("capture-proxy listening on http://127.0.0.1:"), banner
+    assert all(line.startswith(("capture-proxy ", "  ")) for line in banner), banner
+    # The start-up settings are JSON fields a log pipeline can query, secrets masked.
+    (started,) = [e for e in entries if e["msg"] == "starting"]
+    assert started["settings"]["port"] == 0
+    assert started["settings"]["shutdown_timeout"] == 20.0
+    assert started["settings"]["upstream_api_key"] == "***"
     access = [e for e in entries if e["logger"] == "capture_proxy.access"]
     (chat,) = [e for e in access if e["route"].endswith("/chat/completions")]
     assert chat["call_id"] == call_id
@@ -119,18 +141,14 @@ async def test_calls_cut_by_the_shutdown_deadline_are_recorded_as_such(tmp_path:
         SECRET,
         "--min-free-disk-mb",
         "0",
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
     )
     try:
-        assert proc.stdout is not None
-        base = ""
-        for _ in range(20):
-            line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
-            match = re.search(r"listening on (http://127\.0\.0\.1:\d+)", line)
-            if match:
-                base = match.group(1)
-                break
+        base, _ = await _banner(proc)
+        assert proc.stderr is not None
+        # Keep reading the logs, so a full pipe never stalls the proxy's shutdown.
+        drain = asyncio.create_task(proc.stderr.read())
         async with aiohttp.ClientSession() as http:
             body = {
                 "model": "policy",
@@ -146,6 +164,7 @@ async def test_calls_cut_by_the_shutdown_deadline_are_recorded_as_such(tmp_path:
                     rest = b""  # the connection was cut: the client knows it is incomplete
         assert b"[DONE]" not in rest  # never presented as a whole answer
         assert await asyncio.wait_for(proc.wait(), 30) == 0
+        await drain
     finally:
         if proc.returncode is None:
             proc.kill()

@@ -24,7 +24,7 @@ import contextlib
 import time
 from collections.abc import Iterator
 
-from ..base import CompactStats, StoreError
+from ..base import CompactStats, Progress, StoreError
 from ._fs import TMP_SUFFIX, DatasetFS
 from ._gc import load_markers, replace_units
 from ._layout import (
@@ -41,7 +41,11 @@ __all__ = ["CompactStats", "compact_dataset", "compact_store"]
 
 
 def compact_store(
-    url: str, *, target_bytes: int = 256 << 20, grace_s: float = 600.0
+    url: str,
+    *,
+    target_bytes: int = 256 << 20,
+    grace_s: float = 600.0,
+    progress: Progress | None = None,
 ) -> CompactStats:
     """Merge the small units of the Parquet store at `url` (a URL or a folder) into units of up
     to `target_bytes`; the same as `capture_proxy.sinks.registry.compact_store`.
@@ -51,10 +55,12 @@ def compact_store(
     """
     from ..registry import compact_store as compact
 
-    return compact(url, target_bytes=target_bytes, grace_s=grace_s)
+    return compact(url, target_bytes=target_bytes, grace_s=grace_s, progress=progress)
 
 
-def compact_dataset(location: str, *, target_bytes: int, grace_s: float) -> CompactStats:
+def compact_dataset(
+    location: str, *, target_bytes: int, grace_s: float, progress: Progress | None = None
+) -> CompactStats:
     """The Parquet kind's compaction: merge the dataset at `location` (a local folder or a
     pyarrow filesystem URL). Raises `StoreError` when there is no dataset there or a compaction
     is already running."""
@@ -64,11 +70,16 @@ def compact_dataset(location: str, *, target_bytes: int, grace_s: float) -> Comp
     with _exclusive(dfs):
         markers = load_markers(dfs)
         live = live_units(markers)
-        after = [
-            _merge(dfs, run, markers) if len(run) > 1 else run[0]
-            for run in _runs(live, target_bytes)
-        ]
+        runs = _runs(live, target_bytes)
+        # Steps: each run of units merged (a run of one is kept as it is), then the clean-up.
+        after = []
+        for done, run in enumerate(runs, 1):
+            after.append(_merge(dfs, run, markers) if len(run) > 1 else run[0])
+            if progress is not None:
+                progress(done, len(runs) + 1)
         deleted = _clean(dfs, grace_s)
+        if progress is not None:
+            progress(len(runs) + 1, len(runs) + 1)
     return CompactStats(
         units_before=len(live),
         units_after=len(after),

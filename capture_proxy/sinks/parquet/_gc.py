@@ -35,7 +35,7 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 
 from ...schemas.records import RolloutState
-from ..base import GcStats, StoreError
+from ..base import GcStats, Progress, StoreError
 from ._fs import DatasetFS, Lock
 from ._layout import (
     ATTACHMENTS,
@@ -104,6 +104,7 @@ def gc_parquet(
     now_ms: int,
     dry_run: bool = False,
     filesystem: pafs.FileSystem | None = None,
+    progress: Progress | None = None,
 ) -> GcStats:
     """Remove the rollouts of the Parquet dataset at `location` sealed before
     ``now_ms - older_than_ms``; with `dry_run`, only say what would go.
@@ -118,12 +119,20 @@ def gc_parquet(
     with _locked(dfs, writer=not dry_run):
         markers = load_markers(dfs)
         live = live_units(markers)
-        plan = _plan(dfs, live, now_ms - older_than_ms)
+        # Steps: reading each live unit's calls (most of the time), then the rewrite.
+        steps = len(live) + 1
+
+        def unit_read(done: int) -> None:
+            if progress is not None:
+                progress(done, steps)
+
+        plan = _plan(dfs, live, now_ms - older_than_ms, unit_read)
         before = after = sum(m.size for m in live)
         if plan.touched and not dry_run:
             span = live[plan.touched[0] : plan.touched[-1] + 1]
             merged = replace_units(dfs, span, markers, plan.select)
             after = before - sum(m.size for m in span) + merged.size
+        unit_read(steps)
     return GcStats(
         rollouts=plan.rollouts,
         calls=len(plan.calls),
@@ -134,7 +143,9 @@ def gc_parquet(
     )
 
 
-def _plan(dfs: DatasetFS, live: Sequence[Marker], cutoff_ms: int) -> _Plan:
+def _plan(
+    dfs: DatasetFS, live: Sequence[Marker], cutoff_ms: int, unit_read: Callable[[int], None]
+) -> _Plan:
     ledger = LedgerState()
     ledger_rows = []
     for m in live:
@@ -156,6 +167,7 @@ def _plan(dfs: DatasetFS, live: Sequence[Marker], cutoff_ms: int) -> _Plan:
     blob_refs: set[str] = set()
     attachment_refs: set[str] = set()
     for i, m in enumerate(live):
+        unit_read(i + 1)
         if CALLS not in m.files:
             continue
         t = read_table(dfs, m.files[CALLS], _CALL_REFS).to_pydict()

@@ -16,7 +16,7 @@ import sqlite3
 from collections.abc import Iterable
 from pathlib import Path
 
-from ..base import GcStats, StoreError
+from ..base import GcStats, Progress, StoreError
 from ._schema import read_format
 
 # GcStats lives in `base` (shared with `parquet._gc`); still importable from here.
@@ -41,7 +41,13 @@ def _referenced_blobs(conn: sqlite3.Connection, since_rowid: int = 0) -> set[str
 
 
 def gc_sqlite(
-    path: str, *, older_than_ms: int, now_ms: int, dry_run: bool = False, vacuum: bool = False
+    path: str,
+    *,
+    older_than_ms: int,
+    now_ms: int,
+    dry_run: bool = False,
+    vacuum: bool = False,
+    progress: Progress | None = None,
 ) -> GcStats:
     """Remove sealed rollouts sealed before ``now_ms - older_than_ms``.
 
@@ -72,9 +78,12 @@ def gc_sqlite(
             ).fetchone()[0]
         if dry_run or not ids:
             return GcStats(ids, calls, 0, 0, size_before, size_before)
+        # Steps: each chunk of rollouts deleted, the unreferenced blobs, the vacuum if asked.
+        chunks = list(_chunks(ids))
+        steps = len(chunks) + 1 + int(vacuum)
         conn.execute("BEGIN IMMEDIATE")
         try:
-            for chunk in _chunks(ids):
+            for done, chunk in enumerate(chunks, 1):
                 marks = ",".join("?" * len(chunk))
                 conn.execute(
                     "DELETE FROM call_attachments WHERE call_id IN"
@@ -89,13 +98,19 @@ def gc_sqlite(
                 conn.execute(f"DELETE FROM calls WHERE rollout_id IN ({marks})", chunk)
                 conn.execute(f"DELETE FROM failures WHERE rollout_id IN ({marks})", chunk)
                 conn.execute(f"DELETE FROM rollouts WHERE id IN ({marks})", chunk)
+                if progress is not None:
+                    progress(done, steps)
             conn.execute("COMMIT")
         except BaseException:
             conn.execute("ROLLBACK")
             raise
         blobs, attachments = _collect_unreferenced(conn)
+        if progress is not None:
+            progress(len(chunks) + 1, steps)
         if vacuum:
             conn.execute("VACUUM")
+            if progress is not None:
+                progress(steps, steps)
         conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
     finally:
         conn.close()

@@ -1,7 +1,8 @@
 """A fake vLLM 0.32 that speaks its protocol faithfully, shipped for users' own tests.
 
 ``python -m capture_proxy.testing.fake_vllm`` (or ``capture_proxy.fake_vllm``) serves it;
-`FakeVLLM` builds the aiohttp app and is scripted with `push` (answers, tool calls, faults).
+`FakeVLLM` builds the aiohttp app and is scripted with `push` (answers, tool calls, faults), or
+from a JSON file of turns (`load_script`, ``--script FILE``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from ._app import (
     serve_fake,
 )
 from ._experts import experts_for, read_experts
+from ._script import load_script, parse_script
 
 __all__ = [
     "FakeToolCall",
@@ -25,7 +27,9 @@ __all__ = [
     "Fault",
     "Turn",
     "experts_for",
+    "load_script",
     "main",
+    "parse_script",
     "read_experts",
     "serve_fake",
 ]

@@ -32,6 +32,7 @@ import collections
 import hashlib
 import json
 import random
+import sys
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
@@ -51,6 +52,7 @@ from ._http import (
 )
 from ._protocol import model_list
 from ._render import resolve_sampling, weight_version_update
+from ._script import load_script
 from ._template import decode, encode, reasoning_keys_for, render_chat, token_text
 from ._validate import RequestError, check_model, output_limit, require_messages
 
@@ -376,7 +378,21 @@ def main(argv: Sequence[str] | None = None) -> None:
         default=None,
         help='the model\'s sampling defaults as JSON, e.g. \'{"temperature": 0.6, "top_k": 20}\'',
     )
+    parser.add_argument(
+        "--script",
+        metavar="FILE",
+        default=None,
+        help="a JSON array of turns answered in order, then echo answers; a turn is "
+        '{"content", "reasoning", "tool_calls": [{"name", "arguments"}], "finish_reason", '
+        '"fault": {"kind", ...}}, every key optional',
+    )
     args = parser.parse_args(argv)
+    turns: list[Turn] = []
+    if args.script is not None:
+        try:
+            turns = load_script(args.script)
+        except ValueError as e:
+            parser.error(f"--script {e}")
     fake = FakeVLLM(
         model=args.model,
         version=args.version,
@@ -386,4 +402,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         scale_out=args.enable_scale_out,
         dev_mode=args.dev_mode,
     )
+    fake.push(*turns)
+    if args.script is not None:
+        print(
+            f"fake vLLM: {len(turns)} scripted turn(s) from {args.script}, then echo answers",
+            file=sys.stderr,
+            flush=True,
+        )
     web.run_app(fake.app(), host="127.0.0.1", port=args.port)

@@ -1,0 +1,67 @@
+"""`capture-proxy --version`, and `--help` of every subcommand shows each flag's default."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+
+import capture_proxy
+from capture_proxy.cli import _parser, main
+from capture_proxy.server.settings import Settings
+
+
+def _subcommands() -> dict[str, argparse.ArgumentParser]:
+    (sub,) = [a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(sub.choices)
+
+
+def _help_of(parser: argparse.ArgumentParser, action: argparse.Action) -> str:
+    """The help lines `parser` prints for one flag, whitespace collapsed (help wraps)."""
+    formatter = parser._get_formatter()
+    formatter.add_argument(action)
+    return " ".join(formatter.format_help().split())
+
+
+def test_version_prints_the_package_version() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "capture_proxy", "--version"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert done.stdout == f"capture-proxy {capture_proxy.__version__}\n"
+
+
+@pytest.mark.parametrize("command", sorted(_subcommands()))
+def test_every_flag_with_a_default_shows_it_in_help(command: str) -> None:
+    parser = _subcommands()[command]
+    missing = []
+    for action in parser._actions:
+        takes_value = action.nargs != 0 and (action.option_strings or action.nargs == "?")
+        if not takes_value or action.default in (None, argparse.SUPPRESS):
+            continue
+        if f"(default: {action.default})" not in _help_of(parser, action):
+            missing.append(action.option_strings or action.dest)
+    assert not missing, f"capture-proxy {command} --help shows no default for {missing}"
+
+
+def test_serve_help_shows_every_settings_default() -> None:
+    """serve's flags default to None (so the environment can fill them): their help names the
+    setting's real default instead."""
+    parser = _subcommands()["serve"]
+    by_flag = {a.option_strings[0]: a for a in parser._actions if a.option_strings}
+    for name in Settings.__dataclass_fields__:
+        text = _help_of(parser, by_flag["--" + name.replace("_", "-")])
+        assert "default: " in text, text
+
+
+def test_switches_show_no_default(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["export", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: parquet)" in text  # a flag without help text still shows its default
+    assert "(default: False)" not in text
+    assert "(default: True)" not in text  # --no-verify: a switch, not a value
