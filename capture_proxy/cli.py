@@ -216,6 +216,7 @@ async def _seal(args: argparse.Namespace) -> int:
     import dataclasses
     import time
 
+    from .schemas.events import EventDraft, EventKind
     from .schemas.records import RolloutInfo, RolloutState
     from .sinks.registry import open_sink, open_source
 
@@ -250,6 +251,7 @@ async def _seal(args: argparse.Namespace) -> int:
             await sink.put_rollout(
                 dataclasses.replace(info, state=RolloutState.SEALED, sealed_at_ms=now)
             )
+            await sink.append_event(EventDraft(info.rollout_id, EventKind.SEAL, now))
             print(f"{info.rollout_id}: sealed")
     finally:
         await sink.close()

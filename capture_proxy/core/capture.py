@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 from ..errors import CaptureUnavailable, Conflict, ProxyError, TooManyRequests, Unprocessable
 from ..schemas.digest import EncodingError, RequestValueCache, seal_record
+from ..schemas.events import EventDraft, EventKind, RolloutEvent, claim_event
 from ..schemas.records import (
     LOGPROBS_MODE_UNKNOWN,
     Attachment,
@@ -37,7 +38,7 @@ from ..schemas.records import (
     StageResult,
 )
 from ..schemas.tokens import full_sequence
-from ..sinks.base import StagingSink, StagingSource
+from ..sinks.base import DuplicateSeq, StagingSink, StagingSource
 from .ids import new_call_id
 from .ledger import LedgerWriter
 from .policy import PolicyError, RequestPolicy, check_policy
@@ -136,6 +137,9 @@ class Call:
     #: what its record counts once built (`record_bytes`).
     reserved: int = 0
     record_bytes: int = 0
+    #: The admission claim's write, started by `begin_call` and awaited before the call's final
+    #: status (never before forwarding: the upstream call overlaps the write).
+    claim: asyncio.Future[RolloutEvent] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -379,6 +383,7 @@ class Capture:
                 if stored is not None:
                     return stored
             return live
+        newly_sealed = not live.sealed
         live.sealed = True
         try:
             await asyncio.wait_for(live.idle.wait(), wait_s)
@@ -387,6 +392,10 @@ class Capture:
                 "seal %s: %d calls still in flight after %.1fs", rollout_id, live.in_flight, wait_s
             )
         await self._put_rollout(live)
+        if newly_sealed:
+            await self.sink.append_event(
+                EventDraft(rollout_id, EventKind.SEAL, int(time.time() * 1000))
+            )
         if live.in_flight == 0 and self.rollouts.get(rollout_id) is live:
             # A sealed rollout takes no more calls: memory holds live work only (its id, for
             # the 409s). A manifest request reads it from the store.
@@ -513,7 +522,38 @@ class Capture:
         )
         live.enter()
         self.inflight += 1
+        call.claim = self._start_claim(call)
         return call
+
+    def _start_claim(self, call: Call) -> asyncio.Future[RolloutEvent]:
+        draft = claim_event(call.rollout_id, call.seq, call.call_id, call.admitted_ms)
+        task = asyncio.ensure_future(self.sink.append_event(draft))
+        # Retrieved here too: a call dropped before its end (a cancelled handler) must not leave
+        # "exception was never retrieved" noise; its claim then reads as lost_in_crash.
+        task.add_done_callback(lambda t: None if t.cancelled() else t.exception())
+        return task
+
+    async def _await_claim(self, call: Call) -> StageResult | None:
+        """None once the call's claim is durable, else the ``capture_failed`` result it gets:
+        ``duplicate_seq`` (another call holds the seq: a second proxy on the rollout) or
+        ``claim_failed`` (the store could not write it in time). A call is never staged
+        without its claim: only the claim makes a crash before its end visible."""
+        if call.claim is None:
+            return None
+        try:
+            await asyncio.wait_for(asyncio.shield(call.claim), self.stager.timeout)
+        except DuplicateSeq as e:
+            return StageResult.failed("duplicate_seq", f"the seq could not be claimed: {e}")
+        except TimeoutError:
+            return StageResult.failed(
+                "claim_failed",
+                f"the store took longer than {self.stager.timeout:g}s to claim seq {call.seq}",
+            )
+        except Exception as e:
+            return StageResult.failed(
+                "claim_failed", f"claiming seq {call.seq} failed: {type(e).__name__}: {e}"
+            )
+        return None
 
     async def begin_call_offloaded(
         self,
@@ -629,12 +669,16 @@ class Capture:
                 engine_weight_version=engine_weight_version,
                 weight_spans=weight_spans,
             )
-            try:
-                record = await asyncio.to_thread(build) if call.offload else build()
-            except (RecordValidationError, EncodingError) as e:
-                result = StageResult.failed("invalid_record", str(e))
+            refused = await self._await_claim(call)
+            if refused is not None:
+                result = refused
             else:
-                result = await self.stager.stage(record, call.attachments)
+                try:
+                    record = await asyncio.to_thread(build) if call.offload else build()
+                except (RecordValidationError, EncodingError) as e:
+                    result = StageResult.failed("invalid_record", str(e))
+                else:
+                    result = await self.stager.stage(record, call.attachments)
             if result.status is CallStatus.STAGED:
                 assert result.coords is not None
                 call.rollout.bytes_staged += call.record_bytes
@@ -693,6 +737,17 @@ class Capture:
     ) -> None:
         """Record an admitted call that ended without a record (upstream error, abort, ...)."""
         try:
+            refused = await self._await_claim(call)
+            if refused is not None:
+                # The ledger entry still accounts for the seq (a refused claim's entry is
+                # refused too, and logged: the seq is another call's).
+                log.warning(
+                    "%s %s: %s",
+                    call.call_id,
+                    refused.reason,
+                    refused.message,
+                    extra={"rollout_id": call.rollout_id, "call_id": call.call_id},
+                )
             await self._record_not_staged(call, status, reason, message, http_status)
         finally:
             self._finish(call)
