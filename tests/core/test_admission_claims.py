@@ -140,7 +140,8 @@ async def test_the_claim_is_written_while_the_call_is_upstream() -> None:
     capture = Capture(sink)
     await capture.ensure_rollout("ep")
     call = capture.begin_call("ep", chat_body(user("x")))
-    assert call.claim is not None and not call.claim.done()
+    assert call.claim is not None
+    assert not call.claim.done()
     await capture.fail_call(call, CallStatus.UPSTREAM_ERROR, "upstream_500", "boom", 502)
     assert call.claim.done()
     assert [e.kind for e in sink.events("ep")] == ["claim", "ledger"]
