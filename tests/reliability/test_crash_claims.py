@@ -44,14 +44,14 @@ def _claims(url: str) -> dict[int, str]:
         source.close_reader()
 
 
-async def _until_claimed(url: str, n: int, timeout: float = 20.0) -> dict[int, str]:
-    deadline = time.monotonic() + timeout
+async def _until_claimed(url: str, n: int) -> dict[int, str]:
+    deadline = time.monotonic() + 20.0
     while time.monotonic() < deadline:
         claims = await asyncio.to_thread(_claims, url)
         if len(claims) >= n:
             return claims
         await asyncio.sleep(0.05)
-    raise AssertionError(f"no {n} claims after {timeout}s")
+    raise AssertionError(f"no {n} claims after 20s")
 
 
 @pytest.mark.slow
