@@ -12,6 +12,7 @@ as not staged (with why) — crash visibly instead of letting a call through unr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import hashlib
 import logging
@@ -159,6 +160,21 @@ class CallReport:
     stage_seconds: float | None = None
     upstream_seconds: float | None = None
     overhead_seconds: float | None = None
+
+
+def _log_claim(call: Call, task: asyncio.Future[RolloutEvent]) -> None:
+    # Retrieved here in every case: a call dropped before its end (a cancelled handler) must not
+    # leave "exception was never retrieved" noise; its claim then reads as lost_in_crash.
+    error = None if task.cancelled() else task.exception()
+    if error is not None:
+        log.warning(
+            "%s: claiming seq %d failed: %s: %s",
+            call.call_id,
+            call.seq,
+            type(error).__name__,
+            error,
+            extra={"rollout_id": call.rollout_id, "call_id": call.call_id},
+        )
 
 
 def sampling_of(request: Mapping[str, Any]) -> dict[str, Any]:
@@ -528,32 +544,52 @@ class Capture:
     def _start_claim(self, call: Call) -> asyncio.Future[RolloutEvent]:
         draft = claim_event(call.rollout_id, call.seq, call.call_id, call.admitted_ms)
         task = asyncio.ensure_future(self.sink.append_event(draft))
-        # Retrieved here too: a call dropped before its end (a cancelled handler) must not leave
-        # "exception was never retrieved" noise; its claim then reads as lost_in_crash.
-        task.add_done_callback(lambda t: None if t.cancelled() else t.exception())
+        task.add_done_callback(functools.partial(_log_claim, call))
         return task
 
-    async def _await_claim(self, call: Call) -> StageResult | None:
-        """None once the call's claim is durable, else the ``capture_failed`` result it gets:
-        ``duplicate_seq`` (another call holds the seq: a second proxy on the rollout) or
-        ``claim_failed`` (the store could not write it in time). A call is never staged
-        without its claim: only the claim makes a crash before its end visible."""
-        if call.claim is None:
+    def _claim_refusal(self, call: Call) -> StageResult | None:
+        """The ``capture_failed`` result a call gets when its claim failed, or None (claimed, or
+        not settled yet). ``duplicate_seq``: another call holds the seq (a second proxy on the
+        rollout); ``sink_error``: the store could not write it (the reason staging gives)."""
+        claim = call.claim
+        if claim is None or not claim.done() or claim.cancelled():
             return None
-        try:
-            await asyncio.wait_for(asyncio.shield(call.claim), self.stager.timeout)
-        except DuplicateSeq as e:
-            return StageResult.failed("duplicate_seq", f"the seq could not be claimed: {e}")
-        except TimeoutError:
-            return StageResult.failed(
-                "claim_failed",
+        error = claim.exception()
+        if error is None:
+            return None
+        if isinstance(error, DuplicateSeq):
+            return StageResult.failed("duplicate_seq", f"the seq could not be claimed: {error}")
+        self.stager.sink_failing = f"{type(error).__name__}: {error}"
+        return StageResult.failed(
+            "sink_error", f"claiming seq {call.seq} failed: {type(error).__name__}: {error}"
+        )
+
+    async def _staged_unclaimed(self, call: Call) -> StageResult | None:
+        """After the call's record was staged: None once its claim is durable too, else the
+        ``capture_failed`` result it gets instead (its record marked orphaned).
+
+        The claim's write was queued before the record's, and a group-commit writer commits in
+        queue order, so the claim is settled by now in practice; waiting for it is the rule
+        "never staged without a claim" made explicit. A claim that failed while its record
+        landed (a later batch) leaves a record no trainer may take as a normal one: orphaned.
+        """
+        claim = call.claim
+        if claim is None:
+            return None
+        with contextlib.suppress(Exception):  # its outcome is read below
+            await asyncio.wait_for(asyncio.shield(claim), self.stager.timeout)
+        refused = self._claim_refusal(call)
+        if refused is None and not claim.done():
+            refused = StageResult.failed(
+                "stage_timeout",
                 f"the store took longer than {self.stager.timeout:g}s to claim seq {call.seq}",
             )
-        except Exception as e:
-            return StageResult.failed(
-                "claim_failed", f"claiming seq {call.seq} failed: {type(e).__name__}: {e}"
-            )
-        return None
+        if refused is not None:
+            try:
+                await self.sink.mark_orphaned(call.call_id, refused.reason or "sink_error")
+            except Exception as e:  # the capture_failed ledger entry still says what happened
+                log.error("could not mark %s orphaned: %s", call.call_id, e)
+        return refused
 
     async def begin_call_offloaded(
         self,
@@ -669,7 +705,9 @@ class Capture:
                 engine_weight_version=engine_weight_version,
                 weight_spans=weight_spans,
             )
-            refused = await self._await_claim(call)
+            # A claim that already failed: nothing to stage. One still on its way does not hold
+            # the call up: the record queues behind it (and is checked against it below).
+            refused = self._claim_refusal(call)
             if refused is not None:
                 result = refused
             else:
@@ -679,6 +717,8 @@ class Capture:
                     result = StageResult.failed("invalid_record", str(e))
                 else:
                     result = await self.stager.stage(record, call.attachments)
+                if result.status is CallStatus.STAGED:
+                    result = await self._staged_unclaimed(call) or result
             if result.status is CallStatus.STAGED:
                 assert result.coords is not None
                 call.rollout.bytes_staged += call.record_bytes
@@ -737,17 +777,9 @@ class Capture:
     ) -> None:
         """Record an admitted call that ended without a record (upstream error, abort, ...)."""
         try:
-            refused = await self._await_claim(call)
-            if refused is not None:
-                # The ledger entry still accounts for the seq (a refused claim's entry is
-                # refused too, and logged: the seq is another call's).
-                log.warning(
-                    "%s %s: %s",
-                    call.call_id,
-                    refused.reason,
-                    refused.message,
-                    extra={"rollout_id": call.rollout_id, "call_id": call.call_id},
-                )
+            # No wait for the claim: the ledger entry queues behind it and accounts for the seq
+            # whatever became of the claim (an entry at a seq another call claimed is refused
+            # and logged by the ledger writer).
             await self._record_not_staged(call, status, reason, message, http_status)
         finally:
             self._finish(call)

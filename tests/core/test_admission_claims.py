@@ -4,6 +4,7 @@ handoff, or a restart) never reuses a seq, even one whose call never ended."""
 
 from __future__ import annotations
 
+import asyncio
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -128,10 +129,12 @@ async def test_a_call_whose_claim_cannot_be_written_is_never_staged() -> None:
     call = capture.begin_call("ep", chat_body(user("x")))
     result = await capture.complete_call(call, Answer(), model="policy")
     assert result.status is CallStatus.CAPTURE_FAILED
-    assert result.reason == "claim_failed"
+    assert result.reason == "sink_error"
     assert "claiming seq 0 failed: StoreError: the store is full" in (result.message or "")
-    assert sink.calls("ep", include_orphaned=True) == []
-    assert [(f.seq, f.reason) for f in sink.failures("ep")] == [(0, "claim_failed")]
+    # The record may have landed before the claim's failure was known: then it is orphaned.
+    assert sink.calls("ep") == []
+    assert [(f.seq, f.reason) for f in sink.failures("ep")] == [(0, "sink_error")]
+    assert capture.sink_failing == "StoreError: the store is full"  # /readyz says so
 
 
 async def test_the_claim_is_written_while_the_call_is_upstream() -> None:
@@ -143,8 +146,31 @@ async def test_the_claim_is_written_while_the_call_is_upstream() -> None:
     assert call.claim is not None
     assert not call.claim.done()
     await capture.fail_call(call, CallStatus.UPSTREAM_ERROR, "upstream_500", "boom", 502)
-    assert call.claim.done()
-    assert [e.kind for e in sink.events("ep")] == ["claim", "ledger"]
+    await call.claim
+    assert sorted(e.kind for e in sink.events("ep")) == ["claim", "ledger"]
+
+
+class _ClaimsFailLate(MemorySink):
+    """Claims fail, slowly: the record is staged before the claim's failure is known."""
+
+    async def append_event(self, event: EventDraft) -> RolloutEvent:
+        if event.kind is EventKind.CLAIM:
+            await asyncio.sleep(0.2)
+            raise StoreError("the claim's batch failed")
+        return await super().append_event(event)
+
+
+async def test_a_record_staged_while_its_claim_failed_is_orphaned_not_staged() -> None:
+    sink = _ClaimsFailLate()
+    capture = Capture(sink, stage_timeout=2.0)
+    await capture.ensure_rollout("ep")
+    call = capture.begin_call("ep", chat_body(user("x")))
+    result = await capture.complete_call(call, Answer(), model="policy")
+    assert (result.status, result.reason) == (CallStatus.CAPTURE_FAILED, "sink_error")
+    assert "the claim's batch failed" in (result.message or "")
+    assert sink.orphaned() == {call.call_id}
+    assert sink.calls("ep") == []  # kept out of trainer reads
+    assert [(f.seq, f.reason) for f in sink.failures("ep")] == [(0, "sink_error")]
 
 
 async def test_a_store_claim_from_elsewhere_moves_the_next_seq() -> None:

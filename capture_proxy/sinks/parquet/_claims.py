@@ -66,6 +66,7 @@ def create_claim(dfs: DatasetFS, rollout_id: str, seq: int, call_id: str, at_ms:
             if holder != call_id:
                 raise ClaimTaken(holder)
             return
+        dfs.makedirs(os.path.dirname(rel))  # a no-op on object stores; some filesystems need it
         dfs.put_all({rel: body})
         return
     folder = os.path.dirname(dfs.path(rel))
