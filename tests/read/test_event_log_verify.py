@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import sqlite3
+from dataclasses import replace
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -14,7 +15,12 @@ import pytest
 from capture_proxy.inspect.cli import main as inspect_main
 from capture_proxy.read.reader import Store, StoreCorrupted
 from capture_proxy.schemas.events import EventDraft, EventKind, claim_event
-from capture_proxy.schemas.records import CallStatus, LedgerEntry, StagedCallRecord
+from capture_proxy.schemas.records import (
+    CallStatus,
+    LedgerEntry,
+    RolloutState,
+    StagedCallRecord,
+)
 from capture_proxy.sinks.base import StagingSink
 from capture_proxy.sinks.parquet import ParquetSink, ParquetSource
 from capture_proxy.sinks.sqlite import SQLiteSink, SQLiteSource
@@ -157,3 +163,28 @@ async def test_a_deleted_last_record_unit_leaves_its_seq_lost_in_crash_parquet(
         ) in problems
         lost = [n for n in store.status("ep").not_staged if n.status == "lost_in_crash"]
         assert [(n.seq, n.call_id) for n in lost] == [(1, second.call_id)]
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "parquet"])
+async def test_gc_removes_a_rollouts_claims_with_it(kind: str, tmp_path: Path) -> None:
+    """A rollout id removed by gc may be used again: its old claims must not refuse seq 0."""
+    from capture_proxy.sinks.parquet import gc_parquet
+    from capture_proxy.sinks.sqlite import gc_sqlite
+
+    where = str(tmp_path / ("c.db" if kind == "sqlite" else "ds"))
+    sink: StagingSink = SQLiteSink(where) if kind == "sqlite" else ParquetSink(where)
+    await _rollout(sink)  # sealed (header below), claims at seqs 0-2
+    sink = SQLiteSink(where) if kind == "sqlite" else ParquetSink(where)
+    source = SQLiteSource(where) if kind == "sqlite" else ParquetSource(where)
+    info = source.rollout_info("ep")
+    source.close_reader()
+    await sink.put_rollout(replace(info, state=RolloutState.SEALED, sealed_at_ms=1))
+    await sink.close()
+    gc = gc_sqlite if kind == "sqlite" else gc_parquet
+    assert gc(where, older_than_ms=0, now_ms=10).rollouts == ["ep"]
+    sink = SQLiteSink(where) if kind == "sqlite" else ParquetSink(where)
+    try:
+        event = await sink.append_event(claim_event("ep", 0, "again", 20))
+        assert event.position == 0
+    finally:
+        await sink.close()

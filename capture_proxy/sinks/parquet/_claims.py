@@ -16,6 +16,7 @@ through obstore are the planned fix (docs/reports/object-store-spike.md).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import urllib.parse
 
@@ -23,7 +24,14 @@ import orjson
 
 from ._fs import DatasetFS
 
-__all__ = ["CLAIMS_DIR", "ClaimTaken", "claim_rel", "create_claim", "read_claims"]
+__all__ = [
+    "CLAIMS_DIR",
+    "ClaimTaken",
+    "claim_rel",
+    "create_claim",
+    "read_claims",
+    "remove_claims",
+]
 
 CLAIMS_DIR = "claims"
 
@@ -100,3 +108,14 @@ def read_claims(dfs: DatasetFS, rollout_id: str) -> dict[int, str]:
         if name.isdigit():
             out[int(name)] = _holder(dfs, f"{folder}/{name}")
     return dict(sorted(out.items()))
+
+
+def remove_claims(dfs: DatasetFS, rollout_ids: list[str]) -> None:
+    """Delete the claims of rollouts `gc` removed (their ids may be used again)."""
+    for rollout_id in rollout_ids:
+        folder = f"{CLAIMS_DIR}/{_folder(rollout_id)}"
+        for entry in dfs.listdir(folder):
+            dfs.delete(f"{folder}/{entry.name}")
+        if dfs.local:
+            with contextlib.suppress(OSError):
+                os.rmdir(dfs.path(folder))
