@@ -26,7 +26,6 @@ from ._fs import DatasetFS
 
 __all__ = [
     "CLAIMS_DIR",
-    "ClaimTaken",
     "claim_rel",
     "create_claim",
     "read_claims",
@@ -34,14 +33,6 @@ __all__ = [
 ]
 
 CLAIMS_DIR = "claims"
-
-
-class ClaimTaken(Exception):
-    """The seq is claimed already; `holder` is the call holding it."""
-
-    def __init__(self, holder: str) -> None:
-        super().__init__(holder)
-        self.holder = holder
 
 
 def _folder(rollout_id: str) -> str:
@@ -61,8 +52,8 @@ def _holder(dfs: DatasetFS, rel: str) -> str:
         return "unknown (its claim file is unreadable)"
 
 
-def create_claim(dfs: DatasetFS, rollout_id: str, seq: int, call_id: str, at_ms: int) -> None:
-    """Claim `seq` for `call_id`, durably; raises `ClaimTaken` when it is claimed already.
+def create_claim(dfs: DatasetFS, rollout_id: str, seq: int, call_id: str, at_ms: int) -> str | None:
+    """Claim `seq` for `call_id`, durably; returns None, or the call that holds the seq already.
 
     Blocking I/O: the writer thread only. The same call claiming its seq again is accepted.
     """
@@ -71,12 +62,10 @@ def create_claim(dfs: DatasetFS, rollout_id: str, seq: int, call_id: str, at_ms:
     if not dfs.local:
         if dfs.exists(rel):
             holder = _holder(dfs, rel)
-            if holder != call_id:
-                raise ClaimTaken(holder)
-            return
+            return holder if holder != call_id else None
         dfs.makedirs(os.path.dirname(rel))  # a no-op on object stores; some filesystems need it
         dfs.put_all({rel: body})
-        return
+        return None
     folder = os.path.dirname(dfs.path(rel))
     if not os.path.isdir(folder):
         dfs.makedirs(CLAIMS_DIR, os.path.dirname(rel))
@@ -84,9 +73,7 @@ def create_claim(dfs: DatasetFS, rollout_id: str, seq: int, call_id: str, at_ms:
         fd = os.open(dfs.path(rel), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     except FileExistsError:
         holder = _holder(dfs, rel)
-        if holder != call_id:
-            raise ClaimTaken(holder) from None
-        return
+        return holder if holder != call_id else None
     try:
         os.write(fd, body)
         os.fsync(fd)
@@ -97,6 +84,7 @@ def create_claim(dfs: DatasetFS, rollout_id: str, seq: int, call_id: str, at_ms:
         os.fsync(dir_fd)  # the new name is durable too, not just the bytes
     finally:
         os.close(dir_fd)
+    return None
 
 
 def read_claims(dfs: DatasetFS, rollout_id: str) -> dict[int, str]:

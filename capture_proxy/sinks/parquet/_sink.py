@@ -47,7 +47,7 @@ from ...schemas.records import (
 from ..base import DuplicateSeq, FaultHook, StoreError
 from ..codec import encode_record
 from ..staging_rules import coords_for, new_attachments
-from ._claims import ClaimTaken, create_claim
+from ._claims import create_claim
 from ._events import EventHeads
 from ._fs import DatasetFS
 from ._index import LRU
@@ -175,10 +175,11 @@ class ParquetSink:
                 holder = self._seq_holder(batch, event.rollout_id, event.seq, event.call_id)
                 if holder is not None:
                     raise DuplicateSeq(event.rollout_id, event.seq, holder)
-                try:
-                    create_claim(self._dfs, event.rollout_id, event.seq, event.call_id, event.at_ms)
-                except ClaimTaken as e:
-                    raise DuplicateSeq(event.rollout_id, event.seq, e.holder) from None
+                holder = create_claim(
+                    self._dfs, event.rollout_id, event.seq, event.call_id, event.at_ms
+                )
+                if holder is not None:
+                    raise DuplicateSeq(event.rollout_id, event.seq, holder)
                 part.seqs[(event.rollout_id, event.seq)] = event.call_id
                 self._ensure_rollout(batch, part, event.rollout_id)
             return self._events.place(batch, part, event)
