@@ -364,6 +364,7 @@ def _export(args: argparse.Namespace) -> int:
 async def _seal(args: argparse.Namespace) -> int:
     import time
 
+    from .schemas.events import EventDraft, EventKind
     from .schemas.records import RolloutInfo, RolloutState
     from .sinks.registry import open_sink, open_source
 
@@ -398,6 +399,7 @@ async def _seal(args: argparse.Namespace) -> int:
             await sink.put_rollout(
                 dataclasses.replace(info, state=RolloutState.SEALED, sealed_at_ms=now)
             )
+            await sink.append_event(EventDraft(info.rollout_id, EventKind.SEAL, now))
             print(f"{info.rollout_id}: sealed")
     finally:
         await sink.close()

@@ -62,6 +62,6 @@ def test_switches_show_no_default(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["export", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "(default: parquet)" in text  # a flag without help text still shows its default
+    assert "(default: call)" in text  # --per shows its default beside its help
     assert "(default: False)" not in text
     assert "(default: True)" not in text  # --no-verify: a switch, not a value

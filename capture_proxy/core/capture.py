@@ -12,6 +12,7 @@ as not staged (with why) — crash visibly instead of letting a call through unr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import hashlib
 import logging
@@ -24,6 +25,7 @@ from typing import Any, Protocol
 
 from ..errors import CaptureUnavailable, Conflict, ProxyError, TooManyRequests, Unprocessable
 from ..schemas.digest import EncodingError, RequestValueCache, seal_record
+from ..schemas.events import EventDraft, EventKind, RolloutEvent, claim_event
 from ..schemas.outcome import RolloutOutcome
 from ..schemas.records import (
     LOGPROBS_MODE_UNKNOWN,
@@ -38,7 +40,7 @@ from ..schemas.records import (
     StageResult,
 )
 from ..schemas.tokens import full_sequence
-from ..sinks.base import StagingSink, StagingSource
+from ..sinks.base import DuplicateSeq, StagingSink, StagingSource
 from .experts import ExpertsParent, ExpertsPlan, record_experts
 from .ids import new_call_id
 from .ledger import LedgerWriter
@@ -143,6 +145,9 @@ class Call:
     #: once its record is built, its own entry for the calls after it (`core/experts.py`).
     experts: ExpertsPlan = field(default_factory=ExpertsPlan)
     experts_entry: tuple[bytes, ExpertsParent] | None = None
+    #: The admission claim's write, started by `begin_call` and awaited before the call's final
+    #: status (never before forwarding: the upstream call overlaps the write).
+    claim: asyncio.Future[RolloutEvent] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,6 +167,21 @@ class CallReport:
     stage_seconds: float | None = None
     upstream_seconds: float | None = None
     overhead_seconds: float | None = None
+
+
+def _log_claim(call: Call, task: asyncio.Future[RolloutEvent]) -> None:
+    # Retrieved here in every case: a call dropped before its end (a cancelled handler) must not
+    # leave "exception was never retrieved" noise; its claim then reads as lost_in_crash.
+    error = None if task.cancelled() else task.exception()
+    if error is not None:
+        log.warning(
+            "%s: claiming seq %d failed: %s: %s",
+            call.call_id,
+            call.seq,
+            type(error).__name__,
+            error,
+            extra={"rollout_id": call.rollout_id, "call_id": call.call_id},
+        )
 
 
 def sampling_of(request: Mapping[str, Any]) -> dict[str, Any]:
@@ -391,6 +411,7 @@ class Capture:
                 if stored is not None:
                     return stored
             return live
+        newly_sealed = not live.sealed
         live.sealed = True
         try:
             await asyncio.wait_for(live.idle.wait(), wait_s)
@@ -401,6 +422,10 @@ class Capture:
         async with self._headers.hold(rollout_id):
             live.sealed_at_ms = int(time.time() * 1000)
             await self.sink.put_rollout(self._header(live))
+        if newly_sealed:
+            await self.sink.append_event(
+                EventDraft(rollout_id, EventKind.SEAL, int(time.time() * 1000))
+            )
         if live.in_flight == 0 and self.rollouts.get(rollout_id) is live:
             # A sealed rollout takes no more calls: memory holds live work only (its id, for
             # the 409s). A manifest request reads it from the store.
@@ -443,6 +468,21 @@ class Capture:
                 ) from exc
             if held:
                 live.outcome_history = history
+            # The rollout's event log records each outcome too (the header keeps the whole
+            # history for readers); the header is written first, so a failure here loses no
+            # outcome and is only logged.
+            reward = outcome.reward
+            body = {
+                "reward": dict(reward) if isinstance(reward, Mapping) else reward,
+                "group_id": outcome.group_id,
+                "revision": len(history),
+            }
+            try:
+                await self.sink.append_event(
+                    EventDraft(rollout_id, EventKind.OUTCOME, outcome.at_ms, body=body)
+                )
+            except Exception as exc:
+                log.warning("rollout %s: outcome event not written: %s", rollout_id, exc)
             return header
 
     # -- calls ---------------------------------------------------------------------------------
@@ -568,7 +608,58 @@ class Capture:
         )
         live.enter()
         self.inflight += 1
+        call.claim = self._start_claim(call)
         return call
+
+    def _start_claim(self, call: Call) -> asyncio.Future[RolloutEvent]:
+        draft = claim_event(call.rollout_id, call.seq, call.call_id, call.admitted_ms)
+        task = asyncio.ensure_future(self.sink.append_event(draft))
+        task.add_done_callback(functools.partial(_log_claim, call))
+        return task
+
+    def _claim_refusal(self, call: Call) -> StageResult | None:
+        """The ``capture_failed`` result a call gets when its claim failed, or None (claimed, or
+        not settled yet). ``duplicate_seq``: another call holds the seq (a second proxy on the
+        rollout); ``sink_error``: the store could not write it (the reason staging gives)."""
+        claim = call.claim
+        if claim is None or not claim.done() or claim.cancelled():
+            return None
+        error = claim.exception()
+        if error is None:
+            return None
+        if isinstance(error, DuplicateSeq):
+            return StageResult.failed("duplicate_seq", f"the seq could not be claimed: {error}")
+        self.stager.sink_failing = f"{type(error).__name__}: {error}"
+        return StageResult.failed(
+            "sink_error", f"claiming seq {call.seq} failed: {type(error).__name__}: {error}"
+        )
+
+    async def _staged_unclaimed(self, call: Call) -> StageResult | None:
+        """After the call's record was staged: None once its claim is durable too, else the
+        ``capture_failed`` result it gets instead (its record marked orphaned).
+
+        The claim's write was queued before the record's, and a group-commit writer commits in
+        queue order, so the claim is settled by now in practice; waiting for it is the rule
+        "never staged without a claim" made explicit. A claim that failed while its record
+        landed (a later batch) leaves a record no trainer may take as a normal one: orphaned.
+        """
+        claim = call.claim
+        if claim is None:
+            return None
+        with contextlib.suppress(Exception):  # its outcome is read below
+            await asyncio.wait_for(asyncio.shield(claim), self.stager.timeout)
+        refused = self._claim_refusal(call)
+        if refused is None and not claim.done():
+            refused = StageResult.failed(
+                "stage_timeout",
+                f"the store took longer than {self.stager.timeout:g}s to claim seq {call.seq}",
+            )
+        if refused is not None:
+            try:
+                await self.sink.mark_orphaned(call.call_id, refused.reason or "sink_error")
+            except Exception as e:  # the capture_failed ledger entry still says what happened
+                log.error("could not mark %s orphaned: %s", call.call_id, e)
+        return refused
 
     async def begin_call_offloaded(
         self,
@@ -706,12 +797,20 @@ class Capture:
                 engine_weight_version=engine_weight_version,
                 weight_spans=weight_spans,
             )
-            try:
-                record = await asyncio.to_thread(build) if call.offload else build()
-            except (RecordValidationError, EncodingError) as e:
-                result = StageResult.failed("invalid_record", str(e))
+            # A claim that already failed: nothing to stage. One still on its way does not hold
+            # the call up: the record queues behind it (and is checked against it below).
+            refused = self._claim_refusal(call)
+            if refused is not None:
+                result = refused
             else:
-                result = await self.stager.stage(record, call.attachments)
+                try:
+                    record = await asyncio.to_thread(build) if call.offload else build()
+                except (RecordValidationError, EncodingError) as e:
+                    result = StageResult.failed("invalid_record", str(e))
+                else:
+                    result = await self.stager.stage(record, call.attachments)
+                if result.status is CallStatus.STAGED:
+                    result = await self._staged_unclaimed(call) or result
             if result.status is CallStatus.STAGED:
                 assert result.coords is not None
                 call.rollout.bytes_staged += call.record_bytes
@@ -772,6 +871,9 @@ class Capture:
     ) -> None:
         """Record an admitted call that ended without a record (upstream error, abort, ...)."""
         try:
+            # No wait for the claim: the ledger entry queues behind it and accounts for the seq
+            # whatever became of the claim (an entry at a seq another call claimed is refused
+            # and logged by the ledger writer).
             await self._record_not_staged(call, status, reason, message, http_status)
         finally:
             self._finish(call)

@@ -26,11 +26,14 @@ from .experts import ExpertsIndex, stored_entry
 from .lineage import LineageIndex
 from .weights import DECREASED_FROM
 
+#: A claimed call with neither a record nor a ledger entry (the manifest's status for it).
+LOST_IN_CRASH = "lost_in_crash"
 #: Where a keyed rollout's key hash is kept in its stored metadata.
 KEY_HASH_FIELD = "capture_proxy_key_sha256"
 
 __all__ = [
     "KEY_HASH_FIELD",
+    "LOST_IN_CRASH",
     "CallOutcome",
     "RolloutLive",
     "record_bytes",
@@ -177,10 +180,11 @@ def request_key(request: Mapping[str, Any]) -> bytes:
 def resume_rollout(open_source: Callable[[], StagingSource], rollout_id: str) -> RolloutLive | None:
     """The rollout as the store has it (None if the store does not know it). Blocking I/O.
 
-    Reads the per-call summaries for sequence numbers and the manifest, then decodes the
-    staged records in batches, once: for the quota's byte count, the parent search's index, the
-    retry candidates and the calls routed experts may continue. O(rollout) per resume, on a
-    worker thread.
+    Reads the per-call summaries, ledger and admission claims for sequence numbers and the
+    manifest (a claim with no record nor ledger entry is ``lost_in_crash`` and poisons the
+    rollout; the next seq follows the highest claimed one), then decodes the staged records in
+    batches, once: for the quota's byte count, the parent search's index, the retry candidates
+    and the calls routed experts may continue. O(rollout) per resume, on a worker thread.
     """
     source = open_source()
     try:
@@ -215,11 +219,28 @@ def resume_rollout(open_source: Callable[[], StagingSource], rollout_id: str) ->
             http_status=f.http_status,
             message=f.message,
         )
+    # Every claimed seq is taken, even one whose call never ended (a crash): a rollout
+    # continued here, by this proxy after a restart or by another one, never reuses a seq.
+    claims = source.claims(rollout_id)
+    lost = {seq: cid for seq, cid in claims.items() if cid not in live.outcomes}
+    for seq, call_id in lost.items():
+        live.outcomes[call_id] = CallOutcome(
+            seq,
+            call_id,
+            LOST_IN_CRASH,
+            reason=LOST_IN_CRASH,
+            message="admitted (claimed), then neither staged nor in the ledger: the proxy "
+            "stopped while the call was in flight",
+        )
+    if lost:
+        live.poisoned = True
     live.next_seq = 1 + max((o.seq for o in live.outcomes.values()), default=-1)
     # Quota usage is derived from what the rollout staged, never reset by a restart. Counting
     # the bytes decodes every record (in batches, on this worker thread): O(rollout) per resume;
     # the same pass rebuilds the parent search's index (orphaned records are no parents).
-    live.calls_used = len(summaries) + sum(1 for f in failures if f.status != CallStatus.REJECTED)
+    live.calls_used = (
+        len(summaries) + sum(1 for f in failures if f.status != CallStatus.REJECTED) + len(lost)
+    )
     orphaned = {s.call_id for s in summaries if s.orphaned}
     for start in range(0, len(keys), _USAGE_BATCH):
         batch = source.fetch(keys[start : start + _USAGE_BATCH])

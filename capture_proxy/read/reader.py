@@ -31,6 +31,7 @@ from ..schemas.digest import (
     RequestValueCache,
     verify_record,
 )
+from ..schemas.events import EventKind, check_chain
 from ..schemas.records import CommitCoords, LedgerEntry, RolloutInfo, StagedCallRecord
 from ..sinks.base import Progress, StagingSource
 from ..sinks.registry import open_source
@@ -178,8 +179,53 @@ class Store:
         for sha in self.source.unreferenced_attachments():
             found.append(Problem(f"attachment:{sha}", "attachment without a record"))
         found.extend(self._duplicate_seqs())
+        found.extend(self._event_logs())
         if progress is not None:
             progress(len(keys) + 1, len(keys) + 1)
+        return found
+
+    def _event_logs(self) -> list[Problem]:
+        """Each rollout's event log: its hash chain holds (a deleted or edited event is named by
+        its position), and what it says was staged or put in the ledger is still there, as it
+        was. A claimed call with neither a record nor a ledger entry is not a problem here: it
+        is ``lost_in_crash``, which `status` reports (the rollout is poisoned). Rollouts
+        written before event logs have none: nothing to check."""
+        found: list[Problem] = []
+        for rollout_id in self.source.rollouts():
+            events = self.source.events(rollout_id)
+            if not events:
+                continue
+            key = f"rollout:{rollout_id}"
+            for br in check_chain(events):
+                found.append(
+                    Problem(key, f"event log broken at position {br.position}: {br.message}")
+                )
+            staged = {s.call_id: s for s in self.source.summaries(rollout_id)}
+            ledger = {
+                (f.call_id, f.status.value, f.reason) for f in self.source.failures(rollout_id)
+            }
+            digests = dict(
+                zip(staged, (c.digest for c in self.source.coords(list(staged))), strict=True)
+            )
+            for e in events:
+                where = f"seq {e.seq} (call {e.call_id}, event {e.position})"
+                if e.kind == EventKind.STAGED and e.call_id is not None:
+                    if e.call_id not in staged:
+                        found.append(Problem(key, f"{where} was staged; its record is missing"))
+                    elif digests[e.call_id] != e.body.get("digest"):
+                        found.append(
+                            Problem(key, f"{where}: the record's digest is not the one staged")
+                        )
+                elif e.kind == EventKind.LEDGER and e.call_id is not None:
+                    entry = (e.call_id, e.body.get("status"), e.body.get("reason"))
+                    if entry not in ledger:
+                        found.append(
+                            Problem(
+                                key,
+                                f"{where} is in the event log as {entry[1]} ({entry[2]}); its "
+                                "ledger entry is missing or changed",
+                            )
+                        )
         return found
 
     def _duplicate_seqs(self) -> list[Problem]:

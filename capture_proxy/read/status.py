@@ -2,8 +2,10 @@
 
 A rollout is *poisoned* when a call was answered but not staged: the client got tokens the store
 does not hold (``capture_failed``; an ``orphaned`` record, whose write landed after the proxy had
-given up on it; later ``lost_in_crash``). Its trajectory then misses what the policy generated
-in that call, and the next calls' prompts hold those tokens as if they were context. Calls that
+given up on it; ``lost_in_crash``, a call admitted (its seq claimed in the event log) that has
+neither a record nor a ledger entry: the proxy stopped while it was in flight). Its trajectory
+then misses what the policy generated in that call, and the next calls' prompts hold those tokens
+as if they were context. Calls that
 were not answered (``upstream_error``, ``rejected``, ``aborted``) are failures too, counted in
 `RolloutStatus.n_failures`, but the episode the store holds is still the one the model saw: they
 do not poison.
@@ -19,6 +21,7 @@ from ..schemas.records import CallStatus, RolloutState
 from ..sinks.base import StagingSource
 
 __all__ = [
+    "LOST_IN_CRASH",
     "POISONING",
     "NotStaged",
     "RolloutExcluded",
@@ -27,8 +30,10 @@ __all__ = [
     "rollout_status",
 ]
 
+#: A claimed call with neither a record nor a ledger entry (see `rollout_status`).
+LOST_IN_CRASH = "lost_in_crash"
 #: Not-staged statuses that poison a rollout: the client was answered, the store has no record.
-POISONING = frozenset({CallStatus.CAPTURE_FAILED.value, "orphaned", "lost_in_crash"})
+POISONING = frozenset({CallStatus.CAPTURE_FAILED.value, "orphaned", LOST_IN_CRASH})
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,8 +41,9 @@ class NotStaged:
     """A call of the rollout the store holds no usable record of.
 
     `status` is the ledger's (``capture_failed``, ``upstream_error``, ``rejected``,
-    ``aborted``) or ``orphaned`` for a record marked orphaned without a ledger entry; `reason`
-    is the ledger's machine-readable reason (``orphaned`` for the latter).
+    ``aborted``), ``orphaned`` for a record marked orphaned without a ledger entry, or
+    ``lost_in_crash`` for a claimed call with neither; `reason` is the ledger's
+    machine-readable reason (else the same word as `status`).
     """
 
     seq: int
@@ -86,14 +92,42 @@ def rollout_status(source: StagingSource, rollout_id: str) -> RolloutStatus:
     # A record that landed after its caller gave up is usually in the ledger as well (the
     # caller saw capture_failed): one call, listed once.
     listed = {e.call_id for e in entries}
+    summaries = source.summaries(rollout_id)
     entries.extend(
         NotStaged(s.seq, s.call_id, "orphaned", "orphaned")
-        for s in source.summaries(rollout_id)
+        for s in summaries
         if s.orphaned and s.call_id not in listed
     )
+    entries.extend(_from_event_log(source, rollout_id, listed, {s.call_id for s in summaries}))
     entries.sort(key=lambda e: e.seq)
     poisoned = header_poisoned or any(e.poisons for e in entries)
     return RolloutStatus(state, poisoned, tuple(entries), outcome)
+
+
+def _from_event_log(
+    source: StagingSource, rollout_id: str, listed: set[str], staged: set[str]
+) -> list[NotStaged]:
+    """Not-staged calls only the event log knows of: a claimed call with neither a record nor
+    a ledger entry (``lost_in_crash``: the proxy stopped while it was in flight, or its record
+    was removed), and a ledger entry the event log holds but the ledger lost (a deleted row must
+    not un-poison its rollout). A store without event logs adds nothing."""
+    found: list[NotStaged] = []
+    logged = set(listed)
+    for event in source.events(rollout_id):
+        if event.kind == "ledger" and event.call_id is not None and event.call_id not in logged:
+            logged.add(event.call_id)
+            found.append(
+                NotStaged(
+                    event.seq if event.seq is not None else -1,
+                    event.call_id,
+                    str(event.body.get("status", "")),
+                    str(event.body.get("reason", "")),
+                )
+            )
+    for seq, call_id in source.claims(rollout_id).items():
+        if call_id not in staged and call_id not in logged:
+            found.append(NotStaged(seq, call_id, LOST_IN_CRASH, LOST_IN_CRASH))
+    return found
 
 
 class RolloutExcluded(CaptureProxyError):

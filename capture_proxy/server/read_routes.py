@@ -133,6 +133,18 @@ async def rollout_info(request: web.Request) -> web.Response:
         raise NotFound(f"no rollout {rollout_id}", code="unknown_rollout") from exc
 
 
+async def events(request: web.Request) -> web.Response:
+    state = _authorize_read(request)
+    rollout_id = request.match_info["rollout_id"]
+    return _json(await _read(state, lambda s: s.events(rollout_id)))
+
+
+async def claims(request: web.Request) -> web.Response:
+    state = _authorize_read(request)
+    rollout_id = request.match_info["rollout_id"]
+    return _json(await _read(state, lambda s: s.claims(rollout_id)))
+
+
 async def failures(request: web.Request) -> web.Response:
     state = _authorize_read(request)
     rollout_id = request.match_info["rollout_id"]
@@ -247,6 +259,8 @@ def add_read_routes(app: web.Application) -> None:
     app.router.add_get("/admin/store/rollouts/{rollout_id}/calls", calls)
     app.router.add_get("/admin/store/rollouts/{rollout_id}/failures", failures)
     app.router.add_get("/admin/store/rollouts/{rollout_id}/summaries", summaries)
+    app.router.add_get("/admin/store/rollouts/{rollout_id}/events", events)
+    app.router.add_get("/admin/store/rollouts/{rollout_id}/claims", claims)
     app.router.add_post("/admin/store/fetch", fetch)
     app.router.add_post("/admin/store/coords", coords)
     app.router.add_get("/admin/store/keys", all_keys)

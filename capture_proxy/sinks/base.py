@@ -9,6 +9,12 @@ never drops attachments to make a write succeed.
 Sinks also keep each rollout's ledger: its state (open/sealed) and every call that was *not*
 staged, with its status and reason, so a rollout cut short stays visible after a restart.
 
+And each rollout's event log (`capture_proxy.schemas.events`): an append-only, hash-chained list
+of admission claims (one per seq, refused when the seq is taken), ``staged`` events (appended by
+`stage` with the record), ``ledger`` events (appended by `record_failure` with the entry) and
+seals. The store places each event in its rollout's chain (position and previous hash) inside
+the same atomic write as what it records, so the chain is always exactly what is durable.
+
 Write your own sink by implementing `StagingSink` (and `StagingSource`, to read it back), register
 it in ``tests/support/sink_factories.py`` and make ``tests/sinks/test_sink_conformance.py`` pass.
 `MemorySink` is the reference implementation and the test double.
@@ -21,6 +27,7 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from ..errors import CaptureProxyError
+from ..schemas.events import EventDraft, RolloutEvent
 from ..schemas.records import (
     Attachment,
     CallSummary,
@@ -73,10 +80,10 @@ class StoreFormatError(StoreError):
 class DuplicateSeq(StoreError):
     """The store already holds another call at this ``(rollout, seq)``; nothing was written.
 
-    A store holds one call per sequence number of a rollout: its staged record or its ledger
-    entry (one call may have both: a write that landed after its caller gave up). `stage`
-    refuses a second one as ``capture_failed`` with reason ``duplicate_seq``; `record_failure`
-    raises this.
+    A store holds one call per sequence number of a rollout: its admission claim, its staged
+    record or its ledger entry (one call may have all three). `stage` refuses a second one as
+    ``capture_failed`` with reason ``duplicate_seq``; `record_failure` and a claim
+    (`StagingSink.append_event`) raise this.
     """
 
     def __init__(self, rollout_id: str, seq: int, holder: str) -> None:
@@ -152,7 +159,9 @@ class StagingSink(Protocol):
         Returns ``StageResult.staged(coords)`` once durable, ``StageResult.failed(...)`` for a
         record it refuses (a duplicate staging key; ``duplicate_seq`` when another call of the
         rollout already holds the record's seq, see `DuplicateSeq`), and raises for I/O failures;
-        in every case but the first, nothing of the call was written.
+        in every case but the first, nothing of the call was written. A staged record comes
+        with a ``staged`` event in its rollout's chain (`schemas.events.staged_event`), written
+        in the same atomic step.
         """
         ...
 
@@ -160,6 +169,16 @@ class StagingSink(Protocol):
         """Add a not-staged call to its rollout's ledger (creating the rollout if new).
 
         Raises `DuplicateSeq` when another call of the rollout already holds the entry's seq.
+        Appends a ``ledger`` event (`schemas.events.ledger_event`) in the same atomic write.
+        """
+        ...
+
+    async def append_event(self, event: EventDraft) -> RolloutEvent:
+        """Append `event` to its rollout's chain; returns it as stored (position, hashes).
+
+        A ``claim`` (`schemas.events.claim_event`) is refused with `DuplicateSeq`, nothing
+        written, when another call already holds its seq: claimed, staged or in the ledger.
+        Durable when this returns, like `stage`; raises `StoreError` for I/O failures.
         """
         ...
 
@@ -199,6 +218,15 @@ class StagingSource(Protocol):
 
     def failures(self, rollout_id: str) -> list[LedgerEntry]:
         """The rollout's not-staged calls, in sequence order."""
+        ...
+
+    def events(self, rollout_id: str) -> list[RolloutEvent]:
+        """The rollout's event log in position order, as stored ([] for a store or rollout
+        written before event logs: nothing to check). Not checked here: `Store.verify` does."""
+        ...
+
+    def claims(self, rollout_id: str) -> dict[int, str]:
+        """The rollout's admission claims: seq -> the call id holding it ({} when none)."""
         ...
 
     def summaries(self, rollout_id: str) -> list[CallSummary]:

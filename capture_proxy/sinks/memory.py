@@ -12,6 +12,14 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 
+from ..schemas.events import (
+    EventDraft,
+    EventKind,
+    RolloutEvent,
+    chain_event,
+    ledger_event,
+    staged_event,
+)
 from ..schemas.records import (
     Attachment,
     CallStatus,
@@ -49,8 +57,11 @@ class MemorySink:
         self._rollouts: dict[str, RolloutInfo] = {}
         self._failures: dict[str, list[LedgerEntry]] = {}
         self._orphaned: dict[str, str] = {}
-        #: rollout id -> seq -> the call holding it (staged or in the ledger)
+        #: rollout id -> seq -> the call holding it (claimed, staged or in the ledger)
         self._seqs: dict[str, dict[int, str]] = {}
+        #: rollout id -> its event log, in position order
+        self._events: dict[str, list[RolloutEvent]] = {}
+        self._claims: dict[str, dict[int, str]] = {}
         self._lock = asyncio.Lock()
         self.closed = False
 
@@ -113,6 +124,7 @@ class MemorySink:
             self._coords[key] = coords
             self._seqs.setdefault(record.rollout_id, {}).setdefault(record.seq, key)
             self._ensure_rollout(record.rollout_id)
+            self._append(staged_event(record, int(time.time() * 1000)))
             return StageResult.staged(coords)
 
     async def record_failure(self, entry: LedgerEntry) -> None:
@@ -122,6 +134,31 @@ class MemorySink:
         self._ensure_rollout(entry.rollout_id)
         self._failures.setdefault(entry.rollout_id, []).append(entry)
         self._seqs.setdefault(entry.rollout_id, {}).setdefault(entry.seq, entry.call_id)
+        self._append(ledger_event(entry))
+
+    async def append_event(self, event: EventDraft) -> RolloutEvent:
+        if self.closed:
+            raise RuntimeError("MemorySink is closed")
+        if self.delay:
+            await asyncio.sleep(self.delay)
+        async with self._lock:
+            if event.kind is EventKind.CLAIM:
+                assert event.seq is not None
+                assert event.call_id is not None
+                claimed = self._claims.get(event.rollout_id, {}).get(event.seq)
+                holder = claimed or self._seq_holder(event.rollout_id, event.seq, event.call_id)
+                if holder is not None:
+                    raise DuplicateSeq(event.rollout_id, event.seq, holder)
+                self._claims.setdefault(event.rollout_id, {})[event.seq] = event.call_id
+                self._seqs.setdefault(event.rollout_id, {}).setdefault(event.seq, event.call_id)
+                self._ensure_rollout(event.rollout_id)
+            return self._append(event)
+
+    def _append(self, draft: EventDraft) -> RolloutEvent:
+        chain = self._events.setdefault(draft.rollout_id, [])
+        event = chain_event(draft, (chain[-1].position, chain[-1].hash) if chain else None)
+        chain.append(event)
+        return event
 
     async def put_rollout(self, info: RolloutInfo) -> None:
         self._rollouts[info.rollout_id] = info
@@ -172,6 +209,12 @@ class MemorySink:
 
     def failures(self, rollout_id: str) -> list[LedgerEntry]:
         return sorted(self._failures.get(rollout_id, ()), key=lambda f: f.seq)
+
+    def events(self, rollout_id: str) -> list[RolloutEvent]:
+        return list(self._events.get(rollout_id, ()))
+
+    def claims(self, rollout_id: str) -> dict[int, str]:
+        return dict(sorted(self._claims.get(rollout_id, {}).items()))
 
     def summaries(self, rollout_id: str) -> list[CallSummary]:
         rs = sorted(

@@ -168,7 +168,11 @@ async def test_gc_removes_old_sealed_rollouts_only(
             store.rollout_info("old")
     assert _read_back(s.url, kept) == before
     # The replaced files stay until a compaction's grace period is over: open readers use them.
-    assert all((s.ds / rel).exists() for rel in files)
+    # The removed rollout's claims go at once (no reader needs them; its id may be used again).
+    claims = {rel for rel in files if rel.startswith("claims/")}
+    assert {rel.split("/")[1] for rel in claims} == {"old", "recent", "open"}
+    assert all((s.ds / rel).exists() for rel in files if not rel.startswith("claims/old/"))
+    assert not (s.ds / "claims" / "old").exists()
 
     # A proxy writing again stores the old image anew: it does not count on bytes that are gone.
     p2 = await make_proxy(sink=open_sink(s.url))

@@ -101,6 +101,9 @@ def fake_proxy(calls_body: bytes, *, wire_version: int = 1) -> web.Application:
     async def empty(request: web.Request) -> web.Response:
         return json([])
 
+    async def no_claims(request: web.Request) -> web.Response:
+        return json({})
+
     async def calls(request: web.Request) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": CONTENT_TYPE})
         resp.enable_chunked_encoding()
@@ -115,6 +118,8 @@ def fake_proxy(calls_body: bytes, *, wire_version: int = 1) -> web.Application:
     app.router.add_get("/admin/store/rollouts/{rollout_id}", info)
     app.router.add_get("/admin/store/rollouts/{rollout_id}/failures", empty)
     app.router.add_get("/admin/store/rollouts/{rollout_id}/summaries", empty)
+    app.router.add_get("/admin/store/rollouts/{rollout_id}/events", empty)
+    app.router.add_get("/admin/store/rollouts/{rollout_id}/claims", no_claims)
     app.router.add_get("/admin/store/rollouts/{rollout_id}/calls", calls)
     app.router.add_post("/admin/store/fetch", calls)
     return app

@@ -238,8 +238,13 @@ async def test_verify_reports_duplicate_seqs_in_a_parquet_dataset(tmp_path: Path
     # An older writer (or a second one) put the ledger entry at seq 0: rewrite its unit so.
     (ledger,) = [f for f in location.rglob("*.parquet") if "x1" in str(pq.read_table(f))]
     table = pq.read_table(ledger)
+    # Only the ledger row: its event (kind "event") keeps seq 1, as an older writer wrote none.
     ids, old = table["call_id"].to_pylist(), table["seq"].to_pylist()
-    seqs = [0 if cid == "x1" else s for cid, s in zip(ids, old, strict=True)]
+    kinds = table["kind"].to_pylist()
+    seqs = [
+        0 if cid == "x1" and k == "failure" else s
+        for cid, s, k in zip(ids, old, kinds, strict=True)
+    ]
     at = table.column_names.index("seq")
     table = table.set_column(
         at, table.schema.field(at), pa.array(seqs, table.schema.field(at).type)

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
@@ -13,8 +14,16 @@ from typing import Any
 import pytest
 
 from capture_proxy.read.reader import Store, StoreCorrupted
+from capture_proxy.read.status import RolloutExcluded
 from capture_proxy.schemas.attachments import attachment_url
 from capture_proxy.schemas.digest import DigestMismatch, seal_record, verify_record
+from capture_proxy.schemas.events import (
+    EventDraft,
+    EventKind,
+    chain_event,
+    check_chain,
+    claim_event,
+)
 from capture_proxy.schemas.outcome import RolloutOutcome
 from capture_proxy.schemas.records import (
     CallStatus,
@@ -24,6 +33,7 @@ from capture_proxy.schemas.records import (
     StagedCallRecord,
     StageResult,
 )
+from capture_proxy.sinks.base import DuplicateSeq
 from tests.support.sink_factories import SINKS, V2_VALUES, Part, Session, SinkCase, image
 
 
@@ -440,3 +450,93 @@ async def test_attachments_in_order_of_first_reference(case: SinkCase) -> None:
     await case.sink.close()
     (read,) = case.reopen().fetch([record.call_id])
     assert [a.sha256 for a in read.attachments] == [two.sha256, one.sha256]
+
+
+# -- the event log and admission claims ----------------------------------------------------------
+
+
+async def test_a_claim_holds_its_seq_against_every_other_call(case: SinkCase) -> None:
+    sink = case.sink
+    record, _ = Session("ep").next()
+    event = await sink.append_event(claim_event("ep", 0, record.call_id, 1))
+    assert (event.position, event.kind, event.seq, event.prev_hash) == (0, "claim", 0, "")
+    with pytest.raises(DuplicateSeq) as refused:
+        await sink.append_event(claim_event("ep", 0, "other", 2))
+    assert refused.value.holder == record.call_id
+    other = replace(record, call_id="other")
+    other = seal_record(replace(other, digest="", extras_digest=""))
+    result = await sink.stage(other)
+    assert (result.status, result.reason) == (CallStatus.CAPTURE_FAILED, "duplicate_seq")
+    with pytest.raises(DuplicateSeq):
+        await sink.record_failure(
+            LedgerEntry("ep", "other", 0, CallStatus.UPSTREAM_ERROR, "x", "y", 502, 3)
+        )
+    assert (await sink.stage(record)).status == "staged"  # the claim's own call
+    source = case.reopen()
+    assert source.claims("ep") == {0: record.call_id}
+    assert [e.kind for e in source.events("ep")] == ["claim", "staged"]
+
+
+async def test_the_event_log_chains_claims_outcomes_and_seals(case: SinkCase) -> None:
+    sink = case.sink
+    record, _ = Session("ep").next()
+    await sink.append_event(claim_event("ep", 0, record.call_id, 1))
+    assert (await sink.stage(record)).status == "staged"
+    await sink.append_event(claim_event("ep", 1, "x1", 2))
+    await sink.record_failure(
+        LedgerEntry("ep", "x1", 1, CallStatus.UPSTREAM_ERROR, "upstream_500", "boom", 502, 3)
+    )
+    await sink.append_event(EventDraft("ep", EventKind.SEAL, 4))
+    await sink.append_event(claim_event("other", 0, "o0", 5))  # another rollout: its own chain
+    source = case.reopen()
+    events = source.events("ep")
+    assert [(e.position, e.kind, e.seq, e.call_id) for e in events] == [
+        (0, "claim", 0, record.call_id),
+        (1, "staged", 0, record.call_id),
+        (2, "claim", 1, "x1"),
+        (3, "ledger", 1, "x1"),
+        (4, "seal", None, None),
+    ]
+    assert events[1].body == {"digest": record.digest}
+    assert events[3].body["status"] == "upstream_error"
+    assert all(b.prev_hash == a.hash for a, b in itertools.pairwise(events))
+    assert check_chain(events) == []
+    assert [e.position for e in source.events("other")] == [0]
+    with Store(source) as store:
+        store.verify()
+        assert not store.status("ep").poisoned  # an upstream error does not poison
+
+
+async def test_a_claimed_call_with_no_record_nor_ledger_entry_is_lost_in_crash(
+    case: SinkCase,
+) -> None:
+    record, _ = Session("ep").next()
+    await case.sink.append_event(claim_event("ep", 0, record.call_id, 1))
+    assert (await case.sink.stage(record)).status == "staged"
+    await case.sink.append_event(claim_event("ep", 1, "lost", 2))
+    with Store(case.reopen()) as store:
+        status = store.status("ep")
+        assert status.poisoned
+        assert [(n.seq, n.call_id, n.status) for n in status.not_staged] == [
+            (1, "lost", "lost_in_crash")
+        ]
+        store.verify()  # a crash is not corruption
+        with pytest.raises(RolloutExcluded, match="lost_in_crash"):
+            store.calls("ep", include_open=True)
+
+
+def test_an_edited_event_breaks_the_chain_at_its_position() -> None:
+    events = []
+    head: tuple[int, str] | None = None
+    for i in range(3):
+        e = chain_event(claim_event("ep", i, f"c{i}", i), head)
+        events.append(e)
+        head = (e.position, e.hash)
+    assert check_chain(events) == []
+    edited = [events[0], replace(events[1], call_id="intruder"), events[2]]
+    assert [(b.position, b.message) for b in check_chain(edited)] == [
+        (1, "edited: its hash does not match")
+    ]
+    assert [(b.position, b.message) for b in check_chain([events[0], events[2]])] == [
+        (1, "event 1 is missing (the next stored event is at position 2)")
+    ]

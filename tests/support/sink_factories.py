@@ -319,10 +319,12 @@ class SQLiteCase:
         db.close()
 
     def downgrade(self) -> None:
-        """Format 3: format 4's columns dropped (SQLite >= 3.35), the version set back."""
+        """Format 3: format 5's event log and format 4's columns dropped (SQLite >= 3.35), the
+        version set back."""
         from capture_proxy.sinks.codec import V2_ROW_FIELDS
 
         with sqlite3.connect(self.path) as db:
+            db.execute("DROP TABLE events")
             for name in V2_ROW_FIELDS:
                 db.execute(f"ALTER TABLE calls DROP COLUMN {name}")
             db.execute("UPDATE meta SET value='3' WHERE key='format_version'")

@@ -36,6 +36,7 @@ import pyarrow.fs as pafs
 
 from ...schemas.records import RolloutState
 from ..base import GcStats, Progress, StoreError
+from ._claims import remove_claims
 from ._fs import DatasetFS, Lock
 from ._layout import (
     ATTACHMENTS,
@@ -132,6 +133,9 @@ def gc_parquet(
             span = live[plan.touched[0] : plan.touched[-1] + 1]
             merged = replace_units(dfs, span, markers, plan.select)
             after = before - sum(m.size for m in span) + merged.size
+            # After the unit that removes their rows: a crash in between leaves claims of a
+            # rollout that is gone, which a new rollout of the same id would continue after.
+            remove_claims(dfs, plan.rollouts)
         unit_read(steps)
     return GcStats(
         rollouts=plan.rollouts,

@@ -7,7 +7,8 @@
       calls/<unit>.parquet          one row per staged call (the columns of `codec.ROW_FIELDS`)
       blobs/<unit>.parquet          content-addressed messages and request bodies (key, data)
       attachments/<unit>.parquet    content-addressed attachment bytes (sha256, media_type, data)
-      ledger/<unit>.parquet         rollout headers, not-staged calls, orphan marks
+      ledger/<unit>.parquet         rollout headers, not-staged calls, orphan marks, event logs
+      claims/<rollout>/<seq>        admission claims, one file per seq (`_claims`), not in units
       _commits/<unit>.json          the commit marker: a unit exists once this file exists
       _writer.lock, _compact.lock   held by the one writer / the one compaction (local folders)
 
@@ -120,7 +121,8 @@ CALLS_SCHEMA = pa.schema(
 )
 BLOBS_SCHEMA = pa.schema([("key", _s), ("data", _b)])
 ATTACHMENTS_SCHEMA = pa.schema([("sha256", _s), ("media_type", _s), ("size", _i), ("data", _b)])
-#: Rollout headers (kind "rollout"), not-staged calls ("failure") and orphan marks ("orphan").
+#: Rollout headers (kind "rollout"), not-staged calls ("failure"), orphan marks ("orphan") and
+#: the rollouts' event logs ("event").
 LEDGER_SCHEMA = pa.schema(
     [
         ("kind", _s),
@@ -137,6 +139,13 @@ LEDGER_SCHEMA = pa.schema(
         ("sealed_at_ms", _i),
         ("metadata", _b),
         ("policy", _b),
+        # Event-log rows (kind "event", `_events`); null in other rows and in files written
+        # before event logs (`conform` fills them), so the layout's format stays 1.
+        ("event_kind", _s),
+        ("position", _i),
+        ("body", _b),
+        ("prev_hash", _s),
+        ("hash", _s),
     ]
 )
 SCHEMAS: dict[str, pa.Schema] = {
@@ -159,6 +168,7 @@ _DICTIONARY_COLUMNS = [
     "status",
     "reason",
     "state",
+    "event_kind",
 ]
 
 

@@ -1,8 +1,9 @@
 """The rollout ledger of a Parquet dataset: rows in ``ledger/<unit>.parquet``, replayed in order.
 
-Three kinds of row share one table: ``rollout`` (a header written by `put_rollout`, or implicitly
-when a rollout's first call or failure arrives), ``failure`` (a call that was not staged) and
-``orphan`` (a staged record whose write landed after its caller gave up). Rows are never updated in
+Four kinds of row share one table: ``rollout`` (a header written by `put_rollout`, or implicitly
+when a rollout's first call or failure arrives), ``failure`` (a call that was not staged),
+``orphan`` (a staged record whose write landed after its caller gave up) and ``event`` (an event
+of a rollout's log, `_events`). Rows are never updated in
 place: a later ``rollout`` row for the same id replaces the earlier header when replayed.
 """
 
@@ -14,8 +15,10 @@ from typing import Any
 
 import orjson
 
+from ...schemas.events import RolloutEvent
 from ...schemas.outcome import header_metadata, split_header_metadata
 from ...schemas.records import CallStatus, LedgerEntry, RolloutInfo, RolloutState
+from ._events import event_from_row
 
 __all__ = ["LedgerState", "failure_row", "orphan_row", "rollout_row"]
 
@@ -68,6 +71,8 @@ class LedgerState:
         self.failures: dict[str, list[LedgerEntry]] = {}
         #: call id -> (rollout id if known when marked, reason)
         self.orphans: dict[str, tuple[str | None, str]] = {}
+        #: rollout id -> its event log, in commit order
+        self.events: dict[str, list[RolloutEvent]] = {}
 
     def apply(self, rows: Iterable[Mapping[str, Any]]) -> None:
         for row in rows:
@@ -99,6 +104,8 @@ class LedgerState:
                 )
             elif kind == "orphan":
                 self.orphans[row["call_id"]] = (row["rollout_id"], row["reason"])
+            elif kind == "event":
+                self.events.setdefault(row["rollout_id"], []).append(event_from_row(row))
 
     def info(self, rollout_id: str, orphaned_here: bool) -> RolloutInfo:
         """The header, poisoned by a capture failure or an orphaned record of the rollout."""

@@ -35,6 +35,7 @@ from collections.abc import Mapping
 
 import pyarrow.fs as pafs
 
+from ...schemas.events import EventDraft, EventKind, RolloutEvent, ledger_event, staged_event
 from ...schemas.records import (
     Attachment,
     LedgerEntry,
@@ -46,6 +47,8 @@ from ...schemas.records import (
 from ..base import DuplicateSeq, FaultHook, StoreError
 from ..codec import encode_record
 from ..staging_rules import coords_for, new_attachments
+from ._claims import create_claim
+from ._events import EventHeads
 from ._fs import DatasetFS
 from ._index import LRU
 from ._layout import (
@@ -110,6 +113,7 @@ class ParquetSink:
             # Rebuilds parents' sequences on a cache miss; only the writer thread uses it.
             self._reader = ParquetSource(location, url=self.url, dfs=dfs)
             known = self._reader.known()
+            self._events = EventHeads(self._reader.event_heads())
         except BaseException:
             self._lock.release()
             raise
@@ -119,6 +123,13 @@ class ParquetSink:
         self._attachments = known.attachments
         self._rollouts = known.rollouts
         self._fulls: LRU[str, tuple[str, array[int]]] = LRU(cache_tokens, lambda v: len(v[1]))
+        if not dfs.local:
+            log.warning(
+                "%s: admission claims are checked but not enforced on object storage yet: two "
+                "writers racing for one seq can both claim it (docs/storage.md)",
+                location,
+            )
+        self._dfs = dfs
         self._writer = UnitWriter(
             dfs,
             name=location,
@@ -148,8 +159,33 @@ class ParquetSink:
             self._ensure_rollout(batch, part, entry.rollout_id)
             part.rows[LEDGER].append(failure_row(entry))
             part.seqs[(entry.rollout_id, entry.seq)] = entry.call_id
+            self._events.place(batch, part, ledger_event(entry))
 
         await self._writer.submit(work)
+
+    async def append_event(self, event: EventDraft) -> RolloutEvent:
+        """Append `event` to its rollout's chain in the next unit; see
+        `StagingSink.append_event`. A claim also creates its claim file first (`_claims`:
+        exclusive and fsynced on a local folder, checked only on object storage)."""
+
+        def work(batch: UnitRows, part: UnitRows) -> RolloutEvent:
+            if event.kind is EventKind.CLAIM:
+                assert event.seq is not None
+                assert event.call_id is not None
+                holder = self._seq_holder(batch, event.rollout_id, event.seq, event.call_id)
+                if holder is not None:
+                    raise DuplicateSeq(event.rollout_id, event.seq, holder)
+                holder = create_claim(
+                    self._dfs, event.rollout_id, event.seq, event.call_id, event.at_ms
+                )
+                if holder is not None:
+                    raise DuplicateSeq(event.rollout_id, event.seq, holder)
+                part.seqs[(event.rollout_id, event.seq)] = event.call_id
+                self._ensure_rollout(batch, part, event.rollout_id)
+            return self._events.place(batch, part, event)
+
+        stored: RolloutEvent = await self._writer.submit(work)
+        return stored
 
     async def put_rollout(self, info: RolloutInfo) -> None:
         def work(batch: UnitRows, part: UnitRows) -> None:
@@ -187,6 +223,7 @@ class ParquetSink:
         self._blobs |= batch.blobs
         self._attachments |= batch.attachments
         self._rollouts |= batch.rollouts
+        self._events.publish(batch)
         for (rollout_id, seq), call_id in batch.seqs.items():
             self._seqs.setdefault(rollout_id, {}).setdefault(seq, call_id)
 
@@ -265,5 +302,6 @@ class ParquetSink:
         if self.fault is not None:
             self.fault("after_attachments")
         self._ensure_rollout(batch, part, record.rollout_id)
+        self._events.place(batch, part, staged_event(record, _now_ms()))
         row = encoded.row
         return StageResult.staged(coords_for(self.url, record, row))

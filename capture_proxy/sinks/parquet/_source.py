@@ -21,6 +21,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from ...schemas.events import RolloutEvent
 from ...schemas.records import (
     Attachment,
     CallSummary,
@@ -31,6 +32,7 @@ from ...schemas.records import (
 )
 from ..base import PROXY_STATE_ROLLOUT, StoreError
 from ..codec import decode_row
+from ._claims import read_claims
 from ._fs import DatasetFS
 from ._index import LRU, CallRef, Index, Known, Where, ids_from_bytes
 from ._layout import COMMITS_DIR, Marker, check_format, list_markers, live_units, read_group
@@ -312,6 +314,22 @@ class ParquetSource:
 
     def failures(self, rollout_id: str) -> list[LedgerEntry]:
         return self._read(lambda: self._index.ledger.failures_of(rollout_id))
+
+    def events(self, rollout_id: str) -> list[RolloutEvent]:
+        return self._read(lambda: list(self._index.ledger.events.get(rollout_id, ())))
+
+    def claims(self, rollout_id: str) -> dict[int, str]:
+        # The claim files are the authority (a unit holding the claim event may have failed
+        # after its file was created): read them, not the events.
+        return read_claims(self.dfs, rollout_id)
+
+    def event_heads(self) -> dict[str, tuple[int, str]]:
+        """Each rollout's last event as (position, hash): where a writer continues its chain."""
+
+        def run() -> dict[str, tuple[int, str]]:
+            return {r: (e[-1].position, e[-1].hash) for r, e in self._index.ledger.events.items()}
+
+        return self._read(run)
 
     def summaries(self, rollout_id: str) -> list[CallSummary]:
         def run() -> list[CallSummary]:

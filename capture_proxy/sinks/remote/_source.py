@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
+from ...schemas.events import RolloutEvent
 from ...schemas.records import (
     CallSummary,
     CommitCoords,
@@ -243,6 +244,14 @@ class RemoteSource:
 
     def failures(self, rollout_id: str) -> list[LedgerEntry]:
         return self._json("GET", f"/rollouts/{_q(rollout_id)}/failures", list[LedgerEntry])
+
+    def events(self, rollout_id: str) -> list[RolloutEvent]:
+        # The events as the server's store holds them, hashes included: `Store.verify` checks
+        # the chain here, on the reading side.
+        return self._json("GET", f"/rollouts/{_q(rollout_id)}/events", list[RolloutEvent])
+
+    def claims(self, rollout_id: str) -> dict[int, str]:
+        return self._json("GET", f"/rollouts/{_q(rollout_id)}/claims", dict[int, str])
 
     def summaries(self, rollout_id: str) -> list[CallSummary]:
         return self._json("GET", f"/rollouts/{_q(rollout_id)}/summaries", list[CallSummary])

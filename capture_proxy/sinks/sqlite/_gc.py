@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from ..base import GcStats, Progress, StoreError
-from ._schema import read_format
+from ._schema import has_events, read_format
 
 # GcStats lives in `base` (shared with `parquet._gc`); still importable from here.
 __all__ = ["GcStats", "gc_sqlite"]
@@ -59,7 +59,7 @@ def gc_sqlite(
     size_before = Path(path).stat().st_size
     conn = sqlite3.connect(path, isolation_level=None)
     try:
-        read_format(conn, path)
+        version = read_format(conn, path)
         conn.execute("PRAGMA busy_timeout = 10000")
         cutoff = now_ms - older_than_ms
         ids = [
@@ -98,6 +98,8 @@ def gc_sqlite(
                 conn.execute(f"DELETE FROM calls WHERE rollout_id IN ({marks})", chunk)
                 conn.execute(f"DELETE FROM failures WHERE rollout_id IN ({marks})", chunk)
                 conn.execute(f"DELETE FROM rollouts WHERE id IN ({marks})", chunk)
+                if has_events(version):  # their claims too: the ids may be used again
+                    conn.execute(f"DELETE FROM events WHERE rollout_id IN ({marks})", chunk)
                 if progress is not None:
                     progress(done, steps)
             conn.execute("COMMIT")

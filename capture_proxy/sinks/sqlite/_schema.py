@@ -15,6 +15,10 @@ One file holds everything (docs/storage.md describes it):
 Since format 3 the file refuses a second call at one ``(rollout_id, seq)`` (staged or in the
 ledger; a call's own record and ledger entry may share it): triggers on ``calls`` and ``failures``.
 
+Since format 5, ``events`` holds each rollout's hash-chained event log (`schemas.events`), one
+row per event keyed by ``(rollout_id, position)``; admission claims are its ``claim`` rows,
+unique per ``(rollout_id, seq)`` (a partial unique index).
+
 The format version is an integer with a chain of migrations (``MIGRATIONS[i]`` turns format ``i``
 into ``i + 1``; format 0 is an empty file). A writer migrates an older file forward in one
 transaction; a file written by a newer capture-proxy is refused, never guessed at.
@@ -41,6 +45,7 @@ __all__ = [
     "READABLE_FROM",
     "TokenLRU",
     "call_columns",
+    "has_events",
     "pack_blob",
     "read_format",
     "rebuild_full",
@@ -171,12 +176,30 @@ def _migrate_3_to_4(conn: sqlite3.Connection) -> None:
         conn.execute(f"ALTER TABLE calls ADD COLUMN {name} {decl}")
 
 
+def _migrate_4_to_5(conn: sqlite3.Connection) -> None:
+    # Format 5: the per-rollout event log. `body` is the event's JSON body; `hash` chains each
+    # event to the one before (`prev_hash`). A unique index (not a trigger) for claims: the table
+    # is new, so no file can already hold two claims of one seq. Rollouts staged before keep no
+    # events: nothing to account for, and `verify` checks only what a chain holds.
+    conn.execute(
+        "CREATE TABLE events (rollout_id TEXT NOT NULL, position INTEGER NOT NULL,"
+        " kind TEXT NOT NULL, seq INTEGER, call_id TEXT, at_ms INTEGER NOT NULL,"
+        " body TEXT NOT NULL, prev_hash TEXT NOT NULL, hash TEXT NOT NULL,"
+        " PRIMARY KEY (rollout_id, position))"
+    )
+    conn.execute(
+        "CREATE UNIQUE INDEX events_one_claim_per_seq ON events (rollout_id, seq)"
+        " WHERE kind = 'claim'"
+    )
+
+
 #: ``MIGRATIONS[i]`` upgrades format ``i`` to ``i + 1``. Append; never edit a shipped step.
 MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (
     _migrate_0_to_1,
     _migrate_1_to_2,
     _migrate_2_to_3,
     _migrate_3_to_4,
+    _migrate_4_to_5,
 )
 
 #: Blob codecs (the ``blobs.codec`` column).
@@ -208,13 +231,19 @@ def unpack_blob(key: str, data: bytes, codec: int) -> bytes:
 FORMAT_VERSION = len(MIGRATIONS)
 #: The oldest format a reader takes as it is: format 3 added write rules only (triggers), so a
 #: format-2 file reads the same (and `verify` can report the duplicates it may hold); format 4
-#: added columns that a reader of an older file reads as their defaults (`call_columns`).
+#: added columns that a reader of an older file reads as their defaults (`call_columns`);
+#: format 5 added the events table, which an older file reads as empty (`has_events`).
 READABLE_FROM = 2
 
 
 def call_columns(version: int) -> tuple[str, ...]:
     """The `calls` columns a file of format `version` has (a reader selects only those)."""
     return CALL_COLUMNS if version >= 4 else CALL_COLUMNS_3
+
+
+def has_events(version: int) -> bool:
+    """Whether a file of format `version` has the event log (format 5 and later)."""
+    return version >= 5
 
 
 def read_format(conn: sqlite3.Connection, where: str) -> int:

@@ -29,6 +29,14 @@ from typing import Any
 
 import orjson
 
+from ...schemas.events import (
+    EventDraft,
+    EventKind,
+    RolloutEvent,
+    chain_event,
+    ledger_event,
+    staged_event,
+)
 from ...schemas.outcome import header_metadata
 from ...schemas.records import (
     Attachment,
@@ -74,8 +82,16 @@ def _now_ms() -> int:
 
 
 def _seq_holder(conn: sqlite3.Connection, rollout_id: str, seq: int, call_id: str) -> str | None:
-    """Another call already at (rollout_id, seq), staged or in the ledger (format 3's rule;
-    checked here first so the refusal names the seq, the triggers being the last word)."""
+    """Another call already at (rollout_id, seq): claimed, staged or in the ledger (format 3's
+    rule, and format 5's claims; checked here first so the refusal names the seq, the triggers
+    and the claims' unique index being the last word)."""
+    row = conn.execute(
+        "SELECT call_id FROM events WHERE rollout_id = ? AND seq = ? AND kind = 'claim'"
+        " AND call_id != ?",
+        (rollout_id, seq, call_id),
+    ).fetchone()
+    if row is not None:
+        return str(row[0])
     for table in ("calls", "failures"):
         row = conn.execute(
             f"SELECT call_id FROM {table} WHERE rollout_id = ? AND seq = ? AND call_id != ?"
@@ -85,6 +101,32 @@ def _seq_holder(conn: sqlite3.Connection, rollout_id: str, seq: int, call_id: st
         if row is not None:
             return str(row[0])
     return None
+
+
+def _append_event(conn: sqlite3.Connection, draft: EventDraft) -> RolloutEvent:
+    """Place `draft` after its rollout's last event, inside the caller's savepoint: the head is
+    read in the same transaction, so the chain holds exactly what commits."""
+    head = conn.execute(
+        "SELECT position, hash FROM events WHERE rollout_id = ? ORDER BY position DESC LIMIT 1",
+        (draft.rollout_id,),
+    ).fetchone()
+    event = chain_event(draft, None if head is None else (int(head[0]), str(head[1])))
+    conn.execute(
+        "INSERT INTO events (rollout_id, position, kind, seq, call_id, at_ms, body, prev_hash,"
+        " hash) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        (
+            event.rollout_id,
+            event.position,
+            event.kind,
+            event.seq,
+            event.call_id,
+            event.at_ms,
+            orjson.dumps(dict(event.body)).decode(),
+            event.prev_hash,
+            event.hash,
+        ),
+    )
+    return event
 
 
 def _open_writer(path: str) -> sqlite3.Connection:
@@ -204,8 +246,33 @@ class SQLiteSink:
                     entry.at_ms,
                 ),
             )
+            _append_event(conn, ledger_event(entry))
 
         await self._writer.submit(work)
+
+    async def append_event(self, event: EventDraft) -> RolloutEvent:
+        """Append `event` to its rollout's chain in the next group commit; see
+        `StagingSink.append_event`. A claim of a seq already held raises `DuplicateSeq`."""
+
+        def work(conn: sqlite3.Connection, batch: Batch) -> RolloutEvent:
+            if event.kind is EventKind.CLAIM:
+                assert event.seq is not None
+                assert event.call_id is not None
+                holder = _seq_holder(conn, event.rollout_id, event.seq, event.call_id)
+                if holder is None:
+                    row = conn.execute(
+                        "SELECT call_id FROM events WHERE rollout_id = ? AND seq = ?"
+                        " AND kind = 'claim'",
+                        (event.rollout_id, event.seq),
+                    ).fetchone()
+                    holder = None if row is None else str(row[0])
+                if holder is not None:
+                    raise DuplicateSeq(event.rollout_id, event.seq, holder)
+                conn.execute(_ENSURE_ROLLOUT, (event.rollout_id, _now_ms()))
+            return _append_event(conn, event)
+
+        stored: RolloutEvent = await self._writer.submit(work)
+        return stored
 
     async def put_rollout(self, info: RolloutInfo) -> None:
         def work(conn: sqlite3.Connection, batch: Batch) -> None:
@@ -333,5 +400,6 @@ class SQLiteSink:
         if self.fault is not None:
             self.fault("after_attachments")
         conn.execute(_ENSURE_ROLLOUT, (record.rollout_id, _now_ms()))
+        _append_event(conn, staged_event(record, _now_ms()))
         batch.pending[key] = (record.rollout_id, encoded.full)
         return StageResult.staged(coords_for(self.url, record, row))

@@ -13,6 +13,7 @@ from typing import Any
 
 import orjson
 
+from ...schemas.events import RolloutEvent
 from ...schemas.outcome import split_header_metadata
 from ...schemas.records import (
     Attachment,
@@ -31,6 +32,7 @@ from ._schema import (
     READABLE_FROM,
     TokenLRU,
     call_columns,
+    has_events,
     read_format,
     rebuild_full,
     unpack_blob,
@@ -130,6 +132,7 @@ class SQLiteSource:
         # A file a writer has not migrated yet lacks the newest columns: read what it has, and
         # its rows decode as the record versions they were written as.
         self._columns = call_columns(version)
+        self._has_events = has_events(version)
         self._select_calls = f"SELECT {', '.join(self._columns)} FROM calls"
 
     @contextmanager
@@ -200,6 +203,31 @@ class SQLiteSource:
             LedgerEntry(rollout_id, call_id, seq, CallStatus(status), reason, msg, http, at_ms)
             for call_id, seq, status, reason, msg, http, at_ms in rows
         ]
+
+    def events(self, rollout_id: str) -> list[RolloutEvent]:
+        if not self._has_events:  # written before event logs: nothing to check
+            return []
+        with self._read() as c:
+            rows = c.execute(
+                "SELECT position, kind, seq, call_id, at_ms, body, prev_hash, hash FROM events"
+                " WHERE rollout_id = ? ORDER BY position",
+                (rollout_id,),
+            ).fetchall()
+        return [
+            RolloutEvent(rollout_id, pos, kind, seq, cid, at, orjson.loads(body), prev, digest)
+            for pos, kind, seq, cid, at, body, prev, digest in rows
+        ]
+
+    def claims(self, rollout_id: str) -> dict[int, str]:
+        if not self._has_events:
+            return {}
+        with self._read() as c:
+            rows = c.execute(
+                "SELECT seq, call_id FROM events WHERE rollout_id = ? AND kind = 'claim'"
+                " ORDER BY seq",
+                (rollout_id,),
+            ).fetchall()
+        return {int(seq): str(cid) for seq, cid in rows}
 
     def summaries(self, rollout_id: str) -> list[CallSummary]:
         # One pass over the (rollout_id, seq) index; the token and logprob blobs are stored after

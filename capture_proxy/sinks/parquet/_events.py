@@ -1,0 +1,86 @@
+"""The event log of a Parquet dataset: ``event`` rows in the units' ``ledger/`` files.
+
+Events go into the unit of the group commit that writes what they record, as rows of the ledger
+table (kind ``event``), not into files of their own: a ``staged`` event then commits with its
+record and a ``ledger`` event with its ledger entry, under one marker, so the chain never says
+more or less than the dataset holds. Readers already replay ledger rows in commit order, which is
+the chain's order for each rollout.
+
+The writer places each event after its rollout's head: the last event committed (`EventHeads`,
+loaded at open and advanced as units commit) or an earlier event of the same unit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import orjson
+
+from ...schemas.events import EventDraft, RolloutEvent, chain_event
+from ._layout import LEDGER
+from ._writer import UnitRows
+
+__all__ = ["EventHeads", "event_from_row", "event_row"]
+
+
+def event_row(event: RolloutEvent) -> dict[str, Any]:
+    return {
+        "kind": "event",
+        "rollout_id": event.rollout_id,
+        "call_id": event.call_id,
+        "seq": event.seq,
+        "at_ms": event.at_ms,
+        "event_kind": event.kind,
+        "position": event.position,
+        "body": orjson.dumps(dict(event.body), option=orjson.OPT_SORT_KEYS),
+        "prev_hash": event.prev_hash,
+        "hash": event.hash,
+    }
+
+
+def event_from_row(row: Mapping[str, Any]) -> RolloutEvent:
+    return RolloutEvent(
+        row["rollout_id"],
+        int(row["position"]),
+        row["event_kind"],
+        row["seq"],
+        row["call_id"],
+        int(row["at_ms"] or 0),
+        orjson.loads(row["body"] or b"{}"),
+        row["prev_hash"] or "",
+        row["hash"] or "",
+    )
+
+
+class EventHeads:
+    """Each rollout's last committed event, as (position, hash). Writer thread only."""
+
+    def __init__(self, heads: Mapping[str, tuple[int, str]]) -> None:
+        self._heads = dict(heads)
+
+    def place(self, batch: UnitRows, part: UnitRows, draft: EventDraft) -> RolloutEvent:
+        """Chain `draft` after its rollout's head and add its row to `part`."""
+        head = _last_in(part, draft.rollout_id) or _last_in(batch, draft.rollout_id)
+        if head is None:
+            head = self._heads.get(draft.rollout_id)
+        event = chain_event(draft, head)
+        part.rows[LEDGER].append(event_row(event))
+        return event
+
+    def publish(self, batch: UnitRows) -> None:
+        """Advance the heads past a committed unit's events."""
+        for row in _events_in(batch.rows[LEDGER]):
+            self._heads[row["rollout_id"]] = (row["position"], row["hash"])
+
+
+def _events_in(rows: Iterable[Mapping[str, Any]]) -> Iterable[Mapping[str, Any]]:
+    return (r for r in rows if r["kind"] == "event")
+
+
+def _last_in(rows: UnitRows, rollout_id: str) -> tuple[int, str] | None:
+    # A batch holds at most a few hundred rows: a scan beats keeping a second map in step.
+    for row in reversed(rows.rows[LEDGER]):
+        if row["kind"] == "event" and row["rollout_id"] == rollout_id:
+            return (row["position"], row["hash"])
+    return None

@@ -1,0 +1,94 @@
+"""SIGKILL a real proxy while a call is in flight (the fake vLLM answers slowly): the call's seq
+was claimed at admission, so after a restart the store accounts for it as ``lost_in_crash``, its
+rollout reads poisoned, and the next call takes the seq after it. Both sinks."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from capture_proxy.read.reader import open_store
+from capture_proxy.sinks.registry import open_source
+from tests.support import ROOT
+from tests.support.proxy_harness import chat_body, user
+from tests.support.reliability_workers import Spawned, start_fake, start_proxy
+
+#: The fake vLLM's answer time: long enough to kill the proxy mid-call.
+LATENCY = 1.5
+
+
+async def _call(base: str, text: str) -> tuple[str, str]:
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(f"{base}/r/r1/v1/chat/completions", json=chat_body(user(text))) as resp,
+    ):
+        await resp.read()
+        return resp.headers["X-Capture-Status"], resp.headers["X-Capture-Call-Id"]
+
+
+def _proxy(upstream: str, url: str) -> Spawned:
+    p = start_proxy(upstream, url, "--min-free-disk-mb", "0", cwd=ROOT)
+    p.wait_ready()
+    return p
+
+
+def _claims(url: str) -> dict[int, str]:
+    source = open_source(url)
+    try:
+        return source.claims("r1") if "r1" in source.rollouts() else {}
+    finally:
+        source.close_reader()
+
+
+async def _until_claimed(url: str, n: int) -> dict[int, str]:
+    deadline = time.monotonic() + 20.0
+    while time.monotonic() < deadline:
+        claims = await asyncio.to_thread(_claims, url)
+        if len(claims) >= n:
+            return claims
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"no {n} claims after 20s")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["sqlite", "parquet"])
+async def test_a_call_in_flight_at_sigkill_is_lost_in_crash_after_restart(
+    kind: str, tmp_path: Path
+) -> None:
+    url = f"sqlite:///{tmp_path / 'c.db'}" if kind == "sqlite" else f"parquet:///{tmp_path / 'ds'}"
+    fake = start_fake(latency=LATENCY)
+    try:
+        first = _proxy(fake.url, url)
+        try:
+            assert (await _call(first.url, "before"))[0] == "staged"
+            in_flight = asyncio.ensure_future(_call(first.url, "killed while upstream"))
+            claims = await _until_claimed(url, 2)  # admitted, claimed, still upstream
+            await asyncio.to_thread(first.kill)
+        finally:
+            first.kill()
+        with pytest.raises(aiohttp.ClientError):
+            await in_flight
+        lost = claims[1]
+
+        second = _proxy(fake.url, url)
+        try:
+            status, after = await _call(second.url, "after the restart")
+            assert status == "staged"
+        finally:
+            assert await asyncio.to_thread(second.terminate) == 0, second.output()
+    finally:
+        fake.kill()
+    with open_store(url) as store:
+        source = store.source
+        assert [s.seq for s in source.summaries("r1")] == [0, 2]
+        assert source.claims("r1")[2] == after
+        status_now = store.status("r1")
+        assert status_now.poisoned
+        assert [(n.seq, n.call_id, n.status) for n in status_now.not_staged] == [
+            (1, lost, "lost_in_crash")
+        ]
+        store.verify()
