@@ -154,7 +154,7 @@ def encode_record(record: StagedCallRecord, parent_full: array[int] | None) -> E
         "tokenizer_fingerprint": record.tokenizer_fingerprint,
         "finish_reason": record.finish_reason,
         "schema_version": record.schema_version,
-        "sampling": _dumps(record.sampling),
+        "sampling": _dumps(sampling_by_reference(record.sampling, record.request)),
         "response": _dumps(record.response),
         "extras": _dumps(record.extras),
         "request_key": request_key,
@@ -252,7 +252,7 @@ def decode_row(
         weight_version=int(row["weight_version"]),
         upstream_version=row["upstream_version"],
         tokenizer_fingerprint=row["tokenizer_fingerprint"],
-        sampling=orjson.loads(row["sampling"]),
+        sampling=sampling_from_reference(orjson.loads(row["sampling"]), request),
         extras=orjson.loads(row["extras"]),
         schema_version=int(row["schema_version"]),
         digest=row["digest"],
@@ -261,3 +261,33 @@ def decode_row(
         **_v2_fields(row),
     )
     return record, full
+
+
+#: In a stored `sampling`: the keys whose values are the request's own (stored once, there).
+SAME_AS_REQUEST = "$same_as_request"
+
+
+def sampling_by_reference(sampling: Mapping[str, Any], request: Mapping[str, Any]) -> Any:
+    """`sampling` as stored: a free-form value (an object or a list, e.g. a large
+    ``chat_template_kwargs``) equal to the request's own is named, not repeated: the request
+    blob holds it once. Sampling keys never start with ``$``, so the marker cannot collide. The
+    digest is over the logical record, which this does not change."""
+    same = [
+        k
+        for k, v in sampling.items()
+        if isinstance(v, dict | list) and k in request and request[k] == v
+    ]
+    if not same:
+        return sampling
+    kept = {k: v for k, v in sampling.items() if k not in same}
+    return {**kept, SAME_AS_REQUEST: same}
+
+
+def sampling_from_reference(stored: Any, request: Mapping[str, Any]) -> dict[str, Any]:
+    """The logical `sampling` back from its stored form (rows written before stored it whole)."""
+    if not isinstance(stored, dict) or SAME_AS_REQUEST not in stored:
+        return dict(stored) if isinstance(stored, dict) else stored
+    same = stored.pop(SAME_AS_REQUEST)
+    for key in same:
+        stored[key] = request[key]  # the digest sorts keys: their order here does not matter
+    return stored
