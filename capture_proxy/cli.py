@@ -343,20 +343,22 @@ def _export(args: argparse.Namespace) -> int:
     except ValueError as e:  # Parquet to stdout: a usage error
         print(f"capture-proxy export: {e}", file=sys.stderr)
         return 2
-    summary = export_store(
-        args.store,
-        args.out,
-        format=fmt,
-        per=args.per,
-        verify=args.verify,
-        include_untooled=args.include_untooled,
-        include_open=args.include_open,
-        include_poisoned=args.include_poisoned,
-        rollouts=args.rollouts,
-        group=args.groups,
-        since=args.since,
-        attachments=args.attachments and args.out != "-",
-    )
+    with progress_bar("exporting") as progress:  # on a terminal's stderr only
+        summary = export_store(
+            args.store,
+            args.out,
+            format=fmt,
+            per=args.per,
+            verify=args.verify,
+            include_untooled=args.include_untooled,
+            include_open=args.include_open,
+            include_poisoned=args.include_poisoned,
+            rollouts=args.rollouts,
+            group=args.groups,
+            since=args.since,
+            attachments=args.attachments and args.out != "-",
+            progress=progress,
+        )
     _report_export(args, summary.to_dict())
     return 0
 

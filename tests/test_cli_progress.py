@@ -1,6 +1,6 @@
-"""`gc`, `compact` and `inspect --verify`: a `--json` summary each, and a progress bar on stderr
-only when stderr is a terminal (a pseudo-terminal here); the operations report their progress
-through the `Progress` callback, ending at their total."""
+"""`gc`, `compact`, `export` and `inspect --verify`: a `--json` summary each, and a progress bar
+on stderr only when stderr is a terminal (a pseudo-terminal here); the operations report their
+progress through the `Progress` callback, ending at their total."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from capture_proxy.read.export import export_store
 from capture_proxy.read.reader import open_store
 from capture_proxy.sinks.registry import compact_store, gc_store
 from tests.support import ROOT
@@ -67,9 +68,15 @@ async def test_operations_report_progress_up_to_their_total(
     kind: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     url = await sealed_store(kind, tmp_path, capsys)
-    seen: dict[str, list[tuple[int, int]]] = {"verify": [], "gc": [], "compact": []}
+    seen: dict[str, list[tuple[int, int]]] = {"verify": [], "gc": [], "compact": [], "export": []}
     with open_store(url) as store:
         store.problems(progress=lambda done, total: seen["verify"].append((done, total)))
+    export_store(
+        url,
+        str(tmp_path / "out.parquet"),
+        include_open=True,
+        progress=lambda done, total: seen["export"].append((done, total)),
+    )
     if kind == "parquet":
         compact_store(url, progress=lambda done, total: seen["compact"].append((done, total)))
     else:
@@ -146,3 +153,11 @@ async def test_a_terminal_gets_a_bar_and_a_pipe_gets_none(
     assert code == 0, terminal
     assert "removing" in terminal
     assert json.loads(out)["rollouts"] == ["done"]
+
+    code, out, terminal = await asyncio.to_thread(
+        _run_with_stderr_on_a_terminal,
+        ["export", url, str(tmp_path / "x.parquet"), "--include-open", "--json"],
+    )
+    assert code == 0, terminal
+    assert "exporting" in terminal
+    assert json.loads(out)["rows"] > 0

@@ -38,6 +38,7 @@ from collections.abc import Iterable
 from datetime import datetime
 from typing import Literal
 
+from ...sinks.base import Progress
 from ..reader import SelectedRollout, Store, open_store
 from ._columns import ATTACHMENT_SCHEMA, CALL_SCHEMA, SCHEMAS, SEGMENT_SCHEMA, TRAJECTORY_SCHEMA
 from ._columns import rows_of as _rows_of
@@ -165,6 +166,7 @@ def export_store(
     since: int | datetime | None = None,
     attachments: bool = True,
     row_group_bytes: int = ROW_GROUP_BYTES,
+    progress: Progress | None = None,
 ) -> ExportSummary:
     """Write the store (a URL, or a `Store` already open) to `out`; say what was written and
     left out. ``out="-"`` writes JSON Lines to stdout.
@@ -176,7 +178,8 @@ def export_store(
     The attachments the rows refer to are written to `attachments_path(out)` unless
     ``attachments=False`` (never for stdout). Raises `DigestMismatch` (and writes no file) when a
     record does not verify, ``verify=False`` skips the check; KeyError for a rollout id the store
-    does not hold; ValueError for a bad `format` or `per`.
+    does not hold; ValueError for a bad `format` or `per`. `progress`, if given, is called
+    with ``(rollouts written, rollouts selected)`` as the export goes.
     """
     fmt = export_format(out, format)
     if per not in SCHEMAS:
@@ -204,7 +207,7 @@ def export_store(
             "store": store.url,
             "per": per,
         }
-        run = _Run(store, per, selected, verify, include_untooled, summary, metadata)
+        run = _Run(store, per, selected, verify, include_untooled, summary, metadata, progress)
         if out == "-":
             run.write(JsonLinesOut(sys.stdout.buffer), None)
             return summary
@@ -252,11 +255,15 @@ class _Run:
     include_untooled: bool
     summary: ExportSummary
     metadata: dict[str, str]
+    progress: Progress | None = None
 
     def write(self, rows_out: RowsOut, side: AttachmentFile | None) -> None:
         """Every selected rollout's rows, one rollout in memory at a time."""
         fingerprints: dict[str, None] = {}
-        for sel in self.selected:
+        total = len(self.selected)
+        for done, sel in enumerate(self.selected):
+            if self.progress is not None:
+                self.progress(done, total)
             records, traj = self.store._read(
                 sel.rollout_id, sel.status, self.include_untooled, self.verify
             )
@@ -273,6 +280,8 @@ class _Run:
                 side.add(rows.attachments())
         self.metadata["tokenizer_fingerprints"] = json.dumps([f for f in fingerprints if f])
         rows_out.finish(self.file_metadata())
+        if self.progress is not None:
+            self.progress(total, total)
 
     def file_metadata(self) -> dict[str, str]:
         return {METADATA_PREFIX + k: v for k, v in self.metadata.items()}
