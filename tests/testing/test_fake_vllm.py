@@ -938,7 +938,26 @@ async def test_the_render_route_needs_scale_out(serve: Serve) -> None:
     _, client = await serve()
     resp = await client.post("/v1/chat/completions/render", json={"messages": [USER_HI]})
     assert resp.status == 403
-    assert await resp.json() == {"detail": "Scale-out endpoints are disabled"}
+    assert await resp.json() == fixture("token-in/disabled-render.json")["body"]
+
+
+@pytest.mark.parametrize("name", ["chat", "tools", "continue"])
+async def test_render_answer_has_the_fixture_shape(serve: Serve, name: str) -> None:
+    """Keys, their order and value types as the real render's (not the ids: the fake's
+    tokenizer is another); `sampling_params` lists what the real one lists for that request."""
+    _, client = await serve(scale_out=True)
+    resp = await client.post(
+        "/v1/chat/completions/render", json=fixture(f"token-in/render-{name}-request.json")
+    )
+    assert resp.status == 200, await resp.text()
+    got = await resp.json()
+    real = fixture(f"token-in/render-{name}-response.json")
+    # vLLM adds a Cohere template setting to every render; no template of the fake reads it.
+    del real["reasoning_parser_kwargs"]["chat_template_kwargs"]["cohere_format"]
+    assert shape(got) == shape(real)
+    assert got["sampling_params"] == real["sampling_params"]
+    assert got["reasoning_parser_kwargs"] == real["reasoning_parser_kwargs"]
+    assert got["reasoning_ended"] == real["reasoning_ended"]
 
 
 async def test_the_render_route_resolves_sampling_over_the_generation_config(
@@ -949,7 +968,7 @@ async def test_the_render_route_resolves_sampling_over_the_generation_config(
     resp = await client.post("/v1/chat/completions/render", json=body)
     assert resp.status == 200
     answer = await resp.json()
-    assert set(answer) == {"token_ids", "sampling_params", "features", "reasoning_parser_kwargs"}
+    assert list(answer) == list(fixture("token-in/render-chat-response.json"))
     assert answer["token_ids"] == fake.tokenize_chat([USER_HI])
     params = answer["sampling_params"]
     assert (params["temperature"], params["top_k"], params["top_p"]) == (0.6, 20, 0.9)
@@ -958,10 +977,16 @@ async def test_the_render_route_resolves_sampling_over_the_generation_config(
 
 async def test_weight_routes_exist_only_in_dev_mode(serve: Serve) -> None:
     _, plain = await serve()
-    assert (await plain.get("/weight_info")).status == 404
+    resp = await plain.get("/weight_info")
+    assert resp.status == 404
+    assert await resp.json() == fixture("token-in/disabled-weight-info.json")["body"]
     _, dev = await serve(dev_mode=True)
     assert await (await dev.get("/weight_info")).json() == {"weight_version": "default"}
     resp = await dev.post("/update_weight_version", json={"new_version": "step-3"})
     assert resp.status == 200
+    assert await resp.json() == {"success": True, "new_version": "step-3"}
+    assert shape(await resp.json()) == shape(
+        fixture("token-in/update-weight-version-response.json")
+    )
     assert await (await dev.get("/weight_info")).json() == {"weight_version": "step-3"}
     assert (await dev.post("/update_weight_version", json={"new_version": 3})).status == 400

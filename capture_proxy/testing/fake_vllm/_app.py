@@ -51,7 +51,7 @@ from ._http import (
     write_stream,
 )
 from ._protocol import model_list
-from ._render import resolve_sampling, weight_version_update
+from ._render import SCALE_OUT_DISABLED, render_answer, resolve_sampling, weight_version_update
 from ._script import load_script
 from ._template import decode, encode, reasoning_keys_for, render_chat, token_text
 from ._validate import RequestError, check_model, output_limit, require_messages
@@ -183,7 +183,9 @@ class FakeVLLM:
     async def _render_chat(self, request: web.Request) -> web.Response:
         self.route_hits[request.path] += 1
         if not self.scale_out:
-            return json_response(403, {"detail": "Scale-out endpoints are disabled"})
+            return RequestError(
+                403, SCALE_OUT_DISABLED, err_type="PermissionDeniedError"
+            ).response()
         try:
             body = await read_json(request)
             check_model(body, self.model)
@@ -192,13 +194,10 @@ class FakeVLLM:
         except RequestError as exc:
             return exc.response()
         room = max(self.max_model_len - len(ids), 0)
-        answer = {
-            "token_ids": ids,
-            "sampling_params": resolve_sampling(body, self.generation_config, room),
-            "features": None,
-            "reasoning_parser_kwargs": {},
-        }
-        return json_response(200, answer)
+        sampling = resolve_sampling(body, self.generation_config, room)
+        # Deterministic (the fake's random stream belongs to its answers); the shape is vLLM's.
+        request_id = f"chatcmpl-{self.route_hits[request.path]:016x}"
+        return json_response(200, render_answer(body, ids, sampling, self.model, request_id))
 
     async def _weight_info(self, request: web.Request) -> web.Response:
         self.route_hits[request.path] += 1
@@ -214,7 +213,7 @@ class FakeVLLM:
             self.weight_version = weight_version_update(await read_json(request))
         except RequestError as exc:
             return exc.response()
-        return json_response(200, {"weight_version": self.weight_version})
+        return json_response(200, {"success": True, "new_version": self.weight_version})
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: _Handler) -> web.StreamResponse:
