@@ -30,7 +30,15 @@ import orjson
 from ..schemas.records import Attachment, StagedCallRecord
 from ..schemas.tokens import common_prefix_len, full_sequence
 
-__all__ = ["ROW_FIELDS", "V2_ROW_FIELDS", "EncodedCall", "decode_row", "encode_record"]
+__all__ = [
+    "ROW_FIELDS",
+    "V2_ROW_FIELDS",
+    "EncodedCall",
+    "bind_media_types",
+    "decode_row",
+    "encode_record",
+    "reference_media_types",
+]
 
 _LITTLE = sys.byteorder == "little"
 
@@ -75,6 +83,10 @@ ROW_FIELDS = (
     "digest",
     "extras_digest",
     "attachment_shas",
+    # The media type of each reference in `attachment_shas` (same order; a None item: not
+    # known when staged, the stored bytes' own media type stands). Added after record schema
+    # 2: a row written before has none (NULL), and every reference reads with its bytes'.
+    "attachment_media_types",
     *V2_ROW_FIELDS,
 )
 
@@ -118,11 +130,49 @@ class EncodedCall:
     full: array[int]
 
 
-def encode_record(record: StagedCallRecord, parent_full: array[int] | None) -> EncodedCall:
+def reference_media_types(
+    record: StagedCallRecord, given: Mapping[str, Attachment] | None = None
+) -> list[str | None]:
+    """The media type of each attachment `record` refers to (in order of first reference, each
+    sha256 once), as its digest was sealed with: the attachment given with it, else the one in
+    ``record.attachments`` (a record read back from a store), else None (not known here).
+
+    Kept per reference, not per stored bytes: two calls may send the same image bytes under two
+    media types, and each record's digest binds its own (docs/digest.md)."""
+    known = {a.sha256: a.media_type for a in record.attachments}
+    for sha, att in (given or {}).items():
+        if att.sha256 == sha:
+            known[sha] = att.media_type
+    return [known.get(sha) for sha in dict.fromkeys(record.attachment_refs())]
+
+
+def bind_media_types(
+    attachments: Sequence[Attachment], shas: Sequence[str] | None, types: Sequence[Any] | None
+) -> tuple[Attachment, ...]:
+    """`attachments` (the stored bytes, each with the media type stored with them) with each
+    one's media type replaced by its reference's: ``types[i]`` is the media type of the
+    reference ``shas[i]`` (None, or no `types` at all in a row written before they were kept:
+    the stored media type stands)."""
+    by_sha = {s: t for s, t in zip(shas or (), types or (), strict=False) if t}
+    return tuple(
+        Attachment(a.sha256, t, a.data)
+        if (t := by_sha.get(a.sha256)) is not None and t != a.media_type
+        else a
+        for a in attachments
+    )
+
+
+def encode_record(
+    record: StagedCallRecord,
+    parent_full: array[int] | None,
+    attachments: Mapping[str, Attachment] | None = None,
+) -> EncodedCall:
     """Encode a sealed record. `parent_full` is the parent's prompt + completion, or None.
 
     The caller resolves the parent (`record.parent_call_id`) within the same rollout; with no
-    parent the whole sequence is stored (prev_len 0).
+    parent the whole sequence is stored (prev_len 0). `attachments` are the ones given with the
+    record (`StagingSink.stage`): they say each reference's media type
+    (`reference_media_types`).
     """
     full = full_sequence(record.prompt_token_ids, record.completion_token_ids)
     prev_len = common_prefix_len(parent_full, full) if parent_full is not None else 0
@@ -168,6 +218,7 @@ def encode_record(record: StagedCallRecord, parent_full: array[int] | None) -> E
         "digest": record.digest,
         "extras_digest": record.extras_digest,
         "attachment_shas": list(dict.fromkeys(record.attachment_refs())),
+        "attachment_media_types": reference_media_types(record, attachments),
         "engine_weight_version": record.engine_weight_version,
         "weight_spans": _dumps(record.weight_spans) if record.weight_spans else None,
         "token_in": record.token_in,
@@ -205,7 +256,9 @@ def decode_row(
     """Rebuild the logical record from a row; returns it with its full sequence.
 
     `blob(key)` returns a stored blob (KeyError if missing). `parent_full` must be the parent's
-    full sequence when ``row["prev_len"] > 0``.
+    full sequence when ``row["prev_len"] > 0``. `attachments` are the stored bytes the row
+    refers to; a row that holds ``attachment_media_types`` gives each its reference's media type
+    (`bind_media_types`), a row without (SQLite keeps them with the references) keeps theirs.
     """
     prev_len = int(row["prev_len"])
     delta = _from_le("i", bytes(row["delta_tokens"]))
@@ -257,7 +310,9 @@ def decode_row(
         schema_version=int(row["schema_version"]),
         digest=row["digest"],
         extras_digest=row["extras_digest"],
-        attachments=tuple(attachments),
+        attachments=bind_media_types(
+            attachments, row.get("attachment_shas"), row.get("attachment_media_types")
+        ),
         **_v2_fields(row),
     )
     return record, full

@@ -33,6 +33,7 @@ from ..schemas.records import (
 )
 from ..schemas.tokens import common_prefix_len, full_sequence
 from .base import PROXY_STATE_ROLLOUT, DuplicateSeq, FaultHook
+from .codec import bind_media_types, reference_media_types
 
 __all__ = ["MemorySink"]
 
@@ -54,6 +55,9 @@ class MemorySink:
         self._records: dict[str, StagedCallRecord] = {}
         self._coords: dict[str, CommitCoords] = {}
         self._attachments: dict[str, Attachment] = {}
+        #: staging key -> the media type of each of its references (`reference_media_types`):
+        #: the bytes are kept once, each record keeps the media types its digest binds.
+        self._media_types: dict[str, list[str | None]] = {}
         self._rollouts: dict[str, RolloutInfo] = {}
         self._failures: dict[str, list[LedgerEntry]] = {}
         self._orphaned: dict[str, str] = {}
@@ -121,6 +125,7 @@ class MemorySink:
             )
             self._attachments.update(new_atts)
             self._records[key] = replace(record, attachments=())
+            self._media_types[key] = reference_media_types(record, attachments)
             self._coords[key] = coords
             self._seqs.setdefault(record.rollout_id, {}).setdefault(record.seq, key)
             self._ensure_rollout(record.rollout_id)
@@ -196,7 +201,10 @@ class MemorySink:
         return replace(info, poisoned=poisoned)
 
     def _with_attachments(self, record: StagedCallRecord) -> StagedCallRecord:
-        atts = tuple(self._attachments[s] for s in dict.fromkeys(record.attachment_refs()))
+        shas = list(dict.fromkeys(record.attachment_refs()))
+        atts = bind_media_types(
+            [self._attachments[s] for s in shas], shas, self._media_types.get(record.staging_key)
+        )
         return replace(record, attachments=atts)
 
     def calls(self, rollout_id: str, *, include_orphaned: bool = False) -> list[StagedCallRecord]:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from capture_proxy.read.reader import open_store
@@ -267,6 +267,10 @@ def test_hostile_json_is_refused_precisely(live: Live, raw: bytes) -> None:
     ),
     media=st.sampled_from(["image/png", "image/jpeg", "text/plain", "image/", "", "image/png;x=y"]),
 )
+# One payload under two media types, in this order: the bytes are stored once, and the second
+# call must read back (and verify) with its own media type, not the first call's.
+@example(payload="AAECAwQF", media="image/png")
+@example(payload="AAECAwQF", media="image/jpeg")
 @FUZZ
 def test_invalid_base64_images_are_refused_or_staged_exactly(
     live: Live, payload: str, media: str
@@ -283,6 +287,7 @@ def test_invalid_base64_images_are_refused_or_staged_exactly(
             (record,) = store.fetch([call_id])
         (attachment,) = record.attachments
         assert attachment.data == base64.b64decode(payload, validate=True)
+        assert attachment.media_type == media.split(";")[0]
 
 
 # -- bodies over the limit, refused before they are read ----------------------------------------

@@ -13,7 +13,7 @@ import pytest
 from capture_proxy.read.reader import Store
 from capture_proxy.schemas.digest import verify_record
 from capture_proxy.schemas.records import CallStatus
-from capture_proxy.sinks.registry import open_source
+from capture_proxy.sinks.registry import open_sink, open_source
 from capture_proxy.testing.fake_vllm import FakeToolCall, FakeVLLM, Turn
 from tests.support.proxy_harness import chat_body, sse_lines, user
 
@@ -239,6 +239,30 @@ async def test_image_becomes_an_attachment_referenced_by_sha256(make_proxy: Any)
         assert att.media_type == "image/png"
     # The upstream got the image itself.
     assert p.fake.requests[0]["messages"][0]["content"][1]["image_url"]["url"] == url
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "parquet"])
+async def test_one_image_sent_as_png_then_as_jpeg_stages_and_verifies_both(
+    make_proxy: Any, tmp_path: Any, kind: str
+) -> None:
+    """Clients label bytes as they like: the same bytes as image/png, then as image/jpeg, are
+    stored once, and each record keeps (and its digest binds) the media type it was sent with."""
+    url = f"sqlite:///{tmp_path / 'two.db'}" if kind == "sqlite" else f"parquet:///{tmp_path}/two"
+    p = await make_proxy(sink=open_sink(url))
+    png = b"\x89PNG\r\n\x1a\n" + hashlib.sha256(b"two types").digest() * 32
+    data = base64.b64encode(png).decode()
+    for media_type in ("image/png", "image/jpeg"):
+        part = {"type": "image_url", "image_url": {"url": f"data:{media_type};base64,{data}"}}
+        content = [{"type": "text", "text": f"as {media_type}"}, part]
+        resp = await p.chat(chat_body({"role": "user", "content": content}))
+        assert resp.headers["X-Capture-Status"] == "staged", await resp.text()
+    with Store(open_source(url)) as store:  # read beside the live writer
+        records = store.calls("r1", include_open=True)
+        store.verify()
+    assert [[(a.media_type, a.data) for a in r.attachments] for r in records] == [
+        [("image/png", png)],
+        [("image/jpeg", png)],
+    ]
 
 
 async def test_policy_knobs_cap_max_tokens_and_rename_model(make_proxy: Any) -> None:

@@ -152,6 +152,28 @@ async def test_honest_answers_round_trip_exactly() -> None:
     assert got[1].attachments == SECOND.attachments
 
 
+async def test_one_image_under_two_media_types_reads_back_with_each_records_own() -> None:
+    """The image frame goes once, with its first media type; each row carries the media type of
+    its own references, so a later call that sent the bytes as image/jpeg still verifies."""
+    png = FIRST.attachments[0]
+    jpeg = Attachment(png.sha256, "image/jpeg", png.data)
+    second = seal_record(replace(SECOND, attachments=(jpeg,)))
+    got = await read_calls(records_body(FIRST, second))  # verified on read
+    assert [[a.media_type for a in r.attachments] for r in got] == [["image/png"], ["image/jpeg"]]
+
+
+def test_a_row_without_reference_media_types_reads_with_the_images_own() -> None:
+    """An answer from a proxy of the release before: its rows carry no media types of their
+    own, and each image reads with the media type of its frame."""
+    decoder = RecordDecoder("test")
+    frames = list(iter_frames(io.BytesIO(records_body(FIRST)).read, "test"))
+    for msg in frames:
+        if msg["t"] == "row":
+            del msg["row"]["attachment_media_types"]
+    (record,) = [r for msg in frames if (r := decoder.feed(msg)) is not None]
+    assert record.attachments == FIRST.attachments
+
+
 @pytest.mark.parametrize(
     "edit",
     [

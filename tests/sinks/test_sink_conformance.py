@@ -26,6 +26,7 @@ from capture_proxy.schemas.events import (
 )
 from capture_proxy.schemas.outcome import RolloutOutcome
 from capture_proxy.schemas.records import (
+    Attachment,
     CallStatus,
     LedgerEntry,
     RolloutInfo,
@@ -139,6 +140,65 @@ async def test_an_edited_attachment_media_type_fails_verify(case: SinkCase) -> N
     assert read.attachments[0].media_type == "image/jpeg"
     with pytest.raises(DigestMismatch, match=f"{staged[0].call_id}: digest mismatch"):
         verify_record(read)
+
+
+async def test_one_image_under_two_media_types_keeps_each_records_own(case: SinkCase) -> None:
+    """Two calls send the same bytes, as image/png and then as image/jpeg: the bytes are stored
+    once, and each record reads back with (and verifies against) the media type it was sent
+    with, not the first one stored."""
+    png = image("two-types")
+    jpeg = Attachment(png.sha256, "image/jpeg", png.data)
+    session = Session("types", image=png)
+    first = await stage_session(case, session, 1)
+    session.images[png.sha256] = session.known[png.sha256] = jpeg
+    second = await stage_session(case, session, 2)
+    await case.sink.close()
+    source = case.reopen()
+    read = source.calls("types", include_orphaned=True)
+    assert [r.call_id for r in read] == [r.call_id for r in (*first, *second)]
+    assert [[a.media_type for a in r.attachments] for r in read] == [
+        ["image/png"],
+        ["image/jpeg"],
+        ["image/jpeg"],
+    ]
+    for r, s in zip(read, (*first, *second), strict=True):
+        assert_same(r, s)
+        assert r.attachments[0].data == png.data
+    assert [r.attachments[0].media_type for r in source.fetch([second[0].call_id])] == [
+        "image/jpeg"
+    ]
+    assert case.attachment_count() == 1
+    with Store(source) as store:
+        store.verify()
+
+
+async def test_a_store_of_the_release_before_reference_media_types_reads_and_verifies(
+    tmp_path: Path, kind: str
+) -> None:
+    """A store whose references carry no media type of their own (SQLite format 5, Parquet
+    calls without ``attachment_media_types``) reads each with its bytes' media type and
+    verifies, before and after a writer opens it, and the session goes on in it."""
+    case = SINKS[kind](tmp_path)
+    session = Session("pre6", image=image("pre6"))
+    old = await stage_session(case, session, 2)
+    reopens = kind != "memory"
+    if reopens:
+        await case.sink.close()
+    case.drop_reference_media_types()
+    for record in case.reopen().fetch([r.call_id for r in old]):  # before any writer opens it
+        assert [a.media_type for a in record.attachments] == ["image/png"]
+        verify_record(record)
+    if reopens:
+        case = SINKS[kind](tmp_path)  # a writer opens the store: SQLite migrates it
+    new = await stage_session(case, session, 1)
+    await case.sink.close()
+    source = case.reopen()
+    read = source.fetch([r.call_id for r in (*old, *new)])
+    for r, s in zip(read, (*old, *new), strict=True):
+        assert_same(r, s)
+        assert [a.media_type for a in r.attachments] == ["image/png"]
+    with Store(source) as store:
+        store.verify()
 
 
 async def test_a_store_of_the_previous_release_reads_verifies_and_takes_v2_records(

@@ -57,7 +57,10 @@ async def test_file_format_is_recorded(tmp_path: Path) -> None:
     assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     columns = [r[1] for r in conn.execute("PRAGMA table_info(calls)")]
     assert tuple(columns) == CALL_COLUMNS
-    assert tuple(c for c in ROW_FIELDS if c != "attachment_shas") == CALL_COLUMNS
+    references = ("attachment_shas", "attachment_media_types")  # in call_attachments
+    assert tuple(c for c in ROW_FIELDS if c not in references) == CALL_COLUMNS
+    refs = [r[1] for r in conn.execute("PRAGMA table_info(call_attachments)")]
+    assert refs == ["call_id", "sha256", "ord", "media_type"]
     conn.close()
 
 

@@ -76,3 +76,27 @@ async def test_new_blobs_are_compressed_when_that_is_smaller(tmp_path: Path) -> 
     with Store(SQLiteSource(str(path))) as store:
         (back,) = store.fetch([record.call_id])
     assert back.request == record.request
+
+
+async def test_format_5_references_take_their_bytes_media_type_when_migrated(
+    tmp_path: Path,
+) -> None:
+    """Format 6 keeps each reference's media type: the references a format-5 file holds are
+    given the media type stored with their bytes (what they read with before)."""
+    from tests.support.sink_factories import SQLiteCase, image
+
+    case = SQLiteCase(tmp_path)
+    session = Session("r5", image=image("r5"))
+    for _ in range(2):
+        record, atts = session.next()
+        assert (await case.sink.stage(record, attachments=atts)).status == "staged"
+    await case.sink.close()
+    case.drop_reference_media_types()
+    await SQLiteSink(str(case.path)).close()  # a writer opens it: format 5 -> 6
+    with sqlite3.connect(case.path) as conn:
+        rows = conn.execute("SELECT call_id, media_type FROM call_attachments").fetchall()
+        (version,) = conn.execute("SELECT value FROM meta WHERE key='format_version'").fetchone()
+    assert sorted(rows) == [("r5-c0", "image/png"), ("r5-c1", "image/png")]
+    assert version == str(FORMAT_VERSION) == "6"
+    with Store(SQLiteSource(str(case.path))) as store:
+        store.verify()

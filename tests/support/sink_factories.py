@@ -218,6 +218,12 @@ class SinkCase(Protocol):
         no storage for the schema-2 fields (its records must be version 1)."""
         ...
 
+    def drop_reference_media_types(self) -> None:
+        """Turn the store (sink closed) into what the release before per-reference media types
+        wrote (SQLite format 5, Parquet calls without ``attachment_media_types``): every
+        reference then reads with the media type stored with its bytes."""
+        ...
+
 
 class SinkFactory(Protocol):
     """A `SinkCase` class: ``factory(tmp_path)``, or ``factory(tmp_path, fault)``."""
@@ -258,21 +264,21 @@ class MemoryCase:
             messages = [dict(m) for m in rec.request["messages"]]
             messages[0]["content"] = str(messages[0]["content"]).swapcase()
             self.sink._records[key] = replace(rec, request={**rec.request, "messages": messages})
-        else:
+        elif part == "attachment":
             sha = rec.attachment_refs()[0]
             att = self.sink._attachments[sha]
-            data, media_type = att.data, att.media_type
-            if part == "attachment":
-                data = _flip_byte(data, 9)
-            else:
-                media_type = "image/jpeg"
-            self.sink._attachments[sha] = Attachment(sha, media_type, data)
+            self.sink._attachments[sha] = Attachment(sha, att.media_type, _flip_byte(att.data, 9))
+        else:
+            self.sink._media_types[key][0] = "image/jpeg"
 
     def attachment_count(self) -> int:
         return len(self.sink._attachments)
 
     def downgrade(self) -> None:
         pass  # records are kept as objects: nothing is stored per column
+
+    def drop_reference_media_types(self) -> None:
+        self.sink._media_types.clear()
 
 
 class SQLiteCase:
@@ -314,20 +320,30 @@ class SQLiteCase:
                     )
                 else:
                     db.execute(
-                        "UPDATE attachments SET media_type='image/jpeg' WHERE sha256=?", (sha,)
+                        "UPDATE call_attachments SET media_type='image/jpeg'"
+                        " WHERE call_id=? AND ord=0",
+                        (key,),
                     )
         db.close()
 
     def downgrade(self) -> None:
-        """Format 3: format 5's event log and format 4's columns dropped (SQLite >= 3.35), the
-        version set back."""
+        """Format 3: format 6's and 4's columns and format 5's event log dropped (SQLite >=
+        3.35), the version set back."""
         from capture_proxy.sinks.codec import V2_ROW_FIELDS
 
         with sqlite3.connect(self.path) as db:
+            db.execute("ALTER TABLE call_attachments DROP COLUMN media_type")
             db.execute("DROP TABLE events")
             for name in V2_ROW_FIELDS:
                 db.execute(f"ALTER TABLE calls DROP COLUMN {name}")
             db.execute("UPDATE meta SET value='3' WHERE key='format_version'")
+        db.close()
+
+    def drop_reference_media_types(self) -> None:
+        """Format 5: format 6's per-reference media types dropped, the version set back."""
+        with sqlite3.connect(self.path) as db:
+            db.execute("ALTER TABLE call_attachments DROP COLUMN media_type")
+            db.execute("UPDATE meta SET value='5' WHERE key='format_version'")
         db.close()
 
     def attachment_count(self) -> int:
@@ -395,41 +411,48 @@ class ParquetCase:
             sha = self._value("call_id", key, "attachment_shas")[0]
             ok = self._rewrite("sha256", sha, "data", lambda d: _flip_byte(d, 9))
         else:
-            sha = self._value("call_id", key, "attachment_shas")[0]
-            ok = self._rewrite_text("sha256", sha, "media_type", "image/jpeg")
+            ok = self._rewrite_media_types(key, "image/jpeg")
         assert ok, f"tamper: found nothing to edit for {part} of {key}"
 
-    def _rewrite_text(self, match: str, value: str, column: str, text: str) -> bool:
+    def _rewrite_media_types(self, key: str, first: str) -> bool:
+        """Set the media type of call `key`'s first attachment reference to `first`."""
         import pyarrow as pa
         import pyarrow.parquet as pq
 
         done = False
-        for f in sorted(self.location.rglob("*.parquet")):
+        for f in sorted((self.location / "calls").glob("*.parquet")):
             table = pq.read_table(f)
-            if match not in table.column_names or column not in table.column_names:
+            keys = table.column("call_id").to_pylist()
+            if key not in keys:
                 continue
-            keys = table.column(match).to_pylist()
-            if value not in keys:
-                continue
-            col = [
-                text if k == value else v
-                for k, v in zip(keys, table.column(column).to_pylist(), strict=True)
-            ]
-            idx = table.column_names.index(column)
-            table = table.set_column(idx, table.schema.field(idx), pa.array(col, pa.string()))
+            col = table.column("attachment_media_types").to_pylist()
+            col = [[first, *v[1:]] if k == key else v for k, v in zip(keys, col, strict=True)]
+            idx = table.column_names.index("attachment_media_types")
+            table = table.set_column(
+                idx, table.schema.field(idx), pa.array(col, pa.list_(pa.string()))
+            )
             pq.write_table(table, f)
             done = True
         return done
 
     def downgrade(self) -> None:
-        """Calls files rewritten without the schema-2 columns, as the previous release wrote."""
+        """Calls files rewritten without the schema-2 columns (nor the references' media
+        types), as the release before record schema 2 wrote."""
         import pyarrow.parquet as pq
 
         from capture_proxy.sinks.codec import V2_ROW_FIELDS
 
         for f in sorted((self.location / "calls").glob("*.parquet")):
             table = pq.read_table(f)
-            pq.write_table(table.drop_columns(list(V2_ROW_FIELDS)), f)
+            pq.write_table(table.drop_columns([*V2_ROW_FIELDS, "attachment_media_types"]), f)
+
+    def drop_reference_media_types(self) -> None:
+        """Calls files rewritten without ``attachment_media_types``."""
+        import pyarrow.parquet as pq
+
+        for f in sorted((self.location / "calls").glob("*.parquet")):
+            table = pq.read_table(f)
+            pq.write_table(table.drop_columns(["attachment_media_types"]), f)
 
     def attachment_count(self) -> int:
         import pyarrow.parquet as pq

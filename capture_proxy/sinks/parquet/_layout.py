@@ -6,7 +6,8 @@
       _format.json                  {"format": "capture-proxy-parquet", "version": 1}
       calls/<unit>.parquet          one row per staged call (the columns of `codec.ROW_FIELDS`)
       blobs/<unit>.parquet          content-addressed messages and request bodies (key, data)
-      attachments/<unit>.parquet    content-addressed attachment bytes (sha256, media_type, data)
+      attachments/<unit>.parquet    content-addressed attachment bytes (sha256, media_type, data;
+                                    each call's own media type is in its calls row)
       ledger/<unit>.parquet         rollout headers, not-staged calls, orphan marks, event logs
       claims/<rollout>/<seq>        admission claims, one file per seq (`_claims`), not in units
       _commits/<unit>.json          the commit marker: a unit exists once this file exists
@@ -108,6 +109,11 @@ CALLS_SCHEMA = pa.schema(
         ("digest", _s),
         ("extras_digest", _s),
         ("attachment_shas", pa.list_(_s)),
+        # The media type of each reference in `attachment_shas` (`codec.ROW_FIELDS`): one copy
+        # of the bytes may be referred to under two media types. Nullable: rows written before
+        # it read with the media type stored with the bytes, as they were sealed (the layout's
+        # format stays 1).
+        ("attachment_media_types", pa.list_(_s)),
         # Record schema 2 (`codec.V2_ROW_FIELDS`). Nullable: files written before these columns
         # lack them, and their rows read back as version-1 records (`conform` fills nulls).
         ("engine_weight_version", _s),

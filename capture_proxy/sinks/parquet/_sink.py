@@ -279,7 +279,7 @@ class ParquetSink:
             return checked
         new, hits = checked
         self.dedup_hits += hits
-        encoded = encode_record(record, self._parent_full(batch, record))
+        encoded = encode_record(record, self._parent_full(batch, record), given)
         part.rows[CALLS].append(encoded.row)
         part.calls[key] = (record.rollout_id, encoded.full)
         part.seqs[(record.rollout_id, record.seq)] = key

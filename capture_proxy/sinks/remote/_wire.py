@@ -12,7 +12,9 @@ Frames: a 4-byte big-endian length, then a msgpack map whose ``t`` says what it 
 
 - ``blob`` (``key``, ``data``), ``attachment`` (``sha256``, ``media_type``, ``data``): pieces
   later rows refer to;
-- ``row`` (``row``): one record;
+- ``row`` (``row``): one record; its ``attachment_media_types`` give each attachment it refers
+  to the media type its digest binds (an ``attachment`` frame is sent once per sha256, with the
+  media type of its first use, and two calls may send the same bytes under two media types);
 - ``keys`` (``keys``): a batch of staging keys;
 - ``error`` (``status``, ``code``, ``param``, ``message``): the answer failed after it began;
 - ``end`` (``count``): the answer is complete; a stream without it was cut short.

@@ -9,7 +9,9 @@ One file holds everything (docs/storage.md describes it):
 * ``blobs``: content-addressed messages and request bodies (key = sha256 of the bytes; since
   format 2 stored zlib-compressed when that is smaller, ``codec`` says which).
 * ``attachments``: content-addressed image bytes, stored once per store; ``call_attachments``
-  lists which call refers to which, in order of first reference.
+  lists which call refers to which, in order of first reference, and (since format 6) under
+  which media type: two calls may send the same bytes as ``image/png`` and ``image/jpeg``, and
+  each record's digest binds its own.
 * ``rollouts``, ``failures``, ``orphaned``: each rollout's ledger.
 
 Since format 3 the file refuses a second call at one ``(rollout_id, seq)`` (staged or in the
@@ -46,6 +48,7 @@ __all__ = [
     "TokenLRU",
     "call_columns",
     "has_events",
+    "has_reference_types",
     "pack_blob",
     "read_format",
     "rebuild_full",
@@ -55,9 +58,12 @@ __all__ = [
 
 APPLICATION = "capture-proxy"
 
-#: The codec row columns stored in ``calls``; ``attachment_shas`` is normalized into
-#: ``call_attachments`` (one row per reference, with its order), so it is not a column.
-CALL_COLUMNS = tuple(f for f in ROW_FIELDS if f != "attachment_shas")
+#: The codec row columns stored in ``calls``; ``attachment_shas`` and ``attachment_media_types``
+#: are normalized into ``call_attachments`` (one row per reference, with its order and media
+#: type), so they are not columns.
+CALL_COLUMNS = tuple(
+    f for f in ROW_FIELDS if f not in ("attachment_shas", "attachment_media_types")
+)
 
 _CALL_TYPES = {
     "call_id": "TEXT PRIMARY KEY",
@@ -193,6 +199,18 @@ def _migrate_4_to_5(conn: sqlite3.Connection) -> None:
     )
 
 
+def _migrate_5_to_6(conn: sqlite3.Connection) -> None:
+    # Format 6: each reference keeps its own media type (the bytes stay stored once). Until now
+    # every reference read with the one media type stored with the bytes, so that is what the
+    # references already stored take. Nullable: a writer that was not told a reference's media
+    # type stores NULL, and a reader falls back to the bytes' own.
+    conn.execute("ALTER TABLE call_attachments ADD COLUMN media_type TEXT")
+    conn.execute(
+        "UPDATE call_attachments SET media_type ="
+        " (SELECT a.media_type FROM attachments a WHERE a.sha256 = call_attachments.sha256)"
+    )
+
+
 #: ``MIGRATIONS[i]`` upgrades format ``i`` to ``i + 1``. Append; never edit a shipped step.
 MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (
     _migrate_0_to_1,
@@ -200,6 +218,7 @@ MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (
     _migrate_2_to_3,
     _migrate_3_to_4,
     _migrate_4_to_5,
+    _migrate_5_to_6,
 )
 
 #: Blob codecs (the ``blobs.codec`` column).
@@ -232,7 +251,8 @@ FORMAT_VERSION = len(MIGRATIONS)
 #: The oldest format a reader takes as it is: format 3 added write rules only (triggers), so a
 #: format-2 file reads the same (and `verify` can report the duplicates it may hold); format 4
 #: added columns that a reader of an older file reads as their defaults (`call_columns`);
-#: format 5 added the events table, which an older file reads as empty (`has_events`).
+#: format 5 added the events table, which an older file reads as empty (`has_events`); format 6
+#: the references' media types, which an older file reads as its bytes' (`has_reference_types`).
 READABLE_FROM = 2
 
 
@@ -244,6 +264,11 @@ def call_columns(version: int) -> tuple[str, ...]:
 def has_events(version: int) -> bool:
     """Whether a file of format `version` has the event log (format 5 and later)."""
     return version >= 5
+
+
+def has_reference_types(version: int) -> bool:
+    """Whether a file of format `version` keeps each attachment reference's media type (6+)."""
+    return version >= 6
 
 
 def read_format(conn: sqlite3.Connection, where: str) -> int:

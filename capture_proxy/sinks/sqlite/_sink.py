@@ -375,7 +375,7 @@ class SQLiteSink:
             return checked
         new, hits = checked
         self.dedup_hits += hits
-        encoded = encode_record(record, self._parent_full(conn, batch, record))
+        encoded = encode_record(record, self._parent_full(conn, batch, record), given)
         row = encoded.row
         # A session re-sends its history every call: look each blob up (a primary-key probe)
         # before compressing it, so only new messages pay for zlib.
@@ -394,8 +394,13 @@ class SQLiteSink:
             [(a.sha256, a.media_type, a.size, a.data) for a in new],
         )
         conn.executemany(
-            "INSERT INTO call_attachments (call_id, sha256, ord) VALUES (?, ?, ?)",
-            [(key, sha, i) for i, sha in enumerate(refs)],
+            "INSERT INTO call_attachments (call_id, sha256, ord, media_type) VALUES (?, ?, ?, ?)",
+            [
+                (key, sha, i, media_type)
+                for i, (sha, media_type) in enumerate(
+                    zip(refs, row["attachment_media_types"], strict=True)
+                )
+            ],
         )
         if self.fault is not None:
             self.fault("after_attachments")

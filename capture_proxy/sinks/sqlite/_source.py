@@ -33,6 +33,7 @@ from ._schema import (
     TokenLRU,
     call_columns,
     has_events,
+    has_reference_types,
     read_format,
     rebuild_full,
     unpack_blob,
@@ -48,12 +49,24 @@ _DECODE_CACHE_TOKENS = 2_000_000
 class _Decoder:
     """Decodes rows within one read, reusing parents' sequences, blobs and attachments."""
 
-    def __init__(self, conn: sqlite3.Connection, columns: Sequence[str]) -> None:
+    def __init__(
+        self, conn: sqlite3.Connection, columns: Sequence[str], reference_types: bool
+    ) -> None:
         self.conn = conn
         self.columns = columns
         self.fulls = TokenLRU(_DECODE_CACHE_TOKENS)
         self.blobs: dict[str, bytes] = {}
-        self.attachments: dict[str, Attachment] = {}
+        # Keyed by (sha256, media type): one stored copy of the bytes can be referred to under
+        # several media types, each its own `Attachment` sharing the bytes.
+        self.attachments: dict[tuple[str, str], Attachment] = {}
+        self.attachment_data: dict[str, bytes] = {}
+        # A reference's own media type (format 6), else the one stored with the bytes.
+        self._attachments_sql = (
+            "SELECT ca.sha256, "
+            + ("COALESCE(ca.media_type, a.media_type)" if reference_types else "a.media_type")
+            + ", a.data FROM call_attachments ca JOIN attachments a ON a.sha256 = ca.sha256"
+            " WHERE ca.call_id = ? ORDER BY ca.ord"
+        )
 
     def blob(self, key: str) -> bytes:
         data = self.blobs.get(key)
@@ -68,15 +81,12 @@ class _Decoder:
 
     def attachments_of(self, call_id: str) -> list[Attachment]:
         out = []
-        rows = self.conn.execute(
-            "SELECT ca.sha256, a.media_type, a.data FROM call_attachments ca"
-            " JOIN attachments a ON a.sha256 = ca.sha256 WHERE ca.call_id = ? ORDER BY ca.ord",
-            (call_id,),
-        )
-        for sha, media_type, data in rows:
-            att = self.attachments.get(sha)
+        for sha, media_type, data in self.conn.execute(self._attachments_sql, (call_id,)):
+            att = self.attachments.get((sha, media_type))
             if att is None:
-                att = self.attachments[sha] = Attachment(sha, media_type, bytes(data))
+                kept = self.attachment_data.setdefault(sha, bytes(data))
+                att = Attachment(sha, media_type, kept)
+                self.attachments[(sha, media_type)] = att
             out.append(att)
         return out
 
@@ -133,6 +143,7 @@ class SQLiteSource:
         # its rows decode as the record versions they were written as.
         self._columns = call_columns(version)
         self._has_events = has_events(version)
+        self._reference_types = has_reference_types(version)
         self._select_calls = f"SELECT {', '.join(self._columns)} FROM calls"
 
     @contextmanager
@@ -189,7 +200,7 @@ class SQLiteSource:
                 f"{self._select_calls} WHERE rollout_id = ?{where} ORDER BY seq, rowid",
                 (rollout_id,),
             ).fetchall()
-            decoder = _Decoder(c, self._columns)
+            decoder = _Decoder(c, self._columns, self._reference_types)
             return [decoder.record(r) for r in rows]
 
     def failures(self, rollout_id: str) -> list[LedgerEntry]:
@@ -247,7 +258,7 @@ class SQLiteSource:
 
     def fetch(self, keys: Sequence[str]) -> list[StagedCallRecord]:
         with self._read() as c:
-            decoder = _Decoder(c, self._columns)
+            decoder = _Decoder(c, self._columns, self._reference_types)
             out = []
             for key in keys:
                 row = c.execute(f"{self._select_calls} WHERE call_id = ?", (key,)).fetchone()
