@@ -80,6 +80,7 @@ async def test_worked_example_per_segment(kind: str, tmp_path: Path) -> None:
         "response_weight_versions": [1, 1, 0, 1, 1],
         "response_engine_weight_versions": [None] * 5,
         "attachment_shas": [],
+        "attachment_media_types": [],
         "media_spans": [],
     }
     assert seg1["sealed_at_ms"] == seg0["sealed_at_ms"] == 2  # seal() seals at 2 ms

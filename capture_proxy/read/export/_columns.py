@@ -80,6 +80,7 @@ CALL_SCHEMA = pa.schema(
         ("response", pa.string()),
         ("extras", pa.string()),
         ("attachment_shas", _strings),
+        ("attachment_media_types", _strings),
     ]
 )
 
@@ -123,6 +124,7 @@ TRAJECTORY_SCHEMA = pa.schema(
         ("apart", _strings),
         ("retries_skipped", _strings),
         ("attachment_shas", _strings),
+        ("attachment_media_types", _strings),
         ("media_spans", pa.list_(_MEDIA_SPAN)),
     ]
 )
@@ -142,6 +144,7 @@ SEGMENT_SCHEMA = pa.schema(
         ("response_weight_versions", pa.list_(pa.int64())),
         ("response_engine_weight_versions", _strings),
         ("attachment_shas", _strings),
+        ("attachment_media_types", _strings),
         ("media_spans", pa.list_(_MEDIA_SPAN)),
     ]
 )
@@ -191,6 +194,20 @@ def _unique(values: Iterable[str]) -> list[str]:
     return list(dict.fromkeys(values))
 
 
+def _media_types(records: Iterable[StagedCallRecord]) -> list[str]:
+    """The media type of each of `_unique`'s attachments, as the call that first referred to it
+    in the row sent it: the same bytes may be sent under another type by another call (each
+    record binds its own), so the attachments file's `media_type` (its first use in the export)
+    is not the row's."""
+    types: dict[str, str] = {}
+    for record in records:
+        own = {a.sha256: a.media_type for a in record.attachments}
+        for sha in record.attachment_refs():
+            if sha not in types:
+                types[sha] = own.get(sha, "")
+    return list(types.values())
+
+
 def _media_spans(records: Iterable[StagedCallRecord], offset: int) -> list[dict[str, Any]]:
     """The calls' vLLM ``media_spans``, each once: every later call of a segment re-reports
     the spans of the images already in its prompt, at the same positions."""
@@ -234,6 +251,7 @@ def _call_rows(
         "response": [r.response for r in records],
         "extras": [r.extras for r in records],
         "attachment_shas": [_unique(r.attachment_refs()) for r in records],
+        "attachment_media_types": [_media_types([r]) for r in records],
     }
 
 
@@ -272,6 +290,7 @@ def _trajectory_row(
         "apart": [traj.apart],
         "retries_skipped": [traj.retries_skipped],
         "attachment_shas": [_unique(a for c in traj.calls for a in by_id[c].attachment_refs())],
+        "attachment_media_types": [_media_types(by_id[c] for c in traj.calls)],
         "media_spans": [segment_media],
     }
 
@@ -308,6 +327,7 @@ def _segment_rows(
         "attachment_shas": [
             _unique(a for call in s.call_ids for a in by_id[call].attachment_refs()) for s in segs
         ],
+        "attachment_media_types": [_media_types(by_id[c] for c in s.call_ids) for s in segs],
         # Every call of a segment starts at the segment's first token: offset 0.
         "media_spans": [_media_spans((by_id[c] for c in s.call_ids), 0) for s in segs],
     }
