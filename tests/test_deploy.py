@@ -779,3 +779,68 @@ def test_deploy_readme_covers_each_deployment_and_file() -> None:
     for path in DEPLOY.rglob("*"):
         if path.is_file() and path.name != "README.md":
             assert path.name in readme, f"deploy/README.md does not mention {path.name}"
+
+
+_STORE_WORD = re.compile(r"\b(store|dataset|s3://)", re.I)
+_SEVERAL = re.compile(r"\b(shar\w*|several|many|multiple|between pods)\b", re.I)
+_NEGATION = re.compile(r"\b(not|never|no|nothing|own)\b", re.I)
+
+
+def _sentences(text: str) -> list[str]:
+    """Sentences of Markdown prose or of YAML comments: blocks end at blank lines, headings, table
+    rows and bullets; a block's lines are joined, then split at sentence ends."""
+    blocks: list[list[str]] = [[]]
+    for line in text.splitlines():
+        bare = line.strip()
+        if not bare or bare.startswith(("#", "|", "- ")):
+            blocks.append([])
+        blocks[-1].append(bare)
+    return [
+        sentence
+        for block in blocks
+        for sentence in re.split(r"(?<=[.!?])\s+", " ".join(block))
+        if sentence.strip()
+    ]
+
+
+def test_deploy_docs_never_recommend_several_writers_on_one_store() -> None:
+    """Today a store has one writing proxy, on object storage too (docs/storage.md, "Writers and
+    readers today"): nothing in deploy/ may suggest pointing several pods at one store, and the
+    README, the Parquet sink and docs/storage.md say the same rule in the same words."""
+    from capture_proxy.sinks.parquet import _sink
+
+    rule = "one writing proxy per"
+    readme = (DEPLOY / "README.md").read_text()
+    storage = (ROOT / "docs" / "storage.md").read_text()
+    assert rule in readme.lower()
+    assert rule in storage.lower()
+    assert _sink.__doc__ is not None
+    assert rule in re.sub(r"\s+", " ", _sink.__doc__).lower()
+    texts = {"README.md": readme}
+    for path in DEPLOY.rglob("*"):
+        if path.is_file() and path.suffix in (".yaml", ".yml", ".service", ".example", ""):
+            comments = [
+                line.split("#", 1)[1] for line in path.read_text().splitlines() if "#" in line
+            ]
+            texts[str(path.relative_to(DEPLOY))] = "\n".join(comments)
+    for name, text in texts.items():
+        for sentence in _sentences(text):
+            if _STORE_WORD.search(sentence) and _SEVERAL.search(sentence):
+                assert _NEGATION.search(sentence), f"{name}: {sentence!r}"
+
+
+def test_k8s_each_pod_writes_its_own_store() -> None:
+    # A StatefulSet's replicas share one pod template: a store URL without the pod's name in it
+    # would be one store for every replica.
+    store = parse_store_url(_k8s_settings().store)
+    if "://" in store.location:
+        assert "$(POD_NAME)" in _k8s_settings().store or "$(HOSTNAME)" in _k8s_settings().store
+    else:
+        claims = {
+            t["metadata"]["name"] for t in _workload()["spec"].get("volumeClaimTemplates", [])
+        }
+        proxy = _container("capture-proxy")
+        (mount,) = [
+            m for m in proxy["volumeMounts"] if Path(m["mountPath"]) == _store_dir(_k8s_settings())
+        ]
+        assert mount["name"] in claims  # per pod, not a volume every replica mounts

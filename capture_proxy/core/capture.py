@@ -148,6 +148,10 @@ class Call:
     #: The admission claim's write, started by `begin_call` and awaited before the call's final
     #: status (never before forwarding: the upstream call overlaps the write).
     claim: asyncio.Future[RolloutEvent] | None = None
+    #: The task that admitted it (the request's handler), cancelled if a weight-update pause
+    #: cuts the call (`Capture.cut`), which then sets `cut`: the abort's reason.
+    task: asyncio.Task[Any] | None = None
+    cut: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,6 +217,7 @@ class Capture:
         policy: RequestPolicy | None = None,
         max_rollout_calls: int = 0,
         max_rollout_bytes: int = 0,
+        pause_hold: float = 30.0,
     ) -> None:
         self.sink = sink
         self.policy = policy or RequestPolicy()
@@ -239,6 +244,68 @@ class Capture:
         self._request_values = RequestValueCache()
         #: Serializes the writes of each rollout's header (creation, seal, outcomes).
         self._headers = HeaderLocks()
+        #: Set while calls are admitted; cleared by a weight-update pause (`pause`). A new call
+        #: waits up to `pause_hold` seconds for it, then gets 503 ``paused``.
+        self._admitting = asyncio.Event()
+        self._admitting.set()
+        self.pause_hold = pause_hold
+        #: The calls in flight by id: what a pause waits for, and cuts at its deadline.
+        self.calls: dict[str, Call] = {}
+        self._idle = asyncio.Event()  # set while `calls` is empty
+        self._idle.set()
+
+    # -- weight-update pause -------------------------------------------------------------------
+
+    @property
+    def paused(self) -> bool:
+        return not self._admitting.is_set()
+
+    def pause(self) -> bool:
+        """Stop admitting calls; returns whether admission was already paused."""
+        was = self.paused
+        self._admitting.clear()
+        return was
+
+    def resume(self) -> None:
+        """Admit calls again; calls being held go on."""
+        self._admitting.set()
+
+    def _paused_error(self) -> CaptureUnavailable:
+        # 503 with Retry-After, not 429: clients such as OpenCode's SDK retry a 503 as long as
+        # it comes back, while they give up on 429 after a few tries.
+        return CaptureUnavailable(
+            "the proxy is paused for a weight update (POST /admin/weights/pause); retry later",
+            code="paused",
+            headers={"Retry-After": "5"},
+        )
+
+    async def hold_while_paused(self) -> None:
+        """Return once calls are admitted, waiting up to `pause_hold` seconds while paused;
+        raise 503 ``paused`` if the pause outlasts that."""
+        if not self.paused:
+            return
+        try:
+            await asyncio.wait_for(self._admitting.wait(), self.pause_hold)
+        except TimeoutError:
+            raise self._paused_error() from None
+
+    async def wait_idle(self, wait_s: float) -> list[Call]:
+        """Wait up to `wait_s` seconds for the calls in flight to end; the ones still running."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), wait_s)
+        return list(self.calls.values())
+
+    def cut(self, calls: list[Call], reason: str) -> list[Call]:
+        """Cancel the tasks of `calls` (their handlers record them ``aborted`` with `reason`);
+        the ones cut. A call already staging is left to finish: its answer is complete."""
+        cut: list[Call] = []
+        for call in calls:
+            if call.finished or call.staging or call.task is None or call.task.done():
+                continue
+            call.cut = reason
+            call.task.cancel()
+            cut.append(call)
+        return cut
 
     # -- weight version ------------------------------------------------------------------------
 
@@ -495,6 +562,8 @@ class Capture:
         if live.sealed:
             raise Conflict(f"rollout {live.rollout_id} is sealed", code="rollout_sealed")
         self._check_quotas(live, size)
+        if self.paused:  # paused after `hold_while_paused` let it through (an offloaded call)
+            raise self._paused_error()
         if self.unavailable_reason is not None:
             raise CaptureUnavailable(
                 f"not accepting calls: {self.unavailable_reason}",
@@ -608,6 +677,9 @@ class Capture:
         )
         live.enter()
         self.inflight += 1
+        call.task = asyncio.current_task()
+        self.calls[call.call_id] = call
+        self._idle.clear()
         call.claim = self._start_claim(call)
         return call
 
@@ -696,6 +768,9 @@ class Capture:
             call.rollout.bytes_reserved -= call.reserved
             call.rollout.leave()
             self.inflight -= 1
+            self.calls.pop(call.call_id, None)
+            if not self.calls:
+                self._idle.set()
 
     def build_record(
         self,

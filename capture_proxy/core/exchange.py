@@ -223,6 +223,7 @@ class Exchange:
                 normalized = await asyncio.to_thread(decode_and_normalize, body, remote, limits)
             else:
                 normalized = decode_and_normalize(body, remote, limits)
+            await capture.hold_while_paused()
             live = await capture.ensure_rollout(self.rollout_id)
             request = capture.policy.apply(normalized.body, live.policy)
             staged = capture.policy.apply(normalized.staged, live.policy)

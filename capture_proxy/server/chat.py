@@ -116,8 +116,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     except asyncio.CancelledError:
         # The client went away, or the shutdown deadline passed: record the abort even though
         # this task is being cancelled (closing the upstream request makes vLLM abort).
+        cut = exchange.call.cut if exchange.call is not None else None
         if state.shutting_down:
             reason, why = "shutdown", "the proxy shut down before the answer was complete"
+        elif cut is not None:
+            reason = cut
+            why = "a weight-update pause cut the call at its deadline (--pause-drain-timeout)"
         else:
             reason = "client_disconnected"
             why = "the client closed the connection before the answer was complete"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 import secrets
 import time
 from typing import Any
@@ -25,7 +26,14 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..core.ids import new_call_id, valid_rollout_id
 from ..core.outcomes import MAX_OUTCOME_BYTES
 from ..core.rollouts import RolloutLive, resume_rollout
-from ..errors import Forbidden, NotFound, PayloadTooLarge, Unauthorized, Unprocessable
+from ..errors import (
+    Forbidden,
+    NotFound,
+    PayloadTooLarge,
+    Unauthorized,
+    Unprocessable,
+    UpstreamFailed,
+)
 from ..schemas.outcome import RolloutOutcome
 from ..schemas.request import RequestValidationError
 from .read_routes import reader_may_not
@@ -33,6 +41,8 @@ from .state import STATE, ProxyState, token_bytes
 from .validation import answer_for, check_reward, check_rollout_policy, read_body
 
 __all__ = ["add_control_routes"]
+
+log = logging.getLogger(__name__)
 
 
 class CreateRollout(BaseModel):
@@ -47,6 +57,12 @@ class WeightVersion(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     weight_version: int = Field(ge=0)
+
+
+class ResumeBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    weight_version: int | None = Field(default=None, ge=0)
 
 
 class OutcomeBody(BaseModel):
@@ -176,11 +192,62 @@ async def seal(request: web.Request) -> web.Response:
     return _json(_manifest_live(live, state))
 
 
+async def _set_weight_version(state: ProxyState, version: int) -> dict[str, Any]:
+    """The one setter: store `version` and stamp it on later calls, then push it to the
+    upstream's ``/update_weight_version`` when served. The store is the record's truth, so a
+    push that fails is reported (``engine: failed``) and logged, never undoes the version."""
+    await state.capture.set_weight_version(version)
+    try:
+        engine = "updated" if await state.upstream.push_weight_version(version) else "not_served"
+    except UpstreamFailed as e:
+        log.warning("weight version %d stored, but not pushed to the upstream: %s", version, e)
+        return {"weight_version": version, "engine": "failed", "engine_error": e.message}
+    return {"weight_version": version, "engine": engine}
+
+
 async def put_weight_version(request: web.Request) -> web.Response:
     state = _authorize(request)
     body = read_body(await request.read(), WeightVersion)
-    await state.capture.set_weight_version(body.weight_version)
-    return _json({"weight_version": body.weight_version})
+    return _json(await _set_weight_version(state, body.weight_version))
+
+
+async def pause_weights(request: web.Request) -> web.Response:
+    """Stop admitting calls, wait for those in flight (cut at the deadline), pause the engine.
+
+    Idempotent: a second pause waits for nothing new and pauses the engine again (a no-op
+    there). An engine that fails to pause is a 502; the proxy stays paused, so a retry is safe.
+    """
+    state = _authorize(request)
+    capture = state.capture
+    already = capture.pause()
+    still = await capture.wait_idle(state.settings.pause_drain_timeout)
+    cut = capture.cut(still, "weights_paused")
+    engine = await state.upstream.pause_engine()
+    return _json(
+        {
+            "paused": True,
+            "already_paused": already,
+            "cut": [{"call_id": c.call_id, "rollout_id": c.rollout_id, "seq": c.seq} for c in cut],
+            "engine": "paused" if engine else "not_served",
+        }
+    )
+
+
+async def resume_weights(request: web.Request) -> web.Response:
+    """Set the weight version if given (as `PUT /admin/weight-version`), resume the engine, then
+    admit calls again. Idempotent. An engine that fails to resume is a 502 and the proxy stays
+    paused: its calls would not be answered anyway."""
+    state = _authorize(request)
+    raw = await request.read()
+    body = read_body(raw, ResumeBody) if raw.strip() else ResumeBody()
+    answer: dict[str, Any] = {"weight_version": state.capture.weight_version}
+    if body.weight_version is not None:
+        answer = await _set_weight_version(state, body.weight_version)
+    resumed = await state.upstream.resume_engine()
+    state.capture.resume()
+    return _json(
+        {"paused": False, **answer, "engine_resume": "resumed" if resumed else "not_served"}
+    )
 
 
 def _outcome_of(body: OutcomeBody) -> RolloutOutcome:
@@ -228,3 +295,5 @@ def add_control_routes(app: web.Application) -> None:
     app.router.add_post("/admin/rollouts/{rollout_id}/seal", seal)
     app.router.add_put("/admin/rollouts/{rollout_id}/outcome", put_outcome)
     app.router.add_put("/admin/weight-version", put_weight_version)
+    app.router.add_post("/admin/weights/pause", pause_weights)
+    app.router.add_post("/admin/weights/resume", resume_weights)

@@ -191,6 +191,16 @@ class Settings:
         10_000, "calls one rollout may make (refused ones not counted); beyond, 429 (0: no limit)"
     )
     seal_timeout: float = _s(60.0, "seconds sealing waits for a rollout's in-flight calls")
+    pause_hold_seconds: float = _s(
+        30.0,
+        "while paused for a weight update (POST /admin/weights/pause), seconds a new call is held "
+        "waiting for the resume; then 503 `paused` with Retry-After",
+    )
+    pause_drain_timeout: float = _s(
+        60.0,
+        "seconds POST /admin/weights/pause waits for in-flight calls to finish; calls still "
+        "running then are cut (aborted, `weights_paused`) and listed in its answer",
+    )
     rollout_idle_timeout: float = _s(
         600.0,
         "seconds after its last call an unsealed rollout is released from memory (a later call "
@@ -441,6 +451,8 @@ def _check(s: Settings) -> None:
         "upstream_first_byte_timeout",
         "upstream_idle_timeout",
         "seal_timeout",
+        "pause_hold_seconds",
+        "pause_drain_timeout",
         "shutdown_timeout",
         "rollout_idle_timeout",
         "client_header_timeout",

@@ -231,6 +231,33 @@ class HTTPUpstream:
         except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as e:
             raise UpstreamFailed(f"{what}: {type(e).__name__}: {e}", code="context_guard") from e
 
+    # -- vLLM's weight-update routes (served with VLLM_SERVER_DEV_MODE=1) ----------------------
+
+    async def engine_route(self, path: str, body: Mapping[str, Any] | None = None) -> bool:
+        """POST one of vLLM's dev-mode routes (``/pause``, ``/resume``,
+        ``/update_weight_version``): True when done, False when the upstream does not serve it
+        (404: no ``VLLM_SERVER_DEV_MODE=1``). `UpstreamFailed` (502) for any other answer."""
+        data = orjson.dumps(body) if body is not None else None
+        status, _, raw = await self.relay("POST", path, data, JSON)
+        if status == 404:
+            return False
+        if not 200 <= status < 300:
+            raise UpstreamFailed(
+                f"upstream {path} answered {status}: {raw[:200].decode(errors='replace')}",
+                code="upstream_weights_route",
+            )
+        return True
+
+    async def pause_engine(self) -> bool:
+        return await self.engine_route("/pause")
+
+    async def resume_engine(self) -> bool:
+        return await self.engine_route("/resume")
+
+    async def push_weight_version(self, version: int) -> bool:
+        # vLLM's weight version is a string ("default" at start).
+        return await self.engine_route("/update_weight_version", {"new_version": str(version)})
+
     # -- facts -------------------------------------------------------------------------------
 
     async def info(self, model: str) -> UpstreamInfo:

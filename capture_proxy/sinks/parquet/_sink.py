@@ -1,4 +1,4 @@
-"""`ParquetSink`: stage records into a Parquet dataset folder (local, or object storage later).
+"""`ParquetSink`: stage records into a Parquet dataset folder (a local folder or object storage).
 
 The dataset is a folder of immutable Parquet files grouped into *units* (`_layout`
 describes the files). Concurrent `stage` calls are group-committed: everything queued while the
@@ -19,11 +19,14 @@ each sha256 is stored once per dataset. Storage is linear in a session, with the
 SQLite sink uses (`codec.encode_record`): a call stores only the tokens after its parent's, and
 each message once. The rollout ledger is in the dataset too (``ledger/`` files).
 
-One `ParquetSink` per dataset at a time: it keeps the keys already staged, and which call holds
-each (rollout, seq), in memory to refuse duplicates, so a second writer would not see the first
-one's. On a local folder a lock file enforces it (a second sink is refused with `StoreError`); on
-object storage it is up to the deployment. Compaction (`capture_proxy.sinks.parquet.compact_store`)
-may run beside the writer.
+One writing proxy per dataset (one `ParquetSink`) at a time, on a local folder and on object
+storage alike: it keeps the keys already staged, and which call holds each (rollout, seq), in
+memory to refuse duplicates, so a second writer would not see the first one's. On a local folder a
+lock file enforces it (a second sink is refused with `StoreError`); on object storage nothing
+enforces it yet (no lock, and claims are checked, not enforced: the sink warns at open), so a
+deployment gives each proxy its own dataset (docs/storage.md, "Writers and readers today").
+Readers (`ParquetSource`, Arrow engines) may be any number, anywhere, beside the writer, and so
+may compaction (`capture_proxy.sinks.parquet.compact_store`).
 """
 
 from __future__ import annotations

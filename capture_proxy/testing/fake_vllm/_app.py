@@ -19,8 +19,10 @@ Standalone: ``python -m capture_proxy.fake_vllm --port 8000`` (binds 127.0.0.1),
 
 Routes: ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /version``, ``POST /tokenize``,
 ``POST /detokenize``, ``GET /health``; with ``scale_out`` ``POST /v1/chat/completions/render``
-(403 without, as vLLM); with ``dev_mode`` ``GET /weight_info`` and ``POST /update_weight_version``
-(404 without). With ``api_key`` every ``/v1`` route wants
+(403 without, as vLLM); with ``dev_mode`` ``GET /weight_info``, ``POST /update_weight_version``,
+``POST /pause``, ``POST /resume`` and ``GET /is_paused`` (404 without). Paused, the fake holds a
+new generation until ``/resume`` (as vLLM's scheduler stops scheduling), rather than refusing it.
+With ``api_key`` every ``/v1`` route wants
 ``Authorization: Bearer <key>`` (401 ``{"error": "Unauthorized"}`` otherwise, as vLLM).
 """
 
@@ -115,6 +117,9 @@ class FakeVLLM:
         self.scale_out = scale_out
         self.dev_mode = dev_mode
         self.weight_version = "default"
+        #: Cleared by ``POST /pause``: a new chat call waits for ``POST /resume``.
+        self.running = asyncio.Event()
+        self.running.set()
         #: Requests per route other than chat (``"/version"``, ``"/weight_info"``, ...).
         self.route_hits: collections.Counter[str] = collections.Counter()
         self.requests: list[dict[str, Any]] = []
@@ -176,6 +181,9 @@ class FakeVLLM:
         app.router.add_post("/v1/chat/completions/render", self._render_chat)
         app.router.add_get("/weight_info", self._weight_info)
         app.router.add_post("/update_weight_version", self._update_weight_version)
+        app.router.add_post("/pause", self._pause)
+        app.router.add_post("/resume", self._resume)
+        app.router.add_get("/is_paused", self._is_paused)
         return app
 
     # -- scale-out and dev-mode routes (_render) ------------------------------------------------
@@ -214,6 +222,26 @@ class FakeVLLM:
         except RequestError as exc:
             return exc.response()
         return json_response(200, {"success": True, "new_version": self.weight_version})
+
+    async def _pause(self, request: web.Request) -> web.Response:
+        self.route_hits[request.path] += 1
+        if not self.dev_mode:
+            return json_response(404, {"detail": "Not Found"})
+        self.running.clear()
+        return json_response(200, {"status": "paused"})
+
+    async def _resume(self, request: web.Request) -> web.Response:
+        self.route_hits[request.path] += 1
+        if not self.dev_mode:
+            return json_response(404, {"detail": "Not Found"})
+        self.running.set()
+        return json_response(200, {"status": "resumed"})
+
+    async def _is_paused(self, request: web.Request) -> web.Response:
+        self.route_hits[request.path] += 1
+        if not self.dev_mode:
+            return json_response(404, {"detail": "Not Found"})
+        return json_response(200, {"is_paused": not self.running.is_set()})
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: _Handler) -> web.StreamResponse:
@@ -296,6 +324,7 @@ class FakeVLLM:
             limit = output_limit(body, len(prompt_ids), self.max_model_len)
         except RequestError as exc:
             return exc.response(), False
+        await self.running.wait()  # held while paused (POST /pause), as vLLM holds generation
         turn = self._next_turn(body)
         fault = turn.fault
         if fault is not None and fault.kind is FaultKind.HTTP_ERROR:
@@ -369,7 +398,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--dev-mode",
         action="store_true",
-        help="serve /weight_info and /update_weight_version (vLLM's VLLM_SERVER_DEV_MODE=1)",
+        help="serve /weight_info, /update_weight_version, /pause, /resume and /is_paused (vLLM's "
+        "VLLM_SERVER_DEV_MODE=1)",
     )
     parser.add_argument(
         "--generation-config",
