@@ -79,7 +79,11 @@ class ParquetKind(StoreKind):
         from .parquet import ParquetSource
 
         if cache_bytes is not None:
-            return ParquetSource(store.location, url=store.url, cache_bytes=cache_bytes)
+            # A bounded cache is what a reader living inside a proxy asks for (see
+            # `registry.open_source`): indexed per unit, its memory does not grow with each call.
+            return ParquetSource(
+                store.location, url=store.url, cache_bytes=cache_bytes, index="units"
+            )
         return ParquetSource(store.location, url=store.url)
 
     def gc(

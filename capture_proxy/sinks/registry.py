@@ -184,7 +184,8 @@ def open_source(url: str, *, cache_bytes: int | None = None) -> StagingSource:
     """A reader for the store at `url`; raises `StoreError` when there is no store there.
 
     `cache_bytes` bounds a Parquet reader's row-group cache (a long-lived reader inside the
-    proxy wants a small one; a trainer reading in bulk, the default).
+    proxy wants a small one; a trainer reading in bulk, the default). Given, it also asks for a
+    reader whose memory stays bounded (a Parquet reader indexed per unit, not per call).
     """
     kind, store = resolve_store(url)
     return kind.open_source(store, cache_bytes=cache_bytes)

@@ -329,9 +329,9 @@ def unit_files(unit: str, tables: Iterable[str]) -> dict[str, str]:
 def list_markers(dfs: DatasetFS) -> list[str]:
     """Names of the committed units, in commit order (temporary files skipped)."""
     return [
-        e.name[: -len(".json")]
-        for e in dfs.listdir(COMMITS_DIR)
-        if e.name.endswith(".json") and not e.name.endswith(TMP_SUFFIX)
+        name[: -len(".json")]
+        for name in dfs.names(COMMITS_DIR)
+        if name.endswith(".json") and not name.endswith(TMP_SUFFIX)
     ]
 
 
