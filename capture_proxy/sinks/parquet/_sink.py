@@ -136,7 +136,9 @@ class ParquetSink:
         max_batch: int = 256,
         cache_tokens: int = 4_000_000,
         max_live_rollouts: int = 4096,
-        max_blob_keys: int = 65_536,
+        # About 0.2 KB each: 3.4 MB. A session's own history and the prompts every session
+        # shares are looked up all the time, so they stay; what falls out is rarely sent again.
+        max_blob_keys: int = 16_384,
         filesystem: pafs.FileSystem | None = None,
     ) -> None:
         self.location = location
