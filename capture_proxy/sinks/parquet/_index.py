@@ -224,7 +224,7 @@ class UnitIndex:
     units: list[Marker] = field(default_factory=list)
     #: rollout id -> the calls row groups holding its calls, ascending, each packed as one int
     #: (`unit << 32 | group`, unit a position in `units`): a few ints per rollout
-    rollout_units: dict[str, list[int]] = field(default_factory=dict)
+    rollout_units: dict[str, array[int]] = field(default_factory=dict)
     calls: Locator = field(default_factory=Locator)
     blobs: Locator = field(default_factory=Locator)
     #: Attachments are few and large: each is kept exactly (a writer must know them all).
@@ -240,7 +240,10 @@ class UnitIndex:
                 for cid in cols["call_id"]:
                     self.calls.add(cid, pos, g)
                 for rid in dict.fromkeys(cols["rollout_id"]):
-                    self.rollout_units.setdefault(sys.intern(rid), []).append(pos << 32 | g)
+                    held = self.rollout_units.get(rid)
+                    if held is None:
+                        held = self.rollout_units[sys.intern(rid)] = array("Q")
+                    held.append(pos << 32 | g)
         if BLOBS in files:
             for g, t in enumerate(read_groups(dfs, files[BLOBS], ["key"])):
                 for key in t.column("key").to_pylist():
