@@ -90,7 +90,16 @@ class ParquetKind(StoreKind):
         from .parquet import ParquetSource
 
         if cache_bytes is not None:
-            return ParquetSource(store.location, url=store.url, cache_bytes=cache_bytes)
+            # A bounded cache is what a reader living inside a proxy asks for (see
+            # `registry.open_source`): indexed per unit, its memory does not grow with each call,
+            # and its full sequences are a resumed rollout's few (the default 4M tokens: 16 MB).
+            return ParquetSource(
+                store.location,
+                url=store.url,
+                cache_bytes=cache_bytes,
+                cache_tokens=max(1, cache_bytes // 16),
+                index="units",
+            )
         return ParquetSource(store.location, url=store.url)
 
     def gc(

@@ -191,8 +191,10 @@ def open_source(
     """A reader for the store at `url`; raises `StoreError` when there is no store there.
 
     `cache_bytes` bounds a Parquet reader's row-group cache (a long-lived reader inside the
-    proxy wants a small one; a trainer reading in bulk, the default). `token` is for kinds that
-    ask for one (a proxy's store read over HTTP); giving one to another kind is a `StoreError`.
+    proxy wants a small one; a trainer reading in bulk, the default). Given, it also asks for a
+    reader whose memory stays bounded (a Parquet reader indexed per unit, not per call). `token`
+    is for kinds that ask for one (a proxy's store read over HTTP); giving one to another kind is
+    a `StoreError`.
     """
     kind, store = resolve_store(url)
     if not kind.takes_token:

@@ -362,6 +362,44 @@ async def test_row_group_cache_weighs_what_groups_cost(tmp_path: Path) -> None:
     assert 0 < len(groups._items) <= budget // (4096 + 2 * 2048)
 
 
+async def test_writer_and_proxy_reader_memory_follows_live_work_not_the_store(
+    tmp_path: Path,
+) -> None:
+    # The Parquet soak grew 7.9 MiB/min: the writer kept every call id, blob key and (rollout,
+    # seq), and the proxy's reader an index entry per call and blob. Now the writer keeps the
+    # keys of the rollouts in use and a bounded set of recent blob keys, and the proxy's reader
+    # (indexed per unit) 16 bytes per call and blob; both still refuse duplicates and resume.
+    ds = str(tmp_path / "ds")
+    sink = ParquetSink(ds, max_live_rollouts=8, max_blob_keys=16)
+    reader = open_source(ds, cache_bytes=1 << 20)  # the proxy's long-lived reader
+    sessions = [Session(f"r{i}") for i in range(40)]
+    firsts = []
+    for i, s in enumerate(sessions):
+        record = s.next()[0]
+        firsts.append(record)
+        await sink.stage(record)
+        await sink.stage(s.next()[0])
+        if i % 2 == 0:  # half sealed (dropped at once), half left open (dropped by recency)
+            await sink.put_rollout(RolloutInfo(s.rollout_id, RolloutState.SEALED, False, 1))
+        assert reader.rollout_info(s.rollout_id).rollout_id == s.rollout_id  # as a resume does
+        assert len(reader.summaries(s.rollout_id)) == 2
+    assert len(sink._live) <= 8
+    assert len(sink._blobs) <= 16
+    index = reader._index  # type: ignore[attr-defined]
+    assert not hasattr(index, "by_rollout")  # no per-call entries: hashes in a bytearray
+    assert len(index.calls) == 80
+    assert len(reader._refs) <= 8192  # type: ignore[attr-defined]
+    # An open rollout that left the writer's memory is read back: a duplicate is still refused.
+    again = await sink.stage(firsts[1])
+    assert again.status is CallStatus.CAPTURE_FAILED
+    assert again.reason == "duplicate_key"
+    await sink.stage(sessions[1].next()[0])
+    await sink.close()
+    assert [s.seq for s in reader.summaries("r1")] == [0, 1, 2]
+    assert [r.call_id for r in reader.fetch([firsts[-1].call_id])] == [firsts[-1].call_id]
+    Store(ParquetSource(ds)).verify()
+
+
 async def test_damaged_lineage_is_reported_not_looped(tmp_path: Path) -> None:
     ds = tmp_path / "ds"
     sink = ParquetSink(str(ds))

@@ -465,8 +465,28 @@ class ParquetCase:
         return n
 
 
+class ParquetUnitsCase(ParquetCase):
+    """The Parquet sink as a proxy keeps it: the writer holding two rollouts and four blob keys
+    in memory (so every path that reads a rollout back is taken), read back through a reader
+    indexed per unit (`index="units"`, the proxy's long-lived reader)."""
+
+    def __init__(self, tmp_path: Path, fault: FaultHook | None = None) -> None:
+        from capture_proxy.sinks.parquet import ParquetSink
+
+        self.location = tmp_path / "dataset"
+        self.sink = ParquetSink(
+            str(self.location), fault=fault, max_live_rollouts=2, max_blob_keys=4
+        )
+
+    def reopen(self) -> StagingSource:
+        from capture_proxy.sinks.parquet import ParquetSource
+
+        return ParquetSource(str(self.location), index="units")
+
+
 SINKS: dict[str, SinkFactory] = {
     "memory": MemoryCase,
     "sqlite": SQLiteCase,
     "parquet": ParquetCase,
+    "parquet-units": ParquetUnitsCase,
 }

@@ -92,6 +92,16 @@ class DatasetFS:
         ]
         return sorted(out, key=lambda e: e.name)
 
+    def names(self, rel: str) -> list[str]:
+        """Names of the entries directly in `rel`, sorted; [] if it does not exist. Local: no
+        stat per file (a commit folder holds one marker per unit)."""
+        if not self.local:
+            return [e.name for e in self.listdir(rel)]
+        try:
+            return sorted(os.listdir(self.path(rel)))
+        except FileNotFoundError:
+            return []
+
     # -- writing --------------------------------------------------------------------------------
 
     def makedirs(self, *rels: str) -> None:

@@ -1,12 +1,20 @@
 """What a Parquet reader keeps in memory: an index of the live units, and LRU caches.
 
-The index holds, per staged call, where its row is (file, row group, row) and the few values
-coordinates and lineage need; per blob and attachment, where its bytes are. It is built from a
-handful of columns of each file, so opening a large dataset does not read its token data.
+Two indexes, both built from a handful of columns of each file (opening a large dataset does not
+read its token data):
+
+* `Index` (a reader's default, for bulk reads) holds, per staged call, where its row is (file,
+  row group, row) and the few values coordinates and lineage need; per blob and attachment,
+  where its bytes are. About 1 KB per call: it grows with the store.
+* `UnitIndex` (the proxy's long-lived readers) holds per unit which rollouts it has calls of,
+  and per call and blob only an 8-byte hash and the (unit, row group) it is in: 16 bytes. A
+  call's values are read from its row group when asked for. Its memory follows the units and
+  rollouts of the store, not what they hold.
 """
 
 from __future__ import annotations
 
+import hashlib
 import sys
 from array import array
 from collections import OrderedDict
@@ -20,7 +28,19 @@ from ._fs import DatasetFS
 from ._layout import ATTACHMENTS, BLOBS, CALLS, LEDGER, Marker, read_groups, read_table
 from ._ledger import LedgerState
 
-__all__ = ["LRU", "CallRef", "Index", "Known", "Where", "ids_from_bytes"]
+__all__ = [
+    "INDEX_COLUMNS",
+    "LRU",
+    "CallRef",
+    "Index",
+    "Known",
+    "Locator",
+    "UnitIndex",
+    "Where",
+    "call_ref",
+    "ids_from_bytes",
+    "key_hash",
+]
 
 K = TypeVar("K", bound=Hashable)
 T = TypeVar("T")
@@ -31,7 +51,7 @@ Keep = Callable[[tuple[str, int], pa.Table], None]
 _LITTLE = sys.byteorder == "little"
 
 #: The columns of a calls file the index reads (the rest is loaded on demand).
-_INDEX_COLUMNS = (
+INDEX_COLUMNS = (
     "call_id",
     "rollout_id",
     "seq",
@@ -81,14 +101,31 @@ class CallRef:
     attachment_shas: tuple[str, ...]
 
 
+def call_ref(t: dict[str, list[Any]], i: int, where: Where) -> CallRef:
+    """Row `i` of `INDEX_COLUMNS` (as a pydict) as a `CallRef`."""
+    # Interned: a rollout's calls share its id, a child its parent's id (a full index holds
+    # every call, so a copy of each per call adds up).
+    parent = t["parent_call_id"][i]
+    return CallRef(
+        where,
+        sys.intern(t["rollout_id"][i]),
+        t["seq"][i],
+        None if parent is None else sys.intern(parent),
+        t["prev_len"][i],
+        t["delta_len"][i],
+        t["cum_len"][i],
+        t["digest"][i],
+        t["extras_digest"][i],
+        t["weight_version"][i],
+        tuple(t["attachment_shas"][i] or ()),
+    )
+
+
 @dataclass(slots=True)
 class Known:
-    """What a writer must know of a dataset to append to it (duplicates, dedup, lineage)."""
+    """What a writer must know of a whole dataset to append to it; what it must know of one
+    rollout (its calls and seqs) it asks the reader for when the rollout comes back."""
 
-    calls: dict[str, str]  # call id -> rollout id
-    #: rollout id -> seq -> the call holding it (staged, or in the ledger): one call per seq.
-    seqs: dict[str, dict[int, str]]
-    blobs: set[str]
     attachments: set[str]
     rollouts: set[str]
     last_order: int
@@ -120,26 +157,11 @@ class Index:
 
         if CALLS in files:
             path = files[CALLS]
-            for g, t in groups(path, _INDEX_COLUMNS):
+            for g, t in groups(path, INDEX_COLUMNS):
                 for i, cid in enumerate(t["call_id"]):
                     if cid in self.calls:
                         continue  # a second copy (two writers): the first committed wins
-                    # Interned: a rollout's calls share its id, a child its parent's id (the
-                    # index holds every call, so a copy of each per call adds up).
-                    parent = t["parent_call_id"][i]
-                    ref = CallRef(
-                        Where(path, g, i),
-                        sys.intern(t["rollout_id"][i]),
-                        t["seq"][i],
-                        None if parent is None else sys.intern(parent),
-                        t["prev_len"][i],
-                        t["delta_len"][i],
-                        t["cum_len"][i],
-                        t["digest"][i],
-                        t["extras_digest"][i],
-                        t["weight_version"][i],
-                        tuple(t["attachment_shas"][i] or ()),
-                    )
+                    ref = call_ref(t, i, Where(path, g, i))
                     cid = sys.intern(cid)
                     self.calls[cid] = ref
                     self.by_rollout.setdefault(ref.rollout_id, []).append(cid)
@@ -152,6 +174,85 @@ class Index:
                 for g, t in groups(path, [column]):
                     for i, key in enumerate(t[column]):
                         into.setdefault(key, Where(path, g, i))
+        if LEDGER in files:
+            self.ledger.apply(read_table(dfs, files[LEDGER]).to_pylist())
+        self.units.append(unit)
+
+
+def key_hash(key: str) -> bytes:
+    """The 8 bytes a `Locator` files `key` under."""
+    return hashlib.blake2b(key.encode(), digest_size=8).digest()
+
+
+class Locator:
+    """Where keys are, in 16 bytes each: an 8-byte hash of the key and its (unit, row group).
+
+    A hash may collide (about once in 2**32 lookups on a store of 2**32 keys): `find` yields
+    every candidate, and the caller checks the row it reads.
+    """
+
+    __slots__ = ("_hashes", "_places")
+
+    def __init__(self) -> None:
+        self._hashes = bytearray()
+        self._places = array("I")  # unit, group, unit, group, ...
+
+    def __len__(self) -> int:
+        return len(self._hashes) // 8
+
+    def add(self, key: str, unit: int, group: int) -> None:
+        self._hashes += key_hash(key)
+        self._places.append(unit)
+        self._places.append(group)
+
+    def find(self, key: str, *, newest_first: bool = False) -> Iterator[tuple[int, int]]:
+        """The (unit, group) places filed under `key`'s hash, oldest (or newest) first."""
+        h, hashes, n = key_hash(key), self._hashes, len(self._hashes)
+        # bytearray.find is a C scan (about 1 ms per million keys); a match must be aligned.
+        pos = hashes.rfind(h) if newest_first else hashes.find(h)
+        while pos >= 0:
+            if pos % 8 == 0:
+                i = pos // 4
+                yield self._places[i], self._places[i + 1]
+            pos = hashes.rfind(h, 0, pos + 7) if newest_first else hashes.find(h, pos + 1, n)
+
+
+@dataclass(slots=True)
+class UnitIndex:
+    """The live units of a snapshot, indexed per unit (see the module docstring)."""
+
+    units: list[Marker] = field(default_factory=list)
+    #: rollout id -> the calls row groups holding its calls, ascending, each packed as one int
+    #: (`unit << 32 | group`, unit a position in `units`): a few ints per rollout
+    rollout_units: dict[str, array[int]] = field(default_factory=dict)
+    calls: Locator = field(default_factory=Locator)
+    blobs: Locator = field(default_factory=Locator)
+    #: Attachments are few and large: each is kept exactly (a writer must know them all).
+    attachments: dict[str, Where] = field(default_factory=dict)
+    ledger: LedgerState = field(default_factory=LedgerState)
+
+    def add_unit(self, dfs: DatasetFS, unit: Marker) -> None:
+        pos = len(self.units)
+        files = unit.files
+        if CALLS in files:
+            for g, t in enumerate(read_groups(dfs, files[CALLS], ["call_id", "rollout_id"])):
+                cols = t.to_pydict()
+                for cid in cols["call_id"]:
+                    self.calls.add(cid, pos, g)
+                for rid in dict.fromkeys(cols["rollout_id"]):
+                    held = self.rollout_units.get(rid)
+                    if held is None:
+                        held = self.rollout_units[sys.intern(rid)] = array("Q")
+                    held.append(pos << 32 | g)
+        if BLOBS in files:
+            for g, t in enumerate(read_groups(dfs, files[BLOBS], ["key"])):
+                for key in t.column("key").to_pylist():
+                    self.blobs.add(key, pos, g)
+        if ATTACHMENTS in files:
+            path = files[ATTACHMENTS]
+            for g, t in enumerate(read_groups(dfs, path, ["sha256"])):
+                for i, sha in enumerate(t.column("sha256").to_pylist()):
+                    self.attachments.setdefault(sha, Where(path, g, i))
         if LEDGER in files:
             self.ledger.apply(read_table(dfs, files[LEDGER]).to_pylist())
         self.units.append(unit)
@@ -188,6 +289,16 @@ class LRU(Generic[K, T]):
             _, (_, evicted) = self._items.popitem(last=False)
             self.weight -= evicted
         return value
+
+    def pop(self, key: K) -> T | None:
+        item = self._items.pop(key, None)
+        if item is None:
+            return None
+        self.weight -= item[1]
+        return item[0]
+
+    def __len__(self) -> int:
+        return len(self._items)
 
     def clear(self) -> None:
         self._items.clear()

@@ -26,9 +26,10 @@ step: a reader sees either the old units or the merged one, never both and never
 
 from __future__ import annotations
 
+import sys
 import time
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -322,14 +323,70 @@ class Marker:
     @classmethod
     def decode(cls, raw: bytes) -> Marker:
         d = orjson.loads(raw)
+        unit, files, rows = sys.intern(d["unit"]), d["files"], d["rows"]
+        # A reader holds a marker per unit for as long as it lives: when the files have their
+        # usual names (always, as written here) keep them as the unit's name and its tables
+        # (about 0.1 KB instead of 0.8 KB of dicts and paths).
+        tables = tuple(t for t in TABLES if t in files)
+        if len(tables) == len(files) and files == unit_files(unit, tables):
+            files = UnitFiles(unit, _TABLE_SETS.setdefault(tables, tables))
+            if set(rows) <= set(tables):
+                rows = UnitCounts(files.tables, tuple(int(rows.get(t, 0)) for t in tables))
         return cls(
-            unit=d["unit"],
-            files=d["files"],
-            rows=d["rows"],
+            unit=unit,
+            files=files,
+            rows=rows,
             retires=tuple(d.get("retires", ())),
             created_at_ms=int(d.get("created_at_ms", 0)),
             size=int(d.get("bytes", 0)),
         )
+
+
+#: One tuple per set of tables a unit has (there are few): shared by every `UnitFiles`.
+_TABLE_SETS: dict[tuple[str, ...], tuple[str, ...]] = {}
+
+
+class UnitFiles(Mapping[str, str]):
+    """A unit's data files (table -> path), from its name and tables: ``<table>/<unit>.parquet``."""
+
+    __slots__ = ("tables", "unit")
+
+    def __init__(self, unit: str, tables: tuple[str, ...]) -> None:
+        self.unit = unit
+        self.tables = tables
+
+    def __getitem__(self, table: str) -> str:
+        if table not in self.tables:
+            raise KeyError(table)
+        return f"{table}/{self.unit}.parquet"
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tables)
+
+    def __len__(self) -> int:
+        return len(self.tables)
+
+
+class UnitCounts(Mapping[str, int]):
+    """A unit's row counts per table (as `UnitFiles`, without a dict per unit)."""
+
+    __slots__ = ("counts", "tables")
+
+    def __init__(self, tables: tuple[str, ...], counts: tuple[int, ...]) -> None:
+        self.tables = tables
+        self.counts = counts
+
+    def __getitem__(self, table: str) -> int:
+        try:
+            return self.counts[self.tables.index(table)]
+        except ValueError:
+            raise KeyError(table) from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tables)
+
+    def __len__(self) -> int:
+        return len(self.tables)
 
 
 def new_unit_name(after: int) -> tuple[str, int]:
@@ -345,9 +402,9 @@ def unit_files(unit: str, tables: Iterable[str]) -> dict[str, str]:
 def list_markers(dfs: DatasetFS) -> list[str]:
     """Names of the committed units, in commit order (temporary files skipped)."""
     return [
-        e.name[: -len(".json")]
-        for e in dfs.listdir(COMMITS_DIR)
-        if e.name.endswith(".json") and not e.name.endswith(TMP_SUFFIX)
+        name[: -len(".json")]
+        for name in dfs.names(COMMITS_DIR)
+        if name.endswith(".json") and not name.endswith(TMP_SUFFIX)
     ]
 
 

@@ -20,13 +20,22 @@ SQLite sink uses (`codec.encode_record`): a call stores only the tokens after it
 each message once. The rollout ledger is in the dataset too (``ledger/`` files).
 
 One writing proxy per dataset (one `ParquetSink`) at a time, on a local folder and on object
-storage alike: it keeps the keys already staged, and which call holds each (rollout, seq), in
-memory to refuse duplicates, so a second writer would not see the first one's. On a local folder a
-lock file enforces it (a second sink is refused with `StoreError`); on object storage nothing
-enforces it yet (no lock, and claims are checked, not enforced: the sink warns at open), so a
-deployment gives each proxy its own dataset (docs/storage.md, "Writers and readers today").
-Readers (`ParquetSource`, Arrow engines) may be any number, anywhere, beside the writer, and so
-may compaction (`capture_proxy.sinks.parquet.compact_store`).
+storage alike: it keeps what it checks new calls against in memory, so a second writer would not
+see the first one's. On a local folder a lock file enforces it (a second sink is refused with
+`StoreError`); on object storage nothing enforces it yet (no lock, and claims are checked, not
+enforced: the sink warns at open), so a deployment gives each proxy its own dataset
+(docs/storage.md, "Writers and readers today"). Readers (`ParquetSource`, Arrow engines) may be
+any number, anywhere, beside the writer, and so may compaction
+(`capture_proxy.sinks.parquet.compact_store`).
+
+What it keeps is bounded by live work, not by the size of the store: the call ids and the
+(rollout, seq) holders of the rollouts in use (the `max_live_rollouts` most recently used, a
+sealed rollout dropped once its seal commits; a rollout that comes back is read from its units
+by the writer's own reader), the most recent `max_blob_keys` blob keys (a blob not among them is
+stored again: a few bytes more, never a wrong record; readers and compaction keep one copy), and
+per rollout its id and per attachment its sha256 (each exactly: a header must not be written
+twice, and a record may refer to an attachment an earlier call stored). A staging key is refused
+as a duplicate within its rollout (the proxy's call ids are unique by construction).
 """
 
 from __future__ import annotations
@@ -34,7 +43,9 @@ from __future__ import annotations
 import logging
 import time
 from array import array
+from collections import OrderedDict
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import pyarrow.fs as pafs
 
@@ -76,6 +87,37 @@ def _now_ms() -> int:
     return int(time.time() * 1000)
 
 
+@dataclass(slots=True)
+class _RolloutKeys:
+    """A rollout's committed call ids, and which call holds each seq."""
+
+    calls: set[str] = field(default_factory=set)
+    seqs: dict[int, str] = field(default_factory=dict)
+
+
+class _RecentKeys:
+    """The `limit` keys added or looked up most recently."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = max(1, limit)
+        self._keys: OrderedDict[str, None] = OrderedDict()
+
+    def __contains__(self, key: str) -> bool:
+        if key not in self._keys:
+            return False
+        self._keys.move_to_end(key)
+        return True
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def add(self, key: str) -> None:
+        self._keys[key] = None
+        self._keys.move_to_end(key)
+        while len(self._keys) > self.limit:
+            self._keys.popitem(last=False)
+
+
 class ParquetSink:
     """A `StagingSink` writing the Parquet dataset at `location` (created when missing).
 
@@ -84,9 +126,10 @@ class ParquetSink:
     format (raising `StoreError` / `StoreFormatError`), creates the dataset if needed, reads the
     keys already staged and starts the writer thread. `max_batch` caps how many queued writes
     share one unit; `cache_tokens` bounds the cache of recent full sequences that children are
-    stored against. `filesystem` is a configured pyarrow filesystem that `location` is a path
-    in (object storage with credentials, say). `close` commits everything queued; `stage`
-    after `close` raises RuntimeError.
+    stored against. `max_live_rollouts` and `max_blob_keys` bound what the writer keeps to
+    refuse duplicates and share blobs (see the module docstring). `filesystem` is a configured
+    pyarrow filesystem that `location` is a path in (object storage with credentials, say).
+    `close` commits everything queued; `stage` after `close` raises RuntimeError.
     """
 
     def __init__(
@@ -97,6 +140,10 @@ class ParquetSink:
         fault: FaultHook | None = None,
         max_batch: int = 256,
         cache_tokens: int = 4_000_000,
+        max_live_rollouts: int = 4096,
+        # About 0.2 KB each: 3.4 MB. A session's own history and the prompts every session
+        # shares are looked up all the time, so they stay; what falls out is rarely sent again.
+        max_blob_keys: int = 16_384,
         filesystem: pafs.FileSystem | None = None,
     ) -> None:
         self.location = location
@@ -113,16 +160,17 @@ class ParquetSink:
                 f"another ParquetSink is writing {dfs.root}: a dataset has one writer at a time"
             ) from exc
         try:
-            # Rebuilds parents' sequences on a cache miss; only the writer thread uses it.
-            self._reader = ParquetSource(location, url=self.url, dfs=dfs)
+            # Rebuilds parents' sequences on a cache miss and the keys of a rollout that comes
+            # back; only the writer thread uses it. Indexed per unit: it lives as long as this.
+            self._reader = ParquetSource(location, url=self.url, dfs=dfs, index="units")
             known = self._reader.known()
             self._events = EventHeads(self._reader.event_heads())
         except BaseException:
             self._lock.release()
             raise
-        self._calls = known.calls
-        self._seqs = known.seqs
-        self._blobs = known.blobs
+        self._live: OrderedDict[str, _RolloutKeys] = OrderedDict()
+        self.max_live_rollouts = max(1, max_live_rollouts)
+        self._blobs = _RecentKeys(max_blob_keys)
         self._attachments = known.attachments
         self._rollouts = known.rollouts
         self._fulls: LRU[str, tuple[str, array[int]]] = LRU(cache_tokens, lambda v: len(v[1]))
@@ -194,13 +242,15 @@ class ParquetSink:
         def work(batch: UnitRows, part: UnitRows) -> None:
             part.rows[LEDGER].append(rollout_row(info))
             part.rollouts.add(info.rollout_id)
+            if info.state is RolloutState.SEALED:
+                part.sealed.add(info.rollout_id)
 
         await self._writer.submit(work)
 
     async def mark_orphaned(self, call_id: str, reason: str) -> None:
         def work(batch: UnitRows, part: UnitRows) -> None:
             staged = batch.calls.get(call_id)
-            rollout_id = staged[0] if staged else self._calls.get(call_id)
+            rollout_id = staged[0] if staged else self._rollout_of(call_id)
             part.rows[LEDGER].append(orphan_row(call_id, rollout_id, reason, _now_ms()))
 
         await self._writer.submit(work)
@@ -221,18 +271,50 @@ class ParquetSink:
     def _publish(self, batch: UnitRows) -> None:
         # Only committed units reach these: a record whose unit failed must not be a parent.
         for call_id, (rollout_id, full) in batch.calls.items():
-            self._calls[call_id] = rollout_id
             self._fulls.put(call_id, (rollout_id, full))
-        self._blobs |= batch.blobs
+            keys = self._live.get(rollout_id)
+            if keys is not None:  # else it left memory: the reader finds the call if it returns
+                keys.calls.add(call_id)
+        for blob_key in batch.blobs:
+            self._blobs.add(blob_key)
         self._attachments |= batch.attachments
         self._rollouts |= batch.rollouts
         self._events.publish(batch)
         for (rollout_id, seq), call_id in batch.seqs.items():
-            self._seqs.setdefault(rollout_id, {}).setdefault(seq, call_id)
+            keys = self._live.get(rollout_id)
+            if keys is not None:
+                keys.seqs.setdefault(seq, call_id)
+        for rollout_id in batch.sealed:
+            # A sealed rollout takes no more calls; a late ledger entry reads it back.
+            self._live.pop(rollout_id, None)
+
+    def _keys(self, rollout_id: str) -> _RolloutKeys:
+        """What is committed of `rollout_id` (read from the dataset when not in memory)."""
+        keys = self._live.get(rollout_id)
+        if keys is not None:
+            self._live.move_to_end(rollout_id)
+            return keys
+        if rollout_id in self._rollouts:
+            calls, seqs = self._reader.rollout_keys(rollout_id)
+            keys = _RolloutKeys(calls, seqs)
+        else:
+            keys = _RolloutKeys()  # new: nothing of it is stored
+        self._live[rollout_id] = keys
+        while len(self._live) > self.max_live_rollouts:
+            self._live.popitem(last=False)
+        return keys
+
+    def _rollout_of(self, call_id: str) -> str | None:
+        """The rollout of a call the writer holds in memory (None: not known here; an orphan
+        mark then names no rollout, and readers find it through the call)."""
+        for rollout_id, keys in reversed(self._live.items()):
+            if call_id in keys.calls:
+                return rollout_id
+        return None
 
     def _seq_holder(self, batch: UnitRows, rollout_id: str, seq: int, call_id: str) -> str | None:
         """Another call already at (rollout_id, seq): committed, or earlier in this batch."""
-        holder = batch.seqs.get((rollout_id, seq)) or self._seqs.get(rollout_id, {}).get(seq)
+        holder = batch.seqs.get((rollout_id, seq)) or self._keys(rollout_id).seqs.get(seq)
         return holder if holder is not None and holder != call_id else None
 
     def _ensure_rollout(self, batch: UnitRows, part: UnitRows, rollout_id: str) -> None:
@@ -249,7 +331,7 @@ class ParquetSink:
             return None
         hit = batch.calls.get(parent) or self._fulls.get(parent)
         if hit is None:
-            if self._calls.get(parent) != record.rollout_id:
+            if parent not in self._keys(record.rollout_id).calls:
                 return None  # not staged here, or another rollout's: store the call whole
             try:
                 hit = self._fulls.put(parent, (record.rollout_id, self._reader.full(parent)))
@@ -268,7 +350,7 @@ class ParquetSink:
         given: dict[str, Attachment],
     ) -> StageResult:
         key = record.staging_key
-        if key in self._calls or key in batch.calls:
+        if key in batch.calls or key in self._keys(record.rollout_id).calls:
             return StageResult.failed("duplicate_key", f"staging key {key} is already staged")
         holder = self._seq_holder(batch, record.rollout_id, record.seq, key)
         if holder is not None:

@@ -8,6 +8,11 @@ opened; when a compaction removed a file the reader had listed, the call re-list
 A reader may be shared between threads (the proxy shares one across its worker threads): its
 calls are serialized by a lock, because two refreshes running at once would index the same unit
 twice (and then re-index the whole dataset to repair it).
+
+``index="units"`` is for readers that live as long as a proxy and read a few rollouts at a time
+(resume, manifests, the writer's own lookups): its memory follows the store's units and
+rollouts, not every call and blob (`_index.UnitIndex`), and a rollout's calls are read from its
+units when asked for. The default (``"calls"``) indexes every call, for bulk reads.
 """
 
 from __future__ import annotations
@@ -15,15 +20,12 @@ from __future__ import annotations
 import threading
 from array import array
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, TypeVar
+from typing import Literal, TypeVar
 
-import pyarrow as pa
 import pyarrow.fs as pafs
-import pyarrow.parquet as pq
 
 from ...schemas.events import RolloutEvent
 from ...schemas.records import (
-    Attachment,
     CallSummary,
     CommitCoords,
     LedgerEntry,
@@ -31,27 +33,28 @@ from ...schemas.records import (
     StagedCallRecord,
 )
 from ..base import PROXY_STATE_ROLLOUT, StoreError
-from ..codec import decode_row
 from ._claims import read_claims
 from ._fs import DatasetFS
-from ._index import LRU, CallRef, Index, Known, Where, ids_from_bytes
-from ._layout import COMMITS_DIR, Marker, check_format, list_markers, live_units, read_group
+from ._index import (
+    Index,
+    Known,
+    UnitIndex,
+)
+from ._layout import (
+    COMMITS_DIR,
+    Marker,
+    check_format,
+    list_markers,
+    live_units,
+    read_groups,
+)
+from ._loading import Loading
 
 __all__ = ["ParquetSource", "default_url"]
 
 T = TypeVar("T")
 #: Reads retried when files vanish under them (each retry follows a compaction's cleanup).
 _ATTEMPTS = 5
-#: What `summaries` reads beyond the index: a few scalar columns, never tokens or messages.
-_SUMMARY_COLUMNS = ("retry_of", "finish_reason", "prompt_len", "created_at_ms")
-#: Rows of those columns kept between calls (an overview reads every rollout of a row group).
-_SUMMARY_CACHE_ROWS = 1 << 18
-#: What a cached row group costs beyond its Arrow buffers (`nbytes`), per group and per column:
-#: the C++ table, array and buffer objects and the allocator's rounding. Measured on small
-#: groups (4 calls, 26 columns): about 58 KB of RSS each against 10 KB of `nbytes`; a cache
-#: weighed by `nbytes` alone held five times its budget.
-_GROUP_OVERHEAD = 4096
-_COLUMN_OVERHEAD = 2048
 
 
 def default_url(location: str) -> str:
@@ -59,23 +62,7 @@ def default_url(location: str) -> str:
     return location if "://" in location else f"parquet:///{location}"
 
 
-class _Group:
-    """A cached row group: the Arrow table, turned into Python rows on first use."""
-
-    __slots__ = ("_rows", "nbytes", "table")
-
-    def __init__(self, table: pa.Table) -> None:
-        self.table = table
-        self.nbytes = int(table.nbytes) + _GROUP_OVERHEAD + _COLUMN_OVERHEAD * table.num_columns
-        self._rows: list[dict[str, Any]] | None = None
-
-    def row(self, i: int) -> dict[str, Any]:
-        if self._rows is None:
-            self._rows = self.table.to_pylist()
-        return self._rows[i]
-
-
-class ParquetSource:
+class ParquetSource(Loading):
     """Reads the dataset at `location` (a folder path or a pyarrow filesystem URL).
 
     Raises `StoreError` when there is no dataset there and `StoreFormatError` when it was
@@ -94,6 +81,7 @@ class ParquetSource:
         cache_tokens: int = 4_000_000,
         filesystem: pafs.FileSystem | None = None,
         dfs: DatasetFS | None = None,
+        index: Literal["calls", "units"] = "calls",
     ) -> None:
         self.url = url or default_url(location)
         self.dfs = dfs or DatasetFS(location, filesystem)
@@ -102,12 +90,9 @@ class ParquetSource:
         self._lock = threading.RLock()
         self._markers: dict[str, Marker] = {}
         self._listing: list[str] = []
-        self._index = Index()
-        self._groups: LRU[tuple[str, int], _Group] = LRU(cache_bytes, lambda g: g.nbytes)
-        self._fulls: LRU[str, array[int]] = LRU(cache_tokens, len)
-        self._summary_columns: LRU[tuple[str, int], dict[str, list[Any]]] = LRU(
-            _SUMMARY_CACHE_ROWS, lambda cols: len(cols["prompt_len"])
-        )
+        self._per_unit = index == "units"
+        self._index: Index | UnitIndex = self._new_index()
+        self._caches(cache_bytes, cache_tokens, self._per_unit)
 
     # -- snapshot -------------------------------------------------------------------------------
 
@@ -129,31 +114,53 @@ class ParquetSource:
             self._listing = names
 
     def _load(self, names: list[str]) -> None:
-        for name in names:
+        listed = self._listing
+        # The writer's steady state: names only appended (each refresh of a proxy's reader
+        # would otherwise compare and sort every marker, a cost that grows with the store).
+        appended = names[: len(listed)] == listed
+        for name in names[len(listed) :] if appended else names:
             if name not in self._markers:
                 try:
                     raw = self.dfs.read(f"{COMMITS_DIR}/{name}.json")
                 except FileNotFoundError:
                     continue  # removed by a compaction's cleanup after it was listed
                 self._markers[name] = Marker.decode(raw)
-        for gone in set(self._markers) - set(names):
-            del self._markers[gone]
-        live = live_units(self._markers)
+        if not appended:
+            for gone in set(self._markers) - set(names):
+                del self._markers[gone]
+        fresh = names[len(listed) :]
         old = self._index.units
-        if live[: len(old)] == old:
-            for unit in live[len(old) :]:
-                self._index.add_unit(self.dfs, unit, self._keep)
+        if appended and all(n in self._markers and not self._markers[n].retires for n in fresh):
+            # New units after the ones indexed, retiring none: they are the new live units.
+            new = [self._markers[n] for n in fresh]
         else:
-            # A compaction replaced units: re-index, so ledger rows replay in the new order.
-            index = Index()
-            for unit in live:
-                index.add_unit(self.dfs, unit, self._keep)
-            self._index = index
+            live = live_units(self._markers)
+            if live[: len(old)] == old:
+                new = live[len(old) :]
+            else:
+                # A compaction replaced units: re-index, so ledger rows replay in the new order.
+                self._index = self._new_index()
+                self._refs.clear()
+                self._index_groups.clear()
+                new = live
+        for unit in new:
+            self._add_unit(unit)
+
+    def _new_index(self) -> Index | UnitIndex:
+        return UnitIndex() if self._per_unit else Index()
+
+    def _add_unit(self, unit: Marker) -> None:
+        if isinstance(self._index, UnitIndex):
+            self._index.add_unit(self.dfs, unit)
+        else:
+            self._index.add_unit(self.dfs, unit, self._keep)
 
     def _reset(self) -> None:
         self._listing = []
         self._markers = {}
-        self._index = Index()
+        self._index = self._new_index()
+        self._refs.clear()
+        self._index_groups.clear()
 
     def _read(self, fn: Callable[[], T]) -> T:
         """Run a read on a fresh snapshot; if a file vanished under it, re-list and retry.
@@ -180,107 +187,30 @@ class ParquetSource:
 
     def _known(self) -> Known:
         idx = self._index
-        seqs: dict[str, dict[int, str]] = {}
-        for call_id, ref in idx.calls.items():
-            seqs.setdefault(ref.rollout_id, {}).setdefault(ref.seq, call_id)
-        for rollout_id, failures in idx.ledger.failures.items():
-            held = seqs.setdefault(rollout_id, {})
-            for f in failures:
-                held.setdefault(f.seq, f.call_id)
         return Known(
-            calls={k: r.rollout_id for k, r in idx.calls.items()},
-            seqs=seqs,
-            blobs=set(idx.blobs),
             attachments=set(idx.attachments),
-            rollouts=set(idx.ledger.rollouts) | set(idx.by_rollout),
+            rollouts=set(idx.ledger.rollouts) | set(self._rollouts_with_calls()),
             last_order=max((m.order for m in self._markers.values()), default=0),
         )
 
-    # -- loading --------------------------------------------------------------------------------
+    def rollout_keys(self, rollout_id: str) -> tuple[set[str], dict[int, str]]:
+        """A rollout's staged call ids, and which call holds each seq (staged or in the ledger;
+        the first one holds it): what a writer checks a new call of the rollout against."""
 
-    def _row(self, where: Where) -> dict[str, Any]:
-        key = (where.path, where.group)
-        group = self._groups.get(key)
-        if group is None:
-            group = self._groups.put(key, _Group(read_group(self.dfs, where.path, where.group)))
-        return group.row(where.row)
+        def run() -> tuple[set[str], dict[int, str]]:
+            refs = self._rollout_refs(rollout_id)
+            seqs: dict[int, str] = {}
+            for call_id, ref in refs:
+                seqs.setdefault(ref.seq, call_id)
+            for f in self._index.ledger.failures.get(rollout_id, ()):
+                seqs.setdefault(f.seq, f.call_id)
+            return {k for k, _ in refs}, seqs
 
-    def _keep(self, key: tuple[str, int], table: pa.Table) -> None:
-        self._groups.put(key, _Group(table))
-
-    def _blob(self, key: str) -> bytes:
-        data: bytes = self._row(self._index.blobs[key])["data"]
-        return data
-
-    def _attachment(self, sha: str) -> Attachment | None:
-        where = self._index.attachments.get(sha)
-        if where is None:
-            return None
-        r = self._row(where)
-        return Attachment(r["sha256"], r["media_type"], r["data"])
+        return self._read(run)
 
     def full(self, key: str) -> array[int]:
         """A staged call's prompt + completion (shared with a cache: do not modify it)."""
         return self._read(lambda: self._full(key))
-
-    def _full(self, key: str) -> array[int]:
-        # Walk up to the nearest cached ancestor (or a root), then rebuild downwards: a parent
-        # chain is as long as the session, so recursion would be the wrong tool.
-        chain: list[tuple[str, CallRef]] = []
-        base: array[int] | None = None
-        cid: str | None = key
-        while cid is not None:
-            base = self._fulls.get(cid)
-            if base is not None:
-                break
-            if len(chain) > len(self._index.calls):
-                raise ValueError(f"{key}: its parent chain loops (a damaged dataset)")
-            ref = self._index.calls.get(cid)
-            if ref is None:
-                if cid == key:
-                    raise KeyError(key)
-                raise ValueError(f"{key}: its ancestor {cid} is missing from the dataset")
-            chain.append((cid, ref))
-            cid = ref.parent_call_id if ref.prev_len else None
-        for cid, ref in reversed(chain):
-            delta = ids_from_bytes(self._row(ref.where)["delta_tokens"])
-            if ref.prev_len:
-                if base is None or len(base) < ref.prev_len:
-                    raise ValueError(f"{cid}: needs {ref.prev_len} tokens of its parent")
-                seq = base[: ref.prev_len]
-                seq.extend(delta)
-            else:
-                seq = delta
-            if len(seq) != ref.cum_len:
-                raise ValueError(f"{cid}: rebuilt {len(seq)} tokens, stored as {ref.cum_len}")
-            base = self._fulls.put(cid, seq)
-        if base is None:
-            raise KeyError(key)
-        return base
-
-    def _summary_of(self, where: Where) -> dict[str, list[Any]]:
-        """`_SUMMARY_COLUMNS` of a row group: from a group cached whole, else a projected read."""
-        key = (where.path, where.group)
-        cols = self._summary_columns.get(key)
-        if cols is None:
-            group = self._groups.get(key)
-            if group is not None:
-                table = group.table.select(list(_SUMMARY_COLUMNS))
-            else:
-                with self.dfs.open(where.path) as f:
-                    table = pq.ParquetFile(f).read_row_group(
-                        where.group, columns=list(_SUMMARY_COLUMNS), use_threads=False
-                    )
-            cols = self._summary_columns.put(key, table.to_pydict())
-        return cols
-
-    def _record(self, key: str) -> StagedCallRecord:
-        ref = self._index.calls[key]
-        parent = self._full(ref.parent_call_id) if ref.prev_len and ref.parent_call_id else None
-        atts = [a for s in ref.attachment_shas if (a := self._attachment(s)) is not None]
-        record, full = decode_row(self._row(ref.where), self._blob, parent, atts)
-        self._fulls.put(key, full)
-        return record
 
     # -- StagingSource --------------------------------------------------------------------------
 
@@ -288,27 +218,32 @@ class ParquetSource:
         def run() -> list[str]:
             ids = [r for r in self._index.ledger.rollouts if r != PROXY_STATE_ROLLOUT]
             seen = set(ids)
-            return ids + [r for r in self._index.by_rollout if r not in seen]
+            return ids + [r for r in self._rollouts_with_calls() if r not in seen]
 
         return self._read(run)
 
     def rollout_info(self, rollout_id: str) -> RolloutInfo:
         def run() -> RolloutInfo:
-            here = False
-            for call_id, (marked_in, _) in self._index.ledger.orphans.items():
-                ref = self._index.calls.get(call_id)
-                here = here or (ref.rollout_id if ref else marked_in) == rollout_id
-            return self._index.ledger.info(rollout_id, here)
+            ledger = self._index.ledger
+            if rollout_id not in ledger.rollouts:
+                raise KeyError(rollout_id)
+            # An orphan mark names its call's rollout when the writer knew it (always, unless
+            # the mark came before the record); only then are the rollout's calls read.
+            marks = ledger.orphans
+            here = any(marked_in == rollout_id for marked_in, _ in marks.values())
+            if not here and any(marked_in is None for marked_in, _ in marks.values()):
+                here = any(k in marks for k, _ in self._rollout_refs(rollout_id))
+            return ledger.info(rollout_id, here)
 
         return self._read(run)
 
     def calls(self, rollout_id: str, *, include_orphaned: bool = False) -> list[StagedCallRecord]:
         def run() -> list[StagedCallRecord]:
-            keys = self._index.by_rollout.get(rollout_id, [])
+            refs = self._rollout_refs(rollout_id)
             if not include_orphaned:
-                keys = [k for k in keys if k not in self._index.ledger.orphans]
-            keys = sorted(keys, key=lambda k: self._index.calls[k].seq)
-            return [self._record(k) for k in keys]
+                refs = [(k, r) for k, r in refs if k not in self._index.ledger.orphans]
+            refs.sort(key=lambda kr: kr[1].seq)
+            return [self._record(k, r) for k, r in refs]
 
         return self._read(run)
 
@@ -333,11 +268,9 @@ class ParquetSource:
 
     def summaries(self, rollout_id: str) -> list[CallSummary]:
         def run() -> list[CallSummary]:
-            calls, orphans = self._index.calls, self._index.ledger.orphans
-            keys = sorted(self._index.by_rollout.get(rollout_id, []), key=lambda k: calls[k].seq)
+            orphans = self._index.ledger.orphans
             out = []
-            for k in keys:
-                ref = calls[k]
+            for k, ref in sorted(self._rollout_refs(rollout_id), key=lambda kr: kr[1].seq):
                 cols, i = self._summary_of(ref.where), ref.where.row
                 prompt_len = cols["prompt_len"][i]
                 out.append(
@@ -365,7 +298,9 @@ class ParquetSource:
 
     def coords(self, keys: Sequence[str]) -> list[CommitCoords]:
         def one(k: str) -> CommitCoords:
-            r = self._index.calls[k]
+            r = self._ref(k)
+            if r is None:
+                raise KeyError(k)
             return CommitCoords(
                 self.url,
                 k,
@@ -383,17 +318,40 @@ class ParquetSource:
         return self._read(lambda: set(self._index.ledger.orphans))
 
     def all_keys(self) -> Iterable[str]:
-        return self._read(lambda: list(self._index.calls))
+        def run() -> list[str]:
+            idx = self._index
+            if isinstance(idx, Index):
+                return list(idx.calls)
+            # A units index keeps no call ids: read them (the first copy of an id wins).
+            keys = dict.fromkeys(
+                k
+                for path in self._calls_files()
+                for t in read_groups(self.dfs, path, ["call_id"])
+                for k in t.column("call_id").to_pylist()
+            )
+            return list(keys)
+
+        return self._read(run)
 
     def unreferenced_attachments(self) -> list[str]:
         def run() -> list[str]:
-            used = {s for r in self._index.calls.values() for s in r.attachment_shas}
-            return sorted(set(self._index.attachments) - used)
+            idx = self._index
+            if not idx.attachments:
+                return []
+            if isinstance(idx, Index):
+                used = {s for r in idx.calls.values() for s in r.attachment_shas}
+            else:
+                used = {
+                    s
+                    for path in self._calls_files()
+                    for t in read_groups(self.dfs, path, ["attachment_shas"])
+                    for shas in t.column("attachment_shas").to_pylist()
+                    for s in shas or ()
+                }
+            return sorted(set(idx.attachments) - used)
 
         return self._read(run)
 
     def close_reader(self) -> None:
         with self._lock:
-            self._groups.clear()
-            self._fulls.clear()
-            self._summary_columns.clear()
+            self._clear_caches()

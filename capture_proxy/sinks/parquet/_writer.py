@@ -41,6 +41,8 @@ class UnitRows:
     blobs: set[str] = field(default_factory=set)
     attachments: set[str] = field(default_factory=set)
     rollouts: set[str] = field(default_factory=set)
+    #: rollouts sealed by this batch: the writer forgets their calls once it commits
+    sealed: set[str] = field(default_factory=set)
 
     def merge(self, other: UnitRows) -> None:
         for table, rows in other.rows.items():
@@ -50,6 +52,7 @@ class UnitRows:
         self.blobs |= other.blobs
         self.attachments |= other.attachments
         self.rollouts |= other.rollouts
+        self.sealed |= other.sealed
 
     def empty(self) -> bool:
         return not any(self.rows.values())

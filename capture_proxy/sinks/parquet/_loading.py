@@ -1,0 +1,258 @@
+"""How a `ParquetSource` loads what it reads: row groups, call refs, blobs, full sequences.
+
+`Loading` is the reader's half that goes from its index (`_index.Index` or `_index.UnitIndex`)
+to rows, with the LRU caches that make repeated reads cheap; `ParquetSource` (`_source`) owns the
+snapshot (markers, refresh, the lock) and the public reads.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Iterable
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from ...schemas.records import Attachment, StagedCallRecord
+from ..codec import decode_row
+from ._fs import DatasetFS
+from ._index import (
+    INDEX_COLUMNS,
+    LRU,
+    CallRef,
+    Index,
+    UnitIndex,
+    Where,
+    call_ref,
+    ids_from_bytes,
+)
+from ._layout import BLOBS, CALLS, read_group
+
+__all__ = ["INDEX_GROUP_ROWS", "RECENT_REFS", "SUMMARY_CACHE_ROWS", "SUMMARY_COLUMNS", "Loading"]
+
+#: What `summaries` reads beyond the index: a few scalar columns, never tokens or messages.
+SUMMARY_COLUMNS = ("retry_of", "finish_reason", "prompt_len", "created_at_ms")
+#: Rows of those columns kept between calls (an overview reads every rollout of a row group).
+SUMMARY_CACHE_ROWS = 1 << 18
+#: What a cached row group costs beyond its Arrow buffers (`nbytes`), per group and per column:
+#: the C++ table, array and buffer objects and the allocator's rounding. Measured on small
+#: groups (4 calls, 26 columns): about 58 KB of RSS each against 10 KB of `nbytes`; a cache
+#: weighed by `nbytes` alone held five times its budget.
+_GROUP_OVERHEAD = 4096
+_COLUMN_OVERHEAD = 2048
+#: A units index's caches: the index columns of row groups (in rows: about 0.6 KB of Python
+#: objects each) and the call refs looked up lately (a resume reads each call a few times).
+INDEX_GROUP_ROWS = 8192
+RECENT_REFS = 8192
+
+
+class _Group:
+    """A cached row group: the Arrow table, turned into Python rows on first use."""
+
+    __slots__ = ("_keys", "_rows", "nbytes", "table")
+
+    def __init__(self, table: pa.Table) -> None:
+        self.table = table
+        self.nbytes = int(table.nbytes) + _GROUP_OVERHEAD + _COLUMN_OVERHEAD * table.num_columns
+        self._rows: list[dict[str, Any]] | None = None
+        self._keys: dict[str, int] | None = None
+
+    def row(self, i: int) -> dict[str, Any]:
+        if self._rows is None:
+            self._rows = self.table.to_pylist()
+        return self._rows[i]
+
+    def find(self, column: str, key: str) -> int | None:
+        """The first row whose `column` is `key`."""
+        if self._keys is None:
+            keys: dict[str, int] = {}
+            for i, k in enumerate(self.table.column(column).to_pylist()):
+                keys.setdefault(k, i)
+            self._keys = keys
+        return self._keys.get(key)
+
+
+class Loading:
+    """Loads rows for the index it is given; see the module docstring."""
+
+    dfs: DatasetFS
+    _index: Index | UnitIndex
+    _groups: LRU[tuple[str, int], _Group]
+    _fulls: LRU[str, array[int]]
+    _summary_columns: LRU[tuple[str, int], dict[str, list[Any]]]
+    _index_groups: LRU[tuple[str, int], dict[str, list[Any]]]
+    _refs: LRU[str, CallRef]
+
+    def _caches(self, cache_bytes: int, cache_tokens: int, per_unit: bool) -> None:
+        self._index_groups = LRU(INDEX_GROUP_ROWS, lambda cols: 16 + len(cols["call_id"]))
+        self._refs = LRU(RECENT_REFS, lambda _: 1)
+        self._groups = LRU(cache_bytes, lambda g: g.nbytes)
+        self._fulls = LRU(cache_tokens, len)
+        self._summary_columns = LRU(
+            INDEX_GROUP_ROWS if per_unit else SUMMARY_CACHE_ROWS,
+            lambda cols: 16 + len(cols["prompt_len"]),
+        )
+
+    def _clear_caches(self) -> None:
+        self._groups.clear()
+        self._fulls.clear()
+        self._summary_columns.clear()
+        self._index_groups.clear()
+        self._refs.clear()
+
+    def _rollouts_with_calls(self) -> Iterable[str]:
+        idx = self._index
+        return idx.rollout_units if isinstance(idx, UnitIndex) else idx.by_rollout
+
+    def _index_group(self, path: str, group: int) -> dict[str, list[Any]]:
+        """`INDEX_COLUMNS` of a calls row group, as lists (cached)."""
+        key = (path, group)
+        cols = self._index_groups.get(key)
+        if cols is None:
+            cached = self._groups.get(key)
+            if cached is not None:
+                table = cached.table.select(list(INDEX_COLUMNS))
+            else:
+                with self.dfs.open(path) as f:
+                    table = pq.ParquetFile(f).read_row_group(
+                        group, columns=list(INDEX_COLUMNS), use_threads=False
+                    )
+            cols = self._index_groups.put(key, table.to_pydict())
+        return cols
+
+    def _ref(self, key: str) -> CallRef | None:
+        """Where a staged call is, and its index values (None: not staged)."""
+        idx = self._index
+        if isinstance(idx, Index):
+            return idx.calls.get(key)
+        ref = self._refs.get(key)
+        if ref is not None:
+            return ref
+        for u, g in idx.calls.find(key):
+            path = idx.units[u].files[CALLS]
+            cols = self._index_group(path, g)
+            try:
+                i = cols["call_id"].index(key)
+            except ValueError:
+                continue  # another key with the same hash
+            return self._refs.put(key, call_ref(cols, i, Where(path, g, i)))
+        return None
+
+    def _rollout_refs(self, rollout_id: str) -> list[tuple[str, CallRef]]:
+        """A rollout's staged calls in commit order (the first copy of a call id wins)."""
+        idx = self._index
+        if isinstance(idx, Index):
+            return [(k, idx.calls[k]) for k in idx.by_rollout.get(rollout_id, ())]
+        out: list[tuple[str, CallRef]] = []
+        seen: set[str] = set()
+        for packed in idx.rollout_units.get(rollout_id, ()):
+            path, g = idx.units[packed >> 32].files[CALLS], packed & 0xFFFFFFFF
+            cols = self._index_group(path, g)
+            for i, rid in enumerate(cols["rollout_id"]):
+                cid = cols["call_id"][i]
+                if rid == rollout_id and cid not in seen:
+                    seen.add(cid)
+                    out.append((cid, self._refs.put(cid, call_ref(cols, i, Where(path, g, i)))))
+        return out
+
+    def _calls_files(self) -> list[str]:
+        return [u.files[CALLS] for u in self._index.units if CALLS in u.files]
+
+    # -- loading --------------------------------------------------------------------------------
+
+    def _row(self, where: Where) -> dict[str, Any]:
+        return self._group(where.path, where.group).row(where.row)
+
+    def _group(self, path: str, g: int) -> _Group:
+        key = (path, g)
+        group = self._groups.get(key)
+        if group is None:
+            group = self._groups.put(key, _Group(read_group(self.dfs, path, g)))
+        return group
+
+    def _keep(self, key: tuple[str, int], table: pa.Table) -> None:
+        self._groups.put(key, _Group(table))
+
+    def _blob(self, key: str) -> bytes:
+        idx = self._index
+        if isinstance(idx, Index):
+            data: bytes = self._row(idx.blobs[key])["data"]
+            return data
+        # Newest first: a blob is most often one a recent call stored (its own session's).
+        for u, g in idx.blobs.find(key, newest_first=True):
+            path = idx.units[u].files[BLOBS]
+            group = self._group(path, g)
+            i = group.find("key", key)
+            if i is not None:
+                found: bytes = group.row(i)["data"]
+                return found
+        raise KeyError(key)
+
+    def _attachment(self, sha: str) -> Attachment | None:
+        where = self._index.attachments.get(sha)
+        if where is None:
+            return None
+        r = self._row(where)
+        return Attachment(r["sha256"], r["media_type"], r["data"])
+
+    def _full(self, key: str) -> array[int]:
+        # Walk up to the nearest cached ancestor (or a root), then rebuild downwards: a parent
+        # chain is as long as the session, so recursion would be the wrong tool.
+        chain: list[tuple[str, CallRef]] = []
+        base: array[int] | None = None
+        cid: str | None = key
+        while cid is not None:
+            base = self._fulls.get(cid)
+            if base is not None:
+                break
+            if len(chain) > len(self._index.calls):
+                raise ValueError(f"{key}: its parent chain loops (a damaged dataset)")
+            ref = self._ref(cid)
+            if ref is None:
+                if cid == key:
+                    raise KeyError(key)
+                raise ValueError(f"{key}: its ancestor {cid} is missing from the dataset")
+            chain.append((cid, ref))
+            cid = ref.parent_call_id if ref.prev_len else None
+        for cid, ref in reversed(chain):
+            delta = ids_from_bytes(self._row(ref.where)["delta_tokens"])
+            if ref.prev_len:
+                if base is None or len(base) < ref.prev_len:
+                    raise ValueError(f"{cid}: needs {ref.prev_len} tokens of its parent")
+                seq = base[: ref.prev_len]
+                seq.extend(delta)
+            else:
+                seq = delta
+            if len(seq) != ref.cum_len:
+                raise ValueError(f"{cid}: rebuilt {len(seq)} tokens, stored as {ref.cum_len}")
+            base = self._fulls.put(cid, seq)
+        if base is None:
+            raise KeyError(key)
+        return base
+
+    def _summary_of(self, where: Where) -> dict[str, list[Any]]:
+        """`SUMMARY_COLUMNS` of a row group: from a group cached whole, else a projected read."""
+        key = (where.path, where.group)
+        cols = self._summary_columns.get(key)
+        if cols is None:
+            group = self._groups.get(key)
+            if group is not None:
+                table = group.table.select(list(SUMMARY_COLUMNS))
+            else:
+                with self.dfs.open(where.path) as f:
+                    table = pq.ParquetFile(f).read_row_group(
+                        where.group, columns=list(SUMMARY_COLUMNS), use_threads=False
+                    )
+            cols = self._summary_columns.put(key, table.to_pydict())
+        return cols
+
+    def _record(self, key: str, ref: CallRef | None = None) -> StagedCallRecord:
+        ref = ref or self._ref(key)
+        if ref is None:
+            raise KeyError(key)
+        parent = self._full(ref.parent_call_id) if ref.prev_len and ref.parent_call_id else None
+        atts = [a for s in ref.attachment_shas if (a := self._attachment(s)) is not None]
+        record, full = decode_row(self._row(ref.where), self._blob, parent, atts)
+        self._fulls.put(key, full)
+        return record
