@@ -35,7 +35,7 @@ from ..schemas.events import EventKind, check_chain
 from ..schemas.records import CommitCoords, LedgerEntry, RolloutInfo, StagedCallRecord
 from ..sinks.base import Progress, StagingSource
 from ..sinks.registry import open_source
-from .status import RolloutExcluded, RolloutStatus, check_included, rollout_status
+from .status import RolloutExcluded, RolloutStatus, check_included, read_header, rollout_status
 
 if TYPE_CHECKING:
     from .trajectory import Trajectory
@@ -288,15 +288,9 @@ class Store:
         records = self.source.calls(rollout_id)
         if verify:
             self._verify(records)
+        # The status carries the driver's latest outcome: the trajectory's reward and group.
         traj = trajectory_from_records(
             rollout_id, records, include_untooled=include_untooled, status=status
-        )
-        # The outcome the filters and the group order saw (`_outcome`), so the two never differ.
-        outcome = self._outcome(rollout_id)
-        traj.reward, traj.reward_components, traj.group_id = (
-            outcome.reward,
-            outcome.reward_components,
-            outcome.group_id,
         )
         return records, traj
 
@@ -337,24 +331,6 @@ class Store:
         )
         return assemble_experts(fetch, record, allow_incomplete=allow_incomplete)
 
-    def _outcome(self, rollout_id: str) -> RewardView:
-        """The reward and group the driver reported for the rollout (its latest outcome), read
-        from its header without its records (ordering by group and the group filter ask it of
-        every rollout)."""
-        try:
-            outcome = self.source.rollout_info(rollout_id).outcome
-        except KeyError:  # calls without a header (a store written before headers)
-            return _NO_OUTCOME
-        if outcome is None:
-            return _NO_OUTCOME
-        return RewardView(outcome.scalar_reward, outcome.reward_components, outcome.group_id)
-
-    def _sealed_at_ms(self, rollout_id: str) -> int | None:
-        try:
-            return self.source.rollout_info(rollout_id).sealed_at_ms
-        except KeyError:  # calls without a header (a store written before headers): not sealed
-            return None
-
     def _select(
         self,
         *,
@@ -381,15 +357,17 @@ class Store:
             ids = [r for r in known if r in wanted]
         kept: list[SelectedRollout] = []
         for rollout_id in ids:
-            outcome = self._outcome(rollout_id)
+            # One header read per rollout: its outcome, its seal time and its status.
+            header = read_header(self.source, rollout_id)
+            outcome = RewardView.of(header)
             if groups is not None and outcome.group_id not in groups:
                 continue
-            sealed_at = self._sealed_at_ms(rollout_id)
+            sealed_at = None if header is None else header.sealed_at_ms
             # A rollout sealed before `since` was taken by an earlier export. An open one (no
             # seal time yet) is kept when open rollouts are asked for.
             if since_ms is not None and sealed_at is not None and sealed_at < since_ms:
                 continue
-            status = self.status(rollout_id)
+            status = rollout_status(self.source, rollout_id, header)
             try:
                 check_included(
                     rollout_id, status, include_open=include_open, include_poisoned=include_poisoned
@@ -456,6 +434,14 @@ class RewardView:
     reward: float | None = None
     reward_components: dict[str, float] | None = None
     group_id: str | None = None
+
+    @staticmethod
+    def of(header: RolloutInfo | None) -> RewardView:
+        """The latest outcome of a rollout header (none without a header or an outcome)."""
+        outcome = None if header is None else header.outcome
+        if outcome is None:
+            return _NO_OUTCOME
+        return RewardView(outcome.scalar_reward, outcome.reward_components, outcome.group_id)
 
 
 _NO_OUTCOME = RewardView()

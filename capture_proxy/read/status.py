@@ -14,10 +14,11 @@ do not poison.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import EllipsisType
 
 from ..errors import CaptureProxyError
 from ..schemas.outcome import RolloutOutcome
-from ..schemas.records import CallStatus, RolloutState
+from ..schemas.records import CallStatus, RolloutInfo, RolloutState
 from ..sinks.base import StagingSource
 
 __all__ = [
@@ -77,15 +78,30 @@ class RolloutStatus:
 UNKNOWN = RolloutStatus(RolloutState.OPEN, False)
 
 
-def rollout_status(source: StagingSource, rollout_id: str) -> RolloutStatus:
-    """Read the rollout's header, ledger and orphan marks. KeyError for an unknown rollout."""
-    if rollout_id not in source.rollouts():
-        raise KeyError(rollout_id)
+def read_header(source: StagingSource, rollout_id: str) -> RolloutInfo | None:
+    """The rollout's header, or None for calls without one (a store written before headers)."""
     try:
-        info = source.rollout_info(rollout_id)
-        state, header_poisoned, outcome = info.state, info.poisoned, info.outcome
-    except KeyError:  # calls without a header (a store written before headers): not sealed
+        return source.rollout_info(rollout_id)
+    except KeyError:
+        return None
+
+
+def rollout_status(
+    source: StagingSource, rollout_id: str, header: RolloutInfo | EllipsisType | None = ...
+) -> RolloutStatus:
+    """Read the rollout's header, ledger and orphan marks. KeyError for an unknown rollout.
+
+    A caller that has the header already (`read_header`, for a rollout it listed) passes it:
+    then neither the store's rollout list nor the header is read again (an export selects every
+    rollout of the store, and a list per rollout would make it quadratic)."""
+    if header is ...:
+        if rollout_id not in source.rollouts():
+            raise KeyError(rollout_id)
+        header = read_header(source, rollout_id)
+    if header is None:  # not sealed
         state, header_poisoned, outcome = RolloutState.OPEN, False, None
+    else:
+        state, header_poisoned, outcome = header.state, header.poisoned, header.outcome
     entries = [
         NotStaged(f.seq, f.call_id, f.status.value, f.reason) for f in source.failures(rollout_id)
     ]

@@ -15,7 +15,8 @@ import pytest
 
 from capture_proxy.cli import main
 from capture_proxy.read.export import export_store, read_export_metadata
-from capture_proxy.read.reader import RewardView, Store, open_store
+from capture_proxy.read.reader import Store, open_store
+from capture_proxy.schemas.outcome import RolloutOutcome
 from capture_proxy.schemas.records import RolloutInfo, RolloutState
 from capture_proxy.sinks.base import StagingSink
 from capture_proxy.sinks.parquet import ParquetSink
@@ -34,16 +35,6 @@ ROLLOUTS = [
 ]
 
 
-class JudgedStore(Store):
-    """A store whose rollouts carry the outcomes of `ROLLOUTS`."""
-
-    def _outcome(self, rollout_id: str) -> RewardView:
-        _, group, reward, _ = next(r for r in ROLLOUTS if r[0] == rollout_id)
-        if isinstance(reward, dict):
-            return RewardView(None, reward, group)
-        return RewardView(reward, None, group)
-
-
 @pytest.fixture(params=["sqlite", "parquet"])
 async def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "sqlite":
@@ -52,17 +43,23 @@ async def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     else:
         sink = ParquetSink(str(tmp_path / "ds"))
         where = f"parquet:///{tmp_path / 'ds'}"
-    for rollout_id, _, _, sealed_at in ROLLOUTS:
+    for rollout_id, group, reward, sealed_at in ROLLOUTS:
         s = Session(rollout_id)
         for _ in range(2):
             await sink.stage(s.next()[0])
-        await sink.put_rollout(RolloutInfo(rollout_id, RolloutState.SEALED, False, 1, sealed_at))
+        outcomes = () if group is None else (RolloutOutcome(reward, group),)
+        await sink.put_rollout(
+            RolloutInfo(
+                rollout_id, RolloutState.SEALED, False, 1, sealed_at, outcome_history=outcomes
+            )
+        )
     await sink.close()
     return where
 
 
-def judged(url: str) -> JudgedStore:
-    return JudgedStore(open_source(url))
+def judged(url: str) -> Store:
+    """The store, whose rollouts carry the outcomes of `ROLLOUTS` as drivers report them."""
+    return Store(open_source(url))
 
 
 def test_rows_carry_the_outcome_and_groups_are_adjacent(url: str, tmp_path: Path) -> None:
@@ -115,8 +112,8 @@ def test_iter_trajectories_takes_the_same_filters(url: str) -> None:
         later = store.iter_trajectories(since=datetime(1970, 1, 1, 0, 0, 1, 2000))
         assert [t.rollout_id for t in later] == ["r2", "r3", "r4"]  # sealed at 1002 ms or later
         assert store.trajectory("r4").reward_components == {"pass": 1.0, "style": 0.25}
-    with open_store(url) as plain:  # no outcomes reported: none on the trajectory
-        traj = plain.trajectory("r0")
+    with open_store(url) as plain:  # r3 got no outcome: none on its trajectory
+        traj = plain.trajectory("r3")
         assert (traj.reward, traj.reward_components, traj.group_id) == (None, None, None)
         assert traj.to_dict()["reward"] is None
 

@@ -16,7 +16,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from capture_proxy.read.export import export_store
-from capture_proxy.read.reader import RewardView, Store
+from capture_proxy.read.reader import Store
+from capture_proxy.schemas.outcome import RolloutOutcome
 from capture_proxy.schemas.records import RolloutInfo, RolloutState
 from capture_proxy.sinks.sqlite import SQLiteSink, SQLiteSource
 from tests.support.sink_factories import Session, image
@@ -35,13 +36,6 @@ def loader(name: str) -> Any:
     return namespace["load"]
 
 
-class Judged(Store):
-    def _outcome(self, rollout_id: str) -> RewardView:
-        if rollout_id == "ra":
-            return RewardView(None, {"pass": 1.0, "style": 0.5}, "g")
-        return RewardView(0.75, None, "g")
-
-
 @pytest.fixture
 async def export(tmp_path: Path) -> tuple[Path, Path]:
     """A segment export of two rollouts of one group: ``ra`` shows an image, ``rb`` drifts."""
@@ -51,11 +45,17 @@ async def export(tmp_path: Path) -> tuple[Path, Path]:
         for s in (a, b):
             r, atts = s.next(drift_at=20 if (s is b and turn == 2) else None)
             await sink.stage(r, attachments=atts)
-    for rollout_id in ("ra", "rb"):
-        await sink.put_rollout(RolloutInfo(rollout_id, RolloutState.SEALED, False, 1, 2))
+    judged = {
+        "ra": RolloutOutcome({"pass": 1.0, "style": 0.5}, "g"),
+        "rb": RolloutOutcome(0.75, "g"),
+    }
+    for rollout_id, outcome in judged.items():
+        await sink.put_rollout(
+            RolloutInfo(rollout_id, RolloutState.SEALED, False, 1, 2, outcome_history=(outcome,))
+        )
     await sink.close()
     out = tmp_path / "seg.parquet"
-    with Judged(SQLiteSource(str(tmp_path / "c.db"))) as store:
+    with Store(SQLiteSource(str(tmp_path / "c.db"))) as store:
         done = export_store(store, str(out), per="segment")
     assert done.attachments_out is not None
     return out, Path(done.attachments_out)
