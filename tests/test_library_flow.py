@@ -162,3 +162,21 @@ async def test_a_new_client_on_the_same_store_continues_the_rollout(
         finally:
             await client.close()
     assert _stored(tmp_path, "ep") == ([0, 1], [])
+
+
+async def test_a_caller_that_stops_reading_a_stream_is_recorded_aborted(
+    tmp_path: Path, fake: tuple[FakeVLLM, str]
+) -> None:
+    upstream, base = fake
+    upstream.chunk_delay = 0.02
+    upstream.push(Turn("one two three four five six"))
+    client = _client(tmp_path, base)
+    try:
+        streamed = await client.stream("ep", chat_body(user("hi"), stream=True))
+        pieces = aiter(streamed)
+        assert await anext(pieces)  # the first bytes arrived, then the caller walks away
+        await pieces.aclose()  # type: ignore[attr-defined]
+        assert streamed.result is None  # the call never got a whole answer
+    finally:
+        await client.close()
+    assert _stored(tmp_path, "ep") == ([], [("aborted", "client_disconnected")])
