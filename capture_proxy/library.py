@@ -28,7 +28,8 @@ from typing import Any
 import orjson
 
 from .adapters.vllm import ForwardPlan, VLLMAdapter
-from .core.capture import Call, Capture
+from .core.call import Call
+from .core.capture import Capture
 from .core.exchange import Exchange, ExchangeConfig, Outcome, Pipeline
 from .core.policy import RequestPolicy
 from .core.shared_reader import SharedReader

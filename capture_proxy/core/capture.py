@@ -17,11 +17,10 @@ import functools
 import hashlib
 import logging
 import time
-from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from dataclasses import replace
+from typing import Any
 
 from ..errors import CaptureUnavailable, Conflict, ProxyError, TooManyRequests, Unprocessable
 from ..schemas.digest import EncodingError, RequestValueCache, seal_record
@@ -31,7 +30,6 @@ from ..schemas.records import (
     LOGPROBS_MODE_UNKNOWN,
     Attachment,
     CallStatus,
-    CommitCoords,
     LedgerEntry,
     RecordValidationError,
     RolloutInfo,
@@ -41,7 +39,8 @@ from ..schemas.records import (
 )
 from ..schemas.tokens import full_sequence
 from ..sinks.base import DuplicateSeq, StagingSink, StagingSource
-from .experts import ExpertsParent, ExpertsPlan, record_experts
+from .call import SAMPLING_KEYS, Call, CallReport, CompletionLike, log_claim, sampling_of
+from .experts import ExpertsPlan, record_experts
 from .ids import new_call_id
 from .ledger import LedgerWriter
 from .outcomes import HeaderLocks, check_driver_metadata, with_outcome
@@ -57,139 +56,13 @@ from .rollouts import (
 from .staging import Stager
 from .weights import DECREASED_FROM, state_header, stored_weight_version
 
-__all__ = ["SAMPLING_KEYS", "Call", "CallReport", "Capture", "CompletionLike"]
+__all__ = ["SAMPLING_KEYS", "Call", "CallReport", "Capture", "CompletionLike", "sampling_of"]
 
 log = logging.getLogger("capture_proxy.capture")
 
 #: Ids of sealed rollouts remembered (not their state) so late calls get their 409 without a
 #: store lookup; about 200 bytes each (with the key hash of a keyed rollout).
 _SEALED_IDS_KEPT = 100_000
-
-#: Request keys that shape sampling. The values actually forwarded upstream are recorded with
-#: every call (and covered by its digest): a trainer must know the policy that made each token.
-SAMPLING_KEYS = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "seed",
-    "max_tokens",
-    "max_completion_tokens",
-    "min_tokens",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "length_penalty",
-    "stop",
-    "stop_token_ids",
-    "ignore_eos",
-    "logit_bias",
-    "n",
-    "reasoning_effort",
-    "chat_template_kwargs",
-    "structured_outputs",
-    "response_format",
-    "tool_choice",
-)
-
-
-class CompletionLike(Protocol):
-    """What the core needs from a parsed upstream answer (see `adapters.vllm.Completion`)."""
-
-    @property
-    def prompt_token_ids(self) -> array[int]: ...
-    @property
-    def completion_token_ids(self) -> array[int]: ...
-    @property
-    def completion_logprobs(self) -> array[float]: ...
-    @property
-    def finish_reason(self) -> str: ...
-    @property
-    def message(self) -> dict[str, Any]: ...
-    @property
-    def extras(self) -> dict[str, Any]: ...
-
-
-@dataclass(slots=True)
-class Call:
-    """A call admitted by `Capture.begin_call`, until it is completed or failed."""
-
-    call_id: str
-    rollout_id: str
-    seq: int
-    request: Mapping[str, Any]  # the staged (normalized, attachments by reference) request
-    attachments: Mapping[str, Attachment]
-    request_key: bytes
-    retry_of: str | None
-    weight_version: int
-    admitted_ms: int
-    rollout: RolloutLive
-    finished: bool = False
-    #: Set once staging starts: from then on the call's outcome is the staging's, even if the
-    #: client goes away (staging runs to the end without it).
-    staging: bool = False
-    #: When the flow began (``time.perf_counter()``) and how long the upstream took, when the
-    #: flow measured it: reported with the outcome (the proxy's overhead histogram).
-    started: float | None = None
-    upstream_seconds: float | None = None
-    #: A large request (`Capture.begin_call_offloaded`): its record is sealed on a worker thread.
-    offload: bool = False
-    #: The rollout's previous call was stamped with this higher weight version (a rollback):
-    #: recorded in the record's extras and the manifest, never refused.
-    weight_version_decreased_from: int | None = None
-    #: Bytes reserved against the rollout's byte quota while in flight (the body's size), and
-    #: what its record counts once built (`record_bytes`).
-    reserved: int = 0
-    record_bytes: int = 0
-    #: Where its routed experts start (the earlier call it continues), chosen at admission; and
-    #: once its record is built, its own entry for the calls after it (`core/experts.py`).
-    experts: ExpertsPlan = field(default_factory=ExpertsPlan)
-    experts_entry: tuple[bytes, ExpertsParent] | None = None
-    #: The admission claim's write, started by `begin_call` and awaited before the call's final
-    #: status (never before forwarding: the upstream call overlaps the write).
-    claim: asyncio.Future[RolloutEvent] | None = None
-    #: The task that admitted it (the request's handler), cancelled if a weight-update pause
-    #: cuts the call (`Capture.cut`), which then sets `cut`: the abort's reason.
-    task: asyncio.Task[Any] | None = None
-    cut: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class CallReport:
-    """One call's outcome, reported once to every `Capture.on_outcome` subscriber.
-
-    `coords` is set for ``staged``; `attachments` counts the images of a call that reached
-    staging; the timings are None where they were not measured (a refused call has none).
-    """
-
-    rollout_id: str
-    call_id: str | None
-    status: CallStatus
-    reason: str
-    coords: CommitCoords | None = None
-    attachments: int = 0
-    stage_seconds: float | None = None
-    upstream_seconds: float | None = None
-    overhead_seconds: float | None = None
-
-
-def _log_claim(call: Call, task: asyncio.Future[RolloutEvent]) -> None:
-    # Retrieved here in every case: a call dropped before its end (a cancelled handler) must not
-    # leave "exception was never retrieved" noise; its claim then reads as lost_in_crash.
-    error = None if task.cancelled() else task.exception()
-    if error is not None:
-        log.warning(
-            "%s: claiming seq %d failed: %s: %s",
-            call.call_id,
-            call.seq,
-            type(error).__name__,
-            error,
-            extra={"rollout_id": call.rollout_id, "call_id": call.call_id},
-        )
-
-
-def sampling_of(request: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: request[k] for k in SAMPLING_KEYS if k in request}
 
 
 class Capture:
@@ -686,7 +559,7 @@ class Capture:
     def _start_claim(self, call: Call) -> asyncio.Future[RolloutEvent]:
         draft = claim_event(call.rollout_id, call.seq, call.call_id, call.admitted_ms)
         task = asyncio.ensure_future(self.sink.append_event(draft))
-        task.add_done_callback(functools.partial(_log_claim, call))
+        task.add_done_callback(functools.partial(log_claim, call))
         return task
 
     def _claim_refusal(self, call: Call) -> StageResult | None:

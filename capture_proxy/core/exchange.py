@@ -36,7 +36,8 @@ from ..adapters.vllm import (
 from ..errors import BadRequest, PayloadTooLarge, ProxyError, Unprocessable, UpstreamFailed
 from ..schemas.records import CallStatus, StageResult
 from ..schemas.request import FreeJsonLimits, RequestValidationError, check_free_json_limits
-from .capture import Call, Capture, sampling_of
+from .call import Call, sampling_of
+from .capture import Capture
 from .normalize import NormalizedRequest, normalize_request
 from .sampling import changes_distribution, effective_sampling
 from .transport import (

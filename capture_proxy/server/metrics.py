@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from ..core.capture import CallReport
+from ..core.call import CallReport
 from ..schemas.records import CallStatus
 
 __all__ = ["Metrics"]
