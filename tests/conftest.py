@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.support.proxy_harness import Proxy, ProxyFactory, start_proxy, stop_proxy
+from tests.support.s3 import MotoS3
 
 
 @pytest.fixture
@@ -24,3 +25,15 @@ async def make_proxy(tmp_path: Path) -> AsyncIterator[ProxyFactory]:
     yield make
     for p in started:
         await stop_proxy(p)
+
+
+@pytest.fixture(scope="session")
+def moto_s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MotoS3]:
+    """moto's S3 server on loopback for the whole session, its AWS variables set in this process
+    (so pyarrow and obstore reach it); each test takes its own prefix with ``moto_s3.url()``."""
+    with MotoS3(tmp_path_factory.mktemp("moto")) as server:
+        old = server.apply_env()
+        try:
+            yield server
+        finally:
+            MotoS3.restore_env(old)
