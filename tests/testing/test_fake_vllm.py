@@ -990,3 +990,24 @@ async def test_weight_routes_exist_only_in_dev_mode(serve: Serve) -> None:
     )
     assert await (await dev.get("/weight_info")).json() == {"weight_version": "step-3"}
     assert (await dev.post("/update_weight_version", json={"new_version": 3})).status == 400
+
+
+def test_drop_past_reasoning_makes_the_template_not_append_only() -> None:
+    from capture_proxy.testing.fake_vllm._template import render_chat
+
+    turn1 = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "a", "reasoning": "think 1"},
+    ]
+    tool_reply = [*turn1, {"role": "tool", "tool_call_id": "c", "content": "r"}]
+    new_user = [*turn1, {"role": "user", "content": "next"}]
+    closed = render_chat(turn1, add_generation_prompt=False, drop_past_reasoning=True)
+    # A tool result keeps the turn after the last user message: the reasoning stays.
+    assert render_chat(tool_reply, drop_past_reasoning=True).startswith(closed)
+    # A new user message drops the earlier reasoning: the history re-renders differently.
+    again = render_chat(new_user, drop_past_reasoning=True)
+    assert "think 1" in closed
+    assert "think 1" not in again
+    assert not again.startswith(closed)
+    # Without the option the template is append-only here.
+    assert render_chat(new_user).startswith(render_chat(turn1, add_generation_prompt=False))

@@ -78,6 +78,8 @@ class FakeVLLM:
     vLLM + Qwen3 does) instead of verbatim. ``routed_experts`` answers as a server started with
     ``--enable-return-routed-experts`` does: every choice carries ``routed_experts``, honouring
     the request's ``routed_experts_prompt_start`` (the values: `_experts.experts_for`).
+    ``drop_past_reasoning`` renders history as Qwen3's template does: the reasoning of assistant
+    turns before the last user message is left out (a template that is not append-only).
 
     ``generation_config`` holds the model's sampling defaults (``{"temperature": 0.6, "top_p":
     0.95, "top_k": 20}`` for Qwen3), which the render route resolves requests over;
@@ -102,6 +104,7 @@ class FakeVLLM:
         generation_config: Mapping[str, Any] | None = None,
         scale_out: bool = False,
         dev_mode: bool = False,
+        drop_past_reasoning: bool = False,
     ) -> None:
         self.model = model
         self.version = version
@@ -116,6 +119,7 @@ class FakeVLLM:
         self.generation_config: dict[str, Any] = dict(generation_config or {})
         self.scale_out = scale_out
         self.dev_mode = dev_mode
+        self.drop_past_reasoning = drop_past_reasoning
         self.weight_version = "default"
         #: Cleared by ``POST /pause``: a new chat call waits for ``POST /resume``.
         self.running = asyncio.Event()
@@ -163,6 +167,7 @@ class FakeVLLM:
             add_generation_prompt=gen,
             reasoning_keys=reasoning_keys_for(self.version),
             reparse_tool_arguments=self.reparse_tool_arguments,
+            drop_past_reasoning=self.drop_past_reasoning,
         )
 
     def app(self) -> web.Application:

@@ -200,8 +200,15 @@ def render_chat(
     add_generation_prompt: bool = True,
     reasoning_keys: Sequence[str] = ("reasoning", "reasoning_content"),
     reparse_tool_arguments: bool = False,
+    drop_past_reasoning: bool = False,
 ) -> str:
-    """The prompt text for a conversation (see the module docstring for the layout)."""
+    """The prompt text for a conversation (see the module docstring for the layout).
+
+    With ``drop_past_reasoning`` the template is Qwen3's in the way that matters for token-in: the
+    reasoning of an assistant message before the last user message is not rendered, so the
+    rendering of a conversation is not a prefix of the rendering of its continuation once a new
+    user message arrives (the template is not append-only).
+    """
     parts: list[str] = []
     rest = list(messages)
     if tools:
@@ -212,6 +219,7 @@ def render_chat(
         parts.append(
             f"<|im_start|>system\n{system}{_TOOLS_PREAMBLE}{lines}{_TOOLS_POSTAMBLE}<|im_end|>\n"
         )
+    last_user = max((i for i, m in enumerate(rest) if m.get("role") == "user"), default=-1)
     for i, message in enumerate(rest):
         role = str(message.get("role", ""))
         if role == "tool":
@@ -224,7 +232,8 @@ def render_chat(
                 parts.append("<|im_end|>\n")
             continue
         if role == "assistant":
-            body = _assistant_text(message, reasoning_keys, reparse_tool_arguments)
+            keys = () if drop_past_reasoning and i < last_user else reasoning_keys
+            body = _assistant_text(message, keys, reparse_tool_arguments)
         else:
             body = _content_text(message.get("content"))
         parts.append(f"<|im_start|>{role}\n{body}<|im_end|>\n")
