@@ -1,0 +1,46 @@
+"""Token-in bridging: the exact prompt for a call that continues the previous one.
+
+In token-in mode the proxy sends vLLM token ids instead of messages. For a call whose messages
+are the previous staged call's messages, the answer the client replayed, and new messages after
+it (tool results, a user message), the prompt is that call's **exact prompt ids + completion
+ids**, then the tokens that close the model's turn, then the template's tokens for the appended
+messages and the generation prompt. The model then sees its own sampled tokens, never the
+template's re-rendering of them (Qwen3-style templates drop earlier reasoning, clients
+re-serialize tool arguments, whitespace moves); docs/token-in.md explains it for users.
+
+This package is the pure decision and arithmetic, without I/O; the flow asks vLLM's render route
+for the bodies a plan lists. In order:
+
+1. `match(prior, request)`: an `Extension`, or a `Break` saying why not (`BREAK_REASONS`): the
+   call then goes the plain way and starts a new trajectory segment.
+2. `plan(request, extension)`: a `BridgePlan`, four render bodies (two for the turn close,
+   cacheable under ``close_key``, two for the appended messages).
+3. `assemble(prior, plan, Rendered.from_answers(...))`: a `Bridged` prompt with its
+   ``bridge_spans`` (the tokens the proxy inserted, for the record), or a `Break`.
+4. `divergence(bridged, plain)`: where the plain rendering would have differed (what token-in
+   avoided), or None.
+"""
+
+from ._assemble import END_OF_TURN_ADDED, TURN_CLOSE, assemble, common_suffix, divergence
+from ._match import TEMPLATE_KEYS, match
+from ._plan import DUMMY_CONTENTS, plan
+from ._values import BREAK_REASONS, Break, Bridged, BridgePlan, Extension, Prior, Rendered
+
+__all__ = [
+    "BREAK_REASONS",
+    "DUMMY_CONTENTS",
+    "END_OF_TURN_ADDED",
+    "TEMPLATE_KEYS",
+    "TURN_CLOSE",
+    "Break",
+    "BridgePlan",
+    "Bridged",
+    "Extension",
+    "Prior",
+    "Rendered",
+    "assemble",
+    "common_suffix",
+    "divergence",
+    "match",
+    "plan",
+]

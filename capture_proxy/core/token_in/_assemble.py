@@ -1,0 +1,96 @@
+"""The bridged prompt from the renders (`assemble`), and where the plain one differs
+(`divergence`).
+
+The bridged prompt is the previous call's prompt ids, its completion ids exactly as sampled, the
+part of the turn close the completion did not already end with, then the template's tokens for
+the appended messages and the generation prompt:
+
+- the turn close C is the common suffix of the two ``close`` renders (`common_suffix`);
+- the appended tokens are what follows C at the start of the common suffix of the two
+  ``suffix`` renders;
+- the completion's end overlaps C's start by k tokens, k as large as possible: a completion that
+  ended on its end-of-turn token (finish ``stop``, last id C[0]) has k = 1 and gets C[1:], the
+  text the template puts after that token (``turn_close``); a completion cut by ``length``, or
+  stopped by a stop string vLLM left out of the output, has k = 0 and gets the whole of C, recorded
+  as added by the proxy (``end_of_turn_added``).
+
+Renders without that structure (no common close, or a suffix that does not start with the close)
+give ``Break("template_not_bridgeable")``: the bridge never guesses.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+
+from ...schemas.fields import BridgeSpan
+from ...schemas.tokens import common_prefix_len
+from ._values import Break, Bridged, BridgePlan, Prior, Rendered
+
+__all__ = ["END_OF_TURN_ADDED", "TURN_CLOSE", "assemble", "common_suffix", "divergence"]
+
+#: `bridge_spans` reason: the template's tokens after the end-of-turn token the model sampled.
+TURN_CLOSE = "turn_close"
+#: `bridge_spans` reason: the whole turn close, for a completion that did not end on it.
+END_OF_TURN_ADDED = "end_of_turn_added"
+
+
+def common_suffix(a: Sequence[int], b: Sequence[int]) -> list[int]:
+    """The longest common suffix of two token sequences."""
+    n = 0
+    limit = min(len(a), len(b))
+    while n < limit and a[-1 - n] == b[-1 - n]:
+        n += 1
+    return list(a[len(a) - n :])
+
+
+def assemble(prior: Prior, plan: BridgePlan, rendered: Rendered) -> Bridged | Break:
+    """The bridged prompt for `plan`'s extension of `prior`, from the renders it asked for."""
+    if rendered.features:
+        return Break("multimodal_append", "the appended messages render with image features")
+    close = common_suffix(*rendered.close)
+    if not close:
+        return Break(
+            "template_not_bridgeable",
+            "the two dummy renders share no closing tokens: the template writes nothing after "
+            "an assistant turn's content",
+        )
+    tail = common_suffix(*rendered.suffix)
+    if tail[: len(close)] != close:
+        return Break(
+            "template_not_bridgeable",
+            f"the rendering of the appended messages does not start with the turn close "
+            f"({len(close)} tokens)",
+        )
+    appended = tail[len(close) :]
+    completion = prior.completion_ids
+    overlap = _overlap(completion, close)
+    bridge = close[overlap:]
+    prompt = [*prior.prompt_ids, *completion]
+    start = len(prompt)
+    spans: tuple[BridgeSpan, ...] = ()
+    if bridge:
+        reason = TURN_CLOSE if overlap else END_OF_TURN_ADDED
+        spans = ((start, start + len(bridge), reason),)
+    prompt.extend(bridge)
+    appended_start = len(prompt)
+    prompt.extend(appended)
+    return Bridged(prompt, spans, appended_start)
+
+
+def _overlap(completion: Sequence[int], close: Sequence[int]) -> int:
+    """The largest k with completion[-k:] == close[:k] (0 when none)."""
+    for k in range(min(len(completion), len(close)), 0, -1):
+        if list(completion[len(completion) - k :]) == list(close[:k]):
+            return k
+    return 0
+
+
+def divergence(bridged_prompt: Sequence[int], plain_prompt: Sequence[int]) -> int | None:
+    """The first position where the plain rendering differs from the bridged prompt (None: the
+    same tokens). A prompt that is a strict prefix of the other differs at its length."""
+    a, b = array("i", bridged_prompt), array("i", plain_prompt)
+    shared = common_prefix_len(a, b)
+    if shared == len(a) == len(b):
+        return None
+    return shared

@@ -1,0 +1,147 @@
+"""Does a new request extend the previous call? (`match`)
+
+A request extends the previous staged call when it renders the same way up to the answer the
+model gave, and adds messages after it:
+
+- the same tools (absent, null and ``[]`` are the same) and the same template keys
+  (`TEMPLATE_KEYS`; absent and null are the same);
+- its messages start with the previous call's messages, each the same;
+- the next message is the previous call's answer, replayed: an assistant message whose content
+  is the same text (null and ``""`` are the same; a list of text parts counts as their joined
+  text), whose reasoning is the same or omitted, and whose tool calls have the same names and the
+  same *parsed* JSON arguments (clients re-serialize them), call ids kept or not;
+- at least one message follows, and none of those is an assistant's.
+
+Otherwise the answer is a `Break` whose detail names the first difference found, checked in the
+order of the list above.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ._values import Break, Extension, Prior
+
+__all__ = ["TEMPLATE_KEYS", "match"]
+
+#: Request keys that change how vLLM renders the messages into tokens (besides ``messages`` and
+#: ``tools``). ``tool_choice`` is here because vLLM leaves the tools out of the prompt for
+#: ``"none"``; ``reasoning_effort`` because some templates (gpt-oss) render it.
+TEMPLATE_KEYS = (
+    "model",
+    "chat_template",
+    "chat_template_kwargs",
+    "add_generation_prompt",
+    "continue_final_message",
+    "add_special_tokens",
+    "documents",
+    "mm_processor_kwargs",
+    "reasoning_effort",
+    "tool_choice",
+)
+
+
+def match(prior: Prior | None, request: Mapping[str, Any]) -> Extension | Break:
+    """Whether `request` (normalized as `prior.request` was) extends `prior` (module docs)."""
+    if prior is None:
+        return Break("no_prior", "the rollout has no staged call to continue")
+    if (prior.request.get("tools") or []) != (request.get("tools") or []):
+        return Break("tools_changed", "the tool list differs from the previous call's")
+    for key in TEMPLATE_KEYS:
+        if prior.request.get(key) != request.get(key):
+            return Break("template_changed", f"`{key}` differs from the previous call's")
+    before: Sequence[Mapping[str, Any]] = prior.request.get("messages") or []
+    messages: Sequence[Mapping[str, Any]] = request.get("messages") or []
+    for i, old in enumerate(before):
+        if i >= len(messages):
+            return Break(
+                "history_edited",
+                f"the request has {len(messages)} messages, fewer than the previous call's "
+                f"{len(before)}",
+            )
+        difference = _message_difference(old, messages[i])
+        if difference:
+            return Break("history_edited", f"message {i}: {difference}")
+    n = len(before)
+    if n >= len(messages):
+        return Break("reply_mismatch", f"message {n}: the previous answer was not replayed")
+    difference = _message_difference({"role": "assistant", **prior.message}, messages[n])
+    if difference:
+        return Break("reply_mismatch", f"message {n}: {difference}")
+    appended = tuple(messages[n + 1 :])
+    if not appended:
+        return Break("nothing_appended", "no message follows the replayed answer")
+    for i, message in enumerate(appended, start=n + 1):
+        if message.get("role") == "assistant":
+            return Break("assistant_appended", f"message {i} is an assistant message")
+    for i, message in enumerate(messages):
+        if _has_image(message):
+            reason = "multimodal_append" if i > n else "multimodal_history"
+            return Break(reason, f"message {i} carries an image")
+    return Extension(prior, request, appended)
+
+
+def _message_difference(old: Mapping[str, Any], new: Mapping[str, Any]) -> str | None:
+    """The first field in which two messages differ, as words (None: the same message)."""
+    if old.get("role") != new.get("role"):
+        return f"role {new.get('role')!r} where {old.get('role')!r} was"
+    if old.get("role") != "assistant":
+        for key in sorted(old.keys() | new.keys()):
+            if old.get(key) != new.get(key):
+                return f"`{key}` differs"
+        return None
+    if _text(old.get("content")) != _text(new.get("content")):
+        return "assistant `content` differs"
+    had, replayed = _reasoning(old), _reasoning(new)
+    if replayed and replayed != had:
+        return "assistant `reasoning_content` differs"
+    old_calls: Sequence[Any] = old.get("tool_calls") or []
+    new_calls: Sequence[Any] = new.get("tool_calls") or []
+    if len(old_calls) != len(new_calls):
+        return f"{len(new_calls)} tool calls where {len(old_calls)} were"
+    for j, (a, b) in enumerate(zip(old_calls, new_calls, strict=True)):
+        fa, fb = _function(a), _function(b)
+        if fa.get("name") != fb.get("name"):
+            return f"tool call {j}: name {fb.get('name')!r} where {fa.get('name')!r} was"
+        if _arguments(fa.get("arguments")) != _arguments(fb.get("arguments")):
+            return f"tool call {j}: arguments differ"
+    return None
+
+
+def _text(content: Any) -> Any:
+    """Content as the template sees its text: null is "", a list of text parts is their text."""
+    if content is None:
+        return ""
+    if isinstance(content, list) and all(
+        isinstance(p, Mapping) and p.get("type") == "text" for p in content
+    ):
+        return "".join(str(p.get("text", "")) for p in content)
+    return content
+
+
+def _reasoning(message: Mapping[str, Any]) -> Any:
+    return message.get("reasoning_content") or message.get("reasoning") or None
+
+
+def _function(call: Any) -> Mapping[str, Any]:
+    fn = call.get("function") if isinstance(call, Mapping) else None
+    return fn if isinstance(fn, Mapping) else {}
+
+
+def _arguments(arguments: Any) -> Any:
+    """Arguments compared by meaning: a JSON string parsed (an unparseable one kept as text)."""
+    if isinstance(arguments, str):
+        try:
+            return ("json", json.loads(arguments))
+        except ValueError:
+            return ("text", arguments)
+    return ("json", arguments)
+
+
+def _has_image(message: Mapping[str, Any]) -> bool:
+    content = message.get("content")
+    return isinstance(content, list) and any(
+        isinstance(p, Mapping) and p.get("type") not in ("text", None) for p in content
+    )

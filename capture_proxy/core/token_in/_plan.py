@@ -1,0 +1,74 @@
+"""Which renders reveal the template's tokens for an extension (`plan`).
+
+The bridge never assumes the template is append-only (Qwen3's drops earlier reasoning once a new
+user message arrives). It renders a small dummy conversation instead of the real history:
+
+    D(v) = [the request's leading system message, if any; user "u"; assistant with content v]
+
+with the request's tools and template keys, for two one-token contents `DUMMY_CONTENTS`. Two
+renders that differ only in v share every token after it, so their common suffix is exactly what
+the template writes after an assistant turn's content:
+
+- ``close``: D(v1), D(v2) without a generation prompt: the common suffix is the turn close
+  (ChatML: ``<|im_end|>`` then ``"\\n"``). It depends only on the model, the system message, the
+  tools and the template keys, so the plan names a cache key for it.
+- ``suffix``: D(v) + the appended messages, with the request's generation prompt: the common
+  suffix is the turn close, then the appended messages as the template renders them after an
+  assistant turn, then the generation prompt.
+
+A dummy assistant has neither tool calls nor reasoning, so its close is the plain turn close.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from typing import Any
+
+import orjson
+
+from ._match import TEMPLATE_KEYS
+from ._values import BridgePlan, Extension
+
+__all__ = ["DUMMY_CONTENTS", "plan"]
+
+#: The two assistant contents of the dummy conversation: each a single token in common
+#: tokenizers, different from each other, and unlike any template's own text.
+DUMMY_CONTENTS = ("A", "B")
+
+_PER_RENDER = ("add_generation_prompt", "continue_final_message")
+
+
+def plan(request: Mapping[str, Any], extension: Extension) -> BridgePlan:
+    """The render requests (vLLM's ``/v1/chat/completions/render`` bodies) for `extension`."""
+    base: dict[str, Any] = {k: request[k] for k in TEMPLATE_KEYS if request.get(k) is not None}
+    if request.get("tools"):
+        base["tools"] = request["tools"]
+    messages = request.get("messages") or []
+    lead: list[Mapping[str, Any]] = []
+    if messages and messages[0].get("role") == "system":
+        lead.append(messages[0])
+    generation = request.get("add_generation_prompt", True) is not False
+
+    def dummy(v: str) -> list[Mapping[str, Any]]:
+        return [*lead, {"role": "user", "content": "u"}, {"role": "assistant", "content": v}]
+
+    def body(v: str, appended: tuple[Mapping[str, Any], ...], gen: bool) -> dict[str, Any]:
+        return {
+            **base,
+            "messages": [*dummy(v), *appended],
+            "add_generation_prompt": gen,
+            "continue_final_message": False,
+        }
+
+    v1, v2 = DUMMY_CONTENTS
+    # The two generation keys are set per render, so they are no part of what the close depends on.
+    fixed = {k: v for k, v in base.items() if k not in _PER_RENDER}
+    key_source = {"lead": lead, **fixed}
+    close_key = hashlib.sha256(orjson.dumps(key_source, option=orjson.OPT_SORT_KEYS)).hexdigest()
+    return BridgePlan(
+        extension=extension,
+        close_key=close_key,
+        close=(body(v1, (), False), body(v2, (), False)),
+        suffix=(body(v1, extension.appended, generation), body(v2, extension.appended, generation)),
+    )

@@ -1,0 +1,168 @@
+"""The values the token-in bridge passes around: what it knows of the previous call, its
+verdicts (`Extension`, `Break`) and its results (`BridgePlan`, `Rendered`, `Bridged`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...schemas.fields import BridgeSpan
+
+__all__ = [
+    "BREAK_REASONS",
+    "Break",
+    "BridgePlan",
+    "Bridged",
+    "Extension",
+    "Prior",
+    "Rendered",
+]
+
+#: Every reason a `Break` can give, and when:
+#:
+#: - ``no_prior``: the rollout has no staged call to extend.
+#: - ``history_edited``: the messages before the replayed answer are not the previous call's
+#:   messages (edited, removed, truncated: OpenCode's compaction).
+#: - ``tools_changed``: the tool list differs from the previous call's.
+#: - ``template_changed``: a key the chat template reads (``chat_template_kwargs``, ...) differs.
+#: - ``reply_mismatch``: the replayed assistant message is not what the model produced.
+#: - ``nothing_appended``: the request ends with the replayed answer (no new message after it).
+#: - ``assistant_appended``: an assistant message follows the replayed answer (the client wrote
+#:   model turns of its own, or asks to continue one).
+#: - ``multimodal_append``: an appended message carries an image.
+#: - ``multimodal_history``: an earlier message carries an image (the exact prompt would need
+#:   the previous call's image features, which the bridge does not have).
+#: - ``template_not_bridgeable``: the renders do not have the structure the bridge needs (no
+#:   common turn close, or the appended rendering does not start with it).
+BREAK_REASONS = (
+    "no_prior",
+    "history_edited",
+    "tools_changed",
+    "template_changed",
+    "reply_mismatch",
+    "nothing_appended",
+    "assistant_appended",
+    "multimodal_append",
+    "multimodal_history",
+    "template_not_bridgeable",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Prior:
+    """The rollout's last staged call, as the bridge needs it.
+
+    Attributes:
+        request: its normalized request as forwarded upstream (``messages``, ``tools``,
+            ``model``, ``chat_template_kwargs`` and the other template keys; replayed reasoning
+            under ``reasoning_content``).
+        message: the assistant message of its answer (``content``, ``reasoning_content`` or
+            ``reasoning``, ``tool_calls``), as the client received it.
+        prompt_ids: the exact prompt token ids the model saw.
+        completion_ids: the exact token ids the model sampled.
+        finish_reason: the answer's finish reason (``stop``, ``length``, ...).
+    """
+
+    request: Mapping[str, Any]
+    message: Mapping[str, Any]
+    prompt_ids: Sequence[int]
+    completion_ids: Sequence[int]
+    finish_reason: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Extension:
+    """The new request extends `prior`: its messages are the prior's, the replayed answer, then
+    `appended` (at least one message, none of them an assistant's)."""
+
+    prior: Prior
+    request: Mapping[str, Any]
+    appended: tuple[Mapping[str, Any], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Break:
+    """The call cannot be bridged: send the plain rendering and start a new segment.
+
+    Attributes:
+        reason: one of `BREAK_REASONS`.
+        detail: a short sentence naming the first difference (message index, field).
+    """
+
+    reason: str
+    detail: str
+
+    def __post_init__(self) -> None:
+        if self.reason not in BREAK_REASONS:
+            raise ValueError(f"unknown break reason {self.reason!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class BridgePlan:
+    """The render requests that reveal the template's tokens for one extension.
+
+    Each request is a Chat Completions body for vLLM's render route. `close` renders the dummy
+    conversation D(v) = [leading system, user "u", assistant v] for two contents without a
+    generation prompt; `suffix` renders D(v) + the appended messages with the request's
+    generation prompt. `close_key` names what the close depends on (model, system message,
+    tools, template keys): two plans with the same key have the same close renders, so their
+    answers can be cached under it.
+    """
+
+    extension: Extension
+    close_key: str
+    close: tuple[dict[str, Any], dict[str, Any]]
+    suffix: tuple[dict[str, Any], dict[str, Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class Rendered:
+    """The token ids the render route answered for a plan's requests, in the plan's order.
+
+    `features` lists the non-null ``features`` of the suffix answers (image inputs); the bridge
+    refuses those (`Break` ``multimodal_append``).
+    """
+
+    close: tuple[Sequence[int], Sequence[int]]
+    suffix: tuple[Sequence[int], Sequence[int]]
+    features: tuple[Any, ...] = ()
+
+    @classmethod
+    def from_answers(
+        cls,
+        close: tuple[Mapping[str, Any], Mapping[str, Any]],
+        suffix: tuple[Mapping[str, Any], Mapping[str, Any]],
+    ) -> Rendered:
+        """Read render answers (vLLM's ``GenerateRequest``: ``token_ids``, ``features``).
+
+        Raises ValueError naming the answer and key when ``token_ids`` is not a list of ints.
+        """
+        names = ("close[0]", "close[1]", "suffix[0]", "suffix[1]")
+        ids: list[list[int]] = []
+        for name, answer in zip(names, (*close, *suffix), strict=True):
+            tokens = answer.get("token_ids")
+            if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
+                raise ValueError(f"render answer {name}: token_ids must be a list of ints")
+            ids.append(tokens)
+        features = tuple(a["features"] for a in suffix if a.get("features") is not None)
+        return cls((ids[0], ids[1]), (ids[2], ids[3]), features)
+
+
+@dataclass(frozen=True, slots=True)
+class Bridged:
+    """The prompt of a bridged call.
+
+    Attributes:
+        prompt_ids: the previous call's prompt + completion ids, the bridge, then the template's
+            tokens for the appended messages and the generation prompt.
+        bridge_spans: ``(start, end, reason)`` over `prompt_ids`, half-open: the tokens the proxy
+            inserted after the model's completion (``turn_close``: what the template puts after
+            the end-of-turn token the model sampled; ``end_of_turn_added``: the whole turn close,
+            for a completion that did not end on it). A trainer keeps them at loss mask 0.
+        appended_start: where the appended messages' tokens start in `prompt_ids`.
+    """
+
+    prompt_ids: list[int]
+    bridge_spans: tuple[BridgeSpan, ...] = field(default=())
+    appended_start: int = 0

@@ -1,0 +1,216 @@
+"""The bridged prompt: the model's own tokens, then exactly the template's tokens after them.
+
+Renders come from the fake vLLM's Qwen3-style template (`tests/support/token_in.py`), which
+drops the reasoning of assistant turns before the last user message: re-rendering the history
+is not what the model saw, and the bridge must not depend on it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from capture_proxy.core.token_in import (
+    END_OF_TURN_ADDED,
+    TURN_CLOSE,
+    Break,
+    Bridged,
+    Extension,
+    Prior,
+    Rendered,
+    assemble,
+    common_suffix,
+    divergence,
+    match,
+    plan,
+)
+from capture_proxy.testing.fake_vllm._template import IM_END, encode, tool_call_text
+from tests.support.token_in import continued, render_ids, render_plan, staged_prior
+
+FIXTURES = Path(__file__).parents[2] / "fixtures" / "vllm-0.32.0" / "token-in"
+TOOLS = [{"type": "function", "function": {"name": "bash", "parameters": {"type": "object"}}}]
+HISTORY = [
+    {"role": "system", "content": "You are a coder."},
+    {"role": "user", "content": "list the files"},
+]
+NL = encode("\n")
+GENERATION = encode("<|im_start|>assistant\n")
+
+
+def bridge(prior: Prior, request: dict[str, Any]) -> Bridged:
+    ext = match(prior, request)
+    assert isinstance(ext, Extension), ext
+    result = assemble(prior, plan(request, ext), render_plan(plan(request, ext)))
+    assert isinstance(result, Bridged), result
+    return result
+
+
+def chat_prior(finish_reason: str = "stop") -> Prior:
+    answer = {"role": "assistant", "content": "Which files?", "reasoning_content": "hm"}
+    sampled = "<think>\nhm\n</think>\n\nWhich files?"
+    return staged_prior(HISTORY, sampled, answer, finish_reason=finish_reason)
+
+
+USER = {"role": "user", "content": "all of them"}
+USER_TOKENS = encode("<|im_start|>user\nall of them<|im_end|>\n")
+
+
+def test_a_completion_ending_on_its_end_of_turn_token_gets_the_text_after_it() -> None:
+    prior = chat_prior("stop")
+    assert prior.completion_ids[-1] == IM_END
+    bridged = bridge(prior, continued(prior, prior.message, USER))
+    base = len(prior.prompt_ids) + len(prior.completion_ids)
+    assert bridged.prompt_ids == [
+        *prior.prompt_ids,
+        *prior.completion_ids,
+        *NL,
+        *USER_TOKENS,
+        *GENERATION,
+    ]
+    assert bridged.bridge_spans == ((base, base + 1, TURN_CLOSE),)
+    assert bridged.appended_start == base + 1
+
+
+def test_a_completion_cut_by_length_gets_the_whole_turn_close_recorded_as_added() -> None:
+    prior = chat_prior("length")
+    assert prior.completion_ids[-1] != IM_END
+    bridged = bridge(prior, continued(prior, prior.message, USER))
+    base = len(prior.prompt_ids) + len(prior.completion_ids)
+    assert bridged.prompt_ids[base:] == [IM_END, *NL, *USER_TOKENS, *GENERATION]
+    assert bridged.bridge_spans == ((base, base + 2, END_OF_TURN_ADDED),)
+
+
+def test_a_stop_string_left_out_of_the_output_gets_the_whole_turn_close() -> None:
+    # vLLM excludes a matched stop string: the completion stops with "stop" but without <|im_end|>.
+    prior = chat_prior("length")
+    stopped = Prior(prior.request, prior.message, prior.prompt_ids, prior.completion_ids, "stop")
+    bridged = bridge(stopped, continued(stopped, stopped.message, USER))
+    base = len(prior.prompt_ids) + len(prior.completion_ids)
+    assert bridged.bridge_spans == ((base, base + 2, END_OF_TURN_ADDED),)
+
+
+def test_a_new_user_message_keeps_the_reasoning_the_plain_rendering_drops() -> None:
+    prior = chat_prior()
+    request = continued(prior, prior.message, USER)
+    bridged = bridge(prior, request)
+    plain = render_ids(request)
+    # The plain rendering drops "<think>\nhm\n</think>\n\n" of the answer: it differs exactly
+    # where the model's completion starts, and the bridged prompt keeps the model's tokens.
+    assert divergence(bridged.prompt_ids, plain) == len(prior.prompt_ids)
+    start = len(prior.prompt_ids)
+    assert bridged.prompt_ids[start : start + len(prior.completion_ids)] == prior.completion_ids
+    assert bridged.prompt_ids[: len(prior.prompt_ids)] == prior.prompt_ids
+    # Past the dropped reasoning, both end with the same tokens for the new turn.
+    assert bridged.prompt_ids[-len(USER_TOKENS) - len(GENERATION) :] == USER_TOKENS + GENERATION
+    assert plain[-len(USER_TOKENS) - len(GENERATION) :] == USER_TOKENS + GENERATION
+
+
+def tool_prior(arguments: str = '{"c":"ls"}') -> Prior:
+    call = {"id": "c1", "type": "function", "function": {"name": "bash", "arguments": arguments}}
+    answer = {"role": "assistant", "content": "", "tool_calls": [call]}
+    return staged_prior(HISTORY, tool_call_text("bash", arguments), answer, tools=TOOLS)
+
+
+def result(text: str) -> dict[str, Any]:
+    return {"role": "tool", "tool_call_id": "c1", "content": text}
+
+
+def test_tool_arguments_the_client_reserialized_stay_as_the_model_wrote_them() -> None:
+    prior = tool_prior('{"c":"ls"}')
+    replayed = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"type": "function", "function": {"name": "bash", "arguments": '{"c": "ls"}'}}
+        ],
+    }
+    request = continued(prior, replayed, result("a.py"))
+    bridged = bridge(prior, request)
+    plain = render_ids(request)
+    where = divergence(bridged.prompt_ids, plain)
+    assert where is not None
+    assert bridged.prompt_ids[where] == encode('"')[0]  # {"c":"ls"} as sampled ...
+    assert plain[where] == encode(" ")[0]  # ... {"c": "ls"} re-rendered
+    base = len(prior.prompt_ids) + len(prior.completion_ids)
+    assert bridged.prompt_ids[:base] == [*prior.prompt_ids, *prior.completion_ids]
+
+
+def test_several_tool_results_render_as_one_user_turn_after_the_close() -> None:
+    prior = tool_prior()
+    request = continued(prior, prior.message, result("a.py"), result("b.py"))
+    bridged = bridge(prior, request)
+    expected = encode(
+        "<|im_start|>user\n<tool_response>\na.py\n</tool_response>\n"
+        "<tool_response>\nb.py\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert bridged.prompt_ids[bridged.appended_start :] == expected
+    # The template is append-only for tool results and the arguments were replayed verbatim:
+    # the bridged prompt is the plain one.
+    assert divergence(bridged.prompt_ids, render_ids(request)) is None
+
+
+def test_divergence_positions() -> None:
+    assert divergence([1, 2, 3], [1, 2, 3]) is None
+    assert divergence([1, 2, 3], [1, 9, 3]) == 1
+    assert divergence([1, 2], [1, 2, 3]) == 2
+    assert divergence([], []) is None
+
+
+def test_common_suffix() -> None:
+    assert common_suffix([1, 5, 2, 3], [1, 6, 2, 3]) == [2, 3]
+    assert common_suffix([1], [2]) == []
+    assert common_suffix([], [1]) == []
+
+
+def _planned() -> tuple[Prior, Any]:
+    prior = chat_prior()
+    request = continued(prior, prior.message, USER)
+    ext = match(prior, request)
+    assert isinstance(ext, Extension)
+    return prior, plan(request, ext)
+
+
+def test_renders_without_a_common_close_are_not_bridgeable() -> None:
+    prior, p = _planned()
+    # A template that writes nothing after an assistant's content: the two renders end on v.
+    rendered = Rendered(close=([1, 65], [1, 66]), suffix=([1, 65, 7], [1, 66, 7]))
+    assert assemble(prior, p, rendered) == Break(
+        "template_not_bridgeable",
+        "the two dummy renders share no closing tokens: the template writes nothing after an "
+        "assistant turn's content",
+    )
+
+
+def test_an_appended_rendering_not_starting_with_the_close_is_not_bridgeable() -> None:
+    prior, p = _planned()
+    good = render_plan(p)
+    # A template that closes the last assistant turn differently when more messages follow.
+    changed = tuple(
+        [*ids[: -len(USER_TOKENS) - len(GENERATION) - 2], 99, *USER_TOKENS] for ids in good.suffix
+    )
+    rendered = Rendered(close=good.close, suffix=(changed[0], changed[1]))
+    assert assemble(prior, p, rendered) == Break(
+        "template_not_bridgeable",
+        "the rendering of the appended messages does not start with the turn close (2 tokens)",
+    )
+
+
+def test_image_features_in_the_appended_renders_are_multimodal_append() -> None:
+    prior, p = _planned()
+    good = render_plan(p)
+    rendered = Rendered(good.close, good.suffix, features=({"modality": "image"},))
+    assert assemble(prior, p, rendered) == Break(
+        "multimodal_append", "the appended messages render with image features"
+    )
+
+
+def test_render_answers_are_read_from_vllms_generate_request() -> None:
+    answer = json.loads((FIXTURES / "render-chat-response.json").read_text())
+    rendered = Rendered.from_answers((answer, answer), (answer, {**answer, "features": {"x": 1}}))
+    assert rendered.close == (answer["token_ids"], answer["token_ids"])
+    assert rendered.features == ({"x": 1},)
+    with pytest.raises(ValueError, match=r"render answer suffix\[1\]: token_ids must be a list"):
+        Rendered.from_answers((answer, answer), (answer, {**answer, "token_ids": None}))

@@ -1,0 +1,192 @@
+"""`match` says whether a request extends the previous staged call, and if not, why.
+
+Each `Break` reason is shown with the detail a user reads in the record's segment break.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from capture_proxy.core.token_in import BREAK_REASONS, Break, Extension, match
+from tests.support.token_in import continued, staged_prior
+
+TOOLS = [{"type": "function", "function": {"name": "bash", "parameters": {"type": "object"}}}]
+HISTORY = [
+    {"role": "system", "content": "You are a coder."},
+    {"role": "user", "content": "list the files"},
+]
+CALL = {"id": "call_1", "type": "function", "function": {"name": "bash", "arguments": '{"c":"ls"}'}}
+ANSWER = {"role": "assistant", "content": "", "reasoning_content": "look", "tool_calls": [CALL]}
+RESULT = {"role": "tool", "tool_call_id": "call_1", "content": "a.py"}
+
+
+def prior_call(**keys: Any) -> Any:
+    sampled = '<think>\nlook\n</think>\n\n<tool_call>\n{"name": "bash", "arguments": {"c":"ls"}}'
+    return staged_prior(HISTORY, sampled + "\n</tool_call>", ANSWER, tools=TOOLS, **keys)
+
+
+def replay(**changes: Any) -> dict[str, Any]:
+    return {**ANSWER, **changes}
+
+
+def test_a_replayed_tool_call_with_its_result_extends_the_call() -> None:
+    prior = prior_call()
+    request = continued(prior, replay(), RESULT)
+    result = match(prior, request)
+    assert isinstance(result, Extension)
+    assert result.appended == (RESULT,)
+    assert result.prior is prior
+
+
+@pytest.mark.parametrize(
+    "replayed",
+    [
+        # OpenCode re-serializes arguments and drops the call id and the reasoning.
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"type": "function", "function": {"name": "bash", "arguments": '{"c": "ls"}'}}
+            ],
+        },
+        # Content as a list of text parts, reasoning kept, a new call id.
+        replay(
+            content=[{"type": "text", "text": ""}],
+            tool_calls=[{**CALL, "id": "other"}],
+        ),
+    ],
+    ids=["reserialized-no-id-no-reasoning", "text-parts-new-id"],
+)
+def test_a_replay_equal_in_meaning_extends_the_call(replayed: dict[str, Any]) -> None:
+    prior = prior_call()
+    assert isinstance(match(prior, continued(prior, replayed, RESULT)), Extension)
+
+
+def test_several_tool_results_and_a_user_message_are_all_appended() -> None:
+    prior = prior_call()
+    more = [RESULT, {**RESULT, "content": "b.py"}, {"role": "user", "content": "now run it"}]
+    result = match(prior, continued(prior, replay(), *more))
+    assert isinstance(result, Extension)
+    assert list(result.appended) == more
+
+
+def _break(prior: Any, request: dict[str, Any]) -> Break:
+    result = match(prior, request)
+    assert isinstance(result, Break), result
+    return result
+
+
+def test_no_prior() -> None:
+    assert _break(None, {"messages": HISTORY}) == Break(
+        "no_prior", "the rollout has no staged call to continue"
+    )
+
+
+def test_an_edited_message_is_history_edited_naming_it() -> None:
+    prior = prior_call()
+    request = continued(prior, replay(), RESULT)
+    request["messages"][1] = {"role": "user", "content": "list all the files"}
+    assert _break(prior, request) == Break("history_edited", "message 1: `content` differs")
+
+
+def test_a_compacted_history_is_history_edited() -> None:
+    prior = prior_call()
+    compacted = {**prior.request, "messages": [{"role": "user", "content": "summary"}]}
+    assert _break(prior, compacted) == Break(
+        "history_edited", "message 0: role 'user' where 'system' was"
+    )
+    truncated = {**prior.request, "messages": HISTORY[:1]}
+    assert _break(prior, truncated) == Break(
+        "history_edited", "the request has 1 messages, fewer than the previous call's 2"
+    )
+
+
+def test_a_changed_tool_list_is_tools_changed() -> None:
+    prior = prior_call()
+    request = {**continued(prior, replay(), RESULT), "tools": TOOLS * 2}
+    assert _break(prior, request) == Break(
+        "tools_changed", "the tool list differs from the previous call's"
+    )
+
+
+def test_changed_template_kwargs_are_template_changed() -> None:
+    prior = prior_call(chat_template_kwargs={"enable_thinking": True})
+    request = {**continued(prior, replay(), RESULT), "chat_template_kwargs": {}}
+    assert _break(prior, request) == Break(
+        "template_changed", "`chat_template_kwargs` differs from the previous call's"
+    )
+
+
+@pytest.mark.parametrize(
+    ("replayed", "detail"),
+    [
+        (replay(content="I ran ls"), "message 2: assistant `content` differs"),
+        (replay(reasoning_content="other"), "message 2: assistant `reasoning_content` differs"),
+        (replay(tool_calls=[]), "message 2: 0 tool calls where 1 were"),
+        (
+            replay(tool_calls=[{**CALL, "function": {"name": "bash", "arguments": '{"c":"rm"}'}}]),
+            "message 2: tool call 0: arguments differ",
+        ),
+        (
+            replay(tool_calls=[{**CALL, "function": {"name": "sh", "arguments": '{"c":"ls"}'}}]),
+            "message 2: tool call 0: name 'sh' where 'bash' was",
+        ),
+        (RESULT, "message 2: role 'tool' where 'assistant' was"),
+    ],
+    ids=["content", "reasoning", "tool-count", "arguments", "name", "not-replayed"],
+)
+def test_a_replay_the_model_did_not_produce_is_reply_mismatch(
+    replayed: dict[str, Any], detail: str
+) -> None:
+    prior = prior_call()
+    assert _break(prior, continued(prior, replayed, RESULT)) == Break("reply_mismatch", detail)
+
+
+def test_a_request_that_stops_before_the_answer_is_reply_mismatch() -> None:
+    prior = prior_call()
+    assert _break(prior, dict(prior.request)) == Break(
+        "reply_mismatch", "message 2: the previous answer was not replayed"
+    )
+
+
+def test_nothing_after_the_replayed_answer_is_nothing_appended() -> None:
+    prior = prior_call()
+    assert _break(prior, continued(prior, replay())) == Break(
+        "nothing_appended", "no message follows the replayed answer"
+    )
+
+
+def test_an_appended_assistant_message_is_assistant_appended() -> None:
+    prior = prior_call()
+    request = continued(prior, replay(), RESULT, {"role": "assistant", "content": "done"})
+    assert _break(prior, request) == Break(
+        "assistant_appended", "message 4 is an assistant message"
+    )
+
+
+IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+
+
+def test_an_appended_image_is_multimodal_append() -> None:
+    prior = prior_call()
+    user = {"role": "user", "content": [{"type": "text", "text": "see"}, IMAGE]}
+    assert _break(prior, continued(prior, replay(), RESULT, user)) == Break(
+        "multimodal_append", "message 4 carries an image"
+    )
+
+
+def test_an_image_in_the_history_is_multimodal_history() -> None:
+    history = [{"role": "user", "content": [IMAGE]}]
+    prior = staged_prior(history, "nice", {"role": "assistant", "content": "nice"})
+    request = continued(
+        prior, {"role": "assistant", "content": "nice"}, {"role": "user", "content": "?"}
+    )
+    assert _break(prior, request) == Break("multimodal_history", "message 0 carries an image")
+
+
+def test_an_unknown_break_reason_is_refused() -> None:
+    assert "history_edited" in BREAK_REASONS
+    with pytest.raises(ValueError, match="unknown break reason 'oops'"):
+        Break("oops", "")

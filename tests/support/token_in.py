@@ -1,0 +1,74 @@
+"""Token-in bridging driven by the fake vLLM's pure chat template, without HTTP.
+
+`render_ids` renders a chat body as the fake's render route would (its Qwen3-style template, by
+default dropping reasoning before the last user message: not append-only), and `render_plan`
+answers a `BridgePlan`'s four render requests with it. `staged_prior` builds the `Prior` a real
+call would leave: the prompt rendered from its request, a completion sampled as given text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from capture_proxy.core.token_in import BridgePlan, Prior, Rendered
+from capture_proxy.testing.fake_vllm._template import IM_END, encode, render_chat
+
+MODEL = "policy"
+
+
+def render_ids(body: Mapping[str, Any], *, drop_past_reasoning: bool = True) -> list[int]:
+    """The prompt ids the fake's template gives a chat body."""
+    text = render_chat(
+        body["messages"],
+        body.get("tools"),
+        add_generation_prompt=body.get("add_generation_prompt", True) is not False,
+        drop_past_reasoning=drop_past_reasoning,
+    )
+    return encode(text)
+
+
+def render_plan(plan: BridgePlan, *, drop_past_reasoning: bool = True) -> Rendered:
+    """Answer a plan's render requests with the fake's template."""
+
+    def ids(body: Mapping[str, Any]) -> list[int]:
+        return render_ids(body, drop_past_reasoning=drop_past_reasoning)
+
+    return Rendered(
+        close=(ids(plan.close[0]), ids(plan.close[1])),
+        suffix=(ids(plan.suffix[0]), ids(plan.suffix[1])),
+    )
+
+
+def staged_prior(
+    messages: Sequence[Mapping[str, Any]],
+    sampled: str,
+    answer: Mapping[str, Any],
+    *,
+    finish_reason: str = "stop",
+    tools: Sequence[Any] | None = None,
+    drop_past_reasoning: bool = True,
+    **keys: Any,
+) -> Prior:
+    """A staged call: `messages` rendered into its prompt, `sampled` the text the model
+    generated (a ``stop`` completion ends on ``<|im_end|>``, a ``length`` one does not), `answer`
+    the assistant message the client received."""
+    request: dict[str, Any] = {"model": MODEL, "messages": list(messages), **keys}
+    if tools:
+        request["tools"] = list(tools)
+    completion = encode(sampled) + ([IM_END] if finish_reason == "stop" else [])
+    return Prior(
+        request=request,
+        message=answer,
+        prompt_ids=render_ids(request, drop_past_reasoning=drop_past_reasoning),
+        completion_ids=completion,
+        finish_reason=finish_reason,
+    )
+
+
+def continued(prior: Prior, replayed: Mapping[str, Any], *appended: Any) -> dict[str, Any]:
+    """The next request: the prior's, its answer replayed as `replayed`, then `appended`."""
+    return {
+        **prior.request,
+        "messages": [*prior.request["messages"], replayed, *appended],
+    }
