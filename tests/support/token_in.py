@@ -37,6 +37,7 @@ def render_plan(plan: BridgePlan, *, drop_past_reasoning: bool = True) -> Render
     return Rendered(
         close=(ids(plan.close[0]), ids(plan.close[1])),
         suffix=(ids(plan.suffix[0]), ids(plan.suffix[1])),
+        turn=None if plan.turn is None else (ids(plan.turn[0]), ids(plan.turn[1])),
     )
 
 

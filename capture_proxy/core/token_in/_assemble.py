@@ -6,7 +6,10 @@ part of the turn close the completion did not already end with, then the templat
 the appended messages and the generation prompt:
 
 - the turn close C is the common suffix of the two ``close`` renders (`common_suffix`);
-- the appended tokens are what follows C at the start of the common suffix of the two
+- the turn's end T is C, or for an answer with tool calls the common suffix of the two ``turn``
+  renders, which must end with C (a template that closes a tool-call turn with other tokens,
+  as gpt-oss's ``<|call|>``, is not bridged);
+- the appended tokens are what follows T at the start of the common suffix of the two
   ``suffix`` renders;
 - the completion's end overlaps C's start by k tokens, k as large as possible: a completion that
   ended on its end-of-turn token (finish ``stop``, last id C[0]) has k = 1 and gets C[1:], the
@@ -55,14 +58,24 @@ def assemble(prior: Prior, plan: BridgePlan, rendered: Rendered) -> Bridged | Br
             "the two dummy renders share no closing tokens: the template writes nothing after "
             "an assistant turn's content",
         )
+    end = close
+    if plan.turn is not None:
+        if rendered.turn is None:
+            raise ValueError("the plan asks for `turn` renders: pass them in Rendered.turn")
+        end = common_suffix(*rendered.turn)
+        if end[len(end) - len(close) :] != close:
+            return Break(
+                "template_not_bridgeable",
+                "a turn with tool calls does not end with the turn close of one without",
+            )
     tail = common_suffix(*rendered.suffix)
-    if tail[: len(close)] != close:
+    if tail[: len(end)] != end:
         return Break(
             "template_not_bridgeable",
-            f"the rendering of the appended messages does not start with the turn close "
-            f"({len(close)} tokens)",
+            f"the rendering of the appended messages does not start with the turn's end "
+            f"({len(end)} tokens)",
         )
-    appended = tail[len(close) :]
+    appended = tail[len(end) :]
     completion = prior.completion_ids
     overlap = _overlap(completion, close)
     bridge = close[overlap:]

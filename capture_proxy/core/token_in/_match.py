@@ -80,7 +80,7 @@ def match(prior: Prior | None, request: Mapping[str, Any]) -> Extension | Break:
         if _has_image(message):
             reason = "multimodal_append" if i > n else "multimodal_history"
             return Break(reason, f"message {i} carries an image")
-    return Extension(prior, request, appended)
+    return Extension(prior, request, messages[n], appended)
 
 
 def _message_difference(old: Mapping[str, Any], new: Mapping[str, Any]) -> str | None:

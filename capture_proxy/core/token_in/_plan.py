@@ -12,11 +12,16 @@ the template writes after an assistant turn's content:
 - ``close``: D(v1), D(v2) without a generation prompt: the common suffix is the turn close
   (ChatML: ``<|im_end|>`` then ``"\\n"``). It depends only on the model, the system message, the
   tools and the template keys, so the plan names a cache key for it.
-- ``suffix``: D(v) + the appended messages, with the request's generation prompt: the common
-  suffix is the turn close, then the appended messages as the template renders them after an
-  assistant turn, then the generation prompt.
+- ``turn``, only when the replayed answer has tool calls: D(v) with those tool calls on the
+  dummy assistant (as replayed, ids included), without a generation prompt: the common suffix is
+  the template's tool calls and the close of such a turn. Templates that render a tool result
+  from the assistant turn before it (its call's name or id) or refuse a tool result after a turn
+  without tool calls then render the appended messages as they would after the real answer.
+- ``suffix``: the dummy (with the tool calls, if any) + the appended messages, with the
+  request's generation prompt: the common suffix is the ``turn`` (or ``close``) suffix, then the
+  appended messages as the template renders them after that turn, then the generation prompt.
 
-A dummy assistant has neither tool calls nor reasoning, so its close is the plain turn close.
+The dummy assistant never has reasoning: its turn close is the plain one.
 """
 
 from __future__ import annotations
@@ -50,13 +55,20 @@ def plan(request: Mapping[str, Any], extension: Extension) -> BridgePlan:
         lead.append(messages[0])
     generation = request.get("add_generation_prompt", True) is not False
 
-    def dummy(v: str) -> list[Mapping[str, Any]]:
-        return [*lead, {"role": "user", "content": "u"}, {"role": "assistant", "content": v}]
+    calls = extension.replayed.get("tool_calls") or []
 
-    def body(v: str, appended: tuple[Mapping[str, Any], ...], gen: bool) -> dict[str, Any]:
+    def dummy(v: str, with_calls: bool) -> list[Mapping[str, Any]]:
+        assistant: dict[str, Any] = {"role": "assistant", "content": v}
+        if with_calls:
+            assistant["tool_calls"] = calls
+        return [*lead, {"role": "user", "content": "u"}, assistant]
+
+    def body(
+        v: str, appended: tuple[Mapping[str, Any], ...], gen: bool, with_calls: bool = False
+    ) -> dict[str, Any]:
         return {
             **base,
-            "messages": [*dummy(v), *appended],
+            "messages": [*dummy(v, with_calls), *appended],
             "add_generation_prompt": gen,
             "continue_final_message": False,
         }
@@ -66,9 +78,11 @@ def plan(request: Mapping[str, Any], extension: Extension) -> BridgePlan:
     fixed = {k: v for k, v in base.items() if k not in _PER_RENDER}
     key_source = {"lead": lead, **fixed}
     close_key = hashlib.sha256(orjson.dumps(key_source, option=orjson.OPT_SORT_KEYS)).hexdigest()
+    appended, tc = extension.appended, bool(calls)
     return BridgePlan(
         extension=extension,
         close_key=close_key,
         close=(body(v1, (), False), body(v2, (), False)),
-        suffix=(body(v1, extension.appended, generation), body(v2, extension.appended, generation)),
+        suffix=(body(v1, appended, generation, tc), body(v2, appended, generation, tc)),
+        turn=(body(v1, (), False, True), body(v2, (), False, True)) if tc else None,
     )

@@ -73,11 +73,13 @@ class Prior:
 
 @dataclass(frozen=True, slots=True)
 class Extension:
-    """The new request extends `prior`: its messages are the prior's, the replayed answer, then
-    `appended` (at least one message, none of them an assistant's)."""
+    """The new request extends `prior`: its messages are the prior's, the replayed answer
+    (`replayed`, as the client sent it), then `appended` (at least one message, none of them an
+    assistant's)."""
 
     prior: Prior
     request: Mapping[str, Any]
+    replayed: Mapping[str, Any]
     appended: tuple[Mapping[str, Any], ...]
 
 
@@ -102,30 +104,39 @@ class Break:
 class BridgePlan:
     """The render requests that reveal the template's tokens for one extension.
 
-    Each request is a Chat Completions body for vLLM's render route. `close` renders the dummy
-    conversation D(v) = [leading system, user "u", assistant v] for two contents without a
-    generation prompt; `suffix` renders D(v) + the appended messages with the request's
-    generation prompt. `close_key` names what the close depends on (model, system message,
-    tools, template keys): two plans with the same key have the same close renders, so their
-    answers can be cached under it.
+    Each request is a Chat Completions body for vLLM's render route, in pairs that differ only
+    in the dummy assistant's content. `close` renders D(v) = [leading system, user "u",
+    assistant v] without a generation prompt. `turn` (only when the replayed answer has tool
+    calls, else None) renders the same with the replayed tool calls on the dummy assistant.
+    `suffix` renders that dummy (with the tool calls, if any) + the appended messages with the
+    request's generation prompt. `close_key` names what `close` depends on (model, system
+    message, tools, template keys): two plans with the same key have the same close renders, so
+    their answers can be cached under it. `requests()` lists every body to render.
     """
 
     extension: Extension
     close_key: str
     close: tuple[dict[str, Any], dict[str, Any]]
     suffix: tuple[dict[str, Any], dict[str, Any]]
+    turn: tuple[dict[str, Any], dict[str, Any]] | None = None
+
+    def requests(self) -> list[dict[str, Any]]:
+        """Every body to render: `close` (unless cached), `turn` if any, `suffix`."""
+        return [*self.close, *(self.turn or ()), *self.suffix]
 
 
 @dataclass(frozen=True, slots=True)
 class Rendered:
     """The token ids the render route answered for a plan's requests, in the plan's order.
 
-    `features` lists the non-null ``features`` of the suffix answers (image inputs); the bridge
-    refuses those (`Break` ``multimodal_append``).
+    `turn` is given exactly when the plan has a `turn` pair. `features` lists the non-null
+    ``features`` of the suffix answers (image inputs); the bridge refuses those (`Break`
+    ``multimodal_append``).
     """
 
     close: tuple[Sequence[int], Sequence[int]]
     suffix: tuple[Sequence[int], Sequence[int]]
+    turn: tuple[Sequence[int], Sequence[int]] | None = None
     features: tuple[Any, ...] = ()
 
     @classmethod
@@ -133,20 +144,30 @@ class Rendered:
         cls,
         close: tuple[Mapping[str, Any], Mapping[str, Any]],
         suffix: tuple[Mapping[str, Any], Mapping[str, Any]],
+        turn: tuple[Mapping[str, Any], Mapping[str, Any]] | None = None,
     ) -> Rendered:
         """Read render answers (vLLM's ``GenerateRequest``: ``token_ids``, ``features``).
 
-        Raises ValueError naming the answer and key when ``token_ids`` is not a list of ints.
+        Raises ValueError naming the answer when its ``token_ids`` is not a list of ints.
         """
-        names = ("close[0]", "close[1]", "suffix[0]", "suffix[1]")
-        ids: list[list[int]] = []
-        for name, answer in zip(names, (*close, *suffix), strict=True):
-            tokens = answer.get("token_ids")
-            if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
-                raise ValueError(f"render answer {name}: token_ids must be a list of ints")
-            ids.append(tokens)
+
+        def pair(name: str, answers: tuple[Mapping[str, Any], Mapping[str, Any]]) -> Any:
+            return tuple(_token_ids(f"{name}[{i}]", a) for i, a in enumerate(answers))
+
         features = tuple(a["features"] for a in suffix if a.get("features") is not None)
-        return cls((ids[0], ids[1]), (ids[2], ids[3]), features)
+        return cls(
+            pair("close", close),
+            pair("suffix", suffix),
+            None if turn is None else pair("turn", turn),
+            features,
+        )
+
+
+def _token_ids(name: str, answer: Mapping[str, Any]) -> list[int]:
+    tokens = answer.get("token_ids")
+    if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
+        raise ValueError(f"render answer {name}: token_ids must be a list of ints")
+    return tokens
 
 
 @dataclass(frozen=True, slots=True)

@@ -194,7 +194,7 @@ def test_an_appended_rendering_not_starting_with_the_close_is_not_bridgeable() -
     rendered = Rendered(close=good.close, suffix=(changed[0], changed[1]))
     assert assemble(prior, p, rendered) == Break(
         "template_not_bridgeable",
-        "the rendering of the appended messages does not start with the turn close (2 tokens)",
+        "the rendering of the appended messages does not start with the turn's end (2 tokens)",
     )
 
 
@@ -214,3 +214,79 @@ def test_render_answers_are_read_from_vllms_generate_request() -> None:
     assert rendered.features == ({"x": 1},)
     with pytest.raises(ValueError, match=r"render answer suffix\[1\]: token_ids must be a list"):
         Rendered.from_answers((answer, answer), (answer, {**answer, "token_ids": None}))
+
+
+def _tool_plan() -> tuple[Prior, Any, dict[str, Any]]:
+    prior = tool_prior()
+    request = continued(prior, prior.message, result("a.py"))
+    ext = match(prior, request)
+    assert isinstance(ext, Extension)
+    return prior, plan(request, ext), request
+
+
+def test_an_answer_with_tool_calls_renders_the_dummy_with_them() -> None:
+    _, p, request = _tool_plan()
+    assert p.turn is not None
+    for body in (*p.turn, *p.suffix):
+        assert body["messages"][2]["tool_calls"] == request["messages"][2]["tool_calls"]
+    assert [b["add_generation_prompt"] for b in p.turn] == [False, False]
+    assert p.requests() == [*p.close, *p.turn, *p.suffix]
+    assert "tool_calls" not in p.close[0]["messages"][2]
+    _, chat = _planned()
+    assert chat.turn is None
+    assert chat.requests() == [*chat.close, *chat.suffix]
+
+
+def strict_render(body: dict[str, Any]) -> list[int]:
+    """A template that, like gpt-oss's, refuses a tool result after a turn without tool calls."""
+    messages = body["messages"]
+    for i, message in enumerate(messages):
+        if message["role"] == "tool":
+            before = next(m for m in reversed(messages[:i]) if m["role"] != "tool")
+            if not before.get("tool_calls"):
+                raise ValueError("Message has tool role, but there was no previous tool call")
+    return render_ids(body)
+
+
+def test_a_template_that_needs_the_tool_call_before_a_result_is_bridged() -> None:
+    prior, p, request = _tool_plan()
+    assert p.turn is not None
+    rendered = Rendered(
+        close=(strict_render(p.close[0]), strict_render(p.close[1])),
+        suffix=(strict_render(p.suffix[0]), strict_render(p.suffix[1])),
+        turn=(strict_render(p.turn[0]), strict_render(p.turn[1])),
+    )
+    bridged = assemble(prior, p, rendered)
+    assert isinstance(bridged, Bridged)
+    assert bridged.prompt_ids == render_ids(request)
+
+
+def test_a_tool_call_turn_closed_by_other_tokens_is_not_bridgeable() -> None:
+    prior, p, _ = _tool_plan()
+    assert p.turn is not None
+
+    def call_close(body: dict[str, Any]) -> list[int]:
+        # Like gpt-oss's <|call|>: a turn that calls a tool ends with its own token.
+        ids = render_ids(body)
+        end_of_call = encode("</tool_call><|im_end|>")
+        for i in range(len(ids) - len(end_of_call) + 1):
+            if ids[i : i + len(end_of_call)] == end_of_call:
+                ids[i + len(end_of_call) - 1] = 0
+        return ids
+
+    rendered = Rendered(
+        close=(call_close(p.close[0]), call_close(p.close[1])),
+        suffix=(call_close(p.suffix[0]), call_close(p.suffix[1])),
+        turn=(call_close(p.turn[0]), call_close(p.turn[1])),
+    )
+    assert assemble(prior, p, rendered) == Break(
+        "template_not_bridgeable",
+        "a turn with tool calls does not end with the turn close of one without",
+    )
+
+
+def test_a_plan_with_tool_calls_needs_its_turn_renders() -> None:
+    prior, p, _ = _tool_plan()
+    full = render_plan(p)
+    with pytest.raises(ValueError, match=r"pass them in Rendered\.turn"):
+        assemble(prior, p, Rendered(full.close, full.suffix))
