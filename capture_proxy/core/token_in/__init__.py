@@ -13,8 +13,9 @@ for the bodies a plan lists. In order:
 
 1. `match(prior, request)`: an `Extension`, or a `Break` saying why not (`BREAK_REASONS`): the
    call then goes the plain way and starts a new trajectory segment.
-2. `plan(request, extension)`: a `BridgePlan`, four render bodies (two for the turn close,
-   cacheable under ``close_key``, two for the appended messages).
+2. `plan(request, extension)`: a `BridgePlan`, the render bodies to send (`requests()`): two
+   for the turn close, cacheable under ``close_key``; two more when the replayed answer has tool
+   calls; two for the appended messages. They are independent: send them at once.
 3. `assemble(prior, plan, Rendered.from_answers(...))`: a `Bridged` prompt with its
    ``bridge_spans`` (the tokens the proxy inserted, for the record), or a `Break`.
 4. `divergence(bridged, plain)`: where the plain rendering would have differed (what token-in
