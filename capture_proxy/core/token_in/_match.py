@@ -4,7 +4,8 @@ A request extends the previous staged call when it renders the same way up to th
 model gave, and adds messages after it:
 
 - the same tools (absent, null and ``[]`` are the same) and the same template keys
-  (`TEMPLATE_KEYS`; absent and null are the same);
+  (`TEMPLATE_KEYS`; absent or null is the key's default, ``{}`` the same as no
+  ``chat_template_kwargs``);
 - its messages start with the previous call's messages, each the same;
 - the next message is the previous call's answer, replayed: an assistant message whose content
   is the same text (null and ``""`` are the same; a list of text parts counts as their joined
@@ -50,7 +51,7 @@ def match(prior: Prior | None, request: Mapping[str, Any]) -> Extension | Break:
     if (prior.request.get("tools") or []) != (request.get("tools") or []):
         return Break("tools_changed", "the tool list differs from the previous call's")
     for key in TEMPLATE_KEYS:
-        if prior.request.get(key) != request.get(key):
+        if _template_value(prior.request, key) != _template_value(request, key):
             return Break("template_changed", f"`{key}` differs from the previous call's")
     before: Sequence[Mapping[str, Any]] = prior.request.get("messages") or []
     messages: Sequence[Mapping[str, Any]] = request.get("messages") or []
@@ -81,6 +82,26 @@ def match(prior: Prior | None, request: Mapping[str, Any]) -> Extension | Break:
             reason = "multimodal_append" if i > n else "multimodal_history"
             return Break(reason, f"message {i} carries an image")
     return Extension(prior, request, messages[n], appended)
+
+
+#: What vLLM takes for a template key the request leaves absent or null (`tool_choice`: "auto"
+#: with tools, "none" without; the tools are the same when this is asked).
+_DEFAULTS: dict[str, Any] = {
+    "add_generation_prompt": True,
+    "continue_final_message": False,
+    "add_special_tokens": False,
+}
+
+
+def _template_value(request: Mapping[str, Any], key: str) -> Any:
+    value = request.get(key)
+    if value is None:
+        if key == "tool_choice":
+            return "auto" if request.get("tools") else "none"
+        return _DEFAULTS.get(key)
+    if key == "chat_template_kwargs" and value == {}:
+        return None
+    return value
 
 
 def _message_difference(old: Mapping[str, Any], new: Mapping[str, Any]) -> str | None:

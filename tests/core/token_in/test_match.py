@@ -190,3 +190,29 @@ def test_an_unknown_break_reason_is_refused() -> None:
     assert "history_edited" in BREAK_REASONS
     with pytest.raises(ValueError, match="unknown break reason 'oops'"):
         Break("oops", "")
+
+
+@pytest.mark.parametrize(
+    ("before", "after"),
+    [
+        ({}, {"add_generation_prompt": True, "continue_final_message": False}),
+        ({"chat_template_kwargs": {}}, {"chat_template_kwargs": None}),
+        ({}, {"tool_choice": "auto"}),
+        ({"add_special_tokens": None}, {"add_special_tokens": False}),
+    ],
+    ids=["generation-defaults", "empty-kwargs", "tool-choice-auto", "special-tokens"],
+)
+def test_a_template_key_set_to_its_default_is_the_same_template(
+    before: dict[str, Any], after: dict[str, Any]
+) -> None:
+    prior = prior_call(**before)
+    request = {**continued(prior, replay(), RESULT), **after}
+    assert isinstance(match(prior, request), Extension)
+
+
+def test_tool_choice_none_is_a_template_change() -> None:
+    prior = prior_call()
+    request = {**continued(prior, replay(), RESULT), "tool_choice": "none"}
+    assert _break(prior, request) == Break(
+        "template_changed", "`tool_choice` differs from the previous call's"
+    )

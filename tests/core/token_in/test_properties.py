@@ -9,13 +9,14 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from capture_proxy.core.token_in import Bridged, Extension, Prior, assemble, divergence, match, plan
-from capture_proxy.testing.fake_vllm._template import IM_END, VOCAB_SIZE, encode
+from capture_proxy.testing.fake_vllm._template import IM_END, VOCAB_SIZE, encode, tool_call_text
 from tests.support.token_in import continued, render_ids, render_plan, staged_prior
 
 TOOLS = [{"type": "function", "function": {"name": "run", "parameters": {"type": "object"}}}]
@@ -106,3 +107,49 @@ def test_an_append_only_template_bridges_to_the_plain_rendering(
     (span,) = bridged.bridge_spans
     assert span[2] == ("turn_close" if finish == "stop" else "end_of_turn_added")
     assert bridged.prompt_ids[span[0] - 1 if finish == "stop" else span[0]] == IM_END
+
+
+arguments = st.dictionaries(st.sampled_from(["c", "path"]), text, max_size=2).map(
+    lambda d: json.dumps(d, separators=(",", ":"))
+)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    content=text,
+    calls=st.lists(st.tuples(st.sampled_from(["run", "read"]), arguments), min_size=1, max_size=3),
+    finish=st.sampled_from(["stop", "length"]),
+    results=st.lists(tool, min_size=1, max_size=3),
+)
+def test_tool_call_answers_bridge_to_the_plain_rendering_of_an_append_only_template(
+    content: str, calls: list[tuple[str, str]], finish: str, results: list[dict[str, Any]]
+) -> None:
+    sampled = content
+    for i, (name, args) in enumerate(calls):
+        sampled += ("\n" if i or content else "") + tool_call_text(name, args)
+    tool_calls = [
+        {"id": f"c{i}", "type": "function", "function": {"name": n, "arguments": a}}
+        for i, (n, a) in enumerate(calls)
+    ]
+    answer = {"role": "assistant", "content": content, "tool_calls": tool_calls}
+    prior = staged_prior(
+        [{"role": "user", "content": "go"}],
+        sampled,
+        answer,
+        finish_reason=finish,
+        tools=TOOLS,
+        drop_past_reasoning=False,
+    )
+    # The client replays the arguments re-serialized, without the call ids.
+    replayed = {
+        "role": "assistant",
+        "content": content or None,
+        "tool_calls": [
+            {"function": {"name": n, "arguments": json.dumps(json.loads(a))}} for n, a in calls
+        ],
+    }
+    request = continued(prior, replayed, *results)
+    bridged = _bridge(prior, request, drop=False)
+    # The exact arguments stay; rendering the replayed message verbatim would not be the same.
+    verbatim = {**request, "messages": [*request["messages"][:1], answer, *results]}
+    assert divergence(bridged.prompt_ids, render_ids(verbatim, drop_past_reasoning=False)) is None
