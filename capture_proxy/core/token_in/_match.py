@@ -106,6 +106,8 @@ def _template_value(request: Mapping[str, Any], key: str) -> Any:
 
 def _message_difference(old: Mapping[str, Any], new: Mapping[str, Any]) -> str | None:
     """The first field in which two messages differ, as words (None: the same message)."""
+    if old == new:
+        return None  # the common case, compared in C: a history replayed as it was sent
     if old.get("role") != new.get("role"):
         return f"role {new.get('role')!r} where {old.get('role')!r} was"
     if old.get("role") != "assistant":
