@@ -17,8 +17,8 @@ the appended messages and the generation prompt:
   stopped by a stop string vLLM left out of the output, has k = 0 and gets the whole of C, recorded
   as added by the proxy (``end_of_turn_added``).
 
-Renders without that structure (no common close, or a suffix that does not start with the close)
-give ``Break("template_not_bridgeable")``: the bridge never guesses.
+Renders without that structure (the two renders of a pair the same, no common close, a tool-call
+turn that does not end with the close, a suffix that does not start with the turn's end) give ``Break("template_not_bridgeable")``: the bridge never guesses.
 """
 
 from __future__ import annotations
@@ -51,6 +51,19 @@ def assemble(prior: Prior, plan: BridgePlan, rendered: Rendered) -> Bridged | Br
     """The bridged prompt for `plan`'s extension of `prior`, from the renders it asked for."""
     if rendered.features:
         return Break("multimodal_append", "the appended messages render with image features")
+    for name, pair in (
+        ("close", rendered.close),
+        ("turn", rendered.turn),
+        ("suffix", rendered.suffix),
+    ):
+        # Renders that do not differ hide where the dummy content is: the common suffix would
+        # be the whole conversation.
+        if pair is not None and list(pair[0]) == list(pair[1]):
+            return Break(
+                "template_not_bridgeable",
+                f"the two {name} renders are the same: the template does not render the "
+                "assistant's content",
+            )
     close = common_suffix(*rendered.close)
     if not close:
         return Break(

@@ -290,3 +290,13 @@ def test_a_plan_with_tool_calls_needs_its_turn_renders() -> None:
     full = render_plan(p)
     with pytest.raises(ValueError, match=r"pass them in Rendered\.turn"):
         assemble(prior, p, Rendered(full.close, full.suffix))
+
+
+def test_renders_that_ignore_the_assistant_content_are_not_bridgeable() -> None:
+    prior, p = _planned()
+    good = render_plan(p)
+    same = Rendered(close=(good.close[0], good.close[0]), suffix=good.suffix)
+    assert assemble(prior, p, same) == Break(
+        "template_not_bridgeable",
+        "the two close renders are the same: the template does not render the assistant's content",
+    )
