@@ -18,7 +18,8 @@ the appended messages and the generation prompt:
   as added by the proxy (``end_of_turn_added``).
 
 Renders without that structure (the two renders of a pair the same, no common close, a tool-call
-turn that does not end with the close, a suffix that does not start with the turn's end) give ``Break("template_not_bridgeable")``: the bridge never guesses.
+turn that does not end with the close, a suffix that does not start with the turn's end) give
+``Break("template_not_bridgeable")``: the bridge never guesses.
 """
 
 from __future__ import annotations

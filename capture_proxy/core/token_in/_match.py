@@ -11,7 +11,8 @@ model gave, and adds messages after it:
   is the same text (null and ``""`` are the same; a list of text parts counts as their joined
   text), whose reasoning is the same or omitted, and whose tool calls have the same names and the
   same *parsed* JSON arguments (clients re-serialize them), call ids kept or not;
-- at least one message follows, and none of those is an assistant's.
+- at least one message follows, and none of those is an assistant's;
+- no message has a content part other than text (an image).
 
 Otherwise the answer is a `Break` whose detail names the first difference found, checked in the
 order of the list above.
@@ -78,9 +79,10 @@ def match(prior: Prior | None, request: Mapping[str, Any]) -> Extension | Break:
         if message.get("role") == "assistant":
             return Break("assistant_appended", f"message {i} is an assistant message")
     for i, message in enumerate(messages):
-        if _has_image(message):
+        kind = _media_part(message)
+        if kind is not None:
             reason = "multimodal_append" if i > n else "multimodal_history"
-            return Break(reason, f"message {i} carries an image")
+            return Break(reason, f"message {i} has a `{kind}` part")
     return Extension(prior, request, messages[n], appended)
 
 
@@ -163,8 +165,10 @@ def _arguments(arguments: Any) -> Any:
     return ("json", arguments)
 
 
-def _has_image(message: Mapping[str, Any]) -> bool:
+def _media_part(message: Mapping[str, Any]) -> str | None:
+    """The type of the message's first content part that is not text (an image), if any."""
     content = message.get("content")
-    return isinstance(content, list) and any(
-        isinstance(p, Mapping) and p.get("type") not in ("text", None) for p in content
-    )
+    for part in content if isinstance(content, list) else ():
+        if isinstance(part, Mapping) and part.get("type") not in ("text", None):
+            return str(part["type"])
+    return None

@@ -30,8 +30,8 @@ __all__ = [
 #: - ``nothing_appended``: the request ends with the replayed answer (no new message after it).
 #: - ``assistant_appended``: an assistant message follows the replayed answer (the client wrote
 #:   model turns of its own, or asks to continue one).
-#: - ``multimodal_append``: an appended message carries an image.
-#: - ``multimodal_history``: an earlier message carries an image (the exact prompt would need
+#: - ``multimodal_append``: an appended message has an image (a content part other than text).
+#: - ``multimodal_history``: an earlier message has one (the exact prompt would need
 #:   the previous call's image features, which the bridge does not have).
 #: - ``template_not_bridgeable``: the renders do not have the structure the bridge needs (no
 #:   common turn close, or the appended rendering does not start with it).

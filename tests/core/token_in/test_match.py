@@ -173,7 +173,7 @@ def test_an_appended_image_is_multimodal_append() -> None:
     prior = prior_call()
     user = {"role": "user", "content": [{"type": "text", "text": "see"}, IMAGE]}
     assert _break(prior, continued(prior, replay(), RESULT, user)) == Break(
-        "multimodal_append", "message 4 carries an image"
+        "multimodal_append", "message 4 has a `image_url` part"
     )
 
 
@@ -183,7 +183,7 @@ def test_an_image_in_the_history_is_multimodal_history() -> None:
     request = continued(
         prior, {"role": "assistant", "content": "nice"}, {"role": "user", "content": "?"}
     )
-    assert _break(prior, request) == Break("multimodal_history", "message 0 carries an image")
+    assert _break(prior, request) == Break("multimodal_history", "message 0 has a `image_url` part")
 
 
 def test_an_unknown_break_reason_is_refused() -> None:
