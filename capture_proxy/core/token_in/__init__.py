@@ -11,13 +11,13 @@ re-serialize tool arguments, whitespace moves); docs/token-in.md explains it for
 This package is the pure decision and arithmetic, without I/O; the flow asks vLLM's render route
 for the bodies a plan lists. In order:
 
-1. `match(prior, request)`: an `Extension`, or a `Break` saying why not (`BREAK_REASONS`): the
+1. `match(prior, request)`: an `Extension`, or a `NotBridged` saying why not (`BREAK_REASONS`): the
    call then goes the plain way and starts a new trajectory segment.
 2. `plan(request, extension)`: a `BridgePlan`, the render bodies to send (`requests()`): two
    for the turn close, cacheable under ``close_key``; two more when the replayed answer has tool
    calls; two for the appended messages. They are independent: send them at once.
 3. `assemble(prior, plan, Rendered.from_answers(...))`: a `Bridged` prompt with its
-   ``bridge_spans`` (the tokens the proxy inserted, for the record), or a `Break`.
+   ``bridge_spans`` (the tokens the proxy inserted, for the record), or a `NotBridged`.
 4. `divergence(bridged, plain)`: where the plain rendering would have differed (what token-in
    avoided), or None.
 """
@@ -25,7 +25,7 @@ for the bodies a plan lists. In order:
 from ._assemble import END_OF_TURN_ADDED, TURN_CLOSE, assemble, common_suffix, divergence
 from ._match import TEMPLATE_KEYS, match
 from ._plan import DUMMY_CONTENTS, plan
-from ._values import BREAK_REASONS, Break, Bridged, BridgePlan, Extension, Prior, Rendered
+from ._values import BREAK_REASONS, Bridged, BridgePlan, Extension, NotBridged, Prior, Rendered
 
 __all__ = [
     "BREAK_REASONS",
@@ -33,10 +33,10 @@ __all__ = [
     "END_OF_TURN_ADDED",
     "TEMPLATE_KEYS",
     "TURN_CLOSE",
-    "Break",
     "BridgePlan",
     "Bridged",
     "Extension",
+    "NotBridged",
     "Prior",
     "Rendered",
     "assemble",

@@ -19,7 +19,7 @@ the appended messages and the generation prompt:
 
 Renders without that structure (the two renders of a pair the same, no common close, a tool-call
 turn that does not end with the close, a suffix that does not start with the turn's end) give
-``Break("template_not_bridgeable")``: the bridge never guesses.
+``NotBridged("template_not_bridgeable")``: the bridge never guesses.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from collections.abc import Sequence
 
 from ...schemas.fields import BridgeSpan
 from ...schemas.tokens import common_prefix_len
-from ._values import Break, Bridged, BridgePlan, Prior, Rendered
+from ._values import Bridged, BridgePlan, NotBridged, Prior, Rendered
 
 __all__ = ["END_OF_TURN_ADDED", "TURN_CLOSE", "assemble", "common_suffix", "divergence"]
 
@@ -48,10 +48,10 @@ def common_suffix(a: Sequence[int], b: Sequence[int]) -> list[int]:
     return list(a[len(a) - n :])
 
 
-def assemble(prior: Prior, plan: BridgePlan, rendered: Rendered) -> Bridged | Break:
+def assemble(prior: Prior, plan: BridgePlan, rendered: Rendered) -> Bridged | NotBridged:
     """The bridged prompt for `plan`'s extension of `prior`, from the renders it asked for."""
     if rendered.features:
-        return Break("multimodal_append", "the appended messages render with image features")
+        return NotBridged("multimodal_append", "the appended messages render with image features")
     for name, pair in (
         ("close", rendered.close),
         ("turn", rendered.turn),
@@ -60,14 +60,14 @@ def assemble(prior: Prior, plan: BridgePlan, rendered: Rendered) -> Bridged | Br
         # Renders that do not differ hide where the dummy content is: the common suffix would
         # be the whole conversation.
         if pair is not None and list(pair[0]) == list(pair[1]):
-            return Break(
+            return NotBridged(
                 "template_not_bridgeable",
                 f"the two {name} renders are the same: the template does not render the "
                 "assistant's content",
             )
     close = common_suffix(*rendered.close)
     if not close:
-        return Break(
+        return NotBridged(
             "template_not_bridgeable",
             "the two dummy renders share no closing tokens: the template writes nothing after "
             "an assistant turn's content",
@@ -78,13 +78,13 @@ def assemble(prior: Prior, plan: BridgePlan, rendered: Rendered) -> Bridged | Br
             raise ValueError("the plan asks for `turn` renders: pass them in Rendered.turn")
         end = common_suffix(*rendered.turn)
         if end[len(end) - len(close) :] != close:
-            return Break(
+            return NotBridged(
                 "template_not_bridgeable",
                 "a turn with tool calls does not end with the turn close of one without",
             )
     tail = common_suffix(*rendered.suffix)
     if tail[: len(end)] != end:
-        return Break(
+        return NotBridged(
             "template_not_bridgeable",
             f"the rendering of the appended messages does not start with the turn's end "
             f"({len(end)} tokens)",

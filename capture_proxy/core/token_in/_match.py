@@ -14,7 +14,7 @@ model gave, and adds messages after it:
 - at least one message follows, and none of those is an assistant's;
 - no message has a content part other than text (an image).
 
-Otherwise the answer is a `Break` whose detail names the first difference found, checked in the
+Otherwise the answer is a `NotBridged` whose detail names the first difference found, checked in the
 order of the list above.
 """
 
@@ -24,7 +24,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ._values import Break, Extension, Prior
+from ._values import Extension, NotBridged, Prior
 
 __all__ = ["TEMPLATE_KEYS", "match"]
 
@@ -45,44 +45,44 @@ TEMPLATE_KEYS = (
 )
 
 
-def match(prior: Prior | None, request: Mapping[str, Any]) -> Extension | Break:
+def match(prior: Prior | None, request: Mapping[str, Any]) -> Extension | NotBridged:
     """Whether `request` (normalized as `prior.request` was) extends `prior` (module docs)."""
     if prior is None:
-        return Break("no_prior", "the rollout has no staged call to continue")
+        return NotBridged("no_prior", "the rollout has no staged call to continue")
     if (prior.request.get("tools") or []) != (request.get("tools") or []):
-        return Break("tools_changed", "the tool list differs from the previous call's")
+        return NotBridged("tools_changed", "the tool list differs from the previous call's")
     for key in TEMPLATE_KEYS:
         if _template_value(prior.request, key) != _template_value(request, key):
-            return Break("template_changed", f"`{key}` differs from the previous call's")
+            return NotBridged("template_changed", f"`{key}` differs from the previous call's")
     before: Sequence[Mapping[str, Any]] = prior.request.get("messages") or []
     messages: Sequence[Mapping[str, Any]] = request.get("messages") or []
     for i, old in enumerate(before):
         if i >= len(messages):
-            return Break(
+            return NotBridged(
                 "history_edited",
                 f"the request has {len(messages)} messages, fewer than the previous call's "
                 f"{len(before)}",
             )
         difference = _message_difference(old, messages[i])
         if difference:
-            return Break("history_edited", f"message {i}: {difference}")
+            return NotBridged("history_edited", f"message {i}: {difference}")
     n = len(before)
     if n >= len(messages):
-        return Break("reply_mismatch", f"message {n}: the previous answer was not replayed")
+        return NotBridged("reply_mismatch", f"message {n}: the previous answer was not replayed")
     difference = _message_difference({"role": "assistant", **prior.message}, messages[n])
     if difference:
-        return Break("reply_mismatch", f"message {n}: {difference}")
+        return NotBridged("reply_mismatch", f"message {n}: {difference}")
     appended = tuple(messages[n + 1 :])
     if not appended:
-        return Break("nothing_appended", "no message follows the replayed answer")
+        return NotBridged("nothing_appended", "no message follows the replayed answer")
     for i, message in enumerate(appended, start=n + 1):
         if message.get("role") == "assistant":
-            return Break("assistant_appended", f"message {i} is an assistant message")
+            return NotBridged("assistant_appended", f"message {i} is an assistant message")
     for i, message in enumerate(messages):
         kind = _media_part(message)
         if kind is not None:
             reason = "multimodal_append" if i > n else "multimodal_history"
-            return Break(reason, f"message {i} has a `{kind}` part")
+            return NotBridged(reason, f"message {i} has a content part of type `{kind}`")
     return Extension(prior, request, messages[n], appended)
 
 

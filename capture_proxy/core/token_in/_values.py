@@ -1,5 +1,5 @@
 """The values the token-in bridge passes around: what it knows of the previous call, its
-verdicts (`Extension`, `Break`) and its results (`BridgePlan`, `Rendered`, `Bridged`)."""
+verdicts (`Extension`, `NotBridged`) and its results (`BridgePlan`, `Rendered`, `Bridged`)."""
 
 from __future__ import annotations
 
@@ -11,15 +11,15 @@ from ...schemas.fields import BridgeSpan
 
 __all__ = [
     "BREAK_REASONS",
-    "Break",
     "BridgePlan",
     "Bridged",
     "Extension",
+    "NotBridged",
     "Prior",
     "Rendered",
 ]
 
-#: Every reason a `Break` can give, and when:
+#: Every reason a `NotBridged` can give, and when:
 #:
 #: - ``no_prior``: the rollout has no staged call to extend.
 #: - ``history_edited``: the messages before the replayed answer are not the previous call's
@@ -84,7 +84,7 @@ class Extension:
 
 
 @dataclass(frozen=True, slots=True)
-class Break:
+class NotBridged:
     """The call cannot be bridged: send the plain rendering and start a new segment.
 
     Attributes:
@@ -130,7 +130,7 @@ class Rendered:
     """The token ids the render route answered for a plan's requests, in the plan's order.
 
     `turn` is given exactly when the plan has a `turn` pair. `features` lists the non-null
-    ``features`` of the suffix answers (image inputs); the bridge refuses those (`Break`
+    ``features`` of the suffix answers (image inputs); the bridge refuses those (`NotBridged`
     ``multimodal_append``).
     """
 

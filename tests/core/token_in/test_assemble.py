@@ -16,9 +16,9 @@ import pytest
 from capture_proxy.core.token_in import (
     END_OF_TURN_ADDED,
     TURN_CLOSE,
-    Break,
     Bridged,
     Extension,
+    NotBridged,
     Prior,
     Rendered,
     assemble,
@@ -177,7 +177,7 @@ def test_renders_without_a_common_close_are_not_bridgeable() -> None:
     prior, p = _planned()
     # A template that writes nothing after an assistant's content: the two renders end on v.
     rendered = Rendered(close=([1, 65], [1, 66]), suffix=([1, 65, 7], [1, 66, 7]))
-    assert assemble(prior, p, rendered) == Break(
+    assert assemble(prior, p, rendered) == NotBridged(
         "template_not_bridgeable",
         "the two dummy renders share no closing tokens: the template writes nothing after an "
         "assistant turn's content",
@@ -192,7 +192,7 @@ def test_an_appended_rendering_not_starting_with_the_close_is_not_bridgeable() -
         [*ids[: -len(USER_TOKENS) - len(GENERATION) - 2], 99, *USER_TOKENS] for ids in good.suffix
     )
     rendered = Rendered(close=good.close, suffix=(changed[0], changed[1]))
-    assert assemble(prior, p, rendered) == Break(
+    assert assemble(prior, p, rendered) == NotBridged(
         "template_not_bridgeable",
         "the rendering of the appended messages does not start with the turn's end (2 tokens)",
     )
@@ -202,7 +202,7 @@ def test_image_features_in_the_appended_renders_are_multimodal_append() -> None:
     prior, p = _planned()
     good = render_plan(p)
     rendered = Rendered(good.close, good.suffix, features=({"modality": "image"},))
-    assert assemble(prior, p, rendered) == Break(
+    assert assemble(prior, p, rendered) == NotBridged(
         "multimodal_append", "the appended messages render with image features"
     )
 
@@ -279,7 +279,7 @@ def test_a_tool_call_turn_closed_by_other_tokens_is_not_bridgeable() -> None:
         suffix=(call_close(p.suffix[0]), call_close(p.suffix[1])),
         turn=(call_close(p.turn[0]), call_close(p.turn[1])),
     )
-    assert assemble(prior, p, rendered) == Break(
+    assert assemble(prior, p, rendered) == NotBridged(
         "template_not_bridgeable",
         "a turn with tool calls does not end with the turn close of one without",
     )
@@ -296,7 +296,7 @@ def test_renders_that_ignore_the_assistant_content_are_not_bridgeable() -> None:
     prior, p = _planned()
     good = render_plan(p)
     same = Rendered(close=(good.close[0], good.close[0]), suffix=good.suffix)
-    assert assemble(prior, p, same) == Break(
+    assert assemble(prior, p, same) == NotBridged(
         "template_not_bridgeable",
         "the two close renders are the same: the template does not render the assistant's content",
     )

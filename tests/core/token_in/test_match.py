@@ -1,6 +1,6 @@
 """`match` says whether a request extends the previous staged call, and if not, why.
 
-Each `Break` reason is shown with the detail a user reads in the record's segment break.
+Each `NotBridged` reason is shown with the detail a user reads in the record's segment break.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from capture_proxy.core.token_in import BREAK_REASONS, Break, Extension, match
+from capture_proxy.core.token_in import BREAK_REASONS, Extension, NotBridged, match
 from tests.support.token_in import continued, staged_prior
 
 TOOLS = [{"type": "function", "function": {"name": "bash", "parameters": {"type": "object"}}}]
@@ -72,14 +72,14 @@ def test_several_tool_results_and_a_user_message_are_all_appended() -> None:
     assert list(result.appended) == more
 
 
-def _break(prior: Any, request: dict[str, Any]) -> Break:
+def _break(prior: Any, request: dict[str, Any]) -> NotBridged:
     result = match(prior, request)
-    assert isinstance(result, Break), result
+    assert isinstance(result, NotBridged), result
     return result
 
 
 def test_no_prior() -> None:
-    assert _break(None, {"messages": HISTORY}) == Break(
+    assert _break(None, {"messages": HISTORY}) == NotBridged(
         "no_prior", "the rollout has no staged call to continue"
     )
 
@@ -88,17 +88,17 @@ def test_an_edited_message_is_history_edited_naming_it() -> None:
     prior = prior_call()
     request = continued(prior, replay(), RESULT)
     request["messages"][1] = {"role": "user", "content": "list all the files"}
-    assert _break(prior, request) == Break("history_edited", "message 1: `content` differs")
+    assert _break(prior, request) == NotBridged("history_edited", "message 1: `content` differs")
 
 
 def test_a_compacted_history_is_history_edited() -> None:
     prior = prior_call()
     compacted = {**prior.request, "messages": [{"role": "user", "content": "summary"}]}
-    assert _break(prior, compacted) == Break(
+    assert _break(prior, compacted) == NotBridged(
         "history_edited", "message 0: role 'user' where 'system' was"
     )
     truncated = {**prior.request, "messages": HISTORY[:1]}
-    assert _break(prior, truncated) == Break(
+    assert _break(prior, truncated) == NotBridged(
         "history_edited", "the request has 1 messages, fewer than the previous call's 2"
     )
 
@@ -106,7 +106,7 @@ def test_a_compacted_history_is_history_edited() -> None:
 def test_a_changed_tool_list_is_tools_changed() -> None:
     prior = prior_call()
     request = {**continued(prior, replay(), RESULT), "tools": TOOLS * 2}
-    assert _break(prior, request) == Break(
+    assert _break(prior, request) == NotBridged(
         "tools_changed", "the tool list differs from the previous call's"
     )
 
@@ -114,7 +114,7 @@ def test_a_changed_tool_list_is_tools_changed() -> None:
 def test_changed_template_kwargs_are_template_changed() -> None:
     prior = prior_call(chat_template_kwargs={"enable_thinking": True})
     request = {**continued(prior, replay(), RESULT), "chat_template_kwargs": {}}
-    assert _break(prior, request) == Break(
+    assert _break(prior, request) == NotBridged(
         "template_changed", "`chat_template_kwargs` differs from the previous call's"
     )
 
@@ -141,19 +141,19 @@ def test_a_replay_the_model_did_not_produce_is_reply_mismatch(
     replayed: dict[str, Any], detail: str
 ) -> None:
     prior = prior_call()
-    assert _break(prior, continued(prior, replayed, RESULT)) == Break("reply_mismatch", detail)
+    assert _break(prior, continued(prior, replayed, RESULT)) == NotBridged("reply_mismatch", detail)
 
 
 def test_a_request_that_stops_before_the_answer_is_reply_mismatch() -> None:
     prior = prior_call()
-    assert _break(prior, dict(prior.request)) == Break(
+    assert _break(prior, dict(prior.request)) == NotBridged(
         "reply_mismatch", "message 2: the previous answer was not replayed"
     )
 
 
 def test_nothing_after_the_replayed_answer_is_nothing_appended() -> None:
     prior = prior_call()
-    assert _break(prior, continued(prior, replay())) == Break(
+    assert _break(prior, continued(prior, replay())) == NotBridged(
         "nothing_appended", "no message follows the replayed answer"
     )
 
@@ -161,7 +161,7 @@ def test_nothing_after_the_replayed_answer_is_nothing_appended() -> None:
 def test_an_appended_assistant_message_is_assistant_appended() -> None:
     prior = prior_call()
     request = continued(prior, replay(), RESULT, {"role": "assistant", "content": "done"})
-    assert _break(prior, request) == Break(
+    assert _break(prior, request) == NotBridged(
         "assistant_appended", "message 4 is an assistant message"
     )
 
@@ -172,8 +172,8 @@ IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}
 def test_an_appended_image_is_multimodal_append() -> None:
     prior = prior_call()
     user = {"role": "user", "content": [{"type": "text", "text": "see"}, IMAGE]}
-    assert _break(prior, continued(prior, replay(), RESULT, user)) == Break(
-        "multimodal_append", "message 4 has a `image_url` part"
+    assert _break(prior, continued(prior, replay(), RESULT, user)) == NotBridged(
+        "multimodal_append", "message 4 has a content part of type `image_url`"
     )
 
 
@@ -183,13 +183,15 @@ def test_an_image_in_the_history_is_multimodal_history() -> None:
     request = continued(
         prior, {"role": "assistant", "content": "nice"}, {"role": "user", "content": "?"}
     )
-    assert _break(prior, request) == Break("multimodal_history", "message 0 has a `image_url` part")
+    assert _break(prior, request) == NotBridged(
+        "multimodal_history", "message 0 has a content part of type `image_url`"
+    )
 
 
 def test_an_unknown_break_reason_is_refused() -> None:
     assert "history_edited" in BREAK_REASONS
     with pytest.raises(ValueError, match="unknown break reason 'oops'"):
-        Break("oops", "")
+        NotBridged("oops", "")
 
 
 @pytest.mark.parametrize(
@@ -213,6 +215,6 @@ def test_a_template_key_set_to_its_default_is_the_same_template(
 def test_tool_choice_none_is_a_template_change() -> None:
     prior = prior_call()
     request = {**continued(prior, replay(), RESULT), "tool_choice": "none"}
-    assert _break(prior, request) == Break(
+    assert _break(prior, request) == NotBridged(
         "template_changed", "`tool_choice` differs from the previous call's"
     )
