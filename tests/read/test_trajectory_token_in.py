@@ -6,12 +6,17 @@ from __future__ import annotations
 
 from array import array
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
+import pyarrow.parquet as pq
+
+from capture_proxy.read.export import export_store
 from capture_proxy.read.trajectory import Break, trajectory_from_records
 from capture_proxy.schemas.digest import seal_record
 from capture_proxy.schemas.records import StagedCallRecord
 from capture_proxy.schemas.token_in_extras import SegmentBreak, token_in_extras
+from tests.read.test_export_segments import stored
 from tests.read.test_trajectory import call
 
 
@@ -111,3 +116,28 @@ def test_bridges_before_the_new_tokens_are_not_listed_twice() -> None:
     traj = trajectory_from_records("r", [first, second])
     assert traj.bridge_spans == [(1, 2, "a"), (4, 5, "b")]
     assert array("i", [traj.token_ids[1], traj.token_ids[4]]).tolist() == [2, 5]
+
+
+async def test_exports_carry_the_token_in_breaks_and_bridges(tmp_path: Path) -> None:
+    said = SegmentBreak("tools_changed", "a tool was added")
+    records = [
+        token_in(call(0, [1, 2, 3], [4]), bridges=[(1, 2, "a")]),
+        token_in(call(1, [1, 2, 3, 4, 5, 6], [7]), bridges=[(4, 5, "end_of_turn")]),
+        token_in(call(2, [1, 8, 8], [9]), said=said),
+    ]
+    url = await stored("sqlite", tmp_path, *records)
+    out = tmp_path / "traj.parquet"
+    export_store(url, str(out), per="trajectory")
+    [row] = pq.read_table(out).to_pylist()
+    assert row["bridge_spans"] == [
+        {"start": 1, "end": 2, "reason": "a"},
+        {"start": 4, "end": 5, "reason": "end_of_turn"},
+    ]
+    assert [b["reason"] for b in row["breaks"]] == ["tools_changed"]
+    assert [row["loss_mask"][b["start"]] for b in row["bridge_spans"]] == [0, 0]
+    segments = tmp_path / "seg.parquet"
+    export_store(url, str(segments), per="segment")
+    assert [r["break_reason"] for r in pq.read_table(segments).to_pylist()] == [
+        None,
+        "tools_changed",
+    ]
