@@ -24,7 +24,7 @@ from typing import Any
 
 from ..errors import CaptureUnavailable, Conflict, ProxyError, TooManyRequests, Unprocessable
 from ..schemas.digest import EncodingError, RequestValueCache, seal_record
-from ..schemas.events import EventDraft, EventKind, RolloutEvent, claim_event
+from ..schemas.events import EventDraft, EventKind, RolloutEvent, claim_event, token_in_event
 from ..schemas.outcome import RolloutOutcome
 from ..schemas.records import (
     LOGPROBS_MODE_UNKNOWN,
@@ -304,7 +304,10 @@ class Capture:
         key: str | None = None,
         policy: Mapping[str, Any] | None = None,
         metadata: Mapping[str, Any] | None = None,
+        token_in: bool | None = None,
     ) -> RolloutLive:
+        """Create a rollout (409 when it exists). `token_in` is its token-in choice (None: the
+        proxy's setting), kept in its event log so a restarted proxy keeps it."""
         try:
             checked = check_policy(policy or {}, "policy")
         except PolicyError as e:
@@ -317,10 +320,14 @@ class Capture:
         live.key_sha256 = hashlib.sha256(key.encode()).hexdigest() if key is not None else None
         live.policy = checked
         live.metadata = dict(metadata or {})
+        live.token_in = token_in
         self._evict()
         self.rollouts[rollout_id] = live  # no await since the lookup: nobody registered it since
         async with self._headers.hold(rollout_id):
             await self.sink.put_rollout(self._header(live))
+        if token_in is not None:
+            at_ms = int(time.time() * 1000)
+            await self.sink.append_event(token_in_event(rollout_id, token_in, at_ms))
         return live
 
     def _header(self, live: RolloutLive) -> RolloutInfo:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, Coroutine, Mapping
+from collections.abc import AsyncGenerator, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -39,7 +39,10 @@ from ..schemas.request import FreeJsonLimits, RequestValidationError, check_free
 from .call import Call, sampling_of
 from .capture import Capture
 from .normalize import NormalizedRequest, normalize_request
+from .rollouts import RolloutLive
 from .sampling import changes_distribution, effective_sampling
+from .scale_out import check_scale_out, goes_token_in
+from .token_in_report import TokenInReport
 from .transport import (
     EngineWeights,
     UpstreamInfo,
@@ -72,6 +75,9 @@ class ExchangeConfig:
     #: The upstream's logprobs mode as declared (``--upstream-logprobs-mode``), stamped on every
     #: record: ``raw_logprobs``, ``processed_logprobs`` or ``unknown``.
     logprobs_mode: str = "unknown"
+    #: The proxy's ``--token-in`` setting (``off`` / ``on``): whether a rollout that made no
+    #: choice of its own goes token-in (`Pipeline.goes_token_in`).
+    token_in: str = "off"
 
 
 @dataclass(slots=True)
@@ -109,9 +115,20 @@ class Pipeline:
         self._tasks: set[asyncio.Task[Any]] = set()
         #: Warnings about what the records say, by kind, each logged once (``/readyz`` shows them).
         self.warnings: dict[str, str] = {}
+        #: Subscribers told of every token-in call (`report_token_in`): the proxy's metrics.
+        self.on_token_in: list[Callable[[TokenInReport], None]] = []
 
     def exchange(self, rollout_id: str) -> Exchange:
         return Exchange(self, rollout_id)
+
+    def goes_token_in(self, live: RolloutLive) -> bool:
+        """Whether the rollout's calls go token-in: its own choice, else ``--token-in``."""
+        return goes_token_in(live.token_in, self.config.token_in)
+
+    def report_token_in(self, report: TokenInReport) -> None:
+        """Tell the subscribers what token-in did for one call (once per token-in call)."""
+        for subscriber in self.on_token_in:
+            subscriber(report)
 
     def adapter(self, reasoning_field: str) -> VLLMAdapter:
         adapter = self._adapters.get(reasoning_field)
@@ -227,6 +244,9 @@ class Exchange:
             await capture.hold_while_paused()
             live = await capture.ensure_rollout(self.rollout_id)
             request = capture.policy.apply(normalized.body, live.policy)
+            if self.pipeline.goes_token_in(live):
+                # Refused before admission while the upstream lacks the routes token-in needs.
+                await check_scale_out(self.pipeline.upstream, str(request.get("model", "")))
             staged = capture.policy.apply(normalized.staged, live.policy)
             await self._guard_context(request, staged)
             rid, attachments = self.rollout_id, normalized.attachments

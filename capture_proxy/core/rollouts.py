@@ -18,6 +18,7 @@ from typing import Any
 
 import orjson
 
+from ..schemas.events import token_in_choice
 from ..schemas.outcome import RolloutOutcome
 from ..schemas.records import Attachment, CallStatus, CommitCoords, RolloutState, StagedCallRecord
 from ..schemas.tokens import full_sequence
@@ -92,6 +93,9 @@ class RolloutLive:
     key_sha256: str | None = None
     policy: dict[str, Any] = field(default_factory=dict)
     metadata: dict[str, Any] = field(default_factory=dict)
+    #: Whether the rollout's calls go token-in, as chosen when it was created (its ``token_in``
+    #: event); None: the proxy's ``--token-in`` setting decides.
+    token_in: bool | None = None
     in_flight: int = 0
     #: time.monotonic() of the last admitted call: idle rollouts leave memory (resumed if seen).
     last_active: float = 0.0
@@ -205,6 +209,7 @@ def resume_rollout(open_source: Callable[[], StagingSource], rollout_id: str) ->
         policy=dict(info.policy),
         metadata={k: v for k, v in info.metadata.items() if k != KEY_HASH_FIELD},
         key_sha256=info.metadata.get(KEY_HASH_FIELD),
+        token_in=token_in_choice(source.events(rollout_id)),
     )
     for summary, c in zip(summaries, coords, strict=True):
         live.outcomes[summary.call_id] = CallOutcome(

@@ -19,6 +19,7 @@ from ..errors import UpstreamFailed
 
 __all__ = [
     "EngineWeights",
+    "ScaleOutCheck",
     "UpstreamInfo",
     "UpstreamReply",
     "UpstreamRestarted",
@@ -47,6 +48,9 @@ class UpstreamInfo:
     #: The engine's own weight version (vLLM's ``/weight_info``) as last read before the call
     #: was planned; None when the upstream does not serve it.
     engine_weight_version: str | None = None
+    #: Whether the upstream serves vLLM's scale-out routes (render, generate, derender: what
+    #: token-in calls), from the probe render; None when not known.
+    scale_out: bool | None = None
 
 
 class UpstreamRestarted(UpstreamFailed):
@@ -106,4 +110,13 @@ class EngineWeights(Protocol):
 
     async def read_engine_weight_version(self) -> str | None:
         """The engine's weight version now (one request), or None when it does not say."""
+        ...
+
+
+@runtime_checkable
+class ScaleOutCheck(Protocol):
+    """An upstream that can check again whether it serves vLLM's scale-out routes (optional)."""
+
+    async def scale_out_served(self) -> bool | None:
+        """Whether the routes are served now (asked again while they are not), None: unknown."""
         ...

@@ -26,6 +26,7 @@ from .shapes import (
     RolloutDetail,
     RolloutView,
     StagedCallDetail,
+    TokenInSummary,
     TokensDetail,
     TrajectorySummary,
     TrajectoryUnavailable,
@@ -273,6 +274,8 @@ def render_rollout(view: RolloutView, out: Out) -> None:
         )
     if r["metadata"]:
         out.line(f"metadata: {_json(r['metadata'])}")
+    if "token_in" in r:
+        out.line(_token_in_line(r["token_in"]))
     _render_outcome(r, out)
     if not calls:
         out.line("(no calls yet)")
@@ -290,6 +293,22 @@ def render_rollout(view: RolloutView, out: Out) -> None:
     elif last is not None:
         out.line(f"Last call #{last['seq']} staged, finish reason {last['finish_reason']}.")
     _render_trajectory(view["trajectory"], out)
+
+
+def _token_in_line(t: TokenInSummary) -> str:
+    choice = {None: "the proxy's setting", True: "on", False: "off"}[t["choice"]]
+    text = f"token-in: {choice} for this rollout; {t['calls']} token-in call(s)"
+    if t["measured"]:
+        where = ", ".join(f"#{d['seq']} at token {d['position']}" for d in t["diverged"])
+        text += (
+            f"; plain rendering would have diverged in {len(t['diverged'])} of "
+            f"{t['measured']}" + (f" ({where})" if where else "")
+        )
+    if t["new_segments"]:
+        text += "; new segments: " + ", ".join(
+            f"#{s['seq']} {s['reason']}" for s in t["new_segments"]
+        )
+    return text
 
 
 def _render_outcome(r: RolloutDetail, out: Out) -> None:
@@ -413,6 +432,20 @@ def _v2_pairs(c: StagedCallDetail) -> list[tuple[str, str]]:
     if "bridge_spans" in c:
         spans = ", ".join(f"[{a}, {b}) {why}" for a, b, why in c["bridge_spans"])
         pairs.append(("inserted by proxy", f"{spans} (prompt positions)"))
+    if "plain_divergence" in c:
+        at = c["plain_divergence"]
+        pairs.append(
+            (
+                "plain rendering",
+                "would have been the same"
+                if at is None
+                else f"would have diverged at prompt token {at}",
+            )
+        )
+    if "token_in_break" in c:
+        said = c["token_in_break"]
+        detail = f": {said['detail']}" if said["detail"] else ""
+        pairs.append(("new segment", f"{said['reason']}{detail}"))
     if "replica" in c:
         pairs.append(("replica", c["replica"]))
     return pairs

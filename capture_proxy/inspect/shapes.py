@@ -134,10 +134,35 @@ class OutcomeEntry(TypedDict):
     at_ms: int
 
 
+class PlainDivergence(TypedDict):
+    """A token-in call whose plain rendering would have differed from the tokens it sent."""
+
+    seq: int
+    call_id: str
+    #: The first prompt position where they differ.
+    position: int
+
+
+class TokenInSummary(TypedDict):
+    """What token-in did in one rollout (present only for a rollout that chose token-in for
+    itself or has token-in calls)."""
+
+    #: The rollout's own choice (its ``token_in`` event); None: the proxy's setting decided.
+    choice: bool | None
+    #: Staged token-in calls, and those of them that say how the plain rendering compared.
+    calls: int
+    measured: int
+    #: The calls whose plain rendering would have diverged, and where (what token-in avoided).
+    diverged: list[PlainDivergence]
+    #: The token-in calls that started a new segment: ``{seq, call_id, reason, detail}``.
+    new_segments: list[dict[str, Any]]
+
+
 class RolloutDetail(RolloutSummary):
     metadata: dict[str, Any]
     outcome: OutcomeEntry | None
     outcomes: int
+    token_in: NotRequired[TokenInSummary]
 
 
 class OverviewView(TypedDict):
@@ -263,6 +288,10 @@ class StagedCallDetail(TypedDict):
     token_in: NotRequired[bool]
     #: ``[start, end, reason]`` over prompt positions.
     bridge_spans: NotRequired[list[list[Any]]]
+    #: A token-in call: where its plain rendering would have diverged (null: nowhere), when
+    #: measured; and the new segment it started, ``{reason, detail}``, when it did.
+    plain_divergence: NotRequired[int | None]
+    token_in_break: NotRequired[dict[str, str]]
     replica: NotRequired[str]
     effective_sampling: NotRequired[dict[str, Any]]
     logprobs_mode: NotRequired[str]

@@ -20,6 +20,7 @@ from typing import Any, Literal, TypeAlias, TypedDict, TypeVar, cast
 from ..errors import CaptureProxyError
 from ..read.reader import Store
 from ..schemas.digest import DigestMismatch, verify_record
+from ..schemas.events import token_in_choice
 from ..schemas.outcome import RolloutOutcome
 from ..schemas.records import (
     LOGPROBS_MODE_UNKNOWN,
@@ -29,6 +30,7 @@ from ..schemas.records import (
     RolloutInfo,
     StagedCallRecord,
 )
+from ..schemas.token_in_extras import plain_divergence_of, segment_break_of
 from ..schemas.tokens import common_prefix_len, full_sequence
 from ..sinks.base import Progress
 from .shapes import (
@@ -41,10 +43,12 @@ from .shapes import (
     OutcomeEntry,
     OverviewView,
     PromptDrift,
+    RolloutDetail,
     RolloutSummary,
     RolloutView,
     StagedCallDetail,
     StagedEntry,
+    TokenInSummary,
     TokensDetail,
     ToolCallPreview,
     TrajectorySummary,
@@ -196,8 +200,8 @@ def _read(what: str, read: Callable[[], T]) -> T:
         raise InspectError(f"{what} cannot be read ({e}); run inspect --verify") from e
 
 
-def _entries(store: Store, rollout_id: str) -> tuple[list[CallEntry], dict[str, int]]:
-    """Staged calls and ledger failures of a rollout, interleaved by seq."""
+def _entries(store: Store, rollout_id: str) -> tuple[list[CallEntry], list[StagedCallRecord]]:
+    """Staged calls and ledger failures of a rollout, interleaved by seq; and the records."""
     # A debugging view shows everything: open, poisoned and orphaned alike, and each call's
     # digest check is its own line in the call view (and --verify), so no read-time check here.
     records = _read(
@@ -219,7 +223,7 @@ def _entries(store: Store, rollout_id: str) -> tuple[list[CallEntry], dict[str, 
         fulls[r.call_id] = full_sequence(r.prompt_token_ids, r.completion_token_ids)
     entries.extend(failure_entry(f) for f in store.failures(rollout_id))
     entries.sort(key=lambda e: (e["seq"], entry_time(e)))
-    return entries, {e["call_id"]: e["seq"] for e in entries}
+    return entries, records
 
 
 def _summary(info: RolloutInfo, entries: Sequence[_Counted]) -> RolloutSummary:
@@ -303,20 +307,55 @@ def rollout_view(store: Store, rollout_id: str) -> RolloutView:
     if rollout_id not in store.rollouts():
         raise KeyError(rollout_id)
     info = store.rollout_info(rollout_id)
-    entries, _ = _entries(store, rollout_id)
-    return {
-        "view": "rollout",
-        "store": store.url,
-        "rollout": {
+    entries, records = _entries(store, rollout_id)
+    # `token_in` is added below when there is one (mypy cannot type a spread with it).
+    rollout = cast(
+        RolloutDetail,
+        {
             **_summary(info, entries),
             "metadata": dict(info.metadata),
             "outcome": None if info.outcome is None else _outcome(info.outcome),
             "outcomes": len(info.outcome_history),
         },
+    )
+    token_in = _token_in_summary(store, rollout_id, records)
+    if token_in is not None:
+        rollout["token_in"] = token_in
+    return {
+        "view": "rollout",
+        "store": store.url,
+        "rollout": rollout,
         "calls": entries,
         "last": entries[-1] if entries else None,
         "trajectory": _trajectory(store, rollout_id),
     }
+
+
+def _token_in_summary(
+    store: Store, rollout_id: str, records: Sequence[StagedCallRecord]
+) -> TokenInSummary | None:
+    """What token-in did in the rollout (None for a rollout that never used or chose it)."""
+    events = _read(f"rollout {rollout_id!r}", lambda: store.source.events(rollout_id))
+    choice = token_in_choice(events)
+    token_in = [r for r in records if r.token_in]
+    if choice is None and not token_in:
+        return None
+    summary: TokenInSummary = {
+        "choice": choice,
+        "calls": len(token_in),
+        "measured": 0,
+        "diverged": [],
+        "new_segments": [],
+    }
+    for r in token_in:
+        measured, position = plain_divergence_of(r.extras)
+        summary["measured"] += measured
+        if position is not None:
+            summary["diverged"].append({"seq": r.seq, "call_id": r.call_id, "position": position})
+        said = segment_break_of(r.extras)
+        if said is not None:
+            summary["new_segments"].append({"seq": r.seq, "call_id": r.call_id, **said.to_dict()})
+    return summary
 
 
 def _outcome(outcome: RolloutOutcome) -> OutcomeEntry:
@@ -417,6 +456,12 @@ def _add_v2_fields(call: StagedCallDetail, r: StagedCallRecord) -> None:
         call["weight_spans"] = [list(span) for span in r.weight_spans]
     if r.token_in:
         call["token_in"] = True
+        measured, position = plain_divergence_of(r.extras)
+        if measured:
+            call["plain_divergence"] = position
+        said = segment_break_of(r.extras)
+        if said is not None:
+            call["token_in_break"] = said.to_dict()
     if r.bridge_spans:
         call["bridge_spans"] = [list(span) for span in r.bridge_spans]
     if r.replica:

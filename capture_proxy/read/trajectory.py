@@ -19,6 +19,12 @@ prompt (mask 0). Nothing is spliced: every segment is a sequence the model actua
 A call that follows an answered-but-not-staged call (`capture_proxy.read.status`) also opens a
 new segment (a ``not_staged`` break): its prompt holds what the policy generated in that call,
 which must not read as prompt tokens of a sequence the policy generated.
+
+Token-in calls (`StagedCallRecord.token_in`) extend the sequence by construction; one that did
+not (the proxy sent the plain rendering) says why in its extras
+(`capture_proxy.schemas.token_in_extras`), and its break carries that reason instead of
+``drift``. The prompt tokens the proxy inserted (`StagedCallRecord.bridge_spans`) are prompt
+tokens like any other (mask 0) and are listed in `Trajectory.bridge_spans`.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..schemas.records import RolloutState, StagedCallRecord
+from ..schemas.token_in_extras import SegmentBreak, segment_break_of
 from ..schemas.tokens import common_prefix_len, full_sequence
 from ..sinks.base import StagingSource
 from .status import UNKNOWN, NotStaged, RolloutStatus, rollout_status
@@ -37,6 +44,7 @@ __all__ = [
     "Drift",
     "NotStaged",
     "Segment",
+    "SegmentBreak",
     "Trajectory",
     "build_trajectory",
     "has_tools",
@@ -77,15 +85,16 @@ class Break:
     call `call_id`. `reason` says why: ``"drift"`` (the call's prompt did not extend the running
     sequence; `detail` is its `Drift`) or ``"not_staged"`` (an answered call before it was not
     staged, so its prompt holds tokens the policy generated that the store has no record of;
-    `detail` is that call's `NotStaged`). Other reasons (``history_edited``, ``tools_changed``,
-    ``replica_moved``) come with the features that produce them; a trainer should treat an
-    unknown reason as a break like any other.
+    `detail` is that call's `NotStaged`). A token-in call that could not extend the sequence
+    gives its own reason (``history_edited``, ``tools_changed``, ``template_changed``, ...;
+    `detail` is its `SegmentBreak`). Other reasons (``replica_moved``) come with the features
+    that produce them; a trainer should treat an unknown reason as a break like any other.
     """
 
     call_id: str
     position: int
     reason: str
-    detail: Drift | NotStaged | None = None
+    detail: Drift | NotStaged | SegmentBreak | None = None
 
 
 @dataclass(slots=True)
@@ -120,6 +129,9 @@ class Trajectory:
     #: Per token: the engine's own weight version that sampled it, from the record's
     #: `weight_spans` (carried like `weight_versions`); None where unknown and on prompt text.
     engine_weight_versions: list[str | None] = field(default_factory=list)
+    #: Tokens the proxy inserted into token-in prompts (the records' `bridge_spans`), as
+    #: ``(start, end, reason)`` over `token_ids`; their loss mask is 0.
+    bridge_spans: list[tuple[int, int, str]] = field(default_factory=list)
     segments: list[Segment] = field(default_factory=list)
     #: Every segment break, in order, with its reason (`Break`).
     breaks: list[Break] = field(default_factory=list)
@@ -159,6 +171,7 @@ class Trajectory:
             "call_index": self.call_index.tolist(),
             "weight_versions": self.weight_versions.tolist(),
             "engine_weight_versions": list(self.engine_weight_versions),
+            "bridge_spans": [list(span) for span in self.bridge_spans],
             "segments": [
                 {"start": s.start, "end": s.end, "call_ids": list(s.call_ids)}
                 for s in self.segments
@@ -179,9 +192,11 @@ class Trajectory:
         }
 
 
-def _detail_dict(detail: Drift | NotStaged | None) -> dict[str, Any] | None:
+def _detail_dict(detail: Drift | NotStaged | SegmentBreak | None) -> dict[str, Any] | None:
     if isinstance(detail, Drift):
         return _drift_dict(detail)
+    if isinstance(detail, SegmentBreak):
+        return detail.to_dict()
     return None if detail is None else _not_staged_dict(detail)
 
 
@@ -305,7 +320,11 @@ def _linearize(traj: Trajectory, records: list[StagedCallRecord]) -> None:
             new_versions: array[int] = _zeros("q", len(new_prompt))
             new_engine: list[str | None] = [None] * len(new_prompt)
         else:
-            if prev is not None and shared < len(running):
+            said = segment_break_of(r.extras) if r.token_in else None
+            if prev is not None and shared < len(running) and said is not None:
+                # A token-in call that sent the plain rendering says why.
+                traj.breaks.append(Break(r.call_id, len(tokens), said.reason, said))
+            elif prev is not None and shared < len(running):
                 # Drift first: the drifted call re-states its whole prompt either way, and the
                 # not-staged call stays listed in `not_staged`.
                 drift = Drift(r.call_id, prev.call_id, shared, len(running), len(prompt))
@@ -324,6 +343,11 @@ def _linearize(traj: Trajectory, records: list[StagedCallRecord]) -> None:
             new_engine.extend([None] * (len(prompt) - shared))
             seg_start, seg_calls = len(tokens), []
         n_new, n_out = len(new_prompt), len(completion)
+        skipped = len(prompt) - n_new  # prompt tokens already in the sequence
+        for start, end, why in r.bridge_spans:
+            if end > skipped:
+                base = len(tokens) - skipped
+                traj.bridge_spans.append((base + max(start, skipped), base + end, why))
         tokens.extend(new_prompt)
         tokens.extend(completion)
         mask.extend(_zeros("b", n_new))

@@ -15,8 +15,10 @@ Event kinds (`EventKind`):
 * ``ledger``: the call is in the rollout's ledger (body: ``status``, ``reason``, ``message``,
   ``http_status``), written with the ledger entry.
 * ``seal``: the rollout was sealed.
-* ``outcome``, ``token_in``, ``replica``, ``handoff``: reserved for later releases; a reader
-  checks their place in the chain like any other.
+* ``token_in``: the rollout's token-in choice, given when it was created (body:
+  ``{"token_in": true|false}``; no event: the proxy's ``--token-in`` setting decides).
+* ``outcome``, ``replica``, ``handoff``: reserved for later releases; a reader checks their
+  place in the chain like any other.
 
 A claim with neither a ``staged`` event nor a ledger entry is ``lost_in_crash``: the call was
 admitted and the proxy stopped before it ended (or its record was removed). docs/digest.md
@@ -47,6 +49,8 @@ __all__ = [
     "event_hash",
     "ledger_event",
     "staged_event",
+    "token_in_choice",
+    "token_in_event",
 ]
 
 #: Domain prefix of an event's hash (docs/digest.md, "The event log").
@@ -60,9 +64,10 @@ class EventKind(StrEnum):
     STAGED = "staged"
     LEDGER = "ledger"
     SEAL = "seal"
-    #: Reserved for later releases (DESIGN: rollout outcome, token-in choice, replica pin, handoff).
-    OUTCOME = "outcome"
+    #: The rollout's token-in choice (`token_in_event`).
     TOKEN_IN = "token_in"
+    #: Reserved for later releases (rollout outcome, replica pin, handoff).
+    OUTCOME = "outcome"
     REPLICA = "replica"
     HANDOFF = "handoff"
 
@@ -115,6 +120,22 @@ def ledger_event(entry: LedgerEntry) -> EventDraft:
             "http_status": entry.http_status,
         },
     )
+
+
+def token_in_event(rollout_id: str, token_in: bool, at_ms: int) -> EventDraft:
+    """The rollout's token-in choice, written when it is created with ``token_in`` set."""
+    return EventDraft(rollout_id, EventKind.TOKEN_IN, at_ms, body={"token_in": token_in})
+
+
+def token_in_choice(events: Sequence[RolloutEvent]) -> bool | None:
+    """The rollout's token-in choice as its event log has it (the latest ``token_in`` event),
+    or None when it made none (the proxy's setting decides)."""
+    for event in reversed(events):
+        if event.kind == EventKind.TOKEN_IN:
+            choice = event.body.get("token_in")
+            if isinstance(choice, bool):
+                return choice
+    return None
 
 
 @dataclass(frozen=True, slots=True)

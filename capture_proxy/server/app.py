@@ -22,6 +22,7 @@ from ..core.capture import Capture
 from ..core.exchange import ExchangeConfig, Pipeline
 from ..core.journal import journal_path, replay_journal
 from ..core.policy import RequestPolicy
+from ..core.scale_out import SCALE_OUT_MISSING
 from ..core.shared_reader import SharedReader
 from ..errors import NotFound, PayloadTooLarge, ProxyError, RequestTimeout, error_body
 from ..schemas.request import FreeJsonLimits
@@ -202,6 +203,9 @@ async def readyz(request: web.Request) -> web.Response:
     cap = state.capture
     if cap.unavailable_reason:
         problems.append(cap.unavailable_reason)
+    wants_token_in = not upstream_problem and _wants_token_in(state)
+    if wants_token_in and await state.upstream.scale_out_served() is False:
+        problems.append(SCALE_OUT_MISSING)
     if cap.sink_failing:
         problems.append(f"sink failing: {cap.sink_failing}")
     if cap.stager.late_writes:
@@ -213,6 +217,13 @@ async def readyz(request: web.Request) -> web.Response:
     warnings = [*state.upstream.fact_problems(), *state.pipeline.warnings.values()]
     body = {"ready": not problems, "problems": problems, "warnings": warnings}
     return web.json_response(body, status=503 if problems else 200)
+
+
+def _wants_token_in(state: ProxyState) -> bool:
+    """``--token-in on``, or a rollout in memory that chose token-in for itself."""
+    if state.settings.token_in == "on":
+        return True
+    return any(live.token_in for live in state.capture.rollouts.values())
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -437,8 +448,10 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             context_overflow="cap" if s.context_overflow == "cap" else "refuse",
             free_json=FreeJsonLimits(s.max_free_json_bytes, s.max_free_json_items),
             logprobs_mode=s.upstream_logprobs_mode,
+            token_in=s.token_in,
         ),
     )
+    state.pipeline.on_token_in.append(state.metrics.observe_token_in)
     if s.upstream_logprobs_mode != "processed_logprobs":
         # Said at start, before any call: the effective sampling is known only once the upstream
         # is reached (then /readyz names it, see Pipeline.check_logprobs_mode).

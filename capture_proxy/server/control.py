@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..core.ids import new_call_id, valid_rollout_id
 from ..core.outcomes import MAX_OUTCOME_BYTES
 from ..core.rollouts import RolloutLive, resume_rollout
+from ..core.scale_out import rollout_conflict
 from ..errors import (
     Forbidden,
     NotFound,
@@ -51,6 +52,9 @@ class CreateRollout(BaseModel):
     rollout_id: str | None = Field(default=None, min_length=1, max_length=128)
     policy: dict[str, Any] = Field(default_factory=dict)
     metadata: dict[str, Any] = Field(default_factory=dict)
+    #: The rollout's token-in choice; None: the proxy's ``--token-in`` setting. Strict: "yes"
+    #: or 1 is refused, not read as true.
+    token_in: bool | None = Field(default=None, strict=True)
 
 
 class WeightVersion(BaseModel):
@@ -120,15 +124,18 @@ async def create_rollout(request: web.Request) -> web.Response:
         check_rollout_policy(body.policy)
     except RequestValidationError as e:
         raise answer_for(e) from e
+    if body.token_in and state.upstream.known.scale_out is False:
+        raise rollout_conflict()
     key = secrets.token_urlsafe(32) if state.settings.require_rollout_keys else None
     await state.capture.create_rollout(
-        rollout_id, key=key, policy=body.policy, metadata=body.metadata
+        rollout_id, key=key, policy=body.policy, metadata=body.metadata, token_in=body.token_in
     )
     return _json(
         {
             "rollout_id": rollout_id,
             "base_url": _base_url(state, request, rollout_id),
             "api_key": key,
+            "token_in": body.token_in,
         },
         status=201,
     )
@@ -142,6 +149,9 @@ def _manifest_live(live: RolloutLive, state: ProxyState) -> dict[str, Any]:
         "state": "sealed" if live.sealed else "open",
         "poisoned": live.poisoned,
         "in_flight": live.in_flight,
+        # The rollout's token-in choice (None: the proxy's --token-in), and what its calls do.
+        "token_in": live.token_in,
+        "goes_token_in": state.pipeline.goes_token_in(live),
         # The rollout's quotas: what it used (refused calls not counted; bytes as
         # `record_bytes`, plus the bodies of calls in flight) and the limits (None: none).
         "usage": {

@@ -13,6 +13,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from ..core.call import CallReport
+from ..core.token_in_report import TokenInReport
 from ..schemas.records import CallStatus
 
 __all__ = ["Metrics"]
@@ -114,6 +115,19 @@ class Metrics:
         self.attachments = Counter(
             "capture_proxy_attachments_total", "attachments staged with calls", registry=r
         )
+        self.token_in_calls = Counter(
+            "capture_proxy_token_in_calls_total",
+            "token-in calls by result (extended: the prompt extended the previous call's tokens; "
+            "new_segment: the plain rendering was sent) and the new segment's reason",
+            ["result", "reason"],
+            registry=r,
+        )
+        self.token_in_diverged = Counter(
+            "capture_proxy_token_in_plain_divergence_total",
+            "token-in calls whose plain rendering would have differed from the tokens sent "
+            "(what token-in avoided)",
+            registry=r,
+        )
         self.streams_open = Gauge(
             "capture_proxy_streams_open", "streamed responses in progress", registry=r
         )
@@ -133,6 +147,12 @@ class Metrics:
             self.upstream_seconds.observe(report.upstream_seconds)
         if report.overhead_seconds is not None:
             self.overhead_seconds.observe(report.overhead_seconds)
+
+    def observe_token_in(self, report: TokenInReport) -> None:
+        """Count one token-in call (subscribed to `Pipeline.on_token_in`)."""
+        self.token_in_calls.labels(report.result, report.reason).inc()
+        if report.plain_divergence is not None:
+            self.token_in_diverged.inc()
 
     def add_live(self, read: Callable[[], dict[str, float]]) -> None:
         self.registry.register(_Live(read))

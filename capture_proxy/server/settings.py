@@ -82,6 +82,13 @@ class Settings:
         "processed_logprobs)",
         choices=("raw_logprobs", "processed_logprobs", "unknown"),
     )
+    token_in: str = _s(
+        "off",
+        "token-in mode: on sends each call as token ids through vLLM's render, generate and "
+        "derender routes (vLLM started with --enable-scale-out), so the model sees its own "
+        "sampled tokens; a rollout may choose for itself (POST /admin/rollouts token_in)",
+        choices=("off", "on"),
+    )
     on_capture_failure: str = _s(
         "poison",
         "when a call cannot be staged: poison (answer, poison the rollout) or error (503)",

@@ -8,9 +8,17 @@ import re
 from array import array
 from typing import Any
 
+import orjson
+
 from ..core.sampling import RESOLVED_SAMPLING_KEYS
 
-__all__ = ["PROBE_MESSAGES", "fingerprint_of", "reasoning_field_for", "sampling_defaults_of"]
+__all__ = [
+    "PROBE_MESSAGES",
+    "fingerprint_of",
+    "reasoning_field_for",
+    "sampling_defaults_of",
+    "scale_out_served",
+]
 
 #: The fixed conversation whose token ids fingerprint the upstream's tokenizer + chat template.
 PROBE_MESSAGES = [
@@ -44,3 +52,20 @@ def sampling_defaults_of(render: Any) -> dict[str, Any] | None:
     if not isinstance(params, dict):
         return None
     return {k: params[k] for k in RESOLVED_SAMPLING_KEYS if k in params}
+
+
+def scale_out_served(status: int, body: bytes) -> bool | None:
+    """What a render answer that is not a 200 says of vLLM's scale-out routes: False for the 403
+    of a vLLM started without ``--enable-scale-out`` ("Scale-out endpoints are disabled") and
+    for a route-level 404 (``{"detail": "Not Found"}``: a vLLM without the routes); None for
+    anything else (a 404 naming an unknown model, a 5xx): it says nothing about the routes."""
+    if status == 403:
+        return False
+    if status == 404:
+        try:
+            detail = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            return None
+        if isinstance(detail, dict) and detail.get("detail") == "Not Found":
+            return False
+    return None

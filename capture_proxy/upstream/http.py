@@ -270,6 +270,12 @@ class HTTPUpstream:
         ``VLLM_SERVER_DEV_MODE=1``), or None when not served: one request when it is."""
         return await self.known.read_engine_weight_version()
 
+    async def scale_out_served(self) -> bool | None:
+        """Whether the upstream serves vLLM's scale-out routes (what token-in calls): known from
+        the probe render of this upstream process, else asked with one probe render; None while
+        unknown (the upstream unreachable)."""
+        return await self.known.check_scale_out()
+
     def fact_problems(self) -> list[str]:
         """The facts about the upstream that are missing now, one sentence each."""
         return self.known.problems()

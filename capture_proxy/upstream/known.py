@@ -28,7 +28,13 @@ import orjson
 
 from ..core.transport import UpstreamInfo, UpstreamRestarted
 from ..errors import UpstreamFailed
-from .facts import PROBE_MESSAGES, fingerprint_of, reasoning_field_for, sampling_defaults_of
+from .facts import (
+    PROBE_MESSAGES,
+    fingerprint_of,
+    reasoning_field_for,
+    sampling_defaults_of,
+    scale_out_served,
+)
 
 __all__ = ["RETRY_SECONDS", "ModelFacts", "UpstreamFacts"]
 
@@ -63,6 +69,8 @@ class ModelFacts:
     sampling_defaults: Mapping[str, Any] | None
     problem: str
     fetched_at: float
+    #: Whether the render route answered (vLLM's scale-out routes are served); None: unknown.
+    scale_out: bool | None = None
 
 
 class UpstreamFacts:
@@ -84,6 +92,10 @@ class UpstreamFacts:
         self.engine_weight_version: str | None = None
         self.engine_weights_served: bool | None = None
         self._weights_asked_at = -RETRY_SECONDS
+        #: Whether the upstream serves vLLM's scale-out routes (render, generate, derender), as
+        #: the last probe render said; None: not known in this process yet.
+        self.scale_out: bool | None = None
+        self._scale_out_asked_at = -RETRY_SECONDS
         #: How long a fact that could not be fetched is left unknown (`RETRY_SECONDS`).
         self.retry_seconds = RETRY_SECONDS
 
@@ -91,6 +103,8 @@ class UpstreamFacts:
         """Ask for every fact again: the upstream was unreachable (maybe restarted)."""
         self.version = None
         self.models.clear()
+        self.scale_out = None
+        self._scale_out_asked_at = -RETRY_SECONDS - self.retry_seconds
         self._forget_weights()
 
     def _forget_weights(self) -> None:
@@ -167,6 +181,7 @@ class UpstreamFacts:
             facts.sampling_defaults if facts else None,
             problems,
             self.engine_weight_version,
+            facts.scale_out if facts and facts.scale_out is not None else self.scale_out,
         )
 
     def _keep_version(self, version: tuple[str, str]) -> None:
@@ -174,6 +189,8 @@ class UpstreamFacts:
         self._version_at = time.monotonic()
 
     def _keep_model(self, model: str, facts: ModelFacts) -> None:
+        if facts.scale_out is not None:
+            self.scale_out = facts.scale_out
         self.models[model] = facts
         self.models.move_to_end(model)
         while len(self.models) > MODELS_KEPT:
@@ -209,6 +226,8 @@ class UpstreamFacts:
                 changed.append("tokenizer fingerprint")
             if facts.sampling_defaults != info.sampling_defaults:
                 changed.append("sampling defaults")
+            if facts.scale_out is not None and facts.scale_out != info.scale_out:
+                changed.append("scale-out routes")
         if version is not None and not version[1]:
             self._keep_version(version)
         if facts is not None and not facts.problem:
@@ -238,8 +257,8 @@ class UpstreamFacts:
         version: tuple[str, str] | None = got[0] if want_version else None
         facts = None
         if want_model:
-            (fingerprint, problem), defaults = got[1:3] if want_version else got[0:2]
-            facts = ModelFacts(fingerprint, defaults, problem, time.monotonic())
+            (fingerprint, problem), (defaults, scale_out) = got[1:3] if want_version else got[0:2]
+            facts = ModelFacts(fingerprint, defaults, problem, time.monotonic(), scale_out)
         return version, facts
 
     async def _read_weights_quietly(self) -> None:
@@ -279,18 +298,42 @@ class UpstreamFacts:
         log.warning("%s (model %r), asking again in %gs", problem, model, self.retry_seconds)
         return "", problem
 
-    async def _fetch_defaults(self, model: str) -> Mapping[str, Any] | None:
-        """The sampling defaults from a probe render, or None when the route is not served (vLLM
-        without ``--enable-scale-out`` answers 403; older vLLM 404) or fails."""
-        body = {"model": model, "messages": PROBE_MESSAGES}
+    async def _fetch_defaults(
+        self, model: str | None
+    ) -> tuple[Mapping[str, Any] | None, bool | None]:
+        """``(sampling defaults, scale-out served)`` from a probe render: the defaults are None
+        when the route is not served or fails; the routes are served when it answers 200, not
+        served when it answers 403 (vLLM without ``--enable-scale-out``) or a route-level 404
+        (a vLLM without them), and unknown (None) on any other answer or failure."""
+        body: dict[str, Any] = {"messages": PROBE_MESSAGES}
+        if model is not None:
+            body["model"] = model
         try:
             status, raw = await self._fetch(
                 "POST", "/v1/chat/completions/render", orjson.dumps(body), self.timeout
             )
             if status == 200:
-                return sampling_defaults_of(orjson.loads(raw))
-            if status not in (403, 404):
+                return sampling_defaults_of(orjson.loads(raw)), True
+            served = scale_out_served(status, raw)
+            if served is None:
                 log.warning("upstream render answered %d: effective sampling unknown", status)
+            return None, served
         except (UpstreamFailed, orjson.JSONDecodeError) as e:
             log.warning("upstream render failed: %s: effective sampling unknown", e)
-        return None
+        return None, None
+
+    async def check_scale_out(self) -> bool | None:
+        """Whether the upstream serves the scale-out routes: True once known; otherwise one
+        probe render (for the served model) at most once per `retry_seconds`, so an upstream
+        restarted with ``--enable-scale-out`` is noticed even while no call reaches it. Routes
+        that appear mean a new process: every fact is asked for again."""
+        now = time.monotonic()
+        if self.scale_out is not True and now - self._scale_out_asked_at > self.retry_seconds:
+            self._scale_out_asked_at = now
+            _, served = await self._fetch_defaults(None)
+            if served and self.scale_out is False:
+                log.warning("the upstream now serves the scale-out routes: a new process")
+                self.forget()
+            if served is not None:
+                self.scale_out = served
+        return self.scale_out

@@ -49,8 +49,9 @@ def opencode_binary() -> Path:
 def vllm_url() -> Iterator[str]:
     """A real vLLM 0.32 (CPU) serving the tiny model on a free loopback port: its base URL.
 
-    Prepared on first use (venv + model in the cache), started once per session (~1 min) and
-    stopped (its whole process group) at the end. With `CAPTURE_PROXY_VLLM_URL` set, that
+    Prepared on first use (venv + model in the cache), started once per session (~1 min, with
+    ``--enable-scale-out`` and ``VLLM_SERVER_DEV_MODE=1``) and stopped (its whole process
+    group) at the end. With `CAPTURE_PROXY_VLLM_URL` set, that
     server is used instead (nothing is started): it must be the tiny model, and idle, since
     other requests batched beside the tests' can flip the random model's near-tied greedy picks.
     """
@@ -62,7 +63,12 @@ def vllm_url() -> Iterator[str]:
     _or_fail(f"preparing vLLM {tiny_vllm.VLLM_VERSION} (scripts/tiny_vllm.py)", tiny_vllm.prepare)
     prepared = time.monotonic()
     port = tiny_vllm.free_port()
-    proc = _or_fail(f"starting vLLM on 127.0.0.1:{port}", lambda: tiny_vllm.start(None, port))
+    # Started as the deploy files start vLLM for every proxy feature: the scale-out routes for
+    # token-in and dev mode for the weight routes (both only add routes).
+    proc = _or_fail(
+        f"starting vLLM on 127.0.0.1:{port}",
+        lambda: tiny_vllm.start(None, port, scale_out=True, dev_mode=True),
+    )
     sys.stderr.write(
         f"\n[vllm] prepared in {prepared - began:.1f} s, "
         f"started in {time.monotonic() - prepared:.1f} s on port {port}\n"

@@ -43,6 +43,7 @@ async def test_create_rollout_shapes_and_errors(make_proxy: Any) -> None:
         "rollout_id": "ep-1",
         "base_url": "http://proxy.internal:8100/r/ep-1/v1",
         "api_key": None,
+        "token_in": None,
     }
     again = await p.client.post("/admin/rollouts", json={"rollout_id": "ep-1"}, headers=ADMIN)
     assert again.status == 409

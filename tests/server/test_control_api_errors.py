@@ -41,7 +41,7 @@ async def test_an_unknown_key_is_named_with_the_fields_allowed(make_proxy: Any) 
     assert status == 422
     assert body == _error(
         "Unknown field `rolout_id` at the top level of the request body; "
-        "allowed fields: rollout_id, policy, metadata",
+        "allowed fields: rollout_id, policy, metadata, token_in",
         "rolout_id",
         "unknown_field",
     )

@@ -95,6 +95,7 @@ _DRIFT = pa.struct(
     ]
 )
 _BREAK = pa.struct([("call_id", pa.string()), ("position", pa.int64()), ("reason", pa.string())])
+_BRIDGE = pa.struct([("start", pa.int64()), ("end", pa.int64()), ("reason", pa.string())])
 _NOT_STAGED = pa.struct(
     [
         ("seq", pa.int64()),
@@ -126,6 +127,7 @@ TRAJECTORY_SCHEMA = pa.schema(
         ("attachment_shas", _strings),
         ("attachment_media_types", _strings),
         ("media_spans", pa.list_(_MEDIA_SPAN)),
+        ("bridge_spans", pa.list_(_BRIDGE)),
     ]
 )
 
@@ -292,6 +294,9 @@ def _trajectory_row(
         "attachment_shas": [_unique(a for c in traj.calls for a in by_id[c].attachment_refs())],
         "attachment_media_types": [_media_types(by_id[c] for c in traj.calls)],
         "media_spans": [segment_media],
+        "bridge_spans": [
+            [{"start": a, "end": b, "reason": why} for a, b, why in traj.bridge_spans]
+        ],
     }
 
 
