@@ -8,6 +8,7 @@ request's transport and stream writes treat a closed connection as an abort.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterable
 from http import HTTPStatus
 from typing import Any
 
@@ -26,6 +27,7 @@ __all__ = [
     "json_response",
     "read_json",
     "wait_connected",
+    "write_events",
     "write_stream",
 ]
 
@@ -96,11 +98,26 @@ async def write_stream(
     request: web.Request, answer: Answer, fault: Fault | None, chunk_delay: float
 ) -> tuple[web.StreamResponse, bool]:
     """Stream ``answer`` with the fault injected; return the response and whether it aborted."""
+    return await write_events(
+        request, stream_events(answer), fault, chunk_delay, answer_id=answer.call_id
+    )
+
+
+async def write_events(
+    request: web.Request,
+    events: Iterable[bytes],
+    fault: Fault | None,
+    chunk_delay: float,
+    *,
+    answer_id: str = "",
+) -> tuple[web.StreamResponse, bool]:
+    """Stream ``events`` (whole SSE events) with the fault injected at its chunk; return the
+    response and whether the client went away."""
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
     await resp.prepare(request)
     at = fault.n_chunks if fault is not None else -1
     try:
-        for sent, event in enumerate(stream_events(answer)):
+        for sent, event in enumerate(events):
             if fault is not None and sent == at:
                 if fault.kind is FaultKind.RESET_AFTER:
                     if request.transport is not None:
@@ -116,7 +133,7 @@ async def write_stream(
                     return resp, False
                 if fault.kind is FaultKind.MALFORMED_SSE:
                     await resp.write(
-                        b'data: {"id": "' + answer.call_id.encode() + b'", "choices": [\n\n'
+                        b'data: {"id": "' + answer_id.encode() + b'", "choices": [\n\n'
                     )
             if sent and chunk_delay > 0 and not await wait_connected(request, chunk_delay):
                 return resp, True
