@@ -113,9 +113,15 @@ def test_the_coalescer_sends_the_first_event_alone_then_what_waited() -> None:
     assert merged is not None
     assert merged["choices"][0]["token_ids"] == [1, 2, 3]
     c.finished()
+    usage = {"request_id": "r", "usage": {"prompt_tokens": 1}, "choices": []}
     c.add(events[4])
-    assert c.take() is not None
-    assert c.calls == 3
+    c.add(usage)
+    last = c.take()
+    assert last is not None
+    assert (last["choices"][0]["token_ids"], last["usage"]) == ([4], None)
+    c.finished()
+    assert c.take() == usage
+    assert c.calls == 4
 
 
 def test_a_derendered_generation_converts_to_the_staged_completion() -> None:

@@ -11,7 +11,7 @@ import pytest
 
 from capture_proxy.adapters.vllm import read_render
 from capture_proxy.core.derender import StreamedDerender
-from capture_proxy.core.transport import EngineRoute
+from capture_proxy.core.transport import EngineRoute, UpstreamReply
 from capture_proxy.errors import UpstreamFailed
 from capture_proxy.testing.fake_vllm import FakeToolCall, FakeVLLM, Fault, Turn, serve_fake
 from capture_proxy.upstream import HTTPUpstream
@@ -41,9 +41,11 @@ async def post(up: HTTPUpstream, route: EngineRoute, body: bytes) -> Any:
         return orjson.loads(await reply.read())
 
 
-async def streamed(up: HTTPUpstream, prompt: list[int], rendered: Any) -> StreamedDerender:
+async def streamed(
+    up: HTTPUpstream, rendered: Any, chat: dict[str, Any] = CHAT
+) -> tuple[UpstreamReply, StreamedDerender]:
     reply = await up.post_engine(EngineRoute.GENERATE, rendered.generate_body(stream=True))
-    return StreamedDerender(up, reply, prompt, CHAT)
+    return reply, StreamedDerender(up, reply, list(rendered.prompt_ids), chat)
 
 
 def joined(events: list[bytes]) -> dict[str, Any]:
@@ -71,14 +73,16 @@ async def test_the_streamed_deltas_equal_the_unary_derender_in_few_calls(
     fake.push(turn, turn)
     rendered = read_render(orjson.dumps(await post(up, EngineRoute.RENDER, orjson.dumps(CHAT))))
     prompt = list(rendered.prompt_ids)
-    driver = await streamed(up, prompt, rendered)
-    async with driver._generate:
+    reply, driver = await streamed(up, rendered)
+    async with reply:
         events = [e async for e in driver.events()]
     assert events[-1] == b"data: [DONE]\n\n"
     generated = driver.generated
     assert generated is not None
     n = len(generated.completion_ids)
     assert n > 400
+    usage = orjson.loads(events[-2][len(b"data: ") :])
+    assert (usage["choices"], usage["usage"]["completion_tokens"]) == ([], n)
     assert driver.calls < n / 10, (driver.calls, n)
     unary_gen = await post(up, EngineRoute.GENERATE, rendered.generate_body())
     body = {"generate_response": unary_gen, "prompt_token_ids": prompt, "chat_request": CHAT}
@@ -99,14 +103,13 @@ async def test_a_refused_derender_call_is_derender_failed(
 ) -> None:
     _, up = pair
     rendered = read_render(orjson.dumps(await post(up, EngineRoute.RENDER, orjson.dumps(CHAT))))
-    reply = await up.post_engine(EngineRoute.GENERATE, rendered.generate_body(stream=True))
-    driver = StreamedDerender(up, reply, list(rendered.prompt_ids), {"not": "a list"})
-    driver._chat_request = None  # type: ignore[assignment]
+    reply, driver = await streamed(up, rendered, {**CHAT, "model": "other"})
     async with reply:
         with pytest.raises(UpstreamFailed) as info:
             _ = [e async for e in driver.events()]
     assert info.value.code == "derender_failed"
-    assert "chat_request is required" in info.value.message
+    assert info.value.message.startswith("derender answered 404: ")
+    assert "The model `other` does not exist" in info.value.message
 
 
 async def test_a_broken_generate_stream_fails_the_answer(
@@ -115,8 +118,8 @@ async def test_a_broken_generate_stream_fails_the_answer(
     fake, up = pair
     fake.push(Turn("x" * 200, fault=Fault.reset_after(5)))
     rendered = read_render(orjson.dumps(await post(up, EngineRoute.RENDER, orjson.dumps(CHAT))))
-    driver = await streamed(up, list(rendered.prompt_ids), rendered)
-    async with driver._generate:
+    reply, driver = await streamed(up, rendered)
+    async with reply:
         with pytest.raises(UpstreamFailed) as info:
             _ = [e async for e in driver.events()]
     assert info.value.code == "upstream_broken"

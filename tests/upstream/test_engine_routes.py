@@ -10,6 +10,7 @@ from typing import Any
 import orjson
 import pytest
 
+from capture_proxy.adapters.vllm import UpstreamProtocolError, read_generate
 from capture_proxy.core.transport import EngineRoute, TokenInTransport
 from capture_proxy.errors import UpstreamFailed
 from capture_proxy.testing.fake_vllm import FakeVLLM, Fault, Turn, serve_fake
@@ -120,3 +121,15 @@ async def test_a_generate_stream_that_breaks_is_upstream_broken() -> None:
             with pytest.raises(UpstreamFailed) as info:
                 _ = [chunk async for chunk in reply.chunks()]
         assert info.value.code == "upstream_broken"
+
+
+async def test_a_truncated_generate_answer_is_a_protocol_error() -> None:
+    async for fake, up in upstream_for(scale_out=True):
+        fake.push(Turn("an answer", fault=Fault.truncate_after(1)))
+        _, rendered = await post_json(up, EngineRoute.RENDER, CHAT)
+        async with await up.post_engine(EngineRoute.GENERATE, orjson.dumps(rendered)) as reply:
+            raw = await reply.read()
+        with pytest.raises(UpstreamProtocolError) as info:
+            read_generate(raw)
+        assert info.value.reason == "malformed_json"
+        assert info.value.error_body["error"]["code"] == 502

@@ -338,7 +338,8 @@ class DerenderCoalescer:
     Every derender call resends the whole prompt and every output id so far, so one call per
     event costs O(n²) in the output length. The policy: the first event is derendered alone (the
     client's first byte comes early), then everything that arrived while the previous call was
-    in flight goes in one call, and at the end one call takes the rest. `add` an event as it
+    in flight goes in one call, and at the end one call takes the rest (the usage event, which
+    has no choices, always in a call of its own). `add` an event as it
     arrives; `take` gives the chunk to derender now (None while a call is in flight or nothing
     waits); `finished` says the call in flight came back.
     """
@@ -356,10 +357,15 @@ class DerenderCoalescer:
         return bool(self._waiting)
 
     def take(self) -> dict[str, Any] | None:
-        if self.in_flight or not self._waiting:
+        waiting = self._waiting
+        if self.in_flight or not waiting:
             return None
-        chunk = merge_chunks(self._waiting)
-        self._waiting = []
+        # The usage event (no choices) goes alone, so the client's usage chunk stays apart
+        # from the last token's, as vLLM streams them.
+        k = next((i for i, c in enumerate(waiting) if not c.get("choices")), len(waiting))
+        k = k or 1
+        chunk = merge_chunks(waiting[:k])
+        self._waiting = waiting[k:]
         self.in_flight = True
         self.calls += 1
         return chunk

@@ -22,6 +22,7 @@ from ._validate import RequestError
 
 __all__ = [
     "client_gone",
+    "complete_raw",
     "complete_response",
     "fault_response",
     "json_response",
@@ -80,6 +81,12 @@ def fault_response(fault: Fault) -> web.Response:
 
 def complete_response(request: web.Request, answer: Answer, fault: Fault | None) -> web.Response:
     """A non-streaming answer, with the fault applied to the body."""
+    return complete_raw(request, orjson.dumps(completion_body(answer)), fault)
+
+
+def complete_raw(request: web.Request, raw: bytes, fault: Fault | None) -> web.Response:
+    """A non-streaming JSON answer with a body fault applied: an error body, a reset, or half
+    the body (malformed, truncated)."""
     kind = fault.kind if fault is not None else None
     if fault is not None and kind is FaultKind.ERROR_EVENT:
         body = error_body(fault.message, "InternalServerError", fault.status)
@@ -88,7 +95,6 @@ def complete_response(request: web.Request, answer: Answer, fault: Fault | None)
         if request.transport is not None:
             request.transport.close()
         return web.Response()
-    raw = orjson.dumps(completion_body(answer))
     if kind in (FaultKind.MALFORMED_SSE, FaultKind.TRUNCATE_AFTER):
         raw = raw[: len(raw) // 2]
     return web.Response(status=200, body=raw, content_type="application/json")
