@@ -4,7 +4,8 @@
 the client's Chat Completions chunks. Each derender call resends the whole prompt and every output
 id so far (vLLM keeps no state), so the calls are coalesced by
 `capture_proxy.adapters.vllm.DerenderCoalescer`: the first event alone, then everything that
-arrived while the previous call was in flight, in one call.
+arrived while the previous call was in flight (and at least `min_interval` seconds after it
+started), in one call.
 """
 
 from __future__ import annotations
@@ -46,13 +47,15 @@ class StreamedDerender:
         generate: UpstreamReply,
         prompt_ids: Sequence[int],
         chat_request: Mapping[str, Any],
+        *,
+        min_interval: float = 0.05,
     ) -> None:
         self._transport = transport
         self._generate = generate
         self._prompt_ids = list(prompt_ids)
         self._chat_request = chat_request
         self._stream = GenerateStream()
-        self._coalescer = DerenderCoalescer()
+        self._coalescer = DerenderCoalescer(min_interval)
         self._arrived = asyncio.Event()
         self._read_done = False
         self.generated: Generated | None = None
@@ -70,6 +73,7 @@ class StreamedDerender:
             self.generated = self._stream.finish()
         finally:
             self._read_done = True
+            self._coalescer.close()
             self._arrived.set()
 
     async def _derender(self, chunk: dict[str, Any], state: Any) -> dict[str, Any]:
@@ -84,16 +88,24 @@ class StreamedDerender:
         return read_derender(raw)
 
     async def events(self) -> AsyncIterator[bytes]:
+        loop = asyncio.get_running_loop()
         reader = asyncio.create_task(self._read())
         state: Any = None
         try:
             while True:
-                chunk = self._coalescer.take()
+                chunk = self._coalescer.take(loop.time())
                 if chunk is None:
                     if self._read_done and not self._coalescer.pending:
                         break
+                    due = self._coalescer.due() if self._coalescer.pending else None
                     self._arrived.clear()
-                    await self._arrived.wait()
+                    if due is None:
+                        await self._arrived.wait()
+                    else:
+                        # Too soon after the last call: wait for it, or for the stream's end.
+                        with contextlib.suppress(TimeoutError):
+                            async with asyncio.timeout_at(due):
+                                await self._arrived.wait()
                     continue
                 answer = await self._derender(chunk, state)
                 self._coalescer.finished()

@@ -98,29 +98,32 @@ def test_invalid_render_and_generate_answers_are_protocol_errors() -> None:
 
 
 def test_the_coalescer_sends_the_first_event_alone_then_what_waited() -> None:
-    c = DerenderCoalescer()
+    c = DerenderCoalescer(min_interval=0.05)
     events = [
         {"request_id": "r", "usage": None, "choices": [{"token_ids": [i], "logprobs": None}]}
         for i in range(5)
     ]
     c.add(events[0])
-    assert c.take() == merge_chunks([events[0]])
+    assert c.take(10.0) == merge_chunks([events[0]])
     for e in events[1:4]:
         c.add(e)
-    assert c.take() is None  # a call is in flight
+    assert c.take(10.01) is None  # a call is in flight
     c.finished()
-    merged = c.take()
+    assert c.take(10.02) is None  # too soon after the last call started
+    assert c.due() == pytest.approx(10.05)
+    merged = c.take(10.05)
     assert merged is not None
     assert merged["choices"][0]["token_ids"] == [1, 2, 3]
     c.finished()
     usage = {"request_id": "r", "usage": {"prompt_tokens": 1}, "choices": []}
     c.add(events[4])
     c.add(usage)
-    last = c.take()
+    c.close()  # the stream ended: no more waiting
+    last = c.take(10.06)
     assert last is not None
     assert (last["choices"][0]["token_ids"], last["usage"]) == ([4], None)
     c.finished()
-    assert c.take() == usage
+    assert c.take(10.06) == usage
     assert c.calls == 4
 
 
