@@ -49,7 +49,7 @@ async def _per_event(up: _Counting, rendered: Any, chat: dict[str, Any]) -> None
     ) as reply:
         async for data in reply.chunks():
             for event in stream.feed(data):
-                body = derender_chunk_body(event.chunk, state, prompt, chat)
+                body = derender_chunk_body(event.data, state, prompt, chat)
                 async with await up.post_engine(EngineRoute.DERENDER, body) as answer:
                     state = orjson.loads(await answer.read())["stream_state"]
 

@@ -68,7 +68,7 @@ class StreamedDerender:
         try:
             async for data in self._generate.chunks():
                 for event in self._stream.feed(data):
-                    self._coalescer.add(event.chunk)
+                    self._coalescer.add(event)
                     self._arrived.set()
             self.generated = self._stream.finish()
         finally:
@@ -76,7 +76,7 @@ class StreamedDerender:
             self._coalescer.close()
             self._arrived.set()
 
-    async def _derender(self, chunk: dict[str, Any], state: Any) -> dict[str, Any]:
+    async def _derender(self, chunk: bytes, state: Any) -> dict[str, Any]:
         body = derender_chunk_body(chunk, state, self._prompt_ids, self._chat_request)
         async with await self._transport.post_engine(EngineRoute.DERENDER, body) as reply:
             raw = await reply.read()

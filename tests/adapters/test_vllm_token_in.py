@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from capture_proxy.adapters.vllm import (
     DerenderCoalescer,
+    GenerateEvent,
     GenerateStream,
     UpstreamProtocolError,
     derender_body,
@@ -100,11 +101,21 @@ def test_invalid_render_and_generate_answers_are_protocol_errors() -> None:
 def test_the_coalescer_sends_the_first_event_alone_then_what_waited() -> None:
     c = DerenderCoalescer(min_interval=0.05)
     events = [
-        {"request_id": "r", "usage": None, "choices": [{"token_ids": [i], "logprobs": None}]}
+        GenerateEvent(
+            orjson.dumps(
+                {
+                    "request_id": "r",
+                    "usage": None,
+                    "choices": [{"token_ids": [i], "logprobs": None}],
+                }
+            ),
+            1,
+            True,
+        )
         for i in range(5)
     ]
     c.add(events[0])
-    assert c.take(10.0) == merge_chunks([events[0]])
+    assert c.take(10.0) == events[0].data
     for e in events[1:4]:
         c.add(e)
     assert c.take(10.01) is None  # a call is in flight
@@ -113,17 +124,18 @@ def test_the_coalescer_sends_the_first_event_alone_then_what_waited() -> None:
     assert c.due() == pytest.approx(10.05)
     merged = c.take(10.05)
     assert merged is not None
-    assert merged["choices"][0]["token_ids"] == [1, 2, 3]
+    assert orjson.loads(merged)["choices"][0]["token_ids"] == [1, 2, 3]
+    assert merged == merge_chunks(events[1:4])
     c.finished()
-    usage = {"request_id": "r", "usage": {"prompt_tokens": 1}, "choices": []}
+    usage = GenerateEvent(b'{"request_id":"r","usage":{"prompt_tokens":1},"choices":[]}', 0, False)
     c.add(events[4])
     c.add(usage)
     c.close()  # the stream ended: no more waiting
     last = c.take(10.06)
     assert last is not None
-    assert (last["choices"][0]["token_ids"], last["usage"]) == ([4], None)
+    assert last == events[4].data
     c.finished()
-    assert c.take(10.06) == usage
+    assert c.take(10.06) == usage.data
     assert c.calls == 4
 
 

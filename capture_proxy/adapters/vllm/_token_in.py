@@ -95,7 +95,6 @@ class _GenerateAnswer(msgspec.Struct, gc=False):
 
 
 _decode_generate = msgspec.json.Decoder(_GenerateAnswer).decode
-_decode_chunk = msgspec.json.Decoder(_GenerateAnswer).decode
 
 
 def _malformed(route: str, exc: Exception) -> UpstreamProtocolError:
@@ -207,11 +206,13 @@ def read_generate(raw: bytes) -> Generated:
 
 @dataclass(frozen=True, slots=True)
 class GenerateEvent:
-    """One event of a streamed generate: its decoded JSON (a derender ``generate_chunk``) and
-    how many output ids it brought."""
+    """One event of a streamed generate: its JSON as it came (a derender ``generate_chunk``,
+    forwarded without re-encoding), how many output ids it brought, and whether it has choices
+    (the usage event has none)."""
 
-    chunk: dict[str, Any]
+    data: bytes
     new_ids: int
+    has_choices: bool
 
 
 class GenerateStream:
@@ -239,9 +240,8 @@ class GenerateStream:
                 self.done = True
                 continue
             try:
-                chunk = orjson.loads(event.data)
-                typed = _decode_chunk(event.data)
-            except (orjson.JSONDecodeError, msgspec.DecodeError) as exc:
+                typed = _decode_generate(event.data)
+            except msgspec.DecodeError as exc:
                 if isinstance(chunk_error := _error_of(event.data), dict):
                     raise UpstreamProtocolError(
                         "error_event", str(chunk_error), error_body=chunk_error
@@ -256,7 +256,7 @@ class GenerateStream:
                 n += len(choice.token_ids)
             if typed.usage is not None:
                 gen.usage = _usage(typed.usage)
-            out.append(GenerateEvent(chunk, n))
+            out.append(GenerateEvent(event.data, n, bool(typed.choices)))
         return out
 
     def finish(self) -> Generated:
@@ -276,9 +276,13 @@ def _error_of(data: bytes) -> Any:
     return value if isinstance(value, dict) and "error" in value else None
 
 
-def merge_chunks(chunks: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """Several generate events as one ``generate_chunk``: ids and logprobs joined, the last
-    event's finish reason, spans and usage (derender accepts a chunk of many ids)."""
+def merge_chunks(events: Sequence[GenerateEvent]) -> bytes:
+    """Several generate events as one ``generate_chunk`` (JSON): ids and logprobs joined, the
+    last event's finish reason, spans and usage (derender accepts a chunk of many ids). One event
+    is returned as it came."""
+    if len(events) == 1:
+        return events[0].data
+    chunks = [orjson.loads(e.data) for e in events]
     merged = dict(chunks[-1])
     choices = [c["choices"][0] for c in chunks if c.get("choices")]
     if choices:
@@ -287,9 +291,8 @@ def merge_chunks(chunks: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         logprobs = [e for c in choices for e in (c.get("logprobs") or {}).get("content") or ()]
         last["logprobs"] = {"content": logprobs} if logprobs else None
         merged["choices"] = [last]
-    usage = next((c["usage"] for c in reversed(chunks) if c.get("usage")), None)
-    merged["usage"] = usage
-    return merged
+    merged["usage"] = next((c["usage"] for c in reversed(chunks) if c.get("usage")), None)
+    return orjson.dumps(merged)
 
 
 def derender_body(
@@ -303,21 +306,26 @@ def derender_body(
 
 
 def derender_chunk_body(
-    chunk: Mapping[str, Any],
+    chunk: bytes,
     state: Mapping[str, Any] | None,
     prompt_ids: Sequence[int],
     chat_request: Mapping[str, Any],
 ) -> bytes:
-    """One streamed derender request: the chunk, the previous answer's ``stream_state``, and —
-    required on every call — the prompt ids and the chat request."""
-    return orjson.dumps(
-        {
-            "stream": True,
-            "generate_chunk": chunk,
-            "stream_state": state,
-            "prompt_token_ids": list(prompt_ids),
-            "chat_request": chat_request,
-        }
+    """One streamed derender request: the chunk (JSON, from `merge_chunks`), the previous
+    answer's ``stream_state``, and — required on every call — the prompt ids and the chat
+    request."""
+    return b"".join(
+        (
+            b'{"stream":true,"generate_chunk":',
+            chunk,
+            b',"stream_state":',
+            orjson.dumps(state),
+            b',"prompt_token_ids":',
+            orjson.dumps(list(prompt_ids)),
+            b',"chat_request":',
+            orjson.dumps(chat_request),
+            b"}",
+        )
     )
 
 
@@ -350,14 +358,14 @@ class DerenderCoalescer:
 
     def __init__(self, min_interval: float = 0.05) -> None:
         self.min_interval = min_interval
-        self._waiting: list[dict[str, Any]] = []
+        self._waiting: list[GenerateEvent] = []
         self._last_start: float | None = None
         self.in_flight = False
         self.closed = False
         self.calls = 0
 
-    def add(self, chunk: dict[str, Any]) -> None:
-        self._waiting.append(chunk)
+    def add(self, event: GenerateEvent) -> None:
+        self._waiting.append(event)
 
     def close(self) -> None:
         """The generate stream ended: what waits goes without delay."""
@@ -373,14 +381,14 @@ class DerenderCoalescer:
             return None
         return self._last_start + self.min_interval
 
-    def take(self, now: float) -> dict[str, Any] | None:
+    def take(self, now: float) -> bytes | None:
         waiting = self._waiting
         if self.in_flight or not waiting:
             return None
         due = self.due()
         if due is not None and now < due:
             return None
-        k = next((i for i, c in enumerate(waiting) if not c.get("choices")), len(waiting))
+        k = next((i for i, e in enumerate(waiting) if not e.has_choices), len(waiting))
         k = k or 1
         chunk = merge_chunks(waiting[:k])
         self._waiting = waiting[k:]

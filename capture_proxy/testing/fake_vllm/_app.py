@@ -69,7 +69,7 @@ _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 class FakeVLLM(ScaleOutRoutes):
     """A fake vLLM server. Build the aiohttp app with `app`; script answers with `push`.
 
-    Attributes for assertions: ``requests`` (every chat request body, decoded),
+    Attributes for assertions: ``requests`` (every chat and generate request body, decoded),
     ``request_headers`` (their headers, e.g. to see which ``Authorization`` arrived), ``responses``
     (per generated answer: ``id``, ``stream``, ``prompt_token_ids``, ``completion_token_ids``,
     ``logprobs`` (float32 values), ``finish_reason``, ``fault``; recorded before any fault, so

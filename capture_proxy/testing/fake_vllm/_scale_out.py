@@ -87,6 +87,7 @@ class ScaleOutRoutes:
         messages = require_messages(body)
         cont = bool(body.get("continue_final_message"))
         if cont and (not messages or messages[-1].get("role") != "assistant"):
+            # vLLM refuses this too; its exact wording was not captured.
             raise RequestError(
                 400, "continue_final_message is set but the last message is not from the assistant."
             )
