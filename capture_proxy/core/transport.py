@@ -13,13 +13,17 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any, Protocol, runtime_checkable
 
 from ..errors import UpstreamFailed
 
 __all__ = [
+    "SCALE_OUT_DISABLED",
+    "EngineRoute",
     "EngineWeights",
     "ScaleOutCheck",
+    "TokenInTransport",
     "UpstreamInfo",
     "UpstreamReply",
     "UpstreamRestarted",
@@ -101,6 +105,40 @@ class UpstreamTransport(Protocol):
 
     async def post_chat(self, body: bytes) -> UpstreamReply:
         """POST `body` to the chat route; the reply once its headers are in."""
+        ...
+
+
+class EngineRoute(StrEnum):
+    """vLLM's token-in routes (served with ``vllm serve --enable-scale-out``), by path."""
+
+    #: A Chat Completions body in, a ``GenerateRequest`` out (the prompt ids, sampling params).
+    RENDER = "/v1/chat/completions/render"
+    #: Token ids in, completion ids, logprobs and weight spans out; ``stream: true`` streams.
+    GENERATE = "/inference/v1/generate"
+    #: A generate answer (or one streamed chunk with its state) in, a Chat Completions answer out.
+    DERENDER = "/v1/chat/completions/derender"
+
+
+#: The message of `UpstreamFailed` (code ``scale_out_disabled``, status 503) when the upstream
+#: refuses a token-in route because it was started without ``--enable-scale-out``.
+SCALE_OUT_DISABLED = (
+    "the upstream does not serve vLLM's token-in routes (render, generate, derender): start "
+    "vllm serve with --enable-scale-out"
+)
+
+
+@runtime_checkable
+class TokenInTransport(UpstreamTransport, Protocol):
+    """An upstream that can also be asked on vLLM's token-in routes (optional for a transport)."""
+
+    async def post_engine(self, route: EngineRoute, body: bytes) -> UpstreamReply:
+        """POST `body` (JSON) to `route`; the reply once its headers are in.
+
+        Timeouts, connection handling and `UpstreamRestarted` are those of `post_chat`. The
+        upstream's 403 "Scale-out endpoints are disabled" raises `UpstreamFailed` with code
+        ``scale_out_disabled`` (status 503, message `SCALE_OUT_DISABLED`); any other status comes
+        back in the reply, for the caller to relay.
+        """
         ...
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from ..core.transport import UpstreamInfo
+from ..core.transport import SCALE_OUT_DISABLED, EngineRoute, UpstreamInfo
 from ..errors import UpstreamFailed
 from .connector import WatchedConnector
 from .known import UpstreamFacts
@@ -35,6 +35,8 @@ _PROMPT_KEYS = ("model", "messages", "tools", "chat_template_kwargs", "add_gener
 #: Calls wait for them, so a hanging upstream route must not hold every call for the first-byte
 #: timeout; a fact not fetched in time is left empty and asked for again a few seconds later.
 _FACT_TIMEOUT = 5.0
+#: What vLLM's 403 for a token-in route says when it runs without ``--enable-scale-out``.
+_SCALE_OUT_403 = b"Scale-out endpoints are disabled"
 #: Connections the facts requests may hold at once (their own pool: see `facts_session`).
 _FACTS_CONNECTIONS = 4
 
@@ -156,6 +158,21 @@ class HTTPUpstream:
 
     async def post_chat(self, body: bytes) -> HTTPUpstreamReply:
         """POST a chat request; the reply once its headers are in (`UpstreamFailed` if not)."""
+        return await self._post("/v1/chat/completions", body)
+
+    async def post_engine(self, route: EngineRoute, body: bytes) -> HTTPUpstreamReply:
+        """POST to one of vLLM's token-in routes (render, generate, derender), as `post_chat`
+        does; a 403 "Scale-out endpoints are disabled" raises `UpstreamFailed` with code
+        ``scale_out_disabled`` (503), whose message names ``--enable-scale-out``."""
+        reply = await self._post(route.value, body)
+        if reply.status == 403:
+            async with reply:
+                raw = await reply.read()  # aiohttp keeps it: the caller may read it again
+            if _SCALE_OUT_403 in raw:
+                raise UpstreamFailed(SCALE_OUT_DISABLED, code="scale_out_disabled", status=503)
+        return reply
+
+    async def _post(self, path: str, body: bytes) -> HTTPUpstreamReply:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.total_timeout if self.total_timeout else None
         first_byte = self.first_byte_timeout
@@ -164,7 +181,7 @@ class HTTPUpstream:
         with self._mapped("cannot reach the upstream"):
             async with asyncio.timeout(first_byte):
                 resp = await self.session.post(
-                    self.url("/v1/chat/completions"),
+                    self.url(path),
                     data=body,
                     headers={**self.headers, "Content-Type": JSON},
                 )

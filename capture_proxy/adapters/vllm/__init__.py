@@ -3,6 +3,7 @@
 `VLLMAdapter.plan` adds the token fields capture needs to a request (`ForwardPlan`);
 `parse_response` reads a unary answer and `stream` returns a sans-IO `StreamAccumulator` fed with
 SSE bytes. Both yield a `Completion` (token ids, logprobs, message) and the bytes the client sees.
+The token-in routes (render, generate, derender) are read and written by `_token_in`'s parsers.
 """
 
 from __future__ import annotations
@@ -18,15 +19,43 @@ from ._adapter import (
     VLLMAdapter,
     parse_error_body,
 )
+from ._token_in import (
+    DerenderCoalescer,
+    Generated,
+    GenerateEvent,
+    GenerateStream,
+    Rendered,
+    WeightSpan,
+    derender_body,
+    derender_chunk_body,
+    merge_chunks,
+    read_derender,
+    read_generate,
+    read_render,
+    to_completion,
+)
 
 __all__ = [
     "CaptureExtractionError",
     "ClientWants",
     "Completion",
+    "DerenderCoalescer",
     "ForwardPlan",
+    "GenerateEvent",
+    "GenerateStream",
+    "Generated",
     "ReasoningField",
+    "Rendered",
     "StreamAccumulator",
     "UpstreamProtocolError",
     "VLLMAdapter",
+    "WeightSpan",
+    "derender_body",
+    "derender_chunk_body",
+    "merge_chunks",
     "parse_error_body",
+    "read_derender",
+    "read_generate",
+    "read_render",
+    "to_completion",
 ]

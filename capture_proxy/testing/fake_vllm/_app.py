@@ -18,10 +18,12 @@ Standalone: ``python -m capture_proxy.fake_vllm --port 8000`` (binds 127.0.0.1),
 ``capture-proxy serve --upstream fake``.
 
 Routes: ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /version``, ``POST /tokenize``,
-``POST /detokenize``, ``GET /health``; with ``scale_out`` ``POST /v1/chat/completions/render``
-(403 without, as vLLM); with ``dev_mode`` ``GET /weight_info``, ``POST /update_weight_version``,
-``POST /pause``, ``POST /resume`` and ``GET /is_paused`` (404 without). Paused, the fake holds a
-new generation until ``/resume`` (as vLLM's scheduler stops scheduling), rather than refusing it.
+``POST /detokenize``, ``GET /health``; with ``scale_out`` the token-in routes ``POST
+/v1/chat/completions/render``, ``POST /inference/v1/generate`` and ``POST
+/v1/chat/completions/derender`` (403 without, as vLLM; `_generate`, `_derender`); with
+``dev_mode`` ``GET /weight_info``, ``POST /update_weight_version``, ``POST /pause``, ``POST
+/resume`` and ``GET /is_paused`` (404 without). Paused, the fake holds a new generation until
+``/resume`` (as vLLM's scheduler stops scheduling), rather than refusing it.
 With ``api_key`` every ``/v1`` route wants
 ``Authorization: Bearer <key>`` (401 ``{"error": "Unauthorized"}`` otherwise, as vLLM).
 """
@@ -43,7 +45,7 @@ from aiohttp import web
 
 from ._answer import answer_for
 from ._faults import Fault, FaultKind
-from ._generation import FakeToolCall, Turn, default_turn
+from ._generation import FakeToolCall, Plan, Turn, default_turn
 from ._http import (
     complete_response,
     fault_response,
@@ -53,7 +55,8 @@ from ._http import (
     write_stream,
 )
 from ._protocol import model_list
-from ._render import SCALE_OUT_DISABLED, render_answer, resolve_sampling, weight_version_update
+from ._render import weight_version_update
+from ._scale_out import ScaleOutRoutes
 from ._script import load_script
 from ._template import decode, encode, reasoning_keys_for, render_chat, token_text
 from ._validate import RequestError, check_model, output_limit, require_messages
@@ -63,10 +66,10 @@ __all__ = ["FakeToolCall", "FakeVLLM", "Fault", "Turn", "main", "serve_fake"]
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-class FakeVLLM:
+class FakeVLLM(ScaleOutRoutes):
     """A fake vLLM server. Build the aiohttp app with `app`; script answers with `push`.
 
-    Attributes for assertions: ``requests`` (every chat request body, decoded),
+    Attributes for assertions: ``requests`` (every chat and generate request body, decoded),
     ``request_headers`` (their headers, e.g. to see which ``Authorization`` arrived), ``responses``
     (per generated answer: ``id``, ``stream``, ``prompt_token_ids``, ``completion_token_ids``,
     ``logprobs`` (float32 values), ``finish_reason``, ``fault``; recorded before any fault, so
@@ -133,6 +136,9 @@ class FakeVLLM:
         self.created = int(time.time())
         self.fingerprint = f"vllm-{version}-{hashlib.sha256(model.encode()).hexdigest()[:8]}"
         self._queue: collections.deque[Turn] = collections.deque()
+        # What each generate call planned, by request id, so derender parses the ids as the
+        # fake generated them (bounded: a test double, not a cache anyone relies on).
+        self._plans: collections.OrderedDict[str, Plan] = collections.OrderedDict()
         self._rng = random.Random(seed)
         self._perm_id = f"modelperm-{self._hex()}"
 
@@ -184,6 +190,8 @@ class FakeVLLM:
         app.router.add_post("/detokenize", self._detokenize)
         app.router.add_get("/health", self._health)
         app.router.add_post("/v1/chat/completions/render", self._render_chat)
+        app.router.add_post("/inference/v1/generate", self._generate)
+        app.router.add_post("/v1/chat/completions/derender", self._derender)
         app.router.add_get("/weight_info", self._weight_info)
         app.router.add_post("/update_weight_version", self._update_weight_version)
         app.router.add_post("/pause", self._pause)
@@ -191,26 +199,7 @@ class FakeVLLM:
         app.router.add_get("/is_paused", self._is_paused)
         return app
 
-    # -- scale-out and dev-mode routes (_render) ------------------------------------------------
-
-    async def _render_chat(self, request: web.Request) -> web.Response:
-        self.route_hits[request.path] += 1
-        if not self.scale_out:
-            return RequestError(
-                403, SCALE_OUT_DISABLED, err_type="PermissionDeniedError"
-            ).response()
-        try:
-            body = await read_json(request)
-            check_model(body, self.model)
-            gen = body.get("add_generation_prompt", True) is not False
-            ids = encode(self._render(require_messages(body), body.get("tools") or None, gen))
-        except RequestError as exc:
-            return exc.response()
-        room = max(self.max_model_len - len(ids), 0)
-        sampling = resolve_sampling(body, self.generation_config, room)
-        # Deterministic (the fake's random stream belongs to its answers); the shape is vLLM's.
-        request_id = f"chatcmpl-{self.route_hits[request.path]:016x}"
-        return json_response(200, render_answer(body, ids, sampling, self.model, request_id))
+    # -- dev-mode routes (_render) -----------------------------------------------------------
 
     async def _weight_info(self, request: web.Request) -> web.Response:
         self.route_hits[request.path] += 1

@@ -8,6 +8,7 @@ request's transport and stream writes treat a closed connection as an abort.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterable
 from http import HTTPStatus
 from typing import Any
 
@@ -21,11 +22,13 @@ from ._validate import RequestError
 
 __all__ = [
     "client_gone",
+    "complete_raw",
     "complete_response",
     "fault_response",
     "json_response",
     "read_json",
     "wait_connected",
+    "write_events",
     "write_stream",
 ]
 
@@ -78,6 +81,12 @@ def fault_response(fault: Fault) -> web.Response:
 
 def complete_response(request: web.Request, answer: Answer, fault: Fault | None) -> web.Response:
     """A non-streaming answer, with the fault applied to the body."""
+    return complete_raw(request, orjson.dumps(completion_body(answer)), fault)
+
+
+def complete_raw(request: web.Request, raw: bytes, fault: Fault | None) -> web.Response:
+    """A non-streaming JSON answer with a body fault applied: an error body, a reset, or half
+    the body (malformed, truncated)."""
     kind = fault.kind if fault is not None else None
     if fault is not None and kind is FaultKind.ERROR_EVENT:
         body = error_body(fault.message, "InternalServerError", fault.status)
@@ -86,7 +95,6 @@ def complete_response(request: web.Request, answer: Answer, fault: Fault | None)
         if request.transport is not None:
             request.transport.close()
         return web.Response()
-    raw = orjson.dumps(completion_body(answer))
     if kind in (FaultKind.MALFORMED_SSE, FaultKind.TRUNCATE_AFTER):
         raw = raw[: len(raw) // 2]
     return web.Response(status=200, body=raw, content_type="application/json")
@@ -96,11 +104,26 @@ async def write_stream(
     request: web.Request, answer: Answer, fault: Fault | None, chunk_delay: float
 ) -> tuple[web.StreamResponse, bool]:
     """Stream ``answer`` with the fault injected; return the response and whether it aborted."""
+    return await write_events(
+        request, stream_events(answer), fault, chunk_delay, answer_id=answer.call_id
+    )
+
+
+async def write_events(
+    request: web.Request,
+    events: Iterable[bytes],
+    fault: Fault | None,
+    chunk_delay: float,
+    *,
+    answer_id: str = "",
+) -> tuple[web.StreamResponse, bool]:
+    """Stream ``events`` (whole SSE events) with the fault injected at its chunk; return the
+    response and whether the client went away."""
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
     await resp.prepare(request)
     at = fault.n_chunks if fault is not None else -1
     try:
-        for sent, event in enumerate(stream_events(answer)):
+        for sent, event in enumerate(events):
             if fault is not None and sent == at:
                 if fault.kind is FaultKind.RESET_AFTER:
                     if request.transport is not None:
@@ -116,7 +139,7 @@ async def write_stream(
                     return resp, False
                 if fault.kind is FaultKind.MALFORMED_SSE:
                     await resp.write(
-                        b'data: {"id": "' + answer.call_id.encode() + b'", "choices": [\n\n'
+                        b'data: {"id": "' + answer_id.encode() + b'", "choices": [\n\n'
                     )
             if sent and chunk_delay > 0 and not await wait_connected(request, chunk_delay):
                 return resp, True

@@ -1,0 +1,446 @@
+"""vLLM's token-in routes read and written without I/O: render, generate, derender.
+
+The token-in path asks vLLM to render the chat request (``POST /v1/chat/completions/render``),
+generates from token ids (``POST /inference/v1/generate``) and builds the client's answer with
+``POST /v1/chat/completions/derender``. The shapes are vLLM 0.32's (docs/upstream-facts.md,
+"Token-in routes (vLLM 0.32, measured)"). Each answer is decoded once (msgspec, only the fields
+read typed); what is sent back is built from the decoded values:
+
+- `read_render` → `Rendered`: the prompt ids, the resolved sampling params, ``features``, and
+  `Rendered.generate_body` — the render answer sent back unchanged with ``token_ids`` replaced;
+- `read_generate` → `Generated`: completion ids (``array('i')``), logprobs (``array('f')``,
+  float32 as the chat path stores them), top logprobs when asked, finish and stop reason, weight
+  spans ``(version, start, end)``, routed experts, usage; `GenerateStream` does the same for a
+  streamed generate fed bytes in any pieces;
+- `derender_body` / `derender_chunk_body` build derender requests; `read_derender` reads the
+  unary answer; `DerenderCoalescer` decides which streamed chunks go into one derender call;
+- `to_completion` turns a generation and its derendered message into the `Completion` the plain
+  path stages.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import orjson
+
+from ..sse import SSEError, SSEParser
+from ._wire import Completion, UpstreamProtocolError, build_message, make_extras
+
+__all__ = [
+    "DerenderCoalescer",
+    "GenerateEvent",
+    "GenerateStream",
+    "Generated",
+    "Rendered",
+    "WeightSpan",
+    "derender_body",
+    "derender_chunk_body",
+    "merge_chunks",
+    "read_derender",
+    "read_generate",
+    "read_render",
+    "to_completion",
+]
+
+#: ``(version, start, end)``: the weights that sampled output positions ``[start, end)``.
+WeightSpan = tuple[str, int, int]
+
+
+class _Top(msgspec.Struct, gc=False):
+    token_id: int
+    logprob: float
+
+
+class _Entry(msgspec.Struct, gc=False):
+    token_id: int
+    logprob: float
+    top_logprobs: list[_Top] | None = None
+
+
+class _Logprobs(msgspec.Struct, gc=False):
+    content: list[_Entry] | None = None
+
+
+class _Span(msgspec.Struct, gc=False):
+    version: str
+    start: int
+    end: int
+
+
+class _Choice(msgspec.Struct, gc=False):
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    routed_experts: Any = None
+    weight_versions: list[_Span] | None = None
+    logprobs: _Logprobs | None = None
+
+
+class _Usage(msgspec.Struct, gc=False):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int | None = None
+
+
+class _GenerateAnswer(msgspec.Struct, gc=False):
+    request_id: str
+    choices: list[_Choice]
+    model: str = ""
+    usage: _Usage | None = None
+
+
+_decode_generate = msgspec.json.Decoder(_GenerateAnswer).decode
+
+
+def _malformed(route: str, exc: Exception) -> UpstreamProtocolError:
+    return UpstreamProtocolError("malformed_json", f"the {route} answer: {exc}")
+
+
+@dataclass(frozen=True, slots=True)
+class Rendered:
+    """A render answer: what generate needs, and the rest of it to send back unchanged."""
+
+    prompt_ids: array[int]
+    sampling_params: dict[str, Any]
+    features: Any
+    #: The whole answer, decoded (a ``GenerateRequest``).
+    answer: dict[str, Any]
+
+    def generate_body(
+        self, prompt_ids: Sequence[int] | None = None, *, stream: bool = False
+    ) -> bytes:
+        """The generate request: the render answer with ``token_ids`` replaced by `prompt_ids`
+        (default: the rendered ones), streamed with usage when `stream`."""
+        body = dict(self.answer)
+        body["token_ids"] = list(self.prompt_ids if prompt_ids is None else prompt_ids)
+        if stream:
+            body["stream"] = True
+            body["stream_options"] = {"include_usage": True}
+        return orjson.dumps(body)
+
+
+def read_render(raw: bytes) -> Rendered:
+    """Read a render answer; `UpstreamProtocolError` when it is not a ``GenerateRequest``."""
+    try:
+        answer = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise _malformed("render", exc) from exc
+    ids = answer.get("token_ids") if isinstance(answer, dict) else None
+    if not isinstance(ids, list) or not all(type(t) is int for t in ids):
+        raise UpstreamProtocolError("no_token_ids", "the render answer has no token_ids list")
+    sampling = answer.get("sampling_params")
+    return Rendered(
+        prompt_ids=array("i", ids),
+        sampling_params=sampling if isinstance(sampling, dict) else {},
+        features=answer.get("features"),
+        answer=answer,
+    )
+
+
+@dataclass(slots=True)
+class Generated:
+    """A generation (unary, or a stream's events put together)."""
+
+    request_id: str
+    completion_ids: array[int] = field(default_factory=lambda: array("i"))
+    #: Empty when logprobs were not asked for.
+    logprobs: array[float] = field(default_factory=lambda: array("f"))
+    #: Per position, ``(token_id, logprob)`` alternatives; None when top logprobs were not asked.
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    weight_spans: tuple[WeightSpan, ...] = ()
+    routed_experts: Any = None
+    usage: dict[str, int] | None = None
+    model: str = ""
+
+    def add(self, choice: _Choice) -> None:
+        self.completion_ids.extend(choice.token_ids)
+        entries = choice.logprobs.content if choice.logprobs is not None else None
+        if entries:
+            self.logprobs.extend(e.logprob for e in entries)
+            if any(e.top_logprobs for e in entries):
+                tops = self.top_logprobs if self.top_logprobs is not None else []
+                tops.extend(
+                    [(t.token_id, t.logprob) for t in e.top_logprobs or ()] for e in entries
+                )
+                self.top_logprobs = tops
+        if choice.finish_reason is not None:
+            self.finish_reason = choice.finish_reason
+            self.stop_reason = choice.stop_reason
+        if choice.weight_versions is not None:
+            self.weight_spans = tuple((s.version, s.start, s.end) for s in choice.weight_versions)
+        if choice.routed_experts is not None:
+            self.routed_experts = choice.routed_experts
+
+
+def _usage(u: _Usage) -> dict[str, int]:
+    total = u.total_tokens if u.total_tokens is not None else u.prompt_tokens + u.completion_tokens
+    return {
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": total,
+    }
+
+
+def read_generate(raw: bytes) -> Generated:
+    """Read a unary generate answer; `UpstreamProtocolError` for a malformed one."""
+    try:
+        answer = _decode_generate(raw)
+    except msgspec.DecodeError as exc:
+        raise _malformed("generate", exc) from exc
+    if len(answer.choices) != 1:
+        raise UpstreamProtocolError("no_choices", f"{len(answer.choices)} choices, not 1")
+    out = Generated(answer.request_id, model=answer.model)
+    out.add(answer.choices[0])
+    if out.finish_reason is None:
+        raise UpstreamProtocolError("missing_finish_reason", "choices[0] has no finish_reason")
+    out.usage = _usage(answer.usage) if answer.usage is not None else None
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateEvent:
+    """One event of a streamed generate: its JSON as it came (a derender ``generate_chunk``,
+    forwarded without re-encoding), how many output ids it brought, and whether it has choices
+    (the usage event has none)."""
+
+    data: bytes
+    new_ids: int
+    has_choices: bool
+
+
+class GenerateStream:
+    """A streamed generate read incrementally: `feed` bytes (any split), get `GenerateEvent` s;
+    `generated` accumulates the ids, logprobs, spans, finish reason and usage; `done` is True
+    once ``[DONE]`` arrived."""
+
+    def __init__(self) -> None:
+        self._sse = SSEParser()
+        self.generated: Generated | None = None
+        self.done = False
+
+    def feed(self, data: bytes) -> list[GenerateEvent]:
+        try:
+            events = self._sse.feed(data)
+        except SSEError as exc:
+            raise UpstreamProtocolError("event_too_large", str(exc)) from exc
+        out: list[GenerateEvent] = []
+        for event in events:
+            if not event.data:
+                continue
+            if self.done:
+                raise UpstreamProtocolError("data_after_done", "an event after [DONE]")
+            if event.data == b"[DONE]":
+                self.done = True
+                continue
+            try:
+                typed = _decode_generate(event.data)
+            except msgspec.DecodeError as exc:
+                if isinstance(chunk_error := _error_of(event.data), dict):
+                    raise UpstreamProtocolError(
+                        "error_event", str(chunk_error), error_body=chunk_error
+                    ) from exc
+                raise _malformed("generate stream", exc) from exc
+            gen = self.generated
+            if gen is None:
+                gen = self.generated = Generated(typed.request_id)
+            n = 0
+            for choice in typed.choices:
+                gen.add(choice)
+                n += len(choice.token_ids)
+            if typed.usage is not None:
+                gen.usage = _usage(typed.usage)
+            out.append(GenerateEvent(event.data, n, bool(typed.choices)))
+        return out
+
+    def finish(self) -> Generated:
+        """The whole generation; `UpstreamProtocolError` when the stream ended early."""
+        if self._sse.close() or not self.done:
+            raise UpstreamProtocolError("missing_done", "the generate stream ended without [DONE]")
+        if self.generated is None or self.generated.finish_reason is None:
+            raise UpstreamProtocolError("missing_finish_reason", "no event had a finish_reason")
+        return self.generated
+
+
+def _error_of(data: bytes) -> Any:
+    try:
+        value = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return None
+    return value if isinstance(value, dict) and "error" in value else None
+
+
+def merge_chunks(events: Sequence[GenerateEvent]) -> bytes:
+    """Several generate events as one ``generate_chunk`` (JSON): ids and logprobs joined, the
+    last event's finish reason, spans and usage (derender accepts a chunk of many ids). One event
+    is returned as it came."""
+    if len(events) == 1:
+        return events[0].data
+    chunks = [orjson.loads(e.data) for e in events]
+    merged = dict(chunks[-1])
+    choices = [c["choices"][0] for c in chunks if c.get("choices")]
+    if choices:
+        last = dict(choices[-1])
+        last["token_ids"] = [t for c in choices for t in c.get("token_ids") or ()]
+        logprobs = [e for c in choices for e in (c.get("logprobs") or {}).get("content") or ()]
+        last["logprobs"] = {"content": logprobs} if logprobs else None
+        merged["choices"] = [last]
+    merged["usage"] = next((c["usage"] for c in reversed(chunks) if c.get("usage")), None)
+    return orjson.dumps(merged)
+
+
+def derender_body(
+    generate_answer: bytes, prompt_ids: Sequence[int], chat_request: Mapping[str, Any]
+) -> bytes:
+    """The unary derender request: generate's answer as it came, the prompt ids, the chat
+    request (vLLM needs all three when a reasoning or tool parser is configured)."""
+    head = b'{"generate_response":' + generate_answer + b',"prompt_token_ids":'
+    tail = orjson.dumps(list(prompt_ids)) + b',"chat_request":' + orjson.dumps(chat_request)
+    return head + tail + b"}"
+
+
+def derender_chunk_body(
+    chunk: bytes,
+    state: Mapping[str, Any] | None,
+    prompt_ids: Sequence[int],
+    chat_request: Mapping[str, Any],
+) -> bytes:
+    """One streamed derender request: the chunk (JSON, from `merge_chunks`), the previous
+    answer's ``stream_state``, and — required on every call — the prompt ids and the chat
+    request."""
+    return b"".join(
+        (
+            b'{"stream":true,"generate_chunk":',
+            chunk,
+            b',"stream_state":',
+            orjson.dumps(state),
+            b',"prompt_token_ids":',
+            orjson.dumps(list(prompt_ids)),
+            b',"chat_request":',
+            orjson.dumps(chat_request),
+            b"}",
+        )
+    )
+
+
+def read_derender(raw: bytes) -> dict[str, Any]:
+    """A derender answer, decoded (a ``chat.completion``, or ``{chunk, stream_state}``)."""
+    try:
+        value = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise _malformed("derender", exc) from exc
+    if not isinstance(value, dict):
+        raise UpstreamProtocolError("malformed_json", "the derender answer is not an object")
+    return value
+
+
+class DerenderCoalescer:
+    """Which streamed generate events go into each derender call, and when, sans-IO.
+
+    Every derender call resends the whole prompt and every output id so far, so one call per
+    event costs O(n²) in the output length (16k prompt ids, 1k tokens: 84 MB of requests). The
+    policy: the first event is derendered alone (the client's first byte comes early); then
+    everything that arrived while the previous call was in flight goes in one call, but a call
+    starts no sooner than `min_interval` seconds after the previous one started (when decoding
+    is slower than a derender call, that floor is what keeps the calls few); once the stream
+    ended (`close`), the rest goes at once. The usage event (no choices) always goes in a call of
+    its own, as vLLM streams it apart from the last token.
+
+    `add` an event as it arrives; `take(now)` gives the chunk to derender now, or None (a call in
+    flight, nothing waiting, or too soon: `due` says when); `finished` says the call came back.
+    """
+
+    def __init__(self, min_interval: float = 0.05) -> None:
+        self.min_interval = min_interval
+        self._waiting: list[GenerateEvent] = []
+        self._last_start: float | None = None
+        self.in_flight = False
+        self.closed = False
+        self.calls = 0
+
+    def add(self, event: GenerateEvent) -> None:
+        self._waiting.append(event)
+
+    def close(self) -> None:
+        """The generate stream ended: what waits goes without delay."""
+        self.closed = True
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._waiting)
+
+    def due(self) -> float | None:
+        """When the next call may start (clock of `take`), None when it may start now."""
+        if self.closed or self._last_start is None:
+            return None
+        return self._last_start + self.min_interval
+
+    def take(self, now: float) -> bytes | None:
+        waiting = self._waiting
+        if self.in_flight or not waiting:
+            return None
+        due = self.due()
+        if due is not None and now < due:
+            return None
+        k = next((i for i, e in enumerate(waiting) if not e.has_choices), len(waiting))
+        k = k or 1
+        chunk = merge_chunks(waiting[:k])
+        self._waiting = waiting[k:]
+        self.in_flight = True
+        self._last_start = now
+        self.calls += 1
+        return chunk
+
+    def finished(self) -> None:
+        self.in_flight = False
+
+
+def to_completion(
+    generated: Generated,
+    prompt_ids: array[int],
+    derendered: Mapping[str, Any],
+    *,
+    model: str = "",
+) -> Completion:
+    """The staged `Completion` of a token-in call: the ids and logprobs from generate, the
+    message (content, reasoning, tool calls) from derender's answer."""
+    choices = derendered.get("choices") or [{}]
+    message = choices[0].get("message") or {}
+    reasoning = message.get("reasoning") or message.get("reasoning_content")
+    calls = [
+        {
+            "id": c.get("id"),
+            "type": c.get("type") or "function",
+            "function": {
+                "name": (c.get("function") or {}).get("name"),
+                "arguments": (c.get("function") or {}).get("arguments") or "",
+            },
+        }
+        for c in message.get("tool_calls") or ()
+    ]
+    n = len(generated.completion_ids)
+    usage = generated.usage or {
+        "prompt_tokens": len(prompt_ids),
+        "completion_tokens": n,
+        "total_tokens": len(prompt_ids) + n,
+    }
+    return Completion(
+        response_id=generated.request_id,
+        model=generated.model or model,
+        prompt_token_ids=prompt_ids,
+        completion_token_ids=generated.completion_ids,
+        completion_logprobs=generated.logprobs,
+        finish_reason=generated.finish_reason or "",
+        stop_reason=generated.stop_reason,
+        message=build_message(message.get("content"), reasoning, calls),
+        usage=usage,
+        extras=make_extras(
+            generated.request_id, None, generated.stop_reason, generated.routed_experts, None
+        ),
+    )

@@ -1,0 +1,206 @@
+"""The fake vLLM's scale-out routes (vLLM's ``--enable-scale-out``): render, generate, derender.
+
+A mixin of `FakeVLLM`: the handlers read the fake's state (its queue of turns, its template, its
+weight version) and build their answers with the sans-IO modules `_render`, `_generate` and
+`_derender`. Without ``scale_out`` each answers vLLM's 403 "Scale-out endpoints are disabled".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from ._derender import derender_body, derender_stream_answer
+from ._faults import FaultKind
+from ._generate import Generation, check_generate, generate_body, generate_events
+from ._generation import Plan, Turn, plan_answer, sample_logprobs
+from ._http import (
+    complete_raw,
+    fault_response,
+    json_response,
+    read_json,
+    wait_connected,
+    write_events,
+)
+from ._render import SCALE_OUT_DISABLED, render_answer, resolve_sampling
+from ._template import encode
+from ._validate import RequestError, check_model, require_messages
+
+__all__ = ["ScaleOutRoutes"]
+
+
+class ScaleOutRoutes:
+    """The render, generate and derender handlers of `FakeVLLM` (see its docstring)."""
+
+    model: str
+    max_model_len: int
+    latency: float
+    chunk_delay: float
+    seed: int
+    scale_out: bool
+    generation_config: dict[str, Any]
+    weight_version: str
+    running: asyncio.Event
+    route_hits: collections.Counter[str]
+    requests: list[dict[str, Any]]
+    request_headers: list[dict[str, str]]
+    responses: list[dict[str, Any]]
+    aborted: int
+    _plans: collections.OrderedDict[str, Plan]
+
+    def _hex(self) -> str:
+        raise NotImplementedError
+
+    def _next_turn(self, body: dict[str, Any]) -> Turn:
+        raise NotImplementedError
+
+    def _render(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Any] | None, gen: bool
+    ) -> str:
+        raise NotImplementedError
+
+    async def _render_chat(self, request: web.Request) -> web.Response:
+        refused = self._scale_out_refusal(request)
+        if refused is not None:
+            return refused
+        try:
+            body = await read_json(request)
+            check_model(body, self.model)
+            ids = self._render_ids(body)
+        except RequestError as exc:
+            return exc.response()
+        room = max(self.max_model_len - len(ids), 0)
+        sampling = resolve_sampling(body, self.generation_config, room)
+        # Deterministic (the fake's random stream belongs to its answers); the shape is vLLM's.
+        request_id = f"chatcmpl-{self.route_hits[request.path]:016x}"
+        return json_response(200, render_answer(body, ids, sampling, self.model, request_id))
+
+    def _render_ids(self, body: Mapping[str, Any]) -> list[int]:
+        """Render's prompt ids: ``add_generation_prompt: false`` leaves out the generation prompt;
+        ``continue_final_message: true`` ends inside the final assistant message, unclosed."""
+        messages = require_messages(body)
+        cont = bool(body.get("continue_final_message"))
+        if cont and (not messages or messages[-1].get("role") != "assistant"):
+            # vLLM refuses this too; its exact wording was not captured.
+            raise RequestError(
+                400, "continue_final_message is set but the last message is not from the assistant."
+            )
+        gen = body.get("add_generation_prompt", True) is not False and not cont
+        text = self._render(messages, body.get("tools") or None, gen)
+        if cont:
+            text = text.removesuffix("<|im_end|>\n")
+        return encode(text)
+
+    def _scale_out_refusal(self, request: web.Request) -> web.Response | None:
+        self.route_hits[request.path] += 1
+        if self.scale_out:
+            return None
+        return RequestError(403, SCALE_OUT_DISABLED, err_type="PermissionDeniedError").response()
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        refused = self._scale_out_refusal(request)
+        if refused is not None:
+            return refused
+        try:
+            body = await read_json(request)
+            self.requests.append(body)
+            self.request_headers.append(dict(request.headers))
+            check_model(body, self.model)
+            prompt_ids, sampling = check_generate(body)
+        except RequestError as exc:
+            return exc.response()
+        await self.running.wait()
+        turn = self._next_turn(body)
+        fault = turn.fault
+        if fault is not None and fault.kind is FaultKind.HTTP_ERROR:
+            return fault_response(fault)
+        if fault is not None and fault.kind is FaultKind.HANG:
+            await wait_connected(request, None)
+            return web.Response()
+        delay = self.latency + (fault.seconds if fault is not None else 0.0)
+        if delay > 0 and not await wait_connected(request, delay):
+            self.aborted += 1
+            return web.Response()
+        g = self._generation(body, turn, prompt_ids, sampling)
+        options = body.get("stream_options")
+        stream = bool(body.get("stream"))
+        self.responses.append(
+            {
+                "id": g.request_id,
+                "stream": stream,
+                "prompt_token_ids": list(prompt_ids),
+                "completion_token_ids": g.ids,
+                "logprobs": g.logprobs[: g.n],
+                "finish_reason": g.finish_reason,
+                "fault": fault.kind.value if fault is not None else None,
+            }
+        )
+        if not stream:
+            for _ in range(g.n):
+                g.versions.append(self.weight_version)
+            return complete_raw(request, orjson.dumps(generate_body(g)), fault)
+        usage = isinstance(options, Mapping) and bool(options.get("include_usage"))
+        events = generate_events(g, lambda: self.weight_version, include_usage=usage)
+        resp, aborted = await write_events(request, events, fault, self.chunk_delay)
+        self.aborted += aborted
+        return resp
+
+    def _generation(
+        self,
+        body: Mapping[str, Any],
+        turn: Turn,
+        prompt_ids: list[int],
+        sampling: Mapping[str, Any],
+    ) -> Generation:
+        plan = plan_answer(
+            turn,
+            thinking=not body.get("reasoning_ended"),
+            parse_tools=True,
+            new_tool_id=lambda: f"chatcmpl-tool-{self._hex()}",
+        )
+        room = max(self.max_model_len - len(prompt_ids), 0)
+        limit = sampling.get("max_tokens")
+        n = min(len(plan.ids), room if limit is None else min(limit, room))
+        top = sampling.get("logprobs")
+        top_k = top if type(top) is int and top >= 0 else None
+        logprobs, tops = sample_logprobs(self.seed, prompt_ids, plan.ids[:n], top_k or 0)
+        request_id = f"generate-tokens-{body.get('request_id') or f'chatcmpl-{self._hex()}'}"
+        self._plans[request_id] = plan
+        while len(self._plans) > 1024:
+            self._plans.popitem(last=False)
+        return Generation(
+            request_id=request_id,
+            created=int(time.time()),
+            model=self.model,
+            prompt_ids=prompt_ids,
+            plan=plan,
+            n=n,
+            logprobs=logprobs,
+            tops=tops,
+            top_k=top_k,
+        )
+
+    def _plan_for(self, request_id: str, ids: list[int]) -> Plan | None:
+        plan = self._plans.get(request_id)
+        if plan is None or plan.ids[: len(ids)] != ids:
+            return None
+        return plan
+
+    async def _derender(self, request: web.Request) -> web.Response:
+        refused = self._scale_out_refusal(request)
+        if refused is not None:
+            return refused
+        try:
+            body = await read_json(request)
+            check_model(body.get("chat_request") or {}, self.model)
+            build = derender_stream_answer if body.get("stream") else derender_body
+            answer = build(body, self._plan_for, self.model, int(time.time()))
+        except RequestError as exc:
+            return exc.response()
+        return json_response(200, answer)

@@ -1,0 +1,161 @@
+"""The token-in parsers (`adapters/vllm/_token_in.py`) against vLLM 0.32's captured answers."""
+
+from __future__ import annotations
+
+from array import array
+
+import orjson
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from capture_proxy.adapters.vllm import (
+    DerenderCoalescer,
+    GenerateEvent,
+    GenerateStream,
+    UpstreamProtocolError,
+    derender_body,
+    merge_chunks,
+    read_generate,
+    read_render,
+    to_completion,
+)
+from tests import support
+
+TOKEN_IN = support.FIXTURES / "vllm-0.32.0" / "token-in"
+
+
+def raw(name: str) -> bytes:
+    return (TOKEN_IN / name).read_bytes()
+
+
+def test_a_render_answer_gives_the_prompt_and_a_generate_body_with_ids_replaced() -> None:
+    rendered = read_render(raw("render-chat-response.json"))
+    real = orjson.loads(raw("render-chat-response.json"))
+    assert rendered.prompt_ids == array("i", real["token_ids"])
+    assert rendered.sampling_params["logprobs"] == 1
+    assert orjson.loads(rendered.generate_body()) == orjson.loads(raw("generate-chat-request.json"))
+    replaced = orjson.loads(rendered.generate_body([1, 2, 3], stream=True))
+    assert replaced["token_ids"] == [1, 2, 3]
+    assert replaced["stream_options"] == {"include_usage": True}
+    assert {
+        k: v for k, v in replaced.items() if k not in ("token_ids", "stream", "stream_options")
+    } == {k: v for k, v in real.items() if k not in ("token_ids", "stream", "stream_options")}
+
+
+def test_a_unary_generate_answer_reads_ids_logprobs_tops_and_spans() -> None:
+    got = read_generate(raw("generate-chat-response.json"))
+    real = orjson.loads(raw("generate-chat-response.json"))["choices"][0]
+    assert list(got.completion_ids) == real["token_ids"]
+    assert got.logprobs.typecode == "f"
+    assert list(got.logprobs) == list(
+        array("f", [e["logprob"] for e in real["logprobs"]["content"]])
+    )
+    assert got.top_logprobs is not None
+    assert len(got.top_logprobs) == len(real["token_ids"])
+    assert (got.finish_reason, got.weight_spans) == ("length", (("default", 0, 6),))
+    assert got.usage == {"prompt_tokens": 24, "completion_tokens": 6, "total_tokens": 30}
+    tools = read_generate(raw("generate-tools-response.json"))
+    assert (len(tools.logprobs), tools.top_logprobs, tools.finish_reason) == (0, None, "stop")
+
+
+@given(st.lists(st.integers(min_value=1, max_value=400), max_size=30))
+def test_a_streamed_generate_split_anywhere_reads_as_the_unary_one(cuts: list[int]) -> None:
+    data = raw("generate-weight-update-stream.sse")
+    stream = GenerateStream()
+    pos, events = 0, []
+    for cut in cuts:
+        events += stream.feed(data[pos : pos + cut])
+        pos += cut
+    events += stream.feed(data[pos:])
+    got = stream.finish()
+    assert sum(e.new_ids for e in events) == len(got.completion_ids) == 48
+    assert got.weight_spans == (("step-1", 0, 4), ("step-2", 4, 48))
+
+
+def test_a_stream_without_done_or_with_garbage_is_a_protocol_error() -> None:
+    data = raw("generate-chat-stream.sse")
+    cut = GenerateStream()
+    cut.feed(data[: data.rindex(b"data: [DONE]")])
+    with pytest.raises(UpstreamProtocolError, match="missing_done"):
+        cut.finish()
+    with pytest.raises(UpstreamProtocolError, match="malformed_json"):
+        GenerateStream().feed(b'data: {"request_id": 3}\n\n')
+    error = b'data: {"error": {"message": "boom", "type": "x", "param": null, "code": 500}}\n\n'
+    with pytest.raises(UpstreamProtocolError) as info:
+        GenerateStream().feed(error)
+    assert info.value.error_body["error"]["message"] == "boom"
+
+
+def test_invalid_render_and_generate_answers_are_protocol_errors() -> None:
+    with pytest.raises(UpstreamProtocolError, match="no_token_ids"):
+        read_render(b'{"token_ids": "x"}')
+    with pytest.raises(UpstreamProtocolError, match="malformed_json"):
+        read_render(b"{")
+    with pytest.raises(UpstreamProtocolError, match="malformed_json"):
+        read_generate(b'{"request_id": "a"}')
+    with pytest.raises(UpstreamProtocolError, match="no_choices"):
+        read_generate(b'{"request_id": "a", "choices": []}')
+
+
+def test_the_coalescer_sends_the_first_event_alone_then_what_waited() -> None:
+    c = DerenderCoalescer(min_interval=0.05)
+    events = [
+        GenerateEvent(
+            orjson.dumps(
+                {
+                    "request_id": "r",
+                    "usage": None,
+                    "choices": [{"token_ids": [i], "logprobs": None}],
+                }
+            ),
+            1,
+            True,
+        )
+        for i in range(5)
+    ]
+    c.add(events[0])
+    assert c.take(10.0) == events[0].data
+    for e in events[1:4]:
+        c.add(e)
+    assert c.take(10.01) is None  # a call is in flight
+    c.finished()
+    assert c.take(10.02) is None  # too soon after the last call started
+    assert c.due() == pytest.approx(10.05)
+    merged = c.take(10.05)
+    assert merged is not None
+    assert orjson.loads(merged)["choices"][0]["token_ids"] == [1, 2, 3]
+    assert merged == merge_chunks(events[1:4])
+    c.finished()
+    usage = GenerateEvent(b'{"request_id":"r","usage":{"prompt_tokens":1},"choices":[]}', 0, False)
+    c.add(events[4])
+    c.add(usage)
+    c.close()  # the stream ended: no more waiting
+    last = c.take(10.06)
+    assert last is not None
+    assert last == events[4].data
+    c.finished()
+    assert c.take(10.06) == usage.data
+    assert c.calls == 4
+
+
+def test_a_derendered_generation_converts_to_the_staged_completion() -> None:
+    request = orjson.loads(raw("derender-tools-request.json"))
+    generated = read_generate(orjson.dumps(request["generate_response"]))
+    body = orjson.loads(
+        derender_body(
+            orjson.dumps(request["generate_response"]),
+            request["prompt_token_ids"],
+            request["chat_request"],
+        )
+    )
+    assert body == request
+    answer = orjson.loads(raw("derender-tools-response.json"))
+    prompt = array("i", request["prompt_token_ids"])
+    done = to_completion(generated, prompt, answer)
+    assert done.completion_token_ids == array(
+        "i", request["generate_response"]["choices"][0]["token_ids"]
+    )
+    assert done.message["tool_calls"][0]["function"]["name"] == "bash"
+    assert done.finish_reason == "stop"
+    assert done.usage["prompt_tokens"] == len(prompt)
