@@ -29,6 +29,7 @@ from ..schemas.token_in_extras import SegmentBreak
 from .token_in import (
     Bridged,
     BridgePlan,
+    BridgeRenders,
     Extension,
     NotBridged,
     Prior,
@@ -37,7 +38,6 @@ from .token_in import (
     match,
     plan,
 )
-from .token_in import Rendered as RenderedPlan
 from .transport import EngineRoute, TokenInTransport
 
 __all__ = ["CloseRenders", "RenderRefused", "TokenInPrompt", "token_in_prompt"]
@@ -218,7 +218,7 @@ def _bridged(
     if bridge.turn is not None:
         turn, decoded = (decoded[0], decoded[1]), decoded[2:]
     try:
-        rendered = RenderedPlan.from_answers(close, (decoded[0], decoded[1]), turn)
+        rendered = BridgeRenders.from_answers(close, (decoded[0], decoded[1]), turn)
     except ValueError as e:
         return NotBridged("template_not_bridgeable", str(e))
     if cached is None:

@@ -196,7 +196,7 @@ async def test_a_completion_cut_by_length_gets_the_end_of_turn_added(make_proxy:
     assert before.completion_token_ids[-1] != IM_END  # no end-of-turn token was sampled
     assert_extends([before, after])
     start = len(before.prompt_token_ids) + len(before.completion_token_ids)
-    [(s, e, reason)] = after.bridge_spans
+    [(s, _, reason)] = after.bridge_spans
     assert (s, reason) == (start, "end_of_turn_added")
     assert after.prompt_token_ids[s] == IM_END
     assert segment_break_of(after.extras) is None
