@@ -13,6 +13,7 @@ from capture_proxy.schemas.records import StagedCallRecord
 from capture_proxy.schemas.token_in_extras import plain_divergence_of, segment_break_of
 from capture_proxy.testing.fake_vllm import FakeToolCall, FakeVLLM, Turn
 from capture_proxy.testing.fake_vllm._template import IM_END
+from tests.inspect.test_inspect import inspect
 from tests.support.proxy_harness import Proxy, chat_body, sse_lines, user
 
 TOOLS = [
@@ -148,11 +149,23 @@ async def test_a_replayed_session_is_one_segment_with_token_in(make_proxy: Any) 
     measured = [plain_divergence_of(r.extras) for r in records]
     assert measured[0] == (True, None)
     assert all(m[0] and m[1] is not None for m in measured[2:])
-    traj = open_store(p.store_url).trajectory("r1", include_open=True)
+    store = open_store(p.store_url)
+    store.verify()  # every digest holds, token-in fields included
+    traj = store.trajectory("r1", include_open=True)
     assert len(traj.segments) == 1
     assert traj.drift == []
     assert traj.calls == [r.call_id for r in records]
     assert all(r.bridge_spans for r in records[1:])
+    assert traj.bridge_spans
+    assert all(traj.loss_mask[s] == 0 for s, _, _ in traj.bridge_spans)
+    # What token-in avoided is counted once per call, and shown by inspect.
+    text = await (await p.client.get("/metrics")).text()
+    assert 'capture_proxy_token_in_calls_total{reason="no_prior",result="new_segment"} 1.0' in text
+    assert 'capture_proxy_token_in_calls_total{reason="",result="extended"} 3.0' in text
+    assert "capture_proxy_token_in_plain_divergence_total 3.0" in text
+    code, shown = inspect(p.store_url, "--rollout", "r1")
+    assert code == 0
+    assert "4 token-in call(s); plain rendering would have diverged in 3 of 4" in shown
 
 
 async def test_the_same_session_without_token_in_drifts(make_proxy: Any) -> None:
