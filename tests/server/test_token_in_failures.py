@@ -134,7 +134,7 @@ async def test_a_store_failing_leaves_the_call_not_staged(make_proxy: Any) -> No
     assert resp.status == 200
     assert resp.headers["X-Capture-Status"] == "capture_failed"
     _only_failure(p, CallStatus.CAPTURE_FAILED, "sink_error")
-    assert p.state.capture.rollouts["r1"].token_in_prior is None  # nothing to continue
+    assert not p.state.capture.rollouts["r1"].token_in_priors  # nothing to continue
 
 
 async def test_a_restarted_upstream_is_used_for_the_next_call(make_proxy: Any) -> None:
@@ -162,7 +162,8 @@ async def test_a_restarted_proxy_continues_from_the_store(tmp_path: Path) -> Non
             resp = await p.chat(chat_body(*messages, tools=TOOLS))
             assert resp.headers["X-Capture-Status"] == "staged"
             message = (await resp.json())["choices"][0]["message"]
-            assert p.state.capture.rollouts["r1"].token_in_prior_seq == n
+            [(seq, _)] = p.state.capture.rollouts["r1"].token_in_priors.values()
+            assert seq == n  # the last staged call, from the store after the first restart
         finally:
             await stop_proxy(p)
         replayed = {"role": "assistant", "content": message["content"]}

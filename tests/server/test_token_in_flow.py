@@ -284,3 +284,21 @@ async def test_the_answers_are_ordinary_chat_completions(make_proxy: Any) -> Non
     assert orjson.loads(choice["message"]["tool_calls"][0]["function"]["arguments"]) == {
         "command": "ls"
     }
+
+
+async def test_a_title_call_between_two_calls_does_not_break_the_line(make_proxy: Any) -> None:
+    p = await make_proxy(fake=fake(), token_in="on")
+    p.fake.push(Turn("First."), Turn("A title"), Turn("Second."))
+    messages = [SYSTEM, user("One.")]
+    first = await _call(p, messages)
+    # OpenCode's title call: its own system prompt, no tools, in the same rollout.
+    title = [{"role": "system", "content": "Write a title."}, user("One.")]
+    resp = await p.chat(chat_body(*title))
+    assert resp.headers["X-Capture-Status"] == "staged"
+    await _call(p, [*messages, _replay(first), user("Two.")])
+    main, side, after = p.calls()
+    assert segment_break_of(after.extras) is None
+    assert_extends([main, after])
+    traj = open_store(p.store_url).trajectory("r1", include_open=True)
+    assert traj.apart == [side.call_id]
+    assert len(traj.segments) == 1
