@@ -10,6 +10,7 @@ the rollout's next token-in call and reports it to the metrics.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from array import array
 from collections.abc import AsyncGenerator, Mapping, Sequence
@@ -128,7 +129,7 @@ class TokenInSteps:
             raise
         self._upstream_s = time.perf_counter() - self._t_up
         ids = array("i", prompt.prompt_ids)
-        completion = to_completion(generated, ids, derendered, model=self._model)
+        completion = _as_chat(to_completion(generated, ids, derendered, model=self._model))
         client_body = client_answer(derendered, generated, prompt.prompt_ids, self.plan.wants)
         return await self._stage(completion, client_body, generated.weight_spans)
 
@@ -176,7 +177,7 @@ class TokenInSteps:
         assert generated is not None  # the events end only after the whole generation
         answer = {"choices": [{"message": shaped.message()}]}
         ids = array("i", prompt.prompt_ids)
-        completion = to_completion(generated, ids, answer, model=self._model)
+        completion = _as_chat(to_completion(generated, ids, answer, model=self._model))
         await self._stage(completion, b"", generated.weight_spans)
 
     def _continued_by_next(self, completion: Completion, prompt: TokenInPrompt) -> None:
@@ -219,3 +220,11 @@ class TokenInSteps:
         resolved = {k: params[k] for k in RESOLVED_SAMPLING_KEYS if k in params}
         completion.extras.update(token_in_extras(prompt.segment_break, prompt.plain_divergence))
         return engine_version, weight_spans, effective_sampling(sampling, resolved)
+
+
+def _as_chat(completion: Completion) -> Completion:
+    """The finish reason the chat route gives (and the client got): ``tool_calls`` for an
+    answer with tool calls, where generate, which parses nothing, says ``stop``."""
+    if completion.finish_reason == "stop" and completion.message.get("tool_calls"):
+        return dataclasses.replace(completion, finish_reason="tool_calls")
+    return completion
