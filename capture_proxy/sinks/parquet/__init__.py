@@ -11,15 +11,23 @@ from ._compact import (
 from ._gc import (
     gc_parquet,
 )
+from ._lease import (
+    Lease,
+    LeaseLost,
+    maintenance_lease,
+)
 from ._sink import (
     ParquetSink,
     ParquetSource,
 )
 
 __all__ = [
+    "Lease",
+    "LeaseLost",
     "ParquetSink",
     "ParquetSource",
     "compact_dataset",
     "compact_store",
     "gc_parquet",
+    "maintenance_lease",
 ]

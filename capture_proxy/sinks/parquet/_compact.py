@@ -11,8 +11,13 @@ are (no re-encoding), so every record, digest and coordinate resolves identicall
 
 Retired files are not deleted at once: a reader that listed them a moment ago may still be
 reading them. A later run deletes units retired more than `grace_s` seconds ago, and leftovers
-(files of commits that crashed before their marker) older than that. Run one compaction at a
-time per dataset (a lock enforces it on local folders).
+(files of commits that crashed before their marker) older than that. A reader that listed a unit
+before it was retired reads it normally for `grace_s`; one still reading it after that finds a
+file gone, re-lists the dataset and reads the merged unit instead (`ParquetSource` retries).
+
+Compaction runs while proxies write, on local folders and object storage alike: writers only add
+units, and a merge retires only units it listed. One compaction or gc at a time per dataset: each
+holds the dataset's maintenance lease (`_lease`), and a second run is refused naming the holder.
 
 `compact_dataset` is the Parquet store kind's `compact` (`capture_proxy.sinks.kinds`): callers
 reach it through the registry, which refuses other kinds in one place.
@@ -20,9 +25,8 @@ reach it through the registry, which refuses other kinds in one place.
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
 
 from ..base import CompactStats, Progress, StoreError
 from ._fs import TMP_SUFFIX, DatasetFS
@@ -30,12 +34,12 @@ from ._gc import load_markers, replace_units
 from ._layout import (
     CALLS,
     COMMITS_DIR,
-    COMPACT_LOCK,
     TABLES,
     Marker,
     check_format,
     live_units,
 )
+from ._lease import maintenance_lease
 
 __all__ = ["CompactStats", "compact_dataset", "compact_store"]
 
@@ -59,25 +63,32 @@ def compact_store(
 
 
 def compact_dataset(
-    location: str, *, target_bytes: int, grace_s: float, progress: Progress | None = None
+    location: str,
+    *,
+    target_bytes: int,
+    grace_s: float,
+    progress: Progress | None = None,
+    lease_ttl_s: float = 60.0,
 ) -> CompactStats:
     """The Parquet kind's compaction: merge the dataset at `location` (a local folder or a
-    pyarrow filesystem URL). Raises `StoreError` when there is no dataset there or a compaction
-    is already running."""
+    pyarrow filesystem URL), while proxies write to it. Raises `StoreError` when there is no
+    dataset there or another compaction or gc holds the dataset's maintenance lease
+    (`lease_ttl_s`: how long the lease holds after each renewal), and `LeaseLost` when the run
+    lost its lease midway (what it committed before stays valid)."""
     dfs = DatasetFS(location)
     if not check_format(dfs):
         raise StoreError(f"no capture-proxy Parquet dataset at {location}")
-    with _exclusive(dfs):
+    with maintenance_lease(location, "compact", ttl_s=lease_ttl_s, dfs=dfs) as lease:
         markers = load_markers(dfs)
         live = live_units(markers)
         runs = _runs(live, target_bytes)
         # Steps: each run of units merged (a run of one is kept as it is), then the clean-up.
         after = []
         for done, run in enumerate(runs, 1):
-            after.append(_merge(dfs, run, markers) if len(run) > 1 else run[0])
+            after.append(_merge(dfs, run, markers, lease.check) if len(run) > 1 else run[0])
             if progress is not None:
                 progress(done, len(runs) + 1)
-        deleted = _clean(dfs, grace_s)
+        deleted = _clean(dfs, grace_s, lease.check)
         if progress is not None:
             progress(len(runs) + 1, len(runs) + 1)
     return CompactStats(
@@ -103,12 +114,14 @@ def _runs(live: list[Marker], target_bytes: int) -> list[list[Marker]]:
     return runs
 
 
-def _merge(dfs: DatasetFS, run: list[Marker], markers: dict[str, Marker]) -> Marker:
+def _merge(
+    dfs: DatasetFS, run: list[Marker], markers: dict[str, Marker], check: Callable[[], None]
+) -> Marker:
     """Write `run`'s rows as one unit whose marker retires them; return its marker."""
-    return replace_units(dfs, run, markers, lambda table_name, table: table)
+    return replace_units(dfs, run, markers, lambda table_name, table: table, before_commit=check)
 
 
-def _clean(dfs: DatasetFS, grace_s: float) -> int:
+def _clean(dfs: DatasetFS, grace_s: float, check: Callable[[], None]) -> int:
     """Delete units retired over `grace_s` ago, then unreferenced files older than that."""
     deadline_ms = (time.time() - grace_s) * 1000
     markers = load_markers(dfs)
@@ -120,6 +133,7 @@ def _clean(dfs: DatasetFS, grace_s: float) -> int:
             old = markers.get(name)
             if old is None:
                 continue
+            check()
             # Data files first, marker last: a crash in between leaves a retired marker whose
             # files are gone, which readers never open (it is retired).
             for rel in old.files.values():
@@ -136,19 +150,7 @@ def _clean(dfs: DatasetFS, grace_s: float) -> int:
                 folder != COMMITS_DIR and rel not in referenced
             )
             if stale and leftover:
+                check()
                 dfs.delete(rel)
                 deleted += 1
     return deleted
-
-
-@contextlib.contextmanager
-def _exclusive(dfs: DatasetFS) -> Iterator[None]:
-    """One compaction at a time: two would both merge the same units (duplicates)."""
-    try:
-        lock = dfs.lock(COMPACT_LOCK)
-    except BlockingIOError as exc:
-        raise StoreError(f"another compaction of {dfs.root} is running") from exc
-    try:
-        yield
-    finally:
-        lock.release()

@@ -18,6 +18,7 @@ units when asked for. The default (``"calls"``) indexes every call, for bulk rea
 from __future__ import annotations
 
 import threading
+import time
 from array import array
 from collections.abc import Callable, Iterable, Sequence
 from typing import Literal, TypeVar
@@ -42,6 +43,8 @@ from ._index import (
 )
 from ._layout import (
     COMMITS_DIR,
+    DEDUP_WINDOW_S,
+    GC_MARGIN_S,
     Marker,
     check_format,
     list_markers,
@@ -55,6 +58,11 @@ __all__ = ["ParquetSource", "default_url"]
 T = TypeVar("T")
 #: Reads retried when files vanish under them (each retry follows a compaction's cleanup).
 _ATTEMPTS = 5
+
+
+def _order_of(path: str) -> int:
+    """The order (commit time, ns) of the unit a data file ``<table>/<unit>.parquet`` is of."""
+    return int(path.rsplit("/", 1)[-1].split("-", 1)[0])
 
 
 def default_url(location: str) -> str:
@@ -188,7 +196,7 @@ class ParquetSource(Loading):
     def _known(self) -> Known:
         idx = self._index
         return Known(
-            attachments=set(idx.attachments),
+            attachments={sha: _order_of(w.path) for sha, w in idx.attachments.items()},
             rollouts=set(idx.ledger.rollouts) | set(self._rollouts_with_calls()),
             last_order=max((m.order for m in self._markers.values()), default=0),
         )
@@ -334,6 +342,10 @@ class ParquetSource(Loading):
         return self._read(run)
 
     def unreferenced_attachments(self) -> list[str]:
+        """Attachments no call refers to, leaving out those committed less than
+        ``DEDUP_WINDOW_S + GC_MARGIN_S`` ago: gc keeps those on purpose (a writer may still
+        share them) and removes them once they are older (docs/storage.md, online gc)."""
+
         def run() -> list[str]:
             idx = self._index
             if not idx.attachments:
@@ -348,7 +360,12 @@ class ParquetSource(Loading):
                     for shas in t.column("attachment_shas").to_pylist()
                     for s in shas or ()
                 }
-            return sorted(set(idx.attachments) - used)
+            young = time.time_ns() - int((DEDUP_WINDOW_S + GC_MARGIN_S) * 1e9)
+            return sorted(
+                sha
+                for sha, where in idx.attachments.items()
+                if sha not in used and _order_of(where.path) <= young
+            )
 
         return self._read(run)
 
