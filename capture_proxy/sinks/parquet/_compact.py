@@ -11,7 +11,8 @@ are (no re-encoding), so every record, digest and coordinate resolves identicall
 
 Retired files are not deleted at once: a reader that listed them a moment ago may still be
 reading them. A later run deletes units retired more than `grace_s` seconds ago, and leftovers
-(files of commits that crashed before their marker) older than that. A reader that listed a unit
+(files of commits that crashed before their marker) older than that and than `LEFTOVER_AGE_S`
+(half an hour: a younger one may be a writer's commit in progress). A reader that listed a unit
 before it was retired reads it normally for `grace_s`; one still reading it after that finds a
 file gone, re-lists the dataset and reads the merged unit instead (`ParquetSource` retries).
 
@@ -34,6 +35,8 @@ from ._gc import load_markers, replace_units
 from ._layout import (
     CALLS,
     COMMITS_DIR,
+    DEDUP_WINDOW_S,
+    GC_MARGIN_S,
     TABLES,
     Marker,
     check_format,
@@ -41,7 +44,12 @@ from ._layout import (
 )
 from ._lease import maintenance_lease
 
-__all__ = ["CompactStats", "compact_dataset", "compact_store"]
+__all__ = ["LEFTOVER_AGE_S", "CompactStats", "compact_dataset", "compact_store"]
+
+#: A data file no marker names is a leftover of a crashed commit once it is this old, whatever
+#: `grace_s` says: younger, it may be a commit in progress (data files written, marker next),
+#: which a writer acknowledges once its marker lands.
+LEFTOVER_AGE_S = 1800.0
 
 
 def compact_store(
@@ -69,19 +77,21 @@ def compact_dataset(
     grace_s: float,
     progress: Progress | None = None,
     lease_ttl_s: float = 60.0,
+    shared_window_s: float = DEDUP_WINDOW_S + GC_MARGIN_S,
 ) -> CompactStats:
     """The Parquet kind's compaction: merge the dataset at `location` (a local folder or a
     pyarrow filesystem URL), while proxies write to it. Raises `StoreError` when there is no
     dataset there or another compaction or gc holds the dataset's maintenance lease
     (`lease_ttl_s`: how long the lease holds after each renewal), and `LeaseLost` when the run
-    lost its lease midway (what it committed before stays valid)."""
+    lost its lease midway (what it committed before stays valid). `shared_window_s` is gc's:
+    a merged unit younger than that is not merged again until it is older (`_runs`)."""
     dfs = DatasetFS(location)
     if not check_format(dfs):
         raise StoreError(f"no capture-proxy Parquet dataset at {location}")
     with maintenance_lease(location, "compact", ttl_s=lease_ttl_s, dfs=dfs) as lease:
         markers = load_markers(dfs)
         live = live_units(markers)
-        runs = _runs(live, target_bytes)
+        runs = _runs(live, target_bytes, time.time_ns() - int(shared_window_s * 1e9))
         # Steps: each run of units merged (a run of one is kept as it is), then the clean-up.
         after = []
         for done, run in enumerate(runs, 1):
@@ -103,11 +113,28 @@ def compact_dataset(
     )
 
 
-def _runs(live: list[Marker], target_bytes: int) -> list[list[Marker]]:
-    """Consecutive units grouped up to `target_bytes` (consecutive: ledger order is kept)."""
+def _runs(live: list[Marker], target_bytes: int, settled_ns: int) -> list[list[Marker]]:
+    """Consecutive units grouped up to `target_bytes` (consecutive: ledger order is kept).
+
+    A merged unit takes the order (commit time) of its last unit, and gc judges the age of
+    every blob and attachment copy in it by that order. So a unit committed after `settled_ns`
+    (its copies may still be shared by writers) that is itself a merge is not merged again
+    until it settles: a young tail merged again and again would keep old copies young forever,
+    and gc would never remove them. Each young unit is merged at most once while young, which
+    delays the removal of its copies by at most gc's window. Settled units merge freely.
+    """
+
+    def young_merge(m: Marker) -> bool:
+        return m.order > settled_ns and bool(m.retires)
+
     runs: list[list[Marker]] = []
     for unit in live:
-        if runs and sum(m.size for m in runs[-1]) + unit.size <= target_bytes:
+        if (
+            runs
+            and not young_merge(unit)
+            and not any(young_merge(m) for m in runs[-1])
+            and sum(m.size for m in runs[-1]) + unit.size <= target_bytes
+        ):
             runs[-1].append(unit)
         else:
             runs.append([unit])
@@ -122,8 +149,10 @@ def _merge(
 
 
 def _clean(dfs: DatasetFS, grace_s: float, check: Callable[[], None]) -> int:
-    """Delete units retired over `grace_s` ago, then unreferenced files older than that."""
+    """Delete units retired over `grace_s` ago, then unreferenced files older than that and
+    than `LEFTOVER_AGE_S`."""
     deadline_ms = (time.time() - grace_s) * 1000
+    leftover_ms = (time.time() - max(grace_s, LEFTOVER_AGE_S)) * 1000
     markers = load_markers(dfs)
     deleted = 0
     for m in markers.values():
@@ -145,7 +174,7 @@ def _clean(dfs: DatasetFS, grace_s: float, check: Callable[[], None]) -> int:
     for folder in (*TABLES, COMMITS_DIR):
         for entry in dfs.listdir(folder):
             rel = f"{folder}/{entry.name}"
-            stale = entry.mtime_ns / 1e6 <= deadline_ms
+            stale = entry.mtime_ns / 1e6 <= leftover_ms
             leftover = entry.name.endswith(TMP_SUFFIX) or (
                 folder != COMMITS_DIR and rel not in referenced
             )
