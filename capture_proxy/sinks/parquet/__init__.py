@@ -20,14 +20,20 @@ from ._sink import (
     ParquetSink,
     ParquetSource,
 )
+from ._snapshot import (
+    LiveFiles,
+    live_files,
+)
 
 __all__ = [
     "Lease",
     "LeaseLost",
+    "LiveFiles",
     "ParquetSink",
     "ParquetSource",
     "compact_dataset",
     "compact_store",
     "gc_parquet",
+    "live_files",
     "maintenance_lease",
 ]

@@ -1,0 +1,124 @@
+"""The live files of a Parquet dataset: what Arrow engines (DuckDB, Polars, `pyarrow.dataset`)
+read when a trainer reads the dataset's files directly.
+
+A glob of ``calls/*.parquet`` is wrong: it takes files of commits in progress or crashed (no
+marker yet, or never) and units a compaction or gc retired (their rows are also in the unit that
+replaced them, so they would be read twice, and gc's removed rollouts would come back).
+`live_files` lists the commit markers once and returns the files of the committed, not retired
+units: one consistent snapshot. Its files stay readable for the grace period of the next
+compaction (`capture-proxy compact --grace`, ten minutes by default); a read that finds one
+gone takes a new snapshot.
+
+What the files hold is the storage encoding (docs/storage.md): a ``calls`` row has its call's
+token *delta* against its parent and its messages as blob keys; ``blobs`` and ``attachments``
+may hold a key twice (keep either copy: they are the same bytes). Full records, trajectories and
+verified digests come from `capture_proxy.open_store` or `capture-proxy export`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+
+from ..base import StoreError
+from ._fs import DatasetFS
+from ._layout import (
+    CALLS,
+    COMMITS_DIR,
+    SCHEMAS,
+    Marker,
+    check_format,
+    list_markers,
+    live_units,
+)
+
+if TYPE_CHECKING:
+    import pyarrow.dataset as pads
+
+__all__ = ["LiveFiles", "live_files", "read_markers"]
+
+#: Concurrent reads of small objects on object storage (each is one round trip).
+READ_WORKERS = 16
+
+
+def read_markers(dfs: DatasetFS, names: Sequence[str]) -> dict[str, Marker]:
+    """The markers `names` (units), read concurrently on object storage; one deleted since it
+    was listed (a compaction's cleanup) is left out."""
+
+    def one(name: str) -> Marker | None:
+        with contextlib.suppress(FileNotFoundError):
+            return Marker.decode(dfs.read(f"{COMMITS_DIR}/{name}.json"))
+        return None
+
+    found: list[Marker | None]
+    if dfs.local or len(names) < 2:
+        found = [one(name) for name in names]
+    else:
+        with ThreadPoolExecutor(min(READ_WORKERS, len(names))) as pool:
+            found = list(pool.map(one, names))
+    return {name: m for name, m in zip(names, found, strict=True) if m is not None}
+
+
+@dataclass(frozen=True, slots=True)
+class LiveFiles:
+    """One snapshot of a dataset's live files (see `live_files`)."""
+
+    #: The dataset as given to `live_files`.
+    location: str
+    #: The pyarrow filesystem `paths` are in (for `pyarrow.dataset` and `pyarrow.parquet`).
+    filesystem: pafs.FileSystem
+    #: The live units, in commit order.
+    units: tuple[Marker, ...]
+    _root: str
+    _base: str
+
+    def paths(self, table: str = CALLS) -> list[str]:
+        """The live files of `table` (``calls``, ``blobs``, ``attachments``, ``ledger``) as paths
+        in `filesystem`, in commit order."""
+        return [f"{self._root}/{m.files[table]}" for m in self.units if table in m.files]
+
+    def urls(self, table: str = CALLS) -> list[str]:
+        """The same files as URLs (``s3://bucket/prefix/calls/...``) or local paths: what
+        Polars and DuckDB take."""
+        return [f"{self._base}/{m.files[table]}" for m in self.units if table in m.files]
+
+    def schema(self, table: str = CALLS) -> pa.Schema:
+        """`table`'s current schema: older files lack columns added since; with this schema
+        Arrow engines read them as nulls."""
+        return SCHEMAS[table]
+
+    def dataset(self, table: str = CALLS) -> pads.Dataset:
+        """A `pyarrow.dataset.Dataset` over `table`'s live files (DuckDB queries it as it is)."""
+        import pyarrow.dataset as pads
+
+        return pads.dataset(
+            self.paths(table),
+            schema=self.schema(table),
+            format="parquet",
+            filesystem=self.filesystem,
+        )
+
+
+def live_files(location: str, *, filesystem: pafs.FileSystem | None = None) -> LiveFiles:
+    """The files of the committed, not retired units of the Parquet dataset at `location` (a
+    folder or a pyarrow filesystem URL such as ``s3://bucket/prefix``; `filesystem`: a
+    configured pyarrow filesystem `location` is a path in).
+
+    One listing of ``_commits/`` and one read per marker (concurrent on object storage). Raises
+    `StoreError` when there is no dataset there.
+    """
+    dfs = DatasetFS(location, filesystem)
+    if not check_format(dfs):
+        raise StoreError(f"no capture-proxy Parquet dataset at {location}")
+    markers = read_markers(dfs, list_markers(dfs))
+    if "://" in location and filesystem is None:
+        base = f"{location.split('://', 1)[0]}://{dfs.root}"
+    else:
+        base = dfs.root
+    return LiveFiles(location, dfs.fs, tuple(live_units(markers)), dfs.root, base)
