@@ -18,7 +18,7 @@ verified digests come from `capture_proxy.open_store` or `capture-proxy export`.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -41,7 +41,7 @@ from ._layout import (
 if TYPE_CHECKING:
     import pyarrow.dataset as pads
 
-__all__ = ["LiveFiles", "live_files", "read_markers"]
+__all__ = ["LiveFiles", "fetch_files", "live_files", "read_markers"]
 
 #: Concurrent reads of small objects on object storage (each is one round trip).
 READ_WORKERS = 16
@@ -63,6 +63,37 @@ def read_markers(dfs: DatasetFS, names: Sequence[str]) -> dict[str, Marker]:
         with ThreadPoolExecutor(min(READ_WORKERS, len(names))) as pool:
             found = list(pool.map(one, names))
     return {name: m for name, m in zip(names, found, strict=True) if m is not None}
+
+
+def fetch_files(dfs: DatasetFS, rels: Sequence[str], object_url: str | None) -> dict[str, bytes]:
+    """The bytes of the files `rels`, fetched concurrently (object storage; {} on a local
+    folder, where reading in place costs less). With `object_url` (the dataset's URL) each file
+    is one GET through obstore; otherwise pyarrow's filesystem asks for its size first (a HEAD
+    per file). A file deleted meanwhile is left out: the reader's own read then finds it gone.
+    """
+    if dfs.local or not rels:
+        return {}
+    get = _obstore_get(object_url) if object_url is not None else None
+
+    def one(rel: str) -> tuple[str, bytes | None]:
+        with contextlib.suppress(FileNotFoundError):
+            return rel, get(rel) if get is not None else dfs.read(rel)
+        return rel, None
+
+    with ThreadPoolExecutor(min(READ_WORKERS, len(rels))) as pool:
+        return {rel: data for rel, data in pool.map(one, rels) if data is not None}
+
+
+def _obstore_get(url: str) -> Callable[[str], bytes]:
+    import obstore
+    from obstore.store import from_url
+
+    store = from_url(url.rstrip("/"))
+
+    def get(rel: str) -> bytes:
+        return bytes(obstore.get(store, rel).bytes())
+
+    return get
 
 
 @dataclass(frozen=True, slots=True)
