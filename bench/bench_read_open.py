@@ -49,6 +49,7 @@ from capture_proxy.sinks.parquet._layout import (
     table_bytes,
     unit_files,
 )
+from capture_proxy.sinks.parquet._snapshot import read_markers
 from capture_proxy.sinks.parquet._source import ParquetSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -98,13 +99,16 @@ def open_and_list(location: str) -> int:
 def as_before() -> Iterator[None]:
     """The reader as it was: markers and files read one at a time, through pyarrow only."""
     workers, fetch = _snapshot.READ_WORKERS, _source.fetch_files  # type: ignore[attr-defined]
+    markers = _source.read_markers  # type: ignore[attr-defined]
     _snapshot.READ_WORKERS = 1
     _source.fetch_files = lambda dfs, rels, object_url: {}  # type: ignore[attr-defined]
+    _source.read_markers = lambda dfs, names, object_url=None: read_markers(dfs, names)  # type: ignore[attr-defined]
     try:
         yield
     finally:
         _snapshot.READ_WORKERS = workers
         _source.fetch_files = fetch  # type: ignore[attr-defined]
+        _source.read_markers = markers  # type: ignore[attr-defined]
 
 
 def local_open(units: int) -> dict[str, Any]:
@@ -249,9 +253,9 @@ def main() -> None:
     report = {
         "date": time.strftime("%Y-%m-%d"),
         "load_average": os.getloadavg(),
-        "local": local_open(args.units),
+        "local": local_open(args.units) if args.units else None,
         "s3": s3_open(args.s3_units) if args.s3_units else None,
-        "compaction_during_load": load(args.load_seconds),
+        "compaction_during_load": load(args.load_seconds) if args.load_seconds else None,
     }
     print(json.dumps(report, indent=None if args.json else 2))
 

@@ -260,7 +260,9 @@ class Lease:
             expires = _now_ms() + int(self.ttl_s * 1000)
             try:
                 etag = self._backend.replace(self._body(expires), self._etag)
-            except OSError as e:  # a store that is down: try again at the next renewal
+            # Any error of the store's client (a store that is down, a timeout): try again at
+            # the next renewal; `check` stops the run if none succeeds in time.
+            except Exception as e:
                 if _now_ms() >= self._expires_ms:
                     self._lost = f"it could not be renewed before it expired ({e})"
                 return

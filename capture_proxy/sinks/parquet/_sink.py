@@ -25,8 +25,8 @@ see the first one's. On a local folder a lock file enforces it (a second sink is
 `StoreError`); on object storage nothing enforces it yet (no lock, and claims are checked, not
 enforced: the sink warns at open), so a deployment gives each proxy its own dataset
 (docs/storage.md, "Writers and readers today"). Readers (`ParquetSource`, Arrow engines) may be
-any number, anywhere, beside the writer, and so may compaction
-(`capture_proxy.sinks.parquet.compact_store`).
+any number, anywhere, beside the writer, and so may compaction and gc
+(`capture_proxy.sinks.parquet.compact_store`, `gc_parquet`; one at a time, through a lease).
 
 What it keeps is bounded by live work, not by the size of the store: the call ids and the
 (rollout, seq) holders of the rollouts in use (the `max_live_rollouts` most recently used, a

@@ -47,13 +47,17 @@ __all__ = ["LiveFiles", "fetch_files", "live_files", "read_markers"]
 READ_WORKERS = 16
 
 
-def read_markers(dfs: DatasetFS, names: Sequence[str]) -> dict[str, Marker]:
-    """The markers `names` (units), read concurrently on object storage; one deleted since it
-    was listed (a compaction's cleanup) is left out."""
+def read_markers(
+    dfs: DatasetFS, names: Sequence[str], object_url: str | None = None
+) -> dict[str, Marker]:
+    """The markers `names` (units), read concurrently on object storage (with `object_url`,
+    the dataset's URL, one GET each through obstore); one deleted since it was listed (a
+    compaction's cleanup) is left out."""
+    read = _obstore_get(object_url) if object_url is not None and not dfs.local else dfs.read
 
     def one(name: str) -> Marker | None:
         with contextlib.suppress(FileNotFoundError):
-            return Marker.decode(dfs.read(f"{COMMITS_DIR}/{name}.json"))
+            return Marker.decode(read(f"{COMMITS_DIR}/{name}.json"))
         return None
 
     found: list[Marker | None]
@@ -147,9 +151,7 @@ def live_files(location: str, *, filesystem: pafs.FileSystem | None = None) -> L
     dfs = DatasetFS(location, filesystem)
     if not check_format(dfs):
         raise StoreError(f"no capture-proxy Parquet dataset at {location}")
-    markers = read_markers(dfs, list_markers(dfs))
-    if "://" in location and filesystem is None:
-        base = f"{location.split('://', 1)[0]}://{dfs.root}"
-    else:
-        base = dfs.root
+    by_url = "://" in location and filesystem is None and not dfs.local
+    markers = read_markers(dfs, list_markers(dfs), location if by_url else None)
+    base = f"{location.split('://', 1)[0]}://{dfs.root}" if by_url else dfs.root
     return LiveFiles(location, dfs.fs, tuple(live_units(markers)), dfs.root, base)

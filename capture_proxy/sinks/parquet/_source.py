@@ -140,7 +140,7 @@ class ParquetSource(Loading):
         unread = [
             n for n in (names[len(listed) :] if appended else names) if n not in self._markers
         ]
-        self._markers.update(read_markers(self.dfs, unread))
+        self._markers.update(read_markers(self.dfs, unread, self._object_url))
         if not appended:
             for gone in set(self._markers) - set(names):
                 del self._markers[gone]
