@@ -13,10 +13,11 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import pyarrow.fs as pafs
 import pytest
 
 from capture_proxy.sinks.base import StoreError
-from capture_proxy.sinks.parquet import LeaseLost, maintenance_lease
+from capture_proxy.sinks.parquet import LeaseLost, ParquetSink, gc_parquet, maintenance_lease
 from tests.support.s3 import MotoS3
 
 #: A maintenance run in another process: takes the lease, says so, then checks it once a line
@@ -154,3 +155,16 @@ def test_a_lost_lease_raises_lease_lost_at_the_next_check(location: str) -> None
         time.sleep(0.7)  # under a third of the ttl is left
         with pytest.raises(LeaseLost, match="about to expire and was not renewed in time"):
             lease.check()
+
+
+async def test_object_storage_given_as_a_filesystem_object_is_refused(moto_s3: MotoS3) -> None:
+    url = moto_s3.url()
+    await ParquetSink(url).close()
+    fs = pafs.S3FileSystem(endpoint_override=moto_s3.endpoint, scheme="http")
+    path = url.removeprefix("s3://")
+    with pytest.raises(StoreError) as refused:
+        gc_parquet(path, older_than_ms=0, now_ms=0, filesystem=fs)
+    assert str(refused.value).startswith(
+        f"maintenance of {path} needs conditional writes, which capture-proxy makes through "
+        "obstore; obstore cannot open this URL: "
+    )
