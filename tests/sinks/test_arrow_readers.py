@@ -11,15 +11,19 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import duckdb
+import obstore
+import obstore.exceptions
 import polars as pl
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
+from obstore.store import from_url
 
 from capture_proxy.schemas.records import RolloutInfo, RolloutState
 from capture_proxy.sinks.base import StoreError
 from capture_proxy.sinks.parquet import (
     ParquetSink,
+    ParquetSource,
     compact_dataset,
     gc_parquet,
     live_files,
@@ -116,3 +120,18 @@ async def test_the_snapshot_lists_each_live_call_once(location: str) -> None:
 def test_no_dataset_is_refused(tmp_path: Path) -> None:
     with pytest.raises(StoreError, match="no capture-proxy Parquet dataset at"):
         live_files(str(tmp_path / "nothing"))
+
+
+async def test_reads_fall_back_to_pyarrow_where_obstore_cannot_connect(
+    moto_s3: MotoS3, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url = moto_s3.url()
+    kept = await _store(url)
+    # obstore refuses a plain-HTTP endpoint without AWS_ALLOW_HTTP; pyarrow does not need it
+    # (as with credentials only pyarrow finds, in a profile file).
+    monkeypatch.delenv("AWS_ALLOW_HTTP")
+    with pytest.raises(obstore.exceptions.BaseError):
+        obstore.get(from_url(url), "_format.json")
+    assert ParquetSource(url).rollouts() == sorted(kept)
+    assert [len(ParquetSource(url).calls(r)) for r in sorted(kept)] == [3, 2]
+    assert len(live_files(url).paths("calls")) >= 2

@@ -53,7 +53,7 @@ def read_markers(
     """The markers `names` (units), read concurrently on object storage (with `object_url`,
     the dataset's URL, one GET each through obstore); one deleted since it was listed (a
     compaction's cleanup) is left out."""
-    read = _obstore_get(object_url) if object_url is not None and not dfs.local else dfs.read
+    read = _reader(dfs, object_url)
 
     def one(name: str) -> Marker | None:
         with contextlib.suppress(FileNotFoundError):
@@ -77,27 +77,45 @@ def fetch_files(dfs: DatasetFS, rels: Sequence[str], object_url: str | None) -> 
     """
     if dfs.local or not rels:
         return {}
-    get = _obstore_get(object_url) if object_url is not None else None
+    read = _reader(dfs, object_url)
 
     def one(rel: str) -> tuple[str, bytes | None]:
         with contextlib.suppress(FileNotFoundError):
-            return rel, get(rel) if get is not None else dfs.read(rel)
+            return rel, read(rel)
         return rel, None
 
     with ThreadPoolExecutor(min(READ_WORKERS, len(rels))) as pool:
         return {rel: data for rel, data in pool.map(one, rels) if data is not None}
 
 
-def _obstore_get(url: str) -> Callable[[str], bytes]:
+def _reader(dfs: DatasetFS, object_url: str | None) -> Callable[[str], bytes]:
+    """Read a file whole: one GET through obstore when the dataset has an object-store URL,
+    else through pyarrow. obstore takes credentials from the environment only (pyarrow also
+    from profile files): where it cannot open the URL or its GET fails for another reason than
+    a missing file, every later read goes through pyarrow, as before obstore was used."""
+    if object_url is None or dfs.local:
+        return dfs.read
     import obstore
     from obstore.store import from_url
 
-    store = from_url(url.rstrip("/"))
+    try:
+        store = from_url(object_url.rstrip("/"))
+    except Exception:  # a URL or configuration obstore does not take: pyarrow reads it
+        return dfs.read
+    fallback = False
 
-    def get(rel: str) -> bytes:
-        return bytes(obstore.get(store, rel).bytes())
+    def read(rel: str) -> bytes:
+        nonlocal fallback
+        if not fallback:
+            try:
+                return bytes(obstore.get(store, rel).bytes())
+            except FileNotFoundError:
+                raise
+            except Exception:  # credentials obstore does not see (a profile file): pyarrow's
+                fallback = True
+        return dfs.read(rel)
 
-    return get
+    return read
 
 
 @dataclass(frozen=True, slots=True)
