@@ -714,6 +714,7 @@ class Capture:
             ),
             engine_weight_version=engine_weight_version,
             weight_spans=weight_spans,
+            replica=call.replica,
         )
         sealed = seal_record(record, attachments=call.attachments, encoder=self._request_values)
         call.record_bytes = record_bytes(sealed, call.attachments.values())
@@ -800,6 +801,7 @@ class Capture:
                         done - t0,
                         call.upstream_seconds,
                         overhead,
+                        call.replica,
                     )
                 )
             else:
@@ -912,6 +914,7 @@ class Capture:
                 reason,
                 attachments=attachments,
                 stage_seconds=stage_seconds,
+                replica=call.replica,
             )
         )
         entry = LedgerEntry(

@@ -12,13 +12,13 @@ import hashlib
 import time
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
-from ..schemas.events import token_in_choice
+from ..schemas.events import EventKind, RolloutEvent, token_in_choice
 from ..schemas.outcome import RolloutOutcome
 from ..schemas.records import Attachment, CallStatus, CommitCoords, RolloutState, StagedCallRecord
 from ..schemas.tokens import full_sequence
@@ -37,6 +37,7 @@ __all__ = [
     "LOST_IN_CRASH",
     "CallOutcome",
     "RolloutLive",
+    "pinned_replica",
     "record_bytes",
     "request_key",
     "resume_rollout",
@@ -117,6 +118,9 @@ class RolloutLive:
     #: The weight version the rollout's last admitted call was stamped with (None: no call yet),
     #: so a lower one is flagged; resumed from the last staged record.
     last_weight_version: int | None = None
+    #: The upstream replica the rollout is pinned to ("" for a single upstream, or none chosen
+    #: yet); resumed from its last ``replica`` event.
+    replica: str = ""
 
     def __post_init__(self) -> None:
         self.idle.set()
@@ -199,6 +203,7 @@ def resume_rollout(open_source: Callable[[], StagingSource], rollout_id: str) ->
     keys = [s.call_id for s in summaries]
     coords = source.coords(keys)
     failures = source.failures(rollout_id)
+    events = source.events(rollout_id)
     live = RolloutLive(
         rollout_id,
         sealed=info.state is RolloutState.SEALED,
@@ -209,7 +214,8 @@ def resume_rollout(open_source: Callable[[], StagingSource], rollout_id: str) ->
         policy=dict(info.policy),
         metadata={k: v for k, v in info.metadata.items() if k != KEY_HASH_FIELD},
         key_sha256=info.metadata.get(KEY_HASH_FIELD),
-        token_in=token_in_choice(source.events(rollout_id)),
+        token_in=token_in_choice(events),
+        replica=pinned_replica(events),
     )
     for summary, c in zip(summaries, coords, strict=True):
         live.outcomes[summary.call_id] = CallOutcome(
@@ -266,3 +272,12 @@ def resume_rollout(open_source: Callable[[], StagingSource], rollout_id: str) ->
     if summaries:
         live.last_weight_version = summaries[-1].weight_version
     return live
+
+
+def pinned_replica(events: Sequence[RolloutEvent]) -> str:
+    """The replica a rollout is pinned to as its event log has it (the latest ``replica``
+    event), "" when it has none."""
+    for event in reversed(events):
+        if event.kind == EventKind.REPLICA:
+            return str(event.body.get("replica", ""))
+    return ""
