@@ -139,8 +139,8 @@ class Pipeline:
         one, written to the rollout's event log. Raises `UpstreamFailed` (503) when none can be
         used. With a single upstream: ``("", upstream)``."""
         replicas = self.replicas
-        if replicas is None:
-            return "", self.upstream
+        if replicas is None or live.sealed:
+            return "", self.upstream  # a sealed rollout's call is refused at admission: no pin
         name, transport = replicas.route(live.rollout_id, live.replica, self._load)
         if name != live.replica:
             self.spawn(write_pin(self.capture.sink, pin(live, name)))

@@ -21,7 +21,7 @@ from aiohttp import web
 from capture_proxy.read.reader import open_store
 from capture_proxy.schemas.events import EventKind
 from capture_proxy.schemas.records import CallStatus
-from capture_proxy.sinks.registry import open_source
+from capture_proxy.sinks.registry import open_sink, open_source
 from capture_proxy.testing.fake_vllm import FakeVLLM
 from tests.support.proxy_harness import Proxy, chat_body, stop_proxy, user
 from tests.support.replicas import Fleet, replicas_of, start_fleet_proxy, until
@@ -56,6 +56,14 @@ async def _call(p: Proxy, rollout: str, text: str = "hello") -> Any:
     return resp
 
 
+def _records(store_url: str, rollout: str) -> list[Any]:
+    src = open_source(store_url)
+    try:
+        return src.calls(rollout)
+    finally:
+        src.close_reader()
+
+
 def _events(store_url: str, rollout: str) -> list[Any]:
     src = open_source(store_url)
     try:
@@ -85,24 +93,28 @@ async def test_a_rollout_sticks_to_one_replica_and_records_it(tmp_path: Path, fl
         await stop_proxy(p)
 
 
-async def test_a_restarted_proxy_keeps_each_rollouts_replica(tmp_path: Path, fleet: Fleet) -> None:
+@pytest.mark.parametrize("kind", ["sqlite", "parquet"])
+async def test_a_restarted_proxy_keeps_each_rollouts_replica(
+    tmp_path: Path, fleet: Fleet, kind: str
+) -> None:
     await fleet.add()
     await fleet.add()
-    p = await start_fleet_proxy(tmp_path, fleet)
+    url = f"sqlite:///{tmp_path / 'store.db'}" if kind == "sqlite" else f"parquet:///{tmp_path}/ds"
+    p = await start_fleet_proxy(tmp_path, fleet, sink=open_sink(url))
     rollouts = [f"r{i}" for i in range(6)]
     for rollout in rollouts:
         assert (await _call(p, rollout)).headers["X-Capture-Status"] == "staged"
-    before = {r: p.calls(r)[0].replica for r in rollouts}
+    before = {r: _records(url, r)[0].replica for r in rollouts}
     await stop_proxy(p)
     # A new process on the same store, its replicas listed in the other order: the pins come
     # from the rollouts' event logs, not from choosing again.
     fleet.fakes = dict(reversed(list(fleet.fakes.items())))
-    p = await start_fleet_proxy(tmp_path, fleet)
+    p = await start_fleet_proxy(tmp_path, fleet, sink=open_sink(url))
     try:
         for rollout in reversed(rollouts):
             assert (await _call(p, rollout, "again")).headers["X-Capture-Status"] == "staged"
-        assert {r: p.calls(r)[1].replica for r in rollouts} == before
-        assert all(len(_events(p.store_url, r)) == 1 for r in rollouts)  # pinned once
+        assert {r: _records(url, r)[1].replica for r in rollouts} == before
+        assert all(len(_events(url, r)) == 1 for r in rollouts)  # pinned once
     finally:
         await stop_proxy(p)
 
@@ -324,5 +336,23 @@ async def test_weight_routes_reach_every_healthy_replica_and_report_a_failed_pus
         body = await resp.json()
         assert body["engine"] == "updated"
         assert body["engine_replicas"] == {a: "updated", b: "skipped: down"}
+    finally:
+        await stop_proxy(p)
+
+
+async def test_a_sealed_rollout_is_refused_without_a_new_pin(tmp_path: Path, fleet: Fleet) -> None:
+    await fleet.add()
+    await fleet.add()
+    p = await start_fleet_proxy(tmp_path, fleet, admin_token=TOKEN)
+    assert (await _call(p, "r1")).headers["X-Capture-Status"] == "staged"
+    assert (await p.client.post("/admin/rollouts/r1/seal", headers=ADMIN)).status == 200
+    await stop_proxy(p)
+    p = await start_fleet_proxy(tmp_path, fleet, admin_token=TOKEN)  # the seal is in the store
+    try:
+        for _ in range(2):  # the second finds it remembered as sealed, without its pin
+            resp = await _call(p, "r1", "after the seal")
+            assert resp.status == 409
+        await p.state.pipeline.wait_background(5.0)
+        assert len(_events(p.store_url, "r1")) == 1  # no pin written into a sealed rollout
     finally:
         await stop_proxy(p)
