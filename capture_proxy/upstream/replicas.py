@@ -72,7 +72,7 @@ class Replica:
     upstream: HTTPUpstream
     state: ReplicaState = "starting"
     #: Why it is not healthy (one sentence), "" when healthy.
-    problem: str = ""
+    problem: str = "not probed yet"
     version: str = ""
     fingerprint: str = ""
     model: str = ""

@@ -44,6 +44,13 @@ class FailingPush(FakeVLLM):
         return web.json_response({"error": "weights are being loaded"}, status=500)
 
 
+class FailingPause(FakeVLLM):
+    """A dev-mode fake whose ``/pause`` fails."""
+
+    async def _pause(self, request: web.Request) -> web.Response:
+        return web.json_response({"error": "engine busy"}, status=500)
+
+
 @pytest.fixture
 async def fleet() -> AsyncIterator[Fleet]:
     f = Fleet()
@@ -354,5 +361,24 @@ async def test_a_sealed_rollout_is_refused_without_a_new_pin(tmp_path: Path, fle
             assert resp.status == 409
         await p.state.pipeline.wait_background(5.0)
         assert len(_events(p.store_url, "r1")) == 1  # no pin written into a sealed rollout
+    finally:
+        await stop_proxy(p)
+
+
+async def test_a_pause_that_fails_on_one_replica_is_a_502_naming_it(
+    tmp_path: Path, fleet: Fleet
+) -> None:
+    a = await fleet.add(FakeVLLM(dev_mode=True))
+    b = await fleet.add(FailingPause(dev_mode=True))
+    p = await start_fleet_proxy(tmp_path, fleet, admin_token=TOKEN, pause_hold_seconds=0.1)
+    try:
+        resp = await p.client.post("/admin/weights/pause", headers=ADMIN)
+        assert resp.status == 502
+        error = (await resp.json())["error"]
+        assert error["code"] == "upstream_weights_route"
+        assert error["message"].startswith(f"pausing the replicas failed: {b}: failed: upstream")
+        assert not fleet.fakes[a].running.is_set()  # the other one was paused
+        refused = await _call(p, "r1")  # the proxy stays paused: a retry is safe
+        assert (await refused.json())["error"]["code"] == "paused"
     finally:
         await stop_proxy(p)
