@@ -44,6 +44,7 @@ from ..errors import UpstreamFailed
 from ..schemas.records import CallStatus
 from .facts import PROBE_MESSAGES, fingerprint_of
 from .http import HTTPUpstream, HTTPUpstreamReply
+from .known import UpstreamFacts
 
 __all__ = ["Replica", "ReplicaSet", "ReplicaState", "replica_name"]
 
@@ -224,6 +225,26 @@ class ReplicaSet:
     ) -> tuple[int, str, bytes]:
         """One uncaptured request, to a healthy replica (they serve the same model)."""
         return await self.any_healthy().relay(method, path, body, content_type, within=within)
+
+    @property
+    def known(self) -> UpstreamFacts:
+        """The facts cache of a healthy replica (the first listed when none is): replicas serve
+        the same model, so what one says of it holds for all."""
+        for r in self.replicas:
+            if r.state == "healthy":
+                return r.upstream.known
+        return self.replicas[0].upstream.known
+
+    async def scale_out_served(self) -> bool | None:
+        """Whether every healthy replica serves vLLM's scale-out routes: False when one does
+        not, None while one is unknown (or none is healthy)."""
+        healthy = [r for r in self.replicas if r.state == "healthy"]
+        if not healthy:
+            return None
+        got = await asyncio.gather(*(r.upstream.scale_out_served() for r in healthy))
+        if False in got:
+            return False
+        return None if None in got else True
 
     async def problem(self, within: float = 2.0) -> str | None:
         """Why no call can be served (no healthy replica), or None."""
