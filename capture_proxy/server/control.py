@@ -206,7 +206,7 @@ async def seal(request: web.Request) -> web.Response:
 async def _set_weight_version(state: ProxyState, version: int) -> dict[str, Any]:
     """The one setter: store `version` and stamp it on later calls, then push it to the
     upstream's ``/update_weight_version`` when served (every healthy replica's, with several:
-    ``replicas`` gives each one's result). The store is the record's truth, so a push that
+    ``engine_replicas`` gives each one's result). The store is the record's truth, so a push that
     fails is reported (``engine: failed``) and logged, never undoes the version."""
     await state.capture.set_weight_version(version)
     upstream = state.upstream
@@ -222,12 +222,18 @@ async def _set_weight_version(state: ProxyState, version: int) -> dict[str, Any]
 
 
 def _fleet_answer(key: str, results: dict[str, str], done: str) -> dict[str, Any]:
-    """The answer of an engine route sent to every replica: `key` is `done` when every healthy
-    replica did it, ``failed`` when any failed (named in ``<key>_error``), ``not_served`` when
-    none serves it; ``<key>_replicas`` holds each replica's own result."""
+    """The answer of an engine route sent to every replica: ``failed`` when any failed (named
+    in ``<key>_error``) or none was healthy to try, else `done` when any did it, else
+    ``not_served``; ``<key>_replicas`` holds each replica's own result."""
     failed = {name: r for name, r in results.items() if r.startswith("failed")}
-    if failed:
+    if all(r.startswith("skipped") for r in results.values()):
         answer: dict[str, Any] = {
+            key: "failed",
+            f"{key}_error": "no healthy replica to reach: "
+            + "; ".join(f"{name}: {r}" for name, r in results.items()),
+        }
+    elif failed:
+        answer = {
             key: "failed",
             f"{key}_error": "; ".join(f"{name}: {r}" for name, r in failed.items()),
         }

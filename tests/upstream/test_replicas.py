@@ -343,6 +343,16 @@ async def test_weight_routes_reach_every_healthy_replica_and_report_a_failed_pus
         body = await resp.json()
         assert body["engine"] == "updated"
         assert body["engine_replicas"] == {a: "updated", b: "skipped: down"}
+        # None healthy: the version is stored, and the push reached no engine.
+        await fleet.stop(a)
+        await until(lambda: replicas_of(p).by_name[a].state == "down")
+        resp = await p.client.put(
+            "/admin/weight-version", json={"weight_version": 9}, headers=ADMIN
+        )
+        assert resp.status == 200
+        body = await resp.json()
+        assert (body["weight_version"], body["engine"]) == (9, "failed")
+        assert body["engine_error"].startswith("no healthy replica to reach: ")
     finally:
         await stop_proxy(p)
 
