@@ -456,6 +456,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         state.capture.on_outcome.append(replicas.observe)
         state.metrics.add_replica_states(lambda: [(r.name, r.state) for r in replicas.replicas])
         replicas.start()
+        await replicas.first_probes()
         log.info("%d upstream replicas: %s", len(s.upstreams), ", ".join(s.upstreams))
     else:
         state.upstream = client(upstream_url)

@@ -134,6 +134,13 @@ class ReplicaSet:
         if self._task is None:
             self._task = asyncio.create_task(self._probe_loop())
 
+    async def first_probes(self) -> None:
+        """Wait for the first probe round (bounded: three probe requests' time), so a proxy
+        that starts does not refuse calls its replicas could serve."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(3 * self.probe_timeout + 1):
+                await self.probed.wait()
+
     async def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
@@ -153,6 +160,11 @@ class ReplicaSet:
             r = self.by_name.get(pinned)
             if r is not None and r.state == "healthy":
                 return pinned, r.upstream
+            if r is not None and r.state == "starting":
+                # Not probed yet (this proxy just started): no reason to move the rollout away.
+                raise self._unavailable(
+                    f"rollout {rollout_id} is pinned to replica {pinned}, not probed yet"
+                )
             if not self.move:
                 why = (
                     f"{r.state}: {r.problem}"
