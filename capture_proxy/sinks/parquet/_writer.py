@@ -36,8 +36,6 @@ class UnitRows:
     rows: dict[str, list[dict[str, Any]]] = field(default_factory=lambda: {t: [] for t in TABLES})
     #: staged call id -> (rollout id, prompt + completion)
     calls: dict[str, tuple[str, array[int]]] = field(default_factory=dict)
-    #: (rollout id, seq) -> the call now holding it (a staged record or a ledger entry)
-    seqs: dict[tuple[str, int], str] = field(default_factory=dict)
     blobs: set[str] = field(default_factory=set)
     attachments: set[str] = field(default_factory=set)
     rollouts: set[str] = field(default_factory=set)
@@ -48,7 +46,6 @@ class UnitRows:
         for table, rows in other.rows.items():
             self.rows[table].extend(rows)
         self.calls.update(other.calls)
-        self.seqs.update(other.seqs)
         self.blobs |= other.blobs
         self.attachments |= other.attachments
         self.rollouts |= other.rollouts
@@ -75,14 +72,23 @@ class UnitWriter(WriterThread[Work]):
         max_batch: int,
         last_order: int,
         publish: Callable[[UnitRows], None],
+        settle: Callable[[list[Work]], None] | None = None,
     ) -> None:
         super().__init__(name=name, max_batch=max_batch)
         self.dfs = dfs
         self.last_order = last_order
         self._publish = publish
+        self._settle = settle
         self.start()
 
     def _commit(self, jobs: list[Job[Work]]) -> None:
+        if self._settle is not None:
+            # What the batch's work needs from the store before it runs (the sink's seq claims,
+            # written at once); a failure here is each piece's own, when it asks.
+            try:
+                self._settle([job.work for job in jobs])
+            except Exception:
+                log.exception("%s: settling a batch's claims failed", self.name)
         batch = UnitRows()
         outcomes: list[Outcome] = []
         wrote: list[bool] = []
