@@ -23,7 +23,7 @@ import asyncio
 import contextlib
 import os
 import urllib.parse
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -174,11 +174,14 @@ def read_claims(dfs: DatasetFS, rollout_id: str) -> dict[int, str]:
     return dict(sorted((seq, _holder(b)) for seq, b in zip(seqs, bodies, strict=True)))
 
 
-def last_claim(dfs: DatasetFS, rollout_id: str) -> tuple[int, str, str] | None:
-    """The rollout's highest claimed seq, its call and the writer that claimed it (one listing,
-    one read), or None when it has no claim."""
+def last_claim(
+    dfs: DatasetFS, rollout_id: str, skip: Collection[int] = ()
+) -> tuple[int, str, str] | None:
+    """The rollout's highest claimed seq not in `skip`, its call and the writer that claimed it
+    (one listing, one read), or None when it has no such claim."""
     folder = f"{CLAIMS_DIR}/{_folder(rollout_id)}"
     seqs = [int(e.name) for e in dfs.listdir(folder) if e.name.isdigit()]
+    seqs = [seq for seq in seqs if seq not in skip]
     if not seqs:
         return None
     seq = max(seqs)

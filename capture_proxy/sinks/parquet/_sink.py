@@ -229,6 +229,8 @@ class ParquetSink:
         self._holders: OrderedDict[tuple[str, int], str] = OrderedDict()
         #: Claims of the batch being committed that the store could not answer.
         self._claim_errors: dict[tuple[str, int], Exception] = {}
+        #: Claims the batch being committed holds: not what a handoff continues after.
+        self._claimed_now: set[tuple[str, int]] = set()
         self._writer = UnitWriter(
             dfs,
             name=location,
@@ -350,6 +352,7 @@ class ParquetSink:
         """Write the claims the batch's work holds seqs by, at once (the writer thread, before
         the batch runs); remember each seq's holder, or the error the store gave."""
         self._claim_errors = {}
+        self._claimed_now = set()
         claims = [
             w.claim for w in works if isinstance(w, _Claimed) and w.claim.key not in self._holders
         ]
@@ -360,6 +363,7 @@ class ParquetSink:
                 self._claim_errors[key] = got
             else:
                 self._hold(key, got)
+                self._claimed_now.add(key)
 
     def _holder(self, claim: SeqClaim) -> str:
         """The call holding `claim`'s seq, as the store decided (claimed now if still free)."""
@@ -378,6 +382,8 @@ class ParquetSink:
             raise StoreError(
                 f"claiming seq {claim.seq} of rollout {claim.rollout_id} failed"
             ) from got
+        if got == claim.call_id:
+            self._claimed_now.add(key)
         return self._hold(key, got)
 
     def _hold(self, key: tuple[str, int], holder: str) -> str:
@@ -436,7 +442,8 @@ class ParquetSink:
             head = (events[-1].position, events[-1].hash) if events else None
             self._events.reset(rollout_id, head)
         keys = _RolloutKeys(calls)
-        last = last_claim(self._dfs, rollout_id)
+        now = {seq for rid, seq in self._claimed_now if rid == rollout_id}
+        last = last_claim(self._dfs, rollout_id, now)
         if last is not None and last[2] and last[2] != self.writer_id:
             seq, call_id, writer = last
             keys.handoff = {
