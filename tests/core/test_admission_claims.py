@@ -19,6 +19,8 @@ from capture_proxy.schemas.events import EventDraft, EventKind, RolloutEvent, cl
 from capture_proxy.schemas.records import CallStatus
 from capture_proxy.sinks.base import StagingSink, StagingSource, StoreError
 from capture_proxy.sinks.memory import MemorySink
+from capture_proxy.sinks.parquet._claims import SeqClaim, create_claims
+from capture_proxy.sinks.parquet._fs import DatasetFS
 from capture_proxy.sinks.registry import open_sink, open_source
 from tests.support.proxy_harness import chat_body, user
 
@@ -211,3 +213,24 @@ async def test_a_proxy_that_comes_back_after_a_handoff_re_resolves_the_rollout(
         assert [s.seq for s in source.summaries("ep")] == [0, 1, 2]
         assert source.claims("ep")[2] == again
         store.verify()
+
+
+async def test_a_rollout_known_only_by_its_claims_continues_after_them(tmp_path: Path) -> None:
+    """A proxy killed after its group commit wrote a new rollout's claims and before the unit
+    with the rollout's header committed leaves claims only: the rollout exists all the same,
+    its next call takes the seq after them, and the claimed call reads ``lost_in_crash``."""
+    ds = tmp_path / "ds"
+    url = f"parquet:///{ds}"
+    first = open_sink(url)  # creates the dataset
+    await first.close()
+    created = create_claims(DatasetFS(str(ds)), [SeqClaim("ep", 0, "dead", 1)], "killed-proxy")
+    assert created == {("ep", 0): "dead"}
+    capture, reader = _capture("parquet", tmp_path)
+    try:
+        again = await _staged_call(capture, "ep", "after the crash")
+        assert capture.rollouts["ep"].poisoned
+    finally:
+        await capture.sink.close()
+    source = reader()
+    assert source.claims("ep") == {0: "dead", 1: again}
+    assert [s.seq for s in source.summaries("ep")] == [1]
