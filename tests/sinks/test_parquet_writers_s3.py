@@ -15,7 +15,7 @@ import pytest
 
 from capture_proxy.read.reader import Store
 from capture_proxy.schemas.events import EventKind, check_chain, claim_event
-from capture_proxy.schemas.records import CallStatus
+from capture_proxy.schemas.records import CallStatus, RolloutInfo, RolloutState
 from capture_proxy.sinks.base import DuplicateSeq
 from capture_proxy.sinks.parquet import ParquetSink, ParquetSource
 from tests.support.s3 import MotoS3
@@ -131,3 +131,34 @@ async def test_a_rollout_handed_to_another_writer_continues_one_chain(moto_s3: M
     assert [x.seq for x in source.summaries("ep")] == [0, 1, 2, 3]
     assert source.claims("ep") == {0: "ep-c0", 1: "ep-c1", 2: handed.call_id, 3: after.call_id}
     Store(source).verify()
+
+
+async def test_a_writer_meeting_a_rollout_another_created_keeps_its_header(
+    moto_s3: MotoS3,
+) -> None:
+    """The driver created the rollout through proxy a (its header: metadata, policy); its first
+    call reaches proxy b, whose writer adds the implicit header of a first call: that never
+    replaces the stored one."""
+    url = moto_s3.url()
+    a, b = _writer(url, "proxy-a"), _writer(url, "proxy-b")
+    created = RolloutInfo(
+        "ep",
+        RolloutState.OPEN,
+        False,
+        1_700_000_000_000,
+        metadata={"task": "t-17"},
+        policy={"temperature": 0.5},
+    )
+    try:
+        await a.put_rollout(created)
+        record, atts = Session("ep").next()
+        assert (await b.stage(record, attachments=atts)).status is CallStatus.STAGED
+    finally:
+        await a.close()
+        await b.close()
+    info = ParquetSource(url).rollout_info("ep")
+    assert (info.metadata, info.policy, info.created_at_ms) == (
+        {"task": "t-17"},
+        {"temperature": 0.5},
+        1_700_000_000_000,
+    )

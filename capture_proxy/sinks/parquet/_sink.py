@@ -88,7 +88,7 @@ from ._layout import (
     check_format,
     create_dataset,
 )
-from ._ledger import failure_row, orphan_row, rollout_row
+from ._ledger import IMPLICIT, failure_row, orphan_row, rollout_row
 from ._source import ParquetSource, default_url
 from ._writer import UnitRows, UnitWriter, Work
 
@@ -428,13 +428,14 @@ class ParquetSink:
         """A rollout this writer does not hold, as the store has it now: another writer may have
         created it, or continued it, since this one last looked (a handoff)."""
         shared = not self._dfs.local  # a local folder has one writer: this one
+        now = {seq for rid, seq in self._claimed_now if rid == rollout_id}
+        # One listing of its claims: a rollout another writer has taken calls of (a handoff)
+        # is read from the store; one nobody has is new, whoever created its header (an
+        # implicit header never replaces a stored one, `_ledger`).
+        last = last_claim(self._dfs, rollout_id, now)
         if rollout_id not in self._rollouts:
-            if not shared:
+            if last is None or not shared:
                 return _RolloutKeys()  # new: nothing of it is stored
-            try:
-                self._reader.rollout_info(rollout_id)
-            except KeyError:
-                return _RolloutKeys()
             self._rollouts.add(rollout_id)
         calls, _ = self._reader.rollout_keys(rollout_id)
         if shared:
@@ -442,8 +443,6 @@ class ParquetSink:
             head = (events[-1].position, events[-1].hash) if events else None
             self._events.reset(rollout_id, head)
         keys = _RolloutKeys(calls)
-        now = {seq for rid, seq in self._claimed_now if rid == rollout_id}
-        last = last_claim(self._dfs, rollout_id, now)
         if last is not None and last[2] and last[2] != self.writer_id:
             seq, call_id, writer = last
             keys.handoff = {
@@ -465,9 +464,8 @@ class ParquetSink:
     def _ensure_rollout(self, batch: UnitRows, part: UnitRows, rollout_id: str) -> None:
         if rollout_id in self._rollouts or rollout_id in batch.rollouts:
             return
-        part.rows[LEDGER].append(
-            rollout_row(RolloutInfo(rollout_id, RolloutState.OPEN, False, _now_ms()))
-        )
+        implicit = rollout_row(RolloutInfo(rollout_id, RolloutState.OPEN, False, _now_ms()))
+        part.rows[LEDGER].append({**implicit, "reason": IMPLICIT})
         part.rollouts.add(rollout_id)
 
     def _parent_full(self, batch: UnitRows, record: StagedCallRecord) -> array[int] | None:
