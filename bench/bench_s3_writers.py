@@ -28,6 +28,7 @@ import re
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -110,6 +111,8 @@ async def calls_per_second(moto: MotoS3, proxies: int, concurrency: int, seconds
         rate = done / (time.perf_counter() - started)
         for loader in loaders:
             await loader.stop()
+        outcomes: Counter[str] = sum((loader.outcomes for loader in loaders), Counter())
+        print(f"{proxies} prox{'y' if proxies == 1 else 'ies'}: {dict(outcomes)}", file=sys.stderr)
         return round(rate, 1)
     finally:
         for p in running:

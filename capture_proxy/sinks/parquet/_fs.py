@@ -1,8 +1,9 @@
 """The files of a Parquet dataset: a local folder, or object storage.
 
-Reads and listings go through `pyarrow.fs`, so the same dataset code reads a local folder,
-``s3://bucket/prefix`` or any other filesystem pyarrow knows, and `pyarrow.parquet` reads footers
-and columns through its random-access files.
+Listings and Parquet reads go through `pyarrow.fs`, so the same dataset code reads a local
+folder, ``s3://bucket/prefix`` or any other filesystem pyarrow knows, and `pyarrow.parquet` reads
+footers and columns through its random-access files. Whole small files (commit markers, claims,
+the format file) are read through obstore where there is a store: one ``GET`` each.
 
 Writes differ by where the dataset is:
 
@@ -112,6 +113,9 @@ class DatasetFS:
 
     def read(self, rel: str) -> bytes:
         """The file's bytes; raises FileNotFoundError when it is missing."""
+        if self.store is not None:
+            # One GET (pyarrow's input stream asks for the size first: a HEAD per file).
+            return bytes(obstore.get(self.store, rel).bytes())
         with self.fs.open_input_stream(self.path(rel)) as f:
             return bytes(f.read())
 
