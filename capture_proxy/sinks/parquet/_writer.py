@@ -1,7 +1,8 @@
 """`UnitWriter`: one thread turns queued writes into committed units of a Parquet dataset.
 
 Callers on an event loop `submit` a piece of work; the writer thread takes everything queued (up
-to `max_batch`) and runs each piece against a fresh `UnitRows` of its own, merging it into the
+to `max_batch`), first lets `settle` see the whole batch (the sink writes the batch's seq claims
+there, all at once), then runs each piece against a fresh `UnitRows` of its own, merging it into the
 batch only when the piece returns: a piece that raises (a fault hook, an encoding error) leaves
 no row behind and its caller gets the exception, while the rest of the batch commits. The batch
 is then written as one unit (`_layout`): data files under temporary names, fsynced,
