@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import os
 import urllib.parse
+from collections import OrderedDict
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,10 +31,12 @@ from typing import Any
 import obstore
 import orjson
 
+from ..base import StoreError
 from ._fs import DatasetFS, run_io
 
 __all__ = [
     "CLAIMS_DIR",
+    "Holders",
     "SeqClaim",
     "claim_rel",
     "create_claims",
@@ -43,6 +46,8 @@ __all__ = [
 ]
 
 CLAIMS_DIR = "claims"
+#: Seq holders a writer remembers (its own claims, mostly): about 0.2 KB each.
+_HOLDERS_KEPT = 65_536
 #: Claims of one group commit written at once on object storage (each is one request).
 _CONCURRENCY = 64
 
@@ -147,6 +152,75 @@ def create_claims(
             raise result
         out[c.key] = result
     return out
+
+
+class Holders:
+    """Which call holds each seq, as the store answered a writer. Writer thread only.
+
+    `settle` writes the claims of a batch at once before the batch runs; `holder` answers each
+    piece of work from that (or claims the seq then, if the batch did not). The holders of
+    recent seqs are kept (a holder never changes), so a record staged after its claim costs no
+    request.
+    """
+
+    def __init__(self, dfs: DatasetFS, writer_id: str) -> None:
+        self._dfs = dfs
+        self.writer_id = writer_id
+        self._held: OrderedDict[tuple[str, int], str] = OrderedDict()
+        #: Claims of the batch being committed that the store could not answer.
+        self._errors: dict[tuple[str, int], Exception] = {}
+        #: Claims the batch being committed created: not what a handoff continues after.
+        self._created: set[tuple[str, int]] = set()
+
+    def settle(self, claims: Sequence[SeqClaim]) -> None:
+        """Start a batch: create its claims whose holder is not known yet, all at once."""
+        self._errors = {}
+        self._created = set()
+        wanted = [c for c in claims if c.key not in self._held]
+        if not wanted:
+            return
+        for key, got in create_claims(self._dfs, wanted, self.writer_id).items():
+            if isinstance(got, Exception):
+                self._errors[key] = got
+            else:
+                self._hold(key, got)
+                if got == first_call(wanted, key):
+                    self._created.add(key)
+
+    def holder(self, claim: SeqClaim) -> str:
+        """The call holding `claim`'s seq, as the store decided (claimed now if still free);
+        `StoreError` when the store could not answer."""
+        key = claim.key
+        held = self._held.get(key)
+        if held is not None:
+            return held
+        error = self._errors.pop(key, None)
+        if error is None:
+            got = create_claims(self._dfs, [claim], self.writer_id)[key]
+            if not isinstance(got, Exception):
+                if got == claim.call_id:
+                    self._created.add(key)
+                return self._hold(key, got)
+            error = got
+        raise StoreError(
+            f"claiming seq {claim.seq} of rollout {claim.rollout_id} failed "
+            f"({type(error).__name__}: {error})"
+        ) from error
+
+    def created_now(self, rollout_id: str) -> set[int]:
+        """Seqs of `rollout_id` this batch claimed."""
+        return {seq for rid, seq in self._created if rid == rollout_id}
+
+    def _hold(self, key: tuple[str, int], holder: str) -> str:
+        self._held[key] = holder
+        while len(self._held) > _HOLDERS_KEPT:
+            self._held.popitem(last=False)
+        return holder
+
+
+def first_call(claims: Sequence[SeqClaim], key: tuple[str, int]) -> str:
+    """The call of the first claim of `key` in `claims` (the one `create_claims` asked for)."""
+    return next(c.call_id for c in claims if c.key == key)
 
 
 def read_claims(dfs: DatasetFS, rollout_id: str) -> dict[int, str]:

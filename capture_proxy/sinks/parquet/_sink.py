@@ -75,7 +75,7 @@ from ...schemas.records import (
 from ..base import DuplicateSeq, FaultHook, StoreError
 from ..codec import encode_record
 from ..staging_rules import coords_for, new_attachments
-from ._claims import SeqClaim, create_claims, last_claim
+from ._claims import Holders, SeqClaim, last_claim
 from ._events import EventHeads
 from ._fs import DatasetFS
 from ._index import LRU
@@ -102,10 +102,6 @@ log = logging.getLogger(__name__)
 
 def _now_ms() -> int:
     return int(time.time() * 1000)
-
-
-#: Seq holders a writer remembers (its own claims, mostly): about 0.2 KB each.
-_HOLDERS_KEPT = 65_536
 
 
 @dataclass(slots=True)
@@ -225,12 +221,7 @@ class ParquetSink:
                 location,
             )
         self._dfs = dfs
-        #: (rollout, seq) -> the call holding it, as the store answered (writer thread only).
-        self._holders: OrderedDict[tuple[str, int], str] = OrderedDict()
-        #: Claims of the batch being committed that the store could not answer.
-        self._claim_errors: dict[tuple[str, int], Exception] = {}
-        #: Claims the batch being committed holds: not what a handoff continues after.
-        self._claimed_now: set[tuple[str, int]] = set()
+        self._holders = Holders(dfs, self.writer_id)
         self._writer = UnitWriter(
             dfs,
             name=location,
@@ -258,7 +249,7 @@ class ParquetSink:
         claim = SeqClaim(entry.rollout_id, entry.seq, entry.call_id, entry.at_ms)
 
         def work(batch: UnitRows, part: UnitRows) -> None:
-            holder = self._holder(claim)
+            holder = self._holders.holder(claim)
             if holder != entry.call_id:
                 self._refused(claim, holder)
                 raise DuplicateSeq(entry.rollout_id, entry.seq, holder)
@@ -287,7 +278,7 @@ class ParquetSink:
         claim = SeqClaim(event.rollout_id, event.seq, event.call_id, event.at_ms)
 
         def work(batch: UnitRows, part: UnitRows) -> RolloutEvent:
-            holder = self._holder(claim)
+            holder = self._holders.holder(claim)
             if holder != claim.call_id:
                 self._refused(claim, holder)
                 raise DuplicateSeq(event.rollout_id, claim.seq, holder)
@@ -349,48 +340,8 @@ class ParquetSink:
             self._live.pop(rollout_id, None)
 
     def _settle(self, works: list[Work]) -> None:
-        """Write the claims the batch's work holds seqs by, at once (the writer thread, before
-        the batch runs); remember each seq's holder, or the error the store gave."""
-        self._claim_errors = {}
-        self._claimed_now = set()
-        claims = [
-            w.claim for w in works if isinstance(w, _Claimed) and w.claim.key not in self._holders
-        ]
-        if not claims:
-            return
-        for key, got in create_claims(self._dfs, claims, self.writer_id).items():
-            if isinstance(got, Exception):
-                self._claim_errors[key] = got
-            else:
-                self._hold(key, got)
-                self._claimed_now.add(key)
-
-    def _holder(self, claim: SeqClaim) -> str:
-        """The call holding `claim`'s seq, as the store decided (claimed now if still free)."""
-        key = claim.key
-        held = self._holders.get(key)
-        if held is not None:
-            return held
-        error = self._claim_errors.pop(key, None)
-        if error is not None:
-            raise StoreError(
-                f"claiming seq {claim.seq} of rollout {claim.rollout_id} failed "
-                f"({type(error).__name__}: {error})"
-            ) from error
-        got = create_claims(self._dfs, [claim], self.writer_id)[key]
-        if isinstance(got, Exception):
-            raise StoreError(
-                f"claiming seq {claim.seq} of rollout {claim.rollout_id} failed"
-            ) from got
-        if got == claim.call_id:
-            self._claimed_now.add(key)
-        return self._hold(key, got)
-
-    def _hold(self, key: tuple[str, int], holder: str) -> str:
-        self._holders[key] = holder
-        while len(self._holders) > _HOLDERS_KEPT:
-            self._holders.popitem(last=False)
-        return holder
+        # The claims the batch's work holds seqs by, written at once before the batch runs.
+        self._holders.settle([w.claim for w in works if isinstance(w, _Claimed)])
 
     def _refused(self, claim: SeqClaim, holder: str) -> None:
         """Another call holds `claim`'s seq: if this writer did not know it, another writer took
@@ -428,7 +379,7 @@ class ParquetSink:
         """A rollout this writer does not hold, as the store has it now: another writer may have
         created it, or continued it, since this one last looked (a handoff)."""
         shared = not self._dfs.local  # a local folder has one writer: this one
-        now = {seq for rid, seq in self._claimed_now if rid == rollout_id}
+        now = self._holders.created_now(rollout_id)
         # One listing of its claims: a rollout another writer has taken calls of (a handoff)
         # is read from the store; one nobody has is new, whoever created its header (an
         # implicit header never replaces a stored one, `_ledger`).
@@ -496,7 +447,7 @@ class ParquetSink:
         key = record.staging_key
         if key in batch.calls or key in self._keys(record.rollout_id).calls:
             return StageResult.failed("duplicate_key", f"staging key {key} is already staged")
-        holder = self._holder(claim)
+        holder = self._holders.holder(claim)
         if holder != key:
             self._refused(claim, holder)
             return StageResult.failed(
