@@ -226,13 +226,19 @@ class DatasetFS:
         except FileExistsError:
             return False
         try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        _fsync_dir(folder)  # the new name is durable too, not just the bytes
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view) :]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            _fsync_dir(folder)  # the new name is durable too, not just the bytes
+        except BaseException:
+            # Not created, then: a half-written file (a full disk) must not hold the key.
+            with contextlib.suppress(OSError):
+                os.unlink(self.path(rel))
+            raise
         return True
 
     async def create_async(self, rel: str, data: bytes) -> bool:
