@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import Counter
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
@@ -21,7 +21,7 @@ from tests.support.reliability_workers import Loader, Spawned, start_fake, start
 from tests.support.s3 import MotoS3
 
 #: Calls each phase waits for the moved sandboxes to have staged (load keeps running meanwhile).
-PHASE_CALLS = 8
+PHASE_CALLS = 4
 
 
 async def _until_staged(loader: Loader, n: int) -> None:
@@ -34,7 +34,7 @@ async def _until_staged(loader: Loader, n: int) -> None:
 
 def _proxy(upstream: str, url: str) -> Spawned:
     p = start_proxy(upstream, url, "--min-free-disk-mb", "0", cwd=ROOT)
-    p.wait_ready(60)
+    p.wait_ready(120)
     return p
 
 
@@ -49,10 +49,15 @@ def _check_store(url: str, loaders: list[Loader]) -> dict[str, int]:
             store.verify()  # every record's digest, lineage and chain
             handoffs = 0
             for rollout in source.rollouts():
-                held = [s.seq for s in source.summaries(rollout)]
-                held += [f.seq for f in source.failures(rollout)]
-                twice = [seq for seq, n in Counter(held).items() if n > 1]
-                assert not twice, f"rollout {rollout}: seqs {twice} held twice"
+                # A call may be both staged (late, marked orphaned) and in the ledger (its stage
+                # timed out): one call. Two calls at one seq would be a duplicate.
+                holders: dict[int, set[str]] = defaultdict(set)
+                for summary in source.summaries(rollout):
+                    holders[summary.seq].add(summary.call_id)
+                for failure in source.failures(rollout):
+                    holders[failure.seq].add(failure.call_id)
+                twice = {seq: calls for seq, calls in holders.items() if len(calls) > 1}
+                assert not twice, f"rollout {rollout}: seqs held by two calls: {twice}"
                 events = source.events(rollout)
                 assert check_chain(events) == [], rollout
                 handoffs += sum(1 for e in events if e.kind == EventKind.HANDOFF)
@@ -66,9 +71,10 @@ async def test_three_proxies_on_one_store_a_sigkill_a_handoff_and_a_restart(
     moto_s3: MotoS3, tmp_path: Path
 ) -> None:
     url = moto_s3.url()
-    fake = start_fake(latency=0.02)
+    fake = start_fake(latency=0.1)
     proxies: list[Spawned] = []
-    loaders = [Loader(f"p{i}", concurrency=4, seed=i, turns=6) for i in range(3)]
+    # Proxy 0's sandboxes are the ones handed on; the others keep proxies 1 and 2 writing.
+    loaders = [Loader(f"p{i}", concurrency=2 if i == 0 else 1, seed=i, turns=6) for i in range(3)]
     try:
         proxies = [_proxy(fake.url, url) for _ in range(3)]
         for loader, proxy in zip(loaders, proxies, strict=True):

@@ -50,9 +50,11 @@ ids are unique by construction).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import socket
+import threading
 import time
 import uuid
 from array import array
@@ -96,6 +98,9 @@ if TYPE_CHECKING:
     from obstore.store import ObjectStore
 
 __all__ = ["ParquetSink", "ParquetSource"]
+
+#: How often the writer's reader picks up other writers' units on a shared dataset (seconds).
+_FOLLOW_S = 1.0
 
 log = logging.getLogger(__name__)
 
@@ -222,6 +227,17 @@ class ParquetSink:
             )
         self._dfs = dfs
         self._holders = Holders(dfs, self.writer_id)
+        # On object storage other writers commit too: a thread keeps the writer's reader up to
+        # date with their units, so a handoff read on the writer thread finds little to index
+        # (the units of a few writers pile up fast; indexing them all at once there would stall
+        # every call's staging behind it).
+        self._following = threading.Event()
+        self._follower: threading.Thread | None = None
+        if not dfs.local:
+            self._follower = threading.Thread(
+                target=self._follow, name=f"parquet-follow {location}", daemon=True
+            )
+            self._follower.start()
         self._writer = UnitWriter(
             dfs,
             name=location,
@@ -313,9 +329,19 @@ class ParquetSink:
     async def close(self) -> None:
         """Commit every queued write and stop the writer thread."""
         await self._writer.close()
+        self._following.set()
+        if self._follower is not None:
+            await asyncio.to_thread(self._follower.join)
         self._reader.close_reader()
         self._fulls.clear()
         self._lock.release()
+
+    def _follow(self) -> None:
+        while not self._following.wait(_FOLLOW_S):
+            try:
+                self._reader.refresh()
+            except Exception as e:  # a compaction's cleanup, the store unreachable: next time
+                log.debug("%s: following other writers' units: %s", self.location, e)
 
     # -- the writer thread ----------------------------------------------------------------------
 
@@ -388,12 +414,17 @@ class ParquetSink:
             if last is None or not shared:
                 return _RolloutKeys()  # new: nothing of it is stored
             self._rollouts.add(rollout_id)
-        calls, _ = self._reader.rollout_keys(rollout_id)
         if shared:
+            # One read of the store, for the chain's head. Another writer's call ids are not
+            # needed: call ids never repeat across proxies, and a call whose parent another
+            # writer staged is stored whole (exact, a few bytes more) instead of read back.
             events = self._reader.events(rollout_id)
             head = (events[-1].position, events[-1].hash) if events else None
             self._events.reset(rollout_id, head)
-        keys = _RolloutKeys(calls)
+            keys = _RolloutKeys({e.call_id for e in events if e.call_id and e.kind == "staged"})
+        else:
+            calls, _ = self._reader.rollout_keys(rollout_id)
+            keys = _RolloutKeys(calls)
         if last is not None and last[2] and last[2] != self.writer_id:
             seq, call_id, writer = last
             keys.handoff = {
