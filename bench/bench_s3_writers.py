@@ -12,7 +12,8 @@ machine is shared and noisy):
    pyarrow `S3FileSystem` (`filesystem=`: every file a 3-request multipart upload, the claim a
    check then an upload: what the sink did before obstore); "obstore" through the dataset's URL
    (single-request ``PUT``s, the claim one conditional ``PUT``). Requests are counted from moto's
-   request log.
+   request log: all of them (on object storage the sink's reader also follows the dataset every
+   few seconds), and the writes alone.
 2. **Calls/s, 1 proxy vs 3 proxies on one store.** Real ``capture-proxy serve`` processes on
    one ``s3://`` prefix, one shared fake vLLM process, `--concurrency` agent-like sandboxes in
    all (`tests/support/reliability_workers.Loader`: multi-turn, some streamed, some images),
@@ -45,9 +46,11 @@ from tests.support.sink_factories import Session  # noqa: E402
 _REQUEST = re.compile(r'"(?:\x1b\[[0-9;]*m)*(GET|PUT|POST|HEAD|DELETE) ')
 
 
-def _requests(moto: MotoS3) -> int:
+def _requests(moto: MotoS3) -> tuple[int, int]:
+    """Requests the server answered so far: all of them, and the writes (PUT and POST)."""
     time.sleep(0.2)  # the server logs a request after answering it
-    return len(_REQUEST.findall(moto.log_path.read_text(errors="replace")))
+    methods = _REQUEST.findall(moto.log_path.read_text(errors="replace"))
+    return len(methods), sum(1 for m in methods if m in ("PUT", "POST"))
 
 
 async def _stage_calls(sink: ParquetSink, calls: int) -> None:
@@ -78,10 +81,12 @@ async def requests_per_call(moto: MotoS3, calls: int) -> dict[str, float]:
             sink = ParquetSink(url)
         try:
             await _stage_calls(sink, 4)  # each rollout's first call reads the store: not counted
-            before, started = _requests(moto), time.perf_counter()
+            (before, writes_before), started = _requests(moto), time.perf_counter()
             await _stage_calls(sink, calls)
             elapsed = time.perf_counter() - started
-            out[f"{option} requests/call"] = round((_requests(moto) - before) / calls, 1)
+            after, writes_after = _requests(moto)
+            out[f"{option} requests/call"] = round((after - before) / calls, 1)
+            out[f"{option} writes/call"] = round((writes_after - writes_before) / calls, 1)
             out[f"{option} ms/call"] = round(1000 * elapsed / calls, 1)
         finally:
             await sink.close()

@@ -100,7 +100,7 @@ if TYPE_CHECKING:
 __all__ = ["ParquetSink", "ParquetSource"]
 
 #: How often the writer's reader picks up other writers' units on a shared dataset (seconds).
-_FOLLOW_S = 1.0
+_FOLLOW_S = 5.0
 
 log = logging.getLogger(__name__)
 
