@@ -28,9 +28,10 @@ store refuses is `DuplicateSeq` (a record: ``duplicate_seq``), whoever holds the
 **Several writers.** On object storage any number of proxies (one `ParquetSink` each) may write
 one dataset at once: units have names no other writer uses, claims decide seqs, and a copy of a
 blob or attachment another writer also stored is harmless (readers keep one). A writer that
-touches a rollout it does not hold in memory re-reads it from the store first (its header, its
-event chain's head, its highest claim), so a rollout handed from one proxy to another continues
-its chain and records a ``handoff`` event; a writer refused a seq by another writer's claim drops
+touches a rollout it does not hold in memory re-reads it from the store first (its highest
+claim, and when another writer made it, the event chain's head; a thread keeps the writer's
+reader following the dataset so that this finds little to index), so a rollout handed from one
+proxy to another continues its chain and records a ``handoff`` event; a writer refused a seq by another writer's claim drops
 what it held of that rollout. A local folder keeps one writer at a time (a lock file; a second
 sink is refused with `StoreError`): several proxies on one host use object storage or a folder
 each. On a configured pyarrow filesystem without an obstore store (`filesystem=` alone) claims
