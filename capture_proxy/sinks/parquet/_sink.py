@@ -25,17 +25,17 @@ record and ledger entry holds its ``(rollout, seq)`` through a claim file create
 *``) on object storage. A group commit writes its claims at once, before its unit; a claim the
 store refuses is `DuplicateSeq` (a record: ``duplicate_seq``), whoever holds the seq.
 
-**Several writers.** On object storage any number of proxies (one `ParquetSink` each) may write
-one dataset at once: units have names no other writer uses, claims decide seqs, and a copy of a
-blob or attachment another writer also stored is harmless (readers keep one). A writer that
-touches a rollout it does not hold in memory re-reads it from the store first (its highest
-claim, and when another writer made it, the event chain's head; a thread keeps the writer's
-reader following the dataset so that this finds little to index), so a rollout handed from one
-proxy to another continues its chain and records a ``handoff`` event; a writer refused a seq by another writer's claim drops
-what it held of that rollout. A local folder keeps one writer at a time (a lock file; a second
-sink is refused with `StoreError`): several proxies on one host use object storage or a folder
-each. On a configured pyarrow filesystem without an obstore store (`filesystem=` alone) claims
-are checked, not enforced: one writer per dataset (the sink warns at open). Readers
+**Several writers.** On object storage any number of proxies (one `ParquetSink` each) may write one
+dataset at once: units have names no other writer uses, claims decide seqs, and a copy of a blob or
+attachment another writer also stored is harmless (readers keep one). A writer that touches a
+rollout it does not hold in memory re-reads it from the store first (its highest claim, and when
+another writer made it, the event chain's head; a thread keeps the writer's reader following the
+dataset so that this finds little to index), so a rollout handed from one proxy to another
+continues its chain and records a ``handoff`` event; a writer refused a seq by another writer's
+claim drops what it held of that rollout. A local folder keeps one writer at a time (a lock file; a
+second sink is refused with `StoreError`): several proxies on one host use object storage or a
+folder each. On a configured pyarrow filesystem without an obstore store (`filesystem=` alone)
+claims are checked, not enforced: one writer per dataset (the sink warns at open). Readers
 (`ParquetSource`, Arrow engines) may be any number, anywhere, and see every writer's committed
 units.
 
@@ -61,8 +61,7 @@ import uuid
 from array import array
 from collections import OrderedDict
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import pyarrow.fs as pafs
 
@@ -82,6 +81,7 @@ from ._claims import Holders, SeqClaim, last_claim
 from ._events import EventHeads
 from ._fs import DatasetFS
 from ._index import LRU
+from ._keys import Claimed, RecentKeys, RolloutKeys, handoffs_in
 from ._layout import (
     ATTACHMENTS,
     BLOBS,
@@ -108,50 +108,6 @@ log = logging.getLogger(__name__)
 
 def _now_ms() -> int:
     return int(time.time() * 1000)
-
-
-@dataclass(slots=True)
-class _RolloutKeys:
-    """A rollout's committed call ids; the handoff event its next event follows, if any."""
-
-    calls: set[str] = field(default_factory=set)
-    handoff: dict[str, Any] | None = None
-
-
-class _Claimed:
-    """A piece of work that holds `claim`'s seq: the batch settles it with the store first."""
-
-    __slots__ = ("claim", "work")
-
-    def __init__(self, claim: SeqClaim, work: Work) -> None:
-        self.claim = claim
-        self.work = work
-
-    def __call__(self, batch: UnitRows, part: UnitRows) -> Any:
-        return self.work(batch, part)
-
-
-class _RecentKeys:
-    """The `limit` keys added or looked up most recently."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = max(1, limit)
-        self._keys: OrderedDict[str, None] = OrderedDict()
-
-    def __contains__(self, key: str) -> bool:
-        if key not in self._keys:
-            return False
-        self._keys.move_to_end(key)
-        return True
-
-    def __len__(self) -> int:
-        return len(self._keys)
-
-    def add(self, key: str) -> None:
-        self._keys[key] = None
-        self._keys.move_to_end(key)
-        while len(self._keys) > self.limit:
-            self._keys.popitem(last=False)
 
 
 class ParquetSink:
@@ -213,9 +169,9 @@ class ParquetSink:
         except BaseException:
             self._lock.release()
             raise
-        self._live: OrderedDict[str, _RolloutKeys] = OrderedDict()
+        self._live: OrderedDict[str, RolloutKeys] = OrderedDict()
         self.max_live_rollouts = max(1, max_live_rollouts)
-        self._blobs = _RecentKeys(max_blob_keys)
+        self._blobs = RecentKeys(max_blob_keys)
         self._attachments = known.attachments
         self._rollouts = known.rollouts
         self._fulls: LRU[str, tuple[str, array[int]]] = LRU(cache_tokens, lambda v: len(v[1]))
@@ -258,7 +214,7 @@ class ParquetSink:
         given = dict(attachments or {})
         claim = SeqClaim(record.rollout_id, record.seq, record.staging_key, record.created_at_ms)
         result: StageResult = await self._writer.submit(
-            _Claimed(claim, lambda batch, part: self._stage_one(batch, part, record, given, claim))
+            Claimed(claim, lambda batch, part: self._stage_one(batch, part, record, given, claim))
         )
         return result
 
@@ -275,7 +231,7 @@ class ParquetSink:
             part.rows[LEDGER].append(failure_row(entry))
             self._place(batch, part, ledger_event(entry))
 
-        await self._writer.submit(_Claimed(claim, work))
+        await self._writer.submit(Claimed(claim, work))
 
     async def append_event(self, event: EventDraft) -> RolloutEvent:
         """Append `event` to its rollout's chain in the next unit; see
@@ -303,7 +259,7 @@ class ParquetSink:
             self._ensure_rollout(batch, part, event.rollout_id)
             return self._place(batch, part, event)
 
-        stored: RolloutEvent = await self._writer.submit(_Claimed(claim, work))
+        stored: RolloutEvent = await self._writer.submit(Claimed(claim, work))
         return stored
 
     async def put_rollout(self, info: RolloutInfo) -> None:
@@ -358,7 +314,7 @@ class ParquetSink:
         self._attachments |= batch.attachments
         self._rollouts |= batch.rollouts
         self._events.publish(batch)
-        for rollout_id in _handoffs_in(batch):
+        for rollout_id in handoffs_in(batch):
             keys = self._live.get(rollout_id)
             if keys is not None:
                 keys.handoff = None
@@ -368,7 +324,7 @@ class ParquetSink:
 
     def _settle(self, works: list[Work]) -> None:
         # The claims the batch's work holds seqs by, written at once before the batch runs.
-        self._holders.settle([w.claim for w in works if isinstance(w, _Claimed)])
+        self._holders.settle([w.claim for w in works if isinstance(w, Claimed)])
 
     def _refused(self, claim: SeqClaim, holder: str) -> None:
         """Another call holds `claim`'s seq: if this writer did not know it, another writer took
@@ -384,13 +340,13 @@ class ParquetSink:
         if (
             keys is not None
             and keys.handoff is not None
-            and rollout_id not in _handoffs_in(batch) | _handoffs_in(part)
+            and rollout_id not in handoffs_in(batch) | handoffs_in(part)
         ):
             handoff = EventDraft(rollout_id, EventKind.HANDOFF, _now_ms(), body=keys.handoff)
             self._events.place(batch, part, handoff)
         return self._events.place(batch, part, draft)
 
-    def _keys(self, rollout_id: str) -> _RolloutKeys:
+    def _keys(self, rollout_id: str) -> RolloutKeys:
         """What is committed of `rollout_id` (read from the dataset when not in memory)."""
         keys = self._live.get(rollout_id)
         if keys is not None:
@@ -402,7 +358,7 @@ class ParquetSink:
             self._live.popitem(last=False)
         return keys
 
-    def _resolve(self, rollout_id: str) -> _RolloutKeys:
+    def _resolve(self, rollout_id: str) -> RolloutKeys:
         """A rollout this writer does not hold, as the store has it now: another writer may have
         created it, or continued it, since this one last looked (a handoff)."""
         shared = not self._dfs.local  # a local folder has one writer: this one
@@ -413,7 +369,7 @@ class ParquetSink:
         last = last_claim(self._dfs, rollout_id, now)
         if rollout_id not in self._rollouts:
             if last is None or not shared:
-                return _RolloutKeys()  # new: nothing of it is stored
+                return RolloutKeys()  # new: nothing of it is stored
             self._rollouts.add(rollout_id)
         if shared:
             # One read of the store, for the chain's head. Another writer's call ids are not
@@ -422,10 +378,10 @@ class ParquetSink:
             events = self._reader.events(rollout_id)
             head = (events[-1].position, events[-1].hash) if events else None
             self._events.reset(rollout_id, head)
-            keys = _RolloutKeys({e.call_id for e in events if e.call_id and e.kind == "staged"})
+            keys = RolloutKeys({e.call_id for e in events if e.call_id and e.kind == "staged"})
         else:
             calls, _ = self._reader.rollout_keys(rollout_id)
-            keys = _RolloutKeys(calls)
+            keys = RolloutKeys(calls)
         if last is not None and last[2] and last[2] != self.writer_id:
             seq, call_id, writer = last
             keys.handoff = {
@@ -517,12 +473,3 @@ class ParquetSink:
         self._place(batch, part, staged_event(record, _now_ms()))
         row = encoded.row
         return StageResult.staged(coords_for(self.url, record, row))
-
-
-def _handoffs_in(rows: UnitRows) -> set[str]:
-    """Rollouts with a ``handoff`` event among `rows`."""
-    return {
-        r["rollout_id"]
-        for r in rows.rows[LEDGER]
-        if r["kind"] == "event" and r["event_kind"] == EventKind.HANDOFF
-    }
