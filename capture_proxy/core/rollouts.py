@@ -20,7 +20,14 @@ import orjson
 
 from ..schemas.events import EventKind, RolloutEvent, token_in_choice
 from ..schemas.outcome import RolloutOutcome
-from ..schemas.records import Attachment, CallStatus, CommitCoords, RolloutState, StagedCallRecord
+from ..schemas.records import (
+    Attachment,
+    CallStatus,
+    CommitCoords,
+    RolloutInfo,
+    RolloutState,
+    StagedCallRecord,
+)
 from ..schemas.tokens import full_sequence
 from ..sinks.base import StagingSource
 from .experts import ExpertsIndex, stored_entry
@@ -195,10 +202,17 @@ def resume_rollout(open_source: Callable[[], StagingSource], rollout_id: str) ->
     and the calls routed experts may continue. O(rollout) per resume, on a worker thread.
     """
     source = open_source()
+    claims: dict[int, str] | None = None
     try:
         info = source.rollout_info(rollout_id)
     except KeyError:
-        return None
+        # No header, but maybe claims: the rollout's first calls were admitted (claimed) and
+        # their proxy stopped before the unit holding its header committed. Their seqs are
+        # taken all the same: the rollout exists, and continues after them.
+        claims = source.claims(rollout_id)
+        if not claims:
+            return None
+        info = RolloutInfo(rollout_id, RolloutState.OPEN, False, int(time.time() * 1000))
     summaries = source.summaries(rollout_id)
     keys = [s.call_id for s in summaries]
     coords = source.coords(keys)
@@ -232,7 +246,8 @@ def resume_rollout(open_source: Callable[[], StagingSource], rollout_id: str) ->
         )
     # Every claimed seq is taken, even one whose call never ended (a crash): a rollout
     # continued here, by this proxy after a restart or by another one, never reuses a seq.
-    claims = source.claims(rollout_id)
+    if claims is None:
+        claims = source.claims(rollout_id)
     lost = {seq: cid for seq, cid in claims.items() if cid not in live.outcomes}
     for seq, call_id in lost.items():
         live.outcomes[call_id] = CallOutcome(
