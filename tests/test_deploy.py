@@ -784,6 +784,7 @@ def test_deploy_readme_covers_each_deployment_and_file() -> None:
 _STORE_WORD = re.compile(r"\b(store|dataset|s3://)", re.I)
 _SEVERAL = re.compile(r"\b(shar\w*|several|many|multiple|between pods)\b", re.I)
 _NEGATION = re.compile(r"\b(not|never|no|nothing|own)\b", re.I)
+_OBJECT_STORE = re.compile(r"object[- ]stor(e|age)|s3://", re.I)
 
 
 def _sentences(text: str) -> list[str]:
@@ -803,19 +804,21 @@ def _sentences(text: str) -> list[str]:
     ]
 
 
-def test_deploy_docs_never_recommend_several_writers_on_one_store() -> None:
-    """Today a store has one writing proxy, on object storage too (docs/storage.md, "Writers and
-    readers today"): nothing in deploy/ may suggest pointing several pods at one store, and the
-    README, the Parquet sink and docs/storage.md say the same rule in the same words."""
+def test_deploy_docs_recommend_sharing_only_an_object_store_dataset() -> None:
+    """A SQLite store has one writing proxy; several proxies may share one Parquet dataset on
+    object storage (docs/storage.md, "Writers and readers today"): nothing in deploy/ suggests
+    pointing several pods at any other store, and the README, the Parquet sink and
+    docs/storage.md say the same rule."""
     from capture_proxy.sinks.parquet import _sink
 
-    rule = "one writing proxy per"
     readme = (DEPLOY / "README.md").read_text()
     storage = (ROOT / "docs" / "storage.md").read_text()
-    assert rule in readme.lower()
-    assert rule in storage.lower()
-    assert _sink.__doc__ is not None
-    assert rule in re.sub(r"\s+", " ", _sink.__doc__).lower()
+    sink_doc = re.sub(r"\s+", " ", _sink.__doc__ or "").lower()
+    assert "one writing proxy" in readme.lower()
+    assert "one writing proxy per file" in storage.lower()
+    assert "any number of proxies on one dataset" in storage.lower()
+    assert "on object storage any number of proxies" in sink_doc
+    assert "a local folder keeps one writer" in sink_doc
     texts = {"README.md": readme}
     for path in DEPLOY.rglob("*"):
         if path.is_file() and path.suffix in (".yaml", ".yml", ".service", ".example", ""):
@@ -826,7 +829,9 @@ def test_deploy_docs_never_recommend_several_writers_on_one_store() -> None:
     for name, text in texts.items():
         for sentence in _sentences(text):
             if _STORE_WORD.search(sentence) and _SEVERAL.search(sentence):
-                assert _NEGATION.search(sentence), f"{name}: {sentence!r}"
+                assert _NEGATION.search(sentence) or _OBJECT_STORE.search(sentence), (
+                    f"{name}: {sentence!r}"
+                )
 
 
 def test_k8s_each_pod_writes_its_own_store() -> None:

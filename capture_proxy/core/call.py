@@ -117,6 +117,9 @@ class Call:
     #: cuts the call (`Capture.cut`), which then sets `cut`: the abort's reason.
     task: asyncio.Task[Any] | None = None
     cut: str | None = None
+    #: The upstream replica the call was sent to ("" for a single upstream), recorded on its
+    #: record and reported with its outcome.
+    replica: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +139,8 @@ class CallReport:
     stage_seconds: float | None = None
     upstream_seconds: float | None = None
     overhead_seconds: float | None = None
+    #: The upstream replica the call went to ("" for a single upstream, or not sent).
+    replica: str = ""
 
 
 def log_claim(call: Call, task: asyncio.Future[RolloutEvent]) -> None:

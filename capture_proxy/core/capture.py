@@ -580,11 +580,26 @@ class Capture:
         if error is None:
             return None
         if isinstance(error, DuplicateSeq):
+            self._forget_stale(call)
             return StageResult.failed("duplicate_seq", f"the seq could not be claimed: {error}")
         self.stager.sink_failing = f"{type(error).__name__}: {error}"
         return StageResult.failed(
             "sink_error", f"claiming seq {call.seq} failed: {type(error).__name__}: {error}"
         )
+
+    def _forget_stale(self, call: Call) -> None:
+        """Another call holds this call's seq: another proxy continued the rollout while this
+        one held it (a handoff, then this proxy came back). What is held here is stale: the
+        rollout's next call resumes it from the store, after the highest claimed seq. (Without
+        a store to read, memory is all there is: the copy stays, poisoned.)"""
+        if self.source is not None and self.rollouts.get(call.rollout_id) is call.rollout:
+            del self.rollouts[call.rollout_id]
+            log.warning(
+                "rollout %s: seq %d is held by another call (another proxy continued it); "
+                "its next call resumes it from the store",
+                call.rollout_id,
+                call.seq,
+            )
 
     async def _staged_unclaimed(self, call: Call) -> StageResult | None:
         """After the call's record was staged: None once its claim is durable too, else the
@@ -719,6 +734,7 @@ class Capture:
             weight_spans=weight_spans,
             token_in=token_in,
             bridge_spans=bridge_spans,
+            replica=call.replica,
         )
         sealed = seal_record(record, attachments=call.attachments, encoder=self._request_values)
         call.record_bytes = record_bytes(sealed, call.attachments.values())
@@ -775,6 +791,10 @@ class Capture:
                     result = await self.stager.stage(record, call.attachments)
                 if result.status is CallStatus.STAGED:
                     result = await self._staged_unclaimed(call) or result
+                elif result.reason == "duplicate_seq":
+                    self._forget_stale(
+                        call
+                    )  # the store refused the record's seq, not only its claim
             if result.status is CallStatus.STAGED:
                 assert result.coords is not None
                 call.rollout.bytes_staged += call.record_bytes
@@ -809,6 +829,7 @@ class Capture:
                         done - t0,
                         call.upstream_seconds,
                         overhead,
+                        call.replica,
                     )
                 )
             else:
@@ -921,6 +942,7 @@ class Capture:
                 reason,
                 attachments=attachments,
                 stage_seconds=stage_seconds,
+                replica=call.replica,
             )
         )
         entry = LedgerEntry(

@@ -47,12 +47,14 @@ from .call import Call, sampling_of
 from .capture import Capture
 from .exchange_token_in import TokenInSteps
 from .normalize import NormalizedRequest, normalize_request
+from .pins import pin, write_pin
 from .rollouts import RolloutLive
 from .sampling import changes_distribution, effective_sampling
 from .scale_out import check_scale_out, goes_token_in
 from .token_in_report import TokenInReport
 from .transport import (
     EngineWeights,
+    ReplicaRouter,
     UpstreamInfo,
     UpstreamReply,
     UpstreamRestarted,
@@ -118,6 +120,8 @@ class Pipeline:
     ) -> None:
         self.capture = capture
         self.upstream = upstream
+        #: Several replicas behind `upstream` (each rollout pinned to one), or None: one.
+        self.replicas = upstream if isinstance(upstream, ReplicaRouter) else None
         self.config = config or ExchangeConfig()
         self._adapters: dict[str, VLLMAdapter] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -139,6 +143,26 @@ class Pipeline:
         """Tell the subscribers what token-in did for one call (once per token-in call)."""
         for subscriber in self.on_token_in:
             subscriber(report)
+
+    def route(self, live: RolloutLive) -> tuple[str, UpstreamTransport]:
+        """The replica a call of `live` goes to (see `ReplicaRouter.route`): its pin, or a new
+        one, written to the rollout's event log. Raises `UpstreamFailed` (503) when none can be
+        used. With a single upstream: ``("", upstream)``."""
+        replicas = self.replicas
+        if replicas is None or live.sealed:
+            return "", self.upstream  # a sealed rollout's call is refused at admission: no pin
+        name, transport = replicas.route(live.rollout_id, live.replica, self._load)
+        if name != live.replica:
+            self.spawn(write_pin(self.capture.sink, pin(live, name)))
+        return name, transport
+
+    def _load(self) -> dict[str, int]:
+        """Live rollouts per replica: the load a new rollout is placed by."""
+        load: dict[str, int] = {}
+        for live in self.capture.rollouts.values():
+            if live.replica:
+                load[live.replica] = load.get(live.replica, 0) + 1
+        return load
 
     def adapter(self, reasoning_field: str) -> VLLMAdapter:
         adapter = self._adapters.get(reasoning_field)
@@ -232,6 +256,9 @@ class Exchange(TokenInSteps):
         self.plan: ForwardPlan | None = None
         self.info = UpstreamInfo("", "reasoning_content", "")
         self.outcome: Outcome | None = None
+        #: The upstream this call goes to, and its replica's name ("" for a single upstream).
+        self.upstream = pipeline.upstream
+        self.replica = ""
         self._reply: UpstreamReply | None = None
         self._t_up = 0.0
         self._upstream_s: float | None = None
@@ -260,10 +287,12 @@ class Exchange(TokenInSteps):
                 normalized = decode_and_normalize(body, remote, limits)
             await capture.hold_while_paused()
             live = await capture.ensure_rollout(self.rollout_id)
+            if self.pipeline.replicas is not None:
+                self.replica, self.upstream = self.pipeline.route(live)
             request = capture.policy.apply(normalized.body, live.policy)
             if self.pipeline.goes_token_in(live):
                 # Refused before admission while the upstream lacks the routes token-in needs.
-                await check_scale_out(self.pipeline.upstream, str(request.get("model", "")))
+                await check_scale_out(self.upstream, str(request.get("model", "")))
             staged = capture.policy.apply(normalized.staged, live.policy)
             await self._guard_context(request, staged)
             rid, attachments = self.rollout_id, normalized.attachments
@@ -272,12 +301,13 @@ class Exchange(TokenInSteps):
                 self.call = await capture.begin_call_offloaded(rid, staged, attachments, size=size)
             else:
                 self.call = capture.begin_call(rid, staged, attachments, size=size)
+            self.call.replica = self.replica
         except ProxyError as e:
             await self.refuse(e)
             raise
         self.token_in = self.pipeline.goes_token_in(live)
         self.request = request
-        self.info = await self.pipeline.upstream.info(str(request.get("model", "")))
+        self.info = await self.upstream.info(str(request.get("model", "")))
         self.plan = self._plan()
 
     async def refuse(self, err: ProxyError) -> None:
@@ -301,7 +331,7 @@ class Exchange(TokenInSteps):
             else "max_tokens"
         )
         wanted = body.get(key)
-        prompt_len = await self.pipeline.upstream.count_prompt_tokens(body)
+        prompt_len = await self.upstream.count_prompt_tokens(body)
         room = limit - prompt_len
         if room <= 0:
             raise BadRequest(
@@ -364,7 +394,7 @@ class Exchange(TokenInSteps):
             except UpstreamRestarted:
                 # A new upstream process (noticed before anything was sent): plan the call again
                 # with its facts (version, reasoning field, fingerprint, defaults), once.
-                self.info = await self.pipeline.upstream.info(str(self.request.get("model", "")))
+                self.info = await self.upstream.info(str(self.request.get("model", "")))
                 self.plan = self._plan()
                 self.pipeline.close_renders.clear()  # its template may differ
                 self._reply = await self._post()
@@ -385,9 +415,8 @@ class Exchange(TokenInSteps):
     async def _post(self) -> UpstreamReply:
         """The upstream's reply to the call: the chat route's, or generate's for token-in."""
         assert self.plan is not None
-        upstream = self.pipeline.upstream
         if not self.token_in:
-            return await upstream.post_chat(self.plan.body)
+            return await self.upstream.post_chat(self.plan.body)
         return await self._post_token_in()
 
     async def _upstream_error(self, status: int, raw: bytes) -> Outcome:
@@ -568,7 +597,7 @@ class Exchange(TokenInSteps):
         the version read before the call was planned equals one read after the answer (one
         request, only when the upstream serves it), else ``(None, [])``: unknown."""
         before = self.info.engine_weight_version
-        upstream = self.pipeline.upstream
+        upstream = self.upstream
         if before is None or not isinstance(upstream, EngineWeights):
             return None, []
         after = await upstream.read_engine_weight_version()

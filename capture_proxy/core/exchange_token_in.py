@@ -38,7 +38,13 @@ from .derender import StreamedDerender
 from .sampling import RESOLVED_SAMPLING_KEYS, effective_sampling
 from .token_in import Prior
 from .token_in_report import EXTENDED, NEW_SEGMENT, TokenInReport
-from .transport import SCALE_OUT_DISABLED, EngineRoute, TokenInTransport, UpstreamReply
+from .transport import (
+    SCALE_OUT_DISABLED,
+    EngineRoute,
+    TokenInTransport,
+    UpstreamReply,
+    UpstreamTransport,
+)
 
 if TYPE_CHECKING:
     from .exchange import Outcome, Pipeline
@@ -54,6 +60,7 @@ class TokenInSteps:
     """The token-in steps `Exchange` inherits (see the module docstring)."""
 
     pipeline: Pipeline
+    upstream: UpstreamTransport
     plan: ForwardPlan | None
     request: dict[str, Any]
     _reply: UpstreamReply | None
@@ -84,7 +91,7 @@ class TokenInSteps:
 
     @property
     def _upstream(self) -> TokenInTransport:
-        upstream = self.pipeline.upstream
+        upstream = self.upstream  # the call's replica's, with several
         if not isinstance(upstream, TokenInTransport):
             raise UpstreamFailed(SCALE_OUT_DISABLED, code="scale_out_disabled", status=503)
         return upstream

@@ -12,15 +12,22 @@ import hashlib
 import time
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
-from ..schemas.events import token_in_choice
+from ..schemas.events import EventKind, RolloutEvent, token_in_choice
 from ..schemas.outcome import RolloutOutcome
-from ..schemas.records import Attachment, CallStatus, CommitCoords, RolloutState, StagedCallRecord
+from ..schemas.records import (
+    Attachment,
+    CallStatus,
+    CommitCoords,
+    RolloutInfo,
+    RolloutState,
+    StagedCallRecord,
+)
 from ..schemas.tokens import full_sequence
 from ..sinks.base import StagingSource
 from .bridging import token_in_line
@@ -39,6 +46,7 @@ __all__ = [
     "LOST_IN_CRASH",
     "CallOutcome",
     "RolloutLive",
+    "pinned_replica",
     "prior_of",
     "record_bytes",
     "request_key",
@@ -122,6 +130,9 @@ class RolloutLive:
     #: The weight version the rollout's last admitted call was stamped with (None: no call yet),
     #: so a lower one is flagged; resumed from the last staged record.
     last_weight_version: int | None = None
+    #: The upstream replica the rollout is pinned to ("" for a single upstream, or none chosen
+    #: yet); resumed from its last ``replica`` event.
+    replica: str = ""
     #: The last staged token-in call of each line of calls (`token_in_line`: the same tools,
     #: template keys and system message; OpenCode's title call is a line of its own), by line,
     #: with its seq: what the next token-in call continues. At most `TOKEN_IN_LINES` lines, one
@@ -232,14 +243,22 @@ def resume_rollout(open_source: Callable[[], StagingSource], rollout_id: str) ->
     and the calls routed experts may continue. O(rollout) per resume, on a worker thread.
     """
     source = open_source()
+    claims: dict[int, str] | None = None
     try:
         info = source.rollout_info(rollout_id)
     except KeyError:
-        return None
+        # No header, but maybe claims: the rollout's first calls were admitted (claimed) and
+        # their proxy stopped before the unit holding its header committed. Their seqs are
+        # taken all the same: the rollout exists, and continues after them.
+        claims = source.claims(rollout_id)
+        if not claims:
+            return None
+        info = RolloutInfo(rollout_id, RolloutState.OPEN, False, int(time.time() * 1000))
     summaries = source.summaries(rollout_id)
     keys = [s.call_id for s in summaries]
     coords = source.coords(keys)
     failures = source.failures(rollout_id)
+    events = source.events(rollout_id)
     live = RolloutLive(
         rollout_id,
         sealed=info.state is RolloutState.SEALED,
@@ -250,7 +269,8 @@ def resume_rollout(open_source: Callable[[], StagingSource], rollout_id: str) ->
         policy=dict(info.policy),
         metadata={k: v for k, v in info.metadata.items() if k != KEY_HASH_FIELD},
         key_sha256=info.metadata.get(KEY_HASH_FIELD),
-        token_in=token_in_choice(source.events(rollout_id)),
+        token_in=token_in_choice(events),
+        replica=pinned_replica(events),
     )
     for summary, c in zip(summaries, coords, strict=True):
         live.outcomes[summary.call_id] = CallOutcome(
@@ -267,7 +287,8 @@ def resume_rollout(open_source: Callable[[], StagingSource], rollout_id: str) ->
         )
     # Every claimed seq is taken, even one whose call never ended (a crash): a rollout
     # continued here, by this proxy after a restart or by another one, never reuses a seq.
-    claims = source.claims(rollout_id)
+    if claims is None:
+        claims = source.claims(rollout_id)
     lost = {seq: cid for seq, cid in claims.items() if cid not in live.outcomes}
     for seq, call_id in lost.items():
         live.outcomes[call_id] = CallOutcome(
@@ -309,3 +330,12 @@ def resume_rollout(open_source: Callable[[], StagingSource], rollout_id: str) ->
     if summaries:
         live.last_weight_version = summaries[-1].weight_version
     return live
+
+
+def pinned_replica(events: Sequence[RolloutEvent]) -> str:
+    """The replica a rollout is pinned to as its event log has it (the latest ``replica``
+    event), "" when it has none."""
+    for event in reversed(events):
+        if event.kind == EventKind.REPLICA:
+            return str(event.body.get("replica", ""))
+    return ""

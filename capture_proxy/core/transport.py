@@ -11,7 +11,7 @@ the HTTP library's own exception: the flow maps one kind of error to one ledger 
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Protocol, runtime_checkable
@@ -22,6 +22,7 @@ __all__ = [
     "SCALE_OUT_DISABLED",
     "EngineRoute",
     "EngineWeights",
+    "ReplicaRouter",
     "ScaleOutCheck",
     "TokenInTransport",
     "UpstreamInfo",
@@ -157,4 +158,27 @@ class ScaleOutCheck(Protocol):
 
     async def scale_out_served(self) -> bool | None:
         """Whether the routes are served now (asked again while they are not), None: unknown."""
+        ...
+
+
+@runtime_checkable
+class ReplicaRouter(Protocol):
+    """An upstream made of several replicas of one model, each rollout pinned to one (optional
+    for a transport; `capture_proxy.upstream.ReplicaSet` is the proxy's).
+
+    `Pipeline` routes each call through `route` before admitting it; a transport that is not a
+    router is used as it is, for every rollout.
+    """
+
+    def route(
+        self, rollout_id: str, pinned: str, load: Callable[[], Mapping[str, int]]
+    ) -> tuple[str, UpstreamTransport]:
+        """The replica (its name and transport) a call of `rollout_id` goes to.
+
+        `pinned` is the replica the rollout is pinned to ("" for none yet): it is kept while
+        healthy. A rollout without one, or (when the router moves rollouts) whose replica is
+        unhealthy, gets the least loaded healthy replica, `load()` giving the rollouts per
+        replica; ties go by a hash of the rollout id. Raises `UpstreamFailed` (503
+        ``upstream_unavailable``) when there is none to use. Synchronous: no I/O per call.
+        """
         ...

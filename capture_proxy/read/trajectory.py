@@ -43,6 +43,7 @@ __all__ = [
     "Break",
     "Drift",
     "NotStaged",
+    "ReplicaMoved",
     "Segment",
     "SegmentBreak",
     "Trajectory",
@@ -78,6 +79,16 @@ class Drift:
 
 
 @dataclass(frozen=True, slots=True)
+class ReplicaMoved:
+    """The rollout moved to another upstream replica between two staged calls (its replica went
+    away, with ``--on-replica-loss move``): the call's prompt was prefilled afresh on
+    `to_replica`, with none of `from_replica`'s cache."""
+
+    from_replica: str
+    to_replica: str
+
+
+@dataclass(frozen=True, slots=True)
 class Break:
     """Where and why a new segment began: the one list of segment breaks of a `Trajectory`.
 
@@ -85,16 +96,17 @@ class Break:
     call `call_id`. `reason` says why: ``"drift"`` (the call's prompt did not extend the running
     sequence; `detail` is its `Drift`) or ``"not_staged"`` (an answered call before it was not
     staged, so its prompt holds tokens the policy generated that the store has no record of;
-    `detail` is that call's `NotStaged`). A token-in call that could not extend the sequence
-    gives its own reason (``history_edited``, ``tools_changed``, ``template_changed``, ...;
-    `detail` is its `SegmentBreak`). Other reasons (``replica_moved``) come with the features
-    that produce them; a trainer should treat an unknown reason as a break like any other.
+    `detail` is that call's `NotStaged`), or ``"replica_moved"`` (the call went to another
+    upstream replica than the call before it; `detail` is a `ReplicaMoved` naming both). A
+    token-in call that could not extend the sequence gives its own reason (``history_edited``,
+    ``tools_changed``, ``template_changed``, ...; `detail` is its `SegmentBreak`). A trainer
+    should treat an unknown reason as a break like any other.
     """
 
     call_id: str
     position: int
     reason: str
-    detail: Drift | NotStaged | SegmentBreak | None = None
+    detail: Drift | NotStaged | SegmentBreak | ReplicaMoved | None = None
 
 
 @dataclass(slots=True)
@@ -192,11 +204,15 @@ class Trajectory:
         }
 
 
-def _detail_dict(detail: Drift | NotStaged | SegmentBreak | None) -> dict[str, Any] | None:
+def _detail_dict(
+    detail: Drift | NotStaged | SegmentBreak | ReplicaMoved | None,
+) -> dict[str, Any] | None:
     if isinstance(detail, Drift):
         return _drift_dict(detail)
     if isinstance(detail, SegmentBreak):
         return detail.to_dict()
+    if isinstance(detail, ReplicaMoved):
+        return {"from_replica": detail.from_replica, "to_replica": detail.to_replica}
     return None if detail is None else _not_staged_dict(detail)
 
 
@@ -315,7 +331,12 @@ def _linearize(traj: Trajectory, records: list[StagedCallRecord]) -> None:
             if prev is not None and len(prompt) > len(running)
             else None
         )
-        if prev is not None and shared == len(running) and lost is None:
+        moved = (
+            ReplicaMoved(prev.replica, r.replica)
+            if prev is not None and prev.replica and r.replica and prev.replica != r.replica
+            else None
+        )
+        if prev is not None and shared == len(running) and lost is None and moved is None:
             new_prompt = prompt[shared:]
             new_versions: array[int] = _zeros("q", len(new_prompt))
             new_engine: list[str | None] = [None] * len(new_prompt)
@@ -330,8 +351,10 @@ def _linearize(traj: Trajectory, records: list[StagedCallRecord]) -> None:
                 drift = Drift(r.call_id, prev.call_id, shared, len(running), len(prompt))
                 traj.drift.append(drift)
                 traj.breaks.append(Break(r.call_id, len(tokens), "drift", drift))
-            elif prev is not None:
+            elif prev is not None and lost is not None:
                 traj.breaks.append(Break(r.call_id, len(tokens), "not_staged", lost))
+            elif prev is not None:
+                traj.breaks.append(Break(r.call_id, len(tokens), "replica_moved", moved))
             if prev is not None:
                 traj.segments.append(Segment(seg_start, len(tokens), tuple(seg_calls)))
             # A new segment re-states the whole prompt. Its shared prefix was produced by

@@ -17,7 +17,9 @@ Event kinds (`EventKind`):
 * ``seal``: the rollout was sealed.
 * ``token_in``: the rollout's token-in choice, given when it was created (body:
   ``{"token_in": true|false}``; no event: the proxy's ``--token-in`` setting decides).
-* ``outcome``, ``replica``, ``handoff``: reserved for later releases; a reader checks their
+* ``replica``: the rollout was pinned to an upstream replica (body: ``replica``, and
+  ``moved_from`` when it moved from another); see docs/fleets.md.
+* ``outcome``, ``handoff``: reserved for later releases; a reader checks their
   place in the chain like any other.
 
 A claim with neither a ``staged`` event nor a ledger entry is ``lost_in_crash``: the call was
@@ -66,7 +68,8 @@ class EventKind(StrEnum):
     SEAL = "seal"
     #: The rollout's token-in choice (`token_in_event`).
     TOKEN_IN = "token_in"
-    #: Reserved for later releases (rollout outcome, replica pin, handoff).
+    #: Reserved for later releases (rollout outcome, handoff); ``replica`` is the rollout's
+    #: upstream replica pin (written by ``capture_proxy.core.pins``).
     OUTCOME = "outcome"
     REPLICA = "replica"
     HANDOFF = "handoff"

@@ -29,6 +29,7 @@ from ..schemas.request import FreeJsonLimits
 from ..sinks.base import StagingSink
 from ..sinks.registry import open_sink, store_local_dir
 from ..upstream.http import HTTPUpstream
+from ..upstream.replicas import ReplicaSet
 from .chat import chat_completions
 from .control import add_control_routes
 from .metrics import Metrics
@@ -215,7 +216,9 @@ async def readyz(request: web.Request) -> web.Response:
     if cap.ledger.held:
         problems.append(f"{len(cap.ledger.held)} ledger entries held in memory (sink failing)")
     warnings = [*state.upstream.fact_problems(), *state.pipeline.warnings.values()]
-    body = {"ready": not problems, "problems": problems, "warnings": warnings}
+    body: dict[str, object] = {"ready": not problems, "problems": problems, "warnings": warnings}
+    if isinstance(state.upstream, ReplicaSet):
+        body["replicas"] = [r.to_dict() for r in state.upstream.replicas]
     return web.json_response(body, status=503 if problems else 200)
 
 
@@ -430,15 +433,33 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         _, fake_runner, upstream_url = await serve_fake(host="127.0.0.1", port=0)
         log.info("serving the bundled fake vLLM at %s", upstream_url)
     state.upstream_url = upstream_url
-    state.upstream = HTTPUpstream(
-        upstream_url,
-        api_key=s.upstream_api_key,
-        reasoning_field=s.upstream_reasoning_field,
-        connect_timeout=s.upstream_connect_timeout,
-        first_byte_timeout=s.upstream_first_byte_timeout,
-        idle_timeout=s.upstream_idle_timeout,
-        total_timeout=s.upstream_total_timeout,
-    )
+
+    def client(url: str) -> HTTPUpstream:
+        return HTTPUpstream(
+            url,
+            api_key=s.upstream_api_key,
+            reasoning_field=s.upstream_reasoning_field,
+            connect_timeout=s.upstream_connect_timeout,
+            first_byte_timeout=s.upstream_first_byte_timeout,
+            idle_timeout=s.upstream_idle_timeout,
+            total_timeout=s.upstream_total_timeout,
+        )
+
+    if len(s.upstreams) > 1:
+        replicas = ReplicaSet(
+            s.upstreams,
+            client,
+            move=s.on_replica_loss == "move",
+            probe_interval=s.replica_probe_interval,
+        )
+        state.upstream = replicas
+        state.capture.on_outcome.append(replicas.observe)
+        state.metrics.add_replica_states(lambda: [(r.name, r.state) for r in replicas.replicas])
+        replicas.start()
+        await replicas.first_probes()
+        log.info("%d upstream replicas: %s", len(s.upstreams), ", ".join(s.upstreams))
+    else:
+        state.upstream = client(upstream_url)
     state.pipeline = Pipeline(
         state.capture,
         state.upstream,

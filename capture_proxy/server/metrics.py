@@ -57,6 +57,24 @@ class _Live(Collector):
             yield family
 
 
+class _ReplicaStates(Collector):
+    """``capture_proxy_replica_healthy{replica, state}``: 1 for a healthy replica, else 0, read
+    at scrape time."""
+
+    def __init__(self, read: Callable[[], list[tuple[str, str]]]) -> None:
+        self.read = read
+
+    def collect(self):  # type: ignore[no-untyped-def]
+        family = GaugeMetricFamily(
+            "capture_proxy_replica_healthy",
+            "1 when the upstream replica is healthy (state: starting, healthy, down, quarantined)",
+            labels=["replica", "state"],
+        )
+        for name, state in self.read():
+            family.add_metric([name, state], 1.0 if state == "healthy" else 0.0)
+        yield family
+
+
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -128,6 +146,27 @@ class Metrics:
             "(what token-in avoided)",
             registry=r,
         )
+        # With several upstream replicas (a call's `replica` set): per-replica copies of the
+        # metrics that tell a replica apart, so a single upstream's series stay as they are.
+        self.replica_calls = Counter(
+            "capture_proxy_replica_calls_total",
+            "chat calls sent to each upstream replica, by outcome",
+            ["replica", "outcome"],
+            registry=r,
+        )
+        self.replica_upstream_seconds = Histogram(
+            "capture_proxy_replica_upstream_duration_seconds",
+            "time each upstream replica took (request sent to last byte received)",
+            ["replica"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.replica_upstream_errors = Counter(
+            "capture_proxy_replica_upstream_errors_total",
+            "calls that failed at an upstream replica, by reason",
+            ["replica", "reason"],
+            registry=r,
+        )
         self.streams_open = Gauge(
             "capture_proxy_streams_open", "streamed responses in progress", registry=r
         )
@@ -147,6 +186,15 @@ class Metrics:
             self.upstream_seconds.observe(report.upstream_seconds)
         if report.overhead_seconds is not None:
             self.overhead_seconds.observe(report.overhead_seconds)
+        if report.replica:
+            self._observe_replica(report)
+
+    def _observe_replica(self, report: CallReport) -> None:
+        self.replica_calls.labels(report.replica, report.status).inc()
+        if report.upstream_seconds is not None:
+            self.replica_upstream_seconds.labels(report.replica).observe(report.upstream_seconds)
+        if report.status is CallStatus.UPSTREAM_ERROR:
+            self.replica_upstream_errors.labels(report.replica, report.reason).inc()
 
     def observe_token_in(self, report: TokenInReport) -> None:
         """Count one token-in call (subscribed to `Pipeline.on_token_in`)."""
@@ -156,6 +204,10 @@ class Metrics:
 
     def add_live(self, read: Callable[[], dict[str, float]]) -> None:
         self.registry.register(_Live(read))
+
+    def add_replica_states(self, read: Callable[[], list[tuple[str, str]]]) -> None:
+        """Report each upstream replica's state (several upstreams only)."""
+        self.registry.register(_ReplicaStates(read))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -8,6 +8,10 @@ environment, the file and the docs cannot disagree.
 
 Precedence: flag > environment > config file > default. Invalid values fail at start with one
 sentence that names the setting.
+
+A list setting (``--upstream``) is given by repeating its flag, comma-separated in its
+environment variable, or as an array in TOML; its value is kept comma-joined (the environment's
+spelling), and `Settings.upstreams` splits it.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import argparse
 import dataclasses
 import os
 import tomllib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, get_type_hints
 
@@ -43,9 +47,15 @@ class SettingsError(CaptureProxyError, ValueError):
 
 
 def _s(
-    default: Any, help: str, *, choices: Sequence[str] | None = None, secret: bool = False
+    default: Any,
+    help: str,
+    *,
+    choices: Sequence[str] | None = None,
+    secret: bool = False,
+    many: bool = False,
 ) -> Any:
-    meta = {"help": help, "choices": choices, "secret": secret}
+    # many: a list of strings, kept comma-joined (see the module docstring).
+    meta = {"help": help, "choices": choices, "secret": secret, "many": many}
     if isinstance(default, dict):
         return field(default_factory=dict, metadata=meta)
     return field(default=default, metadata=meta)
@@ -55,7 +65,10 @@ def _s(
 class Settings:
     upstream: str = _s(
         "fake",
-        "vLLM base URL (http://host:8000), or 'fake' for the bundled fake vLLM served in-process",
+        "vLLM base URL (http://host:8000), or 'fake' for the bundled fake vLLM served in-process; "
+        "several URLs (the flag repeated, comma-separated in the environment, an array in TOML) "
+        "are replicas of one model, each rollout pinned to one (docs/fleets.md)",
+        many=True,
     )
     store: str = _s(
         "sqlite:///capture.db",
@@ -145,6 +158,17 @@ class Settings:
     )
     max_tokens_cap: int = _s(0, "cap max_tokens / max_completion_tokens at this value (0: no cap)")
     served_model: str = _s("", "rewrite every request's model field to this name")
+    on_replica_loss: str = _s(
+        "fail",
+        "with several upstreams, a call of a rollout whose replica is unhealthy: fail (503 "
+        "upstream_unavailable) or move (the rollout moves to a healthy replica, recorded)",
+        choices=("fail", "move"),
+    )
+    replica_probe_interval: float = _s(
+        5.0,
+        "with several upstreams, seconds between health probes of each replica (/health, "
+        "/version, the tokenizer fingerprint); a replica that fails a call is probed at once",
+    )
     upstream_connect_timeout: float = _s(10.0, "seconds to connect to the upstream")
     upstream_first_byte_timeout: float = _s(
         900.0, "seconds to wait for the upstream's response headers"
@@ -248,6 +272,11 @@ class Settings:
         choices=("json", "text"),
     )
 
+    @property
+    def upstreams(self) -> tuple[str, ...]:
+        """The upstream URLs (or ``("fake",)``), split from `upstream`, in the order given."""
+        return tuple(u.strip() for u in self.upstream.split(","))
+
     def public(self) -> dict[str, Any]:
         """The settings with secrets masked, for logs and `/readyz`."""
         out = {}
@@ -283,7 +312,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(Settings):
         help_text = f"{f.metadata['help']} (env {_env(f.name)}; default: {_default_text(f)})"
         kind = hints[f.name]
-        if kind is bool:
+        if f.metadata["many"]:
+            parser.add_argument(
+                _flag(f.name),
+                action="append",
+                default=None,
+                metavar=f.name.upper(),
+                help=help_text + "; repeat the flag for several",
+            )
+        elif kind is bool:
             parser.add_argument(
                 _flag(f.name), action=argparse.BooleanOptionalAction, default=None, help=help_text
             )
@@ -340,6 +377,16 @@ def _convert(kind: type, raw: Any, source: str) -> Any:
     raise SettingsError(f"{source} must be a {kind.__name__}, got {raw!r}")
 
 
+def _joined(raw: Any, source: str) -> Any:
+    """A list setting's value as one comma-joined string: a repeated flag gives a list, TOML an
+    array (or a string), the environment a comma-separated string."""
+    if isinstance(raw, list):
+        if not all(isinstance(v, str) for v in raw):
+            raise SettingsError(f"{source} must be a list of strings, got {raw!r}")
+        return ",".join(raw)
+    return raw
+
+
 def _read_config(path: str) -> dict[str, Any]:
     try:
         with open(path, "rb") as fh:
@@ -377,6 +424,8 @@ def load_settings(
             raw, source = config[f.name], f"{f.name} in {config_path}"
         else:
             continue
+        if f.metadata["many"]:
+            raw = _joined(raw, source)
         value = _convert(_kind(hints[f.name]), raw, source)
         choices = f.metadata["choices"]
         if choices and value not in choices:
@@ -439,6 +488,8 @@ def settings_markdown() -> str:
     ]
     for f in dataclasses.fields(Settings):
         kind = _kind(hints[f.name]).__name__
+        if f.metadata["many"]:
+            kind = f"list of {kind}"
         choices = f.metadata["choices"]
         if choices:
             kind = " \\| ".join(choices)
@@ -464,6 +515,7 @@ def _check(s: Settings) -> None:
         "upstream_first_byte_timeout",
         "upstream_idle_timeout",
         "seal_timeout",
+        "replica_probe_interval",
         "pause_hold_seconds",
         "pause_drain_timeout",
         "shutdown_timeout",
@@ -496,8 +548,7 @@ def _check(s: Settings) -> None:
     ):
         if getattr(s, name) < 0:
             raise bad(name, f"must be >= 0, got {getattr(s, name)}")
-    if s.upstream != "fake" and not s.upstream.startswith(("http://", "https://")):
-        raise bad("upstream", f"must be an http(s) URL or 'fake', got {s.upstream!r}")
+    _check_upstreams(s.upstreams, bad)
     for name in ("admin_token", "reader_token"):
         why = _weak_token(getattr(s, name)) if getattr(s, name) else None
         if why:
@@ -514,3 +565,16 @@ def _check(s: Settings) -> None:
             "require_rollout_keys",
             "needs --admin-token: rollout keys are minted through the control API",
         )
+
+
+def _check_upstreams(urls: tuple[str, ...], bad: Callable[[str, str], SettingsError]) -> None:
+    if "fake" in urls and len(urls) > 1:
+        raise bad("upstream", f"'fake' serves alone: it cannot be one of several, got {urls!r}")
+    seen: set[str] = set()
+    for url in urls:
+        if url != "fake" and not url.startswith(("http://", "https://")):
+            raise bad("upstream", f"must be an http(s) URL or 'fake', got {url!r}")
+        key = url.rstrip("/").removesuffix("/v1")
+        if key in seen:
+            raise bad("upstream", f"names {url!r} twice: each replica once")
+        seen.add(key)

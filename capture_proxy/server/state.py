@@ -13,6 +13,7 @@ from ..core.exchange import Pipeline
 from ..errors import Forbidden, Unauthorized
 from ..sinks.base import StagingSink
 from ..upstream.http import HTTPUpstream
+from ..upstream.replicas import ReplicaSet
 from .metrics import Metrics
 from .settings import Settings
 
@@ -33,7 +34,8 @@ class ProxyState:
     capture: Capture
     metrics: Metrics
     # Filled at startup (they need the event loop): see app._lifecycle.
-    upstream: HTTPUpstream = field(init=False)
+    #: One upstream, or several replicas of one model (``--upstream`` given more than once).
+    upstream: HTTPUpstream | ReplicaSet = field(init=False)
     #: The per-call flow every chat request runs through (`Exchange`s).
     pipeline: Pipeline = field(init=False)
     upstream_url: str = ""

@@ -19,6 +19,8 @@ from capture_proxy.schemas.events import EventDraft, EventKind, RolloutEvent, cl
 from capture_proxy.schemas.records import CallStatus
 from capture_proxy.sinks.base import StagingSink, StagingSource, StoreError
 from capture_proxy.sinks.memory import MemorySink
+from capture_proxy.sinks.parquet._claims import SeqClaim, create_claims
+from capture_proxy.sinks.parquet._fs import DatasetFS
 from capture_proxy.sinks.registry import open_sink, open_source
 from tests.support.proxy_harness import chat_body, user
 
@@ -180,3 +182,55 @@ async def test_a_store_claim_from_elsewhere_moves_the_next_seq() -> None:
     live = await capture.ensure_rollout("ep")
     assert live.next_seq == 5
     assert live.outcomes["elsewhere"].status == "lost_in_crash"
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "parquet"])
+async def test_a_proxy_that_comes_back_after_a_handoff_re_resolves_the_rollout(
+    kind: str, tmp_path: Path
+) -> None:
+    """Proxy a holds the rollout live; b continues it (a handoff); a's next call takes the seq
+    b already claimed: refused ``duplicate_seq``, never staged, and a forgets its stale copy,
+    so its call after that resumes from the store and continues after b's seq."""
+    url = _url(kind, tmp_path)
+    sink = open_sink(url)
+    a = Capture(sink, source=lambda: open_source(url))
+    b = Capture(sink, source=lambda: open_source(url))
+    try:
+        await _staged_call(a, "ep", "a0")
+        taken_by_b = await _staged_call(b, "ep", "b1")  # resumed from the store: seq 1
+        stale = a.begin_call("ep", chat_body(user("a-stale")))
+        assert stale.seq == 1
+        result = await a.complete_call(stale, Answer(), model="policy")
+        assert (result.status, result.reason) == (CallStatus.CAPTURE_FAILED, "duplicate_seq")
+        assert f"already holds seq 1 (call {taken_by_b})" in (result.message or "")
+        assert "ep" not in a.rollouts
+        again = await _staged_call(a, "ep", "a-again")
+    finally:
+        await sink.close()
+    source = open_source(url)
+    with Store(source) as store:
+        # The refused call held no seq of its own: a's next call took seq 2, after b's.
+        assert [s.seq for s in source.summaries("ep")] == [0, 1, 2]
+        assert source.claims("ep")[2] == again
+        store.verify()
+
+
+async def test_a_rollout_known_only_by_its_claims_continues_after_them(tmp_path: Path) -> None:
+    """A proxy killed after its group commit wrote a new rollout's claims and before the unit
+    with the rollout's header committed leaves claims only: the rollout exists all the same,
+    its next call takes the seq after them, and the claimed call reads ``lost_in_crash``."""
+    ds = tmp_path / "ds"
+    url = f"parquet:///{ds}"
+    first = open_sink(url)  # creates the dataset
+    await first.close()
+    created = create_claims(DatasetFS(str(ds)), [SeqClaim("ep", 0, "dead", 1)], "killed-proxy")
+    assert created == {("ep", 0): "dead"}
+    capture, reader = _capture("parquet", tmp_path)
+    try:
+        again = await _staged_call(capture, "ep", "after the crash")
+        assert capture.rollouts["ep"].poisoned
+    finally:
+        await capture.sink.close()
+    source = reader()
+    assert source.claims("ep") == {0: "dead", 1: again}
+    assert [s.seq for s in source.summaries("ep")] == [1]

@@ -1,5 +1,6 @@
-"""Parquet claim files: exclusive on a local folder; on a filesystem other than the local one
-(object storage) claims are checked, not enforced, and the sink says so when it opens."""
+"""Parquet claim files: created only if absent, by the store itself (a local folder's exclusive
+create; object storage's conditional PUT, on moto's S3 server); through a configured pyarrow
+filesystem claims are checked, not enforced, and the sink says so when it opens."""
 
 from __future__ import annotations
 
@@ -45,7 +46,8 @@ async def test_claims_on_another_filesystem_are_checked_and_the_sink_warns(
         sink = ParquetSink(str(ds), url=f"parquet:///{ds}", filesystem=remote)
     try:
         assert any(
-            "admission claims are checked but not enforced on object storage" in r.getMessage()
+            "admission claims are checked but not enforced through a pyarrow filesystem"
+            in r.getMessage()
             for r in caplog.records
         )
         await sink.append_event(claim_event("ep", 0, "c0", 1))

@@ -1,38 +1,69 @@
-"""Admission claims of a Parquet dataset: one small file per claimed seq.
+"""Admission claims of a Parquet dataset: one small file (object) per claimed seq.
 
-    STORE/claims/<rollout id, escaped>/<seq, 10 digits>     {"call_id": ..., "at_ms": ...}
+    STORE/claims/<rollout id, escaped>/<seq, 10 digits>
+        {"call_id": ..., "rollout_id": ..., "seq": ..., "at_ms": ..., "writer": ...}
 
-On a local folder a claim file is created exclusively (``O_CREAT | O_EXCL``) and fsynced with
-its folder before the claim is acknowledged, so the file system itself refuses a second claim of
-a seq, whichever process asks. Not in a unit: a claim must be refused by the store, and a unit
-is written under a name no other writer uses, so nothing would ever conflict. The claim's
-``claim`` event still goes into the unit of its group commit (`_events`), in the rollout's chain.
+A claim is created only if absent, by the store itself, so the store decides which call holds a
+seq whichever writer asks, in any process: on a local folder the file is created exclusively
+(``O_CREAT | O_EXCL``) and fsynced with its folder; on object storage it is one ``PUT`` with
+``If-None-Match: *`` through obstore (`DatasetFS.create`), which the store refuses (HTTP 412)
+when the key exists. Not in a unit: a unit is written under a name no other writer uses, so
+nothing in it would ever conflict. The claim's ``claim`` event still goes into the unit of its
+group commit (`_events`), in the rollout's chain. `writer` names the sink that created it (a
+proxy process): a writer continuing a rollout whose last claim another writer made records a
+``handoff`` event.
 
-On object storage (a dataset on a remote pyarrow filesystem) pyarrow cannot create an object only
-if it is absent, so claims are **checked, not enforced** there yet: the file is written after a
-check that it is missing, and two writers racing for one seq can both win. Conditional writes
-through obstore are the planned fix (docs/reports/object-store-spike.md).
+On a dataset written through a configured pyarrow filesystem (no obstore store) a create cannot
+be conditional: claims there are checked, not enforced (`DatasetFS.enforced`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import urllib.parse
+from collections import OrderedDict
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from typing import Any
 
+import obstore
 import orjson
 
-from ._fs import DatasetFS
+from ..base import StoreError
+from ._fs import DatasetFS, run_io
 
 __all__ = [
     "CLAIMS_DIR",
+    "Holders",
+    "SeqClaim",
     "claim_rel",
-    "create_claim",
+    "create_claims",
+    "last_claim",
     "read_claims",
     "remove_claims",
 ]
 
 CLAIMS_DIR = "claims"
+#: Seq holders a writer remembers (its own claims, mostly): about 0.2 KB each.
+_HOLDERS_KEPT = 65_536
+#: Claims of one group commit written at once on object storage (each is one request).
+_CONCURRENCY = 64
+
+
+@dataclass(frozen=True, slots=True)
+class SeqClaim:
+    """`call_id` asks to hold `seq` of `rollout_id` (admitted at `at_ms`)."""
+
+    rollout_id: str
+    seq: int
+    call_id: str
+    at_ms: int
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.rollout_id, self.seq)
 
 
 def _folder(rollout_id: str) -> str:
@@ -45,57 +76,191 @@ def claim_rel(rollout_id: str, seq: int) -> str:
     return f"{CLAIMS_DIR}/{_folder(rollout_id)}/{seq:010d}"
 
 
-def _holder(dfs: DatasetFS, rel: str) -> str:
+def _body(claim: SeqClaim, writer: str) -> bytes:
+    return orjson.dumps(
+        {
+            "call_id": claim.call_id,
+            "rollout_id": claim.rollout_id,
+            "seq": claim.seq,
+            "at_ms": claim.at_ms,
+            "writer": writer,
+        }
+    )
+
+
+def _decode(raw: bytes) -> dict[str, Any]:
     try:
-        return str(orjson.loads(dfs.read(rel))["call_id"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return "unknown (its claim file is unreadable)"
+        body = orjson.loads(raw)
+    except ValueError:
+        return {}
+    return body if isinstance(body, dict) else {}
 
 
-def create_claim(dfs: DatasetFS, rollout_id: str, seq: int, call_id: str, at_ms: int) -> str | None:
-    """Claim `seq` for `call_id`, durably; returns None, or the call that holds the seq already.
+def _holder(body: dict[str, Any]) -> str:
+    holder = body.get("call_id")
+    return str(holder) if holder is not None else "unknown (its claim file is unreadable)"
 
-    Blocking I/O: the writer thread only. The same call claiming its seq again is accepted.
+
+def _read_body(dfs: DatasetFS, rel: str) -> dict[str, Any]:
+    try:
+        return _decode(dfs.read(rel))
+    except OSError:
+        return {}
+
+
+def create_claims(
+    dfs: DatasetFS, claims: Sequence[SeqClaim], writer: str
+) -> dict[tuple[str, int], str | Exception]:
+    """Create each claim if its seq is free; returns, per (rollout, seq), the call that holds it
+    now (the claim's own call when it was created, or the holder found) or the error that kept
+    the store from answering.
+
+    Blocking I/O: the writer thread only. On object storage the claims are written at once (one
+    conditional ``PUT`` each, then one ``GET`` per refused one for its holder); locally one
+    after another, each fsynced. Claims of one seq by several calls: the first in `claims` asks.
     """
-    rel = claim_rel(rollout_id, seq)
-    body = orjson.dumps({"call_id": call_id, "rollout_id": rollout_id, "seq": seq, "at_ms": at_ms})
-    if not dfs.local:
-        if dfs.exists(rel):
-            holder = _holder(dfs, rel)
-            return holder if holder != call_id else None
-        dfs.makedirs(os.path.dirname(rel))  # a no-op on object stores; some filesystems need it
-        dfs.put_all({rel: body})
-        return None
-    folder = os.path.dirname(dfs.path(rel))
-    if not os.path.isdir(folder):
-        dfs.makedirs(CLAIMS_DIR, os.path.dirname(rel))
-    try:
-        fd = os.open(dfs.path(rel), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    except FileExistsError:
-        holder = _holder(dfs, rel)
-        return holder if holder != call_id else None
-    try:
-        os.write(fd, body)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    dir_fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)  # the new name is durable too, not just the bytes
-    finally:
-        os.close(dir_fd)
-    return None
+    first: dict[tuple[str, int], SeqClaim] = {}
+    for c in claims:
+        first.setdefault(c.key, c)
+    wanted = list(first.values())
+    out: dict[tuple[str, int], str | Exception] = {}
+    if dfs.store is None:
+        for c in wanted:
+            rel = claim_rel(c.rollout_id, c.seq)
+            try:
+                created = dfs.create(rel, _body(c, writer))
+                out[c.key] = c.call_id if created else _holder(_read_body(dfs, rel))
+            except Exception as e:
+                out[c.key] = e
+        return out
+    store = dfs.store
+    gate = asyncio.Semaphore(_CONCURRENCY)
+
+    async def one(c: SeqClaim) -> str:
+        rel = claim_rel(c.rollout_id, c.seq)
+        async with gate:
+            if await dfs.create_async(rel, _body(c, writer)):
+                return c.call_id
+            got = await obstore.get_async(store, rel)
+            return _holder(_decode(bytes(await got.bytes_async())))
+
+    async def every() -> list[str | BaseException]:
+        return await asyncio.gather(*(one(c) for c in wanted), return_exceptions=True)
+
+    for c, result in zip(wanted, run_io(every()), strict=True):
+        if isinstance(result, BaseException) and not isinstance(result, Exception):
+            raise result
+        out[c.key] = result
+    return out
+
+
+class Holders:
+    """Which call holds each seq, as the store answered a writer. Writer thread only.
+
+    `settle` writes the claims of a batch at once before the batch runs; `holder` answers each
+    piece of work from that (or claims the seq then, if the batch did not). The holders of
+    recent seqs are kept (a holder never changes), so a record staged after its claim costs no
+    request.
+    """
+
+    def __init__(self, dfs: DatasetFS, writer_id: str) -> None:
+        self._dfs = dfs
+        self.writer_id = writer_id
+        self._held: OrderedDict[tuple[str, int], str] = OrderedDict()
+        #: Claims of the batch being committed that the store could not answer.
+        self._errors: dict[tuple[str, int], Exception] = {}
+        #: Claims the batch being committed created: not what a handoff continues after.
+        self._created: set[tuple[str, int]] = set()
+
+    def settle(self, claims: Sequence[SeqClaim]) -> None:
+        """Start a batch: create its claims whose holder is not known yet, all at once."""
+        self._errors = {}
+        self._created = set()
+        wanted = [c for c in claims if c.key not in self._held]
+        if not wanted:
+            return
+        for key, got in create_claims(self._dfs, wanted, self.writer_id).items():
+            if isinstance(got, Exception):
+                self._errors[key] = got
+            else:
+                self._hold(key, got)
+                if got == first_call(wanted, key):
+                    self._created.add(key)
+
+    def holder(self, claim: SeqClaim) -> str:
+        """The call holding `claim`'s seq, as the store decided (claimed now if still free);
+        `StoreError` when the store could not answer."""
+        key = claim.key
+        held = self._held.get(key)
+        if held is not None:
+            return held
+        error = self._errors.pop(key, None)
+        if error is None:
+            got = create_claims(self._dfs, [claim], self.writer_id)[key]
+            if not isinstance(got, Exception):
+                if got == claim.call_id:
+                    self._created.add(key)
+                return self._hold(key, got)
+            error = got
+        raise StoreError(
+            f"claiming seq {claim.seq} of rollout {claim.rollout_id} failed "
+            f"({type(error).__name__}: {error})"
+        ) from error
+
+    def created_now(self, rollout_id: str) -> set[int]:
+        """Seqs of `rollout_id` this batch claimed."""
+        return {seq for rid, seq in self._created if rid == rollout_id}
+
+    def _hold(self, key: tuple[str, int], holder: str) -> str:
+        self._held[key] = holder
+        while len(self._held) > _HOLDERS_KEPT:
+            self._held.popitem(last=False)
+        return holder
+
+
+def first_call(claims: Sequence[SeqClaim], key: tuple[str, int]) -> str:
+    """The call of the first claim of `key` in `claims` (the one `create_claims` asked for)."""
+    return next(c.call_id for c in claims if c.key == key)
 
 
 def read_claims(dfs: DatasetFS, rollout_id: str) -> dict[int, str]:
-    """The rollout's claims: seq -> call id ({} when none)."""
+    """The rollout's claims: seq -> call id ({} when none). One listing, then the bodies
+    (at once on object storage)."""
     folder = f"{CLAIMS_DIR}/{_folder(rollout_id)}"
-    out: dict[int, str] = {}
-    for entry in dfs.listdir(folder):
-        name = entry.name
-        if name.isdigit():
-            out[int(name)] = _holder(dfs, f"{folder}/{name}")
-    return dict(sorted(out.items()))
+    seqs = [int(e.name) for e in dfs.listdir(folder) if e.name.isdigit()]
+    rels = [f"{folder}/{seq:010d}" for seq in seqs]
+    if dfs.store is None:
+        bodies = [_read_body(dfs, rel) for rel in rels]
+    else:
+        store = dfs.store
+
+        async def every() -> list[dict[str, Any]]:
+            async def one(rel: str) -> dict[str, Any]:
+                try:
+                    got = await obstore.get_async(store, rel)
+                    return _decode(bytes(await got.bytes_async()))
+                except OSError:
+                    return {}
+
+            return await asyncio.gather(*(one(r) for r in rels))
+
+        bodies = run_io(every())
+    return dict(sorted((seq, _holder(b)) for seq, b in zip(seqs, bodies, strict=True)))
+
+
+def last_claim(
+    dfs: DatasetFS, rollout_id: str, skip: Collection[int] = ()
+) -> tuple[int, str, str] | None:
+    """The rollout's highest claimed seq not in `skip`, its call and the writer that claimed it
+    (one listing, one read), or None when it has no such claim."""
+    folder = f"{CLAIMS_DIR}/{_folder(rollout_id)}"
+    seqs = [int(e.name) for e in dfs.listdir(folder) if e.name.isdigit()]
+    seqs = [seq for seq in seqs if seq not in skip]
+    if not seqs:
+        return None
+    seq = max(seqs)
+    body = _read_body(dfs, f"{folder}/{seq:010d}")
+    return seq, _holder(body), str(body.get("writer") or "")
 
 
 def remove_claims(dfs: DatasetFS, rollout_ids: list[str]) -> None:

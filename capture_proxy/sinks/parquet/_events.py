@@ -68,6 +68,14 @@ class EventHeads:
         part.rows[LEDGER].append(event_row(event))
         return event
 
+    def reset(self, rollout_id: str, head: tuple[int, str] | None) -> None:
+        """Continue `rollout_id`'s chain after `head`, as the store has it now (another writer
+        may have appended since this one last did)."""
+        if head is None:
+            self._heads.pop(rollout_id, None)
+        else:
+            self._heads[rollout_id] = head
+
     def publish(self, batch: UnitRows) -> None:
         """Advance the heads past a committed unit's events."""
         for row in _events_in(batch.rows[LEDGER]):

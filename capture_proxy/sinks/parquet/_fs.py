@@ -1,25 +1,49 @@
-"""The files of a Parquet dataset, through a pyarrow filesystem (a local folder or object storage).
+"""The files of a Parquet dataset: a local folder, or object storage.
 
-Every read, listing and delete goes through `pyarrow.fs`, so the same dataset code works on a local
-folder, ``s3://bucket/prefix`` or any other filesystem pyarrow knows. Writes need one thing pyarrow
-does not offer: `fsync`. On a local folder `DatasetFS.put_all` therefore writes with `os` calls
-(temporary name, fsync, rename, fsync of the directory); on object storage a single upload is
-already atomic and durable once it completes, so it writes through the filesystem's output stream.
+Listings and Parquet reads go through `pyarrow.fs`, so the same dataset code reads a local
+folder, ``s3://bucket/prefix`` or any other filesystem pyarrow knows, and `pyarrow.parquet` reads
+footers and columns through its random-access files. Whole small files (commit markers, claims,
+the format file) are read through obstore where there is a store: one ``GET`` each.
+
+Writes differ by where the dataset is:
+
+* **A local folder**: `os` calls, because pyarrow offers no `fsync`: temporary name, fsync,
+  rename, fsync of the directory. A create-if-absent write (`DatasetFS.create`) is
+  ``O_CREAT | O_EXCL`` and fsynced the same way.
+* **Object storage by URL** (``s3://``, ``gs://``, ``az://``...): through obstore, built from
+  the URL and the standard environment variables (``AWS_ACCESS_KEY_ID``, ``AWS_ENDPOINT_URL``,
+  ``AWS_REGION``, ...), or an obstore store given as `store`. Each file is one single-request
+  ``PUT`` (pyarrow's output streams make every small file a 3-request multipart upload), durable
+  once it returns; `create` is a ``PUT`` with ``If-None-Match: *``, which the store itself
+  refuses when the key exists, whichever writer asks.
+* **A configured pyarrow filesystem** (`filesystem` without `store`): writes through its output
+  streams. Such a filesystem cannot create a file only if it is absent, so `create` there checks
+  first and is not atomic (`enforced` is False): one writer per dataset.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
 import fcntl
 import os
 import uuid
-from collections.abc import Mapping
+from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
 
+import obstore
 import pyarrow as pa
 import pyarrow.fs as pafs
+from obstore.exceptions import AlreadyExistsError
 
-__all__ = ["DatasetFS", "FileEntry", "Lock"]
+if TYPE_CHECKING:
+    from obstore.store import ObjectStore
+
+__all__ = ["DatasetFS", "FileEntry", "Lock", "run_io"]
+
+T = TypeVar("T")
 
 #: Suffix of files being written; readers and dataset globs (``*.parquet``, ``*.json``) skip them.
 TMP_SUFFIX = ".tmp"
@@ -45,13 +69,21 @@ class Lock:
 
 
 class DatasetFS:
-    """A dataset root: `location` is a local folder path or a pyarrow filesystem URL.
+    """A dataset root: `location` is a local folder path or a filesystem URL.
 
     With `filesystem` (for example an `S3FileSystem` configured with credentials), `location`
-    is a path inside it.
+    is a path inside it, read through it. `store` is an obstore store rooted at the same dataset
+    (its prefix is the dataset's root) that writes go through; without it, a URL's store is built
+    from the URL and the environment, and a `filesystem` without `store` is written through
+    pyarrow (creates not enforced, see the module docstring).
     """
 
-    def __init__(self, location: str, filesystem: pafs.FileSystem | None = None) -> None:
+    def __init__(
+        self,
+        location: str,
+        filesystem: pafs.FileSystem | None = None,
+        store: ObjectStore | None = None,
+    ) -> None:
         if filesystem is not None:
             fs, root = filesystem, location
         elif "://" in location:
@@ -60,10 +92,17 @@ class DatasetFS:
             fs, root = pafs.LocalFileSystem(), os.path.abspath(location)
         self.fs: pafs.FileSystem = fs
         self.root: str = root.rstrip("/") or "/"
-        self.local = isinstance(fs, pafs.LocalFileSystem)
+        self.local = isinstance(fs, pafs.LocalFileSystem) and store is None
+        if store is None and not self.local and filesystem is None:
+            store = obstore.store.from_url(location)
+        #: Where object-storage writes go (None: a local folder, or pyarrow's filesystem).
+        self.store: ObjectStore | None = store
+        #: Whether `create` is refused by the store itself when the key exists.
+        self.enforced = self.local or store is not None
         #: Files read ahead, by path (`ParquetSource` fetches small units on object storage
         #: concurrently); `open` serves them from memory while they are here.
         self.prefetched: dict[str, bytes] = {}
+        self._store_reads = True
 
     def path(self, rel: str) -> str:
         return f"{self.root}/{rel}" if rel else self.root
@@ -78,6 +117,17 @@ class DatasetFS:
 
     def read(self, rel: str) -> bytes:
         """The file's bytes; raises FileNotFoundError when it is missing."""
+        if self.store is not None and self._store_reads:
+            # One GET (pyarrow's input stream asks for the size first: a HEAD per file).
+            try:
+                return bytes(obstore.get(self.store, rel).bytes())
+            except FileNotFoundError:
+                raise
+            except Exception:
+                # Configuration obstore does not take (credentials in a profile file, a plain-HTTP
+                # endpoint without AWS_ALLOW_HTTP) while pyarrow does: a reader keeps working
+                # through pyarrow; a writer's writes still fail, loudly, where obstore is needed.
+                self._store_reads = False
         with self.fs.open_input_stream(self.path(rel)) as f:
             return bytes(f.read())
 
@@ -111,6 +161,8 @@ class DatasetFS:
     # -- writing --------------------------------------------------------------------------------
 
     def makedirs(self, *rels: str) -> None:
+        if self.store is not None:
+            return  # object stores have no folders: a key's prefix exists with its first object
         for rel in rels:
             self.fs.create_dir(self.path(rel), recursive=True)
         if self.local:
@@ -126,6 +178,20 @@ class DatasetFS:
         entry is on disk. Object storage: one upload per file (atomic and durable on completion).
         Several files do not appear together; commit markers (see `_layout`) give that.
         """
+        if self.store is not None:
+            store = self.store
+            if len(files) == 1:
+                ((rel, data),) = files.items()
+                obstore.put(store, rel, data, use_multipart=False)
+                return
+
+            async def put_each() -> None:
+                await asyncio.gather(
+                    *(obstore.put_async(store, r, d, use_multipart=False) for r, d in files.items())
+                )
+
+            run_io(put_each())
+            return
         if not self.local:
             for rel, data in files.items():
                 with self.fs.open_output_stream(self.path(rel)) as out:
@@ -149,6 +215,56 @@ class DatasetFS:
         for d in sorted({os.path.dirname(final) for _, final in staged}):
             _fsync_dir(d)
 
+    def create(self, rel: str, data: bytes) -> bool:
+        """Write `rel` durably only if it does not exist; False when it does (nothing written).
+
+        Atomic when `enforced`: of several writers creating one key, in any processes, exactly
+        one gets True. Blocking I/O.
+        """
+        if self.store is not None:
+            try:
+                obstore.put(self.store, rel, data, mode="create", use_multipart=False)
+            except AlreadyExistsError:
+                return False
+            return True
+        if not self.local:
+            if self.exists(rel):
+                return False
+            self.makedirs(os.path.dirname(rel))  # some filesystems need the folder
+            self.put_all({rel: data})
+            return True
+        folder = os.path.dirname(self.path(rel))
+        if not os.path.isdir(folder):
+            self.makedirs(os.path.dirname(rel))
+        try:
+            fd = os.open(self.path(rel), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return False
+        try:
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view) :]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            _fsync_dir(folder)  # the new name is durable too, not just the bytes
+        except BaseException:
+            # Not created, then: a half-written file (a full disk) must not hold the key.
+            with contextlib.suppress(OSError):
+                os.unlink(self.path(rel))
+            raise
+        return True
+
+    async def create_async(self, rel: str, data: bytes) -> bool:
+        """`create` on an event loop: object stores only (many claims in flight at once)."""
+        assert self.store is not None
+        try:
+            await obstore.put_async(self.store, rel, data, mode="create", use_multipart=False)
+        except AlreadyExistsError:
+            return False
+        return True
+
     def lock(self, rel: str) -> Lock:
         """Take the lock file `rel` exclusively, or raise BlockingIOError if another holder has it.
 
@@ -167,8 +283,25 @@ class DatasetFS:
 
     def delete(self, rel: str) -> None:
         """Remove a file; one already gone is fine (deletes are retried after crashes)."""
+        if self.store is not None:
+            obstore.delete(self.store, rel)  # a missing key is not an error on object stores
+            return
         with contextlib.suppress(FileNotFoundError):
             self.fs.delete_file(self.path(rel))
+
+
+def run_io(work: Coroutine[Any, Any, T]) -> T:
+    """Run `work` (object-store requests issued concurrently) to completion from blocking code.
+
+    The writer thread has no event loop; code that calls in from a thread running one (a test,
+    a CLI command inside `asyncio.run`) gets a short-lived thread of its own.
+    """
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(work)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, work).result()
 
 
 def _write_fsync(path: str, data: bytes) -> None:

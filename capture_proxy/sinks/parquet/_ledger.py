@@ -4,7 +4,10 @@ Four kinds of row share one table: ``rollout`` (a header written by `put_rollout
 when a rollout's first call or failure arrives), ``failure`` (a call that was not staged),
 ``orphan`` (a staged record whose write landed after its caller gave up) and ``event`` (an event
 of a rollout's log, `_events`). Rows are never updated in
-place: a later ``rollout`` row for the same id replaces the earlier header when replayed.
+place: a later ``rollout`` row for the same id replaces the earlier header when replayed, except
+an *implicit* one (``reason`` ``implicit``: what a writer adds when a rollout's first call or
+failure reaches it), which never replaces a header already replayed: with several writers on one
+dataset, a writer that meets a rollout another created must not reset its metadata or key.
 """
 
 from __future__ import annotations
@@ -20,7 +23,10 @@ from ...schemas.outcome import header_metadata, split_header_metadata
 from ...schemas.records import CallStatus, LedgerEntry, RolloutInfo, RolloutState
 from ._events import event_from_row
 
-__all__ = ["LedgerState", "failure_row", "orphan_row", "rollout_row"]
+__all__ = ["IMPLICIT", "LedgerState", "failure_row", "orphan_row", "rollout_row"]
+
+#: The ``reason`` of a header row a writer adds implicitly (see the module docstring).
+IMPLICIT = "implicit"
 
 
 def rollout_row(info: RolloutInfo) -> dict[str, Any]:
@@ -78,6 +84,8 @@ class LedgerState:
         for row in rows:
             kind = row["kind"]
             if kind == "rollout":
+                if row.get("reason") == IMPLICIT and row["rollout_id"] in self.rollouts:
+                    continue
                 metadata, outcomes = split_header_metadata(orjson.loads(row["metadata"] or b"{}"))
                 self.rollouts[row["rollout_id"]] = RolloutInfo(
                     rollout_id=row["rollout_id"],

@@ -15,27 +15,38 @@ example the ``fault`` hook at ``"after_record"`` / ``"after_attachments"``) leav
 unit itself fails, every record in it gets a `StoreError` and nothing of the batch is visible.
 
 Attachments go into the same unit as the record that first refers to them, content-addressed:
-each sha256 is stored once per dataset. Storage is linear in a session, with the encoding the
+each sha256 is stored once per writer. Storage is linear in a session, with the encoding the
 SQLite sink uses (`codec.encode_record`): a call stores only the tokens after its parent's, and
 each message once. The rollout ledger is in the dataset too (``ledger/`` files).
 
-One writing proxy per dataset (one `ParquetSink`) at a time, on a local folder and on object
-storage alike: it keeps what it checks new calls against in memory, so a second writer would not
-see the first one's. On a local folder a lock file enforces it (a second sink is refused with
-`StoreError`); on object storage nothing enforces it yet (no lock, and claims are checked, not
-enforced: the sink warns at open), so a deployment gives each proxy its own dataset
-(docs/storage.md, "Writers and readers today"). Readers (`ParquetSource`, Arrow engines) may be
-any number, anywhere, beside the writer, and so may compaction and gc
-(`capture_proxy.sinks.parquet.compact_store`, `gc_parquet`; one at a time, through a lease).
+**Which call holds a seq is the store's decision, not a writer's memory.** Every claim, staged
+record and ledger entry holds its ``(rollout, seq)`` through a claim file created only if absent
+(`_claims`): exclusive and fsynced on a local folder, a conditional ``PUT`` (``If-None-Match:
+*``) on object storage. A group commit writes its claims at once, before its unit; a claim the
+store refuses is `DuplicateSeq` (a record: ``duplicate_seq``), whoever holds the seq.
 
-What it keeps is bounded by live work, not by the size of the store: the call ids and the
-(rollout, seq) holders of the rollouts in use (the `max_live_rollouts` most recently used, a
-sealed rollout dropped once its seal commits; a rollout that comes back is read from its units
-by the writer's own reader), the most recent `max_blob_keys` blob keys (a blob not among them is
-stored again: a few bytes more, never a wrong record; readers and compaction keep one copy), and
-per rollout its id and per attachment its sha256 (each exactly: a header must not be written
-twice, and a record may refer to an attachment an earlier call stored). A staging key is refused
-as a duplicate within its rollout (the proxy's call ids are unique by construction).
+**Several writers.** On object storage any number of proxies (one `ParquetSink` each) may write one
+dataset at once: units have names no other writer uses, claims decide seqs, and a copy of a blob or
+attachment another writer also stored is harmless (readers keep one). A writer that touches a
+rollout it does not hold in memory re-reads it from the store first (its highest claim, and when
+another writer made it, the event chain's head; a thread keeps the writer's reader following the
+dataset so that this finds little to index), so a rollout handed from one proxy to another
+continues its chain and records a ``handoff`` event; a writer refused a seq by another writer's
+claim drops what it held of that rollout. A local folder keeps one writer at a time (a lock file; a
+second sink is refused with `StoreError`): several proxies on one host use object storage or a
+folder each. On a configured pyarrow filesystem without an obstore store (`filesystem=` alone)
+claims are checked, not enforced: one writer per dataset (the sink warns at open). Readers
+(`ParquetSource`, Arrow engines) may be any number, anywhere, and see every writer's committed
+units.
+
+What it keeps is bounded by live work, not by the size of the store: the call ids of the
+rollouts in use (the `max_live_rollouts` most recently used, a sealed rollout dropped once its
+seal commits; a rollout that comes back is read from its units by the writer's own reader), the
+holders of recently claimed seqs, the most recent `max_blob_keys` blob keys (a blob not among them
+is stored again: a few bytes more, never a wrong record; readers and compaction keep one copy),
+and per rollout its id and per attachment its sha256 (a record may refer to an attachment an
+earlier call stored). A staging key is refused as a duplicate within its rollout (the proxy's call
+ids are unique by construction).
 
 Blobs and attachments are shared only with copies committed less than `dedup_window_s` ago
 (`_layout.DEDUP_WINDOW_S`, an hour): an older one is stored again, and a reference alone to an
@@ -45,12 +56,17 @@ proxy writes: it removes only copies older than the window (`_gc`).
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
+import socket
+import threading
 import time
+import uuid
 from array import array
 from collections import OrderedDict
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import pyarrow.fs as pafs
 
@@ -66,10 +82,11 @@ from ...schemas.records import (
 from ..base import DuplicateSeq, FaultHook, StoreError
 from ..codec import encode_record
 from ..staging_rules import coords_for, new_attachments
-from ._claims import create_claim
+from ._claims import Holders, SeqClaim, last_claim
 from ._events import EventHeads
 from ._fs import DatasetFS
 from ._index import LRU
+from ._keys import Claimed, RecentKeys, RolloutKeys, handoffs_in
 from ._layout import (
     ATTACHMENTS,
     BLOBS,
@@ -80,51 +97,23 @@ from ._layout import (
     check_format,
     create_dataset,
 )
-from ._ledger import failure_row, orphan_row, rollout_row
+from ._ledger import IMPLICIT, failure_row, orphan_row, rollout_row
 from ._source import ParquetSource, default_url
-from ._writer import UnitRows, UnitWriter
+from ._writer import UnitRows, UnitWriter, Work
+
+if TYPE_CHECKING:
+    from obstore.store import ObjectStore
 
 __all__ = ["ParquetSink", "ParquetSource"]
+
+#: How often the writer's reader picks up other writers' units on a shared dataset (seconds).
+_FOLLOW_S = 5.0
 
 log = logging.getLogger(__name__)
 
 
 def _now_ms() -> int:
     return int(time.time() * 1000)
-
-
-@dataclass(slots=True)
-class _RolloutKeys:
-    """A rollout's committed call ids, and which call holds each seq."""
-
-    calls: set[str] = field(default_factory=set)
-    seqs: dict[int, str] = field(default_factory=dict)
-
-
-class _RecentKeys:
-    """The `limit` keys added or looked up most recently, each for `window_ns` after it was
-    added (the window rule: gc may remove older copies)."""
-
-    def __init__(self, limit: int, window_ns: int) -> None:
-        self.limit = max(1, limit)
-        self.window_ns = window_ns
-        self._keys: OrderedDict[str, int] = OrderedDict()
-
-    def __contains__(self, key: str) -> bool:
-        added = self._keys.get(key)
-        if added is None or time.time_ns() - added >= self.window_ns:
-            return False
-        self._keys.move_to_end(key)
-        return True
-
-    def __len__(self) -> int:
-        return len(self._keys)
-
-    def add(self, key: str) -> None:
-        self._keys[key] = time.time_ns()
-        self._keys.move_to_end(key)
-        while len(self._keys) > self.limit:
-            self._keys.popitem(last=False)
 
 
 class ParquetSink:
@@ -137,10 +126,15 @@ class ParquetSink:
     share one unit; `cache_tokens` bounds the cache of recent full sequences that children are
     stored against. `max_live_rollouts` and `max_blob_keys` bound what the writer keeps to
     refuse duplicates and share blobs (see the module docstring); `dedup_window_s` is how long
-    a committed blob or attachment is shared (gc relies on the default: lower only). `filesystem`
-    is a configured pyarrow filesystem that `location` is a path in (object storage with
-    credentials, say).
-    `close` commits everything queued; `stage` after `close` raises RuntimeError.
+    a committed blob or attachment is shared (gc relies on the default: lower only).
+    `filesystem` is a configured pyarrow filesystem that `location` is a path in (object storage
+    with credentials, say), read through it; `store` is an obstore store rooted at the same
+    dataset that writes and claims go through. Without either, an object-storage URL
+    (``s3://bucket/prefix``) is read with pyarrow and written with obstore, both configured from
+    the standard environment variables (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
+    ``AWS_REGION``, ``AWS_ENDPOINT_URL``, ...). `writer_id` names this writer in its claims
+    (default: host, process id and a random suffix). `close` commits everything queued; `stage`
+    after `close` raises RuntimeError.
     """
 
     def __init__(
@@ -157,12 +151,15 @@ class ParquetSink:
         max_blob_keys: int = 16_384,
         filesystem: pafs.FileSystem | None = None,
         dedup_window_s: float = DEDUP_WINDOW_S,
+        store: ObjectStore | None = None,
+        writer_id: str | None = None,
     ) -> None:
         self.location = location
         self.url = url or default_url(location)
         self.fault = fault
         self.dedup_hits = 0
-        dfs = DatasetFS(location, filesystem)
+        self.writer_id = writer_id or f"{socket.gethostname()}/{os.getpid()}/{uuid.uuid4().hex[:8]}"
+        dfs = DatasetFS(location, filesystem, store)
         if not check_format(dfs):
             create_dataset(dfs)
         try:
@@ -180,26 +177,40 @@ class ParquetSink:
         except BaseException:
             self._lock.release()
             raise
-        self._live: OrderedDict[str, _RolloutKeys] = OrderedDict()
+        self._live: OrderedDict[str, RolloutKeys] = OrderedDict()
         self.max_live_rollouts = max(1, max_live_rollouts)
         self._window_ns = int(dedup_window_s * 1e9)
-        self._blobs = _RecentKeys(max_blob_keys, self._window_ns)
+        self._blobs = RecentKeys(max_blob_keys, self._window_ns)
         self._attachments = known.attachments  # sha256 -> when its copy we share was committed
         self._rollouts = known.rollouts
         self._fulls: LRU[str, tuple[str, array[int]]] = LRU(cache_tokens, lambda v: len(v[1]))
-        if not dfs.local:
+        if not dfs.enforced:
             log.warning(
-                "%s: admission claims are checked but not enforced on object storage yet: two "
-                "writers racing for one seq can both claim it (docs/storage.md)",
+                "%s: admission claims are checked but not enforced through a pyarrow "
+                "filesystem: two writers racing for one seq can both claim it; give one writer "
+                "this dataset, or an obstore store (docs/storage.md)",
                 location,
             )
         self._dfs = dfs
+        self._holders = Holders(dfs, self.writer_id)
+        # On object storage other writers commit too: a thread keeps the writer's reader up to
+        # date with their units, so a handoff read on the writer thread finds little to index
+        # (the units of a few writers pile up fast; indexing them all at once there would stall
+        # every call's staging behind it).
+        self._following = threading.Event()
+        self._follower: threading.Thread | None = None
+        if not dfs.local:
+            self._follower = threading.Thread(
+                target=self._follow, name=f"parquet-follow {location}", daemon=True
+            )
+            self._follower.start()
         self._writer = UnitWriter(
             dfs,
             name=location,
             max_batch=max_batch,
             last_order=known.last_order,
             publish=self._publish,
+            settle=self._settle,
         )
 
     # -- StagingSink ----------------------------------------------------------------------------
@@ -210,45 +221,54 @@ class ParquetSink:
         if not record.digest or not record.extras_digest:
             raise ValueError(f"{record.staging_key}: stage a sealed record (seal_record) only")
         given = dict(attachments or {})
+        claim = SeqClaim(record.rollout_id, record.seq, record.staging_key, record.created_at_ms)
         result: StageResult = await self._writer.submit(
-            lambda batch, part: self._stage_one(batch, part, record, given)
+            Claimed(claim, lambda batch, part: self._stage_one(batch, part, record, given, claim))
         )
         return result
 
     async def record_failure(self, entry: LedgerEntry) -> None:
+        claim = SeqClaim(entry.rollout_id, entry.seq, entry.call_id, entry.at_ms)
+
         def work(batch: UnitRows, part: UnitRows) -> None:
-            holder = self._seq_holder(batch, entry.rollout_id, entry.seq, entry.call_id)
-            if holder is not None:
+            holder = self._holders.holder(claim)
+            if holder != entry.call_id:
+                self._refused(claim, holder)
                 raise DuplicateSeq(entry.rollout_id, entry.seq, holder)
+            self._keys(entry.rollout_id)
             self._ensure_rollout(batch, part, entry.rollout_id)
             part.rows[LEDGER].append(failure_row(entry))
-            part.seqs[(entry.rollout_id, entry.seq)] = entry.call_id
-            self._events.place(batch, part, ledger_event(entry))
+            self._place(batch, part, ledger_event(entry))
 
-        await self._writer.submit(work)
+        await self._writer.submit(Claimed(claim, work))
 
     async def append_event(self, event: EventDraft) -> RolloutEvent:
         """Append `event` to its rollout's chain in the next unit; see
-        `StagingSink.append_event`. A claim also creates its claim file first (`_claims`:
-        exclusive and fsynced on a local folder, checked only on object storage)."""
+        `StagingSink.append_event`. A claim also creates its claim file, if absent, in the
+        store (`_claims`: exclusive and fsynced on a local folder, a conditional ``PUT`` on object
+        storage); the claims of one group commit are written at once, before its unit."""
+        if event.kind is not EventKind.CLAIM:
+
+            def plain(batch: UnitRows, part: UnitRows) -> RolloutEvent:
+                self._keys(event.rollout_id)
+                return self._place(batch, part, event)
+
+            placed: RolloutEvent = await self._writer.submit(plain)
+            return placed
+        assert event.seq is not None
+        assert event.call_id is not None
+        claim = SeqClaim(event.rollout_id, event.seq, event.call_id, event.at_ms)
 
         def work(batch: UnitRows, part: UnitRows) -> RolloutEvent:
-            if event.kind is EventKind.CLAIM:
-                assert event.seq is not None
-                assert event.call_id is not None
-                holder = self._seq_holder(batch, event.rollout_id, event.seq, event.call_id)
-                if holder is not None:
-                    raise DuplicateSeq(event.rollout_id, event.seq, holder)
-                holder = create_claim(
-                    self._dfs, event.rollout_id, event.seq, event.call_id, event.at_ms
-                )
-                if holder is not None:
-                    raise DuplicateSeq(event.rollout_id, event.seq, holder)
-                part.seqs[(event.rollout_id, event.seq)] = event.call_id
-                self._ensure_rollout(batch, part, event.rollout_id)
-            return self._events.place(batch, part, event)
+            holder = self._holders.holder(claim)
+            if holder != claim.call_id:
+                self._refused(claim, holder)
+                raise DuplicateSeq(event.rollout_id, claim.seq, holder)
+            self._keys(event.rollout_id)
+            self._ensure_rollout(batch, part, event.rollout_id)
+            return self._place(batch, part, event)
 
-        stored: RolloutEvent = await self._writer.submit(work)
+        stored: RolloutEvent = await self._writer.submit(Claimed(claim, work))
         return stored
 
     async def put_rollout(self, info: RolloutInfo) -> None:
@@ -275,9 +295,19 @@ class ParquetSink:
     async def close(self) -> None:
         """Commit every queued write and stop the writer thread."""
         await self._writer.close()
+        self._following.set()
+        if self._follower is not None:
+            await asyncio.to_thread(self._follower.join)
         self._reader.close_reader()
         self._fulls.clear()
         self._lock.release()
+
+    def _follow(self) -> None:
+        while not self._following.wait(_FOLLOW_S):
+            try:
+                self._reader.refresh()
+            except Exception as e:  # a compaction's cleanup, the store unreachable: next time
+                log.debug("%s: following other writers' units: %s", self.location, e)
 
     # -- the writer thread ----------------------------------------------------------------------
 
@@ -295,28 +325,82 @@ class ParquetSink:
             self._attachments[sha] = committed
         self._rollouts |= batch.rollouts
         self._events.publish(batch)
-        for (rollout_id, seq), call_id in batch.seqs.items():
+        for rollout_id in handoffs_in(batch):
             keys = self._live.get(rollout_id)
             if keys is not None:
-                keys.seqs.setdefault(seq, call_id)
+                keys.handoff = None
         for rollout_id in batch.sealed:
             # A sealed rollout takes no more calls; a late ledger entry reads it back.
             self._live.pop(rollout_id, None)
 
-    def _keys(self, rollout_id: str) -> _RolloutKeys:
+    def _settle(self, works: list[Work]) -> None:
+        # The claims the batch's work holds seqs by, written at once before the batch runs.
+        self._holders.settle([w.claim for w in works if isinstance(w, Claimed)])
+
+    def _refused(self, claim: SeqClaim, holder: str) -> None:
+        """Another call holds `claim`'s seq: if this writer did not know it, another writer took
+        the rollout on; what is held here of it is stale and is read again at its next use."""
+        rollout_keys = self._live.get(claim.rollout_id)
+        if rollout_keys is not None and holder not in rollout_keys.calls:
+            del self._live[claim.rollout_id]
+
+    def _place(self, batch: UnitRows, part: UnitRows, draft: EventDraft) -> RolloutEvent:
+        """Chain `draft` in its rollout's log, after the ``handoff`` event due first, if any."""
+        rollout_id = draft.rollout_id
+        keys = self._live.get(rollout_id)
+        if (
+            keys is not None
+            and keys.handoff is not None
+            and rollout_id not in handoffs_in(batch) | handoffs_in(part)
+        ):
+            handoff = EventDraft(rollout_id, EventKind.HANDOFF, _now_ms(), body=keys.handoff)
+            self._events.place(batch, part, handoff)
+        return self._events.place(batch, part, draft)
+
+    def _keys(self, rollout_id: str) -> RolloutKeys:
         """What is committed of `rollout_id` (read from the dataset when not in memory)."""
         keys = self._live.get(rollout_id)
         if keys is not None:
             self._live.move_to_end(rollout_id)
             return keys
-        if rollout_id in self._rollouts:
-            calls, seqs = self._reader.rollout_keys(rollout_id)
-            keys = _RolloutKeys(calls, seqs)
-        else:
-            keys = _RolloutKeys()  # new: nothing of it is stored
+        keys = self._resolve(rollout_id)
         self._live[rollout_id] = keys
         while len(self._live) > self.max_live_rollouts:
             self._live.popitem(last=False)
+        return keys
+
+    def _resolve(self, rollout_id: str) -> RolloutKeys:
+        """A rollout this writer does not hold, as the store has it now: another writer may have
+        created it, or continued it, since this one last looked (a handoff)."""
+        shared = not self._dfs.local  # a local folder has one writer: this one
+        now = self._holders.created_now(rollout_id)
+        # One listing of its claims: a rollout another writer has taken calls of (a handoff)
+        # is read from the store; one nobody has is new, whoever created its header (an
+        # implicit header never replaces a stored one, `_ledger`).
+        last = last_claim(self._dfs, rollout_id, now)
+        if rollout_id not in self._rollouts:
+            if last is None or not shared:
+                return RolloutKeys()  # new: nothing of it is stored
+            self._rollouts.add(rollout_id)
+        if shared:
+            # One read of the store, for the chain's head. Another writer's call ids are not
+            # needed: call ids never repeat across proxies, and a call whose parent another
+            # writer staged is stored whole (exact, a few bytes more) instead of read back.
+            events = self._reader.events(rollout_id)
+            head = (events[-1].position, events[-1].hash) if events else None
+            self._events.reset(rollout_id, head)
+            keys = RolloutKeys({e.call_id for e in events if e.call_id and e.kind == "staged"})
+        else:
+            calls, _ = self._reader.rollout_keys(rollout_id)
+            keys = RolloutKeys(calls)
+        if last is not None and last[2] and last[2] != self.writer_id:
+            seq, call_id, writer = last
+            keys.handoff = {
+                "from_writer": writer,
+                "to_writer": self.writer_id,
+                "after_seq": seq,
+                "after_call_id": call_id,
+            }
         return keys
 
     def _rollout_of(self, call_id: str) -> str | None:
@@ -326,11 +410,6 @@ class ParquetSink:
             if call_id in keys.calls:
                 return rollout_id
         return None
-
-    def _seq_holder(self, batch: UnitRows, rollout_id: str, seq: int, call_id: str) -> str | None:
-        """Another call already at (rollout_id, seq): committed, or earlier in this batch."""
-        holder = batch.seqs.get((rollout_id, seq)) or self._keys(rollout_id).seqs.get(seq)
-        return holder if holder is not None and holder != call_id else None
 
     def _shared(self, batch: UnitRows, sha: str) -> bool:
         """Whether a record may refer to the stored copy of attachment `sha` (the window rule)."""
@@ -342,9 +421,8 @@ class ParquetSink:
     def _ensure_rollout(self, batch: UnitRows, part: UnitRows, rollout_id: str) -> None:
         if rollout_id in self._rollouts or rollout_id in batch.rollouts:
             return
-        part.rows[LEDGER].append(
-            rollout_row(RolloutInfo(rollout_id, RolloutState.OPEN, False, _now_ms()))
-        )
+        implicit = rollout_row(RolloutInfo(rollout_id, RolloutState.OPEN, False, _now_ms()))
+        part.rows[LEDGER].append({**implicit, "reason": IMPLICIT})
         part.rollouts.add(rollout_id)
 
     def _parent_full(self, batch: UnitRows, record: StagedCallRecord) -> array[int] | None:
@@ -370,12 +448,14 @@ class ParquetSink:
         part: UnitRows,
         record: StagedCallRecord,
         given: dict[str, Attachment],
+        claim: SeqClaim,
     ) -> StageResult:
         key = record.staging_key
         if key in batch.calls or key in self._keys(record.rollout_id).calls:
             return StageResult.failed("duplicate_key", f"staging key {key} is already staged")
-        holder = self._seq_holder(batch, record.rollout_id, record.seq, key)
-        if holder is not None:
+        holder = self._holders.holder(claim)
+        if holder != key:
+            self._refused(claim, holder)
             return StageResult.failed(
                 "duplicate_seq", str(DuplicateSeq(record.rollout_id, record.seq, holder))
             )
@@ -387,7 +467,6 @@ class ParquetSink:
         encoded = encode_record(record, self._parent_full(batch, record), given)
         part.rows[CALLS].append(encoded.row)
         part.calls[key] = (record.rollout_id, encoded.full)
-        part.seqs[(record.rollout_id, record.seq)] = key
         for blob_key, data in encoded.blobs.items():
             if blob_key not in self._blobs and blob_key not in batch.blobs:
                 part.rows[BLOBS].append({"key": blob_key, "data": data})
@@ -407,6 +486,6 @@ class ParquetSink:
         if self.fault is not None:
             self.fault("after_attachments")
         self._ensure_rollout(batch, part, record.rollout_id)
-        self._events.place(batch, part, staged_event(record, _now_ms()))
+        self._place(batch, part, staged_event(record, _now_ms()))
         row = encoded.row
         return StageResult.staged(coords_for(self.url, record, row))

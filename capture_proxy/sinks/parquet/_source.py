@@ -151,8 +151,14 @@ class ParquetSource(Loading):
             new = [self._markers[n] for n in fresh]
         else:
             live = live_units(self._markers)
+            indexed = {m.unit for m in old}
+            added = [m for m in live if m.unit not in indexed]
             if live[: len(old)] == old:
                 new = live[len(old) :]
+            elif len(live) - len(added) == len(old) and not any(m.retires for m in added):
+                # Another writer's units landing between ones already indexed (several proxies
+                # on one dataset): nothing was replaced, so they are indexed after the others.
+                new = added
             else:
                 # A compaction replaced units: re-index, so ledger rows replay in the new order.
                 self._index = self._new_index()

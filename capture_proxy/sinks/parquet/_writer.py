@@ -1,7 +1,8 @@
 """`UnitWriter`: one thread turns queued writes into committed units of a Parquet dataset.
 
 Callers on an event loop `submit` a piece of work; the writer thread takes everything queued (up
-to `max_batch`) and runs each piece against a fresh `UnitRows` of its own, merging it into the
+to `max_batch`), first lets `settle` see the whole batch (the sink writes the batch's seq claims
+there, all at once), then runs each piece against a fresh `UnitRows` of its own, merging it into the
 batch only when the piece returns: a piece that raises (a fault hook, an encoding error) leaves
 no row behind and its caller gets the exception, while the rest of the batch commits. The batch
 is then written as one unit (`_layout`): data files under temporary names, fsynced,
@@ -36,8 +37,6 @@ class UnitRows:
     rows: dict[str, list[dict[str, Any]]] = field(default_factory=lambda: {t: [] for t in TABLES})
     #: staged call id -> (rollout id, prompt + completion)
     calls: dict[str, tuple[str, array[int]]] = field(default_factory=dict)
-    #: (rollout id, seq) -> the call now holding it (a staged record or a ledger entry)
-    seqs: dict[tuple[str, int], str] = field(default_factory=dict)
     blobs: set[str] = field(default_factory=set)
     attachments: set[str] = field(default_factory=set)
     rollouts: set[str] = field(default_factory=set)
@@ -48,7 +47,6 @@ class UnitRows:
         for table, rows in other.rows.items():
             self.rows[table].extend(rows)
         self.calls.update(other.calls)
-        self.seqs.update(other.seqs)
         self.blobs |= other.blobs
         self.attachments |= other.attachments
         self.rollouts |= other.rollouts
@@ -75,14 +73,23 @@ class UnitWriter(WriterThread[Work]):
         max_batch: int,
         last_order: int,
         publish: Callable[[UnitRows], None],
+        settle: Callable[[list[Work]], None] | None = None,
     ) -> None:
         super().__init__(name=name, max_batch=max_batch)
         self.dfs = dfs
         self.last_order = last_order
         self._publish = publish
+        self._settle = settle
         self.start()
 
     def _commit(self, jobs: list[Job[Work]]) -> None:
+        if self._settle is not None:
+            # What the batch's work needs from the store before it runs (the sink's seq claims,
+            # written at once); a failure here is each piece's own, when it asks.
+            try:
+                self._settle([job.work for job in jobs])
+            except Exception:
+                log.exception("%s: settling a batch's claims failed", self.name)
         batch = UnitRows()
         outcomes: list[Outcome] = []
         wrote: list[bool] = []
