@@ -665,13 +665,16 @@ class Capture:
         effective_sampling: Mapping[str, Any] | None = None,
         engine_weight_version: str | None = None,
         weight_spans: Sequence[tuple[str, int, int]] = (),
+        token_in: bool = False,
+        bridge_spans: Sequence[tuple[int, int, str]] = (),
     ) -> StagedCallRecord:
         """The sealed record for a completed call (raises RecordValidationError/EncodingError).
 
         `logprobs_mode` is the upstream's, as far as the proxy knows it; `effective_sampling`
         the sampling it applied after its own defaults (None: unknown); `engine_weight_version`
         and `weight_spans` the engine's own weight version and which completion tokens it sampled
-        (None and ``[]``: unknown).
+        (None and ``[]``: unknown); `token_in` whether the call went token-in and `bridge_spans`
+        the prompt tokens the proxy inserted (docs/token-in.md).
         """
         parent = call.rollout.choose_parent(completion.prompt_token_ids, call.request_key)
         extras = completion.extras
@@ -714,6 +717,8 @@ class Capture:
             ),
             engine_weight_version=engine_weight_version,
             weight_spans=weight_spans,
+            token_in=token_in,
+            bridge_spans=bridge_spans,
         )
         sealed = seal_record(record, attachments=call.attachments, encoder=self._request_values)
         call.record_bytes = record_bytes(sealed, call.attachments.values())
@@ -732,6 +737,8 @@ class Capture:
         effective_sampling: Mapping[str, Any] | None = None,
         engine_weight_version: str | None = None,
         weight_spans: Sequence[tuple[str, int, int]] = (),
+        token_in: bool = False,
+        bridge_spans: Sequence[tuple[int, int, str]] = (),
     ) -> StageResult:
         """Build, seal and stage the call's record. Never raises for capture problems: a call that
         cannot be staged returns ``capture_failed`` and is in the ledger, its rollout poisoned.
@@ -751,6 +758,8 @@ class Capture:
                 effective_sampling=effective_sampling,
                 engine_weight_version=engine_weight_version,
                 weight_spans=weight_spans,
+                token_in=token_in,
+                bridge_spans=bridge_spans,
             )
             # A claim that already failed: nothing to stage. One still on its way does not hold
             # the call up: the record queues behind it (and is checked against it below).

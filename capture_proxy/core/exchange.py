@@ -16,8 +16,10 @@ client that leaves mid-write cancels only its wait, never the write. The HTTP ha
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from array import array
 from collections.abc import AsyncGenerator, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -27,24 +29,38 @@ import orjson
 from ..adapters.vllm import (
     CaptureExtractionError,
     Completion,
+    DerenderedStream,
     ForwardPlan,
     ReasoningField,
     UpstreamProtocolError,
     VLLMAdapter,
+    WeightSpan,
+    client_answer,
+    derender_body,
     parse_error_body,
+    read_derender,
+    read_generate,
+    to_completion,
 )
 from ..errors import BadRequest, PayloadTooLarge, ProxyError, Unprocessable, UpstreamFailed
 from ..schemas.records import CallStatus, StageResult
 from ..schemas.request import FreeJsonLimits, RequestValidationError, check_free_json_limits
+from ..schemas.token_in_extras import token_in_extras
 from .call import Call, sampling_of
 from .capture import Capture
+from .derender import StreamedDerender
 from .normalize import NormalizedRequest, normalize_request
 from .rollouts import RolloutLive
-from .sampling import changes_distribution, effective_sampling
+from .sampling import RESOLVED_SAMPLING_KEYS, changes_distribution, effective_sampling
 from .scale_out import check_scale_out, goes_token_in
-from .token_in_report import TokenInReport
+from .token_in import Prior
+from .token_in_flow import CloseRenders, RenderRefused, TokenInPrompt, token_in_prompt
+from .token_in_report import EXTENDED, NEW_SEGMENT, TokenInReport
 from .transport import (
+    SCALE_OUT_DISABLED,
+    EngineRoute,
     EngineWeights,
+    TokenInTransport,
     UpstreamInfo,
     UpstreamReply,
     UpstreamRestarted,
@@ -54,6 +70,10 @@ from .transport import (
 __all__ = ["Exchange", "ExchangeConfig", "Outcome", "Pipeline"]
 
 log = logging.getLogger("capture_proxy.exchange")
+
+_DONE = b"data: [DONE]\n\n"
+#: Where an SSE event's JSON starts (after ``data: ``).
+_DATA = len(b"data: ")
 
 #: Bodies above this are decoded and normalized, and their request key and digest computed, on
 #: a worker thread: base64-decoding a large image or walking large JSON would otherwise stall
@@ -117,6 +137,8 @@ class Pipeline:
         self.warnings: dict[str, str] = {}
         #: Subscribers told of every token-in call (`report_token_in`): the proxy's metrics.
         self.on_token_in: list[Callable[[TokenInReport], None]] = []
+        #: The token-in bridge's turn-close renders, shared by every rollout (`CloseRenders`).
+        self.close_renders = CloseRenders()
 
     def exchange(self, rollout_id: str) -> Exchange:
         return Exchange(self, rollout_id)
@@ -223,6 +245,11 @@ class Exchange:
         self._reply: UpstreamReply | None = None
         self._t_up = 0.0
         self._upstream_s: float | None = None
+        #: Whether the call goes token-in (known once prepared), and then its prompt and the
+        #: request rendered for it (docs/token-in.md).
+        self.token_in = False
+        self._prompt: TokenInPrompt | None = None
+        self._render_request: dict[str, Any] = {}
 
     # -- prepare -----------------------------------------------------------------------------
 
@@ -258,6 +285,7 @@ class Exchange:
         except ProxyError as e:
             await self.refuse(e)
             raise
+        self.token_in = self.pipeline.goes_token_in(live)
         self.request = request
         self.info = await self.pipeline.upstream.info(str(request.get("model", "")))
         self.plan = self._plan()
@@ -337,18 +365,21 @@ class Exchange:
         """Send the call upstream. None: a 200 is coming, relay it with `read_unary` or
         `relay_stream`. An `Outcome`: the upstream answered an error, recorded and ready to
         relay. Raises `UpstreamFailed` (recorded) when the upstream cannot be reached."""
-        call = self.admitted
+        _ = self.admitted  # raises unless prepared
         assert self.plan is not None
         self._t_up = time.perf_counter()
         try:
             try:
-                self._reply = await self.pipeline.upstream.post_chat(self.plan.body)
+                self._reply = await self._post()
             except UpstreamRestarted:
                 # A new upstream process (noticed before anything was sent): plan the call again
                 # with its facts (version, reasoning field, fingerprint, defaults), once.
                 self.info = await self.pipeline.upstream.info(str(self.request.get("model", "")))
                 self.plan = self._plan()
-                self._reply = await self.pipeline.upstream.post_chat(self.plan.body)
+                self.pipeline.close_renders.clear()  # its template may differ
+                self._reply = await self._post()
+        except RenderRefused as e:
+            return await self._upstream_error(e.status, e.body)
         except UpstreamFailed as e:
             await self.fail_upstream(e)
             raise
@@ -359,7 +390,34 @@ class Exchange:
                 raw = await self._reply.read()
             except UpstreamFailed:
                 raw = b""
-        status = self._reply.status
+        return await self._upstream_error(self._reply.status, raw)
+
+    async def _post(self) -> UpstreamReply:
+        """The upstream's reply to the call: the chat route's, or generate's for token-in."""
+        assert self.plan is not None
+        upstream = self.pipeline.upstream
+        if not self.token_in:
+            return await upstream.post_chat(self.plan.body)
+        if not isinstance(upstream, TokenInTransport):
+            raise UpstreamFailed(SCALE_OUT_DISABLED, code="scale_out_disabled", status=503)
+        # The request as the chat route would get it, rendered: generate's request comes from it.
+        render_request = orjson.loads(self.plan.body)
+        for key in ("stream", "stream_options"):
+            render_request.pop(key, None)
+        self._render_request = render_request
+        self._prompt = await token_in_prompt(
+            upstream,
+            self.pipeline.close_renders,
+            self.admitted.rollout.token_in_prior,
+            self.request,
+            render_request,
+        )
+        body = self._prompt.generate_body(self.request, stream=self.streamed)
+        return await upstream.post_engine(EngineRoute.GENERATE, body)
+
+    async def _upstream_error(self, status: int, raw: bytes) -> Outcome:
+        """Record and return the upstream's error answer (`status`, body `raw`) to relay."""
+        call = self.admitted
         err = parse_error_body(raw, status)
         message = str(err.get("error", {}).get("message", ""))[:500]
         await self.capture.fail_call(
@@ -388,8 +446,50 @@ class Exchange:
             except UpstreamFailed as e:
                 await self.fail_upstream(e)
                 raise
+        if self.token_in:
+            return await self._finish_token_in(raw)
         self._upstream_s = time.perf_counter() - self._t_up
         return await self.finish_unary(raw)
+
+    async def _finish_token_in(self, raw: bytes) -> Outcome:
+        """Derender generate's unary answer `raw` for the client, then stage the call."""
+        prompt = self._prompt
+        assert prompt is not None
+        assert self.plan is not None
+        try:
+            generated = read_generate(raw)
+            body = derender_body(raw, prompt.prompt_ids, self._render_request)
+            derendered = await self._derender(body)
+        except UpstreamProtocolError as e:
+            malformed = UpstreamFailed(
+                f"the upstream answer is malformed: {e.message}", code=e.reason
+            )
+            await self.fail_upstream(malformed)
+            raise malformed from e
+        except UpstreamFailed as e:
+            await self.fail_upstream(e)
+            raise
+        self._upstream_s = time.perf_counter() - self._t_up
+        ids = array("i", prompt.prompt_ids)
+        completion = to_completion(generated, ids, derendered, model=self._model)
+        client_body = client_answer(derendered, generated, prompt.prompt_ids, self.plan.wants)
+        return await self._stage(completion, client_body, generated.weight_spans)
+
+    async def _derender(self, body: bytes) -> dict[str, Any]:
+        upstream = self.pipeline.upstream
+        assert isinstance(upstream, TokenInTransport)
+        async with await upstream.post_engine(EngineRoute.DERENDER, body) as reply:
+            raw = await reply.read()
+        if reply.status != 200:
+            text = raw[:500].decode(errors="replace")
+            raise UpstreamFailed(
+                f"derender answered {reply.status}: {text}", code="derender_failed"
+            )
+        return read_derender(raw)
+
+    @property
+    def _model(self) -> str:
+        return str(self.request.get("model", ""))
 
     async def finish_unary(self, raw: bytes) -> Outcome:
         """Parse a unary 200 answer and stage it (also the library's entry point)."""
@@ -416,6 +516,11 @@ class Exchange:
         call, plan = self.admitted, self.plan
         assert plan is not None
         assert self._reply is not None
+        if self.token_in:
+            async with contextlib.aclosing(self._relay_token_in()) as pieces:
+                async for piece in pieces:
+                    yield piece
+            return
         acc = self.adapter.stream(plan, session=call.rollout_id)
         async with self._reply:
             chunks = self._reply.chunks()
@@ -440,6 +545,41 @@ class Exchange:
             return
         await self._stage(completion, b"")
 
+    async def _relay_token_in(self) -> AsyncGenerator[bytes, None]:
+        """`relay_stream` for token-in: generate's stream derendered in coalesced calls."""
+        prompt, plan, reply = self._prompt, self.plan, self._reply
+        assert prompt is not None
+        assert plan is not None
+        assert reply is not None
+        upstream = self.pipeline.upstream
+        assert isinstance(upstream, TokenInTransport)
+        derender = StreamedDerender(upstream, reply, prompt.prompt_ids, self._render_request)
+        shaped = DerenderedStream(plan.wants, prompt.prompt_ids)
+        async with reply:
+            events = derender.events()
+            try:
+                async for event in events:
+                    if event == _DONE:
+                        continue  # the proxy sends its own once the call is staged
+                    piece = shaped.feed(orjson.loads(event[_DATA:]))
+                    if piece is not None:
+                        yield piece
+            except UpstreamProtocolError as e:
+                await self.fail_upstream(UpstreamFailed(e.message, code=e.reason), http_status=502)
+                return
+            except UpstreamFailed as e:
+                await self.fail_upstream(e, http_status=502)
+                return
+            finally:
+                if isinstance(events, AsyncGenerator):
+                    await events.aclose()  # its reader task ends now, with the client's stream
+        generated = derender.generated
+        assert generated is not None  # the events end only after the whole generation
+        answer = {"choices": [{"message": shaped.message()}]}
+        ids = array("i", prompt.prompt_ids)
+        completion = to_completion(generated, ids, answer, model=self._model)
+        await self._stage(completion, b"", generated.weight_spans)
+
     async def finish_stream(self, raw: bytes) -> Outcome:
         """Stage a whole SSE byte stream received by someone else (the library's entry point)."""
         call, plan = self.admitted, self.plan
@@ -459,7 +599,14 @@ class Exchange:
 
     # -- finish and fail -----------------------------------------------------------------------
 
-    async def _stage(self, completion: Completion, client_body: bytes) -> Outcome:
+    async def _stage(
+        self,
+        completion: Completion,
+        client_body: bytes,
+        generated_spans: tuple[WeightSpan, ...] | None = None,
+    ) -> Outcome:
+        """Stage the call's `completion`; `generated_spans`: a token-in call's weight spans,
+        from generate."""
         call = self.admitted
         if self._upstream_s is not None:
             call.upstream_seconds = self._upstream_s
@@ -468,9 +615,21 @@ class Exchange:
         if info.problems:
             # A fact is missing from this record ("" fingerprint or version): say why, on it.
             completion.extras["upstream_fact_problems"] = list(info.problems)
-        engine_version, weight_spans = await self._engine_weights(completion)
         sampling = sampling_of(self.request)
-        effective = effective_sampling(sampling, info.sampling_defaults)
+        prompt = self._prompt if self.token_in else None
+        if prompt is None:
+            engine_version, weight_spans = await self._engine_weights(completion)
+            effective = effective_sampling(sampling, info.sampling_defaults)
+        else:
+            # Generate says which weights sampled which tokens, and the call's own render what
+            # vLLM resolved its sampling to.
+            weight_spans = list(generated_spans or ())
+            versions = {version for version, _, _ in weight_spans}
+            engine_version = versions.pop() if len(versions) == 1 else None
+            params = prompt.rendered.sampling_params
+            resolved = {k: params[k] for k in RESOLVED_SAMPLING_KEYS if k in params}
+            effective = effective_sampling(sampling, resolved)
+            completion.extras.update(token_in_extras(prompt.segment_break, prompt.plain_divergence))
         if effective is not None:
             self.pipeline.check_logprobs_mode(effective)
         # Its own task: a client that goes away meanwhile cancels only this wait.
@@ -486,9 +645,13 @@ class Exchange:
                 effective_sampling=effective,
                 engine_weight_version=engine_version,
                 weight_spans=weight_spans,
+                token_in=prompt is not None,
+                bridge_spans=prompt.bridge_spans if prompt is not None else (),
             )
         )
         result: StageResult = await asyncio.shield(task)
+        if prompt is not None and result.status is CallStatus.STAGED:
+            self._continued_by_next(completion, prompt)
         status = (
             CallStatus.STAGED if result.status is CallStatus.STAGED else CallStatus.CAPTURE_FAILED
         )
@@ -501,6 +664,29 @@ class Exchange:
                 result.reason or "",
                 result.message or "",
                 result,
+            )
+        )
+
+    def _continued_by_next(self, completion: Completion, prompt: TokenInPrompt) -> None:
+        """A staged token-in call: the one the rollout's next token-in call continues; tell the
+        metrics what token-in did."""
+        call = self.admitted
+        prior = Prior(
+            request=self.request,
+            message=completion.message,
+            prompt_ids=completion.prompt_token_ids,
+            completion_ids=completion.completion_token_ids,
+            finish_reason=completion.finish_reason,
+        )
+        call.rollout.remember_token_in(call.seq, prior)
+        cut = prompt.segment_break
+        self.pipeline.report_token_in(
+            TokenInReport(
+                call.rollout_id,
+                call.call_id,
+                NEW_SEGMENT if cut is not None else EXTENDED,
+                cut.reason if cut is not None else "",
+                prompt.plain_divergence,
             )
         )
 

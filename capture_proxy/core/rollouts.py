@@ -25,6 +25,7 @@ from ..schemas.tokens import full_sequence
 from ..sinks.base import StagingSource
 from .experts import ExpertsIndex, stored_entry
 from .lineage import LineageIndex
+from .token_in import Prior
 from .weights import DECREASED_FROM
 
 #: A claimed call with neither a record nor a ledger entry (the manifest's status for it).
@@ -37,6 +38,7 @@ __all__ = [
     "LOST_IN_CRASH",
     "CallOutcome",
     "RolloutLive",
+    "prior_of",
     "record_bytes",
     "request_key",
     "resume_rollout",
@@ -117,6 +119,17 @@ class RolloutLive:
     #: The weight version the rollout's last admitted call was stamped with (None: no call yet),
     #: so a lower one is flagged; resumed from the last staged record.
     last_weight_version: int | None = None
+    #: The rollout's last staged token-in call, as the next token-in call continues it (its
+    #: request, answer, prompt and completion ids: one call's worth, whatever the rollout's
+    #: length), and its seq; resumed from the last staged token-in record.
+    token_in_prior: Prior | None = None
+    token_in_prior_seq: int = -1
+
+    def remember_token_in(self, seq: int, prior: Prior) -> None:
+        """Keep `prior` as the call the next token-in call continues, unless a later call (a
+        higher seq, staged first by concurrent calls) is kept already."""
+        if seq > self.token_in_prior_seq:
+            self.token_in_prior, self.token_in_prior_seq = prior, seq
 
     def __post_init__(self) -> None:
         self.idle.set()
@@ -158,6 +171,17 @@ class RolloutLive:
 
     def add_lineage(self, seq: int, call_id: str, full: array[int], request_key: bytes) -> None:
         self.lineage.add(seq, call_id, full, request_key)
+
+
+def prior_of(record: StagedCallRecord) -> Prior:
+    """A staged record as the token-in bridge continues it (`Prior`)."""
+    return Prior(
+        request=record.request,
+        message=record.response,
+        prompt_ids=record.prompt_token_ids,
+        completion_ids=record.completion_token_ids,
+        finish_reason=record.finish_reason,
+    )
 
 
 def record_bytes(record: StagedCallRecord, attachments: Iterable[Attachment] = ()) -> int:
@@ -259,6 +283,8 @@ def resume_rollout(open_source: Callable[[], StagingSource], rollout_id: str) ->
                 entry = stored_entry(r.request, r.response, full, r.extras, r.seq, r.call_id)
                 if entry is not None:
                     live.experts.add(*entry)
+                if r.token_in:
+                    live.remember_token_in(r.seq, prior_of(r))
             # The flag a record carries shows in its manifest line again.
             decreased = r.extras.get(DECREASED_FROM)
             if isinstance(decreased, int):

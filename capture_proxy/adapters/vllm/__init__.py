@@ -3,7 +3,8 @@
 `VLLMAdapter.plan` adds the token fields capture needs to a request (`ForwardPlan`);
 `parse_response` reads a unary answer and `stream` returns a sans-IO `StreamAccumulator` fed with
 SSE bytes. Both yield a `Completion` (token ids, logprobs, message) and the bytes the client sees.
-The token-in routes (render, generate, derender) are read and written by `_token_in`'s parsers.
+The token-in routes (render, generate, derender) are read and written by `_token_in`'s parsers;
+`_derendered` shapes a token-in answer for the client by the same relay rules.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from ._adapter import (
     VLLMAdapter,
     parse_error_body,
 )
+from ._derendered import DerenderedStream, client_answer
 from ._token_in import (
     DerenderCoalescer,
     Generated,
@@ -40,6 +42,7 @@ __all__ = [
     "ClientWants",
     "Completion",
     "DerenderCoalescer",
+    "DerenderedStream",
     "ForwardPlan",
     "GenerateEvent",
     "GenerateStream",
@@ -50,6 +53,7 @@ __all__ = [
     "UpstreamProtocolError",
     "VLLMAdapter",
     "WeightSpan",
+    "client_answer",
     "derender_body",
     "derender_chunk_body",
     "merge_chunks",

@@ -1,0 +1,230 @@
+"""The prompt a token-in call sends: the bridge's, or the plain rendering's (with the reason).
+
+`token_in_prompt` does the upstream side of docs/token-in.md for one call. It asks the bridge
+whether the request extends the rollout's previous staged call (`match`); if it does, it sends
+the renders of the bridge's plan (the turn close from `CloseRenders` when cached) **at the same
+time as** the plain render of the request, then assembles the exact prompt and measures where the
+plain one would have diverged. Otherwise, or when the renders do not bridge, the plain render's
+ids are sent and the call starts a new segment, with the reason. The plain render is always made:
+it is the ``GenerateRequest`` generate takes (sampling params resolved by vLLM, the effective
+sampling of the record) and the plain ids divergence is measured against.
+
+The exchange (`capture_proxy.core.exchange`) sends the result to generate and derenders the answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections import OrderedDict
+from collections.abc import Awaitable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import orjson
+
+from ..adapters.vllm import Rendered, read_render
+from ..schemas.fields import BridgeSpan
+from ..schemas.token_in_extras import SegmentBreak
+from .token_in import (
+    Bridged,
+    BridgePlan,
+    Extension,
+    NotBridged,
+    Prior,
+    assemble,
+    divergence,
+    match,
+    plan,
+)
+from .token_in import Rendered as RenderedPlan
+from .transport import EngineRoute, TokenInTransport
+
+__all__ = ["CloseRenders", "RenderRefused", "TokenInPrompt", "token_in_prompt"]
+
+_T = TypeVar("_T")
+
+#: Request keys that set the output limit: unset, vLLM's render fills in the room the rendered
+#: prompt leaves in the context window, which a longer bridged prompt does not have.
+_LIMIT_KEYS = ("max_tokens", "max_completion_tokens")
+
+
+class CloseRenders:
+    """The close renders' token ids by `BridgePlan.close_key`, most recent `limit` kept.
+
+    They depend only on the model, the system message, the tools and the template keys, so one
+    pair serves every later call of every rollout with the same ones. Cleared for a new upstream
+    process (its template may differ).
+    """
+
+    def __init__(self, limit: int = 256) -> None:
+        self.limit = limit
+        self._pairs: OrderedDict[str, tuple[Mapping[str, Any], Mapping[str, Any]]] = OrderedDict()
+
+    def get(self, key: str) -> tuple[Mapping[str, Any], Mapping[str, Any]] | None:
+        pair = self._pairs.get(key)
+        if pair is not None:
+            self._pairs.move_to_end(key)
+        return pair
+
+    def put(self, key: str, pair: tuple[Mapping[str, Any], Mapping[str, Any]]) -> None:
+        self._pairs[key] = pair
+        self._pairs.move_to_end(key)
+        while len(self._pairs) > self.limit:
+            self._pairs.popitem(last=False)
+
+    def clear(self) -> None:
+        self._pairs.clear()
+
+    def __len__(self) -> int:
+        return len(self._pairs)
+
+
+class RenderRefused(Exception):
+    """The upstream answered the request's own render with an error status: the call's answer,
+    relayed to the client as the chat route's error would be."""
+
+    def __init__(self, status: int, body: bytes) -> None:
+        super().__init__(f"render answered {status}")
+        self.status = status
+        self.body = body
+
+
+@dataclass(frozen=True, slots=True)
+class TokenInPrompt:
+    """What a token-in call sends to generate, and what its record says of it.
+
+    Attributes:
+        rendered: the plain render of the request (vLLM's ``GenerateRequest``).
+        prompt_ids: the ids to generate from: the bridged prompt, or the plain one.
+        bridge_spans: the prompt tokens the proxy inserted (``()`` for a plain prompt).
+        segment_break: why the call starts a new segment (None: it extends the previous call).
+        plain_divergence: where the plain ids differ from the bridged ones (None: they do not,
+            or the plain ids were sent).
+    """
+
+    rendered: Rendered
+    prompt_ids: list[int]
+    bridge_spans: tuple[BridgeSpan, ...] = ()
+    segment_break: SegmentBreak | None = None
+    plain_divergence: int | None = None
+
+    def generate_body(self, request: Mapping[str, Any], *, stream: bool) -> bytes:
+        """The generate request: the plain render's answer with `prompt_ids`. When `request`
+        sets no output limit, vLLM's render chose the room its own prompt left in the context
+        window; a longer bridged prompt has that much less."""
+        rendered = self.rendered
+        grown = len(self.prompt_ids) - len(rendered.prompt_ids)
+        params = rendered.sampling_params
+        limit = params.get("max_tokens")
+        unset = all(request.get(k) is None for k in _LIMIT_KEYS)
+        if grown > 0 and unset and type(limit) is int:
+            params = {**params, "max_tokens": max(1, limit - grown)}
+            answer = {**rendered.answer, "sampling_params": params}
+            rendered = dataclasses.replace(rendered, sampling_params=params, answer=answer)
+        return rendered.generate_body(self.prompt_ids, stream=stream)
+
+
+async def _render(upstream: TokenInTransport, body: bytes) -> tuple[int, bytes]:
+    async with await upstream.post_engine(EngineRoute.RENDER, body) as reply:
+        return reply.status, await reply.read()
+
+
+async def _all(*aws: Awaitable[_T]) -> list[_T]:
+    """Every result, the requests under way at once; the first failure cancels the others."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        raise
+
+
+async def token_in_prompt(
+    upstream: TokenInTransport,
+    closes: CloseRenders,
+    prior: Prior | None,
+    request: Mapping[str, Any],
+    render_request: Mapping[str, Any],
+) -> TokenInPrompt:
+    """The prompt of a token-in call (module docs). `request` is the normalized request as
+    the bridge compares it with `prior.request`; `render_request` the body to render (the
+    request as forwarded, with the token fields capture asks for).
+
+    Raises `RenderRefused` when the upstream refuses to render the request, `UpstreamFailed`
+    when it cannot be reached.
+    """
+    verdict = match(prior, request)
+    plain_body = orjson.dumps(render_request)
+    if isinstance(verdict, NotBridged):
+        status, raw = await _render(upstream, plain_body)
+        return TokenInPrompt(*_plain(status, raw), segment_break=_break(verdict))
+    bridge = plan(request, verdict)
+    cached = closes.get(bridge.close_key)
+    bodies = [*(bridge.close if cached is None else ()), *(bridge.turn or ()), *bridge.suffix]
+    answers = await _all(
+        _render(upstream, plain_body), *(_render(upstream, orjson.dumps(b)) for b in bodies)
+    )
+    rendered, plain_ids = _plain(*answers[0])
+    got = _bridged(verdict, bridge, cached, answers[1:], closes)
+    if isinstance(got, NotBridged):
+        return TokenInPrompt(rendered, plain_ids, segment_break=_break(got))
+    return TokenInPrompt(
+        rendered,
+        got.prompt_ids,
+        tuple(got.bridge_spans),
+        None,
+        divergence(got.prompt_ids, plain_ids),
+    )
+
+
+def _plain(status: int, raw: bytes) -> tuple[Rendered, list[int]]:
+    if status != 200:
+        raise RenderRefused(status, raw)
+    rendered = read_render(raw)
+    return rendered, rendered.prompt_ids.tolist()
+
+
+def _break(verdict: NotBridged) -> SegmentBreak:
+    return SegmentBreak(verdict.reason, verdict.detail)
+
+
+def _bridged(
+    extension: Extension,
+    bridge: BridgePlan,
+    cached: tuple[Mapping[str, Any], Mapping[str, Any]] | None,
+    answers: Sequence[tuple[int, bytes]],
+    closes: CloseRenders,
+) -> Bridged | NotBridged:
+    """The bridged prompt from the plan's render answers (in `BridgePlan.requests` order, the
+    close pair left out when `cached`)."""
+    decoded: list[Mapping[str, Any]] = []
+    for status, raw in answers:
+        if status != 200:
+            text = raw[:200].decode(errors="replace")
+            return NotBridged(
+                "template_not_bridgeable", f"a render of the bridge answered {status}: {text}"
+            )
+        try:
+            answer = orjson.loads(raw)
+        except orjson.JSONDecodeError as e:
+            return NotBridged("template_not_bridgeable", f"a render of the bridge: {e}")
+        decoded.append(answer if isinstance(answer, dict) else {})
+    close = cached
+    if close is None:
+        close, decoded = (decoded[0], decoded[1]), decoded[2:]
+    turn = None
+    if bridge.turn is not None:
+        turn, decoded = (decoded[0], decoded[1]), decoded[2:]
+    try:
+        rendered = RenderedPlan.from_answers(close, (decoded[0], decoded[1]), turn)
+    except ValueError as e:
+        return NotBridged("template_not_bridgeable", str(e))
+    if cached is None:
+        # Only the ids are read again: the rest of a render answer is not worth keeping.
+        closes.put(
+            bridge.close_key,
+            ({"token_ids": close[0]["token_ids"]}, {"token_ids": close[1]["token_ids"]}),
+        )
+    return assemble(extension.prior, bridge, rendered)
