@@ -15,6 +15,13 @@ RSS (VmHWM, reset before the run). "added" is the target's figure minus direct's
 repeat; the table shows medians over repeats, and ratios to the pass-through are medians of the
 per-repeat ratios (this machine is shared and noisy: trust ratios and medians, not single runs).
 
+The token-in scenarios (``token-in-*``) run in front of the bundled fake vLLM with its scale-out
+routes (`fake_upstream.py`) and replay agent sessions (`session_load.py`: each call extends the
+previous one, as OpenCode's do), against "direct", "sqlite" (the plain captured call) and
+"token-in" (the same proxy with ``--token-in on``: render, generate and derender upstream, the
+bridge in between). Their ratios are to the plain captured call of the same repeat: CPU per call
+and added p50 (the goal: at most 1.5x the CPU, at most 5 ms more added p50).
+
 Options: ``--json PATH`` keeps every run's figures, ``--markdown PATH`` writes the table,
 ``--plot PATH`` draws added latency against concurrency (needs matplotlib, a bench-only
 dependency), ``--scenarios a,b`` runs a subset, ``--targets`` likewise, ``--repeats N``.
@@ -49,7 +56,7 @@ from report import render_markdown, summarize
 HERE = Path(__file__).resolve().parent
 
 PY = sys.executable
-TARGETS = ("direct", "passthrough", "sqlite", "parquet")
+TARGETS = ("direct", "passthrough", "sqlite", "parquet", "token-in")
 
 
 @dataclass(frozen=True)
@@ -60,6 +67,24 @@ class Phase:
     delay: float  # service time before the first byte
     tick: float  # seconds between stream writes
     events_per_write: int
+    #: The upstream: the pre-built answers, or the fake vLLM with its token-in routes.
+    upstream: str = "upstream_fixture.py"
+    #: The targets this phase runs (of those asked for).
+    targets: tuple[str, ...] = ("direct", "passthrough", "sqlite", "parquet")
+    #: The load generator: fixed requests (`loadgen.py`) or replayed sessions.
+    load: str = "loadgen.py"
+
+    def upstream_args(self) -> list[str]:
+        if self.upstream == "fake_upstream.py":
+            return ["--latency", str(self.delay)]
+        return [
+            "--delay",
+            str(self.delay),
+            "--tick",
+            str(self.tick),
+            "--events-per-write",
+            str(self.events_per_write),
+        ]
 
 
 @dataclass(frozen=True)
@@ -89,6 +114,16 @@ PHASES = {
     # 256 streams at once: fresh processes (their RSS is the streams', not earlier runs' state),
     # and 16 token events per write so the upstream itself keeps up on two cores.
     "burst": Phase("burst", delay=0.0, tick=0.002, events_per_write=16),
+    # Token-in beside the plain captured call: sessions replayed against the fake vLLM.
+    "fake": Phase(
+        "fake",
+        delay=0.0,
+        tick=0.0,
+        events_per_write=1,
+        upstream="fake_upstream.py",
+        targets=("direct", "sqlite", "token-in"),
+        load="session_load.py",
+    ),
 }
 
 
@@ -98,6 +133,7 @@ def scenarios(quick: bool) -> list[Scenario]:
             Scenario("unary-200ms-poisson100", "200ms", False, "poisson", rate=100, duration=4),
             Scenario("stream-200ms-poisson5", "200ms", True, "poisson", rate=5, duration=4),
             Scenario("unary-200ms-closed64", "200ms", False, "closed", concurrency=64, duration=3),
+            Scenario("token-in-fake-closed1", "fake", False, "closed", concurrency=1, duration=4),
         ]
     return [
         Scenario(
@@ -139,6 +175,25 @@ def scenarios(quick: bool) -> list[Scenario]:
             drain=40.0,
             about="256 streams open at once: RSS and errors",
         ),
+        Scenario(
+            "token-in-fake-closed1",
+            "fake",
+            False,
+            "closed",
+            concurrency=1,
+            duration=8,
+            about="token-in beside the plain captured call: replayed sessions, one call at a time",
+        ),
+        Scenario(
+            "token-in-stream-fake-closed1",
+            "fake",
+            True,
+            "closed",
+            concurrency=1,
+            duration=8,
+            about="the same, streamed (derender in coalesced calls)",
+        ),
+        Scenario("token-in-fake-closed4", "fake", False, "closed", concurrency=4, duration=8),
     ]
 
 
@@ -187,20 +242,7 @@ def started(phase: Phase, targets: list[str], workdir: Path) -> Iterator[dict[st
     logs.mkdir(parents=True, exist_ok=True)
     procs: list[Proc] = []
     try:
-        upstream = Proc(
-            "upstream",
-            [
-                PY,
-                str(HERE / "upstream_fixture.py"),
-                "--delay",
-                str(phase.delay),
-                "--tick",
-                str(phase.tick),
-                "--events-per-write",
-                str(phase.events_per_write),
-            ],
-            logs,
-        )
+        upstream = Proc("upstream", [PY, str(HERE / phase.upstream), *phase.upstream_args()], logs)
         procs.append(upstream)
         out: dict[str, Proc | None] = {}
         for t in targets:
@@ -210,8 +252,8 @@ def started(phase: Phase, targets: list[str], workdir: Path) -> Iterator[dict[st
             if t == "passthrough":
                 argv = [PY, str(HERE / "passthrough.py"), "--upstream", upstream.url]
             else:
-                store = workdir / f"{phase.name}-store"
-                url = f"sqlite:///{store}.db" if t == "sqlite" else f"parquet:///{store}-parquet"
+                store = workdir / f"{phase.name}-store-{t}"
+                url = f"parquet:///{store}" if t == "parquet" else f"sqlite:///{store}.db"
                 argv = [
                     PY,
                     "-m",
@@ -224,6 +266,8 @@ def started(phase: Phase, targets: list[str], workdir: Path) -> Iterator[dict[st
                     "--port",
                     "0",
                 ]
+                if t == "token-in":
+                    argv += ["--token-in", "on"]
             proc = Proc(t, argv, logs)
             procs.append(proc)
             out[t] = proc
@@ -241,7 +285,8 @@ DRAIN = {"quick": 5.0, "full": 15.0}
 def run_load(
     url: str, scenario: Scenario, seed: int, tag: str, extra: list[str], drain: float
 ) -> dict[str, Any]:
-    argv = [PY, str(HERE / "loadgen.py"), "--url", url, "--seed", str(seed), "--tag", tag]
+    load = PHASES[scenario.phase].load if scenario.phase else "loadgen.py"
+    argv = [PY, str(HERE / load), "--url", url, "--seed", str(seed), "--tag", tag]
     argv += [*scenario.load_args(), "--drain", str(drain), *extra]
     limit = scenario.duration + drain + 120
     done = subprocess.run(argv, capture_output=True, timeout=limit, check=False)
@@ -251,8 +296,12 @@ def run_load(
     return result
 
 
-def warm_up(url: str, tag: str) -> None:
+def warm_up(url: str, tag: str, phase: Phase) -> None:
     """A few calls first: the proxy fetches /version and /tokenize on first use."""
+    if phase.load == "session_load.py":  # sessions: one of them (its calls, one at a time)
+        s = Scenario("warmup", phase.name, False, "closed", concurrency=1, duration=0.1)
+        run_load(url, s, 0, tag, [], drain=30.0)
+        return
     s = Scenario("warmup", "", False, "closed", concurrency=4, duration=30)
     run_load(url, s, 0, tag, ["--count", "8"], drain=30.0)
 
@@ -332,15 +381,17 @@ def main(argv: list[str] | None = None) -> int:
             phase_scenarios = [s for s in chosen if s.phase == phase_name]
             if not phase_scenarios:
                 continue
-            with started(PHASES[phase_name], targets, workdir) as procs:
+            phase = PHASES[phase_name]
+            here = [t for t in targets if t in phase.targets]
+            with started(phase, here, workdir) as procs:
                 upstream = procs["upstream"]
                 assert upstream is not None
-                urls = {t: (procs[t] or upstream).url for t in targets}
-                for t in targets:
-                    warm_up(urls[t], f"warm-{phase_name}-{t}")
+                urls = {t: (procs[t] or upstream).url for t in here}
+                for t in here:
+                    warm_up(urls[t], f"warm-{phase_name}-{t}", phase)
                 for scenario in phase_scenarios:
                     for rep in range(repeats):
-                        order = targets[rep % len(targets) :] + targets[: rep % len(targets)]
+                        order = here[rep % len(here) :] + here[: rep % len(here)]
                         for t in order:
                             run = measure(t, procs[t], urls[t], scenario, rep, drain)
                             runs.append(run)
