@@ -22,7 +22,7 @@ from typing import Any
 
 import orjson
 
-from capture_proxy.core.token_in import Extension, Prior, Rendered, assemble, match, plan
+from capture_proxy.core.token_in import BridgeRenders, Extension, Prior, assemble, match, plan
 from capture_proxy.testing.fake_vllm._template import IM_END, encode, render_chat, tool_call_text
 
 
@@ -93,7 +93,7 @@ def main() -> None:
     assert isinstance(ext, Extension), ext
     p = plan(request, ext)
     assert p.turn is not None
-    rendered = Rendered(
+    rendered = BridgeRenders(
         (_ids(p.close[0]), _ids(p.close[1])),
         (_ids(p.suffix[0]), _ids(p.suffix[1])),
         (_ids(p.turn[0]), _ids(p.turn[1])),

@@ -97,7 +97,9 @@ class CaptureClient:
     `begin_call`/`complete_call` work (the caller sends the request). The timeouts are the
     proxy's ``--upstream-*-timeout`` settings for a URL upstream. `max_model_len` turns on
     the context guard (refuse, or with ``context_overflow="cap"`` cap max_tokens); `free_json`
-    bounds free-form JSON values as the proxy's ``--max-free-json-*`` settings do. Rollouts seen
+    bounds free-form JSON values as the proxy's ``--max-free-json-*`` settings do. `token_in`
+    sends `chat` and `stream` calls token-in as ``--token-in on`` does (docs/token-in.md; the
+    upstream must serve vLLM's scale-out routes). Rollouts seen
     before (by this process or an earlier one) resume from the store through a reader on the
     sink's own store; `source` replaces that reader.
     """
@@ -120,6 +122,7 @@ class CaptureClient:
         context_overflow: str = "refuse",
         free_json: FreeJsonLimits | None = None,
         source: Callable[[], StagingSource] | None = None,
+        token_in: bool = False,
     ) -> None:
         self._reader = SharedReader(sink) if source is None else None
         self.capture = Capture(
@@ -148,6 +151,7 @@ class CaptureClient:
                 max_model_len=max_model_len,
                 context_overflow="cap" if context_overflow == "cap" else "refuse",
                 free_json=free_json or FreeJsonLimits(),
+                token_in="on" if token_in else "off",
             ),
         )
         if adapter is not None:

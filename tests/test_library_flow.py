@@ -180,3 +180,29 @@ async def test_a_caller_that_stops_reading_a_stream_is_recorded_aborted(
     finally:
         await client.close()
     assert _stored(tmp_path, "ep") == ([], [("aborted", "client_disconnected")])
+
+
+async def test_token_in_calls_continue_the_previous_call_exactly(tmp_path: Path) -> None:
+    upstream = FakeVLLM(scale_out=True, drop_past_reasoning=True)
+    upstream.push(Turn("First.", reasoning="Think."), Turn("Second."))
+    server = TestServer(upstream.app())
+    await server.start_server()
+    client = _client(tmp_path, str(server.make_url("")).rstrip("/"), token_in=True)
+    try:
+        first = await client.chat("ep", chat_body(user("One.")))
+        assert first.status is CallStatus.STAGED
+        replayed = {"role": "assistant", "content": "First.", "reasoning": "Think."}
+        second = await client.chat("ep", chat_body(user("One."), replayed, user("Two.")))
+        assert second.status is CallStatus.STAGED
+    finally:
+        await client.close()
+        await server.close()
+    source = open_source(f"sqlite:///{tmp_path / 'lib.db'}")
+    try:
+        before, after = source.calls("ep")
+    finally:
+        source.close_reader()
+    assert before.token_in
+    assert after.token_in
+    sent = [*before.prompt_token_ids, *before.completion_token_ids]
+    assert list(after.prompt_token_ids[: len(sent)]) == sent

@@ -54,7 +54,13 @@ from .rollouts import RolloutLive
 from .sampling import RESOLVED_SAMPLING_KEYS, changes_distribution, effective_sampling
 from .scale_out import check_scale_out, goes_token_in
 from .token_in import Prior
-from .token_in_flow import CloseRenders, RenderRefused, TokenInPrompt, token_in_prompt
+from .token_in_flow import (
+    CloseRenders,
+    RenderRefused,
+    TokenInPrompt,
+    token_in_line,
+    token_in_prompt,
+)
 from .token_in_report import EXTENDED, NEW_SEGMENT, TokenInReport
 from .transport import (
     SCALE_OUT_DISABLED,
@@ -408,7 +414,7 @@ class Exchange:
         self._prompt = await token_in_prompt(
             upstream,
             self.pipeline.close_renders,
-            self.admitted.rollout.token_in_prior,
+            self.admitted.rollout.token_in_prior(token_in_line(self.request)),
             self.request,
             render_request,
         )
@@ -678,7 +684,7 @@ class Exchange:
             completion_ids=completion.completion_token_ids,
             finish_reason=completion.finish_reason,
         )
-        call.rollout.remember_token_in(call.seq, prior)
+        call.rollout.remember_token_in(call.seq, token_in_line(self.request), prior)
         cut = prompt.segment_break
         self.pipeline.report_token_in(
             TokenInReport(

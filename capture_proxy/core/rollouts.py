@@ -26,6 +26,7 @@ from ..sinks.base import StagingSource
 from .experts import ExpertsIndex, stored_entry
 from .lineage import LineageIndex
 from .token_in import Prior
+from .token_in_flow import token_in_line
 from .weights import DECREASED_FROM
 
 #: A claimed call with neither a record nor a ledger entry (the manifest's status for it).
@@ -44,6 +45,8 @@ __all__ = [
     "resume_rollout",
 ]
 
+#: How many lines of token-in calls a rollout keeps the last call of (`token_in_priors`).
+TOKEN_IN_LINES = 4
 #: How many request keys per rollout are kept for retry detection (a retry repeats a recent call).
 REQUESTS_KEPT = 128
 #: Records decoded at a time when a resumed rollout's staged bytes are counted.
@@ -119,17 +122,31 @@ class RolloutLive:
     #: The weight version the rollout's last admitted call was stamped with (None: no call yet),
     #: so a lower one is flagged; resumed from the last staged record.
     last_weight_version: int | None = None
-    #: The rollout's last staged token-in call, as the next token-in call continues it (its
-    #: request, answer, prompt and completion ids: one call's worth, whatever the rollout's
-    #: length), and its seq; resumed from the last staged token-in record.
-    token_in_prior: Prior | None = None
-    token_in_prior_seq: int = -1
+    #: The last staged token-in call of each line of calls (`token_in_line`: the same tools,
+    #: template keys and system message; OpenCode's title call is a line of its own), by line,
+    #: with its seq: what the next token-in call continues. At most `TOKEN_IN_LINES` lines, one
+    #: call's request, answer and ids each, whatever the rollout's length; resumed from the
+    #: store's token-in records.
+    token_in_priors: OrderedDict[str, tuple[int, Prior]] = field(default_factory=OrderedDict)
 
-    def remember_token_in(self, seq: int, prior: Prior) -> None:
-        """Keep `prior` as the call the next token-in call continues, unless a later call (a
-        higher seq, staged first by concurrent calls) is kept already."""
-        if seq > self.token_in_prior_seq:
-            self.token_in_prior, self.token_in_prior_seq = prior, seq
+    def remember_token_in(self, seq: int, line: str, prior: Prior) -> None:
+        """Keep `prior` (call `seq`) as the call its `line`'s next token-in call continues,
+        unless a later call of the line (staged first by concurrent calls) is kept already."""
+        kept = self.token_in_priors.get(line)
+        if kept is not None and kept[0] > seq:
+            return
+        self.token_in_priors[line] = (seq, prior)
+        self.token_in_priors.move_to_end(line)
+        while len(self.token_in_priors) > TOKEN_IN_LINES:
+            self.token_in_priors.popitem(last=False)
+
+    def token_in_prior(self, line: str) -> Prior | None:
+        """The call a token-in call of `line` continues: that line's last staged call, else the
+        rollout's last (the bridge then says why the call does not continue it), else None."""
+        kept = self.token_in_priors.get(line)
+        if kept is None and self.token_in_priors:
+            kept = max(self.token_in_priors.values(), key=lambda entry: entry[0])
+        return kept[1] if kept is not None else None
 
     def __post_init__(self) -> None:
         self.idle.set()
@@ -284,7 +301,7 @@ def resume_rollout(open_source: Callable[[], StagingSource], rollout_id: str) ->
                 if entry is not None:
                     live.experts.add(*entry)
                 if r.token_in:
-                    live.remember_token_in(r.seq, prior_of(r))
+                    live.remember_token_in(r.seq, token_in_line(r.request), prior_of(r))
             # The flag a record carries shows in its manifest line again.
             decreased = r.extras.get(DECREASED_FROM)
             if isinstance(decreased, int):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 from collections import OrderedDict
 from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass
@@ -27,8 +28,10 @@ from ..adapters.vllm import Rendered, read_render
 from ..schemas.fields import BridgeSpan
 from ..schemas.token_in_extras import SegmentBreak
 from .token_in import (
+    TEMPLATE_KEYS,
     Bridged,
     BridgePlan,
+    BridgeRenders,
     Extension,
     NotBridged,
     Prior,
@@ -37,16 +40,27 @@ from .token_in import (
     match,
     plan,
 )
-from .token_in import Rendered as RenderedPlan
 from .transport import EngineRoute, TokenInTransport
 
-__all__ = ["CloseRenders", "RenderRefused", "TokenInPrompt", "token_in_prompt"]
+__all__ = ["CloseRenders", "RenderRefused", "TokenInPrompt", "token_in_line", "token_in_prompt"]
 
 _T = TypeVar("_T")
 
 #: Request keys that set the output limit: unset, vLLM's render fills in the room the rendered
 #: prompt leaves in the context window, which a longer bridged prompt does not have.
 _LIMIT_KEYS = ("max_tokens", "max_completion_tokens")
+
+
+def token_in_line(request: Mapping[str, Any]) -> str:
+    """Which line of calls a request belongs to: a hash of its tools, template keys and leading
+    system message. The calls of one agent loop share them; a side call in the same rollout
+    (OpenCode's title call: no tools, its own system prompt) has its own line, so it never
+    comes between a call and the next one of the loop."""
+    messages = request.get("messages") or []
+    lead = messages[0] if messages and messages[0].get("role") == "system" else None
+    keys = {k: request[k] for k in TEMPLATE_KEYS if request.get(k) is not None}
+    line = {"tools": request.get("tools") or [], "keys": keys, "system": lead}
+    return hashlib.sha256(orjson.dumps(line, option=orjson.OPT_SORT_KEYS)).hexdigest()
 
 
 class CloseRenders:
@@ -218,7 +232,7 @@ def _bridged(
     if bridge.turn is not None:
         turn, decoded = (decoded[0], decoded[1]), decoded[2:]
     try:
-        rendered = RenderedPlan.from_answers(close, (decoded[0], decoded[1]), turn)
+        rendered = BridgeRenders.from_answers(close, (decoded[0], decoded[1]), turn)
     except ValueError as e:
         return NotBridged("template_not_bridgeable", str(e))
     if cached is None:

@@ -2,8 +2,9 @@
 
 A server restart closes every connection, so a call on a pooled connection reaches the process
 its facts came from; only a call on a new connection may reach another one. `WatchedConnector`
-runs a check (`on_new`) once per new connection opened for a chat call, after the connection is
-made and before the request is written: the steady state (connections reused) costs a set lookup.
+runs a check (`on_new`) once per new connection opened for a call (the chat route, or the render
+and generate routes a token-in call starts with), after the connection is made and before the
+request is written: the steady state (connections reused) costs a set lookup.
 """
 
 from __future__ import annotations
@@ -18,11 +19,13 @@ from aiohttp.tracing import Trace
 
 __all__ = ["WatchedConnector"]
 
-_CHAT_PATH = "/v1/chat/completions"
+#: The routes a call is planned for: chat, and token-in's render and generate (derender only
+#: reads an answer already generated; a new process answers it the same).
+_WATCHED_PATHS = ("/v1/chat/completions", "/v1/chat/completions/render", "/inference/v1/generate")
 
 
 class WatchedConnector(aiohttp.TCPConnector):
-    """A `TCPConnector` that awaits `on_new()` when a chat call gets a connection it has not seen.
+    """A `TCPConnector` that awaits `on_new()` when a call gets a connection it has not seen.
 
     If `on_new` raises, the new connection is closed and the error goes to the caller of the
     request, which was not sent.
@@ -45,7 +48,7 @@ class WatchedConnector(aiohttp.TCPConnector):
         if proto is None or proto in self._seen:
             return conn
         self._seen.add(proto)
-        if req.method == "POST" and req.url.path.endswith(_CHAT_PATH):
+        if req.method == "POST" and req.url.path.endswith(_WATCHED_PATHS):
             try:
                 await self._on_new()
             except BaseException:

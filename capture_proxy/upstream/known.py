@@ -228,14 +228,18 @@ class UpstreamFacts:
                 changed.append("sampling defaults")
             if facts.scale_out is not None and facts.scale_out != info.scale_out:
                 changed.append("scale-out routes")
+        # Read after the fetch: a check that ran beside this one (a token-in call opens several
+        # connections at once) may have noticed the new process already.
+        noticed = _facts_of(self._info(model)) != _facts_of(info)
         if version is not None and not version[1]:
             self._keep_version(version)
         if facts is not None and not facts.problem:
             self._keep_model(model, facts)
         if changed:
-            self.restarts_seen += 1
-            self._forget_weights()  # they were the old process's
-            log.warning("the upstream is a new process (%s): planning the call again", changed)
+            if not noticed:
+                self.restarts_seen += 1
+                self._forget_weights()  # they were the old process's
+                log.warning("the upstream is a new process (%s): planning the call again", changed)
             raise UpstreamRestarted(f"the upstream changed under the call ({', '.join(changed)})")
 
     # -- fetching ------------------------------------------------------------------------------
@@ -337,3 +341,8 @@ class UpstreamFacts:
             if served is not None:
                 self.scale_out = served
         return self.scale_out
+
+
+def _facts_of(info: UpstreamInfo) -> tuple[Any, ...]:
+    """The facts a restart check compares."""
+    return (info.version, info.fingerprint, info.sampling_defaults, info.scale_out)

@@ -12,6 +12,8 @@ from capture_proxy.read.reader import open_store
 from capture_proxy.schemas.records import StagedCallRecord
 from capture_proxy.schemas.token_in_extras import plain_divergence_of, segment_break_of
 from capture_proxy.testing.fake_vllm import FakeToolCall, FakeVLLM, Turn
+from capture_proxy.testing.fake_vllm._template import IM_END
+from tests.inspect.test_inspect import inspect
 from tests.support.proxy_harness import Proxy, chat_body, sse_lines, user
 
 TOOLS = [
@@ -147,11 +149,23 @@ async def test_a_replayed_session_is_one_segment_with_token_in(make_proxy: Any) 
     measured = [plain_divergence_of(r.extras) for r in records]
     assert measured[0] == (True, None)
     assert all(m[0] and m[1] is not None for m in measured[2:])
-    traj = open_store(p.store_url).trajectory("r1", include_open=True)
+    store = open_store(p.store_url)
+    store.verify()  # every digest holds, token-in fields included
+    traj = store.trajectory("r1", include_open=True)
     assert len(traj.segments) == 1
     assert traj.drift == []
     assert traj.calls == [r.call_id for r in records]
     assert all(r.bridge_spans for r in records[1:])
+    assert traj.bridge_spans
+    assert all(traj.loss_mask[s] == 0 for s, _, _ in traj.bridge_spans)
+    # What token-in avoided is counted once per call, and shown by inspect.
+    text = await (await p.client.get("/metrics")).text()
+    assert 'capture_proxy_token_in_calls_total{reason="no_prior",result="new_segment"} 1.0' in text
+    assert 'capture_proxy_token_in_calls_total{reason="",result="extended"} 3.0' in text
+    assert "capture_proxy_token_in_plain_divergence_total 3.0" in text
+    code, shown = inspect(p.store_url, "--rollout", "r1")
+    assert code == 0
+    assert "4 token-in call(s); plain rendering would have diverged in 3 of 4" in shown
 
 
 async def test_the_same_session_without_token_in_drifts(make_proxy: Any) -> None:
@@ -161,3 +175,130 @@ async def test_the_same_session_without_token_in_drifts(make_proxy: Any) -> None
     traj = open_store(p.store_url).trajectory("r1", include_open=True)
     assert traj.drift
     assert len(traj.segments) > 1
+
+
+# -- the hard cases, once each through the proxy ---------------------------------------------
+
+
+async def _call(p: Proxy, messages: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    resp = await p.chat(chat_body(*messages, tools=TOOLS, **extra))
+    assert resp.status == 200, await resp.text()
+    assert resp.headers["X-Capture-Status"] == "staged"
+    return dict(await resp.json())
+
+
+def _replay(answer: dict[str, Any]) -> dict[str, Any]:
+    message = answer["choices"][0]["message"]
+    replayed = {"role": "assistant", "content": message["content"] or ""}
+    if message.get("reasoning"):
+        replayed["reasoning"] = message["reasoning"]
+    if message.get("tool_calls"):
+        replayed["tool_calls"] = message["tool_calls"]
+    return replayed
+
+
+async def test_a_completion_cut_by_length_gets_the_end_of_turn_added(make_proxy: Any) -> None:
+    p = await make_proxy(fake=fake(), token_in="on")
+    p.fake.push(Turn(content="A long answer that goes on.", reasoning="Think."), Turn("ok"))
+    messages = [SYSTEM, user("Talk.")]
+    first = await _call(p, messages, max_tokens=12)
+    assert first["choices"][0]["finish_reason"] == "length"
+    await _call(p, [*messages, _replay(first), user("Go on.")])
+    before, after = p.calls()
+    assert before.finish_reason == "length"
+    assert before.completion_token_ids[-1] != IM_END  # no end-of-turn token was sampled
+    assert_extends([before, after])
+    start = len(before.prompt_token_ids) + len(before.completion_token_ids)
+    [(s, _, reason)] = after.bridge_spans
+    assert (s, reason) == (start, "end_of_turn_added")
+    assert after.prompt_token_ids[s] == IM_END
+    assert segment_break_of(after.extras) is None
+
+
+async def test_a_completion_that_stopped_gets_only_what_follows_its_end_of_turn(
+    make_proxy: Any,
+) -> None:
+    p = await make_proxy(fake=fake(), token_in="on")
+    p.fake.push(Turn(content="Short.", reasoning="Think."), Turn("ok"))
+    messages = [SYSTEM, user("Talk.")]
+    first = await _call(p, messages)
+    await _call(p, [*messages, _replay(first), user("Go on.")])
+    before, after = p.calls()
+    assert before.completion_token_ids[-1] == IM_END
+    start = len(before.prompt_token_ids) + len(before.completion_token_ids)
+    assert [(s, r) for s, _, r in after.bridge_spans] == [(start, "turn_close")]
+
+
+async def test_several_tool_results_appended_at_once_extend_the_call(make_proxy: Any) -> None:
+    p = await make_proxy(fake=fake(), token_in="on")
+    calls = [FakeToolCall("read", {"path": "a.py"}), FakeToolCall("read", {"path": "b.py"})]
+    p.fake.push(Turn(reasoning="Both.", tool_calls=calls), Turn("Both print hello."))
+    messages = [SYSTEM, user("Read a.py and b.py.")]
+    first = await _call(p, messages)
+    replayed = _replay(first)
+    assert first["choices"][0]["finish_reason"] == "tool_calls"
+    results = [tool_result(c, "print('hello')") for c in replayed["tool_calls"]]
+    await _call(p, [*messages, replayed, *results])
+    records = p.calls()
+    assert_extends(records)
+    assert segment_break_of(records[1].extras) is None
+
+
+async def test_an_edited_history_starts_a_new_segment_with_its_reason(make_proxy: Any) -> None:
+    p = await make_proxy(fake=fake(), token_in="on")
+    p.fake.push(Turn("First."), Turn("Second."), Turn("Third."))
+    messages = [SYSTEM, user("One.")]
+    first = await _call(p, messages)
+    messages += [_replay(first), user("Two.")]
+    second = await _call(p, messages)
+    # The agent compacts its context: the first exchange is summarized away.
+    await _call(p, [SYSTEM, user("Summary: we talked."), _replay(second), user("Three.")])
+    records = p.calls()
+    cut = segment_break_of(records[2].extras)
+    assert cut is not None
+    assert cut.reason == "history_edited"
+    assert "message 1" in cut.detail
+    # The plain rendering was sent: what the fake's template gives the request.
+    assert p.fake.responses[2]["prompt_token_ids"] == list(records[2].prompt_token_ids)
+    assert records[2].bridge_spans == ()
+    traj = open_store(p.store_url).trajectory("r1", include_open=True)
+    assert len(traj.segments) == 2
+    assert [b.reason for b in traj.breaks] == ["history_edited"]
+    assert traj.drift == []
+
+
+async def test_the_answers_are_ordinary_chat_completions(make_proxy: Any) -> None:
+    p = await make_proxy(fake=fake(), token_in="on")
+    p.fake.push(Turn(reasoning="Hm.", tool_calls=[FakeToolCall("bash", {"command": "ls"})]))
+    answer = await _call(p, [SYSTEM, user("List.")])
+    [choice] = answer["choices"]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["logprobs"] is None  # the client did not ask
+    assert "token_ids" not in choice
+    assert "prompt_token_ids" not in answer
+    [record] = p.calls()
+    usage = answer["usage"]
+    assert usage["prompt_tokens"] == len(record.prompt_token_ids)
+    assert usage["completion_tokens"] == len(record.completion_token_ids)
+    assert choice["message"]["reasoning"] == "Hm."
+    assert orjson.loads(choice["message"]["tool_calls"][0]["function"]["arguments"]) == {
+        "command": "ls"
+    }
+
+
+async def test_a_title_call_between_two_calls_does_not_break_the_line(make_proxy: Any) -> None:
+    p = await make_proxy(fake=fake(), token_in="on")
+    p.fake.push(Turn("First."), Turn("A title"), Turn("Second."))
+    messages = [SYSTEM, user("One.")]
+    first = await _call(p, messages)
+    # OpenCode's title call: its own system prompt, no tools, in the same rollout.
+    title = [{"role": "system", "content": "Write a title."}, user("One.")]
+    resp = await p.chat(chat_body(*title))
+    assert resp.headers["X-Capture-Status"] == "staged"
+    await _call(p, [*messages, _replay(first), user("Two.")])
+    main, side, after = p.calls()
+    assert segment_break_of(after.extras) is None
+    assert_extends([main, after])
+    traj = open_store(p.store_url).trajectory("r1", include_open=True)
+    assert traj.apart == [side.call_id]
+    assert len(traj.segments) == 1

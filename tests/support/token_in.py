@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from capture_proxy.core.token_in import BridgePlan, Prior, Rendered
+from capture_proxy.core.token_in import BridgePlan, BridgeRenders, Prior
 from capture_proxy.testing.fake_vllm._template import IM_END, encode, render_chat
 
 MODEL = "policy"
@@ -28,13 +28,13 @@ def render_ids(body: Mapping[str, Any], *, drop_past_reasoning: bool = True) -> 
     return encode(text)
 
 
-def render_plan(plan: BridgePlan, *, drop_past_reasoning: bool = True) -> Rendered:
+def render_plan(plan: BridgePlan, *, drop_past_reasoning: bool = True) -> BridgeRenders:
     """Answer a plan's render requests with the fake's template."""
 
     def ids(body: Mapping[str, Any]) -> list[int]:
         return render_ids(body, drop_past_reasoning=drop_past_reasoning)
 
-    return Rendered(
+    return BridgeRenders(
         close=(ids(plan.close[0]), ids(plan.close[1])),
         suffix=(ids(plan.suffix[0]), ids(plan.suffix[1])),
         turn=None if plan.turn is None else (ids(plan.turn[0]), ids(plan.turn[1])),

@@ -16,7 +16,7 @@ for the bodies a plan lists. In order:
 2. `plan(request, extension)`: a `BridgePlan`, the render bodies to send (`requests()`): two
    for the turn close, cacheable under ``close_key``; two more when the replayed answer has tool
    calls; two for the appended messages. They are independent: send them at once.
-3. `assemble(prior, plan, Rendered.from_answers(...))`: a `Bridged` prompt with its
+3. `assemble(prior, plan, BridgeRenders.from_answers(...))`: a `Bridged` prompt with its
    ``bridge_spans`` (the tokens the proxy inserted, for the record), or a `NotBridged`.
 4. `divergence(bridged, plain)`: where the plain rendering would have differed (what token-in
    avoided), or None.
@@ -25,7 +25,7 @@ for the bodies a plan lists. In order:
 from ._assemble import END_OF_TURN_ADDED, TURN_CLOSE, assemble, common_suffix, divergence
 from ._match import TEMPLATE_KEYS, match
 from ._plan import DUMMY_CONTENTS, plan
-from ._values import BREAK_REASONS, Bridged, BridgePlan, Extension, NotBridged, Prior, Rendered
+from ._values import BREAK_REASONS, Bridged, BridgePlan, BridgeRenders, Extension, NotBridged, Prior
 
 __all__ = [
     "BREAK_REASONS",
@@ -34,11 +34,11 @@ __all__ = [
     "TEMPLATE_KEYS",
     "TURN_CLOSE",
     "BridgePlan",
+    "BridgeRenders",
     "Bridged",
     "Extension",
     "NotBridged",
     "Prior",
-    "Rendered",
     "assemble",
     "common_suffix",
     "divergence",

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 
 from ...schemas.fields import BridgeSpan
 from ...schemas.tokens import common_prefix_len
-from ._values import Bridged, BridgePlan, NotBridged, Prior, Rendered
+from ._values import Bridged, BridgePlan, BridgeRenders, NotBridged, Prior
 
 __all__ = ["END_OF_TURN_ADDED", "TURN_CLOSE", "assemble", "common_suffix", "divergence"]
 
@@ -48,7 +48,7 @@ def common_suffix(a: Sequence[int], b: Sequence[int]) -> list[int]:
     return list(a[len(a) - n :])
 
 
-def assemble(prior: Prior, plan: BridgePlan, rendered: Rendered) -> Bridged | NotBridged:
+def assemble(prior: Prior, plan: BridgePlan, rendered: BridgeRenders) -> Bridged | NotBridged:
     """The bridged prompt for `plan`'s extension of `prior`, from the renders it asked for."""
     if rendered.features:
         return NotBridged("multimodal_append", "the appended messages render with image features")
@@ -75,7 +75,7 @@ def assemble(prior: Prior, plan: BridgePlan, rendered: Rendered) -> Bridged | No
     end = close
     if plan.turn is not None:
         if rendered.turn is None:
-            raise ValueError("the plan asks for `turn` renders: pass them in Rendered.turn")
+            raise ValueError("the plan asks for `turn` renders: pass them in BridgeRenders.turn")
         end = common_suffix(*rendered.turn)
         if end[len(end) - len(close) :] != close:
             return NotBridged(

@@ -1,5 +1,5 @@
 """The values the token-in bridge passes around: what it knows of the previous call, its
-verdicts (`Extension`, `NotBridged`) and its results (`BridgePlan`, `Rendered`, `Bridged`)."""
+verdicts (`Extension`, `NotBridged`) and its results (`BridgePlan`, `BridgeRenders`, `Bridged`)."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ from ...schemas.fields import BridgeSpan
 __all__ = [
     "BREAK_REASONS",
     "BridgePlan",
+    "BridgeRenders",
     "Bridged",
     "Extension",
     "NotBridged",
     "Prior",
-    "Rendered",
 ]
 
 #: Every reason a `NotBridged` can give, and when:
@@ -126,7 +126,7 @@ class BridgePlan:
 
 
 @dataclass(frozen=True, slots=True)
-class Rendered:
+class BridgeRenders:
     """The token ids the render route answered for a plan's requests, in the plan's order.
 
     `turn` is given exactly when the plan has a `turn` pair. `features` lists the non-null
@@ -145,7 +145,7 @@ class Rendered:
         close: tuple[Mapping[str, Any], Mapping[str, Any]],
         suffix: tuple[Mapping[str, Any], Mapping[str, Any]],
         turn: tuple[Mapping[str, Any], Mapping[str, Any]] | None = None,
-    ) -> Rendered:
+    ) -> BridgeRenders:
         """Read render answers (vLLM's ``GenerateRequest``: ``token_ids``, ``features``).
 
         Raises ValueError naming the answer when its ``token_ids`` is not a list of ints.

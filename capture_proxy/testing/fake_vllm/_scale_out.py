@@ -147,7 +147,12 @@ class ScaleOutRoutes:
             return complete_raw(request, orjson.dumps(generate_body(g)), fault)
         usage = isinstance(options, Mapping) and bool(options.get("include_usage"))
         events = generate_events(g, lambda: self.weight_version, include_usage=usage)
-        resp, aborted = await write_events(request, events, fault, self.chunk_delay)
+        try:
+            resp, aborted = await write_events(request, events, fault, self.chunk_delay)
+        except asyncio.CancelledError:
+            # The test server cancels a handler whose client disconnected (as the chat route).
+            self.aborted += 1
+            raise
         self.aborted += aborted
         return resp
 

@@ -17,10 +17,10 @@ from capture_proxy.core.token_in import (
     END_OF_TURN_ADDED,
     TURN_CLOSE,
     Bridged,
+    BridgeRenders,
     Extension,
     NotBridged,
     Prior,
-    Rendered,
     assemble,
     common_suffix,
     divergence,
@@ -176,7 +176,7 @@ def _planned() -> tuple[Prior, Any]:
 def test_renders_without_a_common_close_are_not_bridgeable() -> None:
     prior, p = _planned()
     # A template that writes nothing after an assistant's content: the two renders end on v.
-    rendered = Rendered(close=([1, 65], [1, 66]), suffix=([1, 65, 7], [1, 66, 7]))
+    rendered = BridgeRenders(close=([1, 65], [1, 66]), suffix=([1, 65, 7], [1, 66, 7]))
     assert assemble(prior, p, rendered) == NotBridged(
         "template_not_bridgeable",
         "the two dummy renders share no closing tokens: the template writes nothing after an "
@@ -191,7 +191,7 @@ def test_an_appended_rendering_not_starting_with_the_close_is_not_bridgeable() -
     changed = tuple(
         [*ids[: -len(USER_TOKENS) - len(GENERATION) - 2], 99, *USER_TOKENS] for ids in good.suffix
     )
-    rendered = Rendered(close=good.close, suffix=(changed[0], changed[1]))
+    rendered = BridgeRenders(close=good.close, suffix=(changed[0], changed[1]))
     assert assemble(prior, p, rendered) == NotBridged(
         "template_not_bridgeable",
         "the rendering of the appended messages does not start with the turn's end (2 tokens)",
@@ -201,7 +201,7 @@ def test_an_appended_rendering_not_starting_with_the_close_is_not_bridgeable() -
 def test_image_features_in_the_appended_renders_are_multimodal_append() -> None:
     prior, p = _planned()
     good = render_plan(p)
-    rendered = Rendered(good.close, good.suffix, features=({"modality": "image"},))
+    rendered = BridgeRenders(good.close, good.suffix, features=({"modality": "image"},))
     assert assemble(prior, p, rendered) == NotBridged(
         "multimodal_append", "the appended messages render with image features"
     )
@@ -209,11 +209,13 @@ def test_image_features_in_the_appended_renders_are_multimodal_append() -> None:
 
 def test_render_answers_are_read_from_vllms_generate_request() -> None:
     answer = json.loads((FIXTURES / "render-chat-response.json").read_text())
-    rendered = Rendered.from_answers((answer, answer), (answer, {**answer, "features": {"x": 1}}))
+    rendered = BridgeRenders.from_answers(
+        (answer, answer), (answer, {**answer, "features": {"x": 1}})
+    )
     assert rendered.close == (answer["token_ids"], answer["token_ids"])
     assert rendered.features == ({"x": 1},)
     with pytest.raises(ValueError, match=r"render answer suffix\[1\]: token_ids must be a list"):
-        Rendered.from_answers((answer, answer), (answer, {**answer, "token_ids": None}))
+        BridgeRenders.from_answers((answer, answer), (answer, {**answer, "token_ids": None}))
 
 
 def _tool_plan() -> tuple[Prior, Any, dict[str, Any]]:
@@ -251,7 +253,7 @@ def strict_render(body: dict[str, Any]) -> list[int]:
 def test_a_template_that_needs_the_tool_call_before_a_result_is_bridged() -> None:
     prior, p, request = _tool_plan()
     assert p.turn is not None
-    rendered = Rendered(
+    rendered = BridgeRenders(
         close=(strict_render(p.close[0]), strict_render(p.close[1])),
         suffix=(strict_render(p.suffix[0]), strict_render(p.suffix[1])),
         turn=(strict_render(p.turn[0]), strict_render(p.turn[1])),
@@ -274,7 +276,7 @@ def test_a_tool_call_turn_closed_by_other_tokens_is_not_bridgeable() -> None:
                 ids[i + len(end_of_call) - 1] = 0
         return ids
 
-    rendered = Rendered(
+    rendered = BridgeRenders(
         close=(call_close(p.close[0]), call_close(p.close[1])),
         suffix=(call_close(p.suffix[0]), call_close(p.suffix[1])),
         turn=(call_close(p.turn[0]), call_close(p.turn[1])),
@@ -288,14 +290,14 @@ def test_a_tool_call_turn_closed_by_other_tokens_is_not_bridgeable() -> None:
 def test_a_plan_with_tool_calls_needs_its_turn_renders() -> None:
     prior, p, _ = _tool_plan()
     full = render_plan(p)
-    with pytest.raises(ValueError, match=r"pass them in Rendered\.turn"):
-        assemble(prior, p, Rendered(full.close, full.suffix))
+    with pytest.raises(ValueError, match=r"pass them in BridgeRenders\.turn"):
+        assemble(prior, p, BridgeRenders(full.close, full.suffix))
 
 
 def test_renders_that_ignore_the_assistant_content_are_not_bridgeable() -> None:
     prior, p = _planned()
     good = render_plan(p)
-    same = Rendered(close=(good.close[0], good.close[0]), suffix=good.suffix)
+    same = BridgeRenders(close=(good.close[0], good.close[0]), suffix=good.suffix)
     assert assemble(prior, p, same) == NotBridged(
         "template_not_bridgeable",
         "the two close renders are the same: the template does not render the assistant's content",

@@ -16,9 +16,9 @@ from aiohttp.test_utils import TestClient
 
 from capture_proxy.core.token_in import (
     Bridged,
+    BridgeRenders,
     Extension,
     Prior,
-    Rendered,
     assemble,
     divergence,
     match,
@@ -66,7 +66,7 @@ async def test_a_tool_call_then_a_user_message_bridge_through_the_render_route(
     p = plan(request, ext)
     assert p.turn is not None
     answers = await asyncio.gather(*(render(client, body) for body in p.requests()))
-    rendered = Rendered.from_answers(
+    rendered = BridgeRenders.from_answers(
         close=(answers[0], answers[1]),
         turn=(answers[2], answers[3]),
         suffix=(answers[4], answers[5]),
