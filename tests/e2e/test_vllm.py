@@ -343,16 +343,14 @@ async def play_session(p: Proxy, rollout: str) -> list[StagedCallRecord]:
         request = {**body(messages), "stream": stream, **steer}
         answer = await read_answer(await p.chat(request, rollout=rollout), stream=stream)
         assert answer.status == "staged", (turn, answer)
-        if turn + 1 == len(SESSION):
-            break
+        # Steered as intended: a tool call on the steered turns, reasoning only on the others.
+        assert bool(answer.tool_calls) == ("structured_outputs" in steer), (turn, answer)
+        assert answer.tool_calls or answer.reasoning, (turn, answer)
         follow: list[dict[str, Any]] = [
             {"role": "tool", "tool_call_id": call["id"], "content": f"result {turn}"}
             for call in answer.tool_calls
         ] or [{"role": "user", "content": f"Go on ({turn})."}]
         messages = [*messages, replayed(answer), *follow]
-        # Steered as intended: a tool call on the steered turns, reasoning only on the others.
-        assert bool(answer.tool_calls) == ("structured_outputs" in steer), (turn, answer)
-        assert answer.tool_calls or answer.reasoning, (turn, answer)
     records = p.calls(rollout)
     assert len(records) == len(SESSION)
     return records
