@@ -19,7 +19,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from array import array
 from collections.abc import AsyncGenerator, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -29,44 +28,31 @@ import orjson
 from ..adapters.vllm import (
     CaptureExtractionError,
     Completion,
-    DerenderedStream,
     ForwardPlan,
     ReasoningField,
     UpstreamProtocolError,
     VLLMAdapter,
     WeightSpan,
-    client_answer,
-    derender_body,
     parse_error_body,
-    read_derender,
-    read_generate,
-    to_completion,
 )
 from ..errors import BadRequest, PayloadTooLarge, ProxyError, Unprocessable, UpstreamFailed
 from ..schemas.records import CallStatus, StageResult
 from ..schemas.request import FreeJsonLimits, RequestValidationError, check_free_json_limits
-from ..schemas.token_in_extras import token_in_extras
 from .call import Call, sampling_of
 from .capture import Capture
-from .derender import StreamedDerender
 from .normalize import NormalizedRequest, normalize_request
 from .rollouts import RolloutLive
-from .sampling import RESOLVED_SAMPLING_KEYS, changes_distribution, effective_sampling
+from .sampling import changes_distribution, effective_sampling
 from .scale_out import check_scale_out, goes_token_in
-from .token_in import Prior
 from .token_in_flow import (
     CloseRenders,
     RenderRefused,
     TokenInPrompt,
-    token_in_line,
-    token_in_prompt,
 )
-from .token_in_report import EXTENDED, NEW_SEGMENT, TokenInReport
+from .token_in_report import TokenInReport
+from .token_in_steps import TokenInSteps
 from .transport import (
-    SCALE_OUT_DISABLED,
-    EngineRoute,
     EngineWeights,
-    TokenInTransport,
     UpstreamInfo,
     UpstreamReply,
     UpstreamRestarted,
@@ -76,10 +62,6 @@ from .transport import (
 __all__ = ["Exchange", "ExchangeConfig", "Outcome", "Pipeline"]
 
 log = logging.getLogger("capture_proxy.exchange")
-
-_DONE = b"data: [DONE]\n\n"
-#: Where an SSE event's JSON starts (after ``data: ``).
-_DATA = len(b"data: ")
 
 #: Bodies above this are decoded and normalized, and their request key and digest computed, on
 #: a worker thread: base64-decoding a large image or walking large JSON would otherwise stall
@@ -234,8 +216,10 @@ def decode_and_normalize(
         raise err(e.message, code=e.code, param=e.param) from e
 
 
-class Exchange:
-    """One client call through a `Pipeline`; see the module docstring for the order of steps."""
+class Exchange(TokenInSteps):
+    """One client call through a `Pipeline`; see the module docstring for the order of steps.
+
+    A token-in call (`token_in`) takes the same steps through `TokenInSteps`."""
 
     def __init__(self, pipeline: Pipeline, rollout_id: str) -> None:
         self.pipeline = pipeline
@@ -404,22 +388,7 @@ class Exchange:
         upstream = self.pipeline.upstream
         if not self.token_in:
             return await upstream.post_chat(self.plan.body)
-        if not isinstance(upstream, TokenInTransport):
-            raise UpstreamFailed(SCALE_OUT_DISABLED, code="scale_out_disabled", status=503)
-        # The request as the chat route would get it, rendered: generate's request comes from it.
-        render_request = orjson.loads(self.plan.body)
-        for key in ("stream", "stream_options"):
-            render_request.pop(key, None)
-        self._render_request = render_request
-        self._prompt = await token_in_prompt(
-            upstream,
-            self.pipeline.close_renders,
-            self.admitted.rollout.token_in_prior(token_in_line(self.request)),
-            self.request,
-            render_request,
-        )
-        body = self._prompt.generate_body(self.request, stream=self.streamed)
-        return await upstream.post_engine(EngineRoute.GENERATE, body)
+        return await self._post_token_in()
 
     async def _upstream_error(self, status: int, raw: bytes) -> Outcome:
         """Record and return the upstream's error answer (`status`, body `raw`) to relay."""
@@ -456,46 +425,6 @@ class Exchange:
             return await self._finish_token_in(raw)
         self._upstream_s = time.perf_counter() - self._t_up
         return await self.finish_unary(raw)
-
-    async def _finish_token_in(self, raw: bytes) -> Outcome:
-        """Derender generate's unary answer `raw` for the client, then stage the call."""
-        prompt = self._prompt
-        assert prompt is not None
-        assert self.plan is not None
-        try:
-            generated = read_generate(raw)
-            body = derender_body(raw, prompt.prompt_ids, self._render_request)
-            derendered = await self._derender(body)
-        except UpstreamProtocolError as e:
-            malformed = UpstreamFailed(
-                f"the upstream answer is malformed: {e.message}", code=e.reason
-            )
-            await self.fail_upstream(malformed)
-            raise malformed from e
-        except UpstreamFailed as e:
-            await self.fail_upstream(e)
-            raise
-        self._upstream_s = time.perf_counter() - self._t_up
-        ids = array("i", prompt.prompt_ids)
-        completion = to_completion(generated, ids, derendered, model=self._model)
-        client_body = client_answer(derendered, generated, prompt.prompt_ids, self.plan.wants)
-        return await self._stage(completion, client_body, generated.weight_spans)
-
-    async def _derender(self, body: bytes) -> dict[str, Any]:
-        upstream = self.pipeline.upstream
-        assert isinstance(upstream, TokenInTransport)
-        async with await upstream.post_engine(EngineRoute.DERENDER, body) as reply:
-            raw = await reply.read()
-        if reply.status != 200:
-            text = raw[:500].decode(errors="replace")
-            raise UpstreamFailed(
-                f"derender answered {reply.status}: {text}", code="derender_failed"
-            )
-        return read_derender(raw)
-
-    @property
-    def _model(self) -> str:
-        return str(self.request.get("model", ""))
 
     async def finish_unary(self, raw: bytes) -> Outcome:
         """Parse a unary 200 answer and stage it (also the library's entry point)."""
@@ -551,41 +480,6 @@ class Exchange:
             return
         await self._stage(completion, b"")
 
-    async def _relay_token_in(self) -> AsyncGenerator[bytes, None]:
-        """`relay_stream` for token-in: generate's stream derendered in coalesced calls."""
-        prompt, plan, reply = self._prompt, self.plan, self._reply
-        assert prompt is not None
-        assert plan is not None
-        assert reply is not None
-        upstream = self.pipeline.upstream
-        assert isinstance(upstream, TokenInTransport)
-        derender = StreamedDerender(upstream, reply, prompt.prompt_ids, self._render_request)
-        shaped = DerenderedStream(plan.wants, prompt.prompt_ids)
-        async with reply:
-            events = derender.events()
-            try:
-                async for event in events:
-                    if event == _DONE:
-                        continue  # the proxy sends its own once the call is staged
-                    piece = shaped.feed(orjson.loads(event[_DATA:]))
-                    if piece is not None:
-                        yield piece
-            except UpstreamProtocolError as e:
-                await self.fail_upstream(UpstreamFailed(e.message, code=e.reason), http_status=502)
-                return
-            except UpstreamFailed as e:
-                await self.fail_upstream(e, http_status=502)
-                return
-            finally:
-                if isinstance(events, AsyncGenerator):
-                    await events.aclose()  # its reader task ends now, with the client's stream
-        generated = derender.generated
-        assert generated is not None  # the events end only after the whole generation
-        answer = {"choices": [{"message": shaped.message()}]}
-        ids = array("i", prompt.prompt_ids)
-        completion = to_completion(generated, ids, answer, model=self._model)
-        await self._stage(completion, b"", generated.weight_spans)
-
     async def finish_stream(self, raw: bytes) -> Outcome:
         """Stage a whole SSE byte stream received by someone else (the library's entry point)."""
         call, plan = self.admitted, self.plan
@@ -627,15 +521,9 @@ class Exchange:
             engine_version, weight_spans = await self._engine_weights(completion)
             effective = effective_sampling(sampling, info.sampling_defaults)
         else:
-            # Generate says which weights sampled which tokens, and the call's own render what
-            # vLLM resolved its sampling to.
-            weight_spans = list(generated_spans or ())
-            versions = {version for version, _, _ in weight_spans}
-            engine_version = versions.pop() if len(versions) == 1 else None
-            params = prompt.rendered.sampling_params
-            resolved = {k: params[k] for k in RESOLVED_SAMPLING_KEYS if k in params}
-            effective = effective_sampling(sampling, resolved)
-            completion.extras.update(token_in_extras(prompt.segment_break, prompt.plain_divergence))
+            engine_version, weight_spans, effective = self._token_in_facts(
+                prompt, completion, sampling, generated_spans or ()
+            )
         if effective is not None:
             self.pipeline.check_logprobs_mode(effective)
         # Its own task: a client that goes away meanwhile cancels only this wait.
@@ -670,29 +558,6 @@ class Exchange:
                 result.reason or "",
                 result.message or "",
                 result,
-            )
-        )
-
-    def _continued_by_next(self, completion: Completion, prompt: TokenInPrompt) -> None:
-        """A staged token-in call: the one the rollout's next token-in call continues; tell the
-        metrics what token-in did."""
-        call = self.admitted
-        prior = Prior(
-            request=self.request,
-            message=completion.message,
-            prompt_ids=completion.prompt_token_ids,
-            completion_ids=completion.completion_token_ids,
-            finish_reason=completion.finish_reason,
-        )
-        call.rollout.remember_token_in(call.seq, token_in_line(self.request), prior)
-        cut = prompt.segment_break
-        self.pipeline.report_token_in(
-            TokenInReport(
-                call.rollout_id,
-                call.call_id,
-                NEW_SEGMENT if cut is not None else EXTENDED,
-                cut.reason if cut is not None else "",
-                prompt.plain_divergence,
             )
         )
 

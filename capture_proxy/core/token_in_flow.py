@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 import orjson
 
 from ..adapters.vllm import Rendered, read_render
+from ..errors import CaptureProxyError
 from ..schemas.fields import BridgeSpan
 from ..schemas.token_in_extras import SegmentBreak
 from .token_in import (
@@ -94,7 +95,7 @@ class CloseRenders:
         return len(self._pairs)
 
 
-class RenderRefused(Exception):
+class RenderRefused(CaptureProxyError):
     """The upstream answered the request's own render with an error status: the call's answer,
     relayed to the client as the chat route's error would be."""
 

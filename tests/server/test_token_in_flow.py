@@ -3,14 +3,18 @@ routes with a Qwen3-style template that drops earlier reasoning (not append-only
 
 from __future__ import annotations
 
+import asyncio
 import itertools
+from pathlib import Path
 from typing import Any
 
 import orjson
+import pytest
 
 from capture_proxy.read.reader import open_store
 from capture_proxy.schemas.records import StagedCallRecord
 from capture_proxy.schemas.token_in_extras import plain_divergence_of, segment_break_of
+from capture_proxy.sinks.registry import open_sink
 from capture_proxy.testing.fake_vllm import FakeToolCall, FakeVLLM, Turn
 from capture_proxy.testing.fake_vllm._template import IM_END
 from tests.inspect.test_inspect import inspect
@@ -28,6 +32,8 @@ TOOLS = [
     for name, arg in (("bash", "command"), ("read", "path"))
 ]
 SYSTEM = {"role": "system", "content": "You are a coding agent."}
+READER = "reader-token-for-reads-4567"
+ADMIN = "admin-token-for-writes-0123"
 
 
 def fake() -> FakeVLLM:
@@ -139,6 +145,7 @@ async def test_a_replayed_session_is_one_segment_with_token_in(make_proxy: Any) 
     records = await run_session(p)
     assert len(records) == 4
     assert all(r.token_in for r in records)
+    assert [r.finish_reason for r in records] == ["tool_calls", "stop", "tool_calls", "stop"]
     assert_extends(records)
     # What generate was sent is what was recorded.
     generated = [r for r in p.fake.responses]
@@ -277,6 +284,7 @@ async def test_the_answers_are_ordinary_chat_completions(make_proxy: Any) -> Non
     assert "token_ids" not in choice
     assert "prompt_token_ids" not in answer
     [record] = p.calls()
+    assert record.finish_reason == "tool_calls"  # as the client saw it (generate says "stop")
     usage = answer["usage"]
     assert usage["prompt_tokens"] == len(record.prompt_token_ids)
     assert usage["completion_tokens"] == len(record.completion_token_ids)
@@ -302,3 +310,28 @@ async def test_a_title_call_between_two_calls_does_not_break_the_line(make_proxy
     traj = open_store(p.store_url).trajectory("r1", include_open=True)
     assert traj.apart == [side.call_id]
     assert len(traj.segments) == 1
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "parquet"])
+async def test_token_in_records_verify_in_each_store_and_read_remotely(
+    make_proxy: Any, tmp_path: Path, kind: str
+) -> None:
+    store = f"sqlite:///{tmp_path / 's.db'}" if kind == "sqlite" else f"parquet:///{tmp_path}/pq"
+    p = await make_proxy(
+        fake=fake(), token_in="on", sink=open_sink(store), admin_token=ADMIN, reader_token=READER
+    )
+    p.store_url = store  # where the test reads it back
+    await run_session(p)
+    url = str(p.client.make_url("")).rstrip("/")
+
+    def read() -> None:
+        with open_store(store) as local, open_store(url, token=READER) as remote:
+            local.verify()
+            here = local.calls("r1", include_open=True)
+            there = remote.calls("r1", include_open=True)
+            assert [r.digest for r in there] == [r.digest for r in here]
+            assert [r.bridge_spans for r in there] == [r.bridge_spans for r in here]
+            assert all(r.token_in for r in there)
+            assert len(remote.trajectory("r1", include_open=True).segments) == 1
+
+    await asyncio.to_thread(read)

@@ -109,18 +109,13 @@ class DerenderedStream:
             return None  # the usage-only chunk the proxy asked for, not the client
         out = _top(chunk, self._wants)
         out["choices"] = [_choice(c, self._wants) for c in choices]
-        if usage is not None:
-            if self._wants.usage:
-                # Derender counts no prompt: the client gets the prompt the call sent.
-                n = int(usage.get("completion_tokens") or 0)
-                prompt = len(self._prompt_ids)
-                out["usage"] = {
-                    **usage,
-                    "prompt_tokens": prompt,
-                    "total_tokens": prompt + n,
-                }
-            else:
-                out.pop("usage", None)
+        if not self._wants.usage:
+            out.pop("usage", None)
+        elif usage is not None:
+            # The prompt the call sent, whatever derender counted.
+            n = int(usage.get("completion_tokens") or 0)
+            prompt = len(self._prompt_ids)
+            out["usage"] = {**usage, "prompt_tokens": prompt, "total_tokens": prompt + n}
         if self._first and self._wants.token_ids:
             out["prompt_token_ids"] = list(self._prompt_ids)
         self._first = False

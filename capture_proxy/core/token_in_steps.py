@@ -1,0 +1,230 @@
+"""The token-in steps of `Exchange` (`capture_proxy.core.exchange`): prompt, generate, derender.
+
+A token-in call (docs/token-in.md, "The call flow") is prepared, admitted, failed and staged by
+the exchange like any other; what differs is here: `_post_token_in` renders the call's prompt
+(`capture_proxy.core.token_in_flow`) and posts generate; `_finish_token_in` derenders a unary
+answer, `_relay_token_in` a stream (coalesced, `capture_proxy.core.derender`); `_token_in_facts`
+gives the record what generate and the render said; `_continued_by_next` keeps the staged call for
+the rollout's next token-in call and reports it to the metrics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from array import array
+from collections.abc import AsyncGenerator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from ..adapters.vllm import (
+    Completion,
+    DerenderedStream,
+    ForwardPlan,
+    UpstreamProtocolError,
+    WeightSpan,
+    client_answer,
+    derender_body,
+    read_derender,
+    read_generate,
+    to_completion,
+)
+from ..errors import UpstreamFailed
+from ..schemas.token_in_extras import token_in_extras
+from .call import Call
+from .derender import StreamedDerender
+from .sampling import RESOLVED_SAMPLING_KEYS, effective_sampling
+from .token_in import Prior
+from .token_in_flow import TokenInPrompt, token_in_line, token_in_prompt
+from .token_in_report import EXTENDED, NEW_SEGMENT, TokenInReport
+from .transport import SCALE_OUT_DISABLED, EngineRoute, TokenInTransport, UpstreamReply
+
+if TYPE_CHECKING:
+    from .exchange import Outcome, Pipeline
+
+__all__ = ["TokenInSteps"]
+
+_DONE = b"data: [DONE]\n\n"
+#: Where an SSE event's JSON starts (after ``data: ``).
+_DATA = len(b"data: ")
+
+
+class TokenInSteps:
+    """The token-in steps `Exchange` inherits (see the module docstring)."""
+
+    pipeline: Pipeline
+    plan: ForwardPlan | None
+    request: dict[str, Any]
+    _reply: UpstreamReply | None
+    _t_up: float
+    _upstream_s: float | None
+    #: The call's prompt and the request rendered for it (set by `_post_token_in`).
+    _prompt: TokenInPrompt | None
+    _render_request: dict[str, Any]
+
+    @property
+    def admitted(self) -> Call:
+        raise NotImplementedError
+
+    @property
+    def streamed(self) -> bool:
+        raise NotImplementedError
+
+    async def fail_upstream(self, err: UpstreamFailed, *, http_status: int | None = None) -> None:
+        raise NotImplementedError
+
+    async def _stage(
+        self,
+        completion: Completion,
+        client_body: bytes,
+        generated_spans: tuple[WeightSpan, ...] | None = None,
+    ) -> Outcome:
+        raise NotImplementedError
+
+    @property
+    def _upstream(self) -> TokenInTransport:
+        upstream = self.pipeline.upstream
+        if not isinstance(upstream, TokenInTransport):
+            raise UpstreamFailed(SCALE_OUT_DISABLED, code="scale_out_disabled", status=503)
+        return upstream
+
+    async def _post_token_in(self) -> UpstreamReply:
+        """Render the call's prompt and post it to generate; the reply once its headers are in.
+        Raises `RenderRefused` when vLLM refuses to render the request."""
+        assert self.plan is not None
+        upstream = self._upstream
+        # The request as the chat route would get it, rendered: generate's request comes from it.
+        render_request = orjson.loads(self.plan.body)
+        for key in ("stream", "stream_options"):
+            render_request.pop(key, None)
+        self._render_request = render_request
+        self._prompt = await token_in_prompt(
+            upstream,
+            self.pipeline.close_renders,
+            self.admitted.rollout.token_in_prior(token_in_line(self.request)),
+            self.request,
+            render_request,
+        )
+        body = self._prompt.generate_body(self.request, stream=self.streamed)
+        return await upstream.post_engine(EngineRoute.GENERATE, body)
+
+    async def _finish_token_in(self, raw: bytes) -> Outcome:
+        """Derender generate's unary answer `raw` for the client, then stage the call."""
+        prompt = self._prompt
+        assert prompt is not None
+        assert self.plan is not None
+        try:
+            generated = read_generate(raw)
+            body = derender_body(raw, prompt.prompt_ids, self._render_request)
+            derendered = await self._derender(body)
+        except UpstreamProtocolError as e:
+            malformed = UpstreamFailed(
+                f"the upstream answer is malformed: {e.message}", code=e.reason
+            )
+            await self.fail_upstream(malformed)
+            raise malformed from e
+        except UpstreamFailed as e:
+            await self.fail_upstream(e)
+            raise
+        self._upstream_s = time.perf_counter() - self._t_up
+        ids = array("i", prompt.prompt_ids)
+        completion = _as_chat(to_completion(generated, ids, derendered, model=self._model))
+        client_body = client_answer(derendered, generated, prompt.prompt_ids, self.plan.wants)
+        return await self._stage(completion, client_body, generated.weight_spans)
+
+    async def _derender(self, body: bytes) -> dict[str, Any]:
+        async with await self._upstream.post_engine(EngineRoute.DERENDER, body) as reply:
+            raw = await reply.read()
+        if reply.status != 200:
+            text = raw[:500].decode(errors="replace")
+            raise UpstreamFailed(
+                f"derender answered {reply.status}: {text}", code="derender_failed"
+            )
+        return read_derender(raw)
+
+    @property
+    def _model(self) -> str:
+        return str(self.request.get("model", ""))
+
+    async def _relay_token_in(self) -> AsyncGenerator[bytes, None]:
+        """`relay_stream` for token-in: generate's stream derendered in coalesced calls."""
+        prompt, plan, reply = self._prompt, self.plan, self._reply
+        assert prompt is not None
+        assert plan is not None
+        assert reply is not None
+        derender = StreamedDerender(self._upstream, reply, prompt.prompt_ids, self._render_request)
+        shaped = DerenderedStream(plan.wants, prompt.prompt_ids)
+        async with reply:
+            events = derender.events()
+            try:
+                async for event in events:
+                    if event == _DONE:
+                        continue  # the proxy sends its own once the call is staged
+                    piece = shaped.feed(orjson.loads(event[_DATA:]))
+                    if piece is not None:
+                        yield piece
+            except UpstreamProtocolError as e:
+                await self.fail_upstream(UpstreamFailed(e.message, code=e.reason), http_status=502)
+                return
+            except UpstreamFailed as e:
+                await self.fail_upstream(e, http_status=502)
+                return
+            finally:
+                if isinstance(events, AsyncGenerator):
+                    await events.aclose()  # its reader task ends now, with the client's stream
+        generated = derender.generated
+        assert generated is not None  # the events end only after the whole generation
+        answer = {"choices": [{"message": shaped.message()}]}
+        ids = array("i", prompt.prompt_ids)
+        completion = _as_chat(to_completion(generated, ids, answer, model=self._model))
+        await self._stage(completion, b"", generated.weight_spans)
+
+    def _continued_by_next(self, completion: Completion, prompt: TokenInPrompt) -> None:
+        """A staged token-in call: the one the rollout's next token-in call continues; tell the
+        metrics what token-in did."""
+        call = self.admitted
+        prior = Prior(
+            request=self.request,
+            message=completion.message,
+            prompt_ids=completion.prompt_token_ids,
+            completion_ids=completion.completion_token_ids,
+            finish_reason=completion.finish_reason,
+        )
+        call.rollout.remember_token_in(call.seq, token_in_line(self.request), prior)
+        cut = prompt.segment_break
+        self.pipeline.report_token_in(
+            TokenInReport(
+                call.rollout_id,
+                call.call_id,
+                NEW_SEGMENT if cut is not None else EXTENDED,
+                cut.reason if cut is not None else "",
+                prompt.plain_divergence,
+            )
+        )
+
+    def _token_in_facts(
+        self,
+        prompt: TokenInPrompt,
+        completion: Completion,
+        sampling: Mapping[str, Any],
+        spans: Sequence[WeightSpan],
+    ) -> tuple[str | None, list[WeightSpan], dict[str, Any] | None]:
+        """The record's engine weight version, weight spans and effective sampling: generate says
+        which weights sampled which tokens, the call's own render what vLLM resolved its sampling
+        to. The break and the divergence go into `completion`'s extras."""
+        weight_spans = list(spans)
+        versions = {version for version, _, _ in weight_spans}
+        engine_version = versions.pop() if len(versions) == 1 else None
+        params = prompt.rendered.sampling_params
+        resolved = {k: params[k] for k in RESOLVED_SAMPLING_KEYS if k in params}
+        completion.extras.update(token_in_extras(prompt.segment_break, prompt.plain_divergence))
+        return engine_version, weight_spans, effective_sampling(sampling, resolved)
+
+
+def _as_chat(completion: Completion) -> Completion:
+    """The finish reason the chat route gives (and the client got): ``tool_calls`` for an
+    answer with tool calls, where generate, which parses nothing, says ``stop``."""
+    if completion.finish_reason == "stop" and completion.message.get("tool_calls"):
+        return dataclasses.replace(completion, finish_reason="tool_calls")
+    return completion

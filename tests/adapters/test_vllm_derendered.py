@@ -1,0 +1,106 @@
+"""A token-in answer shaped for the client (`adapters/vllm/_derendered.py`), from vLLM 0.32's
+captured derender answers: the chat route's relay rules, and the streamed message put together."""
+
+from __future__ import annotations
+
+from array import array
+from typing import Any
+
+import orjson
+
+from capture_proxy.adapters.vllm import (
+    ClientWants,
+    DerenderedStream,
+    Generated,
+    client_answer,
+    to_completion,
+)
+from tests import support
+
+TOKEN_IN = support.FIXTURES / "vllm-0.32.0" / "token-in"
+
+
+def wants(**given: Any) -> ClientWants:
+    values: dict[str, Any] = {
+        "stream": False,
+        "logprobs": False,
+        "top_logprobs": None,
+        "usage": True,
+        "token_ids": False,
+        "token_id_strings": False,
+    }
+    values.update(given)
+    return ClientWants(**values)
+
+
+def generated(n: int) -> Generated:
+    return Generated(
+        "generate-tokens-x",
+        completion_ids=array("i", range(3, 3 + n)),
+        logprobs=array("f", [-0.5] * n),
+        finish_reason="stop",
+        usage={"prompt_tokens": 7, "completion_tokens": n, "total_tokens": 7 + n},
+    )
+
+
+def derendered(name: str) -> dict[str, Any]:
+    return dict(orjson.loads((TOKEN_IN / name).read_bytes()))
+
+
+def test_a_unary_answer_gets_the_chat_routes_finish_reason_and_generates_usage() -> None:
+    answer = derendered("derender-tools-response.json")
+    n = answer["usage"]["completion_tokens"]
+    body = orjson.loads(client_answer(answer, generated(n), [1] * 7, wants()))
+    [choice] = body["choices"]
+    assert choice["finish_reason"] == "tool_calls"  # derender says "stop"
+    assert body["usage"] == {"prompt_tokens": 7, "completion_tokens": n, "total_tokens": 7 + n}
+    assert "token_ids" not in choice
+    assert "routed_experts" not in choice
+    for key in ("prompt_token_ids", "prompt_text", "prompt_logprobs", "kv_transfer_params"):
+        assert key not in body
+    assert choice["message"]["tool_calls"][0]["function"]["name"] == "bash"
+
+
+def test_logprobs_and_ids_reach_only_a_client_that_asked() -> None:
+    answer = derendered("derender-chat-response.json")
+    n = answer["usage"]["completion_tokens"]
+    plain = orjson.loads(client_answer(answer, generated(n), [1] * 7, wants()))
+    assert plain["choices"][0]["logprobs"] is None
+    asked = orjson.loads(
+        client_answer(answer, generated(n), [1] * 7, wants(logprobs=True, token_ids=True))
+    )
+    assert asked["choices"][0]["logprobs"] == answer["choices"][0]["logprobs"]
+    assert asked["prompt_token_ids"] == [1] * 7
+    assert asked["choices"][0]["token_ids"] == list(range(3, 3 + n))
+
+
+def _chunks(name: str) -> list[dict[str, Any]]:
+    return [r["chunk"] for r in derendered(name)["responses"]]
+
+
+def test_a_stream_is_relayed_and_its_message_put_together() -> None:
+    stream = DerenderedStream(wants(stream=True, usage=False), [1] * 7)
+    pieces = [stream.feed(c) for c in _chunks("derender-tools-stream.json")]
+    sent = [orjson.loads(p[6:]) for p in pieces if p is not None]
+    assert all(p.startswith(b"data: {") and p.endswith(b"\n\n") for p in pieces if p)
+    assert all("usage" not in s for s in sent)  # the client did not ask for usage
+    message = stream.message()
+    [call] = message["tool_calls"]
+    assert call["function"]["name"] == "bash"
+    assert orjson.loads(call["function"]["arguments"]) == {"command": "ls -la"}
+    assert call["id"].startswith("chatcmpl-tool-")
+    completion = to_completion(
+        generated(3), array("i", [1] * 7), {"choices": [{"message": message}]}
+    )
+    assert completion.message["tool_calls"] == [call]
+
+
+def test_a_client_that_asked_for_usage_gets_the_prompt_the_call_sent() -> None:
+    stream = DerenderedStream(wants(stream=True, usage=True, token_ids=True), [1] * 7)
+    sent = [stream.feed(c) for c in _chunks("derender-chat-stream.json")]
+    first = orjson.loads(sent[0][6:])  # type: ignore[index]
+    assert first["prompt_token_ids"] == [1] * 7
+    usage = [orjson.loads(s[6:])["usage"] for s in sent if s and b'"usage":{' in s]
+    assert usage
+    assert all(u["prompt_tokens"] == 7 for u in usage)
+    assert stream.message()["reasoning"]

@@ -1,0 +1,131 @@
+"""A token-in call's prompt (`core/token_in_flow.py`): the renders sent to the fake vLLM over
+HTTP, the turn-close cache, the lines of calls, and the output limit of a longer prompt."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+import pytest
+from aiohttp.test_utils import TestServer
+
+from capture_proxy.adapters.vllm import read_render
+from capture_proxy.core.token_in import Prior
+from capture_proxy.core.token_in_flow import (
+    CloseRenders,
+    RenderRefused,
+    TokenInPrompt,
+    token_in_line,
+    token_in_prompt,
+)
+from capture_proxy.testing.fake_vllm import FakeVLLM
+from capture_proxy.upstream.http import HTTPUpstream
+from tests.support.token_in import render_ids
+
+RENDER = "/v1/chat/completions/render"
+SYSTEM = {"role": "system", "content": "Be terse."}
+
+
+@pytest.fixture
+async def upstream() -> AsyncIterator[tuple[FakeVLLM, HTTPUpstream]]:
+    fake = FakeVLLM(scale_out=True, drop_past_reasoning=True)
+    server = TestServer(fake.app())
+    await server.start_server()
+    client = HTTPUpstream(str(server.make_url("")))
+    try:
+        yield fake, client
+    finally:
+        await client.close()
+        await server.close()
+
+
+def _prior(*messages: dict[str, Any]) -> Prior:
+    request = {"model": "policy", "messages": list(messages)}
+    sampled = [*render_ids({**request, "messages": [*messages, _ANSWER]})]
+    prompt = render_ids(request)
+    return Prior(request, _ANSWER, prompt, sampled[len(prompt) :], "stop")
+
+
+_ANSWER = {"role": "assistant", "content": "Yes."}
+
+
+async def test_an_extension_renders_the_plan_beside_the_request_and_caches_the_close(
+    upstream: tuple[FakeVLLM, HTTPUpstream],
+) -> None:
+    fake, client = upstream
+    closes = CloseRenders()
+    prior = _prior(SYSTEM, {"role": "user", "content": "One?"})
+    request = {
+        **prior.request,
+        "messages": [*prior.request["messages"], _ANSWER, {"role": "user", "content": "Two?"}],
+    }
+    got = await token_in_prompt(client, closes, prior, request, request)
+    assert got.segment_break is None
+    sent = [*prior.prompt_ids, *prior.completion_ids]
+    assert got.prompt_ids[: len(sent)] == sent
+    assert fake.route_hits[RENDER] == 5  # the request, and the plan's close and suffix pairs
+    assert len(closes) == 1
+    await token_in_prompt(client, closes, prior, request, request)
+    assert fake.route_hits[RENDER] == 5 + 3  # the close came from the cache
+
+
+async def test_a_call_that_does_not_extend_sends_the_plain_ids_with_the_reason(
+    upstream: tuple[FakeVLLM, HTTPUpstream],
+) -> None:
+    fake, client = upstream
+    prior = _prior(SYSTEM, {"role": "user", "content": "One?"})
+    request = {"model": "policy", "messages": [SYSTEM, {"role": "user", "content": "Other?"}]}
+    got = await token_in_prompt(client, CloseRenders(), prior, request, request)
+    assert got.segment_break is not None
+    assert got.segment_break.reason == "history_edited"
+    assert got.prompt_ids == render_ids(request)
+    assert (got.bridge_spans, got.plain_divergence) == ((), None)
+    assert fake.route_hits[RENDER] == 1
+
+
+async def test_a_request_vllm_will_not_render_is_its_answer(
+    upstream: tuple[FakeVLLM, HTTPUpstream],
+) -> None:
+    _, client = upstream
+    request = {"model": "other-model", "messages": [{"role": "user", "content": "a"}]}
+    with pytest.raises(RenderRefused) as refused:
+        await token_in_prompt(client, CloseRenders(), None, request, request)
+    assert refused.value.status == 404
+    assert b"other-model" in refused.value.body
+
+
+def test_a_longer_bridged_prompt_gets_less_room_only_when_the_request_set_no_limit() -> None:
+    answer = {"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 100, "temperature": 0.0}}
+    rendered = read_render(orjson.dumps(answer))
+    prompt = TokenInPrompt(rendered, [1, 2, 3, 4, 5])
+    body = orjson.loads(prompt.generate_body({}, stream=False))
+    assert body["sampling_params"]["max_tokens"] == 98
+    assert body["token_ids"] == [1, 2, 3, 4, 5]
+    body = orjson.loads(prompt.generate_body({"max_tokens": 100}, stream=True))
+    assert body["sampling_params"]["max_tokens"] == 100
+    assert body["stream"] is True
+
+
+def test_the_turn_close_cache_keeps_the_most_recent() -> None:
+    closes = CloseRenders(limit=2)
+    for key in ("a", "b", "c"):
+        closes.put(key, ({"token_ids": [1]}, {"token_ids": [2]}))
+    assert closes.get("a") is None
+    assert closes.get("c") is not None
+    closes.clear()
+    assert len(closes) == 0
+
+
+def test_a_side_call_is_a_line_of_its_own() -> None:
+    tools = [{"type": "function", "function": {"name": "bash"}}]
+    loop = {
+        "model": "policy",
+        "tools": tools,
+        "messages": [SYSTEM, {"role": "user", "content": "a"}],
+    }
+    later = {**loop, "messages": [*loop["messages"], _ANSWER, {"role": "user", "content": "b"}]}
+    title = {"model": "policy", "messages": [{"role": "system", "content": "Title?"}]}
+    assert token_in_line(loop) == token_in_line(later)
+    assert token_in_line(title) != token_in_line(loop)
+    assert token_in_line({**loop, "tools": []}) != token_in_line(loop)
