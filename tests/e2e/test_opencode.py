@@ -125,7 +125,11 @@ def assert_staged_as_produced(records: list[StagedCallRecord], fake: FakeVLLM) -
         assert record.prompt_token_ids.tolist() == made["prompt_token_ids"]
         assert record.completion_token_ids.tolist() == made["completion_token_ids"]
         assert record.completion_logprobs.tobytes() == array("f", made["logprobs"]).tobytes()
-        assert record.finish_reason == made["finish_reason"]
+        finish = made["finish_reason"]
+        if record.token_in and finish == "stop" and record.response.get("tool_calls"):
+            # Generate knows no tool parser; the record keeps what the client saw (derender's).
+            finish = "tool_calls"
+        assert record.finish_reason == finish
 
 
 def image_parts(messages: list[dict[str, Any]]) -> list[str]:
