@@ -25,6 +25,10 @@ and added p50 (the goal: at most 1.5x the CPU, at most 5 ms more added p50).
 Options: ``--json PATH`` keeps every run's figures, ``--markdown PATH`` writes the table,
 ``--plot PATH`` draws added latency against concurrency (needs matplotlib, a bench-only
 dependency), ``--scenarios a,b`` runs a subset, ``--targets`` likewise, ``--repeats N``.
+Before/after in one run: ``--base PATH`` (another checkout with its own ``.venv``) and the
+targets ``base-sqlite``/``base-parquet`` run that checkout's proxy beside this one's, in the same
+rotation; ``sqlite-asyncio``/``parquet-asyncio`` run this one on asyncio's loop (``--loop
+asyncio``). The table then adds each target's CPU and added p50 as ratios to its base.
 """
 
 from __future__ import annotations
@@ -57,6 +61,9 @@ HERE = Path(__file__).resolve().parent
 
 PY = sys.executable
 TARGETS = ("direct", "passthrough", "sqlite", "parquet", "token-in")
+#: Proxy targets beside those: the same store on asyncio's loop (``--loop asyncio``), and the
+#: store served by another checkout (``--base PATH``: its ``.venv``), for A/B runs in one go.
+VARIANTS = ("sqlite-asyncio", "parquet-asyncio", "base-sqlite", "base-parquet")
 
 
 @dataclass(frozen=True)
@@ -70,13 +77,13 @@ class Phase:
     #: The upstream: the pre-built answers, or the fake vLLM with its token-in routes.
     upstream: str = "upstream_fixture.py"
     #: The targets this phase runs (of those asked for).
-    targets: tuple[str, ...] = ("direct", "passthrough", "sqlite", "parquet")
+    targets: tuple[str, ...] = ("direct", "passthrough", "sqlite", "parquet", *VARIANTS)
     #: The load generator: fixed requests (`loadgen.py`) or replayed sessions.
     load: str = "loadgen.py"
 
-    def upstream_args(self) -> list[str]:
+    def upstream_args(self, loop: str) -> list[str]:
         if self.upstream == "fake_upstream.py":
-            return ["--latency", str(self.delay)]
+            return ["--latency", str(self.delay), "--loop", loop]
         return [
             "--delay",
             str(self.delay),
@@ -84,6 +91,8 @@ class Phase:
             str(self.tick),
             "--events-per-write",
             str(self.events_per_write),
+            "--loop",
+            loop,
         ]
 
 
@@ -131,6 +140,7 @@ def scenarios(quick: bool) -> list[Scenario]:
     if quick:
         return [
             Scenario("unary-200ms-poisson100", "200ms", False, "poisson", rate=100, duration=4),
+            Scenario("unary-200ms-sequential", "200ms", False, "closed", concurrency=1, duration=6),
             Scenario("stream-200ms-poisson5", "200ms", True, "poisson", rate=5, duration=4),
             Scenario("unary-200ms-closed64", "200ms", False, "closed", concurrency=64, duration=3),
             Scenario("token-in-fake-closed1", "fake", False, "closed", concurrency=1, duration=4),
@@ -151,6 +161,16 @@ def scenarios(quick: bool) -> list[Scenario]:
             "poisson",
             rate=20,
             about="the same at 20 calls/s: added latency without CPU saturation",
+        ),
+        Scenario(
+            "unary-200ms-sequential",
+            "200ms",
+            False,
+            "closed",
+            concurrency=1,
+            duration=10,
+            about="one call at a time (~5/s behind the 200 ms upstream): the durable commit's "
+            "share of a call's latency",
         ),
         Scenario(
             "stream-200ms-poisson10",
@@ -201,11 +221,11 @@ class Proc:
     """A server process that says ``listening on http://HOST:PORT`` (on stdout or stderr: both
     go to its log file)."""
 
-    def __init__(self, name: str, argv: list[str], logdir: Path) -> None:
+    def __init__(self, name: str, argv: list[str], logdir: Path, cwd: Path | None = None) -> None:
         self.name = name
         self.log = logdir / f"{name}.log"
         self._out = open(self.log, "wb")  # noqa: SIM115 (closed in stop)
-        self.popen = subprocess.Popen(argv, stdout=self._out, stderr=subprocess.STDOUT)
+        self.popen = subprocess.Popen(argv, stdout=self._out, stderr=subprocess.STDOUT, cwd=cwd)
         self.url = self._wait_url(60.0)
 
     @property
@@ -235,40 +255,52 @@ class Proc:
         self._out.close()
 
 
+def proxy_argv(target: str, upstream: str, store: Path, base: Path | None) -> list[str]:
+    """``capture-proxy serve`` for `target`: ``sqlite``/``parquet``, optionally ``-asyncio``
+    (``--loop asyncio``), or ``base-`` one of those run by the checkout at `base`; ``token-in``
+    is ``sqlite`` with ``--token-in on``."""
+    if target == "token-in":
+        return [*proxy_argv("sqlite", upstream, store, base), "--token-in", "on"]
+    python = PY
+    name = target
+    if target.startswith("base-"):
+        if base is None:
+            raise SystemExit(f"target {target} needs --base PATH (another checkout)")
+        python = str(base / ".venv" / "bin" / "python")
+        name = target.removeprefix("base-")
+    store_kind, _, loop = name.partition("-")
+    url = f"sqlite:///{store}.db" if store_kind == "sqlite" else f"parquet:///{store}-parquet"
+    argv = [python, "-m", "capture_proxy", "serve", "--upstream", upstream, "--store", url]
+    argv += ["--port", "0"]
+    return [*argv, "--loop", loop] if loop else argv
+
+
 @contextmanager
-def started(phase: Phase, targets: list[str], workdir: Path) -> Iterator[dict[str, Proc | None]]:
+def started(
+    phase: Phase, targets: list[str], workdir: Path, loop: str, base: Path | None
+) -> Iterator[dict[str, Proc | None]]:
     """The upstream for `phase` and every target in front of it; stopped on exit."""
     logs = workdir / f"logs-{phase.name}"
     logs.mkdir(parents=True, exist_ok=True)
     procs: list[Proc] = []
     try:
-        upstream = Proc("upstream", [PY, str(HERE / phase.upstream), *phase.upstream_args()], logs)
+        upstream = Proc(
+            "upstream", [PY, str(HERE / phase.upstream), *phase.upstream_args(loop)], logs
+        )
         procs.append(upstream)
         out: dict[str, Proc | None] = {}
         for t in targets:
             if t == "direct":
                 out[t] = None
                 continue
+            cwd = None
             if t == "passthrough":
                 argv = [PY, str(HERE / "passthrough.py"), "--upstream", upstream.url]
+                argv += ["--loop", loop]
             else:
-                store = workdir / f"{phase.name}-store-{t}"
-                url = f"parquet:///{store}" if t == "parquet" else f"sqlite:///{store}.db"
-                argv = [
-                    PY,
-                    "-m",
-                    "capture_proxy",
-                    "serve",
-                    "--upstream",
-                    upstream.url,
-                    "--store",
-                    url,
-                    "--port",
-                    "0",
-                ]
-                if t == "token-in":
-                    argv += ["--token-in", "on"]
-            proc = Proc(t, argv, logs)
+                argv = proxy_argv(t, upstream.url, workdir / f"{phase.name}-{t}-store", base)
+                cwd = base if t.startswith("base-") else None
+            proc = Proc(t, argv, logs, cwd)
             procs.append(proc)
             out[t] = proc
         out["upstream"] = upstream
@@ -282,11 +314,16 @@ def started(phase: Phase, targets: list[str], workdir: Path) -> Iterator[dict[st
 DRAIN = {"quick": 5.0, "full": 15.0}
 
 
+#: The event loop of the benchmark's own processes (upstream, pass-through, load generator).
+LOOP = {"loop": "uvloop"}
+
+
 def run_load(
     url: str, scenario: Scenario, seed: int, tag: str, extra: list[str], drain: float
 ) -> dict[str, Any]:
     load = PHASES[scenario.phase].load if scenario.phase else "loadgen.py"
     argv = [PY, str(HERE / load), "--url", url, "--seed", str(seed), "--tag", tag]
+    argv += ["--loop", LOOP["loop"]]
     argv += [*scenario.load_args(), "--drain", str(drain), *extra]
     limit = scenario.duration + drain + 120
     done = subprocess.run(argv, capture_output=True, timeout=limit, check=False)
@@ -355,12 +392,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="the CI run: under 2 minutes")
     p.add_argument("--repeats", type=int, default=0, help="runs per target (default 3; quick 1)")
     p.add_argument("--scenarios", default="", help="comma-separated subset")
-    p.add_argument("--targets", default=",".join(TARGETS))
+    p.add_argument(
+        "--targets",
+        default=",".join(TARGETS),
+        help=f"comma-separated, of {', '.join(TARGETS + VARIANTS)}",
+    )
     p.add_argument("--json", type=Path, help="write every run's figures here")
     p.add_argument("--markdown", type=Path, help="write the table here")
     p.add_argument("--plot", type=Path, help="PNG: added latency against concurrency")
     p.add_argument("--workdir", type=Path, help="stores and logs (default: a temporary folder)")
+    p.add_argument(
+        "--base",
+        type=Path,
+        help="another checkout (with its .venv) whose proxy the base-sqlite / base-parquet "
+        "targets run, for a before/after in one run",
+    )
+    p.add_argument(
+        "--loop",
+        choices=("uvloop", "asyncio"),
+        default="uvloop",
+        help="event loop of the upstream, the pass-through and the load generator",
+    )
     args = p.parse_args(argv)
+    LOOP["loop"] = args.loop
     repeats = args.repeats or (1 if args.quick else 3)
     drain = DRAIN["quick" if args.quick else "full"]
     targets = [t for t in args.targets.split(",") if t]
@@ -383,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             phase = PHASES[phase_name]
             here = [t for t in targets if t in phase.targets]
-            with started(phase, here, workdir) as procs:
+            with started(phase, here, workdir, args.loop, args.base) as procs:
                 upstream = procs["upstream"]
                 assert upstream is not None
                 urls = {t: (procs[t] or upstream).url for t in here}

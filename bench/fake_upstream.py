@@ -1,6 +1,6 @@
 """The bundled fake vLLM for the token-in scenarios, in its own process.
 
-    .venv/bin/python bench/fake_upstream.py [--port 0] [--latency 0]
+    .venv/bin/python bench/fake_upstream.py [--port 0] [--latency 0] [--loop uvloop]
 
 Serves `capture_proxy.testing.fake_vllm` with the scale-out routes (render, generate, derender)
 and Qwen3's template (earlier reasoning dropped: not append-only), answering the agent sessions of
@@ -18,6 +18,7 @@ from typing import Any
 
 from session_load import TOOL_TURNS
 
+from capture_proxy.server.event_loop import LOOPS, run
 from capture_proxy.testing.fake_vllm import FakeToolCall, Turn, serve_fake
 from capture_proxy.testing.fake_vllm._template import SPECIAL_TOKENS
 
@@ -59,8 +60,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--latency", type=float, default=0.0, help="seconds before each answer")
+    p.add_argument("--loop", choices=LOOPS, default=LOOPS[0], help="event loop")
     args = p.parse_args()
-    asyncio.run(serve(args.port, args.latency))
+    run(serve(args.port, args.latency), args.loop)
 
 
 if __name__ == "__main__":

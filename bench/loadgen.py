@@ -31,6 +31,8 @@ import aiohttp
 import orjson
 from workload import TURNS, build_workload, tag_request
 
+from capture_proxy.server.event_loop import LOOPS, run
+
 
 class Load:
     def __init__(self, args: argparse.Namespace) -> None:
@@ -187,8 +189,9 @@ def main() -> None:
     p.add_argument(
         "--drain", type=float, default=20.0, help="seconds to wait for calls after the last start"
     )
+    p.add_argument("--loop", choices=LOOPS, default=LOOPS[0], help="event loop")
     args = p.parse_args()
-    result = asyncio.run(Load(args).run())
+    result = run(Load(args).run(), args.loop)
     sys.stdout.buffer.write(orjson.dumps(result))
     sys.stdout.flush()
 

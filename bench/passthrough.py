@@ -17,6 +17,8 @@ import contextlib
 import aiohttp
 from aiohttp import web
 
+from capture_proxy.server.event_loop import LOOPS, run
+
 __all__ = ["make_app"]
 
 
@@ -65,8 +67,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--upstream", required=True)
     p.add_argument("--port", type=int, default=0)
+    p.add_argument("--loop", choices=LOOPS, default=LOOPS[0], help="event loop")
+    args = p.parse_args()
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(_serve(p.parse_args()))
+        run(_serve(args), args.loop)
 
 
 if __name__ == "__main__":

@@ -41,6 +41,18 @@ def _per_run(run: dict[str, Any]) -> dict[str, float | None]:
     }
 
 
+def is_proxy(target: str) -> bool:
+    """A capture-proxy target (``sqlite``, ``parquet-asyncio``, ``base-sqlite``, ...)."""
+    return target not in ("direct", "passthrough")
+
+
+def base_of(target: str) -> str | None:
+    """The ``base-`` target `target` is compared with (``sqlite-asyncio`` -> ``base-sqlite``)."""
+    if not is_proxy(target) or target.startswith("base-"):
+        return None
+    return "base-" + target.partition("-")[0]
+
+
 def _sub(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None else a - b
 
@@ -80,7 +92,7 @@ def summarize(
             fig["error_samples"] = sorted({e for r in tr for e in r["error_samples"]})[:3]
             rss = [r["peak_rss_mb"] for r in tr if "peak_rss_mb" in r]
             fig["peak_rss_mb"] = max(rss) if rss else None
-            if t in CAPTURE:
+            if is_proxy(t):
                 for key, base in (
                     ("cpu_x", "cpu_ms"),
                     ("added50_x", "added50"),
@@ -102,6 +114,14 @@ def summarize(
                 fig["added50_over_plain"] = _median(
                     _sub(a["added50"], b["added50"]) for a, b in pairs
                 )
+            before = base_of(t)
+            if before is not None:
+                for key, base in (("cpu_vs_base", "cpu_ms"), ("added50_vs_base", "added50")):
+                    fig[key] = _median(
+                        _ratio(per[(t, rep)][base], per[(before, rep)][base])
+                        for rep in reps
+                        if (t, rep) in per and (before, rep) in per
+                    )
             table[t] = fig
         out[sc.name] = table
     return out
@@ -112,6 +132,8 @@ GOALS = (
     ("unary-200ms-poisson100", "cpu_x", 1.5, "CPU per call <= 1.5x pass-through"),
     ("unary-200ms-poisson100", "added50_x", 1.5, "added p50 <= 1.5x pass-through"),
     ("unary-200ms-poisson100", "added99_x", 2.0, "added p99 <= 2x pass-through"),
+    ("unary-200ms-sequential", "added50", 3.0, "one call at a time: added p50 <= 3 ms"),
+    ("unary-200ms-sequential", "added50_x", 3.0, "one call at a time: added p50 <= 3x pass"),
     ("stream-200ms-poisson", "ttfb_x", 1.5, "stream added TTFB <= 1.5x pass-through"),
     ("stream-200ms-poisson", "cpu_x", 2.0, "stream CPU (1k chunks) <= 2x pass-through"),
     ("stream-burst-closed256", "peak_rss_mb", 300.0, "256 open streams: RSS <= 300 MB"),
@@ -157,6 +179,25 @@ def render_markdown(
                 f"| {_fmt(f.get('ttfb_x') if sc.stream else None, 2, '×')} "
                 f"| {_fmt(f['rate'], 0)} | {_fmt(f['peak_rss_mb'], 0)} | {f['errors']} |"
             )
+    against = [
+        (sc.name, t, f)
+        for sc in scenarios
+        for t, f in summary.get(sc.name, {}).items()
+        if f.get("cpu_vs_base") is not None or f.get("added50_vs_base") is not None
+    ]
+    if against:
+        lines += [
+            "",
+            "Against the base checkout (medians of the per-repeat ratios to base-<store>):",
+            "",
+            "| scenario | target | CPU ms/call | × base | added p50 | × base |",
+            "|---|---|--:|--:|--:|--:|",
+        ]
+        lines += [
+            f"| {name} | {t} | {_fmt(f['cpu_ms'])} | {_fmt(f.get('cpu_vs_base'), 3, '×')} "
+            f"| {_fmt(f['added50'])} | {_fmt(f.get('added50_vs_base'), 3, '×')} |"
+            for name, t, f in against
+        ]
     lines += ["", "Goals (issue 7), per capture store:", ""]
     for name, key, limit, what in GOALS:
         goal_table = next((t for sc, t in summary.items() if sc.startswith(name)), None)

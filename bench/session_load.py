@@ -1,7 +1,7 @@
 """Load that replays agent sessions as OpenCode does, in its own process (the token-in scenarios).
 
     .venv/bin/python bench/session_load.py --url http://127.0.0.1:PORT --concurrency 2 \
-        --duration 8 [--stream] [--tag run1]
+        --duration 8 [--stream] [--tag run1] [--loop uvloop]
 
 Closed loop: `concurrency` workers each play sessions one after the other, a session being
 `TOOL_TURNS` + 1 calls in one rollout (``X-Rollout-Id: <tag>-<worker>-<n>``). The first call is a
@@ -26,6 +26,8 @@ from typing import Any
 
 import aiohttp
 import orjson
+
+from capture_proxy.server.event_loop import LOOPS, run
 
 #: Tool calls per session before the final answer (`fake_upstream.py` answers by this count).
 TOOL_TURNS = 3
@@ -211,8 +213,9 @@ def main() -> None:
     p.add_argument("--tag", default="bench", help="rollout id prefix")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds per call")
     p.add_argument("--drain", type=float, default=20.0, help="seconds to finish sessions after")
+    p.add_argument("--loop", choices=LOOPS, default=LOOPS[0], help="event loop")
     args = p.parse_args()
-    result = asyncio.run(Sessions(args).run())
+    result = run(Sessions(args).run(), args.loop)
     sys.stdout.buffer.write(orjson.dumps(result))
     sys.stdout.flush()
 

@@ -27,6 +27,8 @@ import orjson
 from aiohttp import web
 from workload import Workload, build_workload, turn_of
 
+from capture_proxy.server.event_loop import LOOPS, run
+
 __all__ = ["make_app"]
 
 _JSON = "application/json"
@@ -106,8 +108,10 @@ def main() -> None:
     p.add_argument("--tick", type=float, default=0.0, help="sleep between stream writes")
     p.add_argument("--events-per-write", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--loop", choices=LOOPS, default=LOOPS[0], help="event loop")
+    args = p.parse_args()
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(_serve(p.parse_args()))
+        run(_serve(args), args.loop)
 
 
 if __name__ == "__main__":

@@ -408,21 +408,22 @@ async def _seal(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _serve(settings_args: argparse.Namespace) -> int:
+def _serve(settings_args: argparse.Namespace) -> int:
+    from .server.event_loop import run
     from .server.run import serve
 
     settings = load_settings(settings_args)
     setup_logging(settings.log_level, settings.log_format)
     # Fields, not a formatted dict: in JSON mode a log pipeline reads settings.port directly.
     log.info("starting", extra={"settings": settings.public()})
-    return await serve(settings)
+    return run(serve(settings), settings.loop)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.command == "serve":
-            return asyncio.run(_serve(args))
+            return _serve(args)
         if args.command == "settings":
             sys.stdout.write(settings_markdown())
             return 0

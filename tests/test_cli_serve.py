@@ -77,8 +77,9 @@ def _post(url: str, body: dict[str, object]) -> tuple[dict[str, str], dict[str, 
         return dict(resp.headers), json.loads(resp.read())
 
 
-def test_serve_fake_stages_calls_and_stops_on_sigterm(tmp_path: Path) -> None:
-    env = {**os.environ, "CAPTURE_PROXY_MIN_FREE_DISK_MB": "0"}
+@pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
+def test_serve_fake_stages_calls_and_stops_on_sigterm(tmp_path: Path, loop: str) -> None:
+    env = {**os.environ, "CAPTURE_PROXY_MIN_FREE_DISK_MB": "0", "CAPTURE_PROXY_LOOP": loop}
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -119,6 +120,7 @@ def test_serve_fake_stages_calls_and_stops_on_sigterm(tmp_path: Path) -> None:
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 0, out
+    assert f"event loop: {loop}" in out
     with open_store(f"sqlite:///{tmp_path / 'capture.db'}") as store:
         (record,) = store.calls("demo", include_open=True, include_poisoned=True)
         store.verify()

@@ -38,19 +38,19 @@ from ..adapters.vllm import (
 from ..errors import BadRequest, PayloadTooLarge, ProxyError, Unprocessable, UpstreamFailed
 from ..schemas.records import CallStatus, StageResult
 from ..schemas.request import FreeJsonLimits, RequestValidationError, check_free_json_limits
-from .call import Call, sampling_of
-from .capture import Capture
-from .normalize import NormalizedRequest, normalize_request
-from .rollouts import RolloutLive
-from .sampling import changes_distribution, effective_sampling
-from .scale_out import check_scale_out, goes_token_in
-from .token_in_flow import (
+from .bridging import (
     CloseRenders,
     RenderRefused,
     TokenInPrompt,
 )
+from .call import Call, sampling_of
+from .capture import Capture
+from .exchange_token_in import TokenInSteps
+from .normalize import NormalizedRequest, normalize_request
+from .rollouts import RolloutLive
+from .sampling import changes_distribution, effective_sampling
+from .scale_out import check_scale_out, goes_token_in
 from .token_in_report import TokenInReport
-from .token_in_steps import TokenInSteps
 from .transport import (
     EngineWeights,
     UpstreamInfo,

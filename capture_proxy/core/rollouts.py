@@ -23,10 +23,10 @@ from ..schemas.outcome import RolloutOutcome
 from ..schemas.records import Attachment, CallStatus, CommitCoords, RolloutState, StagedCallRecord
 from ..schemas.tokens import full_sequence
 from ..sinks.base import StagingSource
+from .bridging import token_in_line
 from .experts import ExpertsIndex, stored_entry
 from .lineage import LineageIndex
 from .token_in import Prior
-from .token_in_flow import token_in_line
 from .weights import DECREASED_FROM
 
 #: A claimed call with neither a record nor a ledger entry (the manifest's status for it).

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from typing import cast
 
 from ..errors import error_body
 
@@ -101,7 +102,9 @@ class _Gated(asyncio.Protocol):
         self._lingers = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
+        # A stream transport: asyncio's own, or uvloop's (`--loop`), which has the same methods
+        # but does not derive from asyncio.Transport.
+        transport = cast(asyncio.Transport, transport)
         self._transport = transport
         gate = self._gate
         if gate.limit and gate.open >= gate.limit:

@@ -22,6 +22,7 @@ from aiohttp import web
 from ..logs import flush_repeats
 from .app import create_admin_app, create_app
 from .connections import MAX_LINGERING, ConnectionGate
+from .event_loop import loop_name
 from .settings import Settings
 from .state import STATE
 
@@ -192,6 +193,7 @@ async def serve(settings: Settings) -> int:
         file=sys.stderr,
         flush=True,
     )
+    print(f"  event loop: {loop_name(asyncio.get_running_loop())}", file=sys.stderr, flush=True)
     if not settings.admin_token:
         print("  control API off (no --admin-token)", file=sys.stderr, flush=True)
     elif listening.admin_url:

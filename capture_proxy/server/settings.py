@@ -235,6 +235,12 @@ class Settings:
         "a call that cannot fit the context: error (400) or cap (lower max_tokens to what fits)",
         choices=("error", "cap"),
     )
+    loop: str = _s(
+        "uvloop",
+        "event loop: uvloop (less CPU per call; asyncio's loop where uvloop is not installed) "
+        "or asyncio (the standard library's)",
+        choices=("uvloop", "asyncio"),
+    )
     log_level: str = _s("info", "log level", choices=("debug", "info", "warning", "error"))
     log_format: str = _s(
         "json",

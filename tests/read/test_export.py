@@ -5,7 +5,6 @@ entry and trajectory identical before and after, even for a reader or writer ope
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import threading
@@ -33,8 +32,14 @@ from capture_proxy.schemas.records import (
     StagedCallRecord,
 )
 from capture_proxy.sinks.base import StagingSink, StoreError
-from capture_proxy.sinks.parquet import ParquetSink, ParquetSource, compact_store
+from capture_proxy.sinks.parquet import (
+    ParquetSink,
+    ParquetSource,
+    compact_store,
+    maintenance_lease,
+)
 from capture_proxy.sinks.sqlite import SQLiteSink
+from tests.support.aging import age_units
 from tests.support.sink_factories import ParquetCase, Session, image
 
 
@@ -331,8 +336,11 @@ async def test_compaction_under_an_open_writer_and_reader(tmp_path: Path) -> Non
     assert res.coords.prev_len == parent.cum_len
     assert (await sink.stage(nxt)).reason == "duplicate_key"
     await sink.close()
-    # Merge the merged unit with the new one; the first generation stays retired even once the
-    # unit that retired it is itself gone.
+    # A merge is merged again once it is older than gc's window (before, its blobs would look
+    # young for ever); then the first generation stays retired even once the unit that retired
+    # it is itself gone.
+    assert compact_store(str(ds), grace_s=0).units_after == 2
+    age_units(ds, 2 * 3600)
     compact_store(str(ds), grace_s=0)
     compact_store(str(ds), grace_s=0)
     assert len(list((ds / "_commits").glob("*.json"))) == 1
@@ -411,13 +419,11 @@ async def test_compact_refuses_what_it_cannot_compact(tmp_path: Path) -> None:
         compact_store(str(tmp_path / "missing"))
     ds = tmp_path / "ds"
     await (await staged_dataset(ds)).close()
-    fd = os.open(ds / "_compact.lock", os.O_RDWR | os.O_CREAT)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)  # another compaction is running
-        with pytest.raises(StoreError, match="another compaction"):
-            compact_store(str(ds))
-    finally:
-        os.close(fd)
+    with (
+        maintenance_lease(str(ds), "compact"),  # another one is running
+        pytest.raises(StoreError, match=r"another maintenance run holds .*: compact by "),
+    ):
+        compact_store(str(ds))
     assert len(live_markers(ds)) > 1  # nothing was merged
 
 

@@ -1,15 +1,14 @@
 """Retention for Parquet datasets: `capture-proxy gc` removes whole sealed rollouts and nothing
-anything else uses, in one atomic commit, only while no proxy writes to the dataset; a later
-`compact` deletes the retired files.
+anything else uses, in one atomic commit, while proxies may write to the dataset (blobs and
+attachments only once every copy is older than the writers' dedup window); a later `compact`
+deletes the retired files.
 """
 
 from __future__ import annotations
 
 import base64
-import fcntl
 import hashlib
 import json
-import os
 import re
 import time
 from dataclasses import dataclass, replace
@@ -23,14 +22,23 @@ import pytest
 from capture_proxy.cli import main
 from capture_proxy.read.reader import open_store
 from capture_proxy.schemas.records import CallStatus, RolloutInfo, RolloutState
-from capture_proxy.sinks.parquet import ParquetSink, ParquetSource, compact_store, gc_parquet
+from capture_proxy.sinks.parquet import (
+    ParquetSink,
+    ParquetSource,
+    compact_store,
+    gc_parquet,
+    maintenance_lease,
+)
 from capture_proxy.sinks.registry import open_sink
+from tests.support.aging import age_units
 from tests.support.proxy_harness import Proxy, chat_body, user
 from tests.support.sink_factories import Session
 
 ADMIN = {"Authorization": "Bearer t"}
 SYSTEM = {"role": "system", "content": "You are a shell agent. " * 20}
 DAY_MS = 86_400_000
+#: Older than the writers' dedup window plus gc's margin (`_layout.DEDUP_WINDOW_S`).
+AGED_S = 2 * 3600
 #: Refused before forwarding (an unknown key): a `rejected` entry in the rollout's ledger.
 REJECTED = chat_body(user("a"), {"role": "assistant", "content": "b", "thinking_trace": "t"})
 
@@ -84,11 +92,12 @@ async def _dataset_with_three_rollouts(make_proxy: Any, tmp_path: Path) -> Story
 
 
 def _files(ds: Path) -> dict[str, tuple[int, int]]:
-    """Every data file and marker (not the lock files), with size and mtime."""
+    """Every data file and marker (not the lock file and the maintenance lease), with size and
+    mtime."""
     return {
         str(p.relative_to(ds)): (p.stat().st_size, p.stat().st_mtime_ns)
         for p in ds.rglob("*")
-        if p.is_file() and not p.name.endswith(".lock")
+        if p.is_file() and not p.name.endswith(".lock") and p.parent.name != "_leases"
     }
 
 
@@ -141,7 +150,8 @@ async def test_gc_removes_old_sealed_rollouts_only(
     make_proxy: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     s = await _dataset_with_three_rollouts(make_proxy, tmp_path)
-    await s.proxy.sink.close()  # gc needs the writer lock: the proxy has stopped writing
+    await s.proxy.sink.close()
+    age_units(s.ds, AGED_S)  # past the window: no writer shares these copies any more
     kept = ["recent", "open"]
     before, files = _read_back(s.url, kept), _files(s.ds)
 
@@ -196,34 +206,46 @@ async def test_gc_never_removes_open_rollouts(make_proxy: Any, tmp_path: Path) -
     assert _read_back(s.url, ["open"]) == before
 
 
-async def test_gc_refuses_while_the_proxy_writes(
+async def test_gc_runs_while_the_proxy_writes_and_keeps_what_it_may_share(
     make_proxy: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     s = await _dataset_with_three_rollouts(make_proxy, tmp_path)
-    files = _files(s.ds)
-    assert main(["gc", s.url, "--older-than", "1d"]) == 1
-    assert capsys.readouterr().err == (
-        f"capture-proxy gc: stop the proxy writing to {s.ds} first; SQLite stores can be "
-        "collected while the proxy runs\n"
+    before = _read_back(s.url, ["recent", "open"])
+    assert main(["gc", s.url, "--older-than", "1d"]) == 0
+    # The old rollout goes; its image stays: committed a moment ago, a writer may still share it.
+    assert _counts(capsys.readouterr().out.splitlines()[0]) == (
+        "1 sealed rollout(s), 1 call(s); 0 blob(s) and 0 attachment(s) no longer used"
     )
-    assert _files(s.ds) == files
-    # A dry run only reads: it answers while the proxy runs, and the proxy keeps working.
-    assert main(["gc", s.url, "--older-than", "1d", "--dry-run"]) == 0
-    assert "would remove 1 sealed rollout(s)" in capsys.readouterr().out
-    assert (await s.proxy.chat(chat_body(SYSTEM, user("more")), rollout="open")).status == 200
+    resp = await s.proxy.chat(chat_body(SYSTEM, SHARED, OLD_ONLY, user("more")), rollout="open")
+    assert resp.headers["X-Capture-Status"] == "staged"
     await s.proxy.sink.close()
+    with open_store(s.url) as store:
+        assert store.rollouts() == ["recent", "open"]
+        store.verify()
+        assert [len(r.attachments) for r in store.calls("open", include_open=True)] == [1, 2]
+    assert _read_back(s.url, ["recent"]) == {"recent": before["recent"]}
 
-    fd = os.open(s.ds / "_compact.lock", os.O_RDWR | os.O_CREAT)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)  # a compaction is running
+
+async def test_a_second_maintenance_run_is_refused_naming_the_holder(
+    make_proxy: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    s = await _dataset_with_three_rollouts(make_proxy, tmp_path)
+    await s.proxy.sink.close()
+    with maintenance_lease(str(s.ds), "compact") as lease:
         files = _files(s.ds)
         assert main(["gc", s.url, "--older-than", "1d"]) == 1
-        assert capsys.readouterr().err == (
-            f"capture-proxy gc: a compaction of {s.ds} is running; run gc once it has finished\n"
+        err = capsys.readouterr().err
+        assert err.startswith(
+            f"capture-proxy gc: another maintenance run holds {s.ds}/_leases/maintenance: "
+            f"compact by {lease.holder}, until "
+        )
+        assert err.endswith(
+            "unless renewed; run gc again once it has finished (a holder that died is taken "
+            "over once its lease expires)\n"
         )
         assert _files(s.ds) == files
-    finally:
-        os.close(fd)
+        assert main(["compact", s.url]) == 1
+        assert "another maintenance run holds" in capsys.readouterr().err
     assert main(["gc", s.url, "--older-than", "1d"]) == 0
     assert "removed 1 sealed rollout(s)" in capsys.readouterr().out
 
@@ -246,6 +268,7 @@ async def test_a_failed_commit_leaves_the_dataset_as_it_was(
 ) -> None:
     s = await _dataset_with_three_rollouts(make_proxy, tmp_path)
     await s.proxy.sink.close()
+    age_units(s.ds, AGED_S)
     everything = ["old", "recent", "open"]
     before, files = _read_back(s.url, everything), _files(s.ds)
     now = int(time.time() * 1000)
@@ -271,6 +294,7 @@ async def test_compact_deletes_the_removed_rows_after_the_grace_period(
 ) -> None:
     s = await _dataset_with_three_rollouts(make_proxy, tmp_path)
     await s.proxy.sink.close()
+    age_units(s.ds, AGED_S)
     reader = ParquetSource(str(s.ds))  # opened before gc, still open after it
     before = _read_back(s.url, ["recent", "open"])
     recent = [r.digest for r in reader.calls("recent")]
@@ -329,6 +353,7 @@ async def test_when_every_rollout_goes_the_dataset_stays_usable(tmp_path: Path) 
         await sink.stage(Session(rollout).next()[0])
         await sink.put_rollout(RolloutInfo(rollout, RolloutState.SEALED, False, 1, 2))
     await sink.close()
+    age_units(Path(ds), AGED_S)  # blobs too go: out of the writers' window
     stats = gc_parquet(ds, older_than_ms=0, now_ms=3)
     assert (stats.rollouts, stats.calls, stats.bytes_after) == (["a", "b"], 2, 0)
     (marker,) = [m for m in map(json.loads, _marker_files(tmp_path / "ds")) if m["retires"]]

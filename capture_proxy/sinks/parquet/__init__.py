@@ -11,15 +11,29 @@ from ._compact import (
 from ._gc import (
     gc_parquet,
 )
+from ._lease import (
+    Lease,
+    LeaseLost,
+    maintenance_lease,
+)
 from ._sink import (
     ParquetSink,
     ParquetSource,
 )
+from ._snapshot import (
+    LiveFiles,
+    live_files,
+)
 
 __all__ = [
+    "Lease",
+    "LeaseLost",
+    "LiveFiles",
     "ParquetSink",
     "ParquetSource",
     "compact_dataset",
     "compact_store",
     "gc_parquet",
+    "live_files",
+    "maintenance_lease",
 ]

@@ -11,8 +11,14 @@ are (no re-encoding), so every record, digest and coordinate resolves identicall
 
 Retired files are not deleted at once: a reader that listed them a moment ago may still be
 reading them. A later run deletes units retired more than `grace_s` seconds ago, and leftovers
-(files of commits that crashed before their marker) older than that. Run one compaction at a
-time per dataset (a lock enforces it on local folders).
+(files of commits that crashed before their marker) older than that and than `LEFTOVER_AGE_S`
+(half an hour: a younger one may be a writer's commit in progress). A reader that listed a unit
+before it was retired reads it normally for `grace_s`; one still reading it after that finds a
+file gone, re-lists the dataset and reads the merged unit instead (`ParquetSource` retries).
+
+Compaction runs while proxies write, on local folders and object storage alike: writers only add
+units, and a merge retires only units it listed. One compaction or gc at a time per dataset: each
+holds the dataset's maintenance lease (`_lease`), and a second run is refused naming the holder.
 
 `compact_dataset` is the Parquet store kind's `compact` (`capture_proxy.sinks.kinds`): callers
 reach it through the registry, which refuses other kinds in one place.
@@ -20,9 +26,8 @@ reach it through the registry, which refuses other kinds in one place.
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
 
 from ..base import CompactStats, Progress, StoreError
 from ._fs import TMP_SUFFIX, DatasetFS
@@ -30,14 +35,21 @@ from ._gc import load_markers, replace_units
 from ._layout import (
     CALLS,
     COMMITS_DIR,
-    COMPACT_LOCK,
+    DEDUP_WINDOW_S,
+    GC_MARGIN_S,
     TABLES,
     Marker,
     check_format,
     live_units,
 )
+from ._lease import maintenance_lease
 
-__all__ = ["CompactStats", "compact_dataset", "compact_store"]
+__all__ = ["LEFTOVER_AGE_S", "CompactStats", "compact_dataset", "compact_store"]
+
+#: A data file no marker names is a leftover of a crashed commit once it is this old, whatever
+#: `grace_s` says: younger, it may be a commit in progress (data files written, marker next),
+#: which a writer acknowledges once its marker lands.
+LEFTOVER_AGE_S = 1800.0
 
 
 def compact_store(
@@ -59,25 +71,34 @@ def compact_store(
 
 
 def compact_dataset(
-    location: str, *, target_bytes: int, grace_s: float, progress: Progress | None = None
+    location: str,
+    *,
+    target_bytes: int,
+    grace_s: float,
+    progress: Progress | None = None,
+    lease_ttl_s: float = 60.0,
+    shared_window_s: float = DEDUP_WINDOW_S + GC_MARGIN_S,
 ) -> CompactStats:
     """The Parquet kind's compaction: merge the dataset at `location` (a local folder or a
-    pyarrow filesystem URL). Raises `StoreError` when there is no dataset there or a compaction
-    is already running."""
+    pyarrow filesystem URL), while proxies write to it. Raises `StoreError` when there is no
+    dataset there or another compaction or gc holds the dataset's maintenance lease
+    (`lease_ttl_s`: how long the lease holds after each renewal), and `LeaseLost` when the run
+    lost its lease midway (what it committed before stays valid). `shared_window_s` is gc's:
+    a merged unit younger than that is not merged again until it is older (`_runs`)."""
     dfs = DatasetFS(location)
     if not check_format(dfs):
         raise StoreError(f"no capture-proxy Parquet dataset at {location}")
-    with _exclusive(dfs):
+    with maintenance_lease(location, "compact", ttl_s=lease_ttl_s, dfs=dfs) as lease:
         markers = load_markers(dfs)
         live = live_units(markers)
-        runs = _runs(live, target_bytes)
+        runs = _runs(live, target_bytes, time.time_ns() - int(shared_window_s * 1e9))
         # Steps: each run of units merged (a run of one is kept as it is), then the clean-up.
         after = []
         for done, run in enumerate(runs, 1):
-            after.append(_merge(dfs, run, markers) if len(run) > 1 else run[0])
+            after.append(_merge(dfs, run, markers, lease.check) if len(run) > 1 else run[0])
             if progress is not None:
                 progress(done, len(runs) + 1)
-        deleted = _clean(dfs, grace_s)
+        deleted = _clean(dfs, grace_s, lease.check)
         if progress is not None:
             progress(len(runs) + 1, len(runs) + 1)
     return CompactStats(
@@ -92,25 +113,46 @@ def compact_dataset(
     )
 
 
-def _runs(live: list[Marker], target_bytes: int) -> list[list[Marker]]:
-    """Consecutive units grouped up to `target_bytes` (consecutive: ledger order is kept)."""
+def _runs(live: list[Marker], target_bytes: int, settled_ns: int) -> list[list[Marker]]:
+    """Consecutive units grouped up to `target_bytes` (consecutive: ledger order is kept).
+
+    A merged unit takes the order (commit time) of its last unit, and gc judges the age of
+    every blob and attachment copy in it by that order. So a unit committed after `settled_ns`
+    (its copies may still be shared by writers) that is itself a merge is not merged again
+    until it settles: a young tail merged again and again would keep old copies young forever,
+    and gc would never remove them. Each young unit is merged at most once while young, which
+    delays the removal of its copies by at most gc's window. Settled units merge freely.
+    """
+
+    def young_merge(m: Marker) -> bool:
+        return m.order > settled_ns and bool(m.retires)
+
     runs: list[list[Marker]] = []
     for unit in live:
-        if runs and sum(m.size for m in runs[-1]) + unit.size <= target_bytes:
+        if (
+            runs
+            and not young_merge(unit)
+            and not any(young_merge(m) for m in runs[-1])
+            and sum(m.size for m in runs[-1]) + unit.size <= target_bytes
+        ):
             runs[-1].append(unit)
         else:
             runs.append([unit])
     return runs
 
 
-def _merge(dfs: DatasetFS, run: list[Marker], markers: dict[str, Marker]) -> Marker:
+def _merge(
+    dfs: DatasetFS, run: list[Marker], markers: dict[str, Marker], check: Callable[[], None]
+) -> Marker:
     """Write `run`'s rows as one unit whose marker retires them; return its marker."""
-    return replace_units(dfs, run, markers, lambda table_name, table: table)
+    return replace_units(dfs, run, markers, lambda table_name, table: table, before_commit=check)
 
 
-def _clean(dfs: DatasetFS, grace_s: float) -> int:
-    """Delete units retired over `grace_s` ago, then unreferenced files older than that."""
+def _clean(dfs: DatasetFS, grace_s: float, check: Callable[[], None]) -> int:
+    """Delete units retired over `grace_s` ago, then unreferenced files older than that and
+    than `LEFTOVER_AGE_S`."""
     deadline_ms = (time.time() - grace_s) * 1000
+    leftover_ms = (time.time() - max(grace_s, LEFTOVER_AGE_S)) * 1000
     markers = load_markers(dfs)
     deleted = 0
     for m in markers.values():
@@ -120,6 +162,7 @@ def _clean(dfs: DatasetFS, grace_s: float) -> int:
             old = markers.get(name)
             if old is None:
                 continue
+            check()
             # Data files first, marker last: a crash in between leaves a retired marker whose
             # files are gone, which readers never open (it is retired).
             for rel in old.files.values():
@@ -131,24 +174,12 @@ def _clean(dfs: DatasetFS, grace_s: float) -> int:
     for folder in (*TABLES, COMMITS_DIR):
         for entry in dfs.listdir(folder):
             rel = f"{folder}/{entry.name}"
-            stale = entry.mtime_ns / 1e6 <= deadline_ms
+            stale = entry.mtime_ns / 1e6 <= leftover_ms
             leftover = entry.name.endswith(TMP_SUFFIX) or (
                 folder != COMMITS_DIR and rel not in referenced
             )
             if stale and leftover:
+                check()
                 dfs.delete(rel)
                 deleted += 1
     return deleted
-
-
-@contextlib.contextmanager
-def _exclusive(dfs: DatasetFS) -> Iterator[None]:
-    """One compaction at a time: two would both merge the same units (duplicates)."""
-    try:
-        lock = dfs.lock(COMPACT_LOCK)
-    except BlockingIOError as exc:
-        raise StoreError(f"another compaction of {dfs.root} is running") from exc
-    try:
-        yield
-    finally:
-        lock.release()

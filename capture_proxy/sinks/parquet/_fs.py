@@ -61,6 +61,9 @@ class DatasetFS:
         self.fs: pafs.FileSystem = fs
         self.root: str = root.rstrip("/") or "/"
         self.local = isinstance(fs, pafs.LocalFileSystem)
+        #: Files read ahead, by path (`ParquetSource` fetches small units on object storage
+        #: concurrently); `open` serves them from memory while they are here.
+        self.prefetched: dict[str, bytes] = {}
 
     def path(self, rel: str) -> str:
         return f"{self.root}/{rel}" if rel else self.root
@@ -80,6 +83,9 @@ class DatasetFS:
 
     def open(self, rel: str) -> pa.NativeFile:
         """A random-access handle (what `pyarrow.parquet` reads footers and columns through)."""
+        data = self.prefetched.get(rel)
+        if data is not None:
+            return pa.BufferReader(data)
         return self.fs.open_input_file(self.path(rel))
 
     def listdir(self, rel: str) -> list[FileEntry]:

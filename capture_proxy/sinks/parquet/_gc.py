@@ -14,11 +14,13 @@ copied as they are, so every remaining record, digest and coordinate reads back 
 The retired files stay on disk for readers that listed them a moment ago; `capture-proxy
 compact` deletes them once its grace period has passed.
 
-The writer deduplicates blobs and attachments against what the dataset already holds, so
-removing one while a proxy writes could leave a new call referring to bytes that are gone. gc
-therefore takes the writer lock as well as the compaction lock, and refuses while a proxy holds
-it (a dry run takes only the compaction lock, so files do not vanish under it). Object stores
-have no locks: stop the proxy before collecting one.
+gc runs while proxies write, on local folders and object storage alike, holding the dataset's
+maintenance lease (`_lease`: one compaction or gc at a time). It needs no writer lock because of
+the **window rule**: a writer shares a blob or attachment only with a copy committed less than
+`DEDUP_WINDOW_S` ago (older ones it stores again, or refuses a reference without bytes), and gc
+removes a blob or attachment only when no kept call refers to it and every copy of it is in a
+unit committed more than `DEDUP_WINDOW_S + GC_MARGIN_S` ago. So whatever a writer may still refer
+to is never removed: a copy young enough to be shared is kept, whatever it held when gc listed.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,16 +39,16 @@ import pyarrow.fs as pafs
 from ...schemas.records import RolloutState
 from ..base import GcStats, Progress, StoreError
 from ._claims import remove_claims
-from ._fs import DatasetFS, Lock
+from ._fs import DatasetFS
 from ._layout import (
     ATTACHMENTS,
     BLOBS,
     CALLS,
     COMMITS_DIR,
-    COMPACT_LOCK,
+    DEDUP_WINDOW_S,
+    GC_MARGIN_S,
     LEDGER,
     TABLES,
-    WRITER_LOCK,
     Marker,
     check_format,
     conform,
@@ -56,6 +58,7 @@ from ._layout import (
     read_table,
     unit_files,
 )
+from ._lease import maintenance_lease
 from ._ledger import LedgerState
 
 __all__ = ["gc_parquet", "load_markers", "replace_units"]
@@ -106,18 +109,26 @@ def gc_parquet(
     dry_run: bool = False,
     filesystem: pafs.FileSystem | None = None,
     progress: Progress | None = None,
+    lease_ttl_s: float = 60.0,
+    shared_window_s: float = DEDUP_WINDOW_S + GC_MARGIN_S,
 ) -> GcStats:
     """Remove the rollouts of the Parquet dataset at `location` sealed before
-    ``now_ms - older_than_ms``; with `dry_run`, only say what would go.
+    ``now_ms - older_than_ms``; with `dry_run`, only say what would go. Proxies may write to
+    the dataset meanwhile.
 
-    `bytes_before` / `bytes_after` count the live units (what readers read); disk space comes
-    back when a later `compact` deletes the retired files. Raises `StoreError` when there is no
-    dataset at `location`, while a proxy writes to it, or while a compaction runs.
+    A blob or attachment goes only if no kept call refers to it and all its copies are in
+    units committed more than `shared_window_s` ago (the module docstring says why; never set
+    it below the writers' dedup window). `bytes_before` / `bytes_after` count the live units
+    (what readers read); disk space comes back when a later `compact` deletes the retired
+    files. Raises `StoreError` when there is no dataset at `location` or another compaction or
+    gc holds the maintenance lease (`lease_ttl_s`: how long it holds after each renewal), and
+    `LeaseLost` when this run lost it before committing.
     """
     dfs = DatasetFS(location, filesystem)
     if not check_format(dfs):
         raise StoreError(f"no capture-proxy Parquet dataset at {location}")
-    with _locked(dfs, writer=not dry_run):
+    purpose = "gc --dry-run" if dry_run else "gc"
+    with maintenance_lease(location, purpose, ttl_s=lease_ttl_s, dfs=dfs) as lease:
         markers = load_markers(dfs)
         live = live_units(markers)
         # Steps: reading each live unit's calls (most of the time), then the rewrite.
@@ -127,14 +138,16 @@ def gc_parquet(
             if progress is not None:
                 progress(done, steps)
 
-        plan = _plan(dfs, live, now_ms - older_than_ms, unit_read)
+        shared_after_ns = time.time_ns() - int(shared_window_s * 1e9)
+        plan = _plan(dfs, live, now_ms - older_than_ms, shared_after_ns, unit_read)
         before = after = sum(m.size for m in live)
         if plan.touched and not dry_run:
             span = live[plan.touched[0] : plan.touched[-1] + 1]
-            merged = replace_units(dfs, span, markers, plan.select)
+            merged = replace_units(dfs, span, markers, plan.select, before_commit=lease.check)
             after = before - sum(m.size for m in span) + merged.size
             # After the unit that removes their rows: a crash in between leaves claims of a
             # rollout that is gone, which a new rollout of the same id would continue after.
+            lease.check()
             remove_claims(dfs, plan.rollouts)
         unit_read(steps)
     return GcStats(
@@ -148,7 +161,11 @@ def gc_parquet(
 
 
 def _plan(
-    dfs: DatasetFS, live: Sequence[Marker], cutoff_ms: int, unit_read: Callable[[int], None]
+    dfs: DatasetFS,
+    live: Sequence[Marker],
+    cutoff_ms: int,
+    shared_after_ns: int,
+    unit_read: Callable[[int], None],
 ) -> _Plan:
     ledger = LedgerState()
     ledger_rows = []
@@ -186,8 +203,10 @@ def _plan(
                 keys = keys or b""
                 blob_refs.update(keys[j : j + 32].hex() for j in range(0, len(keys), 32))
                 attachment_refs.update(shas or ())
-    blobs = _unreferenced(dfs, live, BLOBS, "key", blob_refs, touched)
-    attachments = _unreferenced(dfs, live, ATTACHMENTS, "sha256", attachment_refs, touched)
+    blobs = _unreferenced(dfs, live, BLOBS, "key", blob_refs, touched, shared_after_ns)
+    attachments = _unreferenced(
+        dfs, live, ATTACHMENTS, "sha256", attachment_refs, touched, shared_after_ns
+    )
     for i, rows in enumerate(ledger_rows):
         if any(_goes(r, going, calls) for r in rows):
             touched.add(i)
@@ -209,15 +228,23 @@ def _unreferenced(
     column: str,
     referenced: set[str],
     touched: set[int],
+    shared_after_ns: int,
 ) -> set[str]:
-    """Keys of `table` that no kept call refers to; adds the units holding them to `touched`."""
-    found: set[str] = set()
+    """Keys of `table` that no kept call refers to and that have no copy in a unit committed
+    after `shared_after_ns` (a writer may share such a copy: the window rule); adds the units
+    holding them to `touched`."""
+    holders: dict[str, list[int]] = {}
+    young: set[str] = set()
     for i, m in enumerate(live):
         if table in m.files:
             keys = set(read_table(dfs, m.files[table], [column]).column(column).to_pylist())
-            if keys - referenced:
-                found |= keys - referenced
-                touched.add(i)
+            for key in keys - referenced:
+                holders.setdefault(key, []).append(i)
+                if m.order > shared_after_ns:
+                    young.add(key)
+    found = set(holders) - young
+    for key in found:
+        touched.update(holders[key])
     return found
 
 
@@ -231,14 +258,21 @@ def load_markers(dfs: DatasetFS) -> dict[str, Marker]:
 
 
 def replace_units(
-    dfs: DatasetFS, span: Sequence[Marker], markers: dict[str, Marker], select: Select
+    dfs: DatasetFS,
+    span: Sequence[Marker],
+    markers: dict[str, Marker],
+    select: Select,
+    *,
+    before_commit: Callable[[], None] | None = None,
 ) -> Marker:
     """Write the rows of the consecutive live units `span`, filtered by `select`, as one unit
     whose marker retires them all; return that marker.
 
     The new unit takes the order of the last unit it replaces, so its rows keep their place
     among the other units. A table left without rows gets no file (a unit may be a marker only:
-    it still retires). On failure, whatever was written is removed and nothing changed.
+    it still retires). `before_commit` runs between the data files and the marker (the lease
+    check: raising there commits nothing). On failure, whatever was written is removed and
+    nothing changed.
     """
     unit = f"{span[-1].order:020d}-{uuid.uuid4().hex[:12]}"
     data: dict[str, bytes] = {}
@@ -267,6 +301,8 @@ def replace_units(
     )
     try:
         dfs.put_all(data)
+        if before_commit is not None:
+            before_commit()  # the last moment to stop: the marker is the commit
         dfs.put_all({marker.rel: marker.encode()})
     except BaseException:
         for rel in (marker.rel, *data):
@@ -283,27 +319,3 @@ def _first_of_each(table: pa.Table, key: str) -> pa.Table:
     if len(first) == table.num_rows:
         return table
     return table.take(pa.array(sorted(first.values()), pa.int64()))
-
-
-@contextlib.contextmanager
-def _locked(dfs: DatasetFS, *, writer: bool) -> Iterator[None]:
-    held: list[Lock] = []
-    try:
-        if writer:
-            try:
-                held.append(dfs.lock(WRITER_LOCK))
-            except BlockingIOError as exc:
-                raise StoreError(
-                    f"stop the proxy writing to {dfs.root} first; SQLite stores can be "
-                    "collected while the proxy runs"
-                ) from exc
-        try:
-            held.append(dfs.lock(COMPACT_LOCK))
-        except BlockingIOError as exc:
-            raise StoreError(
-                f"a compaction of {dfs.root} is running; run gc once it has finished"
-            ) from exc
-        yield
-    finally:
-        for lock in reversed(held):
-            lock.release()

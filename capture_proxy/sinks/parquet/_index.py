@@ -126,7 +126,8 @@ class Known:
     """What a writer must know of a whole dataset to append to it; what it must know of one
     rollout (its calls and seqs) it asks the reader for when the rollout comes back."""
 
-    attachments: set[str]
+    #: sha256 -> the order (commit time, ns) of the unit holding its first copy.
+    attachments: dict[str, int]
     rollouts: set[str]
     last_order: int
 

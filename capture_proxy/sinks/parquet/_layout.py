@@ -11,7 +11,8 @@
       ledger/<unit>.parquet         rollout headers, not-staged calls, orphan marks, event logs
       claims/<rollout>/<seq>        admission claims, one file per seq (`_claims`), not in units
       _commits/<unit>.json          the commit marker: a unit exists once this file exists
-      _writer.lock, _compact.lock   held by the one writer / the one compaction (local folders)
+      _leases/maintenance           the lease of the one compaction or gc at a time (`_lease`)
+      _writer.lock                  held by the one writer (local folders)
 
 A *unit* is what one group commit writes: up to one file per table, all immutable. Its data files
 are written and fsynced first; the marker is written last, atomically, and names them. Readers
@@ -45,9 +46,10 @@ __all__ = [
     "BLOBS",
     "CALLS",
     "COMMITS_DIR",
-    "COMPACT_LOCK",
+    "DEDUP_WINDOW_S",
     "FORMAT_FILE",
     "FORMAT_VERSION",
+    "GC_MARGIN_S",
     "LEDGER",
     "SCHEMAS",
     "TABLES",
@@ -72,9 +74,14 @@ FORMAT_NAME = "capture-proxy-parquet"
 FORMAT_VERSION = 1
 FORMAT_FILE = "_format.json"
 COMMITS_DIR = "_commits"
-#: Lock files (local datasets): one writer, and one compaction, at a time.
+#: Lock file (local datasets): one writer at a time.
 WRITER_LOCK = "_writer.lock"
-COMPACT_LOCK = "_compact.lock"
+#: The window rule that lets gc run beside writers: a writer shares a blob or attachment only
+#: with a copy committed less than this long ago (by its unit's order) and stores an older one
+#: again; gc removes one only when every copy is older than this plus `GC_MARGIN_S` (the time a
+#: writer's decision can take to commit, and clocks that differ between hosts).
+DEDUP_WINDOW_S = 3600.0
+GC_MARGIN_S = 900.0
 
 CALLS, BLOBS, ATTACHMENTS, LEDGER = "calls", "blobs", "attachments", "ledger"
 TABLES = (CALLS, BLOBS, ATTACHMENTS, LEDGER)

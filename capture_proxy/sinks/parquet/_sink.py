@@ -25,8 +25,8 @@ see the first one's. On a local folder a lock file enforces it (a second sink is
 `StoreError`); on object storage nothing enforces it yet (no lock, and claims are checked, not
 enforced: the sink warns at open), so a deployment gives each proxy its own dataset
 (docs/storage.md, "Writers and readers today"). Readers (`ParquetSource`, Arrow engines) may be
-any number, anywhere, beside the writer, and so may compaction
-(`capture_proxy.sinks.parquet.compact_store`).
+any number, anywhere, beside the writer, and so may compaction and gc
+(`capture_proxy.sinks.parquet.compact_store`, `gc_parquet`; one at a time, through a lease).
 
 What it keeps is bounded by live work, not by the size of the store: the call ids and the
 (rollout, seq) holders of the rollouts in use (the `max_live_rollouts` most recently used, a
@@ -36,6 +36,11 @@ stored again: a few bytes more, never a wrong record; readers and compaction kee
 per rollout its id and per attachment its sha256 (each exactly: a header must not be written
 twice, and a record may refer to an attachment an earlier call stored). A staging key is refused
 as a duplicate within its rollout (the proxy's call ids are unique by construction).
+
+Blobs and attachments are shared only with copies committed less than `dedup_window_s` ago
+(`_layout.DEDUP_WINDOW_S`, an hour): an older one is stored again, and a reference alone to an
+older attachment is refused as ``missing_attachment``. That is what lets gc run while the
+proxy writes: it removes only copies older than the window (`_gc`).
 """
 
 from __future__ import annotations
@@ -69,6 +74,7 @@ from ._layout import (
     ATTACHMENTS,
     BLOBS,
     CALLS,
+    DEDUP_WINDOW_S,
     LEDGER,
     WRITER_LOCK,
     check_format,
@@ -96,14 +102,17 @@ class _RolloutKeys:
 
 
 class _RecentKeys:
-    """The `limit` keys added or looked up most recently."""
+    """The `limit` keys added or looked up most recently, each for `window_ns` after it was
+    added (the window rule: gc may remove older copies)."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, window_ns: int) -> None:
         self.limit = max(1, limit)
-        self._keys: OrderedDict[str, None] = OrderedDict()
+        self.window_ns = window_ns
+        self._keys: OrderedDict[str, int] = OrderedDict()
 
     def __contains__(self, key: str) -> bool:
-        if key not in self._keys:
+        added = self._keys.get(key)
+        if added is None or time.time_ns() - added >= self.window_ns:
             return False
         self._keys.move_to_end(key)
         return True
@@ -112,7 +121,7 @@ class _RecentKeys:
         return len(self._keys)
 
     def add(self, key: str) -> None:
-        self._keys[key] = None
+        self._keys[key] = time.time_ns()
         self._keys.move_to_end(key)
         while len(self._keys) > self.limit:
             self._keys.popitem(last=False)
@@ -127,8 +136,10 @@ class ParquetSink:
     keys already staged and starts the writer thread. `max_batch` caps how many queued writes
     share one unit; `cache_tokens` bounds the cache of recent full sequences that children are
     stored against. `max_live_rollouts` and `max_blob_keys` bound what the writer keeps to
-    refuse duplicates and share blobs (see the module docstring). `filesystem` is a configured
-    pyarrow filesystem that `location` is a path in (object storage with credentials, say).
+    refuse duplicates and share blobs (see the module docstring); `dedup_window_s` is how long
+    a committed blob or attachment is shared (gc relies on the default: lower only). `filesystem`
+    is a configured pyarrow filesystem that `location` is a path in (object storage with
+    credentials, say).
     `close` commits everything queued; `stage` after `close` raises RuntimeError.
     """
 
@@ -145,6 +156,7 @@ class ParquetSink:
         # shares are looked up all the time, so they stay; what falls out is rarely sent again.
         max_blob_keys: int = 16_384,
         filesystem: pafs.FileSystem | None = None,
+        dedup_window_s: float = DEDUP_WINDOW_S,
     ) -> None:
         self.location = location
         self.url = url or default_url(location)
@@ -170,8 +182,9 @@ class ParquetSink:
             raise
         self._live: OrderedDict[str, _RolloutKeys] = OrderedDict()
         self.max_live_rollouts = max(1, max_live_rollouts)
-        self._blobs = _RecentKeys(max_blob_keys)
-        self._attachments = known.attachments
+        self._window_ns = int(dedup_window_s * 1e9)
+        self._blobs = _RecentKeys(max_blob_keys, self._window_ns)
+        self._attachments = known.attachments  # sha256 -> when its copy we share was committed
         self._rollouts = known.rollouts
         self._fulls: LRU[str, tuple[str, array[int]]] = LRU(cache_tokens, lambda v: len(v[1]))
         if not dfs.local:
@@ -277,7 +290,9 @@ class ParquetSink:
                 keys.calls.add(call_id)
         for blob_key in batch.blobs:
             self._blobs.add(blob_key)
-        self._attachments |= batch.attachments
+        committed = time.time_ns()
+        for sha in batch.attachments:
+            self._attachments[sha] = committed
         self._rollouts |= batch.rollouts
         self._events.publish(batch)
         for (rollout_id, seq), call_id in batch.seqs.items():
@@ -316,6 +331,13 @@ class ParquetSink:
         """Another call already at (rollout_id, seq): committed, or earlier in this batch."""
         holder = batch.seqs.get((rollout_id, seq)) or self._keys(rollout_id).seqs.get(seq)
         return holder if holder is not None and holder != call_id else None
+
+    def _shared(self, batch: UnitRows, sha: str) -> bool:
+        """Whether a record may refer to the stored copy of attachment `sha` (the window rule)."""
+        if sha in batch.attachments:
+            return True
+        committed = self._attachments.get(sha)
+        return committed is not None and time.time_ns() - committed < self._window_ns
 
     def _ensure_rollout(self, batch: UnitRows, part: UnitRows, rollout_id: str) -> None:
         if rollout_id in self._rollouts or rollout_id in batch.rollouts:
@@ -357,9 +379,7 @@ class ParquetSink:
             return StageResult.failed(
                 "duplicate_seq", str(DuplicateSeq(record.rollout_id, record.seq, holder))
             )
-        checked = new_attachments(
-            record, given, lambda sha: sha in self._attachments or sha in batch.attachments
-        )
+        checked = new_attachments(record, given, lambda sha: self._shared(batch, sha))
         if isinstance(checked, StageResult):
             return checked
         new, hits = checked

@@ -18,6 +18,7 @@ units when asked for. The default (``"calls"``) indexes every call, for bulk rea
 from __future__ import annotations
 
 import threading
+import time
 from array import array
 from collections.abc import Callable, Iterable, Sequence
 from typing import Literal, TypeVar
@@ -36,12 +37,14 @@ from ..base import PROXY_STATE_ROLLOUT, StoreError
 from ._claims import read_claims
 from ._fs import DatasetFS
 from ._index import (
+    SMALL_UNIT_BYTES,
     Index,
     Known,
     UnitIndex,
 )
 from ._layout import (
-    COMMITS_DIR,
+    DEDUP_WINDOW_S,
+    GC_MARGIN_S,
     Marker,
     check_format,
     list_markers,
@@ -49,12 +52,21 @@ from ._layout import (
     read_groups,
 )
 from ._loading import Loading
+from ._snapshot import fetch_files, read_markers
 
 __all__ = ["ParquetSource", "default_url"]
 
 T = TypeVar("T")
 #: Reads retried when files vanish under them (each retry follows a compaction's cleanup).
 _ATTEMPTS = 5
+#: Units whose small files are fetched ahead at once when a reader indexes new units (bounds
+#: the bytes held: at most this many units of up to `SMALL_UNIT_BYTES`, usually a few KB each).
+_PREFETCH_UNITS = 256
+
+
+def _order_of(path: str) -> int:
+    """The order (commit time, ns) of the unit a data file ``<table>/<unit>.parquet`` is of."""
+    return int(path.rsplit("/", 1)[-1].split("-", 1)[0])
 
 
 def default_url(location: str) -> str:
@@ -85,6 +97,11 @@ class ParquetSource(Loading):
     ) -> None:
         self.url = url or default_url(location)
         self.dfs = dfs or DatasetFS(location, filesystem)
+        # Object storage reached by URL (credentials from the environment): obstore fetches
+        # whole small files in one GET each, where pyarrow asks for the size first.
+        self._object_url = location if "://" in location and filesystem is None else None
+        if self.dfs.local:
+            self._object_url = None
         if not check_format(self.dfs):
             raise StoreError(f"no capture-proxy Parquet dataset at {location}")
         self._lock = threading.RLock()
@@ -118,13 +135,12 @@ class ParquetSource(Loading):
         # The writer's steady state: names only appended (each refresh of a proxy's reader
         # would otherwise compare and sort every marker, a cost that grows with the store).
         appended = names[: len(listed)] == listed
-        for name in names[len(listed) :] if appended else names:
-            if name not in self._markers:
-                try:
-                    raw = self.dfs.read(f"{COMMITS_DIR}/{name}.json")
-                except FileNotFoundError:
-                    continue  # removed by a compaction's cleanup after it was listed
-                self._markers[name] = Marker.decode(raw)
+        # Concurrent on object storage; one removed by a compaction's cleanup after it was
+        # listed is left out.
+        unread = [
+            n for n in (names[len(listed) :] if appended else names) if n not in self._markers
+        ]
+        self._markers.update(read_markers(self.dfs, unread, self._object_url))
         if not appended:
             for gone in set(self._markers) - set(names):
                 del self._markers[gone]
@@ -143,8 +159,16 @@ class ParquetSource(Loading):
                 self._refs.clear()
                 self._index_groups.clear()
                 new = live
-        for unit in new:
-            self._add_unit(unit)
+        for start in range(0, len(new), _PREFETCH_UNITS):
+            chunk = new[start : start + _PREFETCH_UNITS]
+            # Small units are read whole: on object storage fetch them concurrently first.
+            small = [rel for m in chunk if m.size <= SMALL_UNIT_BYTES for rel in m.files.values()]
+            self.dfs.prefetched = fetch_files(self.dfs, small, self._object_url)
+            try:
+                for unit in chunk:
+                    self._add_unit(unit)
+            finally:
+                self.dfs.prefetched = {}
 
     def _new_index(self) -> Index | UnitIndex:
         return UnitIndex() if self._per_unit else Index()
@@ -188,7 +212,7 @@ class ParquetSource(Loading):
     def _known(self) -> Known:
         idx = self._index
         return Known(
-            attachments=set(idx.attachments),
+            attachments={sha: _order_of(w.path) for sha, w in idx.attachments.items()},
             rollouts=set(idx.ledger.rollouts) | set(self._rollouts_with_calls()),
             last_order=max((m.order for m in self._markers.values()), default=0),
         )
@@ -334,6 +358,10 @@ class ParquetSource(Loading):
         return self._read(run)
 
     def unreferenced_attachments(self) -> list[str]:
+        """Attachments no call refers to, leaving out those committed less than
+        ``DEDUP_WINDOW_S + GC_MARGIN_S`` ago: gc keeps those on purpose (a writer may still
+        share them) and removes them once they are older (docs/storage.md, online gc)."""
+
         def run() -> list[str]:
             idx = self._index
             if not idx.attachments:
@@ -348,7 +376,12 @@ class ParquetSource(Loading):
                     for shas in t.column("attachment_shas").to_pylist()
                     for s in shas or ()
                 }
-            return sorted(set(idx.attachments) - used)
+            young = time.time_ns() - int((DEDUP_WINDOW_S + GC_MARGIN_S) * 1e9)
+            return sorted(
+                sha
+                for sha, where in idx.attachments.items()
+                if sha not in used and _order_of(where.path) <= young
+            )
 
         return self._read(run)
 

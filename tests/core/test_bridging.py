@@ -1,4 +1,4 @@
-"""A token-in call's prompt (`core/token_in_flow.py`): the renders sent to the fake vLLM over
+"""A token-in call's prompt (`core/bridging.py`): the renders sent to the fake vLLM over
 HTTP, the turn-close cache, the lines of calls, and the output limit of a longer prompt."""
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from capture_proxy.adapters.vllm import read_render
-from capture_proxy.core.token_in import Prior
-from capture_proxy.core.token_in_flow import (
+from capture_proxy.core.bridging import (
     CloseRenders,
     RenderRefused,
     TokenInPrompt,
     token_in_line,
     token_in_prompt,
 )
+from capture_proxy.core.token_in import Prior
 from capture_proxy.testing.fake_vllm import FakeVLLM
 from capture_proxy.upstream.http import HTTPUpstream
 from tests.support.token_in import render_ids

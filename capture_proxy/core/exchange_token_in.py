@@ -2,7 +2,7 @@
 
 A token-in call (docs/token-in.md, "The call flow") is prepared, admitted, failed and staged by
 the exchange like any other; what differs is here: `_post_token_in` renders the call's prompt
-(`capture_proxy.core.token_in_flow`) and posts generate; `_finish_token_in` derenders a unary
+(`capture_proxy.core.bridging`) and posts generate; `_finish_token_in` derenders a unary
 answer, `_relay_token_in` a stream (coalesced, `capture_proxy.core.derender`); `_token_in_facts`
 gives the record what generate and the render said; `_continued_by_next` keeps the staged call for
 the rollout's next token-in call and reports it to the metrics.
@@ -32,11 +32,11 @@ from ..adapters.vllm import (
 )
 from ..errors import UpstreamFailed
 from ..schemas.token_in_extras import token_in_extras
+from .bridging import TokenInPrompt, token_in_line, token_in_prompt
 from .call import Call
 from .derender import StreamedDerender
 from .sampling import RESOLVED_SAMPLING_KEYS, effective_sampling
 from .token_in import Prior
-from .token_in_flow import TokenInPrompt, token_in_line, token_in_prompt
 from .token_in_report import EXTENDED, NEW_SEGMENT, TokenInReport
 from .transport import SCALE_OUT_DISABLED, EngineRoute, TokenInTransport, UpstreamReply
 

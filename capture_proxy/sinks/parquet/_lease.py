@@ -1,0 +1,339 @@
+"""The maintenance lease: one compaction or gc at a time per Parquet dataset, writers running.
+
+Two maintenance runs at once would both merge (or rewrite) the same units, so each takes the
+lease object ``_leases/maintenance`` first. Its body names the holder (host, pid, a random id),
+what it runs and until when the lease holds (`ttl_s` from the last renewal). A run:
+
+* **takes** it by creating the object only if it is absent; if it is present and its expiry has
+  passed (its holder died), by replacing it only if it is unchanged since it was read (a
+  compare-and-swap on its etag), so of two runs taking over at once exactly one wins;
+* **renews** it from a background thread every third of `ttl_s`, again only if unchanged: a run
+  whose lease was taken over (it stalled past its expiry) learns so at its next renewal, and
+  `check` raises before it commits anything more;
+* **releases** it at the end by writing an expired body the same way, so the next run takes it at
+  once.
+
+A second run while the lease holds is refused with `StoreError` naming the holder and its expiry.
+
+On object storage the conditional writes are the store's own: obstore's ``put(mode="create")``
+(``If-None-Match: *``) and ``put(mode={"e_tag": ...})`` (``If-Match``); pyarrow's filesystems
+cannot express either (docs/reports/object-store-spike.md). On a local folder the lease is a file
+created exclusively and fsynced with its folder, and replaced by a renamed, fsynced file while a
+`flock` on the folder is held (obstore's local store neither fsyncs nor has an etag mode); its
+etag is the sha256 of its bytes.
+
+Limits: a holder that stalls (a paused VM) for longer than `ttl_s` between its last `check` and
+its next commit can commit once after another run took over; `check` refuses to go on with less
+than a third of `ttl_s` left, which covers any pause shorter than that.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+import orjson
+import pyarrow.fs as pafs
+
+from ..base import StoreError
+from ._fs import DatasetFS
+
+__all__ = ["LEASE", "Lease", "LeaseLost", "maintenance_lease"]
+
+#: The lease object, relative to the dataset root.
+LEASE = "_leases/maintenance"
+
+
+class LeaseLost(StoreError):
+    """The maintenance lease expired or was taken over while the run held it; it stopped
+    before committing anything more."""
+
+
+class _Backend(Protocol):
+    """Conditional writes on one object: what the lease needs of a store."""
+
+    def create(self, body: bytes) -> str | None:
+        """Write `body` if the object is absent; its etag, or None when it exists."""
+
+    def get(self) -> tuple[bytes, str] | None:
+        """The object's body and etag, or None when it is absent."""
+
+    def replace(self, body: bytes, etag: str) -> str | None:
+        """Write `body` if the object's etag is still `etag`; the new etag, or None if not."""
+
+
+class _ObjectBackend:
+    """The lease on object storage, through obstore's conditional puts."""
+
+    def __init__(self, url: str) -> None:
+        try:
+            from obstore.store import from_url
+        except ImportError as exc:  # pragma: no cover - obstore is a dependency
+            raise StoreError("maintenance on object storage needs obstore") from exc
+        try:
+            self._store: Any = from_url(url.rstrip("/"))
+        except Exception as exc:  # obstore refuses schemes it does not know
+            raise StoreError(
+                f"maintenance of {url} needs conditional writes, which capture-proxy makes "
+                f"through obstore; obstore cannot open this URL: {exc}"
+            ) from exc
+
+    def create(self, body: bytes) -> str | None:
+        import obstore
+        from obstore.exceptions import AlreadyExistsError
+
+        try:
+            return str(obstore.put(self._store, LEASE, body, mode="create")["e_tag"])
+        except AlreadyExistsError:
+            return None
+
+    def get(self) -> tuple[bytes, str] | None:
+        import obstore
+
+        try:
+            got = obstore.get(self._store, LEASE)
+        except FileNotFoundError:
+            return None
+        return bytes(got.bytes()), str(got.meta["e_tag"])
+
+    def replace(self, body: bytes, etag: str) -> str | None:
+        import obstore
+        from obstore.exceptions import PreconditionError
+
+        try:
+            put = obstore.put(self._store, LEASE, body, mode={"e_tag": etag})
+        except (PreconditionError, FileNotFoundError):
+            return None
+        return str(put["e_tag"])
+
+
+class _LocalBackend:
+    """The lease on a local folder: an exclusive, fsynced file; replaced under a folder flock."""
+
+    def __init__(self, root: str) -> None:
+        self._dir = os.path.join(root, os.path.dirname(LEASE))
+        self._path = os.path.join(root, LEASE)
+
+    def create(self, body: bytes) -> str | None:
+        os.makedirs(self._dir, exist_ok=True)
+        with self._folder_locked():
+            try:
+                fd = os.open(self._path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                return None
+            _write_all(fd, body)
+            _fsync_dir(self._dir)
+        return _etag(body)
+
+    def get(self) -> tuple[bytes, str] | None:
+        try:
+            with open(self._path, "rb") as f:
+                body = f.read()
+        except FileNotFoundError:
+            return None
+        return body, _etag(body)
+
+    def replace(self, body: bytes, etag: str) -> str | None:
+        with self._folder_locked():
+            current = self.get()
+            if current is None or current[1] != etag:
+                return None
+            tmp = f"{self._path}.{uuid.uuid4().hex[:8]}.tmp"
+            _write_all(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), body)
+            os.replace(tmp, self._path)
+            _fsync_dir(self._dir)
+        return _etag(body)
+
+    @contextlib.contextmanager
+    def _folder_locked(self) -> Iterator[None]:
+        # Held for a read and a rename: every process changing the lease file takes it, so a
+        # compare and its swap are one step.
+        fd = os.open(self._dir, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+
+def _etag(body: bytes) -> str:
+    return hashlib.sha256(body).hexdigest()
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def _when(ms: int) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ms / 1000))
+
+
+class Lease:
+    """A held maintenance lease (see the module docstring); `maintenance_lease` takes one."""
+
+    def __init__(self, backend: _Backend, where: str, purpose: str, ttl_s: float) -> None:
+        self._backend = backend
+        self._where = where
+        self.purpose = purpose
+        self.ttl_s = ttl_s
+        self.holder = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self._etag: str | None = None
+        self._expires_ms = 0
+        self._lost: str | None = None
+        self._guard = threading.Lock()
+        self._stop = threading.Event()
+        self._renewer: threading.Thread | None = None
+
+    def _body(self, expires_ms: int) -> bytes:
+        return orjson.dumps(
+            {
+                "holder": self.holder,
+                "purpose": self.purpose,
+                "expires_at_ms": expires_ms,
+                "written_at_ms": _now_ms(),
+                "nonce": uuid.uuid4().hex,
+            }
+        )
+
+    def acquire(self) -> None:
+        """Take the lease, or raise `StoreError` naming the run that holds it."""
+        expires = _now_ms() + int(self.ttl_s * 1000)
+        etag = self._backend.create(self._body(expires))
+        if etag is None:
+            current = self._backend.get()
+            if current is None:  # released and removed meanwhile: try once more
+                etag = self._backend.create(self._body(expires))
+            else:
+                body, old = current
+                info = _decode(body)
+                if int(info.get("expires_at_ms", 0)) > _now_ms():
+                    raise StoreError(
+                        f"another maintenance run holds {self._where}: "
+                        f"{info.get('purpose', '?')} by {info.get('holder', '?')}, until "
+                        f"{_when(int(info['expires_at_ms']))} unless renewed; run {self.purpose} "
+                        "again once it has finished (a holder that died is taken over once its "
+                        "lease expires)"
+                    )
+                etag = self._backend.replace(self._body(expires), old)
+        if etag is None:
+            raise StoreError(
+                f"another maintenance run took {self._where} at the same moment; "
+                f"run {self.purpose} again once it has finished"
+            )
+        self._etag, self._expires_ms = etag, expires
+        self._renewer = threading.Thread(
+            target=self._renew_loop, name="capture-proxy-lease", daemon=True
+        )
+        self._renewer.start()
+
+    def renew(self) -> None:
+        """Extend the lease by `ttl_s` if this run still holds it (else `check` will raise)."""
+        with self._guard:
+            if self._lost is not None or self._etag is None:
+                return
+            expires = _now_ms() + int(self.ttl_s * 1000)
+            try:
+                etag = self._backend.replace(self._body(expires), self._etag)
+            # Any error of the store's client (a store that is down, a timeout): try again at
+            # the next renewal; `check` stops the run if none succeeds in time.
+            except Exception as e:
+                if _now_ms() >= self._expires_ms:
+                    self._lost = f"it could not be renewed before it expired ({e})"
+                return
+            if etag is None:
+                self._lost = "another run took it over (this run stalled past its expiry)"
+                return
+            self._etag, self._expires_ms = etag, expires
+
+    def check(self) -> None:
+        """Raise `LeaseLost` unless this run holds the lease with a third of `ttl_s` left;
+        called before each commit and each delete."""
+        with self._guard:
+            if self._lost is None and self._expires_ms - _now_ms() < self.ttl_s * 1000 / 3:
+                self._lost = "it is about to expire and was not renewed in time"
+            if self._lost is not None:
+                raise LeaseLost(
+                    f"{self.purpose} of {self._where} stopped: its maintenance lease was lost "
+                    f"({self._lost}); nothing more was committed, run it again"
+                )
+
+    def release(self) -> None:
+        """Stop renewing and let the next run take the lease at once."""
+        self._stop.set()
+        if self._renewer is not None:
+            self._renewer.join()
+        with self._guard:
+            if self._lost is None and self._etag is not None:
+                with contextlib.suppress(OSError):
+                    self._backend.replace(self._body(0), self._etag)
+            self._etag = None
+
+    def _renew_loop(self) -> None:
+        while not self._stop.wait(self.ttl_s / 3):
+            self.renew()
+
+
+def _decode(body: bytes) -> dict[str, Any]:
+    try:
+        info = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
+def _local_root(dfs: DatasetFS) -> str | None:
+    """The dataset's local folder, also when seen through a `SubTreeFileSystem` of one."""
+    if dfs.local:
+        return dfs.root
+    fs = dfs.fs
+    if isinstance(fs, pafs.SubTreeFileSystem) and isinstance(fs.base_fs, pafs.LocalFileSystem):
+        return os.path.join(fs.base_path, dfs.root.lstrip("/"))
+    return None
+
+
+@contextlib.contextmanager
+def maintenance_lease(
+    location: str, purpose: str, *, ttl_s: float = 60.0, dfs: DatasetFS | None = None
+) -> Iterator[Lease]:
+    """Hold the maintenance lease of the Parquet dataset at `location` (a folder or an object
+    store URL, reached through obstore with the AWS_* / GOOGLE_* / AZURE_* environment) for the
+    block: renewed every ``ttl_s / 3`` meanwhile, released after. `purpose` names the run in a
+    refusal. Raises `StoreError` when another run holds it; call `Lease.check` before each
+    commit. `dfs` is the dataset's files when the caller has them open already.
+    """
+    dfs = dfs or DatasetFS(location)
+    backend: _Backend
+    local = _local_root(dfs)
+    backend = _LocalBackend(local) if local is not None else _ObjectBackend(location)
+    lease = Lease(backend, dfs.path(LEASE), purpose, ttl_s)
+    lease.acquire()
+    try:
+        yield lease
+    finally:
+        lease.release()

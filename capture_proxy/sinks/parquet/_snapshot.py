@@ -1,0 +1,175 @@
+"""The live files of a Parquet dataset: what Arrow engines (DuckDB, Polars, `pyarrow.dataset`)
+read when a trainer reads the dataset's files directly.
+
+A glob of ``calls/*.parquet`` is wrong: it takes files of commits in progress or crashed (no
+marker yet, or never) and units a compaction or gc retired (their rows are also in the unit that
+replaced them, so they would be read twice, and gc's removed rollouts would come back).
+`live_files` lists the commit markers once and returns the files of the committed, not retired
+units: one consistent snapshot. Its files stay readable for the grace period of the next
+compaction (`capture-proxy compact --grace`, ten minutes by default); a read that finds one
+gone takes a new snapshot.
+
+What the files hold is the storage encoding (docs/storage.md): a ``calls`` row has its call's
+token *delta* against its parent and its messages as blob keys; ``blobs`` and ``attachments``
+may hold a key twice (keep either copy: they are the same bytes). Full records, trajectories and
+verified digests come from `capture_proxy.open_store` or `capture-proxy export`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+
+from ..base import StoreError
+from ._fs import DatasetFS
+from ._layout import (
+    CALLS,
+    COMMITS_DIR,
+    SCHEMAS,
+    Marker,
+    check_format,
+    list_markers,
+    live_units,
+)
+
+if TYPE_CHECKING:
+    import pyarrow.dataset as pads
+
+__all__ = ["LiveFiles", "fetch_files", "live_files", "read_markers"]
+
+#: Concurrent reads of small objects on object storage (each is one round trip).
+READ_WORKERS = 16
+
+
+def read_markers(
+    dfs: DatasetFS, names: Sequence[str], object_url: str | None = None
+) -> dict[str, Marker]:
+    """The markers `names` (units), read concurrently on object storage (with `object_url`,
+    the dataset's URL, one GET each through obstore); one deleted since it was listed (a
+    compaction's cleanup) is left out."""
+    read = _reader(dfs, object_url)
+
+    def one(name: str) -> Marker | None:
+        with contextlib.suppress(FileNotFoundError):
+            return Marker.decode(read(f"{COMMITS_DIR}/{name}.json"))
+        return None
+
+    found: list[Marker | None]
+    if dfs.local or len(names) < 2:
+        found = [one(name) for name in names]
+    else:
+        with ThreadPoolExecutor(min(READ_WORKERS, len(names))) as pool:
+            found = list(pool.map(one, names))
+    return {name: m for name, m in zip(names, found, strict=True) if m is not None}
+
+
+def fetch_files(dfs: DatasetFS, rels: Sequence[str], object_url: str | None) -> dict[str, bytes]:
+    """The bytes of the files `rels`, fetched concurrently (object storage; {} on a local
+    folder, where reading in place costs less). With `object_url` (the dataset's URL) each file
+    is one GET through obstore; otherwise pyarrow's filesystem asks for its size first (a HEAD
+    per file). A file deleted meanwhile is left out: the reader's own read then finds it gone.
+    """
+    if dfs.local or not rels:
+        return {}
+    read = _reader(dfs, object_url)
+
+    def one(rel: str) -> tuple[str, bytes | None]:
+        with contextlib.suppress(FileNotFoundError):
+            return rel, read(rel)
+        return rel, None
+
+    with ThreadPoolExecutor(min(READ_WORKERS, len(rels))) as pool:
+        return {rel: data for rel, data in pool.map(one, rels) if data is not None}
+
+
+def _reader(dfs: DatasetFS, object_url: str | None) -> Callable[[str], bytes]:
+    """Read a file whole: one GET through obstore when the dataset has an object-store URL,
+    else through pyarrow. obstore takes credentials from the environment only (pyarrow also
+    from profile files): where it cannot open the URL or its GET fails for another reason than
+    a missing file, every later read goes through pyarrow, as before obstore was used."""
+    if object_url is None or dfs.local:
+        return dfs.read
+    import obstore
+    from obstore.store import from_url
+
+    try:
+        store = from_url(object_url.rstrip("/"))
+    except Exception:  # a URL or configuration obstore does not take: pyarrow reads it
+        return dfs.read
+    fallback = False
+
+    def read(rel: str) -> bytes:
+        nonlocal fallback
+        if not fallback:
+            try:
+                return bytes(obstore.get(store, rel).bytes())
+            except FileNotFoundError:
+                raise
+            except Exception:  # credentials obstore does not see (a profile file): pyarrow's
+                fallback = True
+        return dfs.read(rel)
+
+    return read
+
+
+@dataclass(frozen=True, slots=True)
+class LiveFiles:
+    """One snapshot of a dataset's live files (see `live_files`)."""
+
+    #: The dataset as given to `live_files`.
+    location: str
+    #: The pyarrow filesystem `paths` are in (for `pyarrow.dataset` and `pyarrow.parquet`).
+    filesystem: pafs.FileSystem
+    #: The live units, in commit order.
+    units: tuple[Marker, ...]
+    _root: str
+    _base: str
+
+    def paths(self, table: str = CALLS) -> list[str]:
+        """The live files of `table` (``calls``, ``blobs``, ``attachments``, ``ledger``) as paths
+        in `filesystem`, in commit order."""
+        return [f"{self._root}/{m.files[table]}" for m in self.units if table in m.files]
+
+    def urls(self, table: str = CALLS) -> list[str]:
+        """The same files as URLs (``s3://bucket/prefix/calls/...``) or local paths: what
+        Polars and DuckDB take."""
+        return [f"{self._base}/{m.files[table]}" for m in self.units if table in m.files]
+
+    def schema(self, table: str = CALLS) -> pa.Schema:
+        """`table`'s current schema: older files lack columns added since; with this schema
+        Arrow engines read them as nulls."""
+        return SCHEMAS[table]
+
+    def dataset(self, table: str = CALLS) -> pads.Dataset:
+        """A `pyarrow.dataset.Dataset` over `table`'s live files (DuckDB queries it as it is)."""
+        import pyarrow.dataset as pads
+
+        return pads.dataset(
+            self.paths(table),
+            schema=self.schema(table),
+            format="parquet",
+            filesystem=self.filesystem,
+        )
+
+
+def live_files(location: str, *, filesystem: pafs.FileSystem | None = None) -> LiveFiles:
+    """The files of the committed, not retired units of the Parquet dataset at `location` (a
+    folder or a pyarrow filesystem URL such as ``s3://bucket/prefix``; `filesystem`: a
+    configured pyarrow filesystem `location` is a path in).
+
+    One listing of ``_commits/`` and one read per marker (concurrent on object storage). Raises
+    `StoreError` when there is no dataset there.
+    """
+    dfs = DatasetFS(location, filesystem)
+    if not check_format(dfs):
+        raise StoreError(f"no capture-proxy Parquet dataset at {location}")
+    by_url = "://" in location and filesystem is None and not dfs.local
+    markers = read_markers(dfs, list_markers(dfs), location if by_url else None)
+    base = f"{location.split('://', 1)[0]}://{dfs.root}" if by_url else dfs.root
+    return LiveFiles(location, dfs.fs, tuple(live_units(markers)), dfs.root, base)

@@ -1,0 +1,170 @@
+"""The maintenance lease (`_leases/maintenance`): one compaction or gc at a time per Parquet
+dataset, on a local folder and on moto's S3 server; a holder that died is taken over once its
+lease expires, a holder that stalled past its expiry learns it lost the lease before it commits.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pyarrow.fs as pafs
+import pytest
+
+from capture_proxy.sinks.base import StoreError
+from capture_proxy.sinks.parquet import LeaseLost, ParquetSink, gc_parquet, maintenance_lease
+from tests.support.s3 import MotoS3
+
+#: A maintenance run in another process: takes the lease, says so, then checks it once a line
+#: arrives on stdin (after a stall) and prints what the check said.
+_HOLDER = """
+import sys
+from capture_proxy.sinks.parquet import maintenance_lease
+with maintenance_lease(sys.argv[1], "compact", ttl_s=float(sys.argv[2])) as lease:
+    print(lease.holder, flush=True)
+    sys.stdin.readline()
+    try:
+        lease.check()
+        print("held", flush=True)
+    except Exception as e:
+        print(type(e).__name__, e, flush=True)
+"""
+
+
+@pytest.fixture(params=["local", "s3"])
+def location(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    if request.param == "local":
+        yield str(tmp_path / "ds")
+    else:
+        moto: MotoS3 = request.getfixturevalue("moto_s3")
+        yield moto.url()
+
+
+def _holder(location: str, ttl_s: float) -> tuple[subprocess.Popen[str], str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, location, str(ttl_s)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    return proc, proc.stdout.readline().strip()
+
+
+def test_a_second_run_is_refused_naming_the_holder_until_the_first_releases(
+    location: str,
+) -> None:
+    with maintenance_lease(location, "gc") as first:
+        with pytest.raises(StoreError) as refused, maintenance_lease(location, "compact"):
+            pass
+        message = str(refused.value)
+        assert message.startswith(
+            f"another maintenance run holds {location.removeprefix('s3://')}/_leases/maintenance: "
+            f"gc by {first.holder}, until "
+        )
+        assert "run compact again once it has finished" in message
+        first.check()
+    with maintenance_lease(location, "compact") as second:  # released: taken at once
+        second.check()
+
+
+def test_a_holder_that_died_is_taken_over_once_its_lease_expires(location: str) -> None:
+    proc, holder = _holder(location, 2.0)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    with (
+        pytest.raises(StoreError, match=f"compact by {holder}, until"),
+        maintenance_lease(location, "gc"),
+    ):
+        pass
+    time.sleep(2.1)
+    with maintenance_lease(location, "gc") as lease:
+        lease.check()
+
+
+def test_a_holder_that_stalled_past_its_expiry_stops_before_committing(location: str) -> None:
+    proc, holder = _holder(location, 1.5)
+    assert proc.stdin is not None
+    assert proc.stdout is not None
+    proc.send_signal(signal.SIGSTOP)  # a paused VM: no renewal
+    try:
+        time.sleep(1.6)
+        with maintenance_lease(location, "gc", ttl_s=30) as taker:
+            proc.send_signal(signal.SIGCONT)
+            proc.stdin.write("go on\n")
+            proc.stdin.flush()
+            said = proc.stdout.readline().strip()
+            taker.check()  # the new holder keeps it: the old one's renewal is refused
+    finally:
+        proc.send_signal(signal.SIGCONT)
+        proc.wait(timeout=30)
+    assert said.startswith("LeaseLost compact of ")
+    assert said.endswith(
+        "stopped: its maintenance lease was lost (another run took it over (this run stalled "
+        "past its expiry)); nothing more was committed, run it again"
+    ) or said.endswith(
+        "stopped: its maintenance lease was lost (it is about to expire and was not renewed in "
+        "time); nothing more was committed, run it again"
+    )
+    assert holder not in said
+
+
+def test_of_runs_taking_an_expired_lease_at_once_exactly_one_wins(location: str) -> None:
+    with maintenance_lease(location, "compact"):
+        pass  # released: an expired body is left, so every taker goes through its etag
+    start = threading.Barrier(6)
+    won: list[str] = []
+    refused: list[str] = []
+    release = threading.Event()
+
+    def take() -> None:
+        start.wait()
+        try:
+            with maintenance_lease(location, "gc") as lease:
+                won.append(lease.holder)
+                release.wait(30)
+        except StoreError as e:
+            refused.append(str(e))
+
+    threads = [threading.Thread(target=take) for _ in range(6)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while len(won) + len(refused) < 6 and time.monotonic() < deadline:
+        if len(refused) == 5:
+            break
+        time.sleep(0.05)
+    release.set()
+    for t in threads:
+        t.join()
+    assert len(won) == 1
+    assert len(refused) == 5
+    assert all(
+        "another maintenance run" in r and ("took" in r or f"gc by {won[0]}" in r) for r in refused
+    )
+
+
+def test_a_lost_lease_raises_lease_lost_at_the_next_check(location: str) -> None:
+    with maintenance_lease(location, "compact", ttl_s=0.9) as lease:
+        lease._stop.set()  # renewals stop, as in a stall of this thread
+        time.sleep(0.7)  # under a third of the ttl is left
+        with pytest.raises(LeaseLost, match="about to expire and was not renewed in time"):
+            lease.check()
+
+
+async def test_object_storage_given_as_a_filesystem_object_is_refused(moto_s3: MotoS3) -> None:
+    url = moto_s3.url()
+    await ParquetSink(url).close()
+    fs = pafs.S3FileSystem(endpoint_override=moto_s3.endpoint, scheme="http")
+    path = url.removeprefix("s3://")
+    with pytest.raises(StoreError) as refused:
+        gc_parquet(path, older_than_ms=0, now_ms=0, filesystem=fs)
+    assert str(refused.value).startswith(
+        f"maintenance of {path} needs conditional writes, which capture-proxy makes through "
+        "obstore; obstore cannot open this URL: "
+    )
