@@ -15,6 +15,13 @@ RSS (VmHWM, reset before the run). "added" is the target's figure minus direct's
 repeat; the table shows medians over repeats, and ratios to the pass-through are medians of the
 per-repeat ratios (this machine is shared and noisy: trust ratios and medians, not single runs).
 
+The token-in scenarios (``token-in-*``) run in front of the bundled fake vLLM with its scale-out
+routes (`fake_upstream.py`) and replay agent sessions (`session_load.py`: each call extends the
+previous one, as OpenCode's do), against "direct", "sqlite" (the plain captured call) and
+"token-in" (the same proxy with ``--token-in on``: render, generate and derender upstream, the
+bridge in between). Their ratios are to the plain captured call of the same repeat: CPU per call
+and added p50 (the goal: at most 1.5x the CPU, at most 5 ms more added p50).
+
 Options: ``--json PATH`` keeps every run's figures, ``--markdown PATH`` writes the table,
 ``--plot PATH`` draws added latency against concurrency (needs matplotlib, a bench-only
 dependency), ``--scenarios a,b`` runs a subset, ``--targets`` likewise, ``--repeats N``.
@@ -53,7 +60,7 @@ from report import render_markdown, summarize
 HERE = Path(__file__).resolve().parent
 
 PY = sys.executable
-TARGETS = ("direct", "passthrough", "sqlite", "parquet")
+TARGETS = ("direct", "passthrough", "sqlite", "parquet", "token-in")
 #: Proxy targets beside those: the same store on asyncio's loop (``--loop asyncio``), and the
 #: store served by another checkout (``--base PATH``: its ``.venv``), for A/B runs in one go.
 VARIANTS = ("sqlite-asyncio", "parquet-asyncio", "base-sqlite", "base-parquet")
@@ -67,6 +74,26 @@ class Phase:
     delay: float  # service time before the first byte
     tick: float  # seconds between stream writes
     events_per_write: int
+    #: The upstream: the pre-built answers, or the fake vLLM with its token-in routes.
+    upstream: str = "upstream_fixture.py"
+    #: The targets this phase runs (of those asked for).
+    targets: tuple[str, ...] = ("direct", "passthrough", "sqlite", "parquet", *VARIANTS)
+    #: The load generator: fixed requests (`loadgen.py`) or replayed sessions.
+    load: str = "loadgen.py"
+
+    def upstream_args(self, loop: str) -> list[str]:
+        if self.upstream == "fake_upstream.py":
+            return ["--latency", str(self.delay), "--loop", loop]
+        return [
+            "--delay",
+            str(self.delay),
+            "--tick",
+            str(self.tick),
+            "--events-per-write",
+            str(self.events_per_write),
+            "--loop",
+            loop,
+        ]
 
 
 @dataclass(frozen=True)
@@ -96,6 +123,16 @@ PHASES = {
     # 256 streams at once: fresh processes (their RSS is the streams', not earlier runs' state),
     # and 16 token events per write so the upstream itself keeps up on two cores.
     "burst": Phase("burst", delay=0.0, tick=0.002, events_per_write=16),
+    # Token-in beside the plain captured call: sessions replayed against the fake vLLM.
+    "fake": Phase(
+        "fake",
+        delay=0.0,
+        tick=0.0,
+        events_per_write=1,
+        upstream="fake_upstream.py",
+        targets=("direct", "sqlite", "token-in"),
+        load="session_load.py",
+    ),
 }
 
 
@@ -106,6 +143,7 @@ def scenarios(quick: bool) -> list[Scenario]:
             Scenario("unary-200ms-sequential", "200ms", False, "closed", concurrency=1, duration=6),
             Scenario("stream-200ms-poisson5", "200ms", True, "poisson", rate=5, duration=4),
             Scenario("unary-200ms-closed64", "200ms", False, "closed", concurrency=64, duration=3),
+            Scenario("token-in-fake-closed1", "fake", False, "closed", concurrency=1, duration=4),
         ]
     return [
         Scenario(
@@ -157,6 +195,25 @@ def scenarios(quick: bool) -> list[Scenario]:
             drain=40.0,
             about="256 streams open at once: RSS and errors",
         ),
+        Scenario(
+            "token-in-fake-closed1",
+            "fake",
+            False,
+            "closed",
+            concurrency=1,
+            duration=8,
+            about="token-in beside the plain captured call: replayed sessions, one call at a time",
+        ),
+        Scenario(
+            "token-in-stream-fake-closed1",
+            "fake",
+            True,
+            "closed",
+            concurrency=1,
+            duration=8,
+            about="the same, streamed (derender in coalesced calls)",
+        ),
+        Scenario("token-in-fake-closed4", "fake", False, "closed", concurrency=4, duration=8),
     ]
 
 
@@ -200,7 +257,10 @@ class Proc:
 
 def proxy_argv(target: str, upstream: str, store: Path, base: Path | None) -> list[str]:
     """``capture-proxy serve`` for `target`: ``sqlite``/``parquet``, optionally ``-asyncio``
-    (``--loop asyncio``), or ``base-`` one of those run by the checkout at `base`."""
+    (``--loop asyncio``), or ``base-`` one of those run by the checkout at `base`; ``token-in``
+    is ``sqlite`` with ``--token-in on``."""
+    if target == "token-in":
+        return [*proxy_argv("sqlite", upstream, store, base), "--token-in", "on"]
     python = PY
     name = target
     if target.startswith("base-"):
@@ -225,20 +285,7 @@ def started(
     procs: list[Proc] = []
     try:
         upstream = Proc(
-            "upstream",
-            [
-                PY,
-                str(HERE / "upstream_fixture.py"),
-                "--delay",
-                str(phase.delay),
-                "--tick",
-                str(phase.tick),
-                "--events-per-write",
-                str(phase.events_per_write),
-                "--loop",
-                loop,
-            ],
-            logs,
+            "upstream", [PY, str(HERE / phase.upstream), *phase.upstream_args(loop)], logs
         )
         procs.append(upstream)
         out: dict[str, Proc | None] = {}
@@ -274,7 +321,8 @@ LOOP = {"loop": "uvloop"}
 def run_load(
     url: str, scenario: Scenario, seed: int, tag: str, extra: list[str], drain: float
 ) -> dict[str, Any]:
-    argv = [PY, str(HERE / "loadgen.py"), "--url", url, "--seed", str(seed), "--tag", tag]
+    load = PHASES[scenario.phase].load if scenario.phase else "loadgen.py"
+    argv = [PY, str(HERE / load), "--url", url, "--seed", str(seed), "--tag", tag]
     argv += ["--loop", LOOP["loop"]]
     argv += [*scenario.load_args(), "--drain", str(drain), *extra]
     limit = scenario.duration + drain + 120
@@ -285,8 +333,12 @@ def run_load(
     return result
 
 
-def warm_up(url: str, tag: str) -> None:
+def warm_up(url: str, tag: str, phase: Phase) -> None:
     """A few calls first: the proxy fetches /version and /tokenize on first use."""
+    if phase.load == "session_load.py":  # sessions: one of them (its calls, one at a time)
+        s = Scenario("warmup", phase.name, False, "closed", concurrency=1, duration=0.1)
+        run_load(url, s, 0, tag, [], drain=30.0)
+        return
     s = Scenario("warmup", "", False, "closed", concurrency=4, duration=30)
     run_load(url, s, 0, tag, ["--count", "8"], drain=30.0)
 
@@ -383,15 +435,17 @@ def main(argv: list[str] | None = None) -> int:
             phase_scenarios = [s for s in chosen if s.phase == phase_name]
             if not phase_scenarios:
                 continue
-            with started(PHASES[phase_name], targets, workdir, args.loop, args.base) as procs:
+            phase = PHASES[phase_name]
+            here = [t for t in targets if t in phase.targets]
+            with started(phase, here, workdir, args.loop, args.base) as procs:
                 upstream = procs["upstream"]
                 assert upstream is not None
-                urls = {t: (procs[t] or upstream).url for t in targets}
-                for t in targets:
-                    warm_up(urls[t], f"warm-{phase_name}-{t}")
+                urls = {t: (procs[t] or upstream).url for t in here}
+                for t in here:
+                    warm_up(urls[t], f"warm-{phase_name}-{t}", phase)
                 for scenario in phase_scenarios:
                     for rep in range(repeats):
-                        order = targets[rep % len(targets) :] + targets[: rep % len(targets)]
+                        order = here[rep % len(here) :] + here[: rep % len(here)]
                         for t in order:
                             run = measure(t, procs[t], urls[t], scenario, rep, drain)
                             runs.append(run)

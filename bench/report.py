@@ -1,4 +1,5 @@
-"""Turn the benchmark's runs into medians, ratios, a markdown table and the goals of issue 7."""
+"""Turn the benchmark's runs into medians, ratios, a markdown table and the goals of issue 7
+(and of token-in beside the plain captured call)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from typing import Any
 __all__ = ["GOALS", "render_markdown", "summarize"]
 
 CAPTURE = ("sqlite", "parquet")
+#: The token-in target and the plain captured call it is compared with (same proxy, same store).
+TOKEN_IN, PLAIN = "token-in", "sqlite"
 _FIGURES = ("cpu_ms", "p50", "p99", "ttfb50", "ttfb99", "rate", "added50", "added99", "added_ttfb")
 
 
@@ -101,6 +104,16 @@ def summarize(
                         for rep in reps
                         if (t, rep) in per and ("passthrough", rep) in per
                     )
+            if t == TOKEN_IN:
+                pairs = [
+                    (per[(t, rep)], per[(PLAIN, rep)])
+                    for rep in reps
+                    if (t, rep) in per and (PLAIN, rep) in per
+                ]
+                fig["cpu_x_plain"] = _median(_ratio(a["cpu_ms"], b["cpu_ms"]) for a, b in pairs)
+                fig["added50_over_plain"] = _median(
+                    _sub(a["added50"], b["added50"]) for a, b in pairs
+                )
             before = base_of(t)
             if before is not None:
                 for key, base in (("cpu_vs_base", "cpu_ms"), ("added50_vs_base", "added50")):
@@ -124,6 +137,11 @@ GOALS = (
     ("stream-200ms-poisson", "ttfb_x", 1.5, "stream added TTFB <= 1.5x pass-through"),
     ("stream-200ms-poisson", "cpu_x", 2.0, "stream CPU (1k chunks) <= 2x pass-through"),
     ("stream-burst-closed256", "peak_rss_mb", 300.0, "256 open streams: RSS <= 300 MB"),
+)
+#: (figure, limit, what): the goals of a token-in call beside the plain captured call.
+TOKEN_IN_GOALS = (
+    ("cpu_x_plain", 1.5, "CPU per call <= 1.5x the plain captured call"),
+    ("added50_over_plain", 5.0, "added p50 <= the plain captured call's + 5 ms"),
 )
 
 
@@ -196,6 +214,14 @@ def render_markdown(
                 ok = v <= limit and (key != "peak_rss_mb" or figures["errors"] == 0)
                 status = ("met" if ok else "NOT met") + f" ({_fmt(v)})"
             lines.append(f"- {t}: {what}: {status}")
+    token_in = [(sc, table[TOKEN_IN]) for sc, table in summary.items() if TOKEN_IN in table]
+    if token_in:
+        lines += ["", "Token-in beside the plain captured call (sqlite), same repeat:", ""]
+    for sc, figures in token_in:
+        for key, limit, what in TOKEN_IN_GOALS:
+            v = figures.get(key)
+            status = "not measured" if v is None else ("met" if v <= limit else "NOT met")
+            lines.append(f"- {sc}: {what}: {status} ({_fmt(v)})")
     errors = [
         (sc, t, f["error_samples"])
         for sc, table in summary.items()

@@ -32,6 +32,7 @@ from aiohttp.test_utils import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from capture_proxy.cli import main
+from capture_proxy.core.scale_out import SCALE_OUT_MISSING
 from capture_proxy.server.app import create_app
 from capture_proxy.server.run import connection_budget
 from capture_proxy.server.settings import ENV_PREFIX, Settings, SettingsError, load_settings
@@ -764,6 +765,61 @@ def test_deployments_give_the_proxy_descriptors_for_its_connection_cap() -> None
     nofile = _services()["capture-proxy"]["ulimits"]["nofile"]
     assert nofile["soft"] == nofile["hard"]
     assert connection_budget(int(nofile["hard"])) >= default_cap
+
+
+# ---- vLLM started as token-in needs ------------------------------------------------------------
+
+#: The vLLM flag token-in needs, as the proxy's readiness problem and 503 name it.
+SCALE_OUT_FLAG = re.findall(r"--[a-z-]+", SCALE_OUT_MISSING)[0]
+
+
+def _bare_node_vllm() -> list[str]:
+    """The arguments of deploy/README.md's bare-node `vllm serve` (continuation lines joined)."""
+    lines = iter((DEPLOY / "README.md").read_text().splitlines())
+    for line in lines:
+        if line.strip().startswith("vllm serve "):
+            command = line.strip()
+            while command.endswith("\\"):
+                command = command[:-1] + next(lines).strip()
+            return shlex.split(command)[2:]
+    raise AssertionError("deploy/README.md has no `vllm serve` command")
+
+
+def _vllm_commands() -> dict[str, list[str]]:
+    """Each deployment's `vllm serve` arguments (systemd runs the proxy only: see its example)."""
+    return {
+        "compose": shlex.split(_interpolate(_services()["vllm"]["command"], COMPOSE_ENV)),
+        "kubernetes": [str(a) for a in _container("vllm")["args"]],
+        "bare node": _bare_node_vllm(),
+    }
+
+
+def test_every_deployment_starts_vllm_with_the_flags_token_in_needs() -> None:
+    assert SCALE_OUT_FLAG == "--enable-scale-out"
+    for name, args in _vllm_commands().items():
+        assert SCALE_OUT_FLAG in args, name
+        assert _vllm_flag(args, "--logprobs-mode") == "processed_logprobs", name
+    example = (DEPLOY / "systemd" / "capture-proxy.env.example").read_text()
+    assert f"Start vLLM with {SCALE_OUT_FLAG}" in example
+
+
+@pytest.mark.parametrize("name", DEPLOYMENTS)
+def test_every_deployment_leaves_token_in_to_the_operator(name: str) -> None:
+    # Off unless turned on (drivers may still choose per rollout): a deployment's vLLM serves the
+    # routes either way, so turning it on is one variable.
+    assert DEPLOYMENTS[name]().token_in == "off"
+
+
+def test_token_in_is_one_variable_away_in_compose_and_systemd() -> None:
+    # compose: CAPTURE_PROXY_TOKEN_IN=on in deploy/.env
+    env = _services()["capture-proxy"]["environment"]
+    on = {**COMPOSE_ENV, "CAPTURE_PROXY_TOKEN_IN": "on"}
+    compose = {**_image_env(), **{k: _interpolate(str(v), on) for k, v in env.items()}}
+    assert _settings(compose).token_in == "on"
+    # systemd: the example's line, uncommented
+    example = (DEPLOY / "systemd" / "capture-proxy.env.example").read_text()
+    assert "# CAPTURE_PROXY_TOKEN_IN=on" in example.splitlines()
+    assert _settings({**_env_file(), "CAPTURE_PROXY_TOKEN_IN": "on"}).token_in == "on"
 
 
 # ---- documentation -----------------------------------------------------------------------------

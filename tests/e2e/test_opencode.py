@@ -23,6 +23,7 @@ import pytest
 
 from capture_proxy.read.reader import open_store
 from capture_proxy.schemas.records import CallStatus, StagedCallRecord
+from capture_proxy.schemas.token_in_extras import plain_divergence_of
 from capture_proxy.schemas.tokens import full_sequence
 from capture_proxy.testing.fake_vllm import FakeToolCall, FakeVLLM, Fault, Turn
 from capture_proxy.testing.fake_vllm._template import decode, encode
@@ -41,12 +42,22 @@ FAKE_CONTEXT = 1 << 20
 
 
 def script(*, title: Turn) -> Any:
-    """The fake's answers: `title` for the title call, a bash call, then a final answer."""
+    """The fake's answers: `title` for the title call, a bash call, then a final answer.
+
+    A chat body is read by its messages; a token-in generate body (prompt ids only) by the
+    fake's rendering of them: tools render as a ``<tools>`` block, results as ``<tool_response>``.
+    """
 
     def answer(body: dict[str, Any]) -> Turn:
-        if not body.get("tools"):
+        if "messages" not in body:
+            text = decode(body["token_ids"])
+            tooled, answered = "<tools>" in text, "<tool_response>" in text
+        else:
+            tooled = bool(body.get("tools"))
+            answered = any(m.get("role") == "tool" for m in body["messages"])
+        if not tooled:
             return title
-        if not any(m.get("role") == "tool" for m in body["messages"]):
+        if not answered:
             call = FakeToolCall("bash", {"command": "ls -la"})
             return Turn("", reasoning=REASONING, tool_calls=[call])
         return Turn(FINAL, reasoning="The listing is done.")
@@ -63,13 +74,16 @@ def workdir(tmp_path: Path) -> tuple[Path, bytes]:
     return work, png
 
 
-async def run_opencode(base_url: str, work: Path) -> tuple[list[dict[str, Any]], str]:
-    """`opencode run "list the files" --file img.png`; its JSON events and stderr. Exit 0."""
+async def run_opencode(
+    base_url: str, work: Path, *, image: bool = True
+) -> tuple[list[dict[str, Any]], str]:
+    """`opencode run "list the files" --file img.png` (without `--file` unless `image`); its JSON
+    events and stderr. Exit 0."""
     done = await asyncio.to_thread(
         opencode_env.opencode_run,
         base_url,
         "list the files",
-        files=[work / "img.png"],
+        files=[work / "img.png"] if image else [],
         cwd=work,
         timeout=OPENCODE_TIMEOUT_S,
     )
@@ -111,7 +125,11 @@ def assert_staged_as_produced(records: list[StagedCallRecord], fake: FakeVLLM) -
         assert record.prompt_token_ids.tolist() == made["prompt_token_ids"]
         assert record.completion_token_ids.tolist() == made["completion_token_ids"]
         assert record.completion_logprobs.tobytes() == array("f", made["logprobs"]).tobytes()
-        assert record.finish_reason == made["finish_reason"]
+        finish = made["finish_reason"]
+        if record.token_in and finish == "stop" and record.response.get("tool_calls"):
+            # Generate knows no tool parser; the record keeps what the client saw (derender's).
+            finish = "tool_calls"
+        assert record.finish_reason == finish
 
 
 def image_parts(messages: list[dict[str, Any]]) -> list[str]:
@@ -248,6 +266,53 @@ async def test_opencode_hangs_up_on_a_slow_title_call_which_is_recorded_aborted(
         assert_staged_as_produced(records, fake)
         assert traj.apart == []
         assert traj.calls == [r.call_id for r in records]
+    finally:
+        await stop_proxy(p)
+
+
+async def test_opencode_session_through_token_in_is_one_segment(
+    tmp_path: Path, control: Any
+) -> None:
+    # Token-in on, a fake serving the scale-out routes with Qwen3's template (it drops earlier
+    # reasoning), no image (images are not bridged). OpenCode re-serializes the tool arguments,
+    # which drifts without token-in (test above); with it the agent's calls are one segment.
+    fake = FakeVLLM(
+        script=script(title=Turn(TITLE, reasoning="A title.")),
+        max_model_len=FAKE_CONTEXT,
+        scale_out=True,
+        drop_past_reasoning=True,
+    )
+    p = await start_proxy(tmp_path, fake=fake, admin_token=control.TOKEN, token_in="on")
+    rollout = "oc-token-in"
+    try:
+        api = control(p.client)
+        created = await api.create(rollout)
+        work, _ = workdir(tmp_path)
+        events, _ = await run_opencode(created["base_url"], work, image=False)
+        manifest = await api.seal(rollout)
+        (tool,) = [e["part"] for e in events if e["type"] == "tool_use"]
+        assert tool["state"]["input"] == {"command": "ls -la"}
+        assert "".join(e["part"]["text"] for e in events if e["type"] == "text") == FINAL
+        calls = manifest["calls"]
+        assert [c["status"] for c in calls] == ["staged"] * 3
+        with open_store(p.store_url) as store:
+            records = store.fetch([c["coords"] for c in calls])
+            traj = store.trajectory(rollout)
+            store.verify()
+        assert all(r.token_in for r in records)
+        assert_staged_as_produced(records, fake)
+        first, second = (r for r in records if r.request.get("tools"))
+        parent = full_sequence(first.prompt_token_ids, first.completion_token_ids).tolist()
+        assert second.prompt_token_ids.tolist()[: len(parent)] == parent
+        # What token-in avoided: the plain rendering would have re-read the compact arguments.
+        measured, position = plain_divergence_of(second.extras)
+        assert measured
+        assert position is not None
+        assert decode(parent[:position]).endswith('"arguments": {"command":')
+        assert traj.calls == [first.call_id, second.call_id]
+        assert [s.call_ids for s in traj.segments] == [(first.call_id, second.call_id)]
+        assert traj.drift == []
+        assert traj.breaks == []
     finally:
         await stop_proxy(p)
 

@@ -4,7 +4,7 @@
 near-tied greedy picks of a random model) by the same effective request sent straight to vLLM at
 temperature 0: the staged prompt and completion ids must be vLLM's own. The model is text-only,
 answers mostly in reasoning, and never makes a tool call on its own, so tool calls are written
-into the history by the test.
+into the history by the test; the token-in session below steers it into real ones instead.
 """
 
 from __future__ import annotations
@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import re
 from array import array
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +23,10 @@ import pytest
 
 from capture_proxy.read.reader import open_store
 from capture_proxy.schemas.records import StagedCallRecord
+from capture_proxy.schemas.token_in_extras import plain_divergence_of, segment_break_of
 from scripts import opencode_env
 from tests.support.proxy_harness import Proxy, sse_lines, start_proxy, stop_proxy
+from tests.support.replay import read_answer, replayed
 
 pytestmark = pytest.mark.vllm
 
@@ -297,5 +301,122 @@ async def test_opencode_against_real_vllm_every_call_accounted_for(
             assert len(record.prompt_token_ids) > 10_000
             assert record.response["content"] == "Done."
             assert record.request["structured_outputs"] == steer["structured_outputs"]
+    finally:
+        await stop_proxy(p)
+
+
+# A session replayed for token-in: thinking on (the template's default), the same tools and
+# template keys on every call. The random model only reasons and never closes its reasoning on
+# its own, and vLLM applies `structured_outputs` only once reasoning has ended, so a tool-call
+# turn is steered by logit biases (ids of the tiny tokenizer): `</think>` wins the first token,
+# then the regex of a hermes block is sampled, and `<|im_end|>` beats `<|endoftext|>` at its end.
+# A free turn is reasoning cut by `length` (no end of turn).
+THINK_END, IM_END = "4", "2"
+
+
+def steer_tool_call(command: str) -> dict[str, Any]:
+    call = json.dumps({"name": "bash", "arguments": {"command": command}})
+    literal = re.sub(r"([.{}()\[\]*+?|^$\\])", r"\\\1", call)
+    regex = f"<tool_call>\n{literal}\n</tool_call>"
+    return {
+        "logit_bias": {THINK_END: 100, IM_END: 50},
+        "structured_outputs": {"regex": regex},
+        "max_tokens": 64,
+    }
+
+
+#: (streamed, steering) per call: a tool call, free reasoning, a streamed tool call, reasoning.
+SESSION: list[tuple[bool, dict[str, Any]]] = [
+    (False, steer_tool_call("ls -la")),
+    (True, {"max_tokens": 8}),
+    (True, steer_tool_call("wc -l a.txt")),
+    (False, {"max_tokens": 8}),
+]
+
+
+async def play_session(p: Proxy, rollout: str) -> list[StagedCallRecord]:
+    """Play `SESSION` through the proxy as OpenCode would: each answer replayed (reasoning as
+    `reasoning`, tool arguments re-serialized), then a tool result after a tool call, else a new
+    user message. Every call must be staged; the staged records, in order."""
+    messages: list[dict[str, Any]] = [SYSTEM, USER]
+    for turn, (stream, steer) in enumerate(SESSION):
+        request = {**body(messages), "stream": stream, **steer}
+        answer = await read_answer(await p.chat(request, rollout=rollout), stream=stream)
+        assert answer.status == "staged", (turn, answer)
+        # Steered as intended: a tool call on the steered turns, reasoning only on the others.
+        assert bool(answer.tool_calls) == ("structured_outputs" in steer), (turn, answer)
+        assert answer.tool_calls or answer.reasoning, (turn, answer)
+        follow: list[dict[str, Any]] = [
+            {"role": "tool", "tool_call_id": call["id"], "content": f"result {turn}"}
+            for call in answer.tool_calls
+        ] or [{"role": "user", "content": f"Go on ({turn})."}]
+        messages = [*messages, replayed(answer), *follow]
+    records = p.calls(rollout)
+    assert len(records) == len(SESSION)
+    return records
+
+
+async def test_token_in_session_is_one_segment_of_the_models_own_tokens(
+    vllm_url: str, tmp_path: Path, control: Any
+) -> None:
+    p = await start_proxy(tmp_path, upstream=vllm_url, admin_token=control.TOKEN, token_in="on")
+    rollout = "vllm-token-in"
+    try:
+        records = await play_session(p, rollout)
+        assert all(r.token_in for r in records)
+        # Each call's prompt is the previous call's prompt + completion, exactly, then the bridge.
+        for prev, r in pairwise(records):
+            exact = prev.prompt_token_ids.tolist() + prev.completion_token_ids.tolist()
+            assert r.prompt_token_ids.tolist()[: len(exact)] == exact
+            assert segment_break_of(r.extras) is None
+            # Qwen3's rendering drops the reasoning and re-reads the re-serialized arguments:
+            # the plain prompt would have differed inside the previous call's tokens.
+            measured, position = plain_divergence_of(r.extras)
+            assert measured, r.extras
+            assert position is not None
+            assert position < len(exact)
+        # The bridge: after a tool call ended on <|im_end|> only what follows it; after
+        # reasoning cut by `length` the whole end of turn, inserted by the proxy.
+        assert records[1].finish_reason == "length"
+        assert [r.completion_token_ids[-1] for r in records[::2]] == [int(IM_END)] * 2
+        assert [[s[2] for s in r.bridge_spans] for r in records] == [
+            [],
+            ["turn_close"],
+            ["end_of_turn_added"],
+            ["turn_close"],
+        ]
+        manifest = await control(p.client).seal(rollout)
+        assert [c["status"] for c in manifest["calls"]] == ["staged"] * len(SESSION)
+        with open_store(p.store_url) as store:
+            traj = store.trajectory(rollout)
+            store.verify()
+        assert traj.calls == [r.call_id for r in records]
+        assert traj.drift == []
+        assert traj.breaks == []
+        assert len(traj.segments) == 1
+        last = records[-1]
+        assert traj.token_ids.tolist() == (
+            last.prompt_token_ids.tolist() + last.completion_token_ids.tolist()
+        )
+        assert sum(traj.loss_mask) == sum(len(r.completion_token_ids) for r in records)
+    finally:
+        await stop_proxy(p)
+
+
+async def test_the_same_session_without_token_in_drifts(
+    vllm_url: str, tmp_path: Path, control: Any
+) -> None:
+    p = await start_proxy(tmp_path, upstream=vllm_url, admin_token=control.TOKEN)
+    rollout = "vllm-plain"
+    try:
+        records = await play_session(p, rollout)
+        assert not any(r.token_in for r in records)
+        await control(p.client).seal(rollout)
+        with open_store(p.store_url) as store:
+            traj = store.trajectory(rollout)
+        # Every replayed turn re-rendered differs from what the model sampled.
+        assert [d.call_id for d in traj.drift] == [r.call_id for r in records[1:]]
+        assert [b.reason for b in traj.breaks] == ["drift"] * 3
+        assert len(traj.segments) == len(SESSION)
     finally:
         await stop_proxy(p)
