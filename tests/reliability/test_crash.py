@@ -110,7 +110,13 @@ def test_sigkill_loses_no_acknowledged_record(tmp_path: Path, kind: str) -> None
 
     async def write_again() -> None:
         source = open_source(store)
-        last = source.calls(source.rollouts()[0])[-1]
+        # A rollout whose last record holds its last claim (a seq a killed call claimed is
+        # taken for good: the store refuses it to anyone else).
+        last = next(
+            calls[-1]
+            for calls in map(source.calls, source.rollouts())
+            if calls and calls[-1].seq >= max(source.claims(calls[-1].rollout_id), default=-1)
+        )
         source.close_reader()
         sink = open_sink(store)
         record, _ = Session.resume(last, prefix="after").next()

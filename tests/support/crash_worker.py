@@ -51,7 +51,15 @@ def _sessions(url: str, round_no: int, count: int) -> list[Session]:
         source = open_source(url)
         for rollout_id in source.rollouts():
             calls = source.calls(rollout_id)
-            if calls and calls[-1].seq + 1 < SESSION_TURNS and len(out) < count:
+            # A seq claimed by a call the kill cut off is taken for good (it reads
+            # `lost_in_crash`): a session continues only if its last record holds its last claim.
+            claimed = max(source.claims(rollout_id), default=-1)
+            if (
+                calls
+                and calls[-1].seq >= claimed
+                and calls[-1].seq + 1 < SESSION_TURNS
+                and len(out) < count
+            ):
                 out.append(
                     Session.resume(calls[-1], seed=round_no, prefix=f"r{round_no}-{rollout_id}")
                 )
