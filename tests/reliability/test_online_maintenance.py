@@ -81,9 +81,15 @@ async def test_compaction_and_gc_during_writes_lose_nothing_acknowledged(locatio
     worker = threading.Thread(target=_maintain, args=(location, stop, did))
     worker.start()
 
+    def writing(deadline: float, hard_deadline: float) -> bool:
+        # At least 6 s of load, and on a slow machine (object storage on loaded cores) until gc
+        # has removed blobs while the sessions write, within a bound.
+        now = time.monotonic()
+        return now < deadline or (did.blobs_removed == 0 and now < hard_deadline)
+
     async def session(n: int, deadline: float) -> None:
         generation = 0
-        while time.monotonic() < deadline:
+        while writing(deadline, deadline + 20.0):
             rollout = f"s{n}-g{generation}"
             s = Session(rollout, image=SHARED if n % 2 else None)
             for turn in range(4):
