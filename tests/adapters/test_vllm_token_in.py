@@ -18,6 +18,7 @@ from capture_proxy.adapters.vllm import (
     merge_chunks,
     read_generate,
     read_render,
+    read_render_ids,
     to_completion,
 )
 from tests import support
@@ -159,3 +160,26 @@ def test_a_derendered_generation_converts_to_the_staged_completion() -> None:
     assert done.message["tool_calls"][0]["function"]["name"] == "bash"
     assert done.finish_reason == "stop"
     assert done.usage["prompt_tokens"] == len(prompt)
+
+
+def test_a_render_answer_s_ids_alone_are_read_and_checked() -> None:
+    ids, features = read_render_ids(raw("render-chat-response.json"))
+    assert ids == array("i", orjson.loads(raw("render-chat-response.json"))["token_ids"])
+    assert features is None
+    ids, features = read_render_ids(b'{"token_ids": [5], "features": {"mm": 1}}')
+    assert (list(ids), features) == ([5], {"mm": 1})
+    for bad in (b'{"token_ids": [1, true]}', b'{"token_ids": [1.0]}', b"{}", b"[1]"):
+        with pytest.raises(UpstreamProtocolError, match="no_token_ids"):
+            read_render_ids(bad)
+    with pytest.raises(UpstreamProtocolError, match="malformed_json"):
+        read_render_ids(b'{"token_ids": [1')
+
+
+def test_a_generate_body_keeps_the_render_answer_s_fields_and_replaces_sampling_when_asked() -> (
+    None
+):
+    rendered = read_render(raw("render-chat-response.json"))
+    real = orjson.loads(raw("render-chat-response.json"))
+    params = {**real["sampling_params"], "max_tokens": 2}
+    body = orjson.loads(rendered.generate_body([7], sampling_params=params))
+    assert body == {**real, "token_ids": [7], "sampling_params": params}

@@ -6,13 +6,16 @@ generates from token ids (``POST /inference/v1/generate``) and builds the client
 "Token-in routes (vLLM 0.32, measured)"). Each answer is decoded once (msgspec, only the fields
 read typed); what is sent back is built from the decoded values:
 
-- `read_render` → `Rendered`: the prompt ids, the resolved sampling params, ``features``, and
-  `Rendered.generate_body` — the render answer sent back unchanged with ``token_ids`` replaced;
+- `read_render` → `Rendered`: the prompt ids (checked as they are decoded, then an
+  ``array('i')``), the resolved sampling params, ``features``, and `Rendered.generate_body` —
+  the render answer sent back with ``token_ids`` replaced, its other fields as they came (kept
+  undecoded); `read_render_ids` reads only the ids and ``features`` (the bridge's renders);
 - `read_generate` → `Generated`: completion ids (``array('i')``), logprobs (``array('f')``,
   float32 as the chat path stores them), top logprobs when asked, finish and stop reason, weight
   spans ``(version, start, end)``, routed experts, usage; `GenerateStream` does the same for a
   streamed generate fed bytes in any pieces;
-- `derender_body` / `derender_chunk_body` build derender requests; `read_derender` reads the
+- `derender_body` / `derender_chunk_body` build derender requests (`derender_tail`: the prompt
+  ids and chat request every call of a stream resends, encoded once); `read_derender` reads the
   unary answer; `DerenderCoalescer` decides which streamed chunks go into one derender call;
 - `to_completion` turns a generation and its derendered message into the `Completion` the plain
   path stages.
@@ -40,10 +43,12 @@ __all__ = [
     "WeightSpan",
     "derender_body",
     "derender_chunk_body",
+    "derender_tail",
     "merge_chunks",
     "read_derender",
     "read_generate",
     "read_render",
+    "read_render_ids",
     "to_completion",
 ]
 
@@ -101,6 +106,15 @@ def _malformed(route: str, exc: Exception) -> UpstreamProtocolError:
     return UpstreamProtocolError("malformed_json", f"the {route} answer: {exc}")
 
 
+_decode_fields = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
+_decode_ids = msgspec.json.Decoder(list[int]).decode
+_decode_object = msgspec.json.Decoder(dict[str, Any]).decode
+_NULL = msgspec.Raw(b"null")
+#: The render answer's fields `Rendered.generate_body` writes itself.
+_WRITTEN = frozenset({"token_ids", "stream", "stream_options"})
+_STREAM = b'"stream":true,"stream_options":{"include_usage":true}'
+
+
 @dataclass(frozen=True, slots=True)
 class Rendered:
     """A render answer: what generate needs, and the rest of it to send back unchanged."""
@@ -108,38 +122,85 @@ class Rendered:
     prompt_ids: array[int]
     sampling_params: dict[str, Any]
     features: Any
-    #: The whole answer, decoded (a ``GenerateRequest``).
-    answer: dict[str, Any]
+    #: The answer's other fields (a ``GenerateRequest``'s), each its JSON as it came: sent
+    #: back to generate without being decoded or encoded again.
+    rest: Mapping[str, msgspec.Raw]
+    #: The answer's ``stream`` and ``stream_options`` as it came (None: absent), for a unary
+    #: generate request.
+    unary: Mapping[str, msgspec.Raw] = field(default_factory=dict)
 
     def generate_body(
-        self, prompt_ids: Sequence[int] | None = None, *, stream: bool = False
+        self,
+        prompt_ids: Sequence[int] | None = None,
+        *,
+        stream: bool = False,
+        sampling_params: Mapping[str, Any] | None = None,
     ) -> bytes:
         """The generate request: the render answer with ``token_ids`` replaced by `prompt_ids`
-        (default: the rendered ones), streamed with usage when `stream`."""
-        body = dict(self.answer)
-        body["token_ids"] = list(self.prompt_ids if prompt_ids is None else prompt_ids)
+        (default: the rendered ones) and ``sampling_params`` by `sampling_params` (default: the
+        rendered ones), streamed with usage when `stream`."""
+        ids = self.prompt_ids if prompt_ids is None else prompt_ids
+        parts = [b"{"]
+        for key, value in self.rest.items():
+            if sampling_params is None or key != "sampling_params":
+                parts += (orjson.dumps(key), b":", value, b",")
+        if sampling_params is not None:
+            parts += (b'"sampling_params":', orjson.dumps(sampling_params), b",")
         if stream:
-            body["stream"] = True
-            body["stream_options"] = {"include_usage": True}
-        return orjson.dumps(body)
+            parts += (_STREAM, b",")
+        else:
+            for key, value in self.unary.items():
+                parts += (orjson.dumps(key), b":", value, b",")
+        ids_json = orjson.dumps(ids if isinstance(ids, list) else list(ids))
+        parts += (b'"token_ids":', ids_json, b"}")
+        return b"".join(parts)
 
 
 def read_render(raw: bytes) -> Rendered:
-    """Read a render answer; `UpstreamProtocolError` when it is not a ``GenerateRequest``."""
+    """Read a render answer once, its ids checked as they are decoded (msgspec); the fields
+    generate takes back unchanged stay as they came. `UpstreamProtocolError` when it is not a
+    ``GenerateRequest``."""
+    fields = _fields("render", raw)
+    ids, features = _ids_and_features(fields)
+    params = fields.get("sampling_params", _NULL)
     try:
-        answer = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise _malformed("render", exc) from exc
-    ids = answer.get("token_ids") if isinstance(answer, dict) else None
-    if not isinstance(ids, list) or not all(type(t) is int for t in ids):
-        raise UpstreamProtocolError("no_token_ids", "the render answer has no token_ids list")
-    sampling = answer.get("sampling_params")
+        decoded = {} if params == _NULL else _decode_object(params)
+    except msgspec.DecodeError:  # not an object: generate gets vLLM's defaults
+        decoded = {}
     return Rendered(
-        prompt_ids=array("i", ids),
-        sampling_params=sampling if isinstance(sampling, dict) else {},
-        features=answer.get("features"),
-        answer=answer,
+        prompt_ids=ids,
+        sampling_params=decoded,
+        features=features,
+        rest={k: v for k, v in fields.items() if k not in _WRITTEN},
+        unary={k: v for k, v in fields.items() if k in ("stream", "stream_options")},
     )
+
+
+def read_render_ids(raw: bytes) -> tuple[array[int], Any]:
+    """A render answer's token ids and its ``features`` (None when null), nothing else decoded:
+    what the bridge reads of its renders. `UpstreamProtocolError` as `read_render`."""
+    return _ids_and_features(_fields("render", raw))
+
+
+def _fields(route: str, raw: bytes) -> dict[str, msgspec.Raw]:
+    try:
+        return _decode_fields(raw)
+    except msgspec.ValidationError as exc:
+        raise UpstreamProtocolError("no_token_ids", f"the {route} answer is not an object") from exc
+    except msgspec.DecodeError as exc:
+        raise _malformed(route, exc) from exc
+
+
+def _ids_and_features(fields: Mapping[str, msgspec.Raw]) -> tuple[array[int], Any]:
+    value = fields.get("token_ids")
+    try:
+        ids = _decode_ids(value) if value is not None else None
+    except msgspec.DecodeError:
+        ids = None
+    if ids is None:
+        raise UpstreamProtocolError("no_token_ids", "the render answer has no token_ids list")
+    features = fields.get("features", _NULL)
+    return array("i", ids), None if features == _NULL else msgspec.json.decode(features)
 
 
 @dataclass(slots=True)
@@ -296,36 +357,28 @@ def merge_chunks(events: Sequence[GenerateEvent]) -> bytes:
 
 
 def derender_body(
-    generate_answer: bytes, prompt_ids: Sequence[int], chat_request: Mapping[str, Any]
+    generate_answer: bytes, prompt_ids: Sequence[int], chat_request: Mapping[str, Any] | bytes
 ) -> bytes:
     """The unary derender request: generate's answer as it came, the prompt ids, the chat
-    request (vLLM needs all three when a reasoning or tool parser is configured)."""
-    head = b'{"generate_response":' + generate_answer + b',"prompt_token_ids":'
-    tail = orjson.dumps(list(prompt_ids)) + b',"chat_request":' + orjson.dumps(chat_request)
-    return head + tail + b"}"
+    request (vLLM needs all three when a reasoning or tool parser is configured; `chat_request`
+    may be given already encoded)."""
+    return b'{"generate_response":' + generate_answer + derender_tail(prompt_ids, chat_request)
 
 
-def derender_chunk_body(
-    chunk: bytes,
-    state: Mapping[str, Any] | None,
-    prompt_ids: Sequence[int],
-    chat_request: Mapping[str, Any],
-) -> bytes:
+def derender_tail(prompt_ids: Sequence[int], chat_request: Mapping[str, Any] | bytes) -> bytes:
+    """The end of every derender request of one call: the prompt ids and the chat request,
+    encoded once for all of a stream's derender calls (`derender_chunk_body`)."""
+    ids = orjson.dumps(prompt_ids if isinstance(prompt_ids, list) else list(prompt_ids))
+    chat = chat_request if isinstance(chat_request, bytes) else orjson.dumps(chat_request)
+    return b"".join((b',"prompt_token_ids":', ids, b',"chat_request":', chat, b"}"))
+
+
+def derender_chunk_body(chunk: bytes, state: Mapping[str, Any] | None, tail: bytes) -> bytes:
     """One streamed derender request: the chunk (JSON, from `merge_chunks`), the previous
     answer's ``stream_state``, and — required on every call — the prompt ids and the chat
-    request."""
+    request, as `derender_tail` encoded them once."""
     return b"".join(
-        (
-            b'{"stream":true,"generate_chunk":',
-            chunk,
-            b',"stream_state":',
-            orjson.dumps(state),
-            b',"prompt_token_ids":',
-            orjson.dumps(list(prompt_ids)),
-            b',"chat_request":',
-            orjson.dumps(chat_request),
-            b"}",
-        )
+        (b'{"stream":true,"generate_chunk":', chunk, b',"stream_state":', orjson.dumps(state), tail)
     )
 
 
