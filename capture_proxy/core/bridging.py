@@ -204,7 +204,7 @@ def _plain(status: int, raw: bytes) -> tuple[Rendered, list[int]]:
     if status != 200:
         raise RenderRefused(status, raw)
     rendered = read_render(raw)
-    return rendered, rendered.prompt_ids.tolist()
+    return rendered, rendered.prompt_ids
 
 
 def _break(verdict: NotBridged) -> SegmentBreak:

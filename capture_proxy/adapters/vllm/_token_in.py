@@ -6,8 +6,8 @@ generates from token ids (``POST /inference/v1/generate``) and builds the client
 "Token-in routes (vLLM 0.32, measured)"). Each answer is decoded once (msgspec, only the fields
 read typed); what is sent back is built from the decoded values:
 
-- `read_render` → `Rendered`: the prompt ids (checked as they are decoded, then an
-  ``array('i')``), the resolved sampling params, ``features``, and `Rendered.generate_body` —
+- `read_render` → `Rendered`: the prompt ids (a list, each checked to be an int as it is
+  decoded), the resolved sampling params, ``features``, and `Rendered.generate_body` —
   the render answer sent back with ``token_ids`` replaced, its other fields as they came (kept
   undecoded); `read_render_ids` reads only the ids and ``features`` (the bridge's renders);
 - `read_generate` → `Generated`: completion ids (``array('i')``), logprobs (``array('f')``,
@@ -119,7 +119,7 @@ _STREAM = b'"stream":true,"stream_options":{"include_usage":true}'
 class Rendered:
     """A render answer: what generate needs, and the rest of it to send back unchanged."""
 
-    prompt_ids: array[int]
+    prompt_ids: list[int]
     sampling_params: dict[str, Any]
     features: Any
     #: The answer's other fields (a ``GenerateRequest``'s), each its JSON as it came: sent
@@ -176,7 +176,7 @@ def read_render(raw: bytes) -> Rendered:
     )
 
 
-def read_render_ids(raw: bytes) -> tuple[array[int], Any]:
+def read_render_ids(raw: bytes) -> tuple[list[int], Any]:
     """A render answer's token ids and its ``features`` (None when null), nothing else decoded:
     what the bridge reads of its renders. `UpstreamProtocolError` as `read_render`."""
     return _ids_and_features(_fields("render", raw))
@@ -191,7 +191,7 @@ def _fields(route: str, raw: bytes) -> dict[str, msgspec.Raw]:
         raise _malformed(route, exc) from exc
 
 
-def _ids_and_features(fields: Mapping[str, msgspec.Raw]) -> tuple[array[int], Any]:
+def _ids_and_features(fields: Mapping[str, msgspec.Raw]) -> tuple[list[int], Any]:
     value = fields.get("token_ids")
     try:
         ids = _decode_ids(value) if value is not None else None
@@ -200,7 +200,7 @@ def _ids_and_features(fields: Mapping[str, msgspec.Raw]) -> tuple[array[int], An
     if ids is None:
         raise UpstreamProtocolError("no_token_ids", "the render answer has no token_ids list")
     features = fields.get("features", _NULL)
-    return array("i", ids), None if features == _NULL else msgspec.json.decode(features)
+    return ids, None if features == _NULL else msgspec.json.decode(features)
 
 
 @dataclass(slots=True)
