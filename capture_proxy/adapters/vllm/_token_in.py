@@ -176,10 +176,25 @@ def read_render(raw: bytes) -> Rendered:
     )
 
 
+class _RenderIds(msgspec.Struct, gc=False):
+    token_ids: list[int]
+    features: Any = None
+
+
+_decode_render_ids = msgspec.json.Decoder(_RenderIds).decode
+
+
 def read_render_ids(raw: bytes) -> tuple[list[int], Any]:
-    """A render answer's token ids and its ``features`` (None when null), nothing else decoded:
-    what the bridge reads of its renders. `UpstreamProtocolError` as `read_render`."""
-    return _ids_and_features(_fields("render", raw))
+    """A render answer's token ids and its ``features`` (None when null), nothing else decoded
+    (one pass: the other fields are skipped): what the bridge reads of its renders.
+    `UpstreamProtocolError` as `read_render`."""
+    try:
+        answer = _decode_render_ids(raw)
+    except msgspec.ValidationError as exc:
+        raise UpstreamProtocolError("no_token_ids", f"the render answer: {exc}") from exc
+    except msgspec.DecodeError as exc:
+        raise _malformed("render", exc) from exc
+    return answer.token_ids, answer.features
 
 
 def _fields(route: str, raw: bytes) -> dict[str, msgspec.Raw]:
