@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 import orjson
 
-from ..adapters.vllm import Rendered, UpstreamProtocolError, read_render, read_render_ids
+from ..adapters.vllm import Rendered, UpstreamProtocolError, read_render, read_render_pair
 from ..errors import CaptureProxyError
 from ..schemas.fields import BridgeSpan
 from ..schemas.token_in_extras import SegmentBreak
@@ -73,7 +73,8 @@ class CloseRenders:
     They depend only on the model, the system message, the tools and the template keys, so one
     pair serves every later call of every rollout with the same ones. Cleared for a new upstream
     process (its template may differ). The ids were checked when their answers were read: they
-    are used as they are.
+    are used as they are. A pair is kept as `read_render_pair` gives it: the ids from where the
+    two lists' common suffix starts.
     """
 
     def __init__(self, limit: int = 256) -> None:
@@ -219,30 +220,32 @@ def _bridged(
     closes: CloseRenders,
 ) -> Bridged | NotBridged:
     """The bridged prompt from the plan's render answers (in `BridgePlan.requests` order, the
-    close pair left out when `cached`). Each answer is decoded once, its ids checked as they
-    are decoded; only the ids and ``features`` are read."""
-    ids: list[Sequence[int]] = []
-    features: list[Any] = []
+    close pair left out when `cached`). Each pair is read once, and only from where its two
+    lists' common suffix starts (`read_render_pair`): that suffix, and whether the two are the
+    same, is all `assemble` reads of a pair."""
     for status, raw in answers:
         if status != 200:
             text = raw[:200].decode(errors="replace")
             return NotBridged(
                 "template_not_bridgeable", f"a render of the bridge answered {status}: {text}"
             )
-        try:
-            got, feature = read_render_ids(raw)
-        except UpstreamProtocolError as e:
-            return NotBridged("template_not_bridgeable", f"a render of the bridge: {e.message}")
-        ids.append(got)
-        features.append(feature)
+    pairs: list[IdsPair] = []
+    features: list[Any] = []
+    try:
+        for i in range(0, len(answers), 2):
+            ids, pair_features = read_render_pair(answers[i][1], answers[i + 1][1])
+            pairs.append(ids)
+            features.extend(pair_features)
+    except UpstreamProtocolError as e:
+        return NotBridged("template_not_bridgeable", f"a render of the bridge: {e.message}")
     close = cached
     if close is None:
-        close = (ids[0], ids[1])
+        close = pairs[0]
         closes.put(bridge.close_key, close)
-        ids, features = ids[2:], features[2:]
+        pairs, features = pairs[1:], features[2:]
     turn = None
     if bridge.turn is not None:
-        turn, ids, features = (ids[0], ids[1]), ids[2:], features[2:]
+        turn, pairs, features = pairs[0], pairs[1:], features[2:]
     suffix_features = tuple(f for f in features if f is not None)
-    rendered = BridgeRenders(close, (ids[0], ids[1]), turn, suffix_features)
+    rendered = BridgeRenders(close, pairs[0], turn, suffix_features)
     return assemble(extension.prior, bridge, rendered)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from array import array
 
 import orjson
@@ -18,7 +19,7 @@ from capture_proxy.adapters.vllm import (
     merge_chunks,
     read_generate,
     read_render,
-    read_render_ids,
+    read_render_pair,
     to_completion,
 )
 from tests import support
@@ -162,19 +163,6 @@ def test_a_derendered_generation_converts_to_the_staged_completion() -> None:
     assert done.usage["prompt_tokens"] == len(prompt)
 
 
-def test_a_render_answer_s_ids_alone_are_read_and_checked() -> None:
-    ids, features = read_render_ids(raw("render-chat-response.json"))
-    assert ids == orjson.loads(raw("render-chat-response.json"))["token_ids"]
-    assert features is None
-    ids, features = read_render_ids(b'{"token_ids": [5], "features": {"mm": 1}}')
-    assert (list(ids), features) == ([5], {"mm": 1})
-    for bad in (b'{"token_ids": [1, true]}', b'{"token_ids": [1.0]}', b"{}", b"[1]"):
-        with pytest.raises(UpstreamProtocolError, match="no_token_ids"):
-            read_render_ids(bad)
-    with pytest.raises(UpstreamProtocolError, match="malformed_json"):
-        read_render_ids(b'{"token_ids": [1')
-
-
 def test_a_generate_body_keeps_the_render_answer_s_fields_and_replaces_sampling_when_asked() -> (
     None
 ):
@@ -183,3 +171,44 @@ def test_a_generate_body_keeps_the_render_answer_s_fields_and_replaces_sampling_
     params = {**real["sampling_params"], "max_tokens": 2}
     body = orjson.loads(rendered.generate_body([7], sampling_params=params))
     assert body == {**real, "token_ids": [7], "sampling_params": params}
+
+
+def _suffix(a: list[int], b: list[int]) -> list[int]:
+    n = 0
+    while n < min(len(a), len(b)) and a[-1 - n] == b[-1 - n]:
+        n += 1
+    return a[len(a) - n :]
+
+
+@given(
+    st.lists(st.integers(0, 300), max_size=40),
+    st.lists(st.integers(0, 300), max_size=6),
+    st.lists(st.integers(0, 300), max_size=6),
+    st.lists(st.integers(0, 300), max_size=40),
+    st.booleans(),
+)
+def test_a_render_pair_s_tails_have_the_common_suffix_and_sameness_of_the_whole_lists(
+    head: list[int], one: list[int], two: list[int], tail: list[int], spaced: bool
+) -> None:
+    a, b = [*head, *one, *tail], [*head, *two, *tail]
+
+    def answer(ids: list[int]) -> bytes:
+        # orjson writes no spaces; Python's json (vLLM's servers may) writes ", ".
+        text = json.dumps(ids) if spaced else orjson.dumps(ids).decode()
+        return b'{"request_id": "r", "token_ids": ' + text.encode() + b', "features": null}'
+
+    (x, y), features = read_render_pair(answer(a), answer(b))
+    assert x == a[len(a) - len(x) :]
+    assert y == b[len(b) - len(y) :]
+    assert _suffix(x, y) == _suffix(a, b)
+    assert (x == y) == (a == b)
+    assert features == (None, None)
+
+
+def test_a_render_pair_with_ids_that_are_not_ints_is_a_protocol_error() -> None:
+    good = b'{"token_ids": [1, 2, 3]}'
+    for bad in (b'{"token_ids": [1, 2, "x"]}', b'{"token_ids": "123"}', b"{}"):
+        with pytest.raises(UpstreamProtocolError, match="no_token_ids"):
+            read_render_pair(good, bad)
+    with pytest.raises(UpstreamProtocolError, match="malformed_json"):
+        read_render_pair(good, b'{"token_ids": [1, 2')

@@ -35,7 +35,7 @@ from ._token_in import (
     read_derender,
     read_generate,
     read_render,
-    read_render_ids,
+    read_render_pair,
     to_completion,
 )
 
@@ -64,6 +64,6 @@ __all__ = [
     "read_derender",
     "read_generate",
     "read_render",
-    "read_render_ids",
+    "read_render_pair",
     "to_completion",
 ]

@@ -9,7 +9,8 @@ read typed); what is sent back is built from the decoded values:
 - `read_render` → `Rendered`: the prompt ids (a list, each checked to be an int as it is
   decoded), the resolved sampling params, ``features``, and `Rendered.generate_body` —
   the render answer sent back with ``token_ids`` replaced, its other fields as they came (kept
-  undecoded); `read_render_ids` reads only the ids and ``features`` (the bridge's renders);
+  undecoded); `read_render_pair` reads of two answers (the bridge's pairs) only the ids from
+  where their common suffix starts, and ``features``;
 - `read_generate` → `Generated`: completion ids (``array('i')``), logprobs (``array('f')``,
   float32 as the chat path stores them), top logprobs when asked, finish and stop reason, weight
   spans ``(version, start, end)``, routed experts, usage; `GenerateStream` does the same for a
@@ -48,7 +49,7 @@ __all__ = [
     "read_derender",
     "read_generate",
     "read_render",
-    "read_render_ids",
+    "read_render_pair",
     "to_completion",
 ]
 
@@ -176,25 +177,76 @@ def read_render(raw: bytes) -> Rendered:
     )
 
 
-class _RenderIds(msgspec.Struct, gc=False):
-    token_ids: list[int]
+class _RenderRaw(msgspec.Struct, gc=False):
+    token_ids: msgspec.Raw
     features: Any = None
 
 
-_decode_render_ids = msgspec.json.Decoder(_RenderIds).decode
+_decode_render_raw = msgspec.json.Decoder(_RenderRaw).decode
+#: Bytes between two ids of a JSON list.
+_SEPARATORS = frozenset(b"[, \t\r\n")
 
 
-def read_render_ids(raw: bytes) -> tuple[list[int], Any]:
-    """A render answer's token ids and its ``features`` (None when null), nothing else decoded
-    (one pass: the other fields are skipped): what the bridge reads of its renders.
-    `UpstreamProtocolError` as `read_render`."""
+def read_render_pair(first: bytes, second: bytes) -> tuple[tuple[list[int], list[int]], Any]:
+    """Two render answers that differ in one message's content (the bridge's pairs): of each,
+    the token ids from the last one that is not in their common suffix to the end (the whole
+    list when there is none: for two answers with the same ids, both lists), and the
+    ``features`` of each (None when null).
+
+    The common suffix of the two returned lists is the answers' common suffix, and they are the
+    same exactly when the answers' lists are: all the bridge reads of a pair, without decoding
+    the ids the two share at their start (an agent's system prompt and tools: most of them).
+    Those are checked to be JSON, the returned ones to be ints. `UpstreamProtocolError` as
+    `read_render`.
+    """
+    (a, a_features), (b, b_features) = _render_raw(first), _render_raw(second)
+    shared = _common_suffix_len(a, b)
+    ids = (_decode_tail(a, len(a) - shared), _decode_tail(b, len(b) - shared))
+    return ids, (a_features, b_features)
+
+
+def _render_raw(raw: bytes) -> tuple[bytes, Any]:
+    """A render answer's ``token_ids`` as the JSON it came as, and its ``features``."""
     try:
-        answer = _decode_render_ids(raw)
+        answer = _decode_render_raw(raw)
     except msgspec.ValidationError as exc:
         raise UpstreamProtocolError("no_token_ids", f"the render answer: {exc}") from exc
     except msgspec.DecodeError as exc:
         raise _malformed("render", exc) from exc
-    return answer.token_ids, answer.features
+    ids = bytes(answer.token_ids)
+    if not (ids.startswith(b"[") and ids.endswith(b"]")):
+        raise UpstreamProtocolError("no_token_ids", "the render answer has no token_ids list")
+    return ids, answer.features
+
+
+def _common_suffix_len(a: bytes, b: bytes) -> int:
+    """How many bytes `a` and `b` end with in common: blocks compared in C, then bytes."""
+    n = min(len(a), len(b))
+    k = 0
+    for block in (4096, 256, 16, 1):
+        while (
+            k + block <= n
+            and a[len(a) - k - block : len(a) - k] == b[len(b) - k - block : len(b) - k]
+        ):
+            k += block
+    return k
+
+
+def _decode_tail(ids: bytes, start: int) -> list[int]:
+    """The ids of the JSON list `ids` from the last one with a byte before `start`: not one of
+    the ids its common suffix with the other list has (those are byte for byte the same, with
+    the separator before them). The whole list when there is none."""
+    j = start - 1
+    while j > 0 and ids[j] in _SEPARATORS:
+        j -= 1
+    begin = max(ids.rfind(b",", 0, j), ids.rfind(b"[", 0, j)) + 1 if j > 0 else 1
+    tail = b"[" + ids[begin:]
+    try:
+        return _decode_ids(tail)
+    except msgspec.DecodeError as exc:
+        raise UpstreamProtocolError(
+            "no_token_ids", f"the render answer's token_ids: {exc}"
+        ) from exc
 
 
 def _fields(route: str, raw: bytes) -> dict[str, msgspec.Raw]:
