@@ -126,8 +126,8 @@ class Rendered:
     #: The answer's other fields (a ``GenerateRequest``'s), each its JSON as it came: sent
     #: back to generate without being decoded or encoded again.
     rest: Mapping[str, msgspec.Raw]
-    #: The answer's ``stream`` and ``stream_options`` as it came (None: absent), for a unary
-    #: generate request.
+    #: The answer's ``stream`` and ``stream_options``, those it has, as they came: sent back
+    #: in a unary generate request (a streamed one sets its own).
     unary: Mapping[str, msgspec.Raw] = field(default_factory=dict)
 
     def generate_body(
@@ -166,7 +166,7 @@ def read_render(raw: bytes) -> Rendered:
     params = fields.get("sampling_params", _NULL)
     try:
         decoded = {} if params == _NULL else _decode_object(params)
-    except msgspec.DecodeError:  # not an object: generate gets vLLM's defaults
+    except msgspec.DecodeError:  # not an object: none read (generate gets it as it came)
         decoded = {}
     return Rendered(
         prompt_ids=ids,
