@@ -20,7 +20,12 @@ from typing import Any
 
 import orjson
 
-from capture_proxy.adapters.vllm import GenerateStream, derender_chunk_body, read_render
+from capture_proxy.adapters.vllm import (
+    GenerateStream,
+    derender_chunk_body,
+    derender_tail,
+    read_render,
+)
 from capture_proxy.core.derender import StreamedDerender
 from capture_proxy.core.transport import EngineRoute
 from capture_proxy.testing.fake_vllm import Turn, serve_fake
@@ -49,7 +54,7 @@ async def _per_event(up: _Counting, rendered: Any, chat: dict[str, Any]) -> None
     ) as reply:
         async for data in reply.chunks():
             for event in stream.feed(data):
-                body = derender_chunk_body(event.data, state, prompt, chat)
+                body = derender_chunk_body(event.data, state, derender_tail(prompt, chat))
                 async with await up.post_engine(EngineRoute.DERENDER, body) as answer:
                     state = orjson.loads(await answer.read())["stream_state"]
 

@@ -26,9 +26,10 @@ Options: ``--json PATH`` keeps every run's figures, ``--markdown PATH`` writes t
 ``--plot PATH`` draws added latency against concurrency (needs matplotlib, a bench-only
 dependency), ``--scenarios a,b`` runs a subset, ``--targets`` likewise, ``--repeats N``.
 Before/after in one run: ``--base PATH`` (another checkout with its own ``.venv``) and the
-targets ``base-sqlite``/``base-parquet`` run that checkout's proxy beside this one's, in the same
-rotation; ``sqlite-asyncio``/``parquet-asyncio`` run this one on asyncio's loop (``--loop
-asyncio``). The table then adds each target's CPU and added p50 as ratios to its base.
+targets ``base-sqlite``/``base-parquet``/``base-token-in`` run that checkout's proxy beside this
+one's, in the same rotation; ``sqlite-asyncio``/``parquet-asyncio`` run this one on asyncio's
+loop (``--loop asyncio``). The table then adds each target's CPU and added p50 as ratios to its
+base.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ PY = sys.executable
 TARGETS = ("direct", "passthrough", "sqlite", "parquet", "token-in")
 #: Proxy targets beside those: the same store on asyncio's loop (``--loop asyncio``), and the
 #: store served by another checkout (``--base PATH``: its ``.venv``), for A/B runs in one go.
-VARIANTS = ("sqlite-asyncio", "parquet-asyncio", "base-sqlite", "base-parquet")
+VARIANTS = ("sqlite-asyncio", "parquet-asyncio", "base-sqlite", "base-parquet", "base-token-in")
 
 
 @dataclass(frozen=True)
@@ -130,7 +131,7 @@ PHASES = {
         tick=0.0,
         events_per_write=1,
         upstream="fake_upstream.py",
-        targets=("direct", "sqlite", "token-in"),
+        targets=("direct", "sqlite", "token-in", "base-sqlite", "base-token-in"),
         load="session_load.py",
     ),
 }
@@ -258,9 +259,10 @@ class Proc:
 def proxy_argv(target: str, upstream: str, store: Path, base: Path | None) -> list[str]:
     """``capture-proxy serve`` for `target`: ``sqlite``/``parquet``, optionally ``-asyncio``
     (``--loop asyncio``), or ``base-`` one of those run by the checkout at `base`; ``token-in``
-    is ``sqlite`` with ``--token-in on``."""
-    if target == "token-in":
-        return [*proxy_argv("sqlite", upstream, store, base), "--token-in", "on"]
+    is ``sqlite`` with ``--token-in on`` (``base-token-in``: the base checkout's)."""
+    if target.removeprefix("base-") == "token-in":
+        plain = target.replace("token-in", "sqlite")
+        return [*proxy_argv(plain, upstream, store, base), "--token-in", "on"]
     python = PY
     name = target
     if target.startswith("base-"):

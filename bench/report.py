@@ -50,6 +50,8 @@ def base_of(target: str) -> str | None:
     """The ``base-`` target `target` is compared with (``sqlite-asyncio`` -> ``base-sqlite``)."""
     if not is_proxy(target) or target.startswith("base-"):
         return None
+    if target == TOKEN_IN:
+        return "base-" + TOKEN_IN
     return "base-" + target.partition("-")[0]
 
 

@@ -15,7 +15,6 @@ The exchange (`capture_proxy.core.exchange`) sends the result to generate and de
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import hashlib
 from collections import OrderedDict
 from collections.abc import Awaitable, Mapping, Sequence
@@ -24,7 +23,7 @@ from typing import Any, TypeVar
 
 import orjson
 
-from ..adapters.vllm import Rendered, read_render
+from ..adapters.vllm import Rendered, UpstreamProtocolError, read_render, read_render_pair
 from ..errors import CaptureProxyError
 from ..schemas.fields import BridgeSpan
 from ..schemas.token_in_extras import SegmentBreak
@@ -64,25 +63,31 @@ def token_in_line(request: Mapping[str, Any]) -> str:
     return hashlib.sha256(orjson.dumps(line, option=orjson.OPT_SORT_KEYS)).hexdigest()
 
 
+#: The token ids of a pair of renders.
+IdsPair = tuple[Sequence[int], Sequence[int]]
+
+
 class CloseRenders:
     """The close renders' token ids by `BridgePlan.close_key`, most recent `limit` kept.
 
     They depend only on the model, the system message, the tools and the template keys, so one
     pair serves every later call of every rollout with the same ones. Cleared for a new upstream
-    process (its template may differ).
+    process (its template may differ). The ids were checked when their answers were read: they
+    are used as they are. A pair is kept as `read_render_pair` gives it: the ids from where the
+    two lists' common suffix starts.
     """
 
     def __init__(self, limit: int = 256) -> None:
         self.limit = limit
-        self._pairs: OrderedDict[str, tuple[Mapping[str, Any], Mapping[str, Any]]] = OrderedDict()
+        self._pairs: OrderedDict[str, IdsPair] = OrderedDict()
 
-    def get(self, key: str) -> tuple[Mapping[str, Any], Mapping[str, Any]] | None:
+    def get(self, key: str) -> IdsPair | None:
         pair = self._pairs.get(key)
         if pair is not None:
             self._pairs.move_to_end(key)
         return pair
 
-    def put(self, key: str, pair: tuple[Mapping[str, Any], Mapping[str, Any]]) -> None:
+    def put(self, key: str, pair: IdsPair) -> None:
         self._pairs[key] = pair
         self._pairs.move_to_end(key)
         while len(self._pairs) > self.limit:
@@ -135,8 +140,7 @@ class TokenInPrompt:
         unset = all(request.get(k) is None for k in _LIMIT_KEYS)
         if grown > 0 and unset and type(limit) is int:
             params = {**params, "max_tokens": max(1, limit - grown)}
-            answer = {**rendered.answer, "sampling_params": params}
-            rendered = dataclasses.replace(rendered, sampling_params=params, answer=answer)
+            return rendered.generate_body(self.prompt_ids, stream=stream, sampling_params=params)
         return rendered.generate_body(self.prompt_ids, stream=stream)
 
 
@@ -161,17 +165,20 @@ async def token_in_prompt(
     closes: CloseRenders,
     prior: Prior | None,
     request: Mapping[str, Any],
-    render_request: Mapping[str, Any],
+    render_request: Mapping[str, Any] | bytes,
 ) -> TokenInPrompt:
     """The prompt of a token-in call (module docs). `request` is the normalized request as
     the bridge compares it with `prior.request`; `render_request` the body to render (the
-    request as forwarded, with the token fields capture asks for).
+    request as forwarded, with the token fields capture asks for), encoded or not.
 
     Raises `RenderRefused` when the upstream refuses to render the request, `UpstreamFailed`
     when it cannot be reached.
     """
     verdict = match(prior, request)
-    plain_body = orjson.dumps(render_request)
+    if isinstance(render_request, bytes):
+        plain_body = render_request
+    else:
+        plain_body = orjson.dumps(render_request)
     if isinstance(verdict, NotBridged):
         status, raw = await _render(upstream, plain_body)
         return TokenInPrompt(*_plain(status, raw), segment_break=_break(verdict))
@@ -198,7 +205,7 @@ def _plain(status: int, raw: bytes) -> tuple[Rendered, list[int]]:
     if status != 200:
         raise RenderRefused(status, raw)
     rendered = read_render(raw)
-    return rendered, rendered.prompt_ids.tolist()
+    return rendered, rendered.prompt_ids
 
 
 def _break(verdict: NotBridged) -> SegmentBreak:
@@ -208,38 +215,37 @@ def _break(verdict: NotBridged) -> SegmentBreak:
 def _bridged(
     extension: Extension,
     bridge: BridgePlan,
-    cached: tuple[Mapping[str, Any], Mapping[str, Any]] | None,
+    cached: IdsPair | None,
     answers: Sequence[tuple[int, bytes]],
     closes: CloseRenders,
 ) -> Bridged | NotBridged:
     """The bridged prompt from the plan's render answers (in `BridgePlan.requests` order, the
-    close pair left out when `cached`)."""
-    decoded: list[Mapping[str, Any]] = []
+    close pair left out when `cached`). Each pair is read once, and only from where its two
+    lists' common suffix starts (`read_render_pair`): that suffix, and whether the two are the
+    same, is all `assemble` reads of a pair."""
     for status, raw in answers:
         if status != 200:
             text = raw[:200].decode(errors="replace")
             return NotBridged(
                 "template_not_bridgeable", f"a render of the bridge answered {status}: {text}"
             )
-        try:
-            answer = orjson.loads(raw)
-        except orjson.JSONDecodeError as e:
-            return NotBridged("template_not_bridgeable", f"a render of the bridge: {e}")
-        decoded.append(answer if isinstance(answer, dict) else {})
+    pairs: list[IdsPair] = []
+    features: list[Any] = []
+    try:
+        for i in range(0, len(answers), 2):
+            ids, pair_features = read_render_pair(answers[i][1], answers[i + 1][1])
+            pairs.append(ids)
+            features.extend(pair_features)
+    except UpstreamProtocolError as e:
+        return NotBridged("template_not_bridgeable", f"a render of the bridge: {e.message}")
     close = cached
     if close is None:
-        close, decoded = (decoded[0], decoded[1]), decoded[2:]
+        close = pairs[0]
+        closes.put(bridge.close_key, close)
+        pairs, features = pairs[1:], features[2:]
     turn = None
     if bridge.turn is not None:
-        turn, decoded = (decoded[0], decoded[1]), decoded[2:]
-    try:
-        rendered = BridgeRenders.from_answers(close, (decoded[0], decoded[1]), turn)
-    except ValueError as e:
-        return NotBridged("template_not_bridgeable", str(e))
-    if cached is None:
-        # Only the ids are read again: the rest of a render answer is not worth keeping.
-        closes.put(
-            bridge.close_key,
-            ({"token_ids": close[0]["token_ids"]}, {"token_ids": close[1]["token_ids"]}),
-        )
+        turn, pairs, features = pairs[0], pairs[1:], features[2:]
+    suffix_features = tuple(f for f in features if f is not None)
+    rendered = BridgeRenders(close, pairs[0], turn, suffix_features)
     return assemble(extension.prior, bridge, rendered)

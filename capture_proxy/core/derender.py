@@ -22,6 +22,7 @@ from ..adapters.vllm import (
     Generated,
     GenerateStream,
     derender_chunk_body,
+    derender_tail,
     read_derender,
 )
 from ..errors import UpstreamFailed
@@ -46,14 +47,14 @@ class StreamedDerender:
         transport: TokenInTransport,
         generate: UpstreamReply,
         prompt_ids: Sequence[int],
-        chat_request: Mapping[str, Any],
+        chat_request: Mapping[str, Any] | bytes,
         *,
         min_interval: float = 0.05,
     ) -> None:
         self._transport = transport
         self._generate = generate
-        self._prompt_ids = list(prompt_ids)
-        self._chat_request = chat_request
+        # Resent on every derender call (vLLM keeps no state): encoded once.
+        self._tail = derender_tail(prompt_ids, chat_request)
         self._stream = GenerateStream()
         self._coalescer = DerenderCoalescer(min_interval)
         self._arrived = asyncio.Event()
@@ -77,7 +78,7 @@ class StreamedDerender:
             self._arrived.set()
 
     async def _derender(self, chunk: bytes, state: Any) -> dict[str, Any]:
-        body = derender_chunk_body(chunk, state, self._prompt_ids, self._chat_request)
+        body = derender_chunk_body(chunk, state, self._tail)
         async with await self._transport.post_engine(EngineRoute.DERENDER, body) as reply:
             raw = await reply.read()
             if reply.status != 200:

@@ -266,7 +266,7 @@ class Exchange(TokenInSteps):
         #: request rendered for it (docs/token-in.md).
         self.token_in = False
         self._prompt: TokenInPrompt | None = None
-        self._render_request: dict[str, Any] = {}
+        self._render_body = b""
 
     # -- prepare -----------------------------------------------------------------------------
 

@@ -66,9 +66,9 @@ class TokenInSteps:
     _reply: UpstreamReply | None
     _t_up: float
     _upstream_s: float | None
-    #: The call's prompt and the request rendered for it (set by `_post_token_in`).
+    #: The call's prompt and the request rendered for it, encoded (set by `_post_token_in`).
     _prompt: TokenInPrompt | None
-    _render_request: dict[str, Any]
+    _render_body: bytes
 
     @property
     def admitted(self) -> Call:
@@ -105,13 +105,14 @@ class TokenInSteps:
         render_request = orjson.loads(self.plan.body)
         for key in ("stream", "stream_options"):
             render_request.pop(key, None)
-        self._render_request = render_request
+        # Encoded once: the plain render and every derender call send it.
+        self._render_body = orjson.dumps(render_request)
         self._prompt = await token_in_prompt(
             upstream,
             self.pipeline.close_renders,
             self.admitted.rollout.token_in_prior(token_in_line(self.request)),
             self.request,
-            render_request,
+            self._render_body,
         )
         body = self._prompt.generate_body(self.request, stream=self.streamed)
         return await upstream.post_engine(EngineRoute.GENERATE, body)
@@ -123,7 +124,7 @@ class TokenInSteps:
         assert self.plan is not None
         try:
             generated = read_generate(raw)
-            body = derender_body(raw, prompt.prompt_ids, self._render_request)
+            body = derender_body(raw, prompt.prompt_ids, self._render_body)
             derendered = await self._derender(body)
         except UpstreamProtocolError as e:
             malformed = UpstreamFailed(
@@ -160,7 +161,7 @@ class TokenInSteps:
         assert prompt is not None
         assert plan is not None
         assert reply is not None
-        derender = StreamedDerender(self._upstream, reply, prompt.prompt_ids, self._render_request)
+        derender = StreamedDerender(self._upstream, reply, prompt.prompt_ids, self._render_body)
         shaped = DerenderedStream(plan.wants, prompt.prompt_ids)
         async with reply:
             events = derender.events()

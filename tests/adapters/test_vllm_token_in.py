@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from array import array
 
 import orjson
@@ -18,6 +19,7 @@ from capture_proxy.adapters.vllm import (
     merge_chunks,
     read_generate,
     read_render,
+    read_render_pair,
     to_completion,
 )
 from tests import support
@@ -32,7 +34,7 @@ def raw(name: str) -> bytes:
 def test_a_render_answer_gives_the_prompt_and_a_generate_body_with_ids_replaced() -> None:
     rendered = read_render(raw("render-chat-response.json"))
     real = orjson.loads(raw("render-chat-response.json"))
-    assert rendered.prompt_ids == array("i", real["token_ids"])
+    assert rendered.prompt_ids == real["token_ids"]
     assert rendered.sampling_params["logprobs"] == 1
     assert orjson.loads(rendered.generate_body()) == orjson.loads(raw("generate-chat-request.json"))
     replaced = orjson.loads(rendered.generate_body([1, 2, 3], stream=True))
@@ -159,3 +161,54 @@ def test_a_derendered_generation_converts_to_the_staged_completion() -> None:
     assert done.message["tool_calls"][0]["function"]["name"] == "bash"
     assert done.finish_reason == "stop"
     assert done.usage["prompt_tokens"] == len(prompt)
+
+
+def test_a_generate_body_keeps_the_render_answer_s_fields_and_replaces_sampling_when_asked() -> (
+    None
+):
+    rendered = read_render(raw("render-chat-response.json"))
+    real = orjson.loads(raw("render-chat-response.json"))
+    params = {**real["sampling_params"], "max_tokens": 2}
+    body = orjson.loads(rendered.generate_body([7], sampling_params=params))
+    assert body == {**real, "token_ids": [7], "sampling_params": params}
+
+
+def _suffix(a: list[int], b: list[int]) -> list[int]:
+    n = 0
+    while n < min(len(a), len(b)) and a[-1 - n] == b[-1 - n]:
+        n += 1
+    return a[len(a) - n :]
+
+
+@given(
+    st.lists(st.integers(0, 300), max_size=40),
+    st.lists(st.integers(0, 300), max_size=6),
+    st.lists(st.integers(0, 300), max_size=6),
+    st.lists(st.integers(0, 300), max_size=40),
+    st.booleans(),
+)
+def test_a_render_pair_s_tails_have_the_common_suffix_and_sameness_of_the_whole_lists(
+    head: list[int], one: list[int], two: list[int], tail: list[int], spaced: bool
+) -> None:
+    a, b = [*head, *one, *tail], [*head, *two, *tail]
+
+    def answer(ids: list[int]) -> bytes:
+        # orjson writes no spaces; Python's json (vLLM's servers may) writes ", ".
+        text = json.dumps(ids) if spaced else orjson.dumps(ids).decode()
+        return b'{"request_id": "r", "token_ids": ' + text.encode() + b', "features": null}'
+
+    (x, y), features = read_render_pair(answer(a), answer(b))
+    assert x == a[len(a) - len(x) :]
+    assert y == b[len(b) - len(y) :]
+    assert _suffix(x, y) == _suffix(a, b)
+    assert (x == y) == (a == b)
+    assert features == (None, None)
+
+
+def test_a_render_pair_with_ids_that_are_not_ints_is_a_protocol_error() -> None:
+    good = b'{"token_ids": [1, 2, 3]}'
+    for bad in (b'{"token_ids": [1, 2, "x"]}', b'{"token_ids": "123"}', b"{}"):
+        with pytest.raises(UpstreamProtocolError, match="no_token_ids"):
+            read_render_pair(good, bad)
+    with pytest.raises(UpstreamProtocolError, match="malformed_json"):
+        read_render_pair(good, b'{"token_ids": [1, 2')

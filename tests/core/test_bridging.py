@@ -8,6 +8,7 @@ from typing import Any
 
 import orjson
 import pytest
+from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from capture_proxy.adapters.vllm import read_render
@@ -110,7 +111,7 @@ def test_a_longer_bridged_prompt_gets_less_room_only_when_the_request_set_no_lim
 def test_the_turn_close_cache_keeps_the_most_recent() -> None:
     closes = CloseRenders(limit=2)
     for key in ("a", "b", "c"):
-        closes.put(key, ({"token_ids": [1]}, {"token_ids": [2]}))
+        closes.put(key, ([1], [2]))
     assert closes.get("a") is None
     assert closes.get("c") is not None
     closes.clear()
@@ -129,3 +130,34 @@ def test_a_side_call_is_a_line_of_its_own() -> None:
     assert token_in_line(loop) == token_in_line(later)
     assert token_in_line(title) != token_in_line(loop)
     assert token_in_line({**loop, "tools": []}) != token_in_line(loop)
+
+
+async def test_a_bridge_render_answer_without_a_list_of_ids_is_not_bridgeable() -> None:
+    async def render(request: web.Request) -> web.Response:
+        body = await request.json()
+        dummy = body["messages"][1:2] == [{"role": "user", "content": "u"}]
+        answer = {"token_ids": [1, "x"]} if dummy else {"token_ids": [1, 2, 3]}
+        return web.json_response({**answer, "sampling_params": {"max_tokens": 5}})
+
+    app = web.Application()
+    app.router.add_post(RENDER, render)
+    server = TestServer(app)
+    await server.start_server()
+    client = HTTPUpstream(str(server.make_url("")))
+    prior = _prior(SYSTEM, {"role": "user", "content": "One?"})
+    request = {
+        **prior.request,
+        "messages": [*prior.request["messages"], _ANSWER, {"role": "user", "content": "Two?"}],
+    }
+    closes = CloseRenders()
+    try:
+        got = await token_in_prompt(client, closes, prior, request, request)
+    finally:
+        await client.close()
+        await server.close()
+    assert got.segment_break is not None
+    assert got.segment_break.reason == "template_not_bridgeable"
+    assert got.segment_break.detail.startswith("a render of the bridge: ")
+    assert "token_ids" in got.segment_break.detail
+    assert got.prompt_ids == [1, 2, 3]
+    assert len(closes) == 0  # nothing cached from answers that were refused

@@ -30,10 +30,12 @@ from ._token_in import (
     WeightSpan,
     derender_body,
     derender_chunk_body,
+    derender_tail,
     merge_chunks,
     read_derender,
     read_generate,
     read_render,
+    read_render_pair,
     to_completion,
 )
 
@@ -56,10 +58,12 @@ __all__ = [
     "client_answer",
     "derender_body",
     "derender_chunk_body",
+    "derender_tail",
     "merge_chunks",
     "parse_error_body",
     "read_derender",
     "read_generate",
     "read_render",
+    "read_render_pair",
     "to_completion",
 ]

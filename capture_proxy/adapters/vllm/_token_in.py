@@ -6,13 +6,17 @@ generates from token ids (``POST /inference/v1/generate``) and builds the client
 "Token-in routes (vLLM 0.32, measured)"). Each answer is decoded once (msgspec, only the fields
 read typed); what is sent back is built from the decoded values:
 
-- `read_render` → `Rendered`: the prompt ids, the resolved sampling params, ``features``, and
-  `Rendered.generate_body` — the render answer sent back unchanged with ``token_ids`` replaced;
+- `read_render` → `Rendered`: the prompt ids (a list, each checked to be an int as it is
+  decoded), the resolved sampling params, ``features``, and `Rendered.generate_body` —
+  the render answer sent back with ``token_ids`` replaced, its other fields as they came (kept
+  undecoded); `read_render_pair` reads of two answers (the bridge's pairs) only the ids from
+  where their common suffix starts, and ``features``;
 - `read_generate` → `Generated`: completion ids (``array('i')``), logprobs (``array('f')``,
   float32 as the chat path stores them), top logprobs when asked, finish and stop reason, weight
   spans ``(version, start, end)``, routed experts, usage; `GenerateStream` does the same for a
   streamed generate fed bytes in any pieces;
-- `derender_body` / `derender_chunk_body` build derender requests; `read_derender` reads the
+- `derender_body` / `derender_chunk_body` build derender requests (`derender_tail`: the prompt
+  ids and chat request every call of a stream resends, encoded once); `read_derender` reads the
   unary answer; `DerenderCoalescer` decides which streamed chunks go into one derender call;
 - `to_completion` turns a generation and its derendered message into the `Completion` the plain
   path stages.
@@ -40,10 +44,12 @@ __all__ = [
     "WeightSpan",
     "derender_body",
     "derender_chunk_body",
+    "derender_tail",
     "merge_chunks",
     "read_derender",
     "read_generate",
     "read_render",
+    "read_render_pair",
     "to_completion",
 ]
 
@@ -101,45 +107,167 @@ def _malformed(route: str, exc: Exception) -> UpstreamProtocolError:
     return UpstreamProtocolError("malformed_json", f"the {route} answer: {exc}")
 
 
+_decode_fields = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
+_decode_ids = msgspec.json.Decoder(list[int]).decode
+_decode_object = msgspec.json.Decoder(dict[str, Any]).decode
+_NULL = msgspec.Raw(b"null")
+#: The render answer's fields `Rendered.generate_body` writes itself.
+_WRITTEN = frozenset({"token_ids", "stream", "stream_options"})
+_STREAM = b'"stream":true,"stream_options":{"include_usage":true}'
+
+
 @dataclass(frozen=True, slots=True)
 class Rendered:
     """A render answer: what generate needs, and the rest of it to send back unchanged."""
 
-    prompt_ids: array[int]
+    prompt_ids: list[int]
     sampling_params: dict[str, Any]
     features: Any
-    #: The whole answer, decoded (a ``GenerateRequest``).
-    answer: dict[str, Any]
+    #: The answer's other fields (a ``GenerateRequest``'s), each its JSON as it came: sent
+    #: back to generate without being decoded or encoded again.
+    rest: Mapping[str, msgspec.Raw]
+    #: The answer's ``stream`` and ``stream_options``, those it has, as they came: sent back
+    #: in a unary generate request (a streamed one sets its own).
+    unary: Mapping[str, msgspec.Raw] = field(default_factory=dict)
 
     def generate_body(
-        self, prompt_ids: Sequence[int] | None = None, *, stream: bool = False
+        self,
+        prompt_ids: Sequence[int] | None = None,
+        *,
+        stream: bool = False,
+        sampling_params: Mapping[str, Any] | None = None,
     ) -> bytes:
         """The generate request: the render answer with ``token_ids`` replaced by `prompt_ids`
-        (default: the rendered ones), streamed with usage when `stream`."""
-        body = dict(self.answer)
-        body["token_ids"] = list(self.prompt_ids if prompt_ids is None else prompt_ids)
+        (default: the rendered ones) and ``sampling_params`` by `sampling_params` (default: the
+        rendered ones), streamed with usage when `stream`."""
+        ids = self.prompt_ids if prompt_ids is None else prompt_ids
+        parts = [b"{"]
+        for key, value in self.rest.items():
+            if sampling_params is None or key != "sampling_params":
+                parts += (orjson.dumps(key), b":", value, b",")
+        if sampling_params is not None:
+            parts += (b'"sampling_params":', orjson.dumps(sampling_params), b",")
         if stream:
-            body["stream"] = True
-            body["stream_options"] = {"include_usage": True}
-        return orjson.dumps(body)
+            parts += (_STREAM, b",")
+        else:
+            for key, value in self.unary.items():
+                parts += (orjson.dumps(key), b":", value, b",")
+        ids_json = orjson.dumps(ids if isinstance(ids, list) else list(ids))
+        parts += (b'"token_ids":', ids_json, b"}")
+        return b"".join(parts)
 
 
 def read_render(raw: bytes) -> Rendered:
-    """Read a render answer; `UpstreamProtocolError` when it is not a ``GenerateRequest``."""
+    """Read a render answer once, its ids checked as they are decoded (msgspec); the fields
+    generate takes back unchanged stay as they came. `UpstreamProtocolError` when it is not a
+    ``GenerateRequest``."""
+    fields = _fields("render", raw)
+    ids, features = _ids_and_features(fields)
+    params = fields.get("sampling_params", _NULL)
     try:
-        answer = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise _malformed("render", exc) from exc
-    ids = answer.get("token_ids") if isinstance(answer, dict) else None
-    if not isinstance(ids, list) or not all(type(t) is int for t in ids):
-        raise UpstreamProtocolError("no_token_ids", "the render answer has no token_ids list")
-    sampling = answer.get("sampling_params")
+        decoded = {} if params == _NULL else _decode_object(params)
+    except msgspec.DecodeError:  # not an object: none read (generate gets it as it came)
+        decoded = {}
     return Rendered(
-        prompt_ids=array("i", ids),
-        sampling_params=sampling if isinstance(sampling, dict) else {},
-        features=answer.get("features"),
-        answer=answer,
+        prompt_ids=ids,
+        sampling_params=decoded,
+        features=features,
+        rest={k: v for k, v in fields.items() if k not in _WRITTEN},
+        unary={k: v for k, v in fields.items() if k in ("stream", "stream_options")},
     )
+
+
+class _RenderRaw(msgspec.Struct, gc=False):
+    token_ids: msgspec.Raw
+    features: Any = None
+
+
+_decode_render_raw = msgspec.json.Decoder(_RenderRaw).decode
+#: Bytes between two ids of a JSON list.
+_SEPARATORS = frozenset(b"[, \t\r\n")
+
+
+def read_render_pair(first: bytes, second: bytes) -> tuple[tuple[list[int], list[int]], Any]:
+    """Two render answers that differ in one message's content (the bridge's pairs): of each,
+    the token ids from the last one that is not in their common suffix to the end (the whole
+    list when there is none: for two answers with the same ids, both lists), and the
+    ``features`` of each (None when null).
+
+    The common suffix of the two returned lists is the answers' common suffix, and they are the
+    same exactly when the answers' lists are: all the bridge reads of a pair, without decoding
+    the ids the two share at their start (an agent's system prompt and tools: most of them).
+    Those are checked to be JSON, the returned ones to be ints. `UpstreamProtocolError` as
+    `read_render`.
+    """
+    (a, a_features), (b, b_features) = _render_raw(first), _render_raw(second)
+    shared = _common_suffix_len(a, b)
+    ids = (_decode_tail(a, len(a) - shared), _decode_tail(b, len(b) - shared))
+    return ids, (a_features, b_features)
+
+
+def _render_raw(raw: bytes) -> tuple[bytes, Any]:
+    """A render answer's ``token_ids`` as the JSON it came as, and its ``features``."""
+    try:
+        answer = _decode_render_raw(raw)
+    except msgspec.ValidationError as exc:
+        raise UpstreamProtocolError("no_token_ids", f"the render answer: {exc}") from exc
+    except msgspec.DecodeError as exc:
+        raise _malformed("render", exc) from exc
+    ids = bytes(answer.token_ids)
+    if not (ids.startswith(b"[") and ids.endswith(b"]")):
+        raise UpstreamProtocolError("no_token_ids", "the render answer has no token_ids list")
+    return ids, answer.features
+
+
+def _common_suffix_len(a: bytes, b: bytes) -> int:
+    """How many bytes `a` and `b` end with in common: blocks compared in C, then bytes."""
+    n = min(len(a), len(b))
+    k = 0
+    for block in (4096, 256, 16, 1):
+        while (
+            k + block <= n
+            and a[len(a) - k - block : len(a) - k] == b[len(b) - k - block : len(b) - k]
+        ):
+            k += block
+    return k
+
+
+def _decode_tail(ids: bytes, start: int) -> list[int]:
+    """The ids of the JSON list `ids` from the last one with a byte before `start`: not one of
+    the ids its common suffix with the other list has (those are byte for byte the same, with
+    the separator before them). The whole list when there is none."""
+    j = start - 1
+    while j > 0 and ids[j] in _SEPARATORS:
+        j -= 1
+    begin = max(ids.rfind(b",", 0, j), ids.rfind(b"[", 0, j)) + 1 if j > 0 else 1
+    tail = b"[" + ids[begin:]
+    try:
+        return _decode_ids(tail)
+    except msgspec.DecodeError as exc:
+        raise UpstreamProtocolError(
+            "no_token_ids", f"the render answer's token_ids: {exc}"
+        ) from exc
+
+
+def _fields(route: str, raw: bytes) -> dict[str, msgspec.Raw]:
+    try:
+        return _decode_fields(raw)
+    except msgspec.ValidationError as exc:
+        raise UpstreamProtocolError("no_token_ids", f"the {route} answer is not an object") from exc
+    except msgspec.DecodeError as exc:
+        raise _malformed(route, exc) from exc
+
+
+def _ids_and_features(fields: Mapping[str, msgspec.Raw]) -> tuple[list[int], Any]:
+    value = fields.get("token_ids")
+    try:
+        ids = _decode_ids(value) if value is not None else None
+    except msgspec.DecodeError:
+        ids = None
+    if ids is None:
+        raise UpstreamProtocolError("no_token_ids", "the render answer has no token_ids list")
+    features = fields.get("features", _NULL)
+    return ids, None if features == _NULL else msgspec.json.decode(features)
 
 
 @dataclass(slots=True)
@@ -296,36 +424,28 @@ def merge_chunks(events: Sequence[GenerateEvent]) -> bytes:
 
 
 def derender_body(
-    generate_answer: bytes, prompt_ids: Sequence[int], chat_request: Mapping[str, Any]
+    generate_answer: bytes, prompt_ids: Sequence[int], chat_request: Mapping[str, Any] | bytes
 ) -> bytes:
     """The unary derender request: generate's answer as it came, the prompt ids, the chat
-    request (vLLM needs all three when a reasoning or tool parser is configured)."""
-    head = b'{"generate_response":' + generate_answer + b',"prompt_token_ids":'
-    tail = orjson.dumps(list(prompt_ids)) + b',"chat_request":' + orjson.dumps(chat_request)
-    return head + tail + b"}"
+    request (vLLM needs all three when a reasoning or tool parser is configured; `chat_request`
+    may be given already encoded)."""
+    return b'{"generate_response":' + generate_answer + derender_tail(prompt_ids, chat_request)
 
 
-def derender_chunk_body(
-    chunk: bytes,
-    state: Mapping[str, Any] | None,
-    prompt_ids: Sequence[int],
-    chat_request: Mapping[str, Any],
-) -> bytes:
+def derender_tail(prompt_ids: Sequence[int], chat_request: Mapping[str, Any] | bytes) -> bytes:
+    """The end of every derender request of one call: the prompt ids and the chat request,
+    encoded once for all of a stream's derender calls (`derender_chunk_body`)."""
+    ids = orjson.dumps(prompt_ids if isinstance(prompt_ids, list) else list(prompt_ids))
+    chat = chat_request if isinstance(chat_request, bytes) else orjson.dumps(chat_request)
+    return b"".join((b',"prompt_token_ids":', ids, b',"chat_request":', chat, b"}"))
+
+
+def derender_chunk_body(chunk: bytes, state: Mapping[str, Any] | None, tail: bytes) -> bytes:
     """One streamed derender request: the chunk (JSON, from `merge_chunks`), the previous
     answer's ``stream_state``, and — required on every call — the prompt ids and the chat
-    request."""
+    request, as `derender_tail` encoded them once."""
     return b"".join(
-        (
-            b'{"stream":true,"generate_chunk":',
-            chunk,
-            b',"stream_state":',
-            orjson.dumps(state),
-            b',"prompt_token_ids":',
-            orjson.dumps(list(prompt_ids)),
-            b',"chat_request":',
-            orjson.dumps(chat_request),
-            b"}",
-        )
+        (b'{"stream":true,"generate_chunk":', chunk, b',"stream_state":', orjson.dumps(state), tail)
     )
 
 

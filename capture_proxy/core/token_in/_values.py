@@ -129,7 +129,10 @@ class BridgePlan:
 class BridgeRenders:
     """The token ids the render route answered for a plan's requests, in the plan's order.
 
-    `turn` is given exactly when the plan has a `turn` pair. `features` lists the non-null
+    Of each pair, only the two lists' common suffix and whether they are the same are read: a
+    pair may be given from the last id not in their common suffix on (``read_render_pair`` in
+    ``capture_proxy.adapters.vllm``), rather than whole. `turn` is given exactly when the plan
+    has a `turn` pair. `features` lists the non-null
     ``features`` of the suffix answers (image inputs); the bridge refuses those (`NotBridged`
     ``multimodal_append``).
     """

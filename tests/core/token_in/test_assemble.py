@@ -8,10 +8,13 @@ is not what the model saw, and the bridge must not depend on it.
 from __future__ import annotations
 
 import json
+from array import array
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from capture_proxy.core.token_in import (
     END_OF_TURN_ADDED,
@@ -157,6 +160,21 @@ def test_divergence_positions() -> None:
     assert divergence([1, 2, 3], [1, 9, 3]) == 1
     assert divergence([1, 2], [1, 2, 3]) == 2
     assert divergence([], []) is None
+
+
+@given(st.integers(0, 2000), st.integers(0, 2000), st.integers(0, 2000))
+def test_divergence_over_long_prompts_is_the_first_differing_position(
+    n: int, m: int, at: int
+) -> None:
+    a = list(range(n))
+    b = list(range(m))
+    if at < m:
+        b[at] = -1
+    shared = next((i for i in range(min(n, m)) if a[i] != b[i]), min(n, m))
+    expected = None if a == b else shared
+    assert divergence(a, b) == expected
+    assert divergence(array("i", a), b) == expected
+    assert divergence(array("i", a), array("i", b)) == expected
 
 
 def test_common_suffix() -> None:
