@@ -339,7 +339,7 @@ async def test_reader_shared_between_threads_indexes_each_unit_once(tmp_path: Pa
         for t in threads:
             t.join(timeout=60)
         assert not errors
-        units = [m.unit for m in source._index.units]
+        units = [files["calls"] for files in source._index.units]
         assert len(units) == len(set(units)) == len(markers(Path(ds)))
     assert len(list(source.all_keys())) == 120
     await sink.close()
