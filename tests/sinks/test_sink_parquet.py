@@ -411,15 +411,15 @@ async def test_proxy_reader_reads_a_rollouts_ledger_from_its_units_when_asked(
     ds = str(tmp_path / "ds")
     sink = ParquetSink(ds, max_batch=1)  # one unit per write: a rollout spans many units
     reader = open_source(ds, cache_bytes=1 << 20)  # the proxy's long-lived reader
-    sessions = [Session(f"q{i}") for i in range(6)]
+    sessions = [Session(f"q{i}", image=image(f"q{i}") if i % 2 else None) for i in range(6)]
     staged: list[str] = []
 
     async def traffic(turns: int) -> None:
         for s in sessions:
             for _ in range(turns):
-                record = s.next()[0]
+                record, attachments = s.next()
                 await sink.append_event(claim_event(s.rollout_id, record.seq, record.call_id, 1))
-                await sink.stage(record)
+                await sink.stage(record, attachments=attachments)
                 staged.append(record.call_id)
 
     await traffic(2)
@@ -454,11 +454,46 @@ async def test_proxy_reader_reads_a_rollouts_ledger_from_its_units_when_asked(
     assert reader.orphaned() == full.orphaned() == {orphan}
     assert reader.event_heads() == full.event_heads()  # type: ignore[attr-defined]
     assert reader.known() == full.known()  # type: ignore[attr-defined]
+    assert len(reader.known().attachments) == 3  # type: ignore[attr-defined]
+    last = staged[-1]  # q5's last call, with q5's image
+    (mine,), (theirs,) = reader.fetch([last]), full.fetch([last])
+    assert (mine.digest, mine.attachments) == (theirs.digest, theirs.attachments)
+    assert [a.sha256 for a in mine.attachments] == [image("q5").sha256]
     with pytest.raises(KeyError):
         reader.rollout_info("never")
     index = reader._index  # type: ignore[attr-defined]
     assert not hasattr(index, "ledger")  # no event, failure or header held: a few ints each
     assert sum(map(len, index.rollout_ledger.values())) <= len(index.units) * 2
+
+
+async def test_writer_drops_a_sealed_rollouts_event_head_and_reads_it_back(
+    tmp_path: Path,
+) -> None:
+    # The writer held each rollout's last event for as long as it ran; a head now goes when
+    # the rollout's seal event commits, and an event after the seal (a late ledger entry)
+    # still chains after the stored one.
+    ds = str(tmp_path / "ds")
+    sink = ParquetSink(ds)
+    s = Session("late")
+    record = s.next()[0]
+    await sink.append_event(claim_event("late", 0, record.call_id, 1))
+    await sink.stage(record)
+    await sink.put_rollout(RolloutInfo("late", RolloutState.SEALED, False, 1, 2))
+    await sink.append_event(EventDraft("late", EventKind.SEAL, 2))
+    assert "late" not in sink._events._heads
+    await sink.record_failure(
+        LedgerEntry("late", "late-x", 1, CallStatus.ABORTED, "client_gone", "bye", None, 3)
+    )
+    await sink.close()
+    events = ParquetSource(ds).events("late")
+    assert [(e.position, e.kind) for e in events] == [
+        (0, "claim"),
+        (1, "staged"),
+        (2, "seal"),
+        (3, "ledger"),
+    ]
+    assert events[3].prev_hash == events[2].hash
+    Store(ParquetSource(ds)).verify()
 
 
 async def test_damaged_lineage_is_reported_not_looped(tmp_path: Path) -> None:

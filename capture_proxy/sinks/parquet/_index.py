@@ -234,8 +234,9 @@ class UnitIndex:
     rollout_units: dict[str, array[int]] = field(default_factory=dict)
     calls: Locator = field(default_factory=Locator)
     blobs: Locator = field(default_factory=Locator)
-    #: Attachments are few and large: each is kept exactly (a writer must know them all).
-    attachments: dict[str, Where] = field(default_factory=dict)
+    #: Where attachments are, as for blobs (the first copy of a sha256 is the one read); a
+    #: writer that must know them all reads their keys at open (`ParquetSource.known`).
+    attachments: Locator = field(default_factory=Locator)
     #: rollout id -> the units whose ledger files have rows of it (orphan marks aside),
     #: ascending, each packed as `unit << 1 | header` (header: one of them is a ``rollout``
     #: row). The rows themselves are read when asked for (`Loading._ledger_of`).
@@ -261,10 +262,9 @@ class UnitIndex:
                 for key in t.column("key").to_pylist():
                     self.blobs.add(key, pos, g)
         if ATTACHMENTS in files:
-            path = files[ATTACHMENTS]
-            for g, t in enumerate(read_groups(dfs, path, ["sha256"])):
-                for i, sha in enumerate(t.column("sha256").to_pylist()):
-                    self.attachments.setdefault(sha, Where(path, g, i))
+            for g, t in enumerate(read_groups(dfs, files[ATTACHMENTS], ["sha256"])):
+                for sha in t.column("sha256").to_pylist():
+                    self.attachments.add(sha, pos, g)
         if LEDGER in files:
             cols = read_table(dfs, files[LEDGER], LEDGER_INDEX_COLUMNS).to_pydict()
             rows = zip(*(cols[c] for c in LEDGER_INDEX_COLUMNS), strict=True)

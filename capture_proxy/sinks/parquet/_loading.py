@@ -1,4 +1,5 @@
-"""How a `ParquetSource` loads what it reads: row groups, call refs, blobs, full sequences.
+"""How a `ParquetSource` loads what it reads: row groups, call refs, blobs, full sequences, and
+a rollout's ledger rows (a units index holds none).
 
 `Loading` is the reader's half that goes from its index (`_index.Index` or `_index.UnitIndex`)
 to rows, with the LRU caches that make repeated reads cheap; `ParquetSource` (`_source`) owns the
@@ -27,7 +28,7 @@ from ._index import (
     call_ref,
     ids_from_bytes,
 )
-from ._layout import BLOBS, CALLS, LEDGER, read_group, read_table
+from ._layout import ATTACHMENTS, BLOBS, CALLS, LEDGER, read_group, read_groups, read_table
 from ._ledger import LedgerState
 
 __all__ = [
@@ -236,11 +237,37 @@ class Loading:
         raise KeyError(key)
 
     def _attachment(self, sha: str) -> Attachment | None:
-        where = self._index.attachments.get(sha)
-        if where is None:
-            return None
-        r = self._row(where)
+        idx = self._index
+        if isinstance(idx, Index):
+            where = idx.attachments.get(sha)
+            if where is None:
+                return None
+            r = self._row(where)
+        else:
+            for u, g in idx.attachments.find(sha):
+                group = self._group(idx.units[u][ATTACHMENTS], g)
+                i = group.find("sha256", sha)
+                if i is not None:
+                    r = group.row(i)
+                    break
+            else:
+                return None
         return Attachment(r["sha256"], r["media_type"], r["data"])
+
+    def _attachment_files(self) -> dict[str, str]:
+        """Each attachment's sha256 -> the data file of its first copy. A units index reads
+        the keys of every attachments file (a writer's open, gc)."""
+        idx = self._index
+        if isinstance(idx, Index):
+            return {sha: w.path for sha, w in idx.attachments.items()}
+        out: dict[str, str] = {}
+        for files in idx.units:
+            if ATTACHMENTS in files:
+                path = files[ATTACHMENTS]
+                for t in read_groups(self.dfs, path, ["sha256"]):
+                    for sha in t.column("sha256").to_pylist():
+                        out.setdefault(sha, path)
+        return out
 
     def _full(self, key: str) -> array[int]:
         # Walk up to the nearest cached ancestor (or a root), then rebuild downwards: a parent

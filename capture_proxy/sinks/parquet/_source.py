@@ -11,8 +11,9 @@ twice (and then re-index the whole dataset to repair it).
 
 ``index="units"`` is for readers that live as long as a proxy and read a few rollouts at a time
 (resume, manifests, the writer's own lookups): its memory follows the store's units and
-rollouts, not every call and blob (`_index.UnitIndex`), and a rollout's calls are read from its
-units when asked for. The default (``"calls"``) indexes every call, for bulk reads.
+rollouts, not every call, blob and event (`_index.UnitIndex`), and a rollout's calls and ledger
+(header, failures, event log) are read from its units when asked for. The default
+(``"calls"``) indexes every call and holds the whole ledger, for bulk reads.
 """
 
 from __future__ import annotations
@@ -212,9 +213,9 @@ class ParquetSource(Loading):
             return self._known()
 
     def _known(self) -> Known:
-        idx = self._index
+        files = self._attachment_files()
         return Known(
-            attachments={sha: _order_of(w.path) for sha, w in idx.attachments.items()},
+            attachments={sha: _order_of(path) for sha, path in files.items()},
             rollouts=set(self._headed_rollouts()) | set(self._rollouts_with_calls()),
             last_order=max((_order_of(n) for n in self._listing), default=0),
         )
@@ -377,7 +378,7 @@ class ParquetSource(Loading):
 
         def run() -> list[str]:
             idx = self._index
-            if not idx.attachments:
+            if not len(idx.attachments):
                 return []
             if isinstance(idx, Index):
                 used = {s for r in idx.calls.values() for s in r.attachment_shas}
@@ -392,8 +393,8 @@ class ParquetSource(Loading):
             young = time.time_ns() - int((DEDUP_WINDOW_S + GC_MARGIN_S) * 1e9)
             return sorted(
                 sha
-                for sha, where in idx.attachments.items()
-                if sha not in used and _order_of(where.path) <= young
+                for sha, path in self._attachment_files().items()
+                if sha not in used and _order_of(path) <= young
             )
 
         return self._read(run)
