@@ -131,8 +131,6 @@ class ParquetSource(Loading):
             except BaseException:
                 self._reset()
                 raise
-            # The marker's name (interned when decoded) instead of the listing's copy of it.
-            self._listing = [sys.intern(n) for n in names]
 
     def _load(self, names: list[str]) -> None:
         listed = self._listing
@@ -173,6 +171,9 @@ class ParquetSource(Loading):
                     self._add_unit(unit)
             finally:
                 self.dfs.prefetched = {}
+        # Each name as its marker's (interned when decoded), not another copy of it.
+        fresh = [sys.intern(n) for n in fresh]
+        self._listing = listed + fresh if appended else fresh
 
     def _new_index(self) -> Index | UnitIndex:
         return UnitIndex() if self._per_unit else Index()
