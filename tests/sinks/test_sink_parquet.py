@@ -26,6 +26,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from capture_proxy.read.reader import Store
+from capture_proxy.schemas.events import EventDraft, EventKind, claim_event
 from capture_proxy.schemas.records import (
     CallStatus,
     LedgerEntry,
@@ -39,7 +40,7 @@ from capture_proxy.sinks.codec import ROW_FIELDS
 from capture_proxy.sinks.memory import MemorySink
 from capture_proxy.sinks.parquet import ParquetSink, ParquetSource
 from capture_proxy.sinks.parquet._layout import CALLS_SCHEMA, FORMAT_VERSION
-from capture_proxy.sinks.registry import open_sink, open_source
+from capture_proxy.sinks.registry import compact_store, open_sink, open_source
 from tests.support import ROOT
 from tests.support.sink_factories import Session, image
 
@@ -339,7 +340,7 @@ async def test_reader_shared_between_threads_indexes_each_unit_once(tmp_path: Pa
         for t in threads:
             t.join(timeout=60)
         assert not errors
-        units = [m.unit for m in source._index.units]
+        units = [files["calls"] for files in source._index.units]
         assert len(units) == len(set(units)) == len(markers(Path(ds)))
     assert len(list(source.all_keys())) == 120
     await sink.close()
@@ -397,6 +398,101 @@ async def test_writer_and_proxy_reader_memory_follows_live_work_not_the_store(
     await sink.close()
     assert [s.seq for s in reader.summaries("r1")] == [0, 1, 2]
     assert [r.call_id for r in reader.fetch([firsts[-1].call_id])] == [firsts[-1].call_id]
+    Store(ParquetSource(ds)).verify()
+
+
+async def test_proxy_reader_reads_a_rollouts_ledger_from_its_units_when_asked(
+    tmp_path: Path,
+) -> None:
+    # The proxy's reader replayed every ledger row into memory: since the event log, two
+    # events or more per call, the bulk of what the Parquet soak grew by. It now keeps per
+    # rollout the units its ledger rows are in, and answers exactly as a full reader does,
+    # across units, replaced headers, orphan marks and a compaction that retires units.
+    ds = str(tmp_path / "ds")
+    sink = ParquetSink(ds, max_batch=1)  # one unit per write: a rollout spans many units
+    reader = open_source(ds, cache_bytes=1 << 20)  # the proxy's long-lived reader
+    sessions = [Session(f"q{i}", image=image(f"q{i}") if i % 2 else None) for i in range(6)]
+    staged: list[str] = []
+
+    async def traffic(turns: int) -> None:
+        for s in sessions:
+            for _ in range(turns):
+                record, attachments = s.next()
+                await sink.append_event(claim_event(s.rollout_id, record.seq, record.call_id, 1))
+                await sink.stage(record, attachments=attachments)
+                staged.append(record.call_id)
+
+    await traffic(2)
+    await sink.record_failure(
+        LedgerEntry("q1", "q1-x", 9, CallStatus.CAPTURE_FAILED, "sink_error", "disk", None, 3)
+    )
+    orphan = staged[4]  # q2's first call
+    await sink.mark_orphaned(orphan, "stage_timeout")
+    reader.rollouts()  # indexed so far; the rest arrives after a compaction
+    compact_store(ds, grace_s=600)
+    await traffic(1)
+    for s in sessions[:3]:
+        await sink.put_rollout(RolloutInfo(s.rollout_id, RolloutState.SEALED, False, 1, 2))
+        await sink.append_event(EventDraft(s.rollout_id, EventKind.SEAL, 2))
+    await sink.close()
+
+    full = ParquetSource(ds)
+    assert reader.rollouts() == full.rollouts() == [s.rollout_id for s in sessions]
+    for s in sessions:
+        r = s.rollout_id
+        assert reader.rollout_info(r) == full.rollout_info(r)
+        assert reader.failures(r) == full.failures(r)
+        assert reader.events(r) == full.events(r)
+        assert reader.rollout_keys(r) == full.rollout_keys(r)  # type: ignore[attr-defined]
+    # Per call a claim and a staged event; q1's failure a ledger event; q0-q2 a seal.
+    kinds = [e.kind for e in reader.events("q1")]
+    assert kinds == ["claim", "staged"] * 2 + ["ledger", "claim", "staged", "seal"]
+    assert [len(reader.events(s.rollout_id)) for s in sessions] == [7, 8, 7, 6, 6, 6]
+    assert reader.rollout_info("q0").state is RolloutState.SEALED
+    assert reader.rollout_info("q1").poisoned  # its failure
+    assert reader.rollout_info("q2").poisoned  # its orphan
+    assert reader.orphaned() == full.orphaned() == {orphan}
+    assert reader.event_heads() == full.event_heads()  # type: ignore[attr-defined]
+    assert reader.known() == full.known()  # type: ignore[attr-defined]
+    assert len(reader.known().attachments) == 3  # type: ignore[attr-defined]
+    last = staged[-1]  # q5's last call, with q5's image
+    (mine,), (theirs,) = reader.fetch([last]), full.fetch([last])
+    assert (mine.digest, mine.attachments) == (theirs.digest, theirs.attachments)
+    assert [a.sha256 for a in mine.attachments] == [image("q5").sha256]
+    with pytest.raises(KeyError):
+        reader.rollout_info("never")
+    index = reader._index  # type: ignore[attr-defined]
+    assert not hasattr(index, "ledger")  # no event, failure or header held: a few ints each
+    assert sum(map(len, index.rollout_ledger.values())) <= len(index.units) * 2
+
+
+async def test_writer_drops_a_sealed_rollouts_event_head_and_reads_it_back(
+    tmp_path: Path,
+) -> None:
+    # The writer held each rollout's last event for as long as it ran; a head now goes when
+    # the rollout's seal event commits, and an event after the seal (a late ledger entry)
+    # still chains after the stored one.
+    ds = str(tmp_path / "ds")
+    sink = ParquetSink(ds)
+    s = Session("late")
+    record = s.next()[0]
+    await sink.append_event(claim_event("late", 0, record.call_id, 1))
+    await sink.stage(record)
+    await sink.put_rollout(RolloutInfo("late", RolloutState.SEALED, False, 1, 2))
+    await sink.append_event(EventDraft("late", EventKind.SEAL, 2))
+    assert "late" not in sink._events._heads
+    await sink.record_failure(
+        LedgerEntry("late", "late-x", 1, CallStatus.ABORTED, "client_gone", "bye", None, 3)
+    )
+    await sink.close()
+    events = ParquetSource(ds).events("late")
+    assert [(e.position, e.kind) for e in events] == [
+        (0, "claim"),
+        (1, "staged"),
+        (2, "seal"),
+        (3, "ledger"),
+    ]
+    assert events[3].prev_hash == events[2].hash
     Store(ParquetSource(ds)).verify()
 
 

@@ -12,12 +12,12 @@ loaded at open and advanced as units commit) or an earlier event of the same uni
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import orjson
 
-from ...schemas.events import EventDraft, RolloutEvent, chain_event
+from ...schemas.events import EventDraft, EventKind, RolloutEvent, chain_event
 from ._layout import LEDGER
 from ._writer import UnitRows
 
@@ -54,16 +54,26 @@ def event_from_row(row: Mapping[str, Any]) -> RolloutEvent:
 
 
 class EventHeads:
-    """Each rollout's last committed event, as (position, hash). Writer thread only."""
+    """Each rollout's last committed event, as (position, hash). Writer thread only.
 
-    def __init__(self, heads: Mapping[str, tuple[int, str]]) -> None:
+    A head is dropped once its rollout's ``seal`` event commits: a sealed rollout seldom takes
+    another event, and a writer living as long as a proxy would otherwise hold one per rollout
+    it ever wrote. `lookup` finds a head not held (None: the rollout has no event yet).
+    """
+
+    def __init__(
+        self,
+        heads: Mapping[str, tuple[int, str]],
+        lookup: Callable[[str], tuple[int, str] | None] = lambda _: None,
+    ) -> None:
         self._heads = dict(heads)
+        self._lookup = lookup
 
     def place(self, batch: UnitRows, part: UnitRows, draft: EventDraft) -> RolloutEvent:
         """Chain `draft` after its rollout's head and add its row to `part`."""
         head = _last_in(part, draft.rollout_id) or _last_in(batch, draft.rollout_id)
         if head is None:
-            head = self._heads.get(draft.rollout_id)
+            head = self._heads.get(draft.rollout_id) or self._lookup(draft.rollout_id)
         event = chain_event(draft, head)
         part.rows[LEDGER].append(event_row(event))
         return event
@@ -79,7 +89,10 @@ class EventHeads:
     def publish(self, batch: UnitRows) -> None:
         """Advance the heads past a committed unit's events."""
         for row in _events_in(batch.rows[LEDGER]):
-            self._heads[row["rollout_id"]] = (row["position"], row["hash"])
+            if row["event_kind"] == EventKind.SEAL:
+                self._heads.pop(row["rollout_id"], None)
+            else:
+                self._heads[row["rollout_id"]] = (row["position"], row["hash"])
 
 
 def _events_in(rows: Iterable[Mapping[str, Any]]) -> Iterable[Mapping[str, Any]]:

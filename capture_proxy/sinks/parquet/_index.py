@@ -6,10 +6,11 @@ read its token data):
 * `Index` (a reader's default, for bulk reads) holds, per staged call, where its row is (file,
   row group, row) and the few values coordinates and lineage need; per blob and attachment,
   where its bytes are. About 1 KB per call: it grows with the store.
-* `UnitIndex` (the proxy's long-lived readers) holds per unit which rollouts it has calls of,
-  and per call and blob only an 8-byte hash and the (unit, row group) it is in: 16 bytes. A
-  call's values are read from its row group when asked for. Its memory follows the units and
-  rollouts of the store, not what they hold.
+* `UnitIndex` (the proxy's long-lived readers) holds per unit which rollouts it has calls and
+  ledger rows of, and per call and blob only an 8-byte hash and the (unit, row group) it is in:
+  16 bytes. A call's values are read from its row group when asked for, and a rollout's ledger
+  (its header, failures and event log: two events or more per call) from its units' ledger
+  files. Its memory follows the units and rollouts of the store, not what they hold.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import hashlib
 import sys
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -30,6 +31,7 @@ from ._ledger import LedgerState
 
 __all__ = [
     "INDEX_COLUMNS",
+    "LEDGER_INDEX_COLUMNS",
     "LRU",
     "CallRef",
     "Index",
@@ -50,6 +52,8 @@ SMALL_UNIT_BYTES = 1 << 20
 Keep = Callable[[tuple[str, int], pa.Table], None]
 _LITTLE = sys.byteorder == "little"
 
+#: The columns of a ledger file a `UnitIndex` reads.
+LEDGER_INDEX_COLUMNS = ("kind", "rollout_id", "call_id", "reason")
 #: The columns of a calls file the index reads (the rest is loaded on demand).
 INDEX_COLUMNS = (
     "call_id",
@@ -136,7 +140,8 @@ class Known:
 class Index:
     """The live units of a snapshot, indexed. `add_unit` in commit order."""
 
-    units: list[Marker] = field(default_factory=list)
+    #: Each live unit's data files (`Marker.files`): a reader holds no more of its marker.
+    units: list[Mapping[str, str]] = field(default_factory=list)
     calls: dict[str, CallRef] = field(default_factory=dict)
     by_rollout: dict[str, list[str]] = field(default_factory=dict)
     blobs: dict[str, Where] = field(default_factory=dict)
@@ -177,7 +182,7 @@ class Index:
                         into.setdefault(key, Where(path, g, i))
         if LEDGER in files:
             self.ledger.apply(read_table(dfs, files[LEDGER]).to_pylist())
-        self.units.append(unit)
+        self.units.append(files)
 
 
 def key_hash(key: str) -> bytes:
@@ -222,15 +227,22 @@ class Locator:
 class UnitIndex:
     """The live units of a snapshot, indexed per unit (see the module docstring)."""
 
-    units: list[Marker] = field(default_factory=list)
+    #: Each live unit's data files (`Marker.files`), as in `Index.units`.
+    units: list[Mapping[str, str]] = field(default_factory=list)
     #: rollout id -> the calls row groups holding its calls, ascending, each packed as one int
     #: (`unit << 32 | group`, unit a position in `units`): a few ints per rollout
     rollout_units: dict[str, array[int]] = field(default_factory=dict)
     calls: Locator = field(default_factory=Locator)
     blobs: Locator = field(default_factory=Locator)
-    #: Attachments are few and large: each is kept exactly (a writer must know them all).
-    attachments: dict[str, Where] = field(default_factory=dict)
-    ledger: LedgerState = field(default_factory=LedgerState)
+    #: Where attachments are, as for blobs (the first copy of a sha256 is the one read); a
+    #: writer that must know them all reads their keys at open (`ParquetSource.known`).
+    attachments: Locator = field(default_factory=Locator)
+    #: rollout id -> the units whose ledger files have rows of it (orphan marks aside),
+    #: ascending, each packed as `unit << 1 | header` (header: one of them is a ``rollout``
+    #: row). The rows themselves are read when asked for (`Loading._ledger_of`).
+    rollout_ledger: dict[str, array[int]] = field(default_factory=dict)
+    #: Orphan marks (rare, and `orphaned` lists them all): call id -> (rollout id, reason).
+    orphans: dict[str, tuple[str | None, str]] = field(default_factory=dict)
 
     def add_unit(self, dfs: DatasetFS, unit: Marker) -> None:
         pos = len(self.units)
@@ -250,13 +262,27 @@ class UnitIndex:
                 for key in t.column("key").to_pylist():
                     self.blobs.add(key, pos, g)
         if ATTACHMENTS in files:
-            path = files[ATTACHMENTS]
-            for g, t in enumerate(read_groups(dfs, path, ["sha256"])):
-                for i, sha in enumerate(t.column("sha256").to_pylist()):
-                    self.attachments.setdefault(sha, Where(path, g, i))
+            for g, t in enumerate(read_groups(dfs, files[ATTACHMENTS], ["sha256"])):
+                for sha in t.column("sha256").to_pylist():
+                    self.attachments.add(sha, pos, g)
         if LEDGER in files:
-            self.ledger.apply(read_table(dfs, files[LEDGER]).to_pylist())
-        self.units.append(unit)
+            cols = read_table(dfs, files[LEDGER], LEDGER_INDEX_COLUMNS).to_pydict()
+            rows = zip(*(cols[c] for c in LEDGER_INDEX_COLUMNS), strict=True)
+            for kind, rid, cid, reason in rows:
+                if kind == "orphan":
+                    self.orphans[cid] = (rid, reason)
+                    continue
+                if rid is None:
+                    continue
+                flag = int(kind == "rollout")
+                held = self.rollout_ledger.get(rid)
+                if held is None:
+                    held = self.rollout_ledger[sys.intern(rid)] = array("Q")
+                if held and held[-1] >> 1 == pos:
+                    held[-1] |= flag
+                else:
+                    held.append(pos << 1 | flag)
+        self.units.append(files)
 
 
 class LRU(Generic[K, T]):

@@ -1,4 +1,5 @@
-"""How a `ParquetSource` loads what it reads: row groups, call refs, blobs, full sequences.
+"""How a `ParquetSource` loads what it reads: row groups, call refs, blobs, full sequences, and
+a rollout's ledger rows (a units index holds none).
 
 `Loading` is the reader's half that goes from its index (`_index.Index` or `_index.UnitIndex`)
 to rows, with the LRU caches that make repeated reads cheap; `ParquetSource` (`_source`) owns the
@@ -27,9 +28,17 @@ from ._index import (
     call_ref,
     ids_from_bytes,
 )
-from ._layout import BLOBS, CALLS, read_group
+from ._layout import ATTACHMENTS, BLOBS, CALLS, LEDGER, read_group, read_groups, read_table
+from ._ledger import LedgerState
 
-__all__ = ["INDEX_GROUP_ROWS", "RECENT_REFS", "SUMMARY_CACHE_ROWS", "SUMMARY_COLUMNS", "Loading"]
+__all__ = [
+    "INDEX_GROUP_ROWS",
+    "LEDGER_CACHE_ROWS",
+    "RECENT_REFS",
+    "SUMMARY_CACHE_ROWS",
+    "SUMMARY_COLUMNS",
+    "Loading",
+]
 
 #: What `summaries` reads beyond the index: a few scalar columns, never tokens or messages.
 SUMMARY_COLUMNS = ("retry_of", "finish_reason", "prompt_len", "created_at_ms")
@@ -45,6 +54,9 @@ _COLUMN_OVERHEAD = 2048
 #: objects each) and the call refs looked up lately (a resume reads each call a few times).
 INDEX_GROUP_ROWS = 8192
 RECENT_REFS = 8192
+#: A units index's cache of ledger files, in rows (about 1.5 KB of Python objects each): a
+#: resume or a manifest reads a rollout's header, failures and events from the same few files.
+LEDGER_CACHE_ROWS = 2048
 
 
 class _Group:
@@ -83,9 +95,11 @@ class Loading:
     _summary_columns: LRU[tuple[str, int], dict[str, list[Any]]]
     _index_groups: LRU[tuple[str, int], dict[str, list[Any]]]
     _refs: LRU[str, CallRef]
+    _ledger_files: LRU[str, list[dict[str, Any]]]
 
     def _caches(self, cache_bytes: int, cache_tokens: int, per_unit: bool) -> None:
         self._index_groups = LRU(INDEX_GROUP_ROWS, lambda cols: 16 + len(cols["call_id"]))
+        self._ledger_files = LRU(LEDGER_CACHE_ROWS, lambda rows: 16 + len(rows))
         self._refs = LRU(RECENT_REFS, lambda _: 1)
         self._groups = LRU(cache_bytes, lambda g: g.nbytes)
         self._fulls = LRU(cache_tokens, len)
@@ -100,6 +114,7 @@ class Loading:
         self._summary_columns.clear()
         self._index_groups.clear()
         self._refs.clear()
+        self._ledger_files.clear()
 
     def _rollouts_with_calls(self) -> Iterable[str]:
         idx = self._index
@@ -130,7 +145,7 @@ class Loading:
         if ref is not None:
             return ref
         for u, g in idx.calls.find(key):
-            path = idx.units[u].files[CALLS]
+            path = idx.units[u][CALLS]
             cols = self._index_group(path, g)
             try:
                 i = cols["call_id"].index(key)
@@ -147,7 +162,7 @@ class Loading:
         out: list[tuple[str, CallRef]] = []
         seen: set[str] = set()
         for packed in idx.rollout_units.get(rollout_id, ()):
-            path, g = idx.units[packed >> 32].files[CALLS], packed & 0xFFFFFFFF
+            path, g = idx.units[packed >> 32][CALLS], packed & 0xFFFFFFFF
             cols = self._index_group(path, g)
             for i, rid in enumerate(cols["rollout_id"]):
                 cid = cols["call_id"][i]
@@ -156,8 +171,40 @@ class Loading:
                     out.append((cid, self._refs.put(cid, call_ref(cols, i, Where(path, g, i)))))
         return out
 
+    def _ledger_of(self, rollout_id: str) -> LedgerState:
+        """The ledger as far as `rollout_id` goes: its header, failures and events (and every
+        orphan mark). A calls index holds the whole ledger; a units index replays the
+        rollout's rows from the ledger files of its units."""
+        idx = self._index
+        if isinstance(idx, Index):
+            return idx.ledger
+        state = LedgerState()
+        state.orphans = idx.orphans
+        for packed in idx.rollout_ledger.get(rollout_id, ()):
+            rows = self._ledger_rows(idx.units[packed >> 1][LEDGER])
+            state.apply(r for r in rows if r["rollout_id"] == rollout_id and r["kind"] != "orphan")
+        return state
+
+    def _ledger_rows(self, path: str) -> list[dict[str, Any]]:
+        """Every row of a ledger file (cached)."""
+        rows = self._ledger_files.get(path)
+        if rows is None:
+            rows = self._ledger_files.put(path, read_table(self.dfs, path).to_pylist())
+        return rows
+
+    def _orphans(self) -> dict[str, tuple[str | None, str]]:
+        idx = self._index
+        return idx.ledger.orphans if isinstance(idx, Index) else idx.orphans
+
+    def _headed_rollouts(self) -> list[str]:
+        """The rollouts with a header in the ledger, in order of first appearance."""
+        idx = self._index
+        if isinstance(idx, Index):
+            return list(idx.ledger.rollouts)
+        return [r for r, held in idx.rollout_ledger.items() if any(p & 1 for p in held)]
+
     def _calls_files(self) -> list[str]:
-        return [u.files[CALLS] for u in self._index.units if CALLS in u.files]
+        return [u[CALLS] for u in self._index.units if CALLS in u]
 
     # -- loading --------------------------------------------------------------------------------
 
@@ -181,7 +228,7 @@ class Loading:
             return data
         # Newest first: a blob is most often one a recent call stored (its own session's).
         for u, g in idx.blobs.find(key, newest_first=True):
-            path = idx.units[u].files[BLOBS]
+            path = idx.units[u][BLOBS]
             group = self._group(path, g)
             i = group.find("key", key)
             if i is not None:
@@ -190,11 +237,37 @@ class Loading:
         raise KeyError(key)
 
     def _attachment(self, sha: str) -> Attachment | None:
-        where = self._index.attachments.get(sha)
-        if where is None:
-            return None
-        r = self._row(where)
+        idx = self._index
+        if isinstance(idx, Index):
+            where = idx.attachments.get(sha)
+            if where is None:
+                return None
+            r = self._row(where)
+        else:
+            for u, g in idx.attachments.find(sha):
+                group = self._group(idx.units[u][ATTACHMENTS], g)
+                i = group.find("sha256", sha)
+                if i is not None:
+                    r = group.row(i)
+                    break
+            else:
+                return None
         return Attachment(r["sha256"], r["media_type"], r["data"])
+
+    def _attachment_files(self) -> dict[str, str]:
+        """Each attachment's sha256 -> the data file of its first copy. A units index reads
+        the keys of every attachments file (a writer's open, gc)."""
+        idx = self._index
+        if isinstance(idx, Index):
+            return {sha: w.path for sha, w in idx.attachments.items()}
+        out: dict[str, str] = {}
+        for files in idx.units:
+            if ATTACHMENTS in files:
+                path = files[ATTACHMENTS]
+                for t in read_groups(self.dfs, path, ["sha256"]):
+                    for sha in t.column("sha256").to_pylist():
+                        out.setdefault(sha, path)
+        return out
 
     def _full(self, key: str) -> array[int]:
         # Walk up to the nearest cached ancestor (or a root), then rebuild downwards: a parent

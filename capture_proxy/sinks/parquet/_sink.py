@@ -173,7 +173,7 @@ class ParquetSink:
             # back; only the writer thread uses it. Indexed per unit: it lives as long as this.
             self._reader = ParquetSource(location, url=self.url, dfs=dfs, index="units")
             known = self._reader.known()
-            self._events = EventHeads(self._reader.event_heads())
+            self._events = EventHeads(self._reader.event_heads(), self._stored_head)
         except BaseException:
             self._lock.release()
             raise
@@ -356,6 +356,13 @@ class ParquetSink:
             handoff = EventDraft(rollout_id, EventKind.HANDOFF, _now_ms(), body=keys.handoff)
             self._events.place(batch, part, handoff)
         return self._events.place(batch, part, draft)
+
+    def _stored_head(self, rollout_id: str) -> tuple[int, str] | None:
+        """The last committed event of a rollout whose head was dropped (sealed)."""
+        if rollout_id not in self._rollouts:
+            return None  # new: no event of it is stored
+        events = self._reader.events(rollout_id)
+        return (events[-1].position, events[-1].hash) if events else None
 
     def _keys(self, rollout_id: str) -> RolloutKeys:
         """What is committed of `rollout_id` (read from the dataset when not in memory)."""

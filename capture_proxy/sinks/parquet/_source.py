@@ -11,16 +11,18 @@ twice (and then re-index the whole dataset to repair it).
 
 ``index="units"`` is for readers that live as long as a proxy and read a few rollouts at a time
 (resume, manifests, the writer's own lookups): its memory follows the store's units and
-rollouts, not every call and blob (`_index.UnitIndex`), and a rollout's calls are read from its
-units when asked for. The default (``"calls"``) indexes every call, for bulk reads.
+rollouts, not every call, blob and event (`_index.UnitIndex`), and a rollout's calls and ledger
+(header, failures, event log) are read from its units when asked for. The default
+(``"calls"``) indexes every call and holds the whole ledger, for bulk reads.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from array import array
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Literal, TypeVar
 
 import pyarrow.fs as pafs
@@ -45,11 +47,13 @@ from ._index import (
 from ._layout import (
     DEDUP_WINDOW_S,
     GC_MARGIN_S,
+    LEDGER,
     Marker,
     check_format,
     list_markers,
     live_units,
     read_groups,
+    read_table,
 )
 from ._loading import Loading
 from ._snapshot import fetch_files, read_markers
@@ -105,7 +109,6 @@ class ParquetSource(Loading):
         if not check_format(self.dfs):
             raise StoreError(f"no capture-proxy Parquet dataset at {location}")
         self._lock = threading.RLock()
-        self._markers: dict[str, Marker] = {}
         self._listing: list[str] = []
         self._per_unit = index == "units"
         self._index: Index | UnitIndex = self._new_index()
@@ -128,32 +131,31 @@ class ParquetSource(Loading):
             except BaseException:
                 self._reset()
                 raise
-            self._listing = names
 
     def _load(self, names: list[str]) -> None:
         listed = self._listing
         # The writer's steady state: names only appended (each refresh of a proxy's reader
         # would otherwise compare and sort every marker, a cost that grows with the store).
         appended = names[: len(listed)] == listed
+        fresh = names[len(listed) :] if appended else names
         # Concurrent on object storage; one removed by a compaction's cleanup after it was
         # listed is left out.
-        unread = [
-            n for n in (names[len(listed) :] if appended else names) if n not in self._markers
-        ]
-        self._markers.update(read_markers(self.dfs, unread, self._object_url))
-        if not appended:
-            for gone in set(self._markers) - set(names):
-                del self._markers[gone]
-        fresh = names[len(listed) :]
+        markers = read_markers(self.dfs, fresh, self._object_url)
         old = self._index.units
-        if appended and all(n in self._markers and not self._markers[n].retires for n in fresh):
+        if appended and all(n in markers and not markers[n].retires for n in fresh):
             # New units after the ones indexed, retiring none: they are the new live units.
-            new = [self._markers[n] for n in fresh]
+            # Their markers are not kept: a reader that lives as long as a proxy sees a unit
+            # every few calls, and the index holds what it needs of each (its files).
+            new = [markers[n] for n in fresh]
         else:
-            live = live_units(self._markers)
-            indexed = {m.unit for m in old}
-            added = [m for m in live if m.unit not in indexed]
-            if live[: len(old)] == old:
+            # A compaction retired units (or a marker went): every marker is read again, to
+            # know which units are live. Rare, and the re-index below reads far more.
+            if appended:
+                markers.update(read_markers(self.dfs, listed, self._object_url))
+            live = live_units(markers)
+            indexed = {_files_key(f) for f in old}
+            added = [m for m in live if _files_key(m.files) not in indexed]
+            if [m.files for m in live[: len(old)]] == old:
                 new = live[len(old) :]
             elif len(live) - len(added) == len(old) and not any(m.retires for m in added):
                 # Another writer's units landing between ones already indexed (several proxies
@@ -175,6 +177,9 @@ class ParquetSource(Loading):
                     self._add_unit(unit)
             finally:
                 self.dfs.prefetched = {}
+        # Each name as its marker's (interned when decoded), not another copy of it.
+        fresh = [sys.intern(n) for n in fresh]
+        self._listing = listed + fresh if appended else fresh
 
     def _new_index(self) -> Index | UnitIndex:
         return UnitIndex() if self._per_unit else Index()
@@ -187,7 +192,6 @@ class ParquetSource(Loading):
 
     def _reset(self) -> None:
         self._listing = []
-        self._markers = {}
         self._index = self._new_index()
         self._refs.clear()
         self._index_groups.clear()
@@ -216,11 +220,11 @@ class ParquetSource(Loading):
             return self._known()
 
     def _known(self) -> Known:
-        idx = self._index
+        files = self._attachment_files()
         return Known(
-            attachments={sha: _order_of(w.path) for sha, w in idx.attachments.items()},
-            rollouts=set(idx.ledger.rollouts) | set(self._rollouts_with_calls()),
-            last_order=max((m.order for m in self._markers.values()), default=0),
+            attachments={sha: _order_of(path) for sha, path in files.items()},
+            rollouts=set(self._headed_rollouts()) | set(self._rollouts_with_calls()),
+            last_order=max((_order_of(n) for n in self._listing), default=0),
         )
 
     def rollout_keys(self, rollout_id: str) -> tuple[set[str], dict[int, str]]:
@@ -232,7 +236,7 @@ class ParquetSource(Loading):
             seqs: dict[int, str] = {}
             for call_id, ref in refs:
                 seqs.setdefault(ref.seq, call_id)
-            for f in self._index.ledger.failures.get(rollout_id, ()):
+            for f in self._ledger_of(rollout_id).failures.get(rollout_id, ()):
                 seqs.setdefault(f.seq, f.call_id)
             return {k for k, _ in refs}, seqs
 
@@ -246,7 +250,7 @@ class ParquetSource(Loading):
 
     def rollouts(self) -> list[str]:
         def run() -> list[str]:
-            ids = [r for r in self._index.ledger.rollouts if r != PROXY_STATE_ROLLOUT]
+            ids = [r for r in self._headed_rollouts() if r != PROXY_STATE_ROLLOUT]
             seen = set(ids)
             return ids + [r for r in self._rollouts_with_calls() if r not in seen]
 
@@ -254,7 +258,7 @@ class ParquetSource(Loading):
 
     def rollout_info(self, rollout_id: str) -> RolloutInfo:
         def run() -> RolloutInfo:
-            ledger = self._index.ledger
+            ledger = self._ledger_of(rollout_id)
             if rollout_id not in ledger.rollouts:
                 raise KeyError(rollout_id)
             # An orphan mark names its call's rollout when the writer knew it (always, unless
@@ -271,17 +275,18 @@ class ParquetSource(Loading):
         def run() -> list[StagedCallRecord]:
             refs = self._rollout_refs(rollout_id)
             if not include_orphaned:
-                refs = [(k, r) for k, r in refs if k not in self._index.ledger.orphans]
+                orphans = self._orphans()
+                refs = [(k, r) for k, r in refs if k not in orphans]
             refs.sort(key=lambda kr: kr[1].seq)
             return [self._record(k, r) for k, r in refs]
 
         return self._read(run)
 
     def failures(self, rollout_id: str) -> list[LedgerEntry]:
-        return self._read(lambda: self._index.ledger.failures_of(rollout_id))
+        return self._read(lambda: self._ledger_of(rollout_id).failures_of(rollout_id))
 
     def events(self, rollout_id: str) -> list[RolloutEvent]:
-        return self._read(lambda: list(self._index.ledger.events.get(rollout_id, ())))
+        return self._read(lambda: list(self._ledger_of(rollout_id).events.get(rollout_id, ())))
 
     def claims(self, rollout_id: str) -> dict[int, str]:
         # The claim files are the authority (a unit holding the claim event may have failed
@@ -292,13 +297,23 @@ class ParquetSource(Loading):
         """Each rollout's last event as (position, hash): where a writer continues its chain."""
 
         def run() -> dict[str, tuple[int, str]]:
-            return {r: (e[-1].position, e[-1].hash) for r, e in self._index.ledger.events.items()}
+            idx = self._index
+            if isinstance(idx, Index):
+                return {r: (e[-1].position, e[-1].hash) for r, e in idx.ledger.events.items()}
+            # A units index holds no events: one pass over the ledger files (a writer's open).
+            heads: dict[str, tuple[int, str]] = {}
+            for files in idx.units:
+                if LEDGER in files:
+                    for row in read_table(self.dfs, files[LEDGER]).to_pylist():
+                        if row["kind"] == "event":
+                            heads[row["rollout_id"]] = (int(row["position"]), row["hash"])
+            return heads
 
         return self._read(run)
 
     def summaries(self, rollout_id: str) -> list[CallSummary]:
         def run() -> list[CallSummary]:
-            orphans = self._index.ledger.orphans
+            orphans = self._orphans()
             out = []
             for k, ref in sorted(self._rollout_refs(rollout_id), key=lambda kr: kr[1].seq):
                 cols, i = self._summary_of(ref.where), ref.where.row
@@ -345,7 +360,7 @@ class ParquetSource(Loading):
         return self._read(lambda: [one(k) for k in keys])
 
     def orphaned(self) -> set[str]:
-        return self._read(lambda: set(self._index.ledger.orphans))
+        return self._read(lambda: set(self._orphans()))
 
     def all_keys(self) -> Iterable[str]:
         def run() -> list[str]:
@@ -370,7 +385,7 @@ class ParquetSource(Loading):
 
         def run() -> list[str]:
             idx = self._index
-            if not idx.attachments:
+            if not len(idx.attachments):
                 return []
             if isinstance(idx, Index):
                 used = {s for r in idx.calls.values() for s in r.attachment_shas}
@@ -385,8 +400,8 @@ class ParquetSource(Loading):
             young = time.time_ns() - int((DEDUP_WINDOW_S + GC_MARGIN_S) * 1e9)
             return sorted(
                 sha
-                for sha, where in idx.attachments.items()
-                if sha not in used and _order_of(where.path) <= young
+                for sha, path in self._attachment_files().items()
+                if sha not in used and _order_of(path) <= young
             )
 
         return self._read(run)
@@ -394,3 +409,8 @@ class ParquetSource(Loading):
     def close_reader(self) -> None:
         with self._lock:
             self._clear_caches()
+
+
+def _files_key(files: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+    """A unit's identity in the index (its files: unit names are in their paths)."""
+    return tuple(sorted(files.items()))
