@@ -57,8 +57,6 @@ class WriterThread(Generic[W]):
         self.name = name
         self.max_batch = max(1, max_batch)
         self._queue: queue.SimpleQueue[Job[W] | None] = queue.SimpleQueue()
-        #: Jobs submitted during the current pass of each loop, handed over at its end.
-        self._pending: dict[asyncio.AbstractEventLoop, list[Job[W]]] = {}
         self.closed = False
         # Read by /metrics: committed batches, the writes they carried, the last one's size.
         self.batches = 0
@@ -79,11 +77,7 @@ class WriterThread(Generic[W]):
             raise RuntimeError(f"the {self.kind} store {self.name} is closed")
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
-        pending = self._pending.get(loop)
-        if pending is None:
-            pending = self._pending[loop] = []
-            loop.call_soon(self._hand_over, loop)
-        pending.append(Job(work, loop, future))
+        self._queue.put(Job(work, loop, future))
         # A cancelled caller does not stop the work (it may be mid-commit already); the proxy
         # marks such a record orphaned (docs/contract.md).
         return await future
@@ -92,20 +86,12 @@ class WriterThread(Generic[W]):
         """Commit everything queued, then stop the thread."""
         if not self.closed:
             self.closed = True
-            for loop in list(self._pending):
-                self._hand_over(loop)
             self._queue.put(None)
         await asyncio.to_thread(self._thread.join)
 
-    def _hand_over(self, loop: asyncio.AbstractEventLoop) -> None:
-        # One wake-up of the thread for the pass's jobs: it needs the GIL to take them, which
-        # this thread holds until it has put them all.
-        for job in self._pending.pop(loop, ()):
-            self._queue.put(job)
-
     def stats(self) -> dict[str, float]:
         return {
-            "queue_depth": self._queue.qsize() + sum(map(len, list(self._pending.values()))),
+            "queue_depth": self._queue.qsize(),
             "batches_total": self.batches,
             "batched_writes_total": self.batched_jobs,
             "last_batch_size": self.last_batch,
