@@ -38,9 +38,9 @@ __all__ = ["ENTRY_OVERHEAD", "MessageMemo", "rollout_digester"]
 
 V = TypeVar("V")
 
-#: Bytes counted for each entry beside its key: the dict slot, the value and the bytes object's
-#: header, about what CPython spends on them.
-ENTRY_OVERHEAD = 160
+#: Bytes counted for each entry beside its key: its fingerprint, the dict slot, the tuple, the
+#: value and the bytes objects' headers, a little over what CPython spends on them.
+ENTRY_OVERHEAD = 320
 
 
 def _fingerprint(data: bytes) -> bytes:
@@ -106,7 +106,9 @@ class MessageMemo(Generic[V]):
             # keeps its entry: the first messages of a session are the ones re-sent.
             if rollout.bytes + size > self.max_rollout_bytes or tag in rollout.values:
                 return value
-            rollout.values[tag] = (data, value)
+            # An exact-size copy: orjson's output keeps the capacity it grew to (~16 KB for a
+            # 2 KB message), which the byte bound would not see.
+            rollout.values[tag] = (bytes(memoryview(data)), value)
             rollout.bytes += size
             self.bytes += size
             while self.bytes > self.max_bytes:

@@ -4,6 +4,7 @@ keys computed without it, within its per-rollout and total byte bounds."""
 from __future__ import annotations
 
 import hashlib
+import tracemalloc
 from typing import Any
 
 import orjson
@@ -111,3 +112,20 @@ def test_a_str_subclass_is_refused_even_when_its_plain_twin_is_remembered() -> N
     digest({"role": "user", "content": "hi"}, "m")
     with pytest.raises(EncodingError, match="Text has no canonical encoding"):
         digest({"role": "user", "content": Text("hi")}, "request.messages[0]")
+
+
+def test_the_byte_bound_counts_what_the_memo_really_holds() -> None:
+    # orjson's output keeps the capacity it grew to (~16 KB for a 2 KB message): the memo keeps
+    # an exact-size copy, so what it counts is what it holds.
+    memo: MessageMemo[int] = MessageMemo()
+    messages = [orjson.dumps({"role": "user", "content": f"{i}" + "x" * 2_000}) for i in range(50)]
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i, data in enumerate(messages):
+            memo.get("r", data, lambda i=i: i)  # type: ignore[misc]
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert memo.bytes >= 50 * 2_000
+    assert held <= memo.bytes
