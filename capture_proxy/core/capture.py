@@ -383,6 +383,7 @@ class Capture:
             # the 409s). A manifest request reads it from the store.
             del self.rollouts[rollout_id]
             self._remember_sealed(live)
+            self._message_digests.forget(rollout_id)
         return live
 
     async def put_outcome(self, rollout_id: str, outcome: RolloutOutcome) -> RolloutInfo:
