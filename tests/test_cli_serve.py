@@ -103,12 +103,15 @@ def test_serve_fake_stages_calls_and_stops_on_sigterm(tmp_path: Path, loop: str)
         assert proc.stdout is not None
         seen = []
         match = None
+        # Read up to the banner's event-loop line here: communicate() below reads the pipe's
+        # descriptor and would miss what readline() already buffered.
         for _ in range(20):  # log lines may come first
             seen.append(proc.stdout.readline())
-            match = re.search(r"listening on (http://127\.0\.0\.1:\d+)", seen[-1])
-            if match:
+            match = match or re.search(r"listening on (http://127\.0\.0\.1:\d+)", seen[-1])
+            if "event loop:" in seen[-1]:
                 break
         assert match, seen
+        assert f"event loop: {loop}" in "".join(seen)
         base = match.group(1)
         headers, body = _post(
             f"{base}/r/demo/v1/chat/completions",
@@ -120,7 +123,6 @@ def test_serve_fake_stages_calls_and_stops_on_sigterm(tmp_path: Path, loop: str)
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 0, out
-    assert f"event loop: {loop}" in out
     with open_store(f"sqlite:///{tmp_path / 'capture.db'}") as store:
         (record,) = store.calls("demo", include_open=True, include_poisoned=True)
         store.verify()
