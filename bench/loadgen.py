@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import sys
 import time
@@ -192,6 +193,9 @@ def main() -> None:
     p.add_argument("--loop", choices=LOOPS, default=LOOPS[0], help="event loop")
     args = p.parse_args()
     result = run(Load(args).run(), args.loop)
+    # libuv leaves the pipe it was given non-blocking: a result over the pipe's buffer (the fast
+    # closed loops' latencies) would be cut short by a partial write.
+    os.set_blocking(sys.stdout.fileno(), True)
     sys.stdout.buffer.write(orjson.dumps(result))
     sys.stdout.flush()
 

@@ -25,6 +25,7 @@ from typing import Any
 from ..errors import CaptureUnavailable, Conflict, ProxyError, TooManyRequests, Unprocessable
 from ..schemas.digest import EncodingError, RequestValueCache, seal_record
 from ..schemas.events import EventDraft, EventKind, RolloutEvent, claim_event, token_in_event
+from ..schemas.message_memo import MessageMemo, rollout_digester
 from ..schemas.outcome import RolloutOutcome
 from ..schemas.records import (
     LOGPROBS_MODE_UNKNOWN,
@@ -115,6 +116,8 @@ class Capture:
         self.on_outcome: list[Callable[[CallReport], None]] = []
         #: Encodes the tool definitions every call of a session repeats once (same digests).
         self._request_values = RequestValueCache()
+        # Each rollout's messages hashed once for its digests, not once per call.
+        self._message_digests: MessageMemo[bytes] = MessageMemo()
         #: Serializes the writes of each rollout's header (creation, seal, outcomes).
         self._headers = HeaderLocks()
         #: Set while calls are admitted; cleared by a weight-update pause (`pause`). A new call
@@ -275,6 +278,7 @@ class Capture:
         ]
         for rid in idle:
             del self.rollouts[rid]
+            self._message_digests.forget(rid)
         return idle
 
     def _remember_sealed(self, live: RolloutLive) -> None:
@@ -296,6 +300,7 @@ class Capture:
         idle = [rid for rid, r in self.rollouts.items() if r.in_flight == 0][:excess]
         for rid in idle:
             del self.rollouts[rid]
+            self._message_digests.forget(rid)
 
     async def create_rollout(
         self,
@@ -378,6 +383,7 @@ class Capture:
             # the 409s). A manifest request reads it from the store.
             del self.rollouts[rollout_id]
             self._remember_sealed(live)
+            self._message_digests.forget(rollout_id)
         return live
 
     async def put_outcome(self, rollout_id: str, outcome: RolloutOutcome) -> RolloutInfo:
@@ -736,7 +742,12 @@ class Capture:
             bridge_spans=bridge_spans,
             replica=call.replica,
         )
-        sealed = seal_record(record, attachments=call.attachments, encoder=self._request_values)
+        sealed = seal_record(
+            record,
+            attachments=call.attachments,
+            encoder=self._request_values,
+            digester=rollout_digester(self._message_digests, call.rollout_id),
+        )
         call.record_bytes = record_bytes(sealed, call.attachments.values())
         return sealed
 

@@ -18,6 +18,7 @@ the logical record and `verify_record` proves the round trip.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import sys
 from array import array
@@ -27,6 +28,7 @@ from typing import Any
 
 import orjson
 
+from ..schemas.message_memo import MessageMemo
 from ..schemas.records import Attachment, StagedCallRecord
 from ..schemas.tokens import common_prefix_len, full_sequence
 
@@ -119,6 +121,12 @@ def blob_key(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+#: Each rollout's message blobs named once, not once per call: a session re-sends its history
+#: with every call (schemas/message_memo.py). A blob's key is a pure function of its bytes, so
+#: one memo serves every sink in the process.
+MESSAGE_KEYS: MessageMemo[str] = MessageMemo()
+
+
 @dataclass(frozen=True, slots=True)
 class EncodedCall:
     """What a sink writes for one record: a row, the blobs it refers to, and its full sequence."""
@@ -181,7 +189,7 @@ def encode_record(
     request = dict(record.request)
     for message in request.get("messages") or ():
         data = _dumps(message)
-        key = blob_key(data)
+        key = MESSAGE_KEYS.get(record.rollout_id, data, functools.partial(blob_key, data))
         blobs[key] = data
         message_keys += bytes.fromhex(key)
     if "messages" in request:
