@@ -980,10 +980,9 @@ def test_every_deployment_serves_vllms_weight_routes_only_to_the_proxy() -> None
         assert env.get("VLLM_SERVER_DEV_MODE") == "1", name
     example = (DEPLOY / "systemd" / "capture-proxy.env.example").read_text()
     assert "start vLLM with VLLM_SERVER_DEV_MODE=1" in example
-    # ...and dev mode's routes are no further away than /v1: vLLM's port is never published in
-    # compose, needs the proxy's key and is closed by the NetworkPolicy in Kubernetes (the
-    # policy's rules are held in test_k8s_network_policy_keeps_the_control_api_and_vllm_from_...),
-    # and is bound to the loopback on a bare node.
+    # ...and only the proxy reaches them (vLLM's key guards /v1, not these routes): vLLM's port is
+    # never published in compose, is opened by the NetworkPolicy to Prometheus alone in
+    # Kubernetes (its /v1 behind the proxy's key), and is bound to the loopback on a bare node.
     assert "ports" not in _services()["vllm"]
     assert "VLLM_API_KEY" in _secret_refs(_container("vllm"))
     (policy,) = _k8s("NetworkPolicy", "networkpolicy.yaml")
