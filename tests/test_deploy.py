@@ -31,13 +31,15 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from capture_proxy.cli import main
+from capture_proxy.cli import _parser, main
 from capture_proxy.core.scale_out import SCALE_OUT_MISSING
 from capture_proxy.server.app import create_app
 from capture_proxy.server.run import connection_budget
 from capture_proxy.server.settings import ENV_PREFIX, Settings, SettingsError, load_settings
 from capture_proxy.sinks.memory import MemorySink
+from capture_proxy.sinks.parquet._layout import DEDUP_WINDOW_S, GC_MARGIN_S
 from capture_proxy.sinks.urls import parse_store_url
+from tests.support.s3 import MotoS3
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -138,6 +140,7 @@ def test_every_yaml_file_parses_into_mappings() -> None:
         "kubernetes/vllm-capture.yaml",
         "kubernetes/secret.example.yaml",
         "kubernetes/networkpolicy.yaml",
+        "kubernetes/maintenance.yaml",
     }
     for rel in files:
         docs = _yaml(str(rel))
@@ -424,14 +427,38 @@ def test_k8s_probes_hit_routes_the_proxy_registers_on_its_port() -> None:
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 600  # loading takes minutes
 
 
-def test_k8s_store_is_on_a_persistent_volume_the_proxy_user_can_write() -> None:
-    proxy, s = _container("capture-proxy"), _k8s_settings()
-    (mount,) = [m for m in proxy["volumeMounts"] if Path(m["mountPath"]) == _store_dir(s)]
-    claims = {t["metadata"]["name"]: t for t in _workload()["spec"].get("volumeClaimTemplates", [])}
-    claims |= {
-        v["name"]: v for v in _pod()["spec"].get("volumes", []) if "persistentVolumeClaim" in v
+#: The object-store credentials a fleet's pods read from the Secret (docs/storage.md,
+#: "Configuration": the standard variables pyarrow and obstore both read).
+AWS_SECRET_VARS = {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}
+
+
+def _on_object_storage(store_url: str) -> bool:
+    store = parse_store_url(store_url)
+    return store.kind == "parquet" and urlsplit(store.location).scheme in ("s3", "gs", "az")
+
+
+def _secret_refs(container: Mapping[str, Any]) -> dict[str, tuple[str, str]]:
+    return {
+        e["name"]: (e["valueFrom"]["secretKeyRef"]["name"], e["valueFrom"]["secretKeyRef"]["key"])
+        for e in container.get("env", [])
+        if "secretKeyRef" in e.get("valueFrom", {})
     }
-    assert mount["name"] in claims
+
+
+def test_k8s_fleet_writes_one_object_store_dataset() -> None:
+    # The example is the fleet: several pods, every proxy staging into one dataset on object
+    # storage (the one store several writers may share), credentials from the Secret.
+    assert _workload()["spec"]["replicas"] >= 2
+    s, proxy = _k8s_settings(), _container("capture-proxy")
+    assert _on_object_storage(s.store), s.store
+    assert "metadata.name" not in s.store  # one dataset, not one per pod ($(POD_NAME))
+    env = _k8s_env(proxy)
+    assert _secret_refs(proxy).keys() >= AWS_SECRET_VARS
+    assert env["AWS_REGION"]
+    # Nothing of the store is in the pod: the proxy writes only /tmp under a read-only root.
+    assert proxy["securityContext"]["readOnlyRootFilesystem"] is True
+    assert [m["mountPath"] for m in proxy["volumeMounts"]] == ["/tmp"]
+    assert "volumeClaimTemplates" not in _workload()["spec"]
     uid = re.search(r"--uid (\d+)", " ".join(_docker("RUN")))
     gid = re.search(r"--gid (\d+)", " ".join(_docker("RUN")))
     assert uid
@@ -439,6 +466,24 @@ def test_k8s_store_is_on_a_persistent_volume_the_proxy_user_can_write() -> None:
     assert proxy["securityContext"]["runAsUser"] == int(uid.group(1))
     assert proxy["securityContext"]["runAsNonRoot"] is True
     assert _pod()["spec"]["securityContext"]["fsGroup"] == int(gid.group(1))
+
+
+def test_k8s_single_pod_variant_note_names_settings_and_the_one_writer_rule() -> None:
+    # The header says how to run one pod on SQLite instead; what it names must be real.
+    header = "\n".join(
+        line[1:].strip()
+        for line in (DEPLOY / "kubernetes" / "vllm-capture.yaml").read_text().splitlines()
+        if line.startswith("#")
+    )
+    assert "replicas: 1" in header
+    (sqlite_url,) = re.findall(r"sqlite:////\S+\b", header)
+    variant = _settings(
+        {**_image_env(), **_k8s_env(_container("capture-proxy")), "CAPTURE_PROXY_STORE": sqlite_url}
+    )
+    assert parse_store_url(variant.store).kind == "sqlite"
+    assert _store_dir(variant) == Path("/data")
+    assert "volumeClaimTemplate" in header
+    assert "one writing proxy" in header
 
 
 def test_k8s_services_expose_the_proxy_never_vllm() -> None:
@@ -462,10 +507,10 @@ def test_k8s_services_expose_the_proxy_never_vllm() -> None:
     } | {None}
 
 
-def test_k8s_secret_holds_every_key_the_pod_reads() -> None:
+def test_k8s_secret_holds_every_key_the_pods_read() -> None:
     (secret,) = _k8s("Secret", "secret.example.yaml")
     keys = set(secret.get("stringData", {})) | set(secret.get("data", {}))
-    for container in _pod()["spec"]["containers"]:
+    for container in _pod()["spec"]["containers"] + _maintenance_pod()["spec"]["containers"]:
         for item in container.get("env", []):
             ref = item.get("valueFrom", {}).get("secretKeyRef")
             if ref:
@@ -510,6 +555,109 @@ def test_k8s_network_policy_keeps_the_control_api_and_vllm_from_sandboxes() -> N
     ]
     assert admin_rules
     assert all(r.get("from") for r in admin_rules)
+
+
+# ---- Kubernetes: maintenance of the fleet's dataset ---------------------------------------------
+
+
+def _maintenance() -> dict[str, Any]:
+    (job,) = _k8s("CronJob", "maintenance.yaml")
+    return job
+
+
+def _maintenance_pod() -> dict[str, Any]:
+    pod: dict[str, Any] = _maintenance()["spec"]["jobTemplate"]["spec"]["template"]
+    return pod
+
+
+def _maintenance_script() -> tuple[list[str], str]:
+    """(the `sh -c` argv before the script, the script) the CronJob's container runs."""
+    (container,) = _maintenance_pod()["spec"]["containers"]
+    *shell, script = container["command"]
+    return shell, script
+
+
+def test_k8s_maintenance_runs_on_the_fleets_dataset_with_its_image_and_credentials() -> None:
+    job, pod = _maintenance(), _maintenance_pod()
+    (container,) = pod["spec"]["containers"]
+    proxy, fleet = _container("capture-proxy"), _k8s_settings()
+    assert container["image"] == proxy["image"]
+    env = _k8s_env(container)
+    assert env["CAPTURE_PROXY_STORE"] == fleet.store  # the dataset the proxies write
+    assert (
+        _secret_refs(container).items()
+        >= {k: v for k, v in _secret_refs(proxy).items() if k.startswith("AWS_")}.items()
+    )
+    assert env["AWS_REGION"] == _k8s_env(proxy)["AWS_REGION"]
+    # One run at a time is the lease's job; Kubernetes should not queue more behind it.
+    assert job["spec"]["concurrencyPolicy"] == "Forbid"
+    assert pod["spec"]["restartPolicy"] in ("OnFailure", "Never")
+    assert container["securityContext"]["runAsUser"] == proxy["securityContext"]["runAsUser"]
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    # compact, then gc only if compaction succeeded; both with arguments the CLI accepts.
+    shell, script = _maintenance_script()
+    assert shell == ["sh", "-c"]
+    steps = [shlex.split(step) for step in script.split("&&")]
+    assert [step[:2] for step in steps] == [["capture-proxy", "compact"], ["capture-proxy", "gc"]]
+    for step in steps:
+        args = _parser().parse_args(
+            [a.replace("$CAPTURE_PROXY_STORE", fleet.store) for a in step[1:]]
+        )
+        assert args.store == fleet.store
+
+
+async def test_k8s_maintenance_script_compacts_and_collects_while_a_proxy_writes(
+    aiohttp_client: Callable[[web.Application], Awaitable[Client]], moto_s3: MotoS3
+) -> None:
+    # The CronJob's own script, run by a shell against a dataset on a real S3 API (moto) that a
+    # running proxy stages into before, during and after it: both steps succeed (exit 0) and the
+    # proxy goes on staging.
+    store = moto_s3.url()
+    app = create_app(Settings(upstream="fake", store=store, min_free_disk_mb=0))
+    client = await aiohttp_client(app)
+    body = {"model": "policy", "messages": [{"role": "user", "content": "hello"}]}
+
+    async def call(rollout: str) -> None:
+        resp = await client.post(f"/r/{rollout}/v1/chat/completions", json=body)
+        assert resp.status == 200
+        assert resp.headers["X-Capture-Status"] == "staged"
+
+    for n in range(3):
+        await call(f"before-{n}")
+    shell, script = _maintenance_script()
+    bin_dir = Path(sys.executable).parent
+    proc = await asyncio.create_subprocess_exec(
+        *shell,
+        script,
+        env={
+            **os.environ,
+            **moto_s3.env,
+            "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
+            "CAPTURE_PROXY_STORE": store,
+        },
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    during = asyncio.ensure_future(asyncio.gather(*(call(f"during-{n}") for n in range(3))))
+    out, err = await asyncio.wait_for(proc.communicate(), timeout=120)
+    await during
+    assert proc.returncode == 0, err.decode()
+    text = out.decode()
+    assert "unit(s) ->" in text  # compact's summary
+    assert "record(s) unchanged" in text
+    await call("after")
+    await client.close()
+
+
+def test_deploy_readme_states_the_gc_window_rule_of_the_code() -> None:
+    # gc beside writers keeps what a proxy may still refer to: the README says how long, and the
+    # proxies need not be stopped for it any more.
+    readme = (DEPLOY / "README.md").read_text()
+    prose = re.sub(r"\s+", " ", readme)
+    minutes = int((DEDUP_WINDOW_S + GC_MARGIN_S) // 60)
+    assert f"committed more than {minutes} minutes ago" in prose
+    assert "stop the proxies before" not in prose.lower()
+    assert "maintenance lease" in prose
 
 
 # ---- systemd -----------------------------------------------------------------------------------
@@ -773,16 +921,25 @@ def test_deployments_give_the_proxy_descriptors_for_its_connection_cap() -> None
 SCALE_OUT_FLAG = re.findall(r"--[a-z-]+", SCALE_OUT_MISSING)[0]
 
 
-def _bare_node_vllm() -> list[str]:
-    """The arguments of deploy/README.md's bare-node `vllm serve` (continuation lines joined)."""
+def _bare_node_vllm_line() -> tuple[dict[str, str], list[str]]:
+    """(environment assignments, arguments) of deploy/README.md's bare-node `vllm serve`
+    (continuation lines joined)."""
     lines = iter((DEPLOY / "README.md").read_text().splitlines())
     for line in lines:
-        if line.strip().startswith("vllm serve "):
+        words = line.split()
+        if "vllm" in words and words[words.index("vllm") + 1 :][:1] == ["serve"]:
             command = line.strip()
             while command.endswith("\\"):
                 command = command[:-1] + next(lines).strip()
-            return shlex.split(command)[2:]
+            argv = shlex.split(command)
+            at = argv.index("vllm")
+            assignments = dict(a.split("=", 1) for a in argv[:at])
+            return assignments, argv[at + 2 :]
     raise AssertionError("deploy/README.md has no `vllm serve` command")
+
+
+def _bare_node_vllm() -> list[str]:
+    return _bare_node_vllm_line()[1]
 
 
 def _vllm_commands() -> dict[str, list[str]]:
@@ -801,6 +958,40 @@ def test_every_deployment_starts_vllm_with_the_flags_token_in_needs() -> None:
         assert _vllm_flag(args, "--logprobs-mode") == "processed_logprobs", name
     example = (DEPLOY / "systemd" / "capture-proxy.env.example").read_text()
     assert f"Start vLLM with {SCALE_OUT_FLAG}" in example
+
+
+def _vllm_environments() -> dict[str, dict[str, str]]:
+    """Each deployment's vLLM environment, as _vllm_commands."""
+    return {
+        "compose": {
+            k: _interpolate(str(v), COMPOSE_ENV)
+            for k, v in _services()["vllm"]["environment"].items()
+        },
+        "kubernetes": _k8s_env(_container("vllm")),
+        "bare node": _bare_node_vllm_line()[0],
+    }
+
+
+def test_every_deployment_serves_vllms_weight_routes_only_to_the_proxy() -> None:
+    # POST /admin/weights/pause|resume and PUT /admin/weight-version push to vLLM's /pause,
+    # /resume and /update_weight_version, which it serves with VLLM_SERVER_DEV_MODE=1
+    # (docs/fleets.md "Weight updates"): every deployment's vLLM has it...
+    for name, env in _vllm_environments().items():
+        assert env.get("VLLM_SERVER_DEV_MODE") == "1", name
+    example = (DEPLOY / "systemd" / "capture-proxy.env.example").read_text()
+    assert "start vLLM with VLLM_SERVER_DEV_MODE=1" in example
+    # ...and only the proxy reaches them (vLLM's key guards /v1, not these routes): vLLM's port is
+    # never published in compose, is opened by the NetworkPolicy to Prometheus alone in
+    # Kubernetes (its /v1 behind the proxy's key), and is bound to the loopback on a bare node.
+    assert "ports" not in _services()["vllm"]
+    assert "VLLM_API_KEY" in _secret_refs(_container("vllm"))
+    (policy,) = _k8s("NetworkPolicy", "networkpolicy.yaml")
+    vllm_rules = [
+        r for r in policy["spec"]["ingress"] if any(p["port"] == "vllm" for p in r["ports"])
+    ]
+    assert vllm_rules
+    assert all(r.get("from") for r in vllm_rules)
+    assert _vllm_flag(_bare_node_vllm(), "--host") == "127.0.0.1"
 
 
 @pytest.mark.parametrize("name", DEPLOYMENTS)
@@ -890,18 +1081,13 @@ def test_deploy_docs_recommend_sharing_only_an_object_store_dataset() -> None:
                 )
 
 
-def test_k8s_each_pod_writes_its_own_store() -> None:
-    # A StatefulSet's replicas share one pod template: a store URL without the pod's name in it
-    # would be one store for every replica.
-    store = parse_store_url(_k8s_settings().store)
-    if "://" in store.location:
-        assert "$(POD_NAME)" in _k8s_settings().store or "$(HOSTNAME)" in _k8s_settings().store
-    else:
-        claims = {
-            t["metadata"]["name"] for t in _workload()["spec"].get("volumeClaimTemplates", [])
-        }
-        proxy = _container("capture-proxy")
-        (mount,) = [
-            m for m in proxy["volumeMounts"] if Path(m["mountPath"]) == _store_dir(_k8s_settings())
-        ]
-        assert mount["name"] in claims  # per pod, not a volume every replica mounts
+def test_k8s_replicas_share_only_an_object_store_dataset() -> None:
+    # A StatefulSet's replicas share one pod template: a store URL is one store for every replica.
+    # That is the fleet's point on object storage; any other store must be on a per-pod volume.
+    s = _k8s_settings()
+    if _on_object_storage(s.store):
+        return
+    claims = {t["metadata"]["name"] for t in _workload()["spec"].get("volumeClaimTemplates", [])}
+    proxy = _container("capture-proxy")
+    (mount,) = [m for m in proxy["volumeMounts"] if Path(m["mountPath"]) == _store_dir(s)]
+    assert mount["name"] in claims  # per pod, not a volume every replica mounts
