@@ -21,6 +21,7 @@ from aiohttp.test_utils import TestServer
 from capture_proxy.inspect.cli import main
 from capture_proxy.read.reader import open_store
 from capture_proxy.sinks.remote import WIRE_VERSION, RemoteSource
+from tests.support import ROOT
 from tests.support.proxy_harness import Proxy, ProxyFactory, chat_body, stop_proxy, user
 from tests.support.replicas import Fleet, OtherTemplate, replicas_of, start_fleet_proxy, until
 
@@ -93,6 +94,8 @@ async def test_a_quarantined_replica_is_shown_with_its_reason(tmp_path: Path, fl
         assert by_name[other]["state"] == "quarantined"
         assert by_name[other]["problem"].startswith("serves another model: tokenizer fingerprint")
         assert by_name[other]["fingerprint"] != by_name[good]["fingerprint"]
+        docs = (ROOT / "docs" / "inspect.md").read_text()
+        assert [k for k in by_name[good] if f"| `{k}` |" not in docs] == []
     finally:
         await stop_proxy(p)
 
