@@ -151,12 +151,12 @@ class Pipeline:
         replicas = self.replicas
         if replicas is None or live.sealed:
             return "", self.upstream  # a sealed rollout's call is refused at admission: no pin
-        name, transport = replicas.route(live.rollout_id, live.replica, self._load)
+        name, transport = replicas.route(live.rollout_id, live.replica, self.replica_load)
         if name != live.replica:
             self.spawn(write_pin(self.capture.sink, pin(live, name)))
         return name, transport
 
-    def _load(self) -> dict[str, int]:
+    def replica_load(self) -> dict[str, int]:
         """Live rollouts per replica: the load a new rollout is placed by."""
         load: dict[str, int] = {}
         for live in self.capture.rollouts.values():

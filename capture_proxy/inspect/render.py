@@ -23,7 +23,9 @@ from .shapes import (
     CallEntry,
     CallView,
     OverviewView,
+    ReplicaEntry,
     RolloutDetail,
+    RolloutSummary,
     RolloutView,
     StagedCallDetail,
     TokenInSummary,
@@ -129,9 +131,37 @@ _OVERVIEW = (
 )
 
 
+_REPLICAS = (
+    Column("REPLICA"),
+    Column("STATE"),
+    Column("LIVE ROLLOUTS", numeric=True, hide=1),
+    Column("PROBLEM", flex=1),
+)
+
+
 def render_overview(view: OverviewView, out: Out) -> None:
-    rollouts = view["rollouts"]
-    out.line(f"{len(rollouts)} rollout(s) in {view['store']}, newest first", strong=True)
+    _render_rollouts(view["rollouts"], view["store"], out)
+    # A single upstream (or a store read from files) says nothing: only a fleet has replicas.
+    replicas = view.get("replicas", [])
+    if replicas:
+        _render_replicas(replicas, out)
+
+
+def _render_replicas(replicas: Sequence[ReplicaEntry], out: Out) -> None:
+    unwell = sum(r["state"] != "healthy" for r in replicas)
+    out.line(
+        f"{len(replicas)} upstream replica(s) behind the proxy"
+        + (f", {unwell} not healthy" if unwell else ", all healthy"),
+        strong=True,
+    )
+    rows = [
+        [r["replica"], r["state"], str(r["live_rollouts"]), r["problem"] or "-"] for r in replicas
+    ]
+    out.table(_REPLICAS, rows, [r["state"] != "healthy" for r in replicas])
+
+
+def _render_rollouts(rollouts: Sequence[RolloutSummary], store: str, out: Out) -> None:
+    out.line(f"{len(rollouts)} rollout(s) in {store}, newest first", strong=True)
     if not rollouts:
         out.line("(no rollouts yet)")
         return

@@ -24,6 +24,7 @@ __all__ = [
     "OutcomeEntry",
     "OverviewView",
     "PromptDrift",
+    "ReplicaEntry",
     "RolloutDetail",
     "RolloutSummary",
     "RolloutView",
@@ -165,10 +166,27 @@ class RolloutDetail(RolloutSummary):
     token_in: NotRequired[TokenInSummary]
 
 
+class ReplicaEntry(TypedDict):
+    """An upstream replica of the running proxy `inspect` reads (docs/fleets.md)."""
+
+    replica: str
+    state: str
+    #: Why it is not healthy; "" when it is.
+    problem: str
+    #: Rollouts in the proxy's memory pinned to it.
+    live_rollouts: int
+    version: str
+    fingerprint: str
+    model: str
+    probed_at_ms: int
+
+
 class OverviewView(TypedDict):
     view: Literal["rollouts"]
     store: str
     rollouts: list[RolloutSummary]
+    #: Only when the store is a running proxy's (empty with a single upstream).
+    replicas: NotRequired[list[ReplicaEntry]]
 
 
 class TrajectorySegment(TypedDict):

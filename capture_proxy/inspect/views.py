@@ -33,6 +33,7 @@ from ..schemas.records import (
 from ..schemas.token_in_extras import plain_divergence_of, segment_break_of
 from ..schemas.tokens import common_prefix_len, full_sequence
 from ..sinks.base import Progress
+from ..sinks.remote import RemoteSource
 from .shapes import (
     AttachmentEntry,
     CallEntry,
@@ -43,6 +44,7 @@ from .shapes import (
     OutcomeEntry,
     OverviewView,
     PromptDrift,
+    ReplicaEntry,
     RolloutDetail,
     RolloutSummary,
     RolloutView,
@@ -272,7 +274,34 @@ def overview(store: Store) -> OverviewView:
     for rollout_id in reversed(store.rollouts()):
         entries = _counted_entries(store, rollout_id)
         rollouts.append(_summary(store.rollout_info(rollout_id), entries))
-    return {"view": "rollouts", "store": store.url, "rollouts": rollouts}
+    view: OverviewView = {"view": "rollouts", "store": store.url, "rollouts": rollouts}
+    replicas = _replicas(store)
+    if replicas is not None:
+        view["replicas"] = replicas
+    return view
+
+
+def _replicas(store: Store) -> list[ReplicaEntry] | None:
+    """A running proxy's upstream replicas (empty with a single upstream); None for a store
+    read from files, or a proxy too old to say."""
+    if not isinstance(store.source, RemoteSource):
+        return None
+    got = store.source.replicas()
+    if got is None:
+        return None
+    return [
+        {
+            "replica": r.replica,
+            "state": r.state,
+            "problem": r.problem,
+            "live_rollouts": r.live_rollouts,
+            "version": r.version,
+            "fingerprint": r.fingerprint,
+            "model": r.model,
+            "probed_at_ms": r.probed_at_ms,
+        }
+        for r in got
+    ]
 
 
 def _trajectory(store: Store, rollout_id: str) -> TrajectorySummary | TrajectoryUnavailable:

@@ -4,7 +4,8 @@
 to these: one route per `StagingSource` method the reader uses. Small answers are JSON; records
 and keys are streamed (chunked) as msgpack frames in the wire form of
 `capture_proxy.sinks.remote`, built one batch at a time, so an answer's size does not bound the
-proxy's memory. Records are sent as stored: the reader recomputes their digests.
+proxy's memory. Records are sent as stored: the reader recomputes their digests. One route is
+not the store's: ``/admin/store/replicas``, the upstream replicas' states, for ``inspect``.
 
 Each route takes the admin token or the reader token (``--reader-token``: reads only; the
 control API's other routes answer it 403). Store reads block, so they run on threads, through
@@ -29,10 +30,12 @@ from ..sinks.remote import (
     CONTENT_TYPE,
     WIRE_VERSION,
     RecordEncoder,
+    ReplicaStatus,
     end_frame,
     error_frame,
     keys_frame,
 )
+from ..upstream.replicas import ReplicaSet
 from .state import STATE, ProxyState, token_bytes
 from .validation import read_body
 
@@ -167,6 +170,19 @@ async def unreferenced(request: web.Request) -> web.Response:
     return _json(await _read(state, lambda s: s.unreferenced_attachments()))
 
 
+async def replicas(request: web.Request) -> web.Response:
+    """The proxy's upstream replicas and their states (none with a single upstream), so that
+    ``inspect`` on a running proxy shows which replicas serve and why the others do not."""
+    state = _authorize_read(request)
+    upstream = state.upstream
+    if not isinstance(upstream, ReplicaSet):
+        return _json([])
+    load = state.pipeline.replica_load()
+    return _json(
+        [ReplicaStatus(**r.to_dict(), live_rollouts=load.get(r.name, 0)) for r in upstream.replicas]
+    )
+
+
 async def coords(request: web.Request) -> web.Response:
     state = _authorize_read(request)
     keys = read_body(await request.read(), Keys).keys
@@ -266,3 +282,4 @@ def add_read_routes(app: web.Application) -> None:
     app.router.add_get("/admin/store/keys", all_keys)
     app.router.add_get("/admin/store/orphaned", orphaned)
     app.router.add_get("/admin/store/unreferenced-attachments", unreferenced)
+    app.router.add_get("/admin/store/replicas", replicas)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -68,6 +68,13 @@ class Fleet:
     def served_by(self, url: str) -> int:
         """Chat calls `url`'s fake answered."""
         return len(self.fakes[url].requests)
+
+
+class OtherTemplate(FakeVLLM):
+    """A fake whose chat template differs (another model): another tokenizer fingerprint."""
+
+    def _render(self, messages: Sequence[Mapping[str, Any]], tools: Any, gen: bool) -> str:
+        return "<other model>" + super()._render(messages, tools, gen)
 
 
 def replicas_of(p: Proxy) -> ReplicaSet:

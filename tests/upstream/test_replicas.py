@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -24,17 +24,10 @@ from capture_proxy.schemas.records import CallStatus
 from capture_proxy.sinks.registry import open_sink, open_source
 from capture_proxy.testing.fake_vllm import FakeVLLM
 from tests.support.proxy_harness import Proxy, chat_body, stop_proxy, user
-from tests.support.replicas import Fleet, replicas_of, start_fleet_proxy, until
+from tests.support.replicas import Fleet, OtherTemplate, replicas_of, start_fleet_proxy, until
 
 TOKEN = "admin-token-for-replicas-0123"
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}
-
-
-class OtherTemplate(FakeVLLM):
-    """A fake whose chat template differs (another model): another tokenizer fingerprint."""
-
-    def _render(self, messages: Sequence[Mapping[str, Any]], tools: Any, gen: bool) -> str:
-        return "<other model>" + super()._render(messages, tools, gen)
 
 
 class FailingPush(FakeVLLM):

@@ -9,6 +9,7 @@ store kind like the others (the registry opens it by URL, so ``open_store``, ``i
 import ``read/``, encodes what it decodes.
 """
 
+from ._replicas import ReplicaStatus
 from ._source import RemoteSource, StoreAccessDenied
 from ._wire import (
     CONTENT_TYPE,
@@ -28,6 +29,7 @@ __all__ = [
     "RecordDecoder",
     "RecordEncoder",
     "RemoteSource",
+    "ReplicaStatus",
     "StoreAccessDenied",
     "WireError",
     "end_frame",

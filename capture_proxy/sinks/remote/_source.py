@@ -25,6 +25,7 @@ from ...schemas.records import (
     StagedCallRecord,
 )
 from ..base import StoreError, StoreFormatError
+from ._replicas import ReplicaStatus
 from ._wire import CONTENT_TYPE, WIRE_VERSION, RecordDecoder, WireError, iter_frames
 
 __all__ = ["RemoteSource", "StoreAccessDenied"]
@@ -43,6 +44,10 @@ class StoreAccessDenied(StoreError):
     def __init__(self, message: str, status: int) -> None:
         super().__init__(message)
         self.status = status
+
+
+class _RouteMissing(StoreError):
+    """The proxy does not serve a route (a release without it)."""
 
 
 class _Answer:
@@ -155,7 +160,7 @@ class RemoteSource:
                 "--reader-token for trainers); the read routes are part of the control API"
             )
         if answer.status == 404 and answer.code == "route_not_found":
-            return StoreError(
+            return _RouteMissing(
                 f"{where} has no store read routes at {self._prefix + _ROUTES + path}: not a "
                 "capture-proxy, a release without them, or its --admin-port is elsewhere"
             )
@@ -285,6 +290,15 @@ class RemoteSource:
 
     def unreferenced_attachments(self) -> list[str]:
         return self._json("GET", "/unreferenced-attachments", list[str])
+
+    def replicas(self) -> list[ReplicaStatus] | None:
+        """The proxy's upstream replicas and their states (docs/fleets.md): empty with a single
+        upstream, None from a proxy too old to say. Not part of the store: what the proxy
+        fronts now, for `inspect`."""
+        try:
+            return self._json("GET", "/replicas", list[ReplicaStatus])
+        except _RouteMissing:
+            return None
 
     def close_reader(self) -> None:
         with self._lock:
