@@ -40,6 +40,7 @@ from ..schemas.records import (
 )
 from ..schemas.tokens import full_sequence
 from ..sinks.base import DuplicateSeq, StagingSink, StagingSource
+from ..sinks.codec import MESSAGE_KEYS
 from .call import SAMPLING_KEYS, Call, CallReport, CompletionLike, log_claim, sampling_of
 from .experts import ExpertsPlan, record_experts
 from .ids import new_call_id
@@ -278,7 +279,7 @@ class Capture:
         ]
         for rid in idle:
             del self.rollouts[rid]
-            self._message_digests.forget(rid)
+            self._forget_messages(rid)
         return idle
 
     def _remember_sealed(self, live: RolloutLive) -> None:
@@ -300,7 +301,14 @@ class Capture:
         idle = [rid for rid, r in self.rollouts.items() if r.in_flight == 0][:excess]
         for rid in idle:
             del self.rollouts[rid]
-            self._message_digests.forget(rid)
+            self._forget_messages(rid)
+
+    def _forget_messages(self, rollout_id: str) -> None:
+        # Both memos of a rollout's messages (the digest's here, the stores' blob keys in the
+        # codec) hold live work only: without this the codec's would fill to its bound on a
+        # proxy that runs for weeks (the soak's RSS slope).
+        self._message_digests.forget(rollout_id)
+        MESSAGE_KEYS.forget(rollout_id)
 
     async def create_rollout(
         self,
@@ -383,7 +391,7 @@ class Capture:
             # the 409s). A manifest request reads it from the store.
             del self.rollouts[rollout_id]
             self._remember_sealed(live)
-            self._message_digests.forget(rollout_id)
+            self._forget_messages(rollout_id)
         return live
 
     async def put_outcome(self, rollout_id: str, outcome: RolloutOutcome) -> RolloutInfo:

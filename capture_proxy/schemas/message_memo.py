@@ -116,6 +116,10 @@ class MessageMemo(Generic[V]):
                 self.bytes -= old.bytes
         return value
 
+    def __contains__(self, rollout_id: object) -> bool:
+        """Whether `rollout_id` holds entries."""
+        return rollout_id in self._rollouts
+
     def forget(self, rollout_id: str) -> None:
         """Drop what `rollout_id` holds (it was sealed or evicted: no more calls will come)."""
         with self._lock:

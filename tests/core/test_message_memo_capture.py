@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from capture_proxy.schemas.digest import verify_record
+from capture_proxy.sinks.codec import MESSAGE_KEYS
 from tests.support.proxy_harness import Proxy, chat_body, start_proxy, stop_proxy, user
 
 TOKEN = "admin-secret"
@@ -51,5 +52,8 @@ async def test_sealing_a_rollout_drops_its_messages(tmp_path: Path) -> None:
         )
         assert sealed.status == 200
         assert len(memo) == 1  # the other rollout's message
+        # The stores' memo of blob keys lets go of it too (process-wide: count this rollout's).
+        assert "ep" not in MESSAGE_KEYS
+        assert "other" in MESSAGE_KEYS
     finally:
         await stop_proxy(p)
