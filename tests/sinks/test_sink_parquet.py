@@ -382,6 +382,7 @@ async def test_writer_and_proxy_reader_memory_follows_live_work_not_the_store(
         await sink.stage(s.next()[0])
         if i % 2 == 0:  # half sealed (dropped at once), half left open (dropped by recency)
             await sink.put_rollout(RolloutInfo(s.rollout_id, RolloutState.SEALED, False, 1))
+            await sink.append_event(EventDraft(s.rollout_id, EventKind.SEAL, 2))
         assert reader.rollout_info(s.rollout_id).rollout_id == s.rollout_id  # as a resume does
         assert len(reader.summaries(s.rollout_id)) == 2
     assert len(sink._live) <= 8
@@ -464,6 +465,28 @@ async def test_proxy_reader_reads_a_rollouts_ledger_from_its_units_when_asked(
     index = reader._index  # type: ignore[attr-defined]
     assert not hasattr(index, "ledger")  # no event, failure or header held: a few ints each
     assert sum(map(len, index.rollout_ledger.values())) <= len(index.units) * 2
+
+
+async def test_sealing_drops_a_rollout_from_the_writer_without_reading_it_back(
+    tmp_path: Path,
+) -> None:
+    # The proxy seals with a sealed header, then the seal event. The header used to drop the
+    # rollout's keys, so the seal event read them back from the dataset and they stayed until
+    # `max_live_rollouts` newer rollouts pushed them out: the 10-minute Parquet soak grew by
+    # them (and the reader's caches by what it read). They now go when the seal event commits.
+    ds = str(tmp_path / "ds")
+    sink = ParquetSink(ds)
+    for i in range(6):
+        s = Session(f"s{i}")
+        await sink.stage(s.next()[0])
+        await sink.stage(s.next()[0])
+        await sink.put_rollout(RolloutInfo(s.rollout_id, RolloutState.SEALED, False, 1))
+        assert s.rollout_id in sink._live  # its seal event still needs them
+        await sink.append_event(EventDraft(s.rollout_id, EventKind.SEAL, 2))
+        assert s.rollout_id not in sink._live
+    assert len(sink._reader._ledger_files) == 0
+    await sink.close()
+    Store(ParquetSource(ds)).verify()
 
 
 async def test_writer_drops_a_sealed_rollouts_event_head_and_reads_it_back(

@@ -251,6 +251,8 @@ class ParquetSink:
 
             def plain(batch: UnitRows, part: UnitRows) -> RolloutEvent:
                 self._keys(event.rollout_id)
+                if event.kind is EventKind.SEAL:
+                    part.sealed.add(event.rollout_id)
                 return self._place(batch, part, event)
 
             placed: RolloutEvent = await self._writer.submit(plain)
@@ -274,9 +276,9 @@ class ParquetSink:
     async def put_rollout(self, info: RolloutInfo) -> None:
         def work(batch: UnitRows, part: UnitRows) -> None:
             part.rows[LEDGER].append(rollout_row(info))
+            # A sealed header leaves the rollout's keys in memory: its seal event follows and
+            # drops them once it commits (dropped here, the event would read them back).
             part.rollouts.add(info.rollout_id)
-            if info.state is RolloutState.SEALED:
-                part.sealed.add(info.rollout_id)
 
         await self._writer.submit(work)
 
@@ -330,7 +332,8 @@ class ParquetSink:
             if keys is not None:
                 keys.handoff = None
         for rollout_id in batch.sealed:
-            # A sealed rollout takes no more calls; a late ledger entry reads it back.
+            # A sealed rollout takes no more calls once its seal event commits; a late ledger
+            # entry reads it back.
             self._live.pop(rollout_id, None)
 
     def _settle(self, works: list[Work]) -> None:

@@ -40,7 +40,7 @@ class UnitRows:
     blobs: set[str] = field(default_factory=set)
     attachments: set[str] = field(default_factory=set)
     rollouts: set[str] = field(default_factory=set)
-    #: rollouts sealed by this batch: the writer forgets their calls once it commits
+    #: rollouts whose seal event is in this batch: the writer forgets their calls once it commits
     sealed: set[str] = field(default_factory=set)
 
     def merge(self, other: UnitRows) -> None:
