@@ -168,7 +168,7 @@ class DatasetFS:
         if self.local:
             # A new folder's own entry must be durable too, or a crash can lose the whole folder.
             for rel in {"", *(os.path.dirname(r) for r in rels)}:
-                _fsync_dir(self.path(rel))
+                fsync_dir(self.path(rel))
 
     def put_all(self, files: Mapping[str, bytes]) -> None:
         """Write each file under its name, durably; each appears whole or not at all.
@@ -213,7 +213,7 @@ class DatasetFS:
                     os.unlink(tmp)
             raise
         for d in sorted({os.path.dirname(final) for _, final in staged}):
-            _fsync_dir(d)
+            fsync_dir(d)
 
     def create(self, rel: str, data: bytes) -> bool:
         """Write `rel` durably only if it does not exist; False when it does (nothing written).
@@ -248,7 +248,7 @@ class DatasetFS:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-            _fsync_dir(folder)  # the new name is durable too, not just the bytes
+            fsync_dir(folder)  # the new name is durable too, not just the bytes
         except BaseException:
             # Not created, then: a half-written file (a full disk) must not hold the key.
             with contextlib.suppress(OSError):
@@ -305,7 +305,11 @@ def run_io(work: Coroutine[Any, Any, T]) -> T:
 
 
 def _write_fsync(path: str, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    write_all_fsync(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), data)
+
+
+def write_all_fsync(fd: int, data: bytes) -> None:
+    """Write all of `data` to `fd`, fsync it and close it (closed on failure too)."""
     try:
         view = memoryview(data)
         while view:
@@ -315,7 +319,8 @@ def _write_fsync(path: str, data: bytes) -> None:
         os.close(fd)
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
+    """fsync a folder, so the names created or renamed in it are durable."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)

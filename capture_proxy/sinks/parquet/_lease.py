@@ -44,7 +44,7 @@ import orjson
 import pyarrow.fs as pafs
 
 from ..base import StoreError
-from ._fs import DatasetFS
+from ._fs import DatasetFS, fsync_dir, write_all_fsync
 
 __all__ = ["LEASE", "Lease", "LeaseLost", "maintenance_lease"]
 
@@ -129,8 +129,8 @@ class _LocalBackend:
                 fd = os.open(self._path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             except FileExistsError:
                 return None
-            _write_all(fd, body)
-            _fsync_dir(self._dir)
+            write_all_fsync(fd, body)
+            fsync_dir(self._dir)
         return _etag(body)
 
     def get(self) -> tuple[bytes, str] | None:
@@ -147,9 +147,9 @@ class _LocalBackend:
             if current is None or current[1] != etag:
                 return None
             tmp = f"{self._path}.{uuid.uuid4().hex[:8]}.tmp"
-            _write_all(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), body)
+            write_all_fsync(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), body)
             os.replace(tmp, self._path)
-            _fsync_dir(self._dir)
+            fsync_dir(self._dir)
         return _etag(body)
 
     @contextlib.contextmanager
@@ -166,24 +166,6 @@ class _LocalBackend:
 
 def _etag(body: bytes) -> str:
     return hashlib.sha256(body).hexdigest()
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _now_ms() -> int:
