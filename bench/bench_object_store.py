@@ -40,14 +40,10 @@ import json
 import os
 import platform
 import random
-import re
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
@@ -78,60 +74,24 @@ from capture_proxy.sinks.parquet._layout import (
 )
 from capture_proxy.sinks.parquet._source import ParquetSource
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tests.support.s3 import MotoS3
+
 BUCKET = "capture-bench"
 KEY, SECRET, REGION = "bench", "bench", "us-east-1"
 TOKENS = 1_024
 BLOB_BYTES = 8_192
 ROLLOUTS = 64
-_REQUEST = re.compile(r'"(?:\x1b\[[0-9;]*m)*(GET|PUT|POST|HEAD|DELETE) ')
 
 
 # -- moto's S3 server on loopback ------------------------------------------------------------------
 
 
-class Moto:
-    """moto's S3 server as a subprocess on 127.0.0.1; counts the requests it logs."""
+class Moto(MotoS3):
+    """moto's S3 server on 127.0.0.1 with the bench's bucket (tests/support/s3.py)."""
 
     def __init__(self, workdir: Path) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = int(s.getsockname()[1])
-        self.endpoint = f"http://127.0.0.1:{self.port}"
-        self.log_path = workdir / "moto.log"
-        self._log = self.log_path.open("wb")
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-        )
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                with urllib.request.urlopen(f"{self.endpoint}/moto-api/", timeout=1):
-                    break
-            except OSError:
-                if time.monotonic() > deadline or self._proc.poll() is not None:
-                    self.stop()
-                    raise RuntimeError("moto's server did not start") from None
-                time.sleep(0.1)
-        # moto does not check signatures: an unsigned PUT creates the bucket.
-        req = urllib.request.Request(f"{self.endpoint}/{BUCKET}", method="PUT")
-        with urllib.request.urlopen(req, timeout=5):
-            pass
-
-    def requests(self) -> int:
-        """Requests served so far (the server logs each one when it has answered)."""
-        time.sleep(0.15)  # the log line follows the response
-        return len(_REQUEST.findall(self.log_path.read_text(errors="replace")))
-
-    def stop(self) -> None:
-        self._proc.terminate()
-        try:
-            self._proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait()
-        self._log.close()
+        super().__init__(workdir, bucket=BUCKET)
 
 
 def obstore_client(moto: Moto) -> S3Store:

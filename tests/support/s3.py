@@ -10,6 +10,7 @@ leaves the machine. moto honours ``If-None-Match: *`` and ``If-Match`` on PUT
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -19,6 +20,9 @@ import uuid
 from pathlib import Path
 
 __all__ = ["MotoS3"]
+
+#: One line of moto's request log: the method after the quote (colour codes may sit between).
+_REQUEST = re.compile(r'"(?:\x1b\[[0-9;]*m)*(GET|PUT|POST|HEAD|DELETE) ')
 
 _KEY = "testing"
 _SECRET = "testing"
@@ -60,6 +64,11 @@ class MotoS3:
         req = urllib.request.Request(f"{self.endpoint}/{bucket}", method="PUT")
         with urllib.request.urlopen(req, timeout=5):
             pass
+
+    def requests(self) -> int:
+        """Requests served so far (the server logs each one once it has answered)."""
+        time.sleep(0.15)  # the log line follows the response
+        return len(_REQUEST.findall(self.log_path.read_text(errors="replace")))
 
     def url(self, prefix: str | None = None) -> str:
         """A fresh ``s3://bucket/prefix`` (a new prefix per call unless one is given)."""
