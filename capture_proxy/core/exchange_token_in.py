@@ -3,7 +3,8 @@
 A token-in call (docs/token-in.md, "The call flow") is prepared, admitted, failed and staged by
 the exchange like any other; what differs is here: `_post_token_in` renders the call's prompt
 (`capture_proxy.core.bridging`) and posts generate; `_finish_token_in` derenders a unary
-answer, `_relay_token_in` a stream (coalesced, `capture_proxy.core.derender`); `_token_in_facts`
+answer, `_relay_token_in` a stream (coalesced, its logprobs resolved when asked,
+`capture_proxy.core.derender`); `_token_in_facts`
 gives the record what generate and the render said; `_continued_by_next` keeps the staged call for
 the rollout's next token-in call and reports it to the metrics.
 """
@@ -22,6 +23,7 @@ from ..adapters.vllm import (
     Completion,
     DerenderedStream,
     ForwardPlan,
+    StreamLogprobs,
     UpstreamProtocolError,
     WeightSpan,
     client_answer,
@@ -161,7 +163,13 @@ class TokenInSteps:
         assert prompt is not None
         assert plan is not None
         assert reply is not None
-        derender = StreamedDerender(self._upstream, reply, prompt.prompt_ids, self._render_body)
+        derender = StreamedDerender(
+            self._upstream,
+            reply,
+            prompt.prompt_ids,
+            self._render_body,
+            logprobs=StreamLogprobs(self._model) if plan.wants.logprobs else None,
+        )
         shaped = DerenderedStream(plan.wants, prompt.prompt_ids)
         async with reply:
             events = derender.events()

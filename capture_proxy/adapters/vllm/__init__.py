@@ -4,7 +4,8 @@
 `parse_response` reads a unary answer and `stream` returns a sans-IO `StreamAccumulator` fed with
 SSE bytes. Both yield a `Completion` (token ids, logprobs, message) and the bytes the client sees.
 The token-in routes (render, generate, derender) are read and written by `_token_in`'s parsers;
-`_derendered` shapes a token-in answer for the client by the same relay rules.
+`_derendered` shapes a token-in answer for the client by the same relay rules, and
+`_stream_logprobs` resolves a streamed one's logprobs.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from ._adapter import (
     parse_error_body,
 )
 from ._derendered import DerenderedStream, client_answer
+from ._stream_logprobs import StreamLogprobs
 from ._token_in import (
     DerenderCoalescer,
     Generated,
@@ -52,6 +54,7 @@ __all__ = [
     "ReasoningField",
     "Rendered",
     "StreamAccumulator",
+    "StreamLogprobs",
     "UpstreamProtocolError",
     "VLLMAdapter",
     "WeightSpan",
