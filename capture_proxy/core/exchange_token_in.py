@@ -206,6 +206,7 @@ class TokenInSteps:
             prompt_ids=completion.prompt_token_ids,
             completion_ids=completion.completion_token_ids,
             finish_reason=completion.finish_reason,
+            media=prompt.media,
         )
         call.rollout.remember_token_in(call.seq, token_in_line(self.request), prior)
         cut = prompt.segment_break
