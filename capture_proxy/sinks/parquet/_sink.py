@@ -42,7 +42,8 @@ units.
 What it keeps is bounded by live work, not by the size of the store: the call ids of the
 rollouts in use (the `max_live_rollouts` most recently used, a sealed rollout dropped once its
 seal commits; a rollout that comes back is read from its units by the writer's own reader), the
-holders of recently claimed seqs, the most recent `max_blob_keys` blob keys (a blob not among them
+holders of recently claimed seqs and the recent full sequences (`cache_tokens`), both dropped for
+a rollout once its seal commits, the most recent `max_blob_keys` blob keys (a blob not among them
 is stored again: a few bytes more, never a wrong record; readers and compaction keep one copy),
 and per rollout its id and per attachment its sha256 (a record may refer to an attachment an
 earlier call stored). A staging key is refused as a duplicate within its rollout (the proxy's call
@@ -333,8 +334,12 @@ class ParquetSink:
                 keys.handoff = None
         for rollout_id in batch.sealed:
             # A sealed rollout takes no more calls once its seal event commits; a late ledger
-            # entry reads it back.
-            self._live.pop(rollout_id, None)
+            # entry reads it back (its seq's holder from the claim file). Its full sequences
+            # go too: no call will extend them.
+            sealed = self._live.pop(rollout_id, None)
+            for call_id in sealed.calls if sealed is not None else ():
+                self._fulls.pop(call_id)
+            self._holders.forget(rollout_id)
 
     def _settle(self, works: list[Work]) -> None:
         # The claims the batch's work holds seqs by, written at once before the batch runs.
