@@ -69,6 +69,7 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+import pyarrow as pa
 import pyarrow.fs as pafs
 
 from ...schemas.events import EventDraft, EventKind, RolloutEvent, ledger_event, staged_event
@@ -117,6 +118,18 @@ def _now_ms() -> int:
     return int(time.time() * 1000)
 
 
+def _system_allocator() -> None:
+    """Make Arrow allocate from the C library's malloc, unless ``ARROW_DEFAULT_MEMORY_POOL``
+    chose an allocator."""
+    # pyarrow's wheels allocate through mimalloc, which keeps pages it freed and backs them with
+    # transparent huge pages: a proxy writing Parquet grew about 4 MiB/min more with it than with
+    # malloc, in steps of tens of MB its own allocations never reached (under 1 MiB at a time).
+    # A writer lives as long as its proxy, so it makes the choice for the process.
+    # docs/reports/reliability.md (section 6) has the measurements.
+    if "ARROW_DEFAULT_MEMORY_POOL" not in os.environ:
+        pa.set_memory_pool(pa.system_memory_pool())
+
+
 class ParquetSink:
     """A `StagingSink` writing the Parquet dataset at `location` (created when missing).
 
@@ -136,6 +149,11 @@ class ParquetSink:
     ``AWS_REGION``, ``AWS_ENDPOINT_URL``, ...). `writer_id` names this writer in its claims
     (default: host, process id and a random suffix). `close` commits everything queued; `stage`
     after `close` raises RuntimeError.
+
+    Opening a sink makes Arrow allocate from the C library's ``malloc`` in the whole process
+    (`pyarrow.system_memory_pool`), unless the ``ARROW_DEFAULT_MEMORY_POOL`` environment
+    variable names an allocator: pyarrow's default, mimalloc, holds on to memory it freed, which
+    a long-running proxy's resident memory would grow by.
     """
 
     def __init__(
@@ -155,6 +173,7 @@ class ParquetSink:
         store: ObjectStore | None = None,
         writer_id: str | None = None,
     ) -> None:
+        _system_allocator()
         self.location = location
         self.url = url or default_url(location)
         self.fault = fault
