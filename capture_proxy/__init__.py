@@ -28,6 +28,7 @@ _EXPORTS = {
     "DigestMismatch": "capture_proxy.schemas.digest",
     "Drift": "capture_proxy.read.trajectory",
     "EncodingError": "capture_proxy.schemas.digest",
+    "ExportCursor": "capture_proxy.read.cursor",
     "ExpertsIncomplete": "capture_proxy.read.experts",
     "ExpertsUnavailable": "capture_proxy.read.experts",
     "FakeToolCall": "capture_proxy.testing.fake_vllm",
@@ -84,6 +85,7 @@ __all__ = [
     "EncodingError",
     "ExpertsIncomplete",
     "ExpertsUnavailable",
+    "ExportCursor",
     "FakeToolCall",
     "FakeVLLM",
     "Fault",
@@ -127,6 +129,7 @@ if TYPE_CHECKING:
     from .core.transport import UpstreamInfo, UpstreamTransport
     from .errors import CaptureProxyError, ProxyError
     from .library import CaptureClient, ChatResult, PreparedCall
+    from .read.cursor import ExportCursor
     from .read.experts import ExpertsIncomplete, ExpertsUnavailable
     from .read.reader import Store, StoreCorrupted, open_store
     from .read.status import NotStaged, RolloutExcluded

@@ -116,8 +116,16 @@ def _parser() -> argparse.ArgumentParser:
         "--since",
         type=_since,
         metavar="TIME",
-        help="only rollouts sealed at or after TIME: milliseconds since the epoch or an ISO "
-        "8601 time (the last_sealed_at_ms of the previous export's --json summary)",
+        help="only rollouts whose seal time (the sealing proxy's clock) is at or after TIME: "
+        "milliseconds since the epoch or an ISO 8601 time. To export incrementally use --cursor "
+        "(a rollout sealed before TIME may become visible after the previous export)",
+    )
+    export.add_argument(
+        "--cursor",
+        metavar="FILE",
+        help="export incrementally: leave out the rollouts FILE says earlier exports took, and "
+        "add the sealed rollouts exported (FILE is created on the first export and rewritten "
+        "once the export is complete); each sealed rollout is exported exactly once",
     )
     export.add_argument(
         "--no-attachments",
@@ -336,12 +344,18 @@ def _report_export(args: argparse.Namespace, summary: dict[str, object]) -> None
 
 
 def _export(args: argparse.Namespace) -> int:
+    from .read.cursor import CursorInvalid, ExportCursor
     from .read.export import export_format, export_store
 
     try:
         fmt = export_format(args.out, args.format)
     except ValueError as e:  # Parquet to stdout: a usage error
         print(f"capture-proxy export: {e}", file=sys.stderr)
+        return 2
+    try:
+        cursor = None if args.cursor is None else ExportCursor.load(args.cursor)
+    except CursorInvalid as e:
+        print(f"capture-proxy export: --cursor: {e}", file=sys.stderr)
         return 2
     with progress_bar("exporting") as progress:  # on a terminal's stderr only
         summary = export_store(
@@ -356,9 +370,12 @@ def _export(args: argparse.Namespace) -> int:
             rollouts=args.rollouts,
             group=args.groups,
             since=args.since,
+            cursor=cursor,
             attachments=args.attachments and args.out != "-",
             progress=progress,
         )
+    if cursor is not None:
+        cursor.save(args.cursor)  # only now: a failed export leaves the cursor as it was
     _report_export(args, summary.to_dict())
     return 0
 

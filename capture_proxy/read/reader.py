@@ -32,12 +32,19 @@ from ..schemas.digest import (
     verify_record,
 )
 from ..schemas.events import EventKind, check_chain
-from ..schemas.records import CommitCoords, LedgerEntry, RolloutInfo, StagedCallRecord
+from ..schemas.records import (
+    CommitCoords,
+    LedgerEntry,
+    RolloutInfo,
+    RolloutState,
+    StagedCallRecord,
+)
 from ..sinks.base import Progress, StagingSource
 from ..sinks.registry import open_source
 from .status import RolloutExcluded, RolloutStatus, check_included, read_header, rollout_status
 
 if TYPE_CHECKING:
+    from .cursor import ExportCursor
     from .trajectory import Trajectory
 
 __all__ = ["Problem", "RolloutExcluded", "Store", "StoreCorrupted", "open_store"]
@@ -340,10 +347,12 @@ class Store:
         group: str | Iterable[str] | None,
         rollouts: Iterable[str] | None,
         skipped: dict[str, list[str]] | None,
+        cursor: ExportCursor | None = None,
     ) -> list[SelectedRollout]:
         """The rollouts the filters keep, in export order: oldest first, except that the
         rollouts of one group follow each other (at the place of the group's oldest rollout),
-        so a GRPO group is adjacent. Reads headers and ledgers only, no records."""
+        so a GRPO group is adjacent. Reads headers and ledgers only, no records; none for the
+        rollouts `cursor` already took."""
         since_ms = as_epoch_ms(since)
         groups = {group} if isinstance(group, str) else None if group is None else set(group)
         known = self.rollouts()
@@ -356,6 +365,8 @@ class Store:
                 raise KeyError(f"no rollout {', '.join(map(repr, missing))} in {self.url}")
             ids = [r for r in known if r in wanted]
         kept: list[SelectedRollout] = []
+        if cursor is not None:
+            ids = [r for r in ids if r not in cursor]
         for rollout_id in ids:
             # One header read per rollout: its outcome, its seal time and its status.
             header = read_header(self.source, rollout_id)
@@ -363,8 +374,9 @@ class Store:
             if groups is not None and outcome.group_id not in groups:
                 continue
             sealed_at = None if header is None else header.sealed_at_ms
-            # A rollout sealed before `since` was taken by an earlier export. An open one (no
-            # seal time yet) is kept when open rollouts are asked for.
+            # `since` compares the seal time the writing proxy decided, not when the seal became
+            # visible here (the cursor is the exact way). An open rollout (no seal time yet) is
+            # kept when open rollouts are asked for.
             if since_ms is not None and sealed_at is not None and sealed_at < since_ms:
                 continue
             status = rollout_status(self.source, rollout_id, header)
@@ -398,6 +410,7 @@ class Store:
         since: int | datetime | None = None,
         group: str | Iterable[str] | None = None,
         skipped: dict[str, list[str]] | None = None,
+        cursor: ExportCursor | None = None,
     ) -> Iterator[Trajectory]:
         """Every rollout's trajectory, oldest rollout first, one rollout in memory at a time.
 
@@ -405,10 +418,21 @@ class Store:
         of the group's oldest rollout. Open rollouts (unless `include_open`) and poisoned ones
         (unless `include_poisoned`) are left out; pass a dict as `skipped` to learn which: it
         gets ``"open"`` and ``"poisoned"`` lists of rollout ids (a rollout both open and
-        poisoned is counted as poisoned). `since` (a `datetime`, or milliseconds since the
-        epoch) keeps only rollouts sealed at or after it: a training loop that reads
-        incrementally passes the time of its previous pass, so a rollout that ran long and was
-        sealed late is not missed. `group` (a group id, or several) keeps only those groups.
+        poisoned is counted as poisoned). `group` (a group id, or several) keeps only those
+        groups.
+
+        A training loop that reads incrementally passes the same `cursor`
+        (`capture_proxy.read.cursor.ExportCursor`) to every pass: each sealed rollout is then
+        yielded exactly once over all passes, however late it became visible in the store. The
+        rollouts in the cursor are skipped, and each sealed rollout is added to it as its
+        trajectory is yielded (a pass stopped early has taken only what it got).
+
+        `since` (a `datetime`, or milliseconds since the epoch) keeps only rollouts whose seal
+        time is at or after it. The seal time is the writing proxy's clock when it sealed, not
+        when the seal became visible here: a rollout sealed before `since` but visible only
+        after an earlier pass read the store is in neither pass. Use `cursor` to read
+        incrementally; `since` selects by time.
+
         Rollouts without any staged call yield nothing. Raises `DigestMismatch` when a record
         does not verify (unless ``verify=False``).
         """
@@ -419,9 +443,12 @@ class Store:
             group=group,
             rollouts=None,
             skipped=skipped,
+            cursor=cursor,
         )
         for sel in selected:
             traj = self._read(sel.rollout_id, sel.status, include_untooled, verify)[1]
+            if cursor is not None and sel.status.state is RolloutState.SEALED:
+                cursor.add((sel.rollout_id,))
             if traj.calls or traj.apart:
                 yield traj
 

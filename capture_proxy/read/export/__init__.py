@@ -17,7 +17,9 @@ lists every column and maps them onto verl, SkyRL and NeMo RL.
 Like the reader's trainer-facing reads, the export leaves out open rollouts (not sealed yet) and
 poisoned ones (a call answered but not staged) unless asked for them (``include_open``,
 ``include_poisoned``), and says which it left out (`ExportSummary.left_out`); it can be limited
-to named rollouts, groups, and rollouts sealed since a time. Rows come oldest rollout first,
+to named rollouts, groups, and rollouts sealed since a time. An incremental export passes an
+`ExportCursor` (``cursor``): it skips the rollouts the cursor took and adds the ones it exported,
+so every sealed rollout is exported exactly once over the passes. Rows come oldest rollout first,
 the rollouts of one group together. Every record is verified against its digest while exporting
 (a mismatch stops the export; ``verify=False`` skips the check), and a file appears only when
 complete: it is written to a temporary file and renamed. The images the rows refer to go, once
@@ -38,7 +40,9 @@ from collections.abc import Iterable
 from datetime import datetime
 from typing import Literal
 
+from ...schemas.records import RolloutState
 from ...sinks.base import Progress
+from ..cursor import ExportCursor
 from ..reader import SelectedRollout, Store, open_store
 from ._columns import ATTACHMENT_SCHEMA, CALL_SCHEMA, SCHEMAS, SEGMENT_SCHEMA, TRAJECTORY_SCHEMA
 from ._columns import rows_of as _rows_of
@@ -50,6 +54,7 @@ __all__ = [
     "EXPORT_FORMAT_VERSION",
     "SEGMENT_SCHEMA",
     "TRAJECTORY_SCHEMA",
+    "ExportCursor",
     "ExportSummary",
     "attachments_path",
     "export_format",
@@ -135,9 +140,10 @@ class ExportSummary:
     attachments: int = 0
     #: The attachments file, or None when no row refers to one (or the export went to stdout).
     attachments_out: str | None = None
-    #: The latest seal time (ms since the epoch) of the exported rollouts: pass it as `since` to
-    #: the next export to get what was sealed since (rollouts sealed in that very millisecond
-    #: come again: drop repeated rollout ids).
+    #: The latest seal time (ms since the epoch) of the exported rollouts, by the clocks of the
+    #: proxies that sealed them. As `since` for a next export it misses a rollout sealed earlier
+    #: that became visible only after this export read the store: read incrementally with a
+    #: `cursor` instead.
     last_sealed_at_ms: int | None = None
 
     def to_dict(self) -> dict[str, object]:
@@ -164,6 +170,7 @@ def export_store(
     rollouts: Iterable[str] | None = None,
     group: str | Iterable[str] | None = None,
     since: int | datetime | None = None,
+    cursor: ExportCursor | None = None,
     attachments: bool = True,
     row_group_bytes: int = ROW_GROUP_BYTES,
     progress: Progress | None = None,
@@ -174,11 +181,15 @@ def export_store(
     `format` defaults from `out` (`export_format`). `per` is ``"call"``, ``"trajectory"`` or
     ``"segment"``. Open and poisoned rollouts are left out unless `include_open` /
     `include_poisoned`; `rollouts` (ids), `group` (one group id or several) and `since` (a
-    `datetime` or ms since the epoch: rollouts sealed at or after it) narrow the export further.
-    The attachments the rows refer to are written to `attachments_path(out)` unless
-    ``attachments=False`` (never for stdout). Raises `DigestMismatch` (and writes no file) when a
-    record does not verify, ``verify=False`` skips the check; KeyError for a rollout id the store
-    does not hold; ValueError for a bad `format` or `per`. `progress`, if given, is called
+    `datetime` or ms since the epoch: rollouts whose seal time, by the sealing proxy's clock, is
+    at or after it) narrow the export further. `cursor` (an `ExportCursor`) leaves out the
+    rollouts it took, and once the export is complete takes the sealed rollouts exported (a
+    failed export leaves it unchanged): passed to every export of an incremental loop, it exports
+    each sealed rollout exactly once, however late it became visible. The attachments the rows
+    refer to are written to `attachments_path(out)` unless ``attachments=False`` (never for
+    stdout). Raises `DigestMismatch` (and writes no file) when a record does not verify,
+    ``verify=False`` skips the check; KeyError for a rollout id the store does not hold;
+    ValueError for a bad `format` or `per`. `progress`, if given, is called
     with ``(rollouts written, rollouts selected)`` as the export goes.
     """
     fmt = export_format(out, format)
@@ -196,6 +207,7 @@ def export_store(
             group=group,
             rollouts=rollouts,
             skipped=skipped,
+            cursor=cursor,
         )
         # Rollouts without any staged call have nothing to export, left out or not.
         summary.left_out = {
@@ -210,6 +222,8 @@ def export_store(
         run = _Run(store, per, selected, verify, include_untooled, summary, metadata, progress)
         if out == "-":
             run.write(JsonLinesOut(sys.stdout.buffer), None)
+            if cursor is not None:
+                cursor.add(run.taken)
             return summary
         side = AttachmentFile(f"{attachments_path(out)}.{os.getpid()}.tmp") if attachments else None
         try:
@@ -228,6 +242,8 @@ def export_store(
                 side.discard()
             raise
         _place_attachments(side if has_side else None, out, summary)
+        if cursor is not None:
+            cursor.add(run.taken)
         return summary
     finally:
         if isinstance(source, str):
@@ -256,6 +272,8 @@ class _Run:
     summary: ExportSummary
     metadata: dict[str, str]
     progress: Progress | None = None
+    #: The sealed rollouts written (or with nothing to write): what a cursor takes.
+    taken: list[str] = dataclasses.field(default_factory=list)
 
     def write(self, rows_out: RowsOut, side: AttachmentFile | None) -> None:
         """Every selected rollout's rows, one rollout in memory at a time."""
@@ -267,6 +285,8 @@ class _Run:
             records, traj = self.store._read(
                 sel.rollout_id, sel.status, self.include_untooled, self.verify
             )
+            if sel.status.state is RolloutState.SEALED:
+                self.taken.append(sel.rollout_id)
             if not (traj.calls or traj.apart):
                 continue
             rows = _rows_of(self.per, sel, records, traj)
