@@ -16,11 +16,16 @@ A framework that must send the request itself uses the thin wrapper around the s
     raw = ...                                   # POST call.body to vLLM's /v1/chat/completions
     result = await client.complete_call(call, raw)       # StageResult; call.client_body
 
+The driver's side of the control API is here too, through the code its routes run::
+
+    await client.set_weight_version(8)      # stored, stamped on later calls, pushed to vLLM
+
 The records are the ones the proxy stages for the same exchange.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -156,6 +161,47 @@ class CaptureClient:
         )
         if adapter is not None:
             self.pipeline.use_adapter(adapter)
+        # The weight version last set on the store, taken up before the first call or set (as
+        # a proxy does at start): one task that every first caller awaits.
+        self._restoring: asyncio.Future[int] | None = None
+        self._restored = False
+
+    async def _ready(self) -> None:
+        if self._restored:
+            return
+        if self._restoring is None:
+            self._restoring = asyncio.ensure_future(self.capture.restore_weight_version())
+        await self._restoring
+        self._restored = True
+
+    @property
+    def weight_version(self) -> int:
+        """The weight version stamped on calls admitted now: the one last set on the store
+        (taken up at the first call or `set_weight_version`; 0 before, and on a store where
+        none was set). Read-only: set it with `set_weight_version`."""
+        return self.capture.weight_version
+
+    @weight_version.setter
+    def weight_version(self, version: int) -> None:
+        self.capture.weight_version = version  # raises AttributeError naming the setter
+
+    async def set_weight_version(self, version: int) -> dict[str, Any]:
+        """Stamp later calls with `version`, as ``PUT /admin/weight-version`` does (the same code).
+
+        The version is stored first (a client or proxy opened on the store later stamps it
+        too), then pushed to the upstream's ``/update_weight_version`` when it serves it.
+        Returns the route's answer: ``{"weight_version", "engine": "updated" | "not_served" |
+        "failed", "engine_error"?}`` (``not_served`` without an upstream URL). A version lower
+        than the previous one is taken (a rollback): each rollout's next call is flagged
+        ``weight_version_decreased_from``. Raises `ProxyError`: 422 (``param``
+        ``weight_version``) for anything but an integer of 0 or more, 503
+        ``weight_version_not_stored`` when the store cannot take it (calls keep the previous
+        version).
+        """
+        from .upstream.weights import set_weight_version  # aiohttp only when it is used
+
+        await self._ready()
+        return await set_weight_version(self.capture, self.pipeline.upstream, version)
 
     async def chat(self, rollout_id: str, request: bytes | Mapping[str, Any]) -> ChatResult:
         """Run one call through the whole flow: validate, admit, call the upstream, stage.
@@ -164,6 +210,7 @@ class CaptureClient:
         `RequestValidationError` is the ``__cause__``) and `UpstreamFailed` when the upstream
         cannot be reached or its answer breaks off (recorded as ``upstream_error``).
         """
+        await self._ready()
         exchange = self.pipeline.exchange(rollout_id)
         await exchange.prepare(request)
         try:
@@ -182,6 +229,7 @@ class CaptureClient:
 
     async def stream(self, rollout_id: str, request: bytes | Mapping[str, Any]) -> Streamed:
         """Like `chat` for a streamed request, yielding the SSE bytes as they arrive."""
+        await self._ready()
         exchange = self.pipeline.exchange(rollout_id)
         await exchange.prepare(request)
         return Streamed(exchange)
@@ -190,6 +238,7 @@ class CaptureClient:
         """Normalize, validate and admit a request. Raises `RequestValidationError` for a bad
         one (recorded in the rollout's ledger as ``rejected``) and `ProxyError` for admission
         refusals (sealed rollout, limits)."""
+        await self._ready()
         exchange = self.pipeline.exchange(rollout_id)
         try:
             await exchange.prepare(request)

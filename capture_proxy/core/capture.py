@@ -107,7 +107,7 @@ class Capture:
         self.stager = Stager(sink, timeout=stage_timeout, max_pending=max_pending)
         self.max_inflight = max_inflight
         self.max_inflight_per_rollout = max_inflight_per_rollout
-        self.weight_version = 0
+        self._weight_version = 0
         self.rollouts: dict[str, RolloutLive] = {}
         self.inflight = 0
         self.ledger = LedgerWriter(sink, timeout=stage_timeout, max_held=max_held_ledger)
@@ -186,30 +186,55 @@ class Capture:
 
     # -- weight version ------------------------------------------------------------------------
 
+    @property
+    def weight_version(self) -> int:
+        """The weight version stamped on calls admitted now (0 until set). Read-only: set it with
+        `set_weight_version`, which stores it first."""
+        return self._weight_version
+
+    @weight_version.setter
+    def weight_version(self, version: int) -> None:
+        # Assigning would stamp calls with a version the store does not hold (a restart would
+        # forget it) and skip the checks: there is one way to set it.
+        raise AttributeError(
+            "Capture.weight_version is read-only: set it with `await set_weight_version(version)`"
+            " (CaptureClient.set_weight_version, PUT /admin/weight-version), which stores it "
+            "before calls are stamped with it"
+        )
+
     async def set_weight_version(self, version: int) -> None:
         """Stamp later calls with `version`, once the store holds it (a restart restores it).
 
-        Raises `CaptureUnavailable` (503) when the store cannot take it; the version in use then
-        stays what it was, so no call is stamped with a version a restart would forget.
+        Raises `Unprocessable` (422, ``param`` ``weight_version``) for anything but an integer
+        of 0 or more, and `CaptureUnavailable` (503) when the store cannot take it; the version
+        in use then stays what it was, so no call is stamped with a version a restart would
+        forget. A version lower than the previous one is taken (a rollback to a checkpoint):
+        each rollout's next call is flagged instead (`capture_proxy.core.weights`).
         """
+        if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+            raise Unprocessable(
+                f"the weight version must be an integer of 0 or more, got {version!r}",
+                code="invalid_value",
+                param="weight_version",
+            )
         try:
             await self.sink.put_rollout(state_header(version))
         except Exception as exc:  # any sink failure: the driver must learn it was not applied
             raise CaptureUnavailable(
                 f"the weight version {version} could not be stored ({exc}); calls are still "
-                f"stamped {self.weight_version}",
+                f"stamped {self._weight_version}",
                 code="weight_version_not_stored",
                 headers={"Retry-After": "1"},
             ) from exc
-        self.weight_version = version
+        self._weight_version = version
 
     async def restore_weight_version(self) -> int:
         """Take up the weight version last set on the store (at start); returns the version."""
         if self.source is not None:
             stored = await asyncio.to_thread(stored_weight_version, self.source)
             if stored is not None:
-                self.weight_version = stored
-        return self.weight_version
+                self._weight_version = stored
+        return self._weight_version
 
     # -- rollouts ------------------------------------------------------------------------------
 

@@ -38,6 +38,7 @@ from ..errors import (
 from ..schemas.outcome import RolloutOutcome
 from ..schemas.request import RequestValidationError
 from ..upstream.replicas import ReplicaSet
+from ..upstream.weights import fleet_answer, set_weight_version
 from .read_routes import reader_may_not
 from .state import STATE, ProxyState, token_bytes
 from .validation import answer_for, check_reward, check_rollout_policy, read_body
@@ -203,51 +204,10 @@ async def seal(request: web.Request) -> web.Response:
     return _json(_manifest_live(live, state))
 
 
-async def _set_weight_version(state: ProxyState, version: int) -> dict[str, Any]:
-    """The one setter: store `version` and stamp it on later calls, then push it to the
-    upstream's ``/update_weight_version`` when served (every healthy replica's, with several:
-    ``engine_replicas`` gives each one's result). The store is the record's truth, so a push that
-    fails is reported (``engine: failed``) and logged, never undoes the version."""
-    await state.capture.set_weight_version(version)
-    upstream = state.upstream
-    if isinstance(upstream, ReplicaSet):
-        results = await upstream.on_healthy(lambda u: u.push_weight_version(version), "updated")
-        return {"weight_version": version, **_fleet_answer("engine", results, "updated")}
-    try:
-        engine = "updated" if await upstream.push_weight_version(version) else "not_served"
-    except UpstreamFailed as e:
-        log.warning("weight version %d stored, but not pushed to the upstream: %s", version, e)
-        return {"weight_version": version, "engine": "failed", "engine_error": e.message}
-    return {"weight_version": version, "engine": engine}
-
-
-def _fleet_answer(key: str, results: dict[str, str], done: str) -> dict[str, Any]:
-    """The answer of an engine route sent to every replica: ``failed`` when any failed (named
-    in ``<key>_error``) or none was healthy to try, else `done` when any did it, else
-    ``not_served``; ``<key>_replicas`` holds each replica's own result."""
-    failed = {name: r for name, r in results.items() if r.startswith("failed")}
-    if all(r.startswith("skipped") for r in results.values()):
-        answer: dict[str, Any] = {
-            key: "failed",
-            f"{key}_error": "no healthy replica to reach: "
-            + "; ".join(f"{name}: {r}" for name, r in results.items()),
-        }
-    elif failed:
-        answer = {
-            key: "failed",
-            f"{key}_error": "; ".join(f"{name}: {r}" for name, r in failed.items()),
-        }
-    elif any(r == done for r in results.values()):
-        answer = {key: done}
-    else:
-        answer = {key: "not_served"}
-    return {**answer, f"{key}_replicas": results}
-
-
 async def put_weight_version(request: web.Request) -> web.Response:
     state = _authorize(request)
     body = read_body(await request.read(), WeightVersion)
-    return _json(await _set_weight_version(state, body.weight_version))
+    return _json(await set_weight_version(state.capture, state.upstream, body.weight_version))
 
 
 async def pause_weights(request: web.Request) -> web.Response:
@@ -264,7 +224,7 @@ async def pause_weights(request: web.Request) -> web.Response:
     upstream = state.upstream
     if isinstance(upstream, ReplicaSet):
         results = await upstream.on_healthy(lambda u: u.pause_engine(), "paused")
-        engine_answer = _fleet_answer("engine", results, "paused")
+        engine_answer = fleet_answer("engine", results, "paused")
         if engine_answer["engine"] == "failed":
             raise UpstreamFailed(
                 f"pausing the replicas failed: {engine_answer['engine_error']}",
@@ -292,11 +252,11 @@ async def resume_weights(request: web.Request) -> web.Response:
     body = read_body(raw, ResumeBody) if raw.strip() else ResumeBody()
     answer: dict[str, Any] = {"weight_version": state.capture.weight_version}
     if body.weight_version is not None:
-        answer = await _set_weight_version(state, body.weight_version)
+        answer = await set_weight_version(state.capture, state.upstream, body.weight_version)
     upstream = state.upstream
     if isinstance(upstream, ReplicaSet):
         results = await upstream.on_healthy(lambda u: u.resume_engine(), "resumed")
-        resume = _fleet_answer("engine_resume", results, "resumed")
+        resume = fleet_answer("engine_resume", results, "resumed")
         if resume["engine_resume"] == "failed":
             raise UpstreamFailed(
                 f"resuming the replicas failed: {resume['engine_resume_error']}",
