@@ -19,6 +19,7 @@ A framework that must send the request itself uses the thin wrapper around the s
 The driver's side of the control API is here too, through the code its routes run::
 
     await client.set_weight_version(8)      # stored, stamped on later calls, pushed to vLLM
+    await client.put_outcome("rollout-7", {"reward": 1.0, "group_id": "g3"})
 
 The records are the ones the proxy stages for the same exchange.
 """
@@ -26,6 +27,7 @@ The records are the ones the proxy stages for the same exchange.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -284,6 +286,28 @@ class CaptureClient:
     ) -> None:
         """Record a call that ended without an answer to stage (upstream error, abort)."""
         await self.capture.fail_call(prepared.call, status, reason, message[:500], http_status)
+
+    async def put_outcome(
+        self, rollout_id: str, outcome: bytes | Mapping[str, Any]
+    ) -> dict[str, Any]:
+        """Store the rollout's outcome as ``PUT /admin/rollouts/{id}/outcome`` does (the same code).
+
+        `outcome` is the route's body, a dict or its JSON bytes: ``reward`` (a number, or an
+        object of numbers), ``group_id`` and ``metadata``, one of them at least; a later outcome
+        replaces the whole earlier one as the rollout's latest, the history keeping each. Open or
+        sealed rollouts alike, known to this client or only to the store. Returns the route's
+        answer, ``{"rollout_id", "state", "outcome", "revisions"}``. Raises the route's errors
+        as `ProxyError`: 404 ``unknown_rollout``, 422 naming the value refused (``param``, e.g.
+        ``reward.pass``; a NaN included), 422 ``empty_outcome``, 413 ``outcome_too_large``, 409
+        past the outcomes kept per rollout, 503 ``outcome_not_stored`` (nothing changed); and
+        `TypeError` for a dict holding a value JSON cannot.
+        """
+        from .server.outcomes import put_outcome  # pydantic only when it is used
+
+        # The standard library writes NaN and infinities as such, so the route's decoding
+        # refuses them by name (orjson would write null, silently dropping the reward).
+        raw = outcome if isinstance(outcome, bytes) else json.dumps(outcome).encode()
+        return await put_outcome(self.capture, rollout_id, raw)
 
     async def seal(self, rollout_id: str, wait_s: float = 60.0) -> None:
         await self.capture.seal(rollout_id, wait_s)

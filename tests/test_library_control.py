@@ -1,17 +1,20 @@
 """The driver's side of the control API through `CaptureClient`: the weight version, through the
 code ``PUT /admin/weight-version`` runs (stored first, checked, pushed to vLLM), and no other way
-to set it."""
+to set it; a rollout's outcome, through the code ``PUT /admin/rollouts/{id}/outcome`` runs."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
 from aiohttp.test_utils import TestServer
 
 from capture_proxy.errors import ProxyError
 from capture_proxy.library import CaptureClient
+from capture_proxy.read.reader import open_store
 from capture_proxy.schemas.records import CallStatus, RolloutInfo
 from capture_proxy.sinks.base import PROXY_STATE_ROLLOUT, StoreError
 from capture_proxy.sinks.memory import MemorySink
@@ -124,5 +127,85 @@ async def test_a_version_the_store_cannot_keep_is_503_and_not_pushed(
         assert "still stamped 0" in refused.value.message
         assert (client.weight_version, upstream.weight_version) == (0, "default")
         assert PROXY_STATE_ROLLOUT not in sink.rollouts()
+    finally:
+        await client.close()
+
+
+async def test_put_outcome_stores_it_on_open_and_sealed_rollouts(
+    tmp_path: Path, fake: tuple[FakeVLLM, str]
+) -> None:
+    upstream, base = fake
+    upstream.push(Turn("a"))
+    client = CaptureClient(open_sink(_url(tmp_path)), upstream=base)
+    try:
+        await client.chat("ep", chat_body(user("hi")))
+        first = await client.put_outcome("ep", {"reward": 0.5, "group_id": "g1"})
+        assert first["rollout_id"] == "ep"
+        assert (first["state"], first["revisions"]) == ("open", 1)
+        assert (first["outcome"]["reward"], first["outcome"]["group_id"]) == (0.5, "g1")
+        await client.seal("ep")
+        # JSON bytes, as the route takes them; the judge's second word replaces the first.
+        again = await client.put_outcome("ep", b'{"reward": {"pass": 1, "style": 0.25}}')
+        assert (again["state"], again["revisions"]) == ("sealed", 2)
+    finally:
+        await client.close()
+    # A client started later knows the rollout only from the store: the outcome goes there too.
+    later = CaptureClient(open_sink(_url(tmp_path)))
+    try:
+        assert (await later.put_outcome("ep", {"reward": 1.0, "group_id": "g1"}))["revisions"] == 3
+    finally:
+        await later.close()
+    with open_store(_url(tmp_path)) as store:
+        info = store.rollout_info("ep")
+        assert [o.scalar_reward for o in info.outcome_history] == [0.5, None, 1.0]
+        traj = store.trajectory("ep")
+        assert (traj.reward, traj.group_id) == (1.0, "g1")
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "code", "param", "says"),
+    [
+        ({"reward": float("nan")}, 422, None, "reward", "reward"),
+        ({"reward": {"pass": "yes"}}, 422, "invalid_type", "reward.pass", "at reward.pass"),
+        ({}, 422, "empty_outcome", "", "An outcome needs one of"),
+        ({"reward": 1, "score": 2}, 422, None, "score", "score"),
+        ({"group_id": ""}, 422, None, "group_id", "group_id"),
+        (b"not json", 400, "invalid_json", None, "not valid JSON"),
+        ({"metadata": {"note": "x" * 70_000}}, 413, "outcome_too_large", None, "at most 65536"),
+    ],
+)
+async def test_a_bad_outcome_is_refused_as_the_route_refuses_it(
+    tmp_path: Path,
+    body: bytes | dict[str, Any],
+    status: int,
+    code: str | None,
+    param: str | None,
+    says: str,
+) -> None:
+    client = CaptureClient(open_sink(_url(tmp_path)))
+    try:
+        # The body is checked before the rollout is looked up, as on the route.
+        with pytest.raises(ProxyError) as refused:
+            await client.put_outcome("nope", body)
+        e = refused.value
+        assert e.status == status
+        assert code is None or e.code == code
+        assert e.param == param
+        assert says in e.message
+    finally:
+        await client.close()
+
+
+async def test_an_unknown_rollout_is_404_and_a_value_json_cannot_hold_a_type_error(
+    tmp_path: Path,
+) -> None:
+    client = CaptureClient(open_sink(_url(tmp_path)))
+    try:
+        with pytest.raises(ProxyError) as refused:
+            await client.put_outcome("nope", {"reward": 1.0})
+        assert (refused.value.status, refused.value.code) == (404, "unknown_rollout")
+        assert refused.value.message == "no rollout nope"
+        with pytest.raises(TypeError, match="datetime is not JSON serializable"):
+            await client.put_outcome("nope", {"metadata": {"at": datetime.now(UTC)}})
     finally:
         await client.close()

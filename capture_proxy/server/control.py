@@ -16,7 +16,6 @@ import asyncio
 import hmac
 import logging
 import secrets
-import time
 from typing import Any
 
 import orjson
@@ -24,24 +23,22 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..core.ids import new_call_id, valid_rollout_id
-from ..core.outcomes import MAX_OUTCOME_BYTES
 from ..core.rollouts import RolloutLive, resume_rollout
 from ..core.scale_out import rollout_conflict
 from ..errors import (
     Forbidden,
     NotFound,
-    PayloadTooLarge,
     Unauthorized,
     Unprocessable,
     UpstreamFailed,
 )
-from ..schemas.outcome import RolloutOutcome
 from ..schemas.request import RequestValidationError
 from ..upstream.replicas import ReplicaSet
 from ..upstream.weights import fleet_answer, set_weight_version
+from .outcomes import put_outcome as store_outcome
 from .read_routes import reader_may_not
 from .state import STATE, ProxyState, token_bytes
-from .validation import answer_for, check_reward, check_rollout_policy, read_body
+from .validation import answer_for, check_rollout_policy, read_body
 
 __all__ = ["add_control_routes"]
 
@@ -69,15 +66,6 @@ class ResumeBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     weight_version: int | None = Field(default=None, ge=0)
-
-
-class OutcomeBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    #: A number or an object of numbers: checked by `check_reward`, which names the component.
-    reward: Any = None
-    group_id: str | None = Field(default=None, min_length=1, max_length=256)
-    metadata: dict[str, Any] | None = None
 
 
 def _json(data: Any, status: int = 200) -> web.Response:
@@ -268,43 +256,10 @@ async def resume_weights(request: web.Request) -> web.Response:
     return _json({"paused": False, **answer, **resume})
 
 
-def _outcome_of(body: OutcomeBody) -> RolloutOutcome:
-    try:
-        reward = check_reward(body.reward)
-    except RequestValidationError as e:
-        raise answer_for(e) from e
-    if reward is None and body.group_id is None and body.metadata is None:
-        raise Unprocessable(
-            "An outcome needs one of `reward`, `group_id`, `metadata` at the top level of the "
-            "request body; a later outcome replaces the whole earlier one",
-            code="empty_outcome",
-            param="",
-        )
-    return RolloutOutcome(reward, body.group_id, body.metadata, int(time.time() * 1000))
-
-
 async def put_outcome(request: web.Request) -> web.Response:
     state = _authorize(request)
     rollout_id = request.match_info["rollout_id"]
-    raw = await request.read()
-    if len(raw) > MAX_OUTCOME_BYTES:
-        raise PayloadTooLarge(
-            f"an outcome body is at most {MAX_OUTCOME_BYTES} bytes, got {len(raw)}",
-            code="outcome_too_large",
-        )
-    outcome = _outcome_of(read_body(raw, OutcomeBody))
-    try:
-        header = await state.capture.put_outcome(rollout_id, outcome)
-    except KeyError as exc:
-        raise NotFound(f"no rollout {rollout_id}", code="unknown_rollout") from exc
-    return _json(
-        {
-            "rollout_id": rollout_id,
-            "state": str(header.state),
-            "outcome": outcome.to_dict(),
-            "revisions": len(header.outcome_history),
-        }
-    )
+    return _json(await store_outcome(state.capture, rollout_id, await request.read()))
 
 
 def add_control_routes(app: web.Application) -> None:
