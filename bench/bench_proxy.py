@@ -146,7 +146,7 @@ def scenarios(quick: bool) -> list[Scenario]:
             Scenario("unary-200ms-poisson100", "200ms", False, "poisson", rate=100, duration=4),
             Scenario("unary-200ms-sequential", "200ms", False, "closed", concurrency=1, duration=6),
             Scenario(
-                "unary-200ms-sequential-session",
+                "unary-200ms-one-session",
                 "200ms",
                 False,
                 "closed",
@@ -186,7 +186,7 @@ def scenarios(quick: bool) -> list[Scenario]:
             "share of a call's latency; each call is the first of its rollout (32 sessions)",
         ),
         Scenario(
-            "unary-200ms-sequential-session",
+            "unary-200ms-one-session",
             "200ms",
             False,
             "closed",
