@@ -9,7 +9,8 @@ Writes differ by where the dataset is:
 
 * **A local folder**: `os` calls, because pyarrow offers no `fsync`: temporary name, fsync,
   rename, fsync of the directory. A create-if-absent write (`DatasetFS.create`) is
-  ``O_CREAT | O_EXCL`` and fsynced the same way.
+  ``O_CREAT | O_EXCL`` and fsynced the same way. The files of one call (a unit's data files, a
+  group commit's claims) are fsynced all at once, then their folders (`_sync`).
 * **Object storage by URL** (``s3://``, ``gs://``, ``az://``...): through obstore, built from
   the URL and the standard environment variables (``AWS_ACCESS_KEY_ID``, ``AWS_ENDPOINT_URL``,
   ``AWS_REGION``, ...), or an obstore store given as `store`. Each file is one single-request

@@ -25,6 +25,15 @@ _pool: concurrent.futures.ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 
 
+def _forget_pool() -> None:
+    # A forked child has none of its parent's threads: it starts a pool (and a lock) of its own.
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pool)
+
+
 def _executor() -> concurrent.futures.ThreadPoolExecutor:
     global _pool
     with _pool_lock:
