@@ -35,6 +35,15 @@ from workload import TURNS, build_workload, tag_request
 from capture_proxy.server.event_loop import LOOPS, run
 
 
+def _error_code(body: bytes) -> str:
+    """The ``error.code`` of a proxy's JSON error body ("" when it has none)."""
+    try:
+        error = orjson.loads(body).get("error")
+    except (ValueError, AttributeError):
+        return ""
+    return str(error.get("code") or "") if isinstance(error, dict) else ""
+
+
 class Load:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -68,7 +77,8 @@ class Load:
                         ttfb, tail, size = await self._read_stream(resp, t0)
                     else:
                         data = await resp.read()
-                        ttfb, tail, size = time.perf_counter() - t0, data[-64:], len(data)
+                        tail = data if resp.status != 200 else data[-64:]  # an error body whole
+                        ttfb, size = time.perf_counter() - t0, len(data)
                     elapsed = time.perf_counter() - t0
                     problem = self._check(resp, tail)
         except (aiohttp.ClientError, TimeoutError, OSError) as e:
@@ -96,7 +106,8 @@ class Load:
 
     def _check(self, resp: aiohttp.ClientResponse, tail: bytes) -> str | None:
         if resp.status != 200:
-            return f"HTTP {resp.status}"
+            # The error body's code says which refusal it was (staging_backlog, paused, ...).
+            return f"HTTP {resp.status} {_error_code(tail)}".rstrip()
         status = resp.headers.get("X-Capture-Status")
         if self.args.stream:
             if not tail.endswith(b"data: [DONE]\n\n"):
