@@ -351,10 +351,13 @@ def run_load(
     argv += ["--loop", LOOP["loop"]]
     argv += [*scenario.load_args(), "--drain", str(drain), *extra]
     limit = scenario.duration + drain + 120
-    done = subprocess.run(argv, capture_output=True, timeout=limit, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"load generator failed: {done.stderr.decode()[-2000:]}")
-    result: dict[str, Any] = orjson.loads(done.stdout)
+    with tempfile.TemporaryDirectory(prefix="bench-load-") as tmp:
+        out = Path(tmp) / "result.json"
+        argv += ["--out", str(out)]
+        done = subprocess.run(argv, capture_output=True, timeout=limit, check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"load generator failed: {done.stderr.decode()[-2000:]}")
+        result: dict[str, Any] = orjson.loads(out.read_bytes())
     return result
 
 

@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import random
-import sys
 import time
 from typing import Any
 
 import aiohttp
 import orjson
+from load_result import write_result
 from workload import TURNS, build_workload, tag_request
 
 from capture_proxy.server.event_loop import LOOPS, run
@@ -202,13 +201,10 @@ def main() -> None:
         "--drain", type=float, default=20.0, help="seconds to wait for calls after the last start"
     )
     p.add_argument("--loop", choices=LOOPS, default=LOOPS[0], help="event loop")
+    p.add_argument("--out", default=None, help="write the result (JSON) here, not to stdout")
     args = p.parse_args()
     result = run(Load(args).run(), args.loop)
-    # libuv leaves the pipe it was given non-blocking: a result over the pipe's buffer (the fast
-    # closed loops' latencies) would be cut short by a partial write.
-    os.set_blocking(sys.stdout.fileno(), True)
-    sys.stdout.buffer.write(orjson.dumps(result))
-    sys.stdout.flush()
+    write_result(result, args.out)
 
 
 if __name__ == "__main__":
