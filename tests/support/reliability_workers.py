@@ -155,6 +155,7 @@ class Loader:
 
     `acked` maps every call id whose answer said ``staged`` to its rollout; `outcomes` counts
     what the calls got (``staged``, ``capture_failed``, ``http_<status>``, ``conn_error``, ...).
+    `sealed` holds the rollouts it sealed (with `admin_token`).
     `latencies` holds the seconds of calls that completed (a bounded reservoir).
     """
 
@@ -168,6 +169,8 @@ class Loader:
     #: With the proxy's admin token, each finished session's rollout is sealed (as a driver does).
     admin_token: str | None = None
     acked: dict[str, str] = field(default_factory=dict)
+    #: The rollouts whose seal the proxy answered 200.
+    sealed: set[str] = field(default_factory=set)
     outcomes: Counter[str] = field(default_factory=Counter)
     latencies: list[float] = field(default_factory=list)
     _sessions: list[_Session] = field(default_factory=list)
@@ -261,6 +264,8 @@ class Loader:
             async with self._http.post(url, headers=headers) as resp:
                 await resp.read()
                 self.outcomes["sealed" if resp.status == 200 else f"seal_{resp.status}"] += 1
+                if resp.status == 200:
+                    self.sealed.add(rollout)
         except (aiohttp.ClientError, TimeoutError):
             self.outcomes["conn_error"] += 1
 
