@@ -24,7 +24,7 @@ import pytest
 
 from capture_proxy.read.reader import Store
 from capture_proxy.schemas.events import EventKind, check_chain
-from capture_proxy.sinks.registry import open_source
+from capture_proxy.sinks.parquet import ParquetSource
 from tests.support import ROOT
 from tests.support.reliability_workers import Loader, Spawned, start_fake, start_proxy
 from tests.support.s3 import MotoS3
@@ -111,9 +111,10 @@ def _proxy(upstream: str, url: str) -> Spawned:
 
 
 def _check_store(url: str, loaders: list[Loader], removed: set[str]) -> dict[str, int]:
-    source = open_source(url)
+    source = ParquetSource(url)
     try:
-        with Store(source) as store:
+        # One listing of the units for every read below (not one LIST per read).
+        with source.snapshot(), Store(source) as store:
             staged = set(source.all_keys())
             acked = {
                 call: rollout
@@ -157,6 +158,7 @@ async def test_three_proxies_on_one_store_with_compaction_and_gc_a_sigkill_and_a
     url = moto_s3.url()
     fake = start_fake(latency=0.1)
     proxies: list[Spawned] = []
+    spawned: list[Spawned] = []  # proxies replaced during the run
     # Proxy 0's sandboxes are the ones handed on (their rollouts stay open, so gc keeps them and
     # their handoffs); the others keep proxies 1 and 2 writing and sealing rollouts for gc.
     loaders = [
@@ -175,6 +177,7 @@ async def test_three_proxies_on_one_store_with_compaction_and_gc_a_sigkill_and_a
         await _until_staged(loaders[0], PHASE_CALLS)
         # Proxy 0 dies mid-load; its sandboxes are sent to proxy 1: their rollouts are handed on.
         proxies[0].kill()
+        spawned.append(proxies[0])
         await loaders[0].stop()
         loaders[0].start(proxies[1].url)
         await _until_staged(loaders[0], PHASE_CALLS)
@@ -199,6 +202,9 @@ async def test_three_proxies_on_one_store_with_compaction_and_gc_a_sigkill_and_a
         for p in proxies:
             p.terminate()
         fake.terminate()
+        # Each proxy's whole output, for a failure's diagnosis (the SIGKILLed one first).
+        for i, p in enumerate([*spawned, *proxies]):
+            (tmp_path / f"proxy-{i}.log").write_text("\n".join(p.lines) + "\n")
     assert did.failures == [], did.failures
     assert did.merges > 0, did
     assert did.removed, did
@@ -213,5 +219,5 @@ async def test_three_proxies_on_one_store_with_compaction_and_gc_a_sigkill_and_a
         f"\n{acked} calls acknowledged; {seen}; maintenance: {len(did.log)} runs "
         f"({did.refused} refused), {did.merges} compactions merged units, "
         f"{len(did.removed)} rollouts removed; load {load_s:.0f} s "
-        f"(phases {phases_s:.0f} s); runs: {did.log}"
+        f"(phases {phases_s:.0f} s); runs: {did.log}; proxies' output in {tmp_path}"
     )
