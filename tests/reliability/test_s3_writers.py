@@ -196,6 +196,8 @@ async def test_three_proxies_on_one_store_with_compaction_and_gc_a_sigkill_and_a
         for loader in loaders:
             await loader.stop(finish_within=10)
     finally:
+        for loader in loaders:  # the load stops first when a step above failed
+            await loader.stop()
         stop_maintenance.set()
         if maintenance is not None:
             await maintenance

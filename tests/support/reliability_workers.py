@@ -207,9 +207,9 @@ class Loader:
 
     async def stop(self, *, finish_within: float = 0.0) -> None:
         """Stop the sandboxes: at once (calls in flight are abandoned), or after letting their
-        current calls finish for up to `finish_within` seconds."""
-        assert self._stop is not None
-        assert self._http is not None
+        current calls finish for up to `finish_within` seconds. Stopped already: nothing."""
+        if self._stop is None or self._http is None or self._http.closed:
+            return
         self._stop.set()
         if finish_within > 0 and self._tasks:
             await asyncio.wait(self._tasks, timeout=finish_within)
