@@ -217,8 +217,10 @@ async def test_three_proxies_on_one_store_with_compaction_and_gc_a_sigkill_and_a
     seen = await asyncio.to_thread(_check_store, url, loaders, did.removed)
     assert seen["handoffs"] >= 1, seen
     acked = sum(len(loader.acked) for loader in loaders)
+    outcomes = {loader.name: dict(loader.outcomes) for loader in loaders}
     print(
-        f"\n{acked} calls acknowledged; {seen}; maintenance: {len(did.log)} runs "
+        f"\n{acked} calls acknowledged; {seen}; outcomes: {outcomes}; "
+        f"maintenance: {len(did.log)} runs "
         f"({did.refused} refused), {did.merges} compactions merged units, "
         f"{len(did.removed)} rollouts removed; load {load_s:.0f} s "
         f"(phases {phases_s:.0f} s); runs: {did.log}; proxies' output in {tmp_path}"
