@@ -33,6 +33,8 @@ from tests.support.s3 import MotoS3
 PHASE_CALLS = 4
 #: How long the load may go on after the phases, waiting for maintenance to have done its work.
 MAINTENANCE_WAIT_S = 60.0
+#: How long the moved sandboxes' calls on proxy 1 may take to end before they move back.
+HANDBACK_WAIT_S = 30.0
 _ADMIN = "s3-writers-admin"
 #: What a maintenance run refused because another run holds the lease says (docs/storage.md).
 _LEASE_HELD = "another maintenance run holds"
@@ -181,9 +183,12 @@ async def test_three_proxies_on_one_store_with_compaction_and_gc_a_sigkill_and_a
         await loaders[0].stop()
         loaders[0].start(proxies[1].url)
         await _until_staged(loaders[0], PHASE_CALLS)
-        # Proxy 0 comes back; the sandboxes go back to it: their rollouts are handed on again.
+        # Proxy 0 comes back; the sandboxes go back to it: their rollouts are handed on again,
+        # once their calls on proxy 1 have ended (a call still running there would append to
+        # the rollout's event chain beside proxy 0: two writers at once, which forks it).
         proxies[0] = _proxy(fake.url, url)
-        await loaders[0].stop(finish_within=10)
+        cut = await loaders[0].stop(finish_within=HANDBACK_WAIT_S)
+        assert cut == 0, f"{cut} calls on proxy 1 still running after {HANDBACK_WAIT_S} s"
         loaders[0].start(proxies[0].url)
         await _until_staged(loaders[0], PHASE_CALLS)
         phases_s = time.monotonic() - started

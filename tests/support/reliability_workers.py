@@ -205,18 +205,21 @@ class Loader:
             asyncio.ensure_future(self._worker(base_url, i)) for i in range(self.concurrency)
         ]
 
-    async def stop(self, *, finish_within: float = 0.0) -> None:
+    async def stop(self, *, finish_within: float = 0.0) -> int:
         """Stop the sandboxes: at once (calls in flight are abandoned), or after letting their
-        current calls finish for up to `finish_within` seconds. Stopped already: nothing."""
+        current calls finish for up to `finish_within` seconds. Returns how many sandboxes were
+        still in a call when they were stopped (0 when stopped already)."""
         if self._stop is None or self._http is None or self._http.closed:
-            return
+            return 0
         self._stop.set()
         if finish_within > 0 and self._tasks:
             await asyncio.wait(self._tasks, timeout=finish_within)
+        cut = sum(1 for task in self._tasks if not task.done())
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self._http.close()
+        return cut
 
     async def _worker(self, base_url: str, i: int) -> None:
         assert self._stop is not None
