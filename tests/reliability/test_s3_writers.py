@@ -107,9 +107,13 @@ async def _until_staged(loader: Loader, n: int) -> None:
 
 
 def _proxy(upstream: str, url: str) -> Spawned:
-    p = start_proxy(upstream, url, "--min-free-disk-mb", "0", "--admin-token", _ADMIN, cwd=ROOT)
-    p.wait_ready(120)
-    return p
+    """A proxy process starting; `_ready` waits for it."""
+    return start_proxy(upstream, url, "--min-free-disk-mb", "0", "--admin-token", _ADMIN, cwd=ROOT)
+
+
+async def _ready(*proxies: Spawned) -> None:
+    """Until the proxies listen: together, and off the event loop, so the load goes on."""
+    await asyncio.gather(*(asyncio.to_thread(p.wait_ready, 120) for p in proxies))
 
 
 def _check_store(url: str, loaders: list[Loader], removed: set[str]) -> dict[str, int]:
@@ -172,6 +176,7 @@ async def test_three_proxies_on_one_store_with_compaction_and_gc_a_sigkill_and_a
     maintenance: asyncio.Task[None] | None = None
     try:
         proxies = [_proxy(fake.url, url) for _ in range(3)]
+        await _ready(*proxies)
         for loader, proxy in zip(loaders, proxies, strict=True):
             loader.start(proxy.url)
         maintenance = asyncio.ensure_future(_maintain(url, phases_done, stop_maintenance, did))
@@ -187,6 +192,7 @@ async def test_three_proxies_on_one_store_with_compaction_and_gc_a_sigkill_and_a
         # once their calls on proxy 1 have ended (a call still running there would append to
         # the rollout's event chain beside proxy 0: two writers at once, which forks it).
         proxies[0] = _proxy(fake.url, url)
+        await _ready(proxies[0])
         cut = await loaders[0].stop(finish_within=HANDBACK_WAIT_S)
         assert cut == 0, f"{cut} calls on proxy 1 still running after {HANDBACK_WAIT_S} s"
         loaders[0].start(proxies[0].url)
@@ -206,8 +212,7 @@ async def test_three_proxies_on_one_store_with_compaction_and_gc_a_sigkill_and_a
         stop_maintenance.set()
         if maintenance is not None:
             await maintenance
-        for p in proxies:
-            p.terminate()
+        await asyncio.gather(*(asyncio.to_thread(p.terminate) for p in proxies))
         fake.terminate()
         # Each proxy's whole output, for a failure's diagnosis (the SIGKILLed one first).
         for i, p in enumerate([*spawned, *proxies]):
