@@ -90,10 +90,15 @@ class Spawned:
                 self._ready.set()
 
     def wait_ready(self, timeout: float = 30.0) -> str:
-        """The URL the process announced; raises with its output if it did not start."""
-        if not self._ready.wait(timeout):
-            self.kill()
-            raise RuntimeError(f"{self.proc.args!r} did not start:\n{self.output()}")
+        """The URL the process announced; raises with its output if it did not start (at once
+        when it exited)."""
+        deadline = time.monotonic() + timeout
+        while not self._ready.wait(0.1):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.kill()  # and read the rest of its output
+                if self._ready.is_set():
+                    break  # it announced its URL, then exited: the caller finds out
+                raise RuntimeError(f"{self.proc.args!r} did not start:\n{self.output()}")
         return self.url
 
     def kill(self) -> int:
