@@ -31,6 +31,9 @@ from tests.support.s3 import MotoS3
 
 #: Calls each phase waits for the moved sandboxes to have staged (load keeps running meanwhile).
 PHASE_CALLS = 4
+#: How long a phase may take. The restarted proxy's first calls resume their rollouts from the
+#: store, which on a busy machine took up to a minute (it indexes every unit written so far).
+PHASE_WAIT_S = 120.0
 #: How long the load may go on after the phases, waiting for maintenance to have done its work.
 MAINTENANCE_WAIT_S = 60.0
 #: How long the moved sandboxes' calls on proxy 1 may take to end before they move back.
@@ -99,7 +102,7 @@ async def _maintain(
 
 
 async def _until_staged(loader: Loader, n: int) -> None:
-    deadline = time.monotonic() + 60.0
+    deadline = time.monotonic() + PHASE_WAIT_S
     want = loader.outcomes["staged"] + n
     while loader.outcomes["staged"] < want:
         assert time.monotonic() < deadline, (loader.name, dict(loader.outcomes))
