@@ -310,7 +310,15 @@ class ParquetSource(Loading):
         return self._read(lambda: self._ledger_of(rollout_id).failures_of(rollout_id))
 
     def events(self, rollout_id: str) -> list[RolloutEvent]:
-        return self._read(lambda: list(self._ledger_of(rollout_id).events.get(rollout_id, ())))
+        # In position order, as the protocol says, not commit order: with several writers, a
+        # merged unit takes its last unit's order, so a writer's unit committed after the
+        # compaction listed the units can sort before the merged unit holding its rollout's
+        # earlier events. Stable: two events at one position (a fork) keep their commit order.
+        def run() -> list[RolloutEvent]:
+            events = self._ledger_of(rollout_id).events.get(rollout_id, ())
+            return sorted(events, key=lambda e: e.position)
+
+        return self._read(run)
 
     def claims(self, rollout_id: str) -> dict[int, str]:
         # The claim files are the authority (a unit holding the claim event may have failed
@@ -321,16 +329,23 @@ class ParquetSource(Loading):
         """Each rollout's last event as (position, hash): where a writer continues its chain."""
 
         def run() -> dict[str, tuple[int, str]]:
+            # The highest position, not the last committed: see `events`.
             idx = self._index
             if isinstance(idx, Index):
-                return {r: (e[-1].position, e[-1].hash) for r, e in idx.ledger.events.items()}
+                heads = {}
+                for r, events in idx.ledger.events.items():
+                    last = max(events, key=lambda e: e.position)
+                    heads[r] = (last.position, last.hash)
+                return heads
             # A units index holds no events: one pass over the ledger files (a writer's open).
-            heads: dict[str, tuple[int, str]] = {}
+            heads = {}
             for files in idx.units:
                 if LEDGER in files:
                     for row in read_table(self.dfs, files[LEDGER]).to_pylist():
                         if row["kind"] == "event":
-                            heads[row["rollout_id"]] = (int(row["position"]), row["hash"])
+                            head = (int(row["position"]), row["hash"])
+                            if head[0] >= heads.get(row["rollout_id"], (-1, ""))[0]:
+                                heads[row["rollout_id"]] = head
             return heads
 
         return self._read(run)
