@@ -298,8 +298,15 @@ def check_format(dfs: DatasetFS) -> bool:
 
 
 def create_dataset(dfs: DatasetFS) -> None:
-    """Make `dfs` a dataset: the folders, then the format file (written last: it is the flag)."""
+    """Make `dfs` a dataset: the folders, then the format file (written last: it is the flag).
+
+    Several writers may create one new dataset at once (a fleet's proxies starting together on
+    a new object-store prefix): one that finds files there finds the format file another just
+    wrote, and opens that dataset; two that write it write the same bytes.
+    """
     if dfs.is_dir() and dfs.listdir(""):
+        if check_format(dfs):
+            return
         raise StoreError(
             f"{dfs.root} holds files but no {FORMAT_FILE}: not a capture-proxy dataset "
             "(choose an empty or new folder)"
