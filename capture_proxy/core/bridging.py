@@ -23,7 +23,14 @@ from typing import Any, TypeVar
 
 import orjson
 
-from ..adapters.vllm import Rendered, UpstreamProtocolError, read_render, read_render_pair
+from ..adapters.vllm import (
+    Rendered,
+    UpstreamProtocolError,
+    encode_ids,
+    extend_ids_json,
+    read_render,
+    read_render_pair,
+)
 from ..errors import CaptureProxyError
 from ..schemas.fields import BridgeSpan
 from ..schemas.token_in_extras import SegmentBreak
@@ -42,7 +49,14 @@ from .token_in import (
 )
 from .transport import EngineRoute, TokenInTransport
 
-__all__ = ["CloseRenders", "RenderRefused", "TokenInPrompt", "token_in_line", "token_in_prompt"]
+__all__ = [
+    "CloseRenders",
+    "PromptJson",
+    "RenderRefused",
+    "TokenInPrompt",
+    "token_in_line",
+    "token_in_prompt",
+]
 
 _T = TypeVar("_T")
 
@@ -100,6 +114,47 @@ class CloseRenders:
         return len(self._pairs)
 
 
+class PromptJson:
+    """The JSON of staged calls' prompt ids, kept for the calls that extend them.
+
+    A bridged prompt starts with the previous call's prompt ids (`Prior.prompt_ids`), so its
+    JSON is that prompt's JSON extended by the new ids (`extend_ids_json`) instead of a whole
+    new encoding. Keyed by the prior's ids object itself (`put` when the call is staged, `get`
+    with the same object), most recent first, at most `max_bytes` of JSON and ids kept.
+    """
+
+    def __init__(self, max_bytes: int = 64 << 20) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._entries: OrderedDict[int, tuple[Sequence[int], bytes, int]] = OrderedDict()
+
+    def put(self, ids: Sequence[int], ids_json: bytes) -> None:
+        size = len(ids_json) + 4 * len(ids)
+        self._drop(id(ids))
+        if size > self.max_bytes:
+            return
+        # The ids object is kept with its JSON: its id() names no other object while it is here.
+        self._entries[id(ids)] = (ids, ids_json, size)
+        self.bytes += size
+        while self.bytes > self.max_bytes:
+            self._drop(next(iter(self._entries)))
+
+    def get(self, ids: Sequence[int]) -> bytes | None:
+        entry = self._entries.get(id(ids))
+        if entry is None or entry[0] is not ids:
+            return None
+        self._entries.move_to_end(id(ids))
+        return entry[1]
+
+    def _drop(self, key: int) -> None:
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            self.bytes -= entry[2]
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
 class RenderRefused(CaptureProxyError):
     """The upstream answered the request's own render with an error status: the call's answer,
     relayed to the client as the chat route's error would be."""
@@ -121,6 +176,9 @@ class TokenInPrompt:
         segment_break: why the call starts a new segment (None: it extends the previous call).
         plain_divergence: where the plain ids differ from the bridged ones (None: they do not,
             or the plain ids were sent).
+        ids_json: `prompt_ids` as a JSON list, encoded once for generate and derender
+            (`prompt_json`; when not given: the plain render's JSON as it came for its own ids,
+            else encoded).
     """
 
     rendered: Rendered
@@ -128,6 +186,20 @@ class TokenInPrompt:
     bridge_spans: tuple[BridgeSpan, ...] = ()
     segment_break: SegmentBreak | None = None
     plain_divergence: int | None = None
+    ids_json: bytes | None = None
+
+    def __post_init__(self) -> None:
+        if self.ids_json is None:
+            rendered = self.rendered
+            plain = self.prompt_ids is rendered.prompt_ids
+            ids_json = rendered.prompt_json if plain else encode_ids(self.prompt_ids)
+            object.__setattr__(self, "ids_json", ids_json)
+
+    @property
+    def prompt_json(self) -> bytes:
+        """`prompt_ids` as a JSON list (generate and derender send it as it is)."""
+        assert self.ids_json is not None  # set by __post_init__
+        return self.ids_json
 
     def generate_body(self, request: Mapping[str, Any], *, stream: bool) -> bytes:
         """The generate request: the plain render's answer with `prompt_ids`. When `request`
@@ -140,8 +212,10 @@ class TokenInPrompt:
         unset = all(request.get(k) is None for k in _LIMIT_KEYS)
         if grown > 0 and unset and type(limit) is int:
             params = {**params, "max_tokens": max(1, limit - grown)}
-            return rendered.generate_body(self.prompt_ids, stream=stream, sampling_params=params)
-        return rendered.generate_body(self.prompt_ids, stream=stream)
+            return rendered.generate_body(
+                self.prompt_ids, stream=stream, sampling_params=params, ids_json=self.prompt_json
+            )
+        return rendered.generate_body(self.prompt_ids, stream=stream, ids_json=self.prompt_json)
 
 
 async def _render(upstream: TokenInTransport, body: bytes) -> tuple[int, bytes]:
@@ -166,10 +240,12 @@ async def token_in_prompt(
     prior: Prior | None,
     request: Mapping[str, Any],
     render_request: Mapping[str, Any] | bytes,
+    prompts: PromptJson | None = None,
 ) -> TokenInPrompt:
     """The prompt of a token-in call (module docs). `request` is the normalized request as
     the bridge compares it with `prior.request`; `render_request` the body to render (the
-    request as forwarded, with the token fields capture asks for), encoded or not.
+    request as forwarded, with the token fields capture asks for), encoded or not. A bridged
+    prompt's JSON extends the prior's from `prompts` when it has it.
 
     Raises `RenderRefused` when the upstream refuses to render the request, `UpstreamFailed`
     when it cannot be reached.
@@ -198,7 +274,17 @@ async def token_in_prompt(
         tuple(got.bridge_spans),
         None,
         divergence(got.prompt_ids, plain_ids),
+        _bridged_json(got, verdict.prior, prompts),
     )
+
+
+def _bridged_json(got: Bridged, prior: Prior, prompts: PromptJson | None) -> bytes:
+    """The bridged prompt's JSON: it starts with the prior's prompt ids (`assemble`), so the
+    prior's JSON when kept, extended by the ids after them."""
+    kept = prompts.get(prior.prompt_ids) if prompts is not None else None
+    if kept is None:
+        return encode_ids(got.prompt_ids)
+    return extend_ids_json(kept, got.prompt_ids[len(prior.prompt_ids) :])
 
 
 def _plain(status: int, raw: bytes) -> tuple[Rendered, list[int]]:

@@ -20,13 +20,14 @@ import orjson
 
 from ..adapters.vllm import (
     Completion,
+    Derendered,
     DerenderedStream,
     ForwardPlan,
     UpstreamProtocolError,
     WeightSpan,
     client_answer,
     derender_body,
-    read_derender,
+    read_derendered,
     read_generate,
     to_completion,
 )
@@ -113,6 +114,7 @@ class TokenInSteps:
             self.admitted.rollout.token_in_prior(token_in_line(self.request)),
             self.request,
             self._render_body,
+            self.pipeline.prompt_json,
         )
         body = self._prompt.generate_body(self.request, stream=self.streamed)
         return await upstream.post_engine(EngineRoute.GENERATE, body)
@@ -124,7 +126,9 @@ class TokenInSteps:
         assert self.plan is not None
         try:
             generated = read_generate(raw)
-            body = derender_body(raw, prompt.prompt_ids, self._render_body)
+            body = derender_body(
+                raw, prompt.prompt_ids, self._render_body, ids_json=prompt.prompt_json
+            )
             derendered = await self._derender(body)
         except UpstreamProtocolError as e:
             malformed = UpstreamFailed(
@@ -137,11 +141,14 @@ class TokenInSteps:
             raise
         self._upstream_s = time.perf_counter() - self._t_up
         ids = array("i", prompt.prompt_ids)
-        completion = _as_chat(to_completion(generated, ids, derendered, model=self._model))
-        client_body = client_answer(derendered, generated, prompt.prompt_ids, self.plan.wants)
+        record_view = derendered.for_record()
+        completion = _as_chat(to_completion(generated, ids, record_view, model=self._model))
+        client_body = client_answer(
+            derendered, generated, prompt.prompt_ids, self.plan.wants, ids_json=prompt.prompt_json
+        )
         return await self._stage(completion, client_body, generated.weight_spans)
 
-    async def _derender(self, body: bytes) -> dict[str, Any]:
+    async def _derender(self, body: bytes) -> Derendered:
         async with await self._upstream.post_engine(EngineRoute.DERENDER, body) as reply:
             raw = await reply.read()
         if reply.status != 200:
@@ -149,7 +156,7 @@ class TokenInSteps:
             raise UpstreamFailed(
                 f"derender answered {reply.status}: {text}", code="derender_failed"
             )
-        return read_derender(raw)
+        return read_derendered(raw)
 
     @property
     def _model(self) -> str:
@@ -161,7 +168,13 @@ class TokenInSteps:
         assert prompt is not None
         assert plan is not None
         assert reply is not None
-        derender = StreamedDerender(self._upstream, reply, prompt.prompt_ids, self._render_body)
+        derender = StreamedDerender(
+            self._upstream,
+            reply,
+            prompt.prompt_ids,
+            self._render_body,
+            ids_json=prompt.prompt_json,
+        )
         shaped = DerenderedStream(plan.wants, prompt.prompt_ids)
         async with reply:
             events = derender.events()
@@ -200,6 +213,8 @@ class TokenInSteps:
             finish_reason=completion.finish_reason,
         )
         call.rollout.remember_token_in(call.seq, token_in_line(self.request), prior)
+        # The next call's bridged prompt starts with these ids: its JSON extends this one's.
+        self.pipeline.prompt_json.put(prior.prompt_ids, prompt.prompt_json)
         cut = prompt.segment_break
         self.pipeline.report_token_in(
             TokenInReport(

@@ -20,7 +20,8 @@ from ._adapter import (
     VLLMAdapter,
     parse_error_body,
 )
-from ._derendered import DerenderedStream, client_answer
+from ._derendered import Derendered, DerenderedStream, client_answer, read_derendered
+from ._ids_json import encode_ids, extend_ids_json
 from ._token_in import (
     DerenderCoalescer,
     Generated,
@@ -44,6 +45,7 @@ __all__ = [
     "ClientWants",
     "Completion",
     "DerenderCoalescer",
+    "Derendered",
     "DerenderedStream",
     "ForwardPlan",
     "GenerateEvent",
@@ -59,9 +61,12 @@ __all__ = [
     "derender_body",
     "derender_chunk_body",
     "derender_tail",
+    "encode_ids",
+    "extend_ids_json",
     "merge_chunks",
     "parse_error_body",
     "read_derender",
+    "read_derendered",
     "read_generate",
     "read_render",
     "read_render_pair",

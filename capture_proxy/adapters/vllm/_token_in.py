@@ -33,6 +33,7 @@ import msgspec
 import orjson
 
 from ..sse import SSEError, SSEParser
+from ._ids_json import encode_ids
 from ._wire import Completion, UpstreamProtocolError, build_message, make_extras
 
 __all__ = [
@@ -129,6 +130,13 @@ class Rendered:
     #: The answer's ``stream`` and ``stream_options``, those it has, as they came: sent back
     #: in a unary generate request (a streamed one sets its own).
     unary: Mapping[str, msgspec.Raw] = field(default_factory=dict)
+    #: `prompt_ids` as the JSON they came as (None: encode them when needed).
+    ids_json: bytes | None = None
+
+    @property
+    def prompt_json(self) -> bytes:
+        """`prompt_ids` as a JSON list: as they came when known, else encoded."""
+        return self.ids_json if self.ids_json is not None else encode_ids(self.prompt_ids)
 
     def generate_body(
         self,
@@ -136,11 +144,12 @@ class Rendered:
         *,
         stream: bool = False,
         sampling_params: Mapping[str, Any] | None = None,
+        ids_json: bytes | None = None,
     ) -> bytes:
         """The generate request: the render answer with ``token_ids`` replaced by `prompt_ids`
         (default: the rendered ones) and ``sampling_params`` by `sampling_params` (default: the
-        rendered ones), streamed with usage when `stream`."""
-        ids = self.prompt_ids if prompt_ids is None else prompt_ids
+        rendered ones), streamed with usage when `stream`. `ids_json`, when given, is the ids
+        already encoded (a JSON list), sent as they are."""
         parts = [b"{"]
         for key, value in self.rest.items():
             if sampling_params is None or key != "sampling_params":
@@ -152,7 +161,8 @@ class Rendered:
         else:
             for key, value in self.unary.items():
                 parts += (orjson.dumps(key), b":", value, b",")
-        ids_json = orjson.dumps(ids if isinstance(ids, list) else list(ids))
+        if ids_json is None:
+            ids_json = self.prompt_json if prompt_ids is None else encode_ids(prompt_ids)
         parts += (b'"token_ids":', ids_json, b"}")
         return b"".join(parts)
 
@@ -163,6 +173,7 @@ def read_render(raw: bytes) -> Rendered:
     ``GenerateRequest``."""
     fields = _fields("render", raw)
     ids, features = _ids_and_features(fields)
+    ids_json = bytes(fields["token_ids"])
     params = fields.get("sampling_params", _NULL)
     try:
         decoded = {} if params == _NULL else _decode_object(params)
@@ -174,6 +185,7 @@ def read_render(raw: bytes) -> Rendered:
         features=features,
         rest={k: v for k, v in fields.items() if k not in _WRITTEN},
         unary={k: v for k, v in fields.items() if k in ("stream", "stream_options")},
+        ids_json=ids_json,
     )
 
 
@@ -424,18 +436,29 @@ def merge_chunks(events: Sequence[GenerateEvent]) -> bytes:
 
 
 def derender_body(
-    generate_answer: bytes, prompt_ids: Sequence[int], chat_request: Mapping[str, Any] | bytes
+    generate_answer: bytes,
+    prompt_ids: Sequence[int],
+    chat_request: Mapping[str, Any] | bytes,
+    *,
+    ids_json: bytes | None = None,
 ) -> bytes:
     """The unary derender request: generate's answer as it came, the prompt ids, the chat
     request (vLLM needs all three when a reasoning or tool parser is configured; `chat_request`
-    may be given already encoded)."""
-    return b'{"generate_response":' + generate_answer + derender_tail(prompt_ids, chat_request)
+    may be given already encoded, and the prompt ids as `ids_json`, a JSON list)."""
+    tail = derender_tail(prompt_ids, chat_request, ids_json=ids_json)
+    return b'{"generate_response":' + generate_answer + tail
 
 
-def derender_tail(prompt_ids: Sequence[int], chat_request: Mapping[str, Any] | bytes) -> bytes:
+def derender_tail(
+    prompt_ids: Sequence[int],
+    chat_request: Mapping[str, Any] | bytes,
+    *,
+    ids_json: bytes | None = None,
+) -> bytes:
     """The end of every derender request of one call: the prompt ids and the chat request,
-    encoded once for all of a stream's derender calls (`derender_chunk_body`)."""
-    ids = orjson.dumps(prompt_ids if isinstance(prompt_ids, list) else list(prompt_ids))
+    encoded once for all of a stream's derender calls (`derender_chunk_body`); `ids_json`, when
+    given, is the prompt ids already encoded."""
+    ids = ids_json if ids_json is not None else encode_ids(prompt_ids)
     chat = chat_request if isinstance(chat_request, bytes) else orjson.dumps(chat_request)
     return b"".join((b',"prompt_token_ids":', ids, b',"chat_request":', chat, b"}"))
 
