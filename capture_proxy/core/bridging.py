@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+from array import array
 from collections import OrderedDict
 from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass
@@ -187,6 +188,8 @@ class TokenInPrompt:
     segment_break: SegmentBreak | None = None
     plain_divergence: int | None = None
     ids_json: bytes | None = None
+    #: `prompt_ids` as int32 (the record's), when built from the prior's without a conversion.
+    ids_array: array[int] | None = None
 
     def __post_init__(self) -> None:
         if self.ids_json is None:
@@ -194,6 +197,11 @@ class TokenInPrompt:
             plain = self.prompt_ids is rendered.prompt_ids
             ids_json = rendered.prompt_json if plain else encode_ids(self.prompt_ids)
             object.__setattr__(self, "ids_json", ids_json)
+
+    @property
+    def prompt_array(self) -> array[int]:
+        """`prompt_ids` as an int32 array, as the record keeps them."""
+        return self.ids_array if self.ids_array is not None else array("i", self.prompt_ids)
 
     @property
     def prompt_json(self) -> bytes:
@@ -275,7 +283,17 @@ async def token_in_prompt(
         None,
         divergence(got.prompt_ids, plain_ids),
         _bridged_json(got, verdict.prior, prompts),
+        _bridged_array(got, verdict.prior),
     )
+
+
+def _bridged_array(got: Bridged, prior: Prior) -> array[int] | None:
+    """The bridged prompt as int32: the prior's ids when they are already an array (a staged
+    call's), copied, then the ids after them; None when they are not (converted when needed)."""
+    head = prior.prompt_ids
+    if not (isinstance(head, array) and head.typecode == "i"):
+        return None
+    return head + array("i", got.prompt_ids[len(head) :])
 
 
 def _bridged_json(got: Bridged, prior: Prior, prompts: PromptJson | None) -> bytes:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from array import array
 from collections.abc import AsyncGenerator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -140,7 +139,7 @@ class TokenInSteps:
             await self.fail_upstream(e)
             raise
         self._upstream_s = time.perf_counter() - self._t_up
-        ids = array("i", prompt.prompt_ids)
+        ids = prompt.prompt_array
         record_view = derendered.for_record()
         completion = _as_chat(to_completion(generated, ids, record_view, model=self._model))
         client_body = client_answer(
@@ -197,7 +196,7 @@ class TokenInSteps:
         generated = derender.generated
         assert generated is not None  # the events end only after the whole generation
         answer = {"choices": [{"message": shaped.message()}]}
-        ids = array("i", prompt.prompt_ids)
+        ids = prompt.prompt_array
         completion = _as_chat(to_completion(generated, ids, answer, model=self._model))
         await self._stage(completion, b"", generated.weight_spans)
 

@@ -3,6 +3,8 @@ HTTP, the turn-close cache, the lines of calls, and the output limit of a longer
 
 from __future__ import annotations
 
+import dataclasses
+from array import array
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -207,3 +209,24 @@ def test_kept_prompt_json_is_found_by_the_same_ids_object_and_bounded_by_bytes()
     assert (prompts.get(first), prompts.get(second), len(prompts)) == (None, b"[1,2,3]", 2)
     prompts.put(list(range(100)), orjson.dumps(list(range(100))))  # alone over it: not kept
     assert len(prompts) == 2
+
+
+async def test_a_bridged_prompt_s_array_extends_a_staged_prior_s_array(
+    upstream: tuple[FakeVLLM, HTTPUpstream],
+) -> None:
+    _, client = upstream
+    listed = _prior(SYSTEM, {"role": "user", "content": "One?"})
+    request = {
+        **listed.request,
+        "messages": [*listed.request["messages"], _ANSWER, {"role": "user", "content": "Two?"}],
+    }
+    # A staged call's prior has its prompt ids as the record's int32 array.
+    prior = dataclasses.replace(listed, prompt_ids=array("i", listed.prompt_ids))
+    got = await token_in_prompt(client, CloseRenders(), prior, request, request)
+    assert got.ids_array is not None
+    assert got.prompt_array == array("i", got.prompt_ids)
+    assert got.prompt_array is not prior.prompt_ids
+    assert prior.prompt_ids == array("i", listed.prompt_ids)  # the prior's own, unchanged
+    # Ids in a list: converted when asked for.
+    plain = await token_in_prompt(client, CloseRenders(), listed, request, request)
+    assert (plain.ids_array, plain.prompt_array) == (None, array("i", plain.prompt_ids))
