@@ -272,17 +272,23 @@ async def token_in_prompt(
     answers = await _all(
         _render(upstream, plain_body), *(_render(upstream, orjson.dumps(b)) for b in bodies)
     )
-    rendered, plain_ids = _plain(*answers[0])
+    status, raw = answers[0]
+    if status != 200:
+        raise RenderRefused(status, raw)
     got = _bridged(verdict, bridge, cached, answers[1:], closes)
     if isinstance(got, NotBridged):
+        rendered, plain_ids = _plain(status, raw)
         return TokenInPrompt(rendered, plain_ids, segment_break=_break(got))
+    ids_json = _bridged_json(got, verdict.prior, prompts)
+    # The plain rendering mostly spells the bridged prompt's ids: only the rest is decoded.
+    rendered = read_render(raw, known=(ids_json, got.prompt_ids))
     return TokenInPrompt(
         rendered,
         got.prompt_ids,
         tuple(got.bridge_spans),
         None,
-        divergence(got.prompt_ids, plain_ids),
-        _bridged_json(got, verdict.prior, prompts),
+        divergence(got.prompt_ids, rendered.prompt_ids),
+        ids_json,
         _bridged_array(got, verdict.prior),
     )
 

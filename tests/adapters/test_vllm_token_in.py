@@ -212,3 +212,32 @@ def test_a_render_pair_with_ids_that_are_not_ints_is_a_protocol_error() -> None:
             read_render_pair(good, bad)
     with pytest.raises(UpstreamProtocolError, match="malformed_json"):
         read_render_pair(good, b'{"token_ids": [1, 2')
+
+
+@given(
+    st.lists(st.integers(0, 300), max_size=30),
+    st.lists(st.integers(0, 300), max_size=8),
+    st.lists(st.integers(0, 300), max_size=8),
+    st.booleans(),
+    st.booleans(),
+)
+def test_a_render_read_against_known_ids_gives_the_ids_of_a_whole_decode(
+    head: list[int], one: list[int], two: list[int], spaced: bool, known_spaced: bool
+) -> None:
+    answer_ids, known_ids = [*head, *one], [*head, *two]
+
+    def spelled(ids: list[int], spaces: bool) -> bytes:
+        return (json.dumps(ids) if spaces else orjson.dumps(ids).decode()).encode()
+
+    answer = b'{"request_id": "r", "token_ids": ' + spelled(answer_ids, spaced) + b"}"
+    known = (spelled(known_ids, known_spaced), known_ids)
+    rendered = read_render(answer, known=known)
+    assert rendered.prompt_ids == read_render(answer).prompt_ids == answer_ids
+    assert rendered.ids_json == spelled(answer_ids, spaced)
+
+
+def test_a_render_read_against_known_ids_still_checks_the_ids_it_decodes() -> None:
+    known = (b"[1,2,3]", [1, 2, 3])
+    for bad in (b'{"token_ids": [1, 2, "x"]}', b'{"token_ids": [1,2,3.5]}'):
+        with pytest.raises(UpstreamProtocolError, match="no_token_ids"):
+            read_render(bad, known=known)

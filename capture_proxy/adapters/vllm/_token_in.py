@@ -167,12 +167,17 @@ class Rendered:
         return b"".join(parts)
 
 
-def read_render(raw: bytes) -> Rendered:
+def read_render(raw: bytes, known: tuple[bytes, Sequence[int]] | None = None) -> Rendered:
     """Read a render answer once, its ids checked as they are decoded (msgspec); the fields
     generate takes back unchanged stay as they came. `UpstreamProtocolError` when it is not a
-    ``GenerateRequest``."""
+    ``GenerateRequest``.
+
+    `known` is a JSON list and the ids it holds (checked ints), which the answer's ids likely
+    start with (a bridged prompt, against the plain rendering of the same request): the
+    answer's ids are decoded only from the first one whose JSON is not byte for byte the same
+    as `known`'s; those before it are `known`'s (the same bytes are the same ids)."""
     fields = _fields("render", raw)
-    ids, features = _ids_and_features(fields)
+    ids, features = _ids_and_features(fields, known)
     ids_json = bytes(fields["token_ids"])
     params = fields.get("sampling_params", _NULL)
     try:
@@ -261,6 +266,32 @@ def _decode_tail(ids: bytes, start: int) -> list[int]:
         ) from exc
 
 
+def _ids_after_known(ids: bytes, known: bytes, known_ids: Sequence[int]) -> list[int]:
+    """The ids of the JSON list `ids`: `known_ids` as far as `ids` spells them byte for byte
+    as the JSON list `known` does (every id before the first byte that differs), then the
+    rest decoded. `msgspec.DecodeError` when that rest is not a list of ints."""
+    shared = _common_prefix_len(ids, known)
+    if shared == len(ids) == len(known):
+        return list(known_ids)
+    # Every id ending before the first difference is followed by a comma before it.
+    whole = ids.count(b",", 0, shared)
+    if whole == 0:
+        return _decode_ids(ids)
+    rest = _decode_ids(b"[" + ids[ids.rfind(b",", 0, shared) + 1 :])
+    head = known_ids[:whole]
+    return head + rest if isinstance(head, list) else [*head, *rest]
+
+
+def _common_prefix_len(a: bytes, b: bytes) -> int:
+    """How many bytes `a` and `b` start with in common: blocks compared in C, then bytes."""
+    n = min(len(a), len(b))
+    k = 0
+    for block in (4096, 256, 16, 1):
+        while k + block <= n and a[k : k + block] == b[k : k + block]:
+            k += block
+    return k
+
+
 def _fields(route: str, raw: bytes) -> dict[str, msgspec.Raw]:
     try:
         return _decode_fields(raw)
@@ -270,10 +301,17 @@ def _fields(route: str, raw: bytes) -> dict[str, msgspec.Raw]:
         raise _malformed(route, exc) from exc
 
 
-def _ids_and_features(fields: Mapping[str, msgspec.Raw]) -> tuple[list[int], Any]:
+def _ids_and_features(
+    fields: Mapping[str, msgspec.Raw], known: tuple[bytes, Sequence[int]] | None = None
+) -> tuple[list[int], Any]:
     value = fields.get("token_ids")
     try:
-        ids = _decode_ids(value) if value is not None else None
+        if value is None:
+            ids = None
+        elif known is None:
+            ids = _decode_ids(value)
+        else:
+            ids = _ids_after_known(bytes(value), *known)
     except msgspec.DecodeError:
         ids = None
     if ids is None:
