@@ -15,6 +15,10 @@ what the chat route would have sent:
   true``, ``routed_experts`` removed, the null ``prompt_logprobs`` / transfer params removed, the
   usage-only chunk of a stream only when the client asked for usage.
 
+A unary answer is read once (`read_derendered`): its values stay the JSON they came as and the
+client's answer splices them (the per-token logprobs, most of the answer, are never decoded);
+only the message is decoded, for the record and the finish reason.
+
 `DerenderedStream` also puts the streamed message together (content, reasoning, tool calls) for
 the record, as `to_completion` reads it from a unary answer.
 """

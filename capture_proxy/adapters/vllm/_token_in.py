@@ -7,7 +7,8 @@ generates from token ids (``POST /inference/v1/generate``) and builds the client
 read typed); what is sent back is built from the decoded values:
 
 - `read_render` → `Rendered`: the prompt ids (a list, each checked to be an int as it is
-  decoded), the resolved sampling params, ``features``, and `Rendered.generate_body` —
+  decoded; with ``known``, only from where their JSON differs from a known list's), their JSON
+  as it came, the resolved sampling params, ``features``, and `Rendered.generate_body` —
   the render answer sent back with ``token_ids`` replaced, its other fields as they came (kept
   undecoded); `read_render_pair` reads of two answers (the bridge's pairs) only the ids from
   where their common suffix starts, and ``features``;
@@ -16,8 +17,10 @@ read typed); what is sent back is built from the decoded values:
   spans ``(version, start, end)``, routed experts, usage; `GenerateStream` does the same for a
   streamed generate fed bytes in any pieces;
 - `derender_body` / `derender_chunk_body` build derender requests (`derender_tail`: the prompt
-  ids and chat request every call of a stream resends, encoded once); `read_derender` reads the
-  unary answer; `DerenderCoalescer` decides which streamed chunks go into one derender call;
+  ids and chat request every call of a stream resends, encoded once; the prompt ids may come
+  encoded, as generate got them); `read_derender` reads a streamed call's answer (the unary one:
+  `read_derendered` in ``_derendered.py``); `DerenderCoalescer` decides which streamed chunks go
+  into one derender call;
 - `to_completion` turns a generation and its derendered message into the `Completion` the plain
   path stages.
 """
@@ -33,7 +36,7 @@ import msgspec
 import orjson
 
 from ..sse import SSEError, SSEParser
-from ._ids_json import encode_ids
+from ._ids_json import encode_ids, ids_after_known
 from ._wire import Completion, UpstreamProtocolError, build_message, make_extras
 
 __all__ = [
@@ -266,32 +269,6 @@ def _decode_tail(ids: bytes, start: int) -> list[int]:
         ) from exc
 
 
-def _ids_after_known(ids: bytes, known: bytes, known_ids: Sequence[int]) -> list[int]:
-    """The ids of the JSON list `ids`: `known_ids` as far as `ids` spells them byte for byte
-    as the JSON list `known` does (every id before the first byte that differs), then the
-    rest decoded. `msgspec.DecodeError` when that rest is not a list of ints."""
-    shared = _common_prefix_len(ids, known)
-    if shared == len(ids) == len(known):
-        return list(known_ids)
-    # Every id ending before the first difference is followed by a comma before it.
-    whole = ids.count(b",", 0, shared)
-    if whole == 0:
-        return _decode_ids(ids)
-    rest = _decode_ids(b"[" + ids[ids.rfind(b",", 0, shared) + 1 :])
-    head = known_ids[:whole]
-    return head + rest if isinstance(head, list) else [*head, *rest]
-
-
-def _common_prefix_len(a: bytes, b: bytes) -> int:
-    """How many bytes `a` and `b` start with in common: blocks compared in C, then bytes."""
-    n = min(len(a), len(b))
-    k = 0
-    for block in (4096, 256, 16, 1):
-        while k + block <= n and a[k : k + block] == b[k : k + block]:
-            k += block
-    return k
-
-
 def _fields(route: str, raw: bytes) -> dict[str, msgspec.Raw]:
     try:
         return _decode_fields(raw)
@@ -311,7 +288,7 @@ def _ids_and_features(
         elif known is None:
             ids = _decode_ids(value)
         else:
-            ids = _ids_after_known(bytes(value), *known)
+            ids = ids_after_known(bytes(value), *known)
     except msgspec.DecodeError:
         ids = None
     if ids is None:
