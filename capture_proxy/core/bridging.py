@@ -121,7 +121,8 @@ class PromptJson:
     A bridged prompt starts with the previous call's prompt ids (`Prior.prompt_ids`), so its
     JSON is that prompt's JSON extended by the new ids (`extend_ids_json`) instead of a whole
     new encoding. Keyed by the prior's ids object itself (`put` when the call is staged, `get`
-    with the same object), most recent first, at most `max_bytes` of JSON and ids kept.
+    with the same object; `discard` once a later call of its line is staged), the least recently
+    used dropped first beyond `max_bytes` of JSON and ids.
     """
 
     def __init__(self, max_bytes: int = 64 << 20) -> None:
@@ -146,6 +147,12 @@ class PromptJson:
             return None
         self._entries.move_to_end(id(ids))
         return entry[1]
+
+    def discard(self, ids: Sequence[int]) -> None:
+        """Forget the JSON of `ids` (a prior its line's next staged call replaced)."""
+        entry = self._entries.get(id(ids))
+        if entry is not None and entry[0] is ids:
+            self._drop(id(ids))
 
     def _drop(self, key: int) -> None:
         entry = self._entries.pop(key, None)

@@ -211,9 +211,16 @@ class TokenInSteps:
             completion_ids=completion.completion_token_ids,
             finish_reason=completion.finish_reason,
         )
-        call.rollout.remember_token_in(call.seq, token_in_line(self.request), prior)
-        # The next call's bridged prompt starts with these ids: its JSON extends this one's.
-        self.pipeline.prompt_json.put(prior.prompt_ids, prompt.prompt_json)
+        line = token_in_line(self.request)
+        replaced = call.rollout.token_in_priors.get(line)
+        call.rollout.remember_token_in(call.seq, line, prior)
+        kept = call.rollout.token_in_priors.get(line)
+        if kept is not None and kept[1] is prior:
+            # The next call's bridged prompt starts with these ids: its JSON extends this one's
+            # (the call this one replaced is continued no more).
+            if replaced is not None:
+                self.pipeline.prompt_json.discard(replaced[1].prompt_ids)
+            self.pipeline.prompt_json.put(prior.prompt_ids, prompt.prompt_json)
         cut = prompt.segment_break
         self.pipeline.report_token_in(
             TokenInReport(
