@@ -6,7 +6,9 @@ Against the bundled fake vLLM (loopback, ``scale_out=True``), one streamed gener
 ``--tokens`` tokens after a prompt of about ``--prompt-tokens`` ids is derendered two ways, side
 by side in one run: one derender call per generate event (each resends the prompt and every
 output id so far, as vLLM requires), and `capture_proxy.core.derender.StreamedDerender`'s
-coalesced calls. ``--token-interval`` paces the fake's events, as a model's decode rate does.
+coalesced calls, and the coalesced calls of a client that asked for logprobs (each paired with
+the unary derender call that resolves them). ``--token-interval`` paces the fake's events, as a
+model's decode rate does.
 Reported: derender calls, request bytes sent to derender, and wall time; the ratio is what
 matters (the machine is shared).
 """
@@ -22,6 +24,7 @@ import orjson
 
 from capture_proxy.adapters.vllm import (
     GenerateStream,
+    StreamLogprobs,
     derender_chunk_body,
     derender_tail,
     read_render,
@@ -62,7 +65,8 @@ async def _per_event(up: _Counting, rendered: Any, chat: dict[str, Any]) -> None
 async def _coalesced(up: _Counting, rendered: Any, chat: dict[str, Any]) -> None:
     reply = await up.post_engine(EngineRoute.GENERATE, rendered.generate_body(stream=True))
     async with reply:
-        driver = StreamedDerender(up, reply, list(rendered.prompt_ids), chat)
+        logprobs = StreamLogprobs("policy") if chat.get("logprobs") else None
+        driver = StreamedDerender(up, reply, list(rendered.prompt_ids), chat, logprobs=logprobs)
         async for _ in driver.events():
             pass
 
@@ -77,13 +81,20 @@ async def main(prompt_tokens: int, tokens: int, interval: float) -> None:
         "max_tokens": tokens,
     }
     try:
-        for name, run in (("per event", _per_event), ("coalesced", _coalesced)):
+        # The last row: the client asked for logprobs (top 5), resolved by a unary derender
+        # call beside each coalesced one.
+        logprobs = {**chat, "logprobs": True, "top_logprobs": 5}
+        for name, run, body in (
+            ("per event", _per_event, chat),
+            ("coalesced", _coalesced, chat),
+            ("+logprobs", _coalesced, logprobs),
+        ):
             up = _Counting(url)
-            async with await up.post_engine(EngineRoute.RENDER, orjson.dumps(chat)) as reply:
+            async with await up.post_engine(EngineRoute.RENDER, orjson.dumps(body)) as reply:
                 rendered = read_render(await reply.read())
             fake.push(Turn("y" * tokens, finish_reason="length"))
             start = time.perf_counter()
-            await run(up, rendered, chat)
+            await run(up, rendered, body)
             took = time.perf_counter() - start
             await up.close()
             print(

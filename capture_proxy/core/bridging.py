@@ -7,7 +7,9 @@ time as** the plain render of the request, then assembles the exact prompt and m
 plain one would have diverged. Otherwise, or when the renders do not bridge, the plain render's
 ids are sent and the call starts a new segment, with the reason. The plain render is always made:
 it is the ``GenerateRequest`` generate takes (sampling params resolved by vLLM, the effective
-sampling of the record) and the plain ids divergence is measured against.
+sampling of the record) and the plain ids divergence is measured against. With images, the
+bridged prompt's ``features`` are the plain render's items placed where the bridge put them
+(`bridged_features`); the placeholders are kept for the next call (`TokenInPrompt.media`).
 
 The exchange (`capture_proxy.core.exchange`) sends the result to generate and derenders the answer.
 """
@@ -15,6 +17,7 @@ The exchange (`capture_proxy.core.exchange`) sends the result to generate and de
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 from array import array
 from collections import OrderedDict
@@ -22,6 +25,7 @@ from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import msgspec
 import orjson
 
 from ..adapters.vllm import (
@@ -41,12 +45,16 @@ from .token_in import (
     BridgePlan,
     BridgeRenders,
     Extension,
+    MediaItem,
     NotBridged,
     Prior,
     assemble,
+    bridged_features,
     divergence,
     match,
+    media_items,
     plan,
+    suffix_media,
 )
 from .transport import EngineRoute, TokenInTransport
 
@@ -60,6 +68,10 @@ __all__ = [
 ]
 
 _T = TypeVar("_T")
+
+#: At most this many bytes of a call's image placeholders (hashes and positions) are kept for
+#: the next call's bridge; a call with more leaves the next one with images unbridged.
+MEDIA_KEPT_BYTES = 64 * 1024
 
 #: Request keys that set the output limit: unset, vLLM's render fills in the room the rendered
 #: prompt leaves in the context window, which a longer bridged prompt does not have.
@@ -184,6 +196,9 @@ class TokenInPrompt:
         segment_break: why the call starts a new segment (None: it extends the previous call).
         plain_divergence: where the plain ids differ from the bridged ones (None: they do not,
             or the plain ids were sent).
+        features: the ``features`` generate gets instead of the render's, for a bridged prompt
+            with images (None: the render's, as they came).
+        bridged_media: a bridged prompt's images (`media` reads the plain render's otherwise).
         ids_json: `prompt_ids` as a JSON list, encoded once for generate and derender
             (`prompt_json`; when not given: the plain render's JSON as it came for its own ids,
             else encoded).
@@ -194,6 +209,8 @@ class TokenInPrompt:
     bridge_spans: tuple[BridgeSpan, ...] = ()
     segment_break: SegmentBreak | None = None
     plain_divergence: int | None = None
+    features: dict[str, Any] | None = None
+    bridged_media: tuple[MediaItem, ...] | None = None
     ids_json: bytes | None = None
     #: `prompt_ids` as int32 (the record's), when built from the prior's without a conversion.
     ids_array: array[int] | None = None
@@ -216,11 +233,28 @@ class TokenInPrompt:
         assert self.ids_json is not None  # set by __post_init__
         return self.ids_json
 
+    @property
+    def media(self) -> tuple[MediaItem, ...] | None:
+        """The prompt's images as the next call's bridge needs them (`Prior.media`); None when
+        the render's ``features`` cannot be read, or they are more than `MEDIA_KEPT_BYTES`."""
+        media = self.bridged_media
+        if media is None:
+            try:
+                media = media_items(self.rendered.features)
+            except ValueError:
+                return None
+        if sum(len(m.hash) + len(m.modality) + 16 for m in media) > MEDIA_KEPT_BYTES:
+            return None
+        return media
+
     def generate_body(self, request: Mapping[str, Any], *, stream: bool) -> bytes:
         """The generate request: the plain render's answer with `prompt_ids`. When `request`
         sets no output limit, vLLM's render chose the room its own prompt left in the context
         window; a longer bridged prompt has that much less."""
         rendered = self.rendered
+        if self.features is not None:
+            features = msgspec.Raw(orjson.dumps(self.features))
+            rendered = dataclasses.replace(rendered, rest={**rendered.rest, "features": features})
         grown = len(self.prompt_ids) - len(rendered.prompt_ids)
         params = rendered.sampling_params
         limit = params.get("max_tokens")
@@ -289,12 +323,18 @@ async def token_in_prompt(
     ids_json = _bridged_json(got, verdict.prior, prompts)
     # The plain rendering mostly spells the bridged prompt's ids: only the rest is decoded.
     rendered = read_render(raw, known=(ids_json, got.prompt_ids))
+    features, why = bridged_features(got.media, rendered.features)
+    if why is not None:
+        cut = SegmentBreak("multimodal_append", f"the images' features: {why}")
+        return TokenInPrompt(rendered, rendered.prompt_ids, segment_break=cut)
     return TokenInPrompt(
         rendered,
         got.prompt_ids,
         tuple(got.bridge_spans),
         None,
         divergence(got.prompt_ids, rendered.prompt_ids),
+        features,
+        got.media,
         ids_json,
         _bridged_array(got, verdict.prior),
     )
@@ -353,16 +393,25 @@ def _bridged(
             ids, pair_features = read_render_pair(answers[i][1], answers[i + 1][1])
             pairs.append(ids)
             features.extend(pair_features)
+        suffix_features = (features[-2], features[-1])
+        if any(f is not None for f in features[:-2]):
+            return NotBridged("multimodal_history", "a render of the earlier turn has images")
+        media: tuple[MediaItem, ...] = ()
+        if any(f is not None for f in suffix_features):
+            # Rare (images appended): the whole answer read again, for its length.
+            length = len(read_render(answers[-2][1]).prompt_ids)
+            media = suffix_media(suffix_features, length)
     except UpstreamProtocolError as e:
         return NotBridged("template_not_bridgeable", f"a render of the bridge: {e.message}")
+    except ValueError as e:
+        return NotBridged("multimodal_append", f"the renders' image features: {e}")
     close = cached
     if close is None:
         close = pairs[0]
         closes.put(bridge.close_key, close)
-        pairs, features = pairs[1:], features[2:]
+        pairs = pairs[1:]
     turn = None
     if bridge.turn is not None:
-        turn, pairs, features = pairs[0], pairs[1:], features[2:]
-    suffix_features = tuple(f for f in features if f is not None)
-    rendered = BridgeRenders(close, pairs[0], turn, suffix_features)
+        turn, pairs = pairs[0], pairs[1:]
+    rendered = BridgeRenders(close, pairs[0], turn, media)
     return assemble(extension.prior, bridge, rendered)

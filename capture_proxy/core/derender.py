@@ -6,6 +6,11 @@ id so far (vLLM keeps no state), so the calls are coalesced by
 `capture_proxy.adapters.vllm.DerenderCoalescer`: the first event alone, then everything that
 arrived while the previous call was in flight (and at least `min_interval` seconds after it
 started), in one call.
+
+When the client asked for logprobs, each call that carries some is paired with a unary derender
+call, made at the same time, that resolves them (`capture_proxy.adapters.vllm.StreamLogprobs`):
+vLLM's streamed derender leaves them null when the server has a reasoning or tool parser. A
+server whose streamed derender gives them (no parser) is asked no more once it has.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from ..adapters.vllm import (
     DerenderCoalescer,
     Generated,
     GenerateStream,
+    StreamLogprobs,
     derender_chunk_body,
     derender_tail,
     read_derender,
@@ -40,6 +46,9 @@ class StreamedDerender:
     client (``[DONE]`` last); afterwards `generated` is the whole generation (ids, logprobs,
     spans, finish, usage) and `calls` the number of derender calls made. A derender answer other
     than 200 raises `UpstreamFailed` (code ``derender_failed``) with vLLM's message.
+
+    With `logprobs` (the client asked for them), each chunk with logprobs gets them resolved
+    (module docs); `resolves` counts those calls.
     """
 
     def __init__(
@@ -50,6 +59,7 @@ class StreamedDerender:
         chat_request: Mapping[str, Any] | bytes,
         *,
         min_interval: float = 0.05,
+        logprobs: StreamLogprobs | None = None,
         ids_json: bytes | None = None,
     ) -> None:
         self._transport = transport
@@ -61,6 +71,8 @@ class StreamedDerender:
         self._coalescer = DerenderCoalescer(min_interval)
         self._arrived = asyncio.Event()
         self._read_done = False
+        self._logprobs = logprobs
+        self.resolves = 0
         self.generated: Generated | None = None
 
     @property
@@ -79,8 +91,7 @@ class StreamedDerender:
             self._coalescer.close()
             self._arrived.set()
 
-    async def _derender(self, chunk: bytes, state: Any) -> dict[str, Any]:
-        body = derender_chunk_body(chunk, state, self._tail)
+    async def _post(self, body: bytes) -> bytes:
         async with await self._transport.post_engine(EngineRoute.DERENDER, body) as reply:
             raw = await reply.read()
             if reply.status != 200:
@@ -88,7 +99,36 @@ class StreamedDerender:
                 raise UpstreamFailed(
                     f"derender answered {reply.status}: {text}", code="derender_failed"
                 )
-        return read_derender(raw)
+        return raw
+
+    async def _derender(self, chunk: bytes, state: Any) -> dict[str, Any]:
+        return read_derender(await self._post(derender_chunk_body(chunk, state, self._tail)))
+
+    async def _derender_with_logprobs(self, chunk: bytes, state: Any) -> dict[str, Any]:
+        """The chunk's derender answer, its logprobs resolved by a unary call made at the same
+        time when derender leaves them null (module docs)."""
+        resolver = self._logprobs
+        body = resolver.request(chunk) if resolver is not None else None
+        if resolver is None or body is None:
+            return await self._derender(chunk, state)
+        self.resolves += 1
+        streamed = asyncio.ensure_future(self._derender(chunk, state))
+        resolved = asyncio.ensure_future(self._post(body))
+        answer: dict[str, Any]
+        try:
+            answer, raw = await asyncio.gather(streamed, resolved)
+        except BaseException:
+            streamed.cancel()
+            resolved.cancel()
+            raise
+        logprobs = resolver.read(raw)
+        choices = (answer.get("chunk") or {}).get("choices") or ()
+        for choice in choices:
+            if choice.get("logprobs") is None:
+                choice["logprobs"] = logprobs
+            else:
+                self._logprobs = None  # this server's streamed derender resolves them itself
+        return answer
 
     async def events(self) -> AsyncIterator[bytes]:
         loop = asyncio.get_running_loop()
@@ -110,7 +150,7 @@ class StreamedDerender:
                             async with asyncio.timeout_at(due):
                                 await self._arrived.wait()
                     continue
-                answer = await self._derender(chunk, state)
+                answer = await self._derender_with_logprobs(chunk, state)
                 self._coalescer.finished()
                 state = answer.get("stream_state")
                 yield b"data: " + orjson.dumps(answer["chunk"]) + b"\n\n"

@@ -3,7 +3,8 @@
 A token-in call (docs/token-in.md, "The call flow") is prepared, admitted, failed and staged by
 the exchange like any other; what differs is here: `_post_token_in` renders the call's prompt
 (`capture_proxy.core.bridging`) and posts generate; `_finish_token_in` derenders a unary
-answer, `_relay_token_in` a stream (coalesced, `capture_proxy.core.derender`); `_token_in_facts`
+answer, `_relay_token_in` a stream (coalesced, its logprobs resolved when asked,
+`capture_proxy.core.derender`); `_token_in_facts`
 gives the record what generate and the render said; `_continued_by_next` keeps the staged call for
 the rollout's next token-in call and reports it to the metrics.
 """
@@ -22,6 +23,7 @@ from ..adapters.vllm import (
     Derendered,
     DerenderedStream,
     ForwardPlan,
+    StreamLogprobs,
     UpstreamProtocolError,
     WeightSpan,
     client_answer,
@@ -172,6 +174,7 @@ class TokenInSteps:
             reply,
             prompt.prompt_ids,
             self._render_body,
+            logprobs=StreamLogprobs(self._model) if plan.wants.logprobs else None,
             ids_json=prompt.prompt_json,
         )
         shaped = DerenderedStream(plan.wants, prompt.prompt_ids)
@@ -210,6 +213,7 @@ class TokenInSteps:
             prompt_ids=completion.prompt_token_ids,
             completion_ids=completion.completion_token_ids,
             finish_reason=completion.finish_reason,
+            media=prompt.media,
         )
         line = token_in_line(self.request)
         replaced = call.rollout.token_in_priors.get(line)

@@ -230,3 +230,38 @@ async def test_a_bridged_prompt_s_array_extends_a_staged_prior_s_array(
     # Ids in a list: converted when asked for.
     plain = await token_in_prompt(client, CloseRenders(), listed, request, request)
     assert (plain.ids_array, plain.prompt_array) == (None, array("i", plain.prompt_ids))
+
+
+def _imaged(n: int) -> dict[str, Any]:
+    return {
+        "token_ids": [9] * n,
+        "sampling_params": {"max_tokens": 10},
+        "features": {
+            "mm_hashes": {"image": [f"{i:064x}" for i in range(n)]},
+            "mm_placeholders": {"image": [{"offset": i, "length": 1} for i in range(n)]},
+            "kwargs_data": {"image": ["AAAA"] * n},
+            "mm_metadata": None,
+        },
+    }
+
+
+def test_a_prompts_image_placeholders_are_kept_up_to_a_byte_bound() -> None:
+    few = TokenInPrompt(read_render(orjson.dumps(_imaged(3))), [9] * 3)
+    assert few.media is not None
+    assert [(m.hash[-1], m.offset) for m in few.media] == [("0", 0), ("1", 1), ("2", 2)]
+    # 85 bytes an image: past 64 KiB of them, none is kept (the next call goes plain).
+    many = TokenInPrompt(read_render(orjson.dumps(_imaged(800))), [9] * 800)
+    assert many.media is None
+    text = TokenInPrompt(read_render(orjson.dumps({"token_ids": [1]})), [1])
+    assert text.media == ()
+
+
+def test_a_bridged_prompt_with_images_sends_its_own_features() -> None:
+    rendered = read_render(orjson.dumps(_imaged(1)))
+    features = {**rendered.features, "mm_placeholders": {"image": [{"offset": 4, "length": 1}]}}
+    prompt = TokenInPrompt(rendered, [1, 2, 3, 4, 9], features=features)
+    body = orjson.loads(prompt.generate_body({}, stream=False))
+    assert body["features"] == features
+    assert body["token_ids"] == [1, 2, 3, 4, 9]
+    plain = TokenInPrompt(rendered, [9])
+    assert orjson.loads(plain.generate_body({}, stream=False))["features"] == rendered.features

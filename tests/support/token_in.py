@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from capture_proxy.core.token_in import BridgePlan, BridgeRenders, Prior
+from capture_proxy.core.token_in import BridgePlan, BridgeRenders, Prior, media_items, suffix_media
+from capture_proxy.testing.fake_vllm._features import render_features
 from capture_proxy.testing.fake_vllm._template import IM_END, encode, render_chat
 
 MODEL = "policy"
@@ -34,11 +35,19 @@ def render_plan(plan: BridgePlan, *, drop_past_reasoning: bool = True) -> Bridge
     def ids(body: Mapping[str, Any]) -> list[int]:
         return render_ids(body, drop_past_reasoning=drop_past_reasoning)
 
+    suffix = (ids(plan.suffix[0]), ids(plan.suffix[1]))
+    features = tuple(features_of(b, i) for b, i in zip(plan.suffix, suffix, strict=True))
     return BridgeRenders(
         close=(ids(plan.close[0]), ids(plan.close[1])),
-        suffix=(ids(plan.suffix[0]), ids(plan.suffix[1])),
+        suffix=suffix,
         turn=None if plan.turn is None else (ids(plan.turn[0]), ids(plan.turn[1])),
+        media=suffix_media((features[0], features[1]), len(suffix[0])),
     )
+
+
+def features_of(body: Mapping[str, Any], ids: Sequence[int]) -> Any:
+    """The ``features`` the fake's render answers for `body` rendered as `ids`."""
+    return render_features(body["messages"], ids, {})
 
 
 def staged_prior(
@@ -53,17 +62,20 @@ def staged_prior(
 ) -> Prior:
     """A staged call: `messages` rendered into its prompt, `sampled` the text the model
     generated (a ``stop`` completion ends on ``<|im_end|>``, a ``length`` one does not), `answer`
-    the assistant message the client received."""
+    the assistant message the client received; its images placed as the fake's render places
+    them (`Prior.media`)."""
     request: dict[str, Any] = {"model": MODEL, "messages": list(messages), **keys}
     if tools:
         request["tools"] = list(tools)
     completion = encode(sampled) + ([IM_END] if finish_reason == "stop" else [])
+    prompt = render_ids(request, drop_past_reasoning=drop_past_reasoning)
     return Prior(
         request=request,
         message=answer,
-        prompt_ids=render_ids(request, drop_past_reasoning=drop_past_reasoning),
+        prompt_ids=prompt,
         completion_ids=completion,
         finish_reason=finish_reason,
+        media=media_items(features_of(request, prompt)),
     )
 
 

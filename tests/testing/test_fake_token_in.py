@@ -298,3 +298,59 @@ async def test_generate_answers_a_scripted_fault(serve: Serve) -> None:
     _, client = await serve(Turn("x", fault=Fault.http_error(500)), scale_out=True)
     got = await post(client, GENERATE, await rendered(client, "chat"), status=500)
     assert got["error"]["code"] == 500
+
+
+IMAGE_A = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+IMAGE_B = {"type": "image_url", "image_url": {"url": "data:image/png;base64,BBBB"}}
+
+
+async def test_render_answers_the_features_of_each_image_and_generate_takes_them(
+    serve: Serve,
+) -> None:
+    _, client = await serve(Turn("seen"), Turn("seen"), scale_out=True)
+    body = {
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "a"}, IMAGE_A]},
+            {"role": "assistant", "content": "ok"},
+            {"role": "user", "content": [IMAGE_B, {"type": "text", "text": "and b"}]},
+        ]
+    }
+    answer = await post(client, RENDER, body)
+    features = answer["features"]
+    assert set(features) == {"mm_hashes", "mm_placeholders", "kwargs_data", "mm_metadata"}
+    a, b = features["mm_hashes"]["image"]
+    assert a != b
+    ids = answer["token_ids"]
+    for span in features["mm_placeholders"]["image"]:
+        assert span["length"] == 1
+        assert ids[span["offset"]] == 9  # <|image_pad|>
+    assert len(features["kwargs_data"]["image"]) == 2
+    assert (await post(client, GENERATE, answer))["choices"][0]["finish_reason"] == "stop"
+    # An item without its data is looked up by hash: this fake rendered it.
+    cached = {**features, "kwargs_data": {"image": [None, features["kwargs_data"]["image"][1]]}}
+    assert (await post(client, GENERATE, {**answer, "features": cached}))["choices"]
+    # A text-only prompt has none.
+    assert (await post(client, RENDER, {"messages": [{"role": "user", "content": "a"}]}))[
+        "features"
+    ] is None
+
+
+async def test_generate_refuses_features_that_do_not_fit_the_prompt(serve: Serve) -> None:
+    _, client = await serve(scale_out=True)
+    body = {"messages": [{"role": "user", "content": [IMAGE_A]}]}
+    answer = await post(client, RENDER, body)
+    features = answer["features"]
+    [span] = features["mm_placeholders"]["image"]
+    moved = {**features, "mm_placeholders": {"image": [{**span, "offset": span["offset"] - 1}]}}
+    wrong = {**features, "kwargs_data": {"image": ["eHl6"]}}
+    unknown = {**features, "mm_hashes": {"image": ["0" * 64]}, "kwargs_data": None}
+    none = {**features, "mm_hashes": {}, "mm_placeholders": {}}
+    cases = [
+        (moved, "is not an image's"),
+        (wrong, "does not match"),
+        (unknown, "does not match"),
+        (none, "the features place 0 image tokens, the prompt has 1 image pads"),
+    ]
+    for bad, message in cases:
+        got = await post(client, GENERATE, {**answer, "features": bad}, status=400)
+        assert message in got["error"]["message"]

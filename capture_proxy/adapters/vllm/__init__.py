@@ -4,7 +4,8 @@
 `parse_response` reads a unary answer and `stream` returns a sans-IO `StreamAccumulator` fed with
 SSE bytes. Both yield a `Completion` (token ids, logprobs, message) and the bytes the client sees.
 The token-in routes (render, generate, derender) are read and written by `_token_in`'s parsers;
-`_derendered` shapes a token-in answer for the client by the same relay rules.
+`_derendered` shapes a token-in answer for the client by the same relay rules, and
+`_stream_logprobs` resolves a streamed one's logprobs.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from ._adapter import (
 )
 from ._derendered import Derendered, DerenderedStream, client_answer, read_derendered
 from ._ids_json import encode_ids, extend_ids_json
+from ._stream_logprobs import StreamLogprobs
 from ._token_in import (
     DerenderCoalescer,
     Generated,
@@ -54,6 +56,7 @@ __all__ = [
     "ReasoningField",
     "Rendered",
     "StreamAccumulator",
+    "StreamLogprobs",
     "UpstreamProtocolError",
     "VLLMAdapter",
     "WeightSpan",

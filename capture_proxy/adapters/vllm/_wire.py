@@ -52,7 +52,7 @@ class UpstreamProtocolError(CaptureProxyError):
 
     `reason`: ``malformed_json``, ``error_body``, ``error_event``, ``no_choices``,
     ``missing_finish_reason``, ``missing_done``, ``truncated_event``, ``empty_stream``,
-    ``data_after_done``, ``event_too_large``. `error_body` is an OpenAI error
+    ``data_after_done``, ``event_too_large``, ``missing_logprobs``. `error_body` is an OpenAI error
     body (``{"error": {...}}``) describing the failure, ready to send as an SSE error event.
     """
 

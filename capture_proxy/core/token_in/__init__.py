@@ -18,12 +18,15 @@ for the bodies a plan lists. In order:
    calls; two for the appended messages. They are independent: send them at once.
 3. `assemble(prior, plan, BridgeRenders.from_answers(...))`: a `Bridged` prompt with its
    ``bridge_spans`` (the tokens the proxy inserted, for the record), or a `NotBridged`.
+   Its ``media`` are the prompt's images (the previous call's, then the appended messages');
+   `bridged_features(media, the request's render's features)` gives generate's ``features``.
 4. `divergence(bridged, plain)`: where the plain rendering would have differed (what token-in
    avoided), or None.
 """
 
 from ._assemble import END_OF_TURN_ADDED, TURN_CLOSE, assemble, common_suffix, divergence
 from ._match import TEMPLATE_KEYS, match
+from ._media import MediaItem, bridged_features, media_items, suffix_media
 from ._plan import DUMMY_CONTENTS, plan
 from ._values import BREAK_REASONS, Bridged, BridgePlan, BridgeRenders, Extension, NotBridged, Prior
 
@@ -37,11 +40,15 @@ __all__ = [
     "BridgeRenders",
     "Bridged",
     "Extension",
+    "MediaItem",
     "NotBridged",
     "Prior",
     "assemble",
+    "bridged_features",
     "common_suffix",
     "divergence",
     "match",
+    "media_items",
     "plan",
+    "suffix_media",
 ]

@@ -17,6 +17,9 @@ the appended messages and the generation prompt:
   stopped by a stop string vLLM left out of the output, has k = 0 and gets the whole of C, recorded
   as added by the proxy (``end_of_turn_added``).
 
+The appended messages' images are placed where the suffix renders put them, counted from the
+end; the previous call's stay where they were (``Bridged.media``, ``_media``).
+
 Renders without that structure (the two renders of a pair the same, no common close, a tool-call
 turn that does not end with the close, a suffix that does not start with the turn's end) give
 ``NotBridged("template_not_bridgeable")``: the bridge never guesses.
@@ -28,6 +31,7 @@ from array import array
 from collections.abc import Sequence
 
 from ...schemas.fields import BridgeSpan
+from ._media import MediaItem, media_parts
 from ._values import Bridged, BridgePlan, BridgeRenders, NotBridged, Prior
 
 __all__ = ["END_OF_TURN_ADDED", "TURN_CLOSE", "assemble", "common_suffix", "divergence"]
@@ -49,8 +53,6 @@ def common_suffix(a: Sequence[int], b: Sequence[int]) -> list[int]:
 
 def assemble(prior: Prior, plan: BridgePlan, rendered: BridgeRenders) -> Bridged | NotBridged:
     """The bridged prompt for `plan`'s extension of `prior`, from the renders it asked for."""
-    if rendered.features:
-        return NotBridged("multimodal_append", "the appended messages render with image features")
     for name, pair in (
         ("close", rendered.close),
         ("turn", rendered.turn),
@@ -101,7 +103,33 @@ def assemble(prior: Prior, plan: BridgePlan, rendered: BridgeRenders) -> Bridged
     prompt.extend(bridge)
     appended_start = len(prompt)
     prompt.extend(appended)
-    return Bridged(prompt, spans, appended_start)
+    media = _placed(prior, plan, rendered, len(appended), len(prompt))
+    if isinstance(media, NotBridged):
+        return media
+    return Bridged(prompt, spans, appended_start, media)
+
+
+def _placed(
+    prior: Prior, plan: BridgePlan, rendered: BridgeRenders, appended: int, end: int
+) -> tuple[MediaItem, ...] | NotBridged:
+    """The bridged prompt's multimodal items: the previous call's where they were, then the
+    appended messages', which the suffix renders place counted from their end (`end` is the
+    bridged prompt's length; `appended` how many tokens of it are the appended messages')."""
+    items = rendered.media
+    expected = media_parts(plan.extension.appended)
+    if len(items) != expected:
+        return NotBridged(
+            "multimodal_append",
+            f"the appended messages have {expected} images, their renders place {len(items)}",
+        )
+    for item in items:
+        if item.offset < -appended or item.offset + item.length > 0:
+            return NotBridged(
+                "multimodal_append",
+                "an image's placeholder is not in the appended messages' tokens",
+            )
+    placed = tuple(MediaItem(m.modality, m.hash, end + m.offset, m.length) for m in items)
+    return (*(prior.media or ()), *placed)
 
 
 def _overlap(completion: Sequence[int], close: Sequence[int]) -> int:

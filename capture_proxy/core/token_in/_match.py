@@ -12,7 +12,9 @@ model gave, and adds messages after it:
   text), whose reasoning is the same or omitted, and whose tool calls have the same names and the
   same *parsed* JSON arguments (clients re-serialize them), call ids kept or not;
 - at least one message follows, and none of those is an assistant's;
-- no message has a content part other than text (an image).
+- the images of the earlier messages (content parts other than text) are the previous call's,
+  whose placeholders it kept (`Prior.media`), and the leading system message has none. The
+  appended messages' images are bridged when the renders place them (`_assemble`).
 
 Otherwise the answer is a `NotBridged` whose detail names the first difference found, checked in the
 order of the list above.
@@ -24,6 +26,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ._media import media_parts
 from ._values import Extension, NotBridged, Prior
 
 __all__ = ["TEMPLATE_KEYS", "match"]
@@ -78,11 +81,17 @@ def match(prior: Prior | None, request: Mapping[str, Any]) -> Extension | NotBri
     for i, message in enumerate(appended, start=n + 1):
         if message.get("role") == "assistant":
             return NotBridged("assistant_appended", f"message {i} is an assistant message")
-    for i, message in enumerate(messages):
-        kind = _media_part(message)
-        if kind is not None:
-            reason = "multimodal_append" if i > n else "multimodal_history"
-            return NotBridged(reason, f"message {i} has a content part of type `{kind}`")
+    history = media_parts(messages[: n + 1])
+    known = prior.media
+    if history and (known is None or len(known) != history):
+        return NotBridged(
+            "multimodal_history",
+            f"{history} images in the earlier messages, and the previous call's image "
+            "placeholders are not known",
+        )
+    if messages and messages[0].get("role") == "system" and media_parts(messages[:1]):
+        # The bridge's dummy renders start with it: their images would not all be appended.
+        return NotBridged("multimodal_history", "the system message has an image")
     return Extension(prior, request, messages[n], appended)
 
 
@@ -163,12 +172,3 @@ def _arguments(arguments: Any) -> Any:
         except ValueError:
             return ("text", arguments)
     return ("json", arguments)
-
-
-def _media_part(message: Mapping[str, Any]) -> str | None:
-    """The type of the message's first content part that is not text (an image), if any."""
-    content = message.get("content")
-    for part in content if isinstance(content, list) else ():
-        if isinstance(part, Mapping) and part.get("type") not in ("text", None):
-            return str(part["type"])
-    return None

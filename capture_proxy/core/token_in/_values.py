@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...schemas.fields import BridgeSpan
+from ._media import MediaItem, suffix_media
 
 __all__ = [
     "BREAK_REASONS",
@@ -30,9 +31,11 @@ __all__ = [
 #: - ``nothing_appended``: the request ends with the replayed answer (no new message after it).
 #: - ``assistant_appended``: an assistant message follows the replayed answer (the client wrote
 #:   model turns of its own, or asks to continue one).
-#: - ``multimodal_append``: an appended message has an image (a content part other than text).
-#: - ``multimodal_history``: an earlier message has one (the exact prompt would need
-#:   the previous call's image features, which the bridge does not have).
+#: - ``multimodal_append``: an appended message has an image (a content part other than text)
+#:   whose features the renders do not give consistently (docs/token-in.md, "Images").
+#: - ``multimodal_history``: an earlier message has one whose placeholder positions the bridge
+#:   does not have (the previous call was read back from the store, or its were not kept), or
+#:   the leading system message has one.
 #: - ``template_not_bridgeable``: the renders do not have the structure the bridge needs (no
 #:   common turn close, or the appended rendering does not start with it).
 BREAK_REASONS = (
@@ -62,6 +65,9 @@ class Prior:
         prompt_ids: the exact prompt token ids the model saw.
         completion_ids: the exact token ids the model sampled.
         finish_reason: the answer's finish reason (``stop``, ``length``, ...).
+        media: the multimodal items of its prompt, in prompt order (``()``: none); None when
+            they are not known (a call read back from the store): then a request with images
+            in its history is not bridged.
     """
 
     request: Mapping[str, Any]
@@ -69,6 +75,7 @@ class Prior:
     prompt_ids: Sequence[int]
     completion_ids: Sequence[int]
     finish_reason: str | None
+    media: tuple[MediaItem, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,15 +139,15 @@ class BridgeRenders:
     Of each pair, only the two lists' common suffix and whether they are the same are read: a
     pair may be given from the last id not in their common suffix on (``read_render_pair`` in
     ``capture_proxy.adapters.vllm``), rather than whole. `turn` is given exactly when the plan
-    has a `turn` pair. `features` lists the non-null
-    ``features`` of the suffix answers (image inputs); the bridge refuses those (`NotBridged`
-    ``multimodal_append``).
+    has a `turn` pair. `media` lists the multimodal items of the suffix renders (the appended
+    messages' images), each `MediaItem.offset` counted from the end of the render (negative):
+    the bridged prompt ends with the same tokens, so that is where they are in it too.
     """
 
     close: tuple[Sequence[int], Sequence[int]]
     suffix: tuple[Sequence[int], Sequence[int]]
     turn: tuple[Sequence[int], Sequence[int]] | None = None
-    features: tuple[Any, ...] = ()
+    media: tuple[MediaItem, ...] = ()
 
     @classmethod
     def from_answers(
@@ -151,18 +158,22 @@ class BridgeRenders:
     ) -> BridgeRenders:
         """Read render answers (vLLM's ``GenerateRequest``: ``token_ids``, ``features``).
 
-        Raises ValueError naming the answer when its ``token_ids`` is not a list of ints.
+        Raises ValueError naming the answer when its ``token_ids`` is not a list of ints, or
+        when the two suffix answers' ``features`` are malformed or differ.
         """
 
         def pair(name: str, answers: tuple[Mapping[str, Any], Mapping[str, Any]]) -> Any:
             return tuple(_token_ids(f"{name}[{i}]", a) for i, a in enumerate(answers))
 
-        features = tuple(a["features"] for a in suffix if a.get("features") is not None)
+        suffix_ids = pair("suffix", suffix)
+        media = suffix_media(
+            (suffix[0].get("features"), suffix[1].get("features")), len(suffix_ids[0])
+        )
         return cls(
             pair("close", close),
-            pair("suffix", suffix),
+            suffix_ids,
             None if turn is None else pair("turn", turn),
-            features,
+            media,
         )
 
 
@@ -185,8 +196,11 @@ class Bridged:
             the end-of-turn token the model sampled; ``end_of_turn_added``: the whole turn close,
             for a completion that did not end on it). A trainer keeps them at loss mask 0.
         appended_start: where the appended messages' tokens start in `prompt_ids`.
+        media: the prompt's multimodal items, in prompt order: the previous call's, then the
+            appended messages', placed in `prompt_ids`.
     """
 
     prompt_ids: list[int]
     bridge_spans: tuple[BridgeSpan, ...] = field(default=())
     appended_start: int = 0
+    media: tuple[MediaItem, ...] = ()

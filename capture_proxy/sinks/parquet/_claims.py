@@ -46,7 +46,8 @@ __all__ = [
 ]
 
 CLAIMS_DIR = "claims"
-#: Seq holders a writer remembers (its own claims, mostly): about 0.2 KB each.
+#: Seq holders a writer remembers (its own claims, mostly): about 0.2 KB each. A sealed
+#: rollout's go when its seal commits (`Holders.forget`), so this bounds rollouts left open.
 _HOLDERS_KEPT = 65_536
 #: Claims of one group commit written at once on object storage (each is one request).
 _CONCURRENCY = 64
@@ -160,13 +161,17 @@ class Holders:
     `settle` writes the claims of a batch at once before the batch runs; `holder` answers each
     piece of work from that (or claims the seq then, if the batch did not). The holders of
     recent seqs are kept (a holder never changes), so a record staged after its claim costs no
-    request.
+    request; `forget` drops a rollout's once it takes no more calls (sealed), and beyond
+    `_HOLDERS_KEPT` the least recently used rollouts' go. A holder not kept is read from its
+    claim file when asked.
     """
 
     def __init__(self, dfs: DatasetFS, writer_id: str) -> None:
         self._dfs = dfs
         self.writer_id = writer_id
-        self._held: OrderedDict[tuple[str, int], str] = OrderedDict()
+        # Per rollout (least recently used first), seq -> holder; `_count` holders in all.
+        self._held: OrderedDict[str, dict[int, str]] = OrderedDict()
+        self._count = 0
         #: Claims of the batch being committed that the store could not answer.
         self._errors: dict[tuple[str, int], Exception] = {}
         #: Claims the batch being committed created: not what a handoff continues after.
@@ -176,7 +181,7 @@ class Holders:
         """Start a batch: create its claims whose holder is not known yet, all at once."""
         self._errors = {}
         self._created = set()
-        wanted = [c for c in claims if c.key not in self._held]
+        wanted = [c for c in claims if self._known(c.key) is None]
         if not wanted:
             return
         for key, got in create_claims(self._dfs, wanted, self.writer_id).items():
@@ -191,7 +196,7 @@ class Holders:
         """The call holding `claim`'s seq, as the store decided (claimed now if still free);
         `StoreError` when the store could not answer."""
         key = claim.key
-        held = self._held.get(key)
+        held = self._known(key)
         if held is not None:
             return held
         error = self._errors.pop(key, None)
@@ -211,10 +216,34 @@ class Holders:
         """Seqs of `rollout_id` this batch claimed."""
         return {seq for rid, seq in self._created if rid == rollout_id}
 
+    def forget(self, rollout_id: str) -> None:
+        """Drop the holders of `rollout_id` (sealed: it takes no more calls; a late entry's
+        claim is answered by the store)."""
+        seqs = self._held.pop(rollout_id, None)
+        if seqs is not None:
+            self._count -= len(seqs)
+
+    def __len__(self) -> int:
+        """How many holders are kept."""
+        return self._count
+
+    def _known(self, key: tuple[str, int]) -> str | None:
+        seqs = self._held.get(key[0])
+        return None if seqs is None else seqs.get(key[1])
+
     def _hold(self, key: tuple[str, int], holder: str) -> str:
-        self._held[key] = holder
-        while len(self._held) > _HOLDERS_KEPT:
-            self._held.popitem(last=False)
+        rollout_id, seq = key
+        seqs = self._held.get(rollout_id)
+        if seqs is None:
+            seqs = self._held[rollout_id] = {}
+        else:
+            self._held.move_to_end(rollout_id)
+        if seq not in seqs:
+            self._count += 1
+        seqs[seq] = holder
+        while self._count > _HOLDERS_KEPT:
+            _, dropped = self._held.popitem(last=False)
+            self._count -= len(dropped)
         return holder
 
 

@@ -42,7 +42,8 @@ units.
 What it keeps is bounded by live work, not by the size of the store: the call ids of the
 rollouts in use (the `max_live_rollouts` most recently used, a sealed rollout dropped once its
 seal commits; a rollout that comes back is read from its units by the writer's own reader), the
-holders of recently claimed seqs, the most recent `max_blob_keys` blob keys (a blob not among them
+holders of recently claimed seqs and the recent full sequences (`cache_tokens`), both dropped for
+a rollout once its seal commits, the most recent `max_blob_keys` blob keys (a blob not among them
 is stored again: a few bytes more, never a wrong record; readers and compaction keep one copy),
 and per rollout its id and per attachment its sha256 (a record may refer to an attachment an
 earlier call stored). A staging key is refused as a duplicate within its rollout (the proxy's call
@@ -68,6 +69,7 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+import pyarrow as pa
 import pyarrow.fs as pafs
 
 from ...schemas.events import EventDraft, EventKind, RolloutEvent, ledger_event, staged_event
@@ -116,6 +118,18 @@ def _now_ms() -> int:
     return int(time.time() * 1000)
 
 
+def _system_allocator() -> None:
+    """Make Arrow allocate from the C library's malloc, unless ``ARROW_DEFAULT_MEMORY_POOL``
+    chose an allocator."""
+    # pyarrow's wheels allocate through mimalloc, which keeps pages it freed and backs them with
+    # transparent huge pages: a proxy writing Parquet grew about 4 MiB/min more with it than with
+    # malloc, in steps of tens of MB its own allocations never reached (under 1 MiB at a time).
+    # A writer lives as long as its proxy, so it makes the choice for the process.
+    # docs/reports/reliability.md (section 6) has the measurements.
+    if "ARROW_DEFAULT_MEMORY_POOL" not in os.environ:
+        pa.set_memory_pool(pa.system_memory_pool())
+
+
 class ParquetSink:
     """A `StagingSink` writing the Parquet dataset at `location` (created when missing).
 
@@ -135,6 +149,11 @@ class ParquetSink:
     ``AWS_REGION``, ``AWS_ENDPOINT_URL``, ...). `writer_id` names this writer in its claims
     (default: host, process id and a random suffix). `close` commits everything queued; `stage`
     after `close` raises RuntimeError.
+
+    Opening a sink makes Arrow allocate from the C library's ``malloc`` in the whole process
+    (`pyarrow.system_memory_pool`), unless the ``ARROW_DEFAULT_MEMORY_POOL`` environment
+    variable names an allocator: pyarrow's default, mimalloc, holds on to memory it freed, which
+    a long-running proxy's resident memory would grow by.
     """
 
     def __init__(
@@ -154,6 +173,7 @@ class ParquetSink:
         store: ObjectStore | None = None,
         writer_id: str | None = None,
     ) -> None:
+        _system_allocator()
         self.location = location
         self.url = url or default_url(location)
         self.fault = fault
@@ -333,8 +353,12 @@ class ParquetSink:
                 keys.handoff = None
         for rollout_id in batch.sealed:
             # A sealed rollout takes no more calls once its seal event commits; a late ledger
-            # entry reads it back.
-            self._live.pop(rollout_id, None)
+            # entry reads it back (its seq's holder from the claim file). Its full sequences
+            # go too: no call will extend them.
+            sealed = self._live.pop(rollout_id, None)
+            for call_id in sealed.calls if sealed is not None else ():
+                self._fulls.pop(call_id)
+            self._holders.forget(rollout_id)
 
     def _settle(self, works: list[Work]) -> None:
         # The claims the batch's work holds seqs by, written at once before the batch runs.

@@ -139,6 +139,8 @@ class FakeVLLM(ScaleOutRoutes):
         # What each generate call planned, by request id, so derender parses the ids as the
         # fake generated them (bounded: a test double, not a cache anyone relies on).
         self._plans: collections.OrderedDict[str, Plan] = collections.OrderedDict()
+        # Multimodal items render processed, by hash (vLLM's processor cache): `_features`.
+        self._mm_cache: dict[str, str] = {}
         self._rng = random.Random(seed)
         self._perm_id = f"modelperm-{self._hex()}"
 

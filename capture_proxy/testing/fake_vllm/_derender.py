@@ -11,7 +11,8 @@ tests/fixtures/vllm-0.32.0/token-in/ (``derender-*``; docs/upstream-facts.md, "T
   call per generate event; ``stream_state`` is the previous answer's) → ``{chunk, stream_state}``:
   one ``chat.completion.chunk`` for the ids of ``generate_chunk`` (several ids give one merged
   delta), tool call ids ``"chatcmpl-tool-..."``, ``finish_reason`` ``"tool_calls"`` once a tool
-  call streamed; the state carries every output id so far (``output_token_ids``,
+  call streamed, the chunk's ``token_ids`` when the chat request has ``return_token_ids`` (and
+  does not hide the reasoning); the state carries every output id so far (``output_token_ids``,
   ``output_chunk_lens``, ...), the server keeps nothing;
 - with a reasoning or tool parser configured (always, for the fake) every call must carry
   ``chat_request`` and ``prompt_token_ids``: 400 with vLLM's messages otherwise.
@@ -215,6 +216,10 @@ def _merge(deltas: list[dict[str, Any] | None], first: bool) -> dict[str, Any]:
     return merged
 
 
+def _returns_ids(chat: Mapping[str, Any]) -> bool:
+    return chat.get("return_token_ids") is True and chat.get("include_reasoning") is not False
+
+
 def derender_stream_answer(
     body: Mapping[str, Any], lookup: PlanLookup, model: str, created: int
 ) -> dict[str, Any]:
@@ -266,7 +271,9 @@ def derender_stream_answer(
                 "logprobs": None,
                 "finish_reason": finish,
                 "stop_reason": choice.get("stop_reason"),
-                "token_ids": None,
+                # vLLM 0.32 returns the chunk's ids when the chat request asks for them and
+                # does not hide the reasoning (``_derender_chat_stream_parsed``).
+                "token_ids": new if _returns_ids(chat) else None,
             }
         ]
         prev = ids

@@ -121,13 +121,19 @@ def weight_version_update(body: Mapping[str, Any]) -> str:
 
 
 def render_answer(
-    body: Mapping[str, Any], ids: list[int], sampling: dict[str, Any], model: str, request_id: str
+    body: Mapping[str, Any],
+    ids: list[int],
+    sampling: dict[str, Any],
+    model: str,
+    request_id: str,
+    features: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A real render's ``GenerateRequest`` answer, keys in its order (render-*-response.json).
 
     ``reasoning_ended`` is true when the prompt already closed reasoning (a template given
     ``enable_thinking: false`` writes an empty ``<think></think>``; measured on the tools
-    fixture). Real vLLM also puts ``cohere_format`` into ``chat_template_kwargs``; left out here
+    fixture). `features`: the images' (`_features.render_features`), None without. Real vLLM
+    also puts ``cohere_format`` into ``chat_template_kwargs``; left out here
     (no template of the fake reads it)."""
     kwargs = dict(body.get("chat_template_kwargs") or {})
     kwargs["add_generation_prompt"] = body.get("add_generation_prompt", True) is not False
@@ -136,7 +142,7 @@ def render_answer(
         "request_id": request_id,
         "token_ids": ids,
         "token_offsets": None,
-        "features": None,
+        "features": features,
         "content_parts": None,
         "sampling_params": sampling,
         "model": model,

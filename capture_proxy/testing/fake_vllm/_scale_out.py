@@ -1,8 +1,9 @@
 """The fake vLLM's scale-out routes (vLLM's ``--enable-scale-out``): render, generate, derender.
 
 A mixin of `FakeVLLM`: the handlers read the fake's state (its queue of turns, its template, its
-weight version) and build their answers with the sans-IO modules `_render`, `_generate` and
-`_derender`. Without ``scale_out`` each answers vLLM's 403 "Scale-out endpoints are disabled".
+weight version) and build their answers with the sans-IO modules `_render`, `_generate`,
+`_derender` and `_features` (images). Without ``scale_out`` each answers vLLM's 403 "Scale-out
+endpoints are disabled".
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from aiohttp import web
 
 from ._derender import derender_body, derender_stream_answer
 from ._faults import FaultKind
+from ._features import check_features, render_features
 from ._generate import Generation, check_generate, generate_body, generate_events
 from ._generation import Plan, Turn, plan_answer, sample_logprobs
 from ._http import (
@@ -53,6 +55,7 @@ class ScaleOutRoutes:
     responses: list[dict[str, Any]]
     aborted: int
     _plans: collections.OrderedDict[str, Plan]
+    _mm_cache: dict[str, str]
 
     def _hex(self) -> str:
         raise NotImplementedError
@@ -73,13 +76,15 @@ class ScaleOutRoutes:
             body = await read_json(request)
             check_model(body, self.model)
             ids = self._render_ids(body)
+            features = render_features(require_messages(body), ids, self._mm_cache)
         except RequestError as exc:
             return exc.response()
         room = max(self.max_model_len - len(ids), 0)
         sampling = resolve_sampling(body, self.generation_config, room)
         # Deterministic (the fake's random stream belongs to its answers); the shape is vLLM's.
         request_id = f"chatcmpl-{self.route_hits[request.path]:016x}"
-        return json_response(200, render_answer(body, ids, sampling, self.model, request_id))
+        answer = render_answer(body, ids, sampling, self.model, request_id, features)
+        return json_response(200, answer)
 
     def _render_ids(self, body: Mapping[str, Any]) -> list[int]:
         """Render's prompt ids: ``add_generation_prompt: false`` leaves out the generation prompt;
@@ -113,6 +118,7 @@ class ScaleOutRoutes:
             self.request_headers.append(dict(request.headers))
             check_model(body, self.model)
             prompt_ids, sampling = check_generate(body)
+            check_features(body.get("features"), prompt_ids, self._mm_cache)
         except RequestError as exc:
             return exc.response()
         await self.running.wait()

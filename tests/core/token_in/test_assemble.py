@@ -22,16 +22,23 @@ from capture_proxy.core.token_in import (
     Bridged,
     BridgeRenders,
     Extension,
+    MediaItem,
     NotBridged,
     Prior,
     assemble,
+    bridged_features,
     common_suffix,
     divergence,
     match,
     plan,
 )
-from capture_proxy.testing.fake_vllm._template import IM_END, encode, tool_call_text
-from tests.support.token_in import continued, render_ids, render_plan, staged_prior
+from capture_proxy.testing.fake_vllm._template import (
+    IM_END,
+    SPECIAL_TOKENS,
+    encode,
+    tool_call_text,
+)
+from tests.support.token_in import continued, features_of, render_ids, render_plan, staged_prior
 
 FIXTURES = Path(__file__).parents[2] / "fixtures" / "vllm-0.32.0" / "token-in"
 TOOLS = [{"type": "function", "function": {"name": "bash", "parameters": {"type": "object"}}}]
@@ -216,24 +223,86 @@ def test_an_appended_rendering_not_starting_with_the_close_is_not_bridgeable() -
     )
 
 
-def test_image_features_in_the_appended_renders_are_multimodal_append() -> None:
-    prior, p = _planned()
+IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+PAD = SPECIAL_TOKENS["<|image_pad|>"]
+
+
+def with_image(text: str, url: str = "data:image/png;base64,AAAA") -> dict[str, Any]:
+    image = {"type": "image_url", "image_url": {"url": url}}
+    return {"role": "user", "content": [{"type": "text", "text": text}, image]}
+
+
+def test_an_appended_image_is_placed_where_its_render_puts_it() -> None:
+    prior = chat_prior()
+    request = continued(prior, prior.message, with_image("this one"))
+    bridged = bridge(prior, request)
+    [item] = bridged.media
+    assert bridged.prompt_ids[item.offset : item.offset + item.length] == [PAD]
+    assert item.offset > bridged.appended_start
+    # Where the request's own render has the same image (another position: it drops the
+    # reasoning), with its data: generate's features place it in the bridged prompt.
+    plain = render_ids(request)
+    rendered = features_of(request, plain)
+    features, why = bridged_features(bridged.media, rendered)
+    assert why is None
+    assert features == {
+        **rendered,
+        "mm_placeholders": {"image": [{"offset": item.offset, "length": 1}]},
+    }
+    assert rendered["mm_placeholders"]["image"][0]["offset"] != item.offset
+
+
+def test_the_previous_calls_images_stay_where_they_were() -> None:
+    history = [*HISTORY[:1], with_image("first", "data:image/png;base64,AAAA")]
+    prior = staged_prior(history, "ok", {"role": "assistant", "content": "ok"})
+    assert prior.media is not None
+    request = continued(prior, prior.message, with_image("second", "data:image/png;base64,BBBB"))
+    bridged = bridge(prior, request)
+    first, second = bridged.media
+    assert first == prior.media[0]
+    assert bridged.prompt_ids[first.offset] == bridged.prompt_ids[second.offset] == PAD
+    assert first.hash != second.hash
+    rendered = features_of(request, render_ids(request))
+    assert bridged_features(bridged.media, rendered)[1] is None
+
+
+def test_renders_that_place_another_number_of_images_are_multimodal_append() -> None:
+    prior = chat_prior()
+    request = continued(prior, prior.message, with_image("this one"))
+    ext = match(prior, request)
+    assert isinstance(ext, Extension)
+    p = plan(request, ext)
     good = render_plan(p)
-    rendered = BridgeRenders(good.close, good.suffix, features=({"modality": "image"},))
-    assert assemble(prior, p, rendered) == NotBridged(
-        "multimodal_append", "the appended messages render with image features"
+    assert assemble(prior, p, BridgeRenders(good.close, good.suffix)) == NotBridged(
+        "multimodal_append", "the appended messages have 1 images, their renders place 0"
+    )
+    early = MediaItem("image", "h", -len(good.suffix[0]), 1)
+    assert assemble(prior, p, BridgeRenders(good.close, good.suffix, media=(early,))) == (
+        NotBridged(
+            "multimodal_append", "an image's placeholder is not in the appended messages' tokens"
+        )
     )
 
 
 def test_render_answers_are_read_from_vllms_generate_request() -> None:
     answer = json.loads((FIXTURES / "render-chat-response.json").read_text())
-    rendered = BridgeRenders.from_answers(
-        (answer, answer), (answer, {**answer, "features": {"x": 1}})
-    )
+    n = len(answer["token_ids"])
+    features = {
+        "mm_hashes": {"image": ["h1"]},
+        "mm_placeholders": {"image": [{"offset": n - 3, "length": 2}]},
+        "kwargs_data": {"image": ["AAAA"]},
+        "mm_metadata": None,
+    }
+    imaged = {**answer, "features": features}
+    rendered = BridgeRenders.from_answers((answer, answer), (imaged, imaged))
     assert rendered.close == (answer["token_ids"], answer["token_ids"])
-    assert rendered.features == ({"x": 1},)
+    assert rendered.media == (MediaItem("image", "h1", -3, 2),)
     with pytest.raises(ValueError, match=r"render answer suffix\[1\]: token_ids must be a list"):
         BridgeRenders.from_answers((answer, answer), (answer, {**answer, "token_ids": None}))
+    with pytest.raises(ValueError, match="the two suffix renders place their images differently"):
+        BridgeRenders.from_answers((answer, answer), (answer, imaged))
+    with pytest.raises(ValueError, match="`features` has no mm_hashes or mm_placeholders"):
+        BridgeRenders.from_answers((answer, answer), (answer, {**answer, "features": {"x": 1}}))
 
 
 def _tool_plan() -> tuple[Prior, Any, dict[str, Any]]:

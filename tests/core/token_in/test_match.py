@@ -5,6 +5,7 @@ Each `NotBridged` reason is shown with the detail a user reads in the record's s
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -169,22 +170,46 @@ def test_an_appended_assistant_message_is_assistant_appended() -> None:
 IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
 
 
-def test_an_appended_image_is_multimodal_append() -> None:
+def test_an_appended_image_extends_the_call() -> None:
     prior = prior_call()
     user = {"role": "user", "content": [{"type": "text", "text": "see"}, IMAGE]}
-    assert _break(prior, continued(prior, replay(), RESULT, user)) == NotBridged(
-        "multimodal_append", "message 4 has a content part of type `image_url`"
-    )
+    result = match(prior, continued(prior, replay(), RESULT, user))
+    assert isinstance(result, Extension)
+    assert result.appended == (RESULT, user)
 
 
-def test_an_image_in_the_history_is_multimodal_history() -> None:
+def image_prior() -> Any:
     history = [{"role": "user", "content": [IMAGE]}]
-    prior = staged_prior(history, "nice", {"role": "assistant", "content": "nice"})
-    request = continued(
-        prior, {"role": "assistant", "content": "nice"}, {"role": "user", "content": "?"}
+    return staged_prior(history, "nice", {"role": "assistant", "content": "nice"})
+
+
+NEXT = ({"role": "assistant", "content": "nice"}, {"role": "user", "content": "?"})
+
+
+def test_an_image_in_the_history_extends_a_call_whose_placeholders_are_known() -> None:
+    prior = image_prior()
+    assert prior.media is not None
+    assert len(prior.media) == 1
+    assert isinstance(match(prior, continued(prior, *NEXT)), Extension)
+
+
+def test_an_image_in_the_history_of_a_call_read_back_is_multimodal_history() -> None:
+    prior = dataclasses.replace(image_prior(), media=None)
+    assert _break(prior, continued(prior, *NEXT)) == NotBridged(
+        "multimodal_history",
+        "1 images in the earlier messages, and the previous call's image placeholders are "
+        "not known",
     )
-    assert _break(prior, request) == NotBridged(
-        "multimodal_history", "message 0 has a content part of type `image_url`"
+
+
+def test_an_image_in_the_system_message_is_multimodal_history() -> None:
+    history: list[dict[str, Any]] = [
+        {"role": "system", "content": [IMAGE]},
+        {"role": "user", "content": "hi"},
+    ]
+    prior = staged_prior(history, "nice", {"role": "assistant", "content": "nice"})
+    assert _break(prior, continued(prior, *NEXT)) == NotBridged(
+        "multimodal_history", "the system message has an image"
     )
 
 
