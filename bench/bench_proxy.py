@@ -108,9 +108,12 @@ class Scenario:
     duration: float = 8.0
     about: str = ""
     drain: float | None = None  # None: the run's default (DRAIN)
+    rollouts: int = 0  # interleaved sessions (0: the load generator's default, 32)
 
     def load_args(self) -> list[str]:
         args = ["--mode", self.mode, "--duration", str(self.duration)]
+        if self.rollouts:
+            args += ["--rollouts", str(self.rollouts)]
         if self.mode == "poisson":
             args += ["--rate", str(self.rate)]
         else:
@@ -142,6 +145,15 @@ def scenarios(quick: bool) -> list[Scenario]:
         return [
             Scenario("unary-200ms-poisson100", "200ms", False, "poisson", rate=100, duration=4),
             Scenario("unary-200ms-sequential", "200ms", False, "closed", concurrency=1, duration=6),
+            Scenario(
+                "unary-200ms-one-session",
+                "200ms",
+                False,
+                "closed",
+                concurrency=1,
+                duration=6,
+                rollouts=1,
+            ),
             Scenario("stream-200ms-poisson5", "200ms", True, "poisson", rate=5, duration=4),
             Scenario("unary-200ms-closed64", "200ms", False, "closed", concurrency=64, duration=3),
             Scenario("token-in-fake-closed1", "fake", False, "closed", concurrency=1, duration=4),
@@ -171,7 +183,18 @@ def scenarios(quick: bool) -> list[Scenario]:
             concurrency=1,
             duration=10,
             about="one call at a time (~5/s behind the 200 ms upstream): the durable commit's "
-            "share of a call's latency",
+            "share of a call's latency; each call is the first of its rollout (32 sessions)",
+        ),
+        Scenario(
+            "unary-200ms-one-session",
+            "200ms",
+            False,
+            "closed",
+            concurrency=1,
+            duration=10,
+            rollouts=1,
+            about="the same, one agent session: every call after the first continues its "
+            "rollout, as one agent's calls do",
         ),
         Scenario(
             "stream-200ms-poisson10",
@@ -328,10 +351,13 @@ def run_load(
     argv += ["--loop", LOOP["loop"]]
     argv += [*scenario.load_args(), "--drain", str(drain), *extra]
     limit = scenario.duration + drain + 120
-    done = subprocess.run(argv, capture_output=True, timeout=limit, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"load generator failed: {done.stderr.decode()[-2000:]}")
-    result: dict[str, Any] = orjson.loads(done.stdout)
+    with tempfile.TemporaryDirectory(prefix="bench-load-") as tmp:
+        out = Path(tmp) / "result.json"
+        argv += ["--out", str(out)]
+        done = subprocess.run(argv, capture_output=True, timeout=limit, check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"load generator failed: {done.stderr.decode()[-2000:]}")
+        result: dict[str, Any] = orjson.loads(out.read_bytes())
     return result
 
 

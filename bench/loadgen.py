@@ -22,17 +22,25 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import random
-import sys
 import time
 from typing import Any
 
 import aiohttp
 import orjson
+from load_result import write_result
 from workload import TURNS, build_workload, tag_request
 
 from capture_proxy.server.event_loop import LOOPS, run
+
+
+def _error_code(body: bytes) -> str:
+    """The ``error.code`` of a proxy's JSON error body ("" when it has none)."""
+    try:
+        error = orjson.loads(body).get("error")
+    except (ValueError, AttributeError):
+        return ""
+    return str(error.get("code") or "") if isinstance(error, dict) else ""
 
 
 class Load:
@@ -68,7 +76,8 @@ class Load:
                         ttfb, tail, size = await self._read_stream(resp, t0)
                     else:
                         data = await resp.read()
-                        ttfb, tail, size = time.perf_counter() - t0, data[-64:], len(data)
+                        tail = data if resp.status != 200 else data[-64:]  # an error body whole
+                        ttfb, size = time.perf_counter() - t0, len(data)
                     elapsed = time.perf_counter() - t0
                     problem = self._check(resp, tail)
         except (aiohttp.ClientError, TimeoutError, OSError) as e:
@@ -96,7 +105,8 @@ class Load:
 
     def _check(self, resp: aiohttp.ClientResponse, tail: bytes) -> str | None:
         if resp.status != 200:
-            return f"HTTP {resp.status}"
+            # The error body's code says which refusal it was (staging_backlog, paused, ...).
+            return f"HTTP {resp.status} {_error_code(tail)}".rstrip()
         status = resp.headers.get("X-Capture-Status")
         if self.args.stream:
             if not tail.endswith(b"data: [DONE]\n\n"):
@@ -191,13 +201,10 @@ def main() -> None:
         "--drain", type=float, default=20.0, help="seconds to wait for calls after the last start"
     )
     p.add_argument("--loop", choices=LOOPS, default=LOOPS[0], help="event loop")
+    p.add_argument("--out", default=None, help="write the result (JSON) here, not to stdout")
     args = p.parse_args()
     result = run(Load(args).run(), args.loop)
-    # libuv leaves the pipe it was given non-blocking: a result over the pipe's buffer (the fast
-    # closed loops' latencies) would be cut short by a partial write.
-    os.set_blocking(sys.stdout.fileno(), True)
-    sys.stdout.buffer.write(orjson.dumps(result))
-    sys.stdout.flush()
+    write_result(result, args.out)
 
 
 if __name__ == "__main__":

@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import sys
 import time
 from typing import Any
 
 import aiohttp
 import orjson
+from load_result import write_result
 
 from capture_proxy.server.event_loop import LOOPS, run
 
@@ -214,10 +214,10 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=30.0, help="seconds per call")
     p.add_argument("--drain", type=float, default=20.0, help="seconds to finish sessions after")
     p.add_argument("--loop", choices=LOOPS, default=LOOPS[0], help="event loop")
+    p.add_argument("--out", default=None, help="write the result (JSON) here, not to stdout")
     args = p.parse_args()
     result = run(Sessions(args).run(), args.loop)
-    sys.stdout.buffer.write(orjson.dumps(result))
-    sys.stdout.flush()
+    write_result(result, args.out)
 
 
 if __name__ == "__main__":

@@ -65,3 +65,11 @@ def test_switches_show_no_default(capsys: pytest.CaptureFixture[str]) -> None:
     assert "(default: call)" in text  # --per shows its default beside its help
     assert "(default: False)" not in text
     assert "(default: True)" not in text  # --no-verify: a switch, not a value
+
+
+def test_inspect_help_names_every_store_form_it_reads() -> None:
+    parser = _subcommands()["inspect"]
+    (store,) = [a for a in parser._actions if a.dest == "store"]
+    text = _help_of(parser, store)
+    for form in ("sqlite:///", "parquet:///", "s3://", "http://HOST:PORT", "https://", "a path"):
+        assert form in text, (form, text)

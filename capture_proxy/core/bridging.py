@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
+from array import array
 from collections import OrderedDict
 from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass
@@ -27,7 +28,14 @@ from typing import Any, TypeVar
 import msgspec
 import orjson
 
-from ..adapters.vllm import Rendered, UpstreamProtocolError, read_render, read_render_pair
+from ..adapters.vllm import (
+    Rendered,
+    UpstreamProtocolError,
+    encode_ids,
+    extend_ids_json,
+    read_render,
+    read_render_pair,
+)
 from ..errors import CaptureProxyError
 from ..schemas.fields import BridgeSpan
 from ..schemas.token_in_extras import SegmentBreak
@@ -50,7 +58,14 @@ from .token_in import (
 )
 from .transport import EngineRoute, TokenInTransport
 
-__all__ = ["CloseRenders", "RenderRefused", "TokenInPrompt", "token_in_line", "token_in_prompt"]
+__all__ = [
+    "CloseRenders",
+    "PromptJson",
+    "RenderRefused",
+    "TokenInPrompt",
+    "token_in_line",
+    "token_in_prompt",
+]
 
 _T = TypeVar("_T")
 
@@ -112,6 +127,54 @@ class CloseRenders:
         return len(self._pairs)
 
 
+class PromptJson:
+    """The JSON of staged calls' prompt ids, kept for the calls that extend them.
+
+    A bridged prompt starts with the previous call's prompt ids (`Prior.prompt_ids`), so its
+    JSON is that prompt's JSON extended by the new ids (`extend_ids_json`) instead of a whole
+    new encoding. Keyed by the prior's ids object itself (`put` when the call is staged, `get`
+    with the same object; `discard` once a later call of its line is staged), the least recently
+    used dropped first beyond `max_bytes` of JSON and ids.
+    """
+
+    def __init__(self, max_bytes: int = 64 << 20) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._entries: OrderedDict[int, tuple[Sequence[int], bytes, int]] = OrderedDict()
+
+    def put(self, ids: Sequence[int], ids_json: bytes) -> None:
+        size = len(ids_json) + 4 * len(ids)
+        self._drop(id(ids))
+        if size > self.max_bytes:
+            return
+        # The ids object is kept with its JSON: its id() names no other object while it is here.
+        self._entries[id(ids)] = (ids, ids_json, size)
+        self.bytes += size
+        while self.bytes > self.max_bytes:
+            self._drop(next(iter(self._entries)))
+
+    def get(self, ids: Sequence[int]) -> bytes | None:
+        entry = self._entries.get(id(ids))
+        if entry is None or entry[0] is not ids:
+            return None
+        self._entries.move_to_end(id(ids))
+        return entry[1]
+
+    def discard(self, ids: Sequence[int]) -> None:
+        """Forget the JSON of `ids` (a prior its line's next staged call replaced)."""
+        entry = self._entries.get(id(ids))
+        if entry is not None and entry[0] is ids:
+            self._drop(id(ids))
+
+    def _drop(self, key: int) -> None:
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            self.bytes -= entry[2]
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
 class RenderRefused(CaptureProxyError):
     """The upstream answered the request's own render with an error status: the call's answer,
     relayed to the client as the chat route's error would be."""
@@ -136,6 +199,9 @@ class TokenInPrompt:
         features: the ``features`` generate gets instead of the render's, for a bridged prompt
             with images (None: the render's, as they came).
         bridged_media: a bridged prompt's images (`media` reads the plain render's otherwise).
+        ids_json: `prompt_ids` as a JSON list, encoded once for generate and derender
+            (`prompt_json`; when not given: the plain render's JSON as it came for its own ids,
+            else encoded).
     """
 
     rendered: Rendered
@@ -145,6 +211,27 @@ class TokenInPrompt:
     plain_divergence: int | None = None
     features: dict[str, Any] | None = None
     bridged_media: tuple[MediaItem, ...] | None = None
+    ids_json: bytes | None = None
+    #: `prompt_ids` as int32 (the record's), when built from the prior's without a conversion.
+    ids_array: array[int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.ids_json is None:
+            rendered = self.rendered
+            plain = self.prompt_ids is rendered.prompt_ids
+            ids_json = rendered.prompt_json if plain else encode_ids(self.prompt_ids)
+            object.__setattr__(self, "ids_json", ids_json)
+
+    @property
+    def prompt_array(self) -> array[int]:
+        """`prompt_ids` as an int32 array, as the record keeps them."""
+        return self.ids_array if self.ids_array is not None else array("i", self.prompt_ids)
+
+    @property
+    def prompt_json(self) -> bytes:
+        """`prompt_ids` as a JSON list (generate and derender send it as it is)."""
+        assert self.ids_json is not None  # set by __post_init__
+        return self.ids_json
 
     @property
     def media(self) -> tuple[MediaItem, ...] | None:
@@ -174,8 +261,10 @@ class TokenInPrompt:
         unset = all(request.get(k) is None for k in _LIMIT_KEYS)
         if grown > 0 and unset and type(limit) is int:
             params = {**params, "max_tokens": max(1, limit - grown)}
-            return rendered.generate_body(self.prompt_ids, stream=stream, sampling_params=params)
-        return rendered.generate_body(self.prompt_ids, stream=stream)
+            return rendered.generate_body(
+                self.prompt_ids, stream=stream, sampling_params=params, ids_json=self.prompt_json
+            )
+        return rendered.generate_body(self.prompt_ids, stream=stream, ids_json=self.prompt_json)
 
 
 async def _render(upstream: TokenInTransport, body: bytes) -> tuple[int, bytes]:
@@ -200,10 +289,12 @@ async def token_in_prompt(
     prior: Prior | None,
     request: Mapping[str, Any],
     render_request: Mapping[str, Any] | bytes,
+    prompts: PromptJson | None = None,
 ) -> TokenInPrompt:
     """The prompt of a token-in call (module docs). `request` is the normalized request as
     the bridge compares it with `prior.request`; `render_request` the body to render (the
-    request as forwarded, with the token fields capture asks for), encoded or not.
+    request as forwarded, with the token fields capture asks for), encoded or not. A bridged
+    prompt's JSON extends the prior's from `prompts` when it has it.
 
     Raises `RenderRefused` when the upstream refuses to render the request, `UpstreamFailed`
     when it cannot be reached.
@@ -222,23 +313,49 @@ async def token_in_prompt(
     answers = await _all(
         _render(upstream, plain_body), *(_render(upstream, orjson.dumps(b)) for b in bodies)
     )
-    rendered, plain_ids = _plain(*answers[0])
+    status, raw = answers[0]
+    if status != 200:
+        raise RenderRefused(status, raw)
     got = _bridged(verdict, bridge, cached, answers[1:], closes)
     if isinstance(got, NotBridged):
+        rendered, plain_ids = _plain(status, raw)
         return TokenInPrompt(rendered, plain_ids, segment_break=_break(got))
+    ids_json = _bridged_json(got, verdict.prior, prompts)
+    # The plain rendering mostly spells the bridged prompt's ids: only the rest is decoded.
+    rendered = read_render(raw, known=(ids_json, got.prompt_ids))
     features, why = bridged_features(got.media, rendered.features)
     if why is not None:
         cut = SegmentBreak("multimodal_append", f"the images' features: {why}")
-        return TokenInPrompt(rendered, plain_ids, segment_break=cut)
+        return TokenInPrompt(rendered, rendered.prompt_ids, segment_break=cut)
     return TokenInPrompt(
         rendered,
         got.prompt_ids,
         tuple(got.bridge_spans),
         None,
-        divergence(got.prompt_ids, plain_ids),
+        divergence(got.prompt_ids, rendered.prompt_ids),
         features,
         got.media,
+        ids_json,
+        _bridged_array(got, verdict.prior),
     )
+
+
+def _bridged_array(got: Bridged, prior: Prior) -> array[int] | None:
+    """The bridged prompt as int32: the prior's ids when they are already an array (a staged
+    call's), copied, then the ids after them; None when they are not (converted when needed)."""
+    head = prior.prompt_ids
+    if not (isinstance(head, array) and head.typecode == "i"):
+        return None
+    return head + array("i", got.prompt_ids[len(head) :])
+
+
+def _bridged_json(got: Bridged, prior: Prior, prompts: PromptJson | None) -> bytes:
+    """The bridged prompt's JSON: it starts with the prior's prompt ids (`assemble`), so the
+    prior's JSON when kept, extended by the ids after them."""
+    kept = prompts.get(prior.prompt_ids) if prompts is not None else None
+    if kept is None:
+        return encode_ids(got.prompt_ids)
+    return extend_ids_json(kept, got.prompt_ids[len(prior.prompt_ids) :])
 
 
 def _plain(status: int, raw: bytes) -> tuple[Rendered, list[int]]:

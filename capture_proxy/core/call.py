@@ -106,6 +106,8 @@ class Call:
     #: what its record counts once built (`record_bytes`).
     reserved: int = 0
     record_bytes: int = 0
+    #: The request's JSON size, when admission encoded it already (`request_identity`).
+    request_size: int | None = None
     #: Where its routed experts start (the earlier call it continues), chosen at admission; and
     #: once its record is built, its own entry for the calls after it (`core/experts.py`).
     experts: ExpertsPlan = field(default_factory=ExpertsPlan)

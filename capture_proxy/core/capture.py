@@ -52,6 +52,7 @@ from .rollouts import (
     CallOutcome,
     RolloutLive,
     record_bytes,
+    request_identity,
     request_key,
     resume_rollout,
 )
@@ -558,8 +559,9 @@ class Capture:
                 headers={"Retry-After": "0"},
             )
         self.check_admission(live, size)
+        request_size = None
         if key is None:
-            key = request_key(request)
+            key, request_size = request_identity(request)
         previous, live.last_weight_version = live.last_weight_version, self.weight_version
         decreased = previous if previous is not None and self.weight_version < previous else None
         if decreased is not None:
@@ -583,6 +585,7 @@ class Capture:
             reserved=size,
             weight_version_decreased_from=decreased,
             experts=experts if experts is not None else live.experts.plan(request),
+            request_size=request_size,
         )
         live.calls_used += 1
         live.bytes_reserved += size
@@ -652,8 +655,9 @@ class Capture:
         claim = call.claim
         if claim is None:
             return None
-        with contextlib.suppress(Exception):  # its outcome is read below
-            await asyncio.wait_for(asyncio.shield(claim), self.stager.timeout)
+        if not claim.done():  # settled already in practice: then no timer, no extra future
+            with contextlib.suppress(Exception):  # its outcome is read below
+                await asyncio.wait_for(asyncio.shield(claim), self.stager.timeout)
         refused = self._claim_refusal(call)
         if refused is None and not claim.done():
             refused = StageResult.failed(
@@ -781,7 +785,9 @@ class Capture:
             encoder=self._request_values,
             digester=rollout_digester(self._message_digests, call.rollout_id),
         )
-        call.record_bytes = record_bytes(sealed, call.attachments.values())
+        call.record_bytes = record_bytes(
+            sealed, call.attachments.values(), request_size=call.request_size
+        )
         return sealed
 
     async def complete_call(

@@ -60,11 +60,13 @@ class StreamedDerender:
         *,
         min_interval: float = 0.05,
         logprobs: StreamLogprobs | None = None,
+        ids_json: bytes | None = None,
     ) -> None:
         self._transport = transport
         self._generate = generate
-        # Resent on every derender call (vLLM keeps no state): encoded once.
-        self._tail = derender_tail(prompt_ids, chat_request)
+        # Resent on every derender call (vLLM keeps no state): encoded once (`ids_json`: the
+        # prompt ids already encoded, as generate got them).
+        self._tail = derender_tail(prompt_ids, chat_request, ids_json=ids_json)
         self._stream = GenerateStream()
         self._coalescer = DerenderCoalescer(min_interval)
         self._arrived = asyncio.Event()

@@ -40,6 +40,7 @@ from ..schemas.records import CallStatus, StageResult
 from ..schemas.request import FreeJsonLimits, RequestValidationError, check_free_json_limits
 from .bridging import (
     CloseRenders,
+    PromptJson,
     RenderRefused,
     TokenInPrompt,
 )
@@ -131,6 +132,8 @@ class Pipeline:
         self.on_token_in: list[Callable[[TokenInReport], None]] = []
         #: The token-in bridge's turn-close renders, shared by every rollout (`CloseRenders`).
         self.close_renders = CloseRenders()
+        #: The JSON of staged token-in calls' prompt ids, for the calls that extend them.
+        self.prompt_json = PromptJson()
 
     def exchange(self, rollout_id: str) -> Exchange:
         return Exchange(self, rollout_id)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from array import array
 from collections.abc import AsyncGenerator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +20,7 @@ import orjson
 
 from ..adapters.vllm import (
     Completion,
+    Derendered,
     DerenderedStream,
     ForwardPlan,
     StreamLogprobs,
@@ -28,7 +28,7 @@ from ..adapters.vllm import (
     WeightSpan,
     client_answer,
     derender_body,
-    read_derender,
+    read_derendered,
     read_generate,
     to_completion,
 )
@@ -115,6 +115,7 @@ class TokenInSteps:
             self.admitted.rollout.token_in_prior(token_in_line(self.request)),
             self.request,
             self._render_body,
+            self.pipeline.prompt_json,
         )
         body = self._prompt.generate_body(self.request, stream=self.streamed)
         return await upstream.post_engine(EngineRoute.GENERATE, body)
@@ -126,7 +127,9 @@ class TokenInSteps:
         assert self.plan is not None
         try:
             generated = read_generate(raw)
-            body = derender_body(raw, prompt.prompt_ids, self._render_body)
+            body = derender_body(
+                raw, prompt.prompt_ids, self._render_body, ids_json=prompt.prompt_json
+            )
             derendered = await self._derender(body)
         except UpstreamProtocolError as e:
             malformed = UpstreamFailed(
@@ -138,12 +141,15 @@ class TokenInSteps:
             await self.fail_upstream(e)
             raise
         self._upstream_s = time.perf_counter() - self._t_up
-        ids = array("i", prompt.prompt_ids)
-        completion = _as_chat(to_completion(generated, ids, derendered, model=self._model))
-        client_body = client_answer(derendered, generated, prompt.prompt_ids, self.plan.wants)
+        ids = prompt.prompt_array
+        record_view = derendered.for_record()
+        completion = _as_chat(to_completion(generated, ids, record_view, model=self._model))
+        client_body = client_answer(
+            derendered, generated, prompt.prompt_ids, self.plan.wants, ids_json=prompt.prompt_json
+        )
         return await self._stage(completion, client_body, generated.weight_spans)
 
-    async def _derender(self, body: bytes) -> dict[str, Any]:
+    async def _derender(self, body: bytes) -> Derendered:
         async with await self._upstream.post_engine(EngineRoute.DERENDER, body) as reply:
             raw = await reply.read()
         if reply.status != 200:
@@ -151,7 +157,7 @@ class TokenInSteps:
             raise UpstreamFailed(
                 f"derender answered {reply.status}: {text}", code="derender_failed"
             )
-        return read_derender(raw)
+        return read_derendered(raw)
 
     @property
     def _model(self) -> str:
@@ -169,6 +175,7 @@ class TokenInSteps:
             prompt.prompt_ids,
             self._render_body,
             logprobs=StreamLogprobs(self._model) if plan.wants.logprobs else None,
+            ids_json=prompt.prompt_json,
         )
         shaped = DerenderedStream(plan.wants, prompt.prompt_ids)
         async with reply:
@@ -192,7 +199,7 @@ class TokenInSteps:
         generated = derender.generated
         assert generated is not None  # the events end only after the whole generation
         answer = {"choices": [{"message": shaped.message()}]}
-        ids = array("i", prompt.prompt_ids)
+        ids = prompt.prompt_array
         completion = _as_chat(to_completion(generated, ids, answer, model=self._model))
         await self._stage(completion, b"", generated.weight_spans)
 
@@ -208,7 +215,16 @@ class TokenInSteps:
             finish_reason=completion.finish_reason,
             media=prompt.media,
         )
-        call.rollout.remember_token_in(call.seq, token_in_line(self.request), prior)
+        line = token_in_line(self.request)
+        replaced = call.rollout.token_in_priors.get(line)
+        call.rollout.remember_token_in(call.seq, line, prior)
+        kept = call.rollout.token_in_priors.get(line)
+        if kept is not None and kept[1] is prior:
+            # The next call's bridged prompt starts with these ids: its JSON extends this one's
+            # (the call this one replaced is continued no more).
+            if replaced is not None:
+                self.pipeline.prompt_json.discard(replaced[1].prompt_ids)
+            self.pipeline.prompt_json.put(prior.prompt_ids, prompt.prompt_json)
         cut = prompt.segment_break
         self.pipeline.report_token_in(
             TokenInReport(

@@ -46,6 +46,11 @@ def _note(entries: list[_Entry], entry: _Entry) -> None:
     with any other key is always among them.
     """
     seq, _, key = entry
+    if not entries or seq > entries[0][0]:
+        # The common case, a call later than every one kept (calls are indexed in staging
+        # order): it comes first, then the latest kept call with another key.
+        entries[:] = [entry, *[e for e in entries if e[2] != key][:1]]
+        return
     for e in entries:
         if e[2] == key and e[0] >= seq:
             return  # a later attempt of the same request is already kept

@@ -212,16 +212,23 @@ def prior_of(record: StagedCallRecord) -> Prior:
     )
 
 
-def record_bytes(record: StagedCallRecord, attachments: Iterable[Attachment] = ()) -> int:
+def record_bytes(
+    record: StagedCallRecord,
+    attachments: Iterable[Attachment] = (),
+    *,
+    request_size: int | None = None,
+) -> int:
     """What a staged call counts against its rollout's byte quota: its request, answer and
     extras as JSON, 4 bytes per token id and logprob, and its images' bytes (`attachments`, or the
     record's own when read back). `sampling` is not counted: it repeats values of the request.
+    `request_size` is the request's JSON size when already known (`request_identity`).
 
     A logical size, the same whether computed when staging or from the store after a restart,
     and independent of how a sink compresses or shares what it stores.
     """
-    parts: tuple[Mapping[str, Any], ...] = (record.request, record.response, record.extras)
-    size = sum(len(orjson.dumps(v)) for v in parts)
+    if request_size is None:
+        request_size = len(orjson.dumps(record.request))
+    size = request_size + len(orjson.dumps(record.response)) + len(orjson.dumps(record.extras))
     tokens = len(record.prompt_token_ids) + len(record.completion_token_ids)
     size += 4 * (tokens + len(record.completion_logprobs))
     images = tuple(attachments) or record.attachments
@@ -230,7 +237,14 @@ def record_bytes(record: StagedCallRecord, attachments: Iterable[Attachment] = (
 
 def request_key(request: Mapping[str, Any]) -> bytes:
     """Identity of a normalized request (retry detection): sha256 of its sorted-key JSON."""
-    return hashlib.sha256(orjson.dumps(request, option=orjson.OPT_SORT_KEYS)).digest()
+    return request_identity(request)[0]
+
+
+def request_identity(request: Mapping[str, Any]) -> tuple[bytes, int]:
+    """`request_key` and the request's JSON size (what `record_bytes` counts for it), from one
+    encoding: sorting the keys changes their order, never the length."""
+    encoded = orjson.dumps(request, option=orjson.OPT_SORT_KEYS)
+    return hashlib.sha256(encoded).digest(), len(encoded)
 
 
 def resume_rollout(open_source: Callable[[], StagingSource], rollout_id: str) -> RolloutLive | None:

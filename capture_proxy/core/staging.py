@@ -50,19 +50,25 @@ class Stager:
         """Stage `record`; never raises: failures come back as ``capture_failed`` results."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout
-        try:
-            await asyncio.wait_for(self._slots.acquire(), self.timeout)
-        except TimeoutError:
-            return StageResult.failed(
-                "staging_backlog",
-                f"{self.pending} staging writes stayed pending for {self.timeout:g}s "
-                f"(limit {self.max_pending})",
-            )
+        if self._slots.locked():
+            try:
+                await asyncio.wait_for(self._slots.acquire(), self.timeout)
+            except TimeoutError:
+                return StageResult.failed(
+                    "staging_backlog",
+                    f"{self.pending} staging writes stayed pending for {self.timeout:g}s "
+                    f"(limit {self.max_pending})",
+                )
+        else:
+            # A free slot is taken without suspending: no task and no timer for the common case.
+            await self._slots.acquire()
         self.pending += 1
         task: asyncio.Task[StageResult] = asyncio.ensure_future(self._write(record, attachments))
         task.add_done_callback(self._done)
         try:
-            result = await asyncio.wait_for(asyncio.shield(task), max(0.0, deadline - loop.time()))
+            # One timer for the deadline; `shield` keeps the write going if it passes.
+            async with asyncio.timeout_at(deadline):
+                result = await asyncio.shield(task)
         except TimeoutError:
             # The write goes on (a half-cancelled write is worse than a late one). Mark the call
             # orphaned now, queued behind the write: if the write lands, even during shutdown,

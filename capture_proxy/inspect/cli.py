@@ -5,6 +5,7 @@
     capture-proxy inspect capture.db --call 01J9... --tokens # one call in full, with token ids
     capture-proxy inspect capture.db --verify                # every digest; exit 1 on a problem
     capture-proxy inspect capture.db --rollout r17 --follow  # keep printing new calls
+    capture-proxy inspect http://proxy-host:8101             # a running proxy's store
 
 ``--json`` prints the same views as JSON (keys in docs/inspect.md). On a terminal the output is
 rich tables sized to it; anywhere else, plain aligned text. Errors are one sentence on stderr
@@ -82,7 +83,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "store",
         metavar="STORE",
-        help="sqlite:///file.db, parquet:///folder, s3://bucket/prefix, or a path",
+        help="sqlite:///file.db, parquet:///folder, s3://bucket/prefix (gs://, az://), a "
+        "running proxy's http://HOST:PORT (https://; its reader or admin token in "
+        "CAPTURE_PROXY_READER_TOKEN), or a path",
     )
     what = p.add_mutually_exclusive_group()
     what.add_argument("--rollout", metavar="ID", help="one rollout's calls, staged and failed")

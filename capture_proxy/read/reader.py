@@ -19,6 +19,7 @@ the keyword to pass. `fetch` and `verify` always check digests.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -66,6 +67,13 @@ class StoreCorrupted(CaptureProxyError):
         more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
         super().__init__(f"{len(problems)} problem(s) in the store:\n{lines}{more}")
         self.problems = problems
+
+
+def _one_listing(source: StagingSource) -> contextlib.AbstractContextManager[object]:
+    """The source's ``snapshot()`` where it has one (`ParquetSource`: its reads share one
+    listing of the units instead of listing them once each); a no-op for the others."""
+    snapshot = getattr(source, "snapshot", None)
+    return snapshot() if callable(snapshot) else contextlib.nullcontext()
 
 
 def _key_of(item: str | CommitCoords | Mapping[str, Any]) -> str:
@@ -170,7 +178,14 @@ class Store:
     def problems(self, *, progress: Progress | None = None) -> list[Problem]:
         """Every integrity problem in the store (empty when it verifies). `progress` is told
         ``(records checked, records + 1)`` as it goes, and ``(n, n)`` once the store-wide
-        checks (attachments, sequence numbers) are done."""
+        checks (attachments, sequence numbers) are done.
+
+        The checks read one snapshot of a Parquet dataset (one listing of its units, however
+        many records: what is committed meanwhile is left for the next run)."""
+        with _one_listing(self.source):
+            return self._problems(progress)
+
+    def _problems(self, progress: Progress | None) -> list[Problem]:
         found: list[Problem] = []
         keys = list(self.source.all_keys())
         for done, key in enumerate(keys, 1):

@@ -60,6 +60,7 @@ __all__ = [
     "RequestValueCache",
     "encode_value",
     "extras_digest",
+    "has_null_token",
     "message_digest",
     "record_digest",
     "seal_record",
@@ -430,7 +431,7 @@ class RequestValueCache:
             key = orjson.dumps(value, option=_CACHE_KEY_OPTIONS)
         except (TypeError, orjson.JSONEncodeError):
             return encode_value(value, field=field)  # the encoder names the problem
-        if len(key) < self.min_bytes or _has_null_token(key):
+        if len(key) < self.min_bytes or has_null_token(key):
             return encode_value(value, field=field)
         with self._lock:
             encoded = self._encodings.get(key)
@@ -456,7 +457,7 @@ class RequestValueCache:
 _CACHE_KEY_OPTIONS = orjson.OPT_SORT_KEYS | orjson.OPT_PASSTHROUGH_SUBCLASS
 
 
-def _has_null_token(key: bytes) -> bool:
+def has_null_token(key: bytes) -> bool:
     """True if compact JSON `key` holds a null token (first, or after ``:``, ``[`` or ``,``),
     which could have been a NaN; a "null" inside a string only costs a cache miss."""
     at = key.find(b"null")

@@ -21,6 +21,7 @@ from aiohttp import web
 
 from ..logs import flush_repeats
 from .app import create_admin_app, create_app
+from .collector import tune_for_serving
 from .connections import MAX_LINGERING, ConnectionGate
 from .event_loop import loop_name
 from .settings import Settings
@@ -179,6 +180,7 @@ async def serve(settings: Settings) -> int:
     open_files = raise_open_file_limit()
     listening = await listen(settings, open_files=open_files)
     state = listening.app[STATE]
+    tune_for_serving()  # start-up is done: what it built lives as long as the process
     # The banner is for people and readiness probes: stderr, beside the logs, so stdout carries
     # nothing a pipeline could mistake for output.
     print(

@@ -72,7 +72,8 @@ class Settings:
     )
     store: str = _s(
         "sqlite:///capture.db",
-        "where records are staged: sqlite:///file.db, parquet:///folder, or a path",
+        "where records are staged: sqlite:///file.db, parquet:///folder, a Parquet dataset on"
+        " object storage (s3://bucket/prefix, gs://, az://), or a path",
     )
     host: str = _s("127.0.0.1", "address to listen on")
     port: int = _s(8100, "port to listen on (0 picks a free one)")

@@ -7,12 +7,15 @@ from array import array
 from typing import Any
 
 import orjson
+import pytest
 
 from capture_proxy.adapters.vllm import (
     ClientWants,
     DerenderedStream,
     Generated,
+    UpstreamProtocolError,
     client_answer,
+    read_derendered,
     to_completion,
 )
 from tests import support
@@ -104,3 +107,35 @@ def test_a_client_that_asked_for_usage_gets_the_prompt_the_call_sent() -> None:
     assert usage
     assert all(u["prompt_tokens"] == 7 for u in usage)
     assert stream.message()["reasoning"]
+
+
+def test_a_unary_answer_read_once_relays_derender_s_values_as_they_came() -> None:
+    raw = (TOKEN_IN / "derender-chat-response.json").read_bytes()
+    answer = read_derendered(raw)
+    n = orjson.loads(raw)["usage"]["completion_tokens"]
+    asked = wants(logprobs=True, token_ids=True)
+    body = client_answer(answer, generated(n), [1] * 7, asked, ids_json=b"[1,1,1,1,1,1,1]")
+    # The per-token logprobs are spliced, never decoded: the same JSON as the dict's.
+    assert orjson.loads(body) == orjson.loads(
+        client_answer(derendered("derender-chat-response.json"), generated(n), [1] * 7, asked)
+    )
+    assert answer.for_record() == {"choices": [{"message": answer.messages[0]}]}
+    assert answer.messages[0]["reasoning"] == "\n\n\n\n\n\n"
+
+
+@pytest.mark.parametrize(
+    ("raw", "why"),
+    [
+        (b"[1, 2]", "Expected `object`"),
+        (b'{"choices": {"message": {}}}', "Expected `array`"),
+        (b'{"choices": [{"message": "text"}]}', "Expected `object`"),
+        (b'{"choices": [', "truncated"),
+    ],
+)
+def test_a_derender_answer_that_is_not_a_chat_completion_is_a_protocol_error(
+    raw: bytes, why: str
+) -> None:
+    with pytest.raises(UpstreamProtocolError) as err:
+        read_derendered(raw)
+    assert err.value.reason == "malformed_json"
+    assert why in err.value.message

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from array import array
+from typing import Any
 
 import orjson
 import pytest
@@ -212,3 +213,60 @@ def test_a_render_pair_with_ids_that_are_not_ints_is_a_protocol_error() -> None:
             read_render_pair(good, bad)
     with pytest.raises(UpstreamProtocolError, match="malformed_json"):
         read_render_pair(good, b'{"token_ids": [1, 2')
+
+
+@given(
+    st.lists(st.integers(0, 300), max_size=30),
+    st.lists(st.integers(0, 300), max_size=8),
+    st.lists(st.integers(0, 300), max_size=8),
+    st.booleans(),
+    st.booleans(),
+)
+def test_a_render_read_against_known_ids_gives_the_ids_of_a_whole_decode(
+    head: list[int], one: list[int], two: list[int], spaced: bool, known_spaced: bool
+) -> None:
+    answer_ids, known_ids = [*head, *one], [*head, *two]
+
+    def spelled(ids: list[int], spaces: bool) -> bytes:
+        return (json.dumps(ids) if spaces else orjson.dumps(ids).decode()).encode()
+
+    answer = b'{"request_id": "r", "token_ids": ' + spelled(answer_ids, spaced) + b"}"
+    known = (spelled(known_ids, known_spaced), known_ids)
+    rendered = read_render(answer, known=known)
+    assert rendered.prompt_ids == read_render(answer).prompt_ids == answer_ids
+    assert rendered.ids_json == spelled(answer_ids, spaced)
+
+
+def test_a_render_read_against_known_ids_still_checks_the_ids_it_decodes() -> None:
+    known = (b"[1,2,3]", [1, 2, 3])
+    for bad in (b'{"token_ids": [1, 2, "x"]}', b'{"token_ids": [1,2,3.5]}'):
+        with pytest.raises(UpstreamProtocolError, match="no_token_ids"):
+            read_render(bad, known=known)
+
+
+def _merged_as_dicts(events: list[GenerateEvent]) -> Any:
+    """What a merged chunk must say, computed on decoded events: the last event's fields, the
+    ids and logprob entries of all the events' first choices in order, the last usage."""
+    chunks = [orjson.loads(e.data) for e in events]
+    merged = dict(chunks[-1])
+    choices = [c["choices"][0] for c in chunks if c.get("choices")]
+    if choices:
+        last = dict(choices[-1])
+        last["token_ids"] = [t for c in choices for t in c.get("token_ids") or ()]
+        entries = [e for c in choices for e in (c.get("logprobs") or {}).get("content") or ()]
+        last["logprobs"] = {"content": entries} if entries else None
+        merged["choices"] = [last]
+    merged["usage"] = next((c["usage"] for c in reversed(chunks) if c.get("usage")), None)
+    return merged
+
+
+@pytest.mark.parametrize("name", ["generate-tools-stream.sse", "generate-chat-stream.sse"])
+@given(st.data())
+def test_merged_stream_events_join_ids_and_logprobs_as_the_decoded_events_say(
+    name: str, data: st.DataObject
+) -> None:
+    events = GenerateStream().feed(raw(name))
+    start = data.draw(st.integers(0, len(events) - 2))
+    end = data.draw(st.integers(start + 2, len(events)))
+    chosen = events[start:end]
+    assert orjson.loads(merge_chunks(chosen)) == _merged_as_dicts(chosen)

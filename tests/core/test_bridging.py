@@ -3,6 +3,8 @@ HTTP, the turn-close cache, the lines of calls, and the output limit of a longer
 
 from __future__ import annotations
 
+import dataclasses
+from array import array
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -14,6 +16,7 @@ from aiohttp.test_utils import TestServer
 from capture_proxy.adapters.vllm import read_render
 from capture_proxy.core.bridging import (
     CloseRenders,
+    PromptJson,
     RenderRefused,
     TokenInPrompt,
     token_in_line,
@@ -161,6 +164,72 @@ async def test_a_bridge_render_answer_without_a_list_of_ids_is_not_bridgeable() 
     assert "token_ids" in got.segment_break.detail
     assert got.prompt_ids == [1, 2, 3]
     assert len(closes) == 0  # nothing cached from answers that were refused
+
+
+async def test_a_bridged_prompt_s_json_extends_the_prior_s_kept_json(
+    upstream: tuple[FakeVLLM, HTTPUpstream],
+) -> None:
+    _, client = upstream
+    prior = _prior(SYSTEM, {"role": "user", "content": "One?"})
+    request = {
+        **prior.request,
+        "messages": [*prior.request["messages"], _ANSWER, {"role": "user", "content": "Two?"}],
+    }
+    prompts = PromptJson()
+    # Kept with spaces, as vLLM's JSON may come: the extension copies it as it is.
+    prompts.put(prior.prompt_ids, orjson.dumps(list(prior.prompt_ids)).replace(b",", b", "))
+    got = await token_in_prompt(client, CloseRenders(), prior, request, request, prompts)
+    assert got.prompt_json.startswith(b"[" + str(prior.prompt_ids[0]).encode() + b", ")
+    assert orjson.loads(got.prompt_json) == got.prompt_ids
+    body = orjson.loads(got.generate_body(request, stream=False))
+    assert body["token_ids"] == got.prompt_ids
+    # Without the prior's JSON kept, the whole prompt is encoded.
+    fresh = await token_in_prompt(client, CloseRenders(), prior, request, request, PromptJson())
+    assert fresh.prompt_json == orjson.dumps(got.prompt_ids)
+
+
+async def test_a_plain_prompt_is_sent_as_the_render_answer_s_json(
+    upstream: tuple[FakeVLLM, HTTPUpstream],
+) -> None:
+    _, client = upstream
+    request = {"model": "policy", "messages": [SYSTEM, {"role": "user", "content": "One?"}]}
+    got = await token_in_prompt(client, CloseRenders(), None, request, request, PromptJson())
+    assert got.prompt_json is got.rendered.ids_json
+    assert orjson.loads(got.prompt_json) == got.prompt_ids == render_ids(request)
+
+
+def test_kept_prompt_json_is_found_by_the_same_ids_object_and_bounded_by_bytes() -> None:
+    first, second = [1, 2, 3], [1, 2, 3]
+    prompts = PromptJson(max_bytes=2 * (len(b"[1,2,3]") + 4 * 3))
+    prompts.put(first, b"[1,2,3]")
+    assert prompts.get(first) == b"[1,2,3]"
+    assert prompts.get(second) is None  # equal ids, another object: not this call's prompt
+    prompts.put(second, b"[1,2,3]")
+    prompts.put([4], b"[4]")  # over the bound: the least recently used goes
+    assert (prompts.get(first), prompts.get(second), len(prompts)) == (None, b"[1,2,3]", 2)
+    prompts.put(list(range(100)), orjson.dumps(list(range(100))))  # alone over it: not kept
+    assert len(prompts) == 2
+
+
+async def test_a_bridged_prompt_s_array_extends_a_staged_prior_s_array(
+    upstream: tuple[FakeVLLM, HTTPUpstream],
+) -> None:
+    _, client = upstream
+    listed = _prior(SYSTEM, {"role": "user", "content": "One?"})
+    request = {
+        **listed.request,
+        "messages": [*listed.request["messages"], _ANSWER, {"role": "user", "content": "Two?"}],
+    }
+    # A staged call's prior has its prompt ids as the record's int32 array.
+    prior = dataclasses.replace(listed, prompt_ids=array("i", listed.prompt_ids))
+    got = await token_in_prompt(client, CloseRenders(), prior, request, request)
+    assert got.ids_array is not None
+    assert got.prompt_array == array("i", got.prompt_ids)
+    assert got.prompt_array is not prior.prompt_ids
+    assert prior.prompt_ids == array("i", listed.prompt_ids)  # the prior's own, unchanged
+    # Ids in a list: converted when asked for.
+    plain = await token_in_prompt(client, CloseRenders(), listed, request, request)
+    assert (plain.ids_array, plain.prompt_array) == (None, array("i", plain.prompt_ids))
 
 
 def _imaged(n: int) -> dict[str, Any]:

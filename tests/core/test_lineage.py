@@ -75,6 +75,28 @@ def test_the_index_agrees_with_the_definition(seed: int, n: int) -> None:
         calls.append((seq, call_id, full, key))
 
 
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 40))
+def test_calls_indexed_out_of_seq_order_give_the_same_parents(seed: int, n: int) -> None:
+    """Calls are usually indexed in seq order (the index's fast path); concurrent calls of one
+    rollout can be staged in another order, which must not change any answer."""
+    rng = random.Random(seed)
+    keys = [bytes([k]) for k in range(4)]
+    calls: list[Call] = []
+    for seq in range(n):
+        base = rng.choice(calls)[2] if calls and rng.random() < 0.8 else array("i")
+        full = _grow(rng, base, rng.randrange(len(base) + 1), rng.randrange(0, 2 * BLOCK))
+        calls.append((seq, f"c{seq}", full, rng.choice(keys)))
+    index = LineageIndex()
+    for seq, call_id, full, key in rng.sample(calls, len(calls)):
+        index.add(seq, call_id, full, key)
+    for _ in range(10):
+        base = rng.choice(calls)[2]
+        prompt = _grow(rng, base, rng.randrange(len(base) + 1), rng.randrange(0, BLOCK))
+        key = rng.choice(keys)
+        assert index.choose(prompt, key) == by_definition(calls, prompt, key)
+
+
 def test_ties_go_to_the_latest_and_retries_are_no_parents() -> None:
     index = LineageIndex()
     seq_a = array("i", range(10, 10 + BLOCK + 5))

@@ -10,9 +10,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 
-from capture_proxy.core.rollouts import record_bytes
+from capture_proxy.core.rollouts import record_bytes, request_identity, request_key
 from tests.support.proxy_harness import Proxy, chat_body, start_proxy, stop_proxy, user
 
 TOKEN = "admin-token-for-quota-tests-01"
@@ -92,6 +93,15 @@ async def test_the_byte_quota_counts_what_was_staged_and_survives_a_restart(
         assert small.status == 200
     finally:
         await stop_proxy(p)
+
+
+def test_admission_sizes_the_request_as_the_quota_counts_it_from_the_store() -> None:
+    """Admission takes the request's JSON size from the encoding that keys it (sorted keys),
+    which must equal the size a restart counts from the stored request (its own key order)."""
+    request = {"z": [1, {"b": "é", "a": None}], "messages": [{"role": "user", "content": "x✓"}]}
+    key, size = request_identity(request)
+    assert key == request_key(request)
+    assert size == len(orjson.dumps(request))
 
 
 @pytest.mark.parametrize("setting", ["max_rollout_calls", "max_rollout_bytes"])

@@ -7,6 +7,7 @@ limits hold on the raw body (before decoding) and on a decoded request (the libr
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import orjson
@@ -15,7 +16,9 @@ import pytest
 from capture_proxy.core.normalize import normalize_request
 from capture_proxy.schemas.records import CallStatus
 from capture_proxy.schemas.request import (
+    FREE_VALUES,
     FreeJsonLimits,
+    FreeValueMemo,
     RequestValidationError,
     check_free_json_limits,
 )
@@ -193,3 +196,60 @@ def test_the_defaults_take_an_agents_tools() -> None:
     body = chat_body(user("hi"), tools=[_tool(f"t{i}", schema) for i in range(128)])
     assert check_free_json_limits(orjson.dumps(body), FreeJsonLimits()) is True
     normalize_request(body)
+
+
+def _schema(pad: int, **extra: Any) -> dict[str, Any]:
+    """A tool schema of a few hundred bytes of JSON (worth remembering: `FreeValueMemo`)."""
+    return {"type": "object", "description": "d" * pad, **extra}
+
+
+def test_a_tool_schema_checked_before_gets_the_same_verdict() -> None:
+    # Re-sent schemas are not walked again: their remembered count must refuse exactly as a
+    # walk would, under whatever limits the next request is checked against.
+    tools = [_tool(f"t{i}", _schema(300, p=[0] * 30)) for i in range(4)]
+    body = chat_body(user("hi"), tools=tools)
+    normalize_request(body)  # remembered under the defaults
+    assert FREE_VALUES.key(tools[0]["function"]["parameters"]) is not None
+    for _ in range(2):
+        with pytest.raises(RequestValidationError) as e:
+            normalize_request(body, free_json=_SMALL)
+        assert (e.value.param, e.value.code) == (
+            "tools[2].function.parameters",
+            "free_json_too_many_items",
+        )
+
+
+def test_a_nan_is_refused_after_the_same_value_with_null_passed() -> None:
+    # orjson writes NaN as null: a value with a null is never remembered, so its NaN twin is
+    # still walked (the library's path takes Python values, which may hold a NaN).
+    ok = _schema(300, default=None)
+    normalize_request(chat_body(user("hi"), tools=[_tool("t", ok)]))
+    assert FREE_VALUES.key(ok) is None
+    with pytest.raises(RequestValidationError) as e:
+        normalize_request(chat_body(user("hi"), tools=[_tool("t", _schema(300, default=math.nan))]))
+    assert e.value.code == "invalid_value"
+    assert "not finite" in e.value.message
+
+
+def test_values_orjson_cannot_write_exactly_are_never_keys() -> None:
+    class Sub(dict[str, Any]):
+        pass
+
+    assert FREE_VALUES.key(Sub(_schema(300))) is None  # a subclass: walked every time
+    assert FREE_VALUES.key({1: "x" * 300}) is None  # a non-string key
+    assert FREE_VALUES.key(_schema(300, n=2**70)) is None  # beyond 64 bits
+    assert FREE_VALUES.key(_schema(10)) is None  # small: cheaper to walk
+
+
+def test_the_memo_is_bounded_by_its_keys_bytes() -> None:
+    memo = FreeValueMemo(max_bytes=4000, min_bytes=10)
+    keys = []
+    for i in range(20):
+        k = memo.key(_schema(300, i=i))
+        assert k is not None
+        keys.append(k)
+        memo.put(k, 3)
+        assert memo.bytes <= 4000
+    assert 0 < len(memo) < 20
+    assert memo.get(keys[-1]) == 3
+    assert memo.key(_schema(1200)) is None  # over a quarter of the bound: never kept

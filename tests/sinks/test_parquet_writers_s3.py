@@ -6,6 +6,7 @@ what it held in memory, is refused the seq it would reuse and then continues aft
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 
@@ -18,6 +19,8 @@ from capture_proxy.schemas.events import EventKind, check_chain, claim_event
 from capture_proxy.schemas.records import CallStatus, RolloutInfo, RolloutState
 from capture_proxy.sinks.base import DuplicateSeq
 from capture_proxy.sinks.parquet import ParquetSink, ParquetSource
+from capture_proxy.sinks.parquet._fs import DatasetFS
+from capture_proxy.sinks.parquet._layout import create_dataset
 from tests.support.s3 import MotoS3
 from tests.support.sink_factories import Session, image
 
@@ -162,3 +165,25 @@ async def test_a_writer_meeting_a_rollout_another_created_keeps_its_header(
         {"temperature": 0.5},
         1_700_000_000_000,
     )
+
+
+async def test_writers_creating_a_new_dataset_at_once_all_open_it(moto_s3: MotoS3) -> None:
+    # A fleet's proxies starting together on a new prefix: each finds no format file and
+    # creates the dataset. One that lists the prefix once another has written its format file
+    # opens that dataset (it used to refuse it as "holds files but no _format.json").
+    url = moto_s3.url()
+    first = _writer(url, "proxy-a")
+    try:
+        create_dataset(DatasetFS(url))  # a second writer's create, after the first one's
+    finally:
+        await first.close()
+    url = moto_s3.url()
+    sinks = await asyncio.gather(*(asyncio.to_thread(_writer, url, f"w{i}") for i in range(4)))
+    try:
+        for i, sink in enumerate(sinks):
+            record, atts = Session(f"r{i}").next()
+            assert (await sink.stage(record, attachments=atts)).status is CallStatus.STAGED
+    finally:
+        for sink in sinks:
+            await sink.close()
+    assert ParquetSource(url).rollouts() == ["r0", "r1", "r2", "r3"]

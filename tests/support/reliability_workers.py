@@ -90,10 +90,15 @@ class Spawned:
                 self._ready.set()
 
     def wait_ready(self, timeout: float = 30.0) -> str:
-        """The URL the process announced; raises with its output if it did not start."""
-        if not self._ready.wait(timeout):
-            self.kill()
-            raise RuntimeError(f"{self.proc.args!r} did not start:\n{self.output()}")
+        """The URL the process announced; raises with its output if it did not start (at once
+        when it exited)."""
+        deadline = time.monotonic() + timeout
+        while not self._ready.wait(0.1):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.kill()  # and read the rest of its output
+                if self._ready.is_set():
+                    break  # it announced its URL, then exited: the caller finds out
+                raise RuntimeError(f"{self.proc.args!r} did not start:\n{self.output()}")
         return self.url
 
     def kill(self) -> int:
@@ -155,6 +160,7 @@ class Loader:
 
     `acked` maps every call id whose answer said ``staged`` to its rollout; `outcomes` counts
     what the calls got (``staged``, ``capture_failed``, ``http_<status>``, ``conn_error``, ...).
+    `sealed` holds the rollouts it sealed (with `admin_token`).
     `latencies` holds the seconds of calls that completed (a bounded reservoir).
     """
 
@@ -168,6 +174,8 @@ class Loader:
     #: With the proxy's admin token, each finished session's rollout is sealed (as a driver does).
     admin_token: str | None = None
     acked: dict[str, str] = field(default_factory=dict)
+    #: The rollouts whose seal the proxy answered 200.
+    sealed: set[str] = field(default_factory=set)
     outcomes: Counter[str] = field(default_factory=Counter)
     latencies: list[float] = field(default_factory=list)
     _sessions: list[_Session] = field(default_factory=list)
@@ -202,18 +210,21 @@ class Loader:
             asyncio.ensure_future(self._worker(base_url, i)) for i in range(self.concurrency)
         ]
 
-    async def stop(self, *, finish_within: float = 0.0) -> None:
+    async def stop(self, *, finish_within: float = 0.0) -> int:
         """Stop the sandboxes: at once (calls in flight are abandoned), or after letting their
-        current calls finish for up to `finish_within` seconds."""
-        assert self._stop is not None
-        assert self._http is not None
+        current calls finish for up to `finish_within` seconds. Returns how many sandboxes were
+        still in a call when they were stopped (0 when stopped already)."""
+        if self._stop is None or self._http is None or self._http.closed:
+            return 0
         self._stop.set()
         if finish_within > 0 and self._tasks:
             await asyncio.wait(self._tasks, timeout=finish_within)
+        cut = sum(1 for task in self._tasks if not task.done())
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self._http.close()
+        return cut
 
     async def _worker(self, base_url: str, i: int) -> None:
         assert self._stop is not None
@@ -261,6 +272,8 @@ class Loader:
             async with self._http.post(url, headers=headers) as resp:
                 await resp.read()
                 self.outcomes["sealed" if resp.status == 200 else f"seal_{resp.status}"] += 1
+                if resp.status == 200:
+                    self.sealed.add(rollout)
         except (aiohttp.ClientError, TimeoutError):
             self.outcomes["conn_error"] += 1
 

@@ -21,7 +21,8 @@ from ._adapter import (
     VLLMAdapter,
     parse_error_body,
 )
-from ._derendered import DerenderedStream, client_answer
+from ._derendered import Derendered, DerenderedStream, client_answer, read_derendered
+from ._ids_json import encode_ids, extend_ids_json
 from ._stream_logprobs import StreamLogprobs
 from ._token_in import (
     DerenderCoalescer,
@@ -46,6 +47,7 @@ __all__ = [
     "ClientWants",
     "Completion",
     "DerenderCoalescer",
+    "Derendered",
     "DerenderedStream",
     "ForwardPlan",
     "GenerateEvent",
@@ -62,9 +64,12 @@ __all__ = [
     "derender_body",
     "derender_chunk_body",
     "derender_tail",
+    "encode_ids",
+    "extend_ids_json",
     "merge_chunks",
     "parse_error_body",
     "read_derender",
+    "read_derendered",
     "read_generate",
     "read_render",
     "read_render_pair",

@@ -15,6 +15,10 @@ what the chat route would have sent:
   true``, ``routed_experts`` removed, the null ``prompt_logprobs`` / transfer params removed, the
   usage-only chunk of a stream only when the client asked for usage.
 
+A unary answer is read once (`read_derendered`): its values stay the JSON they came as and the
+client's answer splices them (the per-token logprobs, most of the answer, are never decoded);
+only the message is decoded, for the record and the finish reason.
+
 `DerenderedStream` also puts the streamed message together (content, reasoning, tool calls) for
 the record, as `to_completion` reads it from a unary answer.
 """
@@ -22,14 +26,26 @@ the record, as `to_completion` reads it from a unary answer.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import orjson
 
+from ._ids_json import encode_ids
 from ._token_in import Generated
-from ._wire import NULL_DROPPED_FIELDS, TOKEN_ID_FIELDS, ClientWants
+from ._wire import (
+    NULL_DROPPED_FIELDS,
+    TOKEN_ID_FIELDS,
+    ClientWants,
+    UpstreamProtocolError,
+    decode_choices,
+    decode_object,
+    is_null,
+    strip_for_client,
+)
 
-__all__ = ["DerenderedStream", "client_answer"]
+__all__ = ["Derendered", "DerenderedStream", "client_answer", "read_derendered"]
 
 
 def _usage(generated: Generated, prompt_len: int) -> dict[str, int]:
@@ -58,29 +74,80 @@ def _choice(choice: Mapping[str, Any], wants: ClientWants) -> dict[str, Any]:
     return out
 
 
+_decode_message = msgspec.json.Decoder(dict[str, Any]).decode
+_encode = msgspec.json.Encoder().encode
+_STOP = b'"stop"'
+_TOOL_CALLS = msgspec.Raw(b'"tool_calls"')
+
+
+@dataclass(frozen=True, slots=True)
+class Derendered:
+    """A unary derender answer (a ``chat.completion``), read once by `read_derendered`.
+
+    The top-level fields and each choice's stay the JSON they came as (`msgspec.Raw`): the client
+    gets them spliced, never decoded (the per-token logprobs are most of the answer). Only each
+    choice's ``message`` is decoded (`messages`): what the record and the relay rules read.
+    """
+
+    top: dict[str, msgspec.Raw]
+    choices: list[dict[str, msgspec.Raw]]
+    messages: list[dict[str, Any]]
+
+    def for_record(self) -> dict[str, Any]:
+        """The answer as `to_completion` reads it: the first choice's message."""
+        return {"choices": [{"message": self.messages[0]}]} if self.messages else {}
+
+
+def read_derendered(raw: bytes) -> Derendered:
+    """Read a unary derender answer (module docs); `UpstreamProtocolError` when it is not an
+    object, its ``choices`` not a list of objects, or a ``message`` not an object."""
+    try:
+        top = decode_object(raw)
+        choices = [] if is_null(top.get("choices")) else decode_choices(top["choices"])
+        messages = [
+            {} if is_null(c.get("message")) else _decode_message(c["message"]) for c in choices
+        ]
+    except msgspec.ValidationError as exc:
+        raise UpstreamProtocolError("malformed_json", f"the derender answer: {exc}") from exc
+    except msgspec.DecodeError as exc:
+        raise UpstreamProtocolError("malformed_json", f"the derender answer: {exc}") from exc
+    return Derendered(top, choices, messages)
+
+
 def client_answer(
-    derendered: Mapping[str, Any],
+    derendered: Derendered | Mapping[str, Any],
     generated: Generated,
     prompt_ids: Sequence[int],
     wants: ClientWants,
+    *,
+    ids_json: bytes | None = None,
 ) -> bytes:
-    """The unary answer for the client (JSON) from derender's `derendered` answer, the
-    `generated` completion and the `prompt_ids` sent (module docs for what changes)."""
-    body = _top(derendered, wants)
-    choices = []
-    for choice in derendered.get("choices") or ():
-        c = _choice(choice, wants)
-        message = c.get("message") or {}
-        if message.get("tool_calls") and c.get("finish_reason") == "stop":
-            c["finish_reason"] = "tool_calls"
+    """The unary answer for the client (JSON) from derender's answer (`read_derendered`'s, or
+    decoded), the `generated` completion and the `prompt_ids` sent (module docs for what
+    changes; `ids_json`: those ids already encoded). Every value the client gets as derender
+    wrote it is spliced in as it came."""
+    if not isinstance(derendered, Derendered):
+        derendered = read_derendered(orjson.dumps(derendered))
+    top, choices = derendered.top, derendered.choices
+    # The chat route's relay rules, as the plain path applies them (values kept as they came).
+    body = strip_for_client(top, choices, wants)
+    if body is None:
+        body, shaped = dict(top), [dict(c) for c in choices]
+    else:
+        shaped = body.get("choices", [])
+    for c, message in zip(shaped, derendered.messages, strict=True):
+        finish = c.get("finish_reason")
+        if message.get("tool_calls") and finish is not None and bytes(finish) == _STOP:
+            c["finish_reason"] = _TOOL_CALLS
         if wants.token_ids:
-            c["token_ids"] = list(generated.completion_ids)
-        choices.append(c)
-    body["choices"] = choices
+            c["token_ids"] = msgspec.Raw(encode_ids(generated.completion_ids))
+    body["choices"] = shaped
     if wants.token_ids:
-        body["prompt_token_ids"] = list(prompt_ids)
+        body["prompt_token_ids"] = msgspec.Raw(
+            ids_json if ids_json is not None else encode_ids(prompt_ids)
+        )
     body["usage"] = _usage(generated, len(prompt_ids))
-    return orjson.dumps(body)
+    return _encode(body)
 
 
 class DerenderedStream:

@@ -7,7 +7,8 @@ generates from token ids (``POST /inference/v1/generate``) and builds the client
 read typed); what is sent back is built from the decoded values:
 
 - `read_render` → `Rendered`: the prompt ids (a list, each checked to be an int as it is
-  decoded), the resolved sampling params, ``features``, and `Rendered.generate_body` —
+  decoded; with ``known``, only from where their JSON differs from a known list's), their JSON
+  as it came, the resolved sampling params, ``features``, and `Rendered.generate_body` —
   the render answer sent back with ``token_ids`` replaced, its other fields as they came (kept
   undecoded); `read_render_pair` reads of two answers (the bridge's pairs) only the ids from
   where their common suffix starts, and ``features``;
@@ -16,8 +17,10 @@ read typed); what is sent back is built from the decoded values:
   spans ``(version, start, end)``, routed experts, usage; `GenerateStream` does the same for a
   streamed generate fed bytes in any pieces;
 - `derender_body` / `derender_chunk_body` build derender requests (`derender_tail`: the prompt
-  ids and chat request every call of a stream resends, encoded once); `read_derender` reads the
-  unary answer; `DerenderCoalescer` decides which streamed chunks go into one derender call;
+  ids and chat request every call of a stream resends, encoded once; the prompt ids may come
+  encoded, as generate got them); `read_derender` reads a streamed call's answer (the unary one:
+  `read_derendered` in ``_derendered.py``); `DerenderCoalescer` decides which streamed chunks go
+  into one derender call;
 - `to_completion` turns a generation and its derendered message into the `Completion` the plain
   path stages.
 """
@@ -33,6 +36,7 @@ import msgspec
 import orjson
 
 from ..sse import SSEError, SSEParser
+from ._ids_json import encode_ids, ids_after_known
 from ._wire import Completion, UpstreamProtocolError, build_message, make_extras
 
 __all__ = [
@@ -129,6 +133,13 @@ class Rendered:
     #: The answer's ``stream`` and ``stream_options``, those it has, as they came: sent back
     #: in a unary generate request (a streamed one sets its own).
     unary: Mapping[str, msgspec.Raw] = field(default_factory=dict)
+    #: `prompt_ids` as the JSON they came as (None: encode them when needed).
+    ids_json: bytes | None = None
+
+    @property
+    def prompt_json(self) -> bytes:
+        """`prompt_ids` as a JSON list: as they came when known, else encoded."""
+        return self.ids_json if self.ids_json is not None else encode_ids(self.prompt_ids)
 
     def generate_body(
         self,
@@ -136,11 +147,12 @@ class Rendered:
         *,
         stream: bool = False,
         sampling_params: Mapping[str, Any] | None = None,
+        ids_json: bytes | None = None,
     ) -> bytes:
         """The generate request: the render answer with ``token_ids`` replaced by `prompt_ids`
         (default: the rendered ones) and ``sampling_params`` by `sampling_params` (default: the
-        rendered ones), streamed with usage when `stream`."""
-        ids = self.prompt_ids if prompt_ids is None else prompt_ids
+        rendered ones), streamed with usage when `stream`. `ids_json`, when given, is the ids
+        already encoded (a JSON list), sent as they are."""
         parts = [b"{"]
         for key, value in self.rest.items():
             if sampling_params is None or key != "sampling_params":
@@ -152,17 +164,24 @@ class Rendered:
         else:
             for key, value in self.unary.items():
                 parts += (orjson.dumps(key), b":", value, b",")
-        ids_json = orjson.dumps(ids if isinstance(ids, list) else list(ids))
+        if ids_json is None:
+            ids_json = self.prompt_json if prompt_ids is None else encode_ids(prompt_ids)
         parts += (b'"token_ids":', ids_json, b"}")
         return b"".join(parts)
 
 
-def read_render(raw: bytes) -> Rendered:
+def read_render(raw: bytes, known: tuple[bytes, Sequence[int]] | None = None) -> Rendered:
     """Read a render answer once, its ids checked as they are decoded (msgspec); the fields
     generate takes back unchanged stay as they came. `UpstreamProtocolError` when it is not a
-    ``GenerateRequest``."""
+    ``GenerateRequest``.
+
+    `known` is a JSON list and the ids it holds (checked ints), which the answer's ids likely
+    start with (a bridged prompt, against the plain rendering of the same request): the
+    answer's ids are decoded only from the first one whose JSON is not byte for byte the same
+    as `known`'s; those before it are `known`'s (the same bytes are the same ids)."""
     fields = _fields("render", raw)
-    ids, features = _ids_and_features(fields)
+    ids, features = _ids_and_features(fields, known)
+    ids_json = bytes(fields["token_ids"])
     params = fields.get("sampling_params", _NULL)
     try:
         decoded = {} if params == _NULL else _decode_object(params)
@@ -174,6 +193,7 @@ def read_render(raw: bytes) -> Rendered:
         features=features,
         rest={k: v for k, v in fields.items() if k not in _WRITTEN},
         unary={k: v for k, v in fields.items() if k in ("stream", "stream_options")},
+        ids_json=ids_json,
     )
 
 
@@ -258,10 +278,17 @@ def _fields(route: str, raw: bytes) -> dict[str, msgspec.Raw]:
         raise _malformed(route, exc) from exc
 
 
-def _ids_and_features(fields: Mapping[str, msgspec.Raw]) -> tuple[list[int], Any]:
+def _ids_and_features(
+    fields: Mapping[str, msgspec.Raw], known: tuple[bytes, Sequence[int]] | None = None
+) -> tuple[list[int], Any]:
     value = fields.get("token_ids")
     try:
-        ids = _decode_ids(value) if value is not None else None
+        if value is None:
+            ids = None
+        elif known is None:
+            ids = _decode_ids(value)
+        else:
+            ids = ids_after_known(bytes(value), *known)
     except msgspec.DecodeError:
         ids = None
     if ids is None:
@@ -424,18 +451,29 @@ def merge_chunks(events: Sequence[GenerateEvent]) -> bytes:
 
 
 def derender_body(
-    generate_answer: bytes, prompt_ids: Sequence[int], chat_request: Mapping[str, Any] | bytes
+    generate_answer: bytes,
+    prompt_ids: Sequence[int],
+    chat_request: Mapping[str, Any] | bytes,
+    *,
+    ids_json: bytes | None = None,
 ) -> bytes:
     """The unary derender request: generate's answer as it came, the prompt ids, the chat
     request (vLLM needs all three when a reasoning or tool parser is configured; `chat_request`
-    may be given already encoded)."""
-    return b'{"generate_response":' + generate_answer + derender_tail(prompt_ids, chat_request)
+    may be given already encoded, and the prompt ids as `ids_json`, a JSON list)."""
+    tail = derender_tail(prompt_ids, chat_request, ids_json=ids_json)
+    return b'{"generate_response":' + generate_answer + tail
 
 
-def derender_tail(prompt_ids: Sequence[int], chat_request: Mapping[str, Any] | bytes) -> bytes:
+def derender_tail(
+    prompt_ids: Sequence[int],
+    chat_request: Mapping[str, Any] | bytes,
+    *,
+    ids_json: bytes | None = None,
+) -> bytes:
     """The end of every derender request of one call: the prompt ids and the chat request,
-    encoded once for all of a stream's derender calls (`derender_chunk_body`)."""
-    ids = orjson.dumps(prompt_ids if isinstance(prompt_ids, list) else list(prompt_ids))
+    encoded once for all of a stream's derender calls (`derender_chunk_body`); `ids_json`, when
+    given, is the prompt ids already encoded."""
+    ids = ids_json if ids_json is not None else encode_ids(prompt_ids)
     chat = chat_request if isinstance(chat_request, bytes) else orjson.dumps(chat_request)
     return b"".join((b',"prompt_token_ids":', ids, b',"chat_request":', chat, b"}"))
 

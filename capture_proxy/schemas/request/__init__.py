@@ -31,6 +31,8 @@ from ._params import (
     Tool,
 )
 from ._policy import (
+    FREE_VALUES,
+    FreeValueMemo,
     check_capturable,
 )
 from ._schema import (
@@ -43,10 +45,12 @@ from ._schema import (
 __all__ = [
     "DEFAULT_MAX_FREE_JSON_BYTES",
     "DEFAULT_MAX_FREE_JSON_ITEMS",
+    "FREE_VALUES",
     "MAX_MESSAGES",
     "MAX_TOOLS",
     "ChatCompletionRequest",
     "FreeJsonLimits",
+    "FreeValueMemo",
     "FunctionDefinition",
     "ImagePart",
     "NamedToolChoice",

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from ..digest import has_null_token
 from ._errors import RequestValidationError
 from ._free_json import check_free_json
 from ._limits import FreeJsonLimits, count_items, too_large, too_many_items
@@ -21,23 +22,90 @@ from ._params import JsonSchemaResponseFormat, NamedToolChoice, StructuralTagFor
 if TYPE_CHECKING:
     from ._schema import ChatCompletionRequest
 
-__all__ = ["check_capturable", "check_consistency", "check_free_values"]
+__all__ = [
+    "FREE_VALUES",
+    "FreeValueMemo",
+    "check_capturable",
+    "check_consistency",
+    "check_free_values",
+]
+
+
+class FreeValueMemo:
+    """The JSON value counts of free-form values that passed `check_free_json`, keyed by their
+    JSON bytes, so that the tool schemas an agent re-sends with every call are walked once.
+
+    Equal bytes mean an equal value, hence the same verdict and count, except where orjson's
+    output is ambiguous, which is never used as a key: a ``null`` token (orjson writes NaN and
+    infinities as ``null``), and values orjson cannot write exactly (subclasses of JSON types,
+    non-string keys, integers beyond 64 bits) are checked in full every time. Values under
+    `min_bytes` are not kept (walking them costs less). Bounded by the bytes of its keys: cleared
+    when `max_bytes` would be passed; a value over a quarter of it is never kept. A dict shared
+    between threads: a lost update only costs a walk.
+    """
+
+    def __init__(self, max_bytes: int = 16 * 2**20, min_bytes: int = 256) -> None:
+        self.max_bytes = max_bytes
+        self.min_bytes = min_bytes
+        #: Bytes of keys held now.
+        self.bytes = 0
+        self._items: dict[bytes, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def key(self, value: Any) -> bytes | None:
+        """`value`'s JSON, or None when it cannot be a key (above) or is not worth keeping."""
+        try:
+            key = orjson.dumps(value, option=orjson.OPT_PASSTHROUGH_SUBCLASS)
+        except (TypeError, orjson.JSONEncodeError):
+            return None
+        if not self.min_bytes <= len(key) <= self.max_bytes // 4 or has_null_token(key):
+            return None
+        return key
+
+    def get(self, key: bytes) -> int | None:
+        return self._items.get(key)
+
+    def put(self, key: bytes, items: int) -> None:
+        if key in self._items:
+            return
+        if self.bytes + len(key) > self.max_bytes:
+            self._items.clear()
+            self.bytes = 0
+        self._items[key] = items
+        self.bytes += len(key)
+
+
+#: The process's memo of checked free-form values (`check_free_values`).
+FREE_VALUES = FreeValueMemo()
 
 
 def check_free_values(req: ChatCompletionRequest, limits: FreeJsonLimits | None = None) -> None:
     """Free-form values must be stageable (see `check_free_json`) and within `limits`: bytes of
-    JSON per value, JSON values over all of them (``_limits`` says why)."""
+    JSON per value, JSON values over all of them (``_limits`` says why). A value checked before
+    (`FREE_VALUES`) is not walked again."""
     limits = limits or FreeJsonLimits()
     total = 0
     for param, value in _free_values(req):
         if value is None:
             continue
-        check_free_json(value, param)
+        key = None if type(value) is str else FREE_VALUES.key(value)
+        items = None if key is None else FREE_VALUES.get(key)
+        if items is None:
+            check_free_json(value, param)
         # A string's length is a lower bound of its JSON: enough to refuse, free to compute.
-        size = len(value) if type(value) is str else len(orjson.dumps(value))
+        if type(value) is str:
+            size = len(value)
+        else:
+            size = len(key) if key is not None else len(orjson.dumps(value))
         if size > limits.max_bytes:
             raise too_large(param, size, limits)
-        total += count_items(value, limits.max_items - total)
+        if items is None:
+            items = count_items(value, limits.max_items - total)
+            if key is not None and total + items <= limits.max_items:
+                FREE_VALUES.put(key, items)  # counted in full: within the budget
+        total += items
         if total > limits.max_items:
             raise too_many_items(param, limits)
 

@@ -5,7 +5,8 @@
 
 A claim is created only if absent, by the store itself, so the store decides which call holds a
 seq whichever writer asks, in any process: on a local folder the file is created exclusively
-(``O_CREAT | O_EXCL``) and fsynced with its folder; on object storage it is one ``PUT`` with
+(``O_CREAT | O_EXCL``) and fsynced with its folder (a group commit's claims together); on object
+storage it is one ``PUT`` with
 ``If-None-Match: *`` through obstore (`DatasetFS.create`), which the store refuses (HTTP 412)
 when the key exists. Not in a unit: a unit is written under a name no other writer uses, so
 nothing in it would ever conflict. The claim's ``claim`` event still goes into the unit of its
@@ -117,8 +118,9 @@ def create_claims(
     the store from answering.
 
     Blocking I/O: the writer thread only. On object storage the claims are written at once (one
-    conditional ``PUT`` each, then one ``GET`` per refused one for its holder); locally one
-    after another, each fsynced. Claims of one seq by several calls: the first in `claims` asks.
+    conditional ``PUT`` each, then one ``GET`` per refused one for its holder); locally each is
+    created exclusively, then all are fsynced at once with their folders (`DatasetFS.create_all`).
+    Claims of one seq by several calls: the first in `claims` asks.
     """
     first: dict[tuple[str, int], SeqClaim] = {}
     for c in claims:
@@ -126,10 +128,13 @@ def create_claims(
     wanted = list(first.values())
     out: dict[tuple[str, int], str | Exception] = {}
     if dfs.store is None:
-        for c in wanted:
-            rel = claim_rel(c.rollout_id, c.seq)
+        rels = {claim_rel(c.rollout_id, c.seq): c for c in wanted}
+        got = dfs.create_all({rel: _body(c, writer) for rel, c in rels.items()})
+        for rel, c in rels.items():
+            created = got[rel]
             try:
-                created = dfs.create(rel, _body(c, writer))
+                if isinstance(created, Exception):
+                    raise created
                 out[c.key] = c.call_id if created else _holder(_read_body(dfs, rel))
             except Exception as e:
                 out[c.key] = e

@@ -9,7 +9,8 @@ Writes differ by where the dataset is:
 
 * **A local folder**: `os` calls, because pyarrow offers no `fsync`: temporary name, fsync,
   rename, fsync of the directory. A create-if-absent write (`DatasetFS.create`) is
-  ``O_CREAT | O_EXCL`` and fsynced the same way.
+  ``O_CREAT | O_EXCL`` and fsynced the same way. The files of one call (a unit's data files, a
+  group commit's claims) are fsynced all at once, then their folders (`_sync`).
 * **Object storage by URL** (``s3://``, ``gs://``, ``az://``...): through obstore, built from
   the URL and the standard environment variables (``AWS_ACCESS_KEY_ID``, ``AWS_ENDPOINT_URL``,
   ``AWS_REGION``, ...), or an obstore store given as `store`. Each file is one single-request
@@ -37,6 +38,8 @@ import obstore
 import pyarrow as pa
 import pyarrow.fs as pafs
 from obstore.exceptions import AlreadyExistsError
+
+from ._sync import fsync_each, fsync_folders
 
 if TYPE_CHECKING:
     from obstore.store import ObjectStore
@@ -198,12 +201,22 @@ class DatasetFS:
                     out.write(data)
             return
         staged: list[tuple[str, str]] = []
+        fds: list[int] = []
         try:
-            for rel, data in files.items():
-                final = self.path(rel)
-                tmp = f"{final}.{uuid.uuid4().hex[:8]}{TMP_SUFFIX}"
-                staged.append((tmp, final))
-                _write_fsync(tmp, data)
+            try:
+                for rel, data in files.items():
+                    final = self.path(rel)
+                    tmp = f"{final}.{uuid.uuid4().hex[:8]}{TMP_SUFFIX}"
+                    staged.append((tmp, final))
+                    fds.append(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+                    _write_all(fds[-1], data)
+                # Every file synced at once (`_sync`): the flushes share journal commits.
+                failed = next((e for e in fsync_each(fds) if e is not None), None)
+            finally:
+                for fd in fds:
+                    os.close(fd)
+            if failed is not None:
+                raise failed
             for tmp, final in staged:
                 os.replace(tmp, final)
         except BaseException:
@@ -212,8 +225,10 @@ class DatasetFS:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)
             raise
-        for d in sorted({os.path.dirname(final) for _, final in staged}):
-            fsync_dir(d)
+        synced = fsync_folders(os.path.dirname(final) for _, final in staged)
+        failed = next((e for e in synced.values() if e is not None), None)
+        if failed is not None:
+            raise failed
 
     def create(self, rel: str, data: bytes) -> bool:
         """Write `rel` durably only if it does not exist; False when it does (nothing written).
@@ -233,28 +248,75 @@ class DatasetFS:
             self.makedirs(os.path.dirname(rel))  # some filesystems need the folder
             self.put_all({rel: data})
             return True
-        folder = os.path.dirname(self.path(rel))
-        if not os.path.isdir(folder):
-            self.makedirs(os.path.dirname(rel))
-        try:
-            fd = os.open(self.path(rel), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileExistsError:
-            return False
+        got = self.create_all({rel: data})[rel]
+        if isinstance(got, Exception):
+            raise got
+        return got
+
+    def create_all(self, files: Mapping[str, bytes]) -> dict[str, bool | Exception]:
+        """`create` for several files: per file, True (created, durable), False (it existed:
+        nothing written) or the error that kept it from being created (then it is not there).
+
+        On a local folder the files are created one by one (each exclusively), then synced all
+        at once with their folders (`_sync`): the batch waits for about one flush, not two per
+        file. Elsewhere, one `create` after another. Blocking I/O.
+        """
+        out: dict[str, bool | Exception] = {}
+        if not self.local:
+            for rel, data in files.items():
+                try:
+                    out[rel] = self.create(rel, data)
+                except Exception as e:
+                    out[rel] = e
+            return out
+        opened: list[tuple[str, int]] = []  # created here: (rel, fd)
         try:
             try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view) :]
-                os.fsync(fd)
+                for rel, data in files.items():
+                    path = self.path(rel)
+                    try:
+                        if not os.path.isdir(os.path.dirname(path)):
+                            self.makedirs(os.path.dirname(rel))
+                    except OSError as e:  # a file where the folder should be: an error too
+                        out[rel] = e
+                        continue
+                    try:
+                        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                    except FileExistsError:
+                        out[rel] = False
+                        continue
+                    except OSError as e:
+                        out[rel] = e
+                        continue
+                    opened.append((rel, fd))
+                    try:
+                        _write_all(fd, data)
+                    except OSError as e:
+                        out[rel] = e
+                written = [rel for rel, _ in opened if rel not in out]
+                synced = fsync_each([fd for rel, fd in opened if rel not in out])
             finally:
-                os.close(fd)
-            fsync_dir(folder)  # the new name is durable too, not just the bytes
+                for _, fd in opened:
+                    os.close(fd)
+            folders = {rel: os.path.dirname(self.path(rel)) for rel in written}
+            folders_synced = fsync_folders(folders.values())
+            for rel, error in zip(written, synced, strict=True):
+                if error is None:
+                    error = folders_synced[folders[rel]]
+                out[rel] = True if error is None else error
         except BaseException:
-            # Not created, then: a half-written file (a full disk) must not hold the key.
-            with contextlib.suppress(OSError):
-                os.unlink(self.path(rel))
+            for rel, _ in opened:
+                if out.get(rel) is not True:
+                    out[rel] = OSError(f"{rel}: interrupted before it was durable")
             raise
-        return True
+        finally:
+            # Not created, then: a file that is not durable (a full disk, a failed flush) must
+            # not hold the key.
+            for rel, _ in opened:
+                if isinstance(out.get(rel), Exception):
+                    with contextlib.suppress(OSError):
+                        os.unlink(self.path(rel))
+        return out
 
     async def create_async(self, rel: str, data: bytes) -> bool:
         """`create` on an event loop: object stores only (many claims in flight at once)."""
@@ -304,19 +366,19 @@ def run_io(work: Coroutine[Any, Any, T]) -> T:
         return pool.submit(asyncio.run, work).result()
 
 
-def _write_fsync(path: str, data: bytes) -> None:
-    write_all_fsync(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), data)
-
-
 def write_all_fsync(fd: int, data: bytes) -> None:
     """Write all of `data` to `fd`, fsync it and close it (closed on failure too)."""
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
+        _write_all(fd, data)
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
 
 
 def fsync_dir(path: str) -> None:

@@ -201,22 +201,38 @@ def table_bytes(name: str, rows: Sequence[Mapping[str, Any]]) -> bytes:
     return encode_table(pa.Table.from_pylist(list(rows), schema=SCHEMAS[name]))
 
 
+#: A column chunk is compressed (zstd) from this many bytes up; smaller ones are stored plain.
+COMPRESS_COLUMN_BYTES = 1 << 10
+#: Dictionary-encoded columns get a dictionary from this many rows up.
+DICTIONARY_ROWS = 32
+
+
 def encode_table(table: pa.Table, *, row_group_bytes: int = 16 << 20) -> bytes:
     """A table as Parquet bytes: zstd, page checksums, row groups of about `row_group_bytes`.
 
     Readers load one row group at a time, so a record in a large compacted file costs a row
-    group, not the file.
+    group, not the file. Only what can gain is encoded: a column chunk under
+    `COMPRESS_COLUMN_BYTES` is stored plain and a table under `DICTIONARY_ROWS` rows has no
+    dictionaries, since compressing or building a dictionary costs a fixed ~20 µs per column
+    for a few bytes saved (a group commit's unit is mostly such columns; a compacted file
+    hardly has any).
     """
     per_row = max(1, table.nbytes // max(1, table.num_rows))
+    compression = {
+        # Codecs are per Parquet column, named by path: a list's values are `name.list.element`.
+        f"{field.name}.list.element" if pa.types.is_list(field.type) else field.name: (
+            "zstd" if table.column(field.name).nbytes >= COMPRESS_COLUMN_BYTES else "none"
+        )
+        for field in table.schema
+    }
+    dictionary = [c for c in _DICTIONARY_COLUMNS if c in table.column_names]
     sink = pa.BufferOutputStream()
     pq.write_table(
         table,
         sink,
         row_group_size=max(1, row_group_bytes // per_row),
-        compression="zstd",
-        use_dictionary=[c for c in _DICTIONARY_COLUMNS if c in table.column_names],
-        # Statistics and the embedded Arrow schema would add kilobytes to every small file and
-        # buy nothing: readers never filter on min/max, and the Parquet types map back exactly.
+        compression=compression,
+        use_dictionary=dictionary if table.num_rows >= DICTIONARY_ROWS else False,
         write_statistics=False,
         store_schema=False,
         write_page_checksum=True,
@@ -282,8 +298,15 @@ def check_format(dfs: DatasetFS) -> bool:
 
 
 def create_dataset(dfs: DatasetFS) -> None:
-    """Make `dfs` a dataset: the folders, then the format file (written last: it is the flag)."""
+    """Make `dfs` a dataset: the folders, then the format file (written last: it is the flag).
+
+    Several writers may create one new dataset at once (a fleet's proxies starting together on
+    a new object-store prefix): one that finds files there finds the format file another just
+    wrote, and opens that dataset; two that write it write the same bytes.
+    """
     if dfs.is_dir() and dfs.listdir(""):
+        if check_format(dfs):
+            return
         raise StoreError(
             f"{dfs.root} holds files but no {FORMAT_FILE}: not a capture-proxy dataset "
             "(choose an empty or new folder)"

@@ -4,6 +4,9 @@ The reader keeps an index of the committed units (`_index`) and loads row groups
 when a record is asked for, with LRU caches for row groups and for full token sequences. Every
 public call first re-lists the commit markers, so a reader sees commits made after it was
 opened; when a compaction removed a file the reader had listed, the call re-lists and retries.
+Inside ``with source.snapshot():`` the calls share one listing instead (on object storage a
+listing is a LIST request per thousand units, so a read of every record, as `verify` does,
+would otherwise list the dataset once per record).
 
 A reader may be shared between threads (the proxy shares one across its worker threads): its
 calls are serialized by a lock, because two refreshes running at once would index the same unit
@@ -18,11 +21,12 @@ rollouts, not every call, blob and event (`_index.UnitIndex`), and a rollout's c
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import time
 from array import array
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Literal, TypeVar
 
 import pyarrow.fs as pafs
@@ -110,6 +114,8 @@ class ParquetSource(Loading):
             raise StoreError(f"no capture-proxy Parquet dataset at {location}")
         self._lock = threading.RLock()
         self._listing: list[str] = []
+        #: Open `snapshot` blocks (reads inside one do not re-list).
+        self._held = 0
         self._per_unit = index == "units"
         self._index: Index | UnitIndex = self._new_index()
         self._caches(cache_bytes, cache_tokens, self._per_unit)
@@ -131,6 +137,22 @@ class ParquetSource(Loading):
             except BaseException:
                 self._reset()
                 raise
+
+    @contextlib.contextmanager
+    def snapshot(self) -> Iterator[None]:
+        """Read the dataset as one listing taken when the block starts: the calls inside it do
+        not re-list the commit markers each (units committed meanwhile show after the block).
+
+        The reader's other threads wait for the block to end. A file a compaction deleted under
+        the block is handled as outside one: the read re-lists and retries.
+        """
+        with self._lock:
+            self.refresh()
+            self._held += 1
+            try:
+                yield
+            finally:
+                self._held -= 1
 
     def _load(self, names: list[str]) -> None:
         listed = self._listing
@@ -205,7 +227,9 @@ class ParquetSource(Loading):
         with self._lock:
             for attempt in range(_ATTEMPTS):
                 try:
-                    self.refresh()
+                    # In a `snapshot`, the listing is re-taken only after a retry reset it.
+                    if not self._held or not self._listing:
+                        self.refresh()
                     return fn()
                 except FileNotFoundError:
                     self._reset()
@@ -286,7 +310,15 @@ class ParquetSource(Loading):
         return self._read(lambda: self._ledger_of(rollout_id).failures_of(rollout_id))
 
     def events(self, rollout_id: str) -> list[RolloutEvent]:
-        return self._read(lambda: list(self._ledger_of(rollout_id).events.get(rollout_id, ())))
+        # In position order, as the protocol says, not commit order: with several writers, a
+        # merged unit takes its last unit's order, so a writer's unit committed after the
+        # compaction listed the units can sort before the merged unit holding its rollout's
+        # earlier events. Stable: two events at one position (a fork) keep their commit order.
+        def run() -> list[RolloutEvent]:
+            events = self._ledger_of(rollout_id).events.get(rollout_id, ())
+            return sorted(events, key=lambda e: e.position)
+
+        return self._read(run)
 
     def claims(self, rollout_id: str) -> dict[int, str]:
         # The claim files are the authority (a unit holding the claim event may have failed
@@ -297,16 +329,23 @@ class ParquetSource(Loading):
         """Each rollout's last event as (position, hash): where a writer continues its chain."""
 
         def run() -> dict[str, tuple[int, str]]:
+            # The highest position, not the last committed: see `events`.
             idx = self._index
             if isinstance(idx, Index):
-                return {r: (e[-1].position, e[-1].hash) for r, e in idx.ledger.events.items()}
+                heads = {}
+                for r, events in idx.ledger.events.items():
+                    last = max(events, key=lambda e: e.position)
+                    heads[r] = (last.position, last.hash)
+                return heads
             # A units index holds no events: one pass over the ledger files (a writer's open).
-            heads: dict[str, tuple[int, str]] = {}
+            heads = {}
             for files in idx.units:
                 if LEDGER in files:
                     for row in read_table(self.dfs, files[LEDGER]).to_pylist():
                         if row["kind"] == "event":
-                            heads[row["rollout_id"]] = (int(row["position"]), row["hash"])
+                            head = (int(row["position"]), row["hash"])
+                            if head[0] >= heads.get(row["rollout_id"], (-1, ""))[0]:
+                                heads[row["rollout_id"]] = head
             return heads
 
         return self._read(run)
