@@ -71,12 +71,16 @@ class EventHeads:
 
     def place(self, batch: UnitRows, part: UnitRows, draft: EventDraft) -> RolloutEvent:
         """Chain `draft` after its rollout's head and add its row to `part`."""
-        head = _last_in(part, draft.rollout_id) or _last_in(batch, draft.rollout_id)
-        if head is None:
-            head = self._heads.get(draft.rollout_id) or self._lookup(draft.rollout_id)
-        event = chain_event(draft, head)
+        event = chain_event(draft, self.head(batch, part, draft.rollout_id))
         part.rows[LEDGER].append(event_row(event))
         return event
+
+    def head(self, batch: UnitRows, part: UnitRows, rollout_id: str) -> tuple[int, str] | None:
+        """The last event of `rollout_id` placed so far (in `part`, `batch` or committed)."""
+        head = _last_in(part, rollout_id) or _last_in(batch, rollout_id)
+        if head is None:
+            head = self._heads.get(rollout_id) or self._lookup(rollout_id)
+        return head
 
     def reset(self, rollout_id: str, head: tuple[int, str] | None) -> None:
         """Continue `rollout_id`'s chain after `head`, as the store has it now (another writer

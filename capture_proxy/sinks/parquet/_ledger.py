@@ -8,6 +8,15 @@ place: a later ``rollout`` row for the same id replaces the earlier header when 
 an *implicit* one (``reason`` ``implicit``: what a writer adds when a rollout's first call or
 failure reaches it), which never replaces a header already replayed: with several writers on one
 dataset, a writer that meets a rollout another created must not reset its metadata or key.
+
+A header row's ``position`` is its *revision*: the position of its rollout's last event when the
+header was written (-1 before any event). Unit order alone cannot date a header: with several
+writers, a compaction's merged unit takes its last unit's order, so a header committed after the
+compaction listed the units can sort before an older header in the merged unit. So a header
+replaces the replayed one only if it is not older: a lower revision is older; at one revision a
+sealed header is newer than an open one, then one with more outcomes is newer (a rollout never
+reopens and its outcome history only grows); otherwise the later in unit order wins. A header
+written before revisions (``position`` null) replaces as before, whatever it follows.
 """
 
 from __future__ import annotations
@@ -29,7 +38,8 @@ __all__ = ["IMPLICIT", "LedgerState", "failure_row", "orphan_row", "rollout_row"
 IMPLICIT = "implicit"
 
 
-def rollout_row(info: RolloutInfo) -> dict[str, Any]:
+def rollout_row(info: RolloutInfo, revision: int | None = None) -> dict[str, Any]:
+    """A header row; `revision` is the position of the rollout's last event (module docstring)."""
     return {
         "kind": "rollout",
         "rollout_id": info.rollout_id,
@@ -41,6 +51,7 @@ def rollout_row(info: RolloutInfo) -> dict[str, Any]:
             header_metadata(info.metadata, info.outcome_history), option=orjson.OPT_SORT_KEYS
         ),
         "policy": orjson.dumps(dict(info.policy), option=orjson.OPT_SORT_KEYS),
+        "position": revision,
     }
 
 
@@ -79,6 +90,9 @@ class LedgerState:
         self.orphans: dict[str, tuple[str | None, str]] = {}
         #: rollout id -> its event log, in commit order
         self.events: dict[str, list[RolloutEvent]] = {}
+        #: rollout id -> how new its replayed header is (`_age`); absent: written before
+        #: revisions, or implicit
+        self._ages: dict[str, tuple[int, bool, int]] = {}
 
     def apply(self, rows: Iterable[Mapping[str, Any]]) -> None:
         for row in rows:
@@ -87,7 +101,7 @@ class LedgerState:
                 if row.get("reason") == IMPLICIT and row["rollout_id"] in self.rollouts:
                     continue
                 metadata, outcomes = split_header_metadata(orjson.loads(row["metadata"] or b"{}"))
-                self.rollouts[row["rollout_id"]] = RolloutInfo(
+                info = RolloutInfo(
                     rollout_id=row["rollout_id"],
                     state=RolloutState(row["state"]),
                     poisoned=bool(row["poisoned"]),
@@ -97,6 +111,16 @@ class LedgerState:
                     policy=orjson.loads(row["policy"] or b"{}"),
                     outcome_history=outcomes,
                 )
+                revision = row.get("position")  # absent from files written before event logs
+                if revision is None or row.get("reason") == IMPLICIT:
+                    self._ages.pop(info.rollout_id, None)
+                else:
+                    age = _age(int(revision), info)
+                    replayed = self._ages.get(info.rollout_id)
+                    if replayed is not None and age < replayed:
+                        continue  # older than the header replayed: committed late, not written so
+                    self._ages[info.rollout_id] = age
+                self.rollouts[info.rollout_id] = info
             elif kind == "failure":
                 self.failures.setdefault(row["rollout_id"], []).append(
                     LedgerEntry(
@@ -126,3 +150,8 @@ class LedgerState:
     def failures_of(self, rollout_id: str) -> list[LedgerEntry]:
         # sorted() is stable: failures with the same seq keep the order they were recorded in.
         return sorted(self.failures.get(rollout_id, ()), key=lambda f: f.seq)
+
+
+def _age(revision: int, info: RolloutInfo) -> tuple[int, bool, int]:
+    """How new a header is among its rollout's (module docstring): higher is newer."""
+    return (revision, info.state is RolloutState.SEALED, len(info.outcome_history))

@@ -295,7 +295,11 @@ class ParquetSink:
 
     async def put_rollout(self, info: RolloutInfo) -> None:
         def work(batch: UnitRows, part: UnitRows) -> None:
-            part.rows[LEDGER].append(rollout_row(info))
+            # The header's revision is its rollout's chain head (`_ledger`): for another
+            # writer's rollout, as the store has it now.
+            self._keys(info.rollout_id)
+            head = self._events.head(batch, part, info.rollout_id)
+            part.rows[LEDGER].append(rollout_row(info, -1 if head is None else head[0]))
             # A sealed header leaves the rollout's keys in memory: its seal event follows and
             # drops them once it commits (dropped here, the event would read them back).
             part.rollouts.add(info.rollout_id)
