@@ -54,6 +54,8 @@ _LITTLE = sys.byteorder == "little"
 
 #: The columns of a ledger file a `UnitIndex` reads.
 LEDGER_INDEX_COLUMNS = ("kind", "rollout_id", "call_id", "reason")
+#: The same and what an event head is (`UnitIndex.heads`).
+_LEDGER_HEAD_COLUMNS = (*LEDGER_INDEX_COLUMNS, "position", "hash")
 #: The columns of a calls file the index reads (the rest is loaded on demand).
 INDEX_COLUMNS = (
     "call_id",
@@ -243,6 +245,10 @@ class UnitIndex:
     rollout_ledger: dict[str, array[int]] = field(default_factory=dict)
     #: Orphan marks (rare, and `orphaned` lists them all): call id -> (rollout id, reason).
     orphans: dict[str, tuple[str | None, str]] = field(default_factory=dict)
+    #: When not None, each rollout's last event as (position, hash), kept up to date as units
+    #: are indexed: a writer opening the store needs them once, and reading them here spares
+    #: it a second read of every ledger file (`ParquetSource.event_heads`).
+    heads: dict[str, tuple[int, str]] | None = None
 
     def add_unit(self, dfs: DatasetFS, unit: Marker) -> None:
         pos = len(self.units)
@@ -266,7 +272,10 @@ class UnitIndex:
                 for sha in t.column("sha256").to_pylist():
                     self.attachments.add(sha, pos, g)
         if LEDGER in files:
-            cols = read_table(dfs, files[LEDGER], LEDGER_INDEX_COLUMNS).to_pydict()
+            columns = LEDGER_INDEX_COLUMNS if self.heads is None else _LEDGER_HEAD_COLUMNS
+            cols = read_table(dfs, files[LEDGER], columns).to_pydict()
+            if self.heads is not None:
+                self._track_heads(cols)
             rows = zip(*(cols[c] for c in LEDGER_INDEX_COLUMNS), strict=True)
             for kind, rid, cid, reason in rows:
                 if kind == "orphan":
@@ -283,6 +292,16 @@ class UnitIndex:
                 else:
                     held.append(pos << 1 | flag)
         self.units.append(files)
+
+    def _track_heads(self, cols: dict[str, list[Any]]) -> None:
+        heads = self.heads
+        assert heads is not None
+        rows = zip(cols["kind"], cols["rollout_id"], cols["position"], cols["hash"], strict=True)
+        for kind, rid, position, hash_ in rows:
+            # The highest position, the later of two at one position (a fork): as
+            # `ParquetSource.event_heads` reads them.
+            if kind == "event" and position >= heads.get(rid, (-1, ""))[0]:
+                heads[sys.intern(rid)] = (int(position), hash_)
 
 
 class LRU(Generic[K, T]):

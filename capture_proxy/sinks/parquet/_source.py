@@ -26,7 +26,7 @@ import sys
 import threading
 import time
 from array import array
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Literal, TypeVar
 
 import pyarrow.fs as pafs
@@ -55,7 +55,6 @@ from ._layout import (
     Marker,
     check_format,
     list_markers,
-    live_units,
     read_groups,
     read_table,
 )
@@ -114,9 +113,13 @@ class ParquetSource(Loading):
             raise StoreError(f"no capture-proxy Parquet dataset at {location}")
         self._lock = threading.RLock()
         self._listing: list[str] = []
+        #: The names of the indexed (live) units, in the index's order.
+        self._units: list[str] = []
         #: Open `snapshot` blocks (reads inside one do not re-list).
         self._held = 0
         self._per_unit = index == "units"
+        #: A units index keeps the event heads until `event_heads` takes them.
+        self._collect_heads = self._per_unit
         self._index: Index | UnitIndex = self._new_index()
         self._caches(cache_bytes, cache_tokens, self._per_unit)
 
@@ -159,36 +162,44 @@ class ParquetSource(Loading):
         # The writer's steady state: names only appended (each refresh of a proxy's reader
         # would otherwise compare and sort every marker, a cost that grows with the store).
         appended = names[: len(listed)] == listed
-        fresh = names[len(listed) :] if appended else names
+        if appended:
+            fresh = names[len(listed) :]
+        else:
+            # Only the markers not read yet are read: the others' units are indexed (their
+            # names in `_units`) or were left out as retired, and markers never change. A
+            # compaction's retired markers stay listed for its grace period, and several
+            # writers' units land out of name order all the time: reading every listed marker
+            # again on each of those refreshes cost a request per unit of the store.
+            seen = set(listed)
+            fresh = [n for n in names if n not in seen]
         # Concurrent on object storage; one removed by a compaction's cleanup after it was
         # listed is left out.
         markers = read_markers(self.dfs, fresh, self._object_url)
-        old = self._index.units
-        if appended and all(n in markers and not markers[n].retires for n in fresh):
-            # New units after the ones indexed, retiring none: they are the new live units.
-            # Their markers are not kept: a reader that lives as long as a proxy sees a unit
-            # every few calls, and the index holds what it needs of each (its files).
-            new = [markers[n] for n in fresh]
+        # What the new markers retire (a compaction's or gc's merged unit), and units whose
+        # markers are gone (deleted by a cleanup once retired, by a marker read before or not).
+        retired = {u for m in markers.values() for u in m.retires}
+        if not appended:
+            now = set(names)
+            retired.update(u for u in self._units if u not in now)
+        # Their markers are not kept: a reader that lives as long as a proxy sees a unit every
+        # few calls, and the index holds what it needs of each (its files).
+        added = [markers[n] for n in fresh if n in markers and n not in retired]
+        if not retired or retired.isdisjoint(self._units):
+            # New units, replacing none of those indexed: they are indexed after them (another
+            # writer's units may land between ones indexed: nothing was replaced, so ledger
+            # rows replay as before).
+            new = added
+            units = self._units + [m.unit for m in added]
         else:
-            # A compaction retired units (or a marker went): every marker is read again, to
-            # know which units are live. Rare, and the re-index below reads far more.
-            if appended:
-                markers.update(read_markers(self.dfs, listed, self._object_url))
-            live = live_units(markers)
-            indexed = {_files_key(f) for f in old}
-            added = [m for m in live if _files_key(m.files) not in indexed]
-            if [m.files for m in live[: len(old)]] == old:
-                new = live[len(old) :]
-            elif len(live) - len(added) == len(old) and not any(m.retires for m in added):
-                # Another writer's units landing between ones already indexed (several proxies
-                # on one dataset): nothing was replaced, so they are indexed after the others.
-                new = added
-            else:
-                # A compaction replaced units: re-index, so ledger rows replay in the new order.
-                self._index = self._new_index()
-                self._refs.clear()
-                self._index_groups.clear()
-                new = live
+            # A compaction replaced units: re-index, so ledger rows replay in the new order.
+            # The markers of the units still live are read again (not the retired ones).
+            kept = [u for u in self._units if u not in retired]
+            markers.update(read_markers(self.dfs, kept, self._object_url))
+            new = [markers[u] for u in sorted([*kept, *(m.unit for m in added)]) if u in markers]
+            units = [m.unit for m in new]
+            self._index = self._new_index()
+            self._refs.clear()
+            self._index_groups.clear()
         for start in range(0, len(new), _PREFETCH_UNITS):
             chunk = new[start : start + _PREFETCH_UNITS]
             # Small units are read whole: on object storage fetch them concurrently first.
@@ -199,12 +210,15 @@ class ParquetSource(Loading):
                     self._add_unit(unit)
             finally:
                 self.dfs.prefetched = {}
+        self._units = units
         # Each name as its marker's (interned when decoded), not another copy of it.
         fresh = [sys.intern(n) for n in fresh]
-        self._listing = listed + fresh if appended else fresh
+        self._listing = listed + fresh if appended else [sys.intern(n) for n in names]
 
     def _new_index(self) -> Index | UnitIndex:
-        return UnitIndex() if self._per_unit else Index()
+        if not self._per_unit:
+            return Index()
+        return UnitIndex(heads={} if self._collect_heads else None)
 
     def _add_unit(self, unit: Marker) -> None:
         if isinstance(self._index, UnitIndex):
@@ -214,6 +228,7 @@ class ParquetSource(Loading):
 
     def _reset(self) -> None:
         self._listing = []
+        self._units = []
         self._index = self._new_index()
         self._refs.clear()
         self._index_groups.clear()
@@ -337,7 +352,13 @@ class ParquetSource(Loading):
                     last = max(events, key=lambda e: e.position)
                     heads[r] = (last.position, last.hash)
                 return heads
-            # A units index holds no events: one pass over the ledger files (a writer's open).
+            if idx.heads is not None:
+                # Read while the units were indexed (the first call after the reader opened,
+                # a writer's open); kept no longer: later calls read the ledger files again.
+                heads, idx.heads = idx.heads, None
+                self._collect_heads = False
+                return heads
+            # A units index holds no events: one pass over the ledger files.
             heads = {}
             for files in idx.units:
                 if LEDGER in files:
@@ -448,8 +469,3 @@ class ParquetSource(Loading):
     def close_reader(self) -> None:
         with self._lock:
             self._clear_caches()
-
-
-def _files_key(files: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
-    """A unit's identity in the index (its files: unit names are in their paths)."""
-    return tuple(sorted(files.items()))
