@@ -34,9 +34,20 @@ from ..adapters.vllm import (
 from ..errors import UpstreamFailed
 from .transport import EngineRoute, TokenInTransport, UpstreamReply
 
-__all__ = ["StreamedDerender"]
+__all__ = ["StreamedDerender", "post_derender"]
 
 _DONE = b"data: [DONE]\n\n"
+
+
+async def post_derender(transport: TokenInTransport, body: bytes) -> bytes:
+    """POST `body` to the upstream's derender route; its answer's bytes, or `UpstreamFailed`
+    (`derender_failed`, naming the status and the start of the answer) when it is not a 200."""
+    async with await transport.post_engine(EngineRoute.DERENDER, body) as reply:
+        raw = await reply.read()
+    if reply.status != 200:
+        text = raw[:500].decode(errors="replace")
+        raise UpstreamFailed(f"derender answered {reply.status}: {text}", code="derender_failed")
+    return raw
 
 
 class StreamedDerender:
@@ -92,14 +103,7 @@ class StreamedDerender:
             self._arrived.set()
 
     async def _post(self, body: bytes) -> bytes:
-        async with await self._transport.post_engine(EngineRoute.DERENDER, body) as reply:
-            raw = await reply.read()
-            if reply.status != 200:
-                text = raw[:500].decode(errors="replace")
-                raise UpstreamFailed(
-                    f"derender answered {reply.status}: {text}", code="derender_failed"
-                )
-        return raw
+        return await post_derender(self._transport, body)
 
     async def _derender(self, chunk: bytes, state: Any) -> dict[str, Any]:
         return read_derender(await self._post(derender_chunk_body(chunk, state, self._tail)))

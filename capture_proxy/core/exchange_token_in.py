@@ -36,7 +36,7 @@ from ..errors import UpstreamFailed
 from ..schemas.token_in_extras import token_in_extras
 from .bridging import TokenInPrompt, token_in_line, token_in_prompt
 from .call import Call
-from .derender import StreamedDerender
+from .derender import StreamedDerender, post_derender
 from .sampling import RESOLVED_SAMPLING_KEYS, effective_sampling
 from .token_in import Prior
 from .token_in_report import EXTENDED, NEW_SEGMENT, TokenInReport
@@ -150,14 +150,7 @@ class TokenInSteps:
         return await self._stage(completion, client_body, generated.weight_spans)
 
     async def _derender(self, body: bytes) -> Derendered:
-        async with await self._upstream.post_engine(EngineRoute.DERENDER, body) as reply:
-            raw = await reply.read()
-        if reply.status != 200:
-            text = raw[:500].decode(errors="replace")
-            raise UpstreamFailed(
-                f"derender answered {reply.status}: {text}", code="derender_failed"
-            )
-        return read_derendered(raw)
+        return read_derendered(await post_derender(self._upstream, body))
 
     @property
     def _model(self) -> str:
