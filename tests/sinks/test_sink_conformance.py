@@ -537,6 +537,28 @@ async def test_a_claim_holds_its_seq_against_every_other_call(case: SinkCase) ->
     assert [e.kind for e in source.events("ep")] == ["claim", "staged"]
 
 
+async def test_a_claim_is_refused_naming_whoever_holds_the_seq(case: SinkCase) -> None:
+    sink = case.sink
+    session = Session("eh")
+    first, _ = session.next()
+    second, _ = session.next()
+    await sink.append_event(claim_event("eh", 0, first.call_id, 1))
+    with pytest.raises(DuplicateSeq) as claimed:
+        await sink.append_event(claim_event("eh", 0, "late", 2))
+    assert claimed.value.holder == first.call_id
+    assert (await sink.stage(second)).status == "staged"  # seq 1, staged with no claim
+    with pytest.raises(DuplicateSeq) as staged:
+        await sink.append_event(claim_event("eh", 1, "late", 3))
+    assert staged.value.holder == second.call_id
+    await sink.record_failure(
+        LedgerEntry("eh", "failed", 2, CallStatus.UPSTREAM_ERROR, "x", "y", 502, 4)
+    )
+    with pytest.raises(DuplicateSeq) as ledger:
+        await sink.append_event(claim_event("eh", 2, "late", 5))
+    assert ledger.value.holder == "failed"
+    assert await sink.append_event(claim_event("eh", 3, "late", 6))  # a free seq is claimed
+
+
 async def test_the_event_log_chains_claims_outcomes_and_seals(case: SinkCase) -> None:
     sink = case.sink
     record, _ = Session("ep").next()

@@ -13,14 +13,17 @@ import sys
 import threading
 from pathlib import Path
 
+import orjson
 import pytest
 
 from capture_proxy.read.reader import Store
+from capture_proxy.schemas.events import claim_event
 from capture_proxy.schemas.records import CallStatus, StagedCallRecord
-from capture_proxy.sinks.base import StoreError, StoreFormatError
+from capture_proxy.sinks.base import DuplicateSeq, StoreError, StoreFormatError
 from capture_proxy.sinks.codec import ROW_FIELDS
 from capture_proxy.sinks.sqlite import SQLiteSink, SQLiteSource
 from capture_proxy.sinks.sqlite._schema import CALL_COLUMNS, FORMAT_VERSION, MIGRATIONS
+from capture_proxy.sinks.sqlite._sink import _stored_blobs
 from tests.support import ROOT
 from tests.support.sink_factories import Session, image
 
@@ -349,3 +352,44 @@ def test_disk_full_at_commit_fails_the_whole_batch(tmp_path: Path) -> None:
     source = SQLiteSource(str(path))
     assert sorted(source.all_keys()) == sorted([report["first"], *report["keys"]])
     Store(source).verify()
+
+
+async def test_a_call_claims_its_seq_once_and_its_record_still_stages(tmp_path: Path) -> None:
+    sink = SQLiteSink(str(tmp_path / "s.db"))
+    record, _ = Session("once").next()
+    await sink.append_event(claim_event("once", 0, record.call_id, 1))
+    with pytest.raises(DuplicateSeq) as again:
+        await sink.append_event(claim_event("once", 0, record.call_id, 2))
+    assert again.value.holder == record.call_id
+    assert (await sink.stage(record)).status is CallStatus.STAGED
+    await sink.close()
+
+
+async def test_a_session_stores_each_message_once_however_often_it_is_resent(
+    tmp_path: Path,
+) -> None:
+    sink = SQLiteSink(str(tmp_path / "s.db"))
+    session = Session("resent")
+    records = [session.next()[0] for _ in range(4)]
+    for r in records:
+        assert (await sink.stage(r)).status is CallStatus.STAGED
+    await sink.close()
+    distinct = {orjson.dumps(m) for r in records for m in r.request["messages"]}
+    (blobs,) = db(tmp_path / "s.db").execute("SELECT count(*) FROM blobs").fetchone()
+    assert blobs == len(distinct) + 1  # and the rest of the request, the same every call
+    source = SQLiteSource(str(tmp_path / "s.db"))
+    assert [r.request for r in source.fetch([r.call_id for r in records])] == [
+        r.request for r in records
+    ]
+
+
+async def test_blob_look_ups_span_several_statements_for_a_long_history(tmp_path: Path) -> None:
+    sink = SQLiteSink(str(tmp_path / "s.db"))  # creates the file and its tables
+    await sink.close()
+    conn = db(tmp_path / "s.db")
+    stored = [f"{i:064x}" for i in range(0, 1200, 2)]
+    conn.executemany(
+        "INSERT INTO blobs (key, data, codec) VALUES (?, x'00', 0)", [(k,) for k in stored]
+    )
+    asked = [f"{i:064x}" for i in range(900)]
+    assert _stored_blobs(conn, asked) == set(stored) & set(asked)
