@@ -23,7 +23,6 @@ from capture_proxy.sinks.base import DuplicateSeq, StoreError, StoreFormatError
 from capture_proxy.sinks.codec import ROW_FIELDS
 from capture_proxy.sinks.sqlite import SQLiteSink, SQLiteSource
 from capture_proxy.sinks.sqlite._schema import CALL_COLUMNS, FORMAT_VERSION, MIGRATIONS
-from capture_proxy.sinks.sqlite._sink import _stored_blobs
 from tests.support import ROOT
 from tests.support.sink_factories import Session, image
 
@@ -381,15 +380,3 @@ async def test_a_session_stores_each_message_once_however_often_it_is_resent(
     assert [r.request for r in source.fetch([r.call_id for r in records])] == [
         r.request for r in records
     ]
-
-
-async def test_blob_look_ups_span_several_statements_for_a_long_history(tmp_path: Path) -> None:
-    sink = SQLiteSink(str(tmp_path / "s.db"))  # creates the file and its tables
-    await sink.close()
-    conn = db(tmp_path / "s.db")
-    stored = [f"{i:064x}" for i in range(0, 1200, 2)]
-    conn.executemany(
-        "INSERT INTO blobs (key, data, codec) VALUES (?, x'00', 0)", [(k,) for k in stored]
-    )
-    asked = [f"{i:064x}" for i in range(900)]
-    assert _stored_blobs(conn, asked) == set(stored) & set(asked)

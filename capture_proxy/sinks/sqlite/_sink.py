@@ -81,52 +81,26 @@ def _now_ms() -> int:
     return int(time.time() * 1000)
 
 
-#: Who holds (rollout_id, seq) for another call: a claim, then a staged call, then a ledger
-#: entry, in that order of precedence; one statement instead of three (each is an index probe).
-_SEQ_HOLDER = (
-    "SELECT call_id FROM ("
-    " SELECT call_id, 0 AS rank FROM events WHERE rollout_id = ?1 AND seq = ?2"
-    " AND kind = 'claim' AND call_id != ?3"
-    " UNION ALL SELECT * FROM (SELECT call_id, 1 FROM calls WHERE rollout_id = ?1 AND seq = ?2"
-    " AND call_id != ?3 LIMIT 1)"
-    " UNION ALL SELECT * FROM (SELECT call_id, 2 FROM failures WHERE rollout_id = ?1"
-    " AND seq = ?2 AND call_id != ?3 LIMIT 1)"
-    ") ORDER BY rank LIMIT 1"
-)
-#: The same for a new claim, whose own earlier claim of the seq holds it too (a claim is made
-#: once), after every other holder.
-_CLAIM_HOLDER = _SEQ_HOLDER.replace(
-    " SELECT call_id, 0 AS rank FROM events WHERE rollout_id = ?1 AND seq = ?2"
-    " AND kind = 'claim' AND call_id != ?3",
-    " SELECT call_id, CASE WHEN call_id != ?3 THEN 0 ELSE 3 END AS rank FROM events"
-    " WHERE rollout_id = ?1 AND seq = ?2 AND kind = 'claim'",
-)
-#: Blob keys looked up per statement (far under SQLite's limit on bound parameters).
-_KEYS_PER_LOOKUP = 256
-
-
-def _seq_holder(
-    conn: sqlite3.Connection, rollout_id: str, seq: int, call_id: str, *, claim: bool = False
-) -> str | None:
+def _seq_holder(conn: sqlite3.Connection, rollout_id: str, seq: int, call_id: str) -> str | None:
     """Another call already at (rollout_id, seq): claimed, staged or in the ledger (format 3's
     rule, and format 5's claims; checked here first so the refusal names the seq, the triggers
-    and the claims' unique index being the last word). With `claim`, a claim of the seq by
-    `call_id` itself counts too."""
-    row = conn.execute(_CLAIM_HOLDER if claim else _SEQ_HOLDER, (rollout_id, seq, call_id))
-    found = row.fetchone()
-    return None if found is None else str(found[0])
-
-
-def _stored_blobs(conn: sqlite3.Connection, keys: list[str]) -> set[str]:
-    """Which of `keys` the file's blobs already hold (a few statements, not one per key)."""
-    have: set[str] = set()
-    for start in range(0, len(keys), _KEYS_PER_LOOKUP):
-        part = keys[start : start + _KEYS_PER_LOOKUP]
-        marks = ", ".join("?" * len(part))
-        have.update(
-            r[0] for r in conn.execute(f"SELECT key FROM blobs WHERE key IN ({marks})", part)
-        )
-    return have
+    and the claims' unique index being the last word)."""
+    row = conn.execute(
+        "SELECT call_id FROM events WHERE rollout_id = ? AND seq = ? AND kind = 'claim'"
+        " AND call_id != ?",
+        (rollout_id, seq, call_id),
+    ).fetchone()
+    if row is not None:
+        return str(row[0])
+    for table in ("calls", "failures"):
+        row = conn.execute(
+            f"SELECT call_id FROM {table} WHERE rollout_id = ? AND seq = ? AND call_id != ?"
+            " LIMIT 1",
+            (rollout_id, seq, call_id),
+        ).fetchone()
+        if row is not None:
+            return str(row[0])
+    return None
 
 
 def _append_event(conn: sqlite3.Connection, draft: EventDraft) -> RolloutEvent:
@@ -284,7 +258,14 @@ class SQLiteSink:
             if event.kind is EventKind.CLAIM:
                 assert event.seq is not None
                 assert event.call_id is not None
-                holder = _seq_holder(conn, event.rollout_id, event.seq, event.call_id, claim=True)
+                holder = _seq_holder(conn, event.rollout_id, event.seq, event.call_id)
+                if holder is None:
+                    row = conn.execute(
+                        "SELECT call_id FROM events WHERE rollout_id = ? AND seq = ?"
+                        " AND kind = 'claim'",
+                        (event.rollout_id, event.seq),
+                    ).fetchone()
+                    holder = None if row is None else str(row[0])
                 if holder is not None:
                     raise DuplicateSeq(event.rollout_id, event.seq, holder)
                 conn.execute(_ENSURE_ROLLOUT, (event.rollout_id, _now_ms()))
@@ -396,10 +377,13 @@ class SQLiteSink:
         self.dedup_hits += hits
         encoded = encode_record(record, self._parent_full(conn, batch, record), given)
         row = encoded.row
-        # A session re-sends its history every call: look its blobs up (in one statement)
-        # before compressing them, so only new messages pay for zlib.
-        have = _stored_blobs(conn, list(encoded.blobs))
-        fresh = [(k, *pack_blob(v)) for k, v in encoded.blobs.items() if k not in have]
+        # A session re-sends its history every call: look each blob up (a primary-key probe)
+        # before compressing it, so only new messages pay for zlib.
+        fresh = [
+            (k, *pack_blob(v))
+            for k, v in encoded.blobs.items()
+            if conn.execute("SELECT 1 FROM blobs WHERE key = ?", (k,)).fetchone() is None
+        ]
         conn.executemany("INSERT OR IGNORE INTO blobs (key, data, codec) VALUES (?, ?, ?)", fresh)
         conn.execute(_INSERT_CALL, [row[c] for c in CALL_COLUMNS])
         if self.fault is not None:
