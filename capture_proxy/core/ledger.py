@@ -38,6 +38,9 @@ class LedgerWriter:
         #: Entries written to the journal (or stderr) at shutdown, and where (`spill`).
         self.spilled = 0
         self.spilled_to = ""
+        # One flush at a time: an entry stays first in `held` until the sink has taken it, so
+        # two flushes at once would both send it.
+        self._flushing = asyncio.Lock()
 
     async def write(self, entry: LedgerEntry) -> None:
         if self.held:
@@ -76,6 +79,12 @@ class LedgerWriter:
             self._late.add(task)
             task.add_done_callback(lambda t: self._late_done(t, entry))
             return True
+        except asyncio.CancelledError:
+            # The caller was cancelled (shutdown), not the write: it goes on, counted and waited
+            # for (`drain`) like a late one, and held again if it fails.
+            self._late.add(task)
+            task.add_done_callback(lambda t: self._late_done(t, entry))
+            raise
         except DuplicateSeq as e:
             # The store will never take it (another call holds its seq): holding it would stall
             # every later entry behind it. Logged in full instead, for the operator.
@@ -114,13 +123,29 @@ class LedgerWriter:
         )
 
     async def flush(self) -> int:
-        """Write held entries, oldest first; returns how many are still held."""
-        while self.held:
-            entry = self.held.popleft()
-            if not await self._send(entry):
-                self.held.appendleft(entry)
-                break
+        """Write held entries, oldest first; returns how many are still held.
+
+        An entry leaves `held` only once the sink has taken it (or took it past the deadline:
+        then it is counted in `late`), so while it is being written it still counts as held and
+        ``/readyz`` does not report the ledger written before it is in the store.
+        """
+        async with self._flushing:
+            while self.held:
+                entry = self.held[0]
+                try:
+                    sent = await self._send(entry)
+                except asyncio.CancelledError:
+                    self._taken(entry)  # its write goes on as a late one
+                    raise
+                if not sent:
+                    break
+                self._taken(entry)
         return len(self.held)
+
+    def _taken(self, entry: LedgerEntry) -> None:
+        # Unless newer entries pushed it out meanwhile (more than `max_held` held).
+        if self.held and self.held[0] is entry:
+            self.held.popleft()
 
     def spill(self, journal: str | None) -> int:
         """Move every held entry to the ledger journal at `journal` (stderr where it is None or

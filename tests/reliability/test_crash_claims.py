@@ -1,24 +1,34 @@
-"""SIGKILL a real proxy while a call is in flight (the fake vLLM answers slowly): the call's seq
-was claimed at admission, so after a restart the store accounts for it as ``lost_in_crash``, its
-rollout reads poisoned, and the next call takes the seq after it. Both sinks."""
+"""SIGKILL a real proxy while a call is in flight (the fake vLLM holds that call's answer until the
+proxy goes): the call's seq was claimed at admission, so after a restart the store accounts for it
+as ``lost_in_crash``, its rollout reads poisoned, and the next call takes the seq after it. Both
+sinks."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
 
 from capture_proxy.read.reader import open_store
 from capture_proxy.sinks.registry import open_source
+from capture_proxy.testing.fake_vllm import Fault, Turn, serve_fake
 from tests.support import ROOT
 from tests.support.proxy_harness import chat_body, user
-from tests.support.reliability_workers import Spawned, start_fake, start_proxy
+from tests.support.reliability_workers import Spawned, start_proxy
 
-#: The fake vLLM's answer time: long enough to kill the proxy mid-call.
-LATENCY = 1.5
+#: The call the proxy is killed in: the fake vLLM never answers it. A slow answer instead (a fixed
+#: latency) raced the kill: on a loaded machine the claim took longer to show than the answer
+#: took to come, and the call was staged before the kill.
+IN_FLIGHT = "killed while upstream"
+
+
+def _hang_in_flight(body: dict[str, Any]) -> Turn:
+    last = body["messages"][-1]["content"]
+    return Turn(fault=Fault.hang()) if last == IN_FLIGHT else Turn("an answer")
 
 
 async def _call(base: str, text: str) -> tuple[str, str]:
@@ -60,13 +70,14 @@ async def test_a_call_in_flight_at_sigkill_is_lost_in_crash_after_restart(
     kind: str, tmp_path: Path
 ) -> None:
     url = f"sqlite:///{tmp_path / 'c.db'}" if kind == "sqlite" else f"parquet:///{tmp_path / 'ds'}"
-    fake = start_fake(latency=LATENCY)
+    # In this process, so the test's loop must not block while a proxy starts or stops.
+    _, runner, upstream = await serve_fake(script=_hang_in_flight)
     try:
-        first = _proxy(fake.url, url)
+        first = await asyncio.to_thread(_proxy, upstream, url)
         try:
             assert (await _call(first.url, "before"))[0] == "staged"
-            in_flight = asyncio.ensure_future(_call(first.url, "killed while upstream"))
-            claims = await _until_claimed(url, 2)  # admitted, claimed, still upstream
+            in_flight = asyncio.ensure_future(_call(first.url, IN_FLIGHT))
+            claims = await _until_claimed(url, 2)  # admitted, claimed, held upstream
             await asyncio.to_thread(first.kill)
         finally:
             first.kill()
@@ -74,14 +85,14 @@ async def test_a_call_in_flight_at_sigkill_is_lost_in_crash_after_restart(
             await in_flight
         lost = claims[1]
 
-        second = _proxy(fake.url, url)
+        second = await asyncio.to_thread(_proxy, upstream, url)
         try:
             status, after = await _call(second.url, "after the restart")
             assert status == "staged"
         finally:
             assert await asyncio.to_thread(second.terminate) == 0, second.output()
     finally:
-        fake.kill()
+        await runner.cleanup()
     with open_store(url) as store:
         source = store.source
         assert [s.seq for s in source.summaries("r1")] == [0, 2]
