@@ -393,8 +393,11 @@ class Exchange(TokenInSteps):
         self._t_up = time.perf_counter()
         if not call.offload:
             # The record's request-side work, done while the upstream generates instead of
-            # after its answer: it runs once this task waits, so after the request is written.
-            asyncio.get_running_loop().call_soon(self.capture.prepare_record, call)
+            # after its answer. Two loop turns later, not one: the HTTP client writes the
+            # request's body from a task it schedules just before this one waits, and the
+            # request must leave first.
+            loop = asyncio.get_running_loop()
+            loop.call_soon(loop.call_soon, self.capture.prepare_record, call)
         try:
             try:
                 self._reply = await self._post()
