@@ -112,6 +112,9 @@ class Call:
     #: once its record is built, its own entry for the calls after it (`core/experts.py`).
     experts: ExpertsPlan = field(default_factory=ExpertsPlan)
     experts_entry: tuple[bytes, ExpertsParent] | None = None
+    #: The request's part of its record's digest, computed while the upstream answers
+    #: (`Capture.prepare_record`), so sealing the record after the answer does not redo it.
+    request_part: bytes | None = None
     #: The admission claim's write, started by `begin_call` and awaited before the call's final
     #: status (never before forwarding: the upstream call overlaps the write).
     claim: asyncio.Future[RolloutEvent] | None = None

@@ -23,7 +23,7 @@ from dataclasses import replace
 from typing import Any
 
 from ..errors import CaptureUnavailable, Conflict, ProxyError, TooManyRequests, Unprocessable
-from ..schemas.digest import EncodingError, RequestValueCache, seal_record
+from ..schemas.digest import EncodingError, RequestValueCache, encode_request, seal_record
 from ..schemas.events import EventDraft, EventKind, RolloutEvent, claim_event, token_in_event
 from ..schemas.message_memo import MessageMemo, rollout_digester
 from ..schemas.outcome import RolloutOutcome
@@ -710,6 +710,20 @@ class Capture:
             if not self.calls:
                 self._idle.set()
 
+    def prepare_record(self, call: Call) -> None:
+        """Compute what the call's record needs from its request alone (the request's part of
+        the digest), so that sealing it once the answer is in costs less; the exchange calls
+        this while the upstream generates. A request that cannot be encoded is left for
+        `build_record`, which refuses it (``invalid_record``) when the call is staged."""
+        if call.request_part is not None or call.staging or call.finished:
+            return
+        with contextlib.suppress(EncodingError):
+            call.request_part = encode_request(
+                call.request,
+                digester=rollout_digester(self._message_digests, call.rollout_id),
+                encoder=self._request_values,
+            )
+
     def build_record(
         self,
         call: Call,
@@ -784,6 +798,7 @@ class Capture:
             attachments=call.attachments,
             encoder=self._request_values,
             digester=rollout_digester(self._message_digests, call.rollout_id),
+            request_part=call.request_part,
         )
         call.record_bytes = record_bytes(
             sealed, call.attachments.values(), request_size=call.request_size

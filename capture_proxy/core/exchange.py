@@ -388,9 +388,16 @@ class Exchange(TokenInSteps):
         """Send the call upstream. None: a 200 is coming, relay it with `read_unary` or
         `relay_stream`. An `Outcome`: the upstream answered an error, recorded and ready to
         relay. Raises `UpstreamFailed` (recorded) when the upstream cannot be reached."""
-        _ = self.admitted  # raises unless prepared
+        call = self.admitted  # raises unless prepared
         assert self.plan is not None
         self._t_up = time.perf_counter()
+        if not call.offload:
+            # The record's request-side work, done while the upstream generates instead of
+            # after its answer. Two loop turns later, not one: the HTTP client writes the
+            # request's body from a task it schedules just before this one waits, and the
+            # request must leave first.
+            loop = asyncio.get_running_loop()
+            loop.call_soon(loop.call_soon, self.capture.prepare_record, call)
         try:
             try:
                 self._reply = await self._post()

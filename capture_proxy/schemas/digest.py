@@ -58,6 +58,7 @@ __all__ = [
     "EncodingError",
     "MessageDigestCache",
     "RequestValueCache",
+    "encode_request",
     "encode_value",
     "extras_digest",
     "has_null_token",
@@ -296,6 +297,22 @@ def _encode_request(
                 raise EncodingError(f"request.{k}{e.path}", e.message) from e
 
 
+def encode_request(
+    request: Mapping[str, Any],
+    *,
+    digester: MessageDigester = _default_digester,
+    encoder: ValueEncoder | None = None,
+) -> bytes:
+    """The request's part of a record's digest: the bytes `record_digest` hashes for the field
+    ``request`` (both digest versions encode it alike). It depends on the request alone, so a
+    caller can compute it before the answer exists (the proxy does, while the upstream
+    generates) and pass it as `request_part`. Raises `EncodingError`, as `record_digest` would.
+    """
+    out: list[bytes] = []
+    _encode_request(request, out, digester, encoder)
+    return b"".join(out)
+
+
 def record_digest(
     record: StagedCallRecord,
     *,
@@ -303,6 +320,7 @@ def record_digest(
     digester: MessageDigester = _default_digester,
     encoder: ValueEncoder | None = None,
     media_types: Mapping[str, str] | None = None,
+    request_part: bytes | None = None,
 ) -> str:
     """Hex SHA-256 of the record's logical content (see the module docs for the layout).
 
@@ -311,7 +329,8 @@ def record_digest(
     type) when given, else from ``record.attachments``; a reference with neither raises
     `EncodingError` naming it. `digester` lets a caller that has already hashed a session's
     earlier messages reuse them; `encoder` (a `RequestValueCache`) likewise the encodings of
-    large request values.
+    large request values. `request_part` is ``encode_request(record.request)`` when the caller
+    has it already: it must be of this very request (it is hashed as given, not checked).
     """
     version = record.digest_version
     out: list[bytes] = [b"capture-proxy:record:v%d\x00" % version]
@@ -321,7 +340,10 @@ def record_digest(
         out.append(_u64(len(nb)))
         out.append(nb)
         if name == "request":
-            _encode_request(record.request, out, digester, encoder)
+            if request_part is not None:
+                out.append(request_part)
+            else:
+                _encode_request(record.request, out, digester, encoder)
             continue
         if name == "attachments":
             value: Any = _attachment_types(record, media_types)
@@ -365,16 +387,23 @@ def seal_record(
     attachments: Mapping[str, Attachment] | None = None,
     digester: MessageDigester = _default_digester,
     encoder: ValueEncoder | None = None,
+    request_part: bytes | None = None,
 ) -> StagedCallRecord:
     """A copy of `record` with `extras_digest` and `digest` computed. Raises `EncodingError`.
 
     `attachments` (sha256 -> attachment) are the attachments staged with the record, which a
     version-2 digest binds by media type; without them, ``record.attachments`` are used.
+    `request_part`: the request's encoding computed ahead (`encode_request`, see `record_digest`).
     """
     ex = extras_digest(record.extras)
     types = None if attachments is None else {k: a.media_type for k, a in attachments.items()}
     digest = record_digest(
-        record, extras_hex=ex, digester=digester, encoder=encoder, media_types=types
+        record,
+        extras_hex=ex,
+        digester=digester,
+        encoder=encoder,
+        media_types=types,
+        request_part=request_part,
     )
     return _with_digests(record, digest, ex)
 

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from capture_proxy.schemas.digest import (
     EncodingError,
     RequestValueCache,
+    encode_request,
     encode_value,
     record_digest,
     seal_record,
@@ -121,3 +122,22 @@ def test_cached_encoding_equals_the_encoder_or_refuses_alike(values: list[Any]) 
         except EncodingError as e:
             got = str(e)
         assert got == want
+
+
+def test_a_request_part_computed_ahead_gives_the_same_digest() -> None:
+    cache = RequestValueCache()
+    for seq in range(2):
+        r = record(TOOLS, seq)
+        part = encode_request(r.request, encoder=cache)
+        assert part == encode_request(r.request)
+        assert seal_record(r, request_part=part).digest == seal_record(r).digest
+        assert record_digest(r, request_part=part) == record_digest(r)
+
+
+def test_a_request_that_cannot_be_encoded_is_refused_ahead_as_when_sealing() -> None:
+    bad = record([{**TOOLS[0], "x": math.nan}])
+    with pytest.raises(EncodingError, match=r"request\.tools\[0\]\.x") as ahead:
+        encode_request(bad.request)
+    with pytest.raises(EncodingError) as sealing:
+        seal_record(bad)
+    assert str(ahead.value) == str(sealing.value)
