@@ -255,7 +255,7 @@ def encode_table(table: pa.Table, *, row_group_bytes: int = 16 << 20) -> bytes:
 
 def _at_least(column: pa.ChunkedArray, limit: int) -> bool:
     """Whether `column`'s `nbytes` reach `limit` (its buffer size first: cheaper, not less)."""
-    return column.get_total_buffer_size() >= limit and column.nbytes >= limit
+    return bool(column.get_total_buffer_size() >= limit and column.nbytes >= limit)
 
 
 # Reads are single-threaded: units are small, and pyarrow's thread pool costs more per file than
