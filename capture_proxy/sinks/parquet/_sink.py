@@ -23,7 +23,9 @@ each message once. The rollout ledger is in the dataset too (``ledger/`` files).
 record and ledger entry holds its ``(rollout, seq)`` through a claim file created only if absent
 (`_claims`): exclusive and fsynced on a local folder, a conditional ``PUT`` (``If-None-Match:
 *``) on object storage. A group commit writes its claims at once, before its unit; a claim the
-store refuses is `DuplicateSeq` (a record: ``duplicate_seq``), whoever holds the seq.
+store refuses is `DuplicateSeq` (a record: ``duplicate_seq``), whoever holds the seq. A claim's
+own event needs no unit: it commits with the next unit written (`_writer`), in the common case
+with its call's record, so a call makes one unit, not two.
 
 **Several writers.** On object storage any number of proxies (one `ParquetSink` each) may write one
 dataset at once: units have names no other writer uses, claims decide seqs, and a copy of a blob or
