@@ -107,3 +107,22 @@ async def test_a_failed_unit_drops_the_waiting_claim_events_and_the_claims_stand
     assert [(e.position, e.kind) for e in source.events("ep")] == [(0, "staged")]
     assert not Store(source).status("ep").poisoned
     Store(source).verify()
+
+
+async def test_a_failed_last_unit_at_close_is_logged_and_the_claim_stands(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    ds = tmp_path / "ds"
+    sink = ParquetSink(str(ds))
+    await sink.append_event(claim_event("ep", 0, "in-flight", 1))
+    (ds / "ledger").rename(ds / "ledger.aside")
+    (ds / "ledger").write_bytes(b"")
+    with caplog.at_level(logging.WARNING):
+        await sink.close()
+    assert "the last unit, of waiting claim events, failed" in caplog.text
+    assert "their claims stand" in caplog.text
+    (ds / "ledger").unlink()
+    (ds / "ledger.aside").rename(ds / "ledger")
+    source = ParquetSource(str(ds))
+    assert source.claims("ep") == {0: "in-flight"}
+    assert _units(ds) == 0  # the rollout is known by its claim alone, as after a crash

@@ -152,13 +152,18 @@ class UnitWriter(WriterThread[Work]):
     def _on_exit(self) -> None:
         if self._waiting.empty():
             return
+        waiting, self._waiting = self._waiting, UnitRows()
         try:  # `close`: what deferred work left waiting becomes a last unit
-            self._write_unit(self._waiting)
+            self._write_unit(waiting)
+            self._publish(waiting)
         except Exception as e:
-            log.warning("%s: the last unit, of waiting claim events, failed: %s", self.name, e)
-        else:
-            self._publish(self._waiting)
-        self._waiting = UnitRows()
+            log.warning(
+                "%s: the last unit, of waiting claim events, failed (%s: %s); their claims "
+                "stand, without events, as after a crash",
+                self.name,
+                type(e).__name__,
+                e,
+            )
 
     def _write_unit(self, batch: UnitRows) -> None:
         unit, order = new_unit_name(self.last_order)
