@@ -178,7 +178,9 @@ class StagingSink(Protocol):
 
         A ``claim`` (`schemas.events.claim_event`) is refused with `DuplicateSeq`, nothing
         written, when another call already holds its seq: claimed, staged or in the ledger.
-        Durable when this returns, like `stage`; raises `StoreError` for I/O failures.
+        Durable when this returns, like `stage`; raises `StoreError` for I/O failures. (A
+        Parquet dataset's claim is durable as its claim file, which holds the seq; its event
+        commits with the next unit written: docs/storage.md.)
         """
         ...
 

@@ -112,7 +112,8 @@ async def test_a_deleted_ledger_row_fails_verify_and_the_rollout_stays_poisoned_
 async def test_a_deleted_ledger_unit_fails_verify_parquet(tmp_path: Path) -> None:
     location = tmp_path / "ds"
     await _rollout(ParquetSink(str(location)))
-    # The unit that committed the ledger entry (and its event): remove it, marker and files.
+    # The unit that committed the ledger entry (its event, and the call's claim event before
+    # it): remove it, marker and files.
     (unit,) = [
         m
         for m in (location / "_commits").glob("*.json")
@@ -127,21 +128,22 @@ async def test_a_deleted_ledger_unit_fails_verify_parquet(tmp_path: Path) -> Non
         assert _problems(store) == [
             (
                 "rollout:ep",
-                "event log broken at position 5: event 5 is missing (the next stored event "
+                "event log broken at position 4: event 4 is missing (the next stored event "
                 "is at position 6)",
             )
         ]
         assert store.status("ep").poisoned  # its claim is left: lost_in_crash
     code, text = _inspect_verify(f"parquet:///{location}")
     assert code == 1
-    assert "rollout:ep: event log broken at position 5" in text
+    assert "rollout:ep: event log broken at position 4" in text
 
 
 async def test_a_deleted_last_record_unit_leaves_its_seq_lost_in_crash_parquet(
     tmp_path: Path,
 ) -> None:
-    """A unit holds a record and its ``staged`` event together: deleting it removes both, and
-    the claim, a file of its own, still accounts for the seq."""
+    """A unit holds a record, its ``staged`` event and its call's ``claim`` event together:
+    deleting it removes all three, and the claim, a file of its own, still accounts for the
+    seq."""
     location = tmp_path / "ds"
     _, second = await _rollout(ParquetSink(str(location)))
     (unit,) = [
@@ -158,7 +160,7 @@ async def test_a_deleted_last_record_unit_leaves_its_seq_lost_in_crash_parquet(
         problems = _problems(store)
         assert (
             "rollout:ep",
-            "event log broken at position 3: event 3 is missing (the next "
+            "event log broken at position 2: event 2 is missing (the next "
             "stored event is at position 4)",
         ) in problems
         lost = [n for n in store.status("ep").not_staged if n.status == "lost_in_crash"]

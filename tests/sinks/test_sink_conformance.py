@@ -570,6 +570,9 @@ async def test_the_event_log_chains_claims_outcomes_and_seals(case: SinkCase) ->
     )
     await sink.append_event(EventDraft("ep", EventKind.SEAL, 4))
     await sink.append_event(claim_event("other", 0, "o0", 5))  # another rollout: its own chain
+    # A Parquet claim is durable as its claim file; its event commits with the next unit, or at
+    # close (docs/storage.md).
+    await sink.close()
     source = case.reopen()
     events = source.events("ep")
     assert [(e.position, e.kind, e.seq, e.call_id) for e in events] == [

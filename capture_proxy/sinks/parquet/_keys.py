@@ -25,13 +25,17 @@ class RolloutKeys:
 
 
 class Claimed:
-    """A piece of work that holds `claim`'s seq: the batch settles it with the store first."""
+    """A piece of work that holds `claim`'s seq: the batch settles it with the store first.
 
-    __slots__ = ("claim", "work")
+    `defer`: the work's rows need no unit of their own (`UnitWriter`): an admission claim, durable
+    as its claim file once the batch settled it, whose event rides in the next unit written."""
 
-    def __init__(self, claim: SeqClaim, work: Work) -> None:
+    __slots__ = ("claim", "defer", "work")
+
+    def __init__(self, claim: SeqClaim, work: Work, *, defer: bool = False) -> None:
         self.claim = claim
         self.work = work
+        self.defer = defer
 
     def __call__(self, batch: UnitRows, part: UnitRows) -> Any:
         return self.work(batch, part)

@@ -217,27 +217,45 @@ def encode_table(table: pa.Table, *, row_group_bytes: int = 16 << 20) -> bytes:
     for a few bytes saved (a group commit's unit is mostly such columns; a compacted file
     hardly has any).
     """
-    per_row = max(1, table.nbytes // max(1, table.num_rows))
-    compression = {
-        # Codecs are per Parquet column, named by path: a list's values are `name.list.element`.
-        f"{field.name}.list.element" if pa.types.is_list(field.type) else field.name: (
-            "zstd" if table.column(field.name).nbytes >= COMPRESS_COLUMN_BYTES else "none"
-        )
-        for field in table.schema
-    }
-    dictionary = [c for c in _DICTIONARY_COLUMNS if c in table.column_names]
+    # A buffer size is read off the buffers, ~30x cheaper than `nbytes` (summed over each
+    # column's slices) and not below it (but for a buffer that several chunks share, counted
+    # once: then under 1 KiB of distinct bytes may go uncompressed): only a size that can reach
+    # a limit is made exact, so a group commit's small tables skip the sums.
+    size = table.get_total_buffer_size()
+    if size >= row_group_bytes:
+        size = table.nbytes
+    per_row = max(1, size // max(1, table.num_rows))
+    compression: str | dict[str, str] = "none"
+    if size >= COMPRESS_COLUMN_BYTES:  # else no column can reach it
+        compression = {
+            # Codecs are per Parquet column, named by path: a list's values are
+            # `name.list.element`.
+            f"{field.name}.list.element" if pa.types.is_list(field.type) else field.name: (
+                "zstd" if _at_least(column, COMPRESS_COLUMN_BYTES) else "none"
+            )
+            for field, column in zip(table.schema, table.columns, strict=True)
+        }
+    dictionary: list[str] | bool = False
+    if table.num_rows >= DICTIONARY_ROWS:
+        names = set(table.schema.names)
+        dictionary = [c for c in _DICTIONARY_COLUMNS if c in names]
     sink = pa.BufferOutputStream()
     pq.write_table(
         table,
         sink,
         row_group_size=max(1, row_group_bytes // per_row),
         compression=compression,
-        use_dictionary=dictionary if table.num_rows >= DICTIONARY_ROWS else False,
+        use_dictionary=dictionary,
         write_statistics=False,
         store_schema=False,
         write_page_checksum=True,
     )
     return bytes(sink.getvalue())
+
+
+def _at_least(column: pa.ChunkedArray, limit: int) -> bool:
+    """Whether `column`'s `nbytes` reach `limit` (its buffer size first: cheaper, not less)."""
+    return bool(column.get_total_buffer_size() >= limit and column.nbytes >= limit)
 
 
 # Reads are single-threaded: units are small, and pyarrow's thread pool costs more per file than

@@ -23,7 +23,9 @@ each message once. The rollout ledger is in the dataset too (``ledger/`` files).
 record and ledger entry holds its ``(rollout, seq)`` through a claim file created only if absent
 (`_claims`): exclusive and fsynced on a local folder, a conditional ``PUT`` (``If-None-Match:
 *``) on object storage. A group commit writes its claims at once, before its unit; a claim the
-store refuses is `DuplicateSeq` (a record: ``duplicate_seq``), whoever holds the seq.
+store refuses is `DuplicateSeq` (a record: ``duplicate_seq``), whoever holds the seq. A claim's
+own event needs no unit: it commits with the next unit written (`_writer`), in the common case
+with its call's record, so a call makes one unit, not two.
 
 **Several writers.** On object storage any number of proxies (one `ParquetSink` each) may write one
 dataset at once: units have names no other writer uses, claims decide seqs, and a copy of a blob or
@@ -266,7 +268,11 @@ class ParquetSink:
         """Append `event` to its rollout's chain in the next unit; see
         `StagingSink.append_event`. A claim also creates its claim file, if absent, in the
         store (`_claims`: exclusive and fsynced on a local folder, a conditional ``PUT`` on object
-        storage); the claims of one group commit are written at once, before its unit."""
+        storage); the claims of one group commit are written at once, before its unit. A claim
+        returns once its file is durable: its event needs no unit of its own and commits with
+        the next unit written (its call's record or ledger entry, in the common case), or at
+        `close`; a crash before then leaves the claim file alone, which readers account for
+        (``lost_in_crash``) as they do a claim whose call never ended."""
         if event.kind is not EventKind.CLAIM:
 
             def plain(batch: UnitRows, part: UnitRows) -> RolloutEvent:
@@ -290,7 +296,8 @@ class ParquetSink:
             self._ensure_rollout(batch, part, event.rollout_id)
             return self._place(batch, part, event)
 
-        stored: RolloutEvent = await self._writer.submit(Claimed(claim, work))
+        # Durable once its claim file is: the event rides in the next unit written (`_writer`).
+        stored: RolloutEvent = await self._writer.submit(Claimed(claim, work, defer=True))
         return stored
 
     async def put_rollout(self, info: RolloutInfo) -> None:

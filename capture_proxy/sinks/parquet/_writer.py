@@ -9,6 +9,13 @@ is then written as one unit (`_layout`): data files under temporary names, fsync
 renamed; then the commit marker, the same way. Only after the marker is durable is any caller
 answered. If writing fails, the unit is retracted (marker first, then its files), every caller
 of the batch gets a `StoreError`, and nothing of the batch is visible.
+
+Work whose ``defer`` attribute is true (an admission claim: `_keys.Claimed`) is durable without a
+unit of its own: its caller is answered once the batch has run it, and its rows wait for the next
+unit written, whatever the batch that writes it (a call's claim event then commits with the
+call's record or ledger entry, in one unit instead of two). A batch of deferred work alone writes
+no unit. The rows waiting go first in the next unit, in the order they were made; if that unit
+fails they are dropped with it, and `close` writes what still waits as a last unit.
 """
 
 from __future__ import annotations
@@ -80,6 +87,8 @@ class UnitWriter(WriterThread[Work]):
         self.last_order = last_order
         self._publish = publish
         self._settle = settle
+        #: Rows of deferred work waiting for the next unit written (module docstring).
+        self._waiting = UnitRows()
         self.start()
 
     def _commit(self, jobs: list[Job[Work]]) -> None:
@@ -90,7 +99,9 @@ class UnitWriter(WriterThread[Work]):
                 self._settle([job.work for job in jobs])
             except Exception:
                 log.exception("%s: settling a batch's claims failed", self.name)
-        batch = UnitRows()
+        # The rows waiting for a unit go first: later work of the batch chains after them.
+        batch, self._waiting = self._waiting, UnitRows()
+        held = not batch.empty()
         outcomes: list[Outcome] = []
         wrote: list[bool] = []
         for job in jobs:
@@ -103,8 +114,13 @@ class UnitWriter(WriterThread[Work]):
             else:
                 batch.merge(part)
                 outcomes.append((job.future, value, None))
-                wrote.append(not part.empty())
-        if not batch.empty():
+                # Deferred work's caller is answered whatever becomes of the unit.
+                deferred = bool(getattr(job.work, "defer", False))
+                held = held or (deferred and not part.empty())
+                wrote.append(not deferred and not part.empty())
+        if not any(wrote):
+            self._waiting = batch  # deferred rows alone (or nothing): they wait for a unit
+        else:
             try:
                 self._write_unit(batch)
             except BaseException as e:
@@ -115,6 +131,12 @@ class UnitWriter(WriterThread[Work]):
                     "this batch was stored"
                 )
                 err.__cause__ = e
+                if held:
+                    log.warning(
+                        "%s: the failed unit took the waiting claim events with it; their "
+                        "claims stand, without events, as after a crash",
+                        self.name,
+                    )
                 outcomes = [
                     (f, None, err) if w else (f, v, error)
                     for (f, v, error), w in zip(outcomes, wrote, strict=True)
@@ -126,6 +148,22 @@ class UnitWriter(WriterThread[Work]):
                 except Exception:  # a cache update must not turn committed work into an error
                     log.exception("%s: publishing a committed unit failed", self.name)
         self._deliver(jobs, outcomes)
+
+    def _on_exit(self) -> None:
+        if self._waiting.empty():
+            return
+        waiting, self._waiting = self._waiting, UnitRows()
+        try:  # `close`: what deferred work left waiting becomes a last unit
+            self._write_unit(waiting)
+            self._publish(waiting)
+        except Exception as e:
+            log.warning(
+                "%s: the last unit, of waiting claim events, failed (%s: %s); their claims "
+                "stand, without events, as after a crash",
+                self.name,
+                type(e).__name__,
+                e,
+            )
 
     def _write_unit(self, batch: UnitRows) -> None:
         unit, order = new_unit_name(self.last_order)
