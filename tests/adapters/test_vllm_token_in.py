@@ -1,4 +1,5 @@
-"""The token-in parsers (`adapters/vllm/_token_in.py`) against vLLM 0.32's captured answers."""
+"""The token-in parsers (`adapters/vllm/_render.py`, `_generate.py`, `_derender.py`) against
+vLLM 0.32's captured answers."""
 
 from __future__ import annotations
 
