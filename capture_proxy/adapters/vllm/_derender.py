@@ -39,6 +39,16 @@ def merge_chunks(events: Sequence[GenerateEvent]) -> bytes:
     is returned as it came."""
     if len(events) == 1:
         return events[0].data
+    if all(e.ids is not None for e in events):
+        # Without logprobs or usage, the merge needs of the events before the last only their
+        # ids, already decoded: the last one is the only one decoded again.
+        merged = orjson.loads(events[-1].data)
+        last = dict(merged["choices"][0])
+        last["token_ids"] = [t for e in events for t in e.ids or ()]
+        last["logprobs"] = None
+        merged["choices"] = [last]
+        merged["usage"] = None
+        return orjson.dumps(merged)
     chunks = [orjson.loads(e.data) for e in events]
     merged = dict(chunks[-1])
     choices = [c["choices"][0] for c in chunks if c.get("choices")]

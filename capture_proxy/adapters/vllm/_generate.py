@@ -156,6 +156,9 @@ class GenerateEvent:
     data: bytes
     new_ids: int
     has_choices: bool
+    #: The event's output ids, as decoded, when it has one choice, no logprob entries and no
+    #: usage: all `capture_proxy.adapters.vllm.merge_chunks` needs of it (None otherwise).
+    ids: list[int] | None = None
 
 
 class GenerateStream:
@@ -199,7 +202,12 @@ class GenerateStream:
                 n += len(choice.token_ids)
             if typed.usage is not None:
                 gen.usage = _usage(typed.usage)
-            out.append(GenerateEvent(event.data, n, bool(typed.choices)))
+            ids = None
+            if len(typed.choices) == 1 and typed.usage is None:
+                choice = typed.choices[0]
+                if choice.logprobs is None or not choice.logprobs.content:
+                    ids = choice.token_ids
+            out.append(GenerateEvent(event.data, n, bool(typed.choices), ids))
         return out
 
     def finish(self) -> Generated:
