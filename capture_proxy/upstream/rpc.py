@@ -2,7 +2,7 @@
 
 A bridged token-in call makes up to six of these small JSON round trips beside its generate
 request; through aiohttp's client each cost about 95 µs of the event loop's CPU on loopback, over
-three times what the same request costs here (docs/reports/performance.md, "Fifth cuts"). The
+three times what the same request costs here (docs/reports/performance.md, "Third cuts"). The
 protocol is asyncio's transport with `httptools` (llhttp, the parser Node.js uses) reading the
 answer: bytes in, callbacks out, no awaits.
 
