@@ -40,8 +40,6 @@ _FACT_TIMEOUT = 5.0
 _SCALE_OUT_403 = b"Scale-out endpoints are disabled"
 #: Connections the facts requests may hold at once (their own pool: see `facts_session`).
 _FACTS_CONNECTIONS = 4
-#: The token-in routes whose answers are always read whole: sent through `RpcPool`.
-_RPC_ROUTES = frozenset({EngineRoute.RENDER, EngineRoute.DERENDER})
 #: The codes after which every fact is fetched again (the upstream may have restarted).
 _STALE_CODES = frozenset({"upstream_unreachable", "upstream_connect_timeout"})
 
@@ -174,11 +172,11 @@ class HTTPUpstream:
         does; a 403 "Scale-out endpoints are disabled" raises `UpstreamFailed` with code
         ``scale_out_disabled`` (503), whose message names ``--enable-scale-out``.
 
-        Render and derender, whose answers are read whole, go through a lean pooled client of
-        their own (`capture_proxy.upstream.rpc`) when the upstream has its own session: the same
-        timeouts, errors and restart check, at a third of aiohttp's CPU per request."""
+        With a session of its own, the upstream sends them through a lean pooled client
+        (`capture_proxy.upstream.rpc`): the same timeouts, errors and restart check, at a third
+        of aiohttp's CPU per request."""
         reply: HTTPUpstreamReply | RpcReply
-        if route in _RPC_ROUTES and self._own_session:
+        if self._own_session:
             reply = await self._post_rpc(route.value, body)
         else:
             reply = await self._post(route.value, body)

@@ -1,17 +1,20 @@
-"""A lean pooled HTTP/1.1 client for token-in's whole-answer requests (render, derender).
+"""A lean pooled HTTP/1.1 client for token-in's requests (render, generate, derender).
 
-A bridged token-in call makes up to six of these small JSON round trips beside its generate
-request; through aiohttp's client each cost about 95 µs of the event loop's CPU on loopback, over
-three times what the same request costs here (docs/reports/performance.md, "Third cuts"). The
-protocol is asyncio's transport with `httptools` (llhttp, the parser Node.js uses) reading the
-answer: bytes in, callbacks out, no awaits.
+A bridged token-in call makes seven JSON round trips where a plain call makes one; through
+aiohttp's client each cost about 95 µs of the event loop's CPU on loopback, over three times what
+the same request costs here (docs/reports/performance.md, "Third cuts"). The protocol is
+asyncio's transport with `httptools` (llhttp, the parser Node.js uses) reading the answer: bytes
+in, callbacks out, no awaits.
 
 `RpcPool.post` returns an `RpcReply` once the answer's status line and headers are in; its
-`read` gives the whole body. The timeouts and errors are `HTTPUpstream`'s (the same codes,
-statuses and messages' start): `upstream_connect_timeout` (504) and `upstream_unreachable` when
-no connection could be made, `upstream_timeout` (504) when no answer began within the first-byte
-timeout, `upstream_broken` when the answer broke off or stalled for the idle timeout mid-body,
-`upstream_deadline` (504) past the call's total timeout. A connection is reused when the answer
+`read` gives the whole body, `chunks` the body as it arrives (a streamed generate). The timeouts
+and errors are `HTTPUpstream`'s (the same codes, statuses and messages' start):
+`upstream_connect_timeout` (504) and `upstream_unreachable` when no connection could be made,
+`upstream_timeout` (504) when no answer began within the first-byte timeout, `upstream_broken`
+when the answer broke off (or, read whole, stalled for the idle timeout),
+`upstream_idle_timeout` when a stream sent nothing for the idle timeout, `upstream_deadline`
+(504) past the call's total timeout. Closing a reply before its end closes its connection (vLLM
+aborts a generation whose client went away). A connection is reused when the answer
 allows it (keep-alive, read whole); idle ones are closed after `KEEPALIVE_S`, as aiohttp's pool
 does. There is no limit on connections, as in the chat pool.
 """
@@ -319,7 +322,96 @@ class RpcReply:
         return self._body
 
     async def chunks(self) -> AsyncIterator[bytes]:
-        """The body in one piece (these answers are read whole)."""
-        body = await self.read()
-        if body:
-            yield body
+        """The body as it arrives (a streamed generate). The idle timeout counts only while a
+        read waits (not while the caller handles a chunk), checked by one timer for the whole
+        stream rather than one per read (`_StreamWatch`)."""
+        if self._body is not None:
+            if self._body:
+                yield self._body
+            return
+        conn = self._conn
+        if conn is None:
+            return
+        watch = _StreamWatch(conn, self._idle, self._deadline)
+        try:
+            while True:
+                if conn.body:
+                    data = conn.body[0] if len(conn.body) == 1 else b"".join(conn.body)
+                    conn.body = []
+                    yield data
+                    continue
+                if conn.complete:
+                    self._conn = None
+                    self._pool._release(conn)
+                    return
+                if watch.expired is not None:
+                    self.close()
+                    if watch.expired == "deadline":
+                        raise UpstreamFailed(
+                            f"the upstream's answer was not whole within {self._total:g}s "
+                            "(--upstream-total-timeout)",
+                            code="upstream_deadline",
+                            status=504,
+                        )
+                    raise UpstreamFailed(
+                        f"the upstream sent nothing for {self._idle:g}s mid-stream",
+                        code="upstream_idle_timeout",
+                    )
+                if conn.lost is not None:
+                    self.close()
+                    raise UpstreamFailed(
+                        f"the upstream stream broke: {type(conn.lost).__name__}: {conn.lost}",
+                        code="upstream_broken",
+                    ) from conn.lost
+                now = watch.loop.time()
+                if self._deadline is not None and now >= self._deadline:
+                    watch.expired = "deadline"
+                    continue
+                watch.waiting_since = now
+                await conn.progress()
+                watch.waiting_since = None
+        finally:
+            watch.stop()
+
+
+class _StreamWatch:
+    """The idle timeout and the deadline of one stream's reads, with one timer.
+
+    A read records when it started waiting (`waiting_since`, None between reads); the timer
+    wakes when the current read would be due, and marks the stream `expired` (and wakes the
+    read) when it is, else sets itself again.
+    """
+
+    def __init__(self, conn: _Conn, idle: float, deadline: float | None) -> None:
+        self.loop = asyncio.get_running_loop()
+        self._conn = conn
+        self._idle = idle
+        self._deadline = deadline
+        self.waiting_since: float | None = None
+        self.expired: str | None = None
+        self._handle = self.loop.call_at(self._due(self.loop.time()), self._check)
+
+    def _due(self, since: float) -> float:
+        due = since + self._idle
+        return due if self._deadline is None else min(due, self._deadline)
+
+    def _check(self) -> None:
+        since = self.waiting_since
+        now = self.loop.time()
+        if since is not None and self._deadline is not None and now >= self._deadline:
+            self.expired = "deadline"
+        elif since is not None and now - since >= self._idle:
+            self.expired = "idle"
+        if self.expired is not None:
+            self._conn._wakeup()
+            return
+        if since is not None:
+            due = self._due(since)
+        elif self._deadline is not None and self._deadline > now:
+            due = min(now + self._idle, self._deadline)
+        else:
+            due = now + self._idle
+        self._handle = self.loop.call_at(due, self._check)
+
+    def stop(self) -> None:
+        self._handle.cancel()

@@ -1,9 +1,9 @@
-"""The lean client of token-in's render and derender requests (`capture_proxy.upstream.rpc`),
-through `HTTPUpstream.post_engine`: what the caller gets for each way an answer can go wrong.
+"""The lean client of token-in's requests (`capture_proxy.upstream.rpc`), through
+`HTTPUpstream.post_engine`: what the caller gets for each way an answer can go wrong.
 
-The fake vLLM's render and derender answer well-formed HTTP; the answers that break the protocol
-(a reset mid-body, a stall, ``Connection: close``, chunked or unframed bodies) come from a scripted
-server on loopback that writes the bytes each test gives it.
+The fake vLLM answers with well-formed HTTP; the answers that break the protocol (a reset
+mid-body, a stall, ``Connection: close``, chunked or unframed bodies, streams) come from a
+scripted server on loopback that writes the bytes each test gives it.
 """
 
 from __future__ import annotations
@@ -133,16 +133,23 @@ async def test_render_and_derender_answers_come_whole_on_one_kept_connection(
 def test_it_runs_on_uvloop_the_proxys_default_loop() -> None:
     uvloop = pytest.importorskip("uvloop")
 
-    async def three_renders() -> list[int]:
+    async def renders_and_a_stream() -> tuple[list[int], bytes]:
         _, runner, url = await serve_fake(scale_out=True)
         up = HTTPUpstream(url)
         try:
-            return [(await post(up))[0] for _ in range(3)]
+            statuses = [(await post(up))[0] for _ in range(3)]
+            rendered = orjson.loads((await post(up))[1])
+            body = orjson.dumps({**rendered, "stream": True})
+            async with await up.post_engine(EngineRoute.GENERATE, body) as reply:
+                streamed = b"".join([chunk async for chunk in reply.chunks()])
+            return statuses, streamed
         finally:
             await up.close()
             await runner.cleanup()
 
-    assert uvloop.run(three_renders()) == [200, 200, 200]
+    statuses, streamed = uvloop.run(renders_and_a_stream())
+    assert statuses == [200, 200, 200]
+    assert streamed.endswith(b"data: [DONE]\n\n")
 
 
 async def test_the_api_key_and_the_body_are_sent() -> None:
@@ -328,3 +335,107 @@ async def test_a_garbled_answer_is_upstream_unreachable() -> None:
         finally:
             await up.close()
     assert info.value.code == "upstream_unreachable"
+
+
+def stream_of(*pieces: tuple[bytes, float], close: bool = False) -> Answer:
+    """A chunked answer written piece by piece, each after its delay."""
+
+    async def write(writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n")
+        writer.write(b"Transfer-Encoding: chunked\r\n\r\n")
+        for data, delay in pieces:
+            await asyncio.sleep(delay)
+            writer.write(b"%x\r\n%s\r\n" % (len(data), data))
+            await writer.drain()
+        if close:
+            writer.close()
+            return
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+    return write
+
+
+async def read_stream(up: HTTPUpstream) -> list[bytes]:
+    async with await up.post_engine(EngineRoute.GENERATE, BODY) as reply:
+        return [chunk async for chunk in reply.chunks()]
+
+
+async def test_a_streamed_generate_arrives_as_it_is_sent_and_keeps_its_connection() -> None:
+    events = [b"data: 1\n\n", b"data: 2\n\n", b"data: [DONE]\n\n"]
+    server = Scripted(stream_of(*((e, 0.05) for e in events)), json_answer(OK))
+    async with server as url:
+        up = HTTPUpstream(url)
+        try:
+            chunks = await read_stream(up)
+            assert await post(up) == (200, OK)
+        finally:
+            await up.close()
+    assert b"".join(chunks) == b"".join(events)
+    assert len(chunks) == 3  # each piece as it came, not the whole body at the end
+    assert server.connections == 1
+
+
+async def test_a_stream_that_sends_nothing_for_the_idle_timeout_is_upstream_idle_timeout() -> None:
+    server = Scripted(stream_of((b"data: 1\n\n", 0.0), (b"data: 2\n\n", 2.0)))
+    async with server as url:
+        up = HTTPUpstream(url, idle_timeout=0.2)
+        try:
+            with pytest.raises(UpstreamFailed) as info:
+                await read_stream(up)
+        finally:
+            await up.close()
+    assert info.value.code == "upstream_idle_timeout"
+    assert info.value.message == "the upstream sent nothing for 0.2s mid-stream"
+
+
+async def test_a_stream_not_whole_by_the_total_timeout_is_upstream_deadline() -> None:
+    pieces = [(b"data: x\n\n", 0.1)] * 10
+    server = Scripted(stream_of(*pieces))
+    async with server as url:
+        up = HTTPUpstream(url, idle_timeout=5.0, total_timeout=0.35)
+        try:
+            with pytest.raises(UpstreamFailed) as info:
+                await read_stream(up)
+        finally:
+            await up.close()
+    assert (info.value.code, info.value.status) == ("upstream_deadline", 504)
+
+
+async def test_a_stream_reset_midway_is_upstream_broken() -> None:
+    server = Scripted(stream_of((b"data: 1\n\n", 0.0), close=True))
+    async with server as url:
+        up = HTTPUpstream(url)
+        try:
+            with pytest.raises(UpstreamFailed) as info:
+                await read_stream(up)
+        finally:
+            await up.close()
+    assert info.value.code == "upstream_broken"
+    assert info.value.message.startswith("the upstream stream broke")
+
+
+async def test_a_stream_left_midway_closes_its_connection() -> None:
+    closed = asyncio.Event()
+
+    async def endless(writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        try:
+            while True:
+                writer.write(b"9\r\ndata: 1\n\n\r\n")
+                await writer.drain()
+                await asyncio.sleep(0.02)
+        except ConnectionError:
+            closed.set()
+
+    server = Scripted(endless)
+    async with server as url:
+        up = HTTPUpstream(url)
+        try:
+            async with await up.post_engine(EngineRoute.GENERATE, BODY) as reply:
+                async for _ in reply.chunks():
+                    break  # the client went away
+            async with asyncio.timeout(2):
+                await closed.wait()  # the upstream saw it (vLLM aborts the generation)
+        finally:
+            await up.close()
