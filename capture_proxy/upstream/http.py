@@ -6,6 +6,8 @@ httpcore's exceptions at its boundary. Facts about the upstream (version, reason
 tokenizer fingerprint, sampling defaults) are fetched lazily — a sidecar may start before vLLM is
 up — and fetched again for each new upstream process (`known.UpstreamFacts`): after the upstream
 was unreachable, and when a chat call opens a new connection (`connector.WatchedConnector`).
+Token-in's routes (`post_engine`) go through a lean client of their own
+(`rpc.RpcPool`), with the same timeouts, error codes and restart check.
 """
 
 from __future__ import annotations
