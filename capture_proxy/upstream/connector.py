@@ -17,11 +17,11 @@ from aiohttp.client_reqrep import ClientRequest
 from aiohttp.connector import Connection
 from aiohttp.tracing import Trace
 
-__all__ = ["WatchedConnector"]
+__all__ = ["WATCHED_PATHS", "WatchedConnector"]
 
 #: The routes a call is planned for: chat, and token-in's render and generate (derender only
 #: reads an answer already generated; a new process answers it the same).
-_WATCHED_PATHS = ("/v1/chat/completions", "/v1/chat/completions/render", "/inference/v1/generate")
+WATCHED_PATHS = ("/v1/chat/completions", "/v1/chat/completions/render", "/inference/v1/generate")
 
 
 class WatchedConnector(aiohttp.TCPConnector):
@@ -48,7 +48,7 @@ class WatchedConnector(aiohttp.TCPConnector):
         if proto is None or proto in self._seen:
             return conn
         self._seen.add(proto)
-        if req.method == "POST" and req.url.path.endswith(_WATCHED_PATHS):
+        if req.method == "POST" and req.url.path.endswith(WATCHED_PATHS):
             try:
                 await self._on_new()
             except BaseException:

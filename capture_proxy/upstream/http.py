@@ -6,6 +6,8 @@ httpcore's exceptions at its boundary. Facts about the upstream (version, reason
 tokenizer fingerprint, sampling defaults) are fetched lazily — a sidecar may start before vLLM is
 up — and fetched again for each new upstream process (`known.UpstreamFacts`): after the upstream
 was unreachable, and when a chat call opens a new connection (`connector.WatchedConnector`).
+Token-in's routes (`post_engine`) go through a lean client of their own
+(`rpc.RpcPool`), with the same timeouts, error codes and restart check.
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ import orjson
 
 from ..core.transport import SCALE_OUT_DISABLED, EngineRoute, UpstreamInfo
 from ..errors import UpstreamFailed
-from .connector import WatchedConnector
+from .connector import WATCHED_PATHS, WatchedConnector
 from .known import UpstreamFacts
+from .rpc import RpcPool, RpcReply
 
 __all__ = ["HTTPUpstream", "HTTPUpstreamReply"]
 
@@ -39,6 +42,8 @@ _FACT_TIMEOUT = 5.0
 _SCALE_OUT_403 = b"Scale-out endpoints are disabled"
 #: Connections the facts requests may hold at once (their own pool: see `facts_session`).
 _FACTS_CONNECTIONS = 4
+#: The codes after which every fact is fetched again (the upstream may have restarted).
+_STALE_CODES = frozenset({"upstream_unreachable", "upstream_connect_timeout"})
 
 
 class HTTPUpstream:
@@ -70,6 +75,7 @@ class HTTPUpstream:
         self._session = session
         self._own_session = session is None
         self._facts_session: aiohttp.ClientSession | None = None
+        self._rpc: RpcPool | None = None
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.connect_timeout = connect_timeout
         self.first_byte_timeout = first_byte_timeout
@@ -120,6 +126,9 @@ class HTTPUpstream:
         if self._facts_session is not None:
             await self._facts_session.close()
             self._facts_session = None
+        if self._rpc is not None:
+            self._rpc.close()
+            self._rpc = None
 
     def url(self, path: str) -> str:
         return self.base_url + path
@@ -160,17 +169,54 @@ class HTTPUpstream:
         """POST a chat request; the reply once its headers are in (`UpstreamFailed` if not)."""
         return await self._post("/v1/chat/completions", body)
 
-    async def post_engine(self, route: EngineRoute, body: bytes) -> HTTPUpstreamReply:
+    async def post_engine(self, route: EngineRoute, body: bytes) -> HTTPUpstreamReply | RpcReply:
         """POST to one of vLLM's token-in routes (render, generate, derender), as `post_chat`
         does; a 403 "Scale-out endpoints are disabled" raises `UpstreamFailed` with code
-        ``scale_out_disabled`` (503), whose message names ``--enable-scale-out``."""
-        reply = await self._post(route.value, body)
+        ``scale_out_disabled`` (503), whose message names ``--enable-scale-out``.
+
+        With a session of its own, the upstream sends them through a lean pooled client
+        (`capture_proxy.upstream.rpc`): the same timeouts, errors and restart check, at a third
+        of aiohttp's CPU per request."""
+        reply: HTTPUpstreamReply | RpcReply
+        if self._own_session:
+            reply = await self._post_rpc(route.value, body)
+        else:
+            reply = await self._post(route.value, body)
         if reply.status == 403:
             async with reply:
                 raw = await reply.read()  # aiohttp keeps it: the caller may read it again
             if _SCALE_OUT_403 in raw:
                 raise UpstreamFailed(SCALE_OUT_DISABLED, code="scale_out_disabled", status=503)
         return reply
+
+    async def _post_rpc(self, path: str, body: bytes) -> RpcReply:
+        if self._rpc is None:
+            self._rpc = RpcPool(
+                self.base_url,
+                headers=self.headers,
+                connect_timeout=self.connect_timeout,
+                on_new=self.known.verify,
+                watched=WATCHED_PATHS,
+            )
+        self._rpc.connect_timeout = self.connect_timeout
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.total_timeout if self.total_timeout else None
+        first_byte = self.first_byte_timeout
+        if self.total_timeout:
+            first_byte = min(first_byte, self.total_timeout)
+        try:
+            return await self._rpc.post(
+                path,
+                body,
+                first_byte=first_byte,
+                idle=self.idle_timeout,
+                deadline=deadline,
+                total=self.total_timeout,
+            )
+        except UpstreamFailed as e:
+            if e.code in _STALE_CODES:
+                self.mark_stale()
+            raise
 
     async def _post(self, path: str, body: bytes) -> HTTPUpstreamReply:
         loop = asyncio.get_running_loop()

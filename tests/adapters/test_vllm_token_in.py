@@ -1,7 +1,9 @@
-"""The token-in parsers (`adapters/vllm/_token_in.py`) against vLLM 0.32's captured answers."""
+"""The token-in parsers (`adapters/vllm/_render.py`, `_generate.py`, `_derender.py`) against
+vLLM 0.32's captured answers."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from array import array
 
@@ -265,3 +267,30 @@ def test_merged_stream_events_join_ids_and_logprobs_as_the_decoded_events_say(
     assert merged["usage"] == (usages[-1] if usages else None)
     for key in decoded[-1].keys() - {"choices", "usage"}:
         assert merged[key] == decoded[-1][key]
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["generate-tools-stream.sse", "generate-chat-stream.sse", "generate-weight-update-stream.sse"],
+)
+@given(st.data())
+def test_merging_from_the_decoded_ids_gives_the_bytes_of_the_whole_merge(
+    name: str, data: st.DataObject
+) -> None:
+    events = GenerateStream().feed(raw(name))
+    start = data.draw(st.integers(0, len(events) - 2))
+    end = data.draw(st.integers(start + 2, len(events)))
+    chosen = events[start:end]
+    # Without the decoded ids every event is decoded again: the merge as it was written first.
+    whole = [dataclasses.replace(e, ids=None) for e in chosen]
+    assert merge_chunks(chosen) == merge_chunks(whole)
+
+
+def test_only_events_without_logprobs_or_usage_keep_their_decoded_ids() -> None:
+    tools = GenerateStream().feed(raw("generate-tools-stream.sse"))
+    assert tools[0].ids == orjson.loads(tools[0].data)["choices"][0]["token_ids"]
+    assert tools[-1].ids is None  # the usage event
+    chat = GenerateStream().feed(raw("generate-chat-stream.sse"))
+    with_logprobs = [e for e in chat if b'"logprobs":{' in e.data]
+    assert with_logprobs
+    assert all(e.ids is None for e in with_logprobs)

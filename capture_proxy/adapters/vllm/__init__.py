@@ -3,7 +3,7 @@
 `VLLMAdapter.plan` adds the token fields capture needs to a request (`ForwardPlan`);
 `parse_response` reads a unary answer and `stream` returns a sans-IO `StreamAccumulator` fed with
 SSE bytes. Both yield a `Completion` (token ids, logprobs, message) and the bytes the client sees.
-The token-in routes (render, generate, derender) are read and written by `_token_in`'s parsers;
+The token-in routes are read and written by `_render`, `_generate` and `_derender`;
 `_derendered` shapes a token-in answer for the client by the same relay rules, and
 `_stream_logprobs` resolves a streamed one's logprobs.
 """
@@ -21,26 +21,20 @@ from ._adapter import (
     VLLMAdapter,
     parse_error_body,
 )
-from ._derendered import Derendered, DerenderedStream, client_answer, read_derendered
-from ._ids_json import encode_ids, extend_ids_json
-from ._stream_logprobs import StreamLogprobs
-from ._token_in import (
+from ._derender import (
     DerenderCoalescer,
-    Generated,
-    GenerateEvent,
-    GenerateStream,
-    Rendered,
-    WeightSpan,
     derender_body,
     derender_chunk_body,
     derender_tail,
     merge_chunks,
     read_derender,
-    read_generate,
-    read_render,
-    read_render_pair,
     to_completion,
 )
+from ._derendered import Derendered, DerenderedStream, client_answer, read_derendered
+from ._generate import Generated, GenerateEvent, GenerateStream, WeightSpan, read_generate
+from ._ids_json import encode_ids, extend_ids_json
+from ._render import Rendered, read_render, read_render_pair
+from ._stream_logprobs import StreamLogprobs
 
 __all__ = [
     "CaptureExtractionError",

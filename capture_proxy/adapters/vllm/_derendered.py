@@ -32,8 +32,8 @@ from typing import Any
 import msgspec
 import orjson
 
+from ._generate import Generated
 from ._ids_json import encode_ids
-from ._token_in import Generated
 from ._wire import (
     NULL_DROPPED_FIELDS,
     TOKEN_ID_FIELDS,

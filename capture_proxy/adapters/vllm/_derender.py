@@ -1,0 +1,216 @@
+"""vLLM's derender route written and read without I/O (``POST /v1/chat/completions/derender``).
+
+- `derender_body` / `derender_chunk_body` build derender requests (`derender_tail`: the prompt
+  ids and chat request every call of a stream resends, encoded once; the prompt ids may come
+  encoded, as generate got them); `read_derender` reads a streamed call's answer (the unary one:
+  `read_derendered` in ``_derendered.py``);
+- `merge_chunks` joins a stream's generate events into one ``generate_chunk``, and
+  `DerenderCoalescer` decides which of them go into one derender call;
+- `to_completion` turns a generation and its derendered message into the `Completion` the plain
+  path stages.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import orjson
+
+from ._generate import Generated, GenerateEvent, malformed
+from ._ids_json import encode_ids
+from ._wire import Completion, UpstreamProtocolError, build_message, make_extras
+
+__all__ = [
+    "DerenderCoalescer",
+    "derender_body",
+    "derender_chunk_body",
+    "derender_tail",
+    "merge_chunks",
+    "read_derender",
+    "to_completion",
+]
+
+
+def merge_chunks(events: Sequence[GenerateEvent]) -> bytes:
+    """Several generate events as one ``generate_chunk`` (JSON): ids and logprobs joined, the
+    last event's finish reason, spans and usage (derender accepts a chunk of many ids). One event
+    is returned as it came."""
+    if len(events) == 1:
+        return events[0].data
+    if all(e.ids is not None for e in events):
+        # Without logprobs or usage, the merge needs of the events before the last only their
+        # ids, already decoded: the last one is the only one decoded again.
+        merged = orjson.loads(events[-1].data)
+        last = dict(merged["choices"][0])
+        last["token_ids"] = [t for e in events for t in e.ids or ()]
+        last["logprobs"] = None
+        merged["choices"] = [last]
+        merged["usage"] = None
+        return orjson.dumps(merged)
+    chunks = [orjson.loads(e.data) for e in events]
+    merged = dict(chunks[-1])
+    choices = [c["choices"][0] for c in chunks if c.get("choices")]
+    if choices:
+        last = dict(choices[-1])
+        last["token_ids"] = [t for c in choices for t in c.get("token_ids") or ()]
+        logprobs = [e for c in choices for e in (c.get("logprobs") or {}).get("content") or ()]
+        last["logprobs"] = {"content": logprobs} if logprobs else None
+        merged["choices"] = [last]
+    merged["usage"] = next((c["usage"] for c in reversed(chunks) if c.get("usage")), None)
+    return orjson.dumps(merged)
+
+
+def derender_body(
+    generate_answer: bytes,
+    prompt_ids: Sequence[int],
+    chat_request: Mapping[str, Any] | bytes,
+    *,
+    ids_json: bytes | None = None,
+) -> bytes:
+    """The unary derender request: generate's answer as it came, the prompt ids, the chat
+    request (vLLM needs all three when a reasoning or tool parser is configured; `chat_request`
+    may be given already encoded, and the prompt ids as `ids_json`, a JSON list)."""
+    tail = derender_tail(prompt_ids, chat_request, ids_json=ids_json)
+    return b'{"generate_response":' + generate_answer + tail
+
+
+def derender_tail(
+    prompt_ids: Sequence[int],
+    chat_request: Mapping[str, Any] | bytes,
+    *,
+    ids_json: bytes | None = None,
+) -> bytes:
+    """The end of every derender request of one call: the prompt ids and the chat request,
+    encoded once for all of a stream's derender calls (`derender_chunk_body`); `ids_json`, when
+    given, is the prompt ids already encoded."""
+    ids = ids_json if ids_json is not None else encode_ids(prompt_ids)
+    chat = chat_request if isinstance(chat_request, bytes) else orjson.dumps(chat_request)
+    return b"".join((b',"prompt_token_ids":', ids, b',"chat_request":', chat, b"}"))
+
+
+def derender_chunk_body(chunk: bytes, state: Mapping[str, Any] | None, tail: bytes) -> bytes:
+    """One streamed derender request: the chunk (JSON, from `merge_chunks`), the previous
+    answer's ``stream_state``, and — required on every call — the prompt ids and the chat
+    request, as `derender_tail` encoded them once."""
+    return b"".join(
+        (b'{"stream":true,"generate_chunk":', chunk, b',"stream_state":', orjson.dumps(state), tail)
+    )
+
+
+def read_derender(raw: bytes) -> dict[str, Any]:
+    """A derender answer, decoded (a ``chat.completion``, or ``{chunk, stream_state}``)."""
+    try:
+        value = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise malformed("derender", exc) from exc
+    if not isinstance(value, dict):
+        raise UpstreamProtocolError("malformed_json", "the derender answer is not an object")
+    return value
+
+
+class DerenderCoalescer:
+    """Which streamed generate events go into each derender call, and when, sans-IO.
+
+    Every derender call resends the whole prompt and every output id so far, so one call per
+    event costs O(n²) in the output length (16k prompt ids, 1k tokens: 84 MB of requests). The
+    policy: the first event is derendered alone (the client's first byte comes early); then
+    everything that arrived while the previous call was in flight goes in one call, but a call
+    starts no sooner than `min_interval` seconds after the previous one started (when decoding
+    is slower than a derender call, that floor is what keeps the calls few); once the stream
+    ended (`close`), the rest goes at once. The usage event (no choices) always goes in a call of
+    its own, as vLLM streams it apart from the last token.
+
+    `add` an event as it arrives; `take(now)` gives the chunk to derender now, or None (a call in
+    flight, nothing waiting, or too soon: `due` says when); `finished` says the call came back.
+    """
+
+    def __init__(self, min_interval: float = 0.05) -> None:
+        self.min_interval = min_interval
+        self._waiting: list[GenerateEvent] = []
+        self._last_start: float | None = None
+        self.in_flight = False
+        self.closed = False
+        self.calls = 0
+
+    def add(self, event: GenerateEvent) -> None:
+        self._waiting.append(event)
+
+    def close(self) -> None:
+        """The generate stream ended: what waits goes without delay."""
+        self.closed = True
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._waiting)
+
+    def due(self) -> float | None:
+        """When the next call may start (clock of `take`), None when it may start now."""
+        if self.closed or self._last_start is None:
+            return None
+        return self._last_start + self.min_interval
+
+    def take(self, now: float) -> bytes | None:
+        waiting = self._waiting
+        if self.in_flight or not waiting:
+            return None
+        due = self.due()
+        if due is not None and now < due:
+            return None
+        k = next((i for i, e in enumerate(waiting) if not e.has_choices), len(waiting))
+        k = k or 1
+        chunk = merge_chunks(waiting[:k])
+        self._waiting = waiting[k:]
+        self.in_flight = True
+        self._last_start = now
+        self.calls += 1
+        return chunk
+
+    def finished(self) -> None:
+        self.in_flight = False
+
+
+def to_completion(
+    generated: Generated,
+    prompt_ids: array[int],
+    derendered: Mapping[str, Any],
+    *,
+    model: str = "",
+) -> Completion:
+    """The staged `Completion` of a token-in call: the ids and logprobs from generate, the
+    message (content, reasoning, tool calls) from derender's answer."""
+    choices = derendered.get("choices") or [{}]
+    message = choices[0].get("message") or {}
+    reasoning = message.get("reasoning") or message.get("reasoning_content")
+    calls = [
+        {
+            "id": c.get("id"),
+            "type": c.get("type") or "function",
+            "function": {
+                "name": (c.get("function") or {}).get("name"),
+                "arguments": (c.get("function") or {}).get("arguments") or "",
+            },
+        }
+        for c in message.get("tool_calls") or ()
+    ]
+    n = len(generated.completion_ids)
+    usage = generated.usage or {
+        "prompt_tokens": len(prompt_ids),
+        "completion_tokens": n,
+        "total_tokens": len(prompt_ids) + n,
+    }
+    return Completion(
+        response_id=generated.request_id,
+        model=generated.model or model,
+        prompt_token_ids=prompt_ids,
+        completion_token_ids=generated.completion_ids,
+        completion_logprobs=generated.logprobs,
+        finish_reason=generated.finish_reason or "",
+        stop_reason=generated.stop_reason,
+        message=build_message(message.get("content"), reasoning, calls),
+        usage=usage,
+        extras=make_extras(
+            generated.request_id, None, generated.stop_reason, generated.routed_experts, None
+        ),
+    )
