@@ -175,6 +175,14 @@ class ParquetSource(Loading):
         # Concurrent on object storage; one removed by a compaction's cleanup after it was
         # listed is left out.
         markers = read_markers(self.dfs, fresh, self._object_url)
+        idx = self._index
+        if listed and isinstance(idx, UnitIndex) and idx.heads is not None:
+            # The event heads and rollout ids a writer's open takes (`event_heads`, `known`)
+            # are collected by the first load only: a reader nobody takes them from (the
+            # proxy's shared one) would otherwise keep one per rollout ever indexed. Taken
+            # later, they are read from the files.
+            idx.heads = idx.headed = idx.called = None
+            self._collect_heads = False
         # What the new markers retire (a compaction's or gc's merged unit), and units whose
         # markers are gone (deleted by a cleanup once retired, by a marker read before or not).
         retired = {u for m in markers.values() for u in m.retires}
@@ -218,7 +226,9 @@ class ParquetSource(Loading):
     def _new_index(self) -> Index | UnitIndex:
         if not self._per_unit:
             return Index()
-        return UnitIndex(heads={} if self._collect_heads else None)
+        if not self._collect_heads:
+            return UnitIndex()
+        return UnitIndex(heads={}, headed={}, called={})
 
     def _add_unit(self, unit: Marker) -> None:
         if isinstance(self._index, UnitIndex):
@@ -260,9 +270,16 @@ class ParquetSource(Loading):
 
     def _known(self) -> Known:
         files = self._attachment_files()
+        idx = self._index
+        if isinstance(idx, UnitIndex) and idx.headed is not None and idx.called is not None:
+            # Collected while the units were indexed (a writer's open): kept no longer.
+            rollouts = set(idx.headed) | set(idx.called)
+            idx.headed = idx.called = None
+        else:
+            rollouts = set(self._headed_rollouts()) | set(self._rollouts_with_calls())
         return Known(
             attachments={sha: _order_of(path) for sha, path in files.items()},
-            rollouts=set(self._headed_rollouts()) | set(self._rollouts_with_calls()),
+            rollouts=rollouts,
             last_order=max((_order_of(n) for n in self._listing), default=0),
         )
 
