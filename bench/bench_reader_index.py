@@ -62,8 +62,7 @@ def _measure(ds: Path, mode: str, top: int) -> dict[str, Any]:
         "index_bytes": total,
         "bytes_per_call": round(total / max(calls, 1), 1),
         "top": [
-            {"where": s.traceback.format()[-1].strip(), "bytes": s.size_diff}
-            for s in stats[:top]
+            {"where": s.traceback.format()[-1].strip(), "bytes": s.size_diff} for s in stats[:top]
         ],
     }
 

@@ -28,8 +28,10 @@ def main() -> None:
     print(f"{calls} calls; traced growth {total / 1e6:.2f} MB, {total / max(calls, 1):.0f} B/call")
     for s in stats[: args.top]:
         where = s.traceback.format()[-1].strip() if args.key != "traceback" else str(s.traceback)
-        print(f"{s.size_diff / 1e3:10.1f} kB {s.size_diff / max(calls, 1):7.1f} B/call "
-              f"{s.count_diff:+8d}  {where}")
+        print(
+            f"{s.size_diff / 1e3:10.1f} kB {s.size_diff / max(calls, 1):7.1f} B/call "
+            f"{s.count_diff:+8d}  {where}"
+        )
         if args.key == "traceback":
             for line in s.traceback.format()[:-1]:
                 print("            ", line)

@@ -253,7 +253,8 @@ class Packed:
 
     def find(self, key: str) -> list[int]:
         """The values added under `key`'s hash, in the order they were added."""
-        h, hashes, out = key_hash(key), self._hashes, []
+        h, hashes = key_hash(key), self._hashes
+        out: list[int] = []
         pos = hashes.find(h)
         while pos >= 0:
             if pos % 8 == 0:
