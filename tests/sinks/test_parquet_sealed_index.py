@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
+
 from capture_proxy.schemas.events import EventDraft, EventKind
 from capture_proxy.schemas.records import RolloutInfo, RolloutState
 from capture_proxy.sinks.parquet import ParquetSink, ParquetSource
@@ -84,6 +86,7 @@ async def test_a_sealed_rollout_resumes_exact_in_a_writer_that_reopens(tmp_path:
     try:
         idx = _index(sink._reader)
         assert set(idx.rollout_units) == {"o0"}
+        assert idx.calls is None  # no key per call: a parent is found through its rollout
         sealed = ParquetSource(ds).rollout_info("s0")
         assert sink._keys("s0").calls == {r.call_id for r in ParquetSource(ds).calls("s0")}
         await sink.put_rollout(replace(sealed, metadata={"late": True}))
@@ -107,3 +110,19 @@ async def test_a_shared_reader_keeps_no_event_heads_after_its_first_load(tmp_pat
     assert (idx.heads, idx.headed, idx.called) == (None, None, None)
     # Asked later, they are read from the ledger files.
     assert reader.event_heads() == ParquetSource(ds).event_heads()
+
+
+async def test_a_reader_without_call_keys_rebuilds_a_call_through_its_rollout(
+    tmp_path: Path,
+) -> None:
+    ds = str(tmp_path / "ds")
+    await _write(ds, ["s0"], ["o0"], calls=3)
+    full = ParquetSource(ds)
+    keyless = ParquetSource(ds, index="units", call_keys=False)
+    for rollout in ("s0", "o0"):
+        last = full.calls(rollout)[-1].call_id
+        assert keyless.full(last, rollout) == full.full(last)
+    # Without its rollout, a call it has not read is not found by key.
+    keyless.close_reader()
+    with pytest.raises(KeyError):
+        keyless.full(full.calls("o0")[0].call_id)

@@ -273,7 +273,9 @@ class UnitIndex:
     #: rollout id -> the calls row groups holding its calls, ascending, each packed as one int
     #: (`unit << 32 | group`, unit a position in `units`): a few ints per rollout
     rollout_units: dict[str, array[int]] = field(default_factory=dict)
-    calls: Locator = field(default_factory=Locator)
+    #: None in a reader that finds calls by their rollout only (a writer's: `ParquetSource`'s
+    #: `call_keys`), which saves 16 bytes per call of the store.
+    calls: Locator | None = field(default_factory=Locator)
     blobs: Locator = field(default_factory=Locator)
     #: Where attachments are, as for blobs (the first copy of a sha256 is the one read); a
     #: writer that must know them all reads their keys at open (`ParquetSource.known`).
@@ -327,8 +329,9 @@ class UnitIndex:
         if CALLS in files:
             for g, t in enumerate(read_groups(dfs, files[CALLS], ["call_id", "rollout_id"])):
                 cols = t.to_pydict()
-                for cid in cols["call_id"]:
-                    self.calls.add(cid, pos, g)
+                if self.calls is not None:
+                    for cid in cols["call_id"]:
+                        self.calls.add(cid, pos, g)
                 if self.called is not None:
                     self.called.update(dict.fromkeys(cols["rollout_id"]))
                 for rid in dict.fromkeys(cols["rollout_id"]):

@@ -152,7 +152,8 @@ class Loading:
         if isinstance(idx, Index):
             return idx.calls.get(key)
         ref = self._refs.get(key)
-        if ref is not None:
+        if ref is not None or idx.calls is None:
+            # Without call keys a call is found through its rollout (`ParquetSource.full`).
             return ref
         for u, g in idx.calls.find(key):
             path = idx.units[u][CALLS]
@@ -299,7 +300,7 @@ class Loading:
             base = self._fulls.get(cid)
             if base is not None:
                 break
-            if len(chain) > len(self._index.calls):
+            if len(chain) > self._calls_bound():
                 raise ValueError(f"{key}: its parent chain loops (a damaged dataset)")
             ref = self._ref(cid)
             if ref is None:
@@ -323,6 +324,12 @@ class Loading:
         if base is None:
             raise KeyError(key)
         return base
+
+    def _calls_bound(self) -> int:
+        """More than a parent chain can hold (a longer one loops)."""
+        calls = self._index.calls
+        # Without call keys, a chain is one rollout's, whose calls are all among the refs.
+        return len(self._refs) if calls is None else len(calls)
 
     def _summary_of(self, where: Where) -> dict[str, list[Any]]:
         """`SUMMARY_COLUMNS` of a row group: from a group cached whole, else a projected read."""

@@ -46,6 +46,7 @@ from ._index import (
     SMALL_UNIT_BYTES,
     Index,
     Known,
+    Locator,
     UnitIndex,
 )
 from ._layout import (
@@ -89,6 +90,9 @@ class ParquetSource(Loading):
     `location` is a path in (object storage with credentials, say). `cache_bytes` bounds the
     decoded row groups kept (weighed by what they cost in memory, not just their buffers),
     `cache_tokens` the rebuilt full sequences (a child is its parent's prefix plus a delta).
+    With ``index="units"``, ``call_keys=False`` keeps no key of each call (16 bytes a call):
+    `fetch`, `coords` and `full` then find a call only through its rollout (`calls`,
+    `summaries`, or `full`'s `rollout_id`), as a writer's own reader does.
     """
 
     def __init__(
@@ -101,6 +105,7 @@ class ParquetSource(Loading):
         filesystem: pafs.FileSystem | None = None,
         dfs: DatasetFS | None = None,
         index: Literal["calls", "units"] = "calls",
+        call_keys: bool = True,
     ) -> None:
         self.url = url or default_url(location)
         self.dfs = dfs or DatasetFS(location, filesystem)
@@ -118,6 +123,7 @@ class ParquetSource(Loading):
         #: Open `snapshot` blocks (reads inside one do not re-list).
         self._held = 0
         self._per_unit = index == "units"
+        self._call_keys = call_keys or not self._per_unit
         #: A units index keeps the event heads until `event_heads` takes them.
         self._collect_heads = self._per_unit
         self._index: Index | UnitIndex = self._new_index()
@@ -227,8 +233,10 @@ class ParquetSource(Loading):
         if not self._per_unit:
             return Index()
         if not self._collect_heads:
-            return UnitIndex()
-        return UnitIndex(heads={}, headed={}, called={})
+            return UnitIndex(calls=Locator() if self._call_keys else None)
+        return UnitIndex(
+            calls=Locator() if self._call_keys else None, heads={}, headed={}, called={}
+        )
 
     def _add_unit(self, unit: Marker) -> None:
         if isinstance(self._index, UnitIndex):
@@ -298,9 +306,16 @@ class ParquetSource(Loading):
 
         return self._read(run)
 
-    def full(self, key: str) -> array[int]:
-        """A staged call's prompt + completion (shared with a cache: do not modify it)."""
-        return self._read(lambda: self._full(key))
+    def full(self, key: str, rollout_id: str | None = None) -> array[int]:
+        """A staged call's prompt + completion (shared with a cache: do not modify it).
+        A reader without `call_keys` finds the call through `rollout_id`, its rollout."""
+
+        def run() -> array[int]:
+            if rollout_id is not None and not self._call_keys and self._refs.get(key) is None:
+                self._rollout_refs(rollout_id)  # its calls' refs, the parent chain among them
+            return self._full(key)
+
+        return self._read(run)
 
     # -- StagingSource --------------------------------------------------------------------------
 
