@@ -9,12 +9,12 @@ proxy's two long-lived readers use it (`ParquetSource(..., index="units")`), eac
 
 * ``shared``: the proxy's shared reader (resume, manifests): indexes all but the newest unit,
   then the newest one in a second refresh (its steady state: units arrive a few at a time).
-* ``writer``: the sink's own reader: one refresh, then `known` and `event_heads` (a writer's
-  open), then the newest unit as above.
+* ``writer``: the sink's own reader (no key per call, ``call_keys=False``): one refresh, then
+  `known` and `event_heads` (a writer's open), then the newest unit as above.
 
 For each (measured twice, the second run kept) it prints what the reader holds once its LRU
-caches are cleared (the index) by file and line, in bytes and bytes per staged call. One process on a shared machine: compare figures
-within a run, or runs of one dataset.
+caches are cleared (the index) by file and line, in bytes and bytes per staged call. One process
+on a shared machine: compare figures within a run, or runs of one dataset.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import Any
 from capture_proxy.sinks.parquet import ParquetSource
 
 
-def _measure(ds: Path, mode: str, top: int) -> dict[str, Any]:
+def _measure(ds: Path, mode: str, top: int, calls: int) -> dict[str, Any]:
     commits = ds / "_commits"
     newest = sorted(commits.glob("*.json"))[-1]
     aside = ds / newest.name
@@ -40,7 +40,13 @@ def _measure(ds: Path, mode: str, top: int) -> dict[str, Any]:
     tracemalloc.start()
     before = tracemalloc.take_snapshot()
     newest.rename(aside)
-    source = ParquetSource(str(ds), index="units")
+    if mode == "writer":
+        try:
+            source = ParquetSource(str(ds), index="units", call_keys=False)  # as the sink's
+        except TypeError:  # a release before `call_keys`: its sink's reader kept them
+            source = ParquetSource(str(ds), index="units")
+    else:
+        source = ParquetSource(str(ds), index="units")
     source.refresh()
     if mode == "writer":
         source.known()
@@ -51,7 +57,6 @@ def _measure(ds: Path, mode: str, top: int) -> dict[str, Any]:
     gc.collect()
     after = tracemalloc.take_snapshot()
     tracemalloc.stop()
-    calls = sum(1 for _ in source.all_keys())
     stats = after.compare_to(before, "lineno")
     total = sum(s.size_diff for s in stats)
     return {
@@ -76,6 +81,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="bench-reader-index-") as tmp:
         ds = Path(tmp) / "ds"
         shutil.copytree(args.dataset, ds)
+        calls = sum(1 for _ in ParquetSource(str(ds)).all_keys())
         warm = ParquetSource(str(ds), index="units")  # imports and Arrow's first allocations
         warm.known()
         warm.event_heads()
@@ -85,7 +91,7 @@ def main() -> int:
         del warm
         # Twice each, the second kept: a first run also grows tables that never shrink
         # (the interpreter's table of interned strings), which the proxy pays once.
-        reports = [_measure(ds, mode, args.top) for mode in ("shared", "writer") * 2][2:]
+        reports = [_measure(ds, m, args.top, calls) for m in ("shared", "writer") * 2][2:]
     for r in reports:
         if args.json:
             print(json.dumps(r))

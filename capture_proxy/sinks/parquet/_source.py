@@ -13,9 +13,10 @@ calls are serialized by a lock, because two refreshes running at once would inde
 twice (and then re-index the whole dataset to repair it).
 
 ``index="units"`` is for readers that live as long as a proxy and read a few rollouts at a time
-(resume, manifests, the writer's own lookups): its memory follows the store's units and
-rollouts, not every call, blob and event (`_index.UnitIndex`), and a rollout's calls and ledger
-(header, failures, event log) are read from its units when asked for. The default
+(resume, manifests, the writer's own lookups): its memory follows the store's units, not every
+call, blob and event (`_index.UnitIndex`); it keeps live rollouts by id and a sealed one's places
+packed under a hash of its id, and a rollout's calls and ledger (header, failures, event log) are
+read from its units when asked for. The default
 (``"calls"``) indexes every call and holds the whole ledger, for bulk reads.
 """
 
