@@ -8,7 +8,9 @@ JSON line to ``$SOAK_PROBE_OUT/probe.jsonl``: seconds since start, RSS and anony
 (``/proc/self/smaps_rollup``), glibc's ``mallinfo2`` (heap in use, free in the heap, mmapped),
 Python's allocated blocks, and the calls the store holds (its claim files). With
 ``SOAK_PROBE_TRACE=1`` it also runs ``tracemalloc`` and writes a snapshot at each of the seconds
-listed in ``SOAK_PROBE_SNAPS`` (default ``120,230``), for `bench/soak_probe/diff.py`.
+listed in ``SOAK_PROBE_SNAPS`` (default ``120,230``), for `bench/soak_probe/diff.py`. With
+``SOAK_PROBE_NO_THP=1`` every process with the folder on its path runs without transparent huge
+pages.
 """
 
 from __future__ import annotations
@@ -96,6 +98,10 @@ def _run(out: Path, t0: float) -> None:
 
 
 if os.environ.get("SOAK_PROBE_OUT"):
+    if os.environ.get("SOAK_PROBE_NO_THP") == "1":
+        # prctl(PR_SET_THP_DISABLE, 1): no transparent huge pages for this process (inherited
+        # by its children), to tell their share of RSS from the process's own growth.
+        ctypes.CDLL("libc.so.6").prctl(41, 1, 0, 0, 0)
     if os.environ.get("SOAK_PROBE_TRACE") == "1":
         tracemalloc.start(int(os.environ.get("SOAK_PROBE_FRAMES", "1")))
     threading.Thread(
