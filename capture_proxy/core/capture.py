@@ -64,8 +64,11 @@ __all__ = ["SAMPLING_KEYS", "Call", "CallReport", "Capture", "CompletionLike", "
 log = logging.getLogger("capture_proxy.capture")
 
 #: Ids of sealed rollouts remembered (not their state) so late calls get their 409 without a
-#: store lookup; about 200 bytes each (with the key hash of a keyed rollout).
-_SEALED_IDS_KEPT = 100_000
+#: store lookup; about 200 bytes each (with the key hash of a keyed rollout). The most recently
+#: sealed: a late call comes soon after its rollout's seal (a forgotten one is read from the
+#: store, which finds a sealed rollout without holding it by id). 100,000 took 20 MB, filling
+#: for over an hour at full rate (docs/reports/reliability.md, section 6).
+_SEALED_IDS_KEPT = 4_096
 
 
 class Capture:

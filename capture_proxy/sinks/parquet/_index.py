@@ -10,7 +10,10 @@ read its token data):
   ledger rows of, and per call and blob only an 8-byte hash and the (unit, row group) it is in:
   16 bytes. A call's values are read from its row group when asked for, and a rollout's ledger
   (its header, failures and event log: two events or more per call) from its units' ledger
-  files. Its memory follows the units and rollouts of the store, not what they hold.
+  files. Its memory follows the units and rollouts of the store, not what they hold. Only live
+  rollouts are kept by id: once a rollout's ``seal`` event is indexed, where its rows are moves
+  to a packed form filed under an 8-byte hash of its id (`Packed`: 12 bytes per rollout and 8
+  per place, against about 0.4 KB per rollout of dicts and arrays), read when it is asked for.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ __all__ = [
     "Index",
     "Known",
     "Locator",
+    "Packed",
     "UnitIndex",
     "Where",
     "call_ref",
@@ -53,7 +57,7 @@ Keep = Callable[[tuple[str, int], pa.Table], None]
 _LITTLE = sys.byteorder == "little"
 
 #: The columns of a ledger file a `UnitIndex` reads.
-LEDGER_INDEX_COLUMNS = ("kind", "rollout_id", "call_id", "reason")
+LEDGER_INDEX_COLUMNS = ("kind", "rollout_id", "call_id", "reason", "event_kind")
 #: The same and what an event head is (`UnitIndex.heads`).
 _LEDGER_HEAD_COLUMNS = (*LEDGER_INDEX_COLUMNS, "position", "hash")
 #: The columns of a calls file the index reads (the rest is loaded on demand).
@@ -225,6 +229,41 @@ class Locator:
             pos = hashes.rfind(h, 0, pos + 7) if newest_first else hashes.find(h, pos + 1, n)
 
 
+class Packed:
+    """Packed ints per key, filed under an 8-byte hash of the key: 12 bytes per `add` and 8 per
+    value, no Python object per key. For what a reader rarely asks for (the places of sealed
+    rollouts' rows). A hash may collide: `find` returns the values of every key filed under the
+    same hash, and the caller checks the rows it reads.
+    """
+
+    __slots__ = ("_ends", "_hashes", "_values")
+
+    def __init__(self) -> None:
+        self._hashes = bytearray()
+        self._ends = array("I")  # where each add's values end in `_values`
+        self._values = array("Q")
+
+    def __len__(self) -> int:
+        return len(self._ends)
+
+    def add(self, key: str, values: array[int]) -> None:
+        self._hashes += key_hash(key)
+        self._values.extend(values)
+        self._ends.append(len(self._values))
+
+    def find(self, key: str) -> list[int]:
+        """The values added under `key`'s hash, in the order they were added."""
+        h, hashes = key_hash(key), self._hashes
+        out: list[int] = []
+        pos = hashes.find(h)
+        while pos >= 0:
+            if pos % 8 == 0:
+                i = pos // 8
+                out.extend(self._values[self._ends[i - 1] if i else 0 : self._ends[i]])
+            pos = hashes.find(h, pos + 1)
+        return out
+
+
 @dataclass(slots=True)
 class UnitIndex:
     """The live units of a snapshot, indexed per unit (see the module docstring)."""
@@ -234,7 +273,9 @@ class UnitIndex:
     #: rollout id -> the calls row groups holding its calls, ascending, each packed as one int
     #: (`unit << 32 | group`, unit a position in `units`): a few ints per rollout
     rollout_units: dict[str, array[int]] = field(default_factory=dict)
-    calls: Locator = field(default_factory=Locator)
+    #: None in a reader that finds calls by their rollout only (a writer's: `ParquetSource`'s
+    #: `call_keys`), which saves 16 bytes per call of the store.
+    calls: Locator | None = field(default_factory=Locator)
     blobs: Locator = field(default_factory=Locator)
     #: Where attachments are, as for blobs (the first copy of a sha256 is the one read); a
     #: writer that must know them all reads their keys at open (`ParquetSource.known`).
@@ -245,10 +286,42 @@ class UnitIndex:
     rollout_ledger: dict[str, array[int]] = field(default_factory=dict)
     #: Orphan marks (rare, and `orphaned` lists them all): call id -> (rollout id, reason).
     orphans: dict[str, tuple[str | None, str]] = field(default_factory=dict)
+    #: Sealed rollouts' entries of `rollout_units` and `rollout_ledger`, moved out of them once
+    #: the unit holding a rollout's ``seal`` event is indexed (a sealed rollout takes no more
+    #: calls; a late ledger row of it goes into the dicts again). Read with `units_of` and
+    #: `ledger_units_of`, which add both.
+    sealed_units: Packed = field(default_factory=Packed)
+    sealed_ledger: Packed = field(default_factory=Packed)
     #: When not None, each rollout's last event as (position, hash), kept up to date as units
     #: are indexed: a writer opening the store needs them once, and reading them here spares
     #: it a second read of every ledger file (`ParquetSource.event_heads`).
     heads: dict[str, tuple[int, str]] | None = None
+    #: When not None (with `heads`), every rollout id met while indexing: headed ones first
+    #: then those with calls only, each in order of first appearance (`ParquetSource.known`).
+    headed: dict[str, None] | None = None
+    called: dict[str, None] | None = None
+
+    def units_of(self, rollout_id: str) -> list[int]:
+        """The packed calls row groups holding `rollout_id`'s calls (`rollout_units`)."""
+        return [*self.sealed_units.find(rollout_id), *self.rollout_units.get(rollout_id, ())]
+
+    def ledger_units_of(self, rollout_id: str) -> list[int]:
+        """The packed units with ledger rows of `rollout_id` (`rollout_ledger`)."""
+        return [*self.sealed_ledger.find(rollout_id), *self.rollout_ledger.get(rollout_id, ())]
+
+    @property
+    def ids_complete(self) -> bool:
+        """Whether the dicts name every rollout (none was moved to the packed form)."""
+        return not len(self.sealed_units) and not len(self.sealed_ledger)
+
+    def _seal(self, sealed: set[str]) -> None:
+        for rid in sealed:
+            held = self.rollout_units.pop(rid, None)
+            if held is not None:
+                self.sealed_units.add(rid, held)
+            held = self.rollout_ledger.pop(rid, None)
+            if held is not None:
+                self.sealed_ledger.add(rid, held)
 
     def add_unit(self, dfs: DatasetFS, unit: Marker) -> None:
         pos = len(self.units)
@@ -256,8 +329,11 @@ class UnitIndex:
         if CALLS in files:
             for g, t in enumerate(read_groups(dfs, files[CALLS], ["call_id", "rollout_id"])):
                 cols = t.to_pydict()
-                for cid in cols["call_id"]:
-                    self.calls.add(cid, pos, g)
+                if self.calls is not None:
+                    for cid in cols["call_id"]:
+                        self.calls.add(cid, pos, g)
+                if self.called is not None:
+                    self.called.update(dict.fromkeys(cols["rollout_id"]))
                 for rid in dict.fromkeys(cols["rollout_id"]):
                     held = self.rollout_units.get(rid)
                     if held is None:
@@ -271,19 +347,24 @@ class UnitIndex:
             for g, t in enumerate(read_groups(dfs, files[ATTACHMENTS], ["sha256"])):
                 for sha in t.column("sha256").to_pylist():
                     self.attachments.add(sha, pos, g)
+        sealed: set[str] = set()
         if LEDGER in files:
             columns = LEDGER_INDEX_COLUMNS if self.heads is None else _LEDGER_HEAD_COLUMNS
             cols = read_table(dfs, files[LEDGER], columns).to_pydict()
             if self.heads is not None:
                 self._track_heads(cols)
             rows = zip(*(cols[c] for c in LEDGER_INDEX_COLUMNS), strict=True)
-            for kind, rid, cid, reason in rows:
+            for kind, rid, cid, reason, event_kind in rows:
                 if kind == "orphan":
                     self.orphans[cid] = (rid, reason)
                     continue
                 if rid is None:
                     continue
+                if event_kind == "seal" and kind == "event":
+                    sealed.add(rid)
                 flag = int(kind == "rollout")
+                if flag and self.headed is not None:
+                    self.headed[rid] = None
                 held = self.rollout_ledger.get(rid)
                 if held is None:
                     held = self.rollout_ledger[sys.intern(rid)] = array("Q")
@@ -291,6 +372,7 @@ class UnitIndex:
                     held[-1] |= flag
                 else:
                     held.append(pos << 1 | flag)
+        self._seal(sealed)
         self.units.append(files)
 
     def _track_heads(self, cols: dict[str, list[Any]]) -> None:

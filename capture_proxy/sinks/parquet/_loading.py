@@ -118,7 +118,17 @@ class Loading:
 
     def _rollouts_with_calls(self) -> Iterable[str]:
         idx = self._index
-        return idx.rollout_units if isinstance(idx, UnitIndex) else idx.by_rollout
+        if isinstance(idx, Index):
+            return idx.by_rollout
+        if idx.ids_complete:
+            return idx.rollout_units
+        # Sealed rollouts are not kept by id: read the ids (as `all_keys` reads call ids).
+        return dict.fromkeys(
+            r
+            for path in self._calls_files()
+            for t in read_groups(self.dfs, path, ["rollout_id"])
+            for r in t.column("rollout_id").to_pylist()
+        )
 
     def _index_group(self, path: str, group: int) -> dict[str, list[Any]]:
         """`INDEX_COLUMNS` of a calls row group, as lists (cached)."""
@@ -142,7 +152,8 @@ class Loading:
         if isinstance(idx, Index):
             return idx.calls.get(key)
         ref = self._refs.get(key)
-        if ref is not None:
+        if ref is not None or idx.calls is None:
+            # Without call keys a call is found through its rollout (`ParquetSource.full`).
             return ref
         for u, g in idx.calls.find(key):
             path = idx.units[u][CALLS]
@@ -161,7 +172,7 @@ class Loading:
             return [(k, idx.calls[k]) for k in idx.by_rollout.get(rollout_id, ())]
         out: list[tuple[str, CallRef]] = []
         seen: set[str] = set()
-        for packed in idx.rollout_units.get(rollout_id, ()):
+        for packed in idx.units_of(rollout_id):
             path, g = idx.units[packed >> 32][CALLS], packed & 0xFFFFFFFF
             cols = self._index_group(path, g)
             for i, rid in enumerate(cols["rollout_id"]):
@@ -180,7 +191,7 @@ class Loading:
             return idx.ledger
         state = LedgerState()
         state.orphans = idx.orphans
-        for packed in idx.rollout_ledger.get(rollout_id, ()):
+        for packed in idx.ledger_units_of(rollout_id):
             rows = self._ledger_rows(idx.units[packed >> 1][LEDGER])
             state.apply(r for r in rows if r["rollout_id"] == rollout_id and r["kind"] != "orphan")
         return state
@@ -201,7 +212,17 @@ class Loading:
         idx = self._index
         if isinstance(idx, Index):
             return list(idx.ledger.rollouts)
-        return [r for r, held in idx.rollout_ledger.items() if any(p & 1 for p in held)]
+        if idx.ids_complete:
+            return [r for r, held in idx.rollout_ledger.items() if any(p & 1 for p in held)]
+        # Sealed rollouts are not kept by id: read the ids of the header rows.
+        headed: dict[str, None] = {}
+        for files in idx.units:
+            if LEDGER in files:
+                cols = read_table(self.dfs, files[LEDGER], ["kind", "rollout_id"]).to_pydict()
+                for kind, rid in zip(cols["kind"], cols["rollout_id"], strict=True):
+                    if kind == "rollout":
+                        headed[rid] = None
+        return list(headed)
 
     def _calls_files(self) -> list[str]:
         return [u[CALLS] for u in self._index.units if CALLS in u]
@@ -279,7 +300,7 @@ class Loading:
             base = self._fulls.get(cid)
             if base is not None:
                 break
-            if len(chain) > len(self._index.calls):
+            if len(chain) > self._calls_bound():
                 raise ValueError(f"{key}: its parent chain loops (a damaged dataset)")
             ref = self._ref(cid)
             if ref is None:
@@ -303,6 +324,12 @@ class Loading:
         if base is None:
             raise KeyError(key)
         return base
+
+    def _calls_bound(self) -> int:
+        """More than a parent chain can hold (a longer one loops)."""
+        calls = self._index.calls
+        # Without call keys, a chain is one rollout's, whose calls are all among the refs.
+        return len(self._refs) if calls is None else len(calls)
 
     def _summary_of(self, where: Where) -> dict[str, list[Any]]:
         """`SUMMARY_COLUMNS` of a row group: from a group cached whole, else a projected read."""

@@ -192,8 +192,11 @@ class ParquetSink:
             ) from exc
         try:
             # Rebuilds parents' sequences on a cache miss and the keys of a rollout that comes
-            # back; only the writer thread uses it. Indexed per unit: it lives as long as this.
-            self._reader = ParquetSource(location, url=self.url, dfs=dfs, index="units")
+            # back; only the writer thread uses it. Indexed per unit, with no key per call (a
+            # parent is found through its rollout): it lives as long as this.
+            self._reader = ParquetSource(
+                location, url=self.url, dfs=dfs, index="units", call_keys=False
+            )
             known = self._reader.known()
             self._events = EventHeads(self._reader.event_heads(), self._stored_head)
         except BaseException:
@@ -479,7 +482,8 @@ class ParquetSink:
             if parent not in self._keys(record.rollout_id).calls:
                 return None  # not staged here, or another rollout's: store the call whole
             try:
-                hit = self._fulls.put(parent, (record.rollout_id, self._reader.full(parent)))
+                full = self._reader.full(parent, record.rollout_id)
+                hit = self._fulls.put(parent, (record.rollout_id, full))
             except (KeyError, ValueError, OSError) as e:
                 # Storing this call whole keeps it exact; `verify` reports the damaged ancestor.
                 log.warning("%s: storing whole, parent unreadable: %s", record.call_id, e)

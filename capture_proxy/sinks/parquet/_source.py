@@ -13,9 +13,10 @@ calls are serialized by a lock, because two refreshes running at once would inde
 twice (and then re-index the whole dataset to repair it).
 
 ``index="units"`` is for readers that live as long as a proxy and read a few rollouts at a time
-(resume, manifests, the writer's own lookups): its memory follows the store's units and
-rollouts, not every call, blob and event (`_index.UnitIndex`), and a rollout's calls and ledger
-(header, failures, event log) are read from its units when asked for. The default
+(resume, manifests, the writer's own lookups): its memory follows the store's units, not every
+call, blob and event (`_index.UnitIndex`); it keeps live rollouts by id and a sealed one's places
+packed under a hash of its id, and a rollout's calls and ledger (header, failures, event log) are
+read from its units when asked for. The default
 (``"calls"``) indexes every call and holds the whole ledger, for bulk reads.
 """
 
@@ -46,6 +47,7 @@ from ._index import (
     SMALL_UNIT_BYTES,
     Index,
     Known,
+    Locator,
     UnitIndex,
 )
 from ._layout import (
@@ -89,6 +91,9 @@ class ParquetSource(Loading):
     `location` is a path in (object storage with credentials, say). `cache_bytes` bounds the
     decoded row groups kept (weighed by what they cost in memory, not just their buffers),
     `cache_tokens` the rebuilt full sequences (a child is its parent's prefix plus a delta).
+    With ``index="units"``, ``call_keys=False`` keeps no key of each call (16 bytes a call):
+    `fetch`, `coords` and `full` then find a call only through its rollout (`calls`,
+    `summaries`, or `full`'s `rollout_id`), as a writer's own reader does.
     """
 
     def __init__(
@@ -101,6 +106,7 @@ class ParquetSource(Loading):
         filesystem: pafs.FileSystem | None = None,
         dfs: DatasetFS | None = None,
         index: Literal["calls", "units"] = "calls",
+        call_keys: bool = True,
     ) -> None:
         self.url = url or default_url(location)
         self.dfs = dfs or DatasetFS(location, filesystem)
@@ -118,6 +124,7 @@ class ParquetSource(Loading):
         #: Open `snapshot` blocks (reads inside one do not re-list).
         self._held = 0
         self._per_unit = index == "units"
+        self._call_keys = call_keys or not self._per_unit
         #: A units index keeps the event heads until `event_heads` takes them.
         self._collect_heads = self._per_unit
         self._index: Index | UnitIndex = self._new_index()
@@ -175,6 +182,14 @@ class ParquetSource(Loading):
         # Concurrent on object storage; one removed by a compaction's cleanup after it was
         # listed is left out.
         markers = read_markers(self.dfs, fresh, self._object_url)
+        idx = self._index
+        if listed and isinstance(idx, UnitIndex) and idx.heads is not None:
+            # The event heads and rollout ids a writer's open takes (`event_heads`, `known`)
+            # are collected by the first load only: a reader nobody takes them from (the
+            # proxy's shared one) would otherwise keep one per rollout ever indexed. Taken
+            # later, they are read from the files.
+            idx.heads = idx.headed = idx.called = None
+            self._collect_heads = False
         # What the new markers retire (a compaction's or gc's merged unit), and units whose
         # markers are gone (deleted by a cleanup once retired, by a marker read before or not).
         retired = {u for m in markers.values() for u in m.retires}
@@ -218,7 +233,11 @@ class ParquetSource(Loading):
     def _new_index(self) -> Index | UnitIndex:
         if not self._per_unit:
             return Index()
-        return UnitIndex(heads={} if self._collect_heads else None)
+        if not self._collect_heads:
+            return UnitIndex(calls=Locator() if self._call_keys else None)
+        return UnitIndex(
+            calls=Locator() if self._call_keys else None, heads={}, headed={}, called={}
+        )
 
     def _add_unit(self, unit: Marker) -> None:
         if isinstance(self._index, UnitIndex):
@@ -260,9 +279,16 @@ class ParquetSource(Loading):
 
     def _known(self) -> Known:
         files = self._attachment_files()
+        idx = self._index
+        if isinstance(idx, UnitIndex) and idx.headed is not None and idx.called is not None:
+            # Collected while the units were indexed (a writer's open): kept no longer.
+            rollouts = set(idx.headed) | set(idx.called)
+            idx.headed = idx.called = None
+        else:
+            rollouts = set(self._headed_rollouts()) | set(self._rollouts_with_calls())
         return Known(
             attachments={sha: _order_of(path) for sha, path in files.items()},
-            rollouts=set(self._headed_rollouts()) | set(self._rollouts_with_calls()),
+            rollouts=rollouts,
             last_order=max((_order_of(n) for n in self._listing), default=0),
         )
 
@@ -281,9 +307,16 @@ class ParquetSource(Loading):
 
         return self._read(run)
 
-    def full(self, key: str) -> array[int]:
-        """A staged call's prompt + completion (shared with a cache: do not modify it)."""
-        return self._read(lambda: self._full(key))
+    def full(self, key: str, rollout_id: str | None = None) -> array[int]:
+        """A staged call's prompt + completion (shared with a cache: do not modify it).
+        A reader without `call_keys` finds the call through `rollout_id`, its rollout."""
+
+        def run() -> array[int]:
+            if rollout_id is not None and not self._call_keys and self._refs.get(key) is None:
+                self._rollout_refs(rollout_id)  # its calls' refs, the parent chain among them
+            return self._full(key)
+
+        return self._read(run)
 
     # -- StagingSource --------------------------------------------------------------------------
 

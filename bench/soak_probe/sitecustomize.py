@@ -1,0 +1,112 @@
+"""A memory probe for ``scripts/soak.py``'s proxy; off unless ``SOAK_PROBE_OUT`` is set.
+
+    SOAK_PROBE_OUT=/tmp/probe PYTHONPATH=bench/soak_probe python -m scripts.soak --minutes 4 ...
+
+Python imports this module at start-up in every process that has the folder on its path; it does
+something only in a ``capture-proxy serve`` process (the soak's proxy). Every 10 s it appends a
+JSON line to ``$SOAK_PROBE_OUT/probe.jsonl``: seconds since start, RSS and anonymous memory
+(``/proc/self/smaps_rollup``), glibc's ``mallinfo2`` (heap in use, free in the heap, mmapped),
+Python's allocated blocks, and the calls the store holds (its claim files). With
+``SOAK_PROBE_TRACE=1`` it also runs ``tracemalloc`` and writes a snapshot at each of the seconds
+listed in ``SOAK_PROBE_SNAPS`` (default ``120,230``), for `bench/soak_probe/diff.py`. With
+``SOAK_PROBE_NO_THP=1`` every process with the folder on its path runs without transparent huge
+pages.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import sys
+import threading
+import time
+import tracemalloc
+from pathlib import Path
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
+
+
+def _mallinfo() -> dict[str, int]:
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = _MallInfo2
+    m = libc.mallinfo2()
+    return {"heap_used": m.uordblks, "heap_free": m.fordblks, "mmapped": m.hblkhd}
+
+
+def _proc() -> dict[str, int]:
+    out: dict[str, int] = {}
+    for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+        key, _, rest = line.partition(":")
+        if key in ("Rss", "Anonymous", "AnonHugePages"):
+            out[key.lower()] = int(rest.split()[0]) * 1024
+    return out
+
+
+def _claims(store: str | None) -> int:
+    if not store or not store.startswith("parquet://"):
+        return -1
+    root = Path(store.removeprefix("parquet://")) / "claims"
+    n = 0
+    try:
+        with os.scandir(root) as rollouts:
+            for d in rollouts:
+                n += len(os.listdir(d.path))
+    except OSError:
+        pass
+    return n
+
+
+def _run(out: Path, t0: float) -> None:
+    time.sleep(1.0)
+    if "serve" not in sys.argv:
+        tracemalloc.stop()
+        return
+    store = sys.argv[sys.argv.index("--store") + 1] if "--store" in sys.argv else None
+    snaps = [float(s) for s in os.environ.get("SOAK_PROBE_SNAPS", "120,230").split(",")]
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "probe.jsonl", "a") as log:
+        while True:
+            time.sleep(10.0)
+            t = time.monotonic() - t0
+            row = {"t": round(t, 1), "calls": _claims(store), "blocks": sys.getallocatedblocks()}
+            row |= _proc() | _mallinfo()
+            if tracemalloc.is_tracing():
+                row["traced"] = tracemalloc.get_traced_memory()[0]
+                if snaps and t >= snaps[0]:
+                    snaps.pop(0)
+                    name = out / f"snap-{int(t)}-{row['calls']}.pickle"
+                    tracemalloc.take_snapshot().dump(str(name))
+            log.write(json.dumps(row) + "\n")
+            log.flush()
+
+
+if os.environ.get("SOAK_PROBE_OUT"):
+    if os.environ.get("SOAK_PROBE_NO_THP") == "1":
+        # prctl(PR_SET_THP_DISABLE, 1): no transparent huge pages for this process (inherited
+        # by its children), to tell their share of RSS from the process's own growth.
+        ctypes.CDLL("libc.so.6").prctl(41, 1, 0, 0, 0)
+    if os.environ.get("SOAK_PROBE_TRACE") == "1":
+        tracemalloc.start(int(os.environ.get("SOAK_PROBE_FRAMES", "1")))
+    threading.Thread(
+        target=_run,
+        args=(Path(os.environ["SOAK_PROBE_OUT"]), time.monotonic()),
+        daemon=True,
+        name="soak-probe",
+    ).start()

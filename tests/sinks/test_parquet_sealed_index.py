@@ -1,0 +1,128 @@
+"""A proxy's long-lived Parquet reader (``index="units"``) keeps only live rollouts by id: once
+a rollout's seal event is indexed, where its rows are is packed under a hash of its id, and a
+read of it (resume, manifest, a writer's lookups) is still exact: the same as a reader that
+indexes every call."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from capture_proxy.schemas.events import EventDraft, EventKind
+from capture_proxy.schemas.records import RolloutInfo, RolloutState
+from capture_proxy.sinks.parquet import ParquetSink, ParquetSource
+from capture_proxy.sinks.parquet._index import UnitIndex
+from tests.support.sink_factories import Session
+
+
+async def _write(ds: str, sealed: list[str], open_: list[str], calls: int) -> None:
+    sink = ParquetSink(ds)
+    try:
+        for r, rollout in enumerate([*sealed, *open_]):
+            await sink.put_rollout(RolloutInfo(rollout, RolloutState.OPEN, False, 1_000 + r))
+            session = Session(rollout, seed=r)
+            for _ in range(calls):
+                record, atts = session.next()
+                await sink.stage(record, attachments=atts)
+        for r, rollout in enumerate(sealed):
+            info = RolloutInfo(rollout, RolloutState.OPEN, False, 1_000 + r)
+            await sink.put_rollout(replace(info, state=RolloutState.SEALED, sealed_at_ms=5_000 + r))
+            await sink.append_event(EventDraft(rollout, EventKind.SEAL, 5_000 + r))
+    finally:
+        await sink.close()
+
+
+def _index(source: ParquetSource) -> UnitIndex:
+    idx = source._index
+    assert isinstance(idx, UnitIndex)
+    return idx
+
+
+def _read(source: ParquetSource, rollout: str) -> tuple[object, ...]:
+    return (
+        source.rollout_info(rollout),
+        # Each record whole: its digests seal every field (schemas/digest.py).
+        [(r.call_id, r.seq, r.digest, r.extras_digest) for r in source.calls(rollout)],
+        [(r.call_id, r.digest) for r in source.fetch([r.call_id for r in source.calls(rollout)])],
+        source.coords([r.call_id for r in source.calls(rollout)]),
+        source.summaries(rollout),
+        source.events(rollout),
+        source.failures(rollout),
+    )
+
+
+async def test_sealed_rollouts_leave_the_units_index_and_read_back_exact(
+    tmp_path: Path,
+) -> None:
+    ds = str(tmp_path / "ds")
+    sealed, open_ = [f"s{i}" for i in range(6)], ["o0", "o1"]
+    await _write(ds, sealed, open_, calls=3)
+
+    units = ParquetSource(ds, index="units")
+    units.refresh()
+    idx = _index(units)
+    # Only the open rollouts are kept by id; the sealed ones are packed, one entry each.
+    assert set(idx.rollout_units) == set(open_)
+    assert set(idx.rollout_ledger) == set(open_)
+    assert len(idx.sealed_units) == len(idx.sealed_ledger) == len(sealed)
+
+    full = ParquetSource(ds)  # indexes every call and the whole ledger
+    for rollout in [*sealed, *open_]:
+        assert _read(units, rollout) == _read(full, rollout)
+        assert units.rollout_keys(rollout) == full.rollout_keys(rollout)
+    assert units.rollouts() == full.rollouts()
+    assert units.known().rollouts == set(sealed) | set(open_)
+    assert units.event_heads() == full.event_heads()
+
+
+async def test_a_sealed_rollout_resumes_exact_in_a_writer_that_reopens(tmp_path: Path) -> None:
+    ds = str(tmp_path / "ds")
+    await _write(ds, ["s0", "s1"], ["o0"], calls=2)
+    # A writer opening the store: its reader packs the sealed rollouts, and a late ledger entry
+    # of one (an outcome after the seal) finds its calls and chain head in the store.
+    sink = ParquetSink(ds)
+    try:
+        idx = _index(sink._reader)
+        assert set(idx.rollout_units) == {"o0"}
+        assert idx.calls is None  # no key per call: a parent is found through its rollout
+        sealed = ParquetSource(ds).rollout_info("s0")
+        assert sink._keys("s0").calls == {r.call_id for r in ParquetSource(ds).calls("s0")}
+        await sink.put_rollout(replace(sealed, metadata={"late": True}))
+    finally:
+        await sink.close()
+    after = ParquetSource(ds, index="units")
+    assert after.rollout_info("s0").metadata == {"late": True}
+    assert after.rollout_info("s0").state is RolloutState.SEALED
+    assert [e.kind for e in after.events("s0")] == [e.kind for e in ParquetSource(ds).events("s0")]
+
+
+async def test_a_shared_reader_keeps_no_event_heads_after_its_first_load(tmp_path: Path) -> None:
+    ds = str(tmp_path / "ds")
+    await _write(ds, ["s0"], ["o0"], calls=1)
+    reader = ParquetSource(ds, index="units")  # nobody takes its heads (the proxy's shared one)
+    reader.refresh()
+    assert _index(reader).heads is not None  # a writer's open would take them now
+    await _write(ds, [], ["o1"], calls=1)
+    reader.refresh()
+    idx = _index(reader)
+    assert (idx.heads, idx.headed, idx.called) == (None, None, None)
+    # Asked later, they are read from the ledger files.
+    assert reader.event_heads() == ParquetSource(ds).event_heads()
+
+
+async def test_a_reader_without_call_keys_rebuilds_a_call_through_its_rollout(
+    tmp_path: Path,
+) -> None:
+    ds = str(tmp_path / "ds")
+    await _write(ds, ["s0"], ["o0"], calls=3)
+    full = ParquetSource(ds)
+    keyless = ParquetSource(ds, index="units", call_keys=False)
+    for rollout in ("s0", "o0"):
+        last = full.calls(rollout)[-1].call_id
+        assert keyless.full(last, rollout) == full.full(last)
+    # Without its rollout, a call it has not read is not found by key.
+    keyless.close_reader()
+    with pytest.raises(KeyError):
+        keyless.full(full.calls("o0")[0].call_id)
