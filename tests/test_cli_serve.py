@@ -112,6 +112,8 @@ def test_serve_fake_stages_calls_and_stops_on_sigterm(tmp_path: Path, loop: str)
                 break
         assert match, seen
         assert f"event loop: {loop}" in "".join(seen)
+        # --transparent-huge-pages defaults to off: the kernel reports it for the process.
+        assert "THP_enabled:\t0" in Path(f"/proc/{proc.pid}/status").read_text()
         base = match.group(1)
         headers, body = _post(
             f"{base}/r/demo/v1/chat/completions",

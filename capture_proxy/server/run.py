@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from ..logs import flush_repeats
+from . import huge_pages
 from .app import create_admin_app, create_app
 from .collector import tune_for_serving
 from .connections import MAX_LINGERING, ConnectionGate
@@ -177,6 +178,7 @@ async def serve(settings: Settings) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    huge_pages.apply(settings.transparent_huge_pages)
     open_files = raise_open_file_limit()
     listening = await listen(settings, open_files=open_files)
     state = listening.app[STATE]

@@ -266,6 +266,12 @@ class Settings:
         "or asyncio (the standard library's)",
         choices=("uvloop", "asyncio"),
     )
+    transparent_huge_pages: str = _s(
+        "off",
+        "transparent huge pages for the serving process: off (its memory follows what it holds; "
+        "huge pages step RSS up by tens of MB at random) or system (the machine's policy)",
+        choices=("off", "system"),
+    )
     log_level: str = _s("info", "log level", choices=("debug", "info", "warning", "error"))
     log_format: str = _s(
         "json",
