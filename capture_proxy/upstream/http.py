@@ -25,6 +25,7 @@ from ..core.transport import SCALE_OUT_DISABLED, EngineRoute, UpstreamInfo
 from ..errors import UpstreamFailed
 from .connector import WATCHED_PATHS, WatchedConnector
 from .known import UpstreamFacts
+from .read_watch import ReadWatch
 from .rpc import RpcPool, RpcReply
 
 __all__ = ["HTTPUpstream", "HTTPUpstreamReply"]
@@ -412,7 +413,14 @@ class HTTPUpstreamReply:
 
     async def chunks(self) -> AsyncIterator[bytes]:
         loop = asyncio.get_running_loop()
-        watch = _IdleWatch(self._resp, self._idle, self._deadline)
+        content = self._resp.content
+        watch = ReadWatch(
+            self._idle,
+            self._deadline,
+            lambda kind: content.set_exception(
+                _UpstreamDeadline() if kind == "deadline" else _UpstreamIdle()
+            ),
+        )
         try:
             while True:
                 if self._deadline is not None and loop.time() >= self._deadline:
@@ -444,53 +452,8 @@ class HTTPUpstreamReply:
 
 
 class _UpstreamIdle(Exception):
-    """Set on the upstream body by `_IdleWatch`: a read waited longer than the idle timeout."""
+    """A read of the upstream body waited longer than the idle timeout (`ReadWatch`)."""
 
 
 class _UpstreamDeadline(Exception):
-    """Set on the upstream body by `_IdleWatch`: the call's total deadline passed mid-read."""
-
-
-class _IdleWatch:
-    """The idle timeout for the reads of one stream, without a timer per chunk.
-
-    ``asyncio.timeout()`` around each read schedules and cancels a timer per chunk: ~10 µs, a
-    third of what relaying a token chunk costs. Here a read only records when it started
-    (`waiting_since`, None between reads: writing to the client does not count), and one timer
-    wakes when the current read would be due and fails it by setting `_UpstreamIdle` on the
-    response body, which `readany` then raises.
-    """
-
-    def __init__(
-        self, resp: aiohttp.ClientResponse, idle: float, deadline: float | None = None
-    ) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._resp = resp
-        self._idle = idle
-        self._deadline = deadline
-        self.waiting_since: float | None = None
-        self._handle = self._loop.call_at(self._due(self._loop.time()), self._check)
-
-    def _due(self, since: float) -> float:
-        due = since + self._idle
-        return due if self._deadline is None else min(due, self._deadline)
-
-    def _check(self) -> None:
-        since = self.waiting_since
-        now = self._loop.time()
-        if since is not None and self._deadline is not None and now >= self._deadline:
-            self._resp.content.set_exception(_UpstreamDeadline())
-            return
-        if since is not None and now - since >= self._idle:
-            self._resp.content.set_exception(_UpstreamIdle())
-            return
-        if since is not None:
-            due = self._due(since)
-        elif self._deadline is not None and self._deadline > now:
-            due = min(now + self._idle, self._deadline)
-        else:
-            due = now + self._idle  # past the deadline between reads: the read loop checks it
-        self._handle = self._loop.call_at(due, self._check)
-
-    def stop(self) -> None:
-        self._handle.cancel()
+    """The call's total deadline passed while a read of the upstream body waited."""

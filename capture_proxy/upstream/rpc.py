@@ -31,6 +31,7 @@ from urllib.parse import urlsplit
 import httptools
 
 from ..errors import UpstreamFailed
+from .read_watch import ReadWatch
 
 __all__ = ["KEEPALIVE_S", "RpcPool", "RpcReply"]
 
@@ -324,7 +325,7 @@ class RpcReply:
     async def chunks(self) -> AsyncIterator[bytes]:
         """The body as it arrives (a streamed generate). The idle timeout counts only while a
         read waits (not while the caller handles a chunk), checked by one timer for the whole
-        stream rather than one per read (`_StreamWatch`)."""
+        stream rather than one per read (`capture_proxy.upstream.read_watch.ReadWatch`)."""
         if self._body is not None:
             if self._body:
                 yield self._body
@@ -332,7 +333,7 @@ class RpcReply:
         conn = self._conn
         if conn is None:
             return
-        watch = _StreamWatch(conn, self._idle, self._deadline)
+        watch = ReadWatch(self._idle, self._deadline, lambda _kind: conn._wakeup())
         try:
             while True:
                 if conn.body:
@@ -372,46 +373,3 @@ class RpcReply:
                 watch.waiting_since = None
         finally:
             watch.stop()
-
-
-class _StreamWatch:
-    """The idle timeout and the deadline of one stream's reads, with one timer.
-
-    A read records when it started waiting (`waiting_since`, None between reads); the timer
-    wakes when the current read would be due, and marks the stream `expired` (and wakes the
-    read) when it is, else sets itself again.
-    """
-
-    def __init__(self, conn: _Conn, idle: float, deadline: float | None) -> None:
-        self.loop = asyncio.get_running_loop()
-        self._conn = conn
-        self._idle = idle
-        self._deadline = deadline
-        self.waiting_since: float | None = None
-        self.expired: str | None = None
-        self._handle = self.loop.call_at(self._due(self.loop.time()), self._check)
-
-    def _due(self, since: float) -> float:
-        due = since + self._idle
-        return due if self._deadline is None else min(due, self._deadline)
-
-    def _check(self) -> None:
-        since = self.waiting_since
-        now = self.loop.time()
-        if since is not None and self._deadline is not None and now >= self._deadline:
-            self.expired = "deadline"
-        elif since is not None and now - since >= self._idle:
-            self.expired = "idle"
-        if self.expired is not None:
-            self._conn._wakeup()
-            return
-        if since is not None:
-            due = self._due(since)
-        elif self._deadline is not None and self._deadline > now:
-            due = min(now + self._idle, self._deadline)
-        else:
-            due = now + self._idle
-        self._handle = self.loop.call_at(due, self._check)
-
-    def stop(self) -> None:
-        self._handle.cancel()
