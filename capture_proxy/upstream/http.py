@@ -25,7 +25,7 @@ from ..core.transport import SCALE_OUT_DISABLED, EngineRoute, UpstreamInfo
 from ..errors import UpstreamFailed
 from .connector import WATCHED_PATHS, WatchedConnector
 from .known import UpstreamFacts
-from .read_watch import ReadWatch
+from .read_watch import ReadWatch, past_deadline
 from .rpc import RpcPool, RpcReply
 
 __all__ = ["HTTPUpstream", "HTTPUpstreamReply"]
@@ -370,12 +370,7 @@ class HTTPUpstreamReply:
         self._total = total_timeout
 
     def _past_deadline(self) -> UpstreamFailed:
-        return UpstreamFailed(
-            f"the upstream's answer was not whole within {self._total:g}s "
-            "(--upstream-total-timeout)",
-            code="upstream_deadline",
-            status=504,
-        )
+        return past_deadline(self._total)
 
     @property
     def status(self) -> int:

@@ -14,7 +14,9 @@ import asyncio
 from collections.abc import Callable
 from typing import Literal
 
-__all__ = ["Expiry", "ReadWatch"]
+from ..errors import UpstreamFailed
+
+__all__ = ["Expiry", "ReadWatch", "past_deadline"]
 
 #: Which limit a read passed: the idle timeout, or the call's total deadline.
 Expiry = Literal["idle", "deadline"]
@@ -60,3 +62,12 @@ class ReadWatch:
 
     def stop(self) -> None:
         self._handle.cancel()
+
+
+def past_deadline(total: float) -> UpstreamFailed:
+    """The error of an answer not whole within the call's total timeout (`total` seconds)."""
+    return UpstreamFailed(
+        f"the upstream's answer was not whole within {total:g}s (--upstream-total-timeout)",
+        code="upstream_deadline",
+        status=504,
+    )

@@ -31,7 +31,7 @@ from urllib.parse import urlsplit
 import httptools
 
 from ..errors import UpstreamFailed
-from .read_watch import ReadWatch
+from .read_watch import ReadWatch, past_deadline
 
 __all__ = ["KEEPALIVE_S", "RpcPool", "RpcReply"]
 
@@ -306,12 +306,7 @@ class RpcReply:
             except TimeoutError as exc:
                 self.close()
                 if self._deadline is not None and loop.time() >= self._deadline:
-                    raise UpstreamFailed(
-                        f"the upstream's answer was not whole within {self._total:g}s "
-                        "(--upstream-total-timeout)",
-                        code="upstream_deadline",
-                        status=504,
-                    ) from exc
+                    raise past_deadline(self._total) from exc
                 raise UpstreamFailed(
                     f"the upstream answer broke off: {type(exc).__name__}: {exc}",
                     code="upstream_broken",
@@ -348,12 +343,7 @@ class RpcReply:
                 if watch.expired is not None:
                     self.close()
                     if watch.expired == "deadline":
-                        raise UpstreamFailed(
-                            f"the upstream's answer was not whole within {self._total:g}s "
-                            "(--upstream-total-timeout)",
-                            code="upstream_deadline",
-                            status=504,
-                        )
+                        raise past_deadline(self._total)
                     raise UpstreamFailed(
                         f"the upstream sent nothing for {self._idle:g}s mid-stream",
                         code="upstream_idle_timeout",
