@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import orjson
 import pytest
@@ -100,6 +101,22 @@ def stalled(first: bytes, seconds: float) -> Answer:
 async def post(up: HTTPUpstream, route: EngineRoute = EngineRoute.RENDER) -> tuple[int, bytes]:
     async with await up.post_engine(route, BODY) as reply:
         return reply.status, await reply.read()
+
+
+async def failure(
+    server: Scripted,
+    call: Callable[[HTTPUpstream], Awaitable[object]] = post,
+    **settings: Any,
+) -> UpstreamFailed:
+    """What `call` raises against the scripted `server` (the upstream closed either way)."""
+    async with server as url:
+        up = HTTPUpstream(url, **settings)
+        try:
+            with pytest.raises(UpstreamFailed) as info:
+                await call(up)
+        finally:
+            await up.close()
+    return info.value
 
 
 @pytest.fixture
@@ -195,28 +212,16 @@ async def test_a_non_json_answer_is_the_callers_protocol_error() -> None:
 async def test_a_reset_mid_body_is_upstream_broken() -> None:
     head = b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n"
     server = Scripted(answer(head + b'{"token_ids":[1,', then_close=True))
-    async with server as url:
-        up = HTTPUpstream(url)
-        try:
-            with pytest.raises(UpstreamFailed) as info:
-                await post(up)
-        finally:
-            await up.close()
-    assert info.value.code == "upstream_broken"
-    assert info.value.message.startswith("the upstream answer broke off")
+    failed = await failure(server, post)
+    assert failed.code == "upstream_broken"
+    assert failed.message.startswith("the upstream answer broke off")
 
 
 async def test_a_connection_closed_before_any_answer_is_upstream_unreachable() -> None:
     server = Scripted(answer(b"", then_close=True))
-    async with server as url:
-        up = HTTPUpstream(url)
-        try:
-            with pytest.raises(UpstreamFailed) as info:
-                await post(up)
-        finally:
-            await up.close()
-    assert info.value.code == "upstream_unreachable"
-    assert info.value.message.startswith("cannot reach the upstream")
+    failed = await failure(server, post)
+    assert failed.code == "upstream_unreachable"
+    assert failed.message.startswith("cannot reach the upstream")
 
 
 async def test_a_refused_connection_is_upstream_unreachable() -> None:
@@ -235,42 +240,24 @@ async def test_a_refused_connection_is_upstream_unreachable() -> None:
 
 async def test_no_answer_within_the_first_byte_timeout_is_upstream_timeout() -> None:
     server = Scripted(stalled(b"", 2.0))
-    async with server as url:
-        up = HTTPUpstream(url, first_byte_timeout=0.2)
-        try:
-            with pytest.raises(UpstreamFailed) as info:
-                await post(up)
-        finally:
-            await up.close()
-    assert (info.value.code, info.value.status) == ("upstream_timeout", 504)
-    assert info.value.message == "the upstream sent no response within 0.2s"
+    failed = await failure(server, post, first_byte_timeout=0.2)
+    assert (failed.code, failed.status) == ("upstream_timeout", 504)
+    assert failed.message == "the upstream sent no response within 0.2s"
 
 
 async def test_a_body_that_stalls_past_the_idle_timeout_is_upstream_broken() -> None:
     head = b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n"
     server = Scripted(stalled(head + b'{"token_ids":', 2.0))
-    async with server as url:
-        up = HTTPUpstream(url, idle_timeout=0.2)
-        try:
-            with pytest.raises(UpstreamFailed) as info:
-                await post(up)
-        finally:
-            await up.close()
-    assert info.value.code == "upstream_broken"
+    failed = await failure(server, post, idle_timeout=0.2)
+    assert failed.code == "upstream_broken"
 
 
 async def test_a_body_not_whole_by_the_total_timeout_is_upstream_deadline() -> None:
     head = b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n"
     server = Scripted(stalled(head + b'{"token_ids":', 2.0))
-    async with server as url:
-        up = HTTPUpstream(url, idle_timeout=5.0, total_timeout=0.3)
-        try:
-            with pytest.raises(UpstreamFailed) as info:
-                await post(up)
-        finally:
-            await up.close()
-    assert (info.value.code, info.value.status) == ("upstream_deadline", 504)
-    assert "--upstream-total-timeout" in info.value.message
+    failed = await failure(server, post, idle_timeout=5.0, total_timeout=0.3)
+    assert (failed.code, failed.status) == ("upstream_deadline", 504)
+    assert "--upstream-total-timeout" in failed.message
 
 
 async def test_connection_close_answers_are_read_and_the_next_request_opens_another() -> None:
@@ -327,14 +314,8 @@ async def test_a_reply_left_unread_closes_its_connection() -> None:
 
 async def test_a_garbled_answer_is_upstream_unreachable() -> None:
     server = Scripted(answer(b"NOT HTTP AT ALL\r\n\r\n"))
-    async with server as url:
-        up = HTTPUpstream(url)
-        try:
-            with pytest.raises(UpstreamFailed) as info:
-                await post(up)
-        finally:
-            await up.close()
-    assert info.value.code == "upstream_unreachable"
+    failed = await failure(server, post)
+    assert failed.code == "upstream_unreachable"
 
 
 def stream_of(*pieces: tuple[bytes, float], close: bool = False) -> Answer:
@@ -378,41 +359,23 @@ async def test_a_streamed_generate_arrives_as_it_is_sent_and_keeps_its_connectio
 
 async def test_a_stream_that_sends_nothing_for_the_idle_timeout_is_upstream_idle_timeout() -> None:
     server = Scripted(stream_of((b"data: 1\n\n", 0.0), (b"data: 2\n\n", 2.0)))
-    async with server as url:
-        up = HTTPUpstream(url, idle_timeout=0.2)
-        try:
-            with pytest.raises(UpstreamFailed) as info:
-                await read_stream(up)
-        finally:
-            await up.close()
-    assert info.value.code == "upstream_idle_timeout"
-    assert info.value.message == "the upstream sent nothing for 0.2s mid-stream"
+    failed = await failure(server, read_stream, idle_timeout=0.2)
+    assert failed.code == "upstream_idle_timeout"
+    assert failed.message == "the upstream sent nothing for 0.2s mid-stream"
 
 
 async def test_a_stream_not_whole_by_the_total_timeout_is_upstream_deadline() -> None:
     pieces = [(b"data: x\n\n", 0.1)] * 10
     server = Scripted(stream_of(*pieces))
-    async with server as url:
-        up = HTTPUpstream(url, idle_timeout=5.0, total_timeout=0.35)
-        try:
-            with pytest.raises(UpstreamFailed) as info:
-                await read_stream(up)
-        finally:
-            await up.close()
-    assert (info.value.code, info.value.status) == ("upstream_deadline", 504)
+    failed = await failure(server, read_stream, idle_timeout=5.0, total_timeout=0.35)
+    assert (failed.code, failed.status) == ("upstream_deadline", 504)
 
 
 async def test_a_stream_reset_midway_is_upstream_broken() -> None:
     server = Scripted(stream_of((b"data: 1\n\n", 0.0), close=True))
-    async with server as url:
-        up = HTTPUpstream(url)
-        try:
-            with pytest.raises(UpstreamFailed) as info:
-                await read_stream(up)
-        finally:
-            await up.close()
-    assert info.value.code == "upstream_broken"
-    assert info.value.message.startswith("the upstream stream broke")
+    failed = await failure(server, read_stream)
+    assert failed.code == "upstream_broken"
+    assert failed.message.startswith("the upstream stream broke")
 
 
 async def test_a_stream_left_midway_closes_its_connection() -> None:
