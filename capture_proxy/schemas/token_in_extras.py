@@ -11,15 +11,20 @@ it sends the plain rendering and starts a new segment. Two facts go with the rec
 * ``plain_divergence``: the first prompt position where the plain rendering of the request would
   have differed from the tokens sent (what token-in avoided), or null when it would have been
   the same. Absent: not measured.
+* ``token_in_media``: the prompt's images as the next call's bridge needs them, in prompt order:
+  ``[{"modality": str, "hash": str, "offset": int, "length": int}, ...]`` (vLLM's item hash and
+  its placeholder tokens ``[offset, offset + length)`` in the record's prompt). Only a call with
+  images has it, and only when they fit the proxy's bound; without it, a call read back from the
+  store (a restarted proxy) cannot be continued by one whose history has images.
 
 `token_in_extras` writes them (the flow merges the result into the record's extras when it
-stages the call); `segment_break_of` and `plain_divergence_of` read them back, refusing values
-of the wrong shape with `RecordValidationError`.
+stages the call); `segment_break_of`, `plain_divergence_of` and `media_of` read them back,
+refusing values of the wrong shape with `RecordValidationError`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +33,10 @@ from .fields import RecordValidationError
 __all__ = [
     "BREAK_KEY",
     "DIVERGENCE_KEY",
+    "MEDIA_KEY",
+    "MediaItem",
     "SegmentBreak",
+    "media_of",
     "plain_divergence_of",
     "segment_break_of",
     "token_in_extras",
@@ -38,6 +46,8 @@ __all__ = [
 BREAK_KEY = "token_in_break"
 #: The extras key of where the plain rendering would have diverged.
 DIVERGENCE_KEY = "plain_divergence"
+#: The extras key of the prompt's image placeholders.
+MEDIA_KEY = "token_in_media"
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,18 +62,46 @@ class SegmentBreak:
         return {"reason": self.reason, "detail": self.detail}
 
 
+@dataclass(frozen=True, slots=True)
+class MediaItem:
+    """One multimodal item of a prompt (an image), as vLLM's render places it: its modality,
+    its hash (``features.mm_hashes``) and its placeholder tokens ``[offset, offset + length)``
+    (``features.mm_placeholders``). Its processed data is not kept: every render of a
+    conversation carries every item's."""
+
+    modality: str
+    hash: str
+    offset: int
+    length: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "modality": self.modality,
+            "hash": self.hash,
+            "offset": self.offset,
+            "length": self.length,
+        }
+
+
 def token_in_extras(
-    segment_break: SegmentBreak | None, plain_divergence: int | None
+    segment_break: SegmentBreak | None,
+    plain_divergence: int | None,
+    media: Sequence[MediaItem] | None = None,
 ) -> dict[str, Any]:
     """The extras entries of a token-in call: its segment break (None: it continued the
-    previous call) and the first position where the plain rendering would have diverged (None:
-    it would not have)."""
+    previous call), the first position where the plain rendering would have diverged (None:
+    it would not have), and its prompt's images (`media`, in prompt order; none or None: no
+    entry, as for a call without images or with more than the proxy keeps)."""
     if segment_break is not None:
         _check_break(segment_break.to_dict())
     _check_divergence(plain_divergence)
     out: dict[str, Any] = {DIVERGENCE_KEY: plain_divergence}
     if segment_break is not None:
         out[BREAK_KEY] = segment_break.to_dict()
+    if media:
+        recorded = [m.to_dict() for m in media]
+        _check_media(recorded)
+        out[MEDIA_KEY] = recorded
     return out
 
 
@@ -86,6 +124,17 @@ def plain_divergence_of(extras: Mapping[str, Any]) -> tuple[bool, int | None]:
     return True, value
 
 
+def media_of(extras: Mapping[str, Any]) -> tuple[MediaItem, ...] | None:
+    """The prompt's images a token-in record's extras keep, in prompt order; None when they
+    keep none (a call without images, one with more than the proxy keeps, or a record written
+    before records kept them)."""
+    raw = extras.get(MEDIA_KEY)
+    if raw is None:
+        return None
+    _check_media(raw)
+    return tuple(MediaItem(m["modality"], m["hash"], m["offset"], m["length"]) for m in raw)
+
+
 def _check_break(raw: Any) -> None:
     if (
         not isinstance(raw, dict)
@@ -105,3 +154,31 @@ def _check_divergence(value: Any) -> None:
         raise RecordValidationError(
             f"extras.{DIVERGENCE_KEY}", f"must be a position >= 0 or null, got {value!r}"
         )
+
+
+_MEDIA_SHAPE = (
+    'must be a non-empty list of {"modality": a non-empty string, "hash": a non-empty string, '
+    '"offset": a position >= 0, "length": an int >= 1}, in prompt order without overlaps'
+)
+
+
+def _check_media(raw: Any) -> None:
+    where = f"extras.{MEDIA_KEY}"
+    if not isinstance(raw, list) or not raw:
+        raise RecordValidationError(where, f"{_MEDIA_SHAPE}, got {raw!r:.200}")
+    end = 0
+    for i, item in enumerate(raw):
+        if (
+            not isinstance(item, dict)
+            or set(item) != {"modality", "hash", "offset", "length"}
+            or not isinstance(item["modality"], str)
+            or not item["modality"]
+            or not isinstance(item["hash"], str)
+            or not item["hash"]
+            or type(item["offset"]) is not int
+            or type(item["length"]) is not int
+            or item["offset"] < end
+            or item["length"] < 1
+        ):
+            raise RecordValidationError(where, f"{_MEDIA_SHAPE}, got {item!r:.200}", i)
+        end = item["offset"] + item["length"]

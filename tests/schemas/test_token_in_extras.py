@@ -14,11 +14,16 @@ from capture_proxy.schemas.digest import DigestMismatch, seal_record, verify_rec
 from capture_proxy.schemas.fields import RecordValidationError
 from capture_proxy.schemas.records import StagedCallRecord
 from capture_proxy.schemas.token_in_extras import (
+    MediaItem,
     SegmentBreak,
+    media_of,
     plain_divergence_of,
     segment_break_of,
     token_in_extras,
 )
+
+CAT = MediaItem("image", "c" * 64, 12, 4)
+DOG = MediaItem("image", "d" * 64, 30, 4)
 
 
 def test_a_break_and_a_divergence_round_trip_through_extras() -> None:
@@ -37,6 +42,48 @@ def test_a_continued_call_has_no_break_and_none_means_no_divergence() -> None:
     assert segment_break_of(extras) is None
     assert plain_divergence_of(extras) == (True, None)
     assert plain_divergence_of({}) == (False, None)  # not measured
+
+
+def test_a_calls_images_round_trip_through_extras_and_none_write_no_key() -> None:
+    extras = token_in_extras(None, 7, (CAT, DOG))
+    assert extras["token_in_media"] == [
+        {"modality": "image", "hash": "c" * 64, "offset": 12, "length": 4},
+        {"modality": "image", "hash": "d" * 64, "offset": 30, "length": 4},
+    ]
+    assert media_of(extras) == (CAT, DOG)
+    # A call without images (or with more than the proxy keeps) has no entry: nothing kept.
+    assert "token_in_media" not in token_in_extras(None, 7, ())
+    assert "token_in_media" not in token_in_extras(None, 7, None)
+    assert media_of(token_in_extras(None, 7)) is None
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ([], "extras.token_in_media: must be a non-empty list"),
+        ("image", "extras.token_in_media: must be a non-empty list"),
+        ([{"modality": "image", "hash": "h", "offset": 0}], "extras.token_in_media[0]: must be"),
+        ([{"modality": "", "hash": "h", "offset": 0, "length": 1}], "extras.token_in_media[0]"),
+        ([{"modality": "image", "hash": 5, "offset": 0, "length": 1}], "extras.token_in_media[0]"),
+        ([{"modality": "image", "hash": "h", "offset": -1, "length": 1}], "[0]"),
+        ([{"modality": "image", "hash": "h", "offset": 0, "length": 0}], "[0]"),
+        ([{"modality": "image", "hash": "h", "offset": True, "length": 1}], "[0]"),
+        # Out of prompt order, or overlapping: not placeholders vLLM would give.
+        ([CAT.to_dict(), {**CAT.to_dict(), "offset": 14}], "extras.token_in_media[1]"),
+        ([DOG.to_dict(), CAT.to_dict()], "extras.token_in_media[1]"),
+    ],
+)
+def test_recorded_images_of_the_wrong_shape_are_refused_naming_where(
+    value: Any, message: str
+) -> None:
+    with pytest.raises(RecordValidationError, match=re.escape(message)) as caught:
+        media_of({"token_in_media": value})
+    assert "got " in str(caught.value)  # the message shows the value it refused
+
+
+def test_writing_images_of_the_wrong_shape_is_refused_too() -> None:
+    with pytest.raises(RecordValidationError, match=r"extras\.token_in_media\[1\]"):
+        token_in_extras(None, None, (DOG, CAT))
 
 
 @pytest.mark.parametrize(
@@ -79,10 +126,14 @@ def test_the_extras_digest_covers_them() -> None:
             completion_token_ids=array("i", [3]),
             completion_logprobs=array("f", [-0.5]),
             token_in=True,
-            extras=token_in_extras(SegmentBreak("tools_changed"), 1),
+            extras=token_in_extras(SegmentBreak("tools_changed"), 1, (CAT,)),
         )
     )
     verify_record(record)
-    edited = replace(record, extras=token_in_extras(SegmentBreak("tools_changed"), 2))
+    edited = replace(record, extras=token_in_extras(SegmentBreak("tools_changed"), 2, (CAT,)))
+    with pytest.raises(DigestMismatch):
+        verify_record(edited)
+    moved = replace(CAT, offset=13)
+    edited = replace(record, extras=token_in_extras(SegmentBreak("tools_changed"), 1, (moved,)))
     with pytest.raises(DigestMismatch):
         verify_record(edited)

@@ -18,8 +18,10 @@ render's ids, so its features are put together (docs/token-in.md, "Images"):
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
+
+# Defined beside the record's extras, which keep a call's items for the next call after a restart.
+from ...schemas.token_in_extras import MediaItem
 
 __all__ = [
     "MediaItem",
@@ -28,19 +30,6 @@ __all__ = [
     "media_parts",
     "suffix_media",
 ]
-
-
-@dataclass(frozen=True, slots=True)
-class MediaItem:
-    """One multimodal item of a prompt (an image), as vLLM's render places it: its modality,
-    its hash (``features.mm_hashes``) and its placeholder tokens ``[offset, offset + length)``
-    (``features.mm_placeholders``). Its processed data is not kept: every render of a
-    conversation carries every item's."""
-
-    modality: str
-    hash: str
-    offset: int
-    length: int
 
 
 def media_parts(messages: Iterable[Mapping[str, Any]]) -> int:
