@@ -290,16 +290,18 @@ async def token_in_prompt(
     request: Mapping[str, Any],
     render_request: Mapping[str, Any] | bytes,
     prompts: PromptJson | None = None,
+    staged: Mapping[str, Any] | None = None,
 ) -> TokenInPrompt:
     """The prompt of a token-in call (module docs). `request` is the normalized request as
     the bridge compares it with `prior.request`; `render_request` the body to render (the
     request as forwarded, with the token fields capture asks for), encoded or not. A bridged
-    prompt's JSON extends the prior's from `prompts` when it has it.
+    prompt's JSON extends the prior's from `prompts` when it has it. `staged` is the request
+    as staged (images by reference), which a prior read back from the store is compared with.
 
     Raises `RenderRefused` when the upstream refuses to render the request, `UpstreamFailed`
     when it cannot be reached.
     """
-    verdict = match(prior, request)
+    verdict = match(prior, request, staged)
     if isinstance(render_request, bytes):
         plain_body = render_request
     else:

@@ -116,6 +116,7 @@ class TokenInSteps:
             self.request,
             self._render_body,
             self.pipeline.prompt_json,
+            self.admitted.request,
         )
         body = self._prompt.generate_body(self.request, stream=self.streamed)
         return await upstream.post_engine(EngineRoute.GENERATE, body)
@@ -238,13 +239,15 @@ class TokenInSteps:
     ) -> tuple[str | None, list[WeightSpan], dict[str, Any] | None]:
         """The record's engine weight version, weight spans and effective sampling: generate says
         which weights sampled which tokens, the call's own render what vLLM resolved its sampling
-        to. The break and the divergence go into `completion`'s extras."""
+        to. The break, the divergence and the prompt's images go into `completion`'s extras."""
         weight_spans = list(spans)
         versions = {version for version, _, _ in weight_spans}
         engine_version = versions.pop() if len(versions) == 1 else None
         params = prompt.rendered.sampling_params
         resolved = {k: params[k] for k in RESOLVED_SAMPLING_KEYS if k in params}
-        completion.extras.update(token_in_extras(prompt.segment_break, prompt.plain_divergence))
+        completion.extras.update(
+            token_in_extras(prompt.segment_break, prompt.plain_divergence, prompt.media)
+        )
         return engine_version, weight_spans, effective_sampling(sampling, resolved)
 
 

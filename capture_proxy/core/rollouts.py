@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import time
 from array import array
 from collections import OrderedDict
@@ -19,6 +20,7 @@ from typing import Any
 import orjson
 
 from ..schemas.events import EventKind, RolloutEvent, token_in_choice
+from ..schemas.fields import RecordValidationError
 from ..schemas.outcome import RolloutOutcome
 from ..schemas.records import (
     Attachment,
@@ -28,6 +30,7 @@ from ..schemas.records import (
     RolloutState,
     StagedCallRecord,
 )
+from ..schemas.token_in_extras import media_of
 from ..schemas.tokens import full_sequence
 from ..sinks.base import StagingSource
 from .bridging import token_in_line
@@ -35,6 +38,8 @@ from .experts import ExpertsIndex, stored_entry
 from .lineage import LineageIndex
 from .token_in import Prior
 from .weights import DECREASED_FROM
+
+log = logging.getLogger("capture_proxy.rollouts")
 
 #: A claimed call with neither a record nor a ledger entry (the manifest's status for it).
 LOST_IN_CRASH = "lost_in_crash"
@@ -202,13 +207,27 @@ class RolloutLive:
 
 
 def prior_of(record: StagedCallRecord) -> Prior:
-    """A staged record as the token-in bridge continues it (`Prior`)."""
+    """A staged record as the token-in bridge continues it (`Prior`): its images' placeholders
+    are the ones its extras keep (`media_of`); a value of the wrong shape is logged and kept as
+    none, so the next call with images in its history starts a new segment instead of failing."""
+    try:
+        media = media_of(record.extras)
+    except RecordValidationError as e:
+        log.warning(
+            "token-in record %s keeps unreadable image placeholders: %s",
+            record.call_id,
+            e,
+            extra={"rollout_id": record.rollout_id, "call_id": record.call_id},
+        )
+        media = None
     return Prior(
         request=record.request,
         message=record.response,
         prompt_ids=record.prompt_token_ids,
         completion_ids=record.completion_token_ids,
         finish_reason=record.finish_reason,
+        media=media,
+        stored=True,
     )
 
 

@@ -4,15 +4,20 @@ lists every call, and a sealed rollout stays sealed."""
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+from array import array
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from capture_proxy.core.capture import Capture
+from capture_proxy.core.rollouts import prior_of
 from capture_proxy.errors import CaptureUnavailable, Conflict
 from capture_proxy.library import CaptureClient
-from capture_proxy.schemas.records import LedgerEntry
+from capture_proxy.schemas.records import LedgerEntry, StagedCallRecord
+from capture_proxy.schemas.token_in_extras import MediaItem
 from capture_proxy.sinks.base import StoreError
 from capture_proxy.sinks.memory import MemorySink
 from capture_proxy.sinks.registry import open_sink, open_source
@@ -248,3 +253,42 @@ async def test_rollouts_stay_in_memory_while_ledger_entries_are_held() -> None:
     assert capture.evict_idle(0.0) == ["ep"]
     await capture.reject("ep", "test", "refused again", 422)
     assert [f.seq for f in sink.failures("ep")] == [0, 1]
+
+
+def test_a_token_in_record_with_unreadable_image_placeholders_resumes_without_them(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A record whose ``token_in_media`` is not of the recorded shape (not written by this
+    proxy) does not stop its rollout from resuming: its placeholders count as not recorded (the
+    next call with images in its history starts a new segment, ``media_not_recorded``), and
+    the log says which record and what is wrong."""
+    image = {"type": "image_url", "image_url": {"url": "attachment:sha256:" + "a" * 64}}
+    record = StagedCallRecord(
+        rollout_id="ep",
+        call_id="c0",
+        seq=0,
+        model="m",
+        finish_reason="stop",
+        request={"model": "m", "messages": [{"role": "user", "content": [image]}]},
+        response={"role": "assistant", "content": "a cat"},
+        prompt_token_ids=array("i", [1, 9, 2]),
+        completion_token_ids=array("i", [3]),
+        completion_logprobs=array("f", [-0.5]),
+        token_in=True,
+        extras={"token_in_media": [{"modality": "image", "hash": "h", "offset": -3, "length": 1}]},
+    )
+    with caplog.at_level(logging.WARNING, logger="capture_proxy.rollouts"):
+        prior = prior_of(record)
+    assert prior.stored
+    assert prior.media is None
+    [logged] = caplog.records
+    assert logged.getMessage() == (
+        "token-in record c0 keeps unreadable image placeholders: extras.token_in_media[0]: "
+        'must be a non-empty list of {"modality": a non-empty string, "hash": a non-empty '
+        'string, "offset": a position >= 0, "length": an int >= 1}, in prompt order without '
+        "overlaps, got {'modality': 'image', 'hash': 'h', 'offset': -3, 'length': 1}"
+    )
+    well = dataclasses.replace(
+        record, extras={"token_in_media": [{**record.extras["token_in_media"][0], "offset": 1}]}
+    )
+    assert prior_of(well).media == (MediaItem("image", "h", 1, 1),)

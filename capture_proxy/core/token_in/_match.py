@@ -16,6 +16,10 @@ model gave, and adds messages after it:
   whose placeholders it kept (`Prior.media`), and the leading system message has none. The
   appended messages' images are bridged when the renders place them (`_assemble`).
 
+A previous call read back from the store (`Prior.stored`) has its request as its record keeps
+it, each image an ``attachment:sha256:`` reference: its messages are compared with the request
+as staged (the same references), and its placeholders are the record's (`media_of`).
+
 Otherwise the answer is a `NotBridged` whose detail names the first difference found, checked in the
 order of the list above.
 """
@@ -48,8 +52,12 @@ TEMPLATE_KEYS = (
 )
 
 
-def match(prior: Prior | None, request: Mapping[str, Any]) -> Extension | NotBridged:
-    """Whether `request` (normalized as `prior.request` was) extends `prior` (module docs)."""
+def match(
+    prior: Prior | None, request: Mapping[str, Any], staged: Mapping[str, Any] | None = None
+) -> Extension | NotBridged:
+    """Whether `request` (normalized as `prior.request` was) extends `prior` (module docs).
+    `staged` is the request as staged (images by reference), which a stored prior's earlier
+    messages are compared with; the request's own when not given."""
     if prior is None:
         return NotBridged("no_prior", "the rollout has no staged call to continue")
     if (prior.request.get("tools") or []) != (request.get("tools") or []):
@@ -59,14 +67,17 @@ def match(prior: Prior | None, request: Mapping[str, Any]) -> Extension | NotBri
             return NotBridged("template_changed", f"`{key}` differs from the previous call's")
     before: Sequence[Mapping[str, Any]] = prior.request.get("messages") or []
     messages: Sequence[Mapping[str, Any]] = request.get("messages") or []
+    earlier = messages
+    if prior.stored and staged is not None:
+        earlier = staged.get("messages") or []
     for i, old in enumerate(before):
-        if i >= len(messages):
+        if i >= len(earlier):
             return NotBridged(
                 "history_edited",
-                f"the request has {len(messages)} messages, fewer than the previous call's "
+                f"the request has {len(earlier)} messages, fewer than the previous call's "
                 f"{len(before)}",
             )
-        difference = _message_difference(old, messages[i])
+        difference = _message_difference(old, earlier[i])
         if difference:
             return NotBridged("history_edited", f"message {i}: {difference}")
     n = len(before)
@@ -83,6 +94,13 @@ def match(prior: Prior | None, request: Mapping[str, Any]) -> Extension | NotBri
             return NotBridged("assistant_appended", f"message {i} is an assistant message")
     history = media_parts(messages[: n + 1])
     known = prior.media
+    if history and known is None and prior.stored:
+        return NotBridged(
+            "media_not_recorded",
+            f"{history} images in the earlier messages, and the previous call's record (read "
+            "back from the store) keeps no image placeholders (`token_in_media`): written "
+            "before records kept them, more than the proxy keeps, or unreadable",
+        )
     if history and (known is None or len(known) != history):
         return NotBridged(
             "multimodal_history",

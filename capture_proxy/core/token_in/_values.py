@@ -34,8 +34,10 @@ __all__ = [
 #: - ``multimodal_append``: an appended message has an image (a content part other than text)
 #:   whose features the renders do not give consistently (docs/token-in.md, "Images").
 #: - ``multimodal_history``: an earlier message has one whose placeholder positions the bridge
-#:   does not have (the previous call was read back from the store, or its were not kept), or
-#:   the leading system message has one.
+#:   does not have (more than the proxy keeps), or the leading system message has one.
+#: - ``media_not_recorded``: the previous call was read back from the store (a restarted proxy)
+#:   and its record keeps no placeholders for the images of the earlier messages (written before
+#:   records kept them, more than the proxy keeps, or unreadable).
 #: - ``template_not_bridgeable``: the renders do not have the structure the bridge needs (no
 #:   common turn close, or the appended rendering does not start with it).
 BREAK_REASONS = (
@@ -48,6 +50,7 @@ BREAK_REASONS = (
     "assistant_appended",
     "multimodal_append",
     "multimodal_history",
+    "media_not_recorded",
     "template_not_bridgeable",
 )
 
@@ -59,15 +62,18 @@ class Prior:
     Attributes:
         request: its normalized request as forwarded upstream (``messages``, ``tools``,
             ``model``, ``chat_template_kwargs`` and the other template keys; replayed reasoning
-            under ``reasoning_content``).
+            under ``reasoning_content``); as staged when `stored` (images by reference).
         message: the assistant message of its answer (``content``, ``reasoning_content`` or
             ``reasoning``, ``tool_calls``), as the client received it.
         prompt_ids: the exact prompt token ids the model saw.
         completion_ids: the exact token ids the model sampled.
         finish_reason: the answer's finish reason (``stop``, ``length``, ...).
         media: the multimodal items of its prompt, in prompt order (``()``: none); None when
-            they are not known (a call read back from the store): then a request with images
-            in its history is not bridged.
+            they are not known (more than the proxy keeps, or a record that keeps none): then
+            a request with images in its history is not bridged.
+        stored: read back from the store (a restarted or resumed rollout): `request` is the
+            record's, its images ``attachment:sha256:`` references, so its messages are
+            compared with the new request as staged.
     """
 
     request: Mapping[str, Any]
@@ -76,6 +82,7 @@ class Prior:
     completion_ids: Sequence[int]
     finish_reason: str | None
     media: tuple[MediaItem, ...] | None = None
+    stored: bool = False
 
 
 @dataclass(frozen=True, slots=True)

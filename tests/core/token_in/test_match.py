@@ -193,13 +193,59 @@ def test_an_image_in_the_history_extends_a_call_whose_placeholders_are_known() -
     assert isinstance(match(prior, continued(prior, *NEXT)), Extension)
 
 
-def test_an_image_in_the_history_of_a_call_read_back_is_multimodal_history() -> None:
+def test_an_image_in_the_history_whose_placeholders_were_not_kept_is_multimodal_history() -> None:
     prior = dataclasses.replace(image_prior(), media=None)
     assert _break(prior, continued(prior, *NEXT)) == NotBridged(
         "multimodal_history",
         "1 images in the earlier messages, and the previous call's image placeholders are "
         "not known",
     )
+
+
+REF = {"type": "image_url", "image_url": {"url": "attachment:sha256:" + "a" * 64}}
+
+
+def stored(prior: Any, *, media: Any = dataclasses.MISSING) -> Any:
+    """`prior` as read back from the store: its images by reference, as its record has them."""
+    request = {**prior.request, "messages": [{"role": "user", "content": [REF]}]}
+    kept = prior.media if media is dataclasses.MISSING else media
+    return dataclasses.replace(prior, request=request, media=kept, stored=True)
+
+
+def test_a_call_read_back_is_compared_with_the_request_as_staged() -> None:
+    live = image_prior()
+    prior = stored(live)
+    request = continued(live, *NEXT)  # its image a data: URL, as the client sends it
+    staged = continued(prior, *NEXT)  # the same, by reference, as the proxy stages it
+    result = match(prior, request, staged)
+    assert isinstance(result, Extension)
+    assert result.request is request  # rendered with the image itself
+    # Without the staged form the reference is not the image the client sent.
+    assert _break(prior, request) == NotBridged("history_edited", "message 0: `content` differs")
+    # Another image by reference is another image.
+    other = {"type": "image_url", "image_url": {"url": "attachment:sha256:" + "b" * 64}}
+    edited = {**staged, "messages": [{"role": "user", "content": [other]}, *NEXT]}
+    assert match(prior, request, edited) == NotBridged(
+        "history_edited", "message 0: `content` differs"
+    )
+
+
+def test_a_call_read_back_without_its_placeholders_is_media_not_recorded() -> None:
+    live = image_prior()
+    prior = stored(live, media=None)
+    result = match(prior, continued(live, *NEXT), continued(prior, *NEXT))
+    assert result == NotBridged(
+        "media_not_recorded",
+        "1 images in the earlier messages, and the previous call's record (read back from the "
+        "store) keeps no image placeholders (`token_in_media`): written before records kept "
+        "them, more than the proxy keeps, or unreadable",
+    )
+
+
+def test_a_call_read_back_without_images_needs_no_placeholders() -> None:
+    prior = dataclasses.replace(prior_call(), stored=True)
+    request = continued(prior, replay(), RESULT)
+    assert isinstance(match(prior, request, request), Extension)
 
 
 def test_an_image_in_the_system_message_is_multimodal_history() -> None:
