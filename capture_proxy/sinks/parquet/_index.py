@@ -323,6 +323,18 @@ class UnitIndex:
             if held is not None:
                 self.sealed_ledger.add(rid, held)
 
+    def key_calls(self, dfs: DatasetFS) -> Locator:
+        """Start keeping a key per call (`calls`): those of the indexed units, from one read of
+        each calls file's ids; `add_unit` files the later ones."""
+        calls = Locator()
+        for pos, files in enumerate(self.units):
+            if CALLS in files:
+                for g, t in enumerate(read_groups(dfs, files[CALLS], ["call_id"])):
+                    for cid in t.column("call_id").to_pylist():
+                        calls.add(cid, pos, g)
+        self.calls = calls
+        return calls
+
     def add_unit(self, dfs: DatasetFS, unit: Marker) -> None:
         pos = len(self.units)
         files = unit.files
