@@ -9,8 +9,18 @@ proxy's two long-lived readers use it (`ParquetSource(..., index="units")`), eac
 
 * ``shared``: the proxy's shared reader (resume, manifests): indexes all but the newest unit,
   then the newest one in a second refresh (its steady state: units arrive a few at a time).
-* ``writer``: the sink's own reader (no key per call, ``call_keys=False``): one refresh, then
-  `known` and `event_heads` (a writer's open), then the newest unit as above.
+* ``writer``: the sink's own reader as it was before it was lent to the proxy (no key per
+  call, ``call_keys=False``): one refresh, then `known` and `event_heads` (a writer's open),
+  then the newest unit as above.
+* ``lent``: the one reader a proxy now holds (the sink's, lent to the proxy:
+  ``call_keys="on_demand"``, an 8 MiB cache), opened as ``writer``, then every 50th rollout
+  resumed through it (info, summaries, coordinates, records, events: what a resume and a
+  manifest read), then the newest unit. Its figure replaces ``shared`` + ``writer``.
+* ``lent-keyed``: the same after one read by a key not read lately (a trainer fetching through
+  the proxy's read routes), which makes it keep a key per call.
+
+``shared`` and ``writer`` are the readers of a proxy before the sink lent its reader: on such a
+release only they run (their sum is its figure).
 
 For each (measured twice, the second run kept) it prints what the reader holds once its LRU
 caches are cleared (the index) by file and line, in bytes and bytes per staged call. One process
@@ -20,6 +30,7 @@ on a shared machine: compare figures within a run, or runs of one dataset.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import shutil
@@ -29,7 +40,18 @@ import tracemalloc
 from pathlib import Path
 from typing import Any
 
-from capture_proxy.sinks.parquet import ParquetSource
+from capture_proxy.sinks.parquet import ParquetSink, ParquetSource
+
+
+def _resume(source: ParquetSource, rollout_id: str) -> None:
+    """What a resume or a manifest of `rollout_id` reads (`core.rollouts.resume_rollout`)."""
+    with contextlib.suppress(KeyError):
+        source.rollout_info(rollout_id)
+    keys = [s.call_id for s in source.summaries(rollout_id)]
+    source.coords(keys)
+    source.fetch(keys)
+    source.failures(rollout_id)
+    source.events(rollout_id)
 
 
 def _measure(ds: Path, mode: str, top: int, calls: int) -> dict[str, Any]:
@@ -45,12 +67,22 @@ def _measure(ds: Path, mode: str, top: int, calls: int) -> dict[str, Any]:
             source = ParquetSource(str(ds), index="units", call_keys=False)  # as the sink's
         except TypeError:  # a release before `call_keys`: its sink's reader kept them
             source = ParquetSource(str(ds), index="units")
+    elif mode in ("lent", "lent-keyed"):
+        source = ParquetSource(
+            str(ds), index="units", call_keys="on_demand", cache_bytes=8 << 20
+        )  # as `ParquetSink` opens it
     else:
         source = ParquetSource(str(ds), index="units")
     source.refresh()
-    if mode == "writer":
+    if mode != "shared":
         source.known()
         source.event_heads()
+    if mode in ("lent", "lent-keyed"):
+        for rollout_id in source.rollouts()[::50]:
+            _resume(source, rollout_id)
+    if mode == "lent-keyed":
+        source.close_reader()  # nothing read lately: the read by key finds no recent ref
+        source.coords([next(iter(ParquetSource(str(ds)).all_keys()))])
     aside.rename(newest)
     source.refresh()
     source.close_reader()  # the LRU caches: what is left is the index
@@ -91,7 +123,11 @@ def main() -> int:
         del warm
         # Twice each, the second kept: a first run also grows tables that never shrink
         # (the interpreter's table of interned strings), which the proxy pays once.
-        reports = [_measure(ds, m, args.top, calls) for m in ("shared", "writer") * 2][2:]
+        modes: tuple[str, ...] = ("shared", "writer")
+        if hasattr(ParquetSink, "own_source"):  # else a release before the sink lent its reader
+            modes += ("lent", "lent-keyed")
+        runs = [_measure(ds, m, args.top, calls) for m in modes * 2]
+        reports = runs[len(modes) :]
     for r in reports:
         if args.json:
             print(json.dumps(r))

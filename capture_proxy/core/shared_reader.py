@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from ..sinks.base import StagingSink, StagingSource
+from ..sinks.base import SinkWithSource, StagingSink, StagingSource
 from ..sinks.registry import open_source
 
 __all__ = ["SharedReader"]
@@ -12,12 +12,21 @@ __all__ = ["SharedReader"]
 
 class SharedReader:
     """One reader on the sink's store, opened on first use and then shared: readers are
-    thread-safe and see later commits, and opening a Parquet dataset indexes every unit."""
+    thread-safe and see later commits, and opening a Parquet dataset indexes every unit.
+
+    A sink that reads itself (`MemorySink`) or lends its own reader (`SinkWithSource`: a
+    Parquet sink) is read through that: the process then holds one index of the store, and
+    `close` leaves it to the sink."""
 
     def __init__(self, sink: StagingSink) -> None:
         self.sink = sink
-        self._own = not isinstance(sink, StagingSource)  # MemorySink reads itself
-        self._source: StagingSource | None = None if self._own else sink  # type: ignore[assignment]
+        lent: StagingSource | None = None
+        if isinstance(sink, StagingSource):
+            lent = sink
+        elif isinstance(sink, SinkWithSource):
+            lent = sink.own_source()
+        self._own = lent is None
+        self._source = lent
         self._lock = threading.Lock()
 
     def __call__(self) -> StagingSource:

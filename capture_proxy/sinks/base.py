@@ -45,6 +45,7 @@ __all__ = [
     "FaultHook",
     "GcStats",
     "Progress",
+    "SinkWithSource",
     "StagingSink",
     "StagingSource",
     "StoreError",
@@ -263,4 +264,19 @@ class StagingSource(Protocol):
 
     def close_reader(self) -> None:
         """Release what the reader holds (connections, file handles)."""
+        ...
+
+
+@runtime_checkable
+class SinkWithSource(Protocol):
+    """A sink that keeps a reader on its own store and lends it (`ParquetSink`).
+
+    The proxy reads through the lent reader (resume, manifests, the read routes) instead of
+    opening a second one on the same store, so it holds one index of the store, not two. The
+    reader is the sink's: it is thread-safe, sees the sink's commits, and is released by the
+    sink's `close` (not by its borrowers).
+    """
+
+    def own_source(self) -> StagingSource:
+        """The sink's reader on its store (the same object every time)."""
         ...

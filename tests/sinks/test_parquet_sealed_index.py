@@ -5,15 +5,18 @@ indexes every call."""
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from capture_proxy.schemas.events import EventDraft, EventKind
 from capture_proxy.schemas.records import RolloutInfo, RolloutState
 from capture_proxy.sinks.parquet import ParquetSink, ParquetSource
-from capture_proxy.sinks.parquet._index import UnitIndex
+from capture_proxy.sinks.parquet._index import Packed, UnitIndex
 from tests.support.sink_factories import Session
 
 
@@ -126,3 +129,27 @@ async def test_a_reader_without_call_keys_rebuilds_a_call_through_its_rollout(
     keyless.close_reader()
     with pytest.raises(KeyError):
         keyless.full(full.calls("o0")[0].call_id)
+
+
+@given(
+    st.lists(st.lists(st.integers(0, (1 << 63) - 1), max_size=12), max_size=20),
+    st.sampled_from([0, 1, 32]),
+)
+def test_packed_places_read_back_as_added(lists: list[list[int]], low_bits: int) -> None:
+    # Any values in any order round-trip (a rollout's places are ascending and close: they
+    # take 2-3 bytes each; these are not).
+    packed = Packed(low_bits)
+    for i, values in enumerate(lists):
+        packed.add(f"rollout-{i}", array("Q", values))
+    assert len(packed) == len(lists)
+    for i, values in enumerate(lists):
+        assert packed.find(f"rollout-{i}") == values
+    assert packed.find("never-added") == []
+
+
+def test_packed_places_of_a_rollout_take_a_few_bytes_each() -> None:
+    packed = Packed(low_bits=32)
+    places = [(1_000 + 7 * i) << 32 | (i % 3) for i in range(100)]
+    packed.add("r", places)
+    assert packed.find("r") == places
+    assert len(packed._values) <= 3 * len(places)

@@ -96,6 +96,10 @@ class Loading:
     _index_groups: LRU[tuple[str, int], dict[str, list[Any]]]
     _refs: LRU[str, CallRef]
     _ledger_files: LRU[str, list[dict[str, Any]]]
+    #: A units index keeps a key per call (`UnitIndex.calls`) ...
+    _call_keys: bool
+    #: ... or starts to, the first time a call is read by a key it has not read lately.
+    _keys_on_demand: bool
 
     def _caches(self, cache_bytes: int, cache_tokens: int, per_unit: bool) -> None:
         self._index_groups = LRU(INDEX_GROUP_ROWS, lambda cols: 16 + len(cols["call_id"]))
@@ -152,10 +156,19 @@ class Loading:
         if isinstance(idx, Index):
             return idx.calls.get(key)
         ref = self._refs.get(key)
-        if ref is not None or idx.calls is None:
-            # Without call keys a call is found through its rollout (`ParquetSource.full`).
+        if ref is not None:
             return ref
-        for u, g in idx.calls.find(key):
+        calls = idx.calls
+        if calls is None:
+            if not self._keys_on_demand:
+                # Without call keys a call is found through its rollout (`ParquetSource.full`).
+                return None
+            # A read by key of a call not read lately (a trainer's fetch through the proxy):
+            # from now on this reader keeps a key per call. The flags change only once the
+            # keys are built: a read that fails meanwhile leaves the reader as it was.
+            calls = idx.key_calls(self.dfs)
+            self._call_keys, self._keys_on_demand = True, False
+        for u, g in calls.find(key):
             path = idx.units[u][CALLS]
             cols = self._index_group(path, g)
             try:

@@ -112,6 +112,8 @@ __all__ = ["ParquetSink", "ParquetSource"]
 
 #: How often the writer's reader picks up other writers' units on a shared dataset (seconds).
 _FOLLOW_S = 5.0
+#: The writer's reader's row-group cache (and a sixteenth of it in tokens of full sequences).
+_READER_CACHE_BYTES = 8 << 20
 
 log = logging.getLogger(__name__)
 
@@ -192,10 +194,18 @@ class ParquetSink:
             ) from exc
         try:
             # Rebuilds parents' sequences on a cache miss and the keys of a rollout that comes
-            # back; only the writer thread uses it. Indexed per unit, with no key per call (a
-            # parent is found through its rollout): it lives as long as this.
+            # back, and is lent to the proxy (`own_source`: resume, manifests, read routes), so
+            # the process indexes the store once. Indexed per unit; a key per call only once a
+            # read by key needs one (the writer finds a parent through its rollout). It lives as
+            # long as this, so its caches are small (a resume reads a few rollouts' calls).
             self._reader = ParquetSource(
-                location, url=self.url, dfs=dfs, index="units", call_keys=False
+                location,
+                url=self.url,
+                dfs=dfs,
+                index="units",
+                call_keys="on_demand",
+                cache_bytes=_READER_CACHE_BYTES,
+                cache_tokens=_READER_CACHE_BYTES // 16,
             )
             known = self._reader.known()
             self._events = EventHeads(self._reader.event_heads(), self._stored_head)
@@ -323,6 +333,12 @@ class ParquetSink:
             part.rows[LEDGER].append(orphan_row(call_id, rollout_id, reason, _now_ms()))
 
         await self._writer.submit(work)
+
+    def own_source(self) -> ParquetSource:
+        """The writer's own reader on the dataset, lent to the proxy (`SinkWithSource`): one
+        index of the store in the process, not two. Thread-safe (its reads are serialized,
+        the writer thread's among them); it sees every commit; `close` releases it."""
+        return self._reader
 
     def stats(self) -> dict[str, float]:
         """Writer figures for /metrics (names without the ``capture_proxy_sink_`` prefix)."""

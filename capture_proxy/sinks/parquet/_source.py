@@ -93,7 +93,11 @@ class ParquetSource(Loading):
     `cache_tokens` the rebuilt full sequences (a child is its parent's prefix plus a delta).
     With ``index="units"``, ``call_keys=False`` keeps no key of each call (16 bytes a call):
     `fetch`, `coords` and `full` then find a call only through its rollout (`calls`,
-    `summaries`, or `full`'s `rollout_id`), as a writer's own reader does.
+    `summaries`, or `full`'s `rollout_id`), or among the calls read lately.
+    ``call_keys="on_demand"`` starts the same, and the first read by a key not read lately
+    (`fetch`, `coords`, `full` without its rollout) reads every calls file's ids once and keeps
+    a key per call from then on: what the writer's reader, lent to the proxy, does (a resume
+    reads a rollout's calls through the rollout; a trainer reading the proxy by key needs keys).
     """
 
     def __init__(
@@ -106,7 +110,7 @@ class ParquetSource(Loading):
         filesystem: pafs.FileSystem | None = None,
         dfs: DatasetFS | None = None,
         index: Literal["calls", "units"] = "calls",
-        call_keys: bool = True,
+        call_keys: bool | Literal["on_demand"] = True,
     ) -> None:
         self.url = url or default_url(location)
         self.dfs = dfs or DatasetFS(location, filesystem)
@@ -124,7 +128,8 @@ class ParquetSource(Loading):
         #: Open `snapshot` blocks (reads inside one do not re-list).
         self._held = 0
         self._per_unit = index == "units"
-        self._call_keys = call_keys or not self._per_unit
+        self._call_keys = call_keys is True or not self._per_unit
+        self._keys_on_demand = call_keys == "on_demand" and self._per_unit
         #: A units index keeps the event heads until `event_heads` takes them.
         self._collect_heads = self._per_unit
         self._index: Index | UnitIndex = self._new_index()
