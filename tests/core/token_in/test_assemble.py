@@ -183,6 +183,12 @@ def test_divergence_over_long_prompts_is_the_first_differing_position(
     assert divergence(array("i", a), b) == expected
     assert divergence(array("i", a), array("i", b)) == expected
 
+    # Ids known to be the same at the start (`same`, any count up to the first difference)
+    # are not compared again, and change nothing.
+    for same in {0, shared // 2, shared}:
+        assert divergence(a, b, same=same) == expected
+        assert divergence(array("i", a), array("i", b), same=same) == expected
+
 
 def test_common_suffix() -> None:
     assert common_suffix([1, 5, 2, 3], [1, 6, 2, 3]) == [2, 3]
