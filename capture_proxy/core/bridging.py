@@ -318,11 +318,13 @@ async def token_in_prompt(
     status, raw = answers[0]
     if status != 200:
         raise RenderRefused(status, raw)
-    got = _bridged(verdict, bridge, cached, answers[1:], closes)
+    # The prior's prompt JSON, when kept: the renders' ids mostly start as it does.
+    kept = prompts.get(verdict.prior.prompt_ids) if prompts is not None else None
+    got = _bridged(verdict, bridge, cached, answers[1:], closes, kept)
     if isinstance(got, NotBridged):
         rendered, plain_ids = _plain(status, raw)
         return TokenInPrompt(rendered, plain_ids, segment_break=_break(got))
-    ids_json = _bridged_json(got, verdict.prior, prompts)
+    ids_json = _bridged_json(got, verdict.prior, kept)
     # The plain rendering mostly spells the bridged prompt's ids: only the rest is decoded.
     rendered = read_render(raw, known=(ids_json, got.prompt_ids))
     features, why = bridged_features(got.media, rendered.features)
@@ -334,7 +336,7 @@ async def token_in_prompt(
         got.prompt_ids,
         tuple(got.bridge_spans),
         None,
-        divergence(got.prompt_ids, rendered.prompt_ids),
+        divergence(got.prompt_ids, rendered.prompt_ids, same=rendered.known_prefix),
         features,
         got.media,
         ids_json,
@@ -351,10 +353,9 @@ def _bridged_array(got: Bridged, prior: Prior) -> array[int] | None:
     return head + array("i", got.prompt_ids[len(head) :])
 
 
-def _bridged_json(got: Bridged, prior: Prior, prompts: PromptJson | None) -> bytes:
+def _bridged_json(got: Bridged, prior: Prior, kept: bytes | None) -> bytes:
     """The bridged prompt's JSON: it starts with the prior's prompt ids (`assemble`), so the
-    prior's JSON when kept, extended by the ids after them."""
-    kept = prompts.get(prior.prompt_ids) if prompts is not None else None
+    prior's JSON when kept (`PromptJson`), extended by the ids after them."""
     if kept is None:
         return encode_ids(got.prompt_ids)
     return extend_ids_json(kept, got.prompt_ids[len(prior.prompt_ids) :])
@@ -377,11 +378,13 @@ def _bridged(
     cached: IdsPair | None,
     answers: Sequence[tuple[int, bytes]],
     closes: CloseRenders,
+    kept: bytes | None = None,
 ) -> Bridged | NotBridged:
     """The bridged prompt from the plan's render answers (in `BridgePlan.requests` order, the
     close pair left out when `cached`). Each pair is read once, and only from where its two
     lists' common suffix starts (`read_render_pair`): that suffix, and whether the two are the
-    same, is all `assemble` reads of a pair."""
+    same, is all `assemble` reads of a pair. `kept`: the prior's prompt JSON, which the
+    answers' ids mostly start with (not parsed again)."""
     for status, raw in answers:
         if status != 200:
             text = raw[:200].decode(errors="replace")
@@ -392,7 +395,7 @@ def _bridged(
     features: list[Any] = []
     try:
         for i in range(0, len(answers), 2):
-            ids, pair_features = read_render_pair(answers[i][1], answers[i + 1][1])
+            ids, pair_features = read_render_pair(answers[i][1], answers[i + 1][1], kept)
             pairs.append(ids)
             features.extend(pair_features)
         suffix_features = (features[-2], features[-1])

@@ -270,6 +270,7 @@ class Exchange(TokenInSteps):
         self.token_in = False
         self._prompt: TokenInPrompt | None = None
         self._render_body = b""
+        self._line: str | None = None
 
     # -- prepare -----------------------------------------------------------------------------
 

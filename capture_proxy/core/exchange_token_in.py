@@ -11,6 +11,7 @@ the rollout's next token-in call and reports it to the metrics.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from collections.abc import AsyncGenerator, Mapping, Sequence
@@ -46,6 +47,7 @@ from .transport import (
     TokenInTransport,
     UpstreamReply,
     UpstreamTransport,
+    token_in_transport,
 )
 
 if TYPE_CHECKING:
@@ -71,6 +73,8 @@ class TokenInSteps:
     #: The call's prompt and the request rendered for it, encoded (set by `_post_token_in`).
     _prompt: TokenInPrompt | None
     _render_body: bytes
+    #: The call's line of calls (`token_in_line`), hashed once per call (`_token_in_line`).
+    _line: str | None
 
     @property
     def admitted(self) -> Call:
@@ -93,10 +97,16 @@ class TokenInSteps:
 
     @property
     def _upstream(self) -> TokenInTransport:
-        upstream = self.upstream  # the call's replica's, with several
-        if not isinstance(upstream, TokenInTransport):
+        upstream = token_in_transport(self.upstream)  # the call's replica's, with several
+        if upstream is None:
             raise UpstreamFailed(SCALE_OUT_DISABLED, code="scale_out_disabled", status=503)
         return upstream
+
+    @property
+    def _token_in_line(self) -> str:
+        if self._line is None:
+            self._line = token_in_line(self.request)
+        return self._line
 
     async def _post_token_in(self) -> UpstreamReply:
         """Render the call's prompt and post it to generate; the reply once its headers are in.
@@ -112,7 +122,7 @@ class TokenInSteps:
         self._prompt = await token_in_prompt(
             upstream,
             self.pipeline.close_renders,
-            self.admitted.rollout.token_in_prior(token_in_line(self.request)),
+            self.admitted.rollout.token_in_prior(self._token_in_line),
             self.request,
             self._render_body,
             self.pipeline.prompt_json,
@@ -127,11 +137,18 @@ class TokenInSteps:
         assert prompt is not None
         assert self.plan is not None
         try:
-            generated = read_generate(raw)
             body = derender_body(
                 raw, prompt.prompt_ids, self._render_body, ids_json=prompt.prompt_json
             )
-            derendered = await self._derender(body)
+            # Derender takes generate's answer as it came: it is sent first, and the answer is
+            # read for the record while vLLM derenders it (not before).
+            derendering = asyncio.ensure_future(self._derender(body))
+            try:
+                generated = read_generate(raw)
+            except BaseException:
+                derendering.cancel()  # not started yet: nothing was sent
+                raise
+            derendered = await derendering
         except UpstreamProtocolError as e:
             malformed = UpstreamFailed(
                 f"the upstream answer is malformed: {e.message}", code=e.reason
@@ -209,7 +226,7 @@ class TokenInSteps:
             finish_reason=completion.finish_reason,
             media=prompt.media,
         )
-        line = token_in_line(self.request)
+        line = self._token_in_line
         replaced = call.rollout.token_in_priors.get(line)
         call.rollout.remember_token_in(call.seq, line, prior)
         kept = call.rollout.token_in_priors.get(line)

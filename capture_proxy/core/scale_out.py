@@ -57,8 +57,11 @@ async def check_scale_out(upstream: UpstreamTransport, model: str) -> UpstreamIn
     asked for again (at most every few seconds, by an upstream that can: `ScaleOutCheck`), so
     a vLLM restarted with ``--enable-scale-out`` is used without waiting for a refresh."""
     info = await upstream.info(model)
-    check = upstream if isinstance(upstream, ScaleOutCheck) else None
-    if info.scale_out is False and check is not None and await check.scale_out_served():
+    if info.scale_out is False and isinstance(upstream, ScaleOutCheck):
+        served = await upstream.scale_out_served()
+    else:
+        served = None
+    if served:
         info = await upstream.info(model)
     require_scale_out(info)
     return info

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, cast, runtime_checkable
 
 from ..errors import UpstreamFailed
 
@@ -29,6 +29,7 @@ __all__ = [
     "UpstreamReply",
     "UpstreamRestarted",
     "UpstreamTransport",
+    "token_in_transport",
 ]
 
 
@@ -118,6 +119,16 @@ class EngineRoute(StrEnum):
     GENERATE = "/inference/v1/generate"
     #: A generate answer (or one streamed chunk with its state) in, a Chat Completions answer out.
     DERENDER = "/v1/chat/completions/derender"
+
+
+def token_in_transport(upstream: UpstreamTransport) -> TokenInTransport | None:
+    """`upstream` when it is a `TokenInTransport` (it has `TokenInTransport.post_engine`), else
+    None. What ``isinstance(upstream, TokenInTransport)`` says of an `UpstreamTransport`, looking
+    up the one member it adds rather than every member of both protocols (about 12 µs a call,
+    paid on every token-in call's path)."""
+    if callable(getattr(upstream, "post_engine", None)):
+        return cast(TokenInTransport, upstream)
+    return None
 
 
 #: The message of `UpstreamFailed` (code ``scale_out_disabled``, status 503) when the upstream

@@ -51,6 +51,10 @@ class _Conn(asyncio.Protocol):
         self.lost: BaseException | None = None
         self.closed = False
         self.until_eof = False  # an answer with neither Content-Length nor chunked
+        #: A read of the whole body waits: woken at its end only, each chunk noted by `watch`.
+        self.whole = False
+        self.watch: ReadWatch | None = None
+        self.timed_out = False  # no answer began within the first-byte timeout
         self._framed = False
         self._wake: asyncio.Future[None] | None = None
         self.idle_since = 0.0
@@ -67,6 +71,12 @@ class _Conn(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             self.lost = exc
             self._close()
+        if self.whole and not self.complete and self.lost is None:
+            # The reader wants the whole body: a chunk only restarts its idle timeout.
+            watch = self.watch
+            if watch is not None:
+                watch.waiting_since = watch.loop.time()
+            return
         self._wakeup()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -103,7 +113,8 @@ class _Conn(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.body = []
         self.headers_done = self.complete = self._framed = self.until_eof = False
-        self.keep_alive = False
+        self.keep_alive = self.whole = self.timed_out = False
+        self.watch = None
         assert self.transport is not None
         self.transport.writelines(request)
 
@@ -114,6 +125,11 @@ class _Conn(asyncio.Protocol):
             await self._wake
         finally:
             self._wake = None
+
+    def time_out(self) -> None:
+        """The first-byte timeout passed: wake the waiting request."""
+        self.timed_out = True
+        self._wakeup()
 
     def _wakeup(self) -> None:
         wake = self._wake
@@ -177,22 +193,24 @@ class RpcPool:
         conn = await self._connection(path)
         head = f"POST {path} HTTP/1.1\r\n{self._head}Content-Length: {len(body)}\r\n\r\n"
         conn.start((head.encode("latin-1"), body))
+        # One timer handle, not `asyncio.timeout()`'s context: a few µs less per request.
+        timer = asyncio.get_running_loop().call_later(first_byte, conn.time_out)
         try:
-            async with asyncio.timeout(first_byte):
-                while not conn.headers_done:
-                    if conn.lost is not None:
-                        raise _unreachable(conn.lost)
-                    await conn.progress()
-        except TimeoutError as exc:
-            conn._close()
-            raise UpstreamFailed(
-                f"the upstream sent no response within {first_byte:g}s",
-                code="upstream_timeout",
-                status=504,
-            ) from exc
+            while not conn.headers_done:
+                if conn.lost is not None:
+                    raise _unreachable(conn.lost)
+                if conn.timed_out:
+                    raise UpstreamFailed(
+                        f"the upstream sent no response within {first_byte:g}s",
+                        code="upstream_timeout",
+                        status=504,
+                    ) from TimeoutError()  # the cause `asyncio.timeout` would give
+                await conn.progress()
         except BaseException:
             conn._close()
             raise
+        finally:
+            timer.cancel()
         return RpcReply(self, conn, idle, deadline, total)
 
     async def _connection(self, path: str) -> _Conn:
@@ -289,28 +307,34 @@ class RpcReply:
             raise UpstreamFailed(
                 "the upstream answer broke off: the reply was closed", code="upstream_broken"
             )
-        loop = asyncio.get_running_loop()
-        while not conn.complete:
-            if conn.lost is not None:
-                self.close()
-                raise UpstreamFailed(
-                    f"the upstream answer broke off: {type(conn.lost).__name__}: {conn.lost}",
-                    code="upstream_broken",
-                ) from conn.lost
-            wait = self._idle
-            if self._deadline is not None:
-                wait = min(wait, self._deadline - loop.time())
-            try:
-                async with asyncio.timeout(wait):
-                    await conn.progress()
-            except TimeoutError as exc:
-                self.close()
-                if self._deadline is not None and loop.time() >= self._deadline:
-                    raise past_deadline(self._total) from exc
-                raise UpstreamFailed(
-                    f"the upstream answer broke off: {type(exc).__name__}: {exc}",
-                    code="upstream_broken",
-                ) from exc
+        watch: ReadWatch | None = None
+        try:
+            while not conn.complete:
+                if conn.lost is not None:
+                    self.close()
+                    raise UpstreamFailed(
+                        f"the upstream answer broke off: {type(conn.lost).__name__}: {conn.lost}",
+                        code="upstream_broken",
+                    ) from conn.lost
+                if watch is None:
+                    # One timer for the whole body (the idle timeout restarted by each chunk,
+                    # the deadline), and the reader woken once, at its end: not a timer and a
+                    # wake-up per chunk.
+                    watch = ReadWatch(self._idle, self._deadline, lambda _kind: conn._wakeup())
+                    watch.waiting_since = watch.loop.time()
+                    conn.watch, conn.whole = watch, True
+                elif watch.expired is not None:
+                    self.close()
+                    if watch.expired == "deadline":
+                        raise past_deadline(self._total) from TimeoutError()
+                    raise UpstreamFailed(
+                        "the upstream answer broke off: TimeoutError: ", code="upstream_broken"
+                    ) from TimeoutError()
+                await conn.progress()
+        finally:
+            if watch is not None:
+                watch.stop()
+                conn.watch, conn.whole = None, False
         self._body = b"".join(conn.body)
         conn.body = []
         self._conn = None

@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import json
 from array import array
+from collections.abc import Callable
+from typing import Any
 
 import orjson
 import pytest
@@ -243,6 +245,119 @@ def test_a_render_read_against_known_ids_still_checks_the_ids_it_decodes() -> No
     for bad in (b'{"token_ids": [1, 2, "x"]}', b'{"token_ids": [1,2,3.5]}'):
         with pytest.raises(UpstreamProtocolError, match="no_token_ids"):
             read_render(bad, known=known)
+
+
+def _compact_answer(ids: list[int], rest: bytes = b',"features":null}') -> bytes:
+    """A render answer as vLLM writes it (compact, the request id first): the reads that cut
+    out the ids a known list spells (`_without_known`) apply to it."""
+    return b'{"request_id":"chatcmpl-9f","token_ids":' + orjson.dumps(ids) + rest
+
+
+_RESTS = st.sampled_from(
+    [
+        b',"features":null}',
+        b',"features":null,"sampling_params":{"max_tokens":7,"stop":[","]}}',
+        b"}",
+    ]
+)
+
+
+@given(
+    st.lists(st.integers(0, 300), max_size=40),
+    st.lists(st.integers(0, 300), max_size=6),
+    st.lists(st.integers(0, 300), max_size=6),
+    st.lists(st.integers(0, 300), max_size=20),
+    st.one_of(st.none(), st.lists(st.integers(0, 300), max_size=50)),
+    _RESTS,
+)
+def test_a_compact_render_pair_read_against_known_ids_reads_as_a_whole_parse(
+    head: list[int],
+    one: list[int],
+    two: list[int],
+    tail: list[int],
+    known: list[int] | None,
+    rest: bytes,
+) -> None:
+    # `known` (the previous call's prompt) shares any prefix with the answers' ids, or none.
+    a, b = [*head, *one, *tail], [*head, *two, *tail]
+    first, second = _compact_answer(a, rest), _compact_answer(b, rest)
+    whole = read_render_pair(_spaced(first), _spaced(second))  # spaced: parsed whole
+    for known_json in (None, orjson.dumps(known) if known is not None else None):
+        assert read_render_pair(first, second, known_json) == whole
+    (x, y), _ = whole
+    assert _suffix(x, y) == _suffix(a, b)
+    assert (x == y) == (a == b)
+
+
+@given(
+    st.lists(st.integers(0, 300), max_size=30),
+    st.lists(st.integers(0, 300), max_size=8),
+    st.lists(st.integers(0, 300), max_size=8),
+    _RESTS,
+)
+def test_a_compact_render_read_against_known_ids_reads_as_a_whole_parse(
+    head: list[int], one: list[int], two: list[int], rest: bytes
+) -> None:
+    answer_ids, known_ids = [*head, *one], [*head, *two]
+    answer = _compact_answer(answer_ids, rest)
+    whole = read_render(answer)
+    rendered = read_render(answer, known=(orjson.dumps(known_ids), known_ids))
+    assert rendered.prompt_ids == whole.prompt_ids == answer_ids
+    assert rendered.ids_json == whole.ids_json == orjson.dumps(answer_ids)
+    assert rendered.sampling_params == whole.sampling_params
+    assert rendered.features == whole.features
+    assert dict(rendered.rest) == dict(whole.rest)
+    assert dict(rendered.unary) == dict(whole.unary)
+    assert rendered.generate_body() == whole.generate_body()
+    # The ids read as known's are the same ids: where the two lists first differ is after them.
+    shared = next(
+        (i for i, (p, q) in enumerate(zip(answer_ids, known_ids, strict=False)) if p != q),
+        min(len(answer_ids), len(known_ids)),
+    )
+    assert rendered.known_prefix <= shared
+
+
+_START = b'{"request_id":"r","token_ids":[1,2,3,'
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        _START + b'"x"]}',  # not an int after the known ones
+        _START + b"4",  # cut short
+        _START + b"4]",  # no object's end
+        _START + b"4],}",  # a trailing comma
+        _START + b'4],"features":nul}',  # garbled after the list
+    ],
+)
+def test_a_compact_render_read_against_known_ids_fails_as_a_whole_parse(bad: bytes) -> None:
+    known_ids = [1, 2, 3, 4]
+    known = (orjson.dumps(known_ids), known_ids)
+    good = _compact_answer(known_ids)
+    # The same error, message included, as the whole answer's parse.
+    assert _failure(read_render, bad, known=known) == _failure(read_render, bad)
+    whole_pair = _failure(read_render_pair, _spaced(good), bad)
+    assert _failure(read_render_pair, good, bad, known[0]) == whole_pair
+    assert _failure(read_render_pair, good, bad) == whole_pair
+
+
+def _failure(read: Callable[..., object], *args: Any, **kwargs: Any) -> tuple[str, str]:
+    with pytest.raises(UpstreamProtocolError) as info:
+        read(*args, **kwargs)
+    return info.value.reason, info.value.message
+
+
+def test_a_pair_s_shared_ids_that_are_not_ints_are_not_cut_out() -> None:
+    # The first answer's list is only parsed as JSON: the second's bytes it shares with it are
+    # cut out only when they are digits and commas (a string may hold a comma).
+    first = b'{"request_id":"r","token_ids":["a,b",1,2,3]}'
+    second = b'{"request_id":"r","token_ids":["a,b",1,2,4]}'
+    assert read_render_pair(first, second) == read_render_pair(_spaced(first), _spaced(second))
+
+
+def _spaced(answer: bytes) -> bytes:
+    """The same answer with a space after its first key: read by a whole parse."""
+    return answer.replace(b'{"request_id":', b'{"request_id": ', 1)
 
 
 @pytest.mark.parametrize("name", ["generate-tools-stream.sse", "generate-chat-stream.sse"])

@@ -252,6 +252,25 @@ async def test_a_body_that_stalls_past_the_idle_timeout_is_upstream_broken() -> 
     assert failed.code == "upstream_broken"
 
 
+async def test_each_piece_of_a_slow_body_restarts_the_idle_timeout() -> None:
+    body = b'{"token_ids":[1,2,3]}'
+    head = f"HTTP/1.1 200 OK\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+
+    async def in_pieces(writer: asyncio.StreamWriter) -> None:
+        # Six pieces 0.15 s apart: 0.75 s in all, each wait under the 0.3 s idle timeout.
+        for piece in (head + body[:4], *(body[i : i + 4] for i in range(4, len(body), 4))):
+            writer.write(piece)
+            await writer.drain()
+            await asyncio.sleep(0.15)
+
+    async with Scripted(in_pieces) as url:
+        up = HTTPUpstream(url, idle_timeout=0.3)
+        try:
+            assert await post(up) == (200, body)
+        finally:
+            await up.close()
+
+
 async def test_a_body_not_whole_by_the_total_timeout_is_upstream_deadline() -> None:
     head = b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n"
     server = Scripted(stalled(head + b'{"token_ids":', 2.0))

@@ -73,7 +73,7 @@ def derender_body(
     request (vLLM needs all three when a reasoning or tool parser is configured; `chat_request`
     may be given already encoded, and the prompt ids as `ids_json`, a JSON list)."""
     tail = derender_tail(prompt_ids, chat_request, ids_json=ids_json)
-    return b'{"generate_response":' + generate_answer + tail
+    return b"".join((b'{"generate_response":', generate_answer, tail))  # one copy, not two
 
 
 def derender_tail(

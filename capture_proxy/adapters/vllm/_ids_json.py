@@ -15,7 +15,13 @@ from collections.abc import Sequence
 import msgspec
 import orjson
 
-__all__ = ["encode_ids", "extend_ids_json", "ids_after_known"]
+__all__ = [
+    "common_prefix_len",
+    "encode_ids",
+    "extend_ids_json",
+    "ids_after_known",
+    "read_known_ids",
+]
 
 _decode_ids = msgspec.json.Decoder(list[int]).decode
 
@@ -42,23 +48,30 @@ def ids_after_known(ids: bytes, known: bytes, known_ids: Sequence[int]) -> list[
     """The ids of the JSON list `ids`: `known_ids` as far as `ids` spells them byte for byte
     as the JSON list `known` does (every id before the first byte that differs), then the
     rest decoded. `msgspec.DecodeError` when that rest is not a list of ints."""
-    shared = _common_prefix_len(ids, known)
+    return read_known_ids(ids, known, known_ids)[0]
+
+
+def read_known_ids(ids: bytes, known: bytes, known_ids: Sequence[int]) -> tuple[list[int], int]:
+    """`ids_after_known`, and how many of the ids at its start were read as `known_ids`' (the
+    same bytes: the same ids; a lower bound of where the two lists first differ)."""
+    shared = common_prefix_len(ids, known)
     if shared == len(ids) == len(known):
-        return list(known_ids)
+        return list(known_ids), len(known_ids)
     # Every id ending before the first difference is followed by a comma before it.
     whole = ids.count(b",", 0, shared)
     if whole == 0:
-        return _decode_ids(ids)
+        return _decode_ids(ids), 0
     rest = _decode_ids(b"[" + ids[ids.rfind(b",", 0, shared) + 1 :])
     head = known_ids[:whole]
-    return head + rest if isinstance(head, list) else [*head, *rest]
+    return (head + rest if isinstance(head, list) else [*head, *rest]), whole
 
 
-def _common_prefix_len(a: bytes, b: bytes) -> int:
-    """How many bytes `a` and `b` start with in common: blocks compared in C, then bytes."""
-    n = min(len(a), len(b))
+def common_prefix_len(a: bytes, b: bytes, start: int = 0) -> int:
+    """How many bytes `a` from `start` on and `b` start with in common: blocks compared in C,
+    then bytes."""
+    n = min(len(a) - start, len(b))
     k = 0
     for block in (4096, 256, 16, 1):
-        while k + block <= n and a[k : k + block] == b[k : k + block]:
+        while k + block <= n and a[start + k : start + k + block] == b[k : k + block]:
             k += block
     return k

@@ -14,6 +14,7 @@ measured)"), decoded once (msgspec, only the fields read typed):
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,7 +23,7 @@ import msgspec
 import orjson
 
 from ._generate import malformed
-from ._ids_json import encode_ids, ids_after_known
+from ._ids_json import common_prefix_len, encode_ids, read_known_ids
 from ._wire import UpstreamProtocolError
 
 __all__ = ["Rendered", "read_render", "read_render_pair"]
@@ -52,6 +53,9 @@ class Rendered:
     unary: Mapping[str, msgspec.Raw] = field(default_factory=dict)
     #: `prompt_ids` as the JSON they came as (None: encode them when needed).
     ids_json: bytes | None = None
+    #: How many of `prompt_ids` at their start were read as `read_render`'s ``known`` ids
+    #: (byte for byte the same JSON): they are those ids, not compared again (`divergence`).
+    known_prefix: int = 0
 
     @property
     def prompt_json(self) -> bytes:
@@ -96,9 +100,19 @@ def read_render(raw: bytes, known: tuple[bytes, Sequence[int]] | None = None) ->
     start with (a bridged prompt, against the plain rendering of the same request): the
     answer's ids are decoded only from the first one whose JSON is not byte for byte the same
     as `known`'s; those before it are `known`'s (the same bytes are the same ids)."""
-    fields = _fields("render", raw)
-    ids, features = _ids_and_features(fields, known)
-    ids_json = bytes(fields["token_ids"])
+    cut = _without_known(raw, known[0], ints=True) if known is not None else None
+    fields = _known_fields(cut) if cut is not None else None
+    if cut is None or fields is None:
+        fields = _fields("render", raw)
+        ids, features, known_prefix = _ids_and_features(fields, known)
+        ids_json = bytes(fields["token_ids"])
+    else:
+        assert known is not None
+        ids, features, _ = _ids_and_features(fields)
+        known_prefix = cut.ids.count(b",")
+        head = known[1][:known_prefix]
+        ids = head + ids if isinstance(head, list) else [*head, *ids]
+        ids_json = cut.whole_list(fields["token_ids"])
     params = fields.get("sampling_params", _NULL)
     try:
         decoded = {} if params == _NULL else _decode_object(params)
@@ -111,6 +125,7 @@ def read_render(raw: bytes, known: tuple[bytes, Sequence[int]] | None = None) ->
         rest={k: v for k, v in fields.items() if k not in _WRITTEN},
         unary={k: v for k, v in fields.items() if k in ("stream", "stream_options")},
         ids_json=ids_json,
+        known_prefix=known_prefix,
     )
 
 
@@ -124,7 +139,9 @@ _decode_render_raw = msgspec.json.Decoder(_RenderRaw).decode
 _SEPARATORS = frozenset(b"[, \t\r\n")
 
 
-def read_render_pair(first: bytes, second: bytes) -> tuple[tuple[list[int], list[int]], Any]:
+def read_render_pair(
+    first: bytes, second: bytes, known: bytes | None = None
+) -> tuple[tuple[list[int], list[int]], Any]:
     """Two render answers that differ in one message's content (the bridge's pairs): of each,
     the token ids from the last one that is not in their common suffix to the end (the whole
     list when there is none: for two answers with the same ids, both lists), and the
@@ -134,26 +151,97 @@ def read_render_pair(first: bytes, second: bytes) -> tuple[tuple[list[int], list
     same exactly when the answers' lists are: all the bridge reads of a pair, without decoding
     the ids the two share at their start (an agent's system prompt and tools: most of them).
     Those are checked to be JSON, the returned ones to be ints. `UpstreamProtocolError` as
-    `read_render`.
+    `read_render`. `known`, when given, is a JSON list of checked ints the answers' ids likely
+    start with (the previous call's prompt: the same system prompt and tools): the ids they
+    spell byte for byte as it does are not parsed again, as the second's are not against the
+    first's.
     """
-    (a, a_features), (b, b_features) = _render_raw(first), _render_raw(second)
+    a, a_features = _render_raw(first, known, ints=True)
+    # The second mostly spells the same ids: only the rest of it is parsed.
+    b, b_features = _render_raw(second, known, ints=True) if known else _render_raw(second, a)
     shared = _common_suffix_len(a, b)
     ids = (_decode_tail(a, len(a) - shared), _decode_tail(b, len(b) - shared))
     return ids, (a_features, b_features)
 
 
-def _render_raw(raw: bytes) -> tuple[bytes, Any]:
-    """A render answer's ``token_ids`` as the JSON it came as, and its ``features``."""
-    try:
-        answer = _decode_render_raw(raw)
-    except msgspec.ValidationError as exc:
-        raise UpstreamProtocolError("no_token_ids", f"the render answer: {exc}") from exc
-    except msgspec.DecodeError as exc:
-        raise malformed("render", exc) from exc
-    ids = bytes(answer.token_ids)
+def _render_raw(raw: bytes, known: bytes | None = None, *, ints: bool = False) -> tuple[bytes, Any]:
+    """A render answer's ``token_ids`` as the JSON it came as, and its ``features``. `known`:
+    a JSON list the answer's ids likely start with, `ints` when it is checked to hold only
+    ints (`_without_known`)."""
+    cut = _without_known(raw, known, ints=ints) if known else None
+    answer = None
+    if cut is not None:
+        try:
+            answer = _decode_render_raw(cut.rest)
+        except msgspec.DecodeError:  # a validation error too: the whole answer says which
+            answer = None
+    if answer is None:
+        cut = None
+        try:
+            answer = _decode_render_raw(raw)
+        except msgspec.ValidationError as exc:
+            raise UpstreamProtocolError("no_token_ids", f"the render answer: {exc}") from exc
+        except msgspec.DecodeError as exc:
+            raise malformed("render", exc) from exc
+    ids = bytes(answer.token_ids) if cut is None else cut.whole_list(answer.token_ids)
     if not (ids.startswith(b"[") and ids.endswith(b"]")):
         raise UpstreamProtocolError("no_token_ids", "the render answer has no token_ids list")
     return ids, answer.features
+
+
+#: How vLLM's ``GenerateRequest`` answers start: a request id of these bytes, then the ids. An
+#: answer that starts so has its ``token_ids`` list found without a parse (`_without_known`).
+_HEAD = re.compile(rb'\{"request_id":"[A-Za-z0-9._:-]*","token_ids":\[')
+
+
+@dataclass(frozen=True, slots=True)
+class _Cut:
+    """A render answer with the ids it spells byte for byte as a known list cut out."""
+
+    #: The answer without them: its start up to ``[``, then the rest of the list (and object).
+    rest: bytes
+    #: The ids cut out, as their JSON, each followed by its comma: the known list's first ones.
+    ids: bytes
+
+    def whole_list(self, tail: bytes) -> bytes:
+        """The answer's whole ``token_ids`` JSON from the rest's (`tail`, ``[`` ...)."""
+        return b"".join((b"[", self.ids, bytes(tail)[1:]))
+
+
+#: What a JSON list of ints is made of, compact (`_without_known` of an unchecked list).
+_INT_LIST_BYTES = b"0123456789,"
+
+
+def _without_known(raw: bytes, known: bytes, *, ints: bool) -> _Cut | None:
+    """`raw`, a render answer, with the ids at its ``token_ids``' start that are byte for byte
+    those of `known` (a JSON list) cut out, or None when it does not start as vLLM's do
+    (`_HEAD`) or shares no whole id with `known`. `ints`: `known` is checked to hold only
+    ints; when not, the bytes cut must be digits and commas only.
+
+    The answer is valid JSON, and means the same, exactly when its rest is: the bytes cut are
+    a run of whole ints, each followed by its comma, from just after the ``[`` to just after a
+    comma. So only the rest is parsed (a few hundred bytes instead of a render's 80 KB)."""
+    head = _HEAD.match(raw)
+    if head is None:
+        return None
+    start = head.end() - 1  # the list's "["
+    shared = common_prefix_len(raw, known, start)
+    end = raw.rfind(b",", start, start + shared) + 1  # after the last comma both lists share
+    if end <= 0:
+        return None
+    ids = raw[start + 1 : end]
+    if not ints and ids.translate(None, _INT_LIST_BYTES):
+        return None
+    return _Cut(raw[: start + 1] + raw[end:], ids)
+
+
+def _known_fields(cut: _Cut) -> dict[str, msgspec.Raw] | None:
+    """The fields of a cut answer (`_without_known`); None when it is not an object (the
+    whole answer then says why)."""
+    try:
+        return _decode_fields(cut.rest)
+    except msgspec.DecodeError:
+        return None
 
 
 def _common_suffix_len(a: bytes, b: bytes) -> int:
@@ -197,18 +285,19 @@ def _fields(route: str, raw: bytes) -> dict[str, msgspec.Raw]:
 
 def _ids_and_features(
     fields: Mapping[str, msgspec.Raw], known: tuple[bytes, Sequence[int]] | None = None
-) -> tuple[list[int], Any]:
+) -> tuple[list[int], Any, int]:
     value = fields.get("token_ids")
+    known_prefix = 0
     try:
         if value is None:
             ids = None
         elif known is None:
             ids = _decode_ids(value)
         else:
-            ids = ids_after_known(bytes(value), *known)
+            ids, known_prefix = read_known_ids(bytes(value), *known)
     except msgspec.DecodeError:
         ids = None
     if ids is None:
         raise UpstreamProtocolError("no_token_ids", "the render answer has no token_ids list")
     features = fields.get("features", _NULL)
-    return ids, None if features == _NULL else msgspec.json.decode(features)
+    return ids, None if features == _NULL else msgspec.json.decode(features), known_prefix

@@ -140,22 +140,25 @@ def _overlap(completion: Sequence[int], close: Sequence[int]) -> int:
     return 0
 
 
-def divergence(bridged_prompt: Sequence[int], plain_prompt: Sequence[int]) -> int | None:
+def divergence(
+    bridged_prompt: Sequence[int], plain_prompt: Sequence[int], *, same: int = 0
+) -> int | None:
     """The first position where the plain rendering differs from the bridged prompt (None: the
-    same tokens). A prompt that is a strict prefix of the other differs at its length."""
+    same tokens). A prompt that is a strict prefix of the other differs at its length. `same`:
+    how many ids at their start are already known to be equal (not compared again)."""
     a, b = bridged_prompt, plain_prompt
     if type(a) is not type(b) or not isinstance(a, list | array):
         a, b = list(a), list(b)
-    if a == b:
+    n = min(len(a), len(b))
+    i = min(same, n)
+    if i == 0 and a == b:
         return None
     # Whole blocks compared in C (two lists of 20k ids: no per-id Python loop), then the id.
-    n = min(len(a), len(b))
-    i = 0
     while i + _BLOCK <= n and a[i : i + _BLOCK] == b[i : i + _BLOCK]:
         i += _BLOCK
     while i < n and a[i] == b[i]:
         i += 1
-    return i
+    return None if i == n and len(a) == len(b) else i
 
 
 _BLOCK = 512

@@ -184,6 +184,21 @@ def test_divergence_over_long_prompts_is_the_first_differing_position(
     assert divergence(array("i", a), array("i", b)) == expected
 
 
+@given(st.integers(0, 2000), st.integers(0, 2000), st.integers(0, 2000), st.integers(0, 100))
+def test_divergence_after_ids_known_to_be_the_same_is_the_whole_comparison_s(
+    n: int, m: int, at: int, percent: int
+) -> None:
+    a = list(range(n))
+    b = list(range(m))
+    if at < m:
+        b[at] = -1
+    shared = next((i for i in range(min(n, m)) if a[i] != b[i]), min(n, m))
+    # Any count of ids up to the first difference, known to be the same, is not compared again.
+    same = shared * percent // 100
+    assert divergence(a, b, same=same) == divergence(a, b)
+    assert divergence(array("i", a), array("i", b), same=same) == divergence(a, b)
+
+
 def test_common_suffix() -> None:
     assert common_suffix([1, 5, 2, 3], [1, 6, 2, 3]) == [2, 3]
     assert common_suffix([1], [2]) == []
