@@ -7,7 +7,7 @@ something only in a ``capture-proxy serve`` process (the soak's proxy). Every 10
 JSON line to ``$SOAK_PROBE_OUT/probe.jsonl``: seconds since start, RSS and anonymous memory
 (``/proc/self/smaps_rollup``), glibc's ``mallinfo2`` (heap in use, free in the heap, mmapped),
 resident anonymous memory by mapping (``/proc/self/smaps``: the main heap, the other malloc
-arenas, the rest),
+arenas, the rest), Python's own allocator (its arenas, the bytes in use and free in them),
 Python's allocated blocks, and the calls the store holds (its claim files). With
 ``SOAK_PROBE_TRACE=1`` it also runs ``tracemalloc`` and writes a snapshot at each of the seconds
 listed in ``SOAK_PROBE_SNAPS`` (default ``120,230``), for `bench/soak_probe/diff.py`. With
@@ -87,6 +87,35 @@ def _maps() -> dict[str, int]:
     return out
 
 
+def _pymalloc(scratch: Path) -> dict[str, int]:
+    """Python's small-object allocator from ``sys._debugmallocstats`` (written to fd 2, so fd 2
+    points at a scratch file meanwhile; the GIL keeps Python threads from logging in between):
+    its arenas' bytes, the bytes of blocks in use, and what is free inside its arenas."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(scratch, "w+") as f:
+        os.dup2(f.fileno(), 2)
+        try:
+            sys._debugmallocstats()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        f.seek(0)
+        text = f.read()
+    stats: dict[str, int] = {}
+    for line in text.splitlines():
+        name, _, value = line.partition("=")
+        number = value.strip().replace(",", "")
+        if number.isdigit():
+            stats[name.strip()] = int(number)
+    pools = next((v for k, v in stats.items() if k.endswith("unused pools * 16384 bytes")), 0)
+    return {
+        "py_arenas": stats.get("# arenas allocated current", 0) << 20,
+        "py_used": stats.get("# bytes in allocated blocks", 0),
+        "py_free": stats.get("# bytes in available blocks", 0) + pools,
+    }
+
+
 def _claims(store: str | None) -> int:
     if not store or not store.startswith("parquet://"):
         return -1
@@ -121,7 +150,13 @@ def _run(out: Path, t0: float) -> None:
                 libc.malloc_trim(0)
                 row["trim_ms"] = round((time.perf_counter() - started) * 1000, 2)
             row |= {"calls": _claims(store), "blocks": sys.getallocatedblocks()}
-            row |= _proc() | _mallinfo() | _maps() | {"threads": len(os.listdir("/proc/self/task"))}
+            row |= (
+                _proc()
+                | _mallinfo()
+                | _maps()
+                | _pymalloc(out / "mallocstats.txt")
+                | {"threads": len(os.listdir("/proc/self/task"))}
+            )
             if tracemalloc.is_tracing():
                 row["traced"] = tracemalloc.get_traced_memory()[0]
                 if snaps and t >= snaps[0]:
