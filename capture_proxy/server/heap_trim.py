@@ -3,15 +3,14 @@
 Memory that Arrow, the Parquet writer and Python's larger objects free goes back to the C
 library's allocator, not to the system. glibc's malloc returns the top of a heap once enough of
 it is free, but the free pages *inside* a heap stay resident until something reuses them, and a
-proxy has many heaps: its worker threads, Arrow's I/O threads and the writer thread each
-allocate from an arena of their own. Freed this way, a soak's proxy writing Parquet held a
-growing share of its heap free (measured: after the second minute about half of the heap's
-growth per call was free but resident, docs/reports/reliability.md section 6), and its RSS kept
-rising with the calls though what it held did not.
+proxy has many heaps: glibc gives its worker threads, Arrow's I/O threads and the writer
+thread arenas of their own, each keeping its free chunks. A soak's proxy writing Parquet held a
+growing share of its heap free (after the second minute about half of the heap's growth per call
+was free, docs/reports/reliability.md section 6), so its RSS rose faster than what it held.
 
-glibc's ``malloc_trim(0)`` gives every arena's whole free pages back (``madvise``), without
-moving anything: what is in use stays where it is and a later allocation of those pages just
-faults them in again. ``serve`` calls it every ``--malloc-trim-interval`` seconds on a worker
+glibc's ``malloc_trim(0)`` merges each arena's small free chunks (so that they are reused) and
+gives its whole free pages back (``madvise``), without moving anything: what is in use stays
+where it is and a later allocation of those pages just faults them in again. ``serve`` calls it every ``--malloc-trim-interval`` seconds on a worker
 thread (it locks one arena at a time while it walks its free chunks, milliseconds for a proxy's
 heap; the event loop is not held), and not at all with ``0`` or where the C library has no
 ``malloc_trim`` (musl, macOS).
