@@ -10,10 +10,10 @@ was free, docs/reports/reliability.md section 6), so its RSS rose faster than wh
 
 glibc's ``malloc_trim(0)`` merges each arena's small free chunks (so that they are reused) and
 gives its whole free pages back (``madvise``), without moving anything: what is in use stays
-where it is and a later allocation of those pages just faults them in again. ``serve`` calls it every ``--malloc-trim-interval`` seconds on a worker
-thread (it locks one arena at a time while it walks its free chunks, milliseconds for a proxy's
-heap; the event loop is not held), and not at all with ``0`` or where the C library has no
-``malloc_trim`` (musl, macOS).
+where it is and a later allocation of those pages just faults them in again. ``serve`` calls
+it every ``--malloc-trim-interval`` seconds on a worker thread (it locks one arena at a time
+while it walks its free chunks, about a millisecond for a proxy's heap; the event loop is not
+held), and not at all with ``0`` or where the C library has no ``malloc_trim`` (musl, macOS).
 """
 
 from __future__ import annotations
