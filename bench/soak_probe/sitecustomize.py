@@ -6,11 +6,14 @@ Python imports this module at start-up in every process that has the folder on i
 something only in a ``capture-proxy serve`` process (the soak's proxy). Every 10 s it appends a
 JSON line to ``$SOAK_PROBE_OUT/probe.jsonl``: seconds since start, RSS and anonymous memory
 (``/proc/self/smaps_rollup``), glibc's ``mallinfo2`` (heap in use, free in the heap, mmapped),
+resident anonymous memory by mapping (``/proc/self/smaps``: the main heap, the other malloc
+arenas, the rest), Python's own allocator (its arenas, the bytes in use and free in them),
 Python's allocated blocks, and the calls the store holds (its claim files). With
 ``SOAK_PROBE_TRACE=1`` it also runs ``tracemalloc`` and writes a snapshot at each of the seconds
 listed in ``SOAK_PROBE_SNAPS`` (default ``120,230``), for `bench/soak_probe/diff.py`. With
 ``SOAK_PROBE_NO_THP=1`` every process with the folder on its path runs without transparent huge
-pages.
+pages. With ``SOAK_PROBE_TRIM=1`` it calls glibc's ``malloc_trim(0)`` before each line and logs
+how long it took (``trim_ms``), to tell free-but-held heap from memory in use.
 """
 
 from __future__ import annotations
@@ -59,6 +62,60 @@ def _proc() -> dict[str, int]:
     return out
 
 
+def _maps() -> dict[str, int]:
+    """Resident anonymous memory by where it lives: glibc's main heap (``[heap]``), its other
+    arenas (heaps of their own, each starting on a 64 MiB boundary), and the rest (Python's
+    object arenas, malloc's own mmaps, thread stacks)."""
+    out = {"rss_heap": 0, "rss_arenas": 0, "rss_anon_other": 0}
+    kind = ""
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            first = line.split(None, 6)
+            if "-" in first[0] and len(first) >= 5:  # a mapping's header
+                start = int(first[0].split("-")[0], 16)
+                path = first[5].strip() if len(first) > 5 else ""
+                if path == "[heap]":
+                    kind = "rss_heap"
+                elif path:
+                    kind = ""
+                elif start % (64 << 20) == 0 and first[1].startswith("rw"):
+                    kind = "rss_arenas"
+                else:
+                    kind = "rss_anon_other"
+            elif kind and first[0] == "Anonymous:":
+                out[kind] += int(first[1]) * 1024
+    return out
+
+
+def _pymalloc(scratch: Path) -> dict[str, int]:
+    """Python's small-object allocator from ``sys._debugmallocstats`` (written to fd 2, so fd 2
+    points at a scratch file meanwhile; the GIL keeps Python threads from logging in between):
+    its arenas' bytes, the bytes of blocks in use, and what is free inside its arenas."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(scratch, "w+") as f:
+        os.dup2(f.fileno(), 2)
+        try:
+            sys._debugmallocstats()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        f.seek(0)
+        text = f.read()
+    stats: dict[str, int] = {}
+    for line in text.splitlines():
+        name, _, value = line.partition("=")
+        number = value.strip().replace(",", "")
+        if number.isdigit():
+            stats[name.strip()] = int(number)
+    pools = next((v for k, v in stats.items() if k.endswith("unused pools * 16384 bytes")), 0)
+    return {
+        "py_arenas": stats.get("# arenas allocated current", 0) << 20,
+        "py_used": stats.get("# bytes in allocated blocks", 0),
+        "py_free": stats.get("# bytes in available blocks", 0) + pools,
+    }
+
+
 def _claims(store: str | None) -> int:
     if not store or not store.startswith("parquet://"):
         return -1
@@ -80,13 +137,26 @@ def _run(out: Path, t0: float) -> None:
         return
     store = sys.argv[sys.argv.index("--store") + 1] if "--store" in sys.argv else None
     snaps = [float(s) for s in os.environ.get("SOAK_PROBE_SNAPS", "120,230").split(",")]
+    trim = os.environ.get("SOAK_PROBE_TRIM") == "1"
+    libc = ctypes.CDLL("libc.so.6")
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "probe.jsonl", "a") as log:
         while True:
             time.sleep(10.0)
             t = time.monotonic() - t0
-            row = {"t": round(t, 1), "calls": _claims(store), "blocks": sys.getallocatedblocks()}
-            row |= _proc() | _mallinfo()
+            row: dict[str, object] = {"t": round(t, 1)}
+            if trim:
+                started = time.perf_counter()
+                libc.malloc_trim(0)
+                row["trim_ms"] = round((time.perf_counter() - started) * 1000, 2)
+            row |= {"calls": _claims(store), "blocks": sys.getallocatedblocks()}
+            row |= (
+                _proc()
+                | _mallinfo()
+                | _maps()
+                | _pymalloc(out / "mallocstats.txt")
+                | {"threads": len(os.listdir("/proc/self/task"))}
+            )
             if tracemalloc.is_tracing():
                 row["traced"] = tracemalloc.get_traced_memory()[0]
                 if snaps and t >= snaps[0]:

@@ -25,6 +25,7 @@ from .app import create_admin_app, create_app
 from .collector import tune_for_serving
 from .connections import MAX_LINGERING, ConnectionGate
 from .event_loop import loop_name
+from .heap_trim import HeapTrim
 from .settings import Settings
 from .state import STATE
 
@@ -205,11 +206,13 @@ async def serve(settings: Settings) -> int:
     else:
         print(f"  control API on {state.listen_url}/admin", file=sys.stderr, flush=True)
     flusher = asyncio.create_task(_flush_logs_repeatedly())
+    trimmer = asyncio.create_task(HeapTrim(settings.malloc_trim_interval).run())
     await stop.wait()
     print("capture-proxy stopping: finishing in-flight calls", file=sys.stderr, flush=True)
     await listening.close()
-    flusher.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await flusher
+    for task in (flusher, trimmer):
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
     flush_repeats(all_windows=True)
     return 1 if state.capture.ledger.unsaved else 0

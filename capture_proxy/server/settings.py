@@ -272,6 +272,11 @@ class Settings:
         "huge pages step RSS up by tens of MB at random) or system (the machine's policy)",
         choices=("off", "system"),
     )
+    malloc_trim_interval: float = _s(
+        10.0,
+        "seconds between returns of the C heap's free pages to the system (glibc's malloc_trim, "
+        "on a worker thread: RSS follows what the process holds; 0: never)",
+    )
     log_level: str = _s("info", "log level", choices=("debug", "info", "warning", "error"))
     log_format: str = _s(
         "json",
@@ -552,6 +557,7 @@ def _check(s: Settings) -> None:
         "max_rollout_bytes",
         "max_rollout_calls",
         "max_connections",
+        "malloc_trim_interval",
     ):
         if getattr(s, name) < 0:
             raise bad(name, f"must be >= 0, got {getattr(s, name)}")

@@ -1,0 +1,76 @@
+"""Handing the C heap's free pages back to the system (``--malloc-trim-interval``).
+
+Memory that Arrow, the Parquet writer and Python's larger objects free goes back to the C
+library's allocator, not to the system. glibc's malloc returns the top of a heap once enough of
+it is free, but the free pages *inside* a heap stay resident until something reuses them, and a
+proxy has many heaps: glibc gives its worker threads, Arrow's I/O threads and the writer
+thread arenas of their own, each keeping its free chunks. A soak's proxy writing Parquet held a
+growing share of its heap free (after the second minute about half of the heap's growth per call
+was free, docs/reports/reliability.md section 6), so its RSS rose faster than what it held.
+
+glibc's ``malloc_trim(0)`` merges each arena's small free chunks (so that they are reused) and
+gives its whole free pages back (``madvise``), without moving anything: what is in use stays
+where it is and a later allocation of those pages just faults them in again. ``serve`` calls
+it every ``--malloc-trim-interval`` seconds on a worker thread (it locks one arena at a time
+while it walks its free chunks, about a millisecond for a proxy's heap; the event loop is not
+held), and not at all with ``0`` or where the C library has no ``malloc_trim`` (musl, macOS).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import ctypes.util
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+__all__ = ["HeapTrim", "malloc_trim"]
+
+log = logging.getLogger("capture_proxy")
+
+
+def malloc_trim() -> Callable[[], object] | None:
+    """glibc's ``malloc_trim(0)`` as a callable, or None where the C library has none."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return None
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    return lambda: trim(0)
+
+
+@dataclass
+class HeapTrim:
+    """Trim the C heap every `interval` seconds while `run` runs (`interval` 0: never).
+
+    `trims` counts the trims done, `last_s` and `max_s` are how long they took (seconds)."""
+
+    interval: float
+    trims: int = 0
+    last_s: float = 0.0
+    max_s: float = 0.0
+
+    async def run(self) -> None:
+        """Trim every `interval` seconds until cancelled; return at once when off or where
+        there is no ``malloc_trim``."""
+        trim = malloc_trim() if self.interval > 0 else None
+        if trim is None:
+            if self.interval > 0:
+                log.info("--malloc-trim-interval: this C library has no malloc_trim; not trimming")
+            return
+        while True:
+            await asyncio.sleep(self.interval)
+            # ctypes lets go of the GIL for the call: the loop and the other threads go on.
+            self.last_s = await asyncio.to_thread(_timed, trim)
+            self.max_s = max(self.max_s, self.last_s)
+            self.trims += 1
+
+
+def _timed(call: Callable[[], object]) -> float:
+    started = time.perf_counter()
+    call()
+    return time.perf_counter() - started
