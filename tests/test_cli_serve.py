@@ -6,10 +6,12 @@ import argparse
 import dataclasses
 import json
 import os
+import platform
 import re
 import signal
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -77,9 +79,30 @@ def _post(url: str, body: dict[str, object]) -> tuple[dict[str, str], dict[str, 
         return dict(resp.headers), json.loads(resp.read())
 
 
+def _until_trimmed(url: str) -> float:
+    """``capture_proxy_heap_trims_total`` from /metrics once it is at least 1 (at most ~5 s)."""
+    trims = 0.0
+    for _ in range(100):
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            scrape = resp.read().decode()
+        assert "capture_proxy_heap_trim_max_seconds" in scrape
+        found = re.search(r"^capture_proxy_heap_trims_total ([0-9.e+]+)$", scrape, re.MULTILINE)
+        assert found, scrape
+        trims = float(found.group(1))
+        if trims >= 1 or platform.libc_ver()[0] != "glibc":
+            break
+        time.sleep(0.05)
+    return trims
+
+
 @pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
 def test_serve_fake_stages_calls_and_stops_on_sigterm(tmp_path: Path, loop: str) -> None:
-    env = {**os.environ, "CAPTURE_PROXY_MIN_FREE_DISK_MB": "0", "CAPTURE_PROXY_LOOP": loop}
+    env = {
+        **os.environ,
+        "CAPTURE_PROXY_MIN_FREE_DISK_MB": "0",
+        "CAPTURE_PROXY_LOOP": loop,
+        "CAPTURE_PROXY_MALLOC_TRIM_INTERVAL": "0.05",
+    }
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -121,6 +144,9 @@ def test_serve_fake_stages_calls_and_stops_on_sigterm(tmp_path: Path, loop: str)
         )
         assert headers["X-Capture-Status"] == "staged"
         assert body["choices"][0]["message"]["content"]  # type: ignore[index]
+        # The heap trim's loop runs beside the server, and /metrics says how often and how long.
+        trims = _until_trimmed(f"{base}/metrics")
+        assert trims >= 1 if platform.libc_ver()[0] == "glibc" else trims == 0
     finally:
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=30)

@@ -69,6 +69,15 @@ class HeapTrim:
             self.max_s = max(self.max_s, self.last_s)
             self.trims += 1
 
+    def stats(self) -> dict[str, float]:
+        """The trims done and how long they took, for ``/metrics`` (names without the
+        ``capture_proxy_`` prefix): an operator sees that the trim runs and what it costs."""
+        return {
+            "heap_trims_total": self.trims,
+            "heap_trim_last_seconds": self.last_s,
+            "heap_trim_max_seconds": self.max_s,
+        }
+
 
 def _timed(call: Callable[[], object]) -> float:
     started = time.perf_counter()

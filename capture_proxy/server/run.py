@@ -206,7 +206,9 @@ async def serve(settings: Settings) -> int:
     else:
         print(f"  control API on {state.listen_url}/admin", file=sys.stderr, flush=True)
     flusher = asyncio.create_task(_flush_logs_repeatedly())
-    trimmer = asyncio.create_task(HeapTrim(settings.malloc_trim_interval).run())
+    heap_trim = HeapTrim(settings.malloc_trim_interval)
+    state.metrics.add_live(heap_trim.stats)
+    trimmer = asyncio.create_task(heap_trim.run())
     await stop.wait()
     print("capture-proxy stopping: finishing in-flight calls", file=sys.stderr, flush=True)
     await listening.close()

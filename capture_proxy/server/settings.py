@@ -275,7 +275,8 @@ class Settings:
     malloc_trim_interval: float = _s(
         10.0,
         "seconds between returns of the C heap's free pages to the system (glibc's malloc_trim, "
-        "on a worker thread: RSS follows what the process holds; 0: never)",
+        "on a worker thread: RSS follows what the process holds; 0: never; /metrics: "
+        "capture_proxy_heap_trims_total, capture_proxy_heap_trim_last_seconds and _max_seconds)",
     )
     log_level: str = _s("info", "log level", choices=("debug", "info", "warning", "error"))
     log_format: str = _s(
