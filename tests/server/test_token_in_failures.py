@@ -94,6 +94,25 @@ async def test_generate_breaking_mid_stream_ends_with_an_error_event(make_proxy:
     assert entry.http_status == 502
 
 
+async def test_a_malformed_generate_answer_fails_the_call_before_derender_is_sent(
+    make_proxy: Any,
+) -> None:
+    # Derender is scheduled before generate's answer is read for the record; a malformed answer
+    # must still fail the call and cancel that request before anything reaches vLLM.
+    p = await make_proxy(fake=fake(), token_in="on")
+    p.fake.push(Turn("an answer cut in half", fault=Fault.truncate_after(0)))
+    resp = await p.chat(chat_body(user("a")))
+    assert resp.status == 502
+    assert resp.headers["X-Capture-Status"] == "upstream_error"
+    error = (await resp.json())["error"]
+    assert error["message"].startswith("the upstream answer is malformed"), error
+    entry = _only_failure(p, CallStatus.UPSTREAM_ERROR, error["code"])
+    assert entry.http_status == 502
+    await asyncio.sleep(0.05)  # a derender sent by mistake would have reached the fake by now
+    assert p.fake.route_hits[DERENDER] == 0
+    assert p.fake.route_hits["/inference/v1/generate"] == 1
+
+
 async def test_derender_failing_is_an_upstream_error(make_proxy: Any) -> None:
     p = await make_proxy(fake=FailingDerender(), token_in="on")
     resp = await p.chat(chat_body(user("a")))
