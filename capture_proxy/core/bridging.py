@@ -2,12 +2,14 @@
 
 `token_in_prompt` does the upstream side of docs/token-in.md for one call. It asks the bridge
 whether the request extends the rollout's previous staged call (`match`); if it does, it sends
-the renders of the bridge's plan (the turn close from `CloseRenders` when cached) **at the same
-time as** the plain render of the request, then assembles the exact prompt and measures where the
-plain one would have diverged. Otherwise, or when the renders do not bridge, the plain render's
-ids are sent and the call starts a new segment, with the reason. The plain render is always made:
-it is the ``GenerateRequest`` generate takes (sampling params resolved by vLLM, the effective
-sampling of the record) and the plain ids divergence is measured against. With images, the
+the renders of the bridge's plan (the turn close from `CloseRenders` when cached, one render of
+a pair whose anchor it keeps) **at the same time as** the plain render of the request, then
+assembles the exact prompt and measures where the plain one would have diverged. Otherwise, or
+when the renders do not bridge, the plain render's ids are sent and the call starts a new
+segment, with the reason. The plain render is always made: it is the ``GenerateRequest``
+generate takes (sampling params resolved by vLLM, the effective sampling of the record), the
+plain ids divergence is measured against, and the rendering whose end the bridge's appended
+tokens must be. With images, the
 bridged prompt's ``features`` are the plain render's items placed where the bridge put them
 (`bridged_features`); the placeholders are kept for the next call (`TokenInPrompt.media`).
 
@@ -33,6 +35,8 @@ from ..adapters.vllm import (
     UpstreamProtocolError,
     encode_ids,
     extend_ids_json,
+    pair_anchor,
+    read_anchored,
     read_render,
     read_render_pair,
 )
@@ -41,6 +45,7 @@ from ..schemas.fields import BridgeSpan
 from ..schemas.token_in_extras import SegmentBreak
 from .token_in import (
     TEMPLATE_KEYS,
+    AfterContent,
     Bridged,
     BridgePlan,
     BridgeRenders,
@@ -53,6 +58,7 @@ from .token_in import (
     divergence,
     match,
     media_items,
+    media_parts,
     plan,
     suffix_media,
 )
@@ -95,18 +101,30 @@ IdsPair = tuple[Sequence[int], Sequence[int]]
 
 
 class CloseRenders:
-    """The close renders' token ids by `BridgePlan.close_key`, most recent `limit` kept.
+    """What the bridge learns of a template once and keeps for every rollout: the close renders'
+    token ids by `BridgePlan.close_key` (most recent `limit` kept), and the anchors of the
+    dummy conversations (`anchor`, most recent `anchor_bytes` of them kept).
 
-    They depend only on the model, the system message, the tools and the template keys, so one
-    pair serves every later call of every rollout with the same ones. Cleared for a new upstream
-    process (its template may differ). The ids were checked when their answers were read: they
-    are used as they are. A pair is kept as `read_render_pair` gives it: the ids from where the
-    two lists' common suffix starts.
+    The close depends only on the model, the system message, the tools and the template keys,
+    so one pair serves every later call of every rollout with the same ones. A pair is kept as
+    `read_render_pair` gives it: the ids from where the two lists' common suffix starts; they
+    were checked when their answers were read and are used as they are.
+
+    An anchor is the JSON of a dummy conversation's ids up to and including its one-token
+    content, as a pair showed it (`pair_anchor`); with it, the next calls of the same kind
+    render the dummy once instead of twice (docs/token-in.md, "One render instead of a
+    pair"). A kind whose single render once did not start with its anchor, or whose appended
+    tokens were not the request's own render's, goes back to pairs for good (`pairs_only`).
+    Everything is cleared for a new upstream process (its template may differ).
     """
 
-    def __init__(self, limit: int = 256) -> None:
+    def __init__(self, limit: int = 256, anchor_bytes: int = 32 << 20) -> None:
         self.limit = limit
+        self.anchor_bytes = anchor_bytes
         self._pairs: OrderedDict[str, IdsPair] = OrderedDict()
+        #: key -> anchor; None: pairs only.
+        self._anchors: OrderedDict[str, bytes | None] = OrderedDict()
+        self._anchored = 0
 
     def get(self, key: str) -> IdsPair | None:
         pair = self._pairs.get(key)
@@ -120,8 +138,39 @@ class CloseRenders:
         while len(self._pairs) > self.limit:
             self._pairs.popitem(last=False)
 
+    def anchor(self, key: str) -> bytes | None:
+        """The anchor learnt for `key` (None: none yet, or pairs only)."""
+        anchor = self._anchors.get(key)
+        if anchor is not None:
+            self._anchors.move_to_end(key)
+        return anchor
+
+    def learns(self, key: str) -> bool:
+        """Whether an anchor for `key` is still to be learnt (none yet, and not pairs only)."""
+        return key not in self._anchors
+
+    def learn(self, key: str, anchor: bytes) -> None:
+        """Keep `anchor` for `key`, unless the key is pairs only."""
+        if key in self._anchors or len(anchor) > self.anchor_bytes:
+            return
+        self._anchors[key] = anchor
+        self._anchored += len(anchor)
+        while self._anchored > self.anchor_bytes:
+            old = next(k for k, v in self._anchors.items() if v is not None)
+            self._anchored -= len(self._anchors.pop(old) or b"")
+
+    def pairs_only(self, key: str) -> None:
+        """Render `key`'s dummies as pairs from now on."""
+        self._anchored -= len(self._anchors.get(key) or b"")
+        self._anchors[key] = None
+        self._anchors.move_to_end(key)
+        while len(self._anchors) > 4 * self.limit:  # the keys marked pairs only, bounded
+            self._anchored -= len(self._anchors.popitem(last=False)[1] or b"")
+
     def clear(self) -> None:
         self._pairs.clear()
+        self._anchors.clear()
+        self._anchored = 0
 
     def __len__(self) -> int:
         return len(self._pairs)
@@ -310,23 +359,32 @@ async def token_in_prompt(
         status, raw = await _render(upstream, plain_body)
         return TokenInPrompt(*_plain(status, raw), segment_break=_break(verdict))
     bridge = plan(request, verdict)
-    cached = closes.get(bridge.close_key)
-    bodies = [*(bridge.close if cached is None else ()), *(bridge.turn or ()), *bridge.suffix]
+    renders = _Renders(bridge, closes, verdict)
     answers = await _all(
-        _render(upstream, plain_body), *(_render(upstream, orjson.dumps(b)) for b in bodies)
+        _render(upstream, plain_body), *(_render(upstream, orjson.dumps(b)) for b in renders.bodies)
     )
     status, raw = answers[0]
     if status != 200:
         raise RenderRefused(status, raw)
     # The prior's prompt JSON, when kept: the renders' ids mostly start as it does.
     kept = prompts.get(verdict.prior.prompt_ids) if prompts is not None else None
-    got = _bridged(verdict, bridge, cached, answers[1:], closes, kept)
+    got = _bridged(verdict, renders, answers[1:], closes, kept)
+    if renders.anchored and isinstance(got, NotBridged):
+        # A single render did not start with its anchor (or did not bridge): the call is
+        # bridged from the whole pairs, as without anchors, and this kind keeps to pairs.
+        for key in renders.anchored:
+            closes.pairs_only(key)
+        seconds = await _all(*(_render(upstream, orjson.dumps(b)) for b in renders.seconds))
+        got = _bridged(verdict, renders, renders.paired(answers[1:], seconds), closes, kept)
     if isinstance(got, NotBridged):
         rendered, plain_ids = _plain(status, raw)
         return TokenInPrompt(rendered, plain_ids, segment_break=_break(got))
     ids_json = _bridged_json(got, verdict.prior, kept)
     # The plain rendering mostly spells the bridged prompt's ids: only the rest is decoded.
     rendered = read_render(raw, known=(ids_json, got.prompt_ids))
+    if not _appended_as_rendered(got, rendered):
+        cut = SegmentBreak("template_not_bridgeable", _NOT_AS_RENDERED)
+        return TokenInPrompt(rendered, rendered.prompt_ids, segment_break=cut)
     features, why = bridged_features(got.media, rendered.features)
     if why is not None:
         cut = SegmentBreak("multimodal_append", f"the images' features: {why}")
@@ -342,6 +400,77 @@ async def token_in_prompt(
         ids_json,
         _bridged_array(got, verdict.prior),
     )
+
+
+#: Why a call is not bridged when the request's own rendering disagrees with the bridge.
+_NOT_AS_RENDERED = (
+    "the request's own rendering does not end with the appended messages' tokens the dummy "
+    "renders give: the template writes them differently after this conversation"
+)
+
+
+def _appended_as_rendered(got: Bridged, rendered: Rendered) -> bool:
+    """Whether the request's own rendering ends with the appended messages' tokens (and the
+    generation prompt) the bridge found: the template writes them after the real conversation
+    as after the dummy one. Anything else would send the model tokens its template does not
+    write there."""
+    appended = got.prompt_ids[got.appended_start :]
+    plain = rendered.prompt_ids
+    return len(plain) >= len(appended) and plain[len(plain) - len(appended) :] == appended
+
+
+class _Renders:
+    """Which of a plan's renders one call sends: the close pair unless cached, the turn and
+    suffix pairs, or only the first of a pair whose anchor is known (`CloseRenders.anchor`)."""
+
+    def __init__(self, bridge: BridgePlan, closes: CloseRenders, extension: Extension) -> None:
+        self.bridge = bridge
+        self.cached = closes.get(bridge.close_key)
+        calls = bridge.turn is not None
+        self.turn_key = f"{bridge.close_key}/turn"
+        self.suffix_key = f"{bridge.close_key}/suffix/{int(calls)}"
+        self.turn_anchor = self.suffix_anchor = None
+        if self.cached is not None:
+            if calls:
+                self.turn_anchor = closes.anchor(self.turn_key)
+            # Appended images are placed by the pair's two renders (`suffix_media`).
+            if not media_parts(extension.appended):
+                self.suffix_anchor = closes.anchor(self.suffix_key)
+        #: The keys whose single render this call reads against an anchor.
+        self.anchored = [
+            k
+            for k, a in ((self.turn_key, self.turn_anchor), (self.suffix_key, self.suffix_anchor))
+            if a is not None
+        ]
+        turn = bridge.turn or ()
+        self.bodies = [
+            *(bridge.close if self.cached is None else ()),
+            *(turn[:1] if self.turn_anchor is not None else turn),
+            *(bridge.suffix[:1] if self.suffix_anchor is not None else bridge.suffix),
+        ]
+        #: The second renders of the anchored pairs, for a call bridged from pairs after all.
+        self.seconds = [
+            *(turn[1:] if self.turn_anchor is not None else ()),
+            *(bridge.suffix[1:] if self.suffix_anchor is not None else ()),
+        ]
+
+    def paired(
+        self, answers: Sequence[tuple[int, bytes]], seconds: Sequence[tuple[int, bytes]]
+    ) -> list[tuple[int, bytes]]:
+        """`answers` (of `bodies`) with `seconds` put after their firsts: every pair whole. The
+        anchors are dropped: the answers are read as pairs."""
+        out = list(answers)
+        more = list(seconds)
+        at = len(self.bridge.close) if self.cached is None else 0
+        if self.turn_anchor is not None:
+            out.insert(at + 1, more.pop(0))
+        if self.bridge.turn is not None:
+            at += 2
+        if self.suffix_anchor is not None:
+            out.insert(at + 1, more.pop(0))
+        self.turn_anchor = self.suffix_anchor = None
+        self.anchored = []
+        return out
 
 
 def _bridged_array(got: Bridged, prior: Prior) -> array[int] | None:
@@ -374,35 +503,60 @@ def _break(verdict: NotBridged) -> SegmentBreak:
 
 def _bridged(
     extension: Extension,
-    bridge: BridgePlan,
-    cached: IdsPair | None,
+    renders: _Renders,
     answers: Sequence[tuple[int, bytes]],
     closes: CloseRenders,
     kept: bytes | None = None,
 ) -> Bridged | NotBridged:
-    """The bridged prompt from the plan's render answers (in `BridgePlan.requests` order, the
-    close pair left out when `cached`). Each pair is read once, and only from where its two
-    lists' common suffix starts (`read_render_pair`): that suffix, and whether the two are the
-    same, is all `assemble` reads of a pair. `kept`: the prior's prompt JSON, which the
-    answers' ids mostly start with (not parsed again)."""
+    """The bridged prompt from the answers to `renders.bodies`. Each pair is read once, and
+    only from where its two lists' common suffix starts (`read_render_pair`): that suffix, and
+    whether the two are the same, is all `assemble` reads of a pair; a pair that shows where
+    its dummy content ends teaches `closes` its anchor. A single render is read against its
+    anchor (`read_anchored`); one that does not start with it is `NotBridged` (the flow then
+    renders its pair). `kept`: the prior's prompt JSON, which the answers' ids mostly start
+    with (not parsed again)."""
     for status, raw in answers:
         if status != 200:
             text = raw[:200].decode(errors="replace")
             return NotBridged(
                 "template_not_bridgeable", f"a render of the bridge answered {status}: {text}"
             )
-    pairs: list[IdsPair] = []
+    bridge = renders.bridge
+    read: list[IdsPair | AfterContent] = []
     features: list[Any] = []
+    todo = list(answers)
+    kinds = [
+        *((("close", None, None),) if renders.cached is None else ()),
+        *((("turn", renders.turn_key, renders.turn_anchor),) if bridge.turn is not None else ()),
+        ("suffix", renders.suffix_key, renders.suffix_anchor),
+    ]
     try:
-        for i in range(0, len(answers), 2):
-            ids, pair_features = read_render_pair(answers[i][1], answers[i + 1][1], kept)
-            pairs.append(ids)
+        for _, key, anchor in kinds:
+            if anchor is not None:
+                single = read_anchored(todo.pop(0)[1], anchor)
+                if single is None:
+                    return NotBridged(
+                        "template_not_bridgeable",
+                        "a dummy render does not start as its pair did",
+                    )
+                read.append(AfterContent(single[0]))
+                features.extend((single[1], single[1]))
+                continue
+            (_, first), (_, second) = todo.pop(0), todo.pop(0)
+            ids, pair_features = read_render_pair(first, second, kept)
+            read.append(ids)
             features.extend(pair_features)
+            if key is not None and closes.learns(key):
+                learnt = pair_anchor(first, second)
+                if learnt is not None:
+                    closes.learn(key, learnt)
         suffix_features = (features[-2], features[-1])
         if any(f is not None for f in features[:-2]):
             return NotBridged("multimodal_history", "a render of the earlier turn has images")
         media: tuple[MediaItem, ...] = ()
         if any(f is not None for f in suffix_features):
+            if isinstance(read[-1], AfterContent):
+                return NotBridged("multimodal_append", "a dummy render has images")
             # Rare (images appended): the whole answer read again, for its length.
             length = len(read_render(answers[-2][1]).prompt_ids)
             media = suffix_media(suffix_features, length)
@@ -410,13 +564,12 @@ def _bridged(
         return NotBridged("template_not_bridgeable", f"a render of the bridge: {e.message}")
     except ValueError as e:
         return NotBridged("multimodal_append", f"the renders' image features: {e}")
-    close = cached
+    close = renders.cached
     if close is None:
-        close = pairs[0]
+        first_pair = read.pop(0)
+        assert not isinstance(first_pair, AfterContent)
+        close = first_pair
         closes.put(bridge.close_key, close)
-        pairs = pairs[1:]
-    turn = None
-    if bridge.turn is not None:
-        turn, pairs = pairs[0], pairs[1:]
-    rendered = BridgeRenders(close, pairs[0], turn, media)
+    turn = read.pop(0) if bridge.turn is not None else None
+    rendered = BridgeRenders(close, read[0], turn, media)
     return assemble(extension.prior, bridge, rendered)

@@ -21,6 +21,8 @@ from capture_proxy.adapters.vllm import (
     UpstreamProtocolError,
     derender_body,
     merge_chunks,
+    pair_anchor,
+    read_anchored,
     read_generate,
     read_render,
     read_render_pair,
@@ -409,3 +411,58 @@ def test_only_events_without_logprobs_or_usage_keep_their_decoded_ids() -> None:
     with_logprobs = [e for e in chat if b'"logprobs":{' in e.data]
     assert with_logprobs
     assert all(e.ids is None for e in with_logprobs)
+
+
+@given(
+    st.lists(st.integers(0, 300), max_size=30),
+    st.integers(0, 300),
+    st.integers(0, 300),
+    st.lists(st.integers(0, 300), min_size=1, max_size=10),
+    st.lists(st.integers(0, 300), max_size=10),
+    _RESTS,
+)
+def test_a_pair_that_differs_in_one_id_anchors_single_renders_at_it(
+    head: list[int], one: int, two: int, tail: list[int], other: list[int], rest: bytes
+) -> None:
+    first, second = _compact_answer([*head, one, *tail], rest), _compact_answer([*head, two, *tail])
+    anchor = pair_anchor(first, second)
+    if one == two:
+        assert anchor is None
+        return
+    # Everything up to and including the id that differs, with its comma.
+    assert anchor == orjson.dumps([*head, one])[:-1] + b","
+    # A single render of the same start reads as the ids after it; any other start does not.
+    assert read_anchored(_compact_answer([*head, one, *other], rest), anchor) == (
+        (other, None) if other else None
+    )
+    assert read_anchored(_compact_answer([*head, two, *other], rest), anchor) is None
+    assert read_anchored(_spaced(_compact_answer([*head, one, *other], rest)), anchor) is None
+
+
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [
+        ([1, 2, 3], [1, 2, 3]),  # the same: where the content is cannot be seen
+        ([1, 65, 3], [1, 66, 4]),  # two ids differ
+        ([1, 65, 3], [1, 66, 3, 4]),  # and the lengths
+        ([1, 2, 65], [1, 2, 66]),  # nothing after the content
+        ([1, 65, 3], [1, 6, 5, 3]),  # one id against two
+    ],
+)
+def test_a_pair_that_does_not_differ_in_exactly_one_id_has_no_anchor(
+    first: list[int], second: list[int]
+) -> None:
+    assert pair_anchor(_compact_answer(first), _compact_answer(second)) is None
+    assert pair_anchor(_spaced(_compact_answer([1, 65, 3])), _compact_answer([1, 66, 3])) is None
+
+
+def test_a_single_render_read_against_an_anchor_still_checks_what_it_decodes() -> None:
+    anchor = b"[1,2,65,"
+    for bad in (
+        b'{"request_id":"r","token_ids":[1,2,65,"x"]}',
+        b'{"request_id":"r","token_ids":[1,2,65,3.5]}',
+    ):
+        with pytest.raises(UpstreamProtocolError, match="no_token_ids"):
+            read_anchored(bad, anchor)
+    with pytest.raises(UpstreamProtocolError, match="malformed_json"):
+        read_anchored(b'{"request_id":"r","token_ids":[1,2,65,7', anchor)

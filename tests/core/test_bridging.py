@@ -24,8 +24,9 @@ from capture_proxy.core.bridging import (
 )
 from capture_proxy.core.token_in import Prior
 from capture_proxy.testing.fake_vllm import FakeVLLM
+from capture_proxy.testing.fake_vllm._template import encode, tool_call_text
 from capture_proxy.upstream.http import HTTPUpstream
-from tests.support.token_in import render_ids
+from tests.support.token_in import continued, render_ids, staged_prior
 
 RENDER = "/v1/chat/completions/render"
 SYSTEM = {"role": "system", "content": "Be terse."}
@@ -70,8 +71,11 @@ async def test_an_extension_renders_the_plan_beside_the_request_and_caches_the_c
     assert got.prompt_ids[: len(sent)] == sent
     assert fake.route_hits[RENDER] == 5  # the request, and the plan's close and suffix pairs
     assert len(closes) == 1
-    await token_in_prompt(client, closes, prior, request, request)
-    assert fake.route_hits[RENDER] == 5 + 3  # the close came from the cache
+    again = await token_in_prompt(client, closes, prior, request, request)
+    # The close came from the cache, the suffix pair's anchor too: one suffix render.
+    assert fake.route_hits[RENDER] == 5 + 2
+    assert (again.prompt_ids, again.bridge_spans) == (got.prompt_ids, got.bridge_spans)
+    assert again.plain_divergence == got.plain_divergence
 
 
 async def test_a_call_that_does_not_extend_sends_the_plain_ids_with_the_reason(
@@ -265,3 +269,134 @@ def test_a_bridged_prompt_with_images_sends_its_own_features() -> None:
     assert body["token_ids"] == [1, 2, 3, 4, 9]
     plain = TokenInPrompt(rendered, [9])
     assert orjson.loads(plain.generate_body({}, stream=False))["features"] == rendered.features
+
+
+BASH = {"type": "function", "function": {"name": "bash", "parameters": {"type": "object"}}}
+
+
+def _tool_turns(turns: int) -> list[tuple[Prior, dict[str, Any]]]:
+    """An agent loop's calls as (the staged call, the next request): each answer a `bash` call
+    with reasoning, replayed as it came, its result appended."""
+    messages: list[dict[str, Any]] = [SYSTEM, {"role": "user", "content": "List the files."}]
+    out = []
+    for k in range(turns):
+        arguments = f'{{"command":"ls dir{k}"}}'
+        call = {
+            "id": f"c{k}",
+            "type": "function",
+            "function": {"name": "bash", "arguments": arguments},
+        }
+        answer = {
+            "role": "assistant",
+            "content": "",
+            "reasoning_content": "hm",
+            "tool_calls": [call],
+        }
+        sampled = "<think>\nhm\n</think>\n\n" + tool_call_text("bash", arguments)
+        prior = staged_prior(messages, sampled, answer, tools=[BASH])
+        result = {"role": "tool", "tool_call_id": f"c{k}", "content": f"file{k}.py"}
+        request = continued(prior, answer, result)
+        out.append((prior, request))
+        messages = request["messages"]
+    return out
+
+
+async def test_later_calls_render_each_dummy_once_and_bridge_as_the_pairs_do(
+    upstream: tuple[FakeVLLM, HTTPUpstream],
+) -> None:
+    fake, client = upstream
+    shared = CloseRenders()
+    for k, (prior, request) in enumerate(_tool_turns(4)):
+        before = fake.route_hits[RENDER]
+        got = await token_in_prompt(client, shared, prior, request, request)
+        sent = fake.route_hits[RENDER] - before
+        # The first call: the request, the close, tool-call turn and suffix pairs. Later ones:
+        # the request and one render each of the turn and the suffix, read against the
+        # anchors the first call's pairs showed.
+        assert sent == (7 if k == 0 else 3)
+        paired = await token_in_prompt(client, CloseRenders(), prior, request, request)
+        assert got.segment_break is None
+        assert (got.prompt_ids, got.bridge_spans) == (paired.prompt_ids, paired.bridge_spans)
+        assert got.plain_divergence == paired.plain_divergence
+
+
+class _SystemCountsUsers(FakeVLLM):
+    """A template whose system prompt says how many user messages follow: a dummy
+    conversation's tokens before its content then depend on the messages after it."""
+
+    def _render(self, messages: Any, tools: Any, gen: bool) -> str:
+        users = sum(1 for m in messages if m.get("role") == "user")
+        first = {**messages[0], "content": f"{messages[0]['content']} ({users} user turns)"}
+        return super()._render([first, *messages[1:]], tools, gen)
+
+
+class _NumbersUsers(FakeVLLM):
+    """A template that numbers user messages across the conversation: the tokens of appended
+    messages then depend on the history, which the dummy conversation does not have."""
+
+    def _render(self, messages: Any, tools: Any, gen: bool) -> str:
+        numbered, n = [], 0
+        for m in messages:
+            if m.get("role") == "user":
+                n += 1
+                m = {**m, "content": f"[{n}] {m['content']}"}
+            numbered.append(m)
+        return super()._render(numbered, tools, gen)
+
+
+async def _served(fake: FakeVLLM) -> tuple[TestServer, HTTPUpstream]:
+    server = TestServer(fake.app())
+    await server.start_server()
+    return server, HTTPUpstream(str(server.make_url("")))
+
+
+async def test_a_single_render_that_does_not_start_as_its_pair_is_bridged_from_the_pair() -> None:
+    fake = _SystemCountsUsers(scale_out=True, drop_past_reasoning=True)
+    server, client = await _served(fake)
+    try:
+        closes = CloseRenders()
+        prior = _prior(SYSTEM, {"role": "user", "content": "One?"})
+        one = {"role": "user", "content": "Two?"}
+        first = {**prior.request, "messages": [*prior.request["messages"], _ANSWER, one]}
+        await token_in_prompt(client, closes, prior, first, first)  # learns the anchor
+        # Two user messages appended: the dummy's system prompt counts three users, not two.
+        two = {**first, "messages": [*first["messages"], {"role": "user", "content": "Three?"}]}
+        before = fake.route_hits[RENDER]
+        got = await token_in_prompt(client, closes, prior, two, two)
+        # The request and the suffix's single render, then the rest of its pair.
+        assert fake.route_hits[RENDER] - before == 3
+        paired = await token_in_prompt(client, CloseRenders(), prior, two, two)
+        assert got.segment_break is None
+        assert (got.prompt_ids, got.bridge_spans) == (paired.prompt_ids, paired.bridge_spans)
+        # The kind is rendered as pairs from now on.
+        before = fake.route_hits[RENDER]
+        await token_in_prompt(client, closes, prior, first, first)
+        assert fake.route_hits[RENDER] - before == 3
+    finally:
+        await client.close()
+        await server.close()
+
+
+async def test_appended_tokens_the_request_s_own_rendering_does_not_end_with_are_not_sent() -> None:
+    fake = _NumbersUsers(scale_out=True, drop_past_reasoning=True)
+    server, client = await _served(fake)
+    try:
+        history = [
+            SYSTEM,
+            {"role": "user", "content": "Zero?"},
+            {"role": "assistant", "content": "Ok."},
+        ]
+        prior = _prior(*history, {"role": "user", "content": "One?"})
+        more = {"role": "user", "content": "Two?"}
+        request = {**prior.request, "messages": [*prior.request["messages"], _ANSWER, more]}
+        got = await token_in_prompt(client, CloseRenders(), prior, request, request)
+        # The dummy conversation renders "[2] Two?", the conversation itself "[3] Two?": the
+        # bridge does not send tokens the template does not write there.
+        assert got.segment_break is not None
+        assert got.segment_break.reason == "template_not_bridgeable"
+        assert "does not end with the appended messages' tokens" in got.segment_break.detail
+        assert got.prompt_ids == encode(fake._render(request["messages"], None, True))
+        assert (got.bridge_spans, got.plain_divergence) == ((), None)
+    finally:
+        await client.close()
+        await server.close()

@@ -33,7 +33,7 @@ from ._derender import (
 from ._derendered import Derendered, DerenderedStream, client_answer, read_derendered
 from ._generate import Generated, GenerateEvent, GenerateStream, WeightSpan, read_generate
 from ._ids_json import encode_ids, extend_ids_json
-from ._render import Rendered, read_render, read_render_pair
+from ._render import Rendered, pair_anchor, read_anchored, read_render, read_render_pair
 from ._stream_logprobs import StreamLogprobs
 
 __all__ = [
@@ -61,7 +61,9 @@ __all__ = [
     "encode_ids",
     "extend_ids_json",
     "merge_chunks",
+    "pair_anchor",
     "parse_error_body",
+    "read_anchored",
     "read_derender",
     "read_derendered",
     "read_generate",

@@ -9,7 +9,10 @@ measured)"), decoded once (msgspec, only the fields read typed):
   the render answer sent back with ``token_ids`` replaced, its other fields as they came (kept
   undecoded);
 - `read_render_pair` reads of two answers (the bridge's pairs) only the ids from where their
-  common suffix starts, and ``features``.
+  common suffix starts, and ``features``;
+- `pair_anchor` gives, of a pair that differs in exactly one id, the JSON of the first's ids up
+  to and including it (where the dummy content is), and `read_anchored` reads a single answer
+  against such an anchor: the ids after it (docs/token-in.md, "One render instead of a pair").
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from ._generate import malformed
 from ._ids_json import common_prefix_len, encode_ids, read_known_ids
 from ._wire import UpstreamProtocolError
 
-__all__ = ["Rendered", "read_render", "read_render_pair"]
+__all__ = ["Rendered", "pair_anchor", "read_anchored", "read_render", "read_render_pair"]
 
 _decode_fields = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
 _decode_ids = msgspec.json.Decoder(list[int]).decode
@@ -189,6 +192,61 @@ def _render_raw(raw: bytes, known: bytes | None = None, *, ints: bool = False) -
     return ids, answer.features
 
 
+def pair_anchor(first: bytes, second: bytes) -> bytes | None:
+    """Where the one id in which two render answers differ ends: the JSON of the first's ids up
+    to and including that id and its comma (``[1,2,65,``), or None when the two do not differ
+    in exactly one id followed by at least one they share, or are not spelled as vLLM spells
+    them (`_HEAD`, compact ints).
+
+    Of a bridge pair (two dummy conversations that differ only in the assistant's one-token
+    content) it is everything the template writes up to and including the content: a single
+    render of the same conversation with other messages after it is read against it
+    (`read_anchored`)."""
+    a, b = _HEAD.match(first), _HEAD.match(second)
+    if a is None or b is None:
+        return None
+    x, y = first[a.end() - 1 :], second[b.end() - 1 :]
+    if x == y:
+        return None
+    begin = x.rfind(b",", 0, common_prefix_len(x, y)) + 1 or 1  # the differing id's start
+    end_x, end_y = x.find(b",", begin), y.find(b",", begin)
+    if end_x < 0 or end_y < 0:
+        return None
+    # Exactly that id differs: the lists are byte for byte the same from the comma after it to
+    # their end (the first "]": ints only, checked where it matters).
+    if x[end_x : x.find(b"]", end_x) + 1] != y[end_y : y.find(b"]", end_y) + 1]:
+        return None
+    anchor = x[: end_x + 1]
+    if begin in (end_x, end_y) or b",," in anchor:
+        return None
+    if anchor[1:].translate(None, _INT_LIST_BYTES) or y[begin:end_y].translate(None, _DIGITS):
+        return None
+    return anchor
+
+
+def read_anchored(raw: bytes, anchor: bytes) -> tuple[list[int], Any] | None:
+    """A render answer read against `anchor` (`pair_anchor`): the ids after the anchor's, and
+    the ``features`` (None when null); None when the answer's ids do not start with the
+    anchor's byte for byte, or it is not spelled as vLLM spells them. `UpstreamProtocolError`
+    when the rest of it is not a render answer (as `read_render`)."""
+    cut = _without_known(raw, anchor, ints=True)
+    if cut is None or len(cut.ids) != len(anchor) - 1:
+        return None
+    try:
+        answer = _decode_render_raw(cut.rest)
+    except msgspec.ValidationError as exc:
+        raise UpstreamProtocolError("no_token_ids", f"the render answer: {exc}") from exc
+    except msgspec.DecodeError as exc:
+        raise malformed("render", exc) from exc
+    try:
+        ids = _decode_ids(bytes(answer.token_ids))
+    except msgspec.DecodeError as exc:
+        raise UpstreamProtocolError(
+            "no_token_ids", f"the render answer's token_ids: {exc}"
+        ) from exc
+    return ids, answer.features
+
+
 #: How vLLM's ``GenerateRequest`` answers start: a request id of these bytes, then the ids. An
 #: answer that starts so has its ``token_ids`` list found without a parse (`_without_known`).
 _HEAD = re.compile(rb'\{"request_id":"[A-Za-z0-9._:-]*","token_ids":\[')
@@ -210,6 +268,7 @@ class _Cut:
 
 #: What a JSON list of ints is made of, compact (`_without_known` of an unchecked list).
 _INT_LIST_BYTES = b"0123456789,"
+_DIGITS = b"0123456789"
 
 
 def _without_known(raw: bytes, known: bytes, *, ints: bool) -> _Cut | None:

@@ -15,7 +15,9 @@ for the bodies a plan lists. In order:
    call then goes the plain way and starts a new trajectory segment.
 2. `plan(request, extension)`: a `BridgePlan`, the render bodies to send (`requests()`): two
    for the turn close, cacheable under ``close_key``; two more when the replayed answer has tool
-   calls; two for the appended messages. They are independent: send them at once.
+   calls; two for the appended messages. They are independent: send them at once. Once a pair
+   of a kind has shown where its dummy content ends, the flow may send only its first render
+   and give `assemble` what follows that point (`AfterContent`).
 3. `assemble(prior, plan, BridgeRenders.from_answers(...))`: a `Bridged` prompt with its
    ``bridge_spans`` (the tokens the proxy inserted, for the record), or a `NotBridged`.
    Its ``media`` are the prompt's images (the previous call's, then the appended messages');
@@ -26,9 +28,18 @@ for the bodies a plan lists. In order:
 
 from ._assemble import END_OF_TURN_ADDED, TURN_CLOSE, assemble, common_suffix, divergence
 from ._match import TEMPLATE_KEYS, match
-from ._media import MediaItem, bridged_features, media_items, suffix_media
+from ._media import MediaItem, bridged_features, media_items, media_parts, suffix_media
 from ._plan import DUMMY_CONTENTS, plan
-from ._values import BREAK_REASONS, Bridged, BridgePlan, BridgeRenders, Extension, NotBridged, Prior
+from ._values import (
+    BREAK_REASONS,
+    AfterContent,
+    Bridged,
+    BridgePlan,
+    BridgeRenders,
+    Extension,
+    NotBridged,
+    Prior,
+)
 
 __all__ = [
     "BREAK_REASONS",
@@ -36,6 +47,7 @@ __all__ = [
     "END_OF_TURN_ADDED",
     "TEMPLATE_KEYS",
     "TURN_CLOSE",
+    "AfterContent",
     "BridgePlan",
     "BridgeRenders",
     "Bridged",
@@ -49,6 +61,7 @@ __all__ = [
     "divergence",
     "match",
     "media_items",
+    "media_parts",
     "plan",
     "suffix_media",
 ]

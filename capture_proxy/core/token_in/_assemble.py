@@ -11,6 +11,8 @@ the appended messages and the generation prompt:
   as gpt-oss's ``<|call|>``, is not bridged);
 - the appended tokens are what follows T at the start of the common suffix of the two
   ``suffix`` renders;
+- a ``turn`` or ``suffix`` pair may be given as one render's ids after the dummy content
+  (`AfterContent`): they stand for the pair's common suffix;
 - the completion's end overlaps C's start by k tokens, k as large as possible: a completion that
   ended on its end-of-turn token (finish ``stop``, last id C[0]) has k = 1 and gets C[1:], the
   text the template puts after that token (``turn_close``); a completion cut by ``length``, or
@@ -32,7 +34,7 @@ from collections.abc import Sequence
 
 from ...schemas.fields import BridgeSpan
 from ._media import MediaItem, media_parts
-from ._values import Bridged, BridgePlan, BridgeRenders, NotBridged, Prior
+from ._values import AfterContent, Bridged, BridgePlan, BridgeRenders, NotBridged, Prior, Renders
 
 __all__ = ["END_OF_TURN_ADDED", "TURN_CLOSE", "assemble", "common_suffix", "divergence"]
 
@@ -53,20 +55,20 @@ def common_suffix(a: Sequence[int], b: Sequence[int]) -> list[int]:
 
 def assemble(prior: Prior, plan: BridgePlan, rendered: BridgeRenders) -> Bridged | NotBridged:
     """The bridged prompt for `plan`'s extension of `prior`, from the renders it asked for."""
-    for name, pair in (
+    if plan.turn is not None and rendered.turn is None:
+        raise ValueError("the plan asks for `turn` renders: pass them in BridgeRenders.turn")
+    read: list[list[int]] = []
+    for name, renders in (
         ("close", rendered.close),
         ("turn", rendered.turn),
         ("suffix", rendered.suffix),
     ):
-        # Renders that do not differ hide where the dummy content is: the common suffix would
-        # be the whole conversation.
-        if pair is not None and list(pair[0]) == list(pair[1]):
-            return NotBridged(
-                "template_not_bridgeable",
-                f"the two {name} renders are the same: the template does not render the "
-                "assistant's content",
-            )
-    close = common_suffix(*rendered.close)
+        if renders is not None:
+            after = _after_content(name, renders)
+            if isinstance(after, NotBridged):
+                return after
+            read.append(after)
+    close, tail = read[0], read[-1]
     if not close:
         return NotBridged(
             "template_not_bridgeable",
@@ -75,15 +77,12 @@ def assemble(prior: Prior, plan: BridgePlan, rendered: BridgeRenders) -> Bridged
         )
     end = close
     if plan.turn is not None:
-        if rendered.turn is None:
-            raise ValueError("the plan asks for `turn` renders: pass them in BridgeRenders.turn")
-        end = common_suffix(*rendered.turn)
+        end = read[1]
         if end[len(end) - len(close) :] != close:
             return NotBridged(
                 "template_not_bridgeable",
                 "a turn with tool calls does not end with the turn close of one without",
             )
-    tail = common_suffix(*rendered.suffix)
     if tail[: len(end)] != end:
         return NotBridged(
             "template_not_bridgeable",
@@ -107,6 +106,22 @@ def assemble(prior: Prior, plan: BridgePlan, rendered: BridgeRenders) -> Bridged
     if isinstance(media, NotBridged):
         return media
     return Bridged(prompt, spans, appended_start, media)
+
+
+def _after_content(name: str, renders: Renders) -> list[int] | NotBridged:
+    """What the template writes after the dummy content: a pair's common suffix, or what one
+    render has after the prefix its pair showed (`AfterContent`)."""
+    if isinstance(renders, AfterContent):
+        return list(renders.ids)
+    # Renders that do not differ hide where the dummy content is: the common suffix would be
+    # the whole conversation.
+    if list(renders[0]) == list(renders[1]):
+        return NotBridged(
+            "template_not_bridgeable",
+            f"the two {name} renders are the same: the template does not render the "
+            "assistant's content",
+        )
+    return common_suffix(*renders)
 
 
 def _placed(

@@ -12,6 +12,7 @@ from ._media import MediaItem, suffix_media
 
 __all__ = [
     "BREAK_REASONS",
+    "AfterContent",
     "BridgePlan",
     "BridgeRenders",
     "Bridged",
@@ -140,6 +141,22 @@ class BridgePlan:
 
 
 @dataclass(frozen=True, slots=True)
+class AfterContent:
+    """What one render has after the dummy assistant's content: the ids after the prefix a
+    pair of the same kind showed to end with the content (``pair_anchor`` and
+    ``read_anchored`` in ``capture_proxy.adapters.vllm``). It stands for that pair's common
+    suffix: the flow reads a render so only when the prefix is byte for byte the pair's, and
+    checks the appended messages' tokens against the request's own render (docs/token-in.md,
+    "One render instead of a pair")."""
+
+    ids: Sequence[int]
+
+
+#: A pair of renders' ids, or one render's ids after the dummy content.
+Renders = tuple[Sequence[int], Sequence[int]] | AfterContent
+
+
+@dataclass(frozen=True, slots=True)
 class BridgeRenders:
     """The token ids the render route answered for a plan's requests, in the plan's order.
 
@@ -148,12 +165,13 @@ class BridgeRenders:
     ``capture_proxy.adapters.vllm``), rather than whole. `turn` is given exactly when the plan
     has a `turn` pair. `media` lists the multimodal items of the suffix renders (the appended
     messages' images), each `MediaItem.offset` counted from the end of the render (negative):
-    the bridged prompt ends with the same tokens, so that is where they are in it too.
+    the bridged prompt ends with the same tokens, so that is where they are in it too. `turn`
+    and `suffix` may each be one render's ids after the content instead (`AfterContent`).
     """
 
     close: tuple[Sequence[int], Sequence[int]]
-    suffix: tuple[Sequence[int], Sequence[int]]
-    turn: tuple[Sequence[int], Sequence[int]] | None = None
+    suffix: Renders
+    turn: Renders | None = None
     media: tuple[MediaItem, ...] = ()
 
     @classmethod

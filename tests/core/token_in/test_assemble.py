@@ -228,6 +228,7 @@ def test_an_appended_rendering_not_starting_with_the_close_is_not_bridgeable() -
     prior, p = _planned()
     good = render_plan(p)
     # A template that closes the last assistant turn differently when more messages follow.
+    assert isinstance(good.suffix, tuple)  # a pair, as `render_plan` gives it
     changed = tuple(
         [*ids[: -len(USER_TOKENS) - len(GENERATION) - 2], 99, *USER_TOKENS] for ids in good.suffix
     )
@@ -291,6 +292,7 @@ def test_renders_that_place_another_number_of_images_are_multimodal_append() -> 
     assert assemble(prior, p, BridgeRenders(good.close, good.suffix)) == NotBridged(
         "multimodal_append", "the appended messages have 1 images, their renders place 0"
     )
+    assert isinstance(good.suffix, tuple)  # a pair, as `render_plan` gives it
     early = MediaItem("image", "h", -len(good.suffix[0]), 1)
     assert assemble(prior, p, BridgeRenders(good.close, good.suffix, media=(early,))) == (
         NotBridged(
