@@ -370,9 +370,10 @@ async def token_in_prompt(
     kept = prompts.get(verdict.prior.prompt_ids) if prompts is not None else None
     got = _bridged(verdict, renders, answers[1:], closes, kept)
     if renders.anchored and isinstance(got, NotBridged):
-        # A single render did not start with its anchor (or did not bridge): the call is
-        # bridged from the whole pairs, as without anchors, and this kind keeps to pairs.
-        for key in renders.anchored:
+        # The single renders did not bridge: the call is bridged from the whole pairs, as
+        # without anchors (the same verdict, whatever went wrong); a kind whose render did not
+        # start with its anchor keeps to pairs from now on.
+        for key in renders.unanchored:
             closes.pairs_only(key)
         seconds = await _all(*(_render(upstream, orjson.dumps(b)) for b in renders.seconds))
         got = _bridged(verdict, renders, renders.paired(answers[1:], seconds), closes, kept)
@@ -404,19 +405,21 @@ async def token_in_prompt(
 
 #: Why a call is not bridged when the request's own rendering disagrees with the bridge.
 _NOT_AS_RENDERED = (
-    "the request's own rendering does not end with the appended messages' tokens the dummy "
-    "renders give: the template writes them differently after this conversation"
+    "the request's own rendering does not end with the turn close and the appended messages' "
+    "tokens the dummy renders give: the template writes them differently after this "
+    "conversation"
 )
 
 
 def _appended_as_rendered(got: Bridged, rendered: Rendered) -> bool:
-    """Whether the request's own rendering ends with the appended messages' tokens (and the
-    generation prompt) the bridge found: the template writes them after the real conversation
-    as after the dummy one. Anything else would send the model tokens its template does not
-    write there."""
-    appended = got.prompt_ids[got.appended_start :]
+    """Whether the request's own rendering ends with the turn close and the appended messages'
+    tokens (and the generation prompt) the bridge found: the template writes them after the real
+    conversation as after the dummy one, and the appended ones start where the bridge says (the
+    close before them). Anything else would send the model tokens its template does not write
+    there."""
+    end = got.prompt_ids[max(got.appended_start - got.close_length, 0) :]
     plain = rendered.prompt_ids
-    return len(plain) >= len(appended) and plain[len(plain) - len(appended) :] == appended
+    return len(plain) >= len(end) and plain[len(plain) - len(end) :] == end
 
 
 class _Renders:
@@ -436,6 +439,8 @@ class _Renders:
             # Appended images are placed by the pair's two renders (`suffix_media`).
             if not media_parts(extension.appended):
                 self.suffix_anchor = closes.anchor(self.suffix_key)
+        #: The keys whose single render did not start with its anchor (`_bridged` adds them).
+        self.unanchored: list[str] = []
         #: The keys whose single render this call reads against an anchor.
         self.anchored = [
             k
@@ -535,6 +540,8 @@ def _bridged(
             if anchor is not None:
                 single = read_anchored(todo.pop(0)[1], anchor)
                 if single is None:
+                    assert key is not None
+                    renders.unanchored.append(key)
                     return NotBridged(
                         "template_not_bridgeable",
                         "a dummy render does not start as its pair did",

@@ -394,9 +394,74 @@ async def test_appended_tokens_the_request_s_own_rendering_does_not_end_with_are
         # bridge does not send tokens the template does not write there.
         assert got.segment_break is not None
         assert got.segment_break.reason == "template_not_bridgeable"
-        assert "does not end with the appended messages' tokens" in got.segment_break.detail
+        assert "does not end with the turn close and the appended" in got.segment_break.detail
         assert got.prompt_ids == encode(fake._render(request["messages"], None, True))
         assert (got.bridge_spans, got.plain_divergence) == ((), None)
     finally:
         await client.close()
         await server.close()
+
+
+class _FailsOnce(FakeVLLM):
+    """Answers one dummy render with a 500 when `fail` is set (an upstream hiccup)."""
+
+    fail = False
+
+    async def _render_chat(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        dummy = any(m.get("content") == "A" for m in body["messages"])
+        if self.fail and dummy:
+            self.fail = False
+            self.route_hits[request.path] += 1
+            return web.json_response({"error": {"message": "busy"}}, status=500)
+        return await super()._render_chat(request)
+
+
+async def test_a_single_render_that_fails_is_a_break_as_with_pairs_and_keeps_its_anchor() -> None:
+    fake = _FailsOnce(scale_out=True, drop_past_reasoning=True)
+    server, client = await _served(fake)
+    try:
+        closes = CloseRenders()
+        prior = _prior(SYSTEM, {"role": "user", "content": "One?"})
+        more = {"role": "user", "content": "Two?"}
+        request = {**prior.request, "messages": [*prior.request["messages"], _ANSWER, more]}
+        first = await token_in_prompt(client, closes, prior, request, request)
+        fake.fail = True
+        before = fake.route_hits[RENDER]
+        got = await token_in_prompt(client, closes, prior, request, request)
+        # The request and the suffix's single render (answered 500), then the rest of its
+        # pair: a render of the bridge that fails is a break, as with pairs alone.
+        assert fake.route_hits[RENDER] - before == 3
+        assert got.segment_break is not None
+        assert got.segment_break.reason == "template_not_bridgeable"
+        assert "a render of the bridge answered 500" in got.segment_break.detail
+        assert got.prompt_ids == render_ids(request)
+        # Not the template's doing: the next call renders the suffix once, and is bridged.
+        before = fake.route_hits[RENDER]
+        again = await token_in_prompt(client, closes, prior, request, request)
+        assert fake.route_hits[RENDER] - before == 2
+        assert (again.segment_break, again.prompt_ids) == (None, first.prompt_ids)
+    finally:
+        await client.close()
+        await server.close()
+
+
+def test_the_appended_tokens_must_start_right_after_the_close_in_the_request_s_rendering() -> None:
+    from capture_proxy.core.bridging import _appended_as_rendered
+    from capture_proxy.core.token_in import Bridged
+
+    close, appended = [2, 26], [1, 131, 9, 2, 26, 1, 113]
+    plain = read_render(orjson.dumps({"token_ids": [5, 6, 7, *close, *appended]}))
+
+    def bridged(tokens: list[int]) -> Bridged:
+        # The model's own turn (its end-of-turn token first), the close's rest, `tokens`.
+        prompt = [50, 60, 70, 80, *close, *tokens]
+        return Bridged(prompt, (), len(prompt) - len(tokens), (), len(close))
+
+    assert _appended_as_rendered(bridged(appended), plain)
+    # Appended tokens that take in one of the close's (or leave out their first) end as the
+    # request's rendering does, but do not start right after its close.
+    assert not _appended_as_rendered(bridged([26, *appended]), plain)
+    assert not _appended_as_rendered(bridged(appended[1:]), plain)
+    # Appended tokens the request's own rendering does not end with.
+    assert not _appended_as_rendered(bridged([*appended[:-1], 114]), plain)

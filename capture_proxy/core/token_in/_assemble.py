@@ -105,7 +105,7 @@ def assemble(prior: Prior, plan: BridgePlan, rendered: BridgeRenders) -> Bridged
     media = _placed(prior, plan, rendered, len(appended), len(prompt))
     if isinstance(media, NotBridged):
         return media
-    return Bridged(prompt, spans, appended_start, media)
+    return Bridged(prompt, spans, appended_start, media, len(close))
 
 
 def _after_content(name: str, renders: Renders) -> list[int] | NotBridged:

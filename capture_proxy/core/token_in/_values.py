@@ -229,3 +229,6 @@ class Bridged:
     bridge_spans: tuple[BridgeSpan, ...] = field(default=())
     appended_start: int = 0
     media: tuple[MediaItem, ...] = ()
+    #: How many tokens the turn close has: `prompt_ids` has them just before `appended_start`
+    #: (the completion's end-of-turn token, then the bridge's).
+    close_length: int = 0
