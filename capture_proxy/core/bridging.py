@@ -125,6 +125,8 @@ class CloseRenders:
         #: key -> anchor; None: pairs only.
         self._anchors: OrderedDict[str, bytes | None] = OrderedDict()
         self._anchored = 0
+        #: The close keys whose templates need the dummies' context (`context_needed`).
+        self._context: OrderedDict[str, None] = OrderedDict()
 
     def get(self, key: str) -> IdsPair | None:
         pair = self._pairs.get(key)
@@ -167,10 +169,23 @@ class CloseRenders:
         while len(self._anchors) > 4 * self.limit:  # the keys marked pairs only, bounded
             self._anchored -= len(self._anchors.popitem(last=False)[1] or b"")
 
+    def needs_context(self, key: str) -> bool:
+        """Whether `key`'s template needs the dummies with the system message and the tools
+        (its lean dummies once did not bridge where those did)."""
+        return key in self._context
+
+    def context_needed(self, key: str) -> None:
+        """Render `key`'s dummies with the system message and the tools from now on."""
+        self._context[key] = None
+        self._context.move_to_end(key)
+        while len(self._context) > self.limit:
+            self._context.popitem(last=False)
+
     def clear(self) -> None:
         self._pairs.clear()
         self._anchors.clear()
         self._anchored = 0
+        self._context.clear()
 
     def __len__(self) -> int:
         return len(self._pairs)
@@ -358,34 +373,34 @@ async def token_in_prompt(
     if isinstance(verdict, NotBridged):
         status, raw = await _render(upstream, plain_body)
         return TokenInPrompt(*_plain(status, raw), segment_break=_break(verdict))
-    bridge = plan(request, verdict)
-    renders = _Renders(bridge, closes, verdict)
-    answers = await _all(
-        _render(upstream, plain_body), *(_render(upstream, orjson.dumps(b)) for b in renders.bodies)
-    )
-    status, raw = answers[0]
-    if status != 200:
-        raise RenderRefused(status, raw)
+    lean = plan(request, verdict, lean=True)
+    bridge = plan(request, verdict) if closes.needs_context(lean.close_key) else lean
     # The prior's prompt JSON, when kept: the renders' ids mostly start as it does.
     kept = prompts.get(verdict.prior.prompt_ids) if prompts is not None else None
-    got = _bridged(verdict, renders, answers[1:], closes, kept)
-    if renders.anchored and isinstance(got, NotBridged):
-        # The single renders did not bridge: the call is bridged from the whole pairs, as
-        # without anchors (the same verdict, whatever went wrong); a kind whose render did not
-        # start with its anchor keeps to pairs from now on.
-        for key in renders.unanchored:
-            closes.pairs_only(key)
-        seconds = await _all(*(_render(upstream, orjson.dumps(b)) for b in renders.seconds))
-        got = _bridged(verdict, renders, renders.paired(answers[1:], seconds), closes, kept)
-    if isinstance(got, NotBridged):
+    plain_render = asyncio.ensure_future(_render(upstream, plain_body))
+    try:
+        got, failed = await _bridge(upstream, closes, verdict, bridge, kept)
+        status, raw = await plain_render
+    except BaseException:
+        plain_render.cancel()
+        raise
+    if status != 200:
+        raise RenderRefused(status, raw)
+    checked = _checked(got, raw, verdict.prior, kept)
+    if isinstance(checked, NotBridged) and bridge.lean and not failed:
+        # The lean dummies did not bridge, or not as the request renders: this template may
+        # render the turn or the appended messages differently without the system message or
+        # the tools. The dummies with them decide, as without lean dummies. (A render that
+        # failed is the call's break, as it would be with them.)
+        bridge = plan(request, verdict)
+        whole, _ = await _bridge(upstream, closes, verdict, bridge, kept)
+        checked = _checked(whole, raw, verdict.prior, kept)
+        if not isinstance(checked, NotBridged):
+            closes.context_needed(bridge.close_key)
+    if isinstance(checked, NotBridged):
         rendered, plain_ids = _plain(status, raw)
-        return TokenInPrompt(rendered, plain_ids, segment_break=_break(got))
-    ids_json = _bridged_json(got, verdict.prior, kept)
-    # The plain rendering mostly spells the bridged prompt's ids: only the rest is decoded.
-    rendered = read_render(raw, known=(ids_json, got.prompt_ids))
-    if not _appended_as_rendered(got, rendered):
-        cut = SegmentBreak("template_not_bridgeable", _NOT_AS_RENDERED)
-        return TokenInPrompt(rendered, rendered.prompt_ids, segment_break=cut)
+        return TokenInPrompt(rendered, plain_ids, segment_break=_break(checked))
+    got, rendered, ids_json = checked
     features, why = bridged_features(got.media, rendered.features)
     if why is not None:
         cut = SegmentBreak("multimodal_append", f"the images' features: {why}")
@@ -401,6 +416,43 @@ async def token_in_prompt(
         ids_json,
         _bridged_array(got, verdict.prior),
     )
+
+
+async def _bridge(
+    upstream: TokenInTransport,
+    closes: CloseRenders,
+    extension: Extension,
+    bridge: BridgePlan,
+    kept: bytes | None,
+) -> tuple[Bridged | NotBridged, bool]:
+    """The bridged prompt from `bridge`'s renders (`_Renders`: one render of a pair whose
+    anchor is known), and whether a render failed (an error status, or not a render's answer).
+    Single renders that do not bridge are rendered as whole pairs, which decide; a kind whose
+    render did not start with its anchor keeps to pairs from then on."""
+    renders = _Renders(bridge, closes, extension)
+    answers = await _all(*(_render(upstream, orjson.dumps(b)) for b in renders.bodies))
+    got = _bridged(extension, renders, answers, closes, kept)
+    if renders.anchored and isinstance(got, NotBridged):
+        for key in renders.unanchored:
+            closes.pairs_only(key)
+        seconds = await _all(*(_render(upstream, orjson.dumps(b)) for b in renders.seconds))
+        got = _bridged(extension, renders, renders.paired(answers, seconds), closes, kept)
+    return got, renders.failed
+
+
+def _checked(
+    got: Bridged | NotBridged, raw: bytes, prior: Prior, kept: bytes | None
+) -> tuple[Bridged, Rendered, bytes] | NotBridged:
+    """The bridged prompt with the request's own render (`raw`, read against the bridged ids)
+    and the prompt's JSON, when the render ends as the bridge says (`_appended_as_rendered`)."""
+    if isinstance(got, NotBridged):
+        return got
+    ids_json = _bridged_json(got, prior, kept)
+    # The plain rendering mostly spells the bridged prompt's ids: only the rest is decoded.
+    rendered = read_render(raw, known=(ids_json, got.prompt_ids))
+    if not _appended_as_rendered(got, rendered):
+        return NotBridged("template_not_bridgeable", _NOT_AS_RENDERED)
+    return got, rendered, ids_json
 
 
 #: Why a call is not bridged when the request's own rendering disagrees with the bridge.
@@ -430,8 +482,9 @@ class _Renders:
         self.bridge = bridge
         self.cached = closes.get(bridge.close_key)
         calls = bridge.turn is not None
-        self.turn_key = f"{bridge.close_key}/turn"
-        self.suffix_key = f"{bridge.close_key}/suffix/{int(calls)}"
+        dummies = "lean" if bridge.lean else "whole"
+        self.turn_key = f"{bridge.close_key}/{dummies}/turn"
+        self.suffix_key = f"{bridge.close_key}/{dummies}/suffix/{int(calls)}"
         self.turn_anchor = self.suffix_anchor = None
         if self.cached is not None:
             if calls:
@@ -441,6 +494,8 @@ class _Renders:
                 self.suffix_anchor = closes.anchor(self.suffix_key)
         #: The keys whose single render did not start with its anchor (`_bridged` adds them).
         self.unanchored: list[str] = []
+        #: A render answered an error, or an answer that is not a render's (`_bridged` sets it).
+        self.failed = False
         #: The keys whose single render this call reads against an anchor.
         self.anchored = [
             k
@@ -522,6 +577,7 @@ def _bridged(
     with (not parsed again)."""
     for status, raw in answers:
         if status != 200:
+            renders.failed = True
             text = raw[:200].decode(errors="replace")
             return NotBridged(
                 "template_not_bridgeable", f"a render of the bridge answered {status}: {text}"
@@ -568,6 +624,7 @@ def _bridged(
             length = len(read_render(answers[-2][1]).prompt_ids)
             media = suffix_media(suffix_features, length)
     except UpstreamProtocolError as e:
+        renders.failed = True
         return NotBridged("template_not_bridgeable", f"a render of the bridge: {e.message}")
     except ValueError as e:
         return NotBridged("multimodal_append", f"the renders' image features: {e}")

@@ -321,7 +321,7 @@ async def test_later_calls_render_each_dummy_once_and_bridge_as_the_pairs_do(
 
 
 class _SystemCountsUsers(FakeVLLM):
-    """A template whose system prompt says how many user messages follow: a dummy
+    """A template whose first message says how many user messages there are: a dummy
     conversation's tokens before its content then depend on the messages after it."""
 
     def _render(self, messages: Any, tools: Any, gen: bool) -> str:
@@ -359,7 +359,7 @@ async def test_a_single_render_that_does_not_start_as_its_pair_is_bridged_from_t
         one = {"role": "user", "content": "Two?"}
         first = {**prior.request, "messages": [*prior.request["messages"], _ANSWER, one]}
         await token_in_prompt(client, closes, prior, first, first)  # learns the anchor
-        # Two user messages appended: the dummy's system prompt counts three users, not two.
+        # Two user messages appended: the dummy's first message counts three users, not two.
         two = {**first, "messages": [*first["messages"], {"role": "user", "content": "Three?"}]}
         before = fake.route_hits[RENDER]
         got = await token_in_prompt(client, closes, prior, two, two)
@@ -465,3 +465,85 @@ def test_the_appended_tokens_must_start_right_after_the_close_in_the_request_s_r
     assert not _appended_as_rendered(bridged(appended[1:]), plain)
     # Appended tokens the request's own rendering does not end with.
     assert not _appended_as_rendered(bridged([*appended[:-1], 114]), plain)
+
+
+class _Recording(FakeVLLM):
+    """Keeps every render request's body."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.renders: list[dict[str, Any]] = []
+
+    async def _render_chat(self, request: web.Request) -> web.Response:
+        self.renders.append(await request.json())
+        return await super()._render_chat(request)
+
+
+class _ToolsMarkResults(_Recording):
+    """A template that writes how many tools are defined into each tool result: the appended
+    messages' tokens depend on the tools, which lean dummies leave out."""
+
+    def _render(self, messages: Any, tools: Any, gen: bool) -> str:
+        mark = f"[{len(tools or ())} tools] "
+        marked = [
+            {**m, "content": mark + m["content"]} if m.get("role") == "tool" else m
+            for m in messages
+        ]
+        return super()._render(marked, tools, gen)
+
+
+def _dummies(renders: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [b for b in renders if any(m.get("content") in ("A", "B") for m in b["messages"])]
+
+
+async def test_the_turn_and_suffix_dummies_leave_out_the_system_prompt_and_tools() -> None:
+    fake = _Recording(scale_out=True, drop_past_reasoning=True)
+    server, client = await _served(fake)
+    try:
+        closes = CloseRenders()
+        for prior, request in _tool_turns(2):
+            got = await token_in_prompt(client, closes, prior, request, request)
+            paired = await token_in_prompt(client, CloseRenders(), prior, request, request)
+            assert got.segment_break is None
+            assert got.prompt_ids == paired.prompt_ids
+        dummies = _dummies(fake.renders)
+        # The close pair has them (once, cached); every other dummy has neither.
+        with_context = [b for b in dummies if "tools" in b or b["messages"][0] == SYSTEM]
+        assert len(with_context) == 3 * 2  # the close pair of each cache (one shared)
+        assert all(b["add_generation_prompt"] is False for b in with_context)
+        assert all(b["messages"][-1]["content"] in ("A", "B") for b in with_context)
+        # Shared cache: the turn and suffix pairs, then one render of each; two fresh caches:
+        # both pairs each.
+        assert len(dummies) - len(with_context) == (4 + 2) + 2 * 4
+    finally:
+        await client.close()
+        await server.close()
+
+
+async def test_a_template_that_needs_the_tools_in_the_dummies_gets_them() -> None:
+    fake = _ToolsMarkResults(scale_out=True, drop_past_reasoning=True)
+    server, client = await _served(fake)
+    try:
+        closes = CloseRenders()
+        turns = _tool_turns(3)
+        prior, request = turns[0]
+        got = await token_in_prompt(client, closes, prior, request, request)
+        # The lean dummies' "[0 tools] file0.py" is not the request's "[1 tools] file0.py":
+        # the dummies with the system prompt and tools decide, and are bridged.
+        assert got.segment_break is None
+        assert got.prompt_ids[-40:] == render_ids_of(fake, request)[-40:]
+        # From then on this template's dummies have them: one render each of the turn and
+        # the suffix (their anchors learnt), beside the request's.
+        for prior, request in turns[1:]:
+            before = len(fake.renders)
+            got = await token_in_prompt(client, closes, prior, request, request)
+            assert got.segment_break is None
+            assert len(fake.renders) - before == 3
+            assert all("tools" in b for b in fake.renders[before:])
+    finally:
+        await client.close()
+        await server.close()
+
+
+def render_ids_of(fake: FakeVLLM, request: dict[str, Any]) -> list[int]:
+    return encode(fake._render(request["messages"], request.get("tools"), True))

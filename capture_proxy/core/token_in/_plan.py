@@ -21,7 +21,9 @@ the template writes after an assistant turn's content:
   request's generation prompt: the common suffix is the ``turn`` (or ``close``) suffix, then the
   appended messages as the template renders them after that turn, then the generation prompt.
 
-The dummy assistant never has reasoning: its turn close is the plain one.
+The dummy assistant never has reasoning: its turn close is the plain one. A *lean* plan leaves the
+system message and the tools out of the ``turn`` and ``suffix`` dummies (not the ``close``):
+their renders are then a few hundred tokens instead of the agent's whole system prompt and tools.
 """
 
 from __future__ import annotations
@@ -44,8 +46,13 @@ DUMMY_CONTENTS = ("A", "B")
 _PER_RENDER = ("add_generation_prompt", "continue_final_message")
 
 
-def plan(request: Mapping[str, Any], extension: Extension) -> BridgePlan:
-    """The render requests (vLLM's ``/v1/chat/completions/render`` bodies) for `extension`."""
+def plan(request: Mapping[str, Any], extension: Extension, *, lean: bool = False) -> BridgePlan:
+    """The render requests (vLLM's ``/v1/chat/completions/render`` bodies) for `extension`.
+
+    `lean`: the ``turn`` and ``suffix`` dummies without the leading system message and the
+    tools (an agent's system prompt and tools are most of a render's tokens); the ``close``
+    pair keeps them. What a lean plan gives must be checked against the request's own
+    rendering (the flow does: docs/token-in.md, "Lean dummies")."""
     base: dict[str, Any] = {k: request[k] for k in TEMPLATE_KEYS if request.get(k) is not None}
     if request.get("tools"):
         base["tools"] = request["tools"]
@@ -57,18 +64,23 @@ def plan(request: Mapping[str, Any], extension: Extension) -> BridgePlan:
 
     calls = extension.replayed.get("tool_calls") or []
 
-    def dummy(v: str, with_calls: bool) -> list[Mapping[str, Any]]:
+    def dummy(v: str, with_calls: bool, context: bool) -> list[Mapping[str, Any]]:
         assistant: dict[str, Any] = {"role": "assistant", "content": v}
         if with_calls:
             assistant["tool_calls"] = calls
-        return [*lead, {"role": "user", "content": "u"}, assistant]
+        return [*(lead if context else ()), {"role": "user", "content": "u"}, assistant]
 
     def body(
-        v: str, appended: tuple[Mapping[str, Any], ...], gen: bool, with_calls: bool = False
+        v: str,
+        appended: tuple[Mapping[str, Any], ...],
+        gen: bool,
+        with_calls: bool = False,
+        context: bool = not lean,
     ) -> dict[str, Any]:
+        keys = base if context else {k: x for k, x in base.items() if k != "tools"}
         return {
-            **base,
-            "messages": [*dummy(v, with_calls), *appended],
+            **keys,
+            "messages": [*dummy(v, with_calls, context), *appended],
             "add_generation_prompt": gen,
             "continue_final_message": False,
         }
@@ -82,7 +94,8 @@ def plan(request: Mapping[str, Any], extension: Extension) -> BridgePlan:
     return BridgePlan(
         extension=extension,
         close_key=close_key,
-        close=(body(v1, (), False), body(v2, (), False)),
+        close=(body(v1, (), False, context=True), body(v2, (), False, context=True)),
         suffix=(body(v1, appended, generation, tc), body(v2, appended, generation, tc)),
         turn=(body(v1, (), False, True), body(v2, (), False, True)) if tc else None,
+        lean=lean,
     )

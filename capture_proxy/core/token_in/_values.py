@@ -134,6 +134,8 @@ class BridgePlan:
     close: tuple[dict[str, Any], dict[str, Any]]
     suffix: tuple[dict[str, Any], dict[str, Any]]
     turn: tuple[dict[str, Any], dict[str, Any]] | None = None
+    #: `turn` and `suffix` leave out the system message and the tools (`plan(lean=True)`).
+    lean: bool = False
 
     def requests(self) -> list[dict[str, Any]]:
         """Every body to render: `close` (unless cached), `turn` if any, `suffix`."""
