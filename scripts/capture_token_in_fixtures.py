@@ -28,6 +28,8 @@ from typing import Any
 
 # Run as a script from any directory: the repo root on the path makes `scripts` importable.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import contextlib
+
 from scripts import tiny_vllm
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -210,6 +212,8 @@ def capture_scale_out(api: Http, save: Saver) -> dict[str, Any]:
         "max_tokens": renders["chat"]["sampling_params"].get("max_tokens"),
     }
 
+    found["default_max_tokens"] = capture_default_limit(api, save)
+
     # --- generate, non-streamed and streamed, then derender each way ---
     for name, chat in (("chat", PLAIN), ("tools", TOOLS_CHAT)):
         gen_req = renders[name]
@@ -270,6 +274,33 @@ def capture_scale_out(api: Http, save: Saver) -> dict[str, Any]:
         api.json("POST", "/update_weight_version", {"new_version": "default"}),
     )
     return found
+
+
+def capture_default_limit(api: Http, save: Saver) -> dict[str, Any]:
+    """A render asked for `max_tokens: 16`, SamplingParams' default: its answer leaves the key
+    out, and generate given that answer back samples past 16 tokens (the proxy must say it)."""
+    body = {**PLAIN, "max_tokens": 16}
+    save.json("render-max-tokens-16-request.json", body)
+    rendered = api.json("POST", "/v1/chat/completions/render", body)
+    save.json("render-max-tokens-16-response.json", rendered)
+    seen = 0
+
+    def on_event(n: int) -> None:
+        nonlocal seen
+        seen = n
+        if n > 32:  # one event per token: enough to tell (unbounded, it runs to the context)
+            raise _Enough
+
+    with contextlib.suppress(_Enough):
+        api.stream("/inference/v1/generate", {**rendered, "stream": True}, on_event)
+    return {
+        "max_tokens_in_answer": "max_tokens" in rendered["sampling_params"],
+        "generate_events_past_16": seen > 16,
+    }
+
+
+class _Enough(Exception):
+    """Stops reading a stream that has shown what it had to."""
 
 
 def derender_resend(api: Http, rendered: Any, chat: Any) -> dict[str, Any]:

@@ -23,7 +23,8 @@ from capture_proxy.core.bridging import (
     token_in_prompt,
 )
 from capture_proxy.core.token_in import Prior
-from capture_proxy.testing.fake_vllm import FakeVLLM
+from capture_proxy.core.transport import EngineRoute
+from capture_proxy.testing.fake_vllm import FakeVLLM, Turn
 from capture_proxy.testing.fake_vllm._template import encode, tool_call_text
 from capture_proxy.upstream.http import HTTPUpstream
 from tests.support.token_in import continued, render_ids, staged_prior
@@ -547,3 +548,31 @@ async def test_a_template_that_needs_the_tools_in_the_dummies_gets_them() -> Non
 
 def render_ids_of(fake: FakeVLLM, request: dict[str, Any]) -> list[int]:
     return encode(fake._render(request["messages"], request.get("tools"), True))
+
+
+async def test_a_call_asking_for_16_tokens_gets_16_though_render_leaves_the_limit_out(
+    upstream: tuple[FakeVLLM, HTTPUpstream],
+) -> None:
+    fake, client = upstream
+    fake.script = lambda body: Turn("word " * 40)
+    request: dict[str, Any] = {
+        "model": "policy",
+        "messages": [SYSTEM, {"role": "user", "content": "Talk."}],
+        "max_tokens": 16,
+    }
+    got = await token_in_prompt(client, CloseRenders(), None, request, request)
+    # vLLM's render answers no `max_tokens` for 16 (SamplingParams' default); generate would
+    # take that as no limit. The proxy says it.
+    assert "max_tokens" not in got.rendered.sampling_params
+    body = orjson.loads(got.generate_body(request, stream=False))
+    assert body["sampling_params"]["max_tokens"] == 16
+    resp = await client.post_engine(EngineRoute.GENERATE, orjson.dumps(body))
+    async with resp:
+        answer = orjson.loads(await resp.read())
+    assert len(answer["choices"][0]["token_ids"]) == 16
+    assert answer["choices"][0]["finish_reason"] == "length"
+    # With no limit asked, the room the render resolved is sent as before.
+    del request["max_tokens"]
+    room = await token_in_prompt(client, CloseRenders(), None, request, request)
+    sent = orjson.loads(room.generate_body(request, stream=False))["sampling_params"]
+    assert sent == room.rendered.sampling_params

@@ -941,7 +941,7 @@ async def test_the_render_route_needs_scale_out(serve: Serve) -> None:
     assert await resp.json() == fixture("token-in/disabled-render.json")["body"]
 
 
-@pytest.mark.parametrize("name", ["chat", "tools", "continue"])
+@pytest.mark.parametrize("name", ["chat", "tools", "continue", "max-tokens-16"])
 async def test_render_answer_has_the_fixture_shape(serve: Serve, name: str) -> None:
     """Keys, their order and value types as the real render's (not the ids: the fake's
     tokenizer is another); `sampling_params` lists what the real one lists for that request."""

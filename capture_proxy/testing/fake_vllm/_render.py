@@ -51,7 +51,8 @@ def resolve_sampling(
     """The ``sampling_params`` a real render answers for a chat body, in its key order: a key
     the body sets (not null) wins, else the model's generation-config default (`defaults`), else
     vLLM's own value. A greedy temperature leaves top_p, top_k and min_p out; ``max_tokens`` is
-    the body's limit (``max_completion_tokens`` first) or the room left in the context;
+    the body's limit (``max_completion_tokens`` first) or the room left in the context, left out
+    when it is 16 (SamplingParams' default, as vLLM's render does);
     ``logprobs`` (the top-k count), ``seed`` and ``structured_outputs`` appear only when asked
     for."""
 
@@ -79,7 +80,9 @@ def resolve_sampling(
     limit = body.get("max_completion_tokens")
     if limit is None:
         limit = body.get("max_tokens")
-    out["max_tokens"] = limit if limit is not None else max_tokens_room
+    limit = limit if limit is not None else max_tokens_room
+    if limit != 16:  # SamplingParams' default: a real render leaves it out (the fixtures)
+        out["max_tokens"] = limit
     if body.get("logprobs"):
         out["logprobs"] = body.get("top_logprobs") or 0
     # Render asks generate for raw tokens: derender strips special tokens later (measured false
