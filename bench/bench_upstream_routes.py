@@ -22,6 +22,8 @@ gets (temperature 0, `--max-tokens` as the output limit):
 - ``close-A`` ... ``suffix-B``: the renders of the bridge's dummy conversations, from
   `capture_proxy.core.token_in.plan` on the real request (the close pair is cached per template
   by the proxy, so a bridged call after a tool-call answer sends the turn and suffix pairs);
+- ``render-tiny``: a render of one short user message without tools, for comparison: what the
+  route costs apart from the size of the conversation (not a request the proxy sends);
 - ``generate``: ``POST /inference/v1/generate`` with the plain render's answer. vLLM 0.32's
   render omits a ``max_tokens`` equal to SamplingParams' default (16), which generate then
   reads as unset (the room left in the context window); the script then says it explicitly,
@@ -35,8 +37,11 @@ keep-alive connection: `--warmup` untimed rounds, then up to `--repeat` timed ro
 byte of the answer. Printed as markdown: per call and route the p50 and p90, the body sizes and
 the prompt length; then per call "token-in's upstream time", the sum in each round of what a
 bridged call sends one after another (the plain render, the dummy renders, generate, derender),
-against the plain call's chat, as a difference and a ratio of their p50s. The proxy sends the
-renders at once, so this sum is the upstream's work, not necessarily the wall time it adds.
+against the plain call's chat, as a difference and a ratio of their p50s, and the part of it
+that is frontend work only (the renders and derender: no model step). The proxy sends the
+renders at once, so this sum is the upstream's work, not necessarily the wall time it adds:
+the route table's last row per call times those renders sent together (one connection each),
+which is what they add to a bridged call's latency.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ import subprocess
 import sys
 import time
 import urllib.parse
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -86,6 +92,9 @@ class Shape:
 
     call: int
     routes: dict[str, Route]
+    #: The seconds until every render of a bridged call after a tool-call answer was answered,
+    #: sent at once as the proxy sends them (`AT_ONCE`, each on its own connection).
+    at_once: list[float] = field(default_factory=list)
     prompt_ids: int = 0
     completion_ids: int = 0
     finish_reason: str = ""
@@ -164,6 +173,9 @@ def build(upstream: Upstream, call: int, max_tokens: int) -> Shape:
         raise SystemExit(f"call {call}: the replayed answer has no tool calls")
     dummies = [*bridge.close, *bridge.turn, *bridge.suffix]
     routes += [Route(n, RENDER, orjson.dumps(b)) for n, b in zip(names, dummies, strict=True)]
+    # The route's cost apart from the conversation's size: one short message, no tools.
+    tiny = {"model": request["model"], "messages": [{"role": "user", "content": "u"}]}
+    routes.append(Route("render-tiny", RENDER, orjson.dumps(tiny)))
     _, raw = upstream.post(RENDER, render)
     rendered = read_render(raw)
     generate = rendered.generate_body()
@@ -186,19 +198,38 @@ def build(upstream: Upstream, call: int, max_tokens: int) -> Shape:
     )
 
 
+#: The renders a bridged call after a tool-call answer sends at once (the close pair cached).
+AT_ONCE = ("render", "turn-A", "turn-B", "suffix-A", "suffix-B")
+
+
+def _at_once(pool: ThreadPoolExecutor, conns: list[Upstream], shape: Shape) -> float:
+    """Send `AT_ONCE` together, one per connection; the seconds until the last answer."""
+    routes = [shape.routes[n] for n in AT_ONCE]
+    t0 = time.perf_counter()
+    done = [pool.submit(c.post, r.path, r.body) for c, r in zip(conns, routes, strict=True)]
+    for future in done:
+        future.result()
+    return time.perf_counter() - t0
+
+
 def measure(upstream: Upstream, shapes: list[Shape], args: argparse.Namespace) -> int:
-    """Time every route of every shape in turn; the number of timed rounds."""
-    for _ in range(args.warmup):
-        for shape in shapes:
-            for route in shape.routes.values():
-                upstream.post(route.path, route.body)
-    deadline = time.monotonic() + args.max_seconds
-    rounds = 0
-    while rounds < args.repeat and time.monotonic() < deadline:
-        for shape in shapes:
-            for route in shape.routes.values():
-                route.times.append(upstream.post(route.path, route.body)[0])
-        rounds += 1
+    """Time every route of every shape in turn, then its `AT_ONCE` renders together; the
+    number of timed rounds."""
+    conns = [Upstream(args.url, args.timeout) for _ in AT_ONCE]
+    with ThreadPoolExecutor(len(conns)) as pool:
+        for _ in range(args.warmup):
+            for shape in shapes:
+                for route in shape.routes.values():
+                    upstream.post(route.path, route.body)
+                _at_once(pool, conns, shape)
+        deadline = time.monotonic() + args.max_seconds
+        rounds = 0
+        while rounds < args.repeat and time.monotonic() < deadline:
+            for shape in shapes:
+                for route in shape.routes.values():
+                    route.times.append(upstream.post(route.path, route.body)[0])
+                shape.at_once.append(_at_once(pool, conns, shape))
+            rounds += 1
     return rounds
 
 
@@ -206,6 +237,11 @@ def _p(values: list[float], q: float) -> float:
     """The `q` quantile of `values` in ms (nearest rank)."""
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e3
+
+
+def _round_sums(shape: Shape, names: tuple[str, ...], rounds: int) -> list[float]:
+    """Per timed round, the seconds the routes `names` of `shape` took together."""
+    return [sum(shape.routes[n].times[i] for n in names) for i in range(rounds)]
 
 
 #: What a bridged call sends, per the replayed answer: with tool calls the plain render, the
@@ -228,24 +264,29 @@ def report(shapes: list[Shape], rounds: int) -> str:
                 f"| {s.call} | {s.prompt_ids} | {r.name} | {len(r.body) / 1024:.1f} "
                 f"| {_p(r.times, 0.5):.2f} | {_p(r.times, 0.9):.2f} |"
             )
+        size = sum(len(s.routes[n].body) for n in AT_ONCE) / 1024
+        lines.append(
+            f"| {s.call} | {s.prompt_ids} | {' + '.join(AT_ONCE)} at once | {size:.1f} "
+            f"| {_p(s.at_once, 0.5):.2f} | {_p(s.at_once, 0.9):.2f} |"
+        )
     lines += [
         "",
-        "| call | token-in sends | token-in p50 (p90) ms | chat p50 (p90) ms | difference ms "
-        "| ratio |",
-        "|--:|---|--:|--:|--:|--:|",
+        "| call | token-in sends | token-in p50 (p90) ms | of which renders + derender p50 ms "
+        "| chat p50 (p90) ms | difference ms | ratio |",
+        "|--:|---|--:|--:|--:|--:|--:|",
     ]
     for s in shapes:
         chat = s.routes["chat"].times
+        c50 = _p(chat, 0.5)
         for label, renders in SUMS.items():
-            sums = [
-                sum(s.routes[n].times[i] for n in (*renders, "generate", "derender"))
-                for i in range(rounds)
-            ]
-            t50, c50 = _p(sums, 0.5), _p(chat, 0.5)
+            sums = _round_sums(s, (*renders, "generate", "derender"), rounds)
+            frontend = _round_sums(s, (*renders, "derender"), rounds)
+            t50 = _p(sums, 0.5)
             what = f"{len(renders)} renders, generate, derender ({label})"
             lines.append(
                 f"| {s.call} | {what} | {t50:.2f} ({_p(sums, 0.9):.2f}) "
-                f"| {c50:.2f} ({_p(chat, 0.9):.2f}) | {t50 - c50:+.2f} | {t50 / c50:.2f}× |"
+                f"| {_p(frontend, 0.5):.2f} | {c50:.2f} ({_p(chat, 0.9):.2f}) "
+                f"| {t50 - c50:+.2f} | {t50 / c50:.2f}× |"
             )
     return "\n".join(lines)
 
@@ -275,16 +316,18 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=16, help="the calls' output limit")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
     args = p.parse_args()
-    fake, url = _start_fake() if args.fake else (None, args.url)
+    fake = None
+    if args.fake:
+        fake, args.url = _start_fake()
     try:
-        upstream = Upstream(url, args.timeout)
+        upstream = Upstream(args.url, args.timeout)
         load = os.getloadavg()[0]
         shapes = [build(upstream, call, args.max_tokens) for call in CALLS]
         began = time.monotonic()
         rounds = measure(upstream, shapes, args)
         took = time.monotonic() - began
         print(
-            f"upstream {url}; {rounds} rounds after {args.warmup} warm-up in {took:.1f} s; "
+            f"upstream {args.url}; {rounds} rounds after {args.warmup} warm-up in {took:.1f} s; "
             f"load average {load:.2f} before, {os.getloadavg()[0]:.2f} after; "
             f"max_tokens {args.max_tokens}; generated "
             + ", ".join(f"{s.completion_ids} ids ({s.finish_reason})" for s in shapes)
