@@ -154,6 +154,7 @@ def build(upstream: Upstream, call: int, max_tokens: int) -> Shape:
     generate answers the later routes take are asked for once here."""
     request = normalize_request(_client_body(call, max_tokens)).body
     previous = normalize_request(_client_body(call - 1, max_tokens)).body
+    # `match` and `plan` read the previous call's request and answer, not its ids.
     prior = Prior(
         previous, _answer(call - 2), prompt_ids=(), completion_ids=(), finish_reason="stop"
     )
