@@ -22,6 +22,9 @@ gets (temperature 0, `--max-tokens` as the output limit):
 - ``close-A`` ... ``suffix-B``: the renders of the bridge's dummy conversations, from
   `capture_proxy.core.token_in.plan` on the real request (the close pair is cached per template
   by the proxy, so a bridged call after a tool-call answer sends the turn and suffix pairs);
+- ``lean-turn``, ``lean-suffix``: what the proxy sends instead once a template's anchors are
+  known: the first dummy of each pair, lean (without the system message and tools:
+  ``plan(..., lean=True)``; docs/token-in.md, "Lean dummies");
 - ``render-tiny``: a render of one short user message without tools, for comparison: what the
   route costs apart from the size of the conversation (not a request the proxy sends);
 - ``generate``: ``POST /inference/v1/generate`` with the plain render's answer. vLLM 0.32's
@@ -40,8 +43,8 @@ bridged call sends one after another (the plain render, the dummy renders, gener
 against the plain call's chat, as a difference and a ratio of their p50s, and the part of it
 that is frontend work only (the renders and derender: no model step). The proxy sends the
 renders at once, so this sum is the upstream's work, not necessarily the wall time it adds:
-the route table's last row per call times those renders sent together (one connection each),
-which is what they add to a bridged call's latency.
+the route table's last rows per call time those renders sent together (one connection each),
+whole pairs and lean single renders, which is what they add to a bridged call's latency.
 """
 
 from __future__ import annotations
@@ -92,9 +95,9 @@ class Shape:
 
     call: int
     routes: dict[str, Route]
-    #: The seconds until every render of a bridged call after a tool-call answer was answered,
-    #: sent at once as the proxy sends them (`AT_ONCE`, each on its own connection).
-    at_once: list[float] = field(default_factory=list)
+    #: Per set of `AT_ONCE`: the seconds until every render of a bridged call after a tool-call
+    #: answer was answered, sent at once as the proxy sends them (each on its own connection).
+    at_once: dict[str, list[float]] = field(default_factory=dict)
     prompt_ids: int = 0
     completion_ids: int = 0
     finish_reason: str = ""
@@ -174,6 +177,14 @@ def build(upstream: Upstream, call: int, max_tokens: int) -> Shape:
         raise SystemExit(f"call {call}: the replayed answer has no tool calls")
     dummies = [*bridge.close, *bridge.turn, *bridge.suffix]
     routes += [Route(n, RENDER, orjson.dumps(b)) for n, b in zip(names, dummies, strict=True)]
+    # What the proxy sends once a template's anchors are known: one lean render of each kind
+    # (docs/token-in.md, "Lean dummies" and "One render instead of a pair").
+    lean = plan(request, extension, lean=True)
+    assert lean.turn is not None
+    routes += [
+        Route("lean-turn", RENDER, orjson.dumps(lean.turn[0])),
+        Route("lean-suffix", RENDER, orjson.dumps(lean.suffix[0])),
+    ]
     # The route's cost apart from the conversation's size: one short message, no tools.
     tiny = {"model": request["model"], "messages": [{"role": "user", "content": "u"}]}
     routes.append(Route("render-tiny", RENDER, orjson.dumps(tiny)))
@@ -183,7 +194,7 @@ def build(upstream: Upstream, call: int, max_tokens: int) -> Shape:
     if "max_tokens" not in rendered.sampling_params:
         # vLLM 0.32's render leaves out sampling values equal to SamplingParams' defaults, and
         # max_tokens 16 is one: generate then takes it as unset and fills the context window.
-        # Said explicitly here, so generate samples what chat samples (module docstring).
+        # Said explicitly, as the proxy does (`TokenInPrompt.generate_body`).
         params = {**rendered.sampling_params, "max_tokens": max_tokens}
         generate = rendered.generate_body(sampling_params=params)
     _, generated_raw = upstream.post(GENERATE, generate)
@@ -199,15 +210,22 @@ def build(upstream: Upstream, call: int, max_tokens: int) -> Shape:
     )
 
 
-#: The renders a bridged call after a tool-call answer sends at once (the close pair cached).
-AT_ONCE = ("render", "turn-A", "turn-B", "suffix-A", "suffix-B")
+#: The renders a bridged call after a tool-call answer sends at once (the close pair cached):
+#: with whole pairs (before lean dummies and anchors), and now (one lean render of each kind).
+AT_ONCE = {
+    "whole pairs": ("render", "turn-A", "turn-B", "suffix-A", "suffix-B"),
+    "lean, one each": ("render", "lean-turn", "lean-suffix"),
+}
 
 
-def _at_once(pool: ThreadPoolExecutor, conns: list[Upstream], shape: Shape) -> float:
-    """Send `AT_ONCE` together, one per connection; the seconds until the last answer."""
-    routes = [shape.routes[n] for n in AT_ONCE]
+def _at_once(
+    pool: ThreadPoolExecutor, conns: list[Upstream], shape: Shape, names: tuple[str, ...]
+) -> float:
+    """Send the routes `names` together, one per connection; the seconds until the last
+    answer."""
+    routes = [shape.routes[n] for n in names]
     t0 = time.perf_counter()
-    done = [pool.submit(c.post, r.path, r.body) for c, r in zip(conns, routes, strict=True)]
+    done = [pool.submit(c.post, r.path, r.body) for c, r in zip(conns, routes, strict=False)]
     for future in done:
         future.result()
     return time.perf_counter() - t0
@@ -216,20 +234,22 @@ def _at_once(pool: ThreadPoolExecutor, conns: list[Upstream], shape: Shape) -> f
 def measure(upstream: Upstream, shapes: list[Shape], args: argparse.Namespace) -> int:
     """Time every route of every shape in turn, then its `AT_ONCE` renders together; the
     number of timed rounds."""
-    conns = [Upstream(args.url, args.timeout) for _ in AT_ONCE]
+    conns = [Upstream(args.url, args.timeout) for _ in range(max(map(len, AT_ONCE.values())))]
     with ThreadPoolExecutor(len(conns)) as pool:
         for _ in range(args.warmup):
             for shape in shapes:
                 for route in shape.routes.values():
                     upstream.post(route.path, route.body)
-                _at_once(pool, conns, shape)
+                for names in AT_ONCE.values():
+                    _at_once(pool, conns, shape, names)
         deadline = time.monotonic() + args.max_seconds
         rounds = 0
         while rounds < args.repeat and time.monotonic() < deadline:
             for shape in shapes:
                 for route in shape.routes.values():
                     route.times.append(upstream.post(route.path, route.body)[0])
-                shape.at_once.append(_at_once(pool, conns, shape))
+                for label, names in AT_ONCE.items():
+                    shape.at_once.setdefault(label, []).append(_at_once(pool, conns, shape, names))
             rounds += 1
     return rounds
 
@@ -246,10 +266,13 @@ def _round_sums(shape: Shape, names: tuple[str, ...], rounds: int) -> list[float
 
 
 #: What a bridged call sends, per the replayed answer: with tool calls the plain render, the
-#: turn pair and the suffix pair (the close pair cached), without them the suffix pair only.
+#: turn and the suffix dummies (the close pair cached), without them the suffix only; whole
+#: pairs (before lean dummies and anchors) or one lean render of each kind (now).
 SUMS = {
-    "answer with tool calls": ("render", "turn-A", "turn-B", "suffix-A", "suffix-B"),
-    "answer without tool calls": ("render", "suffix-A", "suffix-B"),
+    "whole pairs, answer with tool calls": ("render", "turn-A", "turn-B", "suffix-A", "suffix-B"),
+    "whole pairs, answer without tool calls": ("render", "suffix-A", "suffix-B"),
+    "lean, one each, answer with tool calls": ("render", "lean-turn", "lean-suffix"),
+    "lean, one each, answer without tool calls": ("render", "lean-suffix"),
 }
 
 
@@ -265,11 +288,13 @@ def report(shapes: list[Shape], rounds: int) -> str:
                 f"| {s.call} | {s.prompt_ids} | {r.name} | {len(r.body) / 1024:.1f} "
                 f"| {_p(r.times, 0.5):.2f} | {_p(r.times, 0.9):.2f} |"
             )
-        size = sum(len(s.routes[n].body) for n in AT_ONCE) / 1024
-        lines.append(
-            f"| {s.call} | {s.prompt_ids} | {' + '.join(AT_ONCE)} at once | {size:.1f} "
-            f"| {_p(s.at_once, 0.5):.2f} | {_p(s.at_once, 0.9):.2f} |"
-        )
+        for label, names in AT_ONCE.items():
+            size = sum(len(s.routes[n].body) for n in names) / 1024
+            times = s.at_once[label]
+            lines.append(
+                f"| {s.call} | {s.prompt_ids} | {' + '.join(names)} at once ({label}) "
+                f"| {size:.1f} | {_p(times, 0.5):.2f} | {_p(times, 0.9):.2f} |"
+            )
     lines += [
         "",
         "| call | token-in sends | token-in p50 (p90) ms | of which renders + derender p50 ms "
