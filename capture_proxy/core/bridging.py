@@ -2,16 +2,17 @@
 
 `token_in_prompt` does the upstream side of docs/token-in.md for one call. It asks the bridge
 whether the request extends the rollout's previous staged call (`match`); if it does, it sends
-the renders of the bridge's plan (the turn close from `CloseRenders` when cached, one render of
-a pair whose anchor it keeps) **at the same time as** the plain render of the request, then
+the renders of the bridge's plan (the turn close from `CloseRenders` when cached; the other
+dummies lean, without the system message and tools, unless the template needs them; one render
+of a pair whose anchor it keeps) **at the same time as** the plain render of the request, then
 assembles the exact prompt and measures where the plain one would have diverged. Otherwise, or
 when the renders do not bridge, the plain render's ids are sent and the call starts a new
 segment, with the reason. The plain render is always made: it is the ``GenerateRequest``
 generate takes (sampling params resolved by vLLM, the effective sampling of the record), the
-plain ids divergence is measured against, and the rendering whose end the bridge's appended
-tokens must be. With images, the
-bridged prompt's ``features`` are the plain render's items placed where the bridge put them
-(`bridged_features`); the placeholders are kept for the next call (`TokenInPrompt.media`).
+plain ids divergence is measured against, and the rendering that must end with the turn close
+and the appended tokens the bridge found. With images, the bridged prompt's ``features`` are
+the plain render's items placed where the bridge put them (`bridged_features`); the
+placeholders are kept for the next call (`TokenInPrompt.media`).
 
 The exchange (`capture_proxy.core.exchange`) sends the result to generate and derenders the answer.
 """
@@ -116,9 +117,10 @@ class CloseRenders:
     An anchor is the JSON of a dummy conversation's ids up to and including its one-token
     content, as a pair showed it (`pair_anchor`); with it, the next calls of the same kind
     render the dummy once instead of twice (docs/token-in.md, "One render instead of a
-    pair"). A kind whose single render once did not start with its anchor, or whose appended
-    tokens were not the request's own render's, goes back to pairs for good (`pairs_only`).
-    Everything is cleared for a new upstream process (its template may differ).
+    pair"). A kind whose single render once did not start with its anchor goes back to pairs
+    for good (`pairs_only`); a template whose lean dummies once did not bridge where the whole
+    ones did keeps to the whole ones (`needs_context`). Everything is cleared for a new
+    upstream process (its template may differ).
     """
 
     def __init__(self, limit: int = 256, anchor_bytes: int = 32 << 20) -> None:

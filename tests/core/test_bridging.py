@@ -576,3 +576,22 @@ async def test_a_call_asking_for_16_tokens_gets_16_though_render_leaves_the_limi
     room = await token_in_prompt(client, CloseRenders(), None, request, request)
     sent = orjson.loads(room.generate_body(request, stream=False))["sampling_params"]
     assert sent == room.rendered.sampling_params
+
+
+def test_the_anchors_are_bounded_by_bytes_and_a_pairs_only_kind_learns_none() -> None:
+    closes = CloseRenders(anchor_bytes=10)
+    closes.learn("a", b"[1,2,3,")
+    assert closes.anchor("a") == b"[1,2,3,"
+    closes.learn("b", b"[4,5,6,")  # 14 bytes: the least recent goes
+    assert (closes.anchor("a"), closes.anchor("b")) == (None, b"[4,5,6,")
+    assert closes.learns("a")
+    closes.pairs_only("b")
+    assert closes.anchor("b") is None
+    assert not closes.learns("b")
+    closes.learn("b", b"[7,")
+    assert closes.anchor("b") is None
+    closes.context_needed("k")
+    assert closes.needs_context("k")
+    closes.clear()
+    assert closes.learns("b")
+    assert not closes.needs_context("k")
