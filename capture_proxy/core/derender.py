@@ -30,6 +30,7 @@ from ..adapters.vllm import (
     derender_chunk_body,
     derender_tail,
     read_derender,
+    usage_chunk,
 )
 from ..errors import UpstreamFailed
 from .transport import EngineRoute, TokenInTransport, UpstreamReply
@@ -138,8 +139,20 @@ class StreamedDerender:
         loop = asyncio.get_running_loop()
         reader = asyncio.create_task(self._read())
         state: Any = None
+        last: dict[str, Any] | None = None
         try:
             while True:
+                usage = self._coalescer.take_usage(loop.time()) if last is not None else None
+                if usage is not None:
+                    assert last is not None
+                    # The usage chunk is the previous chunk's fields and generate's counts: no
+                    # derender call (one round trip less at the end of every stream).
+                    built = usage_chunk(last, usage)
+                    if built is None:
+                        self._coalescer.calls += 1
+                        built = (await self._derender(usage, state))["chunk"]
+                    yield b"data: " + orjson.dumps(built) + b"\n\n"
+                    continue
                 chunk = self._coalescer.take(loop.time())
                 if chunk is None:
                     if self._read_done and not self._coalescer.pending:
@@ -157,7 +170,8 @@ class StreamedDerender:
                 answer = await self._derender_with_logprobs(chunk, state)
                 self._coalescer.finished()
                 state = answer.get("stream_state")
-                yield b"data: " + orjson.dumps(answer["chunk"]) + b"\n\n"
+                last = answer["chunk"]
+                yield b"data: " + orjson.dumps(last) + b"\n\n"
             await reader  # raises what the generate stream raised
             yield _DONE
         finally:

@@ -27,6 +27,7 @@ from capture_proxy.adapters.vllm import (
     read_render,
     read_render_pair,
     to_completion,
+    usage_chunk,
 )
 from tests import support
 
@@ -466,3 +467,33 @@ def test_a_single_render_read_against_an_anchor_still_checks_what_it_decodes() -
             read_anchored(bad, anchor)
     with pytest.raises(UpstreamProtocolError, match="malformed_json"):
         read_anchored(b'{"request_id":"r","token_ids":[1,2,65,7', anchor)
+
+
+@pytest.mark.parametrize("name", ["chat", "tools"])
+def test_the_usage_chunk_is_derender_s_without_a_call(name: str) -> None:
+    # vLLM's own streamed derender: its last answer is the usage chunk, from the usage event.
+    stream = orjson.loads(raw(f"derender-{name}-stream.json"))
+    sse = raw(f"generate-{name}-stream.sse")
+    events = [line[6:] for line in sse.split(b"\n") if line.startswith(b"data: {")]
+    previous, real = stream["responses"][-2]["chunk"], stream["responses"][-1]["chunk"]
+    assert real["choices"] == []
+    assert usage_chunk(previous, events[-1]) == real
+
+
+def test_a_usage_event_goes_without_a_call_and_anything_else_through_derender() -> None:
+    c = DerenderCoalescer(min_interval=0.05)
+    token = GenerateEvent(b'{"request_id":"r","choices":[{"token_ids":[1]}]}', 1, True)
+    usage = GenerateEvent(b'{"request_id":"r","usage":{"prompt_tokens":1},"choices":[]}', 0, False)
+    c.add(token)
+    c.add(usage)
+    assert c.take_usage(10.0) is None  # a token event is next
+    assert c.take(10.0) == token.data
+    assert c.take_usage(10.01) is None  # a call is in flight
+    c.finished()
+    assert c.take_usage(10.02) is None  # too soon, the stream not ended
+    c.close()
+    assert c.take_usage(10.02) == usage.data
+    assert (c.calls, c.pending) == (1, False)
+    # A usage event that is not one (no counts) is derender's to answer.
+    assert usage_chunk({"id": "x"}, usage.data) is None
+    assert usage_chunk({"id": "x"}, b"not json") is None

@@ -123,3 +123,32 @@ async def test_a_broken_generate_stream_fails_the_answer(
         with pytest.raises(UpstreamFailed) as info:
             _ = [e async for e in driver.events()]
     assert info.value.code == "upstream_broken"
+
+
+async def test_the_usage_chunk_comes_without_a_derender_call(
+    pair: tuple[FakeVLLM, HTTPUpstream],
+) -> None:
+    fake, up = pair
+    fake.push(Turn("Short."))
+    rendered = read_render(orjson.dumps(await post(up, EngineRoute.RENDER, orjson.dumps(CHAT))))
+    reply, driver = await streamed(up, rendered)
+    async with reply:
+        events = [e async for e in driver.events()]
+    chunks = [orjson.loads(e[len(b"data: ") :]) for e in events[:-1]]
+    *answer, usage = chunks
+    generated = driver.generated
+    assert generated is not None
+    # Every chunk before it from derender; the usage chunk built from the last one's fields
+    # and generate's counts, as derender writes it (held to vLLM's in tests/adapters).
+    assert fake.route_hits["/v1/chat/completions/derender"] == driver.calls == len(answer)
+    assert usage == {
+        **answer[-1],
+        "choices": [],
+        "usage": {
+            "prompt_tokens": len(rendered.prompt_ids),
+            "total_tokens": len(rendered.prompt_ids) + len(generated.completion_ids),
+            "completion_tokens": len(generated.completion_ids),
+            "prompt_tokens_details": None,
+            "completion_tokens_details": None,
+        },
+    }

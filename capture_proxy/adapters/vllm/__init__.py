@@ -29,6 +29,7 @@ from ._derender import (
     merge_chunks,
     read_derender,
     to_completion,
+    usage_chunk,
 )
 from ._derendered import Derendered, DerenderedStream, client_answer, read_derendered
 from ._generate import Generated, GenerateEvent, GenerateStream, WeightSpan, read_generate
@@ -70,4 +71,5 @@ __all__ = [
     "read_render",
     "read_render_pair",
     "to_completion",
+    "usage_chunk",
 ]

@@ -30,6 +30,7 @@ __all__ = [
     "merge_chunks",
     "read_derender",
     "to_completion",
+    "usage_chunk",
 ]
 
 
@@ -169,6 +170,43 @@ class DerenderCoalescer:
 
     def finished(self) -> None:
         self.in_flight = False
+
+    def take_usage(self, now: float) -> bytes | None:
+        """The usage event, when it is the next to go (a call may start now): it needs no
+        derender call of its own (`usage_chunk`), so it counts as none."""
+        waiting = self._waiting
+        if self.in_flight or not waiting or waiting[0].has_choices:
+            return None
+        due = self.due()
+        if due is not None and now < due:
+            return None
+        self._waiting = waiting[1:]
+        return waiting[0].data
+
+
+#: The keys of the usage derender gives a usage-only chunk, in its order.
+_USAGE_KEYS = ("prompt_tokens", "total_tokens", "completion_tokens")
+
+
+def usage_chunk(previous: Mapping[str, Any], event: bytes) -> dict[str, Any] | None:
+    """The client's usage-only chunk for generate's usage `event`, as vLLM 0.32's derender
+    writes it, without a derender call: the stream's previous derendered chunk's fields with
+    no choices and generate's usage (its counts, then null details). None when the event has
+    no such usage (derender is then asked).
+
+    Derender adds nothing of its own to that chunk (tests/fixtures/vllm-0.32.0/token-in/
+    derender-*-stream.json, its last answer) but its clock's `created`; the previous chunk's
+    is used, which is what the chat route gives every chunk of a stream."""
+    try:
+        usage = orjson.loads(event).get("usage")
+    except (orjson.JSONDecodeError, AttributeError):
+        return None
+    if not isinstance(usage, dict) or any(type(usage.get(k)) is not int for k in _USAGE_KEYS):
+        return None
+    counts: dict[str, Any] = {k: usage[k] for k in _USAGE_KEYS}
+    counts["prompt_tokens_details"] = usage.get("prompt_tokens_details")
+    counts["completion_tokens_details"] = usage.get("completion_tokens_details")
+    return {**previous, "choices": [], "usage": counts}
 
 
 def to_completion(
