@@ -8,6 +8,8 @@ from typing import Any
 
 import orjson
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
 
 from capture_proxy.adapters.vllm import read_render
 from capture_proxy.core.derender import StreamedDerender
@@ -152,3 +154,43 @@ async def test_the_usage_chunk_comes_without_a_derender_call(
             "completion_tokens_details": None,
         },
     }
+
+
+async def test_an_event_without_choices_or_usage_goes_to_derender(
+    pair: tuple[FakeVLLM, HTTPUpstream],
+) -> None:
+    fake, up = pair
+    fake.push(Turn("Short."))
+    rendered = read_render(orjson.dumps(await post(up, EngineRoute.RENDER, orjson.dumps(CHAT))))
+    async with await up.post_engine(
+        EngineRoute.GENERATE, rendered.generate_body(stream=True)
+    ) as reply:
+        stream = await reply.read()
+    # The same stream, its last event with neither choices nor usage (vLLM never sends one:
+    # the proxy does not make it up), served by a plain HTTP server.
+    lines = stream.split(b"\n\n")
+    usage_at = next(i for i, e in enumerate(lines) if b'"choices":[]' in e)
+    event = orjson.loads(lines[usage_at][len(b"data: ") :])
+    event["usage"] = None
+    lines[usage_at] = b"data: " + orjson.dumps(event)
+
+    async def generate(_: web.Request) -> web.Response:
+        return web.Response(body=b"\n\n".join(lines), content_type="text/event-stream")
+
+    app = web.Application()
+    app.router.add_post("/inference/v1/generate", generate)
+    server = TestServer(app)
+    await server.start_server()
+    canned = HTTPUpstream(str(server.make_url("")))
+    try:
+        before = fake.route_hits["/v1/chat/completions/derender"]
+        async with await canned.post_engine(EngineRoute.GENERATE, b"{}") as reply:
+            driver = StreamedDerender(up, reply, list(rendered.prompt_ids), CHAT)
+            events = [e async for e in driver.events()]
+        calls = fake.route_hits["/v1/chat/completions/derender"] - before
+        # Derender was asked for that chunk too: every chunk is derender's.
+        assert calls == driver.calls == len(events) - 1
+        assert events[-1] == b"data: [DONE]\n\n"
+    finally:
+        await canned.close()
+        await server.close()
