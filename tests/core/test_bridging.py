@@ -3,6 +3,7 @@ HTTP, the turn-close cache, the lines of calls, and the output limit of a longer
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from array import array
 from collections.abc import AsyncIterator
@@ -345,16 +346,22 @@ class _NumbersUsers(FakeVLLM):
         return super()._render(numbered, tools, gen)
 
 
-async def _served(fake: FakeVLLM) -> tuple[TestServer, HTTPUpstream]:
+@contextlib.asynccontextmanager
+async def _served(fake: FakeVLLM) -> AsyncIterator[HTTPUpstream]:
+    """A client of `fake` served over HTTP, both closed at the end."""
     server = TestServer(fake.app())
     await server.start_server()
-    return server, HTTPUpstream(str(server.make_url("")))
+    client = HTTPUpstream(str(server.make_url("")))
+    try:
+        yield client
+    finally:
+        await client.close()
+        await server.close()
 
 
 async def test_a_single_render_that_does_not_start_as_its_pair_is_bridged_from_the_pair() -> None:
     fake = _SystemCountsUsers(scale_out=True, drop_past_reasoning=True)
-    server, client = await _served(fake)
-    try:
+    async with _served(fake) as client:
         closes = CloseRenders()
         prior = _prior(SYSTEM, {"role": "user", "content": "One?"})
         one = {"role": "user", "content": "Two?"}
@@ -373,15 +380,11 @@ async def test_a_single_render_that_does_not_start_as_its_pair_is_bridged_from_t
         before = fake.route_hits[RENDER]
         await token_in_prompt(client, closes, prior, first, first)
         assert fake.route_hits[RENDER] - before == 3
-    finally:
-        await client.close()
-        await server.close()
 
 
 async def test_appended_tokens_the_request_s_own_rendering_does_not_end_with_are_not_sent() -> None:
     fake = _NumbersUsers(scale_out=True, drop_past_reasoning=True)
-    server, client = await _served(fake)
-    try:
+    async with _served(fake) as client:
         history = [
             SYSTEM,
             {"role": "user", "content": "Zero?"},
@@ -398,9 +401,6 @@ async def test_appended_tokens_the_request_s_own_rendering_does_not_end_with_are
         assert "does not end with the turn close and the appended" in got.segment_break.detail
         assert got.prompt_ids == encode(fake._render(request["messages"], None, True))
         assert (got.bridge_spans, got.plain_divergence) == ((), None)
-    finally:
-        await client.close()
-        await server.close()
 
 
 class _FailsOnce(FakeVLLM):
@@ -420,8 +420,7 @@ class _FailsOnce(FakeVLLM):
 
 async def test_a_single_render_that_fails_is_a_break_as_with_pairs_and_keeps_its_anchor() -> None:
     fake = _FailsOnce(scale_out=True, drop_past_reasoning=True)
-    server, client = await _served(fake)
-    try:
+    async with _served(fake) as client:
         closes = CloseRenders()
         prior = _prior(SYSTEM, {"role": "user", "content": "One?"})
         more = {"role": "user", "content": "Two?"}
@@ -442,9 +441,6 @@ async def test_a_single_render_that_fails_is_a_break_as_with_pairs_and_keeps_its
         again = await token_in_prompt(client, closes, prior, request, request)
         assert fake.route_hits[RENDER] - before == 2
         assert (again.segment_break, again.prompt_ids) == (None, first.prompt_ids)
-    finally:
-        await client.close()
-        await server.close()
 
 
 def test_the_appended_tokens_must_start_right_after_the_close_in_the_request_s_rendering() -> None:
@@ -499,8 +495,7 @@ def _dummies(renders: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 async def test_the_turn_and_suffix_dummies_leave_out_the_system_prompt_and_tools() -> None:
     fake = _Recording(scale_out=True, drop_past_reasoning=True)
-    server, client = await _served(fake)
-    try:
+    async with _served(fake) as client:
         closes = CloseRenders()
         for prior, request in _tool_turns(2):
             got = await token_in_prompt(client, closes, prior, request, request)
@@ -516,15 +511,11 @@ async def test_the_turn_and_suffix_dummies_leave_out_the_system_prompt_and_tools
         # Shared cache: the turn and suffix pairs, then one render of each; two fresh caches:
         # both pairs each.
         assert len(dummies) - len(with_context) == (4 + 2) + 2 * 4
-    finally:
-        await client.close()
-        await server.close()
 
 
 async def test_a_template_that_needs_the_tools_in_the_dummies_gets_them() -> None:
     fake = _ToolsMarkResults(scale_out=True, drop_past_reasoning=True)
-    server, client = await _served(fake)
-    try:
+    async with _served(fake) as client:
         closes = CloseRenders()
         turns = _tool_turns(3)
         prior, request = turns[0]
@@ -541,9 +532,6 @@ async def test_a_template_that_needs_the_tools_in_the_dummies_gets_them() -> Non
             assert got.segment_break is None
             assert len(fake.renders) - before == 3
             assert all("tools" in b for b in fake.renders[before:])
-    finally:
-        await client.close()
-        await server.close()
 
 
 def render_ids_of(fake: FakeVLLM, request: dict[str, Any]) -> list[int]:

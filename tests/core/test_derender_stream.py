@@ -11,7 +11,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from capture_proxy.adapters.vllm import read_render
+from capture_proxy.adapters.vllm import Rendered, read_render
 from capture_proxy.core.derender import StreamedDerender
 from capture_proxy.core.transport import EngineRoute, UpstreamReply
 from capture_proxy.errors import UpstreamFailed
@@ -127,12 +127,17 @@ async def test_a_broken_generate_stream_fails_the_answer(
     assert info.value.code == "upstream_broken"
 
 
+async def short_answer(fake: FakeVLLM, up: HTTPUpstream) -> Rendered:
+    """`CHAT` rendered, the fake's next answer a short text."""
+    fake.push(Turn("Short."))
+    return read_render(orjson.dumps(await post(up, EngineRoute.RENDER, orjson.dumps(CHAT))))
+
+
 async def test_the_usage_chunk_comes_without_a_derender_call(
     pair: tuple[FakeVLLM, HTTPUpstream],
 ) -> None:
     fake, up = pair
-    fake.push(Turn("Short."))
-    rendered = read_render(orjson.dumps(await post(up, EngineRoute.RENDER, orjson.dumps(CHAT))))
+    rendered = await short_answer(fake, up)
     reply, driver = await streamed(up, rendered)
     async with reply:
         events = [e async for e in driver.events()]
@@ -160,8 +165,7 @@ async def test_an_event_without_choices_or_usage_goes_to_derender(
     pair: tuple[FakeVLLM, HTTPUpstream],
 ) -> None:
     fake, up = pair
-    fake.push(Turn("Short."))
-    rendered = read_render(orjson.dumps(await post(up, EngineRoute.RENDER, orjson.dumps(CHAT))))
+    rendered = await short_answer(fake, up)
     async with await up.post_engine(
         EngineRoute.GENERATE, rendered.generate_body(stream=True)
     ) as reply:
