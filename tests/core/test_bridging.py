@@ -364,8 +364,7 @@ async def test_a_single_render_that_does_not_start_as_its_pair_is_bridged_from_t
     async with _served(fake) as client:
         closes = CloseRenders()
         prior = _prior(SYSTEM, {"role": "user", "content": "One?"})
-        one = {"role": "user", "content": "Two?"}
-        first = {**prior.request, "messages": [*prior.request["messages"], _ANSWER, one]}
+        first = continued(prior, _ANSWER, {"role": "user", "content": "Two?"})
         await token_in_prompt(client, closes, prior, first, first)  # learns the anchor
         # Two user messages appended: the dummy's first message counts three users, not two.
         two = {**first, "messages": [*first["messages"], {"role": "user", "content": "Three?"}]}
@@ -392,7 +391,7 @@ async def test_appended_tokens_the_request_s_own_rendering_does_not_end_with_are
         ]
         prior = _prior(*history, {"role": "user", "content": "One?"})
         more = {"role": "user", "content": "Two?"}
-        request = {**prior.request, "messages": [*prior.request["messages"], _ANSWER, more]}
+        request = continued(prior, _ANSWER, more)
         got = await token_in_prompt(client, CloseRenders(), prior, request, request)
         # The dummy conversation renders "[2] Two?", the conversation itself "[3] Two?": the
         # bridge does not send tokens the template does not write there.
@@ -423,8 +422,7 @@ async def test_a_single_render_that_fails_is_a_break_as_with_pairs_and_keeps_its
     async with _served(fake) as client:
         closes = CloseRenders()
         prior = _prior(SYSTEM, {"role": "user", "content": "One?"})
-        more = {"role": "user", "content": "Two?"}
-        request = {**prior.request, "messages": [*prior.request["messages"], _ANSWER, more]}
+        request = continued(prior, _ANSWER, {"role": "user", "content": "Two?"})
         first = await token_in_prompt(client, closes, prior, request, request)
         fake.fail = True
         before = fake.route_hits[RENDER]
