@@ -27,10 +27,10 @@ gets (temperature 0, `--max-tokens` as the output limit):
   ``plan(..., lean=True)``; docs/token-in.md, "Lean dummies");
 - ``render-tiny``: a render of one short user message without tools, for comparison: what the
   route costs apart from the size of the conversation (not a request the proxy sends);
-- ``generate``: ``POST /inference/v1/generate`` with the plain render's answer. vLLM 0.32's
-  render omits a ``max_tokens`` equal to SamplingParams' default (16), which generate then
-  reads as unset (the room left in the context window); the script then says it explicitly,
-  so that generate samples as many tokens as chat (the proxy sends the render's as they are);
+- ``generate``: ``POST /inference/v1/generate`` with the plain render's answer, as the proxy
+  sends it: vLLM 0.32's render omits a ``max_tokens`` equal to SamplingParams' default (16),
+  which generate would read as unset, so it is said (`Rendered.generate_body`), and generate
+  samples as many tokens as chat;
 - ``derender``: ``POST /v1/chat/completions/derender`` of generate's answer with the prompt ids
   and the chat request (`derender_body`).
 
@@ -190,13 +190,9 @@ def build(upstream: Upstream, call: int, max_tokens: int) -> Shape:
     routes.append(Route("render-tiny", RENDER, orjson.dumps(tiny)))
     _, raw = upstream.post(RENDER, render)
     rendered = read_render(raw)
+    # The limit said even where vLLM's render leaves it out (`Rendered.resolved_sampling`), so
+    # generate samples what chat samples.
     generate = rendered.generate_body()
-    if "max_tokens" not in rendered.sampling_params:
-        # vLLM 0.32's render leaves out sampling values equal to SamplingParams' defaults, and
-        # max_tokens 16 is one: generate then takes it as unset and fills the context window.
-        # Said explicitly, as the proxy does (`TokenInPrompt.generate_body`).
-        params = {**rendered.sampling_params, "max_tokens": max_tokens}
-        generate = rendered.generate_body(sampling_params=params)
     _, generated_raw = upstream.post(GENERATE, generate)
     generated = read_generate(generated_raw)
     derender = derender_body(generated_raw, rendered.prompt_ids, render)

@@ -83,9 +83,6 @@ MEDIA_KEPT_BYTES = 64 * 1024
 #: Request keys that set the output limit: unset, vLLM's render fills in the room the rendered
 #: prompt leaves in the context window, which a longer bridged prompt does not have.
 _LIMIT_KEYS = ("max_tokens", "max_completion_tokens")
-#: vLLM's ``SamplingParams.max_tokens`` default, which its render answers leave out
-#: (tests/fixtures/vllm-0.32.0/token-in/render-max-tokens-16-response.json).
-_DEFAULT_MAX_TOKENS = 16
 
 
 def token_in_line(request: Mapping[str, Any]) -> str:
@@ -325,22 +322,15 @@ class TokenInPrompt:
             features = msgspec.Raw(orjson.dumps(self.features))
             rendered = dataclasses.replace(rendered, rest={**rendered.rest, "features": features})
         grown = len(self.prompt_ids) - len(rendered.prompt_ids)
-        params = rendered.sampling_params
+        params = rendered.resolved_sampling
         limit = params.get("max_tokens")
-        if params and "max_tokens" not in params:
-            # vLLM's render leaves out a limit equal to SamplingParams' default (16), and its
-            # generate takes a missing one as no limit: said again, or a call asking for 16
-            # tokens samples to the end of the context window.
-            limit = _DEFAULT_MAX_TOKENS
-            params = {**params, "max_tokens": limit}
         unset = all(request.get(k) is None for k in _LIMIT_KEYS)
         if grown > 0 and unset and type(limit) is int:
             params = {**params, "max_tokens": max(1, limit - grown)}
-        if params is rendered.sampling_params:
-            return rendered.generate_body(self.prompt_ids, stream=stream, ids_json=self.prompt_json)
-        return rendered.generate_body(
-            self.prompt_ids, stream=stream, sampling_params=params, ids_json=self.prompt_json
-        )
+            return rendered.generate_body(
+                self.prompt_ids, stream=stream, sampling_params=params, ids_json=self.prompt_json
+            )
+        return rendered.generate_body(self.prompt_ids, stream=stream, ids_json=self.prompt_json)
 
 
 async def _render(upstream: TokenInTransport, body: bytes) -> tuple[int, bytes]:

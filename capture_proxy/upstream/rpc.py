@@ -272,6 +272,11 @@ def _unreachable(exc: BaseException) -> UpstreamFailed:
     return failed
 
 
+def _broken(what: str, lost: BaseException) -> UpstreamFailed:
+    """`upstream_broken`: the connection was lost (`lost`) before the answer's end."""
+    return UpstreamFailed(f"{what}: {type(lost).__name__}: {lost}", code="upstream_broken")
+
+
 class RpcReply:
     """An `capture_proxy.core.transport.UpstreamReply` of `RpcPool`: `read` gives the whole
     body (kept: a second `read` gives it again); the connection goes back to the pool once the
@@ -312,10 +317,7 @@ class RpcReply:
             while not conn.complete:
                 if conn.lost is not None:
                     self.close()
-                    raise UpstreamFailed(
-                        f"the upstream answer broke off: {type(conn.lost).__name__}: {conn.lost}",
-                        code="upstream_broken",
-                    ) from conn.lost
+                    raise _broken("the upstream answer broke off", conn.lost) from conn.lost
                 if watch is None:
                     # One timer for the whole body (the idle timeout restarted by each chunk,
                     # the deadline), and the reader woken once, at its end: not a timer and a
@@ -374,10 +376,7 @@ class RpcReply:
                     )
                 if conn.lost is not None:
                     self.close()
-                    raise UpstreamFailed(
-                        f"the upstream stream broke: {type(conn.lost).__name__}: {conn.lost}",
-                        code="upstream_broken",
-                    ) from conn.lost
+                    raise _broken("the upstream stream broke", conn.lost) from conn.lost
                 now = watch.loop.time()
                 if self._deadline is not None and now >= self._deadline:
                     watch.expired = "deadline"

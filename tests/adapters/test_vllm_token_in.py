@@ -497,3 +497,16 @@ def test_a_usage_event_goes_without_a_call_and_anything_else_through_derender() 
     # A usage event that is not one (no counts) is derender's to answer.
     assert usage_chunk({"id": "x"}, usage.data) is None
     assert usage_chunk({"id": "x"}, b"not json") is None
+
+
+def test_a_render_answer_that_leaves_out_a_limit_of_16_gets_it_said_to_generate() -> None:
+    # vLLM's own answer for `max_tokens: 16`: no `max_tokens` (SamplingParams' default).
+    rendered = read_render(raw("render-max-tokens-16-response.json"))
+    assert "max_tokens" not in rendered.sampling_params
+    assert rendered.resolved_sampling == {**rendered.sampling_params, "max_tokens": 16}
+    body = orjson.loads(rendered.generate_body())
+    assert body["sampling_params"] == rendered.resolved_sampling
+    # An answer that says its limit is sent back as it came.
+    said = read_render(raw("render-chat-response.json"))
+    assert said.resolved_sampling is said.sampling_params
+    assert orjson.loads(said.generate_body())["sampling_params"] == said.sampling_params

@@ -35,6 +35,8 @@ _decode_fields = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
 _decode_ids = msgspec.json.Decoder(list[int]).decode
 _decode_object = msgspec.json.Decoder(dict[str, Any]).decode
 _NULL = msgspec.Raw(b"null")
+#: vLLM's ``SamplingParams.max_tokens`` default, which its render answers leave out.
+DEFAULT_MAX_TOKENS = 16
 #: The render answer's fields `Rendered.generate_body` writes itself.
 _WRITTEN = frozenset({"token_ids", "stream", "stream_options"})
 #: What a streamed generate request says.
@@ -65,6 +67,17 @@ class Rendered:
         """`prompt_ids` as a JSON list: as they came when known, else encoded."""
         return self.ids_json if self.ids_json is not None else encode_ids(self.prompt_ids)
 
+    @property
+    def resolved_sampling(self) -> dict[str, Any]:
+        """`sampling_params` with the output limit said: vLLM 0.32's render leaves out a
+        ``max_tokens`` equal to SamplingParams' default (16), and its generate takes a missing
+        one as no limit (sampling to the end of the context window;
+        tests/fixtures/vllm-0.32.0/token-in/render-max-tokens-16-response.json)."""
+        params = self.sampling_params
+        if params and "max_tokens" not in params:
+            return {**params, "max_tokens": DEFAULT_MAX_TOKENS}
+        return params
+
     def generate_body(
         self,
         prompt_ids: Sequence[int] | None = None,
@@ -75,8 +88,12 @@ class Rendered:
     ) -> bytes:
         """The generate request: the render answer with ``token_ids`` replaced by `prompt_ids`
         (default: the rendered ones) and ``sampling_params`` by `sampling_params` (default: the
-        rendered ones), streamed with usage when `stream`. `ids_json`, when given, is the ids
-        already encoded (a JSON list), sent as they are."""
+        rendered ones, the limit said: `resolved_sampling`), streamed with usage when `stream`.
+        `ids_json`, when given, is the ids already encoded (a JSON list), sent as they are."""
+        if sampling_params is None:
+            resolved = self.resolved_sampling
+            if resolved is not self.sampling_params:
+                sampling_params = resolved  # the limit vLLM's answer left out
         parts = [b"{"]
         for key, value in self.rest.items():
             if sampling_params is None or key != "sampling_params":

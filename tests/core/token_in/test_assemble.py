@@ -169,15 +169,21 @@ def test_divergence_positions() -> None:
     assert divergence([], []) is None
 
 
-@given(st.integers(0, 2000), st.integers(0, 2000), st.integers(0, 2000))
-def test_divergence_over_long_prompts_is_the_first_differing_position(
-    n: int, m: int, at: int
-) -> None:
+def _long_prompts(n: int, m: int, at: int) -> tuple[list[int], list[int], int]:
+    """Prompts of `n` and `m` ids, the second changed at `at` (when it has it), and where
+    they first differ (the shorter one's length when nowhere)."""
     a = list(range(n))
     b = list(range(m))
     if at < m:
         b[at] = -1
-    shared = next((i for i in range(min(n, m)) if a[i] != b[i]), min(n, m))
+    return a, b, next((i for i in range(min(n, m)) if a[i] != b[i]), min(n, m))
+
+
+@given(st.integers(0, 2000), st.integers(0, 2000), st.integers(0, 2000))
+def test_divergence_over_long_prompts_is_the_first_differing_position(
+    n: int, m: int, at: int
+) -> None:
+    a, b, shared = _long_prompts(n, m, at)
     expected = None if a == b else shared
     assert divergence(a, b) == expected
     assert divergence(array("i", a), b) == expected
@@ -188,11 +194,7 @@ def test_divergence_over_long_prompts_is_the_first_differing_position(
 def test_divergence_after_ids_known_to_be_the_same_is_the_whole_comparison_s(
     n: int, m: int, at: int, percent: int
 ) -> None:
-    a = list(range(n))
-    b = list(range(m))
-    if at < m:
-        b[at] = -1
-    shared = next((i for i in range(min(n, m)) if a[i] != b[i]), min(n, m))
+    a, b, shared = _long_prompts(n, m, at)
     # Any count of ids up to the first difference, known to be the same, is not compared again.
     same = shared * percent // 100
     assert divergence(a, b, same=same) == divergence(a, b)
