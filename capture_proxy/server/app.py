@@ -468,6 +468,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             max_model_len=s.max_model_len,
             context_overflow="cap" if s.context_overflow == "cap" else "refuse",
             free_json=FreeJsonLimits(s.max_free_json_bytes, s.max_free_json_items),
+            max_json_items=s.max_json_items,
+            max_decoding_bytes=s.max_decoding_bytes,
             logprobs_mode=s.upstream_logprobs_mode,
             token_in=s.token_in,
         ),

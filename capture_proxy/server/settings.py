@@ -146,9 +146,21 @@ class Settings:
         "...), in bytes; 413 above it",
     )
     max_free_json_items: int = _s(
-        500_000,
+        131_072,
         "JSON values (objects, arrays, numbers, strings) in all free-form values of a request "
         "together; 413 above it",
+    )
+    max_json_items: int = _s(
+        262_144,
+        "commas, brackets and braces a request body may hold, counted before it is decoded "
+        "(strings included): what the body decodes into stays under its size + 32 MiB; 413 "
+        "above it",
+    )
+    max_decoding_bytes: int = _s(
+        192 * 2**20,
+        "bytes of request bodies over 1 MiB decoded at once (the others wait their turn, in "
+        "order; one larger than this is decoded alone); a call whose turn does not come within "
+        "10 s gets 503 with Retry-After (0: no bound)",
     )
     stage_timeout: float = _s(10.0, "seconds a sink may take to stage a call before it fails")
     max_pending_stages: int = _s(
@@ -545,6 +557,7 @@ def _check(s: Settings) -> None:
         "max_pending_stages",
         "max_free_json_bytes",
         "max_free_json_items",
+        "max_json_items",
     ):
         if getattr(s, name) < 1:
             raise bad(name, f"must be >= 1, got {getattr(s, name)}")
@@ -559,6 +572,7 @@ def _check(s: Settings) -> None:
         "max_rollout_calls",
         "max_connections",
         "malloc_trim_interval",
+        "max_decoding_bytes",
     ):
         if getattr(s, name) < 0:
             raise bad(name, f"must be >= 0, got {getattr(s, name)}")
