@@ -253,7 +253,8 @@ def _disk_problem(folder: str, floor: int) -> str | None:
 
 async def _guards(state: ProxyState, store_url: str) -> None:
     """Once a second: the free-disk floor, the sink's own problem (a SQLite file deleted or
-    replaced under it), ledger entries the sink refused, idle rollouts."""
+    replaced under it), a probe write while the sink is failing, ledger entries the sink
+    refused, idle rollouts."""
     floor = state.settings.min_free_disk_mb * 2**20
     folder = store_local_dir(store_url)  # the store kind's local folder; None: not on a disk
     # Optional on sinks, like `stats`: blocking (a stat), so asked from a thread.
@@ -261,17 +262,36 @@ async def _guards(state: ProxyState, store_url: str) -> None:
     while True:
         if floor and folder:
             state.capture.unavailable_reason = await asyncio.to_thread(_disk_problem, folder, floor)
-        if callable(sink_problem):
-            problem = await asyncio.to_thread(sink_problem)
-            if problem:
-                # The sink-failure path: /readyz fails naming it, writes already fail with it.
-                state.capture.stager.sink_failing = problem
+        problem = await asyncio.to_thread(sink_problem) if callable(sink_problem) else None
+        if problem:
+            # The sink-failure path: /readyz fails naming it, writes already fail with it.
+            state.capture.stager.sink_failing = problem
+        elif state.capture.stager.sink_failing:
+            await _probe_sink(state)
         if state.capture.ledger.held:
             await state.capture.ledger.flush()
         state.pipeline.forget_rollouts(
             state.capture.evict_idle(state.settings.rollout_idle_timeout)
         )
         await asyncio.sleep(1.0)
+
+
+async def _probe_sink(state: ProxyState) -> None:
+    """Clear the sink's failure once a probe write succeeds (optional on sinks, like `stats`).
+
+    Without it, readiness failed by a full disk came back only when a call staged: behind a
+    Kubernetes Service that had taken the pod out of rotation, no call ever came."""
+    probe = getattr(state.sink, "probe", None)
+    if not callable(probe):
+        return
+    try:
+        async with asyncio.timeout(state.settings.stage_timeout):
+            await probe()
+    except Exception as e:  # still failing: say the newest reason
+        state.capture.stager.sink_failing = f"{type(e).__name__}: {e}"
+        return
+    log.info("the store takes writes again (a probe write succeeded): ready to capture")
+    state.capture.stager.sink_failing = None
 
 
 def _live_gauges(state: ProxyState) -> dict[str, float]:

@@ -549,3 +549,45 @@ async def test_client_gone_during_staging_still_gets_an_outcome(
     assert entry["status"] != "pending", manifest
     counted = await metric(p, "staged", "ok") + await metric(p, "aborted", "client_disconnected")
     assert counted == 1
+
+
+# -- readiness comes back by itself (issue 27) --------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "parquet"])
+async def test_readiness_recovers_once_the_store_takes_writes_again_with_no_call(
+    kind: str, tmp_path: Path, proxies: Any
+) -> None:
+    # Behind a Kubernetes Service a pod whose readiness failed gets no calls: before, /readyz
+    # stayed 503 "sink failing" until a call staged, so it never came back into rotation.
+    if kind == "sqlite":
+        sqlite = PageLimitedSQLiteSink(str(tmp_path / "store.db"))
+        p = await proxies(tmp_path, sqlite)
+
+        async def full(on: bool) -> None:
+            await sqlite.limit(on)
+    else:
+        disk = FillingDisk()
+        ds = tmp_path / "ds"
+        handler = pafs.PyFileSystem(pafs.FSSpecHandler(disk))
+        p = await proxies(
+            tmp_path, ParquetSink(str(ds), url=f"parquet:///{ds}", filesystem=handler)
+        )
+
+        async def full(on: bool) -> None:
+            disk.full = on
+
+    await full(True)
+    got = await send(p, "during the fault " + "words " * 700)
+    assert got["status"] == "capture_failed", got
+    await asyncio.sleep(2.5)  # the guard probes once a second: still failing, still said
+    still = await p.client.get("/readyz")
+    assert still.status == 503
+    assert any("sink failing" in problem for problem in (await still.json())["problems"])
+    await full(False)
+    ready = await ready_within(p, 5.0)  # no call in between
+    assert ready["status"] == 200, ready
+    assert (await send(p, "after the fault"))["status"] == "staged"
+    with open_store(p.store_url) as store:
+        store.verify()
+        assert [f.status for f in store.failures("r1")] == [CallStatus.CAPTURE_FAILED]

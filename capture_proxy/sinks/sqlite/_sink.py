@@ -62,6 +62,9 @@ from ._writer import Batch, GroupCommitWriter
 
 __all__ = ["SQLiteSink", "SQLiteSource"]
 
+#: Bytes of a probe write (`SQLiteSink.probe`): a small call's record and its events.
+_PROBE_BYTES = 64 << 10
+
 log = logging.getLogger(__name__)
 
 _INSERT_CALL = (
@@ -312,6 +315,20 @@ class SQLiteSink:
     def stats(self) -> dict[str, float]:
         """Writer figures for /metrics (names without the ``capture_proxy_sink_`` prefix)."""
         return {**self._writer.stats(), "attachment_dedup_hits_total": self.dedup_hits}
+
+    async def probe(self) -> None:
+        """One committed write of 64 KiB (the ``writer_probe`` key of ``meta``, replaced each
+        time): raises what staging a call of that size would raise now. The proxy calls it once
+        a second while its sink is failing, so readiness comes back when the disk does, with no
+        call needed to show it. A few bytes would fit in a page the file already has."""
+        stamp = f"{time.time_ns()} ".ljust(_PROBE_BYTES, ".")
+
+        def work(conn: sqlite3.Connection, batch: Batch) -> None:
+            conn.execute(
+                "INSERT OR REPLACE INTO meta (key, value) VALUES ('writer_probe', ?)", (stamp,)
+            )
+
+        await self._writer.submit(work)
 
     async def close(self) -> None:
         """Finish every queued write, stop the writer thread and close the file.
