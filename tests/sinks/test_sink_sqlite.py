@@ -390,7 +390,7 @@ async def test_one_writer_per_file_whatever_path_names_it(tmp_path: Path) -> Non
     (tmp_path / "sub").mkdir()
     try:
         for other in (tmp_path / "link.db", tmp_path / "sub" / ".." / "store.db"):
-            with pytest.raises(StoreError, match="another capture-proxy .* is writing"):
+            with pytest.raises(StoreError, match=r"another capture-proxy .* is writing"):
                 SQLiteSink(other)
     finally:
         await first.close()
