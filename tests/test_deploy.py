@@ -714,7 +714,7 @@ def test_systemd_unit_runs_capture_proxy_serve_in_a_sandbox() -> None:
     env = _env_file()
     with pytest.raises(SettingsError, match="placeholder"):
         _settings({**env, f"{ENV_PREFIX}ADMIN_TOKEN": "replace-with-output-of-openssl-rand-hex-32"})
-    s = _settings({**env, f"{ENV_PREFIX}ADMIN_TOKEN": "0123456789abcdef0123456789abcdef"})
+    s = _settings({**env, f"{ENV_PREFIX}ADMIN_TOKEN": "9f2c71be0d4a58e3b6c1f07a2d9e4b85"})
     writable = [Path(p) for value in service["ReadWritePaths"] for p in value.split()]
     assert any(_store_dir(s).is_relative_to(p) for p in writable)
     assert _seconds(service["TimeoutStopSec"][0]) > _stop_budget(s)

@@ -18,7 +18,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
+import math
 import os
+import string
 import tomllib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -35,7 +38,10 @@ __all__ = [
     "add_arguments",
     "load_settings",
     "settings_markdown",
+    "token_bits",
 ]
+
+log = logging.getLogger("capture_proxy")
 
 ENV_PREFIX = "CAPTURE_PROXY_"
 _TRUE = {"1", "true", "yes", "on"}
@@ -202,8 +208,9 @@ class Settings:
     )
     admin_token: str = _s(
         "",
-        "bearer token for the control API (/admin), at least 16 characters; empty: the control "
-        "API is off. Prefer the environment or --admin-token-file: a flag shows in ps",
+        "bearer token for the control API (/admin), 16 characters and 64 bits (estimated) at "
+        "least; empty: the control API is off. Prefer the environment or --admin-token-file: a "
+        "flag shows in ps",
         secret=True,
     )
     admin_token_file: str = _s(
@@ -212,8 +219,8 @@ class Settings:
     reader_token: str = _s(
         "",
         "bearer token that may only read the store through the control API (trainers on other "
-        "hosts: open_store('http://HOST:PORT', token=...)), at least 16 characters and not the "
-        "admin token; needs --admin-token. Prefer the environment or --reader-token-file",
+        "hosts: open_store('http://HOST:PORT', token=...)), 16 characters and 64 bits at least, "
+        "not the admin token; needs --admin-token. Prefer the environment or --reader-token-file",
         secret=True,
     )
     reader_token_file: str = _s(
@@ -459,6 +466,15 @@ def load_settings(
     for name in ("admin_token", "reader_token"):
         if values.get(f"{name}_file"):
             values[name] = _read_token_file(values, name)
+        elif args is not None and getattr(args, name, None):
+            # Taken, but said: every local user sees a process's command line (ps, /proc).
+            log.warning(
+                "%s was given on the command line, where every user of this machine can read "
+                "it (ps); give it in %s or a file (%s) instead",
+                _flag(name),
+                _env(name),
+                _flag(f"{name}_file"),
+            )
     settings = Settings(**values)
     _check(settings)
     return settings
@@ -485,6 +501,33 @@ _PLACEHOLDERS = ("changeme", "change-me", "change_me", "replace", "placeholder",
 _MIN_TOKEN = 16
 
 
+#: Estimated bits a token needs (`token_bits`): ``openssl rand -hex 32`` has ~250.
+_MIN_TOKEN_BITS = 64
+_CLASSES = (
+    frozenset(string.digits),
+    frozenset(string.ascii_lowercase),
+    frozenset(string.ascii_uppercase),
+)
+
+
+def token_bits(token: str) -> float:
+    """A token's estimated entropy, in bits: the rule weak admin and reader tokens fail.
+
+    Each character counts log2 of the size of the character classes the token draws from
+    (digits 10, lower case 26, upper case 26, anything else 33), except a character that
+    repeats the one before it or steps one up or down from it (``aaaa``, ``1234``, ``fedc``),
+    which counts nothing: ``0123456789abcdef`` is 10 bits, ``password12345678`` 41,
+    ``openssl rand -hex 32`` about 250. Words are not told apart from random letters, so a
+    passphrase counts as its letters.
+    """
+    size = sum(len(c) for c in _CLASSES if any(ch in c for ch in token))
+    if any(not any(ch in c for c in _CLASSES) for ch in token):
+        size += 33
+    per = math.log2(size) if size > 1 else 0.0
+    counted = sum(1 for i, ch in enumerate(token) if i == 0 or abs(ord(ch) - ord(token[i - 1])) > 1)
+    return counted * per
+
+
 def _weak_token(token: str) -> str | None:
     """Why `token` is too weak to guard the control API, or None."""
     if len(token) < _MIN_TOKEN:
@@ -493,8 +536,12 @@ def _weak_token(token: str) -> str | None:
     for word in _PLACEHOLDERS:
         if word in low:
             return f"a placeholder (it holds {word!r})"
-    if len(set(token)) < 6:
-        return "too repetitive (fewer than 6 distinct characters)"
+    bits = token_bits(token)
+    if bits < _MIN_TOKEN_BITS:
+        return (
+            f"guessable: about {bits:.0f} bits estimated, at least {_MIN_TOKEN_BITS} needed "
+            "(repeats and runs such as 1234 or abcd count nothing)"
+        )
     return None
 
 
