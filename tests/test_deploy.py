@@ -889,6 +889,39 @@ def test_every_deployment_is_safe_for_hostile_sandboxes(name: str) -> None:
         assert 0 < getattr(s, deadline) <= 300, (name, deadline)
 
 
+@pytest.mark.parametrize("name", DEPLOYMENTS)
+def test_every_deployment_keeps_one_sandbox_from_denying_service_to_the_others(name: str) -> None:
+    # Issue 27: with the shipped files one keyed rollout had 1,000 streams admitted at once, and
+    # one address's idle connections filled the whole connection cap.
+    s = DEPLOYMENTS[name]()
+    assert 0 < s.max_inflight_per_rollout <= 16, name
+    assert 0 < s.max_connections_per_address <= s.max_connections // 16, name
+    assert 0 < s.max_json_items <= 262_144, name
+    assert 0 < s.max_decoding_bytes <= 4 * s.max_body_bytes, name
+    # Every file says it, not only the proxy's defaults (an operator reads the file, not code).
+    said = {"CAPTURE_PROXY_MAX_INFLIGHT_PER_ROLLOUT", "CAPTURE_PROXY_MAX_CONNECTIONS_PER_ADDRESS"}
+    assert said <= set(DEPLOYMENT_ENVS[name]()), name
+
+
+DEPLOYMENT_ENVS: dict[str, Callable[[], Mapping[str, object]]] = {
+    "image": _image_env,
+    "compose": lambda: {**_image_env(), **_services()["capture-proxy"]["environment"]},
+    "kubernetes": lambda: {**_image_env(), **_k8s_env(_container("capture-proxy"))},
+    "systemd": _env_file,
+}
+
+
+def test_the_kubernetes_caps_fit_its_memory_limit() -> None:
+    # Issue 27: 10,000 live rollouts of ~1 MB each (a 60k-token prompt) is over the example's 4 GiB.
+    s = _k8s_settings()
+    memory = _container("capture-proxy")["resources"]["limits"]["memory"]
+    assert memory.endswith("Gi")
+    limit = int(memory.removesuffix("Gi")) * 2**30
+    live = s.max_live_rollouts * 2**20
+    decoding = s.max_decoding_bytes + 3 * s.max_body_bytes  # bodies, and what they decode into
+    assert live + decoding + 512 * 2**20 <= limit
+
+
 def test_no_deployment_runs_without_its_admin_token() -> None:
     # The image bakes in no token and will not start without one: keys need the control API.
     assert "CAPTURE_PROXY_ADMIN_TOKEN" not in _image_env()

@@ -138,6 +138,13 @@ class Settings:
         "Retry-After and is closed (0: no cap). Lowered at start to what the open-file limit "
         "allows",
     )
+    max_connections_per_address: int = _s(
+        64,
+        "client connections from one address that have not yet carried an authorized call "
+        "(a rollout's key, where keys are required); a new one beyond it gets 503 with "
+        "Retry-After. Sandboxes behind one NAT share an address: a connection that has carried "
+        "a call no longer counts (0: no cap)",
+    )
     max_passthrough_body_bytes: int = _s(
         2**20,
         "largest body of a pass-through route (/tokenize, /detokenize), relayed uncaptured; "
@@ -204,7 +211,9 @@ class Settings:
         0, "calls in flight at once across rollouts; excess gets 429 (0: no limit)"
     )
     max_inflight_per_rollout: int = _s(
-        0, "calls in flight at once in one rollout; excess gets 429 (0: no limit)"
+        16,
+        "calls in flight at once in one rollout (one sandbox, with rollout keys); excess gets "
+        "429 (0: no limit). An agent makes one call at a time, a few with subagents",
     )
     admin_token: str = _s(
         "",
@@ -239,7 +248,16 @@ class Settings:
         "further calls get 429 (0: no limit)",
     )
     max_rollout_calls: int = _s(
-        10_000, "calls one rollout may make (refused ones not counted); beyond, 429 (0: no limit)"
+        10_000,
+        "calls one rollout may make; beyond, 429 (0: no limit). Its refused calls are bounded "
+        "apart by the same number: past it they are answered 429 and counted in /metrics, not "
+        "written to the ledger one by one",
+    )
+    max_live_rollouts: int = _s(
+        10_000,
+        "rollouts kept in memory at once; past it the oldest idle ones leave memory (and resume "
+        "from the store when seen again). A live rollout holds its last prompt's and answer's "
+        "ids, about 1 MB at a 60k-token prompt: size it with the memory limit",
     )
     seal_timeout: float = _s(60.0, "seconds sealing waits for a rollout's in-flight calls")
     pause_hold_seconds: float = _s(
@@ -605,6 +623,7 @@ def _check(s: Settings) -> None:
         "max_free_json_bytes",
         "max_free_json_items",
         "max_json_items",
+        "max_live_rollouts",
     ):
         if getattr(s, name) < 1:
             raise bad(name, f"must be >= 1, got {getattr(s, name)}")
@@ -618,6 +637,7 @@ def _check(s: Settings) -> None:
         "max_rollout_bytes",
         "max_rollout_calls",
         "max_connections",
+        "max_connections_per_address",
         "malloc_trim_interval",
         "max_decoding_bytes",
     ):
