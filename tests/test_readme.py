@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -53,8 +54,8 @@ def test_the_trainer_path_runs_when_pasted_and_exports_the_graded_rollout(
     (tmp_path / ".venv").symlink_to(sys.prefix)
     assert (tmp_path / ".venv" / "bin" / "capture-proxy").exists()
     # A session of its own: the background servers the lines start share its process group,
-    # which is killed below whatever the lines did.
-    # Output to files, not pipes: a server left running would hold a pipe open.
+    # which is killed below whatever the lines did. Output to files, not pipes: a server left
+    # running would hold a pipe open.
     out_path, err_path = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
     with out_path.open("w") as out_file, err_path.open("w") as err_file:
         proc = subprocess.Popen(
@@ -67,6 +68,10 @@ def test_the_trainer_path_runs_when_pasted_and_exports_the_graded_rollout(
         )
         try:
             proc.wait(timeout=120)
+            # The closing `kill` stops both servers: their ports close once they have shut down.
+            deadline = time.monotonic() + (30 if proc.returncode == 0 else 0)
+            while (still := [p for p in ports if _port_taken(p)]) and time.monotonic() < deadline:
+                time.sleep(0.1)
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -87,5 +92,4 @@ def test_the_trainer_path_runs_when_pasted_and_exports_the_graded_rollout(
     assert rows[0]["response_ids"]
     assert "wrote 1 row(s) of 1 rollout(s) to segments.parquet" in out
     assert "ep-7" in out  # the table the last line prints
-    # The closing `kill` stopped both servers: nothing answers on their ports any more.
-    assert not [p for p in ports if _port_taken(p)]
+    assert not still, f"the README's closing kill left ports {still} open"
