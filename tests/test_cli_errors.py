@@ -132,6 +132,11 @@ def test_a_record_that_does_not_verify_is_exit_1_in_export_and_inspect(
     code, out, err = run(["inspect", url, "--verify"], capsys)
     assert code == 1
     assert ids[1] in out
+    # One call's view checks that call: the damaged one fails, the one beside it does not.
+    code, out, _ = run(["inspect", url, "--call", ids[1]], capsys)
+    assert code == 1
+    assert "FAILED: " in out
+    assert run(["inspect", url, "--call", ids[0]], capsys)[0] == 0
     # Without verification the same store exports: the check is what failed, nothing else.
     assert run(["export", url, str(out_file), "--no-verify"], capsys)[0] == 0
 

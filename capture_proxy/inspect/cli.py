@@ -9,7 +9,8 @@
 
 ``--json`` prints the same views as JSON (keys in docs/inspect.md). On a terminal the output is
 rich tables sized to it; anywhere else, plain aligned text. Errors are one sentence on stderr
-and exit status 2; ``--verify`` exits 1 when it finds a problem.
+and exit status 2; ``--verify`` exits 1 when it finds a problem, ``--call`` when its record does
+not verify.
 
 Output goes to an `Out` (see `capture_proxy.inspect.render`): `RichOut` on a terminal,
 `PlainOut` anywhere else. The views themselves are built by `capture_proxy.inspect.views`.
@@ -377,6 +378,9 @@ def _run(store: Store, args: argparse.Namespace, stream: IO[str]) -> int:
                 f"no call {args.call!r} in {store.url} (neither staged nor in a ledger)"
             ) from exc
         view, draw = call, partial(render_call, call)
+        detail = call["call"]
+        if detail["status"] == "staged":  # checked against its digest as it was read
+            failed = not detail["check"]["ok"] or not all(a["ok"] for a in detail["attachments"])
     elif args.rollout:
         try:
             rollout = rollout_view(store, args.rollout)
@@ -401,8 +405,9 @@ def _run(store: Store, args: argparse.Namespace, stream: IO[str]) -> int:
 
 
 def run_inspect(args: argparse.Namespace, *, stdout: IO[str] | None = None) -> int:
-    """Run ``inspect`` with parsed arguments; returns the exit status (0, 1: verify failed,
-    2: a usage error or a store/rollout/call that cannot be found or read)."""
+    """Run ``inspect`` with parsed arguments; returns the exit status (0; 1: ``--verify`` found
+    a problem, or the ``--call`` record does not verify; 2: a usage error or a store, rollout or
+    call that cannot be found or read)."""
     stream = stdout if stdout is not None else sys.stdout
     try:
         _check_flags(args)
