@@ -89,7 +89,11 @@ def _parser() -> argparse.ArgumentParser:
         "<name>.attachments.parquet. Exit status: 0 written, 1 a record did not verify (or the "
         "store could not be read whole), 2 a usage error or a store or rollout not found.",
     )
-    export.add_argument("store", help="store URL or path (sqlite:///x.db, parquet:///dir, ...)")
+    export.add_argument(
+        "store",
+        help="store URL or path: sqlite:///x.db, parquet:///dir (three slashes: relative to the "
+        "working folder; four: absolute), s3://bucket/prefix, http://HOST:PORT, ...",
+    )
     export.add_argument(
         "out",
         help="output file: *.parquet (Parquet), *.jsonl or *.ndjson (JSON Lines), or - for JSON "
