@@ -33,6 +33,7 @@ from ..errors import CaptureProxyError
 
 __all__ = [
     "ENV_PREFIX",
+    "GROUPS",
     "Settings",
     "SettingsError",
     "add_arguments",
@@ -79,7 +80,9 @@ class Settings:
     store: str = _s(
         "sqlite:///capture.db",
         "where records are staged: sqlite:///file.db, parquet:///folder, a Parquet dataset on"
-        " object storage (s3://bucket/prefix, gs://, az://), or a path",
+        " object storage (s3://bucket/prefix, gs://, az://), or a path. Three slashes take a "
+        "path relative to the working folder (parquet:///data/x is ./data/x), four an absolute "
+        "one (parquet:////data/x is /data/x)",
     )
     host: str = _s("127.0.0.1", "address to listen on")
     port: int = _s(8100, "port to listen on (0 picks a free one)")
@@ -350,8 +353,54 @@ def _default_text(f: dataclasses.Field[Any]) -> str:
     return repr(f.default)
 
 
+#: How ``serve --help`` groups the settings: title -> (what the group is about, its settings in
+#: help order). A test holds every setting to exactly one group; one left out still shows, last.
+GROUPS: dict[str, tuple[str, str]] = {
+    "upstream": (
+        "the vLLM the proxy calls, and how",
+        "upstream upstream_api_key upstream_reasoning_field upstream_logprobs_mode served_model "
+        "max_model_len context_overflow on_replica_loss replica_probe_interval "
+        "upstream_connect_timeout upstream_first_byte_timeout upstream_idle_timeout "
+        "upstream_total_timeout",
+    ),
+    "token-in": (
+        "prompts built from the model's own sampled tokens (docs/token-in.md)",
+        "token_in",
+    ),
+    "store": (
+        "where calls are staged",
+        "store on_capture_failure stage_timeout max_pending_stages min_free_disk_mb",
+    ),
+    "sandboxes": (
+        "where agents reach the proxy, and what they must send",
+        "host port public_url require_rollout_id require_rollout_keys allow_remote_media "
+        "client_header_timeout client_body_timeout client_write_timeout",
+    ),
+    "request policy": (
+        "sampling parameters filled in or imposed (docs/usage.md)",
+        "policy_defaults policy_force max_tokens_cap",
+    ),
+    "control API": (
+        "rollout drivers and trainers: /admin (docs/contract.md)",
+        "admin_token admin_token_file reader_token reader_token_file admin_port admin_host "
+        "seal_timeout pause_hold_seconds pause_drain_timeout",
+    ),
+    "limits": (
+        "what one request, rollout or client may take",
+        "max_body_bytes max_passthrough_body_bytes max_free_json_bytes max_free_json_items "
+        "max_json_items max_decoding_bytes max_connections max_inflight max_inflight_per_rollout "
+        "max_rollout_bytes max_rollout_calls rollout_idle_timeout",
+    ),
+    "process": (
+        "the serving process and its logs",
+        "loop transparent_huge_pages malloc_trim_interval shutdown_timeout log_level log_format",
+    ),
+}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add one flag per setting. Defaults are left as None so the environment can fill them."""
+    """Add one flag per setting, in the argument groups of `GROUPS`. Defaults are left as None
+    so the environment can fill them; a setting with choices shows them (``{off,on}``)."""
     parser.add_argument(
         "--config",
         default=None,
@@ -359,30 +408,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"a TOML file of settings (keys as below, snake_case; env {ENV_PREFIX}CONFIG)",
     )
     hints = get_type_hints(Settings)
-    for f in dataclasses.fields(Settings):
-        help_text = f"{f.metadata['help']} (env {_env(f.name)}; default: {_default_text(f)})"
-        kind = hints[f.name]
-        if f.metadata["many"]:
-            parser.add_argument(
-                _flag(f.name),
-                action="append",
-                default=None,
-                metavar=f.name.upper(),
-                help=help_text + "; repeat the flag for several",
-            )
-        elif kind is bool:
-            parser.add_argument(
-                _flag(f.name), action=argparse.BooleanOptionalAction, default=None, help=help_text
-            )
-        else:
-            parser.add_argument(
-                _flag(f.name),
-                type=str,
-                default=None,
-                metavar=f.name.upper(),
-                choices=f.metadata["choices"],
-                help=help_text,
-            )
+    fields = {f.name: f for f in dataclasses.fields(Settings)}
+    grouped = {title: names.split() for title, (_, names) in GROUPS.items()}
+    grouped["other"] = [n for n in fields if not any(n in g for g in grouped.values())]
+    for title, names in grouped.items():
+        if not names:
+            continue
+        group = parser.add_argument_group(title, GROUPS.get(title, ("", ""))[0] or None)
+        for name in names:
+            _add_flag(group, fields[name], hints[name])
+
+
+def _add_flag(group: argparse._ArgumentGroup, f: dataclasses.Field[Any], kind: Any) -> None:
+    help_text = f"{f.metadata['help']} (env {_env(f.name)}; default: {_default_text(f)})"
+    if f.metadata["many"]:
+        group.add_argument(
+            _flag(f.name),
+            action="append",
+            default=None,
+            metavar=f.name.upper(),
+            help=help_text + "; repeat the flag for several",
+        )
+    elif kind is bool:
+        group.add_argument(
+            _flag(f.name), action=argparse.BooleanOptionalAction, default=None, help=help_text
+        )
+    else:
+        group.add_argument(
+            _flag(f.name),
+            type=str,
+            default=None,
+            # With choices, argparse shows them ({off,on}) where the metavar would be.
+            metavar=None if f.metadata["choices"] else f.name.upper(),
+            choices=f.metadata["choices"],
+            help=help_text,
+        )
 
 
 def _kind(hint: Any) -> type:
@@ -569,9 +629,10 @@ def settings_markdown() -> str:
     lines = [
         "# Settings",
         "",
-        "Generated by `capture-proxy settings --markdown` from `capture_proxy/settings.py`; a test",
-        "keeps this page equal to that output. Precedence: flag > environment > config file",
-        "(`--config FILE`, TOML, keys in snake_case) > default.",
+        "Generated by `capture-proxy settings --markdown` from `capture_proxy/server/settings.py`;",
+        "a test keeps this page equal to that output. Precedence: flag > environment > config file",
+        "(`--config FILE`, TOML, keys in snake_case) > default. `capture-proxy serve --help` shows",
+        f"the same settings in groups: {', '.join(GROUPS)}.",
         "",
         "| flag | environment | TOML key | type | default | meaning |",
         "|---|---|---|---|---|---|",

@@ -170,7 +170,7 @@ async def test_the_cli_cursor_file_carries_the_passes(
     # A failed export (an unknown rollout) does not touch the cursor file.
     before = cursor_file.read_bytes()
     argv = ["export", store.url, "-", "--cursor", str(cursor_file), "--rollout", "nope"]
-    assert main(argv) == 1
+    assert main(argv) == 2
     assert cursor_file.read_bytes() == before
 
 

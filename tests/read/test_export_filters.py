@@ -166,7 +166,7 @@ def test_export_to_stdout_writes_json_lines(
     assert out == b""
     assert err.startswith(b"capture-proxy export: Parquet cannot be written to stdout")
     assert b"--format jsonl" in err
-    assert main(["export", url, "-", "--rollout", "nope"]) == 1
+    assert main(["export", url, "-", "--rollout", "nope"]) == 2
     assert b"no rollout 'nope'" in capsysbinary.readouterr().err
 
 
