@@ -388,8 +388,9 @@ GROUPS: dict[str, tuple[str, str]] = {
     "limits": (
         "what one request, rollout or client may take",
         "max_body_bytes max_passthrough_body_bytes max_free_json_bytes max_free_json_items "
-        "max_json_items max_decoding_bytes max_connections max_inflight max_inflight_per_rollout "
-        "max_rollout_bytes max_rollout_calls rollout_idle_timeout",
+        "max_json_items max_decoding_bytes max_connections max_connections_per_address "
+        "max_inflight max_inflight_per_rollout max_rollout_bytes max_rollout_calls "
+        "max_live_rollouts rollout_idle_timeout",
     ),
     "process": (
         "the serving process and its logs",
