@@ -20,7 +20,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from ..core.capture import Capture
 from ..core.exchange import ExchangeConfig, Pipeline
-from ..core.journal import journal_path, replay_journal
+from ..core.journal import journal_path, release_reserve, replay_journal, reserve_journal
 from ..core.policy import RequestPolicy
 from ..core.scale_out import SCALE_OUT_MISSING
 from ..core.shared_reader import SharedReader
@@ -510,6 +510,11 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     journal = journal_path(state.sink.url)
     if journal is not None and await asyncio.to_thread(os.path.exists, journal):
         await _replay(state, journal)
+    # Before serving: a journal that a full disk would need at shutdown is written in space
+    # taken now (core/journal.py).
+    unreserved = await asyncio.to_thread(reserve_journal, journal)
+    if unreserved:
+        log.error("%s: ledger entries held at a stop may then go to stderr only", unreserved)
     version = await state.capture.restore_weight_version()
     if version:
         log.info("weight version %d, as last set on the store", version)
@@ -528,6 +533,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             state.capture.source.close()
         await state.sink.close()
         await _spill(state, journal)
+        if not state.capture.ledger.unsaved:
+            await asyncio.to_thread(release_reserve, journal)
         await state.upstream.close()
         if fake_runner is not None:
             await fake_runner.cleanup()

@@ -12,8 +12,10 @@ even to root; skipped where chattr is refused), or the file deleted under the pr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -108,6 +110,75 @@ async def test_held_ledger_entries_are_journaled_at_exit_and_replayed_at_start(
         assert (await _readyz(second.url))["status"] == 200
     finally:
         assert await asyncio.to_thread(second.terminate) == 0, second.output()
+
+
+@contextlib.contextmanager
+def _tmpfs(where: Path, size: str) -> Iterator[Path]:
+    where.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip()})")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def _fill(folder: Path) -> Path:
+    filler = folder / "filler"
+    with open(filler, "wb", buffering=0) as f, contextlib.suppress(OSError):
+        while True:  # until ENOSPC: as full as it gets
+            f.write(b"\0" * 16384)
+    return filler
+
+
+async def test_a_journal_spilled_on_a_full_disk_is_applied_before_the_next_call(
+    tmp_path: Path,
+) -> None:
+    # Issue 27: with the disk full at SIGTERM the journal could not be written, its entries went
+    # to stderr, and the automatic restart handed their sequence numbers out again (two
+    # answered-but-unstaged calls gone). The journal's space is now taken at start.
+    with _tmpfs(tmp_path / "mnt", "48m") as mnt:
+        db = mnt / "store.db"
+        url = f"sqlite:///{db}"
+        first = _proxy(url)
+        try:
+            reserve = Path(f"{db}.ledger-journal.reserve")
+            assert (await asyncio.to_thread(reserve.stat)).st_blocks > 0  # real blocks
+            assert (await _call(first.url, "before"))[0] == "staged"
+            filler = _fill(mnt)
+            failed = []
+            for i in range(2):
+                status, call_id = await _call(first.url, f"disk full {i} " + "words " * 700)
+                assert status == "capture_failed"
+                failed.append(call_id)
+            rc = await asyncio.to_thread(first.terminate)  # SIGTERM, the disk still full
+        finally:
+            first.kill()
+        assert rc == 1, first.output()
+        journal = Path(f"{db}.ledger-journal.jsonl")
+        assert [e.call_id for e in read_journal(str(journal))] == failed
+        assert not [line for line in first.lines if line.startswith(STDERR_PREFIX)]
+        filler.unlink()  # the operator frees the disk; systemd restarts the proxy
+
+        second = _proxy(url)
+        try:
+            assert not await asyncio.to_thread(journal.exists)  # applied before it served
+            assert (await _call(second.url, "after the restart"))[0] == "staged"
+            with open_store(url) as store:
+                ledger = store.failures("r1")
+                assert [(f.call_id, f.seq) for f in ledger] == [(failed[0], 1), (failed[1], 2)]
+                assert store.rollout_info("r1").poisoned
+                calls = store.calls("r1", include_open=True, include_poisoned=True)
+                assert [c.seq for c in calls] == [0, 3]  # no sequence number handed out twice
+        finally:
+            assert await asyncio.to_thread(second.terminate) == 0, second.output()
+        assert not await asyncio.to_thread(reserve.exists)  # a clean stop gives it back
 
 
 def _entry(call_id: str, seq: int) -> LedgerEntry:
