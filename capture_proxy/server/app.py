@@ -24,9 +24,16 @@ from ..core.journal import journal_path, release_reserve, replay_journal, reserv
 from ..core.policy import RequestPolicy
 from ..core.scale_out import SCALE_OUT_MISSING
 from ..core.shared_reader import SharedReader
-from ..errors import NotFound, PayloadTooLarge, ProxyError, RequestTimeout, error_body
+from ..errors import (
+    CaptureUnavailable,
+    NotFound,
+    PayloadTooLarge,
+    ProxyError,
+    RequestTimeout,
+    error_body,
+)
 from ..schemas.request import FreeJsonLimits
-from ..sinks.base import StagingSink
+from ..sinks.base import StagingSink, StoreError
 from ..sinks.registry import open_sink, store_local_dir
 from ..upstream.http import HTTPUpstream
 from ..upstream.replicas import ReplicaSet
@@ -120,6 +127,20 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
     except ProxyError as e:
         response = web.Response(
             status=e.status, body=e.body(), content_type="application/json", headers=e.headers
+        )
+        return response
+    except StoreError as e:
+        # The store itself failed under a handler that reads or writes it directly (the control
+        # API, the read routes): its sentence, as a 503, never a bare 500 with a traceback.
+        log.error("%s %s: the store failed: %s", request.method, request.path, e)
+        down = CaptureUnavailable(
+            f"the store is unavailable: {e}", code="store_unavailable", headers={"Retry-After": "5"}
+        )
+        response = web.Response(
+            status=down.status,
+            body=down.body(),
+            content_type="application/json",
+            headers=down.headers,
         )
         return response
     except web.HTTPException as e:

@@ -368,3 +368,20 @@ async def test_json_with_a_charset_is_accepted(make_proxy: Any) -> None:
         headers={"Content-Type": "application/json; charset=utf-8"},
     )
     assert resp.status == 200
+
+
+# -- a store gone under the control API ---------------------------------------------------------
+
+
+async def test_the_control_api_answers_503_when_the_sqlite_file_was_deleted(
+    make_proxy: Any,
+) -> None:
+    # Issue 27: POST /admin/rollouts answered 500 with a traceback.
+    p = await make_proxy(admin_token=TOKEN)
+    Path(p.store_url.removeprefix("sqlite:///")).unlink()
+    resp = await p.client.post("/admin/rollouts", json={"rollout_id": "A"}, headers=ADMIN)
+    assert resp.status == 503
+    assert resp.headers["Retry-After"] == "5"
+    error = (await resp.json())["error"]
+    assert error["code"] == "store_unavailable"
+    assert "was deleted or moved away" in error["message"]
