@@ -243,6 +243,26 @@ async def readyz(request: web.Request) -> web.Response:
     return web.json_response(body, status=503 if problems else 200)
 
 
+async def readyz_brief(request: web.Request) -> web.Response:
+    """``/readyz`` on the sandboxes' port when the control API has a port of its own: the same
+    status, but only ``{"ready": bool}``. What it leaves out (problems naming the upstream's URL,
+    the replicas' URLs, versions and models, warnings) is on the control port's ``/readyz``,
+    next to ``/metrics``: sandboxes run model-written code and need none of it."""
+    full = await readyz(request)
+    return web.json_response({"ready": full.status == 200}, status=full.status)
+
+
+async def upstream_metrics(request: web.Request) -> web.Response:
+    """vLLM's own ``/metrics`` relayed (``/metrics/upstream``), so Prometheus needs no way to
+    vLLM's port, where dev mode serves routes without authentication (``/pause``, RPC into the
+    engine). With several replicas, one of them answers (each pod's proxy has its own vLLM in
+    the deployment files)."""
+    status, content_type, raw = await request.app[STATE].upstream.relay(
+        "GET", "/metrics", None, None
+    )
+    return web.Response(status=status, body=raw, headers={"Content-Type": content_type})
+
+
 def _wants_token_in(state: ProxyState) -> bool:
     """``--token-in on``, or a rollout in memory that chose token-in for itself."""
     if state.settings.token_in == "on":
@@ -401,13 +421,21 @@ def create_app(settings: Settings, *, sink: StagingSink | None = None) -> web.Ap
         for path in PASSTHROUGH_PATHS:
             method = "POST" if path in ("/tokenize", "/detokenize") else "GET"
             app.router.add_route(method, prefix + path, passthrough)
-    if not settings.admin_port:
+    app.router.add_get("/healthz", healthz)
+    if settings.admin_port:
+        # The operator's view (the control API, metrics, readiness in detail) on its own port.
+        app.router.add_get("/readyz", readyz_brief)
+    else:
         add_control_routes(app)
         add_read_routes(app)
-    app.router.add_get("/healthz", healthz)
+        _add_operator_routes(app)
+    return app
+
+
+def _add_operator_routes(app: web.Application) -> None:
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)
-    return app
+    app.router.add_get("/metrics/upstream", upstream_metrics)
 
 
 async def _mark_shutting_down(app: web.Application) -> None:
@@ -420,6 +448,8 @@ def create_admin_app(main: web.Application) -> web.Application:
     admin[STATE] = main[STATE]
     add_control_routes(admin)
     add_read_routes(admin)
+    admin.router.add_get("/healthz", healthz)
+    _add_operator_routes(admin)
     return admin
 
 

@@ -378,7 +378,7 @@ async def test_the_control_api_answers_503_when_the_sqlite_file_was_deleted(
 ) -> None:
     # Issue 27: POST /admin/rollouts answered 500 with a traceback.
     p = await make_proxy(admin_token=TOKEN)
-    Path(p.store_url.removeprefix("sqlite:///")).unlink()
+    await asyncio.to_thread(Path(p.store_url.removeprefix("sqlite:///")).unlink)
     resp = await p.client.post("/admin/rollouts", json={"rollout_id": "A"}, headers=ADMIN)
     assert resp.status == 503
     assert resp.headers["Retry-After"] == "5"
