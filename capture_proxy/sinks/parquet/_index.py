@@ -156,7 +156,7 @@ class Index:
     ledger: LedgerState = field(default_factory=LedgerState)
     #: When not None, the rollouts `add_unit` met (calls or ledger rows) are added to it: the
     #: rollout index (`_directory`) looks at those again.
-    touched: set[str] | None = None
+    touched: dict[str, None] | None = None
 
     def add_unit(self, dfs: DatasetFS, unit: Marker, keep: Keep | None = None) -> None:
         """Index `unit`. A small unit's files are read whole, once, and each row group handed to
@@ -182,7 +182,7 @@ class Index:
                     self.calls[cid] = ref
                     self.by_rollout.setdefault(ref.rollout_id, []).append(cid)
                     if self.touched is not None:
-                        self.touched.add(ref.rollout_id)
+                        self.touched[ref.rollout_id] = None
         for table, column, into in (
             (BLOBS, "key", self.blobs),
             (ATTACHMENTS, "sha256", self.attachments),
@@ -196,7 +196,9 @@ class Index:
             rows = read_table(dfs, files[LEDGER]).to_pylist()
             self.ledger.apply(rows)
             if self.touched is not None:
-                self.touched.update(r["rollout_id"] for r in rows if r["rollout_id"] is not None)
+                self.touched.update(
+                    (r["rollout_id"], None) for r in rows if r["rollout_id"] is not None
+                )
         self.units.append(files)
 
 
@@ -354,7 +356,7 @@ class UnitIndex:
     headed: dict[str, None] | None = None
     called: dict[str, None] | None = None
     #: As `Index.touched`.
-    touched: set[str] | None = None
+    touched: dict[str, None] | None = None
 
     def units_of(self, rollout_id: str) -> list[int]:
         """The packed calls row groups holding `rollout_id`'s calls (`rollout_units`)."""
@@ -402,7 +404,7 @@ class UnitIndex:
                 if self.called is not None:
                     self.called.update(dict.fromkeys(cols["rollout_id"]))
                 if self.touched is not None:
-                    self.touched.update(cols["rollout_id"])
+                    self.touched.update(dict.fromkeys(cols["rollout_id"]))
                 for rid in dict.fromkeys(cols["rollout_id"]):
                     held = self.rollout_units.get(rid)
                     if held is None:
@@ -427,12 +429,12 @@ class UnitIndex:
                 if kind == "orphan":
                     self.orphans[cid] = (rid, reason)
                     if self.touched is not None and rid is not None:
-                        self.touched.add(rid)
+                        self.touched[rid] = None
                     continue
                 if rid is None:
                     continue
                 if self.touched is not None:
-                    self.touched.add(rid)
+                    self.touched[rid] = None
                 if event_kind == "seal" and kind == "event":
                     sealed.add(rid)
                 flag = int(kind == "rollout")

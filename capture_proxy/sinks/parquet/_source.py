@@ -226,7 +226,7 @@ class ParquetSource(Loading):
             self._refs.clear()
             self._index_groups.clear()
             self._directory = None  # built again at the next query
-        touched: set[str] | None = None if self._directory is None else set()
+        touched: dict[str, None] | None = None if self._directory is None else {}
         self._index.touched = touched
         for start in range(0, len(new), _PREFETCH_UNITS):
             chunk = new[start : start + _PREFETCH_UNITS]
