@@ -161,7 +161,9 @@ class BatchQueue:
             raise StoreError(str(e)) from e
 
     def position(self, consumer: str) -> dict[str, Any]:
-        """The consumer's place: rollouts taken and passed, the pending batch (JSON-ready)."""
+        """The consumer's place (JSON-ready): rollouts taken (acknowledged) and passed, batches
+        delivered, the pending batch, and the rollouts skipped since the last batch (`skipped`,
+        reported with the next one)."""
         cursor, revision = self._load(check_consumer(consumer))
         return {
             "consumer": consumer,
@@ -169,6 +171,7 @@ class BatchQueue:
             "passed": len(cursor.passed),
             "batches": cursor.batches,
             "pending": cursor.pending,
+            "skipped": cursor.unreported,
             "revision": revision,
         }
 
