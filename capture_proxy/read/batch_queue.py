@@ -18,6 +18,7 @@ of these is passed, with its reason, once; the reasons reach the trainer in the 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -35,6 +36,12 @@ if TYPE_CHECKING:
     from .trajectory import Trajectory
 
 __all__ = ["BatchPlan", "BatchQueue", "BatchRequest", "BatchUnknown", "Skipped"]
+
+#: A poll reads rollouts sealed from this long before the consumer's horizon: a seal that
+#: becomes visible this late after the last pass is still found by the next one.
+LATE_MS = 60_000
+#: Every this many seconds a poll reads every sealed rollout (`BatchQueue._unseen`).
+FULL_PASS_S = 60.0
 
 
 class BatchUnknown(CaptureProxyError):
@@ -149,6 +156,8 @@ class BatchQueue:
         self._lock = threading.Lock()
         #: consumer -> rollouts verified while waiting for a full batch (bounded by its size)
         self._ready: dict[str, dict[str, Trajectory]] = {}
+        #: consumer -> (its horizon: a seal time, ms; when its last full pass was, monotonic s)
+        self._horizon: dict[str, tuple[int, float]] = {}
 
     def _load(self, consumer: str) -> tuple[ExportCursor, int]:
         found = self.storage.load(consumer)
@@ -197,11 +206,13 @@ class BatchQueue:
             if current is None and request.max_staleness is not None:
                 current = stored_weight_version(lambda: self.store.source)
             ready = self._ready.setdefault(consumer, {})
-            query = RolloutQuery(state="sealed", graded=True, with_poisoned=True)
-            rows = [r for r in indexed(self.store.source, query) if not cursor.seen(r.rollout_id)]
+            unseen = self._unseen(consumer, cursor)
+            said = len(cursor.unreported)
+            rows = [r for r in unseen if r.graded]
             chosen, groups = self._choose(cursor, rows, request, current, ready)
+            self._advance(consumer, cursor, unseen, chosen or ())
             if chosen is None:
-                if cursor.unreported:
+                if len(cursor.unreported) > said:  # new skips: recorded once, said later
                     self._save(consumer, cursor, revision)
                 return None
             cursor.batches += 1
@@ -241,6 +252,40 @@ class BatchQueue:
                 f"consumer {consumer!r} was not handed batch {batch_id!r} "
                 f"(its pending batch: {None if pending is None else pending['batch_id']!r})"
             )
+
+    def _unseen(self, consumer: str, cursor: ExportCursor) -> list[IndexedRollout]:
+        """The sealed rollouts the cursor has not seen, graded or not, oldest first.
+
+        Read from the consumer's horizon on (the earliest seal time not seen at its last pass,
+        less `LATE_MS`), so a poll costs the rollouts sealed since, not the store; every
+        `FULL_PASS_S` (and at the first poll) from the start, which finds rollouts whose seal
+        became visible later than that (another proxy's unit, a clock behind)."""
+        held = self._horizon.get(consumer)
+        full = held is None or time.monotonic() - held[1] >= FULL_PASS_S
+        since = None if full or held is None else held[0] - LATE_MS
+        if full:
+            self._horizon[consumer] = (held[0] if held else 0, time.monotonic())
+        query = RolloutQuery(state="sealed", since_ms=since, with_poisoned=True)
+        return [r for r in indexed(self.store.source, query) if not cursor.seen(r.rollout_id)]
+
+    def _advance(
+        self,
+        consumer: str,
+        cursor: ExportCursor,
+        unseen: Sequence[IndexedRollout],
+        chosen: Sequence[str],
+    ) -> None:
+        """Move the consumer's horizon to the earliest seal time still not seen (or past the
+        last one seen when none is left)."""
+        taken = set(chosen)
+        left = [
+            r.sealed_at_ms or 0
+            for r in unseen
+            if r.rollout_id not in taken and not cursor.seen(r.rollout_id)
+        ]
+        held = self._horizon[consumer]
+        newest = max((r.sealed_at_ms or 0 for r in unseen), default=held[0])
+        self._horizon[consumer] = (min(left) if left else max(newest, held[0]), held[1])
 
     def _save(self, consumer: str, cursor: ExportCursor, revision: int) -> None:
         self.storage.save(consumer, cursor.to_json(), revision)

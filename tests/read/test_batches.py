@@ -267,3 +267,29 @@ async def test_a_parquet_readers_index_follows_units_committed_after_it_was_buil
         assert store.rollouts(group="G") == ["a", "later", "b"]
         assert store.rollouts(state="open") == []
     await sink.close()
+
+
+async def test_a_seal_visible_late_is_found_by_the_next_full_pass(
+    kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from capture_proxy.read import batch_queue
+
+    path, url = store_path(kind, tmp_path)
+    sink = open_sink(kind, path)
+    try:
+        await write(sink, [Spec(f"r{i}", sealed_at_ms=10_000_000 + i) for i in range(2)])
+        with open_store(url) as store:
+            batch = store.next_batch("t", rollouts=2, wait_s=0)
+            assert batch is not None
+            batch.ack()
+            # Sealed long before what the consumer has seen (another proxy's late unit, a
+            # clock behind): a poll from the horizon does not see it...
+            await write(sink, [Spec("late", sealed_at_ms=1_000)])
+            assert store.next_batch("t", rollouts=1, wait_s=0) is None
+            # ... the next full pass does.
+            monkeypatch.setattr(batch_queue, "FULL_PASS_S", 0.0)
+            late = store.next_batch("t", rollouts=1, wait_s=0)
+            assert late is not None
+            assert late.rollout_ids == ("late",)
+    finally:
+        await sink.close()
