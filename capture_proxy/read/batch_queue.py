@@ -23,9 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..core.weights import stored_weight_version
 from ..errors import CaptureProxyError
-from ..sinks.base import StoreError
+from ..sinks.base import PROXY_STATE_ROLLOUT, StagingSource, StoreError
 from ..sinks.cursors import CursorHolder, CursorStorage, check_consumer
 from ..sinks.rollout_index import IndexedRollout, RolloutQuery, indexed
 from .cursor import CursorInvalid, ExportCursor
@@ -42,6 +41,16 @@ __all__ = ["BatchPlan", "BatchQueue", "BatchRequest", "BatchUnknown", "Skipped"]
 LATE_MS = 60_000
 #: Every this many seconds a poll reads every sealed rollout (`BatchQueue._unseen`).
 FULL_PASS_S = 60.0
+
+
+def driver_weight_version(source: StagingSource) -> int | None:
+    """The weight version the driver last set on the proxy (``PUT /admin/weight-version``), as
+    `capture_proxy.core.weights` keeps it in the store; None when none was set."""
+    try:
+        value = source.rollout_info(PROXY_STATE_ROLLOUT).metadata.get("weight_version")
+    except KeyError:
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 class BatchUnknown(CaptureProxyError):
@@ -204,7 +213,7 @@ class BatchQueue:
                 return plan, [read_one(r, verify=True) for r in plan.rollout_ids] if read else []
             current = request.current_version
             if current is None and request.max_staleness is not None:
-                current = stored_weight_version(lambda: self.store.source)
+                current = driver_weight_version(self.store.source)
             ready = self._ready.setdefault(consumer, {})
             unseen = self._unseen(consumer, cursor)
             said = len(cursor.unreported)

@@ -130,7 +130,9 @@ def _query(request: web.Request) -> RolloutQuery | None:
     if not any(k in q for k in ("state", "since", "group", "graded")):
         return None
     since = q.get("since")
-    if since is not None and not since.isdigit():
+    # Milliseconds since the epoch: 15 digits reach the year 33658 (and stay within SQLite's
+    # integers).
+    if since is not None and not (since.isdigit() and len(since) <= 15):
         raise Unprocessable(
             f"Invalid value {since[:16]!r} at since; expected milliseconds since the epoch",
             param="since",

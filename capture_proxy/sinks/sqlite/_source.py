@@ -184,7 +184,7 @@ class SQLiteSource:
             where.append("state = 'open'")
         if query.since_ms is not None:
             where.append("sealed_at_ms >= ?")
-            args.append(query.since_ms)
+            args.append(max(-(2**63), min(query.since_ms, 2**63 - 1)))  # SQLite's integers
         if self._has_index:
             if query.groups is not None:
                 where.append(f"group_id IN ({', '.join('?' * len(query.groups))})")
