@@ -8,9 +8,9 @@ clean and verified, each delivered once per consumer, across restarts of either 
 
 Each call blocks until a batch is ready (or `wait_s` passes). A batch is recorded in the store,
 under the consumer's name, before it is handed over; it is handed over again, the same batch,
-until `Batch.ack` is called: a trainer that crashes mid-step gets it back when it starts again,
-and one that acknowledged never sees those rollouts again. Rollouts skipped for good (poisoned,
-stale, not verified, ...) are said in the next batch's `skipped`, each once.
+until `RolloutBatch.ack` is called: a trainer that crashes mid-step gets it back when it starts
+again, and one that acknowledged never sees those rollouts again. Rollouts skipped for good
+(poisoned, stale, not verified, ...) are said in the next batch's `skipped`, each once.
 
 A store reached through a proxy (``http://``) keeps the consumer's place on the proxy's store:
 the proxy picks the batch (``POST /admin/store/batches/{consumer}/next``, a long poll) and the
@@ -32,11 +32,11 @@ if TYPE_CHECKING:
     from .trajectory import Trajectory
 
 __all__ = [
-    "Batch",
     "BatchPlan",
     "BatchRequest",
     "BatchUnknown",
     "RemoteBatches",
+    "RolloutBatch",
     "Skipped",
     "iter_batches",
     "next_batch",
@@ -62,7 +62,7 @@ class RemoteBatches(Protocol):
 
 
 @dataclass(eq=False)
-class Batch:
+class RolloutBatch:
     """A batch handed to a trainer: its verified trajectories, in order (group after group),
     and what was skipped since the previous batch. Call `ack` once it is used."""
 
@@ -120,7 +120,7 @@ def next_batch(
     *,
     wait_s: float | None = 30.0,
     poll_s: float = POLL_S,
-) -> Batch | None:
+) -> RolloutBatch | None:
     """The consumer's next batch, waiting up to `wait_s` seconds for it (None: forever);
     None when none was ready in time."""
     deadline = None if wait_s is None else time.monotonic() + wait_s
@@ -133,11 +133,11 @@ def next_batch(
             if doc is not None:
                 plan = BatchPlan.from_dict(doc)
                 trajectories = [store.trajectory(r, verify=True) for r in plan.rollout_ids]
-                return Batch(plan, trajectories, store)
+                return RolloutBatch(plan, trajectories, store)
         else:
             got = _queue(store).next(consumer, request)
             if got is not None:
-                return Batch(got[0], got[1], store)
+                return RolloutBatch(got[0], got[1], store)
             if deadline is None or time.monotonic() < deadline:
                 time.sleep(poll_s if deadline is None else min(poll_s, left))
         if deadline is not None and time.monotonic() >= deadline:
@@ -151,7 +151,7 @@ def iter_batches(
     *,
     wait_s: float | None = None,
     poll_s: float = POLL_S,
-) -> Iterator[Batch]:
+) -> Iterator[RolloutBatch]:
     """Batch after batch (see `next_batch`); ends when none came within `wait_s` (by default it
     waits forever). A batch not acknowledged when the next is asked for comes again."""
     while True:

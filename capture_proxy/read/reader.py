@@ -46,7 +46,7 @@ from ..sinks.rollout_index import IndexedRollout, RolloutQuery, State, indexed
 from .status import RolloutExcluded, RolloutStatus, check_included, read_header, rollout_status
 
 if TYPE_CHECKING:
-    from .batches import Batch
+    from .batches import RolloutBatch
     from .cursor import ExportCursor
     from .trajectory import Trajectory
 
@@ -149,12 +149,12 @@ class Store:
         max_staleness: int | None = None,
         current_version: int | None = None,
         wait_s: float | None = 30.0,
-    ) -> Batch | None:
+    ) -> RolloutBatch | None:
         """The consumer's next batch of `rollouts` rollouts or `groups` complete groups of
         `group_size`: sealed, graded, not poisoned, verified, and not older than `max_staleness`
         weight versions behind `current_version` (default: the driver's current version).
         Waits up to `wait_s` seconds (None: forever); None when none was ready. Delivered
-        again until `Batch.ack`; see `capture_proxy.read.batches`."""
+        again until `RolloutBatch.ack`; see `capture_proxy.read.batches`."""
         from .batches import BatchRequest, next_batch
 
         request = BatchRequest(rollouts, groups, group_size, max_staleness, current_version)
@@ -170,7 +170,7 @@ class Store:
         max_staleness: int | None = None,
         current_version: int | None = None,
         wait_s: float | None = None,
-    ) -> Iterator[Batch]:
+    ) -> Iterator[RolloutBatch]:
         """`next_batch` again and again: ``for batch in store.batches("trainer-a", groups=4,
         group_size=8): ...; batch.ack()``. Blocks for each batch; ends when none came within
         `wait_s` (default: waits forever). A batch not acknowledged comes again."""
