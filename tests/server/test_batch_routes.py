@@ -16,6 +16,7 @@ import pytest
 from capture_proxy.read.reader import open_store
 from capture_proxy.sinks.base import StoreError
 from capture_proxy.sinks.registry import open_sink
+from capture_proxy.testing.fake_vllm import Fault, Turn
 from tests.support.proxy_harness import Proxy, chat_body, start_proxy, stop_proxy, user
 
 ADMIN_TOKEN = "admin-token-for-batches-0123"
@@ -258,5 +259,45 @@ async def test_the_batch_routes_answer_with_their_statuses(tmp_path: Path, store
         assert "answered 409: consumer 't' was not handed batch 't:9'" in await asyncio.to_thread(
             remote_refusal
         )
+    finally:
+        await stop_proxy(p)
+
+
+async def test_a_remote_trainer_is_told_why_it_skips_poisoned_and_stale_rollouts(
+    tmp_path: Path, store_url: str
+) -> None:
+    p = await serve(tmp_path, store_url)
+    try:
+        await rollout(p, "old", group=None)  # stamped with version 0
+        # A call answered but not staged: its rollout is poisoned.
+        created = await p.client.post("/admin/rollouts", json={"rollout_id": "bad"}, headers=ADMIN)
+        assert created.status == 201
+        p.fake.push(Turn("lost", fault=Fault.drop_token_ids()))
+        lost = await p.chat(chat_body(user("x")), rollout="bad")
+        assert lost.headers["X-Capture-Status"] == "capture_failed"
+        assert (await p.client.post("/admin/rollouts/bad/seal", headers=ADMIN)).status == 200
+        graded = await p.client.put(
+            "/admin/rollouts/bad/outcome", json={"reward": 1.0}, headers=ADMIN
+        )
+        assert graded.status == 200
+        version = await p.client.put(
+            "/admin/weight-version", json={"weight_version": 2}, headers=ADMIN
+        )
+        assert version.status == 200
+        await rollout(p, "new", group=None)  # stamped with version 2
+
+        def take() -> tuple[tuple[str, ...], int | None, dict[str, tuple[str, str]]]:
+            with open_store(url_of(p), token=READER_TOKEN) as store:
+                batch = store.next_batch("t", rollouts=1, max_staleness=1, wait_s=5)
+                assert batch is not None
+                skipped = {s.rollout_id: (s.reason, s.detail) for s in batch.skipped}
+                return batch.rollout_ids, batch.plan.current_version, skipped
+
+        ids, current, skipped = await asyncio.to_thread(take)
+        assert ids == ("new",)
+        assert current == 2  # the version the driver set, read from the proxy's store
+        assert skipped["old"] == ("stale", "weight version 0 is older than 2 - 1")
+        assert skipped["bad"][0] == "poisoned"
+        assert "capture_failed: missing_token_ids" in skipped["bad"][1]
     finally:
         await stop_proxy(p)
