@@ -69,12 +69,16 @@ async def rollout(
         assert put.status == 200, await put.text()
 
 
-def take(url: str, consumer: str, groups: int, *, until: float) -> tuple[list[str], list[str]]:
+def take(
+    url: str, consumer: str, groups: int, *, until: float
+) -> tuple[list[str], list[str], dict[str, str]]:
     """A trainer: takes batches of one complete group of two until `groups` arrived (or time
     runs out), restarting (a new client, the third batch not acknowledged) once on the way.
-    Returns the group ids received in order and the batch ids seen redelivered."""
+    Returns the group ids received in order, the batch ids seen redelivered, and the rollouts
+    its batches said were skipped (with why)."""
     got: list[str] = []
     redelivered: list[str] = []
+    skipped: dict[str, str] = {}
     restarted = False
     store = open_store(url, token=READER_TOKEN)
     try:
@@ -83,6 +87,7 @@ def take(url: str, consumer: str, groups: int, *, until: float) -> tuple[list[st
             if batch is None:
                 continue
             assert all(t.calls for t in batch.trajectories)  # read and verified here
+            skipped.update((s.rollout_id, s.reason) for s in batch.skipped)
             if batch.redelivered:
                 redelivered.append(batch.batch_id)
             else:
@@ -95,7 +100,7 @@ def take(url: str, consumer: str, groups: int, *, until: float) -> tuple[list[st
             batch.ack()
     finally:
         store.close()
-    return got, redelivered
+    return got, redelivered, skipped
 
 
 async def test_a_trainer_blocked_on_batches_receives_every_graded_group_once_while_a_load_runs(
@@ -119,7 +124,7 @@ async def test_a_trainer_blocked_on_batches_receives_every_graded_group_once_whi
             asyncio.to_thread(take, url_of(p), "trainer", len(groups), until=time.monotonic() + 60)
         )
         await drive()
-        got, redelivered = await trainer
+        got, redelivered, skipped = await trainer
         assert sorted(got) == groups  # each graded group once
         assert len(redelivered) == 1  # the batch of the trainer's restart, once
         # Nothing left for the trainer, and its place says so.
@@ -133,9 +138,10 @@ async def test_a_trainer_blocked_on_batches_receives_every_graded_group_once_whi
         )
         assert nxt.status == 200
         assert await nxt.json() == {"batch": None}
-        # What the trainer will never get is said, with why (in its next batch, and here).
+        # What the trainer will never get is said once, with why: in a batch, or (sealed after
+        # its last batch) in its place until the next one.
         position = await p.client.get("/admin/store/batches/trainer", headers=READER)
-        skipped = {s["rollout_id"]: s["reason"] for s in (await position.json())["skipped"]}
+        skipped.update((s["rollout_id"], s["reason"]) for s in (await position.json())["skipped"])
         assert skipped == {"nogroup": "no_group"}
     finally:
         await stop_proxy(p)
