@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from capture_proxy.read.reader import open_store
+from capture_proxy.read.reader import Store, open_store
 from capture_proxy.sinks.base import StoreError
 from capture_proxy.sinks.registry import open_sink
 from capture_proxy.testing.fake_vllm import Fault, Turn
@@ -30,6 +30,17 @@ def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path / 'served.db'}"
     return f"parquet:///{tmp_path}/pq"
+
+
+@pytest.fixture(params=["remote", "local"])
+def trainer(request: pytest.FixtureRequest) -> str:
+    """Where the trainer reads: through the proxy's routes, or the store's files directly."""
+    return str(request.param)
+
+
+def open_for(url: str) -> Store:
+    """The trainer's store: a proxy's with the reader token, or a store by its own URL."""
+    return open_store(url, token=READER_TOKEN if url.startswith("http") else None)
 
 
 async def serve(tmp_path: Path, store_url: str, name: str = "p") -> Proxy:
@@ -80,7 +91,7 @@ def take(
     redelivered: list[str] = []
     skipped: dict[str, str] = {}
     restarted = False
-    store = open_store(url, token=READER_TOKEN)
+    store = open_for(url)
     try:
         while len(got) < groups and time.monotonic() < until:
             batch = store.next_batch(consumer, groups=1, group_size=2, wait_s=2)
@@ -95,7 +106,7 @@ def take(
             if len(got) == 3 and not restarted:
                 restarted = True  # crashed before its ack: a new client, the same batch
                 store.close()
-                store = open_store(url, token=READER_TOKEN)
+                store = open_for(url)
                 continue
             batch.ack()
     finally:
@@ -104,7 +115,7 @@ def take(
 
 
 async def test_a_trainer_blocked_on_batches_receives_every_graded_group_once_while_a_load_runs(
-    tmp_path: Path, store_url: str
+    tmp_path: Path, store_url: str, trainer: str
 ) -> None:
     p = await serve(tmp_path, store_url)
     try:
@@ -120,11 +131,12 @@ async def test_a_trainer_blocked_on_batches_receives_every_graded_group_once_whi
             await rollout(p, "unsealed", group="gx", seal=False)
             await rollout(p, "nogroup", group=None)
 
-        trainer = asyncio.create_task(
-            asyncio.to_thread(take, url_of(p), "trainer", len(groups), until=time.monotonic() + 60)
+        url = url_of(p) if trainer == "remote" else store_url
+        taking = asyncio.create_task(
+            asyncio.to_thread(take, url, "trainer", len(groups), until=time.monotonic() + 60)
         )
         await drive()
-        got, redelivered, skipped = await trainer
+        got, redelivered, skipped = await taking
         assert sorted(got) == groups  # each graded group once
         assert len(redelivered) == 1  # the batch of the trainer's restart, once
         # Nothing left for the trainer, and its place says so.
@@ -147,15 +159,17 @@ async def test_a_trainer_blocked_on_batches_receives_every_graded_group_once_whi
         await stop_proxy(p)
 
 
-async def test_the_consumer_cursor_outlives_a_proxy_restart(tmp_path: Path, store_url: str) -> None:
+async def test_the_consumer_cursor_outlives_a_proxy_restart(
+    tmp_path: Path, store_url: str, trainer: str
+) -> None:
     p = await serve(tmp_path, store_url, "first")
     try:
         for i in range(3):
             await rollout(p, f"r{i}", group=f"g{i}")
-        url = url_of(p)
+        url = url_of(p) if trainer == "remote" else store_url
 
         def first_run() -> str:
-            with open_store(url, token=READER_TOKEN) as store:
+            with open_for(url) as store:
                 one = store.next_batch("t", rollouts=1, wait_s=5)
                 assert one is not None
                 assert one.rollout_ids == ("r0",)
@@ -169,10 +183,10 @@ async def test_the_consumer_cursor_outlives_a_proxy_restart(tmp_path: Path, stor
         await stop_proxy(p)
     q = await serve(tmp_path, store_url, "second")
     try:
-        url = url_of(q)
+        url = url_of(q) if trainer == "remote" else store_url
 
         def second_run() -> list[str]:
-            with open_store(url, token=READER_TOKEN) as store:
+            with open_for(url) as store:
                 again = store.next_batch("t", rollouts=1, wait_s=5)
                 assert again is not None
                 assert (again.batch_id, again.rollout_ids, again.redelivered) == (
