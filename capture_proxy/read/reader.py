@@ -140,44 +140,26 @@ class Store:
         return indexed(self.source, query)
 
     def next_batch(
-        self,
-        consumer: str,
-        *,
-        rollouts: int | None = None,
-        groups: int | None = None,
-        group_size: int | None = None,
-        max_staleness: int | None = None,
-        current_version: int | None = None,
-        wait_s: float | None = 30.0,
+        self, consumer: str, *, wait_s: float | None = 30.0, **ask: int | None
     ) -> RolloutBatch | None:
-        """The consumer's next batch of `rollouts` rollouts or `groups` complete groups of
-        `group_size`: sealed, graded, not poisoned, verified, and not older than `max_staleness`
-        weight versions behind `current_version` (default: the driver's current version).
-        Waits up to `wait_s` seconds (None: forever); None when none was ready. Delivered
-        again until `RolloutBatch.ack`; see `capture_proxy.read.batches`."""
+        """The consumer's next batch: ``rollouts=N`` rollouts or ``groups=N`` complete groups of
+        ``group_size=S``, sealed, graded, not poisoned, verified, and (``max_staleness=K``) not
+        more than K weight versions behind ``current_version=`` (default: the driver's). Waits
+        up to `wait_s` seconds (None: forever); None when none was ready. Delivered again until
+        `RolloutBatch.ack`; see `capture_proxy.read.batches` and docs/batches.md."""
         from .batches import BatchRequest, next_batch
 
-        request = BatchRequest(rollouts, groups, group_size, max_staleness, current_version)
-        return next_batch(self, consumer, request, wait_s=wait_s)
+        return next_batch(self, consumer, BatchRequest(**ask), wait_s=wait_s)
 
     def batches(
-        self,
-        consumer: str,
-        *,
-        rollouts: int | None = None,
-        groups: int | None = None,
-        group_size: int | None = None,
-        max_staleness: int | None = None,
-        current_version: int | None = None,
-        wait_s: float | None = None,
+        self, consumer: str, *, wait_s: float | None = None, **ask: int | None
     ) -> Iterator[RolloutBatch]:
         """`next_batch` again and again: ``for batch in store.batches("trainer-a", groups=4,
         group_size=8): ...; batch.ack()``. Blocks for each batch; ends when none came within
         `wait_s` (default: waits forever). A batch not acknowledged comes again."""
         from .batches import BatchRequest, iter_batches
 
-        request = BatchRequest(rollouts, groups, group_size, max_staleness, current_version)
-        return iter_batches(self, consumer, request, wait_s=wait_s)
+        return iter_batches(self, consumer, BatchRequest(**ask), wait_s=wait_s)
 
     def rollout_info(self, rollout_id: str) -> RolloutInfo:
         return self.source.rollout_info(rollout_id)
