@@ -321,3 +321,28 @@ async def test_a_remote_trainer_is_told_why_it_skips_poisoned_and_stale_rollouts
         assert "capture_failed: missing_token_ids" in skipped["bad"][1]
     finally:
         await stop_proxy(p)
+
+
+async def test_a_remote_index_query_keeps_poisoned_rows_of_a_state_when_asked(
+    tmp_path: Path, store_url: str
+) -> None:
+    p = await serve(tmp_path, store_url)
+    try:
+        await rollout(p, "a", group=None)
+        created = await p.client.post("/admin/rollouts", json={"rollout_id": "bad"}, headers=ADMIN)
+        assert created.status == 201
+        p.fake.push(Turn("lost", fault=Fault.drop_token_ids()))
+        await p.chat(chat_body(user("x")), rollout="bad")
+        assert (await p.client.post("/admin/rollouts/bad/seal", headers=ADMIN)).status == 200
+        await rollout(p, "b", group=None)
+
+        def read() -> tuple[list[str], list[str]]:
+            from capture_proxy.sinks.rollout_index import RolloutQuery, indexed
+
+            with open_store(url_of(p), token=READER_TOKEN) as store:
+                kept = indexed(store.source, RolloutQuery(state="sealed", with_poisoned=True))
+                return [r.rollout_id for r in kept], store.rollouts(state="sealed")
+
+        assert await asyncio.to_thread(read) == (["a", "bad", "b"], ["a", "b"])
+    finally:
+        await stop_proxy(p)
