@@ -293,3 +293,28 @@ async def test_a_seal_visible_late_is_found_by_the_next_full_pass(
             assert late.rollout_ids == ("late",)
     finally:
         await sink.close()
+
+
+async def test_a_parquet_consumers_place_and_index_survive_compaction(tmp_path: Path) -> None:
+    from capture_proxy.sinks.parquet import compact_dataset
+
+    path, url = store_path("parquet", tmp_path)
+    sink = open_sink("parquet", path)
+    await write(sink, ids(3))
+    await sink.close()
+    with open_store(url) as store:
+        batch = store.next_batch("t", rollouts=2, wait_s=0)
+        assert batch is not None
+        batch.ack()
+        pending = store.next_batch("t", rollouts=1, wait_s=0)
+        assert pending is not None
+    with open_store(url) as watching:
+        assert watching.rollouts(group="g0") == ["r0", "r1"]  # its index built
+        stats = compact_dataset(str(path), target_bytes=1 << 30, grace_s=0)
+        assert stats.units_after < stats.units_before  # units merged and the old files deleted
+        assert watching.rollouts(group="g0") == ["r0", "r1"]  # re-indexed, built again
+    with open_store(url) as store:
+        again = store.next_batch("t", rollouts=1, wait_s=0)
+        assert again is not None
+        assert (again.batch_id, again.redelivered) == (pending.batch_id, True)
+        assert store.rollouts(state="sealed") == ["r0", "r1", "r2"]
