@@ -95,9 +95,11 @@ def rollout_status(
     then neither the store's rollout list nor the header is read again (an export selects every
     rollout of the store, and a list per rollout would make it quadratic)."""
     if header is ...:
-        if rollout_id not in source.rollouts():
-            raise KeyError(rollout_id)
         header = read_header(source, rollout_id)
+        # Only a rollout without a header needs the store's list (a store written before
+        # headers): listing it for every rollout made each read cost the whole store.
+        if header is None and rollout_id not in source.rollouts():
+            raise KeyError(rollout_id)
     if header is None:  # not sealed
         state, header_poisoned, outcome = RolloutState.OPEN, False, None
     else:

@@ -280,11 +280,12 @@ class SQLiteSink:
     async def put_rollout(self, info: RolloutInfo) -> None:
         def work(conn: sqlite3.Connection, batch: Batch) -> None:
             conn.execute(
-                "INSERT INTO rollouts (id, state, created_at_ms, sealed_at_ms, metadata, policy)"
-                " VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO UPDATE SET"
+                "INSERT INTO rollouts (id, state, created_at_ms, sealed_at_ms, metadata, policy,"
+                " group_id, graded) VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO UPDATE SET"
                 " state = excluded.state, created_at_ms = excluded.created_at_ms,"
                 " sealed_at_ms = excluded.sealed_at_ms, metadata = excluded.metadata,"
-                " policy = excluded.policy",
+                " policy = excluded.policy, group_id = excluded.group_id,"
+                " graded = excluded.graded",
                 (
                     info.rollout_id,
                     info.state.value,
@@ -292,6 +293,9 @@ class SQLiteSink:
                     info.sealed_at_ms,
                     orjson.dumps(header_metadata(info.metadata, info.outcome_history)).decode(),
                     orjson.dumps(dict(info.policy)).decode(),
+                    # The rollout index (format 7): the latest outcome's group, and graded.
+                    None if info.outcome is None else info.outcome.group_id,
+                    int(info.outcome is not None),
                 ),
             )
 
