@@ -1,17 +1,21 @@
 """A scripted agent: an OpenAI-SDK client working a task in a few turns through its rollout's URL.
 
-It is what a sandbox runs, reduced to its protocol: it offers a tool, replays each answer as the
-SDK returned it (reasoning as `reasoning`, as OpenCode does), runs the tool calls the model makes
-and sends their results, and otherwise sends the tool output it chose itself as the next user
-turn. (The tiny random model of the CI never calls a tool on its own; steering it into one with
-``structured_outputs`` or ``logit_bias`` would change the distribution its logprobs are taken
-from in ways a trainer cannot recompute — vLLM's grammar mask — so the loop's agent does not.)
+It is what a sandbox runs, reduced to its protocol: it offers a `bash` tool, replays each answer
+as the SDK returned it (reasoning as `reasoning`, as OpenCode does), runs the tool calls the
+model makes and sends their results as ``tool`` messages, and after an answer without a tool call
+sends the next command of its script as a user turn.
+
+A real policy calls tools on its own. The tiny random model of the CI never does, so the loop
+can ask for a tool call on every other turn with `steer` (extra request keys, e.g. a
+``structured_outputs`` regex of the call): those turns are guided decoding, whose logprobs come
+from the grammar-masked distribution, so the trainer leaves them out of its check and its loss
+(`batch.Sample.samplings`' ``guided``).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +38,8 @@ TOOLS: list[dict[str, Any]] = [
     }
 ]
 SYSTEM = "You are a coding agent. Use the tools."
-#: What the scripted agent "runs" when the model names no tool: a fixed session of commands.
+#: The commands the agent works through: asked for as tool calls on steered turns, else sent
+#: with their output as the next user turn.
 SCRIPT = ("ls", "cat README.md", "wc -l main.py")
 FAKE_OUTPUT = {
     "ls": "README.md\nmain.py",
@@ -82,22 +87,29 @@ def play(
     *,
     turns: int,
     sampling: Mapping[str, Any],
+    steer: Callable[[str], Mapping[str, Any]] | None = None,
     model: str = "policy",
 ) -> Transcript:
     """Work `task` for `turns` model calls through `base_url` (a rollout's ``/r/{id}/v1`` URL)
-    with the request's `sampling` (``temperature``, ``top_p``, ``max_tokens``, ...)."""
+    with the request's `sampling` (``temperature``, ``top_p``, ``max_tokens``, ...). With
+    `steer`, turns 0, 2, ... add ``steer(command)`` to the request to have the model call the
+    tool with the script's next command."""
     client = OpenAI(base_url=base_url, api_key=api_key or "unused", max_retries=0, timeout=120)
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": SYSTEM},
         {"role": "user", "content": task},
     ]
     transcript = Transcript()
+    script = iter(SCRIPT * turns)
     for turn in range(turns):
+        body = dict(sampling)
+        if steer is not None and turn % 2 == 0:
+            body.update(steer(next(script)))
         answer = client.chat.completions.create(
             model=model,
             messages=messages,  # type: ignore[arg-type]
             tools=TOOLS,  # type: ignore[arg-type]
-            **sampling,
+            extra_body=body,  # vLLM's keys (structured_outputs, ...) beside OpenAI's
         )
         replay = _replayed(answer.choices[0].message)
         transcript.replies.append(f"{replay.get('reasoning', '')}{replay['content']}")
@@ -112,6 +124,6 @@ def play(
                 result = {"role": "tool", "tool_call_id": call["id"], "content": _run(command)}
                 messages.append(result)
         else:
-            command = SCRIPT[turn % len(SCRIPT)]
+            command = next(script)
             messages.append({"role": "user", "content": f"$ {command}\n{_run(command)}"})
     return transcript

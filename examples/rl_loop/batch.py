@@ -16,7 +16,16 @@ from typing import Any
 
 from capture_proxy import open_store
 
-__all__ = ["Batch", "Sample", "read_batch"]
+__all__ = ["GUIDED_KEYS", "Batch", "Sample", "read_batch"]
+
+#: Request keys that make vLLM decode under a grammar (structured outputs).
+GUIDED_KEYS = (
+    "structured_outputs",
+    "response_format",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+)
 
 
 @dataclass
@@ -37,7 +46,8 @@ class Sample:
     #: model saw (a new segment starts where a call did not extend the previous one).
     segments: list[tuple[int, int]]
     #: Per call (in trajectory order): the sampling vLLM applied (the record's
-    #: `effective_sampling`, plus the request's `logit_bias` if any) and its logprobs mode.
+    #: `effective_sampling`, plus the request's `logit_bias` if any), its logprobs mode, and
+    #: ``guided``: whether it decoded under a grammar (`GUIDED_KEYS`).
     samplings: list[dict[str, Any]]
     #: Per token: the driver's weight version, and the engine's own (None where unknown).
     weight_versions: list[int]
@@ -75,6 +85,9 @@ def read_batch(store_url: str, groups: Iterable[str]) -> Batch:
                 if record.request.get("logit_bias"):
                     sampling["logit_bias"] = record.request["logit_bias"]
                 sampling["logprobs_mode"] = record.logprobs_mode
+                # Guided decoding masks the distribution with a grammar the trainer does not
+                # have: its tokens' logprobs cannot be recomputed from the model alone.
+                sampling["guided"] = any(k in record.request for k in GUIDED_KEYS)
                 samplings.append(sampling)
             batch.samples.append(
                 Sample(

@@ -68,6 +68,9 @@ class LoopConfig:
     #: Agents run once per step, each in a group of its own (GRPO gives a lone rollout no
     #: advantage: its tokens are checked, not trained on).
     external: dict[str, ExternalAgent] = field(default_factory=dict)
+    #: Extra request keys that make the model call the tool with a command (see `agent.play`);
+    #: None: the agent never asks (a real policy calls tools on its own).
+    steer: Callable[[str], dict[str, Any]] | None = None
     lr: float = 3e-3
     log: Callable[[str], None] = print
 
@@ -82,6 +85,10 @@ class StepReport:
     max_abs_diff: float
     tokens_checked: int
     tokens_trained: int
+    #: Sampled tokens of guided (steered) turns: neither checked nor trained on.
+    tokens_guided: int
+    #: Tool calls the scripted agents' models made.
+    tool_calls: int
     #: The same against the previous weights (None at step 0): large when the update took.
     previous_weights_diff: float | None
     #: Sampled tokens the previous weights would not have sampled (outside their top-p).
@@ -125,10 +132,12 @@ def _train(cfg: LoopConfig, batch_file: Path, step: int) -> dict[str, Any]:
     return report
 
 
-def _rollouts(cfg: LoopConfig, api: ControlAPI, step: int) -> list[str]:
-    """Run the step's rollouts, seal and grade them; the step's group ids."""
+def _rollouts(cfg: LoopConfig, api: ControlAPI, step: int) -> tuple[list[str], int]:
+    """Run the step's rollouts, seal and grade them; the step's group ids, and how many tool
+    calls the scripted agents made."""
     texts: dict[str, str] = {}
     groups: dict[str, str] = {}
+    tool_calls = [0]
     errors: list[BaseException] = []
 
     def external(name: str, play: ExternalAgent, rollout: str) -> None:
@@ -156,7 +165,9 @@ def _rollouts(cfg: LoopConfig, api: ControlAPI, step: int) -> list[str]:
                 task,
                 turns=cfg.turns,
                 sampling=cfg.sampling,
+                steer=cfg.steer,
             )
+            tool_calls[0] += transcript.tool_calls
             texts[rollout], groups[rollout] = transcript.text, f"s{step}-g{g}"
     for thread in threads:
         thread.join()
@@ -168,7 +179,7 @@ def _rollouts(cfg: LoopConfig, api: ControlAPI, step: int) -> list[str]:
         if statuses != {"staged"}:
             raise AssertionError(f"{rollout}: calls {[c['status'] for c in manifest['calls']]}")
         api.grade(rollout, grade(texts[rollout]), group)
-    return sorted(set(groups.values()))
+    return sorted(set(groups.values())), tool_calls[0]
 
 
 def run_loop(cfg: LoopConfig) -> list[StepReport]:
@@ -178,7 +189,7 @@ def run_loop(cfg: LoopConfig) -> list[StepReport]:
     reports = []
     for step in range(cfg.steps):
         laps = _Laps()
-        groups = _rollouts(cfg, api, step)
+        groups, tool_calls = _rollouts(cfg, api, step)
         seconds = {"rollouts": laps.lap()}
         batch = read_batch(cfg.store_url, groups)
         spans = _versions(batch, step)
@@ -197,13 +208,16 @@ def run_loop(cfg: LoopConfig) -> list[StepReport]:
             max_abs_diff=float(trained["max_abs_diff"]),
             tokens_checked=int(trained["tokens_checked"]),
             tokens_trained=int(trained["tokens_trained"]),
+            tokens_guided=int(trained["tokens_guided"]),
+            tool_calls=tool_calls,
             previous_weights_diff=trained.get("other_max_abs_diff"),
             previous_weights_outside=trained.get("other_outside_nucleus"),
             version_spans=spans,
             seconds=seconds,
         )
         cfg.log(
-            f"step {step}: {report.rollouts} rollouts, logprob max |recorded - transformers| "
+            f"step {step}: {report.rollouts} rollouts ({tool_calls} tool calls), logprob max "
+            f"|recorded - transformers| "
             f"{report.max_abs_diff:.2e} over {report.tokens_checked} tokens"
             + (
                 f" (vs the previous weights {report.previous_weights_diff:.2e},"
@@ -211,7 +225,8 @@ def run_loop(cfg: LoopConfig) -> list[StepReport]:
                 if report.previous_weights_diff is not None
                 else ""
             )
-            + f", trained {report.tokens_trained} tokens, versions {spans}, loaded v{step + 1}"
+            + f", trained {report.tokens_trained} tokens ({report.tokens_guided} guided left"
+            + f" out), versions {spans}, loaded v{step + 1}"
             + f" (seconds: {seconds})"
         )
         _check(report)

@@ -8,8 +8,9 @@ scripts/tiny_vllm.py); it imports nothing from capture-proxy, only reads the bat
     python examples/rl_loop/trainer.py BATCH.json --weights DIR --check-only [--other DIR]
 
 It prints one JSON line: the largest absolute difference between the recorded logprobs and the
-recomputed ones (``max_abs_diff``), the tokens checked and trained, the loss, and with
-``--other`` the difference against another set of weights (to show an update took).
+recomputed ones (``max_abs_diff``), the tokens checked and trained (tokens sampled under a
+grammar, ``tokens_guided``, are neither), the loss, and with ``--other`` the difference against
+another set of weights (to show an update took).
 
 What it recomputes is vLLM's ``processed_logprobs``: the model's logits with the call's
 ``logit_bias``, divided by its temperature, cut to its top-k and top-p the way vLLM's sampler
@@ -76,13 +77,19 @@ def processed_logprobs(logits: Any, sampling: dict[str, Any]) -> Any:
     return torch.log_softmax(logits, dim=-1)
 
 
+def guided(sample: dict[str, Any], t: int) -> bool:
+    """Whether token `t` was sampled under a grammar (structured outputs): its logprob is the
+    grammar-masked one, which the model alone does not give. Neither checked nor trained on."""
+    return bool(sample["samplings"][sample["call_index"][t]].get("guided"))
+
+
 def sampled_logprobs(model: Any, sample: dict[str, Any]) -> tuple[Any, Any]:
     """The recomputed logprob of every sampled token of `sample` (with gradient), and the
-    recorded ones, in token order."""
+    recorded ones, in token order; tokens sampled under a grammar are left out."""
     ids, mask, calls = sample["token_ids"], sample["loss_mask"], sample["call_index"]
     recomputed, recorded = [], []
     for start, end in sample["segments"]:
-        positions = [t for t in range(start + 1, end) if mask[t]]
+        positions = [t for t in range(start + 1, end) if mask[t] and not guided(sample, t)]
         if not positions:
             continue
         hidden = model.model(input_ids=torch.tensor([ids[start:end]])).last_hidden_state[0]
@@ -101,6 +108,12 @@ def sampled_logprobs(model: Any, sample: dict[str, Any]) -> tuple[Any, Any]:
     if not recomputed:
         return torch.empty(0), torch.empty(0)
     return torch.cat(recomputed), torch.cat(recorded)
+
+
+def _free_tokens(sample: dict[str, Any]) -> int:
+    """The sampled tokens of `sample` that were not sampled under a grammar."""
+    mask = sample["loss_mask"]
+    return sum(1 for t in range(len(mask)) if mask[t] and not guided(sample, t))
 
 
 def grpo_advantages(samples: list[dict[str, Any]]) -> list[float]:
@@ -138,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         pairs = [sampled_logprobs(model, s) for s in samples]
     diffs = torch.cat([(a - b).abs() for a, b in pairs])
     report["tokens_checked"] = int(diffs.numel())
+    report["tokens_guided"] = sum(sum(s["loss_mask"]) - _free_tokens(s) for s in samples)
     report["max_abs_diff"] = float(diffs.max()) if diffs.numel() else None
     if args.other is not None:
         other = load(args.other)
@@ -166,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         used = [(s, a) for s, a in zip(samples, advantages, strict=True) if a != 0.0]
         if not used:
             raise SystemExit("no rollout has an advantage (equal rewards in every group)")
-        tokens = sum(sum(s["loss_mask"]) for s, _ in used)
+        tokens = sum(_free_tokens(s) for s, _ in used)
         loss = torch.zeros(())
         for sample, advantage in used:
             logprobs, _ = sampled_logprobs(model, sample)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import subprocess
 import sys
 import time
@@ -29,6 +30,21 @@ from scripts import opencode_env, tiny_vllm
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
 
 ADMIN_TOKEN = "rl-loop-admin-token-0123456789"
+# Ids of the tiny tokenizer: `</think>` ends the reasoning the random model always starts, and
+# `<|im_end|>` must beat `<|endoftext|>` once the call is written (as in test_vllm.py).
+THINK_END, IM_END = "4", "2"
+
+
+def steer_tool_call(command: str) -> dict[str, Any]:
+    """The request keys that make the tiny model call `bash` with `command`: a hermes block
+    as a regex (vLLM applies structured outputs once reasoning has ended)."""
+    call = json.dumps({"name": "bash", "arguments": {"command": command}})
+    literal = re.sub(r"([.{}()\[\]*+?|^$\\])", r"\\\1", call)
+    return {
+        "logit_bias": {THINK_END: 100, IM_END: 50},
+        "structured_outputs": {"regex": f"<tool_call>\n{literal}\n</tool_call>"},
+        "max_tokens": 64,
+    }
 
 
 @contextlib.contextmanager
@@ -101,6 +117,7 @@ def test_rl_loop_trains_on_checked_logprobs_and_the_next_rollouts_carry_the_new_
             weights_root,
             str(tiny_vllm.prepare().python),
             external={"opencode": opencode_agent(work)},
+            steer=steer_tool_call,
             log=lines.append,
         )
         reports = run_loop(cfg)
@@ -110,6 +127,8 @@ def test_rl_loop_trains_on_checked_logprobs_and_the_next_rollouts_carry_the_new_
         assert r.max_abs_diff <= MATCH_TOLERANCE
         assert r.rollouts == 5  # two groups of two, and OpenCode's
         assert r.version_spans == [(r.step, str(r.step))]
+        assert r.tool_calls == 4  # one per scripted rollout, a tool result sent back for each
+        assert r.tokens_guided > 0
         # OpenCode's rollout, alone in its group, has no advantage: checked, not trained on.
         assert 0 < r.tokens_trained < r.tokens_checked
     # Step 1's tokens were sampled by v1: v0 gives other logprobs for them.
@@ -118,5 +137,11 @@ def test_rl_loop_trains_on_checked_logprobs_and_the_next_rollouts_carry_the_new_
     with open_store(store_url) as store:
         store.verify()
         opencode = store.trajectory("s1-opencode")
+        scripted = [
+            store.trajectory(f"s{s}-g{g}-{i}") for s in (0, 1) for g in (0, 1) for i in (0, 1)
+        ]
+    # Token-in: each scripted session (tool call, tool result, answer) is one sequence.
+    assert [(len(t.segments), t.breaks) for t in scripted] == [(1, [])] * 8
+    assert all(len(t.calls) == 2 for t in scripted)
     assert len(opencode.token_ids) > 10_000  # OpenCode's own prompt and tools
     assert set(opencode.engine_weight_versions) - {None} == {"1"}

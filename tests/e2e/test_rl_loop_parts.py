@@ -31,6 +31,8 @@ def report(**changes: Any) -> StepReport:
         "max_abs_diff": 1e-6,
         "tokens_checked": 10,
         "tokens_trained": 10,
+        "tokens_guided": 0,
+        "tool_calls": 0,
         "previous_weights_diff": 0.5,
         "previous_weights_outside": 0,
         "version_spans": [(1, "1")],
