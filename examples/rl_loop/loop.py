@@ -22,9 +22,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -137,49 +137,43 @@ def _rollouts(cfg: LoopConfig, api: ControlAPI, step: int) -> tuple[list[str], i
     calls the scripted agents made."""
     texts: dict[str, str] = {}
     groups: dict[str, str] = {}
-    tool_calls = [0]
-    errors: list[BaseException] = []
+    tool_calls = 0
 
-    def external(name: str, play: ExternalAgent, rollout: str) -> None:
+    def external(play: ExternalAgent, rollout: str) -> str:
         created = api.create_rollout(rollout)
-        try:
-            texts[rollout] = play(created["base_url"], created.get("api_key") or "")
-        except BaseException as e:  # reported after the join, in the driver's thread
-            errors.append(e)
+        return play(created["base_url"], created.get("api_key") or "")
 
-    threads = []
-    for name, play in cfg.external.items():
-        rollout = f"s{step}-{name}"
-        groups[rollout] = rollout
-        thread = threading.Thread(target=external, args=(name, play, rollout))
-        thread.start()
-        threads.append(thread)
-    for g in range(cfg.groups):
-        for i in range(cfg.group_size):
-            rollout = f"s{step}-g{g}-{i}"
-            created = api.create_rollout(rollout)
-            task = TASKS[g % len(TASKS)]
-            transcript = agent.play(
-                created["base_url"],
-                created.get("api_key") or "",
-                task,
-                turns=cfg.turns,
-                sampling=cfg.sampling,
-                steer=cfg.steer,
-            )
-            tool_calls[0] += transcript.tool_calls
-            texts[rollout], groups[rollout] = transcript.text, f"s{step}-g{g}"
-    for thread in threads:
-        thread.join()
-    if errors:
-        raise errors[0]
+    # The external agents (OpenCode: seconds per call on CPU) run beside the scripted ones; the
+    # pool's exit waits for them, and `result()` raises what one of them raised.
+    with ThreadPoolExecutor(max_workers=max(1, len(cfg.external))) as pool:
+        running = {}
+        for name, play in cfg.external.items():
+            rollout = f"s{step}-{name}"
+            groups[rollout] = rollout
+            running[rollout] = pool.submit(external, play, rollout)
+        for g in range(cfg.groups):
+            for i in range(cfg.group_size):
+                rollout = f"s{step}-g{g}-{i}"
+                created = api.create_rollout(rollout)
+                transcript = agent.play(
+                    created["base_url"],
+                    created.get("api_key") or "",
+                    TASKS[g % len(TASKS)],
+                    turns=cfg.turns,
+                    sampling=cfg.sampling,
+                    steer=cfg.steer,
+                )
+                tool_calls += transcript.tool_calls
+                texts[rollout], groups[rollout] = transcript.text, f"s{step}-g{g}"
+        for rollout, future in running.items():
+            texts[rollout] = future.result()
     for rollout, group in groups.items():
         manifest = api.seal(rollout)
         statuses = {c["status"] for c in manifest["calls"]}
         if statuses != {"staged"}:
             raise AssertionError(f"{rollout}: calls {[c['status'] for c in manifest['calls']]}")
         api.grade(rollout, grade(texts[rollout]), group)
-    return sorted(set(groups.values())), tool_calls[0]
+    return sorted(set(groups.values())), tool_calls
 
 
 def run_loop(cfg: LoopConfig) -> list[StepReport]:
