@@ -7,7 +7,8 @@ loop may write beside (`LoopConfig.weights_root`/``v0``). Each step N:
 1. creates the step's rollouts token-in (``POST /admin/rollouts {"token_in": true}``), runs the
    scripted agent in each (and `LoopConfig.external` agents, such as OpenCode), seals them and
    grades them (``PUT .../outcome`` with the reward and the GRPO group);
-2. reads the graded groups back (`batch.read_batch`: verified records) and checks every sampled
+2. takes the step's rollouts from the store's batch API (`batch.take_batch`: sealed, graded,
+   clean, verified, each once; acknowledged after the training step) and checks every sampled
    token is stamped with version N, by the proxy and by the engine;
 3. runs the trainer (`trainer.py`, in an interpreter with torch): it recomputes the sampled
    tokens' processed logprobs with ``transformers`` and checks them against the recorded ones,
@@ -30,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from . import agent
-from .batch import Batch, read_batch
+from .batch import Batch, take_batch
 from .driver import ControlAPI, reload_vllm_weights
 
 __all__ = ["MATCH_TOLERANCE", "LoopConfig", "StepReport", "grade", "run_loop"]
@@ -133,8 +134,8 @@ def _train(cfg: LoopConfig, batch_file: Path, step: int) -> dict[str, Any]:
 
 
 def _rollouts(cfg: LoopConfig, api: ControlAPI, step: int) -> tuple[list[str], int]:
-    """Run the step's rollouts, seal and grade them; the step's group ids, and how many tool
-    calls the scripted agents made."""
+    """Run the step's rollouts, seal and grade them; their ids, and how many tool calls the
+    scripted agents made."""
     texts: dict[str, str] = {}
     groups: dict[str, str] = {}
     tool_calls = 0
@@ -173,7 +174,7 @@ def _rollouts(cfg: LoopConfig, api: ControlAPI, step: int) -> tuple[list[str], i
         if statuses != {"staged"}:
             raise AssertionError(f"{rollout}: calls {[c['status'] for c in manifest['calls']]}")
         api.grade(rollout, grade(texts[rollout]), group)
-    return sorted(set(groups.values())), tool_calls
+    return sorted(groups), tool_calls
 
 
 def run_loop(cfg: LoopConfig) -> list[StepReport]:
@@ -183,14 +184,18 @@ def run_loop(cfg: LoopConfig) -> list[StepReport]:
     reports = []
     for step in range(cfg.steps):
         laps = _Laps()
-        groups, tool_calls = _rollouts(cfg, api, step)
+        rollouts, tool_calls = _rollouts(cfg, api, step)
         seconds = {"rollouts": laps.lap()}
-        batch = read_batch(cfg.store_url, groups)
+        batch, ack = take_batch(cfg.store_url, "rl-loop-trainer", len(rollouts))
+        taken = sorted(s.rollout_id for s in batch.samples)
+        if taken != rollouts:  # each step's batch is its own rollouts: the last step was acked
+            raise AssertionError(f"step {step}: the batch holds {taken}, not {rollouts}")
         spans = _versions(batch, step)
         batch_file = cfg.weights_root / f"batch-{step}.json"
         batch.write(batch_file)
         seconds["read"] = laps.lap()
         trained = _train(cfg, batch_file, step)
+        ack()  # used: never delivered to this consumer again
         seconds["train"] = laps.lap()
         api.pause()
         reload_vllm_weights(cfg.vllm_url, str(cfg.weights_root / f"v{step + 1}"))

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from examples.rl_loop.batch import Batch, Sample, read_batch
+from examples.rl_loop.batch import Batch, Sample, take_batch
 from examples.rl_loop.loop import TRAINER, StepReport, _check, _versions
 from scripts import tiny_vllm
 from tests.support.proxy_harness import chat_body, user
@@ -84,7 +84,7 @@ async def test_a_rollout_graded_without_a_reward_is_refused_by_name(make_proxy: 
     put = await p.client.put("/admin/rollouts/ungraded/outcome", json=outcome, headers=ADMIN)
     assert put.status == 200, await put.text()
     with pytest.raises(ValueError, match="rollout ungraded has no numeric reward"):
-        read_batch(p.store_url, ["g0"])
+        take_batch(p.store_url, "trainer", 1, wait_s=5)
 
 
 def run_trainer(tmp_path: Path, batch: Batch) -> subprocess.CompletedProcess[str]:
