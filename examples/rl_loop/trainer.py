@@ -2,7 +2,7 @@
 
 Run with an interpreter that has torch and transformers (the CI uses the tiny vLLM's venv, see
 scripts/tiny_vllm.py); it imports nothing from capture-proxy, only reads the batch file that
-`batch.read_batch` wrote::
+`batch.take_batch` wrote::
 
     python examples/rl_loop/trainer.py BATCH.json --weights DIR --out DIR [--lr 3e-3]
     python examples/rl_loop/trainer.py BATCH.json --weights DIR --check-only [--other DIR]
