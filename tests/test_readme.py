@@ -17,8 +17,11 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
+from capture_proxy import open_store
+
 ROOT = Path(__file__).resolve().parents[1]
 SECTION = "### From rollout to trainer"
+BATCHES = "### Trainers, live: batches, and the whole RL loop"
 
 
 def code_block(heading: str) -> str:
@@ -93,3 +96,21 @@ def test_the_trainer_path_runs_when_pasted_and_exports_the_graded_rollout(
     assert "wrote 1 row(s) of 1 rollout(s) to segments.parquet" in out
     assert "ep-7" in out  # the table the last line prints
     assert not still, f"the README's closing kill left ports {still} open"
+
+    # The next section's batch, on the store those lines wrote: ep-7, once.
+    batch = subprocess.run(
+        ["bash", "-e", "-c", code_block(BATCHES)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert batch.returncode == 0, batch.stderr
+    assert batch.stdout.startswith("('ep-7',) "), batch.stdout
+    with open_store(f"sqlite:///{tmp_path / 'trainer.db'}") as store:
+        # Acknowledged: never delivered to trainer-a again; another consumer gets it.
+        assert store.next_batch("trainer-a", rollouts=1, wait_s=0) is None
+        other = store.next_batch("trainer-b", rollouts=1, wait_s=0)
+        assert other is not None
+        assert other.rollout_ids == ("ep-7",)
