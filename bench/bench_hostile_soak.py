@@ -8,7 +8,7 @@ every deploy file sets: the proxy's defaults) and runs the same honest load twic
 one run: alone, then beside hostile sandboxes. Each sandbox comes from its own loopback address
 (127.0.1.N honest, 127.0.2.N hostile), as sandboxes behind different NATs would.
 
-- honest: `--honest` sandboxes, each an agent loop: a call of ~2 KB of conversation (streamed
+- honest: `--honest` sandboxes, each an agent loop: a call of 1-7 KB of conversation (streamed
   every other time), its answer read, 50 ms of "tool work", the next call;
 - hostile (`--hostile`, 8 by default, the kinds in turn): a sender of 62 MiB bodies of empty
   ``messages`` (three at once, again and again), a connection flood (up to 1,500 idle connections
@@ -40,7 +40,7 @@ from bench_proxy import Proc  # bench/ is a folder of scripts run by path: sibli
 from procstat import peak_rss_mb, reset_peak_rss
 
 _CHAT = "/r/{rollout}/v1/chat/completions"
-_TURN = "Look at the crop, then plot the histogram of the red channel, and compare. " * 25
+_TURN = "Look at the crop, then plot the histogram of the red channel, and compare. " * 8
 
 
 def _honest_body(turn: int) -> dict[str, Any]:

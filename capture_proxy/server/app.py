@@ -37,6 +37,7 @@ from ..sinks.base import StagingSink, StoreError
 from ..sinks.registry import open_sink, store_local_dir
 from ..upstream.http import HTTPUpstream
 from ..upstream.replicas import ReplicaSet
+from .body_rate import BodyRate
 from .chat import chat_completions
 from .control import add_control_routes
 from .metrics import Metrics
@@ -410,6 +411,7 @@ def create_app(settings: Settings, *, sink: StagingSink | None = None) -> web.Ap
         ),
         metrics=Metrics(),
     )
+    state.body_rate = BodyRate(settings.max_rollout_body_rate * 2**20, 2 * settings.max_body_bytes)
     state.metrics.add_live(lambda: _live_gauges(state))
     state.capture.on_outcome.append(state.metrics.observe)
     app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[errors_and_metrics])

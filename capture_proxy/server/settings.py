@@ -256,6 +256,12 @@ class Settings:
         "apart by the same number: past it they are answered 429 and counted in /metrics, not "
         "written to the ledger one by one",
     )
+    max_rollout_body_rate: float = _s(
+        16.0,
+        "MiB of request bodies one rollout may send per second, with up to twice "
+        "--max-body-bytes saved up; a body beyond it gets 429 with Retry-After before it is "
+        "read (an agent resending every image sends a few MiB a second; 0: no limit)",
+    )
     max_live_rollouts: int = _s(
         10_000,
         "rollouts kept in memory at once; past it the oldest idle ones leave memory (and resume "
@@ -700,6 +706,7 @@ def _check(s: Settings) -> None:
         "max_rollout_calls",
         "max_connections",
         "max_connections_per_address",
+        "max_rollout_body_rate",
         "malloc_trim_interval",
         "max_decoding_bytes",
     ):

@@ -14,6 +14,7 @@ from ..errors import Forbidden, Unauthorized
 from ..sinks.base import StagingSink
 from ..upstream.http import HTTPUpstream
 from ..upstream.replicas import ReplicaSet
+from .body_rate import BodyRate
 from .connections import ConnectionGate
 from .metrics import Metrics
 from .settings import Settings
@@ -45,6 +46,8 @@ class ProxyState:
     listen_url: str = ""
     #: The proxy listener's connection gate (`server.run`; None in an app served otherwise).
     connections: ConnectionGate | None = None
+    #: Body bytes per rollout per second (``--max-rollout-body-rate``), set by `create_app`.
+    body_rate: BodyRate = field(default_factory=lambda: BodyRate(0, 0))
 
     async def authorize_call(self, request: web.Request, rollout_id: str) -> None:
         """With --require-rollout-keys: the bearer key must be the one minted for the rollout.

@@ -174,3 +174,29 @@ async def test_a_body_larger_than_the_budget_is_decoded_alone() -> None:
     async with budget.hold(10_000):
         assert budget.used == 100
     assert budget.used == 0
+
+
+# -- body bytes per rollout per second ------------------------------------------------------------
+
+
+async def test_a_rollout_sending_bodies_too_fast_gets_429_before_the_body_is_read(
+    make_proxy: Any,
+) -> None:
+    # Receiving a body costs the loop ~1.6 ms per MiB whatever it holds: a sandbox sending large
+    # bodies back to back is refused from its Content-Length, another rollout is not.
+    p = await make_proxy(max_body_bytes=2**20, max_rollout_body_rate=1.0)  # 1 MiB/s, 2 MiB saved
+    body = _messages(b'{"role":"user","content":"' + b"x" * 100 + b'"},', 6_000, b"]}")
+    assert 2**19 < len(body) < 2**20
+    sent = [await p.client.post("/r/r1/v1/chat/completions", data=body, headers=JSON)]
+    sent.append(await p.client.post("/r/r1/v1/chat/completions", data=body, headers=JSON))
+    sent.append(await p.client.post("/r/r1/v1/chat/completions", data=body, headers=JSON))
+    assert [r.status for r in sent[:2]] != [429, 429]
+    refused = sent[2]
+    assert refused.status == 429
+    assert refused.headers["Retry-After"] == "1"
+    error = (await refused.json())["error"]
+    assert error["code"] == "rollout_body_rate"
+    assert "--max-rollout-body-rate" in error["message"]
+    other = await p.client.post("/r/r2/v1/chat/completions", data=body, headers=JSON)
+    assert other.status != 429
+    assert [f.reason for f in p.failures() if f.http_status == 429] == ["rollout_body_rate"]
