@@ -3,11 +3,12 @@
 Runs inside the trainers' venv (scripts/trainer_env.py), never the project's: it imports verl and
 SkyRL, and nothing of ``capture_proxy``. The tests start it as
 
-    <trainers venv>/bin/python -m tests.support.trainer_check CHECK  < payload.json
+    <trainers venv>/bin/python -m tests.support.trainer_check  < checks.json
 
-from the repository root. The payload is JSON (bytes as ``{"__bytes__": base64}``); the answer
-is one JSON object on stdout. When the trainer refuses the payload, the process exits 1 and the
-trainer's own exception (type and message) is the last line of stderr.
+from the repository root. The input is a JSON list of ``{"check": NAME, "payload": ...}`` (bytes
+as ``{"__bytes__": base64}``), run in one process (importing a trainer costs seconds); the
+answer, on stdout, is a JSON list with one ``{"ok": answer}`` or ``{"refused": message}`` per
+check: the message is the trainer's own exception, its type and text.
 
 Checks:
 - ``verl``: every sample's ``output`` through ``AgentLoopOutput(**output)`` (with its
@@ -138,16 +139,16 @@ def check_skyrl(payload: dict[str, Any]) -> dict[str, Any]:
 CHECKS: dict[str, Callable[[Any], dict[str, Any]]] = {"verl": check_verl, "skyrl": check_skyrl}
 
 
-def main(argv: list[str]) -> int:
-    payload = _unbytes(json.load(sys.stdin))
-    try:
-        answer = CHECKS[argv[0]](payload)
-    except Exception as exc:  # the trainer's own refusal, as the tests show it
-        print(f"{type(exc).__name__}: {exc}".replace("\n", " "), file=sys.stderr)
-        return 1
-    json.dump(answer, sys.stdout)
+def main() -> int:
+    answers: list[dict[str, Any]] = []
+    for item in json.load(sys.stdin):
+        try:
+            answers.append({"ok": CHECKS[item["check"]](_unbytes(item["payload"]))})
+        except Exception as exc:  # the trainer's own refusal, as the tests show it
+            answers.append({"refused": f"{type(exc).__name__}: {exc}".replace("\n", " ")})
+    json.dump(answers, sys.stdout)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

@@ -135,20 +135,28 @@ class TrainerRefused(AssertionError):
     """The trainer's own code refused the payload; the message is the trainer's."""
 
 
-def run_check(check: str, payload: Any) -> dict[str, Any]:
-    """Run `check` (tests/support/trainer_check.py) on `payload` in the trainers' venv,
-    installed on first use. Raises `TrainerRefused` with the trainer's own error."""
+def run_checks(*checks: tuple[str, Any]) -> list[dict[str, Any] | TrainerRefused]:
+    """Run each ``(check, payload)`` (tests/support/trainer_check.py) in one process of the
+    trainers' venv, installed on first use: per check, the trainer's answer, or a
+    `TrainerRefused` carrying the trainer's own error."""
     python = prepare().python
     proc = subprocess.run(
-        [str(python), "-m", "tests.support.trainer_check", check],
-        input=json.dumps(_jsonable(payload)),
+        [str(python), "-m", "tests.support.trainer_check"],
+        input=json.dumps([{"check": c, "payload": _jsonable(p)} for c, p in checks]),
         capture_output=True,
         text=True,
         cwd=ROOT,
         timeout=300,
     )
-    if proc.returncode != 0:
-        lines = proc.stderr.strip().splitlines()
-        raise TrainerRefused(lines[-1] if lines else f"exit {proc.returncode}, no output")
-    answer: dict[str, Any] = json.loads(proc.stdout)
+    assert proc.returncode == 0, f"the trainer check crashed:\n{proc.stderr[-4000:]}"
+    return [
+        TrainerRefused(a["refused"]) if "refused" in a else a["ok"] for a in json.loads(proc.stdout)
+    ]
+
+
+def run_check(check: str, payload: Any) -> dict[str, Any]:
+    """`run_checks` of one check; raises `TrainerRefused` when the trainer refuses it."""
+    (answer,) = run_checks((check, payload))
+    if isinstance(answer, TrainerRefused):
+        raise answer
     return answer

@@ -17,6 +17,7 @@ from tests.support.trainer_rollouts import (
     TrainerRefused,
     png,
     run_check,
+    run_checks,
     stage_rollouts,
 )
 
@@ -93,25 +94,27 @@ def test_skyrl_validates_the_step_wise_output(batch: list[Episode]) -> None:
     assert finish[-1] == "length"
 
 
-def test_skyrl_refuses_segments_without_step_wise(batch: list[Episode]) -> None:
+def test_skyrl_refuses_segments_without_step_wise_and_takes_single_segments(
+    batch: list[Episode],
+) -> None:
     sky = to_skyrl(batch)
     old: dict[str, Any] = {**sky.output, "is_last_step": None}
-    with pytest.raises(TrainerRefused, match=r"Mismatch between prompts \(4\) and responses \(6\)"):
-        run_check("skyrl", {"output": old, "num_prompts": 4, "step_wise": False})
-    with pytest.raises(TrainerRefused, match="is_last_step` is missing"):
-        run_check("skyrl", {"output": old, "num_prompts": 4, "step_wise": True})
+    single = to_skyrl([e for e in batch if e.trajectory.group_id == "task-2"])
+    assert not single.step_wise
+    flat, unmarked, taken = run_checks(
+        ("skyrl", {"output": old, "num_prompts": 4, "step_wise": False}),
+        ("skyrl", {"output": old, "num_prompts": 4, "step_wise": True}),
+        ("skyrl", {"output": single.output, "num_prompts": 2, "step_wise": False}),
+    )
+    # The old shape (one row per segment, no step-wise marks), refused by SkyRL's own validator.
+    assert isinstance(flat, TrainerRefused)
+    assert "Mismatch between prompts (4) and responses (6)" in str(flat)
+    assert isinstance(unmarked, TrainerRefused)
+    assert "`is_last_step` is missing" in str(unmarked)
+    assert not isinstance(taken, TrainerRefused)
+    assert taken["n_rows"] == 2
     with pytest.raises(ValueError, match="several segments"):
         to_skyrl(batch, step_wise=False)
-
-
-def test_a_single_segment_batch_is_not_step_wise_and_skyrl_takes_it(batch: list[Episode]) -> None:
-    single = [e for e in batch if e.trajectory.group_id == "task-2"]
-    sky = to_skyrl(single)
-    assert not sky.step_wise
-    seen = run_check(
-        "skyrl", {"output": sky.output, "num_prompts": sky.num_prompts, "step_wise": False}
-    )
-    assert seen["n_rows"] == 2
 
 
 def test_every_rollout_is_graded_as_staged(batch: list[Episode]) -> None:
