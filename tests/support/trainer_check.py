@@ -14,7 +14,7 @@ Checks:
 - ``verl``: every sample's ``output`` through ``AgentLoopOutput(**output)`` (with its
   ``AgentLoopMetrics``) and ``as_dict()``; images decoded from ``{"bytes": ...}`` with PIL;
   then each session's final output (verl 0.9.1's multi-output rule, ``{uid}_{session}_{index}``)
-  into ``compute_grpo_outcome_advantage`` grouped by ``uid``.
+  into a ``DataProto`` with ``non_tensor_batch["uid"]`` and ``compute_grpo_outcome_advantage``.
 - ``skyrl``: ``validate_generator_output`` (step-wise when asked), with ``trajectory_ids`` made
   into ``TrajectoryID``.
 """
@@ -75,6 +75,7 @@ def check_verl(samples: list[dict[str, Any]]) -> dict[str, Any]:
     import torch
     from PIL import Image
     from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopOutput
+    from verl.protocol import DataProto
     from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
 
     outputs = []
@@ -110,7 +111,15 @@ def check_verl(samples: list[dict[str, Any]]) -> dict[str, Any]:
         rewards[i, :n] = tensors[r]["rm_scores"]
         mask[i, :n] = tensors[r]["response_mask"]
     uids = np.array([samples[r]["uid"] for r in rows], dtype=object)
-    advantages, _ = compute_grpo_outcome_advantage(rewards, mask, uids)
+    # The batch as verl's trainer holds it: tensors, and the GRPO groups in non_tensor_batch.
+    data = DataProto.from_dict(
+        tensors={"token_level_rewards": rewards, "response_mask": mask}, non_tensors={"uid": uids}
+    )
+    advantages, _ = compute_grpo_outcome_advantage(
+        data.batch["token_level_rewards"],
+        data.batch["response_mask"],
+        data.non_tensor_batch["uid"],
+    )
     return {
         "n_outputs": len(outputs),
         "scored": [("rm_scores" in t) for t in tensors],

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from datetime import datetime
 
-from ...schemas.records import StagedCallRecord
+from ...schemas.records import RolloutState, StagedCallRecord
+from ..cursor import ExportCursor
 from ..reader import Store
 from ..trajectory import Segment, Trajectory
 
@@ -65,20 +66,37 @@ def read_episode(store: Store, rollout_id: str, **filters: bool) -> Episode:
 
 
 def episodes(
-    store: Store, rollout_ids: Iterable[str] | None = None, **filters: Any
+    store: Store,
+    rollout_ids: Iterable[str] | None = None,
+    *,
+    include_untooled: bool = False,
+    include_open: bool = False,
+    include_poisoned: bool = False,
+    verify: bool = True,
+    since: int | datetime | None = None,
+    group: str | Iterable[str] | None = None,
+    skipped: dict[str, list[str]] | None = None,
+    cursor: ExportCursor | None = None,
 ) -> Iterator[Episode]:
-    """Episodes of the named rollouts, or of every rollout `Store.iter_trajectories` yields
-    with the same `filters` (sealed, not poisoned, verified by default; a group's rollouts one
-    after the other)."""
-    if rollout_ids is not None:
-        for rollout_id in rollout_ids:
-            yield read_episode(store, rollout_id, **filters)
-        return
-    for traj in store.iter_trajectories(**filters):
-        # The records were read and verified for the trajectory; read them again unverified
-        # rather than widen the reader's API for one caller.
-        records = store.source.calls(traj.rollout_id)
-        yield Episode.of(traj, records)
+    """`Store.iter_trajectories` as episodes, with its keywords, defaults and order (sealed,
+    not poisoned, verified; a group's rollouts one after the other; `cursor` takes each sealed
+    rollout once); `rollout_ids` keeps those rollouts only (KeyError for one the store does not
+    hold). Each rollout is read once, its records verified with its trajectory."""
+    selected = store._select(
+        include_open=include_open,
+        include_poisoned=include_poisoned,
+        since=since,
+        group=group,
+        rollouts=rollout_ids,
+        skipped=skipped,
+        cursor=cursor,
+    )
+    for sel in selected:
+        records, traj = store._read(sel.rollout_id, sel.status, include_untooled, verify)
+        if cursor is not None and sel.status.state is RolloutState.SEALED:
+            cursor.add((sel.rollout_id,))
+        if traj.calls or traj.apart:
+            yield Episode.of(traj, records)
 
 
 def scalar_reward(traj: Trajectory, component: str | None = None) -> float:
