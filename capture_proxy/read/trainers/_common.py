@@ -7,6 +7,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
+from ...errors import CaptureProxyError
 from ...schemas.records import RolloutState, StagedCallRecord
 from ..cursor import ExportCursor
 from ..reader import Store
@@ -24,7 +25,7 @@ __all__ = [
 ]
 
 
-class MissingReward(ValueError):
+class MissingReward(CaptureProxyError, ValueError):
     """A rollout handed to a trainer has no reward (no outcome was sent for it), or lacks the
     named component. Trainers take a number per rollout: grade it first
     (``PUT /admin/rollouts/{id}/outcome``)."""
