@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from capture_proxy import open_store
+from capture_proxy.read.cursor import ExportCursor
 from capture_proxy.read.status import RolloutExcluded
 from capture_proxy.read.trainers import (
     Episode,
@@ -161,6 +162,16 @@ async def test_named_rollouts_are_read_with_the_reader_filters(tmp_path: Path) -
         with pytest.raises(RolloutExcluded, match="include_open=True"):
             read_episode(store, "r1")
         assert read_episode(store, "r1", include_open=True).trajectory.calls
+
+
+async def test_a_cursor_hands_each_sealed_rollout_over_once(tmp_path: Path) -> None:
+    url = await stage_rollouts(tmp_path)
+    cursor = ExportCursor()
+    with open_store(url) as store:
+        first = [e.trajectory.rollout_id for e in episodes(store, cursor=cursor, group="task-2")]
+        rest = [e.trajectory.rollout_id for e in episodes(store, cursor=cursor)]
+        again = list(episodes(store, cursor=cursor))
+    assert (first, rest, again) == (["t2-a", "t2-b"], ["t1-a", "t1-b"], [])
 
 
 async def _open_rollout(tmp_path: Path) -> None:
