@@ -12,7 +12,8 @@ check: the message is the trainer's own exception, its type and text.
 
 Checks:
 - ``verl``: every sample's ``output`` through ``AgentLoopOutput(**output)`` (with its
-  ``AgentLoopMetrics``) and ``as_dict()``; images decoded from ``{"bytes": ...}`` with PIL;
+  ``AgentLoopMetrics``) and ``as_dict()``; images decoded from ``{"bytes": ...}`` with PIL and
+  given to a Qwen2-VL image processor;
   then each session's final output (verl 0.9.1's multi-output rule, ``{uid}_{session}_{index}``)
   into a ``DataProto`` with ``non_tensor_batch["uid"]`` and ``compute_grpo_outcome_advantage``.
 - ``skyrl``: ``validate_generator_output`` (step-wise when asked), with ``trajectory_ids`` made
@@ -80,6 +81,7 @@ def check_verl(samples: list[dict[str, Any]]) -> dict[str, Any]:
 
     outputs = []
     images: list[list[int]] = []
+    grids: list[list[list[int]]] = []
     for sample in samples:
         fields = dict(sample["output"])
         data = fields.get("multi_modal_data")
@@ -89,6 +91,7 @@ def check_verl(samples: list[dict[str, Any]]) -> dict[str, Any]:
             # qwen_vl_utils and torchvision, which do not import beside the CPU torch).
             decoded = [Image.open(io.BytesIO(i["bytes"])).convert("RGB") for i in data["images"]]
             images.append([im.size[0] * im.size[1] for im in decoded])
+            grids.append(_vision_grid(decoded))
             fields["multi_modal_data"] = {**data, "images": decoded}
         output = AgentLoopOutput(**fields)
         assert isinstance(output.metrics, AgentLoopMetrics)
@@ -127,7 +130,20 @@ def check_verl(samples: list[dict[str, Any]]) -> dict[str, Any]:
         "final_scores": [float(rewards[i].sum()) for i in range(len(rows))],
         "advantages": [float(advantages[i][mask[i] > 0][0]) for i in range(len(rows))],
         "image_pixels": images,
+        "image_grids": grids,
     }
+
+
+def _vision_grid(images: list[Any]) -> list[list[int]]:
+    """The images through a Qwen2-VL image processor, as verl's processor call does with
+    `multi_modal_data["images"]` (built locally, no hub; its PIL backend: torchvision does not
+    import here): their `image_grid_thw`."""
+    from transformers import Qwen2VLImageProcessorPil
+
+    grid: list[list[int]] = Qwen2VLImageProcessorPil()(images=images, return_tensors="pt")[
+        "image_grid_thw"
+    ].tolist()
+    return grid
 
 
 def check_skyrl(payload: dict[str, Any]) -> dict[str, Any]:

@@ -34,7 +34,7 @@ OUTCOMES: dict[str, dict[str, Any]] = {
     "t2-b": {"reward": 0.25, "group_id": "task-2"},
 }
 #: The PNG's width and height.
-IMAGE_SIZE = (3, 2)
+IMAGE_SIZE = (56, 28)
 
 
 def png(width: int = IMAGE_SIZE[0], height: int = IMAGE_SIZE[1]) -> bytes:

@@ -51,8 +51,10 @@ def test_verl_takes_every_segment_and_groups_by_uid(batch: list[Episode]) -> Non
     assert seen["final_scores"] == [1.5, 0.0, 1.0, 0.25]
     # GRPO in each uid group: the better rollout of two gets +1/sqrt(2), the other -1/sqrt(2).
     assert seen["advantages"] == pytest.approx([0.7071, -0.7071, 0.7071, -0.7071], abs=1e-3)
-    # The image reaches verl as pixels: the PNG's 3x2.
+    # The image reaches verl as pixels (the PNG's 56x28), which a VL image processor takes.
     assert seen["image_pixels"] == [[IMAGE_SIZE[0] * IMAGE_SIZE[1]]]
+    ((grid,),) = seen["image_grids"]
+    assert grid[0] == 1  # one frame (t) of h x w patches
     (with_image,) = [s for s in samples if s["output"]["multi_modal_data"]]
     assert with_image["output"]["multi_modal_data"]["images"] == [{"bytes": png()}]
     last = samples[1]["output"]
