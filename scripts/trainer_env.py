@@ -32,6 +32,8 @@ import argparse
 import contextlib
 import fcntl
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -129,8 +131,9 @@ def _run(cmd: list[str], log: Path, cwd: Path | None = None) -> None:
         )
         try:
             proc.wait(STEP_TIMEOUT_S)
-        except BaseException:  # a timeout or Ctrl-C: leave no pip behind
-            proc.kill()
+        except BaseException:  # a timeout or Ctrl-C: leave no pip (nor its children) behind
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             tail = log.read_text(errors="replace")[-4000:]
             raise RuntimeError(f"{cmd[:6]} did not finish; log {log}:\n{tail}") from None
