@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from ...errors import CaptureProxyError
-from ...schemas.records import RolloutState, StagedCallRecord
+from ...schemas.records import Attachment, RolloutState, StagedCallRecord
 from ..cursor import ExportCursor
 from ..reader import Store
 from ..trajectory import Segment, Trajectory
@@ -152,10 +152,14 @@ def pieces(episode: Episode) -> list[Piece]:
     """The trajectory's segments as `Piece` objects, in order."""
     traj = episode.trajectory
     mask = traj.loss_mask
+    generated = mask.tobytes()  # one byte per token: find the first 1 of a segment
     reasons = {b.position: b.reason for b in traj.breaks}
+    # A call refers to its images by sha256; the bytes may be stored with another call of the
+    # rollout (the one that sent them first).
+    stored = {a.sha256: a for r in episode.records.values() for a in r.attachments}
     out: list[Piece] = []
     for i, seg in enumerate(traj.segments):
-        found = mask.tobytes().find(b"\x01", seg.start, seg.end)
+        found = generated.find(b"\x01", seg.start, seg.end)
         cut = seg.end if found < 0 else found
         records = [episode.records[c] for c in seg.call_ids]
         out.append(
@@ -169,23 +173,19 @@ def pieces(episode: Episode) -> list[Piece]:
                 response_logprobs=traj.logprobs[cut : seg.end].tolist(),
                 finish_reason=records[-1].finish_reason,
                 break_reason=reasons.get(seg.start) if i else None,
-                images=_images(records, episode.records.values()),
+                images=_images(records, stored),
             )
         )
     return out
 
 
 def _images(
-    records: Sequence[StagedCallRecord], everything: Iterable[StagedCallRecord]
+    records: Sequence[StagedCallRecord], stored: Mapping[str, Attachment]
 ) -> list[tuple[str, str, bytes]]:
-    # A call refers to its images by sha256; the bytes may be stored with another call of the
-    # rollout (the one that sent them first).
-    stored = {a.sha256: a for r in everything for a in r.attachments}
     seen: dict[str, tuple[str, str, bytes]] = {}
     for record in records:
-        own = {a.sha256: a for a in record.attachments}
         for sha in record.attachment_refs():
-            attachment = own.get(sha) or stored.get(sha)
+            attachment = stored.get(sha)
             if sha not in seen and attachment is not None:
                 seen[sha] = (sha, attachment.media_type, bytes(attachment.data))
     return list(seen.values())
