@@ -17,7 +17,7 @@ Checks:
   then each session's final output (verl 0.9.1's multi-output rule, ``{uid}_{session}_{index}``)
   into a ``DataProto`` with ``non_tensor_batch["uid"]`` and ``compute_grpo_outcome_advantage``.
 - ``skyrl``: ``validate_generator_output`` (step-wise when asked), with ``trajectory_ids`` made
-  into ``TrajectoryID``.
+  into ``TrajectoryID``; then SkyRL's overlong filter on the loss masks and stop reasons.
 """
 
 from __future__ import annotations
@@ -149,15 +149,19 @@ def _vision_grid(images: list[Any]) -> list[list[int]]:
 def check_skyrl(payload: dict[str, Any]) -> dict[str, Any]:
     _skyrl_on_311()
     from skyrl.train.generators.base import TrajectoryID
+    from skyrl.train.generators.utils import apply_overlong_filtering
     from skyrl.train.utils.trainer_utils import validate_generator_output
 
     output = dict(payload["output"])
     if output.get("trajectory_ids") is not None:
         output["trajectory_ids"] = [TrajectoryID(*pair) for pair in output["trajectory_ids"]]
     validate_generator_output(payload["num_prompts"], output, step_wise=payload["step_wise"])
+    # SkyRL's overlong filter (generator.apply_overlong_filtering): which rows it would drop.
+    kept = apply_overlong_filtering(output["loss_masks"], output["stop_reasons"])
     return {
         "n_rows": len(output["response_ids"]),
         "trajectory_ids": [t.to_string() for t in output.get("trajectory_ids") or []],
+        "overlong_dropped": [sum(m) == 0 for m in kept],
     }
 
 

@@ -2,8 +2,9 @@
 the bridge to the trainers' own code (tests/support/trainer_check.py in the cached venv).
 
 The store holds two graded groups, every rollout sealed:
-- ``task-1``: ``t1-a`` and ``t1-b``, each a tool-call turn, its replay (same segment), then a
-  call whose history was edited (drift: a second segment). ``t1-a``'s reward is an object
+- ``task-1``: ``t1-a`` and ``t1-b``, each a tool-call turn (finish reason ``tool_calls``: the
+  first segment), then a call whose history was edited (drift: a second segment) and its
+  replay with a new user message (the same segment). ``t1-a``'s reward is an object
   ``{"pass": 1.0, "style": 0.5}``, ``t1-b``'s is 0.0.
 - ``task-2``: ``t2-a`` sends a real PNG (reward 1.0), ``t2-b`` is cut by ``max_tokens``
   (finish reason ``length``, reward 0.25).
@@ -68,16 +69,16 @@ async def _tool_rollout(p: Proxy, rollout: str) -> None:
         Turn("Two files."),
         Turn("Done."),
     )
-    ask = user("list files")
-    first = await _ok(p, chat_body(ask, tools=TOOLS), rollout)
-    said = first["choices"][0]["message"]
-    call = said["tool_calls"][0]
+    first = await _ok(p, chat_body(user("list files"), tools=TOOLS), rollout)
+    call = first["choices"][0]["message"]["tool_calls"][0]
     turn = {"role": "assistant", "content": "", "tool_calls": [call]}
     result = {"role": "tool", "tool_call_id": call["id"], "content": "a.txt\nb.txt"}
-    second = await _ok(p, chat_body(ask, turn, result, tools=TOOLS), rollout)
-    answer = {"role": "assistant", "content": second["choices"][0]["message"]["content"]}
-    # The agent rewrote its first message: the prompt no longer extends what the model saw.
+    # The agent rewrote its first message: the prompt no longer extends what the model saw, so
+    # the first segment ends with the tool-call turn.
     edited = user("list the files in this folder")
+    second = await _ok(p, chat_body(edited, turn, result, tools=TOOLS), rollout)
+    answer = {"role": "assistant", "content": second["choices"][0]["message"]["content"]}
+    # Replayed as it was: the same segment, the user's new message inside its response.
     await _ok(p, chat_body(edited, turn, result, answer, user("thanks"), tools=TOOLS), rollout)
 
 

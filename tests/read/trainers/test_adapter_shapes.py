@@ -75,9 +75,10 @@ def test_nemo_rl_datums_have_datum_spec_fields_and_reward_once(batch: list[Episo
             else:
                 assert "generation_logprobs" not in message
     info = [d["extra_env_info"] for d in data]
-    # t1-a's first segment: the tool-call turn, the tool's output, the answer after it (one
-    # sequence); its edited history opened the second segment.
-    assert [m["role"] for m in data[0]["message_log"]] == [
+    # t1-a's first segment is its tool-call turn; its edited history opened the second: the
+    # answer, the user's new message, the answer after it (one sequence).
+    assert [m["role"] for m in data[0]["message_log"]] == ["user", "assistant"]
+    assert [m["role"] for m in data[1]["message_log"]] == [
         "user",
         "assistant",
         "environment",

@@ -89,11 +89,13 @@ def test_skyrl_validates_the_step_wise_output(batch: list[Episode]) -> None:
     out = sky.output
     assert out["is_last_step"] == [False, True, False, True, True, True]
     assert out["rewards"] == [0.0, 1.5, 0.0, 0.0, 1.0, 0.25]
-    # A tool-call turn is not truncated; the real `max_tokens` cut is.
+    # A tool-call turn is not truncated; the real `max_tokens` cut is: SkyRL's own overlong
+    # filter drops that row only.
     assert out["stop_reasons"] == ["stop", "stop", "stop", "stop", "stop", "length"]
+    assert seen["overlong_dropped"] == [False] * 5 + [True]
     assert out["rollout_metrics"]["capture_proxy/length_cut"] == 1
     finish = [m["finish_reason"] for m in out["env_metrics"]]
-    assert finish[-1] == "length"
+    assert finish == ["tool_calls", "stop", "tool_calls", "stop", "stop", "length"]
 
 
 def test_skyrl_refuses_segments_without_step_wise_and_takes_single_segments(
