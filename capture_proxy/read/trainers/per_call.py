@@ -2,7 +2,7 @@
 
 Held to the field names and types of `ProcessedOutputs` (``prompt_ids``, ``prompt_mask``,
 ``completion_ids``, ``completion_mask``, ``completion_logprobs``, ``rewards``: one list entry per
-row) in willccbb/verifiers' type reference (docs/source/api_reference.md). The published
+row) in willccbb/verifiers' type reference (docs/source/api_reference.md at 8823057). The published
 `verifiers` (0.4.0) needs about 25 packages of its own (sandboxes, MCP, Anthropic's SDK), so it is
 not installed for the tests: tests/read/trainers/ checks the names and types only.
 """

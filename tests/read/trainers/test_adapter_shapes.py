@@ -3,8 +3,8 @@ and the rules every adapter shares: one number per rollout, given once, groups k
 
 NeMo RL: its package index entry is an empty placeholder, so `DatumSpec` and the rollout fields
 are those of NVIDIA-NeMo/RL at 7ea279a (nemo_rl/data/interfaces.py, experience/rollouts.py,
-algorithms/grpo.py). Per call: verifiers' `ProcessedOutputs` (willccbb/verifiers,
-docs/source/api_reference.md); the published `verifiers` needs ~25 packages of its own.
+algorithms/grpo.py). Per call: verifiers' `ProcessedOutputs` (willccbb/verifiers
+8823057, docs/source/api_reference.md); the published `verifiers` needs ~25 packages of its own.
 """
 
 from __future__ import annotations
