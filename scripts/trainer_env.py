@@ -29,19 +29,16 @@ What is installed, and why (Python 3.11, CPU only; docs/trainers.md):
 from __future__ import annotations
 
 import argparse
-import contextlib
-import fcntl
 import json
-import os
-import signal
-import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from scripts.tiny_vllm import default_cache
+if __package__ in (None, ""):  # run by path (python scripts/...py): the repo root holds `scripts`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from scripts.cached_env import default_cache, locked, read_marker, run_step
 
 TORCH_VERSION = "2.13.0"
 VERL_VERSION = "0.9.1"
@@ -76,8 +73,6 @@ REQUIREMENTS = (
 # The trainers' modules the checks import: the install fails here, with the import's own error,
 # rather than in a test.
 SMOKE = ("from tests.support.trainer_check import import_trainers; import_trainers()",)
-# One install step (pip downloading a few hundred MB on a fresh machine).
-STEP_TIMEOUT_S = 1200.0
 
 
 @dataclass(frozen=True)
@@ -108,40 +103,6 @@ class Paths:
         return self.venv / "capture-proxy-ready.json"
 
 
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    # Two test processes may prepare the same cache at once.
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-def _run(cmd: list[str], log: Path, cwd: Path | None = None) -> None:
-    """Run one install step, appending its output to `log`; raise with the log's tail (the
-    installer's own reason) on failure or after `STEP_TIMEOUT_S`."""
-    with log.open("a") as out:
-        out.write(f"\n$ {' '.join(cmd)}\n")
-        out.flush()
-        proc = subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, cwd=cwd, start_new_session=True
-        )
-        try:
-            proc.wait(STEP_TIMEOUT_S)
-        except BaseException:  # a timeout or Ctrl-C: leave no pip (nor its children) behind
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            tail = log.read_text(errors="replace")[-4000:]
-            raise RuntimeError(f"{cmd[:6]} did not finish; log {log}:\n{tail}") from None
-    if proc.returncode != 0:
-        tail = log.read_text(errors="replace")[-4000:]
-        raise RuntimeError(f"{cmd[:6]} failed with exit {proc.returncode}; log {log}:\n{tail}")
-
-
 def recipe() -> dict[str, object]:
     """What the marker records: a venv built from another recipe is rebuilt."""
     return {
@@ -153,28 +114,24 @@ def recipe() -> dict[str, object]:
     }
 
 
-def _read_marker(path: Path) -> object:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
 def _install(paths: Paths) -> None:
     import shutil
 
     shutil.rmtree(paths.venv, ignore_errors=True)
     log = paths.logs / "prepare.log"
     log.write_text("")
-    _run([sys.executable, "-m", "venv", str(paths.venv)], log)
+    run_step([sys.executable, "-m", "venv", str(paths.venv)], log)
     pip = [str(paths.python), "-m", "pip", "install", "--progress-bar", "off"]
     # torch first and alone: this machine's pip takes the CPU wheel that lies on disk.
-    _run([*pip, f"torch=={TORCH_VERSION}"], log)
-    _run([*pip, "--no-deps", f"verl=={VERL_VERSION}", f"skyrl=={SKYRL_VERSION}"], log)
-    _run([*pip, *REQUIREMENTS], log)
+    run_step([*pip, f"torch=={TORCH_VERSION}"], log)
+    run_step(
+        [*pip, "--no-deps", f"verl=={VERL_VERSION}", f"skyrl=={SKYRL_VERSION}"],
+        log,
+    )
+    run_step([*pip, *REQUIREMENTS], log)
     repo = Path(__file__).resolve().parents[1]
     for code in SMOKE:
-        _run([str(paths.python), "-c", code], log, cwd=repo)
+        run_step([str(paths.python), "-c", code], log, cwd=repo)
     paths.marker.write_text(json.dumps(recipe()))
 
 
@@ -187,8 +144,8 @@ def prepare(cache_dir: Path | None = None) -> Paths:
     """
     paths = Paths(Path(cache_dir) if cache_dir else default_cache())
     paths.logs.mkdir(parents=True, exist_ok=True)
-    with _locked(paths.root / ".lock"):
-        if _read_marker(paths.marker) != recipe():
+    with locked(paths.root / ".lock"):
+        if read_marker(paths.marker) != recipe():
             _install(paths)
     return paths
 

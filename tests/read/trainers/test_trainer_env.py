@@ -1,5 +1,6 @@
-"""The trainers' cached venv (scripts/trainer_env.py): a failed install step fails with the
-installer's own output, and a venv is trusted only when its marker records this recipe."""
+"""The cached test environments (scripts/cached_env.py, as scripts/trainer_env.py uses it): a
+failed install step fails with the installer's own output, and a venv is trusted only when its
+marker records this recipe."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from scripts import trainer_env
+from scripts.cached_env import read_marker, run_step
 
 
 def test_a_failed_install_step_raises_with_the_installers_reason(tmp_path: Path) -> None:
@@ -18,16 +20,16 @@ def test_a_failed_install_step_raises_with_the_installers_reason(tmp_path: Path)
     with pytest.raises(
         RuntimeError, match=r"(?s)failed with exit 1; log .*\nERROR: No matching distribution"
     ):
-        trainer_env._run([sys.executable, "-c", fail], log)
+        run_step([sys.executable, "-c", fail], log)
     assert "No matching distribution found for verl==9.9" in log.read_text()
 
 
 def test_a_venv_is_reused_only_when_its_marker_records_this_recipe(tmp_path: Path) -> None:
     paths = trainer_env.Paths(tmp_path)
     paths.venv.mkdir(parents=True)
-    assert trainer_env._read_marker(paths.marker) is None  # interrupted install: rebuilt
+    assert read_marker(paths.marker) is None  # interrupted install: rebuilt
     paths.marker.write_text(json.dumps({**trainer_env.recipe(), "recipe": 0}))
-    assert trainer_env._read_marker(paths.marker) != trainer_env.recipe()
+    assert read_marker(paths.marker) != trainer_env.recipe()
     paths.marker.write_text(json.dumps(trainer_env.recipe()))
     # A marker of this recipe: prepare() returns at once, installing nothing.
     assert trainer_env.prepare(tmp_path).python == paths.python
