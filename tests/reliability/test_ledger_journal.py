@@ -12,10 +12,8 @@ even to root; skipped where chattr is refused), or the file deleted under the pr
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +28,7 @@ from capture_proxy.schemas.records import CallStatus, LedgerEntry
 from capture_proxy.sinks.base import StoreError
 from capture_proxy.sinks.sqlite import SQLiteSink
 from tests.support import ROOT
+from tests.support.disk import fill, tmpfs
 from tests.support.proxy_harness import chat_body, user
 from tests.support.reliability_workers import Spawned, start_proxy
 
@@ -112,38 +111,13 @@ async def test_held_ledger_entries_are_journaled_at_exit_and_replayed_at_start(
         assert await asyncio.to_thread(second.terminate) == 0, second.output()
 
 
-@contextlib.contextmanager
-def _tmpfs(where: Path, size: str) -> Iterator[Path]:
-    where.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip()})")
-    try:
-        yield where
-    finally:
-        subprocess.run(["umount", "-l", str(where)], check=False)
-
-
-def _fill(folder: Path) -> Path:
-    filler = folder / "filler"
-    with open(filler, "wb", buffering=0) as f, contextlib.suppress(OSError):
-        while True:  # until ENOSPC: as full as it gets
-            f.write(b"\0" * 16384)
-    return filler
-
-
 async def test_a_journal_spilled_on_a_full_disk_is_applied_before_the_next_call(
     tmp_path: Path,
 ) -> None:
     # Issue 27: with the disk full at SIGTERM the journal could not be written, its entries went
     # to stderr, and the automatic restart handed their sequence numbers out again (two
     # answered-but-unstaged calls gone). The journal's space is now taken at start.
-    with _tmpfs(tmp_path / "mnt", "48m") as mnt:
+    with tmpfs(tmp_path / "mnt", "48m") as mnt:
         db = mnt / "store.db"
         url = f"sqlite:///{db}"
         first = _proxy(url)
@@ -151,7 +125,7 @@ async def test_a_journal_spilled_on_a_full_disk_is_applied_before_the_next_call(
             reserve = Path(f"{db}.ledger-journal.reserve")
             assert (await asyncio.to_thread(reserve.stat)).st_blocks > 0  # real blocks
             assert (await _call(first.url, "before"))[0] == "staged"
-            filler = _fill(mnt)
+            filler = fill(mnt)
             failed = []
             for i in range(2):
                 status, call_id = await _call(first.url, f"disk full {i} " + "words " * 700)

@@ -19,7 +19,6 @@ ENOSPC.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import errno
 import os
 import re
@@ -42,6 +41,7 @@ from capture_proxy.schemas.records import CallStatus
 from capture_proxy.sinks.base import StagingSink
 from capture_proxy.sinks.parquet import ParquetSink
 from capture_proxy.sinks.sqlite import SQLiteSink
+from tests.support.disk import fill, tmpfs
 from tests.support.proxy_harness import Proxy, chat_body, sse_lines, start_proxy, stop_proxy, user
 
 # -- what a client sees ---------------------------------------------------------------------
@@ -192,40 +192,6 @@ SINKS = {"sqlite": sqlite_sink, "parquet": parquet_sink}
 
 
 # -- a full filesystem: a real tmpfs ----------------------------------------------------------
-
-
-@contextmanager
-def tmpfs(where: Path, size: str) -> Iterator[Path]:
-    where.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip()}); the simulated runs")
-    try:
-        yield where
-    finally:
-        subprocess.run(["umount", "-l", str(where)], check=False)
-
-
-def fill(folder: Path, leave: int = 0) -> Path:
-    """Fill the filesystem of `folder` until at most `leave` bytes are free."""
-    filler = folder / "filler"
-    with open(filler, "wb", buffering=0) as f:  # unbuffered: nothing left to flush at close
-
-        def free() -> int:
-            st = os.statvfs(folder)
-            return st.f_bavail * st.f_frsize
-
-        with contextlib.suppress(OSError):  # ENOSPC: as full as it gets
-            while free() > leave:
-                f.write(b"\0" * 16384)
-                f.flush()
-    assert free() <= max(leave, 16384)
-    return filler
 
 
 @pytest.mark.parametrize("kind", ["sqlite", "parquet"])
