@@ -396,6 +396,7 @@ GROUPS: dict[str, tuple[str, str]] = {
         "max_body_bytes max_passthrough_body_bytes max_free_json_bytes max_free_json_items "
         "max_json_items max_decoding_bytes max_connections max_connections_per_address "
         "max_inflight max_inflight_per_rollout max_rollout_bytes max_rollout_calls "
+        "max_rollout_body_rate "
         "max_live_rollouts rollout_idle_timeout",
     ),
     "process": (
