@@ -3,26 +3,46 @@ one span over the completion when it did not change during the call."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from capture_proxy.testing.fake_vllm import FakeVLLM
 from tests.support.proxy_harness import chat_body, user
 
 
-async def test_the_engine_weight_version_is_recorded_with_its_span(make_proxy: Any) -> None:
+async def test_the_engine_weight_version_is_read_for_each_call_the_first_after_an_update_too(
+    make_proxy: Any,
+) -> None:
     fake = FakeVLLM(dev_mode=True)
     p = await make_proxy(fake=fake)
     await p.chat(chat_body(user("a")))
-    fake.weight_version = "step-7"  # a weight update between calls
+    fake.weight_version = "step-7"  # a weight update between calls, not through the proxy
     await p.chat(chat_body(user("b")))
     await p.chat(chat_body(user("c")))
     first, second, third = p.calls()
     n = len(first.completion_token_ids)
     assert (first.engine_weight_version, first.weight_spans) == ("default", (("default", 0, n),))
-    # Read as "default" before the second call and "step-7" after it: unknown, not guessed.
-    assert (second.engine_weight_version, second.weight_spans) == (None, ())
-    n = len(third.completion_token_ids)
-    assert (third.engine_weight_version, third.weight_spans) == ("step-7", (("step-7", 0, n),))
+    # Read for the second call itself, not taken from the read after the first one.
+    for record in (second, third):
+        n = len(record.completion_token_ids)
+        assert (record.engine_weight_version, record.weight_spans) == (
+            "step-7",
+            (("step-7", 0, n),),
+        )
+
+
+async def test_weights_that_change_during_a_call_leave_its_engine_version_unknown(
+    make_proxy: Any,
+) -> None:
+    fake = FakeVLLM(dev_mode=True, latency=0.3)
+    p = await make_proxy(fake=fake)
+    call = asyncio.ensure_future(p.chat(chat_body(user("a"))))
+    await asyncio.sleep(0.15)  # the call is at the engine
+    fake.weight_version = "step-8"
+    await call
+    (record,) = p.calls()
+    # Read as "default" before the call and "step-8" after it: unknown, not guessed.
+    assert (record.engine_weight_version, record.weight_spans) == (None, ())
 
 
 async def test_without_dev_mode_nothing_is_asked_per_call(make_proxy: Any) -> None:
