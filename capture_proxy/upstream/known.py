@@ -124,9 +124,15 @@ class UpstreamFacts:
         next one (sent when it ends), so a burst of calls sends at most two reads at a time."""
         if self.engine_weights_served is False:
             return None
-        if self._next_read is None:
-            self._next_read = asyncio.ensure_future(self._read_after(self._reading))
-        return await asyncio.shield(self._next_read)
+        loop = asyncio.get_running_loop()
+        pending = self._next_read
+        if pending is None or pending.done() or pending.get_loop() is not loop:
+            # (A done one was cancelled before it began; another loop's is of no use here.)
+            previous = self._reading
+            if previous is not None and previous.get_loop() is not loop:
+                previous = None
+            pending = self._next_read = loop.create_task(self._read_after(previous))
+        return await asyncio.shield(pending)
 
     async def _read_after(self, previous: asyncio.Future[str | None] | None) -> str | None:
         if previous is not None and not previous.done():

@@ -237,6 +237,7 @@ class ReplicaSet:
             return
         r = self.by_name.get(report.replica)
         if r is not None and report.reason in _UNREACHABLE and r.state == "healthy":
+            r.facts = None  # not judged again on its last probe's answers
             self._set(r, "unreachable", f"a call could not reach it ({report.reason})")
         self._wake.set()
 

@@ -6,7 +6,11 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
 from capture_proxy.testing.fake_vllm import FakeVLLM
+from capture_proxy.upstream import HTTPUpstream
 from tests.support.proxy_harness import chat_body, user
 
 
@@ -73,3 +77,40 @@ async def test_the_first_call_after_a_resume_with_a_version_knows_the_engines_ve
     n = len(after.completion_token_ids)
     assert (after.engine_weight_version, after.weight_spans) == ("1", (("1", 0, n),))
     assert (after.weight_version, before.weight_version) == (1, 0)
+
+
+class SlowWeightInfo(FakeVLLM):
+    """A dev-mode fake whose ``/weight_info`` takes 50 ms and counts the reads in flight."""
+
+    def __init__(self) -> None:
+        super().__init__(dev_mode=True)
+        self.in_flight = self.most_in_flight = 0
+
+    async def _weight_info(self, request: web.Request) -> web.Response:
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        version = self.weight_version  # what the engine holds when the read arrives
+        await asyncio.sleep(0.05)
+        self.in_flight -= 1
+        self.route_hits[request.path] += 1
+        return web.json_response({"weight_version": version})
+
+
+async def test_a_burst_of_calls_shares_reads_and_each_read_starts_after_its_caller_asked() -> None:
+    fake = SlowWeightInfo()
+    server = TestServer(fake.app(), host="127.0.0.1")
+    await server.start_server()
+    upstream = HTTPUpstream(str(server.make_url("")))
+    try:
+        first = asyncio.ensure_future(upstream.read_engine_weight_version())
+        await asyncio.sleep(0.02)  # that read is at the engine
+        fake.weight_version = "step-2"
+        # Asked after the change: none of these may get the read already in flight.
+        burst = await asyncio.gather(*(upstream.read_engine_weight_version() for _ in range(20)))
+        assert await first == "default"
+        assert burst == ["step-2"] * 20
+        assert fake.route_hits["/weight_info"] == 2  # 21 callers, two reads
+        assert fake.most_in_flight == 1
+    finally:
+        await upstream.close()
+        await server.close()
