@@ -455,12 +455,19 @@ class ReplicaSet:
         return raw
 
     async def _weights(self, up: HTTPUpstream) -> str | None:
-        """The engine's weight version (``/weight_info``), None when not served or failing."""
+        """The engine's weight version (``/weight_info``), None when the route is not served
+        (vLLM without dev mode); a read that fails says nothing of the weights: the probe fails
+        (else one slow answer would look like other weights)."""
         try:
             status, raw = await self._get(up, "GET", "/weight_info")
-            got = orjson.loads(raw).get("weight_version") if status == 200 else None
-        except (UpstreamFailed, orjson.JSONDecodeError, AttributeError):
+        except UpstreamFailed as e:
+            state: ReplicaState = "unreachable" if e.code in _NO_ANSWER else "down"
+            raise _ProbeFailed(state, e.message) from e
+        if status == 404:
             return None
+        if status != 200:
+            raise _ProbeFailed("down", f"/weight_info answered {status}")
+        got = orjson.loads(raw).get("weight_version")
         return str(got) if got is not None and got != "" else None
 
     async def _get(
