@@ -24,6 +24,7 @@ from ..adapters.vllm import (
     Derendered,
     DerenderedStream,
     ForwardPlan,
+    StopCut,
     StreamLogprobs,
     UpstreamProtocolError,
     WeightSpan,
@@ -148,7 +149,10 @@ class TokenInSteps:
             except BaseException:
                 derendering.cancel()  # not started yet: nothing was sent
                 raise
-            derendered = await derendering
+            # Derender does not cut at stop strings; the chat route does.
+            derendered = (await derendering).cut_at_stop(
+                StopCut.of(self.request), generated.stop_reason
+            )
         except UpstreamProtocolError as e:
             malformed = UpstreamFailed(
                 f"the upstream answer is malformed: {e.message}", code=e.reason
@@ -187,8 +191,9 @@ class TokenInSteps:
             self._render_body,
             logprobs=StreamLogprobs(self._model) if plan.wants.logprobs else None,
             ids_json=prompt.prompt_json,
+            include_stop_str=self.request.get("include_stop_str_in_output") is True,
         )
-        shaped = DerenderedStream(plan.wants, prompt.prompt_ids)
+        shaped = DerenderedStream(plan.wants, prompt.prompt_ids, StopCut.of(self.request))
         async with reply:
             events = derender.events()
             try:

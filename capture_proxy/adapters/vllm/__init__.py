@@ -4,7 +4,8 @@
 `parse_response` reads a unary answer and `stream` returns a sans-IO `StreamAccumulator` fed with
 SSE bytes. Both yield a `Completion` (token ids, logprobs, message) and the bytes the client sees.
 The token-in routes are read and written by `_render`, `_generate` and `_derender`;
-`_derendered` shapes a token-in answer for the client by the same relay rules, and
+`_derendered` shapes a token-in answer for the client by the same relay rules (`_chat_route`:
+what the chat route does that derender does not), and
 `_stream_logprobs` resolves a streamed one's logprobs.
 """
 
@@ -21,6 +22,7 @@ from ._adapter import (
     VLLMAdapter,
     parse_error_body,
 )
+from ._chat_route import StopCut, StopTokenStrip, chat_finish_reason
 from ._derender import (
     DerenderCoalescer,
     derender_body,
@@ -50,11 +52,14 @@ __all__ = [
     "Generated",
     "ReasoningField",
     "Rendered",
+    "StopCut",
+    "StopTokenStrip",
     "StreamAccumulator",
     "StreamLogprobs",
     "UpstreamProtocolError",
     "VLLMAdapter",
     "WeightSpan",
+    "chat_finish_reason",
     "client_answer",
     "derender_body",
     "derender_chunk_body",
