@@ -357,6 +357,7 @@ async def token_in_prompt(
     render_request: Mapping[str, Any] | bytes,
     prompts: PromptJson | None = None,
     staged: Mapping[str, Any] | None = None,
+    fingerprint: str | None = None,
 ) -> TokenInPrompt:
     """The prompt of a token-in call (module docs). `request` is the normalized request as
     the bridge compares it with `prior.request`; `render_request` the body to render (the
@@ -367,7 +368,7 @@ async def token_in_prompt(
     Raises `RenderRefused` when the upstream refuses to render the request, `UpstreamFailed`
     when it cannot be reached.
     """
-    verdict = match(prior, request, staged)
+    verdict = match(prior, request, staged, fingerprint)
     if isinstance(render_request, bytes):
         plain_body = render_request
     else:

@@ -46,6 +46,7 @@ from .transport import (
     SCALE_OUT_DISABLED,
     EngineRoute,
     TokenInTransport,
+    UpstreamInfo,
     UpstreamReply,
     UpstreamTransport,
     token_in_transport,
@@ -69,6 +70,8 @@ class TokenInSteps:
     plan: ForwardPlan | None
     request: dict[str, Any]
     _reply: UpstreamReply | None
+    #: The upstream's facts for the call (its tokenizer fingerprint, ...).
+    info: UpstreamInfo
     _t_up: float
     _upstream_s: float | None
     #: The call's prompt and the request rendered for it, encoded (set by `_post_token_in`).
@@ -128,6 +131,7 @@ class TokenInSteps:
             self._render_body,
             self.pipeline.prompt_json,
             self.admitted.request,
+            self.info.fingerprint,
         )
         body = self._prompt.generate_body(self.request, stream=self.streamed)
         return await upstream.post_engine(EngineRoute.GENERATE, body)
@@ -230,6 +234,7 @@ class TokenInSteps:
             completion_ids=completion.completion_token_ids,
             finish_reason=completion.finish_reason,
             media=prompt.media,
+            fingerprint=self.info.fingerprint,
         )
         line = self._token_in_line
         replaced = call.rollout.token_in_priors.get(line)

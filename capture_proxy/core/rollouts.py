@@ -231,6 +231,7 @@ def prior_of(record: StagedCallRecord) -> Prior:
         finish_reason=record.finish_reason,
         media=media,
         stored=True,
+        fingerprint=record.tokenizer_fingerprint,
     )
 
 

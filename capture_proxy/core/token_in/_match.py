@@ -56,13 +56,24 @@ TEMPLATE_KEYS = (
 
 
 def match(
-    prior: Prior | None, request: Mapping[str, Any], staged: Mapping[str, Any] | None = None
+    prior: Prior | None,
+    request: Mapping[str, Any],
+    staged: Mapping[str, Any] | None = None,
+    fingerprint: str | None = None,
 ) -> Extension | NotBridged:
     """Whether `request` (normalized as `prior.request` was) extends `prior` (module docs).
     `staged` is the request as staged (images by reference), which a stored prior's earlier
-    messages are compared with; the request's own when not given."""
+    messages are compared with; the request's own when not given. `fingerprint` is the
+    upstream's tokenizer fingerprint now (None: not checked): another than the prior's is
+    ``tokenizer_changed``, one of them unknown ("") included."""
     if prior is None:
         return NotBridged("no_prior", "the rollout has no staged call to continue")
+    if fingerprint is not None and fingerprint != prior.fingerprint:
+        return NotBridged(
+            "tokenizer_changed",
+            f"the upstream's tokenizer fingerprint is {fingerprint or 'unknown'}, the previous "
+            f"call was staged under {prior.fingerprint or 'an unknown one'}",
+        )
     if (prior.request.get("tools") or []) != (request.get("tools") or []):
         return NotBridged("tools_changed", "the tool list differs from the previous call's")
     for key in TEMPLATE_KEYS:

@@ -41,6 +41,10 @@ __all__ = [
 #:   records kept them, more than the proxy keeps, or unreadable).
 #: - ``template_not_bridgeable``: the renders do not have the structure the bridge needs (no
 #:   common turn close, or the appended rendering does not start with it).
+#: - ``tokenizer_changed``: the upstream's tokenizer fingerprint (its tokenizer and chat
+#:   template, `capture_proxy.upstream.facts`) is not the one the previous call was staged under:
+#:   a vLLM restarted under the same served name with another model or template. The previous
+#:   ids are another vocabulary's; they are never bridged onto.
 BREAK_REASONS = (
     "no_prior",
     "history_edited",
@@ -53,6 +57,7 @@ BREAK_REASONS = (
     "multimodal_history",
     "media_not_recorded",
     "template_not_bridgeable",
+    "tokenizer_changed",
 )
 
 
@@ -75,6 +80,8 @@ class Prior:
         stored: read back from the store (a restarted or resumed rollout): `request` is the
             record's, its images ``attachment:sha256:`` references, so its messages are
             compared with the new request as staged.
+        fingerprint: the upstream's tokenizer fingerprint it was staged under ("" unknown):
+            a call under another one is not bridged (``tokenizer_changed``).
     """
 
     request: Mapping[str, Any]
@@ -84,6 +91,7 @@ class Prior:
     finish_reason: str | None
     media: tuple[MediaItem, ...] | None = None
     stored: bool = False
+    fingerprint: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -163,6 +163,17 @@ def test_replayed_arguments_equal_only_in_python_are_reply_mismatch(arguments: s
     assert isinstance(match(prior, continued(prior, same, RESULT)), Extension)
 
 
+@pytest.mark.parametrize("now", ["sha256:other", ""], ids=["other", "unknown"])
+def test_a_call_under_another_tokenizer_fingerprint_is_tokenizer_changed(now: str) -> None:
+    prior = dataclasses.replace(prior_call(), fingerprint="sha256:staged")
+    request = continued(prior, replay(), RESULT)
+    cut = match(prior, request, fingerprint=now)
+    assert isinstance(cut, NotBridged)
+    assert cut.reason == "tokenizer_changed"
+    assert "sha256:staged" in cut.detail
+    assert isinstance(match(prior, request, fingerprint="sha256:staged"), Extension)
+
+
 def test_a_request_that_stops_before_the_answer_is_reply_mismatch() -> None:
     prior = prior_call()
     assert _break(prior, dict(prior.request)) == NotBridged(
