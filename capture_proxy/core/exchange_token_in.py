@@ -235,6 +235,7 @@ class TokenInSteps:
             finish_reason=completion.finish_reason,
             media=prompt.media,
             fingerprint=self.info.fingerprint,
+            stop_reason=completion.stop_reason,
         )
         line = self._token_in_line
         replaced = call.rollout.token_in_priors.get(line)

@@ -41,6 +41,8 @@ __all__ = [
 #:   records kept them, more than the proxy keeps, or unreadable).
 #: - ``template_not_bridgeable``: the renders do not have the structure the bridge needs (no
 #:   common turn close, or the appended rendering does not start with it).
+#: - ``stopped_on_other_token``: the previous completion stopped on a stop token the template's
+#:   turn close does not hold (``<|endoftext|>`` where the close is ``<|im_end|>\n``).
 #: - ``tokenizer_changed``: the upstream's tokenizer fingerprint (its tokenizer and chat
 #:   template, `capture_proxy.upstream.facts`) is not the one the previous call was staged under:
 #:   a vLLM restarted under the same served name with another model or template. The previous
@@ -57,6 +59,7 @@ BREAK_REASONS = (
     "multimodal_history",
     "media_not_recorded",
     "template_not_bridgeable",
+    "stopped_on_other_token",
     "tokenizer_changed",
 )
 
@@ -82,6 +85,8 @@ class Prior:
             compared with the new request as staged.
         fingerprint: the upstream's tokenizer fingerprint it was staged under ("" unknown):
             a call under another one is not bridged (``tokenizer_changed``).
+        stop_reason: generate's ``stop_reason``: the stop string it stopped on (a str), a stop
+            token id, or None (end of sequence, or not stopped).
     """
 
     request: Mapping[str, Any]
@@ -92,6 +97,7 @@ class Prior:
     media: tuple[MediaItem, ...] | None = None
     stored: bool = False
     fingerprint: str = ""
+    stop_reason: int | str | None = None
 
 
 @dataclass(frozen=True, slots=True)
