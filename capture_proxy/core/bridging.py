@@ -129,6 +129,9 @@ class CloseRenders:
         self._anchored = 0
         #: The close keys whose templates need the dummies' context (`context_needed`).
         self._context: OrderedDict[str, None] = OrderedDict()
+        #: By tokenizer fingerprint: the reasoning parser's start and end marker ids, None when
+        #: they are not one token each (what the chat route's ``reasoning_tokens`` counts between).
+        self.reasoning_markers: dict[str, tuple[int, int] | None] = {}
 
     def get(self, key: str) -> IdsPair | None:
         pair = self._pairs.get(key)
@@ -184,6 +187,7 @@ class CloseRenders:
             self._context.popitem(last=False)
 
     def clear(self) -> None:
+        self.reasoning_markers.clear()
         self._pairs.clear()
         self._anchors.clear()
         self._anchored = 0

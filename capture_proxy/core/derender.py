@@ -93,6 +93,11 @@ class StreamedDerender:
         self.generated: Generated | None = None
 
     @property
+    def so_far(self) -> Generated | None:
+        """The generation read so far (ids, logprobs, ...), None before its first event."""
+        return self._stream.generated
+
+    @property
     def calls(self) -> int:
         return self._coalescer.calls
 

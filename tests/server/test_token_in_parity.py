@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from aiohttp import web
 
 from capture_proxy.testing.fake_vllm import FakeToolCall, FakeVLLM, Turn
 from tests.support.parity import agent_view
@@ -103,18 +104,6 @@ def request(extra: dict[str, Any], stream: bool) -> dict[str, Any]:
     return body
 
 
-def without_usage_details(view: dict[str, Any]) -> dict[str, Any]:
-    """The view without ``completion_tokens_details`` (token-in does not give
-    ``reasoning_tokens`` yet: docs/token-in.md, "What the agent gets")."""
-    usage = view.get("usage")
-    if isinstance(usage, dict):
-        view = {
-            **view,
-            "usage": {k: v for k, v in usage.items() if k != "completion_tokens_details"},
-        }
-    return view
-
-
 @pytest.mark.parametrize("stream", [False, True], ids=["unary", "streamed"])
 @pytest.mark.parametrize("shape", list(SHAPES))
 async def test_token_in_answers_what_the_chat_route_answers(
@@ -124,7 +113,7 @@ async def test_token_in_answers_what_the_chat_route_answers(
     body = request(extra, stream)
     plain_view, plain_staged = await through(make_proxy, "off", turn, body)
     token_view, token_staged = await through(make_proxy, "on", turn, body)
-    assert without_usage_details(token_view) == without_usage_details(plain_view)
+    assert token_view == plain_view
     assert token_staged == plain_staged
 
 
@@ -150,3 +139,31 @@ async def test_a_streamed_tool_call_cut_by_length_finishes_with_length(make_prox
     turn, extra = SHAPES["length mid tool arguments"]
     view, staged = await through(make_proxy, "on", turn, request(extra, stream=True))
     assert view["finish_reason"] == staged["finish_reason"] == "length"
+
+
+class NoTokenize(FakeVLLM):
+    """A vLLM whose /tokenize fails (the reasoning markers cannot be learnt)."""
+
+    refused = 0
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        if (await request.json()).get("prompt") in ("<think>", "</think>"):
+            self.refused += 1
+            return web.json_response({"error": "boom"}, status=500)
+        return await super()._tokenize(request)
+
+
+async def test_without_the_reasoning_markers_the_usage_has_no_reasoning_count(
+    make_proxy: Any,
+) -> None:
+    p: Proxy = await make_proxy(fake=NoTokenize(scale_out=True), token_in="on")
+    p.fake.push(Turn("Done.", reasoning="ok"), Turn("Done.", reasoning="ok"))
+    for _ in range(2):
+        view = await agent_view(p.chat, request({}, stream=False))
+        # The answer and its record as ever; only the count the chat route adds is left out.
+        assert view["choices"][0]["message"]["content"] == "Done."
+        assert "completion_tokens_details" not in view["usage"]
+    assert len(p.calls()) == 2
+    # Not learnt: asked again by the next call (two /tokenize calls each).
+    assert isinstance(p.fake, NoTokenize)
+    assert p.fake.refused == 4

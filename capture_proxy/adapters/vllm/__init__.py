@@ -22,7 +22,14 @@ from ._adapter import (
     VLLMAdapter,
     parse_error_body,
 )
-from ._chat_route import StopCut, StopTokenStrip, chat_finish_reason
+from ._chat_route import (
+    REASONING_MARKERS,
+    StopCut,
+    StopTokenStrip,
+    chat_finish_reason,
+    count_reasoning_tokens,
+    without_stop_token_id,
+)
 from ._derender import (
     DerenderCoalescer,
     derender_body,
@@ -40,6 +47,7 @@ from ._render import Rendered, pair_anchor, read_anchored, read_render, read_ren
 from ._stream_logprobs import StreamLogprobs
 
 __all__ = [
+    "REASONING_MARKERS",
     "CaptureExtractionError",
     "ClientWants",
     "Completion",
@@ -61,6 +69,7 @@ __all__ = [
     "WeightSpan",
     "chat_finish_reason",
     "client_answer",
+    "count_reasoning_tokens",
     "derender_body",
     "derender_chunk_body",
     "derender_tail",
@@ -77,4 +86,5 @@ __all__ = [
     "read_render_pair",
     "to_completion",
     "usage_chunk",
+    "without_stop_token_id",
 ]

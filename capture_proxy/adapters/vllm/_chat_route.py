@@ -22,20 +22,57 @@ measured; DESIGN §11), each undone here:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
-__all__ = ["StopCut", "StopTokenStrip", "chat_finish_reason", "chat_usage"]
+__all__ = [
+    "REASONING_MARKERS",
+    "StopCut",
+    "StopTokenStrip",
+    "chat_finish_reason",
+    "chat_usage",
+    "count_reasoning_tokens",
+    "without_stop_token_id",
+]
+
+#: The texts of the reasoning markers `count_reasoning_tokens` reads: those of vLLM's
+#: think-style reasoning parsers (Qwen3, DeepSeek-R1, ...).
+REASONING_MARKERS = ("<think>", "</think>")
 
 
-def chat_usage(counts: Mapping[str, Any], *, stream: bool) -> dict[str, Any]:
+def count_reasoning_tokens(
+    ids: Sequence[int], markers: tuple[int, int], *, open_at_start: bool
+) -> int:
+    """The completion's reasoning tokens as vLLM 0.32's Qwen3 parser counts them for the chat
+    route's ``completion_tokens_details`` (its parser engine's count of the tokens it read in
+    the reasoning phase): the phase is open at the start unless the prompt closed it (render's
+    ``reasoning_ended``), a start marker opens it, an end marker closes it; the markers
+    themselves are not counted. Measured against the chat route on the tiny vLLM
+    (tests/e2e/test_vllm_parity.py: reasoning cut by length counts every token, an answer
+    whose first token closes the reasoning counts none)."""
+    start, end = markers
+    count = 0
+    reasoning = open_at_start
+    for token in ids:
+        if token == start:
+            reasoning = True
+        elif token == end:
+            reasoning = False
+        elif reasoning:
+            count += 1
+    return count
+
+
+def chat_usage(
+    counts: Mapping[str, Any], *, stream: bool, reasoning_tokens: int | None = None
+) -> dict[str, Any]:
     """Generate's counts in the chat route's ``usage`` shape (tests/fixtures/vllm-0.32.0/
-    chat-response.json, chat-stream.sse): the streamed one has no ``prompt_tokens_details``.
-    ``completion_tokens_details.reasoning_tokens`` is not given: counting it needs the reasoning
-    parser's marker ids (docs/token-in.md, "What the agent gets")."""
+    chat-response.json, chat-stream.sse): the streamed one has no ``prompt_tokens_details``;
+    ``completion_tokens_details`` when `reasoning_tokens` is given (a server with a reasoning
+    parser, whose marker ids are known: docs/token-in.md, "What the agent gets")."""
     prompt = int(counts.get("prompt_tokens") or 0)
     completion = int(counts.get("completion_tokens") or 0)
     usage: dict[str, Any] = {
@@ -45,6 +82,8 @@ def chat_usage(counts: Mapping[str, Any], *, stream: bool) -> dict[str, Any]:
     }
     if not stream:
         usage["prompt_tokens_details"] = None
+    if reasoning_tokens is not None:
+        usage["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
     return usage
 
 
@@ -114,6 +153,31 @@ class StopCut:
                 message[key] = None
             return True
         return False
+
+
+def without_stop_token_id(generate_answer: bytes, include_stop_str: bool) -> tuple[bytes, bool]:
+    """Generate's unary answer as derender should get it: without the ``stop_token_ids`` id the
+    generation stopped on, which the chat route does not decode (measured: the unary derender
+    gives a plain stop token's text, ``"\n"``, where the chat route gives none). An end of
+    sequence (``stop_reason`` null) stays: the unary derender skips it as a special token.
+    Also whether that id was the whole completion: derender refuses no ids, so the answer goes
+    as it came and its text is to be dropped (`Derendered.without_text`)."""
+    if include_stop_str or b'"stop_reason":null' in generate_answer:
+        return generate_answer, False
+    try:
+        data = orjson.loads(generate_answer)
+        [choice] = data["choices"]
+        ids = choice["token_ids"]
+    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+        return generate_answer, False  # read_generate says what is wrong with it
+    if choice.get("finish_reason") != "stop" or type(choice.get("stop_reason")) is not int:
+        return generate_answer, False
+    if not isinstance(ids, list) or not ids:
+        return generate_answer, False
+    if len(ids) == 1:
+        return generate_answer, True
+    choice["token_ids"] = ids[:-1]
+    return orjson.dumps(data), False
 
 
 class StopTokenStrip:

@@ -25,7 +25,7 @@ the record, as `to_completion` reads it from a unary answer.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,6 +108,18 @@ class Derendered:
                 choices[i] = {**choices[i], "message": msgspec.Raw(_encode(message))}
         return Derendered(self.top, choices, messages) if changed else self
 
+    def without_text(self) -> Derendered:
+        """The answer with no text: what the chat route gives a completion that is only the
+        stop token it does not decode (`without_stop_token_id`)."""
+        messages = [{**m, "content": None, "reasoning": None} for m in self.messages]
+        for m in messages:
+            m.pop("reasoning_content", None)
+        choices = [
+            {**c, "message": msgspec.Raw(_encode(m))}
+            for c, m in zip(self.choices, messages, strict=True)
+        ]
+        return Derendered(self.top, choices, messages)
+
     def for_record(self) -> dict[str, Any]:
         """The answer as `to_completion` reads it: the first choice's message."""
         return {"choices": [{"message": self.messages[0]}]} if self.messages else {}
@@ -136,6 +148,7 @@ def client_answer(
     wants: ClientWants,
     *,
     ids_json: bytes | None = None,
+    reasoning_tokens: int | None = None,
 ) -> bytes:
     """The unary answer for the client (JSON) from derender's answer (`read_derendered`'s, or
     decoded), the `generated` completion and the `prompt_ids` sent (module docs for what
@@ -161,7 +174,8 @@ def client_answer(
         body["prompt_token_ids"] = msgspec.Raw(
             ids_json if ids_json is not None else encode_ids(prompt_ids)
         )
-    body["usage"] = chat_usage(_usage(generated, len(prompt_ids)), stream=False)
+    counts = _usage(generated, len(prompt_ids))
+    body["usage"] = chat_usage(counts, stream=False, reasoning_tokens=reasoning_tokens)
     return _encode(body)
 
 
@@ -175,9 +189,15 @@ class DerenderedStream:
     """
 
     def __init__(
-        self, wants: ClientWants, prompt_ids: Sequence[int], stop: StopCut | None = None
+        self,
+        wants: ClientWants,
+        prompt_ids: Sequence[int],
+        stop: StopCut | None = None,
+        reasoning_tokens: Callable[[], int | None] | None = None,
     ) -> None:
         self._wants = wants
+        #: The completion's reasoning tokens so far, for the usage chunk (None: not given).
+        self._reasoning_tokens = reasoning_tokens
         self._prompt_ids = prompt_ids
         self._first = True
         self._stop = stop
@@ -203,9 +223,9 @@ class DerenderedStream:
             # The prompt the call sent, whatever derender counted.
             n = int(usage.get("completion_tokens") or 0)
             prompt = len(self._prompt_ids)
-            out["usage"] = chat_usage(
-                {"prompt_tokens": prompt, "completion_tokens": n}, stream=True
-            )
+            counts = {"prompt_tokens": prompt, "completion_tokens": n}
+            reasoning = self._reasoning_tokens() if self._reasoning_tokens is not None else None
+            out["usage"] = chat_usage(counts, stream=True, reasoning_tokens=reasoning)
         if self._first and self._wants.token_ids:
             out["prompt_token_ids"] = list(self._prompt_ids)
         self._first = False

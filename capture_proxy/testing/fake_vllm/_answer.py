@@ -68,6 +68,8 @@ class Answer:
     include_reasoning: bool = True
     include_usage: bool = False
     include_stop_str: bool = False
+    #: The prompt leaves reasoning open (not ``enable_thinking: false``).
+    thinking: bool = True
     drop_all_ids: bool = False
     drop_every: int | None = None
     extra_usage: int = 0
@@ -97,7 +99,13 @@ class Answer:
         return usage_body(
             len(self.prompt_ids),
             len(ids) + self.extra_usage,
-            reasoning_token_count(ids),
+            reasoning_token_count(
+                ids,
+                thinking=self.thinking,
+                ended=self.plan.finish(self.n) in ("stop", "tool_calls")
+                and self.plan.stop_reason is None
+                and self.n == len(self.plan.ids),
+            ),
             stream=stream,
         )
 
@@ -129,9 +137,10 @@ def answer_for(
     ``routed_experts_prompt_start`` (default 0) on (`_experts`).
     """
     kwargs = body.get("chat_template_kwargs")
+    thinking = not (isinstance(kwargs, Mapping) and kwargs.get("enable_thinking") is False)
     plan = plan_answer(
         turn,
-        thinking=not (isinstance(kwargs, Mapping) and kwargs.get("enable_thinking") is False),
+        thinking=thinking,
         parse_tools=bool(body.get("tools")) and body.get("tool_choice") != "none",
         new_tool_id=lambda: new_id("chatcmpl-tool-"),
     )
@@ -173,6 +182,7 @@ def answer_for(
         drop_every=fault.every if kind is FaultKind.DROP_TOKEN_IDS and fault is not None else None,
         extra_usage=1 if kind is FaultKind.USAGE_MISMATCH else 0,
         include_stop_str=body.get("include_stop_str_in_output") is True,
+        thinking=thinking,
         stream=stream,
         fault=kind.value if kind is not None else None,
         experts=experts,

@@ -203,13 +203,24 @@ def message_parts(plan: Plan, n: int) -> tuple[str | None, str | None, list[Plan
     return reasoning, rest or None, []
 
 
-def reasoning_token_count(ids: list[int]) -> int:
-    """Tokens between ``<think>`` and ``</think>`` (or the end), as vLLM's Qwen3 parser counts."""
-    if THINK_START not in ids:
-        return 0
-    start = ids.index(THINK_START) + 1
-    end = ids.index(THINK_END) if THINK_END in ids else len(ids)
-    return max(0, end - start)
+def reasoning_token_count(ids: list[int], *, thinking: bool = True, ended: bool = False) -> int:
+    """The chat route's ``reasoning_tokens`` as vLLM 0.32's Qwen3 parser counts them (measured
+    on the tiny vLLM, tests/e2e/test_vllm_parity.py and docs/upstream-facts.md): the reasoning
+    phase is open from the first token unless the prompt closed it (`thinking` false), a
+    ``<think>`` opens it and a ``</think>`` closes it (neither counted), and the end-of-turn
+    token a completion stopped on (`ended`) is not counted. (The fake parses an answer without
+    a think block as content; vLLM's Qwen3 parser would call it reasoning, and counts it so.)"""
+    counted = ids[:-1] if ended and ids else ids
+    count = 0
+    reasoning = thinking
+    for token in counted:
+        if token == THINK_START:
+            reasoning = True
+        elif token == THINK_END:
+            reasoning = False
+        elif reasoning:
+            count += 1
+    return count
 
 
 def stream_deltas(plan: Plan, n: int, *, include_reasoning: bool) -> list[dict[str, Any] | None]:
