@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from capture_proxy.schemas.token_in_extras import segment_break_of
 from tests.e2e.test_vllm import IM_END, THINK_END, TOOLS, steer_tool_call
 from tests.support.parity import agent_view
 from tests.support.proxy_harness import start_proxy, stop_proxy
@@ -24,8 +25,10 @@ from tests.support.proxy_harness import start_proxy, stop_proxy
 pytestmark = pytest.mark.vllm
 
 USER = {"role": "user", "content": "Say it."}
-#: The tiny model's id of "\n\n", its first greedy token here (scripts/tiny_vllm.py).
+#: The tiny model's id of "\n\n", its first greedy token here (scripts/tiny_vllm.py), and of
+#: `<|endoftext|>`, an end of sequence the ChatML turn close does not hold.
 NEWLINE = 207
+ENDOFTEXT = "0"
 
 
 def says(text: str, **extra: Any) -> dict[str, Any]:
@@ -111,3 +114,43 @@ async def test_token_in_answers_what_vllms_chat_route_answers(
         await stop_proxy(plain)
         await stop_proxy(token_in)
     assert differ == {}
+
+
+async def test_the_bridge_places_the_close_where_the_sampled_stop_token_sits(
+    vllm_url: str, tmp_path: Path
+) -> None:
+    """The model ends on `<|im_end|>` (the close's stop token): the next call gets only the
+    close's "\\n" after it. It ends on `<|endoftext|>`, which the ChatML close does not hold:
+    the next call starts a new segment (`stopped_on_other_token`), never `<|endoftext|>` then
+    a whole close."""
+    p = await start_proxy(tmp_path, upstream=vllm_url, token_in="on")
+    try:
+        for rollout, token in (("im-end", IM_END), ("endoftext", ENDOFTEXT)):
+            first = {
+                "model": "policy",
+                "messages": [USER],
+                "temperature": 0,
+                "max_tokens": 4,
+                "logit_bias": {token: 100},
+            }
+            resp = await p.chat(first, rollout=rollout)
+            assert resp.status == 200, await resp.text()
+            message = (await resp.json())["choices"][0]["message"]
+            replayed = {"role": "assistant", "content": message["content"] or ""}
+            again = {**first, "messages": [USER, replayed, {"role": "user", "content": "More."}]}
+            again.pop("logit_bias")
+            resp = await p.chat(again, rollout=rollout)
+            assert resp.status == 200, await resp.text()
+        before, after = p.calls("im-end")
+        assert list(before.completion_token_ids) == [int(IM_END)]
+        assert segment_break_of(after.extras) is None
+        start = len(before.prompt_token_ids) + 1
+        assert [(s, r) for s, _, r in after.bridge_spans] == [(start, "turn_close")]
+        before, after = p.calls("endoftext")
+        assert list(before.completion_token_ids) == [int(ENDOFTEXT)]
+        cut = segment_break_of(after.extras)
+        assert cut is not None
+        assert cut.reason == "stopped_on_other_token"
+        assert not after.bridge_spans
+    finally:
+        await stop_proxy(p)
