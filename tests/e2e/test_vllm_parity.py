@@ -45,6 +45,7 @@ def says(text: str, **extra: Any) -> dict[str, Any]:
 SHAPES: dict[str, dict[str, Any]] = {
     "free reasoning cut by length": {"max_tokens": 8},
     "end of turn": says(r"Done\."),
+    "end of turn with logprobs": says(r"Done\.", logprobs=True, top_logprobs=2),
     "stop string": says(r"Done\. Gone\.", stop=["on"]),
     "stop string kept": says(r"Done\. Gone\.", stop=["on"], include_stop_str_in_output=True),
     "stop after min_tokens": says(r"on and on again", stop="on", min_tokens=4),

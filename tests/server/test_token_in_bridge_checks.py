@@ -7,6 +7,7 @@ from typing import Any
 
 from aiohttp.test_utils import TestServer
 
+from capture_proxy.read.reader import open_store
 from capture_proxy.schemas.token_in_extras import segment_break_of
 from capture_proxy.testing.fake_vllm import FakeVLLM, Turn
 from tests.support.proxy_harness import Proxy, chat_body, user
@@ -59,3 +60,7 @@ async def test_a_call_after_the_tokenizer_changed_starts_a_new_segment(make_prox
     # Under the same new fingerprint, the next call extends it again.
     assert segment_break_of(third.extras) is None
     assert third.bridge_spans
+    # The trainer's trajectory breaks there, with the reason.
+    traj = open_store(p.store_url).trajectory("r1", include_open=True)
+    assert len(traj.segments) == 2
+    assert [(b.call_id, b.reason) for b in traj.breaks] == [(second.call_id, "tokenizer_changed")]
