@@ -162,7 +162,11 @@ def without_stop_token_id(generate_answer: bytes, include_stop_str: bool) -> tup
     sequence (``stop_reason`` null) stays: the unary derender skips it as a special token.
     Also whether that id was the whole completion: derender refuses no ids, so the answer goes
     as it came and its text is to be dropped (`Derendered.without_text`)."""
-    if include_stop_str or b'"stop_reason":null' in generate_answer:
+    # vLLM writes `stop_reason` early in the answer (before the ids and logprobs), without
+    # spaces: only an answer whose stop reason is a number is decoded.
+    at = generate_answer.find(b'"stop_reason":')
+    after = generate_answer[at + 14 : at + 15] if at >= 0 else b""
+    if include_stop_str or not after.isdigit():
         return generate_answer, False
     try:
         data = orjson.loads(generate_answer)
