@@ -389,6 +389,129 @@ def weight_spans(api: Http, rendered: Any, save: Saver) -> dict[str, Any]:
     }
 
 
+#: Steering for the parity captures: close the reasoning (``</think>``, id 4) and lean on the end
+#: of turn (``<|im_end|>``, id 2), then a regex writes the answer (tests/e2e/test_vllm.py).
+STEER = {"logit_bias": {"4": 100, "2": 50}}
+
+
+def _steered(regex: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Say it."}],
+        "temperature": 0,
+        "max_tokens": 48,
+        **STEER,
+        "structured_outputs": {"regex": regex},
+        **extra,
+    }
+
+
+def _derender_each(api: Http, raw: bytes, prompt: list[int], chat: Any) -> list[Any]:
+    """One streamed derender call per generate event (as `capture_scale_out` does)."""
+    answers: list[Any] = []
+    state: Any = None
+    for chunk in events(raw):
+        req = {
+            "stream": True,
+            "generate_chunk": chunk,
+            "stream_state": state,
+            "prompt_token_ids": prompt,
+            "chat_request": chat,
+        }
+        answer = api.json("POST", "/v1/chat/completions/derender", req)
+        answers.append(answer)
+        state = answer["stream_state"]
+    return answers
+
+
+def capture_parity(api: Http, save: Saver) -> dict[str, Any]:
+    """What derender gives where the chat route gives something else, for the same request
+    (docs/upstream-facts.md, "Token-in routes"): `parity-<name>.json` holds the chat request,
+    the chat route's answer (unary and streamed), generate's answer (unary and streamed) and
+    derender's (unary; streamed, one call per event)."""
+    found: dict[str, Any] = {}
+    cases = {
+        "end-of-turn": _steered(r"Done\."),
+        "stop-string": _steered(r"Done\. Gone\.", stop=["on"]),
+        "tool-call-length": {
+            **_steered(
+                '<tool_call>\n\\{"name": "bash", "arguments": '
+                '\\{"command": "ls -la /tmp/a/long/path"\\}\\}\n</tool_call>'
+            ),
+            "tools": TOOLS,
+            "max_tokens": 34,
+        },
+    }
+    for name, chat in cases.items():
+        rendered = api.json("POST", "/v1/chat/completions/render", chat)
+        gen = api.json("POST", "/inference/v1/generate", rendered)
+        prompt = rendered["token_ids"]
+        unary = api.json(
+            "POST",
+            "/v1/chat/completions/derender",
+            {"generate_response": gen, "prompt_token_ids": prompt, "chat_request": chat},
+        )
+        stream_req = {**rendered, "stream": True, "stream_options": {"include_usage": True}}
+        raw = api.stream("/inference/v1/generate", stream_req)
+        streamed = _derender_each(api, raw, prompt, chat)
+        chat_unary = api.json("POST", "/v1/chat/completions", chat)
+        chat_stream = api.stream(
+            "/v1/chat/completions",
+            {**chat, "stream": True, "stream_options": {"include_usage": True}},
+        ).decode()
+        save.json(
+            f"parity-{name}.json",
+            {
+                "chat_request": chat,
+                "prompt_token_ids": prompt,
+                "chat_response": chat_unary,
+                "chat_stream": chat_stream,
+                "generate_response": gen,
+                "generate_stream": raw.decode(),
+                "derender_response": unary,
+                "derender_stream": streamed,
+            },
+        )
+        deltas = [a["chunk"]["choices"][0]["delta"] for a in streamed if a["chunk"]["choices"]]
+        finishes = [
+            c["finish_reason"]
+            for a in streamed
+            for c in a["chunk"]["choices"]
+            if c["finish_reason"]
+        ]
+        found[name] = {
+            "generate_finish": gen["choices"][0]["finish_reason"],
+            "generate_stop_reason": gen["choices"][0]["stop_reason"],
+            "chat_content": chat_unary["choices"][0]["message"]["content"],
+            "derender_content": unary["choices"][0]["message"]["content"],
+            "derender_stream_content": "".join(d.get("content") or "" for d in deltas),
+            "derender_stream_finish": finishes[-1] if finishes else None,
+            "chat_usage": chat_unary["usage"],
+            "derender_usage": unary["usage"],
+        }
+    # The last event again, without its end-of-turn id: derender gives no text for it.
+    case = json.loads((save.out / "parity-end-of-turn.json").read_text())
+    chunks = list(events(case["generate_stream"].encode()))
+    k = max(i for i, e in enumerate(chunks) if e["choices"])
+    stripped = copy.deepcopy(chunks[k])
+    stripped["choices"][0]["token_ids"] = stripped["choices"][0]["token_ids"][:-1]
+    for label, chunk in (("alone", chunks[k]), ("without_its_id", stripped)):
+        answer = api.json(
+            "POST",
+            "/v1/chat/completions/derender",
+            {
+                "stream": True,
+                "generate_chunk": chunk,
+                "stream_state": case["derender_stream"][k - 1]["stream_state"] if k else None,
+                "prompt_token_ids": case["prompt_token_ids"],
+                "chat_request": case["chat_request"],
+            },
+        )
+        found["end-of-turn"][f"last_chunk_{label}"] = answer["chunk"]["choices"][0]
+    save.json("parity-experiments.json", found)
+    return found
+
+
 def capture_plain(api: Http, save: Saver) -> None:
     """Without `--enable-scale-out` and dev mode: what the same routes answer."""
     gen_body = {"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 1}}
@@ -423,9 +546,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--skip-plain", action="store_true", help="do not capture the 403s")
     parser.add_argument("--only-plain", action="store_true", help="capture only the 403s")
+    parser.add_argument(
+        "--only-parity", action="store_true", help="capture only the parity-*.json cases"
+    )
     args = parser.parse_args(argv)
     save = Saver(args.out)
     found: dict[str, Any] = {}
+    if args.only_parity:
+        with_server(args.port, True, lambda api: print(json.dumps(capture_parity(api, save))))
+        return 0
 
     def scale_out(api: Http) -> None:
         found.update(capture_scale_out(api, save))

@@ -129,6 +129,9 @@ class CloseRenders:
         self._anchored = 0
         #: The close keys whose templates need the dummies' context (`context_needed`).
         self._context: OrderedDict[str, None] = OrderedDict()
+        #: By tokenizer fingerprint: the reasoning parser's start and end marker ids, None when
+        #: they are not one token each (what the chat route's ``reasoning_tokens`` counts between).
+        self.reasoning_markers: dict[str, tuple[int, int] | None] = {}
 
     def get(self, key: str) -> IdsPair | None:
         pair = self._pairs.get(key)
@@ -184,6 +187,7 @@ class CloseRenders:
             self._context.popitem(last=False)
 
     def clear(self) -> None:
+        self.reasoning_markers.clear()
         self._pairs.clear()
         self._anchors.clear()
         self._anchored = 0
@@ -357,6 +361,7 @@ async def token_in_prompt(
     render_request: Mapping[str, Any] | bytes,
     prompts: PromptJson | None = None,
     staged: Mapping[str, Any] | None = None,
+    fingerprint: str | None = None,
 ) -> TokenInPrompt:
     """The prompt of a token-in call (module docs). `request` is the normalized request as
     the bridge compares it with `prior.request`; `render_request` the body to render (the
@@ -367,7 +372,7 @@ async def token_in_prompt(
     Raises `RenderRefused` when the upstream refuses to render the request, `UpstreamFailed`
     when it cannot be reached.
     """
-    verdict = match(prior, request, staged)
+    verdict = match(prior, request, staged, fingerprint)
     if isinstance(render_request, bytes):
         plain_body = render_request
     else:

@@ -26,6 +26,7 @@ from ..adapters.vllm import (
     DerenderCoalescer,
     Generated,
     GenerateStream,
+    StopTokenStrip,
     StreamLogprobs,
     derender_chunk_body,
     derender_tail,
@@ -73,8 +74,12 @@ class StreamedDerender:
         min_interval: float = 0.05,
         logprobs: StreamLogprobs | None = None,
         ids_json: bytes | None = None,
+        include_stop_str: bool = False,
     ) -> None:
         self._transport = transport
+        # The chat route never decodes the token a generation stopped on: the last chunk goes
+        # to derender without it (`StopTokenStrip`).
+        self._strip = StopTokenStrip(include_stop_str)
         self._generate = generate
         # Resent on every derender call (vLLM keeps no state): encoded once (`ids_json`: the
         # prompt ids already encoded, as generate got them).
@@ -86,6 +91,11 @@ class StreamedDerender:
         self._logprobs = logprobs
         self.resolves = 0
         self.generated: Generated | None = None
+
+    @property
+    def so_far(self) -> Generated | None:
+        """The generation read so far (ids, logprobs, ...), None before its first event."""
+        return self._stream.generated
 
     @property
     def calls(self) -> int:
@@ -107,7 +117,11 @@ class StreamedDerender:
         return await post_derender(self._transport, body)
 
     async def _derender(self, chunk: bytes, state: Any) -> dict[str, Any]:
-        return read_derender(await self._post(derender_chunk_body(chunk, state, self._tail)))
+        strip = self._strip
+        body = derender_chunk_body(strip.strip(chunk), state, self._tail)
+        answer = read_derender(await self._post(body))
+        strip.restore(answer)
+        return answer
 
     async def _derender_with_logprobs(self, chunk: bytes, state: Any) -> dict[str, Any]:
         """The chunk's derender answer, its logprobs resolved by a unary call made at the same

@@ -20,18 +20,23 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from ..adapters.vllm import (
+    REASONING_MARKERS,
     Completion,
     Derendered,
     DerenderedStream,
     ForwardPlan,
+    Generated,
+    StopCut,
     StreamLogprobs,
     UpstreamProtocolError,
     WeightSpan,
     client_answer,
+    count_reasoning_tokens,
     derender_body,
     read_derendered,
     read_generate,
     to_completion,
+    without_stop_token_id,
 )
 from ..errors import UpstreamFailed
 from ..schemas.token_in_extras import token_in_extras
@@ -44,7 +49,9 @@ from .token_in_report import EXTENDED, NEW_SEGMENT, TokenInReport
 from .transport import (
     SCALE_OUT_DISABLED,
     EngineRoute,
+    TextTokenizer,
     TokenInTransport,
+    UpstreamInfo,
     UpstreamReply,
     UpstreamTransport,
     token_in_transport,
@@ -68,11 +75,15 @@ class TokenInSteps:
     plan: ForwardPlan | None
     request: dict[str, Any]
     _reply: UpstreamReply | None
+    #: The upstream's facts for the call (its tokenizer fingerprint, ...).
+    info: UpstreamInfo
     _t_up: float
     _upstream_s: float | None
     #: The call's prompt and the request rendered for it, encoded (set by `_post_token_in`).
     _prompt: TokenInPrompt | None
     _render_body: bytes
+    #: The reasoning parser's marker ids (`_reasoning_markers`; None: no reasoning tokens given).
+    _markers: tuple[int, int] | None = None
     #: The call's line of calls (`token_in_line`), hashed once per call (`_token_in_line`).
     _line: str | None
 
@@ -127,9 +138,51 @@ class TokenInSteps:
             self._render_body,
             self.pipeline.prompt_json,
             self.admitted.request,
+            self.info.fingerprint,
         )
+        self._markers = await self._reasoning_markers(self._prompt)
         body = self._prompt.generate_body(self.request, stream=self.streamed)
         return await upstream.post_engine(EngineRoute.GENERATE, body)
+
+    async def _reasoning_markers(self, prompt: TokenInPrompt) -> tuple[int, int] | None:
+        """The reasoning parser's marker ids, when the chat route would count the answer's
+        ``reasoning_tokens``: the server has a reasoning parser (render answers its
+        ``reasoning_parser_kwargs``) whose markers are one token each. Asked once per tokenizer
+        fingerprint (two ``/tokenize`` calls), then kept."""
+        kwargs = prompt.rendered.rest.get("reasoning_parser_kwargs")
+        if kwargs is None or bytes(kwargs) == b"null":
+            return None
+        known = self.pipeline.close_renders.reasoning_markers
+        key = self.info.fingerprint
+        if key in known:
+            return known[key]
+        upstream = self._upstream
+        if not isinstance(upstream, TextTokenizer):
+            return None
+        start, end = await asyncio.gather(
+            *(upstream.tokenize_text(self._model, text) for text in REASONING_MARKERS)
+        )
+        if start is None or end is None:
+            return None  # not answered: asked again by the next call
+        markers = (start[0], end[0]) if len(start) == 1 == len(end) else None
+        known[key] = markers
+        return markers
+
+    def _reasoning_tokens(self, generated: Generated | None, *, stream: bool) -> int | None:
+        """The chat route's ``reasoning_tokens`` for `generated` (None: not given). The token a
+        generation stopped on is not counted: unary, an end of sequence; streamed, any stop
+        token (the chat route's streaming parser never sees an undecoded token). Measured on
+        the tiny vLLM, tests/e2e/test_vllm_parity.py."""
+        markers, prompt = self._markers, self._prompt
+        if markers is None or prompt is None or generated is None:
+            return None
+        ended = prompt.rendered.rest.get("reasoning_ended")
+        closed = ended is not None and bytes(ended) == b"true"
+        ids: Sequence[int] = generated.completion_ids
+        on_token = generated.finish_reason == "stop" and not isinstance(generated.stop_reason, str)
+        if ids and on_token and (stream or generated.stop_reason is None):
+            ids = ids[:-1]
+        return count_reasoning_tokens(ids, markers, open_at_start=not closed)
 
     async def _finish_token_in(self, raw: bytes) -> Outcome:
         """Derender generate's unary answer `raw` for the client, then stage the call."""
@@ -137,8 +190,13 @@ class TokenInSteps:
         assert prompt is not None
         assert self.plan is not None
         try:
+            include = self.request.get("include_stop_str_in_output") is True
+            sent, only_stop_token = without_stop_token_id(raw, include)
             body = derender_body(
-                raw, prompt.prompt_ids, self._render_body, ids_json=prompt.prompt_json
+                sent,
+                prompt.prompt_ids,
+                self._render_body,
+                ids_json=prompt.prompt_json,
             )
             # Derender takes generate's answer as it came: it is sent first, and the answer is
             # read for the record while vLLM derenders it (not before).
@@ -148,7 +206,11 @@ class TokenInSteps:
             except BaseException:
                 derendering.cancel()  # not started yet: nothing was sent
                 raise
+            # Derender does not cut at stop strings; the chat route does.
             derendered = await derendering
+            if only_stop_token:
+                derendered = derendered.without_text()
+            derendered = derendered.cut_at_stop(StopCut.of(self.request), generated.stop_reason)
         except UpstreamProtocolError as e:
             malformed = UpstreamFailed(
                 f"the upstream answer is malformed: {e.message}", code=e.reason
@@ -163,7 +225,12 @@ class TokenInSteps:
         record_view = derendered.for_record()
         completion = _as_chat(to_completion(generated, ids, record_view, model=self._model))
         client_body = client_answer(
-            derendered, generated, prompt.prompt_ids, self.plan.wants, ids_json=prompt.prompt_json
+            derendered,
+            generated,
+            prompt.prompt_ids,
+            self.plan.wants,
+            ids_json=prompt.prompt_json,
+            reasoning_tokens=self._reasoning_tokens(generated, stream=False),
         )
         return await self._stage(completion, client_body, generated.weight_spans)
 
@@ -187,8 +254,15 @@ class TokenInSteps:
             self._render_body,
             logprobs=StreamLogprobs(self._model) if plan.wants.logprobs else None,
             ids_json=prompt.prompt_json,
+            include_stop_str=self.request.get("include_stop_str_in_output") is True,
         )
-        shaped = DerenderedStream(plan.wants, prompt.prompt_ids)
+
+        def reasoning_tokens() -> int | None:
+            return self._reasoning_tokens(derender.so_far, stream=True)
+
+        shaped = DerenderedStream(
+            plan.wants, prompt.prompt_ids, StopCut.of(self.request), reasoning_tokens
+        )
         async with reply:
             events = derender.events()
             try:
@@ -225,6 +299,8 @@ class TokenInSteps:
             completion_ids=completion.completion_token_ids,
             finish_reason=completion.finish_reason,
             media=prompt.media,
+            fingerprint=self.info.fingerprint,
+            stop_reason=completion.stop_reason,
         )
         line = self._token_in_line
         replaced = call.rollout.token_in_priors.get(line)

@@ -231,7 +231,14 @@ def prior_of(record: StagedCallRecord) -> Prior:
         finish_reason=record.finish_reason,
         media=media,
         stored=True,
+        fingerprint=record.tokenizer_fingerprint,
+        stop_reason=_stop_reason(record.extras.get("stop_reason")),
     )
+
+
+def _stop_reason(value: object) -> int | str | None:
+    """A record's ``stop_reason`` extra as generate gave it (None when absent or malformed)."""
+    return value if type(value) in (int, str) else None  # type: ignore[return-value]
 
 
 def record_bytes(

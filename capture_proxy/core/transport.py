@@ -24,6 +24,7 @@ __all__ = [
     "EngineWeights",
     "ReplicaRouter",
     "ScaleOutCheck",
+    "TextTokenizer",
     "TokenInTransport",
     "UpstreamInfo",
     "UpstreamReply",
@@ -151,6 +152,15 @@ class TokenInTransport(UpstreamTransport, Protocol):
         ``scale_out_disabled`` (status 503, message `SCALE_OUT_DISABLED`); any other status comes
         back in the reply, for the caller to relay.
         """
+        ...
+
+
+@runtime_checkable
+class TextTokenizer(Protocol):
+    """An upstream that can tokenize a text without special tokens added (optional)."""
+
+    async def tokenize_text(self, model: str, text: str) -> list[int] | None:
+        """The ids of `text` (vLLM's ``/tokenize``), or None when the upstream does not say."""
         ...
 
 

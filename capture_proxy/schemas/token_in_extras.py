@@ -7,7 +7,8 @@ it sends the plain rendering and starts a new segment. Two facts go with the rec
 
 * ``token_in_break``: ``{"reason": str, "detail": str}`` when the call started a new segment,
   and why (``history_edited``, ``tools_changed``, ``template_changed``, ``reply_mismatch``,
-  ``template_not_bridgeable``, ``multimodal_append``, ``no_prior``, ...). Absent: it continued.
+  ``template_not_bridgeable``, ``multimodal_append``, ``no_prior``, ``tokenizer_changed``,
+  ``stopped_on_other_token``, ...). Absent: it continued.
 * ``plain_divergence``: the first prompt position where the plain rendering of the request would
   have differed from the tokens sent (what token-in avoided), or null when it would have been
   the same. Absent: not measured.

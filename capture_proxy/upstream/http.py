@@ -295,6 +295,21 @@ class HTTPUpstream:
         except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as e:
             raise UpstreamFailed(f"{what}: {type(e).__name__}: {e}", code="context_guard") from e
 
+    async def tokenize_text(self, model: str, text: str) -> list[int] | None:
+        """The ids of `text` from the upstream's /tokenize, no special tokens added (None when
+        it does not answer them): token-in learns the reasoning parser's marker ids with it."""
+        body = {"model": model, "prompt": text, "add_special_tokens": False}
+        try:
+            status, _, raw = await self.relay(
+                "POST", "/tokenize", orjson.dumps(body), JSON, within=self.fact_timeout
+            )
+            tokens = orjson.loads(raw)["tokens"] if status == 200 else None
+        except (UpstreamFailed, orjson.JSONDecodeError, KeyError, TypeError):
+            return None
+        if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
+            return None
+        return tokens
+
     # -- vLLM's weight-update routes (served with VLLM_SERVER_DEV_MODE=1) ----------------------
 
     async def engine_route(self, path: str, body: Mapping[str, Any] | None = None) -> bool:

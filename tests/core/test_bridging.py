@@ -26,7 +26,7 @@ from capture_proxy.core.bridging import (
 from capture_proxy.core.token_in import Prior
 from capture_proxy.core.transport import EngineRoute
 from capture_proxy.testing.fake_vllm import FakeVLLM, Turn
-from capture_proxy.testing.fake_vllm._template import encode, tool_call_text
+from capture_proxy.testing.fake_vllm._template import IM_END, encode, tool_call_text
 from capture_proxy.upstream.http import HTTPUpstream
 from tests.support.token_in import continued, render_ids, staged_prior
 
@@ -49,9 +49,8 @@ async def upstream() -> AsyncIterator[tuple[FakeVLLM, HTTPUpstream]]:
 
 def _prior(*messages: dict[str, Any]) -> Prior:
     request = {"model": "policy", "messages": list(messages)}
-    sampled = [*render_ids({**request, "messages": [*messages, _ANSWER]})]
-    prompt = render_ids(request)
-    return Prior(request, _ANSWER, prompt, sampled[len(prompt) :], "stop")
+    # A completion that stopped ends on the end-of-turn token the model sampled.
+    return Prior(request, _ANSWER, render_ids(request), [*encode("Yes."), IM_END], "stop")
 
 
 _ANSWER = {"role": "assistant", "content": "Yes."}

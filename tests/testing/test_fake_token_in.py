@@ -233,7 +233,7 @@ async def test_streamed_derender_follows_the_fixture(serve: Serve, name: str) ->
     finish = answers[-2]["chunk"]["choices"][0]["finish_reason"]
     if name == "tools":
         assert got == {
-            "content": "ok",
+            "content": "ok<|im_end|>",  # the end-of-turn token came alone (below)
             "reasoning": "hm",
             "calls": [{"name": "bash", "arguments": '{"command": "ls -la"}'}],
         }
@@ -248,7 +248,9 @@ async def test_streamed_derender_follows_the_fixture(serve: Serve, name: str) ->
         assert len(ids) == 1
         assert ids[0].startswith("chatcmpl-tool-")
     else:
-        assert got == {"content": "ok", "reasoning": "r", "calls": []}
+        # One call per event: the end-of-turn token came alone, and vLLM 0.32's streamed
+        # derender keeps its text (DESIGN §11; the proxy sends it without that token).
+        assert got == {"content": "ok<|im_end|>", "reasoning": "r", "calls": []}
         assert finish == "stop"
 
 

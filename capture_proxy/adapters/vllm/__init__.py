@@ -4,7 +4,8 @@
 `parse_response` reads a unary answer and `stream` returns a sans-IO `StreamAccumulator` fed with
 SSE bytes. Both yield a `Completion` (token ids, logprobs, message) and the bytes the client sees.
 The token-in routes are read and written by `_render`, `_generate` and `_derender`;
-`_derendered` shapes a token-in answer for the client by the same relay rules, and
+`_derendered` shapes a token-in answer for the client by the same relay rules (`_chat_route`:
+what the chat route does that derender does not), and
 `_stream_logprobs` resolves a streamed one's logprobs.
 """
 
@@ -20,6 +21,14 @@ from ._adapter import (
     UpstreamProtocolError,
     VLLMAdapter,
     parse_error_body,
+)
+from ._chat_route import (
+    REASONING_MARKERS,
+    StopCut,
+    StopTokenStrip,
+    chat_finish_reason,
+    count_reasoning_tokens,
+    without_stop_token_id,
 )
 from ._derender import (
     DerenderCoalescer,
@@ -38,6 +47,7 @@ from ._render import Rendered, pair_anchor, read_anchored, read_render, read_ren
 from ._stream_logprobs import StreamLogprobs
 
 __all__ = [
+    "REASONING_MARKERS",
     "CaptureExtractionError",
     "ClientWants",
     "Completion",
@@ -50,12 +60,16 @@ __all__ = [
     "Generated",
     "ReasoningField",
     "Rendered",
+    "StopCut",
+    "StopTokenStrip",
     "StreamAccumulator",
     "StreamLogprobs",
     "UpstreamProtocolError",
     "VLLMAdapter",
     "WeightSpan",
+    "chat_finish_reason",
     "client_answer",
+    "count_reasoning_tokens",
     "derender_body",
     "derender_chunk_body",
     "derender_tail",
@@ -72,4 +86,5 @@ __all__ = [
     "read_render_pair",
     "to_completion",
     "usage_chunk",
+    "without_stop_token_id",
 ]

@@ -25,13 +25,14 @@ the record, as `to_completion` reads it from a unary answer.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 import orjson
 
+from ._chat_route import StopCut, chat_usage
 from ._generate import Generated
 from ._ids_json import encode_ids
 from ._wire import (
@@ -93,6 +94,32 @@ class Derendered:
     choices: list[dict[str, msgspec.Raw]]
     messages: list[dict[str, Any]]
 
+    def cut_at_stop(self, stop: StopCut | None, stop_reason: object) -> Derendered:
+        """The answer with its text cut at the stop string the generation stopped on, as the
+        chat route cuts it (`StopCut`); itself when nothing is cut."""
+        if stop is None or not isinstance(stop_reason, str):
+            return self
+        messages = [dict(m) for m in self.messages]
+        choices = list(self.choices)
+        changed = False
+        for i, message in enumerate(messages):
+            if stop.cut_message(message, stop_reason):
+                changed = True
+                choices[i] = {**choices[i], "message": msgspec.Raw(_encode(message))}
+        return Derendered(self.top, choices, messages) if changed else self
+
+    def without_text(self) -> Derendered:
+        """The answer with no text: what the chat route gives a completion that is only the
+        stop token it does not decode (`without_stop_token_id`)."""
+        messages = [{**m, "content": None, "reasoning": None} for m in self.messages]
+        for m in messages:
+            m.pop("reasoning_content", None)
+        choices = [
+            {**c, "message": msgspec.Raw(_encode(m))}
+            for c, m in zip(self.choices, messages, strict=True)
+        ]
+        return Derendered(self.top, choices, messages)
+
     def for_record(self) -> dict[str, Any]:
         """The answer as `to_completion` reads it: the first choice's message."""
         return {"choices": [{"message": self.messages[0]}]} if self.messages else {}
@@ -121,6 +148,7 @@ def client_answer(
     wants: ClientWants,
     *,
     ids_json: bytes | None = None,
+    reasoning_tokens: int | None = None,
 ) -> bytes:
     """The unary answer for the client (JSON) from derender's answer (`read_derendered`'s, or
     decoded), the `generated` completion and the `prompt_ids` sent (module docs for what
@@ -146,7 +174,8 @@ def client_answer(
         body["prompt_token_ids"] = msgspec.Raw(
             ids_json if ids_json is not None else encode_ids(prompt_ids)
         )
-    body["usage"] = _usage(generated, len(prompt_ids))
+    counts = _usage(generated, len(prompt_ids))
+    body["usage"] = chat_usage(counts, stream=False, reasoning_tokens=reasoning_tokens)
     return _encode(body)
 
 
@@ -159,18 +188,30 @@ class DerenderedStream:
     ``tool_calls``).
     """
 
-    def __init__(self, wants: ClientWants, prompt_ids: Sequence[int]) -> None:
+    def __init__(
+        self,
+        wants: ClientWants,
+        prompt_ids: Sequence[int],
+        stop: StopCut | None = None,
+        reasoning_tokens: Callable[[], int | None] | None = None,
+    ) -> None:
         self._wants = wants
+        #: The completion's reasoning tokens so far, for the usage chunk (None: not given).
+        self._reasoning_tokens = reasoning_tokens
         self._prompt_ids = prompt_ids
         self._first = True
-        self._content: list[str] = []
-        self._reasoning: list[str] = []
+        self._stop = stop
+        #: Per text field: everything derender streamed, and what the client got of it.
+        self._text: dict[str, str] = {"content": "", "reasoning": ""}
+        self._sent: dict[str, str] = {"content": "", "reasoning": ""}
         self._tools: dict[int, dict[str, Any]] = {}
 
     def feed(self, chunk: Mapping[str, Any]) -> bytes | None:
         choices = chunk.get("choices") or []
         for choice in choices:
-            self._take(choice.get("delta") or {})
+            delta = choice.get("delta") or {}
+            self._take(delta)
+            self._release(delta, choice.get("finish_reason"), choice.get("stop_reason"))
         usage = chunk.get("usage")
         if not choices and usage is not None and not self._wants.usage:
             return None  # the usage-only chunk the proxy asked for, not the client
@@ -182,18 +223,50 @@ class DerenderedStream:
             # The prompt the call sent, whatever derender counted.
             n = int(usage.get("completion_tokens") or 0)
             prompt = len(self._prompt_ids)
-            out["usage"] = {**usage, "prompt_tokens": prompt, "total_tokens": prompt + n}
+            counts = {"prompt_tokens": prompt, "completion_tokens": n}
+            reasoning = self._reasoning_tokens() if self._reasoning_tokens is not None else None
+            out["usage"] = chat_usage(counts, stream=True, reasoning_tokens=reasoning)
         if self._first and self._wants.token_ids:
             out["prompt_token_ids"] = list(self._prompt_ids)
         self._first = False
         return b"data: " + orjson.dumps(out) + b"\n\n"
 
+    def _release(self, delta: dict[str, Any], finish: object, stop_reason: object) -> None:
+        """Give the client the text the chat route would have sent by now: all of it, or,
+        with stop strings, all but the last characters that could start one (the chat route's
+        stop buffer), cut at the stop string at the end (`StopCut`)."""
+        stop, text = self._stop, self._text
+        if stop is None:
+            self._sent = dict(text)
+            return
+        if finish is not None:
+            final: dict[str, Any] = dict(text)
+            stop.cut_message(final, stop_reason)
+            ready = {k: final[k] or "" for k in text}
+        else:
+            # Reasoning is over once content or a tool call came: none of it can be cut then.
+            over = bool(text["content"] or self._tools)
+            hold = stop.hold
+            ready = {
+                k: v if not hold or (k == "reasoning" and over) else v[: max(0, len(v) - hold)]
+                for k, v in text.items()
+            }
+        for key, value in ready.items():
+            sent = self._sent[key]
+            piece = value[len(sent) :] if value.startswith(sent) else ""
+            field = key
+            if key == "reasoning" and "reasoning" not in delta and "reasoning_content" in delta:
+                field = "reasoning_content"
+            if piece or delta.get(field) is not None:
+                delta[field] = piece or None
+            self._sent[key] = sent + piece
+
     def _take(self, delta: Mapping[str, Any]) -> None:
         if delta.get("content"):
-            self._content.append(delta["content"])
+            self._text["content"] += delta["content"]
         reasoning = delta.get("reasoning") or delta.get("reasoning_content")
         if reasoning:
-            self._reasoning.append(reasoning)
+            self._text["reasoning"] += reasoning
         for tc in delta.get("tool_calls") or ():
             slot = self._tools.setdefault(
                 int(tc.get("index") or 0),
@@ -209,7 +282,7 @@ class DerenderedStream:
         """The assistant message streamed so far (``content``, ``reasoning``, ``tool_calls``)."""
         return {
             "role": "assistant",
-            "content": "".join(self._content) or None,
-            "reasoning": "".join(self._reasoning) or None,
+            "content": self._sent["content"] or None,
+            "reasoning": self._sent["reasoning"] or None,
             "tool_calls": [self._tools[i] for i in sorted(self._tools)],
         }

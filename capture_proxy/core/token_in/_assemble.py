@@ -13,11 +13,15 @@ the appended messages and the generation prompt:
   ``suffix`` renders;
 - a ``turn`` or ``suffix`` pair may be given as one render's ids after the dummy content
   (`AfterContent`): they stand for the pair's common suffix;
-- the completion's end overlaps C's start by k tokens, k as large as possible: a completion that
-  ended on its end-of-turn token (finish ``stop``, last id C[0]) has k = 1 and gets C[1:], the
-  text the template puts after that token (``turn_close``); a completion cut by ``length``, or
-  stopped by a stop string vLLM left out of the output, has k = 0 and gets the whole of C, recorded
-  as added by the proxy (``end_of_turn_added``).
+- a completion that stopped on a stop token (finish ``stop`` or ``tool_calls``, no stop string:
+  its last id s is the end-of-turn token the model sampled) gets what follows s in C, at the
+  first place s sits in C (``turn_close``): C[1:] for ChatML's ``<|im_end|>\n``, nothing for a
+  Llama-2-style `` </s>`` whose space the model did not sample. A stop token C does not hold (the
+  model ended on ``<|endoftext|>`` where the template closes with ``<|im_end|>``) is not bridged
+  (``stopped_on_other_token``): which close the template would have written after it is unknown;
+- any other completion (cut by ``length``, stopped by a stop string) overlaps C's start by k
+  tokens, k as large as possible (0 unless it was cut inside C), and gets C[k:], recorded as
+  added by the proxy (``end_of_turn_added``).
 
 The appended messages' images are placed where the suffix renders put them, counted from the
 end; the previous call's stay where they were (``Bridged.media``, ``_media``).
@@ -91,13 +95,14 @@ def assemble(prior: Prior, plan: BridgePlan, rendered: BridgeRenders) -> Bridged
         )
     appended = tail[len(end) :]
     completion = prior.completion_ids
-    overlap = _overlap(completion, close)
-    bridge = close[overlap:]
+    placed = _close_after(prior, close)
+    if isinstance(placed, NotBridged):
+        return placed
+    bridge, reason = placed
     prompt = [*prior.prompt_ids, *completion]
     start = len(prompt)
     spans: tuple[BridgeSpan, ...] = ()
     if bridge:
-        reason = TURN_CLOSE if overlap else END_OF_TURN_ADDED
         spans = ((start, start + len(bridge), reason),)
     prompt.extend(bridge)
     appended_start = len(prompt)
@@ -145,6 +150,27 @@ def _placed(
             )
     placed = tuple(MediaItem(m.modality, m.hash, end + m.offset, m.length) for m in items)
     return (*(prior.media or ()), *placed)
+
+
+def _close_after(prior: Prior, close: Sequence[int]) -> tuple[list[int], str] | NotBridged:
+    """The part of the turn close `close` the bridged prompt adds after `prior`'s completion,
+    and its span reason (module docs)."""
+    completion = prior.completion_ids
+    on_token = prior.finish_reason in ("stop", "tool_calls") and not isinstance(
+        prior.stop_reason, str
+    )
+    if on_token and completion:
+        stop = completion[-1]
+        at = next((i for i, t in enumerate(close) if t == stop), None)
+        if at is None:
+            return NotBridged(
+                "stopped_on_other_token",
+                f"the completion ended on token {stop}, which the turn close "
+                f"{list(close)} does not hold: the template's close after it is unknown",
+            )
+        return list(close[at + 1 :]), TURN_CLOSE
+    overlap = _overlap(completion, close)
+    return list(close[overlap:]), TURN_CLOSE if overlap else END_OF_TURN_ADDED
 
 
 def _overlap(completion: Sequence[int], close: Sequence[int]) -> int:

@@ -10,7 +10,9 @@ model gave, and adds messages after it:
 - the next message is the previous call's answer, replayed: an assistant message whose content
   is the same text (null and ``""`` are the same; a list of text parts counts as their joined
   text), whose reasoning is the same or omitted, and whose tool calls have the same names and the
-  same *parsed* JSON arguments (clients re-serialize them), call ids kept or not;
+  same *parsed* JSON arguments (clients re-serialize them), compared in the canonical form the
+  record's digest uses (`capture_proxy.schemas.digest.encode_value`: ``true`` is not ``1``, ``1.0``
+  is not ``1``, an object with a key twice is text), call ids kept or not;
 - at least one message follows, and none of those is an assistant's;
 - the images of the earlier messages (content parts other than text) are the previous call's,
   whose placeholders it kept (`Prior.media`), and the leading system message has none. The
@@ -30,6 +32,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ...schemas.digest import EncodingError, encode_value
 from ._media import media_parts
 from ._values import Extension, NotBridged, Prior
 
@@ -53,13 +56,24 @@ TEMPLATE_KEYS = (
 
 
 def match(
-    prior: Prior | None, request: Mapping[str, Any], staged: Mapping[str, Any] | None = None
+    prior: Prior | None,
+    request: Mapping[str, Any],
+    staged: Mapping[str, Any] | None = None,
+    fingerprint: str | None = None,
 ) -> Extension | NotBridged:
     """Whether `request` (normalized as `prior.request` was) extends `prior` (module docs).
     `staged` is the request as staged (images by reference), which a stored prior's earlier
-    messages are compared with; the request's own when not given."""
+    messages are compared with; the request's own when not given. `fingerprint` is the
+    upstream's tokenizer fingerprint now (None: not checked): another than the prior's is
+    ``tokenizer_changed``, one of them unknown ("") included."""
     if prior is None:
         return NotBridged("no_prior", "the rollout has no staged call to continue")
+    if fingerprint is not None and fingerprint != prior.fingerprint:
+        return NotBridged(
+            "tokenizer_changed",
+            f"the upstream's tokenizer fingerprint is {fingerprint or 'unknown'}, the previous "
+            f"call was staged under {prior.fingerprint or 'an unknown one'}",
+        )
     if (prior.request.get("tools") or []) != (request.get("tools") or []):
         return NotBridged("tools_changed", "the tool list differs from the previous call's")
     for key in TEMPLATE_KEYS:
@@ -182,11 +196,29 @@ def _function(call: Any) -> Mapping[str, Any]:
     return fn if isinstance(fn, Mapping) else {}
 
 
-def _arguments(arguments: Any) -> Any:
-    """Arguments compared by meaning: a JSON string parsed (an unparseable one kept as text)."""
+class _DuplicateKey(ValueError):
+    """An object names a key twice: its parse would keep only the last value."""
+
+
+def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        raise _DuplicateKey
+    return out
+
+
+def _arguments(arguments: Any) -> tuple[str, Any]:
+    """Arguments compared by meaning, as the digest tells values apart: a JSON string parsed and
+    canonically encoded (`encode_value`: ``true``, ``1`` and ``1.0`` differ); one that does not
+    parse, names a key twice or has no canonical encoding is compared as its text. Python's own
+    equality would take ``{"n": true}`` or ``{"n": 1.0}`` for the model's ``{"n": 1}``, and the
+    staged request would keep arguments the model did not write."""
     if isinstance(arguments, str):
         try:
-            return ("json", json.loads(arguments))
+            arguments = json.loads(arguments, object_pairs_hook=_unique)
         except ValueError:
             return ("text", arguments)
-    return ("json", arguments)
+    try:
+        return ("json", encode_value(arguments))
+    except EncodingError:
+        return ("text", json.dumps(arguments, sort_keys=True, default=repr))

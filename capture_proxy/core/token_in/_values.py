@@ -41,6 +41,12 @@ __all__ = [
 #:   records kept them, more than the proxy keeps, or unreadable).
 #: - ``template_not_bridgeable``: the renders do not have the structure the bridge needs (no
 #:   common turn close, or the appended rendering does not start with it).
+#: - ``stopped_on_other_token``: the previous completion stopped on a stop token the template's
+#:   turn close does not hold (``<|endoftext|>`` where the close is ``<|im_end|>\n``).
+#: - ``tokenizer_changed``: the upstream's tokenizer fingerprint (its tokenizer and chat
+#:   template, `capture_proxy.upstream.facts`) is not the one the previous call was staged under:
+#:   a vLLM restarted under the same served name with another model or template. The previous
+#:   ids are another vocabulary's; they are never bridged onto.
 BREAK_REASONS = (
     "no_prior",
     "history_edited",
@@ -53,6 +59,8 @@ BREAK_REASONS = (
     "multimodal_history",
     "media_not_recorded",
     "template_not_bridgeable",
+    "stopped_on_other_token",
+    "tokenizer_changed",
 )
 
 
@@ -75,6 +83,10 @@ class Prior:
         stored: read back from the store (a restarted or resumed rollout): `request` is the
             record's, its images ``attachment:sha256:`` references, so its messages are
             compared with the new request as staged.
+        fingerprint: the upstream's tokenizer fingerprint it was staged under ("" unknown):
+            a call under another one is not bridged (``tokenizer_changed``).
+        stop_reason: generate's ``stop_reason``: the stop string it stopped on (a str), a stop
+            token id, or None (end of sequence, or not stopped).
     """
 
     request: Mapping[str, Any]
@@ -84,6 +96,8 @@ class Prior:
     finish_reason: str | None
     media: tuple[MediaItem, ...] | None = None
     stored: bool = False
+    fingerprint: str = ""
+    stop_reason: int | str | None = None
 
 
 @dataclass(frozen=True, slots=True)

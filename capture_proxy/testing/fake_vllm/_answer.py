@@ -25,11 +25,14 @@ from ._experts import encode_experts, experts_for
 from ._faults import FaultKind
 from ._generation import (
     Plan,
+    PlannedCall,
     Turn,
+    cut_at_stop,
     message_parts,
     plan_answer,
     reasoning_token_count,
     sample_logprobs,
+    stop_on_strings,
     stream_deltas,
 )
 from ._protocol import (
@@ -64,6 +67,9 @@ class Answer:
     as_token_ids: bool = False
     include_reasoning: bool = True
     include_usage: bool = False
+    include_stop_str: bool = False
+    #: The prompt leaves reasoning open (not ``enable_thinking: false``).
+    thinking: bool = True
     drop_all_ids: bool = False
     drop_every: int | None = None
     extra_usage: int = 0
@@ -93,7 +99,13 @@ class Answer:
         return usage_body(
             len(self.prompt_ids),
             len(ids) + self.extra_usage,
-            reasoning_token_count(ids),
+            reasoning_token_count(
+                ids,
+                thinking=self.thinking,
+                ended=self.plan.finish(self.n) in ("stop", "tool_calls")
+                and self.plan.stop_reason is None
+                and self.n == len(self.plan.ids),
+            ),
             stream=stream,
         )
 
@@ -125,12 +137,14 @@ def answer_for(
     ``routed_experts_prompt_start`` (default 0) on (`_experts`).
     """
     kwargs = body.get("chat_template_kwargs")
+    thinking = not (isinstance(kwargs, Mapping) and kwargs.get("enable_thinking") is False)
     plan = plan_answer(
         turn,
-        thinking=not (isinstance(kwargs, Mapping) and kwargs.get("enable_thinking") is False),
+        thinking=thinking,
         parse_tools=bool(body.get("tools")) and body.get("tool_choice") != "none",
         new_tool_id=lambda: new_id("chatcmpl-tool-"),
     )
+    stop_on_strings(plan, body.get("stop"), body.get("min_tokens"), limit)
     n = min(len(plan.ids), limit)
     want_logprobs = bool(body.get("logprobs"))
     top = body.get("top_logprobs")
@@ -167,16 +181,51 @@ def answer_for(
         drop_all_ids=kind is FaultKind.DROP_TOKEN_IDS and fault is not None and fault.every is None,
         drop_every=fault.every if kind is FaultKind.DROP_TOKEN_IDS and fault is not None else None,
         extra_usage=1 if kind is FaultKind.USAGE_MISMATCH else 0,
+        include_stop_str=body.get("include_stop_str_in_output") is True,
+        thinking=thinking,
         stream=stream,
         fault=kind.value if kind is not None else None,
         experts=experts,
     )
 
 
+def _cut(
+    a: Answer, reasoning: str | None, content: str | None, calls: list[PlannedCall]
+) -> tuple[str | None, str | None, list[PlannedCall]]:
+    """The chat route's cut at the stop string generation stopped on: content, else reasoning
+    (vLLM's detokenizer cuts the whole text; the parsers split what is left)."""
+    stop = a.plan.stop_reason
+    if stop is None or a.n < len(a.plan.ids):
+        return reasoning, content, calls
+    cut = cut_at_stop(content, stop, a.include_stop_str)
+    if cut is not None:
+        return reasoning, cut or None, calls
+    cut = cut_at_stop(reasoning, stop, a.include_stop_str)
+    return (cut or None) if cut is not None else reasoning, content, calls
+
+
+def _cap_deltas(a: Answer, deltas: list[dict[str, Any] | None]) -> list[dict[str, Any] | None]:
+    """Stream deltas whose text adds up to the cut answer (`_cut`)."""
+    reasoning, content, _ = message_parts(a.plan, a.n)
+    cut_reasoning, cut_content, _ = _cut(a, reasoning, content, [])
+    room = {"content": len(cut_content or ""), "reasoning": len(cut_reasoning or "")}
+    out: list[dict[str, Any] | None] = []
+    for delta in deltas:
+        if delta is not None:
+            delta = dict(delta)
+            for key in room:
+                piece = delta.get(key)
+                if isinstance(piece, str):
+                    delta[key] = piece[: room[key]] or None
+                    room[key] -= len(delta[key] or "")
+        out.append(delta)
+    return out
+
+
 def completion_body(a: Answer) -> dict[str, Any]:
     """The ``chat.completion`` body, key for key in the order of ``chat-response.json``."""
     ids = a.ids
-    reasoning, content, calls = message_parts(a.plan, a.n)
+    reasoning, content, calls = _cut(a, *message_parts(a.plan, a.n))
     hidden = not a.include_reasoning
     lp: list[dict[str, Any]] | None = None
     if a.want_logprobs and not hidden:
@@ -193,7 +242,7 @@ def completion_body(a: Answer) -> dict[str, Any]:
         "message": message_body(a.reasoning_key, None if hidden else reasoning, content, calls),
         "logprobs": None if lp is None else {"content": lp},
         "finish_reason": a.plan.finish(a.n),
-        "stop_reason": None,
+        "stop_reason": a.plan.stop_reason,
         "token_ids": token_ids,
         "routed_experts": a.experts,
     }
@@ -221,7 +270,7 @@ def stream_events(a: Answer) -> Iterator[bytes]:
     yield writer.first(a._prompt_ids_out(), a.prompt_text)
     hidden = not a.include_reasoning
     ids = a.ids
-    deltas = stream_deltas(a.plan, a.n, include_reasoning=a.include_reasoning)
+    deltas = _cap_deltas(a, stream_deltas(a.plan, a.n, include_reasoning=a.include_reasoning))
     finish = a.plan.finish(a.n)
     send_ids = a.want_token_ids and not hidden and not a.drop_all_ids
     fingerprint = None if a.include_usage else a.fingerprint
@@ -244,6 +293,7 @@ def stream_events(a: Answer) -> Iterator[bytes]:
             lp,
             [token] if send_ids else None,
             finish_reason=finish if last else None,
+            stop_reason=a.plan.stop_reason if last and a.n == len(a.plan.ids) else None,
             fingerprint=fingerprint if last else None,
             routed_experts=a.experts if last else None,
         )

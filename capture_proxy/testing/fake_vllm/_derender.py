@@ -6,13 +6,16 @@ tests/fixtures/vllm-0.32.0/token-in/ (``derender-*``; docs/upstream-facts.md, "T
 
 - unary ``{generate_response, prompt_token_ids, chat_request}`` → a ``chat.completion`` whose
   ``id`` is generate's ``request_id``; a parsed tool call's ``id`` is a bare 16-hex string, and
-  ``finish_reason`` stays ``"stop"`` with tool calls; ``usage.prompt_tokens`` is 0;
+  ``finish_reason`` stays ``"stop"`` with tool calls; ``usage.prompt_tokens`` is 0; the text is
+  not cut at a ``stop`` string (generate stopped on it; the chat route cuts);
 - streamed ``{stream: true, generate_chunk, stream_state, prompt_token_ids, chat_request}`` (one
   call per generate event; ``stream_state`` is the previous answer's) → ``{chunk, stream_state}``:
   one ``chat.completion.chunk`` for the ids of ``generate_chunk`` (several ids give one merged
-  delta), tool call ids ``"chatcmpl-tool-..."``, ``finish_reason`` ``"tool_calls"`` once a tool
-  call streamed, the chunk's ``token_ids`` when the chat request has ``return_token_ids`` (and
-  does not hide the reasoning); the state carries every output id so far (``output_token_ids``,
+  delta; an end-of-turn token alone keeps its text as content), tool call ids
+  ``"chatcmpl-tool-..."``,
+  ``finish_reason`` ``"tool_calls"`` for any finish once a tool call streamed, the chunk's
+  ``token_ids`` when the chat request has ``return_token_ids`` (and does not hide the
+  reasoning); the state carries every output id so far (``output_token_ids``,
   ``output_chunk_lens``, ...), the server keeps nothing;
 - with a reasoning or tool parser configured (always, for the fake) every call must carry
   ``chat_request`` and ``prompt_token_ids``: 400 with vLLM's messages otherwise.
@@ -29,7 +32,7 @@ from typing import Any
 
 from ._generation import Plan, message_parts, stream_deltas
 from ._protocol import logprobs_content, message_body
-from ._template import SPECIAL_TOKENS, THINK_END, THINK_START
+from ._template import SPECIAL_TOKENS, THINK_END, THINK_START, token_text
 from ._validate import RequestError
 
 __all__ = [
@@ -54,6 +57,9 @@ NEED_PROMPT_IDS = (
 )
 _TOOL_PREFIX = "chatcmpl-tool-"
 _SPECIAL_IDS = frozenset(SPECIAL_TOKENS.values())
+#: The end-of-turn tokens whose text vLLM 0.32's streamed derender keeps when alone in a chunk
+#: (the parsers consume the think and tool-call markers).
+_TURN_ENDS = frozenset({SPECIAL_TOKENS["<|im_end|>"], SPECIAL_TOKENS["<|endoftext|>"]})
 _NEWLINE = ord("\n") + 16
 
 #: Finds the plan the fake generated ``ids`` from (by generate's request id), or None.
@@ -258,11 +264,18 @@ def derender_stream_answer(
         plan = _plan(lookup, request_id, ids, chat)
         deltas = stream_deltas(plan, len(ids), include_reasoning=True)[len(prev) :]
         delta = _merge(deltas, first)
+        if len(new) == 1 and new[0] in _TURN_ENDS:
+            # vLLM 0.32 keeps an end-of-turn token's text when it comes in a chunk of its own
+            # (DESIGN §11; derender decodes with special tokens kept for its parsers).
+            delta["content"] = token_text(new[0])
         for call in delta.get("tool_calls") or []:
             if call["id"] is not None:
                 streamed_ids.append(call["id"])
         finish = choice.get("finish_reason")
-        if finish == "stop" and streamed_ids:
+        named = isinstance(chat.get("tool_choice"), Mapping)
+        if finish is not None and streamed_ids and not named:
+            # Any finish, "length" too, once a tool call streamed (``_derender_chat_stream_parsed``;
+            # the chat route says "tool_calls" only for a "stop").
             finish = "tool_calls"
         chunk["choices"] = [
             {

@@ -40,11 +40,13 @@ __all__ = [
     "Plan",
     "PlannedCall",
     "Turn",
+    "cut_at_stop",
     "default_turn",
     "message_parts",
     "plan_answer",
     "reasoning_token_count",
     "sample_logprobs",
+    "stop_on_strings",
     "stream_deltas",
 ]
 
@@ -96,6 +98,8 @@ class Plan:
     tool_index: list[int] = field(default_factory=list)
     calls: list[PlannedCall] = field(default_factory=list)
     finish_reason: str | None = None
+    #: The ``stop`` string generation stopped on (vLLM's ``stop_reason``), None otherwise.
+    stop_reason: str | None = None
 
     def add(self, kind: str, text: str, tool: int = -1) -> None:
         ids = encode(text)
@@ -107,6 +111,8 @@ class Plan:
         """The finish reason when the first ``n`` tokens were generated."""
         if n < len(self.ids):
             return "length"
+        if self.stop_reason is not None:
+            return "stop"
         if self.finish_reason:
             return self.finish_reason
         return "tool_calls" if self.calls else "stop"
@@ -143,6 +149,44 @@ def plan_answer(
     return plan
 
 
+def stop_on_strings(plan: Plan, stops: Any, min_tokens: Any, limit: int) -> None:
+    """End `plan` at the first of its first `limit` tokens whose text completes a ``stop``
+    string (checked once more than ``min_tokens`` tokens are out), as vLLM's engine stops:
+    the ids end with that token, no end-of-turn token follows, ``stop_reason`` names the string.
+    The text is not cut here: the chat route cuts it (`cut_at_stop`), derender does not."""
+    wanted = [stops] if isinstance(stops, str) else [s for s in stops or () if isinstance(s, str)]
+    wanted = [s for s in wanted if s]
+    if not wanted:
+        return
+    floor = min_tokens if type(min_tokens) is int else 0
+    text = ""
+    for k in range(min(limit, len(plan.ids))):
+        before = len(text)
+        if plan.kinds[k] != "eos":
+            text = decode(
+                t for t, kind in zip(plan.ids[: k + 1], plan.kinds, strict=False) if kind != "eos"
+            )
+        if k + 1 <= floor:
+            continue
+        hits = [(text.find(s, max(0, before - len(s) + 1)), s) for s in wanted]
+        hits = [(at + len(s), s) for at, s in hits if at >= 0]
+        if hits:
+            stop = min(hits)[1]
+            del plan.ids[k + 1 :], plan.kinds[k + 1 :], plan.tool_index[k + 1 :]
+            plan.stop_reason = stop
+            return
+
+
+def cut_at_stop(text: str | None, stop: str, include: bool) -> str | None:
+    """`text` as the chat route gives it after stopping on `stop` (None when it is not there):
+    cut at the occurrence the last token completed, the last one (the fake's tokens are single
+    bytes, so that token holds no other)."""
+    if text is None or stop not in text:
+        return None
+    at = text.rfind(stop)
+    return text[: at + len(stop)] if include else text[:at]
+
+
 def message_parts(plan: Plan, n: int) -> tuple[str | None, str | None, list[PlannedCall]]:
     """(reasoning, content, tool calls) as vLLM's parsers return them for the first ``n`` tokens.
 
@@ -159,13 +203,24 @@ def message_parts(plan: Plan, n: int) -> tuple[str | None, str | None, list[Plan
     return reasoning, rest or None, []
 
 
-def reasoning_token_count(ids: list[int]) -> int:
-    """Tokens between ``<think>`` and ``</think>`` (or the end), as vLLM's Qwen3 parser counts."""
-    if THINK_START not in ids:
-        return 0
-    start = ids.index(THINK_START) + 1
-    end = ids.index(THINK_END) if THINK_END in ids else len(ids)
-    return max(0, end - start)
+def reasoning_token_count(ids: list[int], *, thinking: bool = True, ended: bool = False) -> int:
+    """The chat route's ``reasoning_tokens`` as vLLM 0.32's Qwen3 parser counts them (measured
+    on the tiny vLLM, tests/e2e/test_vllm_parity.py and docs/upstream-facts.md): the reasoning
+    phase is open from the first token unless the prompt closed it (`thinking` false), a
+    ``<think>`` opens it and a ``</think>`` closes it (neither counted), and the end-of-turn
+    token a completion stopped on (`ended`) is not counted. (The fake parses an answer without
+    a think block as content; vLLM's Qwen3 parser would call it reasoning, and counts it so.)"""
+    counted = ids[:-1] if ended and ids else ids
+    count = 0
+    reasoning = thinking
+    for token in counted:
+        if token == THINK_START:
+            reasoning = True
+        elif token == THINK_END:
+            reasoning = False
+        elif reasoning:
+            count += 1
+    return count
 
 
 def stream_deltas(plan: Plan, n: int, *, include_reasoning: bool) -> list[dict[str, Any] | None]:

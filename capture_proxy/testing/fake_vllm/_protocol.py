@@ -164,6 +164,7 @@ class ChunkWriter:
         finish_reason: str | None = None,
         fingerprint: str | None = None,
         routed_experts: str | None = None,
+        stop_reason: str | None = None,
     ) -> bytes:
         """One generated token's chunk; the last carries ``finish_reason`` and ``stop_reason``
         (and ``routed_experts`` when the fake returns them)."""
@@ -174,7 +175,7 @@ class ChunkWriter:
             "finish_reason": finish_reason,
         }
         if finish_reason is not None:
-            choice["stop_reason"] = None
+            choice["stop_reason"] = stop_reason
         choice["token_ids"] = token_ids
         if routed_experts is not None:
             choice["routed_experts"] = routed_experts

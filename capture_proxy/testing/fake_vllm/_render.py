@@ -77,6 +77,12 @@ def resolve_sampling(
             out["seed"] = body["seed"]
     out["stop"] = body.get("stop") or []
     out["stop_token_ids"] = body.get("stop_token_ids") or []
+    # Not in a captured render (every one left them at their defaults): as SamplingParams
+    # names them, so the fake's generate stops where the chat route does.
+    if body.get("min_tokens"):
+        out["min_tokens"] = body["min_tokens"]
+    if body.get("include_stop_str_in_output") is True:
+        out["include_stop_str_in_output"] = True
     limit = body.get("max_completion_tokens")
     if limit is None:
         limit = body.get("max_tokens")

@@ -21,7 +21,7 @@ from ._derender import derender_body, derender_stream_answer
 from ._faults import FaultKind
 from ._features import check_features, render_features
 from ._generate import Generation, check_generate, generate_body, generate_events
-from ._generation import Plan, Turn, plan_answer, sample_logprobs
+from ._generation import Plan, Turn, plan_answer, sample_logprobs, stop_on_strings
 from ._http import (
     complete_raw,
     fault_response,
@@ -177,7 +177,9 @@ class ScaleOutRoutes:
         )
         room = max(self.max_model_len - len(prompt_ids), 0)
         limit = sampling.get("max_tokens")
-        n = min(len(plan.ids), room if limit is None else min(limit, room))
+        bound = room if limit is None else min(limit, room)
+        stop_on_strings(plan, sampling.get("stop"), sampling.get("min_tokens"), bound)
+        n = min(len(plan.ids), bound)
         top = sampling.get("logprobs")
         top_k = top if type(top) is int and top >= 0 else None
         logprobs, tops = sample_logprobs(self.seed, prompt_ids, plan.ids[:n], top_k or 0)

@@ -93,10 +93,73 @@ def test_a_completion_cut_by_length_gets_the_whole_turn_close_recorded_as_added(
     assert bridged.bridge_spans == ((base, base + 2, END_OF_TURN_ADDED),)
 
 
+#: A Llama-2-style close: a plain token (a space) before the stop token, ids of our own.
+SPACE, EOS, ENDOFTEXT = 9, 0, SPECIAL_TOKENS["<|endoftext|>"]
+APPENDED = [50, 51, 52]
+
+
+def renders_with_close(close: list[int]) -> BridgeRenders:
+    """Renders of a template whose turn close is `close` and whose appended messages render as
+    `APPENDED` (the two renders of each pair differ only in the dummy content, 7 or 8)."""
+    return BridgeRenders(
+        close=([1, 7, *close], [1, 8, *close]),
+        suffix=([1, 7, *close, *APPENDED], [1, 8, *close, *APPENDED]),
+    )
+
+
+def assembled(completion: list[int], close: list[int], **prior_keys: Any) -> Bridged | NotBridged:
+    base = chat_prior()
+    prior = Prior(base.request, base.message, base.prompt_ids, completion, "stop", **prior_keys)
+    request = continued(prior, prior.message, USER)
+    ext = match(prior, request)
+    assert isinstance(ext, Extension), ext
+    return assemble(prior, plan(request, ext), renders_with_close(close))
+
+
+def test_a_stop_token_after_a_plain_token_in_the_close_gets_only_what_follows_it() -> None:
+    # Llama-2 closes a turn with " </s>"; the model sampled </s> without the space. The prompt
+    # continues after the sampled </s>: no second </s>, no space the model never saw.
+    bridged = assembled([20, 21, EOS], [SPACE, EOS])
+    assert isinstance(bridged, Bridged), bridged
+    exact = [*chat_prior().prompt_ids, 20, 21, EOS]
+    assert bridged.prompt_ids == [*exact, *APPENDED]
+    assert bridged.bridge_spans == ()
+    # Sampled with its space, the same.
+    bridged = assembled([20, SPACE, EOS], [SPACE, EOS])
+    assert isinstance(bridged, Bridged), bridged
+    assert bridged.prompt_ids[-len(APPENDED) - 2 :] == [SPACE, EOS, *APPENDED]
+    # A close with tokens after the stop token: those, as the turn close.
+    bridged = assembled([20, EOS], [SPACE, EOS, 26])
+    assert isinstance(bridged, Bridged), bridged
+    base = len(chat_prior().prompt_ids) + 2
+    assert bridged.prompt_ids[base:] == [26, *APPENDED]
+    assert bridged.bridge_spans == ((base, base + 1, TURN_CLOSE),)
+
+
+def test_a_completion_that_stopped_on_another_stop_token_is_not_bridged() -> None:
+    # ChatML closes with <|im_end|>\n; the model ended on <|endoftext|>, which the close does not
+    # hold: what the template would write after it is unknown.
+    got = assembled([20, 21, ENDOFTEXT], [IM_END, *NL])
+    assert isinstance(got, NotBridged)
+    assert got.reason == "stopped_on_other_token"
+    assert str(ENDOFTEXT) in got.detail
+    # A stop string (vLLM's stop_reason is the string) is no stop token: the whole close.
+    bridged = assembled([20, 21, 22], [IM_END, *NL], stop_reason="21 22")
+    assert isinstance(bridged, Bridged), bridged
+    assert bridged.bridge_spans[0][2] == END_OF_TURN_ADDED
+
+
 def test_a_stop_string_left_out_of_the_output_gets_the_whole_turn_close() -> None:
     # vLLM excludes a matched stop string: the completion stops with "stop" but without <|im_end|>.
     prior = chat_prior("length")
-    stopped = Prior(prior.request, prior.message, prior.prompt_ids, prior.completion_ids, "stop")
+    stopped = Prior(
+        prior.request,
+        prior.message,
+        prior.prompt_ids,
+        prior.completion_ids,
+        "stop",
+        stop_reason="</answer>",
+    )
     bridged = bridge(stopped, continued(stopped, stopped.message, USER))
     base = len(prior.prompt_ids) + len(prior.completion_ids)
     assert bridged.bridge_spans == ((base, base + 2, END_OF_TURN_ADDED),)

@@ -145,6 +145,35 @@ def test_a_replay_the_model_did_not_produce_is_reply_mismatch(
     assert _break(prior, continued(prior, replayed, RESULT)) == NotBridged("reply_mismatch", detail)
 
 
+@pytest.mark.parametrize(
+    "arguments",
+    ['{"c": true}', '{"c": 1.0}', '{"c": 999, "c": 1}', '{"c": [1]}', '{"c": "1"}'],
+    ids=["true", "float", "key-twice", "list", "string"],
+)
+def test_replayed_arguments_equal_only_in_python_are_reply_mismatch(arguments: str) -> None:
+    # The model wrote {"c": 1}: Python takes True and 1.0 for 1, and a key named twice for its
+    # last value; the staged request would keep arguments the model did not write.
+    model = {**CALL, "function": {"name": "bash", "arguments": '{"c": 1}'}}
+    prior = dataclasses.replace(prior_call(), message={**ANSWER, "tool_calls": [model]})
+    forged = replay(tool_calls=[{**CALL, "function": {"name": "bash", "arguments": arguments}}])
+    assert _break(prior, continued(prior, forged, RESULT)) == NotBridged(
+        "reply_mismatch", "message 2: tool call 0: arguments differ"
+    )
+    same = replay(tool_calls=[{**CALL, "function": {"name": "bash", "arguments": '{ "c":1 }'}}])
+    assert isinstance(match(prior, continued(prior, same, RESULT)), Extension)
+
+
+@pytest.mark.parametrize("now", ["sha256:other", ""], ids=["other", "unknown"])
+def test_a_call_under_another_tokenizer_fingerprint_is_tokenizer_changed(now: str) -> None:
+    prior = dataclasses.replace(prior_call(), fingerprint="sha256:staged")
+    request = continued(prior, replay(), RESULT)
+    cut = match(prior, request, fingerprint=now)
+    assert isinstance(cut, NotBridged)
+    assert cut.reason == "tokenizer_changed"
+    assert "sha256:staged" in cut.detail
+    assert isinstance(match(prior, request, fingerprint="sha256:staged"), Extension)
+
+
 def test_a_request_that_stops_before_the_answer_is_reply_mismatch() -> None:
     prior = prior_call()
     assert _break(prior, dict(prior.request)) == NotBridged(

@@ -61,6 +61,8 @@ def test_the_bridged_prompt_extends_the_exact_prompt_and_completion(
     messages = ([sys_message] if sys_message else []) + earlier
     answer = {"role": "assistant", "content": "x"}
     base = staged_prior(messages, "", answer, tools=TOOLS if with_tools else None)
+    # A completion that stopped ends on its stop token, the template's end of turn.
+    completion = [*completion, IM_END] if finish == "stop" else completion
     prior = Prior(base.request, answer, base.prompt_ids, completion, finish)
     bridged = _bridge(prior, continued(prior, answer, *more), drop=True)
     exact = [*prior.prompt_ids, *prior.completion_ids]

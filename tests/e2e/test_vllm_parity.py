@@ -1,0 +1,157 @@
+"""Token-in gives the agent what vLLM's chat route gives, against the real vLLM 0.32 (`-m vllm`).
+
+Each request shape goes, greedy, through a proxy on the plain path and one with token-in on
+(both in front of the same vLLM, one call at a time: batching can flip the random model's
+near-tied greedy picks), unary and streamed; the answers are compared field by field (ids and
+timestamps aside), and so are the staged messages and finish reasons. The tiny model answers
+noise, so the shapes steer it (tests/e2e/test_vllm.py, `steer_tool_call`): a ``logit_bias``
+closes its reasoning and a ``structured_outputs`` regex writes the answer, so stop strings, tool
+calls and the end of turn come where the shape needs them.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from capture_proxy.schemas.token_in_extras import segment_break_of
+from tests.e2e.test_vllm import IM_END, THINK_END, TOOLS, steer_tool_call
+from tests.support.parity import agent_view
+from tests.support.proxy_harness import start_proxy, stop_proxy
+
+pytestmark = pytest.mark.vllm
+
+USER = {"role": "user", "content": "Say it."}
+#: The tiny model's id of "\n\n", its first greedy token here (scripts/tiny_vllm.py), and of
+#: `<|endoftext|>`, an end of sequence the ChatML turn close does not hold.
+NEWLINE = 207
+ENDOFTEXT = "0"
+
+
+def says(text: str, **extra: Any) -> dict[str, Any]:
+    """Steering to answer `text` (a regex) as content, then end the turn."""
+    return {
+        "logit_bias": {THINK_END: 100, IM_END: 50},
+        "structured_outputs": {"regex": text},
+        "max_tokens": 48,
+        **extra,
+    }
+
+
+#: name -> the request's extra fields.
+SHAPES: dict[str, dict[str, Any]] = {
+    "free reasoning cut by length": {"max_tokens": 8},
+    "end of turn": says(r"Done\."),
+    "end of turn with logprobs": says(r"Done\.", logprobs=True, top_logprobs=2),
+    "stop string": says(r"Done\. Gone\.", stop=["on"]),
+    "stop string kept": says(r"Done\. Gone\.", stop=["on"], include_stop_str_in_output=True),
+    "stop after min_tokens": says(r"on and on again", stop="on", min_tokens=4),
+    "tool call": {**steer_tool_call("ls -la"), "tools": TOOLS},
+    "tool call cut by length mid arguments": {
+        **steer_tool_call("ls -la /tmp/a/long/path"),
+        "tools": TOOLS,
+        "max_tokens": 34,
+    },
+    "tool choice none": {"tools": TOOLS, "tool_choice": "none", "max_tokens": 8},
+    "json schema": says(r'\{"n": 1\}'),
+    "reasoning off": {"chat_template_kwargs": {"enable_thinking": False}, "max_tokens": 8},
+    "logprobs": {"logprobs": True, "top_logprobs": 2, "max_tokens": 6},
+    # The reasoning count: an end of sequence sampled at once counts none, a stop token id does.
+    "ends at once": {"logit_bias": {IM_END: 100}, "max_tokens": 4},
+    "stop token id": {"stop_token_ids": [NEWLINE], "max_tokens": 6},
+}
+
+
+def request(extra: dict[str, Any], stream: bool) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": "policy", "messages": [USER], "temperature": 0, **extra}
+    if stream:
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+def staged(record: Any) -> dict[str, Any]:
+    message = record.response
+    return {
+        "content": message.get("content") or None,
+        "reasoning": message.get("reasoning_content") or None,
+        "tool_calls": [
+            (c["function"]["name"], c["function"]["arguments"])
+            for c in message.get("tool_calls") or ()
+        ],
+        "finish_reason": record.finish_reason,
+        "completion_token_ids": list(record.completion_token_ids),
+    }
+
+
+async def test_token_in_answers_what_vllms_chat_route_answers(
+    vllm_url: str, tmp_path: Path
+) -> None:
+    plain = await start_proxy(tmp_path / "plain", upstream=vllm_url)
+    token_in = await start_proxy(tmp_path / "token-in", upstream=vllm_url, token_in="on")
+    differ: dict[str, Any] = {}
+    try:
+        for name, extra in SHAPES.items():
+            for stream in (False, True):
+                rollout = f"{name.replace(' ', '-')}-{int(stream)}"
+                body = request(extra, stream)
+                want = await agent_view(functools.partial(plain.chat, rollout=rollout), body)
+                got = await agent_view(functools.partial(token_in.chat, rollout=rollout), body)
+                [want_record] = plain.calls(rollout)
+                [got_record] = token_in.calls(rollout)
+                assert got_record.token_in
+                assert not want_record.token_in
+                if got != want:
+                    differ[f"{name} ({'streamed' if stream else 'unary'})"] = (got, want)
+                elif staged(got_record) != staged(want_record):
+                    differ[f"{name} ({'streamed' if stream else 'unary'}) staged"] = (
+                        staged(got_record),
+                        staged(want_record),
+                    )
+    finally:
+        await stop_proxy(plain)
+        await stop_proxy(token_in)
+    assert differ == {}
+
+
+async def test_the_bridge_places_the_close_where_the_sampled_stop_token_sits(
+    vllm_url: str, tmp_path: Path
+) -> None:
+    """The model ends on `<|im_end|>` (the close's stop token): the next call gets only the
+    close's "\\n" after it. It ends on `<|endoftext|>`, which the ChatML close does not hold:
+    the next call starts a new segment (`stopped_on_other_token`), never `<|endoftext|>` then
+    a whole close."""
+    p = await start_proxy(tmp_path, upstream=vllm_url, token_in="on")
+    try:
+        for rollout, token in (("im-end", IM_END), ("endoftext", ENDOFTEXT)):
+            first = {
+                "model": "policy",
+                "messages": [USER],
+                "temperature": 0,
+                "max_tokens": 4,
+                "logit_bias": {token: 100},
+            }
+            resp = await p.chat(first, rollout=rollout)
+            assert resp.status == 200, await resp.text()
+            message = (await resp.json())["choices"][0]["message"]
+            replayed = {"role": "assistant", "content": message["content"] or ""}
+            again = {**first, "messages": [USER, replayed, {"role": "user", "content": "More."}]}
+            again.pop("logit_bias")
+            resp = await p.chat(again, rollout=rollout)
+            assert resp.status == 200, await resp.text()
+        before, after = p.calls("im-end")
+        assert list(before.completion_token_ids) == [int(IM_END)]
+        assert segment_break_of(after.extras) is None
+        start = len(before.prompt_token_ids) + 1
+        assert [(s, r) for s, _, r in after.bridge_spans] == [(start, "turn_close")]
+        before, after = p.calls("endoftext")
+        assert list(before.completion_token_ids) == [int(ENDOFTEXT)]
+        cut = segment_break_of(after.extras)
+        assert cut is not None
+        assert cut.reason == "stopped_on_other_token"
+        assert not after.bridge_spans
+    finally:
+        await stop_proxy(p)

@@ -1,0 +1,169 @@
+"""Token-in gives the agent what the chat route gives, against the fake vLLM (docs/token-in.md,
+"What the agent gets").
+
+The same scripted answer (so the same sampled tokens) goes through a proxy on the plain path and
+one with token-in on, unary and streamed, over the request shapes the chat route knows; the
+answers are compared field by field (ids and timestamps aside) and so are the staged records.
+The fake is held to vLLM 0.32's derender (tests/testing/test_fake_token_in.py): its streamed
+route keeps an end-of-turn token's text when alone in a chunk, does not cut stop strings, says
+``tool_calls`` for a tool call cut by ``length``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from capture_proxy.testing.fake_vllm import FakeToolCall, FakeVLLM, Turn
+from tests.support.parity import agent_view
+from tests.support.proxy_harness import Proxy, chat_body, user
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "bash",
+            "description": "run a command",
+            "parameters": {"type": "object", "properties": {"command": {"type": "string"}}},
+        },
+    }
+]
+LS = FakeToolCall("bash", {"command": "ls -la /tmp"})
+SCHEMA = {
+    "type": "json_schema",
+    "json_schema": {"name": "n", "schema": {"type": "object", "properties": {"n": {}}}},
+}
+
+#: name -> (the scripted answer, the request's extra fields).
+SHAPES: dict[str, tuple[Turn, dict[str, Any]]] = {
+    "plain": (Turn("Done.", reasoning="ok"), {}),
+    "empty answer": (Turn(""), {}),
+    "stop string": (Turn("Done. Gone.", reasoning="hm"), {"stop": ["on"]}),
+    "stop string kept": (
+        Turn("Done. Gone.", reasoning="hm"),
+        {"stop": ["on", "xyz"], "include_stop_str_in_output": True},
+    ),
+    "stop after min_tokens": (
+        Turn("on and on again", reasoning=None),
+        {"stop": "on", "min_tokens": 4},
+    ),
+    "stop in reasoning": (Turn("Fine.", reasoning="one two"), {"stop": ["two"]}),
+    "tool call": (Turn(reasoning="look", tool_calls=[LS]), {"tools": TOOLS}),
+    "tool call required": (
+        Turn(tool_calls=[LS]),
+        {"tools": TOOLS, "tool_choice": "required"},
+    ),
+    "tool choice none": (Turn(tool_calls=[LS]), {"tools": TOOLS, "tool_choice": "none"}),
+    "length mid tool arguments": (
+        Turn(reasoning="look", tool_calls=[LS]),
+        {"tools": TOOLS, "max_tokens": 40},
+    ),
+    "length mid content": (Turn("a long answer indeed"), {"max_tokens": 7}),
+    "json schema": (Turn('{"n": 1}'), {"response_format": SCHEMA}),
+    "reasoning off": (
+        Turn("Plain.", reasoning="unseen"),
+        {"chat_template_kwargs": {"enable_thinking": False}},
+    ),
+    "logprobs": (Turn("Yes.", reasoning="r"), {"logprobs": True, "top_logprobs": 2}),
+    "token ids": (Turn("Ids.", reasoning="r"), {"return_token_ids": True}),
+}
+
+
+async def through(
+    make_proxy: Any, token_in: str, turn: Turn, body: dict[str, Any], *, chunk_delay: float = 0.0
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The agent's view of one call, and the staged record's message and finish reason."""
+    p: Proxy = await make_proxy(
+        fake=FakeVLLM(scale_out=True, chunk_delay=chunk_delay), token_in=token_in
+    )
+    p.fake.push(turn)
+    view = await agent_view(p.chat, body)
+    [record] = p.calls()
+    assert record.token_in is (token_in == "on")
+    message = record.response
+    staged = {
+        "content": message.get("content"),
+        "reasoning": message.get("reasoning_content"),
+        "tool_calls": [
+            (c["function"]["name"], c["function"]["arguments"])
+            for c in message.get("tool_calls") or ()
+        ],
+        "finish_reason": record.finish_reason,
+        "completion_token_ids": list(record.completion_token_ids),
+    }
+    return view, staged
+
+
+def request(extra: dict[str, Any], stream: bool) -> dict[str, Any]:
+    body = chat_body(user("Tell me."), temperature=0, **extra)
+    if stream:
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "streamed"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+async def test_token_in_answers_what_the_chat_route_answers(
+    make_proxy: Any, shape: str, stream: bool
+) -> None:
+    turn, extra = SHAPES[shape]
+    body = request(extra, stream)
+    plain_view, plain_staged = await through(make_proxy, "off", turn, body)
+    token_view, token_staged = await through(make_proxy, "on", turn, body)
+    assert token_view == plain_view
+    assert token_staged == plain_staged
+
+
+async def test_streamed_content_never_ends_with_the_end_of_turn_text(make_proxy: Any) -> None:
+    # Each event comes after the previous derender call returned: the end-of-turn token goes
+    # alone, where vLLM 0.32's streamed derender keeps its text.
+    turn, body = Turn("Done.", reasoning="ok"), request({}, stream=True)
+    plain_view, _ = await through(make_proxy, "off", turn, body)
+    token_view, staged = await through(make_proxy, "on", turn, body, chunk_delay=0.06)
+    assert token_view["content"] == plain_view["content"] == "Done."
+    assert staged["content"] == "Done."
+
+
+async def test_a_stop_string_cuts_the_answer_as_the_chat_route_does(make_proxy: Any) -> None:
+    turn = Turn("Done.", reasoning=None)
+    for stream in (False, True):
+        view, staged = await through(make_proxy, "on", turn, request({"stop": ["on"]}, stream))
+        content = view["choices"][0]["message"]["content"] if not stream else view["content"]
+        assert content == staged["content"] == "D"
+
+
+async def test_a_streamed_tool_call_cut_by_length_finishes_with_length(make_proxy: Any) -> None:
+    turn, extra = SHAPES["length mid tool arguments"]
+    view, staged = await through(make_proxy, "on", turn, request(extra, stream=True))
+    assert view["finish_reason"] == staged["finish_reason"] == "length"
+
+
+class NoTokenize(FakeVLLM):
+    """A vLLM whose /tokenize fails (the reasoning markers cannot be learnt)."""
+
+    refused = 0
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        if (await request.json()).get("prompt") in ("<think>", "</think>"):
+            self.refused += 1
+            return web.json_response({"error": "boom"}, status=500)
+        return await super()._tokenize(request)
+
+
+async def test_without_the_reasoning_markers_the_usage_has_no_reasoning_count(
+    make_proxy: Any,
+) -> None:
+    p: Proxy = await make_proxy(fake=NoTokenize(scale_out=True), token_in="on")
+    p.fake.push(Turn("Done.", reasoning="ok"), Turn("Done.", reasoning="ok"))
+    for _ in range(2):
+        view = await agent_view(p.chat, request({}, stream=False))
+        # The answer and its record as ever; only the count the chat route adds is left out.
+        assert view["choices"][0]["message"]["content"] == "Done."
+        assert "completion_tokens_details" not in view["usage"]
+    assert len(p.calls()) == 2
+    # Not learnt: asked again by the next call (two /tokenize calls each).
+    assert isinstance(p.fake, NoTokenize)
+    assert p.fake.refused == 4
