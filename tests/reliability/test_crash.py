@@ -105,8 +105,11 @@ def test_sigkill_loses_no_acknowledged_record(tmp_path: Path, kind: str) -> None
             assert set(acknowledged) <= set(s.source.all_keys())
     assert killed_mid_write >= ROUNDS - 1, "the worker finished before it could be killed"
     assert len(acknowledged) >= ROUNDS * 10, f"too little was staged: {len(acknowledged)}"
-    # Sessions continued across kills: later rounds extended what earlier rounds staged.
-    assert any(k.startswith(f"r{ROUNDS - 1}-r") for k in acknowledged), acknowledged[-20:]
+    # Sessions continued across kills: later rounds extended what earlier rounds staged. Any
+    # later round: on a loaded machine the last round may find every earlier session finished,
+    # or cut after its claim (a seq that reads lost_in_crash ends its session), and start anew.
+    resumed = [k for k in acknowledged if any(k.startswith(f"r{n}-r") for n in range(1, ROUNDS))]
+    assert resumed, acknowledged[-20:]
 
     async def write_again() -> None:
         source = open_source(store)
