@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from . import __version__
 from .core.policy import PolicyError
+from .inspect.escape import escape_text
 from .inspect.progress import progress_bar
 from .logs import setup_logging
 from .server.settings import SettingsError, add_arguments, load_settings, settings_markdown
@@ -80,9 +81,10 @@ def _parser() -> argparse.ArgumentParser:
         "(prompt_ids, response_ids, response_mask, response_logprobs: the shape RL trainers "
         "take) as one table, a GRPO group's rollouts next to each other. Open (not sealed) and "
         "poisoned (a call answered but not staged) rollouts are left out unless asked for; "
-        "what was left out is said on stderr. Every record is verified first; nothing is "
-        "written if one does not verify. The images rows refer to go to OUT's sibling "
-        "<name>.attachments.parquet.",
+        "what was left out is said on stderr. Each rollout is verified first (every record's "
+        "digest, its event log's chain and accounting, its header against the chain): one "
+        "that does not verify is left out and said on stderr, with exit status 1. The images "
+        "rows refer to go to OUT's sibling <name>.attachments.parquet.",
     )
     export.add_argument("store", help="store URL or path (sqlite:///x.db, parquet:///dir, ...)")
     export.add_argument("out", help="output file, or - for JSON Lines on stdout")
@@ -153,7 +155,8 @@ def _parser() -> argparse.ArgumentParser:
         "--no-verify",
         dest="verify",
         action="store_false",
-        help="do not recompute every record's digest (faster; for data verified already)",
+        help="do not verify rollouts (digests, event logs, headers): faster, for data "
+        "verified already; exports rollouts that do not verify as they are",
     )
     export.add_argument(
         "--json",
@@ -338,9 +341,22 @@ def _report_export(args: argparse.Namespace, summary: dict[str, object]) -> None
             f"{len(left['poisoned'])} poisoned (a call answered but not staged: "
             "--include-poisoned exports them)"
         )
+    if left.get("unverified"):
+        parts.append(
+            f"{len(left['unverified'])} that do not verify (--no-verify exports them as they are)"
+        )
     if parts:
-        n = len(left["open"]) + len(left["poisoned"])
+        n = len(left["open"]) + len(left["poisoned"]) + len(left.get("unverified", ()))
         print(f"capture-proxy export: left out {n} rollout(s): {'; '.join(parts)}", file=sys.stderr)
+    why = summary.get("unverified")
+    assert isinstance(why, dict)
+    for rollout_id, problems in why.items():
+        for problem in problems:
+            print(
+                f"capture-proxy export: {escape_text(rollout_id)} does not verify: "
+                f"{escape_text(problem)}",
+                file=sys.stderr,
+            )
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -377,7 +393,7 @@ def _export(args: argparse.Namespace) -> int:
     if cursor is not None:
         cursor.save(args.cursor)  # only now: a failed export leaves the cursor as it was
     _report_export(args, summary.to_dict())
-    return 0
+    return 1 if summary.left_out["unverified"] else 0
 
 
 async def _seal(args: argparse.Namespace) -> int:

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from types import EllipsisType
 
 from ..errors import CaptureProxyError
+from ..schemas.events import RolloutEvent
 from ..schemas.outcome import RolloutOutcome
-from ..schemas.records import CallStatus, RolloutInfo, RolloutState
+from ..schemas.records import CallStatus, CallSummary, LedgerEntry, RolloutInfo, RolloutState
 from ..sinks.base import StagingSource
 
 __all__ = [
@@ -26,9 +27,11 @@ __all__ = [
     "POISONING",
     "NotStaged",
     "RolloutExcluded",
+    "RolloutFacts",
     "RolloutStatus",
     "check_included",
     "rollout_status",
+    "status_of",
 ]
 
 #: A claimed call with neither a record nor a ledger entry (see `rollout_status`).
@@ -86,50 +89,85 @@ def read_header(source: StagingSource, rollout_id: str) -> RolloutInfo | None:
         return None
 
 
+@dataclass(frozen=True, slots=True)
+class RolloutFacts:
+    """What the store holds about a rollout besides its records' content, read once: its
+    header, ledger, record summaries, event log and admission claims. Its status
+    (`status_of`) and its integrity check (`capture_proxy.read.integrity`) both come from it."""
+
+    rollout_id: str
+    header: RolloutInfo | None
+    failures: list[LedgerEntry]
+    summaries: list[CallSummary]
+    events: list[RolloutEvent]
+    claims: dict[int, str]
+
+    @staticmethod
+    def read(
+        source: StagingSource,
+        rollout_id: str,
+        header: RolloutInfo | EllipsisType | None = ...,
+        *,
+        claims: bool = True,
+    ) -> RolloutFacts:
+        """Read them; KeyError for an unknown rollout. A caller that has the header already
+        (`read_header`, for a rollout it listed) passes it: then neither the store's rollout
+        list nor the header is read again (an export selects every rollout of the store, and a
+        list per rollout would make it quadratic). ``claims=False`` leaves the claims unread
+        (the integrity check does not use them; on object storage they are a listing each)."""
+        if header is ...:
+            if rollout_id not in source.rollouts():
+                raise KeyError(rollout_id)
+            header = read_header(source, rollout_id)
+        return RolloutFacts(
+            rollout_id,
+            header,
+            source.failures(rollout_id),
+            source.summaries(rollout_id),
+            source.events(rollout_id),
+            source.claims(rollout_id) if claims else {},
+        )
+
+
 def rollout_status(
     source: StagingSource, rollout_id: str, header: RolloutInfo | EllipsisType | None = ...
 ) -> RolloutStatus:
     """Read the rollout's header, ledger and orphan marks. KeyError for an unknown rollout.
 
-    A caller that has the header already (`read_header`, for a rollout it listed) passes it:
-    then neither the store's rollout list nor the header is read again (an export selects every
-    rollout of the store, and a list per rollout would make it quadratic)."""
-    if header is ...:
-        if rollout_id not in source.rollouts():
-            raise KeyError(rollout_id)
-        header = read_header(source, rollout_id)
+    A caller that has the header already passes it (see `RolloutFacts.read`)."""
+    return status_of(RolloutFacts.read(source, rollout_id, header))
+
+
+def status_of(facts: RolloutFacts) -> RolloutStatus:
+    """The rollout's status from what was read of it (`RolloutFacts`)."""
+    header = facts.header
     if header is None:  # not sealed
         state, header_poisoned, outcome = RolloutState.OPEN, False, None
     else:
         state, header_poisoned, outcome = header.state, header.poisoned, header.outcome
-    entries = [
-        NotStaged(f.seq, f.call_id, f.status.value, f.reason) for f in source.failures(rollout_id)
-    ]
+    entries = [NotStaged(f.seq, f.call_id, f.status.value, f.reason) for f in facts.failures]
     # A record that landed after its caller gave up is usually in the ledger as well (the
     # caller saw capture_failed): one call, listed once.
     listed = {e.call_id for e in entries}
-    summaries = source.summaries(rollout_id)
     entries.extend(
         NotStaged(s.seq, s.call_id, "orphaned", "orphaned")
-        for s in summaries
+        for s in facts.summaries
         if s.orphaned and s.call_id not in listed
     )
-    entries.extend(_from_event_log(source, rollout_id, listed, {s.call_id for s in summaries}))
+    entries.extend(_from_event_log(facts, listed, {s.call_id for s in facts.summaries}))
     entries.sort(key=lambda e: e.seq)
     poisoned = header_poisoned or any(e.poisons for e in entries)
     return RolloutStatus(state, poisoned, tuple(entries), outcome)
 
 
-def _from_event_log(
-    source: StagingSource, rollout_id: str, listed: set[str], staged: set[str]
-) -> list[NotStaged]:
+def _from_event_log(facts: RolloutFacts, listed: set[str], staged: set[str]) -> list[NotStaged]:
     """Not-staged calls only the event log knows of: a claimed call with neither a record nor
     a ledger entry (``lost_in_crash``: the proxy stopped while it was in flight, or its record
     was removed), and a ledger entry the event log holds but the ledger lost (a deleted row must
     not un-poison its rollout). A store without event logs adds nothing."""
     found: list[NotStaged] = []
     logged = set(listed)
-    for event in source.events(rollout_id):
+    for event in facts.events:
         if event.kind == "ledger" and event.call_id is not None and event.call_id not in logged:
             logged.add(event.call_id)
             found.append(
@@ -140,7 +178,7 @@ def _from_event_log(
                     str(event.body.get("reason", "")),
                 )
             )
-    for seq, call_id in source.claims(rollout_id).items():
+    for seq, call_id in facts.claims.items():
         if call_id not in staged and call_id not in logged:
             found.append(NotStaged(seq, call_id, LOST_IN_CRASH, LOST_IN_CRASH))
     return found

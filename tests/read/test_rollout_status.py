@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from capture_proxy.read.integrity import RolloutUnverified
 from capture_proxy.read.reader import Store
 from capture_proxy.read.status import NotStaged, RolloutExcluded
 from capture_proxy.read.trajectory import Break
-from capture_proxy.schemas.digest import DigestMismatch
 from capture_proxy.schemas.records import (
     CallStatus,
     LedgerEntry,
@@ -21,6 +21,7 @@ from capture_proxy.schemas.records import (
     StagedCallRecord,
 )
 from capture_proxy.sinks.base import StagingSink
+from tests.support.sealing import put_sealed
 from tests.support.sink_factories import SINKS, Session, SinkCase
 
 KINDS = ["sqlite", "parquet"]
@@ -46,8 +47,9 @@ async def lost_middle_call(
 
 
 async def seal(sink: StagingSink, *rollout_ids: str) -> None:
+    """Seal as the proxy does: the header, then the seal event."""
     for rollout_id in rollout_ids:
-        await sink.put_rollout(RolloutInfo(rollout_id, RolloutState.SEALED, False, 1, 2))
+        await put_sealed(sink, RolloutInfo(rollout_id, RolloutState.SEALED, False, 1, 2))
 
 
 async def closed(case: SinkCase) -> Store:
@@ -161,12 +163,16 @@ async def test_reads_verify_digests_unless_told_not_to(kind: str, tmp_path: Path
     await case.sink.close()
     case.tamper(records[1].call_id, "tokens")
     with Store(case.reopen()) as store:
-        with pytest.raises(DigestMismatch, match=records[1].call_id):
+        with pytest.raises(RolloutUnverified, match=records[1].call_id) as e:
             store.calls("t")
-        with pytest.raises(DigestMismatch, match=records[1].call_id):
+        assert e.value.keyword == "verify"
+        with pytest.raises(RolloutUnverified, match=records[1].call_id):
             store.trajectory("t")
-        with pytest.raises(DigestMismatch, match=records[1].call_id):
-            list(store.iter_trajectories())
+        skipped: dict[str, list[str]] = {}
+        why: dict[str, list[str]] = {}
+        assert list(store.iter_trajectories(skipped=skipped, unverified=why)) == []
+        assert skipped["unverified"] == ["t"]
+        assert why["t"][0].startswith(f"{records[1].call_id}: digest mismatch")
         # Opting out reads the stored (damaged) data as it is.
         assert len(store.calls("t", verify=False)) == 3
         assert store.trajectory("t", verify=False).calls == [r.call_id for r in records]
