@@ -24,6 +24,7 @@ from ..sinks.base import StagingSource
 
 __all__ = [
     "LOST_IN_CRASH",
+    "PARTIAL",
     "POISONING",
     "NotStaged",
     "RolloutExcluded",
@@ -38,6 +39,12 @@ __all__ = [
 LOST_IN_CRASH = "lost_in_crash"
 #: Not-staged statuses that poison a rollout: the client was answered, the store has no record.
 POISONING = frozenset({CallStatus.CAPTURE_FAILED.value, "orphaned", LOST_IN_CRASH})
+#: Not-staged statuses whose call may have delivered part of an answer before it ended: a stream
+#: broken by the upstream (``upstream_error``) or left by its client (``aborted``) after its
+#: first tokens. They do not poison (nothing the client kept was lost in full: it saw the error),
+#: but a client that replays the partial answer puts tokens the policy generated into its next
+#: prompt, so trajectories break there (`NotStaged.may_have_answered`).
+PARTIAL = frozenset({CallStatus.UPSTREAM_ERROR.value, CallStatus.ABORTED.value})
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +66,14 @@ class NotStaged:
     def poisons(self) -> bool:
         """True when the client was answered: the rollout misses tokens the policy generated."""
         return self.status in POISONING
+
+    @property
+    def may_have_answered(self) -> bool:
+        """True when the client may hold tokens the policy generated in this call: it was
+        answered (`poisons`), or its stream ended early after some (``upstream_error``,
+        ``aborted``). A trajectory breaks after such a call (``not_staged``) unless the next
+        call is its retry."""
+        return self.status in POISONING or self.status in PARTIAL
 
 
 @dataclass(frozen=True, slots=True)
