@@ -295,7 +295,7 @@ def render_rollout(view: RolloutView, out: Out) -> None:
         bad = [
             f"#{e['seq']} {e['call_id']} ({'orphaned' if e['status'] == 'staged' else e['reason']})"
             for e in calls
-            if e["status"] == "capture_failed" or e.get("orphaned")
+            if e["status"] in ("capture_failed", "lost_in_crash") or e.get("orphaned")
         ]
         out.line(
             "POISONED: answered but not staged: " + ", ".join(bad) + ". The trajectory is "

@@ -19,6 +19,7 @@ from typing import Any, Literal, TypeAlias, TypedDict, TypeVar, cast
 
 from ..errors import CaptureProxyError
 from ..read.reader import Store
+from ..read.status import LOST_IN_CRASH, RolloutStatus
 from ..schemas.digest import DigestMismatch, verify_record
 from ..schemas.events import token_in_choice
 from ..schemas.outcome import RolloutOutcome
@@ -202,8 +203,11 @@ def _read(what: str, read: Callable[[], T]) -> T:
         raise InspectError(f"{what} cannot be read ({e}); run inspect --verify") from e
 
 
-def _entries(store: Store, rollout_id: str) -> tuple[list[CallEntry], list[StagedCallRecord]]:
-    """Staged calls and ledger failures of a rollout, interleaved by seq; and the records."""
+def _entries(
+    store: Store, rollout_id: str, status: RolloutStatus
+) -> tuple[list[CallEntry], list[StagedCallRecord]]:
+    """Staged calls, ledger failures and calls lost in a crash of a rollout, interleaved by
+    seq; and the records."""
     # A debugging view shows everything: open, poisoned and orphaned alike, and each call's
     # digest check is its own line in the call view (and --verify), so no read-time check here.
     records = _read(
@@ -224,17 +228,56 @@ def _entries(store: Store, rollout_id: str) -> tuple[list[CallEntry], list[Stage
         entries.append(staged_entry(r, parent, orphaned=r.call_id in orphaned))
         fulls[r.call_id] = full_sequence(r.prompt_token_ids, r.completion_token_ids)
     entries.extend(failure_entry(f) for f in store.failures(rollout_id))
+    entries.extend(_event_log_only(store, rollout_id, status))
     entries.sort(key=lambda e: (e["seq"], entry_time(e)))
     return entries, records
 
 
-def _summary(info: RolloutInfo, entries: Sequence[_Counted]) -> RolloutSummary:
+#: What a ``lost_in_crash`` row says (`capture_proxy.read.status`).
+LOST_MESSAGE = (
+    "admitted (its seq claimed), then neither staged nor in the ledger: the proxy stopped "
+    "while the call was in flight, or its record was removed"
+)
+
+
+def _event_log_only(store: Store, rollout_id: str, status: RolloutStatus) -> list[FailureEntry]:
+    """The not-staged calls `Store.status` knows of that the ledger does not hold: a claimed
+    call with neither a record nor a ledger entry (``lost_in_crash``), and a ledger entry only
+    the event log still has. Shown as rows like the ledger's, so inspect lists every call
+    `Store.status` does."""
+    listed = {f.call_id for f in store.failures(rollout_id)}
+    claimed_at = {
+        e.call_id: e.at_ms
+        for e in _read(f"rollout {rollout_id!r}", lambda: store.source.events(rollout_id))
+        if e.kind == "claim"
+    }
+    return [
+        {
+            "rollout_id": rollout_id,
+            "seq": n.seq,
+            "call_id": n.call_id,
+            "status": cast(FailureStatus, n.status),
+            "reason": n.reason,
+            "http_status": None,
+            "message": LOST_MESSAGE if n.status == LOST_IN_CRASH else "in the event log only",
+            "at_ms": claimed_at.get(n.call_id, 0),
+        }
+        for n in status.not_staged
+        if n.call_id not in listed and n.status != "orphaned"
+    ]
+
+
+def _summary(
+    info: RolloutInfo, entries: Sequence[_Counted], status: RolloutStatus
+) -> RolloutSummary:
     staged = [e for e in entries if e["status"] == "staged"]
     times = [t for t in map(entry_time, entries) if t]
     return {
         "rollout_id": info.rollout_id,
         "state": info.state.value,
-        "poisoned": info.poisoned,
+        # As `Store.status` says: the header, the ledger, orphan marks and the event log (a
+        # claim neither staged nor in the ledger is lost_in_crash, and poisons).
+        "poisoned": status.poisoned,
         "calls": len(entries),
         "statuses": dict(Counter(e["status"] for e in entries)),
         "orphaned": sum(1 for e in staged if e["orphaned"]),
@@ -268,12 +311,20 @@ def _counted_entries(store: Store, rollout_id: str) -> list[_Counted]:
     return entries
 
 
+def _status(store: Store, rollout_id: str) -> RolloutStatus:
+    return _read(f"rollout {rollout_id!r}", lambda: store.status(rollout_id))
+
+
 def overview(store: Store) -> OverviewView:
     """Every rollout of the store, newest first, with its counts, tokens and time span."""
     rollouts = []
     for rollout_id in reversed(store.rollouts()):
-        entries = _counted_entries(store, rollout_id)
-        rollouts.append(_summary(store.rollout_info(rollout_id), entries))
+        status = _status(store, rollout_id)
+        entries: list[_Counted] = [
+            *_counted_entries(store, rollout_id),
+            *_event_log_only(store, rollout_id, status),
+        ]
+        rollouts.append(_summary(store.rollout_info(rollout_id), entries, status))
     view: OverviewView = {"view": "rollouts", "store": store.url, "rollouts": rollouts}
     replicas = _replicas(store)
     if replicas is not None:
@@ -336,12 +387,13 @@ def rollout_view(store: Store, rollout_id: str) -> RolloutView:
     if rollout_id not in store.rollouts():
         raise KeyError(rollout_id)
     info = store.rollout_info(rollout_id)
-    entries, records = _entries(store, rollout_id)
+    status = _status(store, rollout_id)
+    entries, records = _entries(store, rollout_id, status)
     # `token_in` is added below when there is one (mypy cannot type a spread with it).
     rollout = cast(
         RolloutDetail,
         {
-            **_summary(info, entries),
+            **_summary(info, entries, status),
             "metadata": dict(info.metadata),
             "outcome": None if info.outcome is None else _outcome(info.outcome),
             "outcomes": len(info.outcome_history),
