@@ -130,6 +130,14 @@ def _parser() -> argparse.ArgumentParser:
         "once the export is complete); each sealed rollout is exported exactly once",
     )
     export.add_argument(
+        "--expected-heads",
+        metavar="FILE",
+        help="export only the rollouts FILE anchors, each only if its stored event log ends at "
+        "the chain head FILE gives it: FILE holds the seal and outcome answers a driver kept "
+        "(JSON Lines, or one JSON array; the last answer of a rollout counts). A rollout "
+        "rewritten since, even consistently, is left out with exit status 1",
+    )
+    export.add_argument(
         "--no-attachments",
         dest="attachments",
         action="store_false",
@@ -341,12 +349,19 @@ def _report_export(args: argparse.Namespace, summary: dict[str, object]) -> None
             f"{len(left['poisoned'])} poisoned (a call answered but not staged: "
             "--include-poisoned exports them)"
         )
+    if left.get("missing"):
+        parts.append(
+            f"{len(left['missing'])} anchored but not in the store "
+            f"({', '.join(map(escape_text, left['missing'][:5]))})"
+        )
+    if left.get("unanchored"):
+        parts.append(f"{len(left['unanchored'])} not anchored by --expected-heads")
     if left.get("unverified"):
         parts.append(
             f"{len(left['unverified'])} that do not verify (--no-verify exports them as they are)"
         )
     if parts:
-        n = len(left["open"]) + len(left["poisoned"]) + len(left.get("unverified", ()))
+        n = sum(len(ids) for ids in left.values())
         print(f"capture-proxy export: left out {n} rollout(s): {'; '.join(parts)}", file=sys.stderr)
     why = summary.get("unverified")
     assert isinstance(why, dict)
@@ -373,6 +388,15 @@ def _export(args: argparse.Namespace) -> int:
     except CursorInvalid as e:
         print(f"capture-proxy export: --cursor: {e}", file=sys.stderr)
         return 2
+    heads = None
+    if args.expected_heads is not None:
+        from .read.anchors import AnchorsInvalid, load_heads
+
+        try:
+            heads = load_heads(args.expected_heads)
+        except AnchorsInvalid as e:
+            print(f"capture-proxy export: --expected-heads: {e}", file=sys.stderr)
+            return 2
     with progress_bar("exporting") as progress:  # on a terminal's stderr only
         summary = export_store(
             args.store,
@@ -387,13 +411,15 @@ def _export(args: argparse.Namespace) -> int:
             group=args.groups,
             since=args.since,
             cursor=cursor,
+            expected_heads=heads,
             attachments=args.attachments and args.out != "-",
             progress=progress,
         )
     if cursor is not None:
         cursor.save(args.cursor)  # only now: a failed export leaves the cursor as it was
     _report_export(args, summary.to_dict())
-    return 1 if summary.left_out["unverified"] else 0
+    refused = summary.left_out["unverified"] or summary.left_out.get("missing")
+    return 1 if refused else 0
 
 
 async def _seal(args: argparse.Namespace) -> int:

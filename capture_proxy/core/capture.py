@@ -459,8 +459,10 @@ class Capture:
             if held:
                 live.outcome_history = history
             # The rollout's event log records each outcome too (the header keeps the whole
-            # history for readers); the header is written first, so a failure here loses no
-            # outcome and is only logged.
+            # history for readers). The header is written first, so a failure here loses no
+            # outcome; but verified reads hold the header's latest outcome to the chain's and
+            # leave the rollout out until they agree: the driver is told, and its retry writes
+            # both (docs/contract.md, "What verified means").
             reward = outcome.reward
             body = {
                 "reward": dict(reward) if isinstance(reward, Mapping) else reward,
@@ -473,6 +475,13 @@ class Capture:
                 )
             except Exception as exc:
                 log.warning("rollout %s: outcome event not written: %s", rollout_id, exc)
+                raise CaptureUnavailable(
+                    f"the outcome of rollout {rollout_id} is in its header but not in its event "
+                    f"log ({exc}): send it again (until then verified reads leave the rollout "
+                    "out)",
+                    code="outcome_not_chained",
+                    headers={"Retry-After": "1"},
+                ) from exc
             return header
 
     # -- calls ---------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from ..schemas.digest import MessageDigestCache, RequestValueCache, verify_record
-from ..schemas.events import EventKind, RolloutEvent, check_chain
+from ..schemas.events import EventKind, RolloutEvent, chain_head, check_chain
 from ..schemas.records import RolloutState, StagedCallRecord
 from .status import POISONING, RolloutExcluded, RolloutFacts
 
@@ -61,14 +61,6 @@ class RolloutUnverified(RolloutExcluded):
             VERIFY_KEYWORD,
         )
         self.problems = tuple(problems)
-
-
-def chain_head(events: Sequence[RolloutEvent]) -> str | None:
-    """The rollout's chain head: the hash of its last event, which covers every event before
-    it (each names the one before) and, through the ``staged`` events, every record's digest.
-    None for a rollout without events. The control API's seal and outcome answers carry it
-    (``chain_head``); a driver keeps it and gives it back to anchored reads."""
-    return events[-1].hash if events else None
 
 
 def rollout_problems(

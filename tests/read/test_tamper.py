@@ -105,9 +105,10 @@ def _sql(w: Written, *statements: tuple[str, tuple[Any, ...]]) -> None:
     db.close()
 
 
-def _rows(
-    w: Written, table: str, edit: Callable[[list[dict[str, Any]]], list[dict[str, Any]]]
-) -> None:
+Rows = list[dict[str, Any]]
+
+
+def _rows(w: Written, table: str, edit: Callable[[Rows], Rows]) -> None:
     """Rewrite every file of a Parquet table with `edit` applied to its rows."""
     for f in sorted((w.where / table).glob("*.parquet")):
         t = pq.read_table(f)
