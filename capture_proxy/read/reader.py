@@ -43,7 +43,7 @@ from ..schemas.records import (
     RolloutState,
     StagedCallRecord,
 )
-from ..sinks.base import Progress, StagingSource
+from ..sinks.base import Progress, StagingSource, StoreDamaged
 from ..sinks.registry import open_source
 from .integrity import RolloutUnverified, rollout_problems
 from .status import (
@@ -161,10 +161,22 @@ class Store:
             include_open=include_open,
             include_poisoned=include_poisoned,
         )
-        records = self.source.calls(rollout_id, include_orphaned=include_orphaned)
+        records = self._records(rollout_id, include_orphaned, verify)
         if verify:
             records = self._verified(facts, records, include_orphaned, None)[1]
         return records
+
+    def _records(
+        self, rollout_id: str, include_orphaned: bool, verify: bool
+    ) -> list[StagedCallRecord]:
+        """The rollout's records as stored; a store too damaged to decode them (`StoreDamaged`)
+        is, for a verified read, a rollout that does not verify."""
+        try:
+            return self.source.calls(rollout_id, include_orphaned=include_orphaned)
+        except StoreDamaged as e:
+            if not verify:
+                raise
+            raise RolloutUnverified(rollout_id, [str(e)]) from e
 
     def check(self, rollout_id: str, *, expected_head: str | None = None) -> list[str]:
         """Everything wrong with the rollout as a trainer would read it ([] when it verifies):
@@ -206,7 +218,7 @@ class Store:
         problems = self._problems_of(facts, records, expected_head)
         if problems:
             facts = RolloutFacts.read(self.source, facts.rollout_id)
-            records = self.source.calls(facts.rollout_id, include_orphaned=include_orphaned)
+            records = self._records(facts.rollout_id, include_orphaned, True)
             problems = self._problems_of(facts, records, expected_head)
             if problems:
                 raise RolloutUnverified(facts.rollout_id, problems)
@@ -333,7 +345,7 @@ class Store:
         Raises `RolloutUnverified` (``verify=True``) when the rollout does not verify."""
         from .trajectory import trajectory_from_records
 
-        records = self.source.calls(facts.rollout_id)
+        records = self._records(facts.rollout_id, False, verify)
         if verify:
             facts, records = self._verified(facts, records, False, expected_head)
         # The status carries the driver's latest outcome: the trajectory's reward and group.
@@ -390,6 +402,7 @@ class Store:
         skipped: dict[str, list[str]] | None,
         cursor: ExportCursor | None = None,
         expected_heads: Mapping[str, str] | None = None,
+        unverified: dict[str, list[str]] | None = None,
     ) -> list[SelectedRollout]:
         """The rollouts the filters keep, in export order: oldest first, except that the
         rollouts of one group follow each other (at the place of the group's oldest rollout),
@@ -422,7 +435,15 @@ class Store:
             ids = [r for r in ids if r not in cursor]
         for rollout_id in ids:
             # One header read per rollout: its outcome, its seal time and its status.
-            header = read_header(self.source, rollout_id)
+            try:
+                header = read_header(self.source, rollout_id)
+            except StoreDamaged as e:
+                log.warning("left out: rollout %r: %s", rollout_id, e)
+                if skipped is not None:
+                    skipped.setdefault("unverified", []).append(rollout_id)
+                if unverified is not None:
+                    unverified[rollout_id] = [str(e)]
+                continue
             outcome = RewardView.of(header)
             if groups is not None and outcome.group_id not in groups:
                 continue
@@ -432,7 +453,17 @@ class Store:
             # kept when open rollouts are asked for.
             if since_ms is not None and sealed_at is not None and sealed_at < since_ms:
                 continue
-            facts = RolloutFacts.read(self.source, rollout_id, header)
+            try:
+                facts = RolloutFacts.read(self.source, rollout_id, header)
+            except StoreDamaged as e:
+                # Its ledger or event log cannot be decoded: it does not verify, whatever the
+                # filters (a verified read would refuse it; an unverified one cannot read it).
+                log.warning("left out: rollout %r: %s", rollout_id, e)
+                if skipped is not None:
+                    skipped.setdefault("unverified", []).append(rollout_id)
+                if unverified is not None:
+                    unverified[rollout_id] = [str(e)]
+                continue
             status = status_of(facts)
             try:
                 check_included(
@@ -511,6 +542,7 @@ class Store:
             skipped=skipped,
             cursor=cursor,
             expected_heads=expected_heads,
+            unverified=unverified,
         )
         for sel in selected:
             got = self._take(sel, include_untooled, verify, expected_heads, skipped, unverified)

@@ -222,13 +222,20 @@ def export_store(
             skipped=skipped,
             cursor=cursor,
             expected_heads=expected_heads,
+            unverified=summary.unverified,
         )
         # Rollouts without any staged call have nothing to export, left out or not.
+        # Rollouts left out as unverified while selecting (a ledger too damaged to read) are
+        # listed whatever they hold.
         summary.left_out = {
-            why: [r for r in ids if why in ("missing", "unanchored") or store.source.summaries(r)]
+            why: [
+                r
+                for r in ids
+                if why in ("missing", "unanchored", "unverified") or store.source.summaries(r)
+            ]
             for why, ids in skipped.items()
         }
-        summary.left_out["unverified"] = []
+        summary.left_out.setdefault("unverified", [])
         metadata = {
             "export_format_version": str(EXPORT_FORMAT_VERSION),
             "capture_proxy_version": _capture_proxy_version(),
