@@ -18,7 +18,7 @@ from capture_proxy.inspect.escape import escape_json, escape_text
 from capture_proxy.read.reader import RolloutExcluded, StoreCorrupted, open_store
 from capture_proxy.sinks.base import StoreDamaged
 from capture_proxy.sinks.sqlite._schema import MAX_BLOB_BYTES, unpack_blob
-from tests.read.test_tamper import write
+from tests.read.test_tamper import Rows, _rows, write
 
 ANSI = "\x1b[2J\x1b]0;owned\x07"
 
@@ -124,3 +124,40 @@ def test_escaping_keeps_text_and_shows_controls() -> None:
     assert orjson.loads(escape_json(orjson.dumps({"k": "\x9b\x7f\u2066"}).decode())) == {
         "k": "\x9b\x7f\u2066"
     }
+
+
+@pytest.mark.parametrize(
+    ("table", "column", "value"),
+    [
+        ("ledger", "body", b"[1, 2]"),
+        ("ledger", "body", b"{not json"),
+        ("ledger", "metadata", b"\xff\xfe"),
+        ("calls", "delta_tokens", b"\x01\x02\x03"),
+        ("calls", "sampling", b"[]"),
+    ],
+)
+async def test_a_crafted_parquet_value_is_a_verify_problem_not_a_traceback(
+    tmp_path: Path, table: str, column: str, value: bytes
+) -> None:
+    w = await write("parquet", tmp_path)
+
+    def edit(rows: Rows) -> Rows:
+        for r in rows:
+            if r["rollout_id"] == "ep" and r.get(column) is not None:
+                r[column] = value
+                break
+        return rows
+
+    _rows(w, table, edit)
+    err, out = io.StringIO(), io.StringIO()
+    with redirect_stderr(err):
+        code = inspect_main([w.url, "--verify"], stdout=out)
+    assert code in (1, 2)
+    assert "Traceback" not in err.getvalue() + out.getvalue()
+    with open_store(w.url) as store:
+        try:
+            skipped: dict[str, list[str]] = {}
+            took = [t.rollout_id for t in store.iter_trajectories(skipped=skipped)]
+        except StoreDamaged:
+            return  # the whole store's index cannot be read: a clean error
+        assert "ep" not in took

@@ -40,7 +40,7 @@ from ...schemas.records import (
     RolloutInfo,
     StagedCallRecord,
 )
-from ..base import PROXY_STATE_ROLLOUT, StoreError
+from ..base import PROXY_STATE_ROLLOUT, StoreDamaged, StoreError
 from ._claims import read_claims
 from ._fs import DatasetFS
 from ._index import (
@@ -274,6 +274,15 @@ class ParquetSource(Loading):
                     self._reset()
                     if attempt == _ATTEMPTS - 1:
                         raise
+                except (KeyError, StoreError):
+                    raise
+                except (ValueError, TypeError, OverflowError, UnicodeError, IndexError) as e:
+                    # pyarrow's ArrowInvalid and ArrowTypeError are among these: a file no
+                    # writer could have written ends the read as damage, not as a traceback.
+                    raise StoreDamaged(
+                        f"{self.url} is damaged ({type(e).__name__}: {e}); "
+                        "capture-proxy inspect --verify lists the damage"
+                    ) from e
         raise AssertionError("unreachable")
 
     def known(self) -> Known:
