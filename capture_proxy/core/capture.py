@@ -398,6 +398,7 @@ class Capture:
             if self.source is not None:
                 stored = await asyncio.to_thread(resume_rollout, self.source, rollout_id)
                 if stored is not None:
+                    await self._seal_event_missing(rollout_id)
                     return stored
             return live
         newly_sealed = not live.sealed
@@ -422,6 +423,22 @@ class Capture:
             self._remember_sealed(live)
             self._forget_messages(rollout_id)
         return live
+
+    async def _seal_event_missing(self, rollout_id: str) -> None:
+        """Write the seal event of a rollout whose header says sealed and whose event log does
+        not: the proxy stopped between the two writes of a seal. Verified reads hold the header
+        to the chain, so the driver's seal sent again completes it."""
+        open_source = self.source
+        if open_source is None:
+            return
+        events = await asyncio.to_thread(lambda: open_source().events(rollout_id))
+        if events and not any(e.kind == EventKind.SEAL for e in events):
+            log.warning(
+                "rollout %s: sealed in its header only; its seal event is written now", rollout_id
+            )
+            await self.sink.append_event(
+                EventDraft(rollout_id, EventKind.SEAL, int(time.time() * 1000))
+            )
 
     async def put_outcome(self, rollout_id: str, outcome: RolloutOutcome) -> RolloutInfo:
         """Store `outcome` as the rollout's latest, open or sealed; returns the header written.
