@@ -416,6 +416,8 @@ class Capture:
             await self.sink.append_event(
                 EventDraft(rollout_id, EventKind.SEAL, int(time.time() * 1000))
             )
+        else:  # a seal sent again, perhaps after one whose event could not be written
+            await self._seal_event_missing(rollout_id)
         if live.in_flight == 0 and self.rollouts.get(rollout_id) is live:
             # A sealed rollout takes no more calls: memory holds live work only (its id, for
             # the 409s). A manifest request reads it from the store.
