@@ -37,6 +37,7 @@ import orjson
 from ..read.reader import Store, open_store
 from ..sinks.base import StoreError
 from .escape import escape_json, escape_text
+from .follow import Follower
 from .progress import progress_bar
 from .render import (
     Column,
@@ -49,7 +50,6 @@ from .render import (
 )
 from .shapes import CallView, OverviewView, RolloutView, VerifyView
 from .views import (
-    Follower,
     InspectError,
     TokenText,
     call_view,

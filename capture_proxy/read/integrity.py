@@ -29,18 +29,24 @@ anyway.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from ..schemas.digest import MessageDigestCache, RequestValueCache, verify_record
+from ..errors import CaptureProxyError
+from ..schemas.digest import DigestMismatch, MessageDigestCache, RequestValueCache, verify_record
 from ..schemas.events import EventKind, RolloutEvent, chain_head, check_chain
 from ..schemas.records import RolloutState, StagedCallRecord
-from .status import POISONING, RolloutExcluded, RolloutFacts
+from ..sinks.base import Progress, StagingSource
+from .status import POISONING, RolloutExcluded, RolloutFacts, read_header
 
 __all__ = [
     "VERIFY_KEYWORD",
+    "Problem",
     "RolloutUnverified",
+    "StoreCorrupted",
     "chain_head",
     "rollout_problems",
+    "store_problems",
 ]
 
 #: The keyword (and `RolloutExcluded.keyword`) that reads a rollout that does not verify.
@@ -61,6 +67,71 @@ class RolloutUnverified(RolloutExcluded):
             VERIFY_KEYWORD,
         )
         self.problems = tuple(problems)
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    """One thing `verify` found wrong: which key (attachment, rollout) and what."""
+
+    key: str
+    message: str
+
+
+class StoreCorrupted(CaptureProxyError):
+    """`Store.verify` found problems; `.problems` lists every one of them."""
+
+    def __init__(self, problems: list[Problem]) -> None:
+        lines = "\n".join(f"  {p.key}: {p.message}" for p in problems[:20])
+        more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
+        super().__init__(f"{len(problems)} problem(s) in the store:\n{lines}{more}")
+        self.problems = problems
+
+
+def store_problems(
+    source: StagingSource,
+    digester: MessageDigestCache,
+    encoder: RequestValueCache,
+    progress: Progress | None = None,
+) -> list[Problem]:
+    """Every problem in the store (`Store.problems`, ``inspect --verify``): each record read
+    and its digest checked once, attachments no record refers to, then each rollout held to
+    `rollout_problems` with what the record pass told (its digest, its schema)."""
+    found: list[Problem] = []
+    keys = list(source.all_keys())
+    seen: dict[str, list[StagedCallRecord]] = {}
+    for done, key in enumerate(keys, 1):
+        if progress is not None:
+            progress(done - 1, len(keys) + 1)
+        try:
+            (record,) = source.fetch([key])
+            verify_record(record, digester=digester, encoder=encoder)
+        except DigestMismatch as e:
+            found.append(Problem(key, str(e)))
+        except Exception as e:  # a torn or undecodable row is a problem to report, not a crash
+            found.append(Problem(key, f"unreadable: {type(e).__name__}: {e}"))
+        else:
+            seen.setdefault(record.rollout_id, []).append(record)
+    for sha in source.unreferenced_attachments():
+        found.append(Problem(f"attachment:{sha}", "attachment without a record"))
+    for rollout_id in source.rollouts():
+        key = f"rollout:{rollout_id}"
+        try:
+            facts = RolloutFacts.read(
+                source, rollout_id, read_header(source, rollout_id), claims=False
+            )
+        except Exception as e:  # a header or ledger row no writer could have written
+            found.append(Problem(key, f"unreadable: {type(e).__name__}: {e}"))
+            continue
+        problems = rollout_problems(
+            facts,
+            seen.get(rollout_id, []),
+            lambda keys: [c.digest for c in source.coords(keys)],
+            check_digests=False,
+        )
+        found.extend(Problem(key, message) for message in problems)
+    if progress is not None:
+        progress(len(keys) + 1, len(keys) + 1)
+    return found
 
 
 def rollout_problems(

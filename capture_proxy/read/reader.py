@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from ..errors import CaptureProxyError
 from ..schemas.digest import (
     DigestMismatch,
     MessageDigestCache,
@@ -45,7 +44,13 @@ from ..schemas.records import (
 )
 from ..sinks.base import Progress, StagingSource, StoreDamaged
 from ..sinks.registry import open_source
-from .integrity import RolloutUnverified, rollout_problems
+from .integrity import (
+    Problem,
+    RolloutUnverified,
+    StoreCorrupted,
+    rollout_problems,
+    store_problems,
+)
 from .status import (
     RolloutExcluded,
     RolloutFacts,
@@ -70,24 +75,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("capture_proxy.read")
-
-
-@dataclass(frozen=True, slots=True)
-class Problem:
-    """One thing `verify` found wrong: which key (attachment, rollout) and what."""
-
-    key: str
-    message: str
-
-
-class StoreCorrupted(CaptureProxyError):
-    """`Store.verify` found problems; `.problems` lists every one of them."""
-
-    def __init__(self, problems: list[Problem]) -> None:
-        lines = "\n".join(f"  {p.key}: {p.message}" for p in problems[:20])
-        more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
-        super().__init__(f"{len(problems)} problem(s) in the store:\n{lines}{more}")
-        self.problems = problems
 
 
 def _one_listing(source: StagingSource) -> contextlib.AbstractContextManager[object]:
@@ -260,46 +247,7 @@ class Store:
         The checks read one snapshot of a Parquet dataset (one listing of its units, however
         many records: what is committed meanwhile is left for the next run)."""
         with _one_listing(self.source):
-            return self._problems(progress)
-
-    def _problems(self, progress: Progress | None) -> list[Problem]:
-        found: list[Problem] = []
-        keys = list(self.source.all_keys())
-        # Each record is read and checked once here; the rollout checks below reuse what it
-        # told (its digest, its schema) instead of reading the record again.
-        seen: dict[str, list[StagedCallRecord]] = {}
-        for done, key in enumerate(keys, 1):
-            if progress is not None:
-                progress(done - 1, len(keys) + 1)
-            try:
-                (record,) = self.source.fetch([key])
-                verify_record(record, digester=self._digester, encoder=self._encoder)
-            except DigestMismatch as e:
-                found.append(Problem(key, str(e)))
-            except Exception as e:  # a torn or undecodable row is a problem to report, not a crash
-                found.append(Problem(key, f"unreadable: {type(e).__name__}: {e}"))
-            else:
-                seen.setdefault(record.rollout_id, []).append(record)
-        for sha in self.source.unreferenced_attachments():
-            found.append(Problem(f"attachment:{sha}", "attachment without a record"))
-        for rollout_id in self.source.rollouts():
-            key = f"rollout:{rollout_id}"
-            try:
-                header = read_header(self.source, rollout_id)
-                facts = RolloutFacts.read(self.source, rollout_id, header, claims=False)
-            except Exception as e:  # a header or ledger row no writer could have written
-                found.append(Problem(key, f"unreadable: {type(e).__name__}: {e}"))
-                continue
-            problems = rollout_problems(
-                facts,
-                seen.get(rollout_id, []),
-                lambda keys: [c.digest for c in self.source.coords(keys)],
-                check_digests=False,
-            )
-            found.extend(Problem(key, message) for message in problems)
-        if progress is not None:
-            progress(len(keys) + 1, len(keys) + 1)
-        return found
+            return store_problems(self.source, self._digester, self._encoder, progress)
 
     def verify(self) -> None:
         """Raise `StoreCorrupted` listing every problem, or return None when all verifies."""
