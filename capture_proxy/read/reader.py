@@ -517,6 +517,8 @@ class Store:
         head = None if expected_heads is None else expected_heads[sel.rollout_id]
         try:
             return self._read(facts, include_untooled, verify, head)
+        except KeyError:
+            return None  # removed since it was selected (gc): nothing left to read
         except RolloutUnverified as e:
             log.warning("left out: %s", e)
             if skipped is not None:
