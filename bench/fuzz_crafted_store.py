@@ -1,13 +1,16 @@
-"""Crafted stores fail cleanly: a fixed-seed fuzz of SQLite store files someone else wrote.
+"""Crafted stores fail cleanly: a fixed-seed fuzz of store files someone else wrote.
 
     .venv/bin/python bench/fuzz_crafted_store.py [--cases 1000] [--seed 29] [--max-s 600]
+                                                 [--kind sqlite|parquet]
 
 A small store is written as the proxy writes it (two sealed rollouts with outcomes, a call with
 an image, a capture failure), then each case copies it and edits one to three cells or rows
 behind the store's back: a value of the wrong type in any column (a text ``seq``, a float, a
 blob, NULL), a number out of range, bytes that are not JSON, a zlib bomb where a compressed blob
 is (2 MB that decompress to 2 GiB), an unknown codec, ANSI and OSC escapes in ids and text, a
-deleted or duplicated row. Every trainer-facing read then runs on the edited file:
+deleted or duplicated row. With ``--kind parquet`` the store is a Parquet dataset and the edits
+keep each file's column types (what a Parquet file enforces) and change values, rows and bytes.
+Every trainer-facing read then runs on the edited store:
 `Store.verify`, `iter_trajectories`, `export_store`, and ``inspect`` (overview, ``--rollout``,
 ``--verify``) through its CLI entry point.
 
@@ -38,6 +41,9 @@ import zlib
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+
 from capture_proxy.errors import CaptureProxyError
 from capture_proxy.inspect.cli import main as inspect_main
 from capture_proxy.read.export import export_store
@@ -51,6 +57,8 @@ from capture_proxy.schemas.records import (
     RolloutInfo,
     RolloutState,
 )
+from capture_proxy.sinks.base import StagingSink
+from capture_proxy.sinks.parquet import ParquetSink
 from capture_proxy.sinks.sqlite import SQLiteSink
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -71,8 +79,8 @@ def _bomb() -> bytes:
     return _BOMB
 
 
-async def _write(path: Path) -> None:
-    sink = SQLiteSink(str(path))
+async def _write(path: Path, kind: str = "sqlite") -> None:
+    sink: StagingSink = SQLiteSink(str(path)) if kind == "sqlite" else ParquetSink(str(path))
     png = Attachment.from_bytes(b"\x89PNG\r\n\x1a\n" + bytes(64), "image/png")
     for n, rollout_id in enumerate(("r-a", "r-b")):
         session = Session(rollout_id, image=png if n == 0 else None)
@@ -161,14 +169,60 @@ def _mutate(path: Path, rng: random.Random) -> list[str]:
     return done
 
 
+def _typed_value(rng: random.Random, field: pa.Field, column: str) -> Any:
+    """A value Parquet's schema takes in `field` (a crafted file keeps the column types; what
+    it changes is the values)."""
+    t = field.type
+    if pa.types.is_integer(t):
+        return rng.choice([-1, 0, 2**62, -(2**63), 7, 10**12])
+    if pa.types.is_boolean(t):
+        return rng.random() < 0.5
+    if pa.types.is_binary(t) or pa.types.is_large_binary(t):
+        return rng.choice([b"", b"\x00\xff garbage", b"[1, 2]", b'{"a": ', b"\x01\x02\x03", b"{}"])
+    if pa.types.is_list(t):
+        return rng.choice([[], None, ["x" * 64], ["\x1b[31m"]])
+    return _values(rng, column) if rng.random() < 0.5 else rng.choice(["", "\x1b]0;t\x07", "x"])
+
+
+def _mutate_parquet(path: Path, rng: random.Random) -> list[str]:
+    done: list[str] = []
+    files = sorted(p for p in path.rglob("*.parquet"))
+    for _ in range(rng.randint(1, 3)):
+        f = rng.choice(files)
+        table = pq.read_table(f)
+        rows = table.to_pylist()
+        if not rows:
+            continue
+        i = rng.randrange(len(rows))
+        what = rng.random()
+        if what < 0.1:
+            del rows[i]
+            done.append(f"delete {f.parent.name}/{f.name}#{i}")
+        elif what < 0.15:
+            rows.append(dict(rows[i]))
+            done.append(f"duplicate {f.parent.name}#{i}")
+        else:
+            field = rng.choice(list(table.schema))
+            value = _typed_value(rng, field, field.name)
+            rows[i][field.name] = value
+            done.append(f"{f.parent.name}#{i}.{field.name} = {repr(value)[:40]}")
+        try:
+            edited = pa.Table.from_pylist(rows, schema=table.schema)
+        except (pa.ArrowException, ValueError, TypeError, OverflowError):
+            done.pop()
+            continue
+        pq.write_table(edited, f)
+    return done
+
+
 def _clean(exc: BaseException) -> bool:
     return isinstance(exc, CaptureProxyError)
 
 
-def _reads(path: Path, out_dir: Path) -> list[str]:
+def _reads(path: Path, out_dir: Path, kind: str = "sqlite") -> list[str]:
     """Every trainer-facing read; the unclean endings, described."""
     bad: list[str] = []
-    url = f"sqlite:///{path}"
+    url = f"sqlite:///{path}" if kind == "sqlite" else f"parquet:///{path}"
 
     def api(name: str, fn: Any) -> None:
         try:
@@ -218,6 +272,7 @@ def main() -> int:
     parser.add_argument("--cases", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=29)
     parser.add_argument("--max-s", type=float, default=600.0, help="stop after this long")
+    parser.add_argument("--kind", choices=("sqlite", "parquet"), default="sqlite")
     args = parser.parse_args()
     # Rollouts left out as unverified are logged as warnings: thousands of them here.
     logging.disable(logging.WARNING)
@@ -226,27 +281,36 @@ def main() -> int:
     failures = 0
     start = time.monotonic()
     try:
-        pristine = base / "pristine.db"
-        asyncio.run(_write(pristine))
+        pristine = base / ("pristine.db" if args.kind == "sqlite" else "pristine")
+        asyncio.run(_write(pristine, args.kind))
         n = 0
         for n in range(1, args.cases + 1):
-            case = base / "case.db"
-            shutil.copyfile(pristine, case)
-            edits = _mutate(case, rng)
-            bad = _reads(case, base)
+            if args.kind == "sqlite":
+                case = base / "case.db"
+                shutil.copyfile(pristine, case)
+                edits = _mutate(case, rng)
+            else:
+                case = base / "case"
+                shutil.copytree(pristine, case)
+                edits = _mutate_parquet(case, rng)
+            bad = _reads(case, base, args.kind)
             if bad:
                 failures += 1
                 if failures <= 10:
                     print(f"case {n}: {'; '.join(edits)}")
                     for b in bad:
                         print("   ", b.replace("\n", "\n    "))
-            case.unlink()
+            if case.is_dir():
+                shutil.rmtree(case)
+            else:
+                case.unlink()
             if time.monotonic() - start > args.max_s:
                 break
         wall = time.monotonic() - start
         rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         print(
-            f"{n} cases (seed {args.seed}), {failures} with an unclean ending, {wall:.0f} s, "
+            f"{args.kind}: {n} cases (seed {args.seed}), {failures} with an unclean ending, "
+            f"{wall:.0f} s, "
             f"peak RSS {rss_mb:.0f} MB"
         )
         return 1 if failures else 0

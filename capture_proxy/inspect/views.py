@@ -323,7 +323,14 @@ def overview(store: Store) -> OverviewView:
             *_counted_entries(store, rollout_id),
             *_event_log_only(store, rollout_id, status),
         ]
-        rollouts.append(_summary(store.rollout_info(rollout_id), entries, status))
+        try:
+            info = store.rollout_info(rollout_id)
+        except KeyError as e:  # listed (it has records) without a header: only a damaged store
+            raise InspectError(
+                f"rollout {rollout_id!r} has records but no header: the store is damaged; run "
+                "inspect --verify"
+            ) from e
+        rollouts.append(_summary(info, entries, status))
     view: OverviewView = {"view": "rollouts", "store": store.url, "rollouts": rollouts}
     replicas = _replicas(store)
     if replicas is not None:

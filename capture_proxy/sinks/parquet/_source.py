@@ -83,6 +83,21 @@ def default_url(location: str) -> str:
     return location if "://" in location else f"parquet:///{location}"
 
 
+def _damaged(url: str, e: BaseException) -> StoreDamaged | None:
+    """`e` as damage of the dataset at `url`, or None when it is not (a store error of its
+    own, an unknown key, an I/O failure). pyarrow's ArrowInvalid and ArrowTypeError are
+    ValueError and TypeError: a file no writer could have written ends a read as damage, not as
+    a traceback."""
+    if isinstance(e, (KeyError, StoreError)) or not isinstance(
+        e, (ValueError, TypeError, OverflowError, UnicodeError, IndexError)
+    ):
+        return None
+    return StoreDamaged(
+        f"{url} is damaged ({type(e).__name__}: {e}); capture-proxy inspect --verify lists "
+        "the damage"
+    )
+
+
 class ParquetSource(Loading):
     """Reads the dataset at `location` (a folder path or a pyarrow filesystem URL).
 
@@ -149,8 +164,11 @@ class ParquetSource(Loading):
                 return
             try:
                 self._load(names)
-            except BaseException:
+            except BaseException as e:
                 self._reset()
+                damaged = _damaged(self.url, e)
+                if damaged is not None:
+                    raise damaged from e
                 raise
 
     @contextlib.contextmanager
@@ -274,15 +292,11 @@ class ParquetSource(Loading):
                     self._reset()
                     if attempt == _ATTEMPTS - 1:
                         raise
-                except (KeyError, StoreError):
-                    raise
                 except (ValueError, TypeError, OverflowError, UnicodeError, IndexError) as e:
-                    # pyarrow's ArrowInvalid and ArrowTypeError are among these: a file no
-                    # writer could have written ends the read as damage, not as a traceback.
-                    raise StoreDamaged(
-                        f"{self.url} is damaged ({type(e).__name__}: {e}); "
-                        "capture-proxy inspect --verify lists the damage"
-                    ) from e
+                    damaged = _damaged(self.url, e)
+                    if damaged is None:
+                        raise
+                    raise damaged from e
         raise AssertionError("unreachable")
 
     def known(self) -> Known:
