@@ -80,7 +80,10 @@ class Out(Protocol):
 def fmt_time(ms: int | None) -> str:
     if not ms:
         return "-"
-    return datetime.fromtimestamp(ms / 1000, tz=UTC).strftime("%Y-%m-%d %H:%M:%S")
+    try:
+        return datetime.fromtimestamp(ms / 1000, tz=UTC).strftime("%Y-%m-%d %H:%M:%S")
+    except (ValueError, OverflowError, OSError):  # a time no clock gives (a crafted store)
+        return f"{ms} ms?"
 
 
 def fmt_span(first: int | None, last: int | None) -> str:
