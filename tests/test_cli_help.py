@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import subprocess
 import sys
 
@@ -10,7 +11,7 @@ import pytest
 
 import capture_proxy
 from capture_proxy.cli import _parser, main
-from capture_proxy.server.settings import Settings
+from capture_proxy.server.settings import GROUPS, Settings
 
 
 def _subcommands() -> dict[str, argparse.ArgumentParser]:
@@ -73,3 +74,42 @@ def test_inspect_help_names_every_store_form_it_reads() -> None:
     text = _help_of(parser, store)
     for form in ("sqlite:///", "parquet:///", "s3://", "http://HOST:PORT", "https://", "a path"):
         assert form in text, (form, text)
+
+
+def test_serve_help_groups_the_settings_and_shows_fixed_values() -> None:
+    text = subprocess.run(
+        [sys.executable, "-m", "capture_proxy", "serve", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout
+    assert text.startswith("usage: capture-proxy serve [--config FILE] [OPTION ...]\n")
+    headings = [line[:-1] for line in text.splitlines() if line.endswith(":") and line[:1] != " "]
+    assert headings == ["options", *GROUPS]
+    for title in ("upstream", "store", "sandboxes", "control API", "token-in", "limits"):
+        assert title in GROUPS
+    # Each group lists its own flags, under its heading, in the declared order.
+    blocks = re.split(r"^(\S[^\n]*):$", text, flags=re.MULTILINE)
+    by_title = dict(zip(blocks[1::2], blocks[2::2], strict=True))
+    for title, (_, names) in GROUPS.items():
+        flags = re.findall(r"^  (--[a-z-]+)", by_title[title], flags=re.MULTILINE)
+        assert flags == ["--" + n.replace("_", "-") for n in names.split()], title
+    # A setting with fixed values shows them where the value goes.
+    assert "--token-in {off,on}" in text
+    assert "--log-format {json,text}" in text
+    assert "--upstream-logprobs-mode {raw_logprobs,processed_logprobs,unknown}" in text
+
+
+def test_every_setting_is_in_exactly_one_help_group() -> None:
+    grouped = [name for _, names in GROUPS.values() for name in names.split()]
+    assert sorted(grouped) == sorted(Settings.__dataclass_fields__)
+
+
+def test_store_help_says_three_slashes_are_relative() -> None:
+    parser = _subcommands()["serve"]
+    (store,) = [a for a in parser._actions if a.dest == "store"]
+    text = _help_of(parser, store)
+    assert "Three slashes take a path relative to the working folder" in text
+    assert "parquet:///data/x is ./data/x" in text
+    assert "parquet:////data/x is /data/x" in text

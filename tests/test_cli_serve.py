@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from capture_proxy.inspect.cli import relative_store_path
 from capture_proxy.read.reader import open_store
 from capture_proxy.server.settings import Settings, SettingsError, add_arguments, load_settings
 
@@ -237,3 +238,49 @@ def test_help_lists_every_setting() -> None:
     ).stdout
     for f in dataclasses.fields(Settings):
         assert f"--{f.name.replace('_', '-')}" in out
+
+
+def test_serve_says_a_three_slash_store_is_relative_and_warns_when_only_absolute_exists(
+    tmp_path: Path,
+) -> None:
+    """``parquet:///srv/data`` is ./srv/data (SQLAlchemy's convention): the start-up line says
+    so, and a warning names the URL to write when /srv/data is what exists."""
+    meant = tmp_path / "data"
+    meant.mkdir()
+    run_in = tmp_path / "run"
+    run_in.mkdir()
+    relative = str(meant).lstrip("/")
+    store = f"parquet:///{relative}"
+    env = {**os.environ, "CAPTURE_PROXY_MIN_FREE_DISK_MB": "0"}
+    argv = ["serve", "--store", store, "--port", "0", "--log-format", "text"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "capture_proxy", *argv],
+        cwd=run_in,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        assert proc.stderr is not None
+        seen: list[str] = []
+        for _ in range(30):  # up to the banner
+            seen.append(proc.stderr.readline())
+            if "listening on" in seen[-1]:
+                break
+        text = "".join(seen)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=30)
+    assert "listening on" in text, text
+    assert (
+        f"capture-proxy store {store} is {run_in / relative}: three slashes take a path relative "
+        f"to the working folder, four an absolute one (parquet:////{relative})\n"
+    ) in text
+    (warning,) = [line for line in seen if " WARNING " in line and store in line]
+    assert f"/{relative} does: for it write parquet:////{relative}" in warning
+    # Only the three-slash form is relative by convention; the others say what they say.
+    assert relative_store_path(store) == relative
+    for url in (f"parquet:////{relative}", str(meant), "s3://bucket/x", "memory://m"):
+        assert relative_store_path(url) is None, url
+    assert relative_store_path("sqlite:///capture.db") == "capture.db"

@@ -33,7 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from capture_proxy.cli import _parser, main
 from capture_proxy.core.scale_out import SCALE_OUT_MISSING
-from capture_proxy.server.app import create_app
+from capture_proxy.server.app import create_admin_app, create_app
 from capture_proxy.server.run import connection_budget
 from capture_proxy.server.settings import ENV_PREFIX, Settings, SettingsError, load_settings
 from capture_proxy.sinks.memory import MemorySink
@@ -124,8 +124,10 @@ def _store_dir(settings: Settings) -> Path:
     return path.parent if store.kind == "sqlite" else path
 
 
-def _get_routes(settings: Settings) -> set[str]:
+def _get_routes(settings: Settings, *, admin: bool = False) -> set[str]:
     app = create_app(settings, sink=MemorySink())
+    if admin:
+        app = create_admin_app(app)
     return {r.resource.canonical for r in app.router.routes() if r.method == "GET" and r.resource}
 
 
@@ -313,13 +315,14 @@ def test_prometheus_scrapes_the_proxy_where_its_metrics_are() -> None:
     (conf,) = _yaml("prometheus.yml")
     jobs = {job["job_name"]: job for job in conf["scrape_configs"]}
     s = _compose_settings()
-    proxy_job = jobs["capture-proxy"]
-    assert proxy_job.get("metrics_path", "/metrics") in _get_routes(s)
-    targets = [t for group in proxy_job["static_configs"] for t in group["targets"]]
-    assert targets == [f"capture-proxy:{s.port}"]
-    assert urlsplit(s.upstream).netloc in {
-        t for group in jobs["vllm"]["static_configs"] for t in group["targets"]
-    }
+    # Both on the control port (the sandboxes' port shows readiness only), vLLM's relayed.
+    for job in (jobs["capture-proxy"], jobs["vllm"]):
+        assert job.get("metrics_path", "/metrics") in _get_routes(s, admin=True)
+        targets = [t for group in job["static_configs"] for t in group["targets"]]
+        assert targets == [f"capture-proxy:{s.admin_port}"]
+    assert jobs["vllm"]["metrics_path"] == "/metrics/upstream"
+    assert "/metrics" not in _get_routes(s)
+    assert urlsplit(s.upstream).netloc == "vllm:8000"  # relayed from there
     prometheus = _services()["prometheus"]
     assert "./prometheus.yml:/etc/prometheus/prometheus.yml:ro" in prometheus["volumes"]
 
@@ -532,8 +535,8 @@ def test_k8s_termination_leaves_time_to_drain_in_flight_calls() -> None:
 def test_k8s_prometheus_annotations_point_at_metrics() -> None:
     notes, s = _pod()["metadata"]["annotations"], _k8s_settings()
     assert notes["prometheus.io/scrape"] == "true"
-    assert notes["prometheus.io/port"] == str(s.port)
-    assert notes["prometheus.io/path"] in _get_routes(s)
+    assert notes["prometheus.io/port"] == str(s.admin_port)
+    assert notes["prometheus.io/path"] in _get_routes(s, admin=True)
 
 
 def test_k8s_network_policy_keeps_the_control_api_and_vllm_from_sandboxes() -> None:
@@ -714,7 +717,7 @@ def test_systemd_unit_runs_capture_proxy_serve_in_a_sandbox() -> None:
     env = _env_file()
     with pytest.raises(SettingsError, match="placeholder"):
         _settings({**env, f"{ENV_PREFIX}ADMIN_TOKEN": "replace-with-output-of-openssl-rand-hex-32"})
-    s = _settings({**env, f"{ENV_PREFIX}ADMIN_TOKEN": "0123456789abcdef0123456789abcdef"})
+    s = _settings({**env, f"{ENV_PREFIX}ADMIN_TOKEN": "9f2c71be0d4a58e3b6c1f07a2d9e4b85"})
     writable = [Path(p) for value in service["ReadWritePaths"] for p in value.split()]
     assert any(_store_dir(s).is_relative_to(p) for p in writable)
     assert _seconds(service["TimeoutStopSec"][0]) > _stop_budget(s)
@@ -889,6 +892,39 @@ def test_every_deployment_is_safe_for_hostile_sandboxes(name: str) -> None:
         assert 0 < getattr(s, deadline) <= 300, (name, deadline)
 
 
+@pytest.mark.parametrize("name", DEPLOYMENTS)
+def test_every_deployment_keeps_one_sandbox_from_denying_service_to_the_others(name: str) -> None:
+    # Issue 27: with the shipped files one keyed rollout had 1,000 streams admitted at once, and
+    # one address's idle connections filled the whole connection cap.
+    s = DEPLOYMENTS[name]()
+    assert 0 < s.max_inflight_per_rollout <= 16, name
+    assert 0 < s.max_connections_per_address <= s.max_connections // 16, name
+    assert 0 < s.max_json_items <= 262_144, name
+    assert 0 < s.max_decoding_bytes <= 4 * s.max_body_bytes, name
+    # Every file says it, not only the proxy's defaults (an operator reads the file, not code).
+    said = {"CAPTURE_PROXY_MAX_INFLIGHT_PER_ROLLOUT", "CAPTURE_PROXY_MAX_CONNECTIONS_PER_ADDRESS"}
+    assert said <= set(DEPLOYMENT_ENVS[name]()), name
+
+
+DEPLOYMENT_ENVS: dict[str, Callable[[], Mapping[str, object]]] = {
+    "image": _image_env,
+    "compose": lambda: {**_image_env(), **_services()["capture-proxy"]["environment"]},
+    "kubernetes": lambda: {**_image_env(), **_k8s_env(_container("capture-proxy"))},
+    "systemd": _env_file,
+}
+
+
+def test_the_kubernetes_caps_fit_its_memory_limit() -> None:
+    # Issue 27: 10,000 live rollouts of ~1 MB each (a 60k-token prompt) is over the example's 4 GiB.
+    s = _k8s_settings()
+    memory = _container("capture-proxy")["resources"]["limits"]["memory"]
+    assert memory.endswith("Gi")
+    limit = int(memory.removesuffix("Gi")) * 2**30
+    live = s.max_live_rollouts * 2**20
+    decoding = s.max_decoding_bytes + 3 * s.max_body_bytes  # bodies, and what they decode into
+    assert live + decoding + 512 * 2**20 <= limit
+
+
 def test_no_deployment_runs_without_its_admin_token() -> None:
     # The image bakes in no token and will not start without one: keys need the control API.
     assert "CAPTURE_PROXY_ADMIN_TOKEN" not in _image_env()
@@ -981,16 +1017,15 @@ def test_every_deployment_serves_vllms_weight_routes_only_to_the_proxy() -> None
     example = (DEPLOY / "systemd" / "capture-proxy.env.example").read_text()
     assert "start vLLM with VLLM_SERVER_DEV_MODE=1" in example
     # ...and only the proxy reaches them (vLLM's key guards /v1, not these routes): vLLM's port is
-    # never published in compose, is opened by the NetworkPolicy to Prometheus alone in
-    # Kubernetes (its /v1 behind the proxy's key), and is bound to the loopback on a bare node.
+    # never published in compose, opened to nobody by the NetworkPolicy in Kubernetes (issue 27:
+    # it was open to the monitoring namespace; Prometheus reads vLLM's metrics relayed by the
+    # proxy), and bound to the loopback on a bare node.
     assert "ports" not in _services()["vllm"]
     assert "VLLM_API_KEY" in _secret_refs(_container("vllm"))
     (policy,) = _k8s("NetworkPolicy", "networkpolicy.yaml")
-    vllm_rules = [
-        r for r in policy["spec"]["ingress"] if any(p["port"] == "vllm" for p in r["ports"])
-    ]
-    assert vllm_rules
-    assert all(r.get("from") for r in vllm_rules)
+    opened = {p["port"] for rule in policy["spec"]["ingress"] for p in rule["ports"]}
+    assert "vllm" not in opened
+    assert _pod_ports()["vllm"] not in opened
     assert _vllm_flag(_bare_node_vllm(), "--host") == "127.0.0.1"
 
 

@@ -41,7 +41,19 @@ LAYERS: dict[str, set[str]] = {
     "read": {"schemas", "sinks", "errors"},
     "inspect": {"schemas", "sinks", "read", "errors"},
     "testing": {"errors"},
-    "server": {"schemas", "adapters", "sinks", "core", "upstream", "testing", "errors", "logs"},
+    # `read`: the batch routes run the trainer side's batch rules (`read.batch_queue`) on the
+    # proxy's store, with the reader's own verified reads.
+    "server": {
+        "schemas",
+        "adapters",
+        "sinks",
+        "core",
+        "upstream",
+        "testing",
+        "read",
+        "errors",
+        "logs",
+    },
 }
 #: Only these may import aiohttp (the HTTP server, the upstream client, the fake vLLM).
 AIOHTTP_LAYERS = {"server", "upstream", "testing"}

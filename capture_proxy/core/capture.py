@@ -969,6 +969,16 @@ class Capture:
         live = await self.ensure_rollout(rollout_id)
         if live.sealed:
             raise Conflict(f"rollout {rollout_id} is sealed", code="rollout_sealed")
+        if self.max_rollout_calls and live.refusals >= self.max_rollout_calls:
+            # Its ledger says so already, 10,000 times by default: the rest are counted only.
+            self._report(CallReport(rollout_id, None, CallStatus.REJECTED, "rollout_call_quota"))
+            raise TooManyRequests(
+                f"rollout {rollout_id} has had {live.refusals} calls refused: its quota "
+                f"(--max-rollout-calls {self.max_rollout_calls}) is spent, and further refusals "
+                f"are not recorded one by one ({reason}: {message})",
+                code="rollout_call_quota",
+            )
+        live.refusals += 1
         call_id = new_call_id()
         seq = live.take_seq()
         entry = LedgerEntry(

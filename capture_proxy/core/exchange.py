@@ -37,7 +37,13 @@ from ..adapters.vllm import (
 )
 from ..errors import BadRequest, PayloadTooLarge, ProxyError, Unprocessable, UpstreamFailed
 from ..schemas.records import CallStatus, StageResult
-from ..schemas.request import FreeJsonLimits, RequestValidationError, check_free_json_limits
+from ..schemas.request import (
+    DEFAULT_MAX_JSON_ITEMS,
+    FreeJsonLimits,
+    RequestValidationError,
+    check_body_items,
+    check_free_json_limits,
+)
 from .bridging import (
     CloseRenders,
     PromptJson,
@@ -46,6 +52,7 @@ from .bridging import (
 )
 from .call import Call, sampling_of
 from .capture import Capture
+from .decode_budget import DecodeBudget
 from .exchange_token_in import TokenInSteps
 from .normalize import NormalizedRequest, normalize_request
 from .pins import pin, write_pin
@@ -83,6 +90,10 @@ class ExchangeConfig:
     context_overflow: Literal["refuse", "cap"] = "refuse"
     #: Bounds on free-form JSON values (``--max-free-json-bytes``, ``--max-free-json-items``).
     free_json: FreeJsonLimits = field(default_factory=FreeJsonLimits)
+    #: Commas, brackets and braces a whole body may hold (``--max-json-items``).
+    max_json_items: int = DEFAULT_MAX_JSON_ITEMS
+    #: Bytes of large bodies decoded at once (``--max-decoding-bytes``; 0: unbounded).
+    max_decoding_bytes: int = 0
     #: The upstream's logprobs mode as declared (``--upstream-logprobs-mode``), stamped on every
     #: record: ``raw_logprobs``, ``processed_logprobs`` or ``unknown``.
     logprobs_mode: str = "unknown"
@@ -134,6 +145,8 @@ class Pipeline:
         self.close_renders = CloseRenders()
         #: The JSON of staged token-in calls' prompt ids, for the calls that extend them.
         self.prompt_json = PromptJson()
+        #: Large bodies take turns to be decoded (`DecodeBudget`).
+        self.decode_budget = DecodeBudget(self.config.max_decoding_bytes)
 
     def exchange(self, rollout_id: str) -> Exchange:
         return Exchange(self, rollout_id)
@@ -217,17 +230,20 @@ class Pipeline:
 
 
 def decode_and_normalize(
-    raw: bytes | Mapping[str, Any], allow_remote_media: bool, free_json: FreeJsonLimits
+    raw: bytes | Mapping[str, Any], config: ExchangeConfig
 ) -> NormalizedRequest:
     """The one JSON decode of a body, then normalization and strict validation, as the
     `ProxyError` a client gets (`RequestValidationError` stays its cause).
 
-    Free-form values are bounded on the raw body first: a hostile one is refused before the
-    decode builds ~30 bytes of Python per byte of it.
+    The whole body's values, then its free-form values, are bounded on the raw body first: a
+    hostile body is refused before the decode builds ~30 bytes of Python per byte of it.
     """
+    free_json = config.free_json
     try:
         if isinstance(raw, bytes | bytearray):
-            is_json = check_free_json_limits(bytes(raw), free_json)
+            body = bytes(raw)
+            check_body_items(body, config.max_json_items)
+            is_json = check_free_json_limits(body, free_json)
             if not is_json and len(raw) > OFFLOAD_BYTES:
                 # orjson would build objects up to the first error: refuse a large body outright.
                 raise BadRequest("request body is not valid JSON", code="invalid_json")
@@ -237,7 +253,8 @@ def decode_and_normalize(
                 raise BadRequest(f"request body is not valid JSON: {e}", code="invalid_json") from e
         else:
             data = raw
-        return normalize_request(data, allow_remote_media=allow_remote_media, free_json=free_json)
+        remote = config.allow_remote_media
+        return normalize_request(data, allow_remote_media=remote, free_json=free_json)
     except RequestValidationError as e:
         err = PayloadTooLarge if e.status == 413 else Unprocessable
         raise err(e.message, code=e.code, param=e.param) from e
@@ -283,12 +300,13 @@ class Exchange(TokenInSteps):
         capture = self.capture
         try:
             config = self.pipeline.config
-            remote, limits = config.allow_remote_media, config.free_json
             large = isinstance(body, bytes) and len(body) > OFFLOAD_BYTES
             if large:
-                normalized = await asyncio.to_thread(decode_and_normalize, body, remote, limits)
+                # Worker threads decode large bodies side by side: they take turns by size.
+                async with self.pipeline.decode_budget.hold(len(body)):
+                    normalized = await asyncio.to_thread(decode_and_normalize, body, config)
             else:
-                normalized = decode_and_normalize(body, remote, limits)
+                normalized = decode_and_normalize(body, config)
             await capture.hold_while_paused()
             live = await capture.ensure_rollout(self.rollout_id)
             if self.pipeline.replicas is not None:

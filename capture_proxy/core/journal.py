@@ -8,6 +8,15 @@ store, ``memory://``) or the journal cannot be written either, each entry goes t
 line ``capture-proxy ledger-journal {...}``, which an operator can save into a journal file. The
 proxy then exits with status 1 and says so in its last log line.
 
+**Its space is reserved at start.** A full disk is the usual reason a store refuses writes, and
+then a journal written only at shutdown could not be written either: the entries went to stderr,
+and the automatic restart (systemd ``Restart=on-failure``, compose ``restart``) started clean
+without them and handed their sequence numbers out again. So ``serve`` allocates
+``<store>.ledger-journal.reserve`` (`RESERVE_BYTES`, with ``posix_fallocate``: blocks the disk
+has given, not a sparse promise) before it serves; `spill_journal` writes into those blocks
+and renames the file into the journal, which needs no new space. A clean stop with nothing
+to spill removes the reserve.
+
 A journal is replayed into the store by the next ``capture-proxy serve`` on that store, before it
 serves, or by ``capture-proxy replay-ledger STORE JOURNAL``; it is removed once every entry is in
 the store. Replay is idempotent: an entry whose call is already in its rollout's ledger is
@@ -31,12 +40,24 @@ from ..sinks.base import DuplicateSeq, StagingSink, StagingSource, StoreError
 from ..sinks.registry import store_local_dir
 from ..sinks.urls import parse_store_url
 
-__all__ = ["Replayed", "journal_path", "read_journal", "replay_journal", "spill_journal"]
+__all__ = [
+    "RESERVE_BYTES",
+    "Replayed",
+    "journal_path",
+    "read_journal",
+    "release_reserve",
+    "replay_journal",
+    "reserve_journal",
+    "spill_journal",
+]
 
 log = logging.getLogger("capture_proxy.ledger")
 
 #: The prefix of a journal line written to stderr (what follows it is the JSON object).
 STDERR_PREFIX = "capture-proxy ledger-journal "
+
+#: Space kept for the journal: ~100,000 entries of ~300 bytes, the ledger's held limit.
+RESERVE_BYTES = 32 << 20
 
 
 def journal_path(store_url: str) -> str | None:
@@ -51,15 +72,74 @@ def _line(entry: LedgerEntry) -> bytes:
     return orjson.dumps({**asdict(entry), "status": entry.status.value})
 
 
+def _reserve_path(path: str) -> str:
+    return path.removesuffix(".jsonl") + ".reserve"
+
+
+def reserve_journal(path: str | None, size: int = RESERVE_BYTES) -> str | None:
+    """Allocate the journal's space beside the store (see the module docs). Returns why it
+    could not (the caller logs it), else None. Blocking: start-up."""
+    if path is None:
+        return None
+    reserve = _reserve_path(path)
+    try:
+        fd = os.open(reserve, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            os.posix_fallocate(fd, 0, size)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        _fsync_dir(os.path.dirname(reserve))
+    except OSError as e:
+        return f"cannot reserve {size} bytes for the ledger journal at {reserve}: {e}"
+    return None
+
+
+def release_reserve(path: str | None) -> None:
+    """Remove the journal's reserved space (a clean stop with nothing to spill). Blocking."""
+    if path is not None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(_reserve_path(path))
+
+
+def _write_into_reserve(path: str, data: bytes) -> bool:
+    """Write `data` as the journal at `path` in the reserved blocks; False if there is no
+    reserve, or it is too small (then the journal is written the ordinary way)."""
+    reserve = _reserve_path(path)
+    if os.path.exists(path):
+        return False  # a journal still waiting to be replayed: append to it instead
+    try:
+        fd = os.open(reserve, os.O_WRONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        if os.fstat(fd).st_size < len(data):
+            return False
+        written = 0
+        while written < len(data):  # pwrite into allocated blocks: no new space needed
+            written += os.pwrite(fd, data[written:], written)
+        os.ftruncate(fd, len(data))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.rename(reserve, path)
+    _fsync_dir(os.path.dirname(path))
+    return True
+
+
 def spill_journal(entries: Iterable[LedgerEntry], path: str | None) -> str:
-    """Append `entries` to the journal at `path` (fsynced); where it could not, write them to
-    stderr. Returns where they went, for the log. Blocking."""
+    """Write `entries` to the journal at `path` (fsynced): into its reserved space where there
+    is one, else appended; where it could not, write them to stderr. Returns where they went,
+    for the log. Blocking."""
     items = list(entries)
     if path is not None:
+        data = b"".join(_line(e) + b"\n" for e in items)
         try:
+            if _write_into_reserve(path, data):
+                return path
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
             try:
-                os.write(fd, b"".join(_line(e) + b"\n" for e in items))
+                os.write(fd, data)
                 os.fsync(fd)
             finally:
                 os.close(fd)

@@ -130,6 +130,9 @@ class RolloutLive:
     #: not counted), `record_bytes` of every record staged, and the bodies of calls in flight
     #: (reserved at admission, so concurrent calls cannot all slip under the quota at once).
     calls_used: int = 0
+    #: Refused calls written to the ledger: bounded by ``--max-rollout-calls`` as well, so a
+    #: sandbox sending bodies the proxy refuses cannot write ledger rows without end.
+    refusals: int = 0
     bytes_staged: int = 0
     bytes_reserved: int = 0
     #: The weight version the rollout's last admitted call was stamped with (None: no call yet),
@@ -341,6 +344,7 @@ def resume_rollout(open_source: Callable[[], StagingSource], rollout_id: str) ->
     live.calls_used = (
         len(summaries) + sum(1 for f in failures if f.status != CallStatus.REJECTED) + len(lost)
     )
+    live.refusals = sum(1 for f in failures if f.status == CallStatus.REJECTED)
     orphaned = {s.call_id for s in summaries if s.orphaned}
     for start in range(0, len(keys), _USAGE_BATCH):
         batch = source.fetch(keys[start : start + _USAGE_BATCH])

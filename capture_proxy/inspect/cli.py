@@ -9,7 +9,8 @@
 
 ``--json`` prints the same views as JSON (keys in docs/inspect.md). On a terminal the output is
 rich tables sized to it; anywhere else, plain aligned text. Errors are one sentence on stderr
-and exit status 2; ``--verify`` exits 1 when it finds a problem.
+and exit status 2; ``--verify`` exits 1 when it finds a problem, ``--call`` when its record does
+not verify.
 
 Output goes to an `Out` (see `capture_proxy.inspect.render`): `RichOut` on a terminal,
 `PlainOut` anywhere else. The views themselves are built by `capture_proxy.inspect.views`.
@@ -61,7 +62,16 @@ from .views import (
 if TYPE_CHECKING:
     from rich.console import Console
 
-__all__ = ["PlainOut", "RichOut", "add_inspect_parser", "load_tokenizer", "main", "run_inspect"]
+__all__ = [
+    "PlainOut",
+    "RichOut",
+    "absolute_store_hint",
+    "add_inspect_parser",
+    "load_tokenizer",
+    "main",
+    "relative_store_path",
+    "run_inspect",
+]
 
 PROG = "capture-proxy inspect"
 #: Polling bounds for --follow: fast enough to watch a session, slow enough not to load a store.
@@ -80,13 +90,41 @@ def _interval(text: str) -> float:
     return value
 
 
+def relative_store_path(url: str) -> str | None:
+    """The path of a store named ``kind:///path`` with three slashes, which by the project's
+    convention (SQLAlchemy's) is relative to the working folder: ``parquet:///data/x`` is
+    ``data/x``. None for any other form (four slashes, a plain path, a URL)."""
+    from ..sinks.registry import resolve_store
+
+    try:
+        kind, store = resolve_store(url)
+    except StoreError:
+        return None
+    three = any(url.strip().startswith(f"{s}:///") for s in kind.path_schemes)
+    return store.location if three and not os.path.isabs(store.location) else None
+
+
+def absolute_store_hint(url: str) -> str | None:
+    """What to say when `url` names a relative store that does not exist while the absolute
+    path spelt the same way does (``parquet:///data/x`` for ``/data/x``), else None."""
+    path = relative_store_path(url)
+    if path is None or os.path.lexists(path) or not os.path.exists("/" + path):
+        return None
+    scheme = url.strip().split(":", 1)[0]
+    return (
+        f"{url} is relative to the working folder (three slashes): {os.path.abspath(path)}, "
+        f"which does not exist; /{path} does: for it write {scheme}:////{path}"
+    )
+
+
 def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "store",
         metavar="STORE",
-        help="sqlite:///file.db, parquet:///folder, s3://bucket/prefix (gs://, az://), a "
-        "running proxy's http://HOST:PORT (https://; its reader or admin token in "
-        "CAPTURE_PROXY_READER_TOKEN), or a path",
+        help="sqlite:///file.db, parquet:///folder (three slashes: relative to the working "
+        "folder; four: absolute), s3://bucket/prefix (gs://, az://), a running proxy's "
+        "http://HOST:PORT (https://; its reader or admin token in CAPTURE_PROXY_READER_TOKEN), "
+        "or a path",
     )
     what = p.add_mutually_exclusive_group()
     what.add_argument("--rollout", metavar="ID", help="one rollout's calls, staged and failed")
@@ -343,6 +381,9 @@ def _run(store: Store, args: argparse.Namespace, stream: IO[str]) -> int:
                 f"no call {args.call!r} in {store.url} (neither staged nor in a ledger)"
             ) from exc
         view, draw = call, partial(render_call, call)
+        detail = call["call"]
+        if detail["status"] == "staged":  # checked against its digest as it was read
+            failed = not detail["check"]["ok"] or not all(a["ok"] for a in detail["attachments"])
     elif args.rollout:
         try:
             rollout = rollout_view(store, args.rollout)
@@ -367,15 +408,18 @@ def _run(store: Store, args: argparse.Namespace, stream: IO[str]) -> int:
 
 
 def run_inspect(args: argparse.Namespace, *, stdout: IO[str] | None = None) -> int:
-    """Run ``inspect`` with parsed arguments; returns the exit status (0, 1: verify failed,
-    2: a usage error or a store/rollout/call that cannot be found or read)."""
+    """Run ``inspect`` with parsed arguments; returns the exit status (0; 1: ``--verify`` found
+    a problem, or the ``--call`` record does not verify; 2: a usage error or a store, rollout or
+    call that cannot be found or read)."""
     stream = stdout if stdout is not None else sys.stdout
     try:
         _check_flags(args)
         with open_store(args.store) as store:
             return _run(store, args, stream)
     except (InspectError, StoreError) as e:
-        print(f"{PROG}: {escape_text(str(e), keep_layout=True)}", file=sys.stderr)
+        hint = absolute_store_hint(args.store) if isinstance(e, StoreError) else None
+        message = f"{e}" + (f"; {hint}" if hint else "")
+        print(f"{PROG}: {escape_text(message, keep_layout=True)}", file=sys.stderr)
         return 2
     except BrokenPipeError:
         # The reader went away (`inspect ... | head`): not an error, and nothing left to say.

@@ -17,7 +17,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, TypeAlias, TypedDict, TypeVar, cast
 
-from ..errors import CaptureProxyError
+from ..errors import CaptureProxyError, error_text
 from ..read.reader import Store
 from ..read.status import LOST_IN_CRASH, RolloutStatus
 from ..schemas.digest import DigestMismatch, verify_record
@@ -367,7 +367,8 @@ def _trajectory(store: Store, rollout_id: str) -> TrajectorySummary | Trajectory
     try:
         t = store.trajectory(rollout_id, include_open=True, include_poisoned=True, verify=False)
     except Exception as e:
-        return {"ok": False, "note": f"trajectory unavailable: {type(e).__name__}: {e}"}
+        note = f"trajectory unavailable: {type(e).__name__}: {error_text(e)}"
+        return {"ok": False, "note": note}
     d = t.to_dict()
     return {
         "ok": True,

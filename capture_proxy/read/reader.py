@@ -44,6 +44,7 @@ from ..schemas.records import (
 )
 from ..sinks.base import Progress, StagingSource, StoreDamaged
 from ..sinks.registry import open_source
+from ..sinks.rollout_index import IndexedRollout, RolloutQuery, State, indexed
 from .integrity import (
     Problem,
     RolloutUnverified,
@@ -62,6 +63,7 @@ from .status import (
 )
 
 if TYPE_CHECKING:
+    from .batches import RolloutBatch
     from .cursor import ExportCursor
     from .trajectory import Trajectory
 
@@ -112,9 +114,60 @@ class Store:
     def close(self) -> None:
         self.source.close_reader()
 
-    def rollouts(self) -> list[str]:
-        """Rollout ids, oldest first."""
-        return self.source.rollouts()
+    def rollouts(
+        self,
+        *,
+        state: State | None = None,
+        since: int | datetime | None = None,
+        group: str | Iterable[str] | None = None,
+        graded: bool | None = None,
+    ) -> list[str]:
+        """Rollout ids, oldest first; the keywords keep those of a state (``open`` / ``sealed``,
+        poisoned ones left out; or ``poisoned``), sealed at or after `since`, of a group (or
+        several) or with (without) an outcome, from the store's rollout index: the cost follows
+        what is returned, not the store (`index`)."""
+        if state is None and since is None and group is None and graded is None:
+            return self.source.rollouts()
+        return [
+            r.rollout_id for r in self.index(state=state, since=since, group=group, graded=graded)
+        ]
+
+    def index(
+        self,
+        *,
+        state: State | None = None,
+        since: int | datetime | None = None,
+        group: str | Iterable[str] | None = None,
+        graded: bool | None = None,
+    ) -> list[IndexedRollout]:
+        """The rollout index's rows (state, poisoned flag, seal time, group, graded) of the
+        rollouts the keywords keep (as `rollouts`). ``poisoned`` there is what the header and
+        ledger say; `status` also reads the event log (calls lost in a crash)."""
+        groups = None if group is None else frozenset([group] if isinstance(group, str) else group)
+        query = RolloutQuery(state, as_epoch_ms(since), groups, graded)
+        return indexed(self.source, query)
+
+    def next_batch(
+        self, consumer: str, *, wait_s: float | None = 30.0, **ask: int | None
+    ) -> RolloutBatch | None:
+        """The consumer's next batch: ``rollouts=N`` rollouts or ``groups=N`` complete groups of
+        ``group_size=S``, sealed, graded, not poisoned, verified, and (``max_staleness=K``) not
+        more than K weight versions behind ``current_version=`` (default: the driver's). Waits
+        up to `wait_s` seconds (None: forever); None when none was ready. Delivered again until
+        `RolloutBatch.ack`; see `capture_proxy.read.batches` and docs/batches.md."""
+        from .batches import BatchRequest, next_batch
+
+        return next_batch(self, consumer, BatchRequest(**ask), wait_s=wait_s)
+
+    def batches(
+        self, consumer: str, *, wait_s: float | None = None, **ask: int | None
+    ) -> Iterator[RolloutBatch]:
+        """`next_batch` again and again: ``for batch in store.batches("trainer-a", groups=4,
+        group_size=8): ...; batch.ack()``. Blocks for each batch; ends when none came within
+        `wait_s` (default: waits forever). A batch not acknowledged comes again."""
+        from .batches import BatchRequest, iter_batches
+
+        return iter_batches(self, consumer, BatchRequest(**ask), wait_s=wait_s)
 
     def rollout_info(self, rollout_id: str) -> RolloutInfo:
         return self.source.rollout_info(rollout_id)
@@ -358,10 +411,18 @@ class Store:
         rollouts `cursor` already took."""
         since_ms = as_epoch_ms(since)
         groups = {group} if isinstance(group, str) else None if group is None else set(group)
-        known = self.rollouts()
-        if rollouts is None:
-            ids = known
+        if rollouts is None and (groups is not None or (since_ms is not None and not include_open)):
+            # The rollout index narrows first: the reads below follow what is kept, not the
+            # store. (An open rollout has no seal time: with include_open, `since` cannot.)
+            query = RolloutQuery(
+                since_ms=None if include_open else since_ms,
+                groups=None if groups is None else frozenset(groups),
+            )
+            ids = [r.rollout_id for r in indexed(self.source, query)]
+        elif rollouts is None:
+            ids = self.rollouts()
         else:
+            known = self.rollouts()
             wanted = set(rollouts)
             missing = sorted(wanted.difference(known))
             if missing:
@@ -370,14 +431,13 @@ class Store:
         if expected_heads is not None:
             # An anchored read takes the rollouts its driver vouches for, and says which of
             # those the store lost and which others it holds.
-            present = set(ids)
             if skipped is not None:
-                gone = sorted(set(expected_heads).difference(known))
+                gone = sorted(set(expected_heads).difference(self.source.rollouts()))
                 skipped.setdefault("missing", []).extend(gone)
                 skipped.setdefault("unanchored", []).extend(
                     r for r in ids if r not in expected_heads
                 )
-            ids = [r for r in ids if r in expected_heads and r in present]
+            ids = [r for r in ids if r in expected_heads]
         kept: list[SelectedRollout] = []
         if cursor is not None:
             ids = [r for r in ids if r not in cursor]

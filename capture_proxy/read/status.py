@@ -131,9 +131,11 @@ class RolloutFacts:
         list per rollout would make it quadratic). ``claims=False`` leaves the claims unread
         (the integrity check does not use them; on object storage they are a listing each)."""
         if header is ...:
-            if rollout_id not in source.rollouts():
-                raise KeyError(rollout_id)
             header = read_header(source, rollout_id)
+            # Only a rollout without a header needs the store's list (a store written before
+            # headers): listing it for every rollout made each read cost the whole store.
+            if header is None and rollout_id not in source.rollouts():
+                raise KeyError(rollout_id)
         return RolloutFacts(
             rollout_id,
             header,

@@ -20,16 +20,24 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from ..core.capture import Capture
 from ..core.exchange import ExchangeConfig, Pipeline
-from ..core.journal import journal_path, replay_journal
+from ..core.journal import journal_path, release_reserve, replay_journal, reserve_journal
 from ..core.policy import RequestPolicy
 from ..core.scale_out import SCALE_OUT_MISSING
 from ..core.shared_reader import SharedReader
-from ..errors import NotFound, PayloadTooLarge, ProxyError, RequestTimeout, error_body
+from ..errors import (
+    CaptureUnavailable,
+    NotFound,
+    PayloadTooLarge,
+    ProxyError,
+    RequestTimeout,
+    error_body,
+)
 from ..schemas.request import FreeJsonLimits
-from ..sinks.base import StagingSink
+from ..sinks.base import StagingSink, StoreError
 from ..sinks.registry import open_sink, store_local_dir
 from ..upstream.http import HTTPUpstream
 from ..upstream.replicas import ReplicaSet
+from .body_rate import BodyRate
 from .chat import chat_completions
 from .control import add_control_routes
 from .metrics import Metrics
@@ -120,6 +128,20 @@ async def errors_and_metrics(request: web.Request, handler: Handler) -> web.Stre
     except ProxyError as e:
         response = web.Response(
             status=e.status, body=e.body(), content_type="application/json", headers=e.headers
+        )
+        return response
+    except StoreError as e:
+        # The store itself failed under a handler that reads or writes it directly (the control
+        # API, the read routes): its sentence, as a 503, never a bare 500 with a traceback.
+        log.error("%s %s: the store failed: %s", request.method, request.path, e)
+        down = CaptureUnavailable(
+            f"the store is unavailable: {e}", code="store_unavailable", headers={"Retry-After": "5"}
+        )
+        response = web.Response(
+            status=down.status,
+            body=down.body(),
+            content_type="application/json",
+            headers=down.headers,
         )
         return response
     except web.HTTPException as e:
@@ -222,6 +244,26 @@ async def readyz(request: web.Request) -> web.Response:
     return web.json_response(body, status=503 if problems else 200)
 
 
+async def readyz_brief(request: web.Request) -> web.Response:
+    """``/readyz`` on the sandboxes' port when the control API has a port of its own: the same
+    status, but only ``{"ready": bool}``. What it leaves out (problems naming the upstream's URL,
+    the replicas' URLs, versions and models, warnings) is on the control port's ``/readyz``,
+    next to ``/metrics``: sandboxes run model-written code and need none of it."""
+    full = await readyz(request)
+    return web.json_response({"ready": full.status == 200}, status=full.status)
+
+
+async def upstream_metrics(request: web.Request) -> web.Response:
+    """vLLM's own ``/metrics`` relayed (``/metrics/upstream``), so Prometheus needs no way to
+    vLLM's port, where dev mode serves routes without authentication (``/pause``, RPC into the
+    engine). With several replicas, one of them answers (each pod's proxy has its own vLLM in
+    the deployment files)."""
+    status, content_type, raw = await request.app[STATE].upstream.relay(
+        "GET", "/metrics", None, None
+    )
+    return web.Response(status=status, body=raw, headers={"Content-Type": content_type})
+
+
 def _wants_token_in(state: ProxyState) -> bool:
     """``--token-in on``, or a rollout in memory that chose token-in for itself."""
     if state.settings.token_in == "on":
@@ -253,7 +295,8 @@ def _disk_problem(folder: str, floor: int) -> str | None:
 
 async def _guards(state: ProxyState, store_url: str) -> None:
     """Once a second: the free-disk floor, the sink's own problem (a SQLite file deleted or
-    replaced under it), ledger entries the sink refused, idle rollouts."""
+    replaced under it), a probe write while the sink is failing, ledger entries the sink
+    refused, idle rollouts."""
     floor = state.settings.min_free_disk_mb * 2**20
     folder = store_local_dir(store_url)  # the store kind's local folder; None: not on a disk
     # Optional on sinks, like `stats`: blocking (a stat), so asked from a thread.
@@ -261,17 +304,36 @@ async def _guards(state: ProxyState, store_url: str) -> None:
     while True:
         if floor and folder:
             state.capture.unavailable_reason = await asyncio.to_thread(_disk_problem, folder, floor)
-        if callable(sink_problem):
-            problem = await asyncio.to_thread(sink_problem)
-            if problem:
-                # The sink-failure path: /readyz fails naming it, writes already fail with it.
-                state.capture.stager.sink_failing = problem
+        problem = await asyncio.to_thread(sink_problem) if callable(sink_problem) else None
+        if problem:
+            # The sink-failure path: /readyz fails naming it, writes already fail with it.
+            state.capture.stager.sink_failing = problem
+        elif state.capture.stager.sink_failing:
+            await _probe_sink(state)
         if state.capture.ledger.held:
             await state.capture.ledger.flush()
         state.pipeline.forget_rollouts(
             state.capture.evict_idle(state.settings.rollout_idle_timeout)
         )
         await asyncio.sleep(1.0)
+
+
+async def _probe_sink(state: ProxyState) -> None:
+    """Clear the sink's failure once a probe write succeeds (optional on sinks, like `stats`).
+
+    Without it, readiness failed by a full disk came back only when a call staged: behind a
+    Kubernetes Service that had taken the pod out of rotation, no call ever came."""
+    probe = getattr(state.sink, "probe", None)
+    if not callable(probe):
+        return
+    try:
+        async with asyncio.timeout(state.settings.stage_timeout):
+            await probe()
+    except Exception as e:  # still failing: say the newest reason
+        state.capture.stager.sink_failing = f"{type(e).__name__}: {e}"
+        return
+    log.info("the store takes writes again (a probe write succeeded): ready to capture")
+    state.capture.stager.sink_failing = None
 
 
 def _live_gauges(state: ProxyState) -> dict[str, float]:
@@ -337,6 +399,7 @@ def create_app(settings: Settings, *, sink: StagingSink | None = None) -> web.Ap
             max_inflight_per_rollout=settings.max_inflight_per_rollout,
             max_rollout_calls=settings.max_rollout_calls,
             max_rollout_bytes=settings.max_rollout_bytes,
+            max_live_rollouts=settings.max_live_rollouts,
             pause_hold=settings.pause_hold_seconds,
             source=SharedReader(the_sink),
             policy=RequestPolicy(
@@ -348,6 +411,7 @@ def create_app(settings: Settings, *, sink: StagingSink | None = None) -> web.Ap
         ),
         metrics=Metrics(),
     )
+    state.body_rate = BodyRate(settings.max_rollout_body_rate * 2**20, 2 * settings.max_body_bytes)
     state.metrics.add_live(lambda: _live_gauges(state))
     state.capture.on_outcome.append(state.metrics.observe)
     app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[errors_and_metrics])
@@ -359,13 +423,21 @@ def create_app(settings: Settings, *, sink: StagingSink | None = None) -> web.Ap
         for path in PASSTHROUGH_PATHS:
             method = "POST" if path in ("/tokenize", "/detokenize") else "GET"
             app.router.add_route(method, prefix + path, passthrough)
-    if not settings.admin_port:
+    app.router.add_get("/healthz", healthz)
+    if settings.admin_port:
+        # The operator's view (the control API, metrics, readiness in detail) on its own port.
+        app.router.add_get("/readyz", readyz_brief)
+    else:
         add_control_routes(app)
         add_read_routes(app)
-    app.router.add_get("/healthz", healthz)
+        _add_operator_routes(app)
+    return app
+
+
+def _add_operator_routes(app: web.Application) -> None:
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)
-    return app
+    app.router.add_get("/metrics/upstream", upstream_metrics)
 
 
 async def _mark_shutting_down(app: web.Application) -> None:
@@ -378,6 +450,8 @@ def create_admin_app(main: web.Application) -> web.Application:
     admin[STATE] = main[STATE]
     add_control_routes(admin)
     add_read_routes(admin)
+    admin.router.add_get("/healthz", healthz)
+    _add_operator_routes(admin)
     return admin
 
 
@@ -468,6 +542,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             max_model_len=s.max_model_len,
             context_overflow="cap" if s.context_overflow == "cap" else "refuse",
             free_json=FreeJsonLimits(s.max_free_json_bytes, s.max_free_json_items),
+            max_json_items=s.max_json_items,
+            max_decoding_bytes=s.max_decoding_bytes,
             logprobs_mode=s.upstream_logprobs_mode,
             token_in=s.token_in,
         ),
@@ -487,6 +563,11 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     journal = journal_path(state.sink.url)
     if journal is not None and await asyncio.to_thread(os.path.exists, journal):
         await _replay(state, journal)
+    # Before serving: a journal that a full disk would need at shutdown is written in space
+    # taken now (core/journal.py).
+    unreserved = await asyncio.to_thread(reserve_journal, journal)
+    if unreserved:
+        log.error("%s: ledger entries held at a stop may then go to stderr only", unreserved)
     version = await state.capture.restore_weight_version()
     if version:
         log.info("weight version %d, as last set on the store", version)
@@ -505,6 +586,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             state.capture.source.close()
         await state.sink.close()
         await _spill(state, journal)
+        if not state.capture.ledger.unsaved:
+            await asyncio.to_thread(release_reserve, journal)
         await state.upstream.close()
         if fake_runner is not None:
             await fake_runner.cleanup()

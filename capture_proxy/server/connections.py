@@ -9,6 +9,12 @@ descriptors, and then nothing works: not the upstream, not the store, not even `
   the OpenAI error form, without reading its request (clients such as the OpenAI SDK retry it);
   the connection is half-closed and dropped a second later, so the client reads the answer
   instead of a reset;
+- refuses the same way a connection from an address that already holds `per_address` connections
+  that have not yet carried an authorized call (``--max-connections-per-address``): one sandbox
+  opening thousands of idle connections filled the whole cap, and every other sandbox got 503
+  for the header deadline. Sandboxes behind one NAT share an address, so a connection stops
+  counting against its address once it has carried a call the proxy authorized (with a rollout's
+  key, where keys are required): past that point the per-rollout limits judge it;
 - drops a connection whose client leaves its answer unread (the transport's buffer full, writing
   paused) for `unread_timeout` (``server.run``: twice ``--client-write-timeout``): nothing else
   frees a connection held that way. A stream enforces the write deadline itself and records its
@@ -38,13 +44,9 @@ _LINGER_S = 1.0
 MAX_LINGERING = 16
 
 
-def _refusal_answer(limit: int) -> bytes:
-    """The whole HTTP answer a connection over the cap gets."""
-    body = error_body(
-        f"capture-proxy is at its connection limit ({limit} open, --max-connections): retry",
-        type="capture_unavailable",
-        code="too_many_connections",
-    )
+def _refusal_answer(message: str) -> bytes:
+    """The whole HTTP answer a refused connection gets."""
+    body = error_body(message, type="capture_unavailable", code="too_many_connections")
     head = (
         "HTTP/1.1 503 Service Unavailable\r\n"
         "Content-Type: application/json\r\n"
@@ -63,22 +65,69 @@ class ConnectionGate:
     `limit` 0 admits every connection. `stats` feeds ``/metrics``.
     """
 
-    def __init__(self, *, limit: int, unread_timeout: float) -> None:
+    def __init__(self, *, limit: int, unread_timeout: float, per_address: int = 0) -> None:
         self.limit = limit
+        self.per_address = per_address
         self.unread_timeout = unread_timeout
         self.open = 0
         self.refused = 0
+        self.refused_per_address = 0
         self.dropped_unread = 0
         self.lingering = 0
-        self.refusal = _refusal_answer(limit)
+        self.refusal = _refusal_answer(
+            f"capture-proxy is at its connection limit ({limit} open, --max-connections): retry"
+        )
+        self.address_refusal = _refusal_answer(
+            f"this address holds {per_address} connections that have carried no authorized "
+            "call yet (--max-connections-per-address): retry"
+        )
+        #: Connections not yet proven (see the module docs), by the transport they came on.
+        self._unproven: dict[int, str] = {}
+        self._per_address: dict[str, int] = {}
 
     def wrap(self, factory: Callable[[], asyncio.Protocol]) -> Callable[[], asyncio.Protocol]:
         return lambda: _Gated(self, factory)
+
+    def prove(self, transport: object) -> None:
+        """The connection on `transport` carried an authorized call: it stops counting against
+        its address (called by the handlers once a call is authorized)."""
+        address = self._unproven.pop(id(transport), None)
+        if address is not None:
+            self._forget(address)
+
+    def take_address(self, transport: asyncio.Transport) -> bool:
+        """Count a new connection against its address; False if the address is at its cap."""
+        if not self.per_address:
+            return True
+        peer = transport.get_extra_info("peername")
+        if not isinstance(peer, tuple):
+            return True  # a Unix socket: no address to tell clients apart by
+        address = str(peer[0])
+        held = self._per_address.get(address, 0)
+        if held >= self.per_address:
+            return False
+        self._per_address[address] = held + 1
+        self._unproven[id(transport)] = address
+        return True
+
+    def release(self, transport: asyncio.Transport) -> None:
+        """A connection closed: it no longer counts against its address, if it did."""
+        address = self._unproven.pop(id(transport), None)
+        if address is not None:
+            self._forget(address)
+
+    def _forget(self, address: str) -> None:
+        left = self._per_address[address] - 1
+        if left:
+            self._per_address[address] = left
+        else:
+            del self._per_address[address]
 
     def stats(self) -> dict[str, float]:
         return {
             "client_connections_open": self.open,
             "client_connections_refused_total": self.refused,
+            "client_connections_refused_per_address_total": self.refused_per_address,
             "client_connections_dropped_unread_total": self.dropped_unread,
         }
 
@@ -108,22 +157,29 @@ class _Gated(asyncio.Protocol):
         self._transport = transport
         gate = self._gate
         if gate.limit and gate.open >= gate.limit:
-            self._refuse(transport)
+            self._refuse(transport, gate.refusal, "%d open, the limit (--max-connections)")
+            return
+        if not gate.take_address(transport):
+            gate.refused_per_address += 1
+            self._refuse(
+                transport,
+                gate.address_refusal,
+                "its address holds %d without an authorized call (--max-connections-per-address)",
+            )
             return
         gate.open += 1
         self._inner = self._factory()
         self._inner.connection_made(transport)
 
-    def _refuse(self, transport: asyncio.Transport) -> None:
+    def _refuse(self, transport: asyncio.Transport, answer: bytes, why: str) -> None:
         gate = self._gate
         gate.refused += 1
         self._refused = True
         # One line per kind per interval: the log's repeat filter (capture_proxy.logs) folds a
         # flood of refusals into a count.
-        log.warning(
-            "refused a client connection: %d open, the limit (--max-connections)", gate.limit
-        )
-        transport.write(gate.refusal)
+        limit = gate.limit if answer is gate.refusal else gate.per_address
+        log.warning("refused a client connection: " + why, limit)
+        transport.write(answer)
         if gate.lingering >= MAX_LINGERING or not transport.can_write_eof():
             transport.close()
             return
@@ -173,12 +229,14 @@ class _Gated(asyncio.Protocol):
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        self._transport = None
+        transport, self._transport = self._transport, None
         if self._refused:
             if self._lingers:
                 self._gate.lingering -= 1
             return
         if self._inner is not None:
             self._gate.open -= 1
+            if transport is not None:
+                self._gate.release(transport)
             inner, self._inner = self._inner, None
             inner.connection_lost(exc)

@@ -35,11 +35,12 @@ from ..sinks.remote import (
     error_frame,
     keys_frame,
 )
+from ..sinks.rollout_index import RolloutQuery, indexed
 from ..upstream.replicas import ReplicaSet
 from .state import STATE, ProxyState, token_bytes
 from .validation import read_body
 
-__all__ = ["add_read_routes", "reader_may_not"]
+__all__ = ["add_read_routes", "authorize_read", "json_answer", "read_store", "reader_may_not"]
 
 T = TypeVar("T")
 
@@ -61,7 +62,7 @@ def _bearer(request: web.Request) -> bytes:
     return token_bytes(auth[7:] if auth.startswith("Bearer ") else "")
 
 
-def _authorize_read(request: web.Request) -> ProxyState:
+def authorize_read(request: web.Request) -> ProxyState:
     state = request.app[STATE]
     admin, reader = state.settings.admin_token, state.settings.reader_token
     if not admin:
@@ -87,14 +88,14 @@ def reader_may_not(request: web.Request) -> bool:
     return bool(reader) and hmac.compare_digest(_bearer(request), reader.encode())
 
 
-async def _read(state: ProxyState, fn: Callable[[StagingSource], T]) -> T:
+async def read_store(state: ProxyState, fn: Callable[[StagingSource], T]) -> T:
     source = state.capture.source
     if source is None:  # a Capture built without a reader: only in embeddings, never serve
         raise NotFound("this proxy has no reader on its store", code="no_store_reader")
     return await asyncio.to_thread(lambda: fn(source()))
 
 
-def _json(value: Any) -> web.Response:
+def json_answer(value: Any) -> web.Response:
     return web.Response(body=msgspec.json.encode(value), content_type="application/json")
 
 
@@ -118,76 +119,115 @@ def _unknown_key(exc: KeyError, keys: Sequence[str]) -> ProxyError:
 
 
 async def about(request: web.Request) -> web.Response:
-    state = _authorize_read(request)
-    return _json({"store": state.sink.url, "wire_version": WIRE_VERSION})
+    state = authorize_read(request)
+    return json_answer({"store": state.sink.url, "wire_version": WIRE_VERSION})
+
+
+def _query(request: web.Request) -> RolloutQuery | None:
+    """The rollout index query of ``?state=&since=&group=&graded=`` (None: no filter). ``group``
+    may be given several times."""
+    q = request.query
+    if not any(k in q for k in ("state", "since", "group", "graded")):
+        return None
+    since = q.get("since")
+    # Milliseconds since the epoch: 15 digits reach the year 33658 (and stay within SQLite's
+    # integers).
+    if since is not None and not (since.isdigit() and len(since) <= 15):
+        raise Unprocessable(
+            f"Invalid value {since[:16]!r} at since; expected milliseconds since the epoch",
+            param="since",
+        )
+    try:
+        return RolloutQuery(
+            state=q.get("state"),  # type: ignore[arg-type]  # checked by RolloutQuery
+            since_ms=None if since is None else int(since),
+            groups=frozenset(q.getall("group")) if "group" in q else None,
+            graded=_flag(request, "graded") if "graded" in q else None,
+        )
+    except ValueError as e:
+        raise Unprocessable(f"Invalid value at state: {e}", param="state") from e
 
 
 async def rollouts(request: web.Request) -> web.Response:
-    state = _authorize_read(request)
-    return _json(await _read(state, lambda s: s.rollouts()))
+    """Rollout ids, oldest first; with ``?state=&since=&group=&graded=`` only those the
+    rollout index keeps, evaluated here (the answer costs what it returns)."""
+    state = authorize_read(request)
+    query = _query(request)
+    if query is None:
+        return json_answer(await read_store(state, lambda s: s.rollouts()))
+    rows = await read_store(state, lambda s: indexed(s, query))
+    return json_answer([r.rollout_id for r in rows])
+
+
+async def index(request: web.Request) -> web.Response:
+    """The rollout index's rows the filters keep (as ``/rollouts``), each a JSON object."""
+    state = authorize_read(request)
+    query = _query(request) or RolloutQuery()
+    rows = await read_store(state, lambda s: indexed(s, query))
+    return json_answer([r.to_dict() for r in rows])
 
 
 async def rollout_info(request: web.Request) -> web.Response:
-    state = _authorize_read(request)
+    state = authorize_read(request)
     rollout_id = request.match_info["rollout_id"]
     try:
-        return _json(await _read(state, lambda s: s.rollout_info(rollout_id)))
+        return json_answer(await read_store(state, lambda s: s.rollout_info(rollout_id)))
     except KeyError as exc:
         raise NotFound(f"no rollout {rollout_id}", code="unknown_rollout") from exc
 
 
 async def events(request: web.Request) -> web.Response:
-    state = _authorize_read(request)
+    state = authorize_read(request)
     rollout_id = request.match_info["rollout_id"]
-    return _json(await _read(state, lambda s: s.events(rollout_id)))
+    return json_answer(await read_store(state, lambda s: s.events(rollout_id)))
 
 
 async def claims(request: web.Request) -> web.Response:
-    state = _authorize_read(request)
+    state = authorize_read(request)
     rollout_id = request.match_info["rollout_id"]
-    return _json(await _read(state, lambda s: s.claims(rollout_id)))
+    return json_answer(await read_store(state, lambda s: s.claims(rollout_id)))
 
 
 async def failures(request: web.Request) -> web.Response:
-    state = _authorize_read(request)
+    state = authorize_read(request)
     rollout_id = request.match_info["rollout_id"]
-    return _json(await _read(state, lambda s: s.failures(rollout_id)))
+    return json_answer(await read_store(state, lambda s: s.failures(rollout_id)))
 
 
 async def summaries(request: web.Request) -> web.Response:
-    state = _authorize_read(request)
+    state = authorize_read(request)
     rollout_id = request.match_info["rollout_id"]
-    return _json(await _read(state, lambda s: s.summaries(rollout_id)))
+    return json_answer(await read_store(state, lambda s: s.summaries(rollout_id)))
 
 
 async def orphaned(request: web.Request) -> web.Response:
-    state = _authorize_read(request)
-    return _json(sorted(await _read(state, lambda s: s.orphaned())))
+    state = authorize_read(request)
+    return json_answer(sorted(await read_store(state, lambda s: s.orphaned())))
 
 
 async def unreferenced(request: web.Request) -> web.Response:
-    state = _authorize_read(request)
-    return _json(await _read(state, lambda s: s.unreferenced_attachments()))
+    state = authorize_read(request)
+    return json_answer(await read_store(state, lambda s: s.unreferenced_attachments()))
 
 
 async def replicas(request: web.Request) -> web.Response:
     """The proxy's upstream replicas and their states (none with a single upstream), so that
     ``inspect`` on a running proxy shows which replicas serve and why the others do not."""
-    state = _authorize_read(request)
+    state = authorize_read(request)
     upstream = state.upstream
     if not isinstance(upstream, ReplicaSet):
-        return _json([])
+        return json_answer([])
     load = state.pipeline.replica_load()
-    return _json(
+    return json_answer(
         [ReplicaStatus(**r.to_dict(), live_rollouts=load.get(r.name, 0)) for r in upstream.replicas]
     )
 
 
 async def coords(request: web.Request) -> web.Response:
-    state = _authorize_read(request)
+    state = authorize_read(request)
     keys = read_body(await request.read(), Keys).keys
     try:
-        return _json(await _read(state, lambda s: s.coords(keys)))
+        return json_answer(await read_store(state, lambda s: s.coords(keys)))
     except KeyError as exc:
         raise _unknown_key(exc, keys) from exc
 
@@ -211,7 +251,7 @@ async def _send_records(
     response: web.StreamResponse | None = None
     try:
         for batch in batches:
-            records = await _read(state, batch)
+            records = await read_store(state, batch)
             if response is None:
                 response = await _stream(request)
             for record in records:
@@ -237,7 +277,7 @@ async def _send_records(
 
 
 async def calls(request: web.Request) -> web.StreamResponse:
-    state = _authorize_read(request)
+    state = authorize_read(request)
     rollout_id = request.match_info["rollout_id"]
     include_orphaned = _flag(request, "include_orphaned")
     return await _send_records(
@@ -246,7 +286,7 @@ async def calls(request: web.Request) -> web.StreamResponse:
 
 
 async def fetch(request: web.Request) -> web.StreamResponse:
-    state = _authorize_read(request)
+    state = authorize_read(request)
     keys = read_body(await request.read(), Keys).keys
 
     def batch(part: list[str]) -> Callable[[StagingSource], list[StagedCallRecord]]:
@@ -257,8 +297,8 @@ async def fetch(request: web.Request) -> web.StreamResponse:
 
 
 async def all_keys(request: web.Request) -> web.StreamResponse:
-    state = _authorize_read(request)
-    keys = await _read(state, lambda s: list(s.all_keys()))
+    state = authorize_read(request)
+    keys = await read_store(state, lambda s: list(s.all_keys()))
     response = await _stream(request)
     for start in range(0, len(keys), _KEYS_PER_FRAME):
         await response.write(keys_frame(keys[start : start + _KEYS_PER_FRAME]))
@@ -271,6 +311,7 @@ def add_read_routes(app: web.Application) -> None:
     """The read routes, under ``/admin/store`` (docs/contract.md)."""
     app.router.add_get("/admin/store", about)
     app.router.add_get("/admin/store/rollouts", rollouts)
+    app.router.add_get("/admin/store/index", index)
     app.router.add_get("/admin/store/rollouts/{rollout_id}", rollout_info)
     app.router.add_get("/admin/store/rollouts/{rollout_id}/calls", calls)
     app.router.add_get("/admin/store/rollouts/{rollout_id}/failures", failures)
@@ -283,3 +324,6 @@ def add_read_routes(app: web.Application) -> None:
     app.router.add_get("/admin/store/orphaned", orphaned)
     app.router.add_get("/admin/store/unreferenced-attachments", unreferenced)
     app.router.add_get("/admin/store/replicas", replicas)
+    from .batch_routes import add_batch_routes  # it uses this module's helpers
+
+    add_batch_routes(app)

@@ -135,7 +135,10 @@ async def listen(
     runner = _runner(app, settings)
     await runner.setup()
     unread = 2 * settings.client_write_timeout
-    gate = ConnectionGate(limit=cap, unread_timeout=unread)
+    gate = ConnectionGate(
+        limit=cap, unread_timeout=unread, per_address=settings.max_connections_per_address
+    )
+    app[STATE].connections = gate
     server = await _listen_on(runner, settings.host, settings.port, gate)
     host, port = server.sockets[0].getsockname()[:2]
     listening = Listening(app, runner, f"http://{host}:{port}", gate, [server])

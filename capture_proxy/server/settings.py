@@ -18,7 +18,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
+import math
 import os
+import string
 import tomllib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -30,12 +33,16 @@ from ..errors import CaptureProxyError
 
 __all__ = [
     "ENV_PREFIX",
+    "GROUPS",
     "Settings",
     "SettingsError",
     "add_arguments",
     "load_settings",
     "settings_markdown",
+    "token_bits",
 ]
+
+log = logging.getLogger("capture_proxy")
 
 ENV_PREFIX = "CAPTURE_PROXY_"
 _TRUE = {"1", "true", "yes", "on"}
@@ -73,7 +80,9 @@ class Settings:
     store: str = _s(
         "sqlite:///capture.db",
         "where records are staged: sqlite:///file.db, parquet:///folder, a Parquet dataset on"
-        " object storage (s3://bucket/prefix, gs://, az://), or a path",
+        " object storage (s3://bucket/prefix, gs://, az://), or a path. Three slashes take a "
+        "path relative to the working folder (parquet:///data/x is ./data/x), four an absolute "
+        "one (parquet:////data/x is /data/x)",
     )
     host: str = _s("127.0.0.1", "address to listen on")
     port: int = _s(8100, "port to listen on (0 picks a free one)")
@@ -132,6 +141,13 @@ class Settings:
         "Retry-After and is closed (0: no cap). Lowered at start to what the open-file limit "
         "allows",
     )
+    max_connections_per_address: int = _s(
+        64,
+        "client connections from one address that have not yet carried an authorized call "
+        "(a rollout's key, where keys are required); a new one beyond it gets 503 with "
+        "Retry-After. Sandboxes behind one NAT share an address: a connection that has carried "
+        "a call no longer counts (0: no cap)",
+    )
     max_passthrough_body_bytes: int = _s(
         2**20,
         "largest body of a pass-through route (/tokenize, /detokenize), relayed uncaptured; "
@@ -146,9 +162,21 @@ class Settings:
         "...), in bytes; 413 above it",
     )
     max_free_json_items: int = _s(
-        500_000,
+        131_072,
         "JSON values (objects, arrays, numbers, strings) in all free-form values of a request "
         "together; 413 above it",
+    )
+    max_json_items: int = _s(
+        262_144,
+        "commas, brackets and braces a request body may hold, counted before it is decoded "
+        "(strings included): what the body decodes into stays under its size + 32 MiB; 413 "
+        "above it",
+    )
+    max_decoding_bytes: int = _s(
+        192 * 2**20,
+        "bytes of request bodies over 1 MiB decoded at once (the others wait their turn, in "
+        "order; one larger than this is decoded alone); a call whose turn does not come within "
+        "10 s gets 503 with Retry-After (0: no bound)",
     )
     stage_timeout: float = _s(10.0, "seconds a sink may take to stage a call before it fails")
     max_pending_stages: int = _s(
@@ -186,12 +214,15 @@ class Settings:
         0, "calls in flight at once across rollouts; excess gets 429 (0: no limit)"
     )
     max_inflight_per_rollout: int = _s(
-        0, "calls in flight at once in one rollout; excess gets 429 (0: no limit)"
+        16,
+        "calls in flight at once in one rollout (one sandbox, with rollout keys); excess gets "
+        "429 (0: no limit). An agent makes one call at a time, a few with subagents",
     )
     admin_token: str = _s(
         "",
-        "bearer token for the control API (/admin), at least 16 characters; empty: the control "
-        "API is off. Prefer the environment or --admin-token-file: a flag shows in ps",
+        "bearer token for the control API (/admin), 16 characters and 64 bits (estimated) at "
+        "least; empty: the control API is off. Prefer the environment or --admin-token-file: a "
+        "flag shows in ps",
         secret=True,
     )
     admin_token_file: str = _s(
@@ -200,8 +231,8 @@ class Settings:
     reader_token: str = _s(
         "",
         "bearer token that may only read the store through the control API (trainers on other "
-        "hosts: open_store('http://HOST:PORT', token=...)), at least 16 characters and not the "
-        "admin token; needs --admin-token. Prefer the environment or --reader-token-file",
+        "hosts: open_store('http://HOST:PORT', token=...)), 16 characters and 64 bits at least, "
+        "not the admin token; needs --admin-token. Prefer the environment or --reader-token-file",
         secret=True,
     )
     reader_token_file: str = _s(
@@ -220,7 +251,22 @@ class Settings:
         "further calls get 429 (0: no limit)",
     )
     max_rollout_calls: int = _s(
-        10_000, "calls one rollout may make (refused ones not counted); beyond, 429 (0: no limit)"
+        10_000,
+        "calls one rollout may make; beyond, 429 (0: no limit). Its refused calls are bounded "
+        "apart by the same number: past it they are answered 429 and counted in /metrics, not "
+        "written to the ledger one by one",
+    )
+    max_rollout_body_rate: float = _s(
+        16.0,
+        "MiB of request bodies one rollout may send per second, with up to twice "
+        "--max-body-bytes saved up; a body beyond it gets 429 with Retry-After before it is "
+        "read (an agent resending every image sends a few MiB a second; 0: no limit)",
+    )
+    max_live_rollouts: int = _s(
+        10_000,
+        "rollouts kept in memory at once; past it the oldest idle ones leave memory (and resume "
+        "from the store when seen again). A live rollout holds its last prompt's and answer's "
+        "ids, about 1 MB at a 60k-token prompt: size it with the memory limit",
     )
     seal_timeout: float = _s(60.0, "seconds sealing waits for a rollout's in-flight calls")
     pause_hold_seconds: float = _s(
@@ -313,8 +359,55 @@ def _default_text(f: dataclasses.Field[Any]) -> str:
     return repr(f.default)
 
 
+#: How ``serve --help`` groups the settings: title -> (what the group is about, its settings in
+#: help order). A test holds every setting to exactly one group; one left out still shows, last.
+GROUPS: dict[str, tuple[str, str]] = {
+    "upstream": (
+        "the vLLM the proxy calls, and how",
+        "upstream upstream_api_key upstream_reasoning_field upstream_logprobs_mode served_model "
+        "max_model_len context_overflow on_replica_loss replica_probe_interval "
+        "upstream_connect_timeout upstream_first_byte_timeout upstream_idle_timeout "
+        "upstream_total_timeout",
+    ),
+    "token-in": (
+        "prompts built from the model's own sampled tokens (docs/token-in.md)",
+        "token_in",
+    ),
+    "store": (
+        "where calls are staged",
+        "store on_capture_failure stage_timeout max_pending_stages min_free_disk_mb",
+    ),
+    "sandboxes": (
+        "where agents reach the proxy, and what they must send",
+        "host port public_url require_rollout_id require_rollout_keys allow_remote_media "
+        "client_header_timeout client_body_timeout client_write_timeout",
+    ),
+    "request policy": (
+        "sampling parameters filled in or imposed (docs/usage.md)",
+        "policy_defaults policy_force max_tokens_cap",
+    ),
+    "control API": (
+        "rollout drivers and trainers: /admin (docs/contract.md)",
+        "admin_token admin_token_file reader_token reader_token_file admin_port admin_host "
+        "seal_timeout pause_hold_seconds pause_drain_timeout",
+    ),
+    "limits": (
+        "what one request, rollout or client may take",
+        "max_body_bytes max_passthrough_body_bytes max_free_json_bytes max_free_json_items "
+        "max_json_items max_decoding_bytes max_connections max_connections_per_address "
+        "max_inflight max_inflight_per_rollout max_rollout_bytes max_rollout_calls "
+        "max_live_rollouts rollout_idle_timeout",
+    ),
+    "process": (
+        "the serving process and its logs",
+        "loop transparent_huge_pages malloc_trim_interval shutdown_timeout log_level log_format",
+    ),
+}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add one flag per setting. Defaults are left as None so the environment can fill them."""
+    """Add one flag per setting, in the argument groups of `GROUPS`. Defaults are left as None
+    so the environment can fill them; a setting with choices shows them (``{off,on}``)."""
     parser.add_argument(
         "--config",
         default=None,
@@ -322,30 +415,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"a TOML file of settings (keys as below, snake_case; env {ENV_PREFIX}CONFIG)",
     )
     hints = get_type_hints(Settings)
-    for f in dataclasses.fields(Settings):
-        help_text = f"{f.metadata['help']} (env {_env(f.name)}; default: {_default_text(f)})"
-        kind = hints[f.name]
-        if f.metadata["many"]:
-            parser.add_argument(
-                _flag(f.name),
-                action="append",
-                default=None,
-                metavar=f.name.upper(),
-                help=help_text + "; repeat the flag for several",
-            )
-        elif kind is bool:
-            parser.add_argument(
-                _flag(f.name), action=argparse.BooleanOptionalAction, default=None, help=help_text
-            )
-        else:
-            parser.add_argument(
-                _flag(f.name),
-                type=str,
-                default=None,
-                metavar=f.name.upper(),
-                choices=f.metadata["choices"],
-                help=help_text,
-            )
+    fields = {f.name: f for f in dataclasses.fields(Settings)}
+    grouped = {title: names.split() for title, (_, names) in GROUPS.items()}
+    grouped["other"] = [n for n in fields if not any(n in g for g in grouped.values())]
+    for title, names in grouped.items():
+        if not names:
+            continue
+        group = parser.add_argument_group(title, GROUPS.get(title, ("", ""))[0] or None)
+        for name in names:
+            _add_flag(group, fields[name], hints[name])
+
+
+def _add_flag(group: argparse._ArgumentGroup, f: dataclasses.Field[Any], kind: Any) -> None:
+    help_text = f"{f.metadata['help']} (env {_env(f.name)}; default: {_default_text(f)})"
+    if f.metadata["many"]:
+        group.add_argument(
+            _flag(f.name),
+            action="append",
+            default=None,
+            metavar=f.name.upper(),
+            help=help_text + "; repeat the flag for several",
+        )
+    elif kind is bool:
+        group.add_argument(
+            _flag(f.name), action=argparse.BooleanOptionalAction, default=None, help=help_text
+        )
+    else:
+        group.add_argument(
+            _flag(f.name),
+            type=str,
+            default=None,
+            # With choices, argparse shows them ({off,on}) where the metavar would be.
+            metavar=None if f.metadata["choices"] else f.name.upper(),
+            choices=f.metadata["choices"],
+            help=help_text,
+        )
 
 
 def _kind(hint: Any) -> type:
@@ -447,6 +551,15 @@ def load_settings(
     for name in ("admin_token", "reader_token"):
         if values.get(f"{name}_file"):
             values[name] = _read_token_file(values, name)
+        elif args is not None and getattr(args, name, None):
+            # Taken, but said: every local user sees a process's command line (ps, /proc).
+            log.warning(
+                "%s was given on the command line, where every user of this machine can read "
+                "it (ps); give it in %s or a file (%s) instead",
+                _flag(name),
+                _env(name),
+                _flag(f"{name}_file"),
+            )
     settings = Settings(**values)
     _check(settings)
     return settings
@@ -473,6 +586,33 @@ _PLACEHOLDERS = ("changeme", "change-me", "change_me", "replace", "placeholder",
 _MIN_TOKEN = 16
 
 
+#: Estimated bits a token needs (`token_bits`): ``openssl rand -hex 32`` has ~250.
+_MIN_TOKEN_BITS = 64
+_CLASSES = (
+    frozenset(string.digits),
+    frozenset(string.ascii_lowercase),
+    frozenset(string.ascii_uppercase),
+)
+
+
+def token_bits(token: str) -> float:
+    """A token's estimated entropy, in bits: the rule weak admin and reader tokens fail.
+
+    Each character counts log2 of the size of the character classes the token draws from
+    (digits 10, lower case 26, upper case 26, anything else 33), except a character that
+    repeats the one before it or steps one up or down from it (``aaaa``, ``1234``, ``fedc``),
+    which counts nothing: ``0123456789abcdef`` is 10 bits, ``password12345678`` 41,
+    ``openssl rand -hex 32`` about 250. Words are not told apart from random letters, so a
+    passphrase counts as its letters.
+    """
+    size = sum(len(c) for c in _CLASSES if any(ch in c for ch in token))
+    if any(not any(ch in c for c in _CLASSES) for ch in token):
+        size += 33
+    per = math.log2(size) if size > 1 else 0.0
+    counted = sum(1 for i, ch in enumerate(token) if i == 0 or abs(ord(ch) - ord(token[i - 1])) > 1)
+    return counted * per
+
+
 def _weak_token(token: str) -> str | None:
     """Why `token` is too weak to guard the control API, or None."""
     if len(token) < _MIN_TOKEN:
@@ -481,8 +621,12 @@ def _weak_token(token: str) -> str | None:
     for word in _PLACEHOLDERS:
         if word in low:
             return f"a placeholder (it holds {word!r})"
-    if len(set(token)) < 6:
-        return "too repetitive (fewer than 6 distinct characters)"
+    bits = token_bits(token)
+    if bits < _MIN_TOKEN_BITS:
+        return (
+            f"guessable: about {bits:.0f} bits estimated, at least {_MIN_TOKEN_BITS} needed "
+            "(repeats and runs such as 1234 or abcd count nothing)"
+        )
     return None
 
 
@@ -492,9 +636,10 @@ def settings_markdown() -> str:
     lines = [
         "# Settings",
         "",
-        "Generated by `capture-proxy settings --markdown` from `capture_proxy/settings.py`; a test",
-        "keeps this page equal to that output. Precedence: flag > environment > config file",
-        "(`--config FILE`, TOML, keys in snake_case) > default.",
+        "Generated by `capture-proxy settings --markdown` from `capture_proxy/server/settings.py`;",
+        "a test keeps this page equal to that output. Precedence: flag > environment > config file",
+        "(`--config FILE`, TOML, keys in snake_case) > default. `capture-proxy serve --help` shows",
+        f"the same settings in groups: {', '.join(GROUPS)}.",
         "",
         "| flag | environment | TOML key | type | default | meaning |",
         "|---|---|---|---|---|---|",
@@ -545,6 +690,8 @@ def _check(s: Settings) -> None:
         "max_pending_stages",
         "max_free_json_bytes",
         "max_free_json_items",
+        "max_json_items",
+        "max_live_rollouts",
     ):
         if getattr(s, name) < 1:
             raise bad(name, f"must be >= 1, got {getattr(s, name)}")
@@ -558,7 +705,10 @@ def _check(s: Settings) -> None:
         "max_rollout_bytes",
         "max_rollout_calls",
         "max_connections",
+        "max_connections_per_address",
+        "max_rollout_body_rate",
         "malloc_trim_interval",
+        "max_decoding_bytes",
     ):
         if getattr(s, name) < 0:
             raise bad(name, f"must be >= 0, got {getattr(s, name)}")

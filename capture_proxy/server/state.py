@@ -14,6 +14,8 @@ from ..errors import Forbidden, Unauthorized
 from ..sinks.base import StagingSink
 from ..upstream.http import HTTPUpstream
 from ..upstream.replicas import ReplicaSet
+from .body_rate import BodyRate
+from .connections import ConnectionGate
 from .metrics import Metrics
 from .settings import Settings
 
@@ -42,9 +44,21 @@ class ProxyState:
     #: Set when shutdown begins: calls cut off by its deadline are recorded as such.
     shutting_down: bool = False
     listen_url: str = ""
+    #: The proxy listener's connection gate (`server.run`; None in an app served otherwise).
+    connections: ConnectionGate | None = None
+    #: Body bytes per rollout per second (``--max-rollout-body-rate``), set by `create_app`.
+    body_rate: BodyRate = field(default_factory=lambda: BodyRate(0, 0))
 
     async def authorize_call(self, request: web.Request, rollout_id: str) -> None:
-        """With --require-rollout-keys: the bearer key must be the one minted for the rollout."""
+        """With --require-rollout-keys: the bearer key must be the one minted for the rollout.
+
+        A connection that carried an authorized call stops counting against its address's
+        connection cap (`ConnectionGate.prove`)."""
+        await self._authorize(request, rollout_id)
+        if self.connections is not None:
+            self.connections.prove(request.transport)
+
+    async def _authorize(self, request: web.Request, rollout_id: str) -> None:
         if not self.settings.require_rollout_keys:
             return
         auth = request.headers.get("Authorization", "")

@@ -111,3 +111,32 @@ async def test_zero_means_no_quota(make_proxy: Any, setting: str) -> None:
         assert (await p.chat(chat_body(user(f"x{i}")))).status == 200
     limits = (await manifest(p))["limits"]
     assert limits[setting.removeprefix("max_rollout_")] is None
+
+
+async def test_refused_calls_cannot_fill_the_ledger_without_end(tmp_path: Path) -> None:
+    # Issue 27: 16,000 refused bodies wrote 16,003 ledger rows (12.5 MB) while `calls` stayed 0.
+    # A rollout's refusals are bounded by the same quota; past it, 429 counted, not written.
+    settings: dict[str, Any] = {"admin_token": TOKEN, "max_rollout_calls": 3}
+    bad = {"model": "policy", "messages": [{"role": "user", "content": "x"}], "temperature": "hot"}
+    p = await start_proxy(tmp_path, **settings)
+    try:
+        statuses = [(await p.chat(bad)).status for _ in range(5)]
+        assert statuses == [422, 422, 422, 429, 429]
+        last = await p.chat(bad)
+        error = (await last.json())["error"]
+        assert error["code"] == "rollout_call_quota"
+        assert "--max-rollout-calls" in error["message"]
+        assert "further refusals are not recorded one by one" in error["message"]
+        assert [f.http_status for f in p.failures()] == [422, 422, 422]
+        metrics = await (await p.client.get("/metrics")).text()
+        assert 'reason="rollout_call_quota"' in metrics
+        # Its admitted calls have their own allowance still.
+        assert (await p.chat(chat_body(user("a good one")))).status == 200
+    finally:
+        await stop_proxy(p)
+    p = await start_proxy(tmp_path, **settings)  # a restart does not reset the count
+    try:
+        assert (await p.chat(bad)).status == 429
+        assert len(p.failures()) == 3
+    finally:
+        await stop_proxy(p)

@@ -10,6 +10,7 @@ it, with the installer's reason: it is never a skip, which would hide a missing 
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -120,3 +121,39 @@ def control() -> type[Control]:
     A fixture rather than an import: test modules importing `conftest` is fragile under pytest.
     """
     return Control
+
+
+@pytest.fixture
+def vllm_trainable(tmp_path: Path) -> Iterator[tuple[str, Path]]:
+    """A real vLLM 0.32 serving a copy of the tiny model that a trainer may replace: its URL and
+    the weights root, whose ``v0`` is the folder it serves.
+
+    Started as the loop needs it: ``--logprobs-mode processed_logprobs`` (the logprobs of the
+    distribution sampled from), dev mode (pause, resume, weight version, ``/collective_rpc``
+    to reload weights) and the scale-out routes (token-in). Its own server (~45 s): the
+    session's `vllm_url` is not touched, since its weights change.
+    """
+    paths = _or_fail(
+        f"preparing vLLM {tiny_vllm.VLLM_VERSION} (scripts/tiny_vllm.py)", tiny_vllm.prepare
+    )
+    root = tmp_path / "weights"
+    root.mkdir()
+    shutil.copytree(paths.model, root / "v0")
+    port = tiny_vllm.free_port()
+    began = time.monotonic()
+    proc = _or_fail(
+        f"starting vLLM on 127.0.0.1:{port}",
+        lambda: tiny_vllm.start(
+            None,
+            port,
+            scale_out=True,
+            dev_mode=True,
+            model=root / "v0",
+            logprobs_mode="processed_logprobs",
+        ),
+    )
+    sys.stderr.write(f"\n[vllm] trainable started in {time.monotonic() - began:.1f} s\n")
+    try:
+        yield f"http://127.0.0.1:{port}", root
+    finally:
+        tiny_vllm.stop(proc)

@@ -586,8 +586,10 @@ async def test_verify_clean_store_then_a_flipped_token_byte(
     doc = orjson.loads(text)
     assert (doc["view"], doc["ok"], doc["checked"]) == ("verify", False, 7)
     assert [x["key"] for x in doc["problems"]] == [ids["stop_ok"]]
-    # The call view shows the same failed check.
-    call = inspect_json(p.store_url, "--call", ids["stop_ok"])["call"]
+    # The call view shows the same failed check, with the same exit status.
+    code, text = inspect(p.store_url, "--call", ids["stop_ok"], "--json")
+    assert code == 1
+    call = orjson.loads(text)["call"]
     assert call["check"]["ok"] is False
     assert ids["stop_ok"] in call["check"]["problem"]
 

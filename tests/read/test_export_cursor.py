@@ -171,7 +171,7 @@ async def test_the_cli_cursor_file_carries_the_passes(
     # A failed export (an unknown rollout) does not touch the cursor file.
     before = cursor_file.read_bytes()
     argv = ["export", store.url, "-", "--cursor", str(cursor_file), "--rollout", "nope"]
-    assert main(argv) == 1
+    assert main(argv) == 2
     assert cursor_file.read_bytes() == before
 
 
@@ -182,7 +182,7 @@ async def test_the_cli_cursor_file_carries_the_passes(
         ('{"taken": []}', "is not an export cursor (no cursor_version)"),
         (
             '{"cursor_version": 99, "taken": []}',
-            "version 99; this capture-proxy reads version 1: upgrade capture-proxy",
+            "version 99; this capture-proxy reads versions 1 to 2: upgrade capture-proxy",
         ),
         ('{"cursor_version": 1, "taken": [1]}', "taken is not a list of ids"),
     ],

@@ -81,9 +81,12 @@ def test_rows_carry_the_outcome_and_groups_are_adjacent(url: str, tmp_path: Path
     by_id = {r["rollout_id"]: r for r in rows}
     assert (by_id["r0"]["reward"], by_id["r0"]["reward_components"]) == (1.0, None)
     assert by_id["r3"]["reward"] is None
-    # An object reward: no scalar, its parts as a map.
-    assert by_id["r4"]["reward"] is None
-    assert dict(by_id["r4"]["reward_components"]) == {"pass": 1.0, "style": 0.25}
+    # An object reward: the sum of its parts as the scalar, the parts as {name, value}.
+    assert by_id["r4"]["reward"] == 1.25
+    assert by_id["r4"]["reward_components"] == [
+        {"name": "pass", "value": 1.0},
+        {"name": "style", "value": 0.25},
+    ]
     assert [by_id[r]["sealed_at_ms"] for r in ("r0", "r4")] == [1000, 5000]
     assert {r["num_turns"] for r in rows} == {2}
 
@@ -132,7 +135,7 @@ def test_row_groups_are_sized_for_scans_and_the_file_says_what_it_is(
     from importlib.metadata import version
 
     assert read_export_metadata(str(out)) == {
-        "export_format_version": "1",
+        "export_format_version": "2",
         "capture_proxy_version": version("capture-proxy"),
         "store": url,
         "per": "call",
@@ -168,7 +171,7 @@ def test_export_to_stdout_writes_json_lines(
     assert out == b""
     assert err.startswith(b"capture-proxy export: Parquet cannot be written to stdout")
     assert b"--format jsonl" in err
-    assert main(["export", url, "-", "--rollout", "nope"]) == 1
+    assert main(["export", url, "-", "--rollout", "nope"]) == 2
     assert b"no rollout 'nope'" in capsysbinary.readouterr().err
 
 

@@ -1,10 +1,10 @@
-"""One large hostile request does not take the proxy down (a real ``capture-proxy serve`` process).
+"""Large hostile requests do not take the proxy down (a real ``capture-proxy serve`` process).
 
-While a ~16 MiB body of free-form JSON (millions of empty objects, in ``chat_template_kwargs`` or
-a tool's ``parameters``) is sent, another client's small calls keep succeeding without a long
-stall, the proxy's peak memory stays proportional to the body, and the hostile call gets its
-413 naming the value. Bounds are generous (the machine is shared); the figures themselves are
-measured by ``bench/bench_big_body.py``.
+While ~16 MiB bodies of millions of empty objects (in ``chat_template_kwargs``, a tool's
+``parameters``, or ``messages`` itself, three of those at once) are sent, another client's small
+calls keep succeeding without a long stall, the proxy's peak memory stays proportional to the
+bodies, and each hostile call gets its 413 naming the setting, in the ledger. Bounds are generous
+(the machine is shared); the figures themselves are measured by ``bench/bench_big_body.py``.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import orjson
@@ -33,6 +34,8 @@ def _peak_rss_mb(pid: int) -> float:
 
 def _hostile(where: str) -> bytes:
     filler = b"[" + b"{}," * (_BODY_MIB * 2**20 // 3) + b"0]"
+    if where == "messages":
+        return b'{"model":"policy","messages":[' + b"{}," * (_BODY_MIB * 2**20 // 3) + b"{}]}"
     head = b'{"model":"policy","messages":[{"role":"user","content":"hi"}],'
     if where == "chat_template_kwargs":
         return head + b'"chat_template_kwargs":{"x":' + filler + b"}}"
@@ -54,15 +57,18 @@ async def _small_calls(
         latencies.append(time.perf_counter() - t)
 
 
+async def _big_call(session: aiohttp.ClientSession, url: str, body: bytes) -> tuple[int, Any]:
+    headers = {"Content-Type": "application/json"}
+    async with session.post(url, data=body, headers=headers) as resp:
+        return resp.status, orjson.loads(await resp.read())["error"]
+
+
 @pytest.mark.parametrize(
-    ("where", "param"),
-    [
-        ("chat_template_kwargs", "chat_template_kwargs"),
-        ("tool_parameters", "tools[0].function.parameters"),
-    ],
+    ("where", "at_once"),
+    [("chat_template_kwargs", 1), ("tool_parameters", 1), ("messages", 3)],
 )
 async def test_a_large_hostile_body_leaves_other_calls_served_and_memory_bounded(
-    tmp_path: Path, where: str, param: str
+    tmp_path: Path, where: str, at_once: int
 ) -> None:
     body = _hostile(where)
     store = f"sqlite:///{tmp_path / 'store.db'}"
@@ -77,33 +83,28 @@ async def test_a_large_hostile_body_leaves_other_calls_served_and_memory_bounded
                 _small_calls(session, f"{base}/r/small/v1/chat/completions", stop, latencies)
             )
             await asyncio.sleep(0.5)
-            async with session.post(
-                f"{base}/r/big/v1/chat/completions",
-                data=body,
-                headers={"Content-Type": "application/json"},
-            ) as resp:
-                status = resp.status
-                err = orjson.loads(await resp.read())["error"]
+            url = f"{base}/r/big/v1/chat/completions"
+            answers = await asyncio.gather(*(_big_call(session, url, body) for _ in range(at_once)))
             await asyncio.sleep(0.3)
             stop.set()
             await small
         peak = _peak_rss_mb(proxy.pid)
     finally:
         proxy.terminate()
-    assert status == 413
-    assert (err["code"], err["param"]) == ("free_json_too_large", param)
-    assert "--max-free-json-bytes" in err["message"]
+    for status, err in answers:
+        # Refused from a count of the raw body, before a value of it was decoded.
+        assert status == 413
+        assert (err["code"], err["param"]) == ("json_too_many_items", "")
+        assert "--max-json-items" in err["message"]
     assert len(latencies) >= 5
     assert max(latencies) < 2.0, f"worst small-call latency {max(latencies):.2f}s"
-    body_mb = len(body) / 2**20
-    assert peak < 300 + 4 * body_mb, f"peak RSS {peak:.0f} MB for a {body_mb:.0f} MiB body"
+    body_mb = at_once * len(body) / 2**20
+    assert peak < 300 + 4 * body_mb, f"peak RSS {peak:.0f} MB for {body_mb:.0f} MiB of bodies"
     with open_store(store) as reader:
-        (entry,) = reader.failures("big")
-        assert (entry.status, entry.reason, entry.http_status) == (
-            "rejected",
-            "free_json_too_large",
-            413,
-        )
+        entries = reader.failures("big")
+        assert [(e.status, e.reason, e.http_status) for e in entries] == [
+            ("rejected", "json_too_many_items", 413)
+        ] * at_once
         assert len(reader.calls("small", include_open=True, include_poisoned=True)) == len(
             latencies
         )

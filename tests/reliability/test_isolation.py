@@ -20,8 +20,9 @@ from typing import Any
 import orjson
 import pytest
 from aiohttp import web
-from aiohttp.test_utils import TestServer
+from aiohttp.test_utils import TestClient, TestServer
 
+from capture_proxy.server.app import create_admin_app
 from tests.support.proxy_harness import Proxy, chat_body, start_proxy, stop_proxy, user
 
 TOKEN = "admin-secret-token"
@@ -299,3 +300,27 @@ async def test_a_sandbox_keeps_its_key_across_a_proxy_restart(tmp_path: Path) ->
         assert wrong.status == 403
     finally:
         await stop_proxy(second)
+
+
+async def test_the_sandbox_port_shows_readiness_but_no_operator_detail(make_proxy: Any) -> None:
+    # Issue 27: /readyz and /metrics on the sandbox port showed the replicas' URLs, versions and
+    # models. With the control API on its own port, they move there; sandboxes keep a status.
+    p = await make_proxy(admin_token=TOKEN, admin_port=1)
+    ready = await p.client.get("/readyz")
+    assert ready.status == 200
+    assert await ready.json() == {"ready": True}
+    for path in ("/metrics", "/metrics/upstream"):
+        assert (await p.client.get(path)).status == 404, path
+    admin = TestClient(TestServer(create_admin_app(p.client.app)))
+    await admin.start_server()
+    try:
+        detail = await (await admin.get("/readyz")).json()
+        assert detail["ready"] is True
+        assert "problems" in detail
+        assert "capture_proxy_calls_total" in await (await admin.get("/metrics")).text()
+        # vLLM's own series, relayed: Prometheus needs no way to vLLM's port (dev mode).
+        upstream = await admin.get("/metrics/upstream")
+        assert upstream.status == 200
+        assert "vllm:num_requests_running" in await upstream.text()
+    finally:
+        await admin.close()

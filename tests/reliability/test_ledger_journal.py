@@ -28,6 +28,7 @@ from capture_proxy.schemas.records import CallStatus, LedgerEntry
 from capture_proxy.sinks.base import StoreError
 from capture_proxy.sinks.sqlite import SQLiteSink
 from tests.support import ROOT
+from tests.support.disk import fill, tmpfs
 from tests.support.proxy_harness import chat_body, user
 from tests.support.reliability_workers import Spawned, start_proxy
 
@@ -108,6 +109,50 @@ async def test_held_ledger_entries_are_journaled_at_exit_and_replayed_at_start(
         assert (await _readyz(second.url))["status"] == 200
     finally:
         assert await asyncio.to_thread(second.terminate) == 0, second.output()
+
+
+async def test_a_journal_spilled_on_a_full_disk_is_applied_before_the_next_call(
+    tmp_path: Path,
+) -> None:
+    # Issue 27: with the disk full at SIGTERM the journal could not be written, its entries went
+    # to stderr, and the automatic restart handed their sequence numbers out again (two
+    # answered-but-unstaged calls gone). The journal's space is now taken at start.
+    with tmpfs(tmp_path / "mnt", "48m") as mnt:
+        db = mnt / "store.db"
+        url = f"sqlite:///{db}"
+        first = _proxy(url)
+        try:
+            reserve = Path(f"{db}.ledger-journal.reserve")
+            assert (await asyncio.to_thread(reserve.stat)).st_blocks > 0  # real blocks
+            assert (await _call(first.url, "before"))[0] == "staged"
+            filler = fill(mnt)
+            failed = []
+            for i in range(2):
+                status, call_id = await _call(first.url, f"disk full {i} " + "words " * 700)
+                assert status == "capture_failed"
+                failed.append(call_id)
+            rc = await asyncio.to_thread(first.terminate)  # SIGTERM, the disk still full
+        finally:
+            first.kill()
+        assert rc == 1, first.output()
+        journal = Path(f"{db}.ledger-journal.jsonl")
+        assert [e.call_id for e in read_journal(str(journal))] == failed
+        assert not [line for line in first.lines if line.startswith(STDERR_PREFIX)]
+        filler.unlink()  # the operator frees the disk; systemd restarts the proxy
+
+        second = _proxy(url)
+        try:
+            assert not await asyncio.to_thread(journal.exists)  # applied before it served
+            assert (await _call(second.url, "after the restart"))[0] == "staged"
+            with open_store(url) as store:
+                ledger = store.failures("r1")
+                assert [(f.call_id, f.seq) for f in ledger] == [(failed[0], 1), (failed[1], 2)]
+                assert store.rollout_info("r1").poisoned
+                calls = store.calls("r1", include_open=True, include_poisoned=True)
+                assert [c.seq for c in calls] == [0, 3]  # no sequence number handed out twice
+        finally:
+            assert await asyncio.to_thread(second.terminate) == 0, second.output()
+        assert not await asyncio.to_thread(reserve.exists)  # a clean stop gives it back
 
 
 def _entry(call_id: str, seq: int) -> LedgerEntry:

@@ -19,7 +19,6 @@ ENOSPC.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import errno
 import os
 import re
@@ -42,6 +41,7 @@ from capture_proxy.schemas.records import CallStatus
 from capture_proxy.sinks.base import StagingSink
 from capture_proxy.sinks.parquet import ParquetSink
 from capture_proxy.sinks.sqlite import SQLiteSink
+from tests.support.disk import fill, tmpfs
 from tests.support.proxy_harness import Proxy, chat_body, sse_lines, start_proxy, stop_proxy, user
 
 # -- what a client sees ---------------------------------------------------------------------
@@ -192,40 +192,6 @@ SINKS = {"sqlite": sqlite_sink, "parquet": parquet_sink}
 
 
 # -- a full filesystem: a real tmpfs ----------------------------------------------------------
-
-
-@contextmanager
-def tmpfs(where: Path, size: str) -> Iterator[Path]:
-    where.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip()}); the simulated runs")
-    try:
-        yield where
-    finally:
-        subprocess.run(["umount", "-l", str(where)], check=False)
-
-
-def fill(folder: Path, leave: int = 0) -> Path:
-    """Fill the filesystem of `folder` until at most `leave` bytes are free."""
-    filler = folder / "filler"
-    with open(filler, "wb", buffering=0) as f:  # unbuffered: nothing left to flush at close
-
-        def free() -> int:
-            st = os.statvfs(folder)
-            return st.f_bavail * st.f_frsize
-
-        with contextlib.suppress(OSError):  # ENOSPC: as full as it gets
-            while free() > leave:
-                f.write(b"\0" * 16384)
-                f.flush()
-    assert free() <= max(leave, 16384)
-    return filler
 
 
 @pytest.mark.parametrize("kind", ["sqlite", "parquet"])
@@ -549,3 +515,45 @@ async def test_client_gone_during_staging_still_gets_an_outcome(
     assert entry["status"] != "pending", manifest
     counted = await metric(p, "staged", "ok") + await metric(p, "aborted", "client_disconnected")
     assert counted == 1
+
+
+# -- readiness comes back by itself (issue 27) --------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "parquet"])
+async def test_readiness_recovers_once_the_store_takes_writes_again_with_no_call(
+    kind: str, tmp_path: Path, proxies: Any
+) -> None:
+    # Behind a Kubernetes Service a pod whose readiness failed gets no calls: before, /readyz
+    # stayed 503 "sink failing" until a call staged, so it never came back into rotation.
+    if kind == "sqlite":
+        sqlite = PageLimitedSQLiteSink(str(tmp_path / "store.db"))
+        p = await proxies(tmp_path, sqlite)
+
+        async def full(on: bool) -> None:
+            await sqlite.limit(on)
+    else:
+        disk = FillingDisk()
+        ds = tmp_path / "ds"
+        handler = pafs.PyFileSystem(pafs.FSSpecHandler(disk))
+        p = await proxies(
+            tmp_path, ParquetSink(str(ds), url=f"parquet:///{ds}", filesystem=handler)
+        )
+
+        async def full(on: bool) -> None:
+            disk.full = on
+
+    await full(True)
+    got = await send(p, "during the fault " + "words " * 700)
+    assert got["status"] == "capture_failed", got
+    await asyncio.sleep(2.5)  # the guard probes once a second: still failing, still said
+    still = await p.client.get("/readyz")
+    assert still.status == 503
+    assert any("sink failing" in problem for problem in (await still.json())["problems"])
+    await full(False)
+    ready = await ready_within(p, 5.0)  # no call in between
+    assert ready["status"] == 200, ready
+    assert (await send(p, "after the fault"))["status"] == "staged"
+    with open_store(p.store_url) as store:
+        store.verify()
+        assert [f.status for f in store.failures("r1")] == [CallStatus.CAPTURE_FAILED]

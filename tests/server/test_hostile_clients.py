@@ -10,8 +10,10 @@ weak admin tokens, and a chat route taking any ``Content-Type``.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
+import random
 import time
 from pathlib import Path
 from typing import Any
@@ -21,7 +23,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from capture_proxy.server.settings import SettingsError, load_settings
+from capture_proxy.server.settings import SettingsError, add_arguments, load_settings, token_bits
 from capture_proxy.testing.fake_vllm import FakeVLLM
 from tests.support.proxy_harness import Proxy, chat_body, user
 
@@ -271,11 +273,53 @@ async def test_a_trickling_unary_answer_meets_the_total_deadline(make_proxy: Any
 
 
 @pytest.mark.parametrize(
-    "token", ["t", "short-token", "changeme-changeme", "replace-with-a-random-token", "a" * 40]
+    "token",
+    [
+        "t",
+        "short-token",
+        "changeme-changeme",
+        "replace-with-a-random-token",
+        "a" * 40,
+        # Issue 27: accepted before. Refused by estimated entropy (`token_bits`), not by a list.
+        "0123456789abcdef",
+        "password12345678",
+        "abcdefghijklmnopqrstuvwxyz",
+        "1111222233334444",
+        "9876543210zyxwvu",
+    ],
 )
 def test_weak_or_placeholder_admin_tokens_are_refused_at_start(token: str) -> None:
     with pytest.raises(SettingsError, match="admin-token"):
         load_settings(environ={"CAPTURE_PROXY_ADMIN_TOKEN": token})
+    with pytest.raises(SettingsError, match="reader-token"):
+        load_settings(
+            environ={"CAPTURE_PROXY_ADMIN_TOKEN": TOKEN, "CAPTURE_PROXY_READER_TOKEN": token}
+        )
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_random_tokens_as_the_docs_make_them_are_taken(seed: int) -> None:
+    token = random.Random(seed).randbytes(32).hex()  # what `openssl rand -hex 32` prints
+    assert token_bits(token) > 128
+    assert load_settings(environ={"CAPTURE_PROXY_ADMIN_TOKEN": token}).admin_token == token
+
+
+def test_an_admin_token_on_the_command_line_is_taken_with_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    with caplog.at_level(logging.WARNING, logger="capture_proxy"):
+        settings = load_settings(parser.parse_args(["--admin-token", TOKEN]), environ={})
+    assert settings.admin_token == TOKEN
+    (said,) = [r.getMessage() for r in caplog.records if "command line" in r.getMessage()]
+    assert "--admin-token" in said
+    assert "CAPTURE_PROXY_ADMIN_TOKEN" in said
+    assert TOKEN not in said  # the warning does not print it again
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="capture_proxy"):
+        load_settings(environ={"CAPTURE_PROXY_ADMIN_TOKEN": TOKEN})
+    assert not [r for r in caplog.records if "command line" in r.getMessage()]
 
 
 def test_the_admin_token_is_read_from_a_file(tmp_path: Path) -> None:
@@ -324,3 +368,20 @@ async def test_json_with_a_charset_is_accepted(make_proxy: Any) -> None:
         headers={"Content-Type": "application/json; charset=utf-8"},
     )
     assert resp.status == 200
+
+
+# -- a store gone under the control API ---------------------------------------------------------
+
+
+async def test_the_control_api_answers_503_when_the_sqlite_file_was_deleted(
+    make_proxy: Any,
+) -> None:
+    # Issue 27: POST /admin/rollouts answered 500 with a traceback.
+    p = await make_proxy(admin_token=TOKEN)
+    await asyncio.to_thread(Path(p.store_url.removeprefix("sqlite:///")).unlink)
+    resp = await p.client.post("/admin/rollouts", json={"rollout_id": "A"}, headers=ADMIN)
+    assert resp.status == 503
+    assert resp.headers["Retry-After"] == "5"
+    error = (await resp.json())["error"]
+    assert error["code"] == "store_unavailable"
+    assert "was deleted or moved away" in error["message"]

@@ -162,6 +162,22 @@ async def test_inflight_limits_give_429(make_proxy: Any) -> None:
     assert (await first).status == 200
 
 
+async def test_by_default_one_rollout_cannot_hold_a_thousand_calls(make_proxy: Any) -> None:
+    # Issue 27: with the limit at 0 by default (and in no deploy file), one keyed rollout had
+    # 1,000 streams admitted at once. The default now admits 16 of a rollout's calls at a time.
+    import asyncio
+
+    p = await make_proxy(fake=FakeVLLM(latency=1.0))
+    limit = p.state.capture.max_inflight_per_rollout
+    assert limit == 16
+    calls = [asyncio.ensure_future(p.chat(chat_body(user(f"{i}")))) for i in range(40)]
+    answers = await asyncio.gather(*calls)
+    statuses = sorted(a.status for a in answers)
+    assert statuses == [200] * limit + [429] * (40 - limit)
+    refused = [f for f in p.failures() if f.http_status == 429]
+    assert len(refused) == 40 - limit  # each refusal in the ledger: a visible gap
+
+
 async def test_attachment_dedup_hits_are_counted(make_proxy: Any) -> None:
     import base64
 

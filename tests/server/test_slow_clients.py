@@ -356,6 +356,47 @@ async def test_a_connection_over_the_cap_gets_503_with_retry_after(tmp_path: Pat
         assert "capture_proxy_client_connections_open" in scrape
 
 
+async def test_one_address_cannot_fill_the_cap_with_idle_connections(tmp_path: Path) -> None:
+    # Issue 27: 4,200 idle connections from one sandbox took the whole cap, and 183 of 192
+    # honest calls got 503 for the header deadline. Idle connections now count against their
+    # address; one that carried a call does not (sandboxes behind one NAT share an address).
+    settings: dict[str, Any] = {"max_connections": 100, "max_connections_per_address": 3}
+    async with served(tmp_path, client_header_timeout=30, **settings) as s:
+        gate = s.listening.gate
+        idle = [await asyncio.open_connection("127.0.0.1", s.port) for _ in range(3)]
+        await _until(lambda: gate.open == 3, within=5)
+        reader, writer = await asyncio.open_connection("127.0.0.1", s.port)
+        writer.write(head(length=len(BODY)) + BODY)
+        status, headers, body = await answer_of(reader)
+        assert status == 503
+        assert headers["retry-after"] == "1"
+        error = orjson.loads(body)["error"]
+        assert error["code"] == "too_many_connections"
+        assert "--max-connections-per-address" in error["message"]
+        writer.close()
+        assert gate.refused_per_address == 1
+        # Another address (another sandbox, or another NAT) is served meanwhile.
+        other = await asyncio.open_connection("127.0.0.1", s.port, local_addr=("127.0.0.2", 0))
+        other[1].write(head(length=len(BODY)) + BODY)
+        assert (await answer_of(other[0]))[0] == 200
+        other[1].close()
+        # A connection that carried a call no longer counts: keep one open after its call.
+        idle.pop()[1].close()
+        await _until(lambda: gate.open == 2, within=5)
+        kept = await asyncio.open_connection("127.0.0.1", s.port)
+        kept[1].write(head(length=len(BODY)) + BODY)
+        assert (await answer_of(kept[0]))[0] == 200
+        idle.append(await asyncio.open_connection("127.0.0.1", s.port))  # 3 idle + 1 kept
+        await _until(lambda: gate.open == 4, within=5)
+        assert (await honest_call(s.port))[0] == 503
+        for _, w in [*idle, kept]:
+            w.close()
+        await _until(lambda: gate.open == 0, within=5)
+        assert (await honest_call(s.port))[0] == 200
+        scrape = await honest_scrape(s.port)
+        assert "capture_proxy_client_connections_refused_per_address_total 2.0" in scrape
+
+
 async def honest_scrape(port: int) -> str:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(b"GET /metrics HTTP/1.1\r\nHost: proxy\r\n\r\n")

@@ -380,3 +380,28 @@ async def test_a_session_stores_each_message_once_however_often_it_is_resent(
     assert [r.request for r in source.fetch([r.call_id for r in records])] == [
         r.request for r in records
     ]
+
+
+async def test_one_writer_per_file_whatever_path_names_it(tmp_path: Path) -> None:
+    # Issue 27: two proxies given the file and a symlink to it both started, and every third
+    # call was a duplicate seq. The lock now sits beside the file the links lead to.
+    first = SQLiteSink(str(tmp_path / "store.db"))
+    (tmp_path / "link.db").symlink_to(tmp_path / "store.db")
+    (tmp_path / "sub").mkdir()
+    try:
+        for other in (tmp_path / "link.db", tmp_path / "sub" / ".." / "store.db"):
+            with pytest.raises(StoreError, match=r"another capture-proxy .* is writing"):
+                SQLiteSink(str(other))
+    finally:
+        await first.close()
+    second = SQLiteSink(str(tmp_path / "link.db"))  # free again once the first writer is gone
+    await second.close()
+
+
+async def test_a_store_file_with_two_hard_links_is_refused(tmp_path: Path) -> None:
+    sink = SQLiteSink(str(tmp_path / "store.db"))
+    await sink.close()
+    (tmp_path / "other.db").hardlink_to(tmp_path / "store.db")
+    for name in ("store.db", "other.db"):
+        with pytest.raises(StoreError, match="has 2 hard links"):
+            SQLiteSink(str(tmp_path / name))

@@ -97,6 +97,6 @@ async def test_format_5_references_take_their_bytes_media_type_when_migrated(
         rows = conn.execute("SELECT call_id, media_type FROM call_attachments").fetchall()
         (version,) = conn.execute("SELECT value FROM meta WHERE key='format_version'").fetchone()
     assert sorted(rows) == [("r5-c0", "image/png"), ("r5-c1", "image/png")]
-    assert version == str(FORMAT_VERSION) == "6"
+    assert version == str(FORMAT_VERSION) == "7"
     with Store(SQLiteSource(str(case.path))) as store:
         store.verify()

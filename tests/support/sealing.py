@@ -10,17 +10,25 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from capture_proxy.schemas.events import EventDraft, EventKind
-from capture_proxy.schemas.records import RolloutInfo
+from capture_proxy.schemas.records import RolloutInfo, RolloutState
 from capture_proxy.sinks.base import StagingSink
 
-__all__ = ["put_sealed"]
+__all__ = ["put_header", "put_sealed"]
 
 
 async def put_sealed(sink: StagingSink, info: RolloutInfo) -> None:
     """Write `info` (a sealed header, with any outcomes) and the events the proxy writes with it."""
+    assert info.state is RolloutState.SEALED
+    await put_header(sink, info)
+
+
+async def put_header(sink: StagingSink, info: RolloutInfo) -> None:
+    """Write `info` (open or sealed, with any outcomes) and the events the proxy writes with it:
+    the ``seal`` event when it is sealed, an ``outcome`` event per outcome."""
     await sink.put_rollout(info)
-    at_ms = info.sealed_at_ms or 0
-    await sink.append_event(EventDraft(info.rollout_id, EventKind.SEAL, at_ms))
+    if info.state is RolloutState.SEALED:
+        at_ms = info.sealed_at_ms or 0
+        await sink.append_event(EventDraft(info.rollout_id, EventKind.SEAL, at_ms))
     for revision, outcome in enumerate(info.outcome_history, 1):
         reward = outcome.reward
         body = {

@@ -281,6 +281,17 @@ class MemoryCase:
         self.sink._media_types.clear()
 
 
+def _drop_format_7(db: sqlite3.Connection) -> None:
+    """Format 7's rollout index and consumers' cursors dropped (the version is set by the
+    caller)."""
+    db.execute("DROP INDEX rollouts_state_sealed")
+    db.execute("DROP INDEX rollouts_group")
+    db.execute("ALTER TABLE rollouts DROP COLUMN group_id")
+    db.execute("ALTER TABLE rollouts DROP COLUMN graded")
+    db.execute("DROP TABLE consumers")
+    db.execute("UPDATE meta SET value='6' WHERE key='format_version'")
+
+
 class SQLiteCase:
     def __init__(self, tmp_path: Path, fault: FaultHook | None = None) -> None:
         self.path = tmp_path / "store" / "capture.db"
@@ -332,6 +343,7 @@ class SQLiteCase:
         from capture_proxy.sinks.codec import V2_ROW_FIELDS
 
         with sqlite3.connect(self.path) as db:
+            _drop_format_7(db)
             db.execute("ALTER TABLE call_attachments DROP COLUMN media_type")
             db.execute("DROP TABLE events")
             for name in V2_ROW_FIELDS:
@@ -342,6 +354,7 @@ class SQLiteCase:
     def drop_reference_media_types(self) -> None:
         """Format 5: format 6's per-reference media types dropped, the version set back."""
         with sqlite3.connect(self.path) as db:
+            _drop_format_7(db)
             db.execute("ALTER TABLE call_attachments DROP COLUMN media_type")
             db.execute("UPDATE meta SET value='5' WHERE key='format_version'")
         db.close()

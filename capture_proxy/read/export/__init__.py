@@ -12,7 +12,7 @@ rollout's linearized episode (`capture_proxy.read.trajectory`). Per segment, a r
 sequence the model saw in one pass, split as RL trainers take it: `prompt_ids` (everything before
 its first generated token), `response_ids`, `response_mask` (1 on generated tokens, 0 on tool
 output and template tokens inside the response) and `response_logprobs`. docs/trajectories.md
-lists every column and maps them onto verl, SkyRL and NeMo RL.
+lists every column; `capture_proxy.read.trainers` gives trainers their own shapes.
 
 Like the reader's trainer-facing reads, the export leaves out open rollouts (not sealed yet),
 poisoned ones (a call answered but not staged) and ones that do not verify (a record's digest,
@@ -66,7 +66,9 @@ __all__ = [
 
 #: The version of the exported tables' layout (columns, their types and meaning), in every
 #: Parquet export's metadata. Bumped when a column changes type or meaning; new columns do not.
-EXPORT_FORMAT_VERSION = 1
+#: 2 (2026-12-04): `reward` is the sum of an object reward's components (was null), and
+#: `reward_components` a list of ``{name, value}`` (was a map, which HF `datasets` cannot load).
+EXPORT_FORMAT_VERSION = 2
 #: The prefix of the file-level metadata keys of a Parquet export.
 METADATA_PREFIX = "capture_proxy."
 #: The default size of a row group, in Arrow's in-memory bytes.

@@ -19,6 +19,7 @@ import pyarrow as pa
 
 from ...schemas.records import Attachment, StagedCallRecord
 from ..reader import SelectedRollout
+from ..trainers._common import scalar_reward
 from ..trajectory import Segment, Trajectory
 
 __all__ = [
@@ -37,7 +38,9 @@ ROLLOUT_FIELDS = [
     ("rollout_id", pa.string()),
     ("group_id", pa.string()),
     ("reward", pa.float64()),
-    ("reward_components", pa.map_(pa.string(), pa.float64())),
+    # A list of {name, value}, not a map: HF `datasets` (and so verl's RLHFDataset) cannot load
+    # a Parquet map column through `load_dataset("parquet")`.
+    ("reward_components", pa.list_(pa.struct([("name", pa.string()), ("value", pa.float64())]))),
     ("state", pa.string()),
     ("poisoned", pa.bool_()),
     ("n_failures", pa.int32()),
@@ -182,14 +185,25 @@ def _rollout_columns(sel: SelectedRollout, traj: Trajectory, n: int) -> dict[str
     return {
         "rollout_id": [sel.rollout_id] * n,
         "group_id": [traj.group_id] * n,
-        "reward": [traj.reward] * n,
-        "reward_components": [None if components is None else list(components.items())] * n,
+        "reward": [_reward(traj)] * n,
+        "reward_components": [
+            None if components is None else [{"name": k, "value": v} for k, v in components.items()]
+        ]
+        * n,
         "state": [str(traj.state)] * n,
         "poisoned": [traj.poisoned] * n,
         "n_failures": [traj.n_failures] * n,
         "sealed_at_ms": [sel.sealed_at_ms] * n,
         "num_turns": [len(traj.calls)] * n,
     }
+
+
+def _reward(traj: Trajectory) -> float | None:
+    """The rollout's one number (`capture_proxy.read.trainers.scalar_reward`: an object reward
+    is the sum of its components), or None when it has no reward."""
+    if traj.reward is None and traj.reward_components is None:
+        return None
+    return scalar_reward(traj)
 
 
 def _unique(values: Iterable[str]) -> list[str]:
@@ -403,6 +417,4 @@ def json_rows(columns: dict[str, list[Any]]) -> Iterable[dict[str, Any]]:
             n: (v.tolist() if isinstance(v, array) else v)
             for n, v in zip(names, values, strict=True)
         }
-        if row.get("reward_components") is not None:
-            row["reward_components"] = dict(row["reward_components"])
         yield row

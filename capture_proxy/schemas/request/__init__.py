@@ -15,7 +15,9 @@ from ._errors import (
 from ._limits import (
     DEFAULT_MAX_FREE_JSON_BYTES,
     DEFAULT_MAX_FREE_JSON_ITEMS,
+    DEFAULT_MAX_JSON_ITEMS,
     FreeJsonLimits,
+    check_body_items,
     check_free_json_limits,
 )
 from ._messages import (
@@ -45,6 +47,7 @@ from ._schema import (
 __all__ = [
     "DEFAULT_MAX_FREE_JSON_BYTES",
     "DEFAULT_MAX_FREE_JSON_ITEMS",
+    "DEFAULT_MAX_JSON_ITEMS",
     "FREE_VALUES",
     "MAX_MESSAGES",
     "MAX_TOOLS",
@@ -60,6 +63,7 @@ __all__ = [
     "StructuredOutputs",
     "Tool",
     "UserMessage",
+    "check_body_items",
     "check_capturable",
     "check_free_json_limits",
     "json_type_name",

@@ -27,9 +27,10 @@ class RequestValidationError(CaptureProxyError):
         code: a short machine-readable reason: ``unknown_field``, ``missing_field``,
             ``invalid_type``, ``invalid_value``, ``reasoning_conflict``, ``capture_disabled``,
             ``unsupported_content``, ``remote_media_refused``, ``invalid_image``,
-            ``attachment_too_large``, ``free_json_too_large``, ``free_json_too_many_items``.
-        status: the HTTP status to answer with (422, or 413 for an oversized attachment or
-            free-form value).
+            ``attachment_too_large``, ``free_json_too_large``, ``free_json_too_many_items``,
+            ``json_too_many_items``.
+        status: the HTTP status to answer with (422, or 413 for an oversized attachment,
+            free-form value or body).
     """
 
     #: The OpenAI error ``type`` every request error is reported under.

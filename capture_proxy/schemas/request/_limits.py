@@ -1,4 +1,12 @@
-"""Size limits on a request's free-form JSON, checked on the raw body before it is decoded.
+"""Size limits on a request's JSON, checked on the raw body before it is decoded.
+
+A whole body first: `check_body_items` bounds the number of JSON values a body can decode into
+(``--max-json-items``) with a count of its commas, brackets and braces, before anything is
+parsed. An array of 22 million ``{}`` is 63 MiB of JSON (under the body limit) and 2 GB of
+Python once decoded, and the decode holds the interpreter lock for seconds: the limits of the
+schema (``messages`` length <= 100,000, ...) would refuse it only once it was built.
+
+Then free-form values.
 
 Free-form values (``chat_template_kwargs``, tool ``parameters``, ``mm_processor_kwargs``, ...)
 are JSON the schema cannot type. Decoded into Python, a compact hostile value costs up to ~30
@@ -29,7 +37,9 @@ from ._errors import RequestValidationError, from_msgspec_error
 __all__ = [
     "DEFAULT_MAX_FREE_JSON_BYTES",
     "DEFAULT_MAX_FREE_JSON_ITEMS",
+    "DEFAULT_MAX_JSON_ITEMS",
     "FreeJsonLimits",
+    "check_body_items",
     "check_free_json_limits",
     "count_items",
     "too_large",
@@ -39,9 +49,19 @@ __all__ = [
 #: Largest free-form value, in bytes of JSON. Agent tool schemas are 1-20 KB each.
 DEFAULT_MAX_FREE_JSON_BYTES = 2**20
 #: JSON values (objects, arrays, numbers, strings, ...) in all free-form values of one request.
-#: 128 tools of ~100 values each is ~13,000; at most ~90 bytes of Python each, the default keeps
-#: a request's decoded free-form values under ~50 MB.
-DEFAULT_MAX_FREE_JSON_ITEMS = 500_000
+#: 128 tools of ~100 values each is ~13,000; at most ~128 bytes of Python each, the default keeps
+#: a request's decoded free-form values under ~16 MB. Half the whole body's limit below.
+DEFAULT_MAX_FREE_JSON_ITEMS = 131_072
+#: Commas, brackets and braces in a whole body (``--max-json-items``). Each stands for at most
+#: one decoded value (a value, an object member, an array), and a decoded value costs at most
+#: ~128 bytes of Python beyond its own text (measured with orjson: a member of a large object
+#: 126, a small message 98 per counted character, an empty object 36): the default keeps what
+#: a body decodes into under its own size + 32 MiB, so under 4x any body over 11 MiB, and its
+#: decode (one C call holding the interpreter lock) near 50 ms. An OpenCode call counts about
+#: one per 67 bytes (~450 for its 30 KB): a 128k-token conversation is some 15,000; the count
+#: includes punctuation inside strings, so text would need more than 262,144 commas and
+#: brackets, more tokens than any context holds, to reach it.
+DEFAULT_MAX_JSON_ITEMS = 262_144
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +77,34 @@ class FreeJsonLimits:
 
     max_bytes: int = DEFAULT_MAX_FREE_JSON_BYTES
     max_items: int = DEFAULT_MAX_FREE_JSON_ITEMS
+
+
+def check_body_items(raw: bytes, max_items: int) -> None:
+    """Refuse a raw body holding more than `max_items` commas, brackets and braces.
+
+    Raises `RequestValidationError` (413, code ``json_too_many_items``, naming the setting).
+    Nothing is decoded: `bytes.count` over slices of `_COUNT_SLICE` bytes (about 1 ns a byte),
+    so a caller on a worker thread lets the event loop run between slices instead of stalling
+    it for the whole body. Strings are not told apart from structure, so the count is an upper
+    bound on what the body decodes into (see `DEFAULT_MAX_JSON_ITEMS`).
+    """
+    count = 0
+    for char in (b",", b"[", b"{"):
+        for start in range(0, len(raw), _COUNT_SLICE):
+            count += raw.count(char, start, start + _COUNT_SLICE)
+            if count > max_items:
+                raise RequestValidationError(
+                    "",
+                    f"request body holds more than {max_items} JSON values (counted as its "
+                    "commas, brackets and braces, inside strings too; the proxy's "
+                    "--max-json-items)",
+                    "json_too_many_items",
+                    status=413,
+                )
+
+
+#: Bytes counted in one go by `check_body_items`: ~8 ms of holding the interpreter lock.
+_COUNT_SLICE = 8 << 20
 
 
 def too_large(param: str, size: int, limits: FreeJsonLimits) -> RequestValidationError:

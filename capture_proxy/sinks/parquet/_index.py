@@ -154,6 +154,9 @@ class Index:
     blobs: dict[str, Where] = field(default_factory=dict)
     attachments: dict[str, Where] = field(default_factory=dict)
     ledger: LedgerState = field(default_factory=LedgerState)
+    #: When not None, the rollouts `add_unit` met (calls or ledger rows) are added to it: the
+    #: rollout index (`_directory`) looks at those again.
+    touched: dict[str, None] | None = None
 
     def add_unit(self, dfs: DatasetFS, unit: Marker, keep: Keep | None = None) -> None:
         """Index `unit`. A small unit's files are read whole, once, and each row group handed to
@@ -178,6 +181,8 @@ class Index:
                     cid = sys.intern(cid)
                     self.calls[cid] = ref
                     self.by_rollout.setdefault(ref.rollout_id, []).append(cid)
+                    if self.touched is not None:
+                        self.touched[ref.rollout_id] = None
         for table, column, into in (
             (BLOBS, "key", self.blobs),
             (ATTACHMENTS, "sha256", self.attachments),
@@ -188,7 +193,12 @@ class Index:
                     for i, key in enumerate(t[column]):
                         into.setdefault(key, Where(path, g, i))
         if LEDGER in files:
-            self.ledger.apply(read_table(dfs, files[LEDGER]).to_pylist())
+            rows = read_table(dfs, files[LEDGER]).to_pylist()
+            self.ledger.apply(rows)
+            if self.touched is not None:
+                self.touched.update(
+                    (r["rollout_id"], None) for r in rows if r["rollout_id"] is not None
+                )
         self.units.append(files)
 
 
@@ -345,6 +355,8 @@ class UnitIndex:
     #: then those with calls only, each in order of first appearance (`ParquetSource.known`).
     headed: dict[str, None] | None = None
     called: dict[str, None] | None = None
+    #: As `Index.touched`.
+    touched: dict[str, None] | None = None
 
     def units_of(self, rollout_id: str) -> list[int]:
         """The packed calls row groups holding `rollout_id`'s calls (`rollout_units`)."""
@@ -391,6 +403,8 @@ class UnitIndex:
                         self.calls.add(cid, pos, g)
                 if self.called is not None:
                     self.called.update(dict.fromkeys(cols["rollout_id"]))
+                if self.touched is not None:
+                    self.touched.update(dict.fromkeys(cols["rollout_id"]))
                 for rid in dict.fromkeys(cols["rollout_id"]):
                     held = self.rollout_units.get(rid)
                     if held is None:
@@ -414,9 +428,13 @@ class UnitIndex:
             for kind, rid, cid, reason, event_kind in rows:
                 if kind == "orphan":
                     self.orphans[cid] = (rid, reason)
+                    if self.touched is not None and rid is not None:
+                        self.touched[rid] = None
                     continue
                 if rid is None:
                     continue
+                if self.touched is not None:
+                    self.touched[rid] = None
                 if event_kind == "seal" and kind == "event":
                     sealed.add(rid)
                 flag = int(kind == "rollout")

@@ -51,6 +51,7 @@ __all__ = [
     "FORMAT_VERSION",
     "GC_MARGIN_S",
     "LEDGER",
+    "PROBE_FILE",
     "SCHEMAS",
     "TABLES",
     "WRITER_LOCK",
@@ -76,6 +77,8 @@ FORMAT_FILE = "_format.json"
 COMMITS_DIR = "_commits"
 #: Lock file (local datasets): one writer at a time.
 WRITER_LOCK = "_writer.lock"
+#: Written and removed by a writer whose writes fail, to learn when the store takes them again.
+PROBE_FILE = "_writer.probe"
 #: The window rule that lets gc run beside writers: a writer shares a blob or attachment only
 #: with a copy committed less than this long ago (by its unit's order) and stores an older one
 #: again; gc removes one only when every copy is older than this plus `GC_MARGIN_S` (the time a

@@ -97,6 +97,7 @@ from ._layout import (
     CALLS,
     DEDUP_WINDOW_S,
     LEDGER,
+    PROBE_FILE,
     WRITER_LOCK,
     check_format,
     create_dataset,
@@ -343,6 +344,18 @@ class ParquetSink:
     def stats(self) -> dict[str, float]:
         """Writer figures for /metrics (names without the ``capture_proxy_sink_`` prefix)."""
         return {**self._writer.stats(), "attachment_dedup_hits_total": self.dedup_hits}
+
+    async def probe(self) -> None:
+        """One small durable write and its removal (``_writer.probe`` at the dataset's root):
+        raises what a staging write would raise now. The proxy calls it once a second while
+        its sink is failing, so readiness comes back when the store does, with no call needed
+        to show it."""
+
+        def work() -> None:
+            self._dfs.put_all({PROBE_FILE: self.writer_id.encode()})
+            self._dfs.delete(PROBE_FILE)
+
+        await asyncio.to_thread(work)
 
     async def close(self) -> None:
         """Commit every queued write and stop the writer thread."""

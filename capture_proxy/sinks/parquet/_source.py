@@ -41,7 +41,10 @@ from ...schemas.records import (
     StagedCallRecord,
 )
 from ..base import PROXY_STATE_ROLLOUT, StoreDamaged, StoreError
+from ..rollout_index import IndexedRollout, RolloutQuery, row_of
 from ._claims import read_claims
+from ._cursors import ParquetCursors
+from ._directory import Directory
 from ._fs import DatasetFS
 from ._index import (
     SMALL_UNIT_BYTES,
@@ -148,6 +151,8 @@ class ParquetSource(Loading):
         #: A units index keeps the event heads until `event_heads` takes them.
         self._collect_heads = self._per_unit
         self._index: Index | UnitIndex = self._new_index()
+        #: The rollout index, built at the first `indexed_rollouts` (`_directory`).
+        self._directory: Directory | None = None
         self._caches(cache_bytes, cache_tokens, self._per_unit)
 
     # -- snapshot -------------------------------------------------------------------------------
@@ -238,6 +243,9 @@ class ParquetSource(Loading):
             self._index = self._new_index()
             self._refs.clear()
             self._index_groups.clear()
+            self._directory = None  # built again at the next query
+        touched: dict[str, None] | None = None if self._directory is None else {}
+        self._index.touched = touched
         for start in range(0, len(new), _PREFETCH_UNITS):
             chunk = new[start : start + _PREFETCH_UNITS]
             # Small units are read whole: on object storage fetch them concurrently first.
@@ -252,6 +260,11 @@ class ParquetSource(Loading):
         # Each name as its marker's (interned when decoded), not another copy of it.
         fresh = [sys.intern(n) for n in fresh]
         self._listing = listed + fresh if appended else [sys.intern(n) for n in names]
+        self._index.touched = None
+        if touched and self._directory is not None:
+            for rollout_id in touched:
+                if rollout_id != PROXY_STATE_ROLLOUT:
+                    self._directory.put(self._index_row(rollout_id))
 
     def _new_index(self) -> Index | UnitIndex:
         if not self._per_unit:
@@ -269,6 +282,7 @@ class ParquetSource(Loading):
             self._index.add_unit(self.dfs, unit, self._keep)
 
     def _reset(self) -> None:
+        self._directory = None
         self._listing = []
         self._units = []
         self._index = self._new_index()
@@ -357,19 +371,46 @@ class ParquetSource(Loading):
         return self._read(run)
 
     def rollout_info(self, rollout_id: str) -> RolloutInfo:
-        def run() -> RolloutInfo:
-            ledger = self._ledger_of(rollout_id)
-            if rollout_id not in ledger.rollouts:
-                raise KeyError(rollout_id)
-            # An orphan mark names its call's rollout when the writer knew it (always, unless
-            # the mark came before the record); only then are the rollout's calls read.
-            marks = ledger.orphans
-            here = any(marked_in == rollout_id for marked_in, _ in marks.values())
-            if not here and any(marked_in is None for marked_in, _ in marks.values()):
-                here = any(k in marks for k, _ in self._rollout_refs(rollout_id))
-            return ledger.info(rollout_id, here)
+        return self._read(lambda: self._info(rollout_id))
+
+    def _info(self, rollout_id: str) -> RolloutInfo:
+        ledger = self._ledger_of(rollout_id)
+        if rollout_id not in ledger.rollouts:
+            raise KeyError(rollout_id)
+        # An orphan mark names its call's rollout when the writer knew it (always, unless
+        # the mark came before the record); only then are the rollout's calls read.
+        marks = ledger.orphans
+        here = any(marked_in == rollout_id for marked_in, _ in marks.values())
+        if not here and any(marked_in is None for marked_in, _ in marks.values()):
+            here = any(k in marks for k, _ in self._rollout_refs(rollout_id))
+        return ledger.info(rollout_id, here)
+
+    def _index_row(self, rollout_id: str) -> IndexedRollout:
+        try:
+            return row_of(self._info(rollout_id))
+        except KeyError:  # calls without a header yet (or a store written before headers)
+            return IndexedRollout(rollout_id, "open", False, 0, None, None, False)
+
+    def indexed_rollouts(self, query: RolloutQuery) -> list[IndexedRollout]:
+        """The rollouts `query` keeps, from the reader's rollout index (`_directory`): built at
+        the first call (a header per rollout), then kept up to date with each new unit."""
+
+        def run() -> list[IndexedRollout]:
+            if self._directory is None:
+                directory = Directory()
+                ids = [r for r in self._headed_rollouts() if r != PROXY_STATE_ROLLOUT]
+                seen = set(ids)
+                ids += [r for r in self._rollouts_with_calls() if r not in seen]
+                for rollout_id in ids:
+                    directory.put(self._index_row(rollout_id))
+                self._directory = directory
+            return self._directory.query(query)
 
         return self._read(run)
+
+    def consumer_cursors(self) -> ParquetCursors:
+        """The consumers' cursors of this dataset (`capture_proxy.sinks.cursors`)."""
+        return ParquetCursors(self.dfs)
 
     def calls(self, rollout_id: str, *, include_orphaned: bool = False) -> list[StagedCallRecord]:
         def run() -> list[StagedCallRecord]:

@@ -25,6 +25,7 @@ from ...schemas.records import (
     StagedCallRecord,
 )
 from ..base import StoreError, StoreFormatError
+from ..rollout_index import IndexedRollout, RolloutQuery, scan_headers
 from ._replicas import ReplicaStatus
 from ._wire import CONTENT_TYPE, WIRE_VERSION, RecordDecoder, WireError, iter_frames
 
@@ -299,6 +300,44 @@ class RemoteSource:
             return self._json("GET", "/replicas", list[ReplicaStatus])
         except _RouteMissing:
             return None
+
+    def indexed_rollouts(self, query: RolloutQuery) -> list[IndexedRollout]:
+        """The proxy's rollout index, filtered on the proxy (``GET /admin/store/index``); a
+        proxy too old to have it is read one header at a time."""
+        params: list[tuple[str, str]] = []
+        # The proxy leaves out poisoned rows of a state: a query that wants them asks for every
+        # state, in one answer (the store's order), and keeps its state here.
+        if query.state is not None and not (query.with_poisoned and query.state != "poisoned"):
+            params.append(("state", query.state))
+        if query.since_ms is not None:
+            params.append(("since", str(query.since_ms)))
+        params.extend(("group", g) for g in sorted(query.groups or ()))
+        if query.graded is not None:
+            params.append(("graded", "true" if query.graded else "false"))
+        path = "/index" + (f"?{urllib.parse.urlencode(params)}" if params else "")
+        try:
+            rows = self._json("GET", path, list[dict[str, Any]])
+        except _RouteMissing:
+            return scan_headers(self, query)
+        out = [IndexedRollout(**r) for r in rows]
+        return [r for r in out if query.matches(r)]
+
+    def next_batch(
+        self, consumer: str, request: dict[str, Any], wait_s: float
+    ) -> dict[str, Any] | None:
+        """The proxy's next batch for `consumer` (`capture_proxy.read.batches`), waiting on the
+        proxy up to `wait_s` seconds; None when none was ready."""
+        body = {**request, "wait_s": wait_s}
+        got = self._json("POST", f"/batches/{_q(consumer)}/next", dict[str, Any], body)
+        batch = got.get("batch")
+        return None if batch is None else dict(batch)
+
+    def ack_batch(self, consumer: str, batch_id: str) -> int:
+        """Acknowledge `batch_id` on the proxy; how many rollouts it acknowledged."""
+        got = self._json(
+            "POST", f"/batches/{_q(consumer)}/ack", dict[str, Any], {"batch_id": batch_id}
+        )
+        return int(got["acked"])
 
     def close_reader(self) -> None:
         with self._lock:

@@ -10,7 +10,10 @@ file itself would interfere with SQLite's POSIX locks on it, which are dropped w
 descriptor of the file in the process closes. The lock is advisory: readers, ``gc`` (short
 transactions under SQLite's own locking) and other tools are not affected. The kernel releases it
 when the process dies, so a crashed writer never leaves a stale lock; the file itself stays
-(deleting it would let two writers lock two different files).
+(deleting it would let two writers lock two different files). The lock belongs to the file, not
+to the name it was given: it is taken beside the path with every symlink resolved (two proxies
+given ``store.db`` and a link to it take one lock), and a store file with more than one hard
+link is refused, since no name is then *the* name of the file.
 
 **The same file.** SQLite keeps writing into an open file after it was deleted or replaced
 (``rm``, ``mv``, a restore over it): every commit "succeeds" into an inode nobody will read again.
@@ -35,8 +38,21 @@ log = logging.getLogger(__name__)
 
 
 def lock_path(db_path: str) -> str:
-    """The writer lock file of the SQLite store at `db_path`."""
-    return f"{db_path}.writer.lock"
+    """The writer lock file of the SQLite store at `db_path` (beside the file links lead to)."""
+    return f"{os.path.realpath(db_path)}.writer.lock"
+
+
+def _refuse_hard_links(db_path: str) -> None:
+    try:
+        links = os.stat(db_path).st_nlink
+    except FileNotFoundError:
+        return  # a new store: created by this writer, under the lock
+    if links > 1:
+        raise StoreError(
+            f"the SQLite store {db_path} has {links} hard links: one writer per file is held "
+            "by a lock beside the file's one name, so a store must have one; keep one name "
+            "and use a symlink for the others"
+        )
 
 
 class WriterLock:
@@ -44,6 +60,7 @@ class WriterLock:
 
     def __init__(self, db_path: str) -> None:
         self.path = lock_path(db_path)
+        _refuse_hard_links(db_path)
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         except OSError as e:

@@ -21,6 +21,11 @@ Since format 5, ``events`` holds each rollout's hash-chained event log (`schemas
 row per event keyed by ``(rollout_id, position)``; admission claims are its ``claim`` rows,
 unique per ``(rollout_id, seq)`` (a partial unique index).
 
+Since format 7, ``rollouts`` keeps the rollout index (`sinks.rollout_index`): ``group_id`` and
+``graded`` (its latest outcome's group, and whether it has an outcome) as columns, indexed with
+``(state, sealed_at_ms)``; and ``consumers`` holds each trainer's batch cursor
+(`capture_proxy.read.batches`), one row per consumer name.
+
 The format version is an integer with a chain of migrations (``MIGRATIONS[i]`` turns format ``i``
 into ``i + 1``; format 0 is an empty file). A writer migrates an older file forward in one
 transaction; a file written by a newer capture-proxy is refused, never guessed at.
@@ -35,6 +40,9 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Callable
 
+import orjson
+
+from ...schemas.outcome import split_header_metadata
 from ..base import StoreError, StoreFormatError
 from ..codec import ROW_FIELDS, stored_bytes, stored_int
 
@@ -48,7 +56,9 @@ __all__ = [
     "TokenLRU",
     "call_columns",
     "has_events",
+    "has_index",
     "has_reference_types",
+    "outcome_columns",
     "pack_blob",
     "read_format",
     "rebuild_full",
@@ -211,6 +221,36 @@ def _migrate_5_to_6(conn: sqlite3.Connection) -> None:
     )
 
 
+def outcome_columns(metadata: str | bytes) -> tuple[str | None, int]:
+    """A header's stored metadata as the index columns ``(group_id, graded)``: its latest
+    outcome's group and whether it has an outcome."""
+    _, outcomes = split_header_metadata(orjson.loads(metadata or b"{}"))
+    if not outcomes:
+        return None, 0
+    return outcomes[-1].group_id, 1
+
+
+def _migrate_6_to_7(conn: sqlite3.Connection) -> None:
+    # Format 7: the rollout index and the consumers' cursors. The group and grading of a header
+    # live inside its metadata JSON; as columns they can be indexed, so a trainer's "sealed,
+    # graded, group g" costs what it returns. Headers already stored are filled from their
+    # metadata here, once.
+    conn.execute("ALTER TABLE rollouts ADD COLUMN group_id TEXT")
+    conn.execute("ALTER TABLE rollouts ADD COLUMN graded INTEGER NOT NULL DEFAULT 0")
+    for rollout_id, metadata in conn.execute("SELECT id, metadata FROM rollouts").fetchall():
+        group_id, graded = outcome_columns(metadata)
+        if graded:
+            conn.execute(
+                "UPDATE rollouts SET group_id = ?, graded = 1 WHERE id = ?", (group_id, rollout_id)
+            )
+    conn.execute("CREATE INDEX rollouts_state_sealed ON rollouts (state, sealed_at_ms)")
+    conn.execute("CREATE INDEX rollouts_group ON rollouts (group_id) WHERE group_id IS NOT NULL")
+    conn.execute(
+        "CREATE TABLE consumers (name TEXT PRIMARY KEY, body BLOB NOT NULL,"
+        " revision INTEGER NOT NULL, at_ms INTEGER NOT NULL)"
+    )
+
+
 #: ``MIGRATIONS[i]`` upgrades format ``i`` to ``i + 1``. Append; never edit a shipped step.
 MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (
     _migrate_0_to_1,
@@ -219,6 +259,7 @@ MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (
     _migrate_3_to_4,
     _migrate_4_to_5,
     _migrate_5_to_6,
+    _migrate_6_to_7,
 )
 
 #: Blob codecs (the ``blobs.codec`` column).
@@ -287,6 +328,11 @@ def has_events(version: int) -> bool:
 def has_reference_types(version: int) -> bool:
     """Whether a file of format `version` keeps each attachment reference's media type (6+)."""
     return version >= 6
+
+
+def has_index(version: int) -> bool:
+    """Whether a file of format `version` has the rollout index and consumers' cursors (7+)."""
+    return version >= 7
 
 
 def read_format(conn: sqlite3.Connection, where: str) -> int:

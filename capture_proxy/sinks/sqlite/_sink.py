@@ -62,6 +62,9 @@ from ._writer import Batch, GroupCommitWriter
 
 __all__ = ["SQLiteSink", "SQLiteSource"]
 
+#: Bytes of a probe write (`SQLiteSink.probe`): a small call's record and its events.
+_PROBE_BYTES = 64 << 10
+
 log = logging.getLogger(__name__)
 
 _INSERT_CALL = (
@@ -277,11 +280,12 @@ class SQLiteSink:
     async def put_rollout(self, info: RolloutInfo) -> None:
         def work(conn: sqlite3.Connection, batch: Batch) -> None:
             conn.execute(
-                "INSERT INTO rollouts (id, state, created_at_ms, sealed_at_ms, metadata, policy)"
-                " VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO UPDATE SET"
+                "INSERT INTO rollouts (id, state, created_at_ms, sealed_at_ms, metadata, policy,"
+                " group_id, graded) VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO UPDATE SET"
                 " state = excluded.state, created_at_ms = excluded.created_at_ms,"
                 " sealed_at_ms = excluded.sealed_at_ms, metadata = excluded.metadata,"
-                " policy = excluded.policy",
+                " policy = excluded.policy, group_id = excluded.group_id,"
+                " graded = excluded.graded",
                 (
                     info.rollout_id,
                     info.state.value,
@@ -289,6 +293,9 @@ class SQLiteSink:
                     info.sealed_at_ms,
                     orjson.dumps(header_metadata(info.metadata, info.outcome_history)).decode(),
                     orjson.dumps(dict(info.policy)).decode(),
+                    # The rollout index (format 7): the latest outcome's group, and graded.
+                    None if info.outcome is None else info.outcome.group_id,
+                    int(info.outcome is not None),
                 ),
             )
 
@@ -312,6 +319,20 @@ class SQLiteSink:
     def stats(self) -> dict[str, float]:
         """Writer figures for /metrics (names without the ``capture_proxy_sink_`` prefix)."""
         return {**self._writer.stats(), "attachment_dedup_hits_total": self.dedup_hits}
+
+    async def probe(self) -> None:
+        """One committed write of 64 KiB (the ``writer_probe`` key of ``meta``, replaced each
+        time): raises what staging a call of that size would raise now. The proxy calls it once
+        a second while its sink is failing, so readiness comes back when the disk does, with no
+        call needed to show it. A few bytes would fit in a page the file already has."""
+        stamp = f"{time.time_ns()} ".ljust(_PROBE_BYTES, ".")
+
+        def work(conn: sqlite3.Connection, batch: Batch) -> None:
+            conn.execute(
+                "INSERT OR REPLACE INTO meta (key, value) VALUES ('writer_probe', ?)", (stamp,)
+            )
+
+        await self._writer.submit(work)
 
     async def close(self) -> None:
         """Finish every queued write, stop the writer thread and close the file.

@@ -27,13 +27,17 @@ from ...schemas.records import (
 )
 from ..base import PROXY_STATE_ROLLOUT, StoreDamaged, StoreError, StoreFormatError
 from ..codec import decode_row, stored_bytes
+from ..rollout_index import IndexedRollout, RolloutQuery
+from ._cursors import SQLiteCursors
 from ._schema import (
     FORMAT_VERSION,
     READABLE_FROM,
     TokenLRU,
     call_columns,
     has_events,
+    has_index,
     has_reference_types,
+    outcome_columns,
     read_format,
     rebuild_full,
     unpack_blob,
@@ -182,6 +186,8 @@ class SQLiteSource:
         self._columns = call_columns(version)
         self._has_events = has_events(version)
         self._reference_types = has_reference_types(version)
+        self._has_index = has_index(version)
+        self._cursors: SQLiteCursors | None = None
         self._select_calls = f"SELECT {', '.join(self._columns)} FROM calls"
         self._refused_blobs: dict[str, str] = {}
 
@@ -212,6 +218,57 @@ class SQLiteSource:
                 (PROXY_STATE_ROLLOUT,),
             )
             return [_text(r[0], "rollout id") for r in rows]
+
+    def indexed_rollouts(self, query: RolloutQuery) -> list[IndexedRollout]:
+        """The rollouts `query` keeps, through the ``rollouts`` indexes (format 7): a query by
+        state, seal time or group reads the rows it returns (and their ledgers' capture
+        failures and orphan marks), not the table. An older file is answered from its headers'
+        metadata, row by row."""
+        where = ["id != ?"]
+        args: list[object] = [PROXY_STATE_ROLLOUT]
+        if query.since_ms is not None or query.state == "sealed":
+            where.append("state = 'sealed'")
+        elif query.state == "open":
+            where.append("state = 'open'")
+        if query.since_ms is not None:
+            where.append("sealed_at_ms >= ?")
+            args.append(max(-(2**63), min(query.since_ms, 2**63 - 1)))  # SQLite's integers
+        if self._has_index:
+            if query.groups is not None:
+                where.append(f"group_id IN ({', '.join('?' * len(query.groups))})")
+                args.extend(sorted(query.groups))
+            if query.graded is not None:
+                where.append("graded = ?")
+                args.append(int(query.graded))
+            columns = "group_id, graded"
+        else:
+            columns = "metadata, NULL"
+        sql = (
+            f"SELECT id, state, created_at_ms, sealed_at_ms, {columns},"
+            " EXISTS (SELECT 1 FROM failures f WHERE f.rollout_id = r.id AND f.status = ?)"
+            " OR EXISTS (SELECT 1 FROM orphaned o JOIN calls c ON c.call_id = o.call_id"
+            " WHERE c.rollout_id = r.id)"
+            f" FROM rollouts r WHERE {' AND '.join(where)} ORDER BY created_at_ms, rowid"
+        )
+        with self._read() as c:
+            rows = c.execute(sql, (CallStatus.CAPTURE_FAILED.value, *args)).fetchall()
+        out = []
+        for rid, state, created, sealed, group_id, graded, poisoned in rows:
+            if not self._has_index:
+                group_id, graded = outcome_columns(group_id)
+            row = IndexedRollout(
+                rid, state, bool(poisoned), int(created), sealed, group_id, bool(graded)
+            )
+            if query.matches(row):
+                out.append(row)
+        return out
+
+    def consumer_cursors(self) -> SQLiteCursors:
+        """The consumers' cursors of this file (`capture_proxy.sinks.cursors`)."""
+        with self._lock:
+            if self._cursors is None:
+                self._cursors = SQLiteCursors(os.path.abspath(self.path))
+            return self._cursors
 
     def rollout_info(self, rollout_id: str) -> RolloutInfo:
         with self._read() as c:
@@ -395,3 +452,5 @@ class SQLiteSource:
     def close_reader(self) -> None:
         with self._lock:
             self._conn.close()
+            if self._cursors is not None:
+                self._cursors.close()

@@ -191,6 +191,7 @@ class FakeVLLM(ScaleOutRoutes):
         app.router.add_post("/tokenize", self._tokenize)
         app.router.add_post("/detokenize", self._detokenize)
         app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
         app.router.add_post("/v1/chat/completions/render", self._render_chat)
         app.router.add_post("/inference/v1/generate", self._generate)
         app.router.add_post("/v1/chat/completions/derender", self._derender)
@@ -258,6 +259,21 @@ class FakeVLLM(ScaleOutRoutes):
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(status=200)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        # A few of vLLM's own series, in its names and Prometheus' text format (vLLM serves
+        # /metrics without its API key).
+        served = len(self.requests)
+        text = (
+            "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
+            "# TYPE vllm:num_requests_running gauge\n"
+            f'vllm:num_requests_running{{model_name="{self.model}"}} 0.0\n'
+            "# HELP vllm:request_success_total Count of successfully processed requests.\n"
+            "# TYPE vllm:request_success_total counter\n"
+            f'vllm:request_success_total{{finished_reason="stop",model_name="{self.model}"}} '
+            f"{float(served)}\n"
+        )
+        return web.Response(text=text, content_type="text/plain", charset="utf-8")
 
     async def _tokenize(self, request: web.Request) -> web.Response:
         try:

@@ -1,0 +1,218 @@
+"""Honest sandboxes beside hostile ones: does one sandbox deny service to the others?
+
+    .venv/bin/python bench/bench_hostile_soak.py                     # 2 x 30 s
+    .venv/bin/python bench/bench_hostile_soak.py --seconds 60 --honest 32
+
+Starts ``capture-proxy serve --upstream fake`` (SQLite store in a temporary folder, the limits
+every deploy file sets: the proxy's defaults) and runs the same honest load twice, side by side in
+one run: alone, then beside hostile sandboxes. Each sandbox comes from its own loopback address
+(127.0.1.N honest, 127.0.2.N hostile), as sandboxes behind different NATs would.
+
+- honest: `--honest` sandboxes, each an agent loop: a call of 1-7 KB of conversation (streamed
+  every other time), its answer read, 50 ms of "tool work", the next call;
+- hostile (`--hostile`, 8 by default, the kinds in turn): a sender of 62 MiB bodies of empty
+  ``messages`` (three at once, again and again), a connection flood (up to 1,500 idle connections
+  held open, reopened when closed), and a stream flood (1,000 streamed calls at once in one
+  rollout, again when answered).
+
+Reported per phase: the honest calls' count, errors, p50 and p99 latency, and the proxy's peak RSS;
+then the ratio of the honest p99 beside the hostile load to the honest p99 alone (issue 27 asks
+for at most 2x), and the hostile calls' outcomes. Loopback only; every loop is bounded in count
+and time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+from bench_proxy import Proc  # bench/ is a folder of scripts run by path: siblings import flat
+from procstat import peak_rss_mb, reset_peak_rss
+
+_CHAT = "/r/{rollout}/v1/chat/completions"
+_TURN = "Look at the crop, then plot the histogram of the red channel, and compare. " * 8
+
+
+def _honest_body(turn: int) -> dict[str, Any]:
+    messages = [{"role": "system", "content": "You are a coding agent."}]
+    for i in range(turn % 6):
+        messages += [
+            {"role": "user", "content": _TURN},
+            {"role": "assistant", "content": f"ok {i}"},
+        ]
+    messages.append({"role": "user", "content": _TURN})
+    return {"model": "policy", "messages": messages, "max_tokens": 16, "stream": turn % 2 == 1}
+
+
+def _session(address: str) -> aiohttp.ClientSession:
+    connector = aiohttp.TCPConnector(local_addr=(address, 0), limit=0)
+    return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60))
+
+
+async def _honest(base: str, n: int, until: float, out: list[float], errors: Counter[str]) -> None:
+    async with _session(f"127.0.1.{n + 1}") as http:
+        for turn in range(100_000):
+            if time.monotonic() > until:
+                return
+            url = base + _CHAT.format(rollout=f"honest-{n}")
+            t = time.monotonic()
+            try:
+                async with http.post(url, json=_honest_body(turn)) as resp:
+                    await resp.read()
+                    if resp.status != 200:
+                        errors[f"http_{resp.status}"] += 1
+                        continue
+            except (aiohttp.ClientError, TimeoutError) as e:
+                errors[type(e).__name__] += 1
+                continue
+            out.append(time.monotonic() - t)
+            await asyncio.sleep(0.05)
+
+
+async def _huge_arrays(base: str, n: int, until: float, seen: Counter[str]) -> None:
+    body = b'{"model":"policy","messages":[' + b"{}," * (62 * 2**20 // 3) + b"{}]}"
+    url = base + _CHAT.format(rollout=f"hostile-{n}")
+    headers = {"Content-Type": "application/json"}
+
+    async def one(http: aiohttp.ClientSession) -> None:
+        try:
+            async with http.post(url, data=body, headers=headers) as resp:
+                await resp.read()
+                seen[f"huge_arrays http_{resp.status}"] += 1
+        except (aiohttp.ClientError, TimeoutError) as e:
+            seen[f"huge_arrays {type(e).__name__}"] += 1
+
+    async with _session(f"127.0.2.{n + 1}") as http:
+        for _ in range(1000):
+            if time.monotonic() > until:
+                return
+            await asyncio.gather(one(http), one(http), one(http))
+
+
+async def _connection_flood(port: int, n: int, until: float, seen: Counter[str]) -> None:
+    held: list[asyncio.StreamWriter] = []
+    try:
+        for _ in range(100_000):
+            if time.monotonic() > until:
+                return
+            held = [w for w in held if not w.is_closing()]
+            if len(held) >= 1500:
+                await asyncio.sleep(0.5)
+                continue
+            try:
+                reader, writer = await asyncio.open_connection(
+                    "127.0.0.1", port, local_addr=(f"127.0.2.{n + 1}", 0)
+                )
+            except OSError as e:
+                seen[f"flood {type(e).__name__}"] += 1
+                await asyncio.sleep(0.1)
+                continue
+            held.append(writer)
+            seen["flood opened"] += 1
+            with contextlib.suppress(TimeoutError):
+                # A refused connection gets its 503 at once; an admitted one says nothing.
+                first = await asyncio.wait_for(reader.read(12), 0.005)
+                if first.startswith(b"HTTP/1.1 503"):
+                    seen["flood refused 503"] += 1
+                    writer.close()
+                    await asyncio.sleep(0.05)
+    finally:
+        for w in held:
+            w.close()
+
+
+async def _stream_flood(base: str, n: int, until: float, seen: Counter[str]) -> None:
+    url = base + _CHAT.format(rollout=f"hostile-{n}")
+    body = {"model": "policy", "messages": [{"role": "user", "content": "go"}], "stream": True}
+
+    async def one(http: aiohttp.ClientSession) -> None:
+        try:
+            async with http.post(url, json=body) as resp:
+                await resp.read()
+                seen[f"streams http_{resp.status}"] += 1
+        except (aiohttp.ClientError, TimeoutError) as e:
+            seen[f"streams {type(e).__name__}"] += 1
+
+    async with _session(f"127.0.2.{n + 1}") as http:
+        for _ in range(1000):
+            if time.monotonic() > until:
+                return
+            await asyncio.gather(*(one(http) for _ in range(1000)))
+
+
+async def _phase(base: str, pid: int, honest: int, hostile: int, seconds: float) -> dict[str, Any]:
+    port = int(base.rsplit(":", 1)[1])
+    reset_peak_rss(pid)
+    until = time.monotonic() + seconds
+    latencies: list[float] = []
+    errors: Counter[str] = Counter()
+    seen: Counter[str] = Counter()
+    kinds = (
+        lambda n: _huge_arrays(base, n, until, seen),
+        lambda n: _connection_flood(port, n, until, seen),
+        lambda n: _stream_flood(base, n, until, seen),
+    )
+    tasks = [_honest(base, n, until, latencies, errors) for n in range(honest)]
+    tasks += [kinds[n % len(kinds)](n) for n in range(hostile)]
+    await asyncio.gather(*tasks)
+    ordered = sorted(latencies)
+    return {
+        "hostile": hostile,
+        "honest_calls": len(ordered),
+        "honest_errors": dict(errors),
+        "p50_ms": round(1000 * statistics.median(ordered), 1) if ordered else None,
+        "p99_ms": round(1000 * ordered[int(0.99 * (len(ordered) - 1))], 1) if ordered else None,
+        "peak_rss_mb": round(peak_rss_mb(pid)),
+        "hostile_outcomes": dict(seen),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=30.0, help="length of each phase")
+    parser.add_argument("--honest", type=int, default=32)
+    parser.add_argument("--hostile", type=int, default=8)
+    parser.add_argument("--proxy-arg", action="append", default=[], help="extra serve flag")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="bench-hostile-soak-") as tmp:
+        argv = [sys.executable, "-m", "capture_proxy", "serve", "--upstream", "fake"]
+        argv += ["--store", f"sqlite:///{tmp}/capture.db", "--port", "0"]
+        argv += ["--min-free-disk-mb", "64", "--log-level", "warning", *args.proxy_arg]
+        proxy = Proc("proxy", argv, Path(tmp))
+        try:
+            rows = []
+            for hostile in (0, args.hostile):
+                row = asyncio.run(_phase(proxy.url, proxy.pid, args.honest, hostile, args.seconds))
+                rows.append(row)
+                print(orjson.dumps(row).decode(), flush=True)
+                if proxy.popen.poll() is not None:
+                    print(f"the proxy exited with {proxy.popen.returncode}", flush=True)
+                    break
+        finally:
+            proxy.stop()
+    alone, beside = rows[0], rows[-1]
+    print()
+    print("| phase | honest calls | honest errors | p50 ms | p99 ms | peak RSS MB |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        phase = "honest alone" if not r["hostile"] else f"beside {r['hostile']} hostile"
+        print(
+            f"| {phase} | {r['honest_calls']} | {sum(r['honest_errors'].values())} | "
+            f"{r['p50_ms']} | {r['p99_ms']} | {r['peak_rss_mb']} |"
+        )
+    if alone["p99_ms"] and beside["p99_ms"]:
+        print(f"\nhonest p99 beside / alone: {beside['p99_ms'] / alone['p99_ms']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
