@@ -4,7 +4,8 @@
 
 Runs the proxy app in-process in front of the bundled fake vLLM (loopback, memory store) and
 times sequential small unary calls, three ways: a plain fake (``/weight_info`` not served: asked
-once, then never), a dev-mode fake (one ``GET /weight_info`` after each call's answer), and a
+once, then never), a dev-mode fake (``GET /weight_info`` for each call before it is sent and
+after its answer; concurrent calls share reads, sequential ones do not), and a
 plain fake whose connections are closed after every answer (each call opens a new connection,
 so the restart check asks for the facts again before sending it). Reported: median and p90
 latency per call, and the fake's count of fact requests.

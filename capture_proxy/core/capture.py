@@ -959,7 +959,9 @@ class Capture:
         finally:
             self._finish(call)
 
-    async def reject(self, rollout_id: str, reason: str, message: str, http_status: int) -> str:
+    async def reject(
+        self, rollout_id: str, reason: str, message: str, http_status: int, *, replica: str = ""
+    ) -> str:
         """Record a call refused before it was admitted (a 4xx); returns its call id.
 
         The rollout is resolved first (from the store if this process does not hold it), so the
@@ -999,7 +1001,7 @@ class Capture:
             http_status=http_status,
             message=message,
         )
-        self._report(CallReport(rollout_id, call_id, CallStatus.REJECTED, reason))
+        self._report(CallReport(rollout_id, call_id, CallStatus.REJECTED, reason, replica=replica))
         # Held "in flight" until its entry is written: a rollout created by this refusal (an id
         # never seen) may leave memory under the live-rollout cap only once the store has the
         # entry, or a resumed copy would hand its sequence number out again.
@@ -1010,13 +1012,14 @@ class Capture:
             live.leave()
         return call_id
 
-    async def refuse(self, rollout_id: str, err: ProxyError) -> str | None:
+    async def refuse(self, rollout_id: str, err: ProxyError, *, replica: str = "") -> str | None:
         """Record a call refused with `err` before admission; returns its call id. A 409 (the
-        rollout is sealed: its ledger is closed) is reported but not written."""
+        rollout is sealed: its ledger is closed) is reported but not written. `replica` is the
+        upstream replica the call was for ("" for none), reported with the outcome."""
         if err.status == 409:
             self._report(CallReport(rollout_id, None, CallStatus.REJECTED, err.code))
             return None
-        return await self.reject(rollout_id, err.code, err.message, err.status)
+        return await self.reject(rollout_id, err.code, err.message, err.status, replica=replica)
 
     async def _record_not_staged(
         self,

@@ -279,6 +279,8 @@ class Exchange(TokenInSteps):
         #: The upstream this call goes to, and its replica's name ("" for a single upstream).
         self.upstream = pipeline.upstream
         self.replica = ""
+        #: The engine's weight version read for this call before it is sent (None: unknown).
+        self.engine_before: str | None = None
         self._reply: UpstreamReply | None = None
         self._t_up = 0.0
         self._upstream_s: float | None = None
@@ -309,12 +311,22 @@ class Exchange(TokenInSteps):
                 normalized = decode_and_normalize(body, config)
             await capture.hold_while_paused()
             live = await capture.ensure_rollout(self.rollout_id)
-            if self.pipeline.replicas is not None:
+            replicas = self.pipeline.replicas
+            if replicas is not None:
+                # Set first: a refusal for a pinned rollout (its replica unhealthy) names it.
+                self.replica = live.replica
                 self.replica, self.upstream = self.pipeline.route(live)
             request = capture.policy.apply(normalized.body, live.policy)
-            if self.pipeline.goes_token_in(live):
+            token_in = self.pipeline.goes_token_in(live)
+            if token_in:
                 # Refused before admission while the upstream lacks the routes token-in needs.
                 await check_scale_out(self.upstream, str(request.get("model", "")))
+            if not token_in or replicas is not None:
+                # Read for this call (token-in's generate reports its own versions): a replica
+                # whose engine holds other weights than the fleet's is refused here.
+                self.engine_before = await self._read_engine_weights()
+                if replicas is not None:
+                    replicas.check_weights(self.replica, self.engine_before)
             staged = capture.policy.apply(normalized.staged, live.policy)
             await self._guard_context(request, staged)
             rid, attachments = self.rollout_id, normalized.attachments
@@ -336,7 +348,7 @@ class Exchange(TokenInSteps):
         """Record the call as refused with `err` before admission (``rejected`` in the ledger,
         except a 409); `prepare` does it for its own refusals, the caller for earlier ones such
         as a body over the size limit."""
-        call_id = await self.capture.refuse(self.rollout_id, err)
+        call_id = await self.capture.refuse(self.rollout_id, err, replica=self.replica)
         if call_id is not None:
             self.outcome = Outcome(
                 CallStatus.REJECTED, call_id, err.status, err.body(), err.code, err.message
@@ -424,6 +436,8 @@ class Exchange(TokenInSteps):
                 # A new upstream process (noticed before anything was sent): plan the call again
                 # with its facts (version, reasoning field, fingerprint, defaults), once.
                 self.info = await self.upstream.info(str(self.request.get("model", "")))
+                if not self.token_in:
+                    self.engine_before = await self._read_engine_weights()
                 self.plan = self._plan()
                 self.pipeline.close_renders.clear()  # its template may differ
                 self._reply = await self._post()
@@ -623,17 +637,24 @@ class Exchange(TokenInSteps):
         self, completion: Completion
     ) -> tuple[str | None, list[tuple[str, int, int]]]:
         """The engine's weight version for the call and its span over the completion: known when
-        the version read before the call was planned equals one read after the answer (one
-        request, only when the upstream serves it), else ``(None, [])``: unknown."""
-        before = self.info.engine_weight_version
-        upstream = self.upstream
-        if before is None or not isinstance(upstream, EngineWeights):
+        the version read for the call before it was sent equals one read after the answer (one
+        request each, only when the upstream serves it), else ``(None, [])``: unknown."""
+        before = self.engine_before
+        if before is None:
             return None, []
-        after = await upstream.read_engine_weight_version()
+        after = await self._read_engine_weights()
         if after != before:
             return None, []
         n = len(completion.completion_token_ids)
         return before, [(before, 0, n)] if n else []
+
+    async def _read_engine_weights(self) -> str | None:
+        """The engine's weight version now (a read sent after this is called), None when the
+        upstream does not say."""
+        upstream = self.upstream
+        if not isinstance(upstream, EngineWeights):
+            return None
+        return await upstream.read_engine_weight_version()
 
     async def _not_captured(self, e: CaptureExtractionError, client_body: bytes) -> Outcome:
         """The answer came, but carries no record (missing token ids, ...): capture_failed."""

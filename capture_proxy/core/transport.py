@@ -51,8 +51,8 @@ class UpstreamInfo:
     #: Why a fact is missing (``/version`` or ``/tokenize`` failing), one sentence each; a record
     #: staged with a missing fact carries these in its extras (``upstream_fact_problems``).
     problems: tuple[str, ...] = ()
-    #: The engine's own weight version (vLLM's ``/weight_info``) as last read before the call
-    #: was planned; None when the upstream does not serve it.
+    #: The engine's own weight version (vLLM's ``/weight_info``) as last read (by any call);
+    #: None when the upstream does not serve it. A call reads its own (`EngineWeights`).
     engine_weight_version: str | None = None
     #: Whether the upstream serves vLLM's scale-out routes (render, generate, derender: what
     #: token-in calls), from the probe render; None when not known.
@@ -192,4 +192,10 @@ class ReplicaRouter(Protocol):
         replica; ties go by a hash of the rollout id. Raises `UpstreamFailed` (503
         ``upstream_unavailable``) when there is none to use. Synchronous: no I/O per call.
         """
+        ...
+
+    def check_weights(self, name: str, engine_version: str | None) -> None:
+        """A call's read of replica `name`'s engine weight version (None: not known), before the
+        call is admitted: raises `UpstreamFailed` (503 ``upstream_unavailable``) when the
+        engine holds other weights than the fleet's, so no call is sampled by them."""
         ...

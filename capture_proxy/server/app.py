@@ -241,6 +241,7 @@ async def readyz(request: web.Request) -> web.Response:
     body: dict[str, object] = {"ready": not problems, "problems": problems, "warnings": warnings}
     if isinstance(state.upstream, ReplicaSet):
         body["replicas"] = [r.to_dict() for r in state.upstream.replicas]
+        body["fleet"] = state.upstream.fleet.to_dict()
     return web.json_response(body, status=503 if problems else 200)
 
 
@@ -525,6 +526,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             client,
             move=s.on_replica_loss == "move",
             probe_interval=s.replica_probe_interval,
+            model=s.served_model,
         )
         state.upstream = replicas
         state.capture.on_outcome.append(replicas.observe)

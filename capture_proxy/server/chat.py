@@ -128,6 +128,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     rollout_id = resolve_rollout_id(request, require=state.settings.require_rollout_id)
     await state.authorize_call(request, rollout_id)
     exchange = state.pipeline.exchange(rollout_id)
+    #: The stream response once its headers went out (a cut call then ends with an SSE error).
+    opened: list[web.StreamResponse] = []
     try:
         try:
             try:
@@ -151,15 +153,16 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             if upstream_error is not None:
                 return _unary_response(state, upstream_error)
             if exchange.streamed:
-                return await _stream(state, request, exchange)
+                return await _stream(state, request, exchange, opened)
             outcome = await exchange.read_unary()
         except UpstreamFailed as e:  # recorded by the exchange; the client gets it
             e.headers.update(capture_headers(exchange.admitted.call_id, CallStatus.UPSTREAM_ERROR))
             raise
         return _unary_response(state, outcome)
     except asyncio.CancelledError:
-        # The client went away, or the shutdown deadline passed: record the abort even though
-        # this task is being cancelled (closing the upstream request makes vLLM abort).
+        # The client went away, the shutdown deadline passed, or a weight-update pause cut the
+        # call: record the abort even though this task is being cancelled (closing the
+        # upstream request makes vLLM abort). A cut call's client still gets an answer.
         cut = exchange.call.cut if exchange.call is not None else None
         if state.shutting_down:
             reason, why = "shutdown", "the proxy shut down before the answer was complete"
@@ -169,12 +172,51 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         else:
             reason = "client_disconnected"
             why = "the client closed the connection before the answer was complete"
+        task = asyncio.current_task()
+        # uncancel() last: only a cut's cancellation is taken back, and only when it is the
+        # sole one (the client is still there to be answered).
+        if cut is not None and not state.shutting_down and task and task.uncancel() == 0:
+            await exchange.abort(reason, why)
+            return await _cut_answer(state, request, exchange, opened)
         state.pipeline.spawn(exchange.abort(reason, why))
         raise
     finally:
         if not exchange.finished and not asyncio.current_task().cancelling():  # type: ignore[union-attr]
             # Defensive: every path above ends the call; never leave it pending.
             await exchange.abort("internal", "the call ended without an outcome")
+
+
+async def _cut_answer(
+    state: ProxyState, request: web.Request, exchange: Exchange, opened: list[web.StreamResponse]
+) -> web.StreamResponse:
+    """What a call cut by a weight-update pause answers its client: 503 ``weights_paused``
+    with ``Retry-After`` (the client's retry goes to the updated weights), or, for a stream
+    whose headers went out already, that error as its last SSE event. Never a dropped
+    connection: a client cannot tell that from a crash."""
+    call_id = exchange.call.call_id if exchange.call is not None else ""
+    err = CaptureUnavailable(
+        "a weight-update pause cut the call at its deadline (--pause-drain-timeout); it was "
+        "not answered and is recorded aborted: retry it once the proxy resumes",
+        code="weights_paused",
+        headers={"Retry-After": "5"},
+    )
+    if not opened:
+        return web.Response(
+            status=err.status,
+            body=err.body(),
+            content_type=JSON,
+            headers={**err.headers, **capture_headers(call_id, CallStatus.ABORTED)},
+        )
+    out = opened[0]
+    tail = sse_error(err.message, err.code, err.type)
+    try:
+        if not await _write_within(
+            request, out, tail, state.settings.client_write_timeout, last=True
+        ):
+            _drop(request)
+    except ConnectionResetError:
+        pass  # the call is recorded either way; the client is gone
+    return out
 
 
 def _unary_response(state: ProxyState, outcome: Outcome) -> web.Response:
@@ -192,7 +234,10 @@ def _unary_response(state: ProxyState, outcome: Outcome) -> web.Response:
 
 
 async def _stream(
-    state: ProxyState, request: web.Request, exchange: Exchange
+    state: ProxyState,
+    request: web.Request,
+    exchange: Exchange,
+    opened: list[web.StreamResponse],
 ) -> web.StreamResponse:
     call = exchange.admitted
     out = web.StreamResponse(
@@ -203,6 +248,7 @@ async def _stream(
         }
     )
     await out.prepare(request)
+    opened.append(out)
     state.metrics.streams_open.inc()
     pieces = exchange.relay_stream()
     deadline = state.settings.client_write_timeout

@@ -34,7 +34,7 @@ from ..errors import (
 )
 from ..schemas.events import chain_head
 from ..schemas.request import RequestValidationError
-from ..upstream.replicas import ReplicaSet
+from ..upstream.replicas import ENGINE_STATES, ReplicaSet
 from ..upstream.weights import fleet_answer, set_weight_version
 from .outcomes import put_outcome as store_outcome
 from .read_routes import reader_may_not
@@ -223,7 +223,7 @@ async def pause_weights(request: web.Request) -> web.Response:
     cut = capture.cut(still, "weights_paused")
     upstream = state.upstream
     if isinstance(upstream, ReplicaSet):
-        results = await upstream.on_healthy(lambda u: u.pause_engine(), "paused")
+        results = await upstream.on_healthy(lambda u: u.pause_engine(), "paused", ENGINE_STATES)
         engine_answer = fleet_answer("engine", results, "paused")
         if engine_answer["engine"] == "failed":
             raise UpstreamFailed(
@@ -255,7 +255,7 @@ async def resume_weights(request: web.Request) -> web.Response:
         answer = await set_weight_version(state.capture, state.upstream, body.weight_version)
     upstream = state.upstream
     if isinstance(upstream, ReplicaSet):
-        results = await upstream.on_healthy(lambda u: u.resume_engine(), "resumed")
+        results = await upstream.on_healthy(lambda u: u.resume_engine(), "resumed", ENGINE_STATES)
         resume = fleet_answer("engine_resume", results, "resumed")
         if resume["engine_resume"] == "failed":
             raise UpstreamFailed(

@@ -67,7 +67,8 @@ class _ReplicaStates(Collector):
     def collect(self):  # type: ignore[no-untyped-def]
         family = GaugeMetricFamily(
             "capture_proxy_replica_healthy",
-            "1 when the upstream replica is healthy (state: starting, healthy, down, quarantined)",
+            "1 when the upstream replica is healthy, else 0 (state: starting, healthy, "
+            "unreachable, down, missing_route, wrong_model, quarantined, stale_weights, held)",
             labels=["replica", "state"],
         )
         for name, state in self.read():

@@ -186,7 +186,11 @@ class Settings:
         512, "below this much free disk at a local store, new calls get 503 (0 disables the check)"
     )
     max_tokens_cap: int = _s(0, "cap max_tokens / max_completion_tokens at this value (0: no cap)")
-    served_model: str = _s("", "rewrite every request's model field to this name")
+    served_model: str = _s(
+        "",
+        "rewrite every request's model field to this name; with several upstreams, the model "
+        "name every replica must serve (docs/fleets.md)",
+    )
     on_replica_loss: str = _s(
         "fail",
         "with several upstreams, a call of a rollout whose replica is unhealthy: fail (503 "
@@ -396,6 +400,7 @@ GROUPS: dict[str, tuple[str, str]] = {
         "max_body_bytes max_passthrough_body_bytes max_free_json_bytes max_free_json_items "
         "max_json_items max_decoding_bytes max_connections max_connections_per_address "
         "max_inflight max_inflight_per_rollout max_rollout_bytes max_rollout_calls "
+        "max_rollout_body_rate "
         "max_live_rollouts rollout_idle_timeout",
     ),
     "process": (

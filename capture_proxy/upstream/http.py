@@ -320,13 +320,9 @@ class HTTPUpstream:
 
     async def push_weight_version(self, version: int) -> bool:
         # vLLM's weight version is a string ("default" at start).
-        pushed = await self.engine_route("/update_weight_version", {"new_version": str(version)})
-        if pushed:
-            # The engine holds this version now. Kept as the last read: else the next call
-            # compares the version read before the update with the one after it, and records
-            # its engine version unknown although the proxy itself set it.
-            self.known.engine_weight_version = str(version)
-        return pushed
+        # Each call reads the engine's version for itself (`UpstreamFacts.
+        # read_engine_weight_version`): nothing cached here can go stale.
+        return await self.engine_route("/update_weight_version", {"new_version": str(version)})
 
     # -- facts -------------------------------------------------------------------------------
 

@@ -92,6 +92,9 @@ class UpstreamFacts:
         self.engine_weight_version: str | None = None
         self.engine_weights_served: bool | None = None
         self._weights_asked_at = -RETRY_SECONDS
+        #: The ``/weight_info`` read in flight, and the next one its late callers share.
+        self._reading: asyncio.Future[str | None] | None = None
+        self._next_read: asyncio.Future[str | None] | None = None
         #: Whether the upstream serves vLLM's scale-out routes (render, generate, derender), as
         #: the last probe render said; None: not known in this process yet.
         self.scale_out: bool | None = None
@@ -114,9 +117,31 @@ class UpstreamFacts:
 
     async def read_engine_weight_version(self) -> str | None:
         """The engine's weight version now (``GET /weight_info``, vLLM's dev-mode route), or None
-        when the route is not served (asked once per upstream process) or fails."""
+        when the route is not served (asked once per upstream process) or fails.
+
+        "Now" means a read sent after this method was called: a call's version is read for that
+        call, never taken from before it. Callers that ask while a read is in flight share the
+        next one (sent when it ends), so a burst of calls sends at most two reads at a time."""
         if self.engine_weights_served is False:
             return None
+        loop = asyncio.get_running_loop()
+        pending = self._next_read
+        if pending is None or pending.done() or pending.get_loop() is not loop:
+            # (A done one was cancelled before it began; another loop's is of no use here.)
+            previous = self._reading
+            if previous is not None and previous.get_loop() is not loop:
+                previous = None
+            pending = self._next_read = loop.create_task(self._read_after(previous))
+        return await asyncio.shield(pending)
+
+    async def _read_after(self, previous: asyncio.Future[str | None] | None) -> str | None:
+        if previous is not None and not previous.done():
+            await asyncio.wait([previous])
+        # From here on, a new caller's read must start after this one: it gets the next.
+        self._reading, self._next_read = self._next_read, None
+        return await self._read_once()
+
+    async def _read_once(self) -> str | None:
         self._weights_asked_at = time.monotonic()
         version: str | None = None
         try:

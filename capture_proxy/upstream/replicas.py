@@ -7,15 +7,25 @@ yet, or its replica is lost and rollouts move). Each replica is named by its nor
 (``http://host:8000``), the name records carry in ``replica``.
 
 Health is learnt by probing, never on the call path: every replica is asked for ``/health``,
-``/version`` and the tokenizer fingerprint (the fixed probe of `capture_proxy.upstream.facts`
-through ``/tokenize``, for the model its ``/v1/models`` names) every `probe_interval` seconds,
-and at once when a call could not reach it. A replica is
+``/version``, the model its ``/v1/models`` names, the tokenizer fingerprint (the fixed probe of
+`capture_proxy.upstream.facts` through ``/tokenize``) and its engine's weight version
+(``/weight_info``, vLLM's dev mode) every `probe_interval` seconds, and at once when a call could
+not reach it. Each round's answers are judged by the agreement rule of
+`capture_proxy.upstream.fleet` (the fleet's facts: configured, else a majority; judged again every
+round). A replica is
 
 * ``starting`` until its first probe answers (replicas may start after the proxy),
-* ``healthy`` when it answers and serves the same model as the others,
-* ``down`` when a probe or a call cannot reach it,
-* ``quarantined`` when its vLLM version or tokenizer fingerprint differs from the fleet's (the
-  facts most replicas gave at first contact): its records would not be the same model's.
+* ``healthy`` when it answers and serves the fleet's facts,
+* ``unreachable`` when a probe or a call cannot connect to it (or gets no answer in time),
+* ``down`` when it answers but says it cannot serve (``/health`` not 200, no version),
+* ``missing_route`` when a route the proxy needs answers 404 (``/tokenize`` on a server that is
+  not vLLM's OpenAI server),
+* ``wrong_model`` when it serves another model name than the fleet's,
+* ``quarantined`` when its vLLM version or tokenizer fingerprint differs from the fleet's,
+* ``stale_weights`` when its engine reports another weight version than the fleet's (a replica
+  that restarted on old weights after an update): the proxy never relabels it; it takes calls
+  once its engine reports the fleet's weights,
+* ``held`` when the replicas do not agree and no majority says which is right.
 
 Only healthy replicas take new rollouts. A call of a rollout pinned to a replica that is not
 healthy gets 503 ``upstream_unavailable``, or, when rollouts move (``--on-replica-loss move``),
@@ -31,10 +41,9 @@ import hashlib
 import logging
 import math
 import time
-from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import orjson
 
@@ -43,6 +52,7 @@ from ..core.transport import UpstreamInfo
 from ..errors import UpstreamFailed
 from ..schemas.records import CallStatus
 from .facts import PROBE_MESSAGES, fingerprint_of
+from .fleet import Facts, FleetFacts, ReplicaState, judge
 from .http import HTTPUpstream, HTTPUpstreamReply
 from .known import UpstreamFacts
 
@@ -50,7 +60,12 @@ __all__ = ["Replica", "ReplicaSet", "ReplicaState", "replica_name"]
 
 log = logging.getLogger("capture_proxy.replicas")
 
-ReplicaState = Literal["starting", "healthy", "down", "quarantined"]
+#: The states of a replica that answers with the fleet's model: the engine routes of a weight
+#: update (pause, resume) reach them, so that a replica waiting for the fleet's weights is
+#: paused and resumed with the others. The version label goes only to healthy ones.
+ENGINE_STATES = frozenset({"healthy", "stale_weights", "held"})
+#: Failures of a probe request that mean no answer came.
+_NO_ANSWER = frozenset({"upstream_unreachable", "upstream_connect_timeout", "upstream_timeout"})
 
 #: Call failures that say the replica cannot be reached at all: it is marked down at once.
 _UNREACHABLE = frozenset({"upstream_unreachable", "upstream_connect_timeout"})
@@ -77,8 +92,12 @@ class Replica:
     version: str = ""
     fingerprint: str = ""
     model: str = ""
+    #: Its engine's weight version (``/weight_info``), None when not served or not known.
+    weights: str | None = None
     #: time.time() of the last probe's answer (0: never).
     probed_at: float = 0.0
+    #: What its last probe said, None when that probe got no full answer.
+    facts: Facts | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -88,8 +107,15 @@ class Replica:
             "version": self.version,
             "fingerprint": self.fingerprint,
             "model": self.model,
+            "engine_weight_version": self.weights,
             "probed_at_ms": int(self.probed_at * 1000),
         }
+
+
+class _ProbeFailed(Exception):
+    def __init__(self, state: ReplicaState, message: str) -> None:
+        super().__init__(message)
+        self.state, self.message = state, message
 
 
 def _rollout_hash(rollout_id: str) -> int:
@@ -102,7 +128,8 @@ class ReplicaSet:
     `move` says what a rollout whose replica is not healthy gets: False, 503
     ``upstream_unavailable``; True, another healthy replica. Call `start` in a running loop to
     begin probing, `close` at the end. Subscribe `observe` to `Capture.on_outcome` so a
-    replica a call could not reach is probed (and avoided) at once.
+    replica a call could not reach is probed (and avoided) at once. `model` is the model name
+    every replica must serve (``--served-model``; "": the majority's).
     """
 
     def __init__(
@@ -113,15 +140,21 @@ class ReplicaSet:
         move: bool = False,
         probe_interval: float = 5.0,
         probe_timeout: float = 5.0,
+        model: str = "",
     ) -> None:
         self.replicas = [Replica(replica_name(u), make(u)) for u in urls]
         self.by_name = {r.name: r for r in self.replicas}
         self.move = move
         self.probe_interval = probe_interval
         self.probe_timeout = probe_timeout
-        #: ``(version, fingerprint)`` every replica must serve, set from the first probe round
-        #: that reaches any (the facts most replicas gave), and the replica it came from.
-        self.fleet: tuple[str, str] | None = None
+        self.model = model
+        #: The engine weight version this proxy last pushed to the engines (None: none yet):
+        #: the fleet's, whatever the majority says.
+        self.weights: str | None = None
+        #: The facts the fleet agreed on in the last judgement (`capture_proxy.upstream.fleet`).
+        self.fleet = FleetFacts()
+        #: Bumped by each push of a weight version: a probe round that overlaps one is not judged.
+        self._pushes = 0
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         #: Set after each probe round (tests and startup wait on it).
@@ -204,7 +237,8 @@ class ReplicaSet:
             return
         r = self.by_name.get(report.replica)
         if r is not None and report.reason in _UNREACHABLE and r.state == "healthy":
-            self._set(r, "down", f"a call could not reach it ({report.reason})")
+            r.facts = None  # not judged again on its last probe's answers
+            self._set(r, "unreachable", f"a call could not reach it ({report.reason})")
         self._wake.set()
 
     # -- the UpstreamTransport of the set: any healthy replica ---------------------------------
@@ -278,13 +312,17 @@ class ReplicaSet:
     # -- vLLM's weight-update routes, on every healthy replica -----------------------------------
 
     async def on_healthy(
-        self, op: Callable[[HTTPUpstream], Awaitable[bool]], done: str
+        self,
+        op: Callable[[HTTPUpstream], Awaitable[bool]],
+        done: str,
+        states: frozenset[str] = frozenset({"healthy"}),
     ) -> dict[str, str]:
-        """Run `op` on every healthy replica at once: per replica `done`, ``not_served`` (the
-        route is not served), ``failed: <why>``, or ``skipped: <state>`` (not healthy)."""
+        """Run `op` on every replica in one of `states` (default: the healthy ones) at once: per
+        replica `done`, ``not_served`` (the route is not served), ``failed: <why>``, or
+        ``skipped: <state>`` (in another state)."""
 
         async def one(r: Replica) -> str:
-            if r.state != "healthy":
+            if r.state not in states:
                 return f"skipped: {r.state}"
             try:
                 return done if await op(r.upstream) else "not_served"
@@ -294,6 +332,46 @@ class ReplicaSet:
 
         results = await asyncio.gather(*(one(r) for r in self.replicas))
         return {r.name: res for r, res in zip(self.replicas, results, strict=True)}
+
+    async def push_weight_version(self, version: int) -> dict[str, str]:
+        """Push `version` to every healthy replica's ``/update_weight_version`` (as
+        `on_healthy`); when any took it, it is the fleet's weight version from then on: a
+        replica that missed it (down meanwhile, or its push failed) is ``stale_weights`` until
+        its own engine reports it. The label is never pushed to a replica that is not healthy:
+        the proxy cannot know which weights a restarted engine holds."""
+        self._pushes += 1
+        try:
+            results = await self.on_healthy(lambda u: u.push_weight_version(version), "updated")
+        finally:
+            self._pushes += 1
+        if any(res == "updated" for res in results.values()):
+            label = str(version)
+            self.weights = label
+            for r in self.replicas:
+                if results[r.name] == "updated":
+                    r.weights = label
+                    if r.facts is not None:
+                        r.facts = Facts(r.facts.model, r.facts.version, r.facts.fingerprint, label)
+            self._judge()
+        return results
+
+    def check_weights(self, name: str, engine_version: str | None) -> None:
+        """A call's read of its replica's engine weight version, before it is admitted: a
+        version other than the fleet's (an engine that restarted on other weights since the
+        last probe) makes the replica ``stale_weights`` at once and refuses the call (503
+        ``upstream_unavailable``). None (not served, or the read failed) is left to the
+        probes."""
+        want = self.fleet.weights
+        r = self.by_name.get(name)
+        if r is None or want is None or engine_version is None or engine_version == want:
+            return
+        r.weights = engine_version
+        if r.facts is not None:
+            r.facts = Facts(r.facts.model, r.facts.version, r.facts.fingerprint, engine_version)
+        problem = f"engine weight version {engine_version} where the fleet's is {want}"
+        self._set(r, "stale_weights", problem)
+        self._wake.set()
+        raise self._unavailable(f"replica {name} is stale_weights: {problem}")
 
     # -- probes --------------------------------------------------------------------------------
 
@@ -307,66 +385,90 @@ class ReplicaSet:
             await asyncio.sleep(_MIN_GAP)
 
     async def probe_all(self) -> None:
-        """Probe every replica at once, then judge them against the fleet's facts."""
-        got = await asyncio.gather(*(self._probe(r) for r in self.replicas))
-        answered = [(r, facts) for r, facts in zip(self.replicas, got, strict=True) if facts]
-        if self.fleet is None and answered:
-            # The facts most replicas give (ties: the first in --upstream order) are the fleet's.
-            counts = Counter(facts for _, facts in answered)
-            self.fleet = max(counts, key=lambda f: counts[f])
-        for r, facts in answered:
-            assert facts is not None
-            assert self.fleet is not None
-            if facts == self.fleet:
-                self._set(r, "healthy", "")
-            else:
-                self._set(r, "quarantined", self._differs(facts))
+        """Probe every replica at once, then judge them by the agreement rule."""
+        pushes = self._pushes
+        await asyncio.gather(*(self._probe(r) for r in self.replicas))
+        if self._pushes != pushes:
+            # A weight version was pushed meanwhile: the answers may predate it. Judged again
+            # by the next round, at once.
+            self._wake.set()
+            return
+        self._judge()
         self.probed.set()
 
-    def _differs(self, facts: tuple[str, str]) -> str:
-        assert self.fleet is not None
-        version, fingerprint = self.fleet
-        parts = []
-        if facts[0] != version:
-            parts.append(f"vLLM {facts[0]} where the other replicas run {version}")
-        if facts[1] != fingerprint:
-            parts.append(
-                f"tokenizer fingerprint {facts[1][:19]}… differs from the other replicas' "
-                f"{fingerprint[:19]}…"
-            )
-        return "serves another model: " + "; ".join(parts)
+    def _judge(self) -> None:
+        answered = [(r.name, r.facts) for r in self.replicas if r.facts is not None]
+        if not answered:
+            return
+        self.fleet, verdicts = judge(answered, model=self.model, weights=self.weights)
+        for name, verdict in verdicts.items():
+            self._set(self.by_name[name], verdict.state, verdict.problem)
 
-    async def _probe(self, r: Replica) -> tuple[str, str] | None:
-        """``(version, fingerprint)`` from one replica, or None (it is then marked down)."""
+    async def _probe(self, r: Replica) -> None:
+        """Ask one replica for its facts (kept on it), or mark why it gave none."""
         up = r.upstream
         try:
-            status, raw = await self._get(up, "GET", "/health")
-            if status != 200:
-                raise UpstreamFailed(f"/health answered {status}")
-            status, raw = await self._get(up, "GET", "/version")
-            version = orjson.loads(raw).get("version") if status == 200 else None
+            await self._ask(up, "GET", "/health")
+            raw_version, raw_models, weights = await asyncio.gather(
+                self._ask(up, "GET", "/version"),
+                self._ask(up, "GET", "/v1/models"),
+                self._weights(up),
+            )
+            version = orjson.loads(raw_version).get("version")
             if not isinstance(version, str) or not version:
-                raise UpstreamFailed(f"/version answered {status} without a version")
-            if not r.model:
-                r.model = await self._model(up)
-            body = {"model": r.model, "messages": PROBE_MESSAGES, "add_generation_prompt": True}
-            status, raw = await self._get(up, "POST", "/tokenize", orjson.dumps(body))
-            fingerprint = fingerprint_of(orjson.loads(raw).get("tokens")) if status == 200 else ""
+                raise _ProbeFailed("down", "/version answered without a version")
+            model = _model_of(raw_models)
+            if not model:
+                raise _ProbeFailed("down", "/v1/models answered no model")
+            body = {"model": model, "messages": PROBE_MESSAGES, "add_generation_prompt": True}
+            raw = await self._ask(up, "POST", "/tokenize", orjson.dumps(body))
+            fingerprint = fingerprint_of(orjson.loads(raw).get("tokens"))
             if not fingerprint:
-                raise UpstreamFailed(f"/tokenize answered {status} without token ids")
-        except (UpstreamFailed, orjson.JSONDecodeError, AttributeError) as e:
-            message = e.message if isinstance(e, UpstreamFailed) else f"{type(e).__name__}: {e}"
-            self._set(r, "down", message)
-            return None
-        r.version, r.fingerprint, r.probed_at = version, fingerprint, time.time()
-        return version, fingerprint
+                raise _ProbeFailed("down", "/tokenize answered without token ids")
+        except _ProbeFailed as e:
+            r.facts = None
+            self._set(r, e.state, e.message)
+            return
+        except (orjson.JSONDecodeError, AttributeError) as e:
+            r.facts = None
+            self._set(r, "down", f"a probe's answer is not what vLLM answers: {e}")
+            return
+        r.version, r.fingerprint, r.model, r.weights = version, fingerprint, model, weights
+        r.probed_at = time.time()
+        r.facts = Facts(model, version, fingerprint, weights)
 
-    async def _model(self, up: HTTPUpstream) -> str:
-        status, raw = await self._get(up, "GET", "/v1/models")
+    async def _ask(
+        self, up: HTTPUpstream, method: str, path: str, body: bytes | None = None
+    ) -> bytes:
+        """One probe request's body; `_ProbeFailed` naming the state it shows otherwise."""
         try:
-            return str(orjson.loads(raw)["data"][0]["id"]) if status == 200 else ""
-        except (orjson.JSONDecodeError, KeyError, IndexError, TypeError):
-            return ""
+            status, raw = await self._get(up, method, path, body)
+        except UpstreamFailed as e:
+            state: ReplicaState = "unreachable" if e.code in _NO_ANSWER else "down"
+            raise _ProbeFailed(state, e.message) from e
+        if status == 404:
+            raise _ProbeFailed(
+                "missing_route", f"{path} answered 404: not a vLLM OpenAI server's routes"
+            )
+        if status != 200:
+            raise _ProbeFailed("down", f"{path} answered {status}")
+        return raw
+
+    async def _weights(self, up: HTTPUpstream) -> str | None:
+        """The engine's weight version (``/weight_info``), None when the route is not served
+        (vLLM without dev mode); a read that fails says nothing of the weights: the probe fails
+        (else one slow answer would look like other weights)."""
+        try:
+            status, raw = await self._get(up, "GET", "/weight_info")
+        except UpstreamFailed as e:
+            state: ReplicaState = "unreachable" if e.code in _NO_ANSWER else "down"
+            raise _ProbeFailed(state, e.message) from e
+        if status == 404:
+            return None
+        if status != 200:
+            raise _ProbeFailed("down", f"/weight_info answered {status}")
+        got = orjson.loads(raw).get("weight_version")
+        return str(got) if got is not None and got != "" else None
 
     async def _get(
         self, up: HTTPUpstream, method: str, path: str, body: bytes | None = None
@@ -383,7 +485,15 @@ class ReplicaSet:
         was, r.state, r.problem = r.state, state, problem
         if state == "healthy":
             log.info("replica %s is healthy (was %s)", r.name, was)
-        elif state == "quarantined":
-            log.error("replica %s quarantined: %s; it takes no calls", r.name, problem)
-        elif was != "down" or state != "down":
+        elif state in ("quarantined", "wrong_model", "stale_weights", "held"):
+            log.error("replica %s %s: %s; it takes no calls", r.name, state, problem)
+        elif was != state:
             log.warning("replica %s is %s: %s", r.name, state, problem)
+
+
+def _model_of(raw: bytes) -> str:
+    """The first model a ``/v1/models`` answer names ("" for none)."""
+    try:
+        return str(orjson.loads(raw)["data"][0]["id"])
+    except (orjson.JSONDecodeError, KeyError, IndexError, TypeError):
+        return ""

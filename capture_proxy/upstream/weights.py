@@ -28,7 +28,8 @@ class _PushesWeightVersion(Protocol):
 async def set_weight_version(capture: Capture, upstream: object, version: int) -> dict[str, Any]:
     """Store `version` and stamp it on later calls (`Capture.set_weight_version`), then push it
     to the upstream's ``/update_weight_version`` when served (every healthy replica's, with
-    several: ``engine_replicas`` gives each one's result).
+    several: ``engine_replicas`` gives each one's result, and the version becomes the fleet's
+    engine weight version: `ReplicaSet.push_weight_version`).
 
     Returns the control API's answer: ``{"weight_version", "engine": "updated" | "not_served" |
     "failed", "engine_error"?, "engine_replicas"?}``; ``not_served`` too for an upstream that
@@ -38,7 +39,7 @@ async def set_weight_version(capture: Capture, upstream: object, version: int) -
     """
     await capture.set_weight_version(version)
     if isinstance(upstream, ReplicaSet):
-        results = await upstream.on_healthy(lambda u: u.push_weight_version(version), "updated")
+        results = await upstream.push_weight_version(version)
         return {"weight_version": version, **fleet_answer("engine", results, "updated")}
     if not isinstance(upstream, _PushesWeightVersion):
         return {"weight_version": version, "engine": "not_served"}

@@ -212,6 +212,8 @@ async def test_multi_turn_through_the_proxy_stages_vllms_own_ids(
         assert sum(traj.loss_mask) == generated
         assert r1.upstream_version == "0.32.0"
         assert r1.tokenizer_fingerprint
+        # Dev mode: each call's engine weight version read for it from vLLM's /weight_info.
+        assert [r.engine_weight_version for r in (r1, r2, r3)] == ["default"] * 3
     finally:
         await stop_proxy(p)
 

@@ -63,36 +63,41 @@ async def fleet_proxy(tmp_path: Path, fleet: Fleet) -> Proxy:
 
 
 async def test_a_quarantined_replica_is_shown_with_its_reason(tmp_path: Path, fleet: Fleet) -> None:
-    # The first listed wins the tie of a two-replica fleet: the other serves "another model".
+    # Two of three agree: the third serves "another model" (no majority would hold them all).
     good = await fleet.add()
     other = await fleet.add(OtherTemplate())
+    spare = await fleet.add()
     p = await fleet_proxy(tmp_path, fleet)
     try:
         assert replicas_of(p).by_name[other].state == "quarantined"
         resp = await p.chat(chat_body(user("hi")), rollout="r1")
         assert resp.headers["X-Capture-Status"] == "staged"
+        placed = p.calls("r1")[0].replica
+        assert placed in (good, spare)
+        live = {good: "1" if placed == good else "0", spare: "1" if placed == spare else "0"}
 
         code, text = await inspect(url_of(p))
         assert code == 0, text
         lines = text.splitlines()
         assert lines[0] == f"1 rollout(s) in {url_of(p)}, newest first"
-        at = lines.index("2 upstream replica(s) behind the proxy, 1 not healthy")
+        at = lines.index("3 upstream replica(s) behind the proxy, 1 not healthy")
         assert lines[at + 1].split() == ["REPLICA", "STATE", "LIVE", "ROLLOUTS", "PROBLEM"]
-        assert lines[at + 2].split() == [good, "healthy", "1", "-"]
+        assert lines[at + 2].split() == [good, "healthy", live[good], "-"]
         row = lines[at + 3]
         assert row.split()[:3] == [other, "quarantined", "0"]
-        assert "serves another model: tokenizer fingerprint" in row
-        assert len(lines) == at + 4
+        assert "tokenizer fingerprint sha256:" in row
+        assert lines[at + 4].split() == [spare, "healthy", live[spare], "-"]
+        assert len(lines) == at + 5
 
         code, text = await inspect(url_of(p), "--json")
         assert code == 0, text
         by_name = {r["replica"]: r for r in orjson.loads(text)["replicas"]}
         assert by_name[good]["state"] == "healthy"
         assert by_name[good]["problem"] == ""
-        assert by_name[good]["live_rollouts"] == 1
+        assert by_name[good]["live_rollouts"] == int(live[good])
         assert by_name[good]["fingerprint"].startswith("sha256:")
         assert by_name[other]["state"] == "quarantined"
-        assert by_name[other]["problem"].startswith("serves another model: tokenizer fingerprint")
+        assert by_name[other]["problem"].startswith("tokenizer fingerprint sha256:")
         assert by_name[other]["fingerprint"] != by_name[good]["fingerprint"]
         docs = (ROOT / "docs" / "inspect.md").read_text()
         assert [k for k in by_name[good] if f"| `{k}` |" not in docs] == []
@@ -100,19 +105,19 @@ async def test_a_quarantined_replica_is_shown_with_its_reason(tmp_path: Path, fl
         await stop_proxy(p)
 
 
-async def test_a_replica_that_went_away_is_shown_down(tmp_path: Path, fleet: Fleet) -> None:
+async def test_a_replica_that_went_away_is_shown_unreachable(tmp_path: Path, fleet: Fleet) -> None:
     a, b = await fleet.add(), await fleet.add()
     p = await fleet_proxy(tmp_path, fleet)
     try:
         await fleet.stop(b)
-        await until(lambda: replicas_of(p).by_name[b].state == "down")
+        await until(lambda: replicas_of(p).by_name[b].state == "unreachable")
         code, text = await inspect(url_of(p))
         assert code == 0, text
         lines = text.splitlines()
         assert lines[:2] == [f"0 rollout(s) in {url_of(p)}, newest first", "(no rollouts yet)"]
         assert lines[2] == "2 upstream replica(s) behind the proxy, 1 not healthy"
         assert lines[4].split() == [a, "healthy", "0", "-"]
-        assert lines[5].split()[:3] == [b, "down", "0"]
+        assert lines[5].split()[:3] == [b, "unreachable", "0"]
         assert "cannot reach the upstream" in lines[5]  # why, as the probe found it
     finally:
         await stop_proxy(p)

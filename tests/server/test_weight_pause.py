@@ -7,9 +7,9 @@ for the calls in flight (cutting the ones past its deadline) and pauses vLLM in 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from typing import Any
 
+import orjson
 from aiohttp.test_utils import TestClient, TestServer
 
 from capture_proxy.schemas.records import CallStatus
@@ -88,15 +88,39 @@ async def test_a_call_past_the_pause_deadline_is_cut_and_listed(make_proxy: Any)
     resp = await p.client.post("/admin/weights/pause", headers=ADMIN)
     (cut,) = (await resp.json())["cut"]
     assert (cut["rollout_id"], cut["seq"]) == ("r2", 0)
-    with contextlib.suppress(Exception):  # the connection is cut: the client's answer drops
-        await slow
-    await asyncio.sleep(0.1)
-    (entry,) = p.failures("r2")
+    # The client gets a 503 it retries after the pause, not a dropped connection.
+    answer = await slow
+    assert answer.status == 503
+    assert answer.headers["Retry-After"] == "5"
+    assert answer.headers["X-Capture-Status"] == "aborted"
+    assert answer.headers["X-Capture-Call-Id"] == cut["call_id"]
+    error = (await answer.json())["error"]
+    assert error["code"] == "weights_paused"
+    assert "retry it once the proxy resumes" in error["message"]
+    (entry,) = p.failures("r2")  # recorded before the client was answered
     assert (entry.call_id, entry.status, entry.reason) == (
         cut["call_id"],
         CallStatus.ABORTED,
         "weights_paused",
     )
+
+
+async def test_a_stream_past_the_pause_deadline_ends_with_a_weights_paused_error_event(
+    make_proxy: Any,
+) -> None:
+    fake = FakeVLLM(dev_mode=True, chunk_delay=1.0)
+    p = await make_proxy(fake=fake, admin_token=TOKEN, pause_drain_timeout=0.3)
+    resp = await p.chat(chat_body(user("a slow stream"), stream=True), rollout="r3")
+    assert resp.status == 200
+    pause = asyncio.ensure_future(p.client.post("/admin/weights/pause", headers=ADMIN))
+    body = (await resp.read()).decode()
+    (cut,) = (await (await pause).json())["cut"]
+    events = [line for line in body.splitlines() if line.startswith("data: ")]
+    assert "[DONE]" not in body  # never a complete-looking stream
+    error = orjson.loads(events[-1].removeprefix("data: "))["error"]
+    assert error["code"] == "weights_paused"
+    (entry,) = p.failures("r3")
+    assert (entry.call_id, entry.reason) == (cut["call_id"], "weights_paused")
 
 
 async def test_both_are_idempotent_and_work_without_dev_mode(make_proxy: Any) -> None:

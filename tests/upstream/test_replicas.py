@@ -139,7 +139,7 @@ async def test_a_lost_replica_gives_its_rollouts_503_upstream_unavailable(
         assert resp.headers["Retry-After"] == "1"
         error = (await resp.json())["error"]
         assert error["code"] == "upstream_unavailable"
-        assert f"pinned to replica {pinned}, which is down" in error["message"]
+        assert f"pinned to replica {pinned}, which is unreachable" in error["message"]
         assert "--on-replica-loss fail" in error["message"]
         failures = p.failures("r1")
         assert [(f.status, f.reason) for f in failures][-1] == (
@@ -153,8 +153,8 @@ async def test_a_lost_replica_gives_its_rollouts_503_upstream_unavailable(
         ready = await (await p.client.get("/readyz")).json()
         assert ready["ready"] is True
         states = {r["replica"]: r["state"] for r in ready["replicas"]}
-        assert states == {pinned: "down", other: "healthy"}
-        assert any(f"replica {pinned} is down" in w for w in ready["warnings"])
+        assert states == {pinned: "unreachable", other: "healthy"}
+        assert any(f"replica {pinned} is unreachable" in w for w in ready["warnings"])
         # Back up: the rollout continues on its replica.
         await fleet.start(pinned)
         await until(lambda: replicas_of(p).by_name[pinned].state == "healthy")
@@ -222,7 +222,10 @@ async def test_a_replica_serving_another_model_is_quarantined_at_first_contact(
             ready = await (await p.client.get("/readyz")).json()
             by_name = {r["replica"]: r for r in ready["replicas"]}
             assert by_name[old]["state"] == by_name[late]["state"] == "quarantined"
-            assert "vLLM 0.31.0 where the other replicas run 0.32.0" in by_name[old]["problem"]
+            assert (
+                "vLLM version 0.31.0 where the fleet's (the other replicas') is 0.32.0"
+                in by_name[old]["problem"]
+            )
             assert "tokenizer fingerprint" in by_name[late]["problem"]
             assert "vLLM" not in by_name[late]["problem"]
             assert ready["ready"] is True  # two healthy replicas serve
@@ -245,7 +248,7 @@ async def test_no_healthy_replica_refuses_new_rollouts_and_fails_readiness(
         assert resp.status == 503
         error = (await resp.json())["error"]
         assert error["code"] == "upstream_unavailable"
-        assert error["message"].startswith(f"no healthy upstream replica: {a} down")
+        assert error["message"].startswith(f"no healthy upstream replica: {a} unreachable")
         ready = await p.client.get("/readyz")
         assert ready.status == 503
         assert (await ready.json())["problems"][0].startswith("no healthy upstream replica")
@@ -281,7 +284,9 @@ async def test_metrics_carry_a_replica_label(tmp_path: Path, fleet: Fleet) -> No
             "capture_proxy_replica_upstream_errors_total"
             f'{{reason="upstream_unreachable",replica="{pinned}"}} 1.0'
         ) in text
-        assert f'capture_proxy_replica_healthy{{replica="{pinned}",state="down"}} 0.0' in text
+        assert (
+            f'capture_proxy_replica_healthy{{replica="{pinned}",state="unreachable"}} 0.0' in text
+        )
     finally:
         await stop_proxy(p)
 
@@ -329,16 +334,16 @@ async def test_weight_routes_reach_every_healthy_replica_and_report_a_failed_pus
         assert fleet.fakes[b].running.is_set()
         # A replica that is down is skipped, and said to be.
         await fleet.stop(b)
-        await until(lambda: replicas_of(p).by_name[b].state == "down")
+        await until(lambda: replicas_of(p).by_name[b].state == "unreachable")
         resp = await p.client.put(
             "/admin/weight-version", json={"weight_version": 8}, headers=ADMIN
         )
         body = await resp.json()
         assert body["engine"] == "updated"
-        assert body["engine_replicas"] == {a: "updated", b: "skipped: down"}
+        assert body["engine_replicas"] == {a: "updated", b: "skipped: unreachable"}
         # None healthy: the version is stored, and the push reached no engine.
         await fleet.stop(a)
-        await until(lambda: replicas_of(p).by_name[a].state == "down")
+        await until(lambda: replicas_of(p).by_name[a].state == "unreachable")
         resp = await p.client.put(
             "/admin/weight-version", json={"weight_version": 9}, headers=ADMIN
         )
