@@ -1,6 +1,6 @@
 """A rollout's header and its event log agree again after an honest failure between their two
 writes (verified reads hold one to the other): an outcome whose event cannot be written is a 503
-the driver retries, and a seal cut by a stop is completed by the seal sent again."""
+that changed nothing, and a seal cut by a stop is completed by the seal sent again."""
 
 from __future__ import annotations
 
@@ -28,9 +28,11 @@ class _OutcomeEventsDown(MemorySink):
         return await super().append_event(event)
 
 
-async def test_an_outcome_not_chained_is_a_503_and_its_retry_makes_the_rollout_verify(
+async def test_an_outcome_whose_event_cannot_be_written_is_a_503_and_changes_nothing(
     tmp_path: Path,
 ) -> None:
+    """The event goes first: when it cannot be written the header is left as it was, and the
+    rollout still verifies; the driver's retry writes both."""
     sink = _OutcomeEventsDown()
     p = await start_proxy(tmp_path, sink=sink, admin_token=TOKEN)
     try:
@@ -41,10 +43,10 @@ async def test_an_outcome_not_chained_is_a_503_and_its_retry_makes_the_rollout_v
         assert resp.status == 503
         assert resp.headers["Retry-After"] == "1"
         error = (await resp.json())["error"]
-        assert error["code"] == "outcome_not_chained"
-        assert "send it again" in error["message"]
-        problems = Store(sink).check("ep")
-        assert problems == ["its header has an outcome its event log does not"]
+        assert error["code"] == "outcome_not_stored"
+        assert "nothing was changed" in error["message"]
+        assert Store(sink).check("ep") == []
+        assert sink.rollout_info("ep").outcome is None
         sink.down = False
         resp = await p.client.put("/admin/rollouts/ep/outcome", json={"reward": 1}, headers=ADMIN)
         assert resp.status == 200
@@ -57,9 +59,10 @@ async def test_an_outcome_not_chained_is_a_503_and_its_retry_makes_the_rollout_v
 async def test_a_seal_cut_between_header_and_event_is_completed_by_the_drivers_retry(
     tmp_path: Path,
 ) -> None:
-    """A proxy that stopped after writing the sealed header and before the seal event leaves a
-    rollout verified reads refuse; the driver's seal sent again (to the restarted proxy) writes
-    the missing event, and the answer's chain head ends there."""
+    """A store whose header says sealed and whose log has no seal event (a release that wrote
+    the header first and stopped between the two writes) is a rollout verified reads refuse; the
+    driver's seal sent again (to the restarted proxy) writes the missing event, and the answer's
+    chain head ends there."""
     p = await start_proxy(tmp_path, admin_token=TOKEN)
     try:
         assert (await p.chat(chat_body(user("hi")), rollout="ep")).status == 200
