@@ -528,10 +528,12 @@ async def _seal(args: argparse.Namespace) -> int:
             if info.state is RolloutState.SEALED:
                 print(f"{info.rollout_id}: already sealed")
                 continue
+            # The event first, as the control API seals: a header that says sealed always has
+            # its seal event (verified reads hold one to the other).
+            await sink.append_event(EventDraft(info.rollout_id, EventKind.SEAL, now))
             await sink.put_rollout(
                 dataclasses.replace(info, state=RolloutState.SEALED, sealed_at_ms=now)
             )
-            await sink.append_event(EventDraft(info.rollout_id, EventKind.SEAL, now))
             print(f"{info.rollout_id}: sealed")
     finally:
         await sink.close()
