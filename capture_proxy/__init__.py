@@ -45,6 +45,7 @@ _EXPORTS = {
     "RequestValidationError": "capture_proxy.schemas.request",
     "NotStaged": "capture_proxy.read.status",
     "RolloutExcluded": "capture_proxy.read.status",
+    "RolloutUnverified": "capture_proxy.read.integrity",
     "RolloutInfo": "capture_proxy.schemas.records",
     "RolloutState": "capture_proxy.schemas.records",
     "Segment": "capture_proxy.read.trajectory",
@@ -55,6 +56,7 @@ _EXPORTS = {
     "Store": "capture_proxy.read.reader",
     "StoreAccessDenied": "capture_proxy.sinks.remote",
     "StoreCorrupted": "capture_proxy.read.reader",
+    "StoreDamaged": "capture_proxy.sinks.base",
     "StoreError": "capture_proxy.sinks.base",
     "StoreFormatError": "capture_proxy.sinks.base",
     "Trajectory": "capture_proxy.read.trajectory",
@@ -102,6 +104,7 @@ __all__ = [
     "RolloutExcluded",
     "RolloutInfo",
     "RolloutState",
+    "RolloutUnverified",
     "Segment",
     "StageResult",
     "StagedCallRecord",
@@ -110,6 +113,7 @@ __all__ = [
     "Store",
     "StoreAccessDenied",
     "StoreCorrupted",
+    "StoreDamaged",
     "StoreError",
     "StoreFormatError",
     "Trajectory",
@@ -131,6 +135,7 @@ if TYPE_CHECKING:
     from .library import CaptureClient, ChatResult, PreparedCall
     from .read.cursor import ExportCursor
     from .read.experts import ExpertsIncomplete, ExpertsUnavailable
+    from .read.integrity import RolloutUnverified
     from .read.reader import Store, StoreCorrupted, open_store
     from .read.status import NotStaged, RolloutExcluded
     from .read.trajectory import Drift, Segment, Trajectory
@@ -147,7 +152,7 @@ if TYPE_CHECKING:
         StageResult,
     )
     from .schemas.request import RequestValidationError
-    from .sinks.base import StagingSink, StagingSource, StoreError, StoreFormatError
+    from .sinks.base import StagingSink, StagingSource, StoreDamaged, StoreError, StoreFormatError
     from .sinks.memory import MemorySink
     from .sinks.registry import open_sink, open_source
     from .testing.fake_vllm import FakeToolCall, FakeVLLM, Fault, Turn

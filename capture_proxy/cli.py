@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from . import __version__
 from .core.policy import PolicyError
 from .errors import error_text
+from .inspect.escape import escape_text
 from .inspect.progress import progress_bar
 from .logs import setup_logging
 from .server.settings import SettingsError, add_arguments, load_settings, settings_markdown
@@ -84,10 +85,12 @@ def _parser() -> argparse.ArgumentParser:
         "(prompt_ids, response_ids, response_mask, response_logprobs: the shape RL trainers "
         "take) as one table, a GRPO group's rollouts next to each other. Open (not sealed) and "
         "poisoned (a call answered but not staged) rollouts are left out unless asked for; "
-        "what was left out is said on stderr. Every record is verified first; nothing is "
-        "written if one does not verify. The images rows refer to go to OUT's sibling "
-        "<name>.attachments.parquet. Exit status: 0 written, 1 a record did not verify (or the "
-        "store could not be read whole), 2 a usage error or a store or rollout not found.",
+        "what was left out is said on stderr. Each rollout is verified first (every record's "
+        "digest, its event log's chain and accounting, its header against the chain): one "
+        "that does not verify is left out and said on stderr. The images rows refer to go to "
+        "OUT's sibling <name>.attachments.parquet. Exit status: 0 written, 1 a rollout did not "
+        "verify (the file holds the others) or the store could not be read whole, 2 a usage "
+        "error or a store or rollout not found.",
     )
     export.add_argument(
         "store",
@@ -141,6 +144,14 @@ def _parser() -> argparse.ArgumentParser:
         "once the export is complete); each sealed rollout is exported exactly once",
     )
     export.add_argument(
+        "--expected-heads",
+        metavar="FILE",
+        help="export only the rollouts FILE anchors, each only if its stored event log ends at "
+        "the chain head FILE gives it: FILE holds the seal and outcome answers a driver kept "
+        "(JSON Lines, or one JSON array; the last answer of a rollout counts). A rollout "
+        "rewritten since, even consistently, is left out with exit status 1",
+    )
+    export.add_argument(
         "--no-attachments",
         dest="attachments",
         action="store_false",
@@ -166,7 +177,8 @@ def _parser() -> argparse.ArgumentParser:
         "--no-verify",
         dest="verify",
         action="store_false",
-        help="do not recompute every record's digest (faster; for data verified already)",
+        help="do not verify rollouts (digests, event logs, headers): faster, for data "
+        "verified already; exports rollouts that do not verify as they are",
     )
     export.add_argument(
         "--json",
@@ -351,9 +363,29 @@ def _report_export(args: argparse.Namespace, summary: dict[str, object]) -> None
             f"{len(left['poisoned'])} poisoned (a call answered but not staged: "
             "--include-poisoned exports them)"
         )
+    if left.get("missing"):
+        parts.append(
+            f"{len(left['missing'])} anchored but not in the store "
+            f"({', '.join(map(escape_text, left['missing'][:5]))})"
+        )
+    if left.get("unanchored"):
+        parts.append(f"{len(left['unanchored'])} not anchored by --expected-heads")
+    if left.get("unverified"):
+        parts.append(
+            f"{len(left['unverified'])} that do not verify (--no-verify exports them as they are)"
+        )
     if parts:
-        n = len(left["open"]) + len(left["poisoned"])
+        n = sum(len(ids) for ids in left.values())
         print(f"capture-proxy export: left out {n} rollout(s): {'; '.join(parts)}", file=sys.stderr)
+    why = summary.get("unverified")
+    assert isinstance(why, dict)
+    for rollout_id, problems in why.items():
+        for problem in problems:
+            print(
+                f"capture-proxy export: {escape_text(rollout_id)} does not verify: "
+                f"{escape_text(problem)}",
+                file=sys.stderr,
+            )
 
 
 #: The output names `export` writes without --format, and what it writes to them.
@@ -422,6 +454,15 @@ def _export(args: argparse.Namespace) -> int:
     except CursorInvalid as e:
         print(f"capture-proxy export: --cursor: {e}", file=sys.stderr)
         return 2
+    heads = None
+    if args.expected_heads is not None:
+        from .read.anchors import AnchorsInvalid, load_heads
+
+        try:
+            heads = load_heads(args.expected_heads)
+        except AnchorsInvalid as e:
+            print(f"capture-proxy export: --expected-heads: {e}", file=sys.stderr)
+            return 2
     try:
         with progress_bar("exporting") as progress:  # on a terminal's stderr only
             summary = export_store(
@@ -437,6 +478,7 @@ def _export(args: argparse.Namespace) -> int:
                 group=args.groups,
                 since=args.since,
                 cursor=cursor,
+                expected_heads=heads,
                 attachments=args.attachments and args.out != "-",
                 progress=progress,
             )
@@ -447,7 +489,8 @@ def _export(args: argparse.Namespace) -> int:
     if cursor is not None:
         cursor.save(args.cursor)  # only now: a failed export leaves the cursor as it was
     _report_export(args, summary.to_dict())
-    return 0
+    refused = summary.left_out["unverified"] or summary.left_out.get("missing")
+    return 1 if refused else 0
 
 
 async def _seal(args: argparse.Namespace) -> int:
@@ -485,10 +528,12 @@ async def _seal(args: argparse.Namespace) -> int:
             if info.state is RolloutState.SEALED:
                 print(f"{info.rollout_id}: already sealed")
                 continue
+            # The event first, as the control API seals: a header that says sealed always has
+            # its seal event (verified reads hold one to the other).
+            await sink.append_event(EventDraft(info.rollout_id, EventKind.SEAL, now))
             await sink.put_rollout(
                 dataclasses.replace(info, state=RolloutState.SEALED, sealed_at_ms=now)
             )
-            await sink.append_event(EventDraft(info.rollout_id, EventKind.SEAL, now))
             print(f"{info.rollout_id}: sealed")
     finally:
         await sink.close()

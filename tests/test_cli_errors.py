@@ -125,10 +125,12 @@ def test_a_record_that_does_not_verify_is_exit_1_in_export_and_inspect(
     capsys.readouterr()
     out_file = tmp_path / "x.parquet"
     code, out, err = run(["export", url, str(out_file)], capsys)
-    assert (code, out) == (1, "")
-    assert err.startswith(f"capture-proxy export: {ids[1]}: digest mismatch")
-    assert err.endswith("; nothing written\n")
-    assert not out_file.exists()
+    # The rollout that does not verify is left out, each problem said, exit 1 (the file holds
+    # the rollouts that verify: docs/contract.md, "What verified means").
+    assert code == 1
+    assert out.startswith("wrote 0 row(s) of 0 rollout(s)")
+    assert "left out 1 rollout(s): 1 that do not verify" in err
+    assert f"does not verify: {ids[1]}: digest mismatch" in err
     code, out, err = run(["inspect", url, "--verify"], capsys)
     assert code == 1
     assert ids[1] in out

@@ -73,7 +73,7 @@ async def test_export_leaves_out_open_and_poisoned_rollouts_and_says_so(
     assert code == 0
     summary = json.loads(text)
     assert summary["rollouts"] == 1
-    assert summary["left_out"] == {"open": ["running"], "poisoned": ["bad"]}
+    assert summary["left_out"] == {"open": ["running"], "poisoned": ["bad"], "unverified": []}
     rows = pq.read_table(out).to_pylist()
     assert {(r["rollout_id"], r["state"], r["poisoned"], r["n_failures"]) for r in rows} == {
         ("done", "sealed", False, 0)
@@ -82,7 +82,7 @@ async def test_export_leaves_out_open_and_poisoned_rollouts_and_says_so(
     flags = ["--include-open", "--include-poisoned", "--no-verify", "--json"]
     code, text, err = await run(["export", url, str(out), "--per", per, *flags], capsys)
     assert (code, err) == (0, "")
-    assert json.loads(text)["left_out"] == {"open": [], "poisoned": []}
+    assert json.loads(text)["left_out"] == {"open": [], "poisoned": [], "unverified": []}
     rows = pq.read_table(out).to_pylist()
     got = {(r["rollout_id"], r["state"], r["poisoned"], r["n_failures"]) for r in rows}
     assert got == {

@@ -398,6 +398,7 @@ class Capture:
             if self.source is not None:
                 stored = await asyncio.to_thread(resume_rollout, self.source, rollout_id)
                 if stored is not None:
+                    await self._seal_event_missing(rollout_id)
                     return stored
             return live
         newly_sealed = not live.sealed
@@ -410,11 +411,18 @@ class Capture:
             )
         async with self._headers.hold(rollout_id):
             live.sealed_at_ms = int(time.time() * 1000)
+            # The seal event first, then the header: readers list a rollout as sealed by its
+            # header (the rollout index, batches), and a verified read holds a sealed header to
+            # a seal event, which is then always there already. A stop between the two leaves a
+            # rollout sealed in its log and open in its header: not read as sealed, and sealed
+            # again (event and header) by the driver's retry.
+            if newly_sealed:
+                await self.sink.append_event(
+                    EventDraft(rollout_id, EventKind.SEAL, live.sealed_at_ms)
+                )
+            else:  # a seal sent again, perhaps after one whose event could not be written
+                await self._seal_event_missing(rollout_id)
             await self.sink.put_rollout(self._header(live))
-        if newly_sealed:
-            await self.sink.append_event(
-                EventDraft(rollout_id, EventKind.SEAL, int(time.time() * 1000))
-            )
         if live.in_flight == 0 and self.rollouts.get(rollout_id) is live:
             # A sealed rollout takes no more calls: memory holds live work only (its id, for
             # the 409s). A manifest request reads it from the store.
@@ -422,6 +430,22 @@ class Capture:
             self._remember_sealed(live)
             self._forget_messages(rollout_id)
         return live
+
+    async def _seal_event_missing(self, rollout_id: str) -> None:
+        """Write the seal event of a rollout whose header says sealed and whose event log does
+        not: the proxy stopped between the two writes of a seal. Verified reads hold the header
+        to the chain, so the driver's seal sent again completes it."""
+        open_source = self.source
+        if open_source is None:
+            return
+        events = await asyncio.to_thread(lambda: open_source().events(rollout_id))
+        if events and not any(e.kind == EventKind.SEAL for e in events):
+            log.warning(
+                "rollout %s: sealed in its header only; its seal event is written now", rollout_id
+            )
+            await self.sink.append_event(
+                EventDraft(rollout_id, EventKind.SEAL, int(time.time() * 1000))
+            )
 
     async def put_outcome(self, rollout_id: str, outcome: RolloutOutcome) -> RolloutInfo:
         """Store `outcome` as the rollout's latest, open or sealed; returns the header written.
@@ -447,20 +471,11 @@ class Capture:
                 stored = await asyncio.to_thread(lambda: open_source().rollout_info(rollout_id))
                 history = with_outcome(rollout_id, stored.outcome_history, outcome)
                 header = replace(stored, outcome_history=history)
-            try:
-                await self.sink.put_rollout(header)
-            except Exception as exc:  # any sink failure: the driver must learn it was not kept
-                raise CaptureUnavailable(
-                    f"the outcome of rollout {rollout_id} could not be stored ({exc}); "
-                    "nothing was changed",
-                    code="outcome_not_stored",
-                    headers={"Retry-After": "1"},
-                ) from exc
-            if held:
-                live.outcome_history = history
-            # The rollout's event log records each outcome too (the header keeps the whole
-            # history for readers); the header is written first, so a failure here loses no
-            # outcome and is only logged.
+            # The outcome's event first, then the header that holds it: readers list a rollout
+            # as graded by its header (the rollout index, batches), and a verified read holds
+            # the header's latest outcome to the event log's, which then has it already. A
+            # failure after the event leaves the header behind: the driver is told, and its
+            # retry writes both (docs/contract.md, "What verified means").
             reward = outcome.reward
             body = {
                 "reward": dict(reward) if isinstance(reward, Mapping) else reward,
@@ -471,8 +486,25 @@ class Capture:
                 await self.sink.append_event(
                     EventDraft(rollout_id, EventKind.OUTCOME, outcome.at_ms, body=body)
                 )
+            except Exception as exc:  # any sink failure: the driver must learn it was not kept
+                raise CaptureUnavailable(
+                    f"the outcome of rollout {rollout_id} could not be stored ({exc}); "
+                    "nothing was changed",
+                    code="outcome_not_stored",
+                    headers={"Retry-After": "1"},
+                ) from exc
+            try:
+                await self.sink.put_rollout(header)
             except Exception as exc:
-                log.warning("rollout %s: outcome event not written: %s", rollout_id, exc)
+                raise CaptureUnavailable(
+                    f"the outcome of rollout {rollout_id} is in its event log but its header "
+                    f"could not be stored ({exc}); nothing was changed in the header: send it "
+                    "again (until then verified reads leave the rollout out)",
+                    code="outcome_not_stored",
+                    headers={"Retry-After": "1"},
+                ) from exc
+            if held:
+                live.outcome_history = history
             return header
 
     # -- calls ---------------------------------------------------------------------------------

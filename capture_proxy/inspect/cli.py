@@ -37,6 +37,8 @@ import orjson
 
 from ..read.reader import Store, open_store
 from ..sinks.base import StoreError
+from .escape import escape_json, escape_text
+from .follow import Follower
 from .progress import progress_bar
 from .render import (
     Column,
@@ -49,7 +51,6 @@ from .render import (
 )
 from .shapes import CallView, OverviewView, RolloutView, VerifyView
 from .views import (
-    Follower,
     InspectError,
     TokenText,
     call_view,
@@ -199,11 +200,12 @@ class PlainOut:
         self.stream = stream
 
     def line(self, text: str = "", *, alert: bool = False, strong: bool = False) -> None:
-        self.stream.write(text + "\n")
+        self.stream.write(escape_text(text, keep_layout=True) + "\n")
 
     def table(
         self, columns: Sequence[Column], rows: Sequence[Sequence[str]], alerts: Sequence[bool]
     ) -> None:
+        rows = [[escape_text(cell) for cell in row] for row in rows]
         widths = [len(c.name) for c in columns]
         for row in rows:
             widths = [max(w, len(cell)) for w, cell in zip(widths, row, strict=True)]
@@ -225,7 +227,7 @@ class RichOut:
         from rich.text import Text
 
         style = "bold red" if alert else ("bold" if strong else "")
-        self.console.print(Text(text, style=style))
+        self.console.print(Text(escape_text(text, keep_layout=True), style=style))
 
     def table(
         self, columns: Sequence[Column], rows: Sequence[Sequence[str]], alerts: Sequence[bool]
@@ -234,6 +236,7 @@ class RichOut:
         from rich.table import Table
         from rich.text import Text
 
+        rows = [[escape_text(cell) for cell in row] for row in rows]
         keep, widths = _fit(columns, rows, self.console.width)
         table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
         for i, width in zip(keep, widths, strict=True):
@@ -310,7 +313,7 @@ def _out_for(stream: IO[str]) -> Out:
 
 def _print_json(view: Any, stream: IO[str], *, compact: bool = False) -> None:
     option = orjson.OPT_APPEND_NEWLINE | (0 if compact else orjson.OPT_INDENT_2)
-    stream.write(orjson.dumps(view, option=option, default=str).decode())
+    stream.write(escape_json(orjson.dumps(view, option=option, default=str).decode()))
     stream.flush()
 
 
@@ -415,7 +418,8 @@ def run_inspect(args: argparse.Namespace, *, stdout: IO[str] | None = None) -> i
             return _run(store, args, stream)
     except (InspectError, StoreError) as e:
         hint = absolute_store_hint(args.store) if isinstance(e, StoreError) else None
-        print(f"{PROG}: {e}" + (f"; {hint}" if hint else ""), file=sys.stderr)
+        message = f"{e}" + (f"; {hint}" if hint else "")
+        print(f"{PROG}: {escape_text(message, keep_layout=True)}", file=sys.stderr)
         return 2
     except BrokenPipeError:
         # The reader went away (`inspect ... | head`): not an error, and nothing left to say.

@@ -80,7 +80,10 @@ class Out(Protocol):
 def fmt_time(ms: int | None) -> str:
     if not ms:
         return "-"
-    return datetime.fromtimestamp(ms / 1000, tz=UTC).strftime("%Y-%m-%d %H:%M:%S")
+    try:
+        return datetime.fromtimestamp(ms / 1000, tz=UTC).strftime("%Y-%m-%d %H:%M:%S")
+    except (ValueError, OverflowError, OSError):  # a time no clock gives (a crafted store)
+        return f"{ms} ms?"
 
 
 def fmt_span(first: int | None, last: int | None) -> str:
@@ -295,7 +298,7 @@ def render_rollout(view: RolloutView, out: Out) -> None:
         bad = [
             f"#{e['seq']} {e['call_id']} ({'orphaned' if e['status'] == 'staged' else e['reason']})"
             for e in calls
-            if e["status"] == "capture_failed" or e.get("orphaned")
+            if e["status"] in ("capture_failed", "lost_in_crash") or e.get("orphaned")
         ]
         out.line(
             "POISONED: answered but not staged: " + ", ".join(bad) + ". The trajectory is "

@@ -44,7 +44,9 @@ __all__ = [
 ]
 
 #: The statuses of a call that was not staged (`CallStatus` without ``staged``).
-FailureStatus: TypeAlias = Literal["capture_failed", "rejected", "upstream_error", "aborted"]
+FailureStatus: TypeAlias = Literal[
+    "capture_failed", "rejected", "upstream_error", "aborted", "lost_in_crash"
+]
 
 
 class AttachmentEntry(TypedDict):

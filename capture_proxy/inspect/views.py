@@ -14,11 +14,12 @@ from __future__ import annotations
 
 from array import array
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, TypeAlias, TypedDict, TypeVar, cast
 
 from ..errors import CaptureProxyError, error_text
 from ..read.reader import Store
+from ..read.status import LOST_IN_CRASH, RolloutStatus
 from ..schemas.digest import DigestMismatch, verify_record
 from ..schemas.events import token_in_choice
 from ..schemas.outcome import RolloutOutcome
@@ -60,7 +61,6 @@ from .shapes import (
 )
 
 __all__ = [
-    "Follower",
     "InspectError",
     "call_view",
     "failure_entry",
@@ -202,8 +202,11 @@ def _read(what: str, read: Callable[[], T]) -> T:
         raise InspectError(f"{what} cannot be read ({e}); run inspect --verify") from e
 
 
-def _entries(store: Store, rollout_id: str) -> tuple[list[CallEntry], list[StagedCallRecord]]:
-    """Staged calls and ledger failures of a rollout, interleaved by seq; and the records."""
+def _entries(
+    store: Store, rollout_id: str, status: RolloutStatus
+) -> tuple[list[CallEntry], list[StagedCallRecord]]:
+    """Staged calls, ledger failures and calls lost in a crash of a rollout, interleaved by
+    seq; and the records."""
     # A debugging view shows everything: open, poisoned and orphaned alike, and each call's
     # digest check is its own line in the call view (and --verify), so no read-time check here.
     records = _read(
@@ -224,17 +227,56 @@ def _entries(store: Store, rollout_id: str) -> tuple[list[CallEntry], list[Stage
         entries.append(staged_entry(r, parent, orphaned=r.call_id in orphaned))
         fulls[r.call_id] = full_sequence(r.prompt_token_ids, r.completion_token_ids)
     entries.extend(failure_entry(f) for f in store.failures(rollout_id))
+    entries.extend(_event_log_only(store, rollout_id, status))
     entries.sort(key=lambda e: (e["seq"], entry_time(e)))
     return entries, records
 
 
-def _summary(info: RolloutInfo, entries: Sequence[_Counted]) -> RolloutSummary:
+#: What a ``lost_in_crash`` row says (`capture_proxy.read.status`).
+LOST_MESSAGE = (
+    "admitted (its seq claimed), then neither staged nor in the ledger: the proxy stopped "
+    "while the call was in flight, or its record was removed"
+)
+
+
+def _event_log_only(store: Store, rollout_id: str, status: RolloutStatus) -> list[FailureEntry]:
+    """The not-staged calls `Store.status` knows of that the ledger does not hold: a claimed
+    call with neither a record nor a ledger entry (``lost_in_crash``), and a ledger entry only
+    the event log still has. Shown as rows like the ledger's, so inspect lists every call
+    `Store.status` does."""
+    listed = {f.call_id for f in store.failures(rollout_id)}
+    claimed_at = {
+        e.call_id: e.at_ms
+        for e in _read(f"rollout {rollout_id!r}", lambda: store.source.events(rollout_id))
+        if e.kind == "claim"
+    }
+    return [
+        {
+            "rollout_id": rollout_id,
+            "seq": n.seq,
+            "call_id": n.call_id,
+            "status": cast(FailureStatus, n.status),
+            "reason": n.reason,
+            "http_status": None,
+            "message": LOST_MESSAGE if n.status == LOST_IN_CRASH else "in the event log only",
+            "at_ms": claimed_at.get(n.call_id, 0),
+        }
+        for n in status.not_staged
+        if n.call_id not in listed and n.status != "orphaned"
+    ]
+
+
+def _summary(
+    info: RolloutInfo, entries: Sequence[_Counted], status: RolloutStatus
+) -> RolloutSummary:
     staged = [e for e in entries if e["status"] == "staged"]
     times = [t for t in map(entry_time, entries) if t]
     return {
         "rollout_id": info.rollout_id,
         "state": info.state.value,
-        "poisoned": info.poisoned,
+        # As `Store.status` says: the header, the ledger, orphan marks and the event log (a
+        # claim neither staged nor in the ledger is lost_in_crash, and poisons).
+        "poisoned": status.poisoned,
         "calls": len(entries),
         "statuses": dict(Counter(e["status"] for e in entries)),
         "orphaned": sum(1 for e in staged if e["orphaned"]),
@@ -268,12 +310,27 @@ def _counted_entries(store: Store, rollout_id: str) -> list[_Counted]:
     return entries
 
 
+def _status(store: Store, rollout_id: str) -> RolloutStatus:
+    return _read(f"rollout {rollout_id!r}", lambda: store.status(rollout_id))
+
+
 def overview(store: Store) -> OverviewView:
     """Every rollout of the store, newest first, with its counts, tokens and time span."""
     rollouts = []
     for rollout_id in reversed(store.rollouts()):
-        entries = _counted_entries(store, rollout_id)
-        rollouts.append(_summary(store.rollout_info(rollout_id), entries))
+        status = _status(store, rollout_id)
+        entries: list[_Counted] = [
+            *_counted_entries(store, rollout_id),
+            *_event_log_only(store, rollout_id, status),
+        ]
+        try:
+            info = store.rollout_info(rollout_id)
+        except KeyError as e:  # listed (it has records) without a header: only a damaged store
+            raise InspectError(
+                f"rollout {rollout_id!r} has records but no header: the store is damaged; run "
+                "inspect --verify"
+            ) from e
+        rollouts.append(_summary(info, entries, status))
     view: OverviewView = {"view": "rollouts", "store": store.url, "rollouts": rollouts}
     replicas = _replicas(store)
     if replicas is not None:
@@ -337,12 +394,13 @@ def rollout_view(store: Store, rollout_id: str) -> RolloutView:
     if rollout_id not in store.rollouts():
         raise KeyError(rollout_id)
     info = store.rollout_info(rollout_id)
-    entries, records = _entries(store, rollout_id)
+    status = _status(store, rollout_id)
+    entries, records = _entries(store, rollout_id, status)
     # `token_in` is added below when there is one (mypy cannot type a spread with it).
     rollout = cast(
         RolloutDetail,
         {
-            **_summary(info, entries),
+            **_summary(info, entries, status),
             "metadata": dict(info.metadata),
             "outcome": None if info.outcome is None else _outcome(info.outcome),
             "outcomes": len(info.outcome_history),
@@ -516,81 +574,3 @@ def verify_view(store: Store, *, progress: Progress | None = None) -> VerifyView
         "checked": checked,
         "problems": problems,
     }
-
-
-def known_call_ids(store: Store, rollout_ids: Iterable[str]) -> set[str]:
-    """Call ids already in the store (staged anywhere, failed in `rollout_ids`): the baseline
-    ``--follow`` reports new calls against."""
-    seen = set(store.source.all_keys())
-    for rollout_id in rollout_ids:
-        seen.update(f.call_id for f in store.failures(rollout_id))
-    return seen
-
-
-#: Parent sequences `Follower` keeps to tell drift without re-reading them.
-_FOLLOW_CACHE = 256
-
-
-class Follower:
-    """Finds the calls that arrived since the last `poll` (staged, or failed in the ledger).
-
-    `poll` returns them as rollout-view entries (docs/inspect.md), ordered by rollout and seq.
-    Staged calls are found by diffing the store's keys, so a poll reads only the new records
-    (and a new call's parent, to tell drift); failures are read from each followed rollout's
-    ledger.
-    """
-
-    def __init__(self, store: Store, rollout_id: str | None = None) -> None:
-        self.store = store
-        self.rollout_id = rollout_id
-        self.seen = known_call_ids(store, self._rollout_ids())
-        self._parents: dict[str, tuple[int, array[int]]] = {}
-
-    def _rollout_ids(self) -> list[str]:
-        return [self.rollout_id] if self.rollout_id is not None else self.store.rollouts()
-
-    def _remember(self, call_id: str, seq: int, full: array[int]) -> None:
-        self._parents[call_id] = (seq, full)
-        while len(self._parents) > _FOLLOW_CACHE:
-            del self._parents[next(iter(self._parents))]
-
-    def _parent(self, call_id: str | None) -> tuple[int, array[int]] | None:
-        if call_id is None:
-            return None
-        if call_id not in self._parents:
-            try:
-                (p,) = self.store.source.fetch([call_id])
-            except KeyError:
-                return None
-            self._remember(
-                call_id, p.seq, full_sequence(p.prompt_token_ids, p.completion_token_ids)
-            )
-        return self._parents[call_id]
-
-    def seq_of(self, call_id: str) -> int | None:
-        hit = self._parents.get(call_id)
-        return hit[0] if hit is not None else None
-
-    def poll(self) -> list[CallEntry]:
-        new_keys = [k for k in self.store.source.all_keys() if k not in self.seen]
-        self.seen.update(new_keys)
-        records = self.store.source.fetch(new_keys) if new_keys else []
-        orphaned = self.store.source.orphaned() if records else set()
-        entries: list[CallEntry] = []
-        for r in sorted(records, key=lambda r: (r.rollout_id, r.seq)):
-            if self.rollout_id is not None and r.rollout_id != self.rollout_id:
-                continue
-            parent = self._parent(r.parent_call_id)
-            entries.append(
-                staged_entry(r, parent[1] if parent else None, orphaned=r.call_id in orphaned)
-            )
-            self._remember(
-                r.call_id, r.seq, full_sequence(r.prompt_token_ids, r.completion_token_ids)
-            )
-        for rollout_id in self._rollout_ids():
-            for f in self.store.failures(rollout_id):
-                if f.call_id not in self.seen:
-                    self.seen.add(f.call_id)
-                    entries.append(failure_entry(f))
-        entries.sort(key=lambda e: (e["rollout_id"], e["seq"]))
-        return entries

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..errors import CaptureProxyError
-from ..sinks.base import PROXY_STATE_ROLLOUT, StagingSource, StoreError
+from ..sinks.base import PROXY_STATE_ROLLOUT, StagingSource, StoreDamaged, StoreError
 from ..sinks.cursors import CursorHolder, CursorStorage, check_consumer
 from ..sinks.rollout_index import IndexedRollout, RolloutQuery, indexed
 from .cursor import CursorInvalid, ExportCursor
@@ -389,10 +389,13 @@ class BatchQueue:
     def _verified(self, rollout_id: str) -> Trajectory | Skipped:
         try:
             traj = self.store.trajectory(rollout_id, verify=True)
+        except StoreDamaged as e:  # its ledger or event log holds what no writer writes
+            return Skipped(rollout_id, "unverified", str(e))
         except StoreError:
             raise  # the store cannot be read now: nothing is decided about the rollout
         except RolloutExcluded as e:
-            reason = "poisoned" if e.keyword == "include_poisoned" else "open"
+            # `RolloutUnverified` (keyword ``verify``): read/integrity.py's "verified" fails.
+            reason = {"include_poisoned": "poisoned", "verify": "unverified"}.get(e.keyword, "open")
             return Skipped(rollout_id, reason, str(e))
         except KeyError:
             return Skipped(rollout_id, "gone", "no longer in the store")

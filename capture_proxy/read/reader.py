@@ -11,28 +11,30 @@
 The trainer-facing reads (`calls`, `trajectory`, `iter_trajectories`) take the same three
 keywords, with safe defaults: ``include_open=False`` (leave out rollouts not sealed yet),
 ``include_poisoned=False`` (leave out rollouts with a call answered but not staged, see
-`capture_proxy.read.status`) and ``verify=True`` (recompute every record's digest on read;
-``verify=False`` skips it, for data already verified). The iterator skips what the filters leave
-out; `calls` and `trajectory`, asked for one rollout by name, raise `RolloutExcluded` naming
-the keyword to pass. `fetch` and `verify` always check digests.
+`capture_proxy.read.status`) and ``verify=True`` (leave out rollouts that do not verify: every
+record's digest recomputed, the event log's chain, its accounting of every record and ledger
+entry and the header against it, `capture_proxy.read.integrity`; ``verify=False`` skips the
+checks, for data already verified, and reads such rollouts as they are). The iterator skips
+what the filters leave out; `calls` and `trajectory`, asked for one rollout by name, raise
+`RolloutExcluded` (`RolloutUnverified` for ``verify``) naming the keyword to pass. `fetch` and
+`verify` always check.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from ..errors import CaptureProxyError
 from ..schemas.digest import (
     DigestMismatch,
     MessageDigestCache,
     RequestValueCache,
     verify_record,
 )
-from ..schemas.events import EventKind, check_chain
 from ..schemas.records import (
     CommitCoords,
     LedgerEntry,
@@ -40,35 +42,41 @@ from ..schemas.records import (
     RolloutState,
     StagedCallRecord,
 )
-from ..sinks.base import Progress, StagingSource
+from ..sinks.base import Progress, StagingSource, StoreDamaged
 from ..sinks.registry import open_source
 from ..sinks.rollout_index import IndexedRollout, RolloutQuery, State, indexed
-from .status import RolloutExcluded, RolloutStatus, check_included, read_header, rollout_status
+from .integrity import (
+    Problem,
+    RolloutUnverified,
+    StoreCorrupted,
+    rollout_problems,
+    store_problems,
+)
+from .status import (
+    RolloutExcluded,
+    RolloutFacts,
+    RolloutStatus,
+    check_included,
+    read_header,
+    rollout_status,
+    status_of,
+)
 
 if TYPE_CHECKING:
     from .batches import RolloutBatch
     from .cursor import ExportCursor
     from .trajectory import Trajectory
 
-__all__ = ["Problem", "RolloutExcluded", "Store", "StoreCorrupted", "open_store"]
+__all__ = [
+    "Problem",
+    "RolloutExcluded",
+    "RolloutUnverified",
+    "Store",
+    "StoreCorrupted",
+    "open_store",
+]
 
-
-@dataclass(frozen=True, slots=True)
-class Problem:
-    """One thing `verify` found wrong: which key (attachment, rollout) and what."""
-
-    key: str
-    message: str
-
-
-class StoreCorrupted(CaptureProxyError):
-    """`Store.verify` found problems; `.problems` lists every one of them."""
-
-    def __init__(self, problems: list[Problem]) -> None:
-        lines = "\n".join(f"  {p.key}: {p.message}" for p in problems[:20])
-        more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
-        super().__init__(f"{len(problems)} problem(s) in the store:\n{lines}{more}")
-        self.problems = problems
+log = logging.getLogger("capture_proxy.read")
 
 
 def _one_listing(source: StagingSource) -> contextlib.AbstractContextManager[object]:
@@ -181,24 +189,80 @@ class Store:
         """The rollout's staged records in sequence order (failures are not records).
 
         Raises `RolloutExcluded` for an open rollout unless `include_open`, for a poisoned one
-        unless `include_poisoned`, KeyError for an unknown one, and `DigestMismatch` when a
-        record does not verify (unless ``verify=False``). `include_orphaned` adds records
-        marked orphaned (they poison their rollout, so it needs `include_poisoned` too).
+        unless `include_poisoned`, `RolloutUnverified` for one that does not verify (unless
+        ``verify=False``; `capture_proxy.read.integrity`), KeyError for an unknown one.
+        `include_orphaned` adds records marked orphaned (they poison their rollout, so it needs
+        `include_poisoned` too).
         """
+        facts = RolloutFacts.read(self.source, rollout_id)
         check_included(
             rollout_id,
-            self.status(rollout_id),
+            status_of(facts),
             include_open=include_open,
             include_poisoned=include_poisoned,
         )
-        records = self.source.calls(rollout_id, include_orphaned=include_orphaned)
+        records = self._records(rollout_id, include_orphaned, verify)
         if verify:
-            self._verify(records)
+            records = self._verified(facts, records, include_orphaned, None)[1]
         return records
 
-    def _verify(self, records: Iterable[StagedCallRecord]) -> None:
-        for record in records:
-            verify_record(record, digester=self._digester, encoder=self._encoder)
+    def _records(
+        self, rollout_id: str, include_orphaned: bool, verify: bool
+    ) -> list[StagedCallRecord]:
+        """The rollout's records as stored; a store too damaged to decode them (`StoreDamaged`)
+        is, for a verified read, a rollout that does not verify."""
+        try:
+            return self.source.calls(rollout_id, include_orphaned=include_orphaned)
+        except StoreDamaged as e:
+            if not verify:
+                raise
+            raise RolloutUnverified(rollout_id, [str(e)]) from e
+
+    def check(self, rollout_id: str, *, expected_head: str | None = None) -> list[str]:
+        """Everything wrong with the rollout as a trainer would read it ([] when it verifies):
+        the checks `verify=True` makes (`capture_proxy.read.integrity`), orphaned records
+        included. `expected_head` is the rollout's chain head as its driver kept it (the seal
+        or outcome answer's ``chain_head``). KeyError for an unknown rollout."""
+        facts = RolloutFacts.read(self.source, rollout_id)
+        records = self.source.calls(rollout_id, include_orphaned=True)
+        return self._problems_of(facts, records, expected_head)
+
+    def _problems_of(
+        self,
+        facts: RolloutFacts,
+        records: list[StagedCallRecord],
+        expected_head: str | None,
+    ) -> list[str]:
+        return rollout_problems(
+            facts,
+            records,
+            lambda keys: [c.digest for c in self.source.coords(keys)],
+            expected_head=expected_head,
+            digester=self._digester,
+            encoder=self._encoder,
+        )
+
+    def _verified(
+        self,
+        facts: RolloutFacts,
+        records: list[StagedCallRecord],
+        include_orphaned: bool,
+        expected_head: str | None,
+    ) -> tuple[RolloutFacts, list[StagedCallRecord]]:
+        """The rollout's facts and records once they verify; `RolloutUnverified` otherwise.
+
+        The facts and the records are separate reads: a call staged between them (an open
+        rollout, read while its proxy writes) or an outcome stored between them would read as
+        a record or an outcome the chain does not account for. So a rollout that fails is read
+        once more, and fails only when the second read fails too."""
+        problems = self._problems_of(facts, records, expected_head)
+        if problems:
+            facts = RolloutFacts.read(self.source, facts.rollout_id)
+            records = self._records(facts.rollout_id, include_orphaned, True)
+            problems = self._problems_of(facts, records, expected_head)
+            if problems:
+                raise RolloutUnverified(facts.rollout_id, problems)
+        return facts, records
 
     def failures(self, rollout_id: str) -> list[LedgerEntry]:
         """What was not staged in the rollout, and why."""
@@ -236,96 +300,7 @@ class Store:
         The checks read one snapshot of a Parquet dataset (one listing of its units, however
         many records: what is committed meanwhile is left for the next run)."""
         with _one_listing(self.source):
-            return self._problems(progress)
-
-    def _problems(self, progress: Progress | None) -> list[Problem]:
-        found: list[Problem] = []
-        keys = list(self.source.all_keys())
-        for done, key in enumerate(keys, 1):
-            if progress is not None:
-                progress(done - 1, len(keys) + 1)
-            try:
-                (record,) = self.source.fetch([key])
-                verify_record(record, digester=self._digester, encoder=self._encoder)
-            except DigestMismatch as e:
-                found.append(Problem(key, str(e)))
-            except Exception as e:  # a torn or undecodable row is a problem to report, not a crash
-                found.append(Problem(key, f"unreadable: {type(e).__name__}: {e}"))
-        for sha in self.source.unreferenced_attachments():
-            found.append(Problem(f"attachment:{sha}", "attachment without a record"))
-        found.extend(self._duplicate_seqs())
-        found.extend(self._event_logs())
-        if progress is not None:
-            progress(len(keys) + 1, len(keys) + 1)
-        return found
-
-    def _event_logs(self) -> list[Problem]:
-        """Each rollout's event log: its hash chain holds (a deleted or edited event is named by
-        its position), and what it says was staged or put in the ledger is still there, as it
-        was. A claimed call with neither a record nor a ledger entry is not a problem here: it
-        is ``lost_in_crash``, which `status` reports (the rollout is poisoned). Rollouts
-        written before event logs have none: nothing to check."""
-        found: list[Problem] = []
-        for rollout_id in self.source.rollouts():
-            events = self.source.events(rollout_id)
-            if not events:
-                continue
-            key = f"rollout:{rollout_id}"
-            for br in check_chain(events):
-                found.append(
-                    Problem(key, f"event log broken at position {br.position}: {br.message}")
-                )
-            staged = {s.call_id: s for s in self.source.summaries(rollout_id)}
-            ledger = {
-                (f.call_id, f.status.value, f.reason) for f in self.source.failures(rollout_id)
-            }
-            digests = dict(
-                zip(staged, (c.digest for c in self.source.coords(list(staged))), strict=True)
-            )
-            for e in events:
-                where = f"seq {e.seq} (call {e.call_id}, event {e.position})"
-                if e.kind == EventKind.STAGED and e.call_id is not None:
-                    if e.call_id not in staged:
-                        found.append(Problem(key, f"{where} was staged; its record is missing"))
-                    elif digests[e.call_id] != e.body.get("digest"):
-                        found.append(
-                            Problem(key, f"{where}: the record's digest is not the one staged")
-                        )
-                elif e.kind == EventKind.LEDGER and e.call_id is not None:
-                    entry = (e.call_id, e.body.get("status"), e.body.get("reason"))
-                    if entry not in ledger:
-                        found.append(
-                            Problem(
-                                key,
-                                f"{where} is in the event log as {entry[1]} ({entry[2]}); its "
-                                "ledger entry is missing or changed",
-                            )
-                        )
-        return found
-
-    def _duplicate_seqs(self) -> list[Problem]:
-        """Sequence numbers held by more than one call of a rollout (staged or in the ledger).
-
-        Stores refuse them now; a store written before that rule, or by two writers at once,
-        may hold some: the rollout's order and lineage are then ambiguous. A call's own record
-        and ledger entry (a write that landed after its caller gave up) are one call.
-        """
-        found: list[Problem] = []
-        for rollout_id in self.source.rollouts():
-            holders: dict[int, set[str]] = {}
-            for summary in self.source.summaries(rollout_id):
-                holders.setdefault(summary.seq, set()).add(summary.call_id)
-            for failure in self.source.failures(rollout_id):
-                holders.setdefault(failure.seq, set()).add(failure.call_id)
-            for seq, calls in sorted(holders.items()):
-                if len(calls) > 1:
-                    found.append(
-                        Problem(
-                            f"rollout:{rollout_id}",
-                            f"seq {seq} is held by {len(calls)} calls ({', '.join(sorted(calls))})",
-                        )
-                    )
-        return found
+            return store_problems(self.source, self._digester, self._encoder, progress)
 
     def verify(self) -> None:
         """Raise `StoreCorrupted` listing every problem, or return None when all verifies."""
@@ -341,31 +316,42 @@ class Store:
         include_open: bool = False,
         include_poisoned: bool = False,
         verify: bool = True,
+        expected_head: str | None = None,
     ) -> Trajectory:
         """The rollout as one training episode; see `capture_proxy.read.trajectory.Trajectory`.
 
         Raises like `calls`: `RolloutExcluded` for an open or poisoned rollout not asked for,
-        KeyError for an unknown one, `DigestMismatch` for a record that does not verify.
+        `RolloutUnverified` for one that does not verify, KeyError for an unknown one.
+        `expected_head` (the seal or outcome answer's ``chain_head`` its driver kept) refuses
+        the rollout unless its stored chain ends there (checked only with ``verify=True``).
         """
-        status = self.status(rollout_id)
+        facts = RolloutFacts.read(self.source, rollout_id)
         check_included(
-            rollout_id, status, include_open=include_open, include_poisoned=include_poisoned
+            rollout_id,
+            status_of(facts),
+            include_open=include_open,
+            include_poisoned=include_poisoned,
         )
-        return self._read(rollout_id, status, include_untooled, verify)[1]
+        return self._read(facts, include_untooled, verify, expected_head)[1]
 
     def _read(
-        self, rollout_id: str, status: RolloutStatus, include_untooled: bool, verify: bool
+        self,
+        facts: RolloutFacts,
+        include_untooled: bool,
+        verify: bool,
+        expected_head: str | None = None,
     ) -> tuple[list[StagedCallRecord], Trajectory]:
         """The rollout's records and its trajectory, with the driver's outcome on it: the one
-        place trajectories are built for `trajectory`, `iter_trajectories` and the export."""
+        place trajectories are built for `trajectory`, `iter_trajectories` and the export.
+        Raises `RolloutUnverified` (``verify=True``) when the rollout does not verify."""
         from .trajectory import trajectory_from_records
 
-        records = self.source.calls(rollout_id)
+        records = self._records(facts.rollout_id, False, verify)
         if verify:
-            self._verify(records)
+            facts, records = self._verified(facts, records, False, expected_head)
         # The status carries the driver's latest outcome: the trajectory's reward and group.
         traj = trajectory_from_records(
-            rollout_id, records, include_untooled=include_untooled, status=status
+            facts.rollout_id, records, include_untooled=include_untooled, status=status_of(facts)
         )
         return records, traj
 
@@ -416,6 +402,8 @@ class Store:
         rollouts: Iterable[str] | None,
         skipped: dict[str, list[str]] | None,
         cursor: ExportCursor | None = None,
+        expected_heads: Mapping[str, str] | None = None,
+        unverified: dict[str, list[str]] | None = None,
     ) -> list[SelectedRollout]:
         """The rollouts the filters keep, in export order: oldest first, except that the
         rollouts of one group follow each other (at the place of the group's oldest rollout),
@@ -440,12 +428,30 @@ class Store:
             if missing:
                 raise KeyError(f"no rollout {', '.join(map(repr, missing))} in {self.url}")
             ids = [r for r in known if r in wanted]
+        if expected_heads is not None:
+            # An anchored read takes the rollouts its driver vouches for, and says which of
+            # those the store lost and which others it holds.
+            if skipped is not None:
+                gone = sorted(set(expected_heads).difference(self.source.rollouts()))
+                skipped.setdefault("missing", []).extend(gone)
+                skipped.setdefault("unanchored", []).extend(
+                    r for r in ids if r not in expected_heads
+                )
+            ids = [r for r in ids if r in expected_heads]
         kept: list[SelectedRollout] = []
         if cursor is not None:
             ids = [r for r in ids if r not in cursor]
         for rollout_id in ids:
             # One header read per rollout: its outcome, its seal time and its status.
-            header = read_header(self.source, rollout_id)
+            try:
+                header = read_header(self.source, rollout_id)
+            except StoreDamaged as e:
+                log.warning("left out: rollout %r: %s", rollout_id, e)
+                if skipped is not None:
+                    skipped.setdefault("unverified", []).append(rollout_id)
+                if unverified is not None:
+                    unverified[rollout_id] = [str(e)]
+                continue
             outcome = RewardView.of(header)
             if groups is not None and outcome.group_id not in groups:
                 continue
@@ -455,7 +461,18 @@ class Store:
             # kept when open rollouts are asked for.
             if since_ms is not None and sealed_at is not None and sealed_at < since_ms:
                 continue
-            status = rollout_status(self.source, rollout_id, header)
+            try:
+                facts = RolloutFacts.read(self.source, rollout_id, header)
+            except StoreDamaged as e:
+                # Its ledger or event log cannot be decoded: it does not verify, whatever the
+                # filters (a verified read would refuse it; an unverified one cannot read it).
+                log.warning("left out: rollout %r: %s", rollout_id, e)
+                if skipped is not None:
+                    skipped.setdefault("unverified", []).append(rollout_id)
+                if unverified is not None:
+                    unverified[rollout_id] = [str(e)]
+                continue
+            status = status_of(facts)
             try:
                 check_included(
                     rollout_id, status, include_open=include_open, include_poisoned=include_poisoned
@@ -465,7 +482,7 @@ class Store:
                     why = "poisoned" if e.keyword == "include_poisoned" else "open"
                     skipped.setdefault(why, []).append(rollout_id)
                 continue
-            kept.append(SelectedRollout(rollout_id, status, sealed_at, outcome))
+            kept.append(SelectedRollout(rollout_id, status, sealed_at, outcome, facts))
         # Each rollout sorts at the place of its group's first rollout (its own place when it
         # has no group): groups stay together, everything else keeps the store's order.
         first: dict[str, int] = {}
@@ -487,21 +504,34 @@ class Store:
         group: str | Iterable[str] | None = None,
         skipped: dict[str, list[str]] | None = None,
         cursor: ExportCursor | None = None,
+        expected_heads: Mapping[str, str] | None = None,
+        unverified: dict[str, list[str]] | None = None,
     ) -> Iterator[Trajectory]:
         """Every rollout's trajectory, oldest rollout first, one rollout in memory at a time.
 
         The rollouts of one group (`Trajectory.group_id`) come one after the other, at the place
-        of the group's oldest rollout. Open rollouts (unless `include_open`) and poisoned ones
-        (unless `include_poisoned`) are left out; pass a dict as `skipped` to learn which: it
-        gets ``"open"`` and ``"poisoned"`` lists of rollout ids (a rollout both open and
-        poisoned is counted as poisoned). `group` (a group id, or several) keeps only those
-        groups.
+        of the group's oldest rollout. Open rollouts (unless `include_open`), poisoned ones
+        (unless `include_poisoned`) and ones that do not verify (unless ``verify=False``:
+        `capture_proxy.read.integrity`) are left out; pass a dict as `skipped` to learn which:
+        it gets ``"open"``, ``"poisoned"`` and ``"unverified"`` lists of rollout ids (a rollout
+        both open and poisoned is counted as poisoned), and a dict as `unverified` to learn
+        why: rollout id -> its problems. Each rollout left out as unverified is also logged as
+        a warning (logger ``capture_proxy.read``). `group` (a group id, or several) keeps only
+        those groups.
+
+        `expected_heads` anchors the read (docs/contract.md, "Anchored reads"): rollout id ->
+        the ``chain_head`` of the last seal or outcome answer its driver kept
+        (`capture_proxy.read.anchors.load_heads` reads a file of them). Only those rollouts are
+        read, each only if its stored chain ends at that head (else it is unverified); the
+        store's other rollouts are listed in ``skipped["unanchored"]``, and the anchored ones
+        the store does not hold in ``skipped["missing"]``.
 
         A training loop that reads incrementally passes the same `cursor`
         (`capture_proxy.read.cursor.ExportCursor`) to every pass: each sealed rollout is then
         yielded exactly once over all passes, however late it became visible in the store. The
         rollouts in the cursor are skipped, and each sealed rollout is added to it as its
-        trajectory is yielded (a pass stopped early has taken only what it got).
+        trajectory is yielded (a pass stopped early has taken only what it got; one left out as
+        unverified is not taken, so the next pass reads it again).
 
         `since` (a `datetime`, or milliseconds since the epoch) keeps only rollouts whose seal
         time is at or after it. The seal time is the writing proxy's clock when it sealed, not
@@ -509,8 +539,7 @@ class Store:
         after an earlier pass read the store is in neither pass. Use `cursor` to read
         incrementally; `since` selects by time.
 
-        Rollouts without any staged call yield nothing. Raises `DigestMismatch` when a record
-        does not verify (unless ``verify=False``).
+        Rollouts without any staged call yield nothing.
         """
         selected = self._select(
             include_open=include_open,
@@ -520,13 +549,43 @@ class Store:
             rollouts=None,
             skipped=skipped,
             cursor=cursor,
+            expected_heads=expected_heads,
+            unverified=unverified,
         )
         for sel in selected:
-            traj = self._read(sel.rollout_id, sel.status, include_untooled, verify)[1]
+            got = self._take(sel, include_untooled, verify, expected_heads, skipped, unverified)
+            if got is None:
+                continue
+            traj = got[1]
             if cursor is not None and sel.status.state is RolloutState.SEALED:
                 cursor.add((sel.rollout_id,))
             if traj.calls or traj.apart:
                 yield traj
+
+    def _take(
+        self,
+        sel: SelectedRollout,
+        include_untooled: bool,
+        verify: bool,
+        expected_heads: Mapping[str, str] | None,
+        skipped: dict[str, list[str]] | None,
+        unverified: dict[str, list[str]] | None,
+    ) -> tuple[list[StagedCallRecord], Trajectory] | None:
+        """A selected rollout's records and trajectory, or None when it does not verify (then
+        said in `skipped`, `unverified` and the log): the iterating reads' and the export's."""
+        facts = sel.facts or RolloutFacts.read(self.source, sel.rollout_id)
+        head = None if expected_heads is None else expected_heads[sel.rollout_id]
+        try:
+            return self._read(facts, include_untooled, verify, head)
+        except KeyError:
+            return None  # removed since it was selected (gc): nothing left to read
+        except RolloutUnverified as e:
+            log.warning("left out: %s", e)
+            if skipped is not None:
+                skipped.setdefault("unverified", []).append(sel.rollout_id)
+            if unverified is not None:
+                unverified[sel.rollout_id] = list(e.problems)
+            return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -558,6 +617,9 @@ class SelectedRollout:
     status: RolloutStatus
     sealed_at_ms: int | None
     outcome: RewardView
+    #: What was read to decide it (its ledger, summaries and event log), checked again by
+    #: the read that takes it.
+    facts: RolloutFacts | None = None
 
 
 def as_epoch_ms(when: int | datetime | None) -> int | None:

@@ -17,24 +17,34 @@ from dataclasses import dataclass
 from types import EllipsisType
 
 from ..errors import CaptureProxyError
+from ..schemas.events import RolloutEvent
 from ..schemas.outcome import RolloutOutcome
-from ..schemas.records import CallStatus, RolloutInfo, RolloutState
+from ..schemas.records import CallStatus, CallSummary, LedgerEntry, RolloutInfo, RolloutState
 from ..sinks.base import StagingSource
 
 __all__ = [
     "LOST_IN_CRASH",
+    "PARTIAL",
     "POISONING",
     "NotStaged",
     "RolloutExcluded",
+    "RolloutFacts",
     "RolloutStatus",
     "check_included",
     "rollout_status",
+    "status_of",
 ]
 
 #: A claimed call with neither a record nor a ledger entry (see `rollout_status`).
 LOST_IN_CRASH = "lost_in_crash"
 #: Not-staged statuses that poison a rollout: the client was answered, the store has no record.
 POISONING = frozenset({CallStatus.CAPTURE_FAILED.value, "orphaned", LOST_IN_CRASH})
+#: Not-staged statuses whose call may have delivered part of an answer before it ended: a stream
+#: broken by the upstream (``upstream_error``) or left by its client (``aborted``) after its
+#: first tokens. They do not poison (nothing the client kept was lost in full: it saw the error),
+#: but a client that replays the partial answer puts tokens the policy generated into its next
+#: prompt, so trajectories break there (`NotStaged.may_have_answered`).
+PARTIAL = frozenset({CallStatus.UPSTREAM_ERROR.value, CallStatus.ABORTED.value})
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +66,14 @@ class NotStaged:
     def poisons(self) -> bool:
         """True when the client was answered: the rollout misses tokens the policy generated."""
         return self.status in POISONING
+
+    @property
+    def may_have_answered(self) -> bool:
+        """True when the client may hold tokens the policy generated in this call: it was
+        answered (`poisons`), or its stream ended early after some (``upstream_error``,
+        ``aborted``). A trajectory breaks after such a call (``not_staged``) unless the next
+        call is its retry."""
+        return self.status in POISONING or self.status in PARTIAL
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,52 +104,87 @@ def read_header(source: StagingSource, rollout_id: str) -> RolloutInfo | None:
         return None
 
 
+@dataclass(frozen=True, slots=True)
+class RolloutFacts:
+    """What the store holds about a rollout besides its records' content, read once: its
+    header, ledger, record summaries, event log and admission claims. Its status
+    (`status_of`) and its integrity check (`capture_proxy.read.integrity`) both come from it."""
+
+    rollout_id: str
+    header: RolloutInfo | None
+    failures: list[LedgerEntry]
+    summaries: list[CallSummary]
+    events: list[RolloutEvent]
+    claims: dict[int, str]
+
+    @staticmethod
+    def read(
+        source: StagingSource,
+        rollout_id: str,
+        header: RolloutInfo | EllipsisType | None = ...,
+        *,
+        claims: bool = True,
+    ) -> RolloutFacts:
+        """Read them; KeyError for an unknown rollout. A caller that has the header already
+        (`read_header`, for a rollout it listed) passes it: then neither the store's rollout
+        list nor the header is read again (an export selects every rollout of the store, and a
+        list per rollout would make it quadratic). ``claims=False`` leaves the claims unread
+        (the integrity check does not use them; on object storage they are a listing each)."""
+        if header is ...:
+            header = read_header(source, rollout_id)
+            # Only a rollout without a header needs the store's list (a store written before
+            # headers): listing it for every rollout made each read cost the whole store.
+            if header is None and rollout_id not in source.rollouts():
+                raise KeyError(rollout_id)
+        return RolloutFacts(
+            rollout_id,
+            header,
+            source.failures(rollout_id),
+            source.summaries(rollout_id),
+            source.events(rollout_id),
+            source.claims(rollout_id) if claims else {},
+        )
+
+
 def rollout_status(
     source: StagingSource, rollout_id: str, header: RolloutInfo | EllipsisType | None = ...
 ) -> RolloutStatus:
     """Read the rollout's header, ledger and orphan marks. KeyError for an unknown rollout.
 
-    A caller that has the header already (`read_header`, for a rollout it listed) passes it:
-    then neither the store's rollout list nor the header is read again (an export selects every
-    rollout of the store, and a list per rollout would make it quadratic)."""
-    if header is ...:
-        header = read_header(source, rollout_id)
-        # Only a rollout without a header needs the store's list (a store written before
-        # headers): listing it for every rollout made each read cost the whole store.
-        if header is None and rollout_id not in source.rollouts():
-            raise KeyError(rollout_id)
+    A caller that has the header already passes it (see `RolloutFacts.read`)."""
+    return status_of(RolloutFacts.read(source, rollout_id, header))
+
+
+def status_of(facts: RolloutFacts) -> RolloutStatus:
+    """The rollout's status from what was read of it (`RolloutFacts`)."""
+    header = facts.header
     if header is None:  # not sealed
         state, header_poisoned, outcome = RolloutState.OPEN, False, None
     else:
         state, header_poisoned, outcome = header.state, header.poisoned, header.outcome
-    entries = [
-        NotStaged(f.seq, f.call_id, f.status.value, f.reason) for f in source.failures(rollout_id)
-    ]
+    entries = [NotStaged(f.seq, f.call_id, f.status.value, f.reason) for f in facts.failures]
     # A record that landed after its caller gave up is usually in the ledger as well (the
     # caller saw capture_failed): one call, listed once.
     listed = {e.call_id for e in entries}
-    summaries = source.summaries(rollout_id)
     entries.extend(
         NotStaged(s.seq, s.call_id, "orphaned", "orphaned")
-        for s in summaries
+        for s in facts.summaries
         if s.orphaned and s.call_id not in listed
     )
-    entries.extend(_from_event_log(source, rollout_id, listed, {s.call_id for s in summaries}))
+    entries.extend(_from_event_log(facts, listed, {s.call_id for s in facts.summaries}))
     entries.sort(key=lambda e: e.seq)
     poisoned = header_poisoned or any(e.poisons for e in entries)
     return RolloutStatus(state, poisoned, tuple(entries), outcome)
 
 
-def _from_event_log(
-    source: StagingSource, rollout_id: str, listed: set[str], staged: set[str]
-) -> list[NotStaged]:
+def _from_event_log(facts: RolloutFacts, listed: set[str], staged: set[str]) -> list[NotStaged]:
     """Not-staged calls only the event log knows of: a claimed call with neither a record nor
     a ledger entry (``lost_in_crash``: the proxy stopped while it was in flight, or its record
     was removed), and a ledger entry the event log holds but the ledger lost (a deleted row must
     not un-poison its rollout). A store without event logs adds nothing."""
     found: list[NotStaged] = []
     logged = set(listed)
-    for event in source.events(rollout_id):
+    for event in facts.events:
         if event.kind == "ledger" and event.call_id is not None and event.call_id not in logged:
             logged.add(event.call_id)
             found.append(
@@ -142,7 +195,7 @@ def _from_event_log(
                     str(event.body.get("reason", "")),
                 )
             )
-    for seq, call_id in source.claims(rollout_id).items():
+    for seq, call_id in facts.claims.items():
         if call_id not in staged and call_id not in logged:
             found.append(NotStaged(seq, call_id, LOST_IN_CRASH, LOST_IN_CRASH))
     return found

@@ -16,9 +16,11 @@ prompt tokens are appended with mask 0 and its completion with mask 1; or it has
 chat template re-rendered history differently, the agent edited its context, tool arguments
 were re-serialized): the drift is reported and the call opens a new segment with its whole
 prompt (mask 0). Nothing is spliced: every segment is a sequence the model actually saw.
-A call that follows an answered-but-not-staged call (`capture_proxy.read.status`) also opens a
-new segment (a ``not_staged`` break): its prompt holds what the policy generated in that call,
-which must not read as prompt tokens of a sequence the policy generated.
+A call that follows an answered-but-not-staged call (`capture_proxy.read.status`), or a call whose
+stream ended early after some tokens (``upstream_error``, ``aborted``: the client may replay the
+partial answer), also opens a new segment (a ``not_staged`` break) unless it is that call's retry:
+its prompt may hold what the policy generated in that call, which must not read as prompt tokens
+of a sequence the policy generated.
 
 Token-in calls (`StagedCallRecord.token_in`) extend the sequence by construction; one that did
 not (the proxy sent the plain rendering) says why in its extras
@@ -94,10 +96,11 @@ class Break:
 
     `position` is the index in `Trajectory.token_ids` where the new segment starts, opened by
     call `call_id`. `reason` says why: ``"drift"`` (the call's prompt did not extend the running
-    sequence; `detail` is its `Drift`) or ``"not_staged"`` (an answered call before it was not
-    staged, so its prompt holds tokens the policy generated that the store has no record of;
-    `detail` is that call's `NotStaged`), or ``"replica_moved"`` (the call went to another
-    upstream replica than the call before it; `detail` is a `ReplicaMoved` naming both). A
+    sequence; `detail` is its `Drift`) or ``"not_staged"`` (a call before it that answered, in
+    full or in part (a broken or aborted stream), was not staged, so its prompt may hold tokens
+    the policy generated that the store has no record of; `detail` is that call's
+    `NotStaged`), or ``"replica_moved"`` (the call went to another upstream replica than the
+    call before it; `detail` is a `ReplicaMoved` naming both). A
     token-in call that could not extend the sequence gives its own reason (``history_edited``,
     ``tools_changed``, ``template_changed``, ...; `detail` is its `SegmentBreak`). A trainer
     should treat an unknown reason as a break like any other.
@@ -320,14 +323,23 @@ def _linearize(traj: Trajectory, records: list[StagedCallRecord]) -> None:
     # so "extends the running sequence" is a prefix test against tokens[seg_start:].
     running = array("i")
     prev: StagedCallRecord | None = None
-    answered_lost = [n for n in traj.not_staged if n.poisons]
+    answered_lost = [n for n in traj.not_staged if n.may_have_answered]
     for i, r in enumerate(records):
         prompt, completion = r.prompt_token_ids, r.completion_token_ids
         shared = common_prefix_len(running, prompt) if prev is not None else 0
-        # The last answered-but-not-staged call between this call and the one before it: its
-        # answer is likely in this prompt's new tokens, and nothing says which ones.
+        # The last not-staged call between this call and the one before it that may have
+        # answered (in full, or a stream that broke after some tokens): its answer is likely in
+        # this prompt's new tokens, and nothing says which ones. A retry of that call (the same
+        # request again) holds none of it.
         lost = (
-            next((n for n in reversed(answered_lost) if prev.seq < n.seq < r.seq), None)
+            next(
+                (
+                    n
+                    for n in reversed(answered_lost)
+                    if prev.seq < n.seq < r.seq and r.retry_of != n.call_id
+                ),
+                None,
+            )
             if prev is not None and len(prompt) > len(running)
             else None
         )

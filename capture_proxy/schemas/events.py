@@ -46,6 +46,7 @@ __all__ = [
     "EventKind",
     "RolloutEvent",
     "chain_event",
+    "chain_head",
     "check_chain",
     "claim_event",
     "event_hash",
@@ -195,6 +196,15 @@ def chain_event(draft: EventDraft, head: tuple[int, str] | None) -> RolloutEvent
         prev,
         digest,
     )
+
+
+def chain_head(events: Sequence[RolloutEvent]) -> str | None:
+    """A rollout's chain head: the hash of its last event, which covers every event before it
+    (each names the one before) and, through the ``staged`` events, every record's digest; None
+    for a rollout without events. The control API's seal and outcome answers carry it
+    (``chain_head``); a driver keeps it, and anchored reads refuse a rollout whose stored chain
+    does not end there (docs/contract.md, "Anchored reads")."""
+    return events[-1].hash if events else None
 
 
 @dataclass(frozen=True, slots=True)

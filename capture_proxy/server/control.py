@@ -32,6 +32,7 @@ from ..errors import (
     Unprocessable,
     UpstreamFailed,
 )
+from ..schemas.events import chain_head
 from ..schemas.request import RequestValidationError
 from ..upstream.replicas import ENGINE_STATES, ReplicaSet
 from ..upstream.weights import fleet_answer, set_weight_version
@@ -181,7 +182,16 @@ async def manifest(request: web.Request) -> web.Response:
     return _json(found)
 
 
+def _chain_head(state: ProxyState, rollout_id: str) -> str | None:
+    """The rollout's chain head as the store holds it now (`schemas.events.chain_head`), or
+    None without a store to read. Blocking I/O: run it on a thread."""
+    source = state.capture.source
+    return None if source is None else chain_head(source().events(rollout_id))
+
+
 async def seal(request: web.Request) -> web.Response:
+    """The final manifest, with the rollout's ``chain_head`` once sealed: the anchor a driver
+    keeps to refuse a rewritten rollout later (docs/contract.md, "Anchored reads")."""
     state = _authorize(request)
     rollout_id = request.match_info["rollout_id"]
     try:
@@ -189,7 +199,9 @@ async def seal(request: web.Request) -> web.Response:
         state.pipeline.forget_rollouts([rollout_id])
     except KeyError as exc:
         raise NotFound(f"no live rollout {rollout_id} to seal", code="unknown_rollout") from exc
-    return _json(_manifest_live(live, state))
+    answer = _manifest_live(live, state)
+    answer["chain_head"] = await asyncio.to_thread(_chain_head, state, rollout_id)
+    return _json(answer)
 
 
 async def put_weight_version(request: web.Request) -> web.Response:
@@ -259,7 +271,10 @@ async def resume_weights(request: web.Request) -> web.Response:
 async def put_outcome(request: web.Request) -> web.Response:
     state = _authorize(request)
     rollout_id = request.match_info["rollout_id"]
-    return _json(await store_outcome(state.capture, rollout_id, await request.read()))
+    answer = await store_outcome(state.capture, rollout_id, await request.read())
+    # The outcome's event moved the chain's head: the driver keeps this one now.
+    answer["chain_head"] = await asyncio.to_thread(_chain_head, state, rollout_id)
+    return _json(answer)
 
 
 def add_control_routes(app: web.Application) -> None:

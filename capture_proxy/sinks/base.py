@@ -48,6 +48,7 @@ __all__ = [
     "SinkWithSource",
     "StagingSink",
     "StagingSource",
+    "StoreDamaged",
     "StoreError",
     "StoreFormatError",
     "UnsupportedStoreOperation",
@@ -72,6 +73,14 @@ Progress = Callable[[int, int], None]
 
 class StoreError(CaptureProxyError):
     """A store cannot be opened or used (bad URL, missing file, unwritable)."""
+
+
+class StoreDamaged(StoreError, CaptureProxyError, ValueError):
+    """A store holds something no writer of it could have written: a value of the wrong type
+    (a text ``seq``), bytes that do not decode, a blob that decompresses past its limit. The
+    read cannot go on; nothing is guessed. ``capture-proxy inspect --verify`` lists each such
+    place (a store file may come from someone else). A `ValueError` too, as damage read from a
+    store was before it had a class of its own."""
 
 
 class StoreFormatError(StoreError):

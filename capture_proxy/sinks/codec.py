@@ -40,6 +40,8 @@ __all__ = [
     "decode_row",
     "encode_record",
     "reference_media_types",
+    "stored_bytes",
+    "stored_int",
 ]
 
 _LITTLE = sys.byteorder == "little"
@@ -240,6 +242,21 @@ def encode_record(
     return EncodedCall(row, blobs, full)
 
 
+def stored_bytes(value: object, what: str) -> bytes:
+    """A binary column's value as a reader takes it: bytes (a crafted store may hold a number
+    there, which ``bytes()`` would turn into that many zero bytes)."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value)
+    raise TypeError(f"{what} is {type(value).__name__}, not bytes")
+
+
+def stored_int(value: object, what: str) -> int:
+    """An integer column's value as a reader takes it: an int, not a float, text or bytes."""
+    if type(value) is not int:
+        raise TypeError(f"{what} is {type(value).__name__} {value!r:.40}, not an integer")
+    return value
+
+
 def _v2_fields(row: Mapping[str, Any]) -> dict[str, Any]:
     """The schema-2 fields of a row; a missing column or NULL is the field's default."""
     out: dict[str, Any] = {}
@@ -248,7 +265,7 @@ def _v2_fields(row: Mapping[str, Any]) -> dict[str, Any]:
         if value is None:
             continue
         if name in ("weight_spans", "bridge_spans", "effective_sampling"):
-            value = orjson.loads(bytes(value))
+            value = orjson.loads(stored_bytes(value, name))
         elif name == "token_in":
             value = bool(value)  # SQLite has no booleans: 0/1
         out[name] = value
@@ -268,8 +285,8 @@ def decode_row(
     refers to; a row that holds ``attachment_media_types`` gives each its reference's media type
     (`bind_media_types`), a row without (SQLite keeps them with the references) keeps theirs.
     """
-    prev_len = int(row["prev_len"])
-    delta = _from_le("i", bytes(row["delta_tokens"]))
+    prev_len = stored_int(row["prev_len"], "prev_len")
+    delta = _from_le("i", stored_bytes(row["delta_tokens"], "delta_tokens"))
     if prev_len:
         if parent_full is None or len(parent_full) < prev_len:
             raise ValueError(
@@ -279,13 +296,13 @@ def decode_row(
         full.extend(delta)
     else:
         full = delta
-    prompt_len = int(row["prompt_len"])
-    if len(full) != int(row["cum_len"]) or prompt_len > len(full):
+    prompt_len = stored_int(row["prompt_len"], "prompt_len")
+    if len(full) != stored_int(row["cum_len"], "cum_len") or prompt_len > len(full):
         raise ValueError(
             f"{row['call_id']}: stored lengths disagree (prompt {prompt_len}, "
             f"cum {row['cum_len']}, rebuilt {len(full)})"
         )
-    keys = bytes(row["message_keys"])
+    keys = stored_bytes(row["message_keys"], "message_keys")
     try:
         messages = [orjson.loads(blob(keys[i : i + 32].hex())) for i in range(0, len(keys), 32)]
         request = orjson.loads(blob(str(row["request_key"])))
@@ -306,7 +323,9 @@ def decode_row(
         response=orjson.loads(row["response"]),
         prompt_token_ids=full[:prompt_len],
         completion_token_ids=full[prompt_len:],
-        completion_logprobs=_from_le("f", bytes(row["completion_logprobs"])),
+        completion_logprobs=_from_le(
+            "f", stored_bytes(row["completion_logprobs"], "completion_logprobs")
+        ),
         parent_call_id=row["parent_call_id"],
         retry_of=row["retry_of"],
         created_at_ms=int(row["created_at_ms"]),

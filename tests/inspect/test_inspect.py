@@ -34,9 +34,10 @@ import pytest
 from rich.console import Console
 
 from capture_proxy.inspect.cli import PlainOut, RichOut, main
+from capture_proxy.inspect.follow import Follower
 from capture_proxy.inspect.render import Column, render_call, render_rollout
 from capture_proxy.inspect.shapes import StagedEntry
-from capture_proxy.inspect.views import Follower, call_view, rollout_view
+from capture_proxy.inspect.views import call_view, rollout_view
 from capture_proxy.read.reader import Store, open_store
 from capture_proxy.schemas.outcome import RolloutOutcome
 from capture_proxy.schemas.records import (

@@ -134,7 +134,7 @@ async def test_poisoned_and_unverified_rollouts_are_skipped_once_with_their_reas
         assert reasons["bad"][0] == "poisoned"
         assert "capture_failed" in reasons["bad"][1]
         assert reasons["torn"][0] == "unverified"
-        assert "DigestMismatch" in reasons["torn"][1]
+        assert "digest mismatch" in reasons["torn"][1]
         grouped = store.next_batch("g", groups=1, group_size=2, wait_s=0)
         assert grouped is not None
         assert grouped.plan.groups == {"N": ["n1", "n2"]}

@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 
 from capture_proxy.cli import main
-from capture_proxy.read.reader import StoreCorrupted, open_store
+from capture_proxy.read.reader import RolloutUnverified, StoreCorrupted, open_store
+from capture_proxy.sinks.base import StoreDamaged
 from tests.support.proxy_harness import chat_body, user
 
 
@@ -19,8 +20,10 @@ async def test_missing_blob_is_damage_not_an_unknown_rollout(make_proxy: Any, ca
     with sqlite3.connect(db) as conn:
         conn.execute("DELETE FROM blobs WHERE rowid = (SELECT min(rowid) FROM blobs)")
     with open_store(p.store_url) as store:
-        with pytest.raises(ValueError, match="blob is missing"):
+        with pytest.raises(RolloutUnverified, match="blob is missing"):
             store.calls("a", include_open=True)
+        with pytest.raises(StoreDamaged, match="blob is missing"):
+            store.calls("a", include_open=True, verify=False)
         with pytest.raises(StoreCorrupted, match="blob is missing"):
             store.verify()
     assert main(["inspect", p.store_url, "--rollout", "a"]) == 2

@@ -18,6 +18,7 @@ from capture_proxy.schemas.events import EventDraft, EventKind, claim_event
 from capture_proxy.schemas.records import (
     CallStatus,
     LedgerEntry,
+    RolloutInfo,
     RolloutState,
     StagedCallRecord,
 )
@@ -50,6 +51,8 @@ async def _rollout(sink: StagingSink) -> tuple[StagedCallRecord, StagedCallRecor
     await sink.record_failure(
         LedgerEntry("ep", "x2", 2, CallStatus.CAPTURE_FAILED, "stage_timeout", "slow", None, 3)
     )
+    # Sealed as the proxy seals: the header, then the seal event.
+    await sink.put_rollout(RolloutInfo("ep", RolloutState.SEALED, False, 0, 4))
     await sink.append_event(EventDraft("ep", EventKind.SEAL, 4))
     await sink.close()
     return first, second

@@ -23,7 +23,7 @@ import pytest
 from capture_proxy.cli import main
 from capture_proxy.read.export import export_store
 from capture_proxy.read.reader import Store, open_store
-from capture_proxy.schemas.digest import DigestMismatch, seal_record
+from capture_proxy.schemas.digest import seal_record
 from capture_proxy.schemas.records import (
     CallStatus,
     LedgerEntry,
@@ -40,6 +40,7 @@ from capture_proxy.sinks.parquet import (
 )
 from capture_proxy.sinks.sqlite import SQLiteSink
 from tests.support.aging import age_units
+from tests.support.sealing import put_sealed
 from tests.support.sink_factories import ParquetCase, Session, image
 
 
@@ -76,8 +77,9 @@ async def fill(sink: StagingSink, *, turns: int = 4) -> list[StagedCallRecord]:
 
 
 async def seal(sink: StagingSink, *rollout_ids: str) -> None:
+    """Seal as the proxy does: the header, then the seal event."""
     for rollout_id in rollout_ids:
-        await sink.put_rollout(RolloutInfo(rollout_id, RolloutState.SEALED, False, 1, 2))
+        await put_sealed(sink, RolloutInfo(rollout_id, RolloutState.SEALED, False, 1, 2))
 
 
 def listing(folder: Path) -> list[str]:
@@ -206,16 +208,20 @@ async def test_per_trajectory(
     assert apart == [(["ra-title"],)]
 
 
-async def test_tampered_store_exports_nothing(tmp_path: Path) -> None:
+async def test_a_tampered_rollout_is_left_out_of_the_export_with_its_reason(
+    tmp_path: Path,
+) -> None:
     case = ParquetCase(tmp_path)
     staged = await fill(case.sink, turns=2)
     await seal(case.sink, "ra", "rb")
     await case.sink.close()
     case.tamper(staged[-1].call_id, "tokens")
     out = tmp_path / "out.parquet"
-    with pytest.raises(DigestMismatch, match=staged[-1].call_id):
-        export_store(f"parquet:///{case.location}", str(out), format="parquet", per="call")
-    assert listing(tmp_path) == ["dataset"]  # no output, no temporary file
+    summary = export_store(f"parquet:///{case.location}", str(out), format="parquet", per="call")
+    assert summary.left_out["unverified"] == ["rb"]
+    (problem,) = summary.unverified["rb"]
+    assert problem.startswith(f"{staged[-1].call_id}: digest mismatch")
+    assert set(pq.read_table(out)["rollout_id"].to_pylist()) == {"ra"}
     with pytest.raises(ValueError, match="format"):
         export_store(f"parquet:///{case.location}", str(out), format="csv")  # type: ignore[arg-type]
 
@@ -291,7 +297,7 @@ async def staged_dataset(ds: Path) -> ParquetSink:
     sink = ParquetSink(str(ds))
     await sink.put_rollout(RolloutInfo("ra", RolloutState.OPEN, False, 5, None, {"task": 1}))
     await fill(sink)
-    await sink.put_rollout(RolloutInfo("ra", RolloutState.SEALED, False, 5, 6, {"task": 1}))
+    await put_sealed(sink, RolloutInfo("ra", RolloutState.SEALED, False, 5, 6, {"task": 1}))
     last = Session("orph")
     o, _ = last.next()
     await sink.stage(o)
@@ -427,11 +433,11 @@ async def test_compact_refuses_what_it_cannot_compact(tmp_path: Path) -> None:
     assert len(live_markers(ds)) > 1  # nothing was merged
 
 
-async def test_a_tampered_record_stops_a_stdout_export_with_status_1(
+async def test_a_tampered_rollout_is_left_out_of_a_stdout_export_with_status_1(
     tmp_path: Path, capsysbinary: pytest.CaptureFixture[bytes]
 ) -> None:
-    # On stdout the rows stream: the rollouts read before the bad record are out already, so
-    # the exit status and stderr are what tell the consumer the export is not whole.
+    # On stdout the rows stream: the exit status and stderr are what tell the consumer the
+    # export is not whole.
     case = ParquetCase(tmp_path)
     staged = await fill(case.sink, turns=2)
     await seal(case.sink, "ra", "rb")
@@ -441,7 +447,7 @@ async def test_a_tampered_record_stops_a_stdout_export_with_status_1(
     assert main(["export", url, "-", "--per", "segment"]) == 1
     out, err = capsysbinary.readouterr()
     assert [json.loads(line)["rollout_id"] for line in out.splitlines()] == ["ra"]
-    assert err.startswith(b"capture-proxy export: ")
-    assert staged[-1].call_id.encode() in err
+    assert b"capture-proxy export: left out 1 rollout(s): 1 that do not verify" in err
+    assert b"capture-proxy export: rb does not verify: " + staged[-1].call_id.encode() in err
     with pytest.raises(ValueError, match="per must be 'call', 'trajectory' or 'segment'"):
         export_store(url, str(tmp_path / "x.parquet"), per="turn")  # type: ignore[arg-type]

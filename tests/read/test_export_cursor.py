@@ -25,6 +25,7 @@ from capture_proxy.schemas.records import RolloutInfo, RolloutState
 from capture_proxy.sinks.base import StagingSink
 from capture_proxy.sinks.parquet import ParquetSink
 from capture_proxy.sinks.sqlite import SQLiteSink
+from tests.support.sealing import put_sealed
 from tests.support.sink_factories import Session
 
 
@@ -54,8 +55,8 @@ class Writer:
                     await sink.stage(s.next()[0])
                 await sink.put_rollout(RolloutInfo(rollout_id, RolloutState.OPEN, False, 1))
             for rollout_id, at_ms in (sealed or {}).items():
-                await sink.put_rollout(
-                    RolloutInfo(rollout_id, RolloutState.SEALED, False, 1, at_ms)
+                await put_sealed(
+                    sink, RolloutInfo(rollout_id, RolloutState.SEALED, False, 1, at_ms)
                 )
         finally:
             await sink.close()

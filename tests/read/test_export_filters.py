@@ -22,6 +22,7 @@ from capture_proxy.sinks.base import StagingSink
 from capture_proxy.sinks.parquet import ParquetSink
 from capture_proxy.sinks.registry import open_source
 from capture_proxy.sinks.sqlite import SQLiteSink
+from tests.support.sealing import put_sealed
 from tests.support.sink_factories import Session
 
 #: Rollouts in store order, each with its group, reward and seal time (ms). GRPO groups g1 and
@@ -48,10 +49,11 @@ async def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
         for _ in range(2):
             await sink.stage(s.next()[0])
         outcomes = () if group is None else (RolloutOutcome(reward, group),)
-        await sink.put_rollout(
+        await put_sealed(
+            sink,
             RolloutInfo(
                 rollout_id, RolloutState.SEALED, False, 1, sealed_at, outcome_history=outcomes
-            )
+            ),
         )
     await sink.close()
     return where

@@ -19,6 +19,7 @@ from capture_proxy.read.reader import Store
 from capture_proxy.schemas.outcome import RolloutOutcome
 from capture_proxy.schemas.records import RolloutInfo, RolloutState
 from capture_proxy.sinks.sqlite import SQLiteSink, SQLiteSource
+from tests.support.sealing import put_sealed
 from tests.support.sink_factories import Session, image
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "trajectories.md"
@@ -42,8 +43,9 @@ async def export(tmp_path: Path) -> tuple[Path, Path]:
         "rb": RolloutOutcome(0.75, "g"),
     }
     for rollout_id, outcome in judged.items():
-        await sink.put_rollout(
-            RolloutInfo(rollout_id, RolloutState.SEALED, False, 1, 2, outcome_history=(outcome,))
+        await put_sealed(
+            sink,
+            RolloutInfo(rollout_id, RolloutState.SEALED, False, 1, 2, outcome_history=(outcome,)),
         )
     await sink.close()
     out = tmp_path / "seg.parquet"

@@ -20,6 +20,7 @@ from capture_proxy.sinks.parquet import ParquetSink
 from capture_proxy.sinks.sqlite import SQLiteSink
 from tests.read.test_export import fill, listing, seal
 from tests.read.test_trajectory import call
+from tests.support.sealing import put_sealed
 from tests.support.sink_factories import Session, image, png_bytes
 
 
@@ -190,7 +191,7 @@ async def test_a_rollout_sealed_without_a_header_time_exports_null(tmp_path: Pat
     sink = SQLiteSink(str(tmp_path / "c.db"))
     s = Session("r0")
     await sink.stage(s.next()[0])
-    await sink.put_rollout(RolloutInfo("r0", RolloutState.SEALED, False, 1, None))
+    await put_sealed(sink, RolloutInfo("r0", RolloutState.SEALED, False, 1, None))
     await sink.close()
     out = tmp_path / "o.parquet"
     done = export_store(f"sqlite:///{tmp_path / 'c.db'}", str(out), per="segment")

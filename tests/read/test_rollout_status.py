@@ -5,14 +5,16 @@ on read. Every test runs on both stores (SQLite file, Parquet dataset).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from capture_proxy.read.integrity import RolloutUnverified
 from capture_proxy.read.reader import Store
 from capture_proxy.read.status import NotStaged, RolloutExcluded
 from capture_proxy.read.trajectory import Break
-from capture_proxy.schemas.digest import DigestMismatch
+from capture_proxy.schemas.digest import seal_record
 from capture_proxy.schemas.records import (
     CallStatus,
     LedgerEntry,
@@ -21,6 +23,7 @@ from capture_proxy.schemas.records import (
     StagedCallRecord,
 )
 from capture_proxy.sinks.base import StagingSink
+from tests.support.sealing import put_sealed
 from tests.support.sink_factories import SINKS, Session, SinkCase
 
 KINDS = ["sqlite", "parquet"]
@@ -46,8 +49,9 @@ async def lost_middle_call(
 
 
 async def seal(sink: StagingSink, *rollout_ids: str) -> None:
+    """Seal as the proxy does: the header, then the seal event."""
     for rollout_id in rollout_ids:
-        await sink.put_rollout(RolloutInfo(rollout_id, RolloutState.SEALED, False, 1, 2))
+        await put_sealed(sink, RolloutInfo(rollout_id, RolloutState.SEALED, False, 1, 2))
 
 
 async def closed(case: SinkCase) -> Store:
@@ -92,19 +96,49 @@ async def test_capture_failed_call_poisons_and_its_answer_is_never_prompt(
 
 
 @pytest.mark.parametrize("kind", KINDS)
-async def test_upstream_error_counts_as_a_failure_and_does_not_poison(
-    kind: str, tmp_path: Path
+@pytest.mark.parametrize("status", [CallStatus.UPSTREAM_ERROR, CallStatus.ABORTED])
+async def test_a_stream_ended_early_does_not_poison_and_its_tokens_are_never_prompt(
+    kind: str, status: CallStatus, tmp_path: Path
 ) -> None:
+    """An upstream error or an abort does not poison, but its stream may have delivered tokens
+    the client replays in the next prompt: the next call opens a segment of its own."""
     case = SINKS[kind](tmp_path)
-    # An upstream error answered nothing: its neighbours are one sequence as far as the store
-    # knows (the third prompt here holds tokens of an unstaged call only to test the rule).
-    first, _, third = await lost_middle_call(case.sink, status=CallStatus.UPSTREAM_ERROR)
+    first, _, third = await lost_middle_call(case.sink, status=status)
     await seal(case.sink, "p")
     with await closed(case) as store:
         traj = store.trajectory("p")
-    assert (traj.poisoned, traj.n_failures, traj.breaks) == (False, 1, [])
-    assert traj.not_staged[0].status == "upstream_error"
+    assert (traj.poisoned, traj.n_failures) == (False, 1)
+    assert traj.not_staged[0].status == status.value
     assert traj.calls == [first.call_id, third.call_id]
+    (brk,) = traj.breaks
+    assert (brk.call_id, brk.reason, brk.detail) == (
+        third.call_id,
+        "not_staged",
+        traj.not_staged[0],
+    )
+    start = brk.position
+    assert list(traj.loss_mask[start : start + len(third.prompt_token_ids)]) == [0] * len(
+        third.prompt_token_ids
+    )
+    assert sum(traj.loss_mask) == len(first.completion_token_ids) + len(third.completion_token_ids)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_the_retry_of_a_failed_call_continues_its_segment(kind: str, tmp_path: Path) -> None:
+    """A call that repeats the failed call's request (`retry_of`) holds none of its answer."""
+    case = SINKS[kind](tmp_path)
+    s = Session("p")
+    first, failed = s.next()[0], s.next()[0]
+    retry = seal_record(replace(failed, call_id="p-retry", seq=2, retry_of=failed.call_id))
+    assert (await case.sink.stage(first)).status is CallStatus.STAGED
+    await case.sink.record_failure(
+        LedgerEntry("p", failed.call_id, 1, CallStatus.UPSTREAM_ERROR, "upstream_500", "", 500)
+    )
+    assert (await case.sink.stage(retry)).status is CallStatus.STAGED
+    await seal(case.sink, "p")
+    with await closed(case) as store:
+        traj = store.trajectory("p")
+    assert (traj.breaks, traj.calls) == ([], [first.call_id, "p-retry"])
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -161,12 +195,16 @@ async def test_reads_verify_digests_unless_told_not_to(kind: str, tmp_path: Path
     await case.sink.close()
     case.tamper(records[1].call_id, "tokens")
     with Store(case.reopen()) as store:
-        with pytest.raises(DigestMismatch, match=records[1].call_id):
+        with pytest.raises(RolloutUnverified, match=records[1].call_id) as e:
             store.calls("t")
-        with pytest.raises(DigestMismatch, match=records[1].call_id):
+        assert e.value.keyword == "verify"
+        with pytest.raises(RolloutUnverified, match=records[1].call_id):
             store.trajectory("t")
-        with pytest.raises(DigestMismatch, match=records[1].call_id):
-            list(store.iter_trajectories())
+        skipped: dict[str, list[str]] = {}
+        why: dict[str, list[str]] = {}
+        assert list(store.iter_trajectories(skipped=skipped, unverified=why)) == []
+        assert skipped["unverified"] == ["t"]
+        assert why["t"][0].startswith(f"{records[1].call_id}: digest mismatch")
         # Opting out reads the stored (damaged) data as it is.
         assert len(store.calls("t", verify=False)) == 3
         assert store.trajectory("t", verify=False).calls == [r.call_id for r in records]

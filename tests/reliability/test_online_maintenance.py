@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from capture_proxy.read.reader import open_store
+from capture_proxy.schemas.events import EventDraft, EventKind
 from capture_proxy.schemas.records import RolloutInfo, RolloutState
 from capture_proxy.sinks.parquet import ParquetSink, compact_dataset, gc_parquet
 from tests.support.s3 import MotoS3
@@ -100,6 +101,7 @@ async def test_compaction_and_gc_during_writes_lose_nothing_acknowledged(locatio
                 acked.setdefault(rollout, {})[record.call_id] = record.digest
             now = int(time.time() * 1000)
             await sink.put_rollout(RolloutInfo(rollout, RolloutState.SEALED, False, now, now))
+            await sink.append_event(EventDraft(rollout, EventKind.SEAL, now))
             sealed.add(rollout)
             generation += 1
 

@@ -32,6 +32,7 @@ from capture_proxy.sinks.parquet import (
 from capture_proxy.sinks.registry import open_sink
 from tests.support.aging import age_units
 from tests.support.proxy_harness import Proxy, chat_body, user
+from tests.support.sealing import put_sealed
 from tests.support.sink_factories import Session
 
 ADMIN = {"Authorization": "Bearer t"}
@@ -329,8 +330,8 @@ async def test_kept_ledger_rows_keep_their_commit_order(tmp_path: Path) -> None:
     await sink.close()
     compact_store(ds)  # one unit holding rows of both the rollout that goes and those that stay
     sink = ParquetSink(ds)
-    await sink.put_rollout(RolloutInfo("kept", RolloutState.SEALED, False, 2, 20, {"v": 2}))
-    await sink.put_rollout(RolloutInfo("old", RolloutState.SEALED, False, 0, 10))
+    await put_sealed(sink, RolloutInfo("kept", RolloutState.SEALED, False, 2, 20, {"v": 2}))
+    await put_sealed(sink, RolloutInfo("old", RolloutState.SEALED, False, 0, 10))
     await sink.close()
     url = f"parquet:///{ds}"
     assert ParquetSource(ds).orphaned() == {"old-c1"}

@@ -16,8 +16,17 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from capture_proxy.read.integrity import RolloutUnverified
 from capture_proxy.read.reader import open_store
-from capture_proxy.schemas.digest import DigestMismatch, seal_record
+from capture_proxy.schemas.digest import seal_record
+from capture_proxy.schemas.events import (
+    EventDraft,
+    EventKind,
+    RolloutEvent,
+    chain_event,
+    claim_event,
+    staged_event,
+)
 from capture_proxy.schemas.records import (
     Attachment,
     RolloutInfo,
@@ -77,13 +86,30 @@ FIRST = sealed("c1", 0, [1, 2, 3])
 SECOND = sealed("c2", 1, [1, 2, 3, 7, 8, 4, 5], parent="c1")
 
 
+def event_log(*records: StagedCallRecord) -> list[RolloutEvent]:
+    """The event log a proxy keeps of `records`, then sealed: what `verify` holds them to."""
+    drafts = []
+    for r in records:
+        drafts += [claim_event("r1", r.seq, r.call_id, 1), staged_event(r, 1)]
+    drafts.append(EventDraft("r1", EventKind.SEAL, 2))
+    events: list[RolloutEvent] = []
+    for d in drafts:
+        events.append(chain_event(d, (events[-1].position, events[-1].hash) if events else None))
+    return events
+
+
+EVENTS = event_log(FIRST, SECOND)
+
+
 def records_body(*records: StagedCallRecord, end: bool = True) -> bytes:
     encoder = RecordEncoder()
     body = b"".join(encoder.encode(r) for r in records)
     return body + (end_frame(encoder.count) if end else b"")
 
 
-def fake_proxy(calls_body: bytes, *, wire_version: int = 1) -> web.Application:
+def fake_proxy(
+    calls_body: bytes, *, wire_version: int = 1, events: list[RolloutEvent] = EVENTS
+) -> web.Application:
     """The read routes a `RemoteSource` needs, answering `calls_body` for every rollout's calls."""
 
     def json(value: Any) -> web.Response:
@@ -100,6 +126,9 @@ def fake_proxy(calls_body: bytes, *, wire_version: int = 1) -> web.Application:
 
     async def empty(request: web.Request) -> web.Response:
         return json([])
+
+    async def event_log(request: web.Request) -> web.Response:
+        return json(events)
 
     async def no_claims(request: web.Request) -> web.Response:
         return json({})
@@ -118,7 +147,7 @@ def fake_proxy(calls_body: bytes, *, wire_version: int = 1) -> web.Application:
     app.router.add_get("/admin/store/rollouts/{rollout_id}", info)
     app.router.add_get("/admin/store/rollouts/{rollout_id}/failures", empty)
     app.router.add_get("/admin/store/rollouts/{rollout_id}/summaries", empty)
-    app.router.add_get("/admin/store/rollouts/{rollout_id}/events", empty)
+    app.router.add_get("/admin/store/rollouts/{rollout_id}/events", event_log)
     app.router.add_get("/admin/store/rollouts/{rollout_id}/claims", no_claims)
     app.router.add_get("/admin/store/rollouts/{rollout_id}/calls", calls)
     app.router.add_post("/admin/store/fetch", calls)
@@ -135,8 +164,10 @@ async def serve(app: web.Application) -> AsyncIterator[str]:
         await server.close()
 
 
-async def read_calls(body: bytes, **kwargs: Any) -> list[StagedCallRecord]:
-    async with serve(fake_proxy(body)) as url:
+async def read_calls(
+    body: bytes, events: list[RolloutEvent] = EVENTS, **kwargs: Any
+) -> list[StagedCallRecord]:
+    async with serve(fake_proxy(body, events=events)) as url:
 
         def read() -> list[StagedCallRecord]:
             with open_store(url, token=TOKEN) as store:
@@ -158,7 +189,7 @@ async def test_one_image_under_two_media_types_reads_back_with_each_records_own(
     png = FIRST.attachments[0]
     jpeg = Attachment(png.sha256, "image/jpeg", png.data)
     second = seal_record(replace(SECOND, attachments=(jpeg,)))
-    got = await read_calls(records_body(FIRST, second))  # verified on read
+    got = await read_calls(records_body(FIRST, second), event_log(FIRST, second))  # verified
     assert [[a.media_type for a in r.attachments] for r in got] == [["image/png"], ["image/jpeg"]]
 
 
@@ -185,7 +216,7 @@ def test_a_row_without_reference_media_types_reads_with_the_images_own() -> None
 )
 async def test_a_record_edited_on_the_way_fails_verification(edit: dict[str, Any]) -> None:
     tampered = replace(SECOND, **edit)  # keeps the digest the proxy sealed
-    with pytest.raises(DigestMismatch):
+    with pytest.raises(RolloutUnverified, match="c2: digest mismatch"):
         await read_calls(records_body(FIRST, tampered))
     # Verification is what caught it: unverified, the edited record passes as it came.
     (_, raw) = await read_calls(records_body(FIRST, tampered), verify=False)
@@ -194,7 +225,7 @@ async def test_a_record_edited_on_the_way_fails_verification(edit: dict[str, Any
 
 async def test_an_edited_image_fails_verification() -> None:
     forged = Attachment(FIRST.attachments[0].sha256, "image/png", b"\x89PNG" + bytes(63) + b"!")
-    with pytest.raises(DigestMismatch):
+    with pytest.raises(RolloutUnverified, match=r"c1: attachment .* mismatch"):
         await read_calls(records_body(replace(FIRST, attachments=(forged,))))
 
 

@@ -568,6 +568,9 @@ async def test_the_event_log_chains_claims_outcomes_and_seals(case: SinkCase) ->
     await sink.record_failure(
         LedgerEntry("ep", "x1", 1, CallStatus.UPSTREAM_ERROR, "upstream_500", "boom", 502, 3)
     )
+    # Sealed as the proxy seals (a header that says so, then the seal event): `verify` holds
+    # the header to the chain.
+    await sink.put_rollout(RolloutInfo("ep", RolloutState.SEALED, False, 0, 4))
     await sink.append_event(EventDraft("ep", EventKind.SEAL, 4))
     await sink.append_event(claim_event("other", 0, "o0", 5))  # another rollout: its own chain
     # A Parquet claim is durable as its claim file; its event commits with the next unit, or at

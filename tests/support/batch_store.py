@@ -13,6 +13,7 @@ from capture_proxy.schemas.records import CallStatus, LedgerEntry, RolloutInfo, 
 from capture_proxy.sinks.base import StagingSink
 from capture_proxy.sinks.parquet import ParquetSink
 from capture_proxy.sinks.sqlite import SQLiteSink
+from tests.support.sealing import put_header as put_header_as_proxy
 from tests.support.sink_factories import Session
 
 KINDS = ("sqlite", "parquet")
@@ -73,7 +74,10 @@ async def put_header(sink: StagingSink, spec: Spec) -> None:
         if spec.graded
         else ()
     )
-    await sink.put_rollout(
+    # As the proxy writes them (the header, then its seal and outcome events): verified reads
+    # hold the header to the event log.
+    await put_header_as_proxy(
+        sink,
         RolloutInfo(
             spec.rollout_id,
             RolloutState.SEALED if spec.sealed else RolloutState.OPEN,
@@ -83,7 +87,7 @@ async def put_header(sink: StagingSink, spec: Spec) -> None:
             {},
             {},
             outcomes,
-        )
+        ),
     )
 
 

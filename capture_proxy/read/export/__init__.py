@@ -14,15 +14,17 @@ its first generated token), `response_ids`, `response_mask` (1 on generated toke
 output and template tokens inside the response) and `response_logprobs`. docs/trajectories.md
 lists every column; `capture_proxy.read.trainers` gives trainers their own shapes.
 
-Like the reader's trainer-facing reads, the export leaves out open rollouts (not sealed yet) and
-poisoned ones (a call answered but not staged) unless asked for them (``include_open``,
-``include_poisoned``), and says which it left out (`ExportSummary.left_out`); it can be limited
-to named rollouts, groups, and rollouts sealed since a time. An incremental export passes an
-`ExportCursor` (``cursor``): it skips the rollouts the cursor took and adds the ones it exported,
-so every sealed rollout is exported exactly once over the passes. Rows come oldest rollout first,
-the rollouts of one group together. Every record is verified against its digest while exporting
-(a mismatch stops the export; ``verify=False`` skips the check), and a file appears only when
-complete: it is written to a temporary file and renamed. The images the rows refer to go, once
+Like the reader's trainer-facing reads, the export leaves out open rollouts (not sealed yet),
+poisoned ones (a call answered but not staged) and ones that do not verify (a record's digest,
+the event log's chain or accounting, the header against the chain:
+`capture_proxy.read.integrity`) unless asked for them (``include_open``, ``include_poisoned``,
+``verify=False``), and says which it left out and why (`ExportSummary.left_out`,
+`ExportSummary.unverified`); it can be limited to named rollouts, groups, rollouts sealed since
+a time, and anchored to the chain heads a driver kept (``expected_heads``). An incremental
+export passes an `ExportCursor` (``cursor``): it skips the rollouts the cursor took and adds the
+ones it exported, so every sealed rollout is exported exactly once over the passes. Rows come
+oldest rollout first, the rollouts of one group together. A file appears only when complete: it
+is written to a temporary file and renamed. The images the rows refer to go, once
 each, to a sibling Parquet file keyed by sha256 (`attachments_path`).
 
 A Parquet export carries file-level metadata (`read_export_metadata`): the export format version,
@@ -36,7 +38,7 @@ import dataclasses
 import json
 import os
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from datetime import datetime
 from typing import Literal
 
@@ -132,12 +134,17 @@ class ExportSummary:
     rows: int = 0
     #: Rollouts exported.
     rollouts: int = 0
-    #: Rollout ids left out, by why: ``"open"`` (not sealed; ``include_open``) and
-    #: ``"poisoned"`` (``include_poisoned``; a rollout both open and poisoned counts here).
-    #: Only rollouts with staged calls are listed (the others have nothing to export).
+    #: Rollout ids left out, by why: ``"open"`` (not sealed; ``include_open``),
+    #: ``"poisoned"`` (``include_poisoned``; a rollout both open and poisoned counts here) and
+    #: ``"unverified"`` (``verify=False``; `unverified` says why). Only rollouts with staged
+    #: calls are listed as open or poisoned (the others have nothing to export). An anchored
+    #: export (``expected_heads``) adds ``"missing"`` (anchored, not in the store) and
+    #: ``"unanchored"`` (in the store, not anchored: not exported).
     left_out: dict[str, list[str]] = dataclasses.field(
-        default_factory=lambda: {"open": [], "poisoned": []}
+        default_factory=lambda: {"open": [], "poisoned": [], "unverified": []}
     )
+    #: Why each rollout left out as unverified was: rollout id -> its problems.
+    unverified: dict[str, list[str]] = dataclasses.field(default_factory=dict)
     #: Distinct attachments written to `attachments_out`.
     attachments: int = 0
     #: The attachments file, or None when no row refers to one (or the export went to stdout).
@@ -153,6 +160,7 @@ class ExportSummary:
             "rows": self.rows,
             "rollouts": self.rollouts,
             "left_out": self.left_out,
+            "unverified": self.unverified,
             "attachments": self.attachments,
             "attachments_out": self.attachments_out,
             "last_sealed_at_ms": self.last_sealed_at_ms,
@@ -173,6 +181,7 @@ def export_store(
     group: str | Iterable[str] | None = None,
     since: int | datetime | None = None,
     cursor: ExportCursor | None = None,
+    expected_heads: Mapping[str, str] | None = None,
     attachments: bool = True,
     row_group_bytes: int = ROW_GROUP_BYTES,
     progress: Progress | None = None,
@@ -187,12 +196,15 @@ def export_store(
     at or after it) narrow the export further. `cursor` (an `ExportCursor`) leaves out the
     rollouts it took, and once the export is complete takes the sealed rollouts exported (a
     failed export leaves it unchanged): passed to every export of an incremental loop, it exports
-    each sealed rollout exactly once, however late it became visible. The attachments the rows
-    refer to are written to `attachments_path(out)` unless ``attachments=False`` (never for
-    stdout). Raises `DigestMismatch` (and writes no file) when a record does not verify,
-    ``verify=False`` skips the check; KeyError for a rollout id the store does not hold;
-    ValueError for a bad `format` or `per`. `progress`, if given, is called
-    with ``(rollouts written, rollouts selected)`` as the export goes.
+    each sealed rollout exactly once, however late it became visible (a rollout left out as
+    unverified is not taken). `expected_heads` (rollout id -> the ``chain_head`` its driver
+    kept, `capture_proxy.read.anchors.load_heads`) exports only those rollouts, each only if
+    its stored chain ends there. A rollout that does not verify is left out and said in
+    `ExportSummary.left_out` and `ExportSummary.unverified` (``verify=False`` exports it as
+    it is). The attachments the rows refer to are written to `attachments_path(out)` unless
+    ``attachments=False`` (never for stdout). Raises KeyError for a rollout id the store does
+    not hold; ValueError for a bad `format` or `per`. `progress`, if given, is called with
+    ``(rollouts written, rollouts selected)`` as the export goes.
     """
     fmt = export_format(out, format)
     if per not in SCHEMAS:
@@ -201,6 +213,7 @@ def export_store(
     store = open_store(source) if isinstance(source, str) else source
     summary = ExportSummary()
     skipped: dict[str, list[str]] = {"open": [], "poisoned": []}
+    summary.unverified = {}
     try:
         selected = store._select(
             include_open=include_open,
@@ -210,18 +223,38 @@ def export_store(
             rollouts=rollouts,
             skipped=skipped,
             cursor=cursor,
+            expected_heads=expected_heads,
+            unverified=summary.unverified,
         )
         # Rollouts without any staged call have nothing to export, left out or not.
+        # Rollouts left out as unverified while selecting (a ledger too damaged to read) are
+        # listed whatever they hold.
         summary.left_out = {
-            why: [r for r in ids if store.source.summaries(r)] for why, ids in skipped.items()
+            why: [
+                r
+                for r in ids
+                if why in ("missing", "unanchored", "unverified") or store.source.summaries(r)
+            ]
+            for why, ids in skipped.items()
         }
+        summary.left_out.setdefault("unverified", [])
         metadata = {
             "export_format_version": str(EXPORT_FORMAT_VERSION),
             "capture_proxy_version": _capture_proxy_version(),
             "store": store.url,
             "per": per,
         }
-        run = _Run(store, per, selected, verify, include_untooled, summary, metadata, progress)
+        run = _Run(
+            store,
+            per,
+            selected,
+            verify,
+            include_untooled,
+            summary,
+            metadata,
+            expected_heads,
+            progress,
+        )
         if out == "-":
             run.write(JsonLinesOut(sys.stdout.buffer), None)
             if cursor is not None:
@@ -273,6 +306,7 @@ class _Run:
     include_untooled: bool
     summary: ExportSummary
     metadata: dict[str, str]
+    expected_heads: Mapping[str, str] | None = None
     progress: Progress | None = None
     #: The sealed rollouts written (or with nothing to write): what a cursor takes.
     taken: list[str] = dataclasses.field(default_factory=list)
@@ -284,9 +318,17 @@ class _Run:
         for done, sel in enumerate(self.selected):
             if self.progress is not None:
                 self.progress(done, total)
-            records, traj = self.store._read(
-                sel.rollout_id, sel.status, self.include_untooled, self.verify
+            got = self.store._take(
+                sel,
+                self.include_untooled,
+                self.verify,
+                self.expected_heads,
+                self.summary.left_out,
+                self.summary.unverified,
             )
+            if got is None:
+                continue
+            records, traj = got
             if sel.status.state is RolloutState.SEALED:
                 self.taken.append(sel.rollout_id)
             if not (traj.calls or traj.apart):

@@ -48,20 +48,17 @@ def read_episode(store: Store, rollout_id: str, **filters: bool) -> Episode:
     """One rollout as an `Episode`, read once. `filters` are `Store.trajectory`'s keywords
     (`include_open`, `include_poisoned`, `verify`, `include_untooled`), with its defaults and
     errors."""
-    from ..status import check_included
+    from ..status import RolloutFacts, check_included, status_of
 
-    status = store.status(rollout_id)
+    facts = RolloutFacts.read(store.source, rollout_id)
     check_included(
         rollout_id,
-        status,
+        status_of(facts),
         include_open=filters.get("include_open", False),
         include_poisoned=filters.get("include_poisoned", False),
     )
     records, traj = store._read(
-        rollout_id,
-        status,
-        filters.get("include_untooled", False),
-        filters.get("verify", True),
+        facts, filters.get("include_untooled", False), filters.get("verify", True)
     )
     return Episode.of(traj, records)
 
@@ -82,7 +79,8 @@ def episodes(
     """`Store.iter_trajectories` as episodes, with its keywords, defaults and order (sealed,
     not poisoned, verified; a group's rollouts one after the other; `cursor` takes each sealed
     rollout once); `rollout_ids` keeps those rollouts only (KeyError for one the store does not
-    hold). Each rollout is read once, its records verified with its trajectory."""
+    hold). Each rollout is read once, verified with its trajectory (one that does not verify is
+    left out, in ``skipped["unverified"]``: `capture_proxy.read.integrity`)."""
     selected = store._select(
         include_open=include_open,
         include_poisoned=include_poisoned,
@@ -93,7 +91,12 @@ def episodes(
         cursor=cursor,
     )
     for sel in selected:
-        records, traj = store._read(sel.rollout_id, sel.status, include_untooled, verify)
+        # A rollout that does not verify is left out as `iter_trajectories` leaves it out
+        # (``skipped["unverified"]``, a warning).
+        got = store._take(sel, include_untooled, verify, None, skipped, None)
+        if got is None:
+            continue
+        records, traj = got
         if cursor is not None and sel.status.state is RolloutState.SEALED:
             cursor.add((sel.rollout_id,))
         if traj.calls or traj.apart:

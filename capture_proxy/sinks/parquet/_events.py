@@ -40,6 +40,9 @@ def event_row(event: RolloutEvent) -> dict[str, Any]:
 
 
 def event_from_row(row: Mapping[str, Any]) -> RolloutEvent:
+    body = orjson.loads(row["body"] or b"{}")
+    if not isinstance(body, dict):  # a crafted file: a body is always a JSON object
+        raise TypeError(f"an event's body is JSON {type(body).__name__}, not an object")
     return RolloutEvent(
         row["rollout_id"],
         int(row["position"]),
@@ -47,7 +50,7 @@ def event_from_row(row: Mapping[str, Any]) -> RolloutEvent:
         row["seq"],
         row["call_id"],
         int(row["at_ms"] or 0),
-        orjson.loads(row["body"] or b"{}"),
+        body,
         row["prev_hash"] or "",
         row["hash"] or "",
     )

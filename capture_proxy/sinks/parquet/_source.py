@@ -40,7 +40,7 @@ from ...schemas.records import (
     RolloutInfo,
     StagedCallRecord,
 )
-from ..base import PROXY_STATE_ROLLOUT, StoreError
+from ..base import PROXY_STATE_ROLLOUT, StoreDamaged, StoreError
 from ..rollout_index import IndexedRollout, RolloutQuery, row_of
 from ._claims import read_claims
 from ._cursors import ParquetCursors
@@ -84,6 +84,21 @@ def _order_of(path: str) -> int:
 def default_url(location: str) -> str:
     """The canonical store URL for a dataset location (what coordinates report)."""
     return location if "://" in location else f"parquet:///{location}"
+
+
+def _damaged(url: str, e: BaseException) -> StoreDamaged | None:
+    """`e` as damage of the dataset at `url`, or None when it is not (a store error of its
+    own, an unknown key, an I/O failure). pyarrow's ArrowInvalid and ArrowTypeError are
+    ValueError and TypeError: a file no writer could have written ends a read as damage, not as
+    a traceback."""
+    if isinstance(e, (KeyError, StoreError)) or not isinstance(
+        e, (ValueError, TypeError, OverflowError, UnicodeError, IndexError)
+    ):
+        return None
+    return StoreDamaged(
+        f"{url} is damaged ({type(e).__name__}: {e}); capture-proxy inspect --verify lists "
+        "the damage"
+    )
 
 
 class ParquetSource(Loading):
@@ -154,8 +169,11 @@ class ParquetSource(Loading):
                 return
             try:
                 self._load(names)
-            except BaseException:
+            except BaseException as e:
                 self._reset()
+                damaged = _damaged(self.url, e)
+                if damaged is not None:
+                    raise damaged from e
                 raise
 
     @contextlib.contextmanager
@@ -288,6 +306,11 @@ class ParquetSource(Loading):
                     self._reset()
                     if attempt == _ATTEMPTS - 1:
                         raise
+                except (ValueError, TypeError, OverflowError, UnicodeError, IndexError) as e:
+                    damaged = _damaged(self.url, e)
+                    if damaged is None:
+                        raise
+                    raise damaged from e
         raise AssertionError("unreachable")
 
     def known(self) -> Known:

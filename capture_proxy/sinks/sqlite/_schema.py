@@ -44,7 +44,7 @@ import orjson
 
 from ...schemas.outcome import split_header_metadata
 from ..base import StoreError, StoreFormatError
-from ..codec import ROW_FIELDS
+from ..codec import ROW_FIELDS, stored_bytes, stored_int
 
 __all__ = [
     "CALL_COLUMNS",
@@ -277,15 +277,33 @@ def pack_blob(data: bytes) -> tuple[bytes, int]:
     return data, BLOB_RAW
 
 
+#: The most a stored blob (one message, or a request without its messages) may decompress to:
+#: twice the proxy's default request body limit (``--max-body-bytes``, 64 MiB), and a blob is a
+#: part of one request body. A crafted one (a "zlib bomb": 2 MB that inflate to 2 GiB) is
+#: refused after this many bytes instead of taking the reader's memory.
+MAX_BLOB_BYTES = 128 << 20
+
+
 def unpack_blob(key: str, data: bytes, codec: int) -> bytes:
+    """A stored blob's bytes; ValueError for a damaged one, an unknown codec, or one that
+    decompresses past `MAX_BLOB_BYTES`."""
     if codec == BLOB_RAW:
         return data
     if codec == BLOB_ZLIB:
+        inflate = zlib.decompressobj()
         try:
-            return zlib.decompress(data)
+            out = inflate.decompress(data, MAX_BLOB_BYTES + 1)
         except zlib.error as e:
             raise ValueError(f"blob {key} is damaged: {e}") from e
-    raise ValueError(f"blob {key} has an unknown codec {codec}")
+        if len(out) > MAX_BLOB_BYTES:
+            raise ValueError(
+                f"blob {key} decompresses past {MAX_BLOB_BYTES} bytes (MAX_BLOB_BYTES): no "
+                "writer stores one that large; refused unread"
+            )
+        if not inflate.eof:
+            raise ValueError(f"blob {key} is damaged: its compressed stream is cut short")
+        return out
+    raise ValueError(f"blob {key} has an unknown codec {codec!r}")
 
 
 FORMAT_VERSION = len(MIGRATIONS)
@@ -443,7 +461,14 @@ def rebuild_full(
         rollout, parent, prev_len, delta, cum_len = row
         if key == call_id:
             rollout_id = rollout
-        chain.append((key, int(prev_len), bytes(delta), int(cum_len)))
+        chain.append(
+            (
+                key,
+                stored_int(prev_len, "prev_len"),
+                stored_bytes(delta, "delta_tokens"),
+                stored_int(cum_len, "cum_len"),
+            )
+        )
         key = parent if prev_len else None
     if not chain:
         return base

@@ -25,8 +25,8 @@ from ...schemas.records import (
     RolloutState,
     StagedCallRecord,
 )
-from ..base import PROXY_STATE_ROLLOUT, StoreError, StoreFormatError
-from ..codec import decode_row
+from ..base import PROXY_STATE_ROLLOUT, StoreDamaged, StoreError, StoreFormatError
+from ..codec import decode_row, stored_bytes
 from ..rollout_index import IndexedRollout, RolloutQuery
 from ._cursors import SQLiteCursors
 from ._schema import (
@@ -50,13 +50,44 @@ __all__ = ["SQLiteSource"]
 _DECODE_CACHE_TOKENS = 2_000_000
 
 
+def _int(value: object, what: str) -> int:
+    """An integer column's value, as a writer stores it: an int (not a float, text or bytes,
+    which SQLite would keep in any column of a crafted file)."""
+    if type(value) is not int:
+        raise TypeError(f"{what} is {type(value).__name__} {value!r:.40}, not an integer")
+    return value
+
+
+def _text(value: object, what: str) -> str:
+    if type(value) is not str:
+        raise TypeError(f"{what} is {type(value).__name__} {value!r:.40}, not text")
+    return value
+
+
+def _object(value: object, what: str) -> dict[str, Any]:
+    """A JSON object column (metadata, policy, an event's body)."""
+    if not isinstance(value, (str, bytes)):
+        raise TypeError(f"{what} is {type(value).__name__}, not JSON text")
+    loaded = orjson.loads(value)
+    if not isinstance(loaded, dict):
+        raise TypeError(f"{what} is JSON {type(loaded).__name__}, not an object")
+    return loaded
+
+
 class _Decoder:
     """Decodes rows within one read, reusing parents' sequences, blobs and attachments."""
 
     def __init__(
-        self, conn: sqlite3.Connection, columns: Sequence[str], reference_types: bool
+        self,
+        conn: sqlite3.Connection,
+        columns: Sequence[str],
+        reference_types: bool,
+        refused: dict[str, str] | None = None,
     ) -> None:
         self.conn = conn
+        #: Blobs found past their size limit (key -> why), shared by the reads of one source:
+        #: a blob is inflated up to the limit once, then refused at once.
+        self.refused = refused if refused is not None else {}
         self.columns = columns
         self.fulls = TokenLRU(_DECODE_CACHE_TOKENS)
         self.blobs: dict[str, bytes] = {}
@@ -80,7 +111,14 @@ class _Decoder:
             ).fetchone()
             if row is None:
                 raise KeyError(f"blob {key} is missing")
-            data = self.blobs[key] = unpack_blob(key, bytes(row[0]), row[1])
+            if key in self.refused:
+                raise ValueError(self.refused[key])
+            try:
+                data = unpack_blob(key, stored_bytes(row[0], "blob"), row[1])
+            except ValueError as e:
+                self.refused[key] = str(e)
+                raise
+            self.blobs[key] = data
         return data
 
     def attachments_of(self, call_id: str) -> list[Attachment]:
@@ -88,7 +126,7 @@ class _Decoder:
         for sha, media_type, data in self.conn.execute(self._attachments_sql, (call_id,)):
             att = self.attachments.get((sha, media_type))
             if att is None:
-                kept = self.attachment_data.setdefault(sha, bytes(data))
+                kept = self.attachment_data.setdefault(sha, stored_bytes(data, "attachment"))
                 att = Attachment(sha, media_type, kept)
                 self.attachments[(sha, media_type)] = att
             out.append(att)
@@ -151,15 +189,25 @@ class SQLiteSource:
         self._has_index = has_index(version)
         self._cursors: SQLiteCursors | None = None
         self._select_calls = f"SELECT {', '.join(self._columns)} FROM calls"
+        self._refused_blobs: dict[str, str] = {}
 
     @contextmanager
     def _read(self) -> Iterator[sqlite3.Connection]:
         # One read transaction per method: a record, its blobs and its attachments come from the
-        # same snapshot even while a writer commits.
+        # same snapshot even while a writer commits. What a method decodes inside it, it decodes
+        # strictly (`_int`, `_text`, the codec): a value no writer stores ends the read as
+        # `StoreDamaged`, never as a TypeError three frames later.
         with self._lock:
             self._conn.execute("BEGIN")
             try:
                 yield self._conn
+            except (KeyError, StoreError):
+                raise
+            except (ValueError, TypeError, OverflowError, UnicodeError, IndexError) as e:
+                raise StoreDamaged(
+                    f"{self.path} is damaged ({type(e).__name__}: {e}); "
+                    "capture-proxy inspect --verify lists the damage"
+                ) from e
             finally:
                 self._conn.execute("COMMIT")
 
@@ -169,7 +217,7 @@ class SQLiteSource:
                 "SELECT id FROM rollouts WHERE id != ? ORDER BY created_at_ms, rowid",
                 (PROXY_STATE_ROLLOUT,),
             )
-            return [r[0] for r in rows]
+            return [_text(r[0], "rollout id") for r in rows]
 
     def indexed_rollouts(self, query: RolloutQuery) -> list[IndexedRollout]:
         """The rollouts `query` keeps, through the ``rollouts`` indexes (format 7): a query by
@@ -237,18 +285,18 @@ class SQLiteSource:
                 " WHERE c.rollout_id = ?)",
                 (rollout_id, CallStatus.CAPTURE_FAILED.value, rollout_id),
             ).fetchone()[0]
-        state, created, sealed, metadata, policy = row
-        driver_metadata, outcomes = split_header_metadata(orjson.loads(metadata))
-        return RolloutInfo(
-            rollout_id,
-            RolloutState(state),
-            bool(poisoned),
-            int(created),
-            None if sealed is None else int(sealed),
-            driver_metadata,
-            orjson.loads(policy),
-            outcomes,
-        )
+            state, created, sealed, metadata, policy = row
+            driver_metadata, outcomes = split_header_metadata(_object(metadata, "metadata"))
+            return RolloutInfo(
+                rollout_id,
+                RolloutState(_text(state, "state")),
+                bool(poisoned),
+                _int(created, "created_at_ms"),
+                None if sealed is None else _int(sealed, "sealed_at_ms"),
+                driver_metadata,
+                _object(policy, "policy"),
+                outcomes,
+            )
 
     def calls(self, rollout_id: str, *, include_orphaned: bool = False) -> list[StagedCallRecord]:
         where = "" if include_orphaned else " AND call_id NOT IN (SELECT call_id FROM orphaned)"
@@ -257,7 +305,7 @@ class SQLiteSource:
                 f"{self._select_calls} WHERE rollout_id = ?{where} ORDER BY seq, rowid",
                 (rollout_id,),
             ).fetchall()
-            decoder = _Decoder(c, self._columns, self._reference_types)
+            decoder = _Decoder(c, self._columns, self._reference_types, self._refused_blobs)
             return [decoder.record(r) for r in rows]
 
     def failures(self, rollout_id: str) -> list[LedgerEntry]:
@@ -267,10 +315,19 @@ class SQLiteSource:
                 " WHERE rollout_id = ? ORDER BY seq, rowid",
                 (rollout_id,),
             ).fetchall()
-        return [
-            LedgerEntry(rollout_id, call_id, seq, CallStatus(status), reason, msg, http, at_ms)
-            for call_id, seq, status, reason, msg, http, at_ms in rows
-        ]
+            return [
+                LedgerEntry(
+                    rollout_id,
+                    _text(call_id, "call_id"),
+                    _int(seq, "seq"),
+                    CallStatus(status),
+                    _text(reason, "reason"),
+                    _text(msg, "message"),
+                    None if http is None else _int(http, "http_status"),
+                    _int(at_ms, "at_ms"),
+                )
+                for call_id, seq, status, reason, msg, http, at_ms in rows
+            ]
 
     def events(self, rollout_id: str) -> list[RolloutEvent]:
         if not self._has_events:  # written before event logs: nothing to check
@@ -281,10 +338,20 @@ class SQLiteSource:
                 " WHERE rollout_id = ? ORDER BY position",
                 (rollout_id,),
             ).fetchall()
-        return [
-            RolloutEvent(rollout_id, pos, kind, seq, cid, at, orjson.loads(body), prev, digest)
-            for pos, kind, seq, cid, at, body, prev, digest in rows
-        ]
+            return [
+                RolloutEvent(
+                    rollout_id,
+                    _int(pos, "position"),
+                    _text(kind, "kind"),
+                    None if seq is None else _int(seq, "seq"),
+                    None if cid is None else _text(cid, "call_id"),
+                    _int(at, "at_ms"),
+                    _object(body, "body"),
+                    _text(prev, "prev_hash"),
+                    _text(digest, "hash"),
+                )
+                for pos, kind, seq, cid, at, body, prev, digest in rows
+            ]
 
     def claims(self, rollout_id: str) -> dict[int, str]:
         if not self._has_events:
@@ -295,7 +362,7 @@ class SQLiteSource:
                 " ORDER BY seq",
                 (rollout_id,),
             ).fetchall()
-        return {int(seq): str(cid) for seq, cid in rows}
+            return {_int(seq, "seq"): _text(cid, "call_id") for seq, cid in rows}
 
     def summaries(self, rollout_id: str) -> list[CallSummary]:
         # One pass over the (rollout_id, seq) index; the token and logprob blobs are stored after
@@ -308,14 +375,27 @@ class SQLiteSource:
                 " FROM calls WHERE rollout_id = ? ORDER BY seq, rowid",
                 (rollout_id,),
             ).fetchall()
-        return [
-            CallSummary(cid, seq, parent, retry, finish, p, cum - p, cum, prev, at, wv, bool(o))
-            for cid, seq, parent, retry, finish, p, cum, prev, at, wv, o in rows
-        ]
+            return [
+                CallSummary(
+                    _text(cid, "call_id"),
+                    _int(seq, "seq"),
+                    None if parent is None else _text(parent, "parent_call_id"),
+                    None if retry is None else _text(retry, "retry_of"),
+                    _text(finish, "finish_reason"),
+                    _int(p, "prompt_len"),
+                    _int(cum, "cum_len") - _int(p, "prompt_len"),
+                    _int(cum, "cum_len"),
+                    _int(prev, "prev_len"),
+                    _int(at, "created_at_ms"),
+                    _int(wv, "weight_version"),
+                    bool(o),
+                )
+                for cid, seq, parent, retry, finish, p, cum, prev, at, wv, o in rows
+            ]
 
     def fetch(self, keys: Sequence[str]) -> list[StagedCallRecord]:
         with self._read() as c:
-            decoder = _Decoder(c, self._columns, self._reference_types)
+            decoder = _Decoder(c, self._columns, self._reference_types, self._refused_blobs)
             out = []
             for key in keys:
                 row = c.execute(f"{self._select_calls} WHERE call_id = ?", (key,)).fetchone()
@@ -335,7 +415,19 @@ class SQLiteSource:
                 ).fetchone()
                 if row is None:
                     raise KeyError(f"no staged record {key!r} in {self.url}")
-                out.append(CommitCoords(self.url, key, *row))
+                digest, extras_digest, prev_len, delta_len, cum_len, weight_version = row
+                out.append(
+                    CommitCoords(
+                        self.url,
+                        key,
+                        _text(digest, "digest"),
+                        _text(extras_digest, "extras_digest"),
+                        _int(prev_len, "prev_len"),
+                        _int(delta_len, "delta_len"),
+                        _int(cum_len, "cum_len"),
+                        _int(weight_version, "weight_version"),
+                    )
+                )
         return out
 
     def orphaned(self) -> set[str]:
@@ -344,7 +436,10 @@ class SQLiteSource:
 
     def all_keys(self) -> list[str]:
         with self._read() as c:
-            return [r[0] for r in c.execute("SELECT call_id FROM calls ORDER BY rowid")]
+            return [
+                _text(r[0], "call_id")
+                for r in c.execute("SELECT call_id FROM calls ORDER BY rowid")
+            ]
 
     def unreferenced_attachments(self) -> list[str]:
         with self._read() as c:
