@@ -16,15 +16,55 @@ import os
 import signal
 import subprocess
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
-__all__ = ["STEP_TIMEOUT_S", "default_cache", "locked", "read_marker", "run_step"]
+__all__ = [
+    "STEP_TIMEOUT_S",
+    "CachePaths",
+    "default_cache",
+    "locked",
+    "read_marker",
+    "run_step",
+]
 
 
 def default_cache() -> Path:
     """`$CAPTURE_PROXY_CACHE`, else `~/.cache/capture-proxy`."""
     env = os.environ.get("CAPTURE_PROXY_CACHE")
     return Path(env) if env else Path.home() / ".cache" / "capture-proxy"
+
+
+@dataclass(frozen=True)
+class CachePaths:
+    """Where one environment lives inside the cache: ``<cache>/<name>/venv`` and its marker,
+    ``<cache>/<name>/logs``. Each environment names itself (`name`) in a subclass."""
+
+    cache: Path
+    name: ClassVar[str] = ""
+
+    @property
+    def root(self) -> Path:
+        return self.cache / self.name
+
+    @property
+    def venv(self) -> Path:
+        return self.root / "venv"
+
+    @property
+    def python(self) -> Path:
+        """The venv's interpreter."""
+        return self.venv / "bin" / "python"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def marker(self) -> Path:
+        """The recipe the venv was built from, written last (see the module docs)."""
+        return self.venv / "capture-proxy-ready.json"
 
 
 @contextlib.contextmanager

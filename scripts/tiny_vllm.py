@@ -35,12 +35,12 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 if __package__ in (None, ""):  # run by path (python scripts/...py): the repo root holds `scripts`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scripts.cached_env import default_cache, locked, read_marker, run_step
+from scripts.cached_env import CachePaths, default_cache, locked, read_marker, run_step
 
 TORCH_VERSION = "2.13.0"
 VLLM_VERSION = "0.32.0"
@@ -276,36 +276,16 @@ def build_model(out: Path) -> None:
 
 
 @dataclass(frozen=True)
-class Paths:
-    """Where `prepare` puts things inside the cache."""
+class Paths(CachePaths):
+    """Where `prepare` puts things inside the cache: the venv (run vLLM, and anything that
+    imports torch, with its `python`), the model folder, the logs."""
 
-    cache: Path
-
-    @property
-    def root(self) -> Path:
-        return self.cache / "tiny-vllm"
-
-    @property
-    def venv(self) -> Path:
-        return self.root / "venv"
-
-    @property
-    def python(self) -> Path:
-        """The venv's interpreter: run vLLM (and anything importing torch) with this."""
-        return self.venv / "bin" / "python"
+    name: ClassVar[str] = "tiny-vllm"
 
     @property
     def model(self) -> Path:
         """The HF model folder (config.json, model.safetensors, tokenizer files)."""
         return self.root / "model"
-
-    @property
-    def logs(self) -> Path:
-        return self.root / "logs"
-
-    @property
-    def venv_marker(self) -> Path:
-        return self.venv / "capture-proxy-ready.json"
 
 
 def _venv_recipe() -> dict[str, object]:
@@ -318,7 +298,7 @@ def _venv_recipe() -> dict[str, object]:
 
 
 def _ensure_venv(paths: Paths) -> None:
-    if read_marker(paths.venv_marker) == _venv_recipe():
+    if read_marker(paths.marker) == _venv_recipe():
         return
     shutil.rmtree(paths.venv, ignore_errors=True)
     log = paths.logs / "prepare-venv.log"
@@ -335,7 +315,7 @@ def _ensure_venv(paths: Paths) -> None:
         [str(paths.python), "-c", "import vllm.entrypoints.openai.api_server"],
         log,
     )
-    paths.venv_marker.write_text(json.dumps(_venv_recipe()))
+    paths.marker.write_text(json.dumps(_venv_recipe()))
 
 
 def _ensure_model(paths: Paths) -> None:

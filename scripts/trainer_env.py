@@ -34,11 +34,12 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 if __package__ in (None, ""):  # run by path (python scripts/...py): the repo root holds `scripts`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scripts.cached_env import default_cache, locked, read_marker, run_step
+from scripts.cached_env import CachePaths, default_cache, locked, read_marker, run_step
 
 TORCH_VERSION = "2.13.0"
 VERL_VERSION = "0.9.1"
@@ -76,31 +77,11 @@ SMOKE = ("from tests.support.trainer_check import import_trainers; import_traine
 
 
 @dataclass(frozen=True)
-class Paths:
-    """Where `prepare` puts things inside the cache."""
+class Paths(CachePaths):
+    """Where `prepare` puts things inside the cache: the venv (run the trainer checks with its
+    `python`) and the install log."""
 
-    cache: Path
-
-    @property
-    def root(self) -> Path:
-        return self.cache / "trainers"
-
-    @property
-    def venv(self) -> Path:
-        return self.root / "venv"
-
-    @property
-    def python(self) -> Path:
-        """The venv's interpreter: run the trainer checks with it."""
-        return self.venv / "bin" / "python"
-
-    @property
-    def logs(self) -> Path:
-        return self.root / "logs"
-
-    @property
-    def marker(self) -> Path:
-        return self.venv / "capture-proxy-ready.json"
+    name: ClassVar[str] = "trainers"
 
 
 def recipe() -> dict[str, object]:
