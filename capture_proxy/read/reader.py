@@ -541,12 +541,44 @@ class Store:
 
         Rollouts without any staged call yield nothing.
         """
+        for _, traj in self.iter_read(
+            include_untooled=include_untooled,
+            include_open=include_open,
+            include_poisoned=include_poisoned,
+            verify=verify,
+            since=since,
+            group=group,
+            skipped=skipped,
+            cursor=cursor,
+            expected_heads=expected_heads,
+            unverified=unverified,
+        ):
+            yield traj
+
+    def iter_read(
+        self,
+        *,
+        rollouts: Iterable[str] | None = None,
+        include_untooled: bool = False,
+        include_open: bool = False,
+        include_poisoned: bool = False,
+        verify: bool = True,
+        since: int | datetime | None = None,
+        group: str | Iterable[str] | None = None,
+        skipped: dict[str, list[str]] | None = None,
+        cursor: ExportCursor | None = None,
+        expected_heads: Mapping[str, str] | None = None,
+        unverified: dict[str, list[str]] | None = None,
+    ) -> Iterator[tuple[list[StagedCallRecord], Trajectory]]:
+        """`iter_trajectories` with each trajectory's records, read once and verified with it
+        (for readers that need the records too, as the trainer adapters do); `rollouts` keeps
+        those rollouts only (KeyError for one the store does not hold)."""
         selected = self._select(
             include_open=include_open,
             include_poisoned=include_poisoned,
             since=since,
             group=group,
-            rollouts=None,
+            rollouts=rollouts,
             skipped=skipped,
             cursor=cursor,
             expected_heads=expected_heads,
@@ -556,11 +588,11 @@ class Store:
             got = self._take(sel, include_untooled, verify, expected_heads, skipped, unverified)
             if got is None:
                 continue
-            traj = got[1]
+            records, traj = got
             if cursor is not None and sel.status.state is RolloutState.SEALED:
                 cursor.add((sel.rollout_id,))
             if traj.calls or traj.apart:
-                yield traj
+                yield records, traj
 
     def _take(
         self,

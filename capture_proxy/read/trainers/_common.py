@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from ...errors import CaptureProxyError
-from ...schemas.records import Attachment, RolloutState, StagedCallRecord
+from ...schemas.records import Attachment, StagedCallRecord
 from ..cursor import ExportCursor
 from ..reader import Store
 from ..trajectory import Segment, Trajectory
@@ -81,26 +81,18 @@ def episodes(
     rollout once); `rollout_ids` keeps those rollouts only (KeyError for one the store does not
     hold). Each rollout is read once, verified with its trajectory (one that does not verify is
     left out, in ``skipped["unverified"]``: `capture_proxy.read.integrity`)."""
-    selected = store._select(
+    for records, traj in store.iter_read(
+        rollouts=rollout_ids,
+        include_untooled=include_untooled,
         include_open=include_open,
         include_poisoned=include_poisoned,
+        verify=verify,
         since=since,
         group=group,
-        rollouts=rollout_ids,
         skipped=skipped,
         cursor=cursor,
-    )
-    for sel in selected:
-        # A rollout that does not verify is left out as `iter_trajectories` leaves it out
-        # (``skipped["unverified"]``, a warning).
-        got = store._take(sel, include_untooled, verify, None, skipped, None)
-        if got is None:
-            continue
-        records, traj = got
-        if cursor is not None and sel.status.state is RolloutState.SEALED:
-            cursor.add((sel.rollout_id,))
-        if traj.calls or traj.apart:
-            yield Episode.of(traj, records)
+    ):
+        yield Episode.of(traj, records)
 
 
 def scalar_reward(traj: Trajectory, component: str | None = None) -> float:
