@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from tests.support.proxy_harness import Proxy, ProxyFactory, start_proxy, stop_proxy
+from tests.support.replicas import Fleet
 from tests.support.s3 import MotoS3
 
 
@@ -37,3 +38,11 @@ def moto_s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MotoS3]:
             yield server
         finally:
             MotoS3.restore_env(old)
+
+
+@pytest.fixture
+async def fleet() -> AsyncIterator[Fleet]:
+    """Replicas of the bundled fake vLLM on loopback ports, added by the test; closed after."""
+    f = Fleet()
+    yield f
+    await f.close()

@@ -24,26 +24,13 @@ import pytest
 from capture_proxy.read.reader import open_store
 from capture_proxy.schemas.records import StagedCallRecord
 from capture_proxy.schemas.token_in_extras import plain_divergence_of, segment_break_of
+from examples.rl_loop.agent import TOOLS  # the same bash tool the RL loop's agent offers
 from scripts import opencode_env
 from tests.support.proxy_harness import Proxy, sse_lines, start_proxy, stop_proxy
 from tests.support.replay import read_answer, replayed
 
 pytestmark = pytest.mark.vllm
 
-TOOLS: list[dict[str, Any]] = [
-    {
-        "type": "function",
-        "function": {
-            "name": "bash",
-            "description": "Run a shell command.",
-            "parameters": {
-                "type": "object",
-                "properties": {"command": {"type": "string"}},
-                "required": ["command"],
-            },
-        },
-    }
-]
 SYSTEM = {"role": "system", "content": "You are a coding agent. Use the tools."}
 USER = {"role": "user", "content": "List the files here."}
 REASONING = "The user wants the files. I will run ls."

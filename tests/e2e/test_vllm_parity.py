@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 
 from capture_proxy.schemas.token_in_extras import segment_break_of
-from tests.e2e.test_vllm import IM_END, THINK_END, TOOLS, steer_tool_call
+from examples.rl_loop.agent import TOOLS
+from tests.e2e.test_vllm import IM_END, THINK_END, steer_tool_call
 from tests.support.parity import agent_view
 from tests.support.proxy_harness import start_proxy, stop_proxy
 

@@ -29,13 +29,6 @@ ADMIN_TOKEN = "admin-token-for-inspect-0123"
 READER_TOKEN = "reader-token-for-inspect-4567"
 
 
-@pytest.fixture
-async def fleet() -> AsyncIterator[Fleet]:
-    f = Fleet()
-    yield f
-    await f.close()
-
-
 @pytest.fixture(autouse=True)
 def reader_token(monkeypatch: pytest.MonkeyPatch) -> None:
     """`inspect` takes the token from the environment, as a person running it would give it."""

@@ -3,10 +3,7 @@ to the replica it is pinned to, and its calls still continue one another exactly
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from pathlib import Path
-
-import pytest
 
 from capture_proxy.testing.fake_vllm import FakeVLLM
 from tests.server.test_token_in_flow import assert_extends
@@ -18,13 +15,6 @@ ENGINE_ROUTES = (
     "/inference/v1/generate",
     "/v1/chat/completions/derender",
 )
-
-
-@pytest.fixture
-async def fleet() -> AsyncIterator[Fleet]:
-    f = Fleet()
-    yield f
-    await f.close()
 
 
 async def test_a_rollouts_token_in_calls_go_to_its_replica(tmp_path: Path, fleet: Fleet) -> None:

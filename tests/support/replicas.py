@@ -20,7 +20,7 @@ from capture_proxy.server.state import STATE
 from capture_proxy.testing.fake_vllm import FakeVLLM
 from capture_proxy.upstream.replicas import ReplicaSet
 
-from .proxy_harness import Proxy, start_proxy
+from .proxy_harness import Proxy, chat_body, start_proxy, user
 
 
 def free_port() -> int:
@@ -99,3 +99,8 @@ async def start_fleet_proxy(tmp_path: Path, fleet: Fleet, **settings: Any) -> Pr
     p = await start_proxy(tmp_path, upstream=",".join(fleet.urls), **settings)
     await replicas_of(p).probed.wait()
     return p
+
+
+async def call(p: Proxy, rollout: str, text: str = "hello") -> Any:
+    """One chat call of `rollout` through the fleet's proxy."""
+    return await p.chat(chat_body(user(text)), rollout=rollout)

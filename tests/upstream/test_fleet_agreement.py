@@ -5,17 +5,14 @@ once its own engine reports the fleet's weights. Each replica is a real fake vLL
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
-import pytest
 from aiohttp import web
 
 from capture_proxy.schemas.records import CallStatus
 from capture_proxy.testing.fake_vllm import FakeVLLM
-from tests.support.proxy_harness import Proxy, chat_body, stop_proxy, user
-from tests.support.replicas import Fleet, replicas_of, start_fleet_proxy, until
+from tests.support.proxy_harness import Proxy, stop_proxy
+from tests.support.replicas import Fleet, call, replicas_of, start_fleet_proxy, until
 
 TOKEN = "admin-token-for-fleet-agreement-0123"
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}
@@ -26,17 +23,6 @@ class NoTokenize(FakeVLLM):
 
     async def _tokenize(self, request: web.Request) -> web.Response:
         return web.json_response({"detail": "Not Found"}, status=404)
-
-
-@pytest.fixture
-async def fleet() -> AsyncIterator[Fleet]:
-    f = Fleet()
-    yield f
-    await f.close()
-
-
-async def _call(p: Proxy, rollout: str, text: str = "hello") -> Any:
-    return await p.chat(chat_body(user(text)), rollout=rollout)
 
 
 def _state(p: Proxy, url: str) -> str:
@@ -56,7 +42,7 @@ async def test_a_replica_serving_another_model_name_is_wrong_model_and_takes_no_
             problem == "model name other-policy where the fleet's (the other replicas') is policy"
         )
         for i in range(6):
-            resp = await _call(p, f"r{i}")
+            resp = await call(p, f"r{i}")
             assert resp.headers["X-Capture-Status"] == "staged", await resp.text()
             assert p.calls(f"r{i}")[0].replica in {a, b}
         assert fleet.served_by(other) == 0
@@ -73,7 +59,7 @@ async def test_the_configured_model_name_decides_where_two_replicas_disagree(
     try:
         assert (_state(p, good), _state(p, other)) == ("healthy", "wrong_model")
         assert "the fleet's (configured) is policy" in replicas_of(p).by_name[other].problem
-        assert (await _call(p, "r1")).headers["X-Capture-Status"] == "staged"
+        assert (await call(p, "r1")).headers["X-Capture-Status"] == "staged"
         assert p.calls("r1")[0].replica == good
     finally:
         await stop_proxy(p)
@@ -86,7 +72,7 @@ async def test_the_majority_is_judged_again_as_replicas_come(tmp_path: Path, fle
     try:
         # Alone, the odd one is the fleet: it serves.
         assert _state(p, odd) == "healthy"
-        assert (await _call(p, "early")).headers["X-Capture-Status"] == "staged"
+        assert (await call(p, "early")).headers["X-Capture-Status"] == "staged"
         await fleet.start(a)
         await fleet.start(b)
         # Two of three now agree: the fleet re-forms around them.
@@ -97,11 +83,11 @@ async def test_the_majority_is_judged_again_as_replicas_come(tmp_path: Path, fle
         assert ready["fleet"]["version"] == "0.32.0"
         assert ready["fleet"]["agreed"] is True
         for i in range(4):
-            assert (await _call(p, f"r{i}")).headers["X-Capture-Status"] == "staged"
+            assert (await call(p, f"r{i}")).headers["X-Capture-Status"] == "staged"
             assert p.calls(f"r{i}")[0].replica in {a, b}
         # The rollout placed on the odd one waits for it (503 naming it), and the metrics
         # count the refusal under its replica.
-        resp = await _call(p, "early", "again")
+        resp = await call(p, "early", "again")
         assert resp.status == 503
         message = (await resp.json())["error"]["message"]
         assert f"pinned to replica {odd}, which is quarantined" in message
@@ -124,7 +110,7 @@ async def test_without_a_majority_every_replica_is_held_and_readyz_and_metrics_s
     p = await start_fleet_proxy(tmp_path, fleet)
     try:
         assert _state(p, a) == _state(p, b) == "held"
-        resp = await _call(p, "r1")
+        resp = await call(p, "r1")
         assert resp.status == 503
         assert (await resp.json())["error"]["code"] == "upstream_unavailable"
         assert fleet.served_by(a) == fleet.served_by(b) == 0
@@ -183,7 +169,7 @@ async def test_a_replica_that_missed_a_weight_update_takes_calls_only_once_its_e
         problem = replicas_of(p).by_name[late].problem
         assert problem == "engine weight version default where the fleet's (configured) is 9"
         for i in range(6):
-            resp = await _call(p, f"r{i}")
+            resp = await call(p, f"r{i}")
             assert resp.headers["X-Capture-Status"] == "staged", await resp.text()
             record = p.calls(f"r{i}")[0]
             assert record.replica in {a, b}
@@ -197,7 +183,7 @@ async def test_a_replica_that_missed_a_weight_update_takes_calls_only_once_its_e
         fleet.fakes[late].weight_version = "9"
         await until(lambda: _state(p, late) == "healthy")
         for i in range(6, 12):
-            assert (await _call(p, f"r{i}")).headers["X-Capture-Status"] == "staged"
+            assert (await call(p, f"r{i}")).headers["X-Capture-Status"] == "staged"
         assert fleet.served_by(late) > 0
     finally:
         await stop_proxy(p)
@@ -214,12 +200,12 @@ async def test_a_call_to_an_engine_that_changed_weights_since_its_probe_is_refus
             "/admin/weight-version", json={"weight_version": 3}, headers=ADMIN
         )
         assert (await resp.json())["engine"] == "updated"
-        assert (await _call(p, "r1")).headers["X-Capture-Status"] == "staged"
+        assert (await call(p, "r1")).headers["X-Capture-Status"] == "staged"
         pinned = p.calls("r1")[0].replica
         served = fleet.served_by(pinned)
         # Its engine restarted on other weights; no probe ran since.
         fleet.fakes[pinned].weight_version = "default"
-        resp = await _call(p, "r1", "next")
+        resp = await call(p, "r1", "next")
         assert resp.status == 503
         error = (await resp.json())["error"]
         assert error["code"] == "upstream_unavailable"
@@ -230,7 +216,7 @@ async def test_a_call_to_an_engine_that_changed_weights_since_its_probe_is_refus
             (CallStatus.REJECTED, "upstream_unavailable")
         ]
         other = b if pinned == a else a
-        assert (await _call(p, "r2")).headers["X-Capture-Status"] == "staged"
+        assert (await call(p, "r2")).headers["X-Capture-Status"] == "staged"
         assert p.calls("r2")[0].replica == other
     finally:
         await stop_proxy(p)

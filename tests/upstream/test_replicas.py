@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +22,8 @@ from capture_proxy.schemas.events import EventKind
 from capture_proxy.schemas.records import CallStatus
 from capture_proxy.sinks.registry import open_sink, open_source
 from capture_proxy.testing.fake_vllm import FakeVLLM
-from tests.support.proxy_harness import Proxy, chat_body, stop_proxy, user
-from tests.support.replicas import Fleet, OtherTemplate, replicas_of, start_fleet_proxy, until
+from tests.support.proxy_harness import chat_body, stop_proxy, user
+from tests.support.replicas import Fleet, OtherTemplate, call, replicas_of, start_fleet_proxy, until
 
 TOKEN = "admin-token-for-replicas-0123"
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}
@@ -42,18 +41,6 @@ class FailingPause(FakeVLLM):
 
     async def _pause(self, request: web.Request) -> web.Response:
         return web.json_response({"error": "engine busy"}, status=500)
-
-
-@pytest.fixture
-async def fleet() -> AsyncIterator[Fleet]:
-    f = Fleet()
-    yield f
-    await f.close()
-
-
-async def _call(p: Proxy, rollout: str, text: str = "hello") -> Any:
-    resp = await p.chat(chat_body(user(text)), rollout=rollout)
-    return resp
 
 
 def _records(store_url: str, rollout: str) -> list[Any]:
@@ -78,7 +65,7 @@ async def test_a_rollout_sticks_to_one_replica_and_records_it(tmp_path: Path, fl
     try:
         for rollout in ("r1", "r2", "r3", "r4"):
             for turn in range(3):
-                resp = await _call(p, rollout, f"turn {turn}")
+                resp = await call(p, rollout, f"turn {turn}")
                 assert resp.headers["X-Capture-Status"] == "staged", await resp.text()
         pinned = {}
         for rollout in ("r1", "r2", "r3", "r4"):
@@ -103,7 +90,7 @@ async def test_a_restarted_proxy_keeps_each_rollouts_replica(
     p = await start_fleet_proxy(tmp_path, fleet, sink=open_sink(url))
     rollouts = [f"r{i}" for i in range(6)]
     for rollout in rollouts:
-        assert (await _call(p, rollout)).headers["X-Capture-Status"] == "staged"
+        assert (await call(p, rollout)).headers["X-Capture-Status"] == "staged"
     before = {r: _records(url, r)[0].replica for r in rollouts}
     await stop_proxy(p)
     # A new process on the same store, its replicas listed in the other order: the pins come
@@ -112,7 +99,7 @@ async def test_a_restarted_proxy_keeps_each_rollouts_replica(
     p = await start_fleet_proxy(tmp_path, fleet, sink=open_sink(url))
     try:
         for rollout in reversed(rollouts):
-            assert (await _call(p, rollout, "again")).headers["X-Capture-Status"] == "staged"
+            assert (await call(p, rollout, "again")).headers["X-Capture-Status"] == "staged"
         assert {r: _records(url, r)[1].replica for r in rollouts} == before
         assert all(len(_events(url, r)) == 1 for r in rollouts)  # pinned once
     finally:
@@ -125,16 +112,16 @@ async def test_a_lost_replica_gives_its_rollouts_503_upstream_unavailable(
     a, b = await fleet.add(), await fleet.add()
     p = await start_fleet_proxy(tmp_path, fleet)
     try:
-        await _call(p, "r1")
+        await call(p, "r1")
         pinned = p.calls("r1")[0].replica
         other = b if pinned == a else a
         await fleet.stop(pinned)
         # The first call finds it gone (recorded as an upstream error)...
-        resp = await _call(p, "r1", "after the loss")
+        resp = await call(p, "r1", "after the loss")
         assert resp.status == 502
         assert resp.headers["X-Capture-Status"] == "upstream_error"
         # ...and from then on the rollout's calls are refused, naming the replica.
-        resp = await _call(p, "r1", "again")
+        resp = await call(p, "r1", "again")
         assert resp.status == 503
         assert resp.headers["Retry-After"] == "1"
         error = (await resp.json())["error"]
@@ -147,7 +134,7 @@ async def test_a_lost_replica_gives_its_rollouts_503_upstream_unavailable(
             "upstream_unavailable",
         )
         # The proxy is not down: a new rollout goes to the healthy replica.
-        resp = await _call(p, "r2")
+        resp = await call(p, "r2")
         assert resp.headers["X-Capture-Status"] == "staged"
         assert p.calls("r2")[0].replica == other
         ready = await (await p.client.get("/readyz")).json()
@@ -158,7 +145,7 @@ async def test_a_lost_replica_gives_its_rollouts_503_upstream_unavailable(
         # Back up: the rollout continues on its replica.
         await fleet.start(pinned)
         await until(lambda: replicas_of(p).by_name[pinned].state == "healthy")
-        resp = await _call(p, "r1", "it is back")
+        resp = await call(p, "r1", "it is back")
         assert resp.headers["X-Capture-Status"] == "staged"
         assert [r.replica for r in p.calls("r1")] == [pinned, pinned]
     finally:
@@ -215,7 +202,7 @@ async def test_a_replica_serving_another_model_is_quarantined_at_first_contact(
                 replicas_of(p).probed.clear()
                 rounds += 1
             for i in range(6):
-                resp = await _call(p, f"r{i}")
+                resp = await call(p, f"r{i}")
                 assert resp.headers["X-Capture-Status"] == "staged"
                 assert p.calls(f"r{i}")[0].replica in {a, b}
             assert fleet.served_by(old) == fleet.served_by(late) == 0
@@ -244,7 +231,7 @@ async def test_no_healthy_replica_refuses_new_rollouts_and_fails_readiness(
     b = fleet.reserve(FakeVLLM())  # neither started
     p = await start_fleet_proxy(tmp_path, fleet)
     try:
-        resp = await _call(p, "r1")
+        resp = await call(p, "r1")
         assert resp.status == 503
         error = (await resp.json())["error"]
         assert error["code"] == "upstream_unavailable"
@@ -256,7 +243,7 @@ async def test_no_healthy_replica_refuses_new_rollouts_and_fails_readiness(
         assert resp.status == 503
         await fleet.start(b)
         await until(lambda: replicas_of(p).by_name[b].state == "healthy")
-        assert (await _call(p, "r1")).headers["X-Capture-Status"] == "staged"
+        assert (await call(p, "r1")).headers["X-Capture-Status"] == "staged"
         assert (await p.client.get("/v1/models")).status == 200
     finally:
         await stop_proxy(p)
@@ -267,10 +254,10 @@ async def test_metrics_carry_a_replica_label(tmp_path: Path, fleet: Fleet) -> No
     p = await start_fleet_proxy(tmp_path, fleet)
     try:
         for i in range(4):
-            await _call(p, f"r{i}")
+            await call(p, f"r{i}")
         pinned = p.calls("r0")[0].replica
         await fleet.stop(pinned)
-        await _call(p, "r0", "gone")
+        await call(p, "r0", "gone")
         text = await (await p.client.get("/metrics")).text()
         for url in (a, b):
             assert f'capture_proxy_replica_calls_total{{outcome="staged",replica="{url}"}} 2.0' in (
@@ -293,7 +280,7 @@ async def test_metrics_carry_a_replica_label(tmp_path: Path, fleet: Fleet) -> No
 
 async def test_a_single_upstream_has_no_replica_series(make_proxy: Any) -> None:
     p = await make_proxy()
-    assert (await _call(p, "r1")).headers["X-Capture-Status"] == "staged"
+    assert (await call(p, "r1")).headers["X-Capture-Status"] == "staged"
     assert p.calls("r1")[0].replica == ""
     text = await (await p.client.get("/metrics")).text()
     assert 'replica="' not in text
@@ -359,13 +346,13 @@ async def test_a_sealed_rollout_is_refused_without_a_new_pin(tmp_path: Path, fle
     await fleet.add()
     await fleet.add()
     p = await start_fleet_proxy(tmp_path, fleet, admin_token=TOKEN)
-    assert (await _call(p, "r1")).headers["X-Capture-Status"] == "staged"
+    assert (await call(p, "r1")).headers["X-Capture-Status"] == "staged"
     assert (await p.client.post("/admin/rollouts/r1/seal", headers=ADMIN)).status == 200
     await stop_proxy(p)
     p = await start_fleet_proxy(tmp_path, fleet, admin_token=TOKEN)  # the seal is in the store
     try:
         for _ in range(2):  # the second finds it remembered as sealed, without its pin
-            resp = await _call(p, "r1", "after the seal")
+            resp = await call(p, "r1", "after the seal")
             assert resp.status == 409
         await p.state.pipeline.wait_background(5.0)
         assert len(_events(p.store_url, "r1")) == 1  # no pin written into a sealed rollout
@@ -386,7 +373,7 @@ async def test_a_pause_that_fails_on_one_replica_is_a_502_naming_it(
         assert error["code"] == "upstream_weights_route"
         assert error["message"].startswith(f"pausing the replicas failed: {b}: failed: upstream")
         assert not fleet.fakes[a].running.is_set()  # the other one was paused
-        refused = await _call(p, "r1")  # the proxy stays paused: a retry is safe
+        refused = await call(p, "r1")  # the proxy stays paused: a retry is safe
         assert (await refused.json())["error"]["code"] == "paused"
     finally:
         await stop_proxy(p)
