@@ -200,3 +200,24 @@ async def test_a_rollout_sending_bodies_too_fast_gets_429_before_the_body_is_rea
     other = await p.client.post("/r/r2/v1/chat/completions", data=body, headers=JSON)
     assert other.status != 429
     assert [f.reason for f in p.failures() if f.http_status == 429] == ["rollout_body_rate"]
+
+
+async def test_a_large_body_that_gets_no_turn_to_be_decoded_is_503_and_ledgered(
+    make_proxy: Any,
+) -> None:
+    # What a client sees when other bodies hold --max-decoding-bytes past the wait: a 503 it
+    # may retry, the call in the rollout's ledger, nothing staged or forwarded.
+    p = await make_proxy(max_decoding_bytes=4 << 20)
+    budget = p.state.pipeline.decode_budget
+    budget.wait_s = 0.1
+    body = _messages(b'{"role":"user","content":"' + b"x" * 100 + b'"},', 12_000, b"]}")
+    assert len(body) > 1 << 20  # decoded on a worker thread, within the budget
+    async with budget.hold(4 << 20):  # another body takes the whole budget meanwhile
+        resp = await p.client.post("/r/r1/v1/chat/completions", data=body, headers=JSON)
+    assert resp.status == 503
+    assert resp.headers["Retry-After"] == "1"
+    assert (await resp.json())["error"]["code"] == "decode_budget_full"
+    assert [(f.reason, f.http_status) for f in p.failures()] == [("decode_budget_full", 503)]
+    assert not p.calls()
+    assert p.fake.requests == []
+    assert (await p.client.post("/r/r1/v1/chat/completions", data=body, headers=JSON)).status != 503
