@@ -136,7 +136,10 @@ async def listen(
     await runner.setup()
     unread = 2 * settings.client_write_timeout
     gate = ConnectionGate(
-        limit=cap, unread_timeout=unread, per_address=settings.max_connections_per_address
+        limit=cap,
+        unread_timeout=unread,
+        per_address=settings.max_connections_per_address,
+        rate_per_address=settings.max_connection_rate_per_address,
     )
     app[STATE].connections = gate
     server = await _listen_on(runner, settings.host, settings.port, gate)
