@@ -267,6 +267,12 @@ class Settings:
         "apart by the same number: past it they are answered 429 and counted in /metrics, not "
         "written to the ledger one by one",
     )
+    max_rollout_refusal_rows: float = _s(
+        8.0,
+        "refused calls of one rollout written to its ledger one by one per second, twice as many "
+        "saved up; past it they are answered as before and written together, one entry a second "
+        "(reason refusals_folded) counting them (0: every refusal its own entry)",
+    )
     max_rollout_body_rate: float = _s(
         16.0,
         "MiB of request bodies one rollout may send per second, with up to twice "
@@ -408,7 +414,7 @@ GROUPS: dict[str, tuple[str, str]] = {
         "max_json_items max_decoding_bytes max_connections max_connections_per_address "
         "max_connection_rate_per_address "
         "max_inflight max_inflight_per_rollout max_rollout_bytes max_rollout_calls "
-        "max_rollout_body_rate "
+        "max_rollout_body_rate max_rollout_refusal_rows "
         "max_live_rollouts rollout_idle_timeout",
     ),
     "process": (
@@ -721,6 +727,7 @@ def _check(s: Settings) -> None:
         "max_connections_per_address",
         "max_connection_rate_per_address",
         "max_rollout_body_rate",
+        "max_rollout_refusal_rows",
         "malloc_trim_interval",
         "max_decoding_bytes",
     ):
