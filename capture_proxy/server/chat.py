@@ -143,7 +143,11 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             except ProxyError as e:
                 await exchange.refuse(e)
                 raise
-            await exchange.prepare(body)
+            # The exchange owns the raw body from here and lets it go once decoded: an image
+            # session's body is tens of MiB, held otherwise until the answer is relayed.
+            preparing = exchange.prepare(body)
+            del body
+            await preparing
         except ProxyError as e:
             if exchange.outcome is not None:
                 e.headers.update(capture_headers(exchange.outcome.call_id, CallStatus.REJECTED))
