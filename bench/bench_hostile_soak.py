@@ -2,11 +2,16 @@
 
     .venv/bin/python bench/bench_hostile_soak.py                     # 2 x 30 s
     .venv/bin/python bench/bench_hostile_soak.py --seconds 60 --honest 32
+    taskset -c 1 .venv/bin/python bench/bench_hostile_soak.py --seconds 10 --rounds 3 \
+        --proxy-cpus 0 --py-spy /path/to/py-spy          # a shared machine: take turns, pin
 
 Starts ``capture-proxy serve --upstream fake`` (SQLite store in a temporary folder, the limits
 every deploy file sets: the proxy's defaults) and runs the same honest load twice, side by side in
-one run: alone, then beside hostile sandboxes. Each sandbox comes from its own loopback address
-(127.0.1.N honest, 127.0.2.N hostile), as sandboxes behind different NATs would.
+one run: alone, then beside hostile sandboxes (`--rounds` times, taking turns, so that load from
+elsewhere on the machine falls on both alike). Each sandbox comes from its own loopback address
+(127.0.1.N honest, 127.0.2.N hostile), as sandboxes behind different NATs would. The honest
+sandboxes run in this process, the hostile ones in a process of their own: on one client event
+loop the floods' thousands of requests delayed the honest calls on the client's side.
 
 - honest: `--honest` sandboxes, each an agent loop: a call of 1-7 KB of conversation (streamed
   every other time), its answer read, 50 ms of "tool work", the next call;
@@ -42,6 +47,8 @@ from bench_proxy import Proc  # bench/ is a folder of scripts run by path: sibli
 from procstat import peak_rss_mb, reset_peak_rss
 
 _CHAT = "/r/{rollout}/v1/chat/completions"
+#: Seconds between a hostile phase and the next: its calls in flight end, its connections close.
+_SETTLE_S = 5.0
 _TURN = "Look at the crop, then plot the histogram of the red channel, and compare. " * 8
 
 
@@ -184,15 +191,24 @@ async def _phase(base: str, pid: int, honest: int, hostile: int, seconds: float)
     if worker is not None:
         out, _ = worker.communicate(timeout=120)
         seen = orjson.loads(out.splitlines()[-1]) if out.strip() else {"worker failed": 1}
+    return {
+        **_summary(hostile, latencies, dict(errors), peak_rss_mb(pid)),
+        "hostile_outcomes": seen,
+        "latencies": latencies,
+    }
+
+
+def _summary(
+    hostile: int, latencies: list[float], errors: dict[str, int], peak_mb: float
+) -> dict[str, Any]:
     ordered = sorted(latencies)
     return {
         "hostile": hostile,
         "honest_calls": len(ordered),
-        "honest_errors": dict(errors),
+        "honest_errors": errors,
         "p50_ms": round(1000 * statistics.median(ordered), 1) if ordered else None,
         "p99_ms": round(1000 * ordered[int(0.99 * (len(ordered) - 1))], 1) if ordered else None,
-        "peak_rss_mb": round(peak_rss_mb(pid)),
-        "hostile_outcomes": seen,
+        "peak_rss_mb": round(peak_mb),
     }
 
 
@@ -254,6 +270,9 @@ def _start_fake(cpus: str, logdir: Path) -> tuple[subprocess.Popen[bytes], str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=30.0, help="length of each phase")
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="alone and beside the hostile load, taking turns"
+    )
     parser.add_argument("--honest", type=int, default=32)
     parser.add_argument("--hostile", type=int, default=8)
     parser.add_argument("--proxy-arg", action="append", default=[], help="extra serve flag")
@@ -292,33 +311,53 @@ def main() -> None:
         proxy = Proc("proxy", argv, Path(tmp))
         try:
             rows = []
-            for hostile in (0, args.hostile):
-                folded = Path(f"hostile-soak-{hostile}.folded")
-                spy = _py_spy(args.py_spy, proxy.pid, args.seconds, folded)
-                row = asyncio.run(_phase(proxy.url, proxy.pid, args.honest, hostile, args.seconds))
-                if spy is not None:
-                    spy.wait(30)
-                    _print_profile(folded, args.seconds)
-                rows.append(row)
-                print(orjson.dumps(row).decode(), flush=True)
-                if proxy.popen.poll() is not None:
-                    print(f"the proxy exited with {proxy.popen.returncode}", flush=True)
-                    break
+            for n in range(args.rounds):
+                for hostile in (0, args.hostile):
+                    folded = Path(f"hostile-soak-{hostile}.folded")
+                    spy = _py_spy(args.py_spy, proxy.pid, args.seconds, folded) if not n else None
+                    row = asyncio.run(
+                        _phase(proxy.url, proxy.pid, args.honest, hostile, args.seconds)
+                    )
+                    if spy is not None:
+                        spy.wait(30)
+                        _print_profile(folded, args.seconds)
+                    rows.append(row)
+                    shown = {k: v for k, v in row.items() if k != "latencies"}
+                    print(orjson.dumps({"round": n, **shown}).decode(), flush=True)
+                    if proxy.popen.poll() is not None:
+                        raise SystemExit(f"the proxy exited with {proxy.popen.returncode}")
+                    if hostile:
+                        time.sleep(_SETTLE_S)  # what the hostile phase left in flight ends
         finally:
             proxy.stop()
             if fake is not None:
                 fake[0].terminate()
                 fake[0].wait(20)
-    alone, beside = rows[0], rows[-1]
+    # The rounds together: alone and beside take turns, so load from elsewhere on the machine
+    # falls on both alike.
     print()
     print("| phase | honest calls | honest errors | p50 ms | p99 ms | peak RSS MB |")
     print("|---|---|---|---|---|---|")
-    for r in rows:
-        phase = "honest alone" if not r["hostile"] else f"beside {r['hostile']} hostile"
+    both = []
+    for hostile in (0, args.hostile):
+        mine = [r for r in rows if r["hostile"] == hostile]
+        errors: Counter[str] = Counter()
+        for r in mine:
+            errors.update(r["honest_errors"])
+        latencies = [x for r in mine for x in r["latencies"]]
+        peak = max(r["peak_rss_mb"] for r in mine)
+        t = _summary(hostile, latencies, dict(errors), peak)
+        both.append(t)
+        phase = "honest alone" if not hostile else f"beside {hostile} hostile"
         print(
-            f"| {phase} | {r['honest_calls']} | {sum(r['honest_errors'].values())} | "
-            f"{r['p50_ms']} | {r['p99_ms']} | {r['peak_rss_mb']} |"
+            f"| {phase} | {t['honest_calls']} | {sum(errors.values())} | {t['p50_ms']} | "
+            f"{t['p99_ms']} | {t['peak_rss_mb']} |"
         )
+    hostile_seen: Counter[str] = Counter()
+    for r in rows:
+        hostile_seen.update(r["hostile_outcomes"])
+    print(f"\nhostile outcomes, all rounds: {dict(sorted(hostile_seen.items()))}")
+    alone, beside = both
     if alone["p99_ms"] and beside["p99_ms"]:
         print(f"\nhonest p99 beside / alone: {beside['p99_ms'] / alone['p99_ms']:.2f}x")
 
