@@ -437,6 +437,33 @@ async def test_an_address_opening_connections_in_a_loop_is_refused_before_its_re
             w.close()
 
 
+async def test_a_call_over_its_rollouts_in_flight_limit_gets_429_and_its_connection_closed(
+    tmp_path: Path,
+) -> None:
+    # Issue 27's soak: a sandbox holding 1,000 keep-alive connections sent calls over its
+    # rollout's in-flight limit without end, each parsed and refused. Its connection is closed
+    # after the 429, so the next call comes on a new connection, judged at accept by its
+    # address's rate (--max-connection-rate-per-address).
+    fake = FakeVLLM(latency=2.0)
+    async with served(tmp_path, fake, max_inflight_per_rollout=1) as s:
+        busy = asyncio.create_task(honest_call(s.port))
+        await _until(lambda: len(fake.requests) == 1, within=10)
+        reader, writer = await asyncio.open_connection("127.0.0.1", s.port)
+        writer.write(head(length=len(BODY)) + BODY)
+        status, headers, body = await answer_of(reader)
+        assert status == 429
+        assert headers["connection"] == "close"
+        assert orjson.loads(body)["error"]["code"] == "too_many_inflight_rollout"
+        assert headers["x-capture-status"] == "rejected"
+        assert await closed_within(reader, within=3) == b""
+        writer.close()
+        assert (await busy)[0] == 200
+        # Refused, and in the ledger; the first call staged. Nothing else was forwarded.
+        assert [f.reason for f in s.failures()] == ["too_many_inflight_rollout"]
+        assert len(s.staged()) == 1
+        assert len(fake.requests) == 1
+
+
 async def honest_scrape(port: int, local_addr: str = "127.0.0.1") -> str:
     reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=(local_addr, 0))
     writer.write(b"GET /metrics HTTP/1.1\r\nHost: proxy\r\n\r\n")
