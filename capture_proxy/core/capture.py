@@ -43,6 +43,7 @@ from ..sinks.base import DuplicateSeq, StagingSink, StagingSource
 from ..sinks.codec import MESSAGE_KEYS
 from .call import SAMPLING_KEYS, Call, CallReport, CompletionLike, log_claim, sampling_of
 from .experts import ExpertsPlan, record_experts
+from .handback import MAX_RESEQ, adopt, move_to_next_seq
 from .ids import new_call_id
 from .ledger import LedgerWriter
 from .outcomes import HeaderLocks, check_driver_metadata, with_outcome
@@ -115,6 +116,7 @@ class Capture:
         self.rollouts: dict[str, RolloutLive] = {}
         self.inflight = 0
         self.ledger = LedgerWriter(sink, timeout=stage_timeout, max_held=max_held_ledger)
+        self.ledger.reseq = self._entry_at_free_seq
         self.unavailable_reason: str | None = None  # set by the disk guard
         #: Called with a `CallReport` once per call outcome (metrics subscribe here). A
         #: subscriber must be quick and must not raise.
@@ -657,7 +659,6 @@ class Capture:
         if error is None:
             return None
         if isinstance(error, DuplicateSeq):
-            self._forget_stale(call)
             return StageResult.failed("duplicate_seq", f"the seq could not be claimed: {error}")
         self.stager.sink_failing = f"{type(error).__name__}: {error}"
         return StageResult.failed(
@@ -877,24 +878,18 @@ class Capture:
                 token_in=token_in,
                 bridge_spans=bridge_spans,
             )
-            # A claim that already failed: nothing to stage. One still on its way does not hold
-            # the call up: the record queues behind it (and is checked against it below).
-            refused = self._claim_refusal(call)
-            if refused is not None:
-                result = refused
-            else:
-                try:
-                    record = await asyncio.to_thread(build) if call.offload else build()
-                except (RecordValidationError, EncodingError) as e:
-                    result = StageResult.failed("invalid_record", str(e))
-                else:
-                    result = await self.stager.stage(record, call.attachments)
-                if result.status is CallStatus.STAGED:
-                    result = await self._staged_unclaimed(call) or result
-                elif result.reason == "duplicate_seq":
-                    self._forget_stale(
-                        call
-                    )  # the store refused the record's seq, not only its claim
+            result, landed = await self._stage_once(call, build)
+            # Its seq is another call's: another proxy continued the rollout while this one
+            # held it (core/handback.py). Read it again and stage the call at the next free
+            # seq, unless its record landed already (then marked orphaned: capture_failed).
+            for _ in range(MAX_RESEQ):
+                if landed or result.reason != "duplicate_seq":
+                    break
+                if not await self._to_next_free_seq(call):
+                    break
+                result, landed = await self._stage_once(call, build)
+            if result.reason == "duplicate_seq":
+                self._forget_stale(call)
             if result.status is CallStatus.STAGED:
                 assert result.coords is not None
                 call.rollout.bytes_staged += call.record_bytes
@@ -945,6 +940,97 @@ class Capture:
             return result
         finally:
             self._finish(call)
+
+    async def _stage_once(
+        self, call: Call, build: Callable[[], StagedCallRecord]
+    ) -> tuple[StageResult, bool]:
+        """Build and stage the call's record at its seq: the result, and whether the record
+        landed in the store (staged, or staged and then refused for its claim: orphaned)."""
+        # A claim that already failed: nothing to stage. One still on its way does not hold
+        # the call up: the record queues behind it (and is checked against it below).
+        refused = self._claim_refusal(call)
+        if refused is not None:
+            return refused, False
+        try:
+            record = await asyncio.to_thread(build) if call.offload else build()
+        except (RecordValidationError, EncodingError) as e:
+            return StageResult.failed("invalid_record", str(e)), False
+        result = await self.stager.stage(record, call.attachments)
+        if result.status is CallStatus.STAGED:
+            return await self._staged_unclaimed(call) or result, True
+        return result, False
+
+    async def _refreshed(self, rollout_id: str, stale: RolloutLive | None) -> RolloutLive | None:
+        """The rollout read again from the store in place of `stale` (its calls in flight
+        moved onto it), or the copy another call put in place of `stale` meanwhile; None
+        without a store to read, or when the store does not know the rollout."""
+        current = self.rollouts.get(rollout_id)
+        if current is not None and current is not stale:
+            return current
+        if self.source is None:
+            return None
+        found = await asyncio.to_thread(resume_rollout, self.source, rollout_id)
+        current = self.rollouts.get(rollout_id)
+        if current is not None and current is not stale:
+            return current
+        if found is None:
+            return None
+        if stale is not None:
+            adopt(stale, found, list(self.calls.values()))
+        if found.sealed:  # the other proxy sealed it: held for its 409s only
+            self.rollouts.pop(rollout_id, None)
+            self._remember_sealed(found)
+        else:
+            self.rollouts[rollout_id] = found
+        return found
+
+    async def _to_next_free_seq(self, call: Call) -> bool:
+        """Move a call refused its seq (`DuplicateSeq`) to its rollout's next free seq, as the
+        store has the rollout now, and claim that; False when it cannot (no store to read, the
+        rollout sealed by the proxy that continued it)."""
+        fresh = await self._refreshed(call.rollout_id, call.rollout)
+        if fresh is None or fresh.sealed:
+            return False
+        if call.rollout is not fresh:  # a copy another call read: this call was not on it
+            adopt(call.rollout, fresh, [call])
+        move_to_next_seq(call)
+        call.claim = self._start_claim(call)
+        return True
+
+    async def _entry_at_free_seq(self, entry: LedgerEntry) -> LedgerEntry | None:
+        """A ledger entry the store refused at its seq (another call holds it: this proxy's
+        copy of the rollout was stale), at the rollout's next free seq as the store has it now;
+        None when there is none (no store to read, an unknown rollout). The ledger writer
+        writes it there (`LedgerWriter.reseq`): the call leaves its trace, and a
+        ``capture_failed`` one poisons its rollout as it should."""
+        fresh = await self._refreshed(entry.rollout_id, self.rollouts.get(entry.rollout_id))
+        if fresh is None:
+            return None
+        seq = fresh.take_seq()
+        before = fresh.outcomes.get(entry.call_id)
+        fresh.outcomes[entry.call_id] = CallOutcome(
+            seq,
+            entry.call_id,
+            entry.status,
+            reason=entry.reason,
+            http_status=entry.http_status,
+            message=entry.message,
+            retry_of=before.retry_of if before is not None else None,
+        )
+        if entry.status is CallStatus.CAPTURE_FAILED:
+            fresh.poisoned = True
+        log.warning(
+            "rollout %s: the ledger entry of call %s (%s %s) goes to seq %d: seq %d is held by "
+            "another call (another proxy continued the rollout)",
+            entry.rollout_id,
+            entry.call_id,
+            entry.status,
+            entry.reason,
+            seq,
+            entry.seq,
+            extra={"rollout_id": entry.rollout_id, "call_id": entry.call_id},
+        )
+        return replace(entry, seq=seq)
 
     async def fail_call(
         self,

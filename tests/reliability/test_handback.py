@@ -1,0 +1,127 @@
+"""A rollout handed to another proxy and back, on one store (a Parquet dataset on moto's S3
+server, the only kind several proxies share): the proxy it comes back to still holds the
+rollout's old state. Every call it answers leaves a trace in the store: its copy is read again
+from the store and the call staged at the next free seq (or, for a call that was not staged,
+its ledger entry written there), so the trainer reads every model turn the sandbox kept, or
+learns the rollout is poisoned."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from capture_proxy.read.reader import Store
+from capture_proxy.read.status import RolloutExcluded
+from capture_proxy.sinks.registry import open_sink, open_source
+from capture_proxy.testing.fake_vllm import Fault, Turn
+from tests.support.proxy_harness import Proxy, chat_body, start_proxy, stop_proxy, user
+from tests.support.s3 import MotoS3
+
+
+@asynccontextmanager
+async def _two_proxies(tmp_path: Path, url: str) -> AsyncIterator[tuple[Proxy, Proxy]]:
+    a = await start_proxy(tmp_path / "a", sink=open_sink(url), store=url)
+    b = await start_proxy(tmp_path / "b", sink=open_sink(url), store=url)
+    try:
+        yield a, b
+    finally:
+        await stop_proxy(a)
+        await stop_proxy(b)
+
+
+class Sandbox:
+    """An agent's conversation: each call sends the whole history, answers are kept in it."""
+
+    def __init__(self, rollout: str) -> None:
+        self.rollout = rollout
+        self.messages: list[dict[str, Any]] = []
+        self.statuses: list[str] = []
+
+    async def turn(self, proxy: Proxy, text: str) -> None:
+        self.messages.append(user(text))
+        resp = await proxy.chat(chat_body(*self.messages), rollout=self.rollout)
+        assert resp.status == 200, await resp.text()
+        self.statuses.append(resp.headers["X-Capture-Status"])
+        answer = (await resp.json())["choices"][0]["message"]
+        self.messages.append({"role": "assistant", "content": answer["content"]})
+
+
+@pytest.fixture
+def store_url(moto_s3: MotoS3) -> str:
+    # Several proxies share a dataset on object storage only: a SQLite file and a local
+    # Parquet folder each keep one writer at a time (a lock).
+    return moto_s3.url()
+
+
+async def test_a_rollout_handed_back_to_a_stale_proxy_stages_every_answered_call(
+    tmp_path: Path, store_url: str
+) -> None:
+    sandbox = Sandbox("ep")
+    async with _two_proxies(tmp_path, store_url) as (two, one):
+        for i in range(3):  # seqs 0-2 on proxy 2, which keeps the rollout in memory
+            await sandbox.turn(two, f"on two {i}")
+        for i in range(4):  # the sandbox moves to proxy 1: seqs 3-6
+            await sandbox.turn(one, f"on one {i}")
+        for i in range(4):  # and back to proxy 2, whose copy still says the next seq is 3
+            await sandbox.turn(two, f"back on two {i}")
+    assert sandbox.statuses == ["staged"] * 11
+    with Store(open_source(store_url)) as store:
+        store.verify()
+        traj = store.trajectory("ep", include_open=True)
+        calls = store.calls("ep", include_open=True)
+    assert [c.seq for c in calls] == list(range(11))
+    assert not traj.poisoned
+    assert traj.not_staged == []
+    # Every model turn the sandbox kept is a completion the trainer reads, none as prompt text.
+    answers = [m["content"] for m in sandbox.messages if m["role"] == "assistant"]
+    assert [c.response["content"] for c in calls] == answers
+    # Each call continues the one before it, across both hand-offs (the fake vLLM's plain path
+    # re-tokenizes history, so its trajectories break at every call for ``drift`` alone).
+    assert [c.parent_call_id for c in calls[1:]] == [c.call_id for c in calls[:-1]]
+    assert {b.reason for b in traj.breaks} == {"drift"}
+
+
+async def test_calls_that_fail_on_a_stale_proxy_are_in_the_ledger_and_poison_the_rollout(
+    tmp_path: Path, store_url: str
+) -> None:
+    """A call the stale proxy answered without a record (its token ids missing), and one its
+    upstream failed, are in the rollout's ledger at free seqs (the store refused their old
+    seqs): the answered one poisons the rollout, and a trainer's reads skip it and say why."""
+    sandbox = Sandbox("ep")
+    async with _two_proxies(tmp_path, store_url) as (two, one):
+        for i in range(2):
+            await sandbox.turn(two, f"on two {i}")
+        for i in range(2):
+            await sandbox.turn(one, f"on one {i}")
+        two.fake.push(Turn("answered, never staged", fault=Fault.drop_token_ids()))
+        await sandbox.turn(two, "back on two")
+        two.fake.push(Turn("", fault=Fault.http_error(500)))
+        sandbox.messages.append(user("the upstream fails"))
+        failed = await two.chat(chat_body(*sandbox.messages), rollout="ep")
+        assert (failed.status, failed.headers["X-Capture-Status"]) == (500, "upstream_error")
+        sandbox.messages.pop()
+        await sandbox.turn(two, "once more")
+    assert sandbox.statuses == ["staged"] * 4 + ["capture_failed", "staged"]
+    with Store(open_source(store_url)) as store:
+        store.verify()
+        with pytest.raises(RolloutExcluded, match=r"poisoned.*capture_failed: missing_token_ids"):
+            store.trajectory("ep", include_open=True)
+        traj = store.trajectory("ep", include_open=True, include_poisoned=True)
+        failures = store.source.failures("ep")
+        staged = [c.seq for c in store.calls("ep", include_open=True, include_poisoned=True)]
+    assert traj.poisoned
+    assert [(n.seq, n.status) for n in traj.not_staged] == [
+        (4, "capture_failed"),
+        (5, "upstream_error"),
+    ]
+    assert sorted((f.seq, f.status) for f in failures) == [
+        (4, "capture_failed"),
+        (5, "upstream_error"),
+    ]
+    assert staged == [0, 1, 2, 3, 6]
+    # The lost answer is prompt text of the next call: the trajectory starts a new segment there.
+    assert len(traj.segments) == len(staged)
