@@ -113,6 +113,9 @@ class Capture:
         self.max_inflight = max_inflight
         self.max_inflight_per_rollout = max_inflight_per_rollout
         self._weight_version = 0
+        #: Counts the versions this process set, so a re-read of the store that began before a
+        #: set does not put the older version back (`refresh_weight_version`).
+        self._weight_sets = 0
         self.rollouts: dict[str, RolloutLive] = {}
         self.inflight = 0
         self.ledger = LedgerWriter(sink, timeout=stage_timeout, max_held=max_held_ledger)
@@ -233,14 +236,37 @@ class Capture:
                 headers={"Retry-After": "1"},
             ) from exc
         self._weight_version = version
+        self._weight_sets += 1
 
     async def restore_weight_version(self) -> int:
-        """Take up the weight version last set on the store (at start); returns the version."""
-        if self.source is not None:
-            stored = await asyncio.to_thread(stored_weight_version, self.source)
-            if stored is not None:
-                self._weight_version = stored
+        """Take up the weight version last set on the store; returns the version stamped now.
+
+        At start, and again while serving (`refresh_weight_version`): the version belongs to
+        the store, so every proxy on one store stamps the version any of them set last.
+        """
+        if self.source is None:
+            return self._weight_version
+        sets = self._weight_sets
+        stored = await asyncio.to_thread(stored_weight_version, self.source)
+        # A version this process set while the store was read is newer than what was read.
+        if stored is not None and sets == self._weight_sets:
+            self._weight_version = stored
         return self._weight_version
+
+    async def refresh_weight_version(self) -> int:
+        """`restore_weight_version` while serving: logs a version another proxy on the store
+        set, keeps the version in use when the store cannot be read (logged)."""
+        before = self._weight_version
+        try:
+            version = await self.restore_weight_version()
+        except Exception as e:  # the store unreadable for now: the next re-read tries again
+            log.warning("weight version: the store could not be read (%s); still %d", e, before)
+            return before
+        if version != before:
+            log.info(
+                "weight version %d, set on the store by another proxy (was %d)", version, before
+            )
+        return version
 
     # -- rollouts ------------------------------------------------------------------------------
 

@@ -319,6 +319,14 @@ async def _guards(state: ProxyState, store_url: str) -> None:
         await asyncio.sleep(1.0)
 
 
+async def _follow_weight_version(state: ProxyState) -> None:
+    """Every ``--weight-version-refresh`` seconds, the weight version the store last recorded:
+    several proxies on one store stamp the version any of them set, within that bound."""
+    while True:
+        await asyncio.sleep(state.settings.weight_version_refresh)
+        await state.capture.refresh_weight_version()
+
+
 async def _probe_sink(state: ProxyState) -> None:
     """Clear the sink's failure once a probe write succeeds (optional on sinks, like `stats`).
 
@@ -574,12 +582,14 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     if version:
         log.info("weight version %d, as last set on the store", version)
     guards = asyncio.create_task(_guards(state, s.store))
+    follow = asyncio.create_task(_follow_weight_version(state))
     try:
         yield
     finally:
-        guards.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await guards
+        for task in (guards, follow):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         await state.pipeline.wait_background(s.stage_timeout)
         await state.capture.drain(s.stage_timeout)
         await state.capture.ledger.flush()

@@ -278,6 +278,12 @@ class Settings:
         "while paused for a weight update (POST /admin/weights/pause), seconds a new call is held "
         "waiting for the resume; then 503 `paused` with Retry-After",
     )
+    weight_version_refresh: float = _s(
+        5.0,
+        "seconds between re-reads of the weight version the store last recorded (set by any "
+        "proxy on the same store; also re-read at every pause and resume answer): a proxy "
+        "stamps another proxy's update on calls admitted at most this long after it",
+    )
     pause_drain_timeout: float = _s(
         60.0,
         "seconds POST /admin/weights/pause waits for in-flight calls to finish; calls still "
@@ -393,7 +399,7 @@ GROUPS: dict[str, tuple[str, str]] = {
     "control API": (
         "rollout drivers and trainers: /admin (docs/contract.md)",
         "admin_token admin_token_file reader_token reader_token_file admin_port admin_host "
-        "seal_timeout pause_hold_seconds pause_drain_timeout",
+        "seal_timeout pause_hold_seconds pause_drain_timeout weight_version_refresh",
     ),
     "limits": (
         "what one request, rollout or client may take",
@@ -681,6 +687,7 @@ def _check(s: Settings) -> None:
         "replica_probe_interval",
         "pause_hold_seconds",
         "pause_drain_timeout",
+        "weight_version_refresh",
         "shutdown_timeout",
         "rollout_idle_timeout",
         "client_header_timeout",
