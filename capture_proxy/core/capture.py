@@ -48,6 +48,7 @@ from .ids import new_call_id
 from .ledger import LedgerWriter
 from .outcomes import HeaderLocks, check_driver_metadata, with_outcome
 from .policy import PolicyError, RequestPolicy, check_policy
+from .resumes import RESUME_REFUSALS, Resumes
 from .rollouts import (
     KEY_HASH_FIELD,
     CallOutcome,
@@ -98,11 +99,16 @@ class Capture:
         max_rollout_calls: int = 0,
         max_rollout_bytes: int = 0,
         pause_hold: float = 30.0,
+        resume_timeout: float = 20.0,
     ) -> None:
         self.sink = sink
         self.policy = policy or RequestPolicy()
         #: Opens a reader on the same store: rollouts seen again after a restart resume from it.
         self.source = source
+        #: Rollouts being read back from the store, each call waiting `resume_timeout` at most.
+        self.resumes = (
+            Resumes(source, resume_timeout, self._take_resumed) if source is not None else None
+        )
         self.max_live_rollouts = max_live_rollouts
         #: Per-rollout quotas (0: none), checked at admission: see `check_admission`.
         self.max_rollout_calls = max_rollout_calls
@@ -120,6 +126,9 @@ class Capture:
         self.inflight = 0
         self.ledger = LedgerWriter(sink, timeout=stage_timeout, max_held=max_held_ledger)
         self.ledger.reseq = self._entry_at_free_seq
+        #: Calls moved to a free seq because another proxy held theirs (`core/handback.py`);
+        #: ledger entries moved so are `ledger.moved`.
+        self.reseqs = 0
         self.unavailable_reason: str | None = None  # set by the disk guard
         #: Called with a `CallReport` once per call outcome (metrics subscribe here). A
         #: subscriber must be quick and must not raise.
@@ -307,9 +316,13 @@ class Capture:
         live = self.rollouts.get(rollout_id)
         if live is None and rollout_id in self._sealed:
             return self._sealed_placeholder(rollout_id)
-        if live is not None or self.source is None:
+        if live is not None or self.resumes is None:
             return live
-        found = await asyncio.to_thread(resume_rollout, self.source, rollout_id)
+        return self._take_resumed(rollout_id, await self.resumes.read(rollout_id))
+
+    def _take_resumed(self, rollout_id: str, found: RolloutLive | None) -> RolloutLive | None:
+        """Hold a rollout read from the store (`Resumes`), unless a copy is held already: the
+        one held, or None. Called when the read ends, even after its call gave up waiting."""
         live = self.rollouts.get(rollout_id)
         if live is not None or found is None:
             return live
@@ -1020,6 +1033,7 @@ class Capture:
         if call.rollout is not fresh:  # a copy another call read: this call was not on it
             adopt(call.rollout, fresh, [call])
         move_to_next_seq(call)
+        self.reseqs += 1
         call.claim = self._start_claim(call)
         return True
 
@@ -1087,9 +1101,16 @@ class Capture:
         live = await self.ensure_rollout(rollout_id)
         if live.sealed:
             raise Conflict(f"rollout {rollout_id} is sealed", code="rollout_sealed")
+        # A refusal before its call was routed (paused, a body refused before it was decoded)
+        # is still one of its pinned replica's calls: its metrics name it.
+        replica = replica or live.replica
         if self.max_rollout_calls and live.refusals >= self.max_rollout_calls:
             # Its ledger says so already, 10,000 times by default: the rest are counted only.
-            self._report(CallReport(rollout_id, None, CallStatus.REJECTED, "rollout_call_quota"))
+            self._report(
+                CallReport(
+                    rollout_id, None, CallStatus.REJECTED, "rollout_call_quota", replica=replica
+                )
+            )
             raise TooManyRequests(
                 f"rollout {rollout_id} has had {live.refusals} calls refused: its quota "
                 f"(--max-rollout-calls {self.max_rollout_calls}) is spent, and further refusals "
@@ -1132,8 +1153,12 @@ class Capture:
         """Record a call refused with `err` before admission; returns its call id. A 409 (the
         rollout is sealed: its ledger is closed) is reported but not written. `replica` is the
         upstream replica the call was for ("" for none), reported with the outcome."""
-        if err.status == 409:
-            self._report(CallReport(rollout_id, None, CallStatus.REJECTED, err.code))
+        if err.status == 409 or err.code in RESUME_REFUSALS:
+            # A sealed rollout's ledger is closed; one not read from the store in time has no
+            # seq to write at (the read goes on): both counted, neither written.
+            self._report(
+                CallReport(rollout_id, None, CallStatus.REJECTED, err.code, replica=replica)
+            )
             return None
         return await self.reject(rollout_id, err.code, err.message, err.status, replica=replica)
 

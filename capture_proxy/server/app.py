@@ -363,6 +363,12 @@ def _live_gauges(state: ProxyState) -> dict[str, float]:
     out["rollout_bytes_used_max"] = max(
         (r.bytes_staged + r.bytes_reserved for r in live), default=0
     )
+    out["stale_rollout_moves_total"] = cap.reseqs + cap.ledger.moved
+    if cap.resumes is not None:
+        out["rollout_resumes_total"] = cap.resumes.started
+        out["rollout_resume_timeouts_total"] = cap.resumes.timeouts
+        out["rollout_resume_failures_total"] = cap.resumes.failures
+        out["rollout_resume_slowest_seconds"] = cap.resumes.slowest_s
     out["rollout_calls_limit"] = cap.max_rollout_calls
     out["rollout_bytes_limit"] = cap.max_rollout_bytes
     sink_stats = getattr(state.sink, "stats", None)  # optional: sinks with a write queue
@@ -410,6 +416,7 @@ def create_app(settings: Settings, *, sink: StagingSink | None = None) -> web.Ap
             max_rollout_bytes=settings.max_rollout_bytes,
             max_live_rollouts=settings.max_live_rollouts,
             pause_hold=settings.pause_hold_seconds,
+            resume_timeout=settings.rollout_resume_timeout,
             source=SharedReader(the_sink),
             policy=RequestPolicy(
                 defaults=settings.policy_defaults,

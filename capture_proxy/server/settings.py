@@ -289,6 +289,12 @@ class Settings:
         "seconds POST /admin/weights/pause waits for in-flight calls to finish; calls still "
         "running then are cut (aborted, `weights_paused`) and listed in its answer",
     )
+    rollout_resume_timeout: float = _s(
+        20.0,
+        "seconds a call waits for its rollout to be read back from the store (after a restart, "
+        "an idle release, a hand-off from another proxy); then 503 `rollout_resume_timeout` "
+        "with Retry-After, logged and counted, while the read goes on for the retry",
+    )
     rollout_idle_timeout: float = _s(
         600.0,
         "seconds after its last call an unsealed rollout is released from memory (a later call "
@@ -407,7 +413,7 @@ GROUPS: dict[str, tuple[str, str]] = {
         "max_json_items max_decoding_bytes max_connections max_connections_per_address "
         "max_inflight max_inflight_per_rollout max_rollout_bytes max_rollout_calls "
         "max_rollout_body_rate "
-        "max_live_rollouts rollout_idle_timeout",
+        "max_live_rollouts rollout_idle_timeout rollout_resume_timeout",
     ),
     "process": (
         "the serving process and its logs",
@@ -690,6 +696,7 @@ def _check(s: Settings) -> None:
         "weight_version_refresh",
         "shutdown_timeout",
         "rollout_idle_timeout",
+        "rollout_resume_timeout",
         "client_header_timeout",
         "client_body_timeout",
         "client_write_timeout",

@@ -68,7 +68,10 @@ async def test_a_rollout_handed_back_to_a_stale_proxy_stages_every_answered_call
             await sandbox.turn(one, f"on one {i}")
         for i in range(4):  # and back to proxy 2, whose copy still says the next seq is 3
             await sandbox.turn(two, f"back on two {i}")
+        metrics = await (await two.client.get("/metrics")).text()
     assert sandbox.statuses == ["staged"] * 11
+    # Proxy 2 said what it did: its first call back moved to the next free seq, counted.
+    assert "capture_proxy_stale_rollout_moves_total 1.0" in metrics
     with Store(open_source(store_url)) as store:
         store.verify()
         traj = store.trajectory("ep", include_open=True)
