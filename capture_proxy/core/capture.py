@@ -1002,13 +1002,17 @@ class Capture:
     async def _refreshed(self, rollout_id: str, stale: RolloutLive | None) -> RolloutLive | None:
         """The rollout read again from the store in place of `stale` (its calls in flight
         moved onto it), or the copy another call put in place of `stale` meanwhile; None
-        without a store to read, or when the store does not know the rollout."""
+        without a store to read, or when the store does not know the rollout. Raises what the
+        read raises, `TimeoutError` past ``--rollout-resume-timeout``."""
         current = self.rollouts.get(rollout_id)
         if current is not None and current is not stale:
             return current
         if self.source is None:
             return None
-        found = await asyncio.to_thread(resume_rollout, self.source, rollout_id)
+        bound = self.resumes.timeout if self.resumes is not None else self.stager.timeout
+        found = await asyncio.wait_for(
+            asyncio.to_thread(resume_rollout, self.source, rollout_id), bound
+        )
         current = self.rollouts.get(rollout_id)
         if current is not None and current is not stale:
             return current
@@ -1026,8 +1030,20 @@ class Capture:
     async def _to_next_free_seq(self, call: Call) -> bool:
         """Move a call refused its seq (`DuplicateSeq`) to its rollout's next free seq, as the
         store has the rollout now, and claim that; False when it cannot (no store to read, the
-        rollout sealed by the proxy that continued it)."""
-        fresh = await self._refreshed(call.rollout_id, call.rollout)
+        rollout sealed by the proxy that continued it, the store unreadable: logged)."""
+        try:
+            fresh = await self._refreshed(call.rollout_id, call.rollout)
+        except Exception as e:
+            log.error(
+                "rollout %s: seq %d is another call's, and the store could not be read for a "
+                "free one: %s: %s",
+                call.rollout_id,
+                call.seq,
+                type(e).__name__,
+                e,
+                extra={"rollout_id": call.rollout_id, "call_id": call.call_id},
+            )
+            return False
         if fresh is None or fresh.sealed:
             return False
         if call.rollout is not fresh:  # a copy another call read: this call was not on it

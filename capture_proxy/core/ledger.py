@@ -97,7 +97,11 @@ class LedgerWriter:
         except DuplicateSeq as e:
             # The store will never take it at this seq (another call holds it): holding it would
             # stall every later entry behind it. Written at a free seq instead, else logged.
-            moved = await self._reseq(entry, e, depth)
+            try:
+                moved = await self._reseq(entry, e, depth)
+            except Exception as read_error:
+                self._unplaced(entry, read_error)
+                return False  # held: the next flush tries again
             if moved is not None and not await self._send(moved, depth + 1):
                 self._hold(moved)
             return True
@@ -123,20 +127,35 @@ class LedgerWriter:
             self._hold(entry)
 
     async def _late_reseq(self, entry: LedgerEntry, error: DuplicateSeq) -> None:
-        moved = await self._reseq(entry, error, 0)
+        try:
+            moved = await self._reseq(entry, error, 0)
+        except Exception as read_error:
+            self._unplaced(entry, read_error)
+            self._hold(entry)
+            return
         if moved is not None and not await self._send(moved, 1):
             self._hold(moved)
+
+    def _unplaced(self, entry: LedgerEntry, error: Exception) -> None:
+        log.error(
+            "ledger entry for %s (%s) held in memory: its seq %d is another call's, and the "
+            "store could not be read for a free one: %s: %s",
+            entry.call_id,
+            entry.status,
+            entry.seq,
+            type(error).__name__,
+            error,
+            extra={"rollout_id": entry.rollout_id, "call_id": entry.call_id},
+        )
 
     async def _reseq(
         self, entry: LedgerEntry, error: DuplicateSeq, depth: int
     ) -> LedgerEntry | None:
-        """`entry` at a free seq, or None (then refused: logged, counted)."""
+        """`entry` at a free seq, or None (then refused: logged, counted). Raises what reading
+        the store for a free seq raised: the entry is then held, and tried again."""
         moved = None
         if self.reseq is not None and depth < MAX_RESEQ:
-            try:
-                moved = await self.reseq(entry)
-            except Exception as e:  # the store unreadable: the entry is refused, logged in full
-                log.error("no free seq for the ledger entry of %s: %s", entry.call_id, e)
+            moved = await self.reseq(entry)
         if moved is None:
             self._refused(entry, error)
         else:

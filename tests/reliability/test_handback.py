@@ -7,6 +7,7 @@ learns the rollout is poisoned."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -16,6 +17,7 @@ import pytest
 
 from capture_proxy.read.reader import Store
 from capture_proxy.read.status import RolloutExcluded
+from capture_proxy.sinks.base import StagingSource
 from capture_proxy.sinks.registry import open_sink, open_source
 from capture_proxy.testing.fake_vllm import Fault, Turn
 from tests.support.proxy_harness import Proxy, chat_body, start_proxy, stop_proxy, user
@@ -128,3 +130,44 @@ async def test_calls_that_fail_on_a_stale_proxy_are_in_the_ledger_and_poison_the
     assert staged == [0, 1, 2, 3, 6]
     # The lost answer is prompt text of the next call: the trajectory starts a new segment there.
     assert len(traj.segments) == len(staged)
+
+
+async def test_a_stale_proxy_that_cannot_read_the_store_holds_the_entry_until_it_can(
+    tmp_path: Path, store_url: str
+) -> None:
+    """The stale proxy's reads of the store fail when its call is refused its seq: the call is
+    ``capture_failed`` (``duplicate_seq``) and its ledger entry is held in memory (``/readyz``
+    says so), not dropped; once the store can be read it is written at a free seq, poisoning
+    the rollout. (The reads fail by the proxy's reader opener being swapped for one that
+    raises; the store and its files are the real ones.)"""
+    sandbox = Sandbox("ep")
+    async with _two_proxies(tmp_path, store_url) as (two, one):
+        await sandbox.turn(two, "on two")
+        await sandbox.turn(one, "on one")
+        capture = two.state.capture
+        reader = capture.source
+
+        def unreachable() -> StagingSource:
+            raise OSError("the store is unreachable")
+
+        capture.source = unreachable
+        await sandbox.turn(two, "back on two")
+        assert sandbox.statuses[-1] == "capture_failed"
+        assert len(capture.ledger.held) == 1
+        ready = await two.client.get("/readyz")
+        assert ready.status == 503
+        assert "1 ledger entries held in memory" in await ready.text()
+        capture.source = reader
+        # The proxy's guard flushes held entries every second.
+        for _ in range(50):
+            if not capture.ledger.held:
+                break
+            await asyncio.sleep(0.1)
+        assert not capture.ledger.held
+    with Store(open_source(store_url)) as store:
+        store.verify()
+        traj = store.trajectory("ep", include_open=True, include_poisoned=True)
+    assert traj.poisoned
+    assert [(n.seq, n.status, n.reason) for n in traj.not_staged] == [
+        (2, "capture_failed", "duplicate_seq")
+    ]
