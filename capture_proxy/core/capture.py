@@ -1010,8 +1010,10 @@ class Capture:
         if self.source is None:
             return None
         bound = self.resumes.timeout if self.resumes is not None else self.stager.timeout
+        # Claims of this process's calls still running are theirs, not lost in a crash.
+        mine = frozenset(c.call_id for c in self.calls.values() if c.rollout_id == rollout_id)
         found = await asyncio.wait_for(
-            asyncio.to_thread(resume_rollout, self.source, rollout_id), bound
+            asyncio.to_thread(resume_rollout, self.source, rollout_id, mine), bound
         )
         current = self.rollouts.get(rollout_id)
         if current is not None and current is not stale:

@@ -44,8 +44,8 @@ def adopt(stale: RolloutLive, fresh: RolloutLive, calls: Iterable[Call]) -> int:
         fresh.bytes_reserved += call.reserved
         fresh.calls_used += 1
         pending = stale.outcomes.get(call.call_id)
-        if pending is not None:
-            fresh.outcomes.setdefault(call.call_id, pending)
+        if pending is not None and call.call_id not in fresh.outcomes:
+            fresh.outcomes[call.call_id] = pending
         call.rollout = fresh
         moved += 1
     fresh.next_seq = max(fresh.next_seq, stale.next_seq)

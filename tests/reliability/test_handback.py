@@ -19,15 +19,21 @@ from capture_proxy.read.reader import Store
 from capture_proxy.read.status import RolloutExcluded
 from capture_proxy.sinks.base import StagingSource
 from capture_proxy.sinks.registry import open_sink, open_source
-from capture_proxy.testing.fake_vllm import Fault, Turn
+from capture_proxy.testing.fake_vllm import FakeVLLM, Fault, Turn
 from tests.support.proxy_harness import Proxy, chat_body, start_proxy, stop_proxy, user
 from tests.support.s3 import MotoS3
 
+TOKEN = "admin-token"
+
 
 @asynccontextmanager
-async def _two_proxies(tmp_path: Path, url: str) -> AsyncIterator[tuple[Proxy, Proxy]]:
-    a = await start_proxy(tmp_path / "a", sink=open_sink(url), store=url)
-    b = await start_proxy(tmp_path / "b", sink=open_sink(url), store=url)
+async def _two_proxies(
+    tmp_path: Path, url: str, fake: FakeVLLM | None = None
+) -> AsyncIterator[tuple[Proxy, Proxy]]:
+    a = await start_proxy(
+        tmp_path / "a", fake=fake, sink=open_sink(url), store=url, admin_token=TOKEN
+    )
+    b = await start_proxy(tmp_path / "b", sink=open_sink(url), store=url, admin_token=TOKEN)
     try:
         yield a, b
     finally:
@@ -171,3 +177,39 @@ async def test_a_stale_proxy_that_cannot_read_the_store_holds_the_entry_until_it
     assert [(n.seq, n.status, n.reason) for n in traj.not_staged] == [
         (2, "capture_failed", "duplicate_seq")
     ]
+
+
+def _slow_answers(request: dict[str, Any]) -> Turn:
+    # The title call's answer comes last: it is still in flight when the turn's call, refused
+    # its seq, reads the rollout again (its own claim, accepted, is in the store by then).
+    text = str(request["messages"])
+    seconds = 1.5 if "a title" in text else 0.3 if "back on two" in text else 0.0
+    return Turn("an answer", fault=Fault.delay_first_byte(seconds) if seconds else None)
+
+
+async def test_concurrent_calls_on_a_stale_proxy_all_stage_and_the_sealed_rollout_is_clean(
+    tmp_path: Path, store_url: str
+) -> None:
+    """Two calls at once on the stale proxy (an agent's title call beside its turn): the first
+    is refused its seq, the second claims a free one; the first, read again from the store,
+    moves on after the second's claim without taking it for a call lost in a crash. Sealed
+    there, the rollout is not poisoned and a trainer reads all of it."""
+    sandbox = Sandbox("ep")
+    async with _two_proxies(tmp_path, store_url, FakeVLLM(script=_slow_answers)) as (two, one):
+        for i in range(2):
+            await sandbox.turn(two, f"on two {i}")
+        await sandbox.turn(one, "on one")  # seq 2; proxy 2 still says 2 is next
+        turn = asyncio.ensure_future(sandbox.turn(two, "back on two"))  # seq 2: refused
+        await asyncio.sleep(0.1)
+        titled = await two.chat(chat_body(user("a title for this session")), rollout="ep")
+        await turn
+        assert titled.headers["X-Capture-Status"] == "staged"
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+        sealed = await two.client.post("/admin/rollouts/ep/seal", headers=auth)
+        assert sealed.status == 200, await sealed.text()
+    assert sandbox.statuses == ["staged"] * 4
+    with Store(open_source(store_url)) as store:
+        store.verify()
+        assert not store.rollout_info("ep").poisoned
+        calls = store.calls("ep")  # sealed, not poisoned: the default filters take it
+    assert sorted(c.seq for c in calls) == list(range(5))
