@@ -64,12 +64,18 @@ async def test_a_version_set_on_one_proxy_is_stamped_by_the_others_within_the_bo
         # a learns 6 at its next resume answer, without waiting for the bound.
         assert await _resume(a) == 6
         assert await _stamped(a, "on-a") == 6
+        # Back and forth: the store's latest wins wherever it was set (7 on a, then 3 on b: a
+        # rollback to a checkpoint is a version too).
+        assert await _resume(a, 7) == 7
+        assert await _resume(b) == 7
+        assert await _resume(b, 3) == 3
+        assert await _resume(a) == 3
     finally:
         await stop_proxy(a)
         await stop_proxy(b)
-    # A proxy restarted on the dataset stamps its latest version (6, set through b).
+    # A proxy restarted on the dataset stamps its latest version (3, set through b).
     again = await _proxy(tmp_path, "a-again", url)
     try:
-        assert await _stamped(again, "after-restart") == 6
+        assert await _stamped(again, "after-restart") == 3
     finally:
         await stop_proxy(again)
