@@ -77,7 +77,7 @@ async def _run(rollouts: int, calls: int, repeat: int) -> dict[str, Any]:
                 handoff.append(await _call(b, rollout, history))
                 await _call(b, rollout, history)
                 handback.append(await _call(a, rollout, history))
-            moves = a.state.capture.reseqs
+            moves = a.state.capture.handback.moves
         finally:
             await stop_proxy(a)
             await stop_proxy(b)

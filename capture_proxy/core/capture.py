@@ -43,7 +43,7 @@ from ..sinks.base import DuplicateSeq, StagingSink, StagingSource
 from ..sinks.codec import MESSAGE_KEYS
 from .call import SAMPLING_KEYS, Call, CallReport, CompletionLike, log_claim, sampling_of
 from .experts import ExpertsPlan, record_experts
-from .handback import MAX_RESEQ, adopt, move_to_next_seq
+from .handback import MAX_RESEQ, Handback
 from .ids import new_call_id
 from .ledger import LedgerWriter
 from .outcomes import HeaderLocks, check_driver_metadata, with_outcome
@@ -125,10 +125,10 @@ class Capture:
         self.rollouts: dict[str, RolloutLive] = {}
         self.inflight = 0
         self.ledger = LedgerWriter(sink, timeout=stage_timeout, max_held=max_held_ledger)
-        self.ledger.reseq = self._entry_at_free_seq
-        #: Calls moved to a free seq because another proxy held theirs (`core/handback.py`);
-        #: ledger entries moved so are `ledger.moved`.
-        self.reseqs = 0
+        #: A rollout another proxy continued while this one held it: its calls and ledger
+        #: entries go to free seqs (`core/handback.py`).
+        self.handback = Handback(self)
+        self.ledger.reseq = self.handback.entry_at_free_seq
         self.unavailable_reason: str | None = None  # set by the disk guard
         #: Called with a `CallReport` once per call outcome (metrics subscribe here). A
         #: subscriber must be quick and must not raise.
@@ -327,7 +327,7 @@ class Capture:
         if live is not None or found is None:
             return live
         if found.sealed:
-            self._remember_sealed(found)  # looked at for its 409: not held live
+            self.remember_sealed(found)  # looked at for its 409: not held live
             return found
         log.info("resumed rollout %s from the store at seq %d", rollout_id, found.next_seq)
         self._evict()
@@ -352,7 +352,7 @@ class Capture:
             self._forget_messages(rid)
         return idle
 
-    def _remember_sealed(self, live: RolloutLive) -> None:
+    def remember_sealed(self, live: RolloutLive) -> None:
         self._sealed[live.rollout_id] = live.key_sha256
         while len(self._sealed) > _SEALED_IDS_KEPT:
             self._sealed.popitem(last=False)  # forgotten ids are looked up in the store again
@@ -468,7 +468,7 @@ class Capture:
             # A sealed rollout takes no more calls: memory holds live work only (its id, for
             # the 409s). A manifest request reads it from the store.
             del self.rollouts[rollout_id]
-            self._remember_sealed(live)
+            self.remember_sealed(live)
             self._forget_messages(rollout_id)
         return live
 
@@ -678,10 +678,10 @@ class Capture:
         call.task = asyncio.current_task()
         self.calls[call.call_id] = call
         self._idle.clear()
-        call.claim = self._start_claim(call)
+        call.claim = self.start_claim(call)
         return call
 
-    def _start_claim(self, call: Call) -> asyncio.Future[RolloutEvent]:
+    def start_claim(self, call: Call) -> asyncio.Future[RolloutEvent]:
         draft = claim_event(call.rollout_id, call.seq, call.call_id, call.admitted_ms)
         task = asyncio.ensure_future(self.sink.append_event(draft))
         task.add_done_callback(functools.partial(log_claim, call))
@@ -924,7 +924,7 @@ class Capture:
             for _ in range(MAX_RESEQ):
                 if landed or result.reason != "duplicate_seq":
                     break
-                if not await self._to_next_free_seq(call):
+                if not await self.handback.to_next_free_seq(call):
                     break
                 result, landed = await self._stage_once(call, build)
             if result.reason == "duplicate_seq":
@@ -998,97 +998,6 @@ class Capture:
         if result.status is CallStatus.STAGED:
             return await self._staged_unclaimed(call) or result, True
         return result, False
-
-    async def _refreshed(self, rollout_id: str, stale: RolloutLive | None) -> RolloutLive | None:
-        """The rollout read again from the store in place of `stale` (its calls in flight
-        moved onto it), or the copy another call put in place of `stale` meanwhile; None
-        without a store to read, or when the store does not know the rollout. Raises what the
-        read raises, `TimeoutError` past ``--rollout-resume-timeout``."""
-        current = self.rollouts.get(rollout_id)
-        if current is not None and current is not stale:
-            return current
-        if self.source is None:
-            return None
-        bound = self.resumes.timeout if self.resumes is not None else self.stager.timeout
-        # Claims of this process's calls still running are theirs, not lost in a crash.
-        mine = frozenset(c.call_id for c in self.calls.values() if c.rollout_id == rollout_id)
-        found = await asyncio.wait_for(
-            asyncio.to_thread(resume_rollout, self.source, rollout_id, mine), bound
-        )
-        current = self.rollouts.get(rollout_id)
-        if current is not None and current is not stale:
-            return current
-        if found is None:
-            return None
-        if stale is not None:
-            adopt(stale, found, list(self.calls.values()))
-        if found.sealed:  # the other proxy sealed it: held for its 409s only
-            self.rollouts.pop(rollout_id, None)
-            self._remember_sealed(found)
-        else:
-            self.rollouts[rollout_id] = found
-        return found
-
-    async def _to_next_free_seq(self, call: Call) -> bool:
-        """Move a call refused its seq (`DuplicateSeq`) to its rollout's next free seq, as the
-        store has the rollout now, and claim that; False when it cannot (no store to read, the
-        rollout sealed by the proxy that continued it, the store unreadable: logged)."""
-        try:
-            fresh = await self._refreshed(call.rollout_id, call.rollout)
-        except Exception as e:
-            log.error(
-                "rollout %s: seq %d is another call's, and the store could not be read for a "
-                "free one: %s: %s",
-                call.rollout_id,
-                call.seq,
-                type(e).__name__,
-                e,
-                extra={"rollout_id": call.rollout_id, "call_id": call.call_id},
-            )
-            return False
-        if fresh is None or fresh.sealed:
-            return False
-        if call.rollout is not fresh:  # a copy another call read: this call was not on it
-            adopt(call.rollout, fresh, [call])
-        move_to_next_seq(call)
-        self.reseqs += 1
-        call.claim = self._start_claim(call)
-        return True
-
-    async def _entry_at_free_seq(self, entry: LedgerEntry) -> LedgerEntry | None:
-        """A ledger entry the store refused at its seq (another call holds it: this proxy's
-        copy of the rollout was stale), at the rollout's next free seq as the store has it now;
-        None when there is none (no store to read, an unknown rollout). The ledger writer
-        writes it there (`LedgerWriter.reseq`): the call leaves its trace, and a
-        ``capture_failed`` one poisons its rollout as it should."""
-        fresh = await self._refreshed(entry.rollout_id, self.rollouts.get(entry.rollout_id))
-        if fresh is None:
-            return None
-        seq = fresh.take_seq()
-        before = fresh.outcomes.get(entry.call_id)
-        fresh.outcomes[entry.call_id] = CallOutcome(
-            seq,
-            entry.call_id,
-            entry.status,
-            reason=entry.reason,
-            http_status=entry.http_status,
-            message=entry.message,
-            retry_of=before.retry_of if before is not None else None,
-        )
-        if entry.status is CallStatus.CAPTURE_FAILED:
-            fresh.poisoned = True
-        log.warning(
-            "rollout %s: the ledger entry of call %s (%s %s) goes to seq %d: seq %d is held by "
-            "another call (another proxy continued the rollout)",
-            entry.rollout_id,
-            entry.call_id,
-            entry.status,
-            entry.reason,
-            seq,
-            entry.seq,
-            extra={"rollout_id": entry.rollout_id, "call_id": entry.call_id},
-        )
-        return replace(entry, seq=seq)
 
     async def fail_call(
         self,

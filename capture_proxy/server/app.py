@@ -363,7 +363,7 @@ def _live_gauges(state: ProxyState) -> dict[str, float]:
     out["rollout_bytes_used_max"] = max(
         (r.bytes_staged + r.bytes_reserved for r in live), default=0
     )
-    out["stale_rollout_moves_total"] = cap.reseqs + cap.ledger.moved
+    out["stale_rollout_moves_total"] = cap.handback.moves + cap.ledger.moved
     if cap.resumes is not None:
         out["rollout_resumes_total"] = cap.resumes.started
         out["rollout_resume_timeouts_total"] = cap.resumes.timeouts
