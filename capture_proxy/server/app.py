@@ -319,6 +319,14 @@ async def _guards(state: ProxyState, store_url: str) -> None:
         await asyncio.sleep(1.0)
 
 
+async def _follow_weight_version(state: ProxyState) -> None:
+    """Every ``--weight-version-refresh`` seconds, the weight version the store last recorded:
+    several proxies on one store stamp the version any of them set, within that bound."""
+    while True:
+        await asyncio.sleep(state.settings.weight_version_refresh)
+        await state.capture.refresh_weight_version()
+
+
 async def _probe_sink(state: ProxyState) -> None:
     """Clear the sink's failure once a probe write succeeds (optional on sinks, like `stats`).
 
@@ -355,6 +363,12 @@ def _live_gauges(state: ProxyState) -> dict[str, float]:
     out["rollout_bytes_used_max"] = max(
         (r.bytes_staged + r.bytes_reserved for r in live), default=0
     )
+    out["stale_rollout_moves_total"] = cap.handback.moves + cap.ledger.moved
+    if cap.resumes is not None:
+        out["rollout_resumes_total"] = cap.resumes.started
+        out["rollout_resume_timeouts_total"] = cap.resumes.timeouts
+        out["rollout_resume_failures_total"] = cap.resumes.failures
+        out["rollout_resume_slowest_seconds"] = cap.resumes.slowest_s
     out["rollout_calls_limit"] = cap.max_rollout_calls
     out["rollout_bytes_limit"] = cap.max_rollout_bytes
     sink_stats = getattr(state.sink, "stats", None)  # optional: sinks with a write queue
@@ -402,6 +416,7 @@ def create_app(settings: Settings, *, sink: StagingSink | None = None) -> web.Ap
             max_rollout_bytes=settings.max_rollout_bytes,
             max_live_rollouts=settings.max_live_rollouts,
             pause_hold=settings.pause_hold_seconds,
+            resume_timeout=settings.rollout_resume_timeout,
             source=SharedReader(the_sink),
             policy=RequestPolicy(
                 defaults=settings.policy_defaults,
@@ -574,12 +589,14 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     if version:
         log.info("weight version %d, as last set on the store", version)
     guards = asyncio.create_task(_guards(state, s.store))
+    follow = asyncio.create_task(_follow_weight_version(state))
     try:
         yield
     finally:
-        guards.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await guards
+        for task in (guards, follow):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         await state.pipeline.wait_background(s.stage_timeout)
         await state.capture.drain(s.stage_timeout)
         await state.capture.ledger.flush()
