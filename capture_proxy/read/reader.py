@@ -42,6 +42,7 @@ from ..schemas.records import (
     RolloutState,
     StagedCallRecord,
 )
+from ..schemas.store_head import StoreHead, StoreHeadState
 from ..sinks.base import Progress, StagingSource, StoreDamaged
 from ..sinks.registry import open_source
 from ..sinks.rollout_index import IndexedRollout, RolloutQuery, State, indexed
@@ -292,19 +293,46 @@ class Store:
                 raise DigestMismatch(record.staging_key, "coordinate digest", want, record.digest)
         return records
 
-    def problems(self, *, progress: Progress | None = None) -> list[Problem]:
+    def problems(
+        self,
+        *,
+        progress: Progress | None = None,
+        expected_store_head: StoreHead | str | None = None,
+    ) -> list[Problem]:
         """Every integrity problem in the store (empty when it verifies). `progress` is told
         ``(records checked, records + 1)`` as it goes, and ``(n, n)`` once the store-wide
         checks (attachments, sequence numbers) are done.
 
+        `expected_store_head` is the store head its writer published last (its log's
+        ``store_head`` line or ``capture_proxy_store_head_info``; a `StoreHead` or its
+        ``HEAD[:ROLLOUTS[:EVENTS]]`` text): the store's head is recomputed and a difference is
+        a problem (key ``store``) saying how it differs: a rollout deleted, cut short, rewritten
+        (docs/digest.md, "The store head").
+
         The checks read one snapshot of a Parquet dataset (one listing of its units, however
         many records: what is committed meanwhile is left for the next run)."""
+        kept = (
+            StoreHead.parse(expected_store_head)
+            if isinstance(expected_store_head, str)
+            else expected_store_head
+        )
         with _one_listing(self.source):
-            return store_problems(self.source, self._digester, self._encoder, progress)
+            return store_problems(self.source, self._digester, self._encoder, progress, kept)
 
-    def verify(self) -> None:
-        """Raise `StoreCorrupted` listing every problem, or return None when all verifies."""
-        found = self.problems()
+    def store_head(self) -> StoreHead:
+        """The store head recomputed from the store (docs/digest.md, "The store head")."""
+        with _one_listing(self.source):
+            heads = []
+            for rollout_id in self.source.rollouts():
+                events = self.source.events(rollout_id)
+                if events:
+                    heads.append((rollout_id, events[-1].hash, events[-1].position))
+        return StoreHeadState.of(heads).head()
+
+    def verify(self, *, expected_store_head: StoreHead | str | None = None) -> None:
+        """Raise `StoreCorrupted` listing every problem, or return None when all verifies
+        (and the store's head is `expected_store_head`, when given: see `problems`)."""
+        found = self.problems(expected_store_head=expected_store_head)
         if found:
             raise StoreCorrupted(found)
 

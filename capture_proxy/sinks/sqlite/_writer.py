@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ...schemas.events import RolloutEvent
 from ..base import StoreError
 from ..writer_thread import Job, Outcome, WriterThread
 
@@ -42,6 +43,9 @@ class Batch:
     """
 
     pending: dict[str, Any] = field(default_factory=dict)
+    #: Events the batch's work appended, in order; those of a job that rolled back are dropped.
+    #: `publish` gets them once the batch has committed (the store head advances past them).
+    events: list[RolloutEvent] = field(default_factory=list)
 
 
 #: A unit of work: runs on the writer thread, inside a savepoint of the batch's transaction.
@@ -55,7 +59,7 @@ class _BatchLost(Exception):
 class GroupCommitWriter(WriterThread[Work]):
     """Owns `conn` (autocommit mode) from now on; closes it when `close` has drained the queue.
 
-    `publish` receives each committed batch's `Batch.pending`, on the writer thread. `check`
+    `publish` receives each committed `Batch`, on the writer thread. `check`
     (on the writer thread) raises `StoreError` when the batch must not be acknowledged.
     """
 
@@ -67,7 +71,7 @@ class GroupCommitWriter(WriterThread[Work]):
         *,
         name: str,
         max_batch: int,
-        publish: Callable[[dict[str, Any]], None],
+        publish: Callable[[Batch], None],
         check: Callable[[], None] = lambda: None,
     ) -> None:
         super().__init__(name=name, max_batch=max_batch)
@@ -95,9 +99,11 @@ class GroupCommitWriter(WriterThread[Work]):
             conn.execute("BEGIN IMMEDIATE")
             for job in jobs:
                 conn.execute("SAVEPOINT job")
+                mark = len(batch.events)
                 try:
                     value = job.work(conn, batch)
                 except Exception as e:
+                    del batch.events[mark:]
                     self._undo_job(conn, e)
                     outcomes.append((job.future, None, self._job_error(e)))
                 else:
@@ -119,7 +125,7 @@ class GroupCommitWriter(WriterThread[Work]):
         else:
             self._committed(jobs)
             try:
-                self._publish(batch.pending)
+                self._publish(batch)
             except Exception:  # a cache update must not turn committed work into an error
                 log.exception("%s: publishing a committed batch failed", self.name)
         self._deliver(jobs, outcomes)
