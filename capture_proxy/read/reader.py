@@ -391,34 +391,45 @@ class Store:
         include_poisoned: bool = False,
         verify: bool = True,
         allow_incomplete: bool = False,
+        expected_head: str | None = None,
     ) -> str | None:
         """The call's routed experts over its whole prompt + completion, or None when its record
         has none (vLLM without ``--enable-return-routed-experts``).
 
         A record stores only the rows its parent did not (`capture_proxy.read.experts`); this
         rebuilds the full array, as vLLM encodes it: a base64 ``.npy`` string whose first axis
-        is the position. Raises like `calls` (`RolloutExcluded`, KeyError, `DigestMismatch`),
-        `ExpertsIncomplete` when the call is flagged ``routed_experts_incomplete`` (unless
-        `allow_incomplete`: then the rows before its start are its parent's) and
-        `ExpertsUnavailable` when a record of the chain is missing.
+        is the position. With ``verify=True`` the call's rollout must verify as a whole, as for
+        `trajectory` (`capture_proxy.read.integrity`; `expected_head` anchors it): the rows come
+        from the records it verified. Raises like `calls` (`RolloutExcluded`,
+        `RolloutUnverified`, KeyError, `DigestMismatch`), `ExpertsIncomplete` when the call is
+        flagged ``routed_experts_incomplete`` (unless `allow_incomplete`: then the rows before
+        its start are its parent's) and `ExpertsUnavailable` when a record of the chain is
+        missing.
         """
         from .experts import assemble_experts
 
-        def fetch(key: str) -> StagedCallRecord:
-            if verify:
-                (found,) = self.fetch([key])
-            else:
-                (found,) = self.source.fetch([key])
-            return found
-
-        record = fetch(call_id)
+        (asked,) = self.source.fetch([call_id])  # KeyError when no record has the id
+        facts = RolloutFacts.read(self.source, asked.rollout_id)
         check_included(
-            record.rollout_id,
-            self.status(record.rollout_id),
+            facts.rollout_id,
+            status_of(facts),
             include_open=include_open,
             include_poisoned=include_poisoned,
         )
-        return assemble_experts(fetch, record, allow_incomplete=allow_incomplete)
+        records = self._records(facts.rollout_id, True, verify)
+        if verify:
+            records = self._verified(facts, records, True, expected_head)[1]
+        verified = {r.call_id: r for r in records}
+
+        def fetch(key: str) -> StagedCallRecord:
+            found = verified.get(key)
+            if found is not None:
+                return found
+            # A parent in another rollout (none is written so): its digest at least.
+            (found,) = self.fetch([key]) if verify else self.source.fetch([key])
+            return found
+
+        return assemble_experts(fetch, fetch(call_id), allow_incomplete=allow_incomplete)
 
     def _select(
         self,
