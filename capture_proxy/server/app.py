@@ -595,6 +595,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         if isinstance(state.capture.source, SharedReader):
             state.capture.source.close()
         await state.sink.close()
+        incomplete = getattr(state.sink, "incomplete", None)  # SQLite: its WAL not folded in
+        state.store_incomplete = incomplete if isinstance(incomplete, str) else None
         await _spill(state, journal)
         if not state.capture.ledger.unsaved:
             await asyncio.to_thread(release_reserve, journal)

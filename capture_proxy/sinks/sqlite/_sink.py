@@ -344,8 +344,15 @@ class SQLiteSink:
 
         await self._writer.submit(work)
 
+    @property
+    def incomplete(self) -> str | None:
+        """After `close`: why the database file alone does not hold every record (an outside
+        reader on an older snapshot kept WAL frames out of it), or None when it does."""
+        return self._writer.incomplete
+
     async def close(self) -> None:
-        """Finish every queued write, stop the writer thread and close the file.
+        """Finish every queued write, stop the writer thread and close the file (folding the
+        WAL into it; see `incomplete`).
 
         `stage` after `close` raises RuntimeError."""
         try:

@@ -75,6 +75,8 @@ class GroupCommitWriter(WriterThread[Work]):
         check: Callable[[], None] = lambda: None,
     ) -> None:
         super().__init__(name=name, max_batch=max_batch)
+        #: Set at close when the file alone does not hold every record (said on the log).
+        self.incomplete: str | None = None
         self._conn = conn
         self._publish = publish
         self._check = check
@@ -82,12 +84,35 @@ class GroupCommitWriter(WriterThread[Work]):
 
     def _on_exit(self) -> None:
         # Leave one self-contained file: fold the WAL into the database and truncate it, so a
-        # user who copies only `capture.db` after a clean stop copies every record. Best effort:
-        # a reader holding an old snapshot makes it partial, and the data is safe in the WAL.
+        # user who copies only `capture.db` after a clean stop copies every record. Another
+        # process reading the file keeps the WAL in use (SQLite then waits `busy_timeout` for
+        # it): the frames its snapshot holds are still copied, and the file is whole, its
+        # `-wal` redundant. A reader on an older snapshot keeps the frames after it out of the
+        # file: that is said loudly (`incomplete`), the records being safe in the `-wal`.
         try:
-            self._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            busy, frames, copied = self._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
         except sqlite3.Error as e:
-            log.warning("%s: could not checkpoint the WAL at close: %s", self.name, e)
+            self.incomplete = (
+                f"{self.name}: could not fold the WAL into the file at close ({e}); its records "
+                f"are in {self.name}-wal: keep it with the file"
+            )
+            log.error("%s", self.incomplete)
+        else:
+            if busy and copied < frames:
+                self.incomplete = (
+                    f"{self.name}: {frames - copied} of {frames} WAL frames are not in the file "
+                    "at close: an outside reader holds an older snapshot of it; its records are "
+                    f"in {self.name}-wal: keep that with the file (a copy of the file alone "
+                    "misses them), or open the store once the reader is gone"
+                )
+                log.error("%s", self.incomplete)
+            elif busy:
+                log.info(
+                    "%s: an outside reader keeps the WAL in use at close; every frame is in the "
+                    "file (%s-wal is redundant)",
+                    self.name,
+                    self.name,
+                )
         self._conn.close()
 
     def _commit(self, jobs: list[Job[Work]]) -> None:
