@@ -17,7 +17,7 @@ import pytest
 
 from capture_proxy.inspect.cli import main as inspect_main
 from capture_proxy.read.reader import StoreCorrupted, open_store
-from capture_proxy.schemas.events import event_hash
+from capture_proxy.schemas.events import claim_event, event_hash
 from capture_proxy.schemas.store_head import StoreHead
 from capture_proxy.server.metrics import Metrics
 from capture_proxy.sinks.parquet import ParquetSink
@@ -178,3 +178,34 @@ def test_a_malformed_kept_head_is_a_usage_error(
     )
     assert status == 2
     assert "64 hex characters" in out.getvalue() + capsys.readouterr().err
+
+
+async def test_an_admitted_calls_claim_deleted_from_an_open_rollout_is_caught_on_sqlite(
+    tmp_path: Path,
+) -> None:
+    """A proxy stopped with a call in flight leaves its claim event (``lost_in_crash``: the
+    rollout reads as poisoned). Deleting that claim, the tail of an open rollout's log, leaves a
+    chain that holds and a rollout that reads as clean with ``include_open=True``; the store
+    head its writer published after the claim committed shows the log was cut short.
+    (On Parquet the claim's event waits for the next unit and its claim file is the only trace:
+    docs/contract.md says what that leaves open.)"""
+    where = tmp_path / "c.db"
+    sink = SQLiteSink(str(where))
+    session = Session("ep")
+    first, second = session.next()[0], session.next()[0]
+    await _call(sink, first)
+    await sink.append_event(claim_event("ep", second.seq, second.call_id, 2))
+    kept = sink.store_head.current()
+    await sink.close()
+    url = f"sqlite:///{where}"
+    with open_store(url) as store:
+        assert store.status("ep").poisoned
+    with sqlite3.connect(where) as db:
+        db.execute("DELETE FROM events WHERE call_id = ?", (second.call_id,))
+    db.close()
+    with open_store(url) as store:
+        assert not store.status("ep").poisoned
+        store.verify()
+        assert len(store.trajectory("ep", include_open=True).calls) == 1
+        with pytest.raises(StoreCorrupted, match="1 event\\(s\\) fewer: a rollout was cut short"):
+            store.verify(expected_store_head=kept.token())
