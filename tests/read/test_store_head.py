@@ -14,16 +14,17 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from capture_proxy.inspect.cli import main as inspect_main
 from capture_proxy.read.reader import StoreCorrupted, open_store
 from capture_proxy.schemas.events import claim_event, event_hash
 from capture_proxy.schemas.store_head import StoreHead
-from capture_proxy.server.metrics import Metrics
 from capture_proxy.sinks.parquet import ParquetSink
 from capture_proxy.sinks.sqlite import SQLiteSink
 from capture_proxy.sinks.store_head import StoreHeadKeeper
 from tests.read.test_tamper import KINDS, _call, _seal
+from tests.support.proxy_harness import chat_body, user
 from tests.support.sink_factories import Session
 
 
@@ -158,15 +159,24 @@ async def test_the_writer_logs_the_head_it_leaves_the_store_at(
     assert kept.token() in lines[-1].getMessage()
 
 
-def test_metrics_show_the_store_head_an_operator_keeps() -> None:
-    head = StoreHead("ab" * 32, 3, 20)
-    metrics = Metrics()
-    metrics.add_store_head(lambda: head)
-    text = metrics.render().decode()
-    assert (
-        f'capture_proxy_store_head_info{{events="20",head="{"ab" * 32}",rollouts="3"}} 1.0' in text
-    )
-    assert "capture_proxy_store_head_rollouts 3.0" in text
+async def test_metrics_show_the_store_head_an_operator_keeps(make_proxy: Any) -> None:
+    """A running proxy's ``/metrics`` carries the head its store is at after the last commit,
+    the one `Store.verify` recomputes (read with Prometheus' own text parser)."""
+    p = await make_proxy()
+    await p.chat(chat_body(user("x")))
+    text = await (await p.client.get("/metrics")).text()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    (info,) = families["capture_proxy_store_head_info"].samples
+    (count,) = families["capture_proxy_store_head_rollouts"].samples
+    with open_store(p.store_url) as store:
+        head = store.store_head()
+    assert info.labels == {
+        "head": head.head,
+        "rollouts": str(head.rollouts),
+        "events": str(head.events),
+    }
+    assert info.value == 1.0
+    assert count.value == head.rollouts == 1
 
 
 def test_a_malformed_kept_head_is_a_usage_error(
