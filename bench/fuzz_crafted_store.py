@@ -295,7 +295,7 @@ def main() -> int:
     logging.disable(logging.WARNING)
     rng = random.Random(args.seed)
     base = Path(tempfile.mkdtemp(prefix="fuzz-crafted-"))
-    failures = 0
+    failures = bombs = 0
     start = time.monotonic()
     try:
         pristine = base / ("pristine.db" if args.kind == "sqlite" else "pristine")
@@ -310,6 +310,7 @@ def main() -> int:
                 case = base / "case"
                 shutil.copytree(pristine, case)
                 edits = _mutate_parquet(case, rng)
+                bombs += any("page" in e for e in edits)
             bad = _reads(case, base, args.kind)
             if bad:
                 failures += 1
@@ -327,7 +328,8 @@ def main() -> int:
         rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         print(
             f"{args.kind}: {n} cases (seed {args.seed}), {failures} with an unclean ending, "
-            f"{wall:.0f} s, "
+            + (f"{bombs} with a page bomb, " if args.kind == "parquet" else "")
+            + f"{wall:.0f} s, "
             f"peak RSS {rss_mb:.0f} MB"
         )
         return 1 if failures else 0
