@@ -320,14 +320,18 @@ class Store:
             return store_problems(self.source, self._digester, self._encoder, progress, kept)
 
     def store_head(self) -> StoreHead:
-        """The store head recomputed from the store (docs/digest.md, "The store head")."""
+        """The store head recomputed from the store (docs/digest.md, "The store head").
+        `StoreDamaged` when an event holds no value a writer writes."""
         with _one_listing(self.source):
             heads = []
             for rollout_id in self.source.rollouts():
                 events = self.source.events(rollout_id)
                 if events:
                     heads.append((rollout_id, events[-1].hash, events[-1].position))
-        return StoreHeadState.of(heads).head()
+        try:
+            return StoreHeadState.of(heads).head()
+        except (TypeError, ValueError, UnicodeError) as e:
+            raise StoreDamaged(f"{self.url}: its store head cannot be computed: {e}") from e
 
     def verify(self, *, expected_store_head: StoreHead | str | None = None) -> None:
         """Raise `StoreCorrupted` listing every problem, or return None when all verifies

@@ -113,9 +113,11 @@ class StoreHeadState:
         (`events` counts ``position + 1`` for each)."""
         state = cls()
         for rollout_id, head, position in heads:
+            if not (isinstance(rollout_id, str) and isinstance(head, str)):
+                raise TypeError(f"rollout {rollout_id!r}: its head {head!r} is not text")
             state._add(store_head_leaf(rollout_id, head))
             state.rollouts += 1
-            state.events += position + 1
+            state.events += int(position) + 1
         return state
 
     def _add(self, leaf: bytes) -> None:

@@ -219,3 +219,18 @@ async def test_an_admitted_calls_claim_deleted_from_an_open_rollout_is_caught_on
         assert len(store.trajectory("ep", include_open=True).calls) == 1
         with pytest.raises(StoreCorrupted, match="1 event\\(s\\) fewer: a rollout was cut short"):
             store.verify(expected_store_head=kept.token())
+
+
+async def test_an_event_hash_of_another_type_is_a_store_problem_against_a_kept_head(
+    tmp_path: Path,
+) -> None:
+    url, where, kept = await write("sqlite", tmp_path)
+    with sqlite3.connect(where) as db:
+        db.execute("UPDATE events SET hash = 5 WHERE rollout_id = 'ok'")
+    db.close()
+    with open_store(url) as store:
+        with pytest.raises(StoreCorrupted) as caught:
+            store.verify(expected_store_head=kept.token())
+        (problem,) = [p for p in caught.value.problems if p.key == "store"]
+        assert "a rollout was rewritten or replaced" in problem.message
+        assert store.store_head().head != kept.head
