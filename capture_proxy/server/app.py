@@ -33,8 +33,10 @@ from ..errors import (
     error_body,
 )
 from ..schemas.request import FreeJsonLimits
+from ..schemas.store_head import StoreHead
 from ..sinks.base import StagingSink, StoreError
 from ..sinks.registry import open_sink, store_local_dir
+from ..sinks.store_head import StoreHeadKeeper
 from ..upstream.http import HTTPUpstream
 from ..upstream.replicas import ReplicaSet
 from .body_rate import BodyRate
@@ -345,6 +347,11 @@ async def _probe_sink(state: ProxyState) -> None:
     state.capture.stager.sink_failing = None
 
 
+def _store_head(state: ProxyState) -> StoreHead | None:
+    keeper = getattr(state.sink, "store_head", None)  # a store one writer writes (SQLite, local)
+    return keeper.current() if isinstance(keeper, StoreHeadKeeper) else None
+
+
 def _live_gauges(state: ProxyState) -> dict[str, float]:
     cap = state.capture
     out: dict[str, float] = {
@@ -429,6 +436,7 @@ def create_app(settings: Settings, *, sink: StagingSink | None = None) -> web.Ap
     )
     state.body_rate = BodyRate(settings.max_rollout_body_rate * 2**20, 2 * settings.max_body_bytes)
     state.metrics.add_live(lambda: _live_gauges(state))
+    state.metrics.add_store_head(lambda: _store_head(state))
     state.capture.on_outcome.append(state.metrics.observe)
     app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[errors_and_metrics])
     app[STATE] = state
@@ -604,6 +612,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         if isinstance(state.capture.source, SharedReader):
             state.capture.source.close()
         await state.sink.close()
+        incomplete = getattr(state.sink, "incomplete", None)  # SQLite: its WAL not folded in
+        state.store_incomplete = incomplete if isinstance(incomplete, str) else None
         await _spill(state, journal)
         if not state.capture.ledger.unsaved:
             await asyncio.to_thread(release_reserve, journal)
