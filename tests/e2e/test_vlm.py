@@ -1,0 +1,180 @@
+"""The proxy in front of a real vLLM 0.32 (CPU) serving a tiny vision-language model
+(scripts/tiny_vlm.py: Qwen2.5-VL, random weights): image turns, plain and token-in.
+
+`-m vllm`. Images are data URLs (PNG, JPEG, WebP, made by Pillow) in user messages and in tool
+results, several a turn, one of them twice. Each staged record is held to vLLM's own answers for
+the same request: its prompt ids to the chat route's ``prompt_token_ids``, its image placeholders
+to render's ``features.mm_placeholders``, which must sit exactly on the runs of the image pad id
+in the prompt. Calls are never overlapped (batching can flip a random model's near-tied picks).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import sqlite3
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from capture_proxy.read.reader import open_store
+from capture_proxy.schemas.records import StagedCallRecord
+from examples.rl_loop.agent import TOOLS
+from scripts import tiny_vlm
+from tests.e2e.test_vllm import as_forwarded, direct, stream_through
+from tests.support.proxy_harness import start_proxy, stop_proxy
+
+pytestmark = pytest.mark.vllm
+
+SYSTEM = {"role": "system", "content": "You are a visual coding agent. Use the tools."}
+CROP_CALL = {
+    "id": "call_crop_1",
+    "type": "function",
+    "function": {"name": "bash", "arguments": '{"command": "python crop.py"}'},
+}
+
+
+@pytest.fixture(scope="module")
+def images(vlm_paths: tiny_vlm.Paths) -> dict[str, str]:
+    """Data URLs: a task image (PNG), a photo (JPEG), a crop (WebP), a plot (PNG)."""
+    specs = [("PNG", 96, 64, 1), ("JPEG", 150, 100, 2), ("WEBP", 56, 56, 3), ("PNG", 200, 40, 4)]
+    urls = tiny_vlm.make_images(vlm_paths, specs)
+    return dict(zip(("task", "photo", "crop", "plot"), urls, strict=True))
+
+
+def image(url: str) -> dict[str, Any]:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def text(value: str) -> dict[str, Any]:
+    return {"type": "text", "text": value}
+
+
+def image_session(images: dict[str, str]) -> list[dict[str, Any]]:
+    """A visual coding turn: the task image and a photo, a crop tool call, its result followed by
+    the crop and the task image again (as OpenAI's API and OpenCode carry a tool's images: in a
+    user message after the tool message), then a user message with a plot."""
+    return [
+        SYSTEM,
+        {
+            "role": "user",
+            "content": [text("Fix the layout."), image(images["task"]), image(images["photo"])],
+        },
+        {"role": "assistant", "content": "", "tool_calls": [CROP_CALL]},
+        {"role": "tool", "tool_call_id": "call_crop_1", "content": "crop.png written"},
+        {"role": "user", "content": [image(images["crop"]), image(images["task"])]},
+        {"role": "user", "content": [text("And the plot:"), image(images["plot"])]},
+    ]
+
+
+def body(messages: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    return {
+        "model": "policy",
+        "messages": messages,
+        "tools": TOOLS,
+        "temperature": 0,
+        "max_tokens": 12,
+        **extra,
+    }
+
+
+def pad_runs(prompt: Sequence[int]) -> list[dict[str, int]]:
+    """Where the image pad id sits in `prompt`: one {offset, length} per run."""
+    runs: list[dict[str, int]] = []
+    for i, token in enumerate(prompt):
+        if token != tiny_vlm.IMAGE_PAD_ID:
+            continue
+        if runs and runs[-1]["offset"] + runs[-1]["length"] == i:
+            runs[-1]["length"] += 1
+        else:
+            runs.append({"offset": i, "length": 1})
+    return runs
+
+
+async def render(url: str, request: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's own render of `request` (/v1/chat/completions/render): token_ids and features."""
+    timeout = aiohttp.ClientTimeout(total=120)
+    async with (
+        aiohttp.ClientSession(timeout=timeout) as session,
+        session.post(f"{url}/v1/chat/completions/render", json=request) as resp,
+    ):
+        assert resp.status == 200, await resp.text()
+        rendered: dict[str, Any] = await resp.json()
+        return rendered
+
+
+def data_of(url: str) -> bytes:
+    return base64.b64decode(url.split(",", 1)[1])
+
+
+def attachment_refs(request: Any) -> list[str]:
+    """The image URLs of a staged request, in message order."""
+    return [
+        part["image_url"]["url"]
+        for message in request["messages"]
+        if isinstance(message.get("content"), list)
+        for part in message["content"]
+        if part.get("type") == "image_url"
+    ]
+
+
+async def assert_vllm_renders_it(url: str, record: StagedCallRecord, sent: dict[str, Any]) -> None:
+    """The record's prompt is vLLM's own for the request sent, and its image placeholders are
+    render's, exactly on the runs of the image pad id."""
+    forwarded = as_forwarded(sent)
+    prompt, _, _ = await direct(url, forwarded)
+    assert record.prompt_token_ids.tolist() == prompt
+    rendered = await render(
+        url, {k: v for k, v in forwarded.items() if k not in ("stream", "stream_options")}
+    )
+    assert rendered["token_ids"] == prompt
+    placeholders = rendered["features"]["mm_placeholders"]["image"]
+    assert [{"offset": p["offset"], "length": p["length"]} for p in placeholders] == pad_runs(
+        prompt
+    )
+
+
+async def test_image_turns_stage_vllms_own_prompt_and_placeholders(
+    vlm_url: str, tmp_path: Path, images: dict[str, str]
+) -> None:
+    p = await start_proxy(tmp_path, upstream=vlm_url)
+    rollout = "vlm-plain"
+    messages = image_session(images)
+    try:
+        unary = body(messages[:5])
+        resp = await p.chat(unary, rollout=rollout)
+        assert resp.status == 200, await resp.text()
+        assert resp.headers["X-Capture-Status"] == "staged"
+        await resp.read()
+        streamed = body(messages, stream=True)
+        await stream_through(p, rollout, streamed)
+        r1, r2 = p.calls(rollout)
+        await assert_vllm_renders_it(vlm_url, r1, unary)
+        await assert_vllm_renders_it(vlm_url, r2, streamed)
+        # Each image became its own placeholder run: 4 in the first call, 5 in the second.
+        assert [len(pad_runs(r.prompt_token_ids)) for r in (r1, r2)] == [4, 5]
+
+        # The staged requests hold references, the store each image's bytes once.
+        order = ["task", "photo", "crop", "task", "plot"]
+        digests = {k: hashlib.sha256(data_of(v)).hexdigest() for k, v in images.items()}
+        assert attachment_refs(r2.request) == [f"attachment:sha256:{digests[k]}" for k in order]
+        with open_store(p.store_url) as store:
+            fetched = store.fetch([r1.call_id, r2.call_id])
+            store.verify()
+        stored = {a.sha256: a for r in fetched for a in r.attachments}
+        assert set(stored) == set(digests.values())
+        for name, url in images.items():
+            attachment = stored[digests[name]]
+            assert attachment.data == data_of(url)
+            assert attachment.media_type == url[5 : url.index(";")]
+        db = sqlite3.connect(tmp_path / "store.db")
+        try:
+            (rows,) = db.execute("SELECT count(*) FROM attachments").fetchone()
+        finally:
+            db.close()
+        assert rows == len(images)
+    finally:
+        await stop_proxy(p)
