@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import json
 import sqlite3
 from collections.abc import Sequence
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +24,13 @@ import pytest
 
 from capture_proxy.read.reader import open_store
 from capture_proxy.schemas.records import StagedCallRecord
+from capture_proxy.schemas.token_in_extras import media_of, segment_break_of
 from examples.rl_loop.agent import TOOLS
 from scripts import tiny_vlm
+from tests.e2e import test_vllm
 from tests.e2e.test_vllm import as_forwarded, direct, stream_through
-from tests.support.proxy_harness import start_proxy, stop_proxy
+from tests.support.proxy_harness import Proxy, start_proxy, stop_proxy
+from tests.support.replay import Answer, read_answer, replayed
 
 pytestmark = pytest.mark.vllm
 
@@ -95,7 +100,9 @@ def pad_runs(prompt: Sequence[int]) -> list[dict[str, int]]:
 
 
 async def render(url: str, request: dict[str, Any]) -> dict[str, Any]:
-    """vLLM's own render of `request` (/v1/chat/completions/render): token_ids and features."""
+    """vLLM's own render of `request` (/v1/chat/completions/render): token_ids and features.
+    Streaming keys are dropped: render refuses them."""
+    request = {k: v for k, v in request.items() if k not in ("stream", "stream_options")}
     timeout = aiohttp.ClientTimeout(total=120)
     async with (
         aiohttp.ClientSession(timeout=timeout) as session,
@@ -108,6 +115,17 @@ async def render(url: str, request: dict[str, Any]) -> dict[str, Any]:
 
 def data_of(url: str) -> bytes:
     return base64.b64decode(url.split(",", 1)[1])
+
+
+def with_data(request: Any, images: dict[str, str]) -> dict[str, Any]:
+    """A staged request with its attachment references replaced by the images' data URLs."""
+    by_ref = {
+        f"attachment:sha256:{hashlib.sha256(data_of(u)).hexdigest()}": u for u in images.values()
+    }
+    return json.loads(
+        json.dumps(dict(request)),
+        object_hook=lambda o: {k: by_ref.get(v, v) if k == "url" else v for k, v in o.items()},
+    )
 
 
 def attachment_refs(request: Any) -> list[str]:
@@ -127,9 +145,7 @@ async def assert_vllm_renders_it(url: str, record: StagedCallRecord, sent: dict[
     forwarded = as_forwarded(sent)
     prompt, _, _ = await direct(url, forwarded)
     assert record.prompt_token_ids.tolist() == prompt
-    rendered = await render(
-        url, {k: v for k, v in forwarded.items() if k not in ("stream", "stream_options")}
-    )
+    rendered = await render(url, forwarded)
     assert rendered["token_ids"] == prompt
     placeholders = rendered["features"]["mm_placeholders"]["image"]
     assert [{"offset": p["offset"], "length": p["length"]} for p in placeholders] == pad_runs(
@@ -176,5 +192,97 @@ async def test_image_turns_stage_vllms_own_prompt_and_placeholders(
         finally:
             db.close()
         assert rows == len(images)
+    finally:
+        await stop_proxy(p)
+
+
+# Token-in over image turns. The random model only reasons, so each tool-call turn is steered as
+# tests/e2e/test_vllm.py steers the text model (the VLM's tokenizer puts `</think>` and
+# `<|im_end|>` at the same ids): `</think>` first, then a regex of a hermes block.
+def steer_tool_call(command: str) -> dict[str, Any]:
+    return {**test_vllm.steer_tool_call(command), "max_tokens": 64}
+
+
+async def play_image_session(p: Proxy, rollout: str, images: dict[str, str]) -> list[Answer]:
+    """Three calls as OpenCode makes them: the task (two images) answered by a crop tool call;
+    its result and the crop with the task image again (streamed), answered by a plot tool call;
+    its result and the plot, answered freely. Each answer is replayed as the agent replays it."""
+    messages = image_session(images)[:2]
+    answers: list[Answer] = []
+    follow_ups = [
+        [image(images["crop"]), image(images["task"])],
+        [text("The plot:"), image(images["plot"])],
+    ]
+    steering = [steer_tool_call("python crop.py"), steer_tool_call("python plot.py"), {}]
+    for turn, steer in enumerate(steering):
+        stream = turn == 1
+        request = {**body(messages), "stream": stream, **steer}
+        answer = await read_answer(await p.chat(request, rollout=rollout), stream=stream)
+        assert answer.status == "staged", (turn, answer)
+        answers.append(answer)
+        if turn < len(follow_ups):
+            assert answer.tool_calls, (turn, answer)
+            results = [
+                {"role": "tool", "tool_call_id": call["id"], "content": f"wrote {turn}.png"}
+                for call in answer.tool_calls
+            ]
+            user_turn = {"role": "user", "content": follow_ups[turn]}
+            messages = [*messages, replayed(answer), *results, user_turn]
+    return answers
+
+
+async def test_token_in_over_image_turns_is_one_segment_with_vllms_placeholders(
+    vlm_url: str, tmp_path: Path, images: dict[str, str], control: Any
+) -> None:
+    p = await start_proxy(tmp_path, upstream=vlm_url, admin_token=control.TOKEN, token_in="on")
+    rollout = "vlm-token-in"
+    try:
+        await play_image_session(p, rollout, images)
+        records = p.calls(rollout)
+        assert len(records) == 3
+        assert all(r.token_in for r in records)
+        for r in records:
+            # The record's placeholders are the prompt's image pad runs, one per image part.
+            media = media_of(r.extras)
+            assert media is not None, r.extras
+            assert [{"offset": m.offset, "length": m.length} for m in media] == pad_runs(
+                r.prompt_token_ids
+            )
+        assert [len(media_of(r.extras) or ()) for r in records] == [2, 4, 5]
+        for prev, r in pairwise(records):
+            exact = prev.prompt_token_ids.tolist() + prev.completion_token_ids.tolist()
+            prompt = r.prompt_token_ids.tolist()
+            assert prompt[: len(exact)] == exact
+            assert segment_break_of(r.extras) is None
+            # The previous call's images keep their hashes and places.
+            assert (media_of(r.extras) or ())[: len(media_of(prev.extras) or ())] == media_of(
+                prev.extras
+            )
+            # After the inserted close of the previous turn, the appended messages are vLLM's
+            # own rendering of them, image placeholders expanded as vLLM expands them: the plain
+            # render of the same request ends with the same tokens and placeholder lengths.
+            inserted = max(end for _, end, _ in r.bridge_spans) if r.bridge_spans else len(exact)
+            appended = prompt[inserted:]
+            plain = await render(vlm_url, as_forwarded(with_data(r.request, images)))
+            assert plain["token_ids"][-len(appended) :] == appended
+            shift = len(prompt) - len(plain["token_ids"])
+            new_items = [
+                {"offset": m["offset"] + shift, "length": m["length"]}
+                for m in plain["features"]["mm_placeholders"]["image"]
+                if m["offset"] + shift >= inserted
+            ]
+            assert new_items == pad_runs(prompt)[len(media_of(prev.extras) or ()) :]
+            assert len(new_items) == (2 if r is records[1] else 1)
+
+        await control(p.client).seal(rollout)
+        with open_store(p.store_url) as store:
+            traj = store.trajectory(rollout)
+            store.verify()
+        assert traj.breaks == []
+        assert len(traj.segments) == 1
+        last = records[-1]
+        assert traj.token_ids.tolist() == (
+            last.prompt_token_ids.tolist() + last.completion_token_ids.tolist()
+        )
     finally:
         await stop_proxy(p)
