@@ -122,10 +122,11 @@ def with_data(request: Any, images: dict[str, str]) -> dict[str, Any]:
     by_ref = {
         f"attachment:sha256:{hashlib.sha256(data_of(u)).hexdigest()}": u for u in images.values()
     }
-    return json.loads(
+    restored: dict[str, Any] = json.loads(
         json.dumps(dict(request)),
         object_hook=lambda o: {k: by_ref.get(v, v) if k == "url" else v for k, v in o.items()},
     )
+    return restored
 
 
 def attachment_refs(request: Any) -> list[str]:
