@@ -421,10 +421,74 @@ def make_images(paths: Paths, specs: list[tuple[str, int, int, int]]) -> list[st
     return urls
 
 
+def _logprobs_in_venv(model_dir: Path) -> None:
+    """Read ``{"prompt_ids", "completion_ids", "images": [base64, ...]}`` (images in prompt order)
+    from stdin; write the completion tokens' logprobs under the model, as a trainer computes
+    them: transformers' Qwen2.5-VL with the model folder's own image processor, float32."""
+    import base64
+    import io
+
+    import torch  # type: ignore[import-not-found, unused-ignore]
+    from PIL import Image  # type: ignore[import-not-found, unused-ignore]
+    from transformers import (  # type: ignore[import-not-found, unused-ignore]
+        AutoProcessor,
+        Qwen2_5_VLForConditionalGeneration,
+    )
+
+    job = json.load(sys.stdin)
+    processor = AutoProcessor.from_pretrained(model_dir)
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32)
+    model.eval()
+    images = [Image.open(io.BytesIO(base64.b64decode(b))).convert("RGB") for b in job["images"]]
+    vision = processor.image_processor(images=images, return_tensors="pt") if images else {}
+    prompt, completion = job["prompt_ids"], job["completion_ids"]
+    input_ids = torch.tensor([prompt + completion])
+    # transformers 5.19 places the images' M-RoPE positions only when told which tokens are image
+    # tokens (its processor's `mm_token_type_ids`: 1 on each image pad); without them every
+    # position is sequential, and the logprobs differ from vLLM's by ~5e-3 (measured).
+    mm_token_type_ids = (input_ids == model.config.image_token_id).int()
+    with torch.no_grad():
+        logits = model(input_ids=input_ids, mm_token_type_ids=mm_token_type_ids, **vision).logits
+    logits = logits[0].float()
+    logprobs = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
+    picked = logprobs.gather(1, torch.tensor(completion)[:, None])[:, 0]
+    grid = vision["image_grid_thw"].tolist() if images else []
+    json.dump({"logprobs": picked.tolist(), "image_grid_thw": grid}, sys.stdout)
+
+
+def recompute_logprobs(
+    paths: Paths, prompt_ids: list[int], completion_ids: list[int], images: list[bytes]
+) -> dict[str, Any]:
+    """The completion's logprobs recomputed by transformers in the venv (see `_logprobs_in_venv`):
+    ``{"logprobs": [...], "image_grid_thw": [[t, h, w], ...]}`` (the processor's patch grids)."""
+    import base64
+
+    job = {
+        "prompt_ids": prompt_ids,
+        "completion_ids": completion_ids,
+        "images": [base64.b64encode(b).decode() for b in images],
+    }
+    done = subprocess.run(
+        [str(paths.python), str(Path(__file__).resolve()), "logprobs", str(paths.model)],
+        input=json.dumps(job),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=tiny_vllm.server_env(paths),
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"recomputing logprobs failed:\n{done.stderr[-4000:]}")
+    result: dict[str, Any] = json.loads(done.stdout)
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["build-model"]:  # internal: run by `prepare` with the cache venv's python
         build_model(Path(argv[1]))
+        return 0
+    if argv[:1] == ["logprobs"]:  # internal: run by `recompute_logprobs` with the venv's python
+        _logprobs_in_venv(Path(argv[1]))
         return 0
     parser = argparse.ArgumentParser(prog="tiny_vlm.py", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)

@@ -287,3 +287,36 @@ async def test_token_in_over_image_turns_is_one_segment_with_vllms_placeholders(
         )
     finally:
         await stop_proxy(p)
+
+
+async def test_transformers_recomputes_an_image_turns_recorded_logprobs(
+    vlm_url: str, tmp_path: Path, images: dict[str, str], vlm_paths: tiny_vlm.Paths
+) -> None:
+    """The trainer's side: the same tiny model in transformers, with its own image processor,
+    given the record's prompt + completion ids and its images (from the store, in prompt order),
+    gives the logprobs the record holds (vLLM's raw logprobs, float32 on both sides)."""
+    p = await start_proxy(tmp_path, upstream=vlm_url)
+    try:
+        resp = await p.chat(body(image_session(images), max_tokens=16), rollout="vlm-logprobs")
+        assert resp.status == 200, await resp.text()
+        await resp.read()
+        (staged,) = p.calls("vlm-logprobs")
+        with open_store(p.store_url) as store:
+            (record,) = store.fetch([staged.call_id])
+        by_sha = {a.sha256: a.data for a in record.attachments}
+        in_order = [by_sha[ref.rsplit(":", 1)[1]] for ref in attachment_refs(record.request)]
+        assert len(in_order) == 5
+        result = tiny_vlm.recompute_logprobs(
+            vlm_paths,
+            record.prompt_token_ids.tolist(),
+            record.completion_token_ids.tolist(),
+            in_order,
+        )
+        # The processor expands each image as vLLM did: one pad per merged 2x2 patch.
+        lengths = [t * h * w // 4 for t, h, w in result["image_grid_thw"]]
+        assert lengths == [run["length"] for run in pad_runs(record.prompt_token_ids)]
+        recorded = record.completion_logprobs.tolist()
+        assert len(result["logprobs"]) == len(recorded) == 16
+        assert max(abs(a - b) for a, b in zip(result["logprobs"], recorded, strict=True)) <= 1e-3
+    finally:
+        await stop_proxy(p)
