@@ -33,10 +33,9 @@ from ..schemas.records import (
 from ..schemas.token_in_extras import media_of
 from ..schemas.tokens import full_sequence
 from ..sinks.base import StagingSource
-from .bridging import token_in_line
 from .experts import ExpertsIndex, stored_entry
 from .lineage import LineageIndex
-from .token_in import Prior
+from .token_in import Prior, token_in_line
 from .weights import DECREASED_FROM
 
 log = logging.getLogger("capture_proxy.rollouts")

@@ -22,8 +22,8 @@ from ..core.capture import Capture
 from ..core.exchange import ExchangeConfig, Pipeline
 from ..core.journal import journal_path, release_reserve, replay_journal, reserve_journal
 from ..core.policy import RequestPolicy
-from ..core.scale_out import SCALE_OUT_MISSING
 from ..core.shared_reader import SharedReader
+from ..core.token_in import SCALE_OUT_MISSING
 from ..errors import (
     CaptureUnavailable,
     NotFound,

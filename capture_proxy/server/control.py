@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..core.ids import new_call_id, valid_rollout_id
 from ..core.rollouts import RolloutLive, resume_rollout
-from ..core.scale_out import rollout_conflict
+from ..core.token_in import rollout_conflict
 from ..errors import (
     Forbidden,
     NotFound,

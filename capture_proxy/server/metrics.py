@@ -13,7 +13,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from ..core.call import CallReport
-from ..core.token_in_report import TokenInReport
+from ..core.token_in import TokenInReport
 from ..schemas.records import CallStatus
 
 __all__ = ["Metrics"]

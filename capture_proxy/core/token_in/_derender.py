@@ -22,7 +22,7 @@ from typing import Any
 
 import orjson
 
-from ..adapters.vllm import (
+from ...adapters.vllm import (
     DerenderCoalescer,
     Generated,
     GenerateStream,
@@ -33,8 +33,8 @@ from ..adapters.vllm import (
     read_derender,
     usage_chunk,
 )
-from ..errors import UpstreamFailed
-from .transport import EngineRoute, TokenInTransport, UpstreamReply
+from ...errors import UpstreamFailed
+from ..transport import EngineRoute, TokenInTransport, UpstreamReply
 
 __all__ = ["StreamedDerender", "post_derender"]
 
