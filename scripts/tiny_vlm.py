@@ -452,15 +452,24 @@ def _logprobs_in_venv(model_dir: Path) -> None:
     logits = logits[0].float()
     logprobs = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
     picked = logprobs.gather(1, torch.tensor(completion)[:, None])[:, 0]
-    grid = vision["image_grid_thw"].tolist() if images else []
-    json.dump({"logprobs": picked.tolist(), "image_grid_thw": grid}, sys.stdout)
+    grid = vision["image_grid_thw"] if images else None
+    positions, _ = model.model.get_rope_index(
+        input_ids, mm_token_type_ids=mm_token_type_ids, image_grid_thw=grid
+    )
+    result = {
+        "logprobs": picked.tolist(),
+        "image_grid_thw": grid.tolist() if grid is not None else [],
+        "position_ids": positions[:, 0, :].tolist(),
+    }
+    json.dump(result, sys.stdout)
 
 
 def recompute_logprobs(
     paths: Paths, prompt_ids: list[int], completion_ids: list[int], images: list[bytes]
 ) -> dict[str, Any]:
     """The completion's logprobs recomputed by transformers in the venv (see `_logprobs_in_venv`):
-    ``{"logprobs": [...], "image_grid_thw": [[t, h, w], ...]}`` (the processor's patch grids)."""
+    ``{"logprobs": [...], "image_grid_thw": [[t, h, w], ...], "position_ids": [[...] * 3]}``: the
+    processor's patch grids and the model's M-RoPE positions (temporal, height, width rows)."""
     import base64
 
     job = {

@@ -14,6 +14,7 @@ import base64
 import hashlib
 import json
 import sqlite3
+import subprocess
 from collections.abc import Sequence
 from itertools import pairwise
 from pathlib import Path
@@ -23,16 +24,20 @@ import aiohttp
 import pytest
 
 from capture_proxy.read.reader import open_store
+from capture_proxy.read.trainers import episodes, to_verl
 from capture_proxy.schemas.records import StagedCallRecord
 from capture_proxy.schemas.token_in_extras import media_of, segment_break_of
 from examples.rl_loop.agent import TOOLS
-from scripts import tiny_vlm
+from scripts import tiny_vlm, trainer_env
 from tests.e2e import test_vllm
 from tests.e2e.test_vllm import as_forwarded, direct, stream_through
+from tests.support import ROOT
 from tests.support.proxy_harness import Proxy, start_proxy, stop_proxy
 from tests.support.replay import Answer, read_answer, replayed
+from tests.support.trainer_rollouts import _jsonable as jsonable
 
 pytestmark = pytest.mark.vllm
+ADMIN = {"Authorization": "Bearer e2e-admin-token"}  # the e2e proxies' admin token (control.TOKEN)
 
 SYSTEM = {"role": "system", "content": "You are a visual coding agent. Use the tools."}
 CROP_CALL = {
@@ -320,3 +325,64 @@ async def test_transformers_recomputes_an_image_turns_recorded_logprobs(
         assert max(abs(a - b) for a, b in zip(result["logprobs"], recorded, strict=True)) <= 1e-3
     finally:
         await stop_proxy(p)
+
+
+def verl_check(vlm_paths: tiny_vlm.Paths, samples: list[dict[str, Any]]) -> list[Any]:
+    """tests/support/vlm_trainer_check.py on `samples` in the trainers' venv (built on first
+    use): verl's answer per sample."""
+    python = trainer_env.prepare().python
+    check = [str(python), "-m", "tests.support.vlm_trainer_check", str(vlm_paths.model)]
+    proc = subprocess.run(
+        check,
+        input=json.dumps(jsonable(samples)),
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert proc.returncode == 0, f"verl's check failed:\n{proc.stderr[-4000:]}"
+    answers: list[Any] = json.loads(proc.stdout)
+    return answers
+
+
+async def test_verl_places_the_exported_images_where_the_model_saw_them(
+    vlm_url: str, tmp_path: Path, images: dict[str, str], vlm_paths: tiny_vlm.Paths, control: Any
+) -> None:
+    """The token-in image session exported for verl (`to_verl`): verl's own `AgentLoopOutput`
+    takes it, and verl's own M-RoPE placement (`get_rope_index`, in the trainers' venv) of its
+    images in its ids equals transformers' (which gives vLLM's logprobs: the test above), image
+    by image, the task image sent twice included."""
+    p = await start_proxy(tmp_path, upstream=vlm_url, admin_token=control.TOKEN, token_in="on")
+    rollout = "vlm-verl"
+    try:
+        await control(p.client).create(rollout)
+        await play_image_session(p, rollout, images)
+        await control(p.client).seal(rollout)
+        graded = await p.client.put(
+            f"/admin/rollouts/{rollout}/outcome", json={"reward": 1.0}, headers=ADMIN
+        )
+        assert graded.status == 200, await graded.text()
+        with open_store(p.store_url) as store:
+            (sample,) = to_verl(episodes(store))
+    finally:
+        await stop_proxy(p)
+    output = sample["output"]
+    exported = [item["bytes"] for item in output["multi_modal_data"]["images"]]
+    order = ["task", "photo", "crop", "task", "plot"]
+    assert exported == [data_of(images[k]) for k in order]
+    ids = output["prompt_ids"] + output["response_ids"]
+    assert len(pad_runs(ids)) == len(exported)
+
+    (verl,) = verl_check(vlm_paths, [sample])
+    model = tiny_vlm.recompute_logprobs(
+        vlm_paths, output["prompt_ids"], output["response_ids"], exported
+    )
+    assert verl["image_grid_thw"] == model["image_grid_thw"]
+    assert verl["position_ids"] == model["position_ids"]
+    # Each placeholder run is placed as its image's grid of merged patches (rows x columns), not
+    # as a line of text positions.
+    for run, (_, h, w) in zip(pad_runs(ids), verl["image_grid_thw"], strict=True):
+        span = slice(run["offset"], run["offset"] + run["length"])
+        rows, columns = (sorted(set(verl["position_ids"][axis][span])) for axis in (1, 2))
+        assert (len(rows), len(columns)) == (h // 2, w // 2)
+        assert len(rows) * len(columns) == run["length"]
