@@ -10,6 +10,7 @@ in the prompt. Calls are never overlapped (batching can flip a random model's ne
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import json
@@ -28,7 +29,7 @@ from capture_proxy.read.trainers import episodes, to_verl
 from capture_proxy.schemas.records import StagedCallRecord
 from capture_proxy.schemas.token_in_extras import media_of, segment_break_of
 from examples.rl_loop.agent import TOOLS
-from scripts import tiny_vlm, trainer_env
+from scripts import opencode_env, tiny_vlm, trainer_env
 from tests.e2e import test_vllm
 from tests.e2e.test_vllm import as_forwarded, direct, stream_through
 from tests.support import ROOT
@@ -386,3 +387,68 @@ async def test_verl_places_the_exported_images_where_the_model_saw_them(
         rows, columns = (sorted(set(verl["position_ids"][axis][span])) for axis in (1, 2))
         assert (len(rows), len(columns)) == (h // 2, w // 2)
         assert len(rows) * len(columns) == run["length"]
+
+
+async def test_opencode_with_an_image_file_to_the_real_vlm_is_one_token_in_segment(
+    vlm_url: str,
+    tmp_path: Path,
+    control: Any,
+    opencode_binary: Path,
+    vlm_paths: tiny_vlm.Paths,
+) -> None:
+    """Real OpenCode 1.18.33, `opencode run --file task.png` with image input declared, through
+    the proxy (token-in on) to the real VLM. Steered to finish after one agent call (a regex
+    answer, thinking off: the random model would not stop on its own), titled so no title call
+    is made: the session's one record carries the image, placed as vLLM places it."""
+    (task_png,) = tiny_vlm.make_images(vlm_paths, [("PNG", 120, 90, 7)])
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "task.png").write_bytes(data_of(task_png))
+    p = await start_proxy(tmp_path, upstream=vlm_url, admin_token=control.TOKEN, token_in="on")
+    rollout = "vlm-opencode"
+    try:
+        api = control(p.client)
+        created = await api.create(rollout)
+        steer = {
+            "structured_outputs": {"regex": "Done\\."},
+            "chat_template_kwargs": {"enable_thinking": False},
+        }
+        done = await asyncio.to_thread(
+            opencode_env.opencode_run,
+            created["base_url"],
+            "Fix the layout shown in the image.",
+            files=[work / "task.png"],
+            title="visual task",
+            cwd=work,
+            timeout=300,
+            image_input=True,
+            model_options=steer,
+        )
+        manifest = await api.seal(rollout)
+        assert done.returncode == 0, (done.stderr[-3000:], manifest["calls"])
+        assert [c["status"] for c in manifest["calls"]] == ["staged"]
+        with open_store(p.store_url) as store:
+            (record,) = store.fetch([c["coords"] for c in manifest["calls"]])
+            traj = store.trajectory(rollout)
+            store.verify()
+    finally:
+        await stop_proxy(p)
+    assert record.token_in
+    assert record.response["content"] == "Done."
+    digest = hashlib.sha256(data_of(task_png)).hexdigest()
+    assert record.attachment_refs() == [digest]
+    assert [a.data for a in record.attachments] == [data_of(task_png)]
+    # OpenCode's request, its image restored, rendered by vLLM: the record's prompt and
+    # placeholders are vLLM's own.
+    sent = with_data(record.request, {"task": task_png})
+    rendered = await render(vlm_url, as_forwarded(sent))
+    assert rendered["token_ids"] == record.prompt_token_ids.tolist()
+    (placeholder,) = rendered["features"]["mm_placeholders"]["image"]
+    media = media_of(record.extras)
+    assert media is not None
+    assert [(m.offset, m.length) for m in media] == [(placeholder["offset"], placeholder["length"])]
+    assert pad_runs(record.prompt_token_ids) == [
+        {"offset": placeholder["offset"], "length": placeholder["length"]}
+    ]
+    assert len(traj.segments) == 1
+    assert traj.breaks == []
