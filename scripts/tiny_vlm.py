@@ -58,6 +58,8 @@ IMAGE_MARKUP = "<|vision_start|><|image_pad|><|vision_end|>"
 # Images are resized to at most 8x8 merged patches (224x224 px): at most 64 tokens an image, so
 # a turn with several images stays cheap on 2 cores.
 MIN_PIXELS = 56 * 56
+# Images a prompt may hold (vLLM's --limit-mm-per-prompt): a 20-turn session with a crop a turn.
+MAX_IMAGES = 32
 MAX_PIXELS = 28 * 28 * 64
 
 MODEL_RECIPE: dict[str, object] = {
@@ -330,10 +332,10 @@ RED_PIXEL_PNG = (
 
 
 def server_command(paths: Paths, port: int, *, scale_out: bool = False) -> list[str]:
-    """The text model's command line (tiny_vllm.server_command) on this model, at most 8 images
+    """The text model's command line (tiny_vllm.server_command) on this model, at most 32 images
     and no video a prompt."""
     command = tiny_vllm.server_command(paths, port, scale_out=scale_out, model=paths.model)
-    return [*command, "--limit-mm-per-prompt", json.dumps({"image": 8, "video": 0})]
+    return [*command, "--limit-mm-per-prompt", json.dumps({"image": MAX_IMAGES, "video": 0})]
 
 
 def start(
