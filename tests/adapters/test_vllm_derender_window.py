@@ -45,11 +45,11 @@ def test_with_unknown_markers_derender_gets_the_whole_prompt() -> None:
     assert derender_prompt_start(array("i", [9] * 50), None) == 0
 
 
-def test_derender_s_chat_request_keeps_every_key_and_the_count_of_tool_calls() -> None:
+def test_derender_s_chat_request_keeps_the_keys_tools_and_count_of_tool_calls_it_reads() -> None:
     call = {"id": "a", "type": "function", "function": {"name": "bash", "arguments": "{}"}}
     request = {
         "model": "m",
-        "tools": [{"type": "function", "function": {"name": "bash"}}],
+        "tools": [{"type": "function", "function": {"name": "bash", "description": "d" * 5000}}],
         "chat_template_kwargs": {"enable_thinking": False},
         "messages": [
             {"role": "system", "content": "x" * 10_000},
@@ -59,9 +59,10 @@ def test_derender_s_chat_request_keeps_every_key_and_the_count_of_tool_calls() -
         ],
     }
     slim = derender_chat_request(request)
-    assert {k: v for k, v in slim.items() if k != "messages"} == {
-        k: v for k, v in request.items() if k != "messages"
+    assert {k: v for k, v in slim.items() if k not in ("messages", "tools")} == {
+        k: v for k, v in request.items() if k not in ("messages", "tools")
     }
+    assert slim["tools"] == [{"type": "function", "function": {"name": "bash"}}]
     [assistant, last] = slim["messages"]
     assert assistant["role"] == "assistant"
     assert len(assistant["tool_calls"]) == 2

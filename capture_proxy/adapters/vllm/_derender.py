@@ -85,8 +85,8 @@ def derender_chat_request(chat_request: Mapping[str, Any]) -> dict[str, Any]:
     ``return_token_ids``, the special-token keys and ``parallel_tool_calls``; of the messages,
     only how many tool calls the assistant turns made (``count_history_tool_calls``, for
     Kimi-style tool call ids). So the messages become one stub per assistant turn with tool calls
-    (as many calls, empty arguments) and an empty user message: a stream's derender calls resend
-    this instead of the conversation."""
+    (as many calls, empty arguments) and an empty user message, and the function tools lose
+    their description: a stream's derender calls resend this instead of the conversation."""
     messages = chat_request.get("messages")
     if not isinstance(messages, list):
         return dict(chat_request)
@@ -100,7 +100,22 @@ def derender_chat_request(chat_request: Mapping[str, Any]) -> dict[str, Any]:
                 {"role": "assistant", "content": "", "tool_calls": [_COUNTED_CALL] * len(calls)}
             )
     kept.append({"role": "user", "content": ""})
-    return {**chat_request, "messages": kept}
+    slim: dict[str, Any] = {**chat_request, "messages": kept}
+    tools = chat_request.get("tools")
+    if isinstance(tools, list):
+        slim["tools"] = [_without_description(tool) for tool in tools]
+    return slim
+
+
+def _without_description(tool: Any) -> Any:
+    """A function tool without its function's ``description``: derender's parsers read a tool's
+    name and parameters (``find_tool_name``, ``find_tool_properties``); the description goes
+    only into the grammar a generation is constrained by (``adjust_request``), which derender
+    does not build."""
+    function = tool.get("function") if isinstance(tool, Mapping) else None
+    if not isinstance(function, Mapping) or "description" not in function:
+        return tool
+    return {**tool, "function": {k: v for k, v in function.items() if k != "description"}}
 
 
 def derender_prompt_start(prompt: array[int], markers: Sequence[int] | None) -> int:
