@@ -32,6 +32,9 @@ from ...adapters.vllm import (
     client_answer,
     count_reasoning_tokens,
     derender_body,
+    derender_chat_request,
+    derender_prompt_start,
+    encode_ids,
     read_derendered,
     read_generate,
     to_completion,
@@ -57,7 +60,13 @@ from ._values import Prior
 if TYPE_CHECKING:
     from ..exchange import Exchange, Outcome
 
-__all__ = ["TokenInCall"]
+__all__ = ["DERENDER_BUDGET", "DERENDER_FLOOR", "TokenInCall"]
+
+#: A stream's derender calls send at most this many times the bytes of the request as rendered,
+#: and at least `DERENDER_FLOOR` (then the call that started under it, and the last one with the
+#: rest of the stream).
+DERENDER_BUDGET = 0.5
+DERENDER_FLOOR = 8 << 10
 
 _DONE = b"data: [DONE]\n\n"
 #: Where an SSE event's JSON starts (after ``data: ``).
@@ -73,6 +82,8 @@ class TokenInCall:
         self.prompt: TokenInPrompt | None = None
         #: The request rendered for the call, encoded (set by `post`).
         self._render_body = b""
+        #: The chat request derender calls send (`derender_chat_request`), encoded (`post`).
+        self._derender_chat = b""
         #: The reasoning parser's marker ids (`_reasoning_markers`; None: no reasoning tokens).
         self._markers: tuple[int, int] | None = None
         #: The call's line of calls (`token_in_line`), hashed once per call (`_token_in_line`).
@@ -100,8 +111,9 @@ class TokenInCall:
         render_request = orjson.loads(self._exchange.plan.body)
         for key in ("stream", "stream_options"):
             render_request.pop(key, None)
-        # Encoded once: the plain render and every derender call send it.
+        # Encoded once: the plain render sends it; derender calls, what derender reads of it.
         self._render_body = orjson.dumps(render_request)
+        self._derender_chat = orjson.dumps(derender_chat_request(render_request))
         self.prompt = await token_in_prompt(
             upstream,
             self._exchange.pipeline.close_renders,
@@ -164,12 +176,8 @@ class TokenInCall:
         try:
             include = self._exchange.request.get("include_stop_str_in_output") is True
             sent, only_stop_token = without_stop_token_id(raw, include)
-            body = derender_body(
-                sent,
-                prompt.prompt_ids,
-                self._render_body,
-                ids_json=prompt.prompt_json,
-            )
+            ids, ids_json = self._derender_prompt(prompt)
+            body = derender_body(sent, ids, self._derender_chat, ids_json=ids_json)
             # Derender takes generate's answer as it came: it is sent first, and the answer is
             # read for the record while vLLM derenders it (not before).
             derendering = asyncio.ensure_future(self._derender(body))
@@ -208,6 +216,23 @@ class TokenInCall:
         )
         return await self._exchange._stage(completion, client_body, generated.weight_spans)
 
+    def _derender_prompt(self, prompt: TokenInPrompt) -> tuple[Sequence[int], bytes]:
+        """The prompt ids derender calls send, and their JSON: the tail of the prompt derender
+        reads (`derender_prompt_start`), the whole prompt when that is not known."""
+        start = derender_prompt_start(prompt.prompt_array, self._derender_markers(prompt))
+        if start == 0:
+            return prompt.prompt_ids, prompt.prompt_json
+        ids = prompt.prompt_ids[start:]
+        return ids, encode_ids(ids)
+
+    def _derender_markers(self, prompt: TokenInPrompt) -> tuple[int, ...] | None:
+        """The reasoning parser's marker ids for `derender_prompt_start`: ``()`` when the server
+        has no reasoning parser, None when it has one whose markers are not known."""
+        kwargs = prompt.rendered.rest.get("reasoning_parser_kwargs")
+        if kwargs is None or bytes(kwargs) == b"null":
+            return ()
+        return self._markers
+
     async def _derender(self, body: bytes) -> Derendered:
         return read_derendered(await post_derender(self._upstream, body))
 
@@ -221,14 +246,18 @@ class TokenInCall:
         assert prompt is not None
         assert plan is not None
         assert reply is not None
+        ids, ids_json = self._derender_prompt(prompt)
         derender = StreamedDerender(
             self._upstream,
             reply,
-            prompt.prompt_ids,
-            self._render_body,
+            ids,
+            self._derender_chat,
             logprobs=StreamLogprobs(self._model) if plan.wants.logprobs else None,
-            ids_json=prompt.prompt_json,
+            ids_json=ids_json,
             include_stop_str=self._exchange.request.get("include_stop_str_in_output") is True,
+            # The stream's derender calls send about half what the request weighs, then wait
+            # for its end: a slow stream of one token per call costs no more than a fast one.
+            budget=max(int(DERENDER_BUDGET * len(self._render_body)), DERENDER_FLOOR),
         )
 
         def reasoning_tokens() -> int | None:

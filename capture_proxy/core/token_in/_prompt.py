@@ -93,7 +93,10 @@ class TokenInPrompt:
     @property
     def prompt_array(self) -> array[int]:
         """`prompt_ids` as an int32 array, as the record keeps them."""
-        return self.ids_array if self.ids_array is not None else array("i", self.prompt_ids)
+        if self.ids_array is None:  # converted once: derender's window and the record read it
+            object.__setattr__(self, "ids_array", array("i", self.prompt_ids))
+        assert self.ids_array is not None
+        return self.ids_array
 
     @property
     def prompt_json(self) -> bytes:
