@@ -215,6 +215,14 @@ def _parser() -> argparse.ArgumentParser:
     compact.add_argument("store", help="a Parquet store URL or folder")
     compact.add_argument("--target-mb", type=int, default=256, help="size of merged files")
     compact.add_argument(
+        "--grace",
+        type=_duration,
+        default=600_000,
+        metavar="AGE",
+        help="delete units retired more than this long ago (default 10m); readers that listed "
+        "a unit read it for this long after it is retired (e.g. 0s, 90s, 10m)",
+    )
+    compact.add_argument(
         "--json",
         action="store_true",
         help="print the summary (units, files and bytes before and after, records, deleted "
@@ -593,7 +601,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             from .sinks.registry import compact_store
 
             with progress_bar("compacting") as progress:
-                c = compact_store(args.store, target_bytes=args.target_mb << 20, progress=progress)
+                c = compact_store(
+                    args.store,
+                    target_bytes=args.target_mb << 20,
+                    grace_s=args.grace / 1000,
+                    progress=progress,
+                )
             if args.json:
                 print(json.dumps({"store": args.store, **dataclasses.asdict(c)}))
                 return 0

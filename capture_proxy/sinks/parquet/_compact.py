@@ -40,9 +40,11 @@ from ._layout import (
     TABLES,
     Marker,
     check_format,
+    list_markers,
     live_units,
 )
 from ._lease import maintenance_lease
+from ._snapshot import read_markers
 
 __all__ = ["LEFTOVER_AGE_S", "CompactStats", "compact_dataset", "compact_store"]
 
@@ -95,12 +97,16 @@ def compact_dataset(
         # Steps: each run of units merged (a run of one is kept as it is), then the clean-up.
         after = []
         for done, run in enumerate(runs, 1):
-            after.append(_merge(dfs, run, markers, lease.check) if len(run) > 1 else run[0])
+            merged = _merge(dfs, run, markers, lease.check) if len(run) > 1 else run[0]
+            markers[merged.unit] = merged
+            after.append(merged)
             if progress is not None:
                 progress(done, len(runs) + 1)
-        deleted = _clean(dfs, grace_s, lease.check)
-        if progress is not None:
-            progress(len(runs) + 1, len(runs) + 1)
+    # The lease is released before the clean-up: deleting retired units and leftovers needs
+    # no lease (see `_clean`), and on object storage it is most of a run's requests.
+    deleted = _clean(dfs, markers, grace_s)
+    if progress is not None:
+        progress(len(runs) + 1, len(runs) + 1)
     return CompactStats(
         units_before=len(live),
         units_after=len(after),
@@ -148,38 +154,47 @@ def _merge(
     return replace_units(dfs, run, markers, lambda table_name, table: table, before_commit=check)
 
 
-def _clean(dfs: DatasetFS, grace_s: float, check: Callable[[], None]) -> int:
+def _clean(dfs: DatasetFS, markers: dict[str, Marker], grace_s: float) -> int:
     """Delete units retired over `grace_s` ago, then unreferenced files older than that and
-    than `LEFTOVER_AGE_S`."""
+    than `LEFTOVER_AGE_S`; `markers` are the ones the run read (and committed). Returns how
+    many files were deleted.
+
+    Runs without the lease, beside writers, readers and other maintenance runs: it deletes
+    only what no reader may use any more, as readers judge it. A unit retired by a marker is
+    retired in every later listing (a marker that retires it is deleted only once it is itself
+    retired, by a marker that inherits what it retired: `replace_units`), so no run merges it
+    again; two clean-ups deleting the same files is harmless (a delete of a missing file is
+    not an error). Deletes go in bulk: data files first, then their markers, so a crash in
+    between leaves retired markers whose files are gone, which readers never open.
+    """
     deadline_ms = (time.time() - grace_s) * 1000
     leftover_ms = (time.time() - max(grace_s, LEFTOVER_AGE_S)) * 1000
-    markers = load_markers(dfs)
-    deleted = 0
-    for m in markers.values():
+    data: list[str] = []
+    gone: list[str] = []
+    for m in list(markers.values()):
         if m.created_at_ms > deadline_ms:
             continue
         for name in m.retires:
-            old = markers.get(name)
-            if old is None:
-                continue
-            check()
-            # Data files first, marker last: a crash in between leaves a retired marker whose
-            # files are gone, which readers never open (it is retired).
-            for rel in old.files.values():
-                dfs.delete(rel)
-                deleted += 1
-            dfs.delete(old.rel)
-            deleted += 1
-    referenced = {rel for m in load_markers(dfs).values() for rel in m.files.values()}
+            old = markers.pop(name, None)
+            if old is not None:
+                data.extend(old.files.values())
+                gone.append(old.rel)
+    dfs.delete_many(data)
+    dfs.delete_many(gone)
+    # Leftovers: old files no marker names. Listed first, then the markers committed since
+    # the run read them are read too (few), so a file a newer marker names is never taken.
+    candidates: list[str] = []
     for folder in (*TABLES, COMMITS_DIR):
         for entry in dfs.listdir(folder):
             rel = f"{folder}/{entry.name}"
-            stale = entry.mtime_ns / 1e6 <= leftover_ms
-            leftover = entry.name.endswith(TMP_SUFFIX) or (
-                folder != COMMITS_DIR and rel not in referenced
-            )
-            if stale and leftover:
-                check()
-                dfs.delete(rel)
-                deleted += 1
-    return deleted
+            if entry.mtime_ns / 1e6 <= leftover_ms and (
+                entry.name.endswith(TMP_SUFFIX) or folder != COMMITS_DIR
+            ):
+                candidates.append(rel)
+    if candidates:
+        newer = [n for n in list_markers(dfs) if n not in markers]
+        markers = {**markers, **read_markers(dfs, newer)}
+        referenced = {rel for m in markers.values() for rel in m.files.values()}
+        candidates = [rel for rel in candidates if rel not in referenced]
+        dfs.delete_many(candidates)
+    return len(data) + len(gone) + len(candidates)

@@ -149,11 +149,13 @@ def gc_parquet(
             span = live[plan.touched[0] : plan.touched[-1] + 1]
             merged = replace_units(dfs, span, markers, plan.select, before_commit=lease.check)
             after = before - sum(m.size for m in span) + merged.size
-            # After the unit that removes their rows: a crash in between leaves claims of a
-            # rollout that is gone, which a new rollout of the same id would continue after.
-            lease.check()
-            remove_claims(dfs, plan.rollouts)
-        unit_read(steps)
+    if plan.touched and not dry_run:
+        # After the unit that removes their rows, and after the lease is released (a listing
+        # and a bulk delete per rollout; no other maintenance run touches claims): a crash in
+        # between leaves claims of a rollout that is gone, which a new rollout of the same id
+        # would continue after.
+        remove_claims(dfs, plan.rollouts)
+    unit_read(steps)
     return GcStats(
         rollouts=plan.rollouts,
         calls=len(plan.calls),
