@@ -27,11 +27,11 @@ reach it through the registry, which refuses other kinds in one place.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 from ..base import CompactStats, Progress, StoreError
+from ._checkpoint import Checkpoint, Loaded
 from ._fs import TMP_SUFFIX, DatasetFS
-from ._gc import load_markers, replace_units
+from ._gc import replace_units
 from ._layout import (
     CALLS,
     COMMITS_DIR,
@@ -41,10 +41,9 @@ from ._layout import (
     Marker,
     check_format,
     list_markers,
-    live_units,
+    unit_files,
 )
 from ._lease import maintenance_lease
-from ._snapshot import read_markers
 
 __all__ = ["LEFTOVER_AGE_S", "CompactStats", "compact_dataset", "compact_store"]
 
@@ -91,20 +90,22 @@ def compact_dataset(
     if not check_format(dfs):
         raise StoreError(f"no capture-proxy Parquet dataset at {location}")
     with maintenance_lease(location, "compact", ttl_s=lease_ttl_s, dfs=dfs) as lease:
-        markers = load_markers(dfs)
-        live = live_units(markers)
+        checkpoint = Checkpoint(dfs, location, lease)
+        live = checkpoint.loaded.live()
         runs = _runs(live, target_bytes, time.time_ns() - int(shared_window_s * 1e9))
         # Steps: each run of units merged (a run of one is kept as it is), then the clean-up.
         after = []
         for done, run in enumerate(runs, 1):
-            merged = _merge(dfs, run, markers, lease.check) if len(run) > 1 else run[0]
-            markers[merged.unit] = merged
-            after.append(merged)
+            after.append(_merge(dfs, run, checkpoint) if len(run) > 1 else run[0])
             if progress is not None:
                 progress(done, len(runs) + 1)
+        if len(after) == len(live):
+            # Nothing merged: the checkpoint is written anyway, so the next opens read the
+            # units committed since the last one from it rather than marker by marker.
+            checkpoint.commit(checkpoint.loaded.markers)
     # The lease is released before the clean-up: deleting retired units and leftovers needs
     # no lease (see `_clean`), and on object storage it is most of a run's requests.
-    deleted = _clean(dfs, markers, grace_s)
+    deleted = _clean(dfs, checkpoint.loaded, grace_s)
     if progress is not None:
         progress(len(runs) + 1, len(runs) + 1)
     return CompactStats(
@@ -147,17 +148,22 @@ def _runs(live: list[Marker], target_bytes: int, settled_ns: int) -> list[list[M
     return runs
 
 
-def _merge(
-    dfs: DatasetFS, run: list[Marker], markers: dict[str, Marker], check: Callable[[], None]
-) -> Marker:
+def _merge(dfs: DatasetFS, run: list[Marker], checkpoint: Checkpoint) -> Marker:
     """Write `run`'s rows as one unit whose marker retires them; return its marker."""
-    return replace_units(dfs, run, markers, lambda table_name, table: table, before_commit=check)
+    return replace_units(
+        dfs,
+        run,
+        checkpoint.existing(),
+        lambda _t, table: table,
+        before_commit=checkpoint.gate,
+        undo_commit=checkpoint.undo,
+    )
 
 
-def _clean(dfs: DatasetFS, markers: dict[str, Marker], grace_s: float) -> int:
+def _clean(dfs: DatasetFS, loaded: Loaded, grace_s: float) -> int:
     """Delete units retired over `grace_s` ago, then unreferenced files older than that and
-    than `LEFTOVER_AGE_S`; `markers` are the ones the run read (and committed). Returns how
-    many files were deleted.
+    than `LEFTOVER_AGE_S`; `loaded` is what the run read (and committed). Returns how many
+    files were deleted.
 
     Runs without the lease, beside writers, readers and other maintenance runs: it deletes
     only what no reader may use any more, as readers judge it. A unit retired by a marker is
@@ -165,24 +171,36 @@ def _clean(dfs: DatasetFS, markers: dict[str, Marker], grace_s: float) -> int:
     retired, by a marker that inherits what it retired: `replace_units`), so no run merges it
     again; two clean-ups deleting the same files is harmless (a delete of a missing file is
     not an error). Deletes go in bulk: data files first, then their markers, so a crash in
-    between leaves retired markers whose files are gone, which readers never open.
+    between leaves retired markers whose files are gone, which readers never open. A retired
+    unit whose marker was not read (the checkpoint names it) has the usual file names.
     """
-    deadline_ms = (time.time() - grace_s) * 1000
-    leftover_ms = (time.time() - max(grace_s, LEFTOVER_AGE_S)) * 1000
+    now_ms = time.time() * 1000
+    deadline_ms = now_ms - grace_s * 1000
+    leftover_ms = now_ms - max(grace_s, LEFTOVER_AGE_S) * 1000
+    markers = loaded.markers
+    retired_at: dict[str, float] = {}
+    for m in markers.values():
+        for name in m.retires:
+            retired_at[name] = min(retired_at.get(name, m.created_at_ms), m.created_at_ms)
+    if loaded.checkpoint is not None:
+        # Retired before the checkpoint was written, by a marker not read here.
+        written = float(loaded.checkpoint.get("written_at_ms", now_ms))
+        for name in loaded.retired - retired_at.keys():
+            retired_at[name] = written
+    listed = set(loaded.names)
     data: list[str] = []
     gone: list[str] = []
-    for m in list(markers.values()):
-        if m.created_at_ms > deadline_ms:
+    for name, at in retired_at.items():
+        if at > deadline_ms or not (name in listed or name in markers):
             continue
-        for name in m.retires:
-            old = markers.pop(name, None)
-            if old is not None:
-                data.extend(old.files.values())
-                gone.append(old.rel)
+        old = markers.get(name)
+        data.extend(old.files.values() if old is not None else unit_files(name, TABLES).values())
+        gone.append(f"{COMMITS_DIR}/{name}.json")
+        listed.discard(name)
     dfs.delete_many(data)
     dfs.delete_many(gone)
-    # Leftovers: old files no marker names. Listed first, then the markers committed since
-    # the run read them are read too (few), so a file a newer marker names is never taken.
+    # Leftovers: old files of no listed unit. Listed first, then the markers committed since
+    # the run read them are listed too, so a file of a newer unit is never taken.
     candidates: list[str] = []
     for folder in (*TABLES, COMMITS_DIR):
         for entry in dfs.listdir(folder):
@@ -192,9 +210,19 @@ def _clean(dfs: DatasetFS, markers: dict[str, Marker], grace_s: float) -> int:
             ):
                 candidates.append(rel)
     if candidates:
-        newer = [n for n in list_markers(dfs) if n not in markers]
-        markers = {**markers, **read_markers(dfs, newer)}
-        referenced = {rel for m in markers.values() for rel in m.files.values()}
-        candidates = [rel for rel in candidates if rel not in referenced]
+        units = listed | set(list_markers(dfs))
+        gone_set = set(gone)
+        referenced = {
+            rel
+            for m in markers.values()
+            if f"{COMMITS_DIR}/{m.unit}.json" not in gone_set
+            for rel in m.files.values()
+        }
+        candidates = [
+            rel
+            for rel in candidates
+            if rel not in referenced
+            and not (rel.endswith(".parquet") and rel.rsplit("/", 1)[-1][:-8] in units)
+        ]
         dfs.delete_many(candidates)
     return len(data) + len(gone) + len(candidates)

@@ -42,6 +42,7 @@ from ...schemas.records import (
 )
 from ..base import PROXY_STATE_ROLLOUT, StoreDamaged, StoreError
 from ..rollout_index import IndexedRollout, RolloutQuery, row_of
+from ._checkpoint import load_markers
 from ._claims import read_claims
 from ._cursors import ParquetCursors
 from ._directory import Directory
@@ -209,7 +210,14 @@ class ParquetSource(Loading):
             fresh = [n for n in names if n not in seen]
         # Concurrent on object storage; one removed by a compaction's cleanup after it was
         # listed is left out.
-        markers = read_markers(self.dfs, fresh, self._object_url)
+        if listed:
+            markers = read_markers(self.dfs, fresh, self._object_url)
+            retired = {u for m in markers.values() for u in m.retires}
+        else:
+            # An open: the checkpoint's live units, and the markers of units committed since
+            # (a retired unit's marker is not read: `_checkpoint`).
+            loaded = load_markers(self.dfs, names, self._object_url)
+            markers, retired = loaded.markers, loaded.retired
         idx = self._index
         if listed and isinstance(idx, UnitIndex) and idx.heads is not None:
             # The event heads and rollout ids a writer's open takes (`event_heads`, `known`)
@@ -220,7 +228,6 @@ class ParquetSource(Loading):
             self._collect_heads = False
         # What the new markers retire (a compaction's or gc's merged unit), and units whose
         # markers are gone (deleted by a cleanup once retired, by a marker read before or not).
-        retired = {u for m in markers.values() for u in m.retires}
         if not appended:
             now = set(names)
             retired.update(u for u in self._units if u not in now)
