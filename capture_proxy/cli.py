@@ -217,10 +217,10 @@ def _parser() -> argparse.ArgumentParser:
     compact.add_argument(
         "--grace",
         type=_duration,
-        default=600_000,
+        default="10m",
         metavar="AGE",
-        help="delete units retired more than this long ago (default 10m); readers that listed "
-        "a unit read it for this long after it is retired (e.g. 0s, 90s, 10m)",
+        help="delete units retired more than this long ago; a reader that listed a unit reads "
+        "it for this long after it is retired, e.g. 0s, 90s (default: 10m)",
     )
     compact.add_argument(
         "--json",
