@@ -74,8 +74,8 @@ def _snapshot(url: str) -> dict[str, list[tuple[str, str]]]:
     with open_store(url) as store:
         out = {}
         for r in store.rollouts():
-            calls = [(c.call_id, c.digest) for c in store.source.calls(r)]  # type: ignore[attr-defined]
-            events = [("event", e.hash) for e in store.source.events(r)]  # type: ignore[attr-defined]
+            calls = [(c.call_id, c.digest) for c in store.source.calls(r)]
+            events = [("event", e.hash) for e in store.source.events(r)]
             out[r] = calls + events
         return out
 
@@ -195,7 +195,7 @@ async def test_compaction_keeps_each_ledger_row_once_after_a_stalled_run_committ
     replace_units(dfs, span, markers, lambda _t, table: table)
     replace_units(dfs, span, markers, lambda _t, table: table)
     with open_store(url) as store:
-        events = store.source.events("a")  # type: ignore[attr-defined]
+        events = store.source.events("a")
     once = [e for e in before["a"] if e[0] == "event"]
     assert once  # every call claimed its seq: events to duplicate
     assert len(events) == 2 * len(once)
