@@ -60,6 +60,7 @@ from capture_proxy.sinks.parquet._layout import (
     LEDGER,
     Marker,
     create_dataset,
+    list_markers,
     new_unit_name,
     table_bytes,
     unit_files,
@@ -187,6 +188,9 @@ def run(units: int, new: int) -> dict[str, Any]:
         t = time.perf_counter()
         out["uploaded objects"] = upload(local, store)
         out["upload s"] = time.perf_counter() - t
+        t = time.perf_counter()
+        out["listed markers"] = len(list_markers(DatasetFS(url)))
+        out["list s (names only)"] = time.perf_counter() - t
         out["open s (checkpoint, retired listed)"], out["rollouts"] = timed_open(url)
         out["writer open s (checkpoint)"] = asyncio.run(writer_open(url))
         checkpoint = bytes(obstore.get(store, "_checkpoint/live.json").bytes())

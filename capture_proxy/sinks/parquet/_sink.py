@@ -208,8 +208,12 @@ class ParquetSink:
                 cache_bytes=_READER_CACHE_BYTES,
                 cache_tokens=_READER_CACHE_BYTES // 16,
             )
-            known = self._reader.known()
-            self._events = EventHeads(self._reader.event_heads(), self._stored_head)
+            # One listing of the commit markers for both (each read lists them otherwise: on
+            # object storage a LIST request per thousand units, twice at every open).
+            with self._reader.snapshot():
+                known = self._reader.known()
+                heads = self._reader.event_heads()
+            self._events = EventHeads(heads, self._stored_head)
         except BaseException:
             self._lock.release()
             raise

@@ -323,7 +323,8 @@ class ParquetSource(Loading):
     def known(self) -> Known:
         """Everything a writer appending to this dataset must know (see `ParquetSink`)."""
         with self._lock:
-            self.refresh()
+            if not self._held or not self._listing:  # in a `snapshot`: its listing
+                self.refresh()
             return self._known()
 
     def _known(self) -> Known:
