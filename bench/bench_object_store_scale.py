@@ -19,7 +19,8 @@ Measured, on moto on loopback (started here, stopped at the end):
 2. **writer open**: a `ParquetSink` opened on the dataset (what a restarted proxy waits for
    before it is ready);
 3. **compaction**: `--new` small units committed by a writer after the checkpoint, then
-   `compact_dataset` with grace 0: the seconds it holds the maintenance lease (merging) and the
+   `compact_dataset` with grace 0 and the CLI's default target (256 MB: the 160 MB merged unit
+   is kept, the new units are merged): the seconds it holds the maintenance lease (merging) and the
    seconds of the whole run (the clean-up deletes the retired units in bulk after the lease is
    released);
 4. **open again** after the clean-up: no retired marker is left.
@@ -202,7 +203,7 @@ def run(units: int, new: int) -> dict[str, Any]:
         holds: list[float] = []
         t = time.perf_counter()
         with lease_hold_timer(holds):
-            stats = compact_dataset(url, target_bytes=1 << 40, grace_s=0, shared_window_s=0)
+            stats = compact_dataset(url, target_bytes=256 << 20, grace_s=0, shared_window_s=0)
         out["compact s"] = time.perf_counter() - t
         out["compact lease held s"] = holds[0]
         out["compact deleted files"] = stats.deleted_files

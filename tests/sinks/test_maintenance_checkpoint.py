@@ -260,3 +260,22 @@ async def test_compact_grace_on_the_command_line(
         main(["compact", url, "--grace", "soon"])
     assert usage.value.code == 2
     assert "--grace" in capsys.readouterr().err
+
+
+async def test_a_large_unit_is_kept_and_only_the_units_after_it_are_merged(
+    tmp_path: Path,
+) -> None:
+    url = str(tmp_path / "ds")
+    await _stage(url, ["a"], calls=6)
+    _compact(url, grace_s=0)
+    (large,) = live_units(load_markers(DatasetFS(url)))
+    await _stage(url, ["b"], calls=3)
+    before = _snapshot(url)
+    # The merged unit is half the target or more: merging the new units into it would write
+    # it again whole.
+    stats = compact_dataset(url, target_bytes=large.size * 2, grace_s=0, shared_window_s=0)
+    assert (stats.units_before, stats.units_after) == (4, 2)
+    first, merged = live_units(load_markers(DatasetFS(url)))
+    assert first.unit == large.unit
+    assert merged.rows["calls"] == 3
+    assert _snapshot(url) == before
