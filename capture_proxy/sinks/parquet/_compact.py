@@ -18,7 +18,10 @@ file gone, re-lists the dataset and reads the merged unit instead (`ParquetSourc
 
 Compaction runs while proxies write, on local folders and object storage alike: writers only add
 units, and a merge retires only units it listed. One compaction or gc at a time per dataset: each
-holds the dataset's maintenance lease (`_lease`), and a second run is refused naming the holder.
+holds the dataset's maintenance lease (`_lease`) while it merges, and a second run is refused
+naming the holder; each merge commits through the dataset's checkpoint (`_checkpoint`), which
+fences a run that stalled past its lease. The clean-up runs after the lease is released and
+deletes in bulk (`_clean`).
 
 `compact_dataset` is the Parquet store kind's `compact` (`capture_proxy.sinks.kinds`): callers
 reach it through the registry, which refuses other kinds in one place.
