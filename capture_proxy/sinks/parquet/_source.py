@@ -87,6 +87,14 @@ def default_url(location: str) -> str:
     return location if "://" in location else f"parquet:///{location}"
 
 
+def _vanished(e: OSError) -> bool:
+    """Whether `e` says a file is gone: pyarrow's S3 filesystem raises FileNotFoundError when it
+    opens a missing file, but a plain OSError ("NO_SUCH_KEY") when a file it opened is deleted
+    before it reads a range of it (a compaction's clean-up under a reader): "NO_SUCH_KEY", or
+    "RESOURCE_NOT_FOUND" when the 404 has no body."""
+    return any(code in str(e) for code in ("NO_SUCH_KEY", "NoSuchKey", "RESOURCE_NOT_FOUND"))
+
+
 def _damaged(url: str, e: BaseException) -> StoreDamaged | None:
     """`e` as damage of the dataset at `url`, or None when it is not (a store error of its
     own, an unknown key, an I/O failure). pyarrow's ArrowInvalid and ArrowTypeError are
@@ -309,7 +317,9 @@ class ParquetSource(Loading):
                     if not self._held or not self._listing:
                         self.refresh()
                     return fn()
-                except FileNotFoundError:
+                except OSError as e:
+                    if not isinstance(e, FileNotFoundError) and not _vanished(e):
+                        raise
                     self._reset()
                     if attempt == _ATTEMPTS - 1:
                         raise
