@@ -5,6 +5,7 @@ lease expires, a holder that stalled past its expiry learns it lost the lease be
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -13,11 +14,14 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import orjson
 import pyarrow.fs as pafs
 import pytest
 
 from capture_proxy.sinks.base import StoreError
 from capture_proxy.sinks.parquet import LeaseLost, ParquetSink, gc_parquet, maintenance_lease
+from capture_proxy.sinks.parquet._fs import DatasetFS
+from capture_proxy.sinks.parquet._lease import LEASE
 from tests.support.s3 import MotoS3
 
 #: A maintenance run in another process: takes the lease, says so, then checks it once a line
@@ -174,3 +178,41 @@ async def test_object_storage_given_as_a_filesystem_object_is_refused(moto_s3: M
         f"maintenance of {path} needs conditional writes, which capture-proxy makes through "
         "obstore; obstore cannot open this URL: "
     )
+
+
+def _write_lease(location: str, body: dict[str, object]) -> None:
+    """A lease body as another host wrote it (its clock in `expires_at_ms`, `written_at_ms`)."""
+    DatasetFS(location).put_all({LEASE: orjson.dumps(body)})
+
+
+def test_expiry_is_judged_on_the_stores_clock_not_the_holders(location: str) -> None:
+    now_ms = int(time.time() * 1000)
+    hour_ms = 3_600_000
+    common = {"purpose": "compact", "released": False, "nonce": "n"}
+    if not location.startswith("s3://"):
+        os.makedirs(os.path.join(location, "_leases"), exist_ok=True)
+    # A holder whose clock is an hour behind: by its own expiry the lease is long over, but it
+    # was written just now, and holds for its ttl.
+    _write_lease(
+        location,
+        {"holder": "behind:1:a", "ttl_ms": 60_000, "expires_at_ms": now_ms - hour_ms} | common,
+    )
+    with (
+        pytest.raises(StoreError, match="compact by behind:1:a"),
+        maintenance_lease(location, "gc"),
+    ):
+        pass
+    # A holder whose clock is an hour ahead, with a 1.5 s ttl: taken once 1.5 s have passed on
+    # the store's clock, whatever its expiry says.
+    _write_lease(
+        location,
+        {"holder": "ahead:1:b", "ttl_ms": 1500, "expires_at_ms": now_ms + hour_ms} | common,
+    )
+    with (
+        pytest.raises(StoreError, match="compact by ahead:1:b"),
+        maintenance_lease(location, "gc"),
+    ):
+        pass
+    time.sleep(1.6 + _resolution_s(location))
+    with maintenance_lease(location, "gc") as lease:
+        lease.check()
