@@ -144,9 +144,17 @@ def upload(local: Path, store: S3Store) -> int:
 
 
 @contextlib.contextmanager
-def lease_hold_timer(holds: list[float]) -> Iterator[None]:
-    """Record how long each maintenance run holds its lease (bench-only instrumentation)."""
+def lease_hold_timer(holds: list[float], loads: list[float]) -> Iterator[None]:
+    """Record how long each maintenance run holds its lease, and how long of that it spends
+    reading the checkpoint and the listing (bench-only instrumentation)."""
     original = _compact.maintenance_lease  # type: ignore[attr-defined]
+    checkpoint = _compact.Checkpoint  # type: ignore[attr-defined]
+
+    class TimedCheckpoint(checkpoint):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            t = time.perf_counter()
+            super().__init__(*args, **kwargs)
+            loads.append(time.perf_counter() - t)
 
     @contextlib.contextmanager
     def timed(*args: Any, **kwargs: Any) -> Iterator[_lease.Lease]:
@@ -158,10 +166,12 @@ def lease_hold_timer(holds: list[float]) -> Iterator[None]:
                 holds.append(time.perf_counter() - t)
 
     setattr(_compact, "maintenance_lease", timed)  # noqa: B010 - no public name to patch
+    setattr(_compact, "Checkpoint", TimedCheckpoint)  # noqa: B010
     try:
         yield
     finally:
         setattr(_compact, "maintenance_lease", original)  # noqa: B010
+        setattr(_compact, "Checkpoint", checkpoint)  # noqa: B010
 
 
 def timed_open(url: str) -> tuple[float, int]:
@@ -201,11 +211,13 @@ def run(units: int, new: int) -> dict[str, Any]:
         commit_units(DatasetFS(url), new, Rows())
         out["open s (checkpoint + new units)"], _ = timed_open(url)
         holds: list[float] = []
+        loads: list[float] = []
         t = time.perf_counter()
-        with lease_hold_timer(holds):
+        with lease_hold_timer(holds, loads):
             stats = compact_dataset(url, target_bytes=256 << 20, grace_s=0, shared_window_s=0)
         out["compact s"] = time.perf_counter() - t
         out["compact lease held s"] = holds[0]
+        out["  of which checkpoint + listing s"] = loads[0]
         out["compact deleted files"] = stats.deleted_files
         out["open s (after clean-up)"], _ = timed_open(url)
         out["writer open s (after clean-up)"] = asyncio.run(writer_open(url))
