@@ -367,3 +367,25 @@ async def test_two_writers_and_two_maintenance_loops_lose_nothing_and_opens_see_
         }
         assert got == acked
         store.verify()
+
+
+async def test_compact_and_gc_wait_for_the_lease_on_the_command_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = str(tmp_path / "ds")
+    await _stage(url, ["a"], calls=2)
+    with maintenance_lease(url, "compact") as held:
+        started = time.monotonic()
+        assert main(["gc", url, "--older-than", "1d", "--wait", "1s"]) == 1
+        assert time.monotonic() - started >= 1.0
+        assert f"compact by {held.holder}" in capsys.readouterr().err
+    # Its reservation of the next turn was released when it gave up: a run now takes it.
+    with maintenance_lease(url, "gc") as taken:
+        taken.check()
+    # Released meanwhile: a waiting compaction gets it.
+    with maintenance_lease(url, "gc"):
+        waiting = threading.Thread(target=main, args=(["compact", url, "--wait", "30s"],))
+        waiting.start()
+        await asyncio.sleep(0.5)
+    waiting.join(30)
+    assert "2 unit(s) -> 1" in capsys.readouterr().out

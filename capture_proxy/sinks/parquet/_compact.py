@@ -82,17 +82,19 @@ def compact_dataset(
     progress: Progress | None = None,
     lease_ttl_s: float = 60.0,
     shared_window_s: float = DEDUP_WINDOW_S + GC_MARGIN_S,
+    wait_s: float = 0.0,
 ) -> CompactStats:
     """The Parquet kind's compaction: merge the dataset at `location` (a local folder or a
     pyarrow filesystem URL), while proxies write to it. Raises `StoreError` when there is no
     dataset there or another compaction or gc holds the dataset's maintenance lease
     (`lease_ttl_s`: how long the lease holds after each renewal), and `LeaseLost` when the run
     lost its lease midway (what it committed before stays valid). `shared_window_s` is gc's:
-    a merged unit younger than that is not merged again until it is older (`_runs`)."""
+    a merged unit younger than that is not merged again until it is older (`_runs`). `wait_s`:
+    how long to wait for the lease, first in line, when another run holds it."""
     dfs = DatasetFS(location)
     if not check_format(dfs):
         raise StoreError(f"no capture-proxy Parquet dataset at {location}")
-    with maintenance_lease(location, "compact", ttl_s=lease_ttl_s, dfs=dfs) as lease:
+    with maintenance_lease(location, "compact", ttl_s=lease_ttl_s, dfs=dfs, wait_s=wait_s) as lease:
         checkpoint = Checkpoint(dfs, location, lease)
         live = checkpoint.loaded.live()
         runs = _runs(live, target_bytes, time.time_ns() - int(shared_window_s * 1e9))

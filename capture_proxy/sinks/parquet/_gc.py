@@ -115,6 +115,7 @@ def gc_parquet(
     progress: Progress | None = None,
     lease_ttl_s: float = 60.0,
     shared_window_s: float = DEDUP_WINDOW_S + GC_MARGIN_S,
+    wait_s: float = 0.0,
 ) -> GcStats:
     """Remove the rollouts of the Parquet dataset at `location` sealed before
     ``now_ms - older_than_ms``; with `dry_run`, only say what would go. Proxies may write to
@@ -126,13 +127,15 @@ def gc_parquet(
     (what readers read); disk space comes back when a later `compact` deletes the retired
     files. Raises `StoreError` when there is no dataset at `location` or another compaction or
     gc holds the maintenance lease (`lease_ttl_s`: how long it holds after each renewal), and
-    `LeaseLost` when this run lost it before committing.
+    `LeaseLost` when this run lost it before committing. `wait_s`: how long to wait for the
+    lease, first in line, when another run holds it.
     """
     dfs = DatasetFS(location, filesystem)
     if not check_format(dfs):
         raise StoreError(f"no capture-proxy Parquet dataset at {location}")
     purpose = "gc --dry-run" if dry_run else "gc"
-    with maintenance_lease(location, purpose, ttl_s=lease_ttl_s, dfs=dfs) as lease:
+    lease_held = maintenance_lease(location, purpose, ttl_s=lease_ttl_s, dfs=dfs, wait_s=wait_s)
+    with lease_held as lease:
         checkpoint = Checkpoint(dfs, location, lease, repair=not dry_run)
         live = checkpoint.loaded.live()
         # Steps: reading each live unit's calls (most of the time), then the rewrite.

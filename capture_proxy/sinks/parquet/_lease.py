@@ -13,7 +13,10 @@ what it runs and how long it holds after each write (`ttl_ms`). A run:
 * **releases** it at the end by writing a released body the same way, so the next run takes it
   at once.
 
-A second run while the lease holds is refused with `StoreError` naming the holder and its expiry.
+A second run while the lease holds is refused with `StoreError` naming the holder and its expiry,
+or waits for it with `wait_s`, first in line: it reserves the next turn in ``_leases/next`` (a
+body like the lease's, renewed while it waits), and a run that finds the lease free while another
+run's reservation is fresh is refused, so a waiting run is not starved by runs that come and go.
 
 **Expiry is judged on the store's clock**, never by comparing two hosts' clocks: a taker
 compares the lease object's Last-Modified with that of a clock object it writes at that moment
@@ -42,6 +45,7 @@ import contextlib
 import fcntl
 import hashlib
 import os
+import random
 import socket
 import threading
 import time
@@ -59,8 +63,14 @@ __all__ = ["LEASE", "Conditional", "Lease", "LeaseLost", "conditional_object", "
 
 #: The lease object, relative to the dataset root.
 LEASE = "_leases/maintenance"
+#: The reservation of the next turn by a run waiting for the lease (`Lease.acquire`).
+NEXT = "_leases/next"
 #: Written (empty) to read the store's clock: its Last-Modified is the store's "now".
 _CLOCK = "_leases/clock"
+
+
+class _Held(Exception):
+    """The lease is held (or reserved) by another run: the refusal, as its message."""
 
 
 class LeaseLost(StoreError):
@@ -236,8 +246,18 @@ def _when(ms: int) -> str:
 class Lease:
     """A held maintenance lease (see the module docstring); `maintenance_lease` takes one."""
 
-    def __init__(self, backend: Conditional, where: str, purpose: str, ttl_s: float) -> None:
+    def __init__(
+        self,
+        backend: Conditional,
+        where: str,
+        purpose: str,
+        ttl_s: float,
+        queue: Conditional | None = None,
+    ) -> None:
         self._backend = backend
+        #: The reservation of the next turn (`acquire` with `wait_s`), when there is one.
+        self._queue = queue
+        self._reserved = False
         self._where = where
         self.purpose = purpose
         self.ttl_s = ttl_s
@@ -268,18 +288,50 @@ class Lease:
             }
         )
 
-    def _left_ms(self, info: dict[str, Any]) -> int:
-        """How long the lease described by `info` still holds (<= 0: expired or released)."""
+    def _left_ms(self, info: dict[str, Any], backend: Conditional) -> int:
+        """How long the lease (or reservation) described by `info`, the body of `backend`'s
+        object, still holds (<= 0: expired or released)."""
         if info.get("released"):
             return 0
         ttl_ms = info.get("ttl_ms")
         if not isinstance(ttl_ms, int):  # written by a release without `ttl_ms`
             return int(info.get("expires_at_ms", 0)) - _now_ms()
-        age = self._backend.age_ms()
-        return 0 if age is None else ttl_ms + self._backend.resolution_ms - age
+        age = backend.age_ms()
+        return 0 if age is None else ttl_ms + backend.resolution_ms - age
 
-    def acquire(self) -> None:
-        """Take the lease, or raise `StoreError` naming the run that holds it."""
+    def acquire(self, wait_s: float = 0.0) -> None:
+        """Take the lease, or raise `StoreError` naming the run that holds it. With `wait_s`,
+        wait up to that long for it: the run reserves the next turn (`_leases/next`), so runs
+        that come and go meanwhile cannot take it before this one (no starvation)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                self._take()
+                break
+            except _Held as held:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self._unreserve()  # giving up: the turn is not held for nothing
+                    raise StoreError(str(held)) from None
+                self._reserve()
+                time.sleep(min(1.0, left) * random.uniform(0.5, 1.0))
+        self._unreserve()
+        self._renewer = threading.Thread(
+            target=self._renew_loop, name="capture-proxy-lease", daemon=True
+        )
+        self._renewer.start()
+
+    def _take(self) -> None:
+        if self._queue is not None:
+            waiting = self._queue.get()
+            if waiting is not None:
+                info = _decode(waiting[0])
+                if info.get("holder") != self.holder and self._left_ms(info, self._queue) > 0:
+                    raise _Held(
+                        f"another maintenance run is waiting for {self._where}: "
+                        f"{info.get('purpose', '?')} by {info.get('holder', '?')} takes it "
+                        f"next; run {self.purpose} again once it has finished"
+                    )
         sent = time.monotonic()
         etag = self._backend.create(self._body())
         if etag is None:
@@ -289,9 +341,9 @@ class Lease:
             else:
                 body, old = current
                 info = _decode(body)
-                left = self._left_ms(info)
+                left = self._left_ms(info, self._backend)
                 if left > 0:
-                    raise StoreError(
+                    raise _Held(
                         f"another maintenance run holds {self._where}: "
                         f"{info.get('purpose', '?')} by {info.get('holder', '?')}, until "
                         f"{_when(_now_ms() + left)} unless renewed; run {self.purpose} "
@@ -301,15 +353,33 @@ class Lease:
                 sent = time.monotonic()
                 etag = self._backend.replace(self._body(), old)
         if etag is None:
-            raise StoreError(
+            raise _Held(
                 f"another maintenance run took {self._where} at the same moment; "
                 f"run {self.purpose} again once it has finished"
             )
         self._etag, self._deadline = etag, sent + self.ttl_s
-        self._renewer = threading.Thread(
-            target=self._renew_loop, name="capture-proxy-lease", daemon=True
-        )
-        self._renewer.start()
+
+    def _reserve(self) -> None:
+        """Hold the next turn, unless another waiting run holds it (then this one waits
+        behind it). Renewed at each try, so it lapses `ttl_s` after a waiter died."""
+        if self._queue is None:
+            return
+        got = self._queue.get()
+        if got is None:
+            self._reserved = self._queue.create(self._body()) is not None
+            return
+        info = _decode(got[0])
+        if info.get("holder") == self.holder or self._left_ms(info, self._queue) <= 0:
+            self._reserved = self._queue.replace(self._body(), got[1]) is not None
+
+    def _unreserve(self) -> None:
+        if self._queue is None or not self._reserved:
+            return
+        got = self._queue.get()
+        if got is not None and _decode(got[0]).get("holder") == self.holder:
+            with contextlib.suppress(OSError):
+                self._queue.replace(self._body(released=True), got[1])
+        self._reserved = False
 
     def renew(self) -> None:
         """Extend the lease by `ttl_s` if this run still holds it (else `check` will raise)."""
@@ -384,17 +454,29 @@ def conditional_object(dfs: DatasetFS, location: str, key: str) -> Conditional:
 
 @contextlib.contextmanager
 def maintenance_lease(
-    location: str, purpose: str, *, ttl_s: float = 60.0, dfs: DatasetFS | None = None
+    location: str,
+    purpose: str,
+    *,
+    ttl_s: float = 60.0,
+    dfs: DatasetFS | None = None,
+    wait_s: float = 0.0,
 ) -> Iterator[Lease]:
     """Hold the maintenance lease of the Parquet dataset at `location` (a folder or an object
     store URL, reached through obstore with the AWS_* / GOOGLE_* / AZURE_* environment) for the
     block: renewed every ``ttl_s / 3`` meanwhile, released after. `purpose` names the run in a
-    refusal. Raises `StoreError` when another run holds it; call `Lease.check` before each
-    commit. `dfs` is the dataset's files when the caller has them open already.
+    refusal. Raises `StoreError` when another run holds it (after waiting up to `wait_s` for
+    it, first in line: `Lease.acquire`); call `Lease.check` before each commit. `dfs` is the
+    dataset's files when the caller has them open already.
     """
     dfs = dfs or DatasetFS(location)
-    lease = Lease(conditional_object(dfs, location, LEASE), dfs.path(LEASE), purpose, ttl_s)
-    lease.acquire()
+    lease = Lease(
+        conditional_object(dfs, location, LEASE),
+        dfs.path(LEASE),
+        purpose,
+        ttl_s,
+        conditional_object(dfs, location, NEXT),
+    )
+    lease.acquire(wait_s)
     try:
         yield lease
     finally:
