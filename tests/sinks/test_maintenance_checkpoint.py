@@ -153,7 +153,8 @@ async def test_a_run_whose_lease_was_taken_without_its_knowing_is_fenced_by_the_
     before = _snapshot(url)
     dfs = DatasetFS(url)
     with maintenance_lease(url, "compact", dfs=dfs) as stalled:
-        run = Checkpoint(dfs, url, stalled)
+        run = Checkpoint(dfs, url)
+        run.hold(stalled)
         live = run.loaded.live()
         # The holder pauses (a stopped VM) right after its last check; meanwhile its lease is
         # taken from it (here: the lease object removed, so the next run creates it) and that
@@ -389,3 +390,41 @@ async def test_compact_and_gc_wait_for_the_lease_on_the_command_line(
         await asyncio.sleep(0.5)
     waiting.join(30)
     assert "2 unit(s) -> 1" in capsys.readouterr().out
+
+
+async def test_a_compaction_lists_the_markers_before_it_takes_the_lease(moto_s3: MotoS3) -> None:
+    url = moto_s3.url()
+    await _stage(url, ["a", "b"], calls=5)
+    start = _log_size(moto_s3)
+    _compact(url, grace_s=600)
+    requests = _requests(moto_s3, start)
+    lease_writes = [
+        i for i, (m, path) in enumerate(requests) if m == "PUT" and path.endswith(f"/{LEASE}")
+    ]
+    listings = [
+        i
+        for i, (m, path) in enumerate(requests)
+        if m == "GET" and "prefix=" in path and "_commits" in path
+    ]
+    assert listings
+    # None while the lease is held (from its taking to its release).
+    assert not [i for i in listings if lease_writes[0] < i < lease_writes[-1]]
+
+
+async def test_a_reading_made_before_another_run_took_the_lease_is_read_again(
+    tmp_path: Path,
+) -> None:
+    url = str(tmp_path / "ds")
+    await _stage(url, ["a"], calls=4)
+    dfs = DatasetFS(url)
+    early = Checkpoint(dfs, url)
+    assert len(early.loaded.live()) == 4
+    _compact(url, grace_s=600)  # another run takes the lease and merges meanwhile
+    with maintenance_lease(url, "compact", dfs=dfs) as lease:
+        early.hold(lease)
+        assert len(early.loaded.live()) == 1  # the merged unit, not the four it retired
+    unchanged = Checkpoint(dfs, url)
+    with maintenance_lease(url, "compact", dfs=dfs) as lease:
+        before = unchanged.loaded
+        unchanged.hold(lease)
+        assert unchanged.loaded is before  # nobody took the lease between: used as read

@@ -41,7 +41,7 @@ import orjson
 
 from ._fs import DatasetFS
 from ._layout import Marker, list_markers
-from ._lease import Conditional, Lease, LeaseLost, conditional_object
+from ._lease import LEASE, Conditional, Lease, LeaseLost, conditional_object
 from ._snapshot import read_markers
 
 __all__ = ["CHECKPOINT", "Checkpoint", "Loaded", "load_markers", "read_checkpoint"]
@@ -138,12 +138,27 @@ def _retired_by(markers: Iterable[Marker]) -> set[str]:
 
 
 class Checkpoint:
-    """A maintenance run's view of the checkpoint: what it read, and its fenced commits."""
+    """A maintenance run's view of the checkpoint: what it read, and its fenced commits.
 
-    def __init__(self, dfs: DatasetFS, location: str, lease: Lease, *, repair: bool = True) -> None:
+    Made before the run takes the lease, so the listing (a `LIST` per thousand markers, most of
+    an open on a store with many units) is not done while it holds it; `hold` then uses that
+    reading only if nobody took the lease in between (the lease object is the one it saw before
+    reading: every maintenance run, of any release, takes the lease before committing), and
+    reads again otherwise.
+    """
+
+    def __init__(self, dfs: DatasetFS, location: str) -> None:
         self._dfs = dfs
-        self._lease = lease
+        self._lease: Lease | None = None
         self._object: Conditional = conditional_object(dfs, location, CHECKPOINT)
+        seen = conditional_object(dfs, location, LEASE).get()
+        #: The lease object's etag before this run read anything (None: there was none).
+        self._lease_seen = None if seen is None else seen[1]
+        self._read(dfs)
+        #: What `undo` restores: the merged marker, the checkpoint and the retired units before.
+        self._undo: tuple[Marker, bytes | None, set[str]] | None = None
+
+    def _read(self, dfs: DatasetFS) -> None:
         got = self._object.get()
         #: The checkpoint as this run last read or wrote it, and the store's etag of it (what
         #: the run's next commit compares against).
@@ -152,14 +167,20 @@ class Checkpoint:
         body = None if got is None else _parse(got[0])
         self._generation = int(body.get("generation", 0)) if body is not None else 0
         self.loaded = load_markers(dfs, checkpoint=body, repair=True)
-        #: What `undo` restores: the merged marker, the checkpoint and the retired units before.
-        self._undo: tuple[Marker, bytes | None, set[str]] | None = None
+
+    def hold(self, lease: Lease, *, repair: bool = True) -> None:
+        """The run holds `lease` now: read again if another run took it since this reading
+        (`repair`: write the markers of live units a crashed run committed to the checkpoint
+        only)."""
+        self._lease = lease
+        if lease.taken_from != self._lease_seen:
+            self._read(self._dfs)
+        dfs = self._dfs
         unlisted = self.loaded.unlisted
         if unlisted and not all(dfs.exists(rel) for m in unlisted for rel in m.files.values()):
             # Not the crash it would be (marker next), but files removed since: not usable.
             self.loaded = load_markers(dfs, checkpoint=None)
         elif unlisted and repair:
-            # Markers of live units a crashed run committed to the checkpoint only.
             lease.check()
             dfs.put_all({m.rel: m.encode() for m in unlisted})
             self.loaded.names = sorted([*self.loaded.names, *(m.unit for m in unlisted)])
@@ -204,7 +225,9 @@ class Checkpoint:
         """Write the checkpoint of `markers` (the run's view: live and retired units), if it
         is unchanged since this run read or last wrote it; raise `LeaseLost` (nothing written)
         when another run wrote it meanwhile."""
-        self._lease.check()
+        lease = self._lease
+        assert lease is not None, "commit while holding the lease (`hold`)"
+        lease.check()
         listed = self.existing()
         retired = _retired_by(markers.values()) | self.loaded.retired
         live = [markers[u] for u in sorted(markers) if u not in retired]
@@ -214,7 +237,7 @@ class Checkpoint:
                 "format": _FORMAT,
                 "generation": self._generation,
                 "written_at_ms": int(time.time() * 1000),
-                "writer": self._lease.holder,
+                "writer": lease.holder,
                 "units": [orjson.loads(m.encode()) for m in live],
                 "retired": sorted(u for u in retired if u in listed or u in markers),
             }
@@ -225,7 +248,7 @@ class Checkpoint:
             etag = self._object.replace(body, self._etag)
         if etag is None:
             raise LeaseLost(
-                f"{self._lease.purpose} stopped: another maintenance run committed to "
+                f"{lease.purpose} stopped: another maintenance run committed to "
                 f"{self._dfs.path(CHECKPOINT)} after this one read it (this run stalled past "
                 "its lease); nothing more was committed, run it again"
             )

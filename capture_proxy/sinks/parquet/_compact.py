@@ -94,8 +94,10 @@ def compact_dataset(
     dfs = DatasetFS(location)
     if not check_format(dfs):
         raise StoreError(f"no capture-proxy Parquet dataset at {location}")
+    # Read before the lease: it is used if nobody takes the lease meanwhile (`Checkpoint`).
+    checkpoint = Checkpoint(dfs, location)
     with maintenance_lease(location, "compact", ttl_s=lease_ttl_s, dfs=dfs, wait_s=wait_s) as lease:
-        checkpoint = Checkpoint(dfs, location, lease)
+        checkpoint.hold(lease)
         live = checkpoint.loaded.live()
         runs = _runs(live, target_bytes, time.time_ns() - int(shared_window_s * 1e9))
         # Steps: each run of units merged (a run of one is kept as it is), then the clean-up.

@@ -134,9 +134,11 @@ def gc_parquet(
     if not check_format(dfs):
         raise StoreError(f"no capture-proxy Parquet dataset at {location}")
     purpose = "gc --dry-run" if dry_run else "gc"
+    # Read before the lease: it is used if nobody takes the lease meanwhile (`Checkpoint`).
+    checkpoint = Checkpoint(dfs, location)
     lease_held = maintenance_lease(location, purpose, ttl_s=lease_ttl_s, dfs=dfs, wait_s=wait_s)
     with lease_held as lease:
-        checkpoint = Checkpoint(dfs, location, lease, repair=not dry_run)
+        checkpoint.hold(lease, repair=not dry_run)
         live = checkpoint.loaded.live()
         # Steps: reading each live unit's calls (most of the time), then the rewrite.
         steps = len(live) + 1

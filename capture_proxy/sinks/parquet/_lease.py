@@ -255,6 +255,9 @@ class Lease:
         queue: Conditional | None = None,
     ) -> None:
         self._backend = backend
+        #: The etag of the lease object this run replaced when it took the lease (None: it
+        #: created it): `_checkpoint` learns from it whether another run took it meanwhile.
+        self.taken_from: str | None = None
         #: The reservation of the next turn (`acquire` with `wait_s`), when there is one.
         self._queue = queue
         self._reserved = False
@@ -352,6 +355,7 @@ class Lease:
                     )
                 sent = time.monotonic()
                 etag = self._backend.replace(self._body(), old)
+                self.taken_from = old
         if etag is None:
             raise _Held(
                 f"another maintenance run took {self._where} at the same moment; "
