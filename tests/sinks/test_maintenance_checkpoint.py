@@ -287,10 +287,11 @@ async def test_a_large_unit_is_kept_and_only_the_units_after_it_are_merged(
 async def test_two_writers_and_two_maintenance_loops_lose_nothing_and_opens_see_every_ack(
     moto_s3: MotoS3,
 ) -> None:
-    """Two writers stage while two threads compact over and over (grace 1 s: retired units go
-    during the load; one run at a time, the other refused) and fresh readers open meanwhile:
-    each open sees every call acknowledged before it started, and at the end every call reads
-    back."""
+    """Two writers stage while two threads compact over and over (grace 3 s: retired units go
+    during the load, a reader's open takes less; one run at a time, the other refused) and fresh
+    readers open meanwhile: each open sees every call acknowledged before it started, and at the
+    end every call reads back. Re-merged units keep the time they were first retired, so the
+    clean-up deletes them while compactions keep merging."""
     url = moto_s3.url()
     sinks = [ParquetSink(url, writer_id=f"w{i}") for i in range(2)]
     acked: dict[str, str] = {}
@@ -304,7 +305,7 @@ async def test_two_writers_and_two_maintenance_loops_lose_nothing_and_opens_see_
     def maintain() -> None:
         while not stop.is_set():
             try:
-                stats = _compact(url, grace_s=1.0)
+                stats = _compact(url, grace_s=3.0)
                 merges.append(stats.units_before - stats.units_after)
                 deleted.append(stats.deleted_files)
             except StoreError as e:
@@ -344,7 +345,7 @@ async def test_two_writers_and_two_maintenance_loops_lose_nothing_and_opens_see_
             acked[record.call_id] = record.digest
 
     try:
-        deadline = time.monotonic() + 5.0
+        deadline = time.monotonic() + 7.0
         await asyncio.gather(
             *(session(sinks[i % 2], f"r{i}", deadline) for i in range(4)),
         )

@@ -9,7 +9,8 @@ formats keep a checkpoint of their log for the same reason. Its body (JSON)::
 
     {"format": 1, "generation": 7, "written_at_ms": 1764950400000, "writer": "host:pid:id",
      "units": [<the commit marker of each live unit, as in _commits/, in commit order>],
-     "retired": [<names of retired units whose markers may still be listed>]}
+     "retired": {<name of a retired unit whose marker may still be listed>: <when it was
+                 retired, ms: the earliest created_at_ms of a marker retiring it>, ...}}
 
 **Reading** (`load_markers`): read the checkpoint (one GET), list ``_commits/`` (names only),
 and read only the markers the checkpoint does not name, live or retired: the units committed
@@ -65,10 +66,26 @@ class Loaded:
     checkpoint: dict[str, Any] | None = None
     #: Live units the checkpoint names whose markers are missing (a crash mid-commit).
     unlisted: list[Marker] = field(default_factory=list)
+    #: When each unit the checkpoint names retired was retired (ms), as it recorded.
+    since: dict[str, int] = field(default_factory=dict)
 
     def live(self) -> list[Marker]:
         """The live units, in commit order."""
         return [self.markers[u] for u in sorted(self.markers) if u not in self.retired]
+
+    def retired_at(self, markers: Iterable[Marker] = ()) -> dict[str, int]:
+        """When each retired unit was retired (ms): the earliest `created_at_ms` of a marker
+        retiring it (those read, and `markers`), or the time the checkpoint recorded, whichever
+        is earlier (a unit retired again by a later merge that inherits it keeps its first
+        time); a unit known retired by neither gets the checkpoint's own time."""
+        out = dict(self.since)
+        for m in [*self.markers.values(), *markers]:
+            for name in m.retires:
+                out[name] = min(out.get(name, m.created_at_ms), m.created_at_ms)
+        written = int((self.checkpoint or {}).get("written_at_ms", time.time() * 1000))
+        for name in self.retired - out.keys():
+            out[name] = written
+        return out
 
 
 def read_checkpoint(dfs: DatasetFS) -> dict[str, Any] | None:
@@ -109,8 +126,9 @@ def load_markers(
     if body is not None:
         try:
             units = {m.unit: m for m in map(_marker, body["units"])}
-            retired = set(body["retired"])
-        except (KeyError, TypeError, ValueError):
+            since = {str(u): int(ms) for u, ms in body["retired"].items()}
+            retired = set(since)
+        except (KeyError, TypeError, ValueError, AttributeError):
             body = None
     if body is None:
         markers = read_markers(dfs, names, object_url)
@@ -126,7 +144,7 @@ def load_markers(
     fresh = read_markers(dfs, [n for n in names if n not in known], object_url)
     markers = {**units, **fresh}
     retired |= _retired_by(markers.values())
-    return Loaded(markers, names, retired, body, unlisted)
+    return Loaded(markers, names, retired, body, unlisted, since)
 
 
 def _marker(d: Mapping[str, object]) -> Marker:
@@ -229,8 +247,8 @@ class Checkpoint:
         assert lease is not None, "commit while holding the lease (`hold`)"
         lease.check()
         listed = self.existing()
-        retired = _retired_by(markers.values()) | self.loaded.retired
-        live = [markers[u] for u in sorted(markers) if u not in retired]
+        retired_at = self.loaded.retired_at(markers.values())
+        live = [markers[u] for u in sorted(markers) if u not in retired_at]
         self._generation += 1
         body = orjson.dumps(
             {
@@ -239,7 +257,9 @@ class Checkpoint:
                 "written_at_ms": int(time.time() * 1000),
                 "writer": lease.holder,
                 "units": [orjson.loads(m.encode()) for m in live],
-                "retired": sorted(u for u in retired if u in listed or u in markers),
+                "retired": {
+                    u: ms for u, ms in sorted(retired_at.items()) if u in listed or u in markers
+                },
             }
         )
         if self._etag is None:

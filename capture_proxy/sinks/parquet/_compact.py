@@ -194,15 +194,7 @@ def _clean(dfs: DatasetFS, loaded: Loaded, grace_s: float) -> int:
     deadline_ms = now_ms - grace_s * 1000
     leftover_ms = now_ms - max(grace_s, LEFTOVER_AGE_S) * 1000
     markers = loaded.markers
-    retired_at: dict[str, float] = {}
-    for m in markers.values():
-        for name in m.retires:
-            retired_at[name] = min(retired_at.get(name, m.created_at_ms), m.created_at_ms)
-    if loaded.checkpoint is not None:
-        # Retired before the checkpoint was written, by a marker not read here.
-        written = float(loaded.checkpoint.get("written_at_ms", now_ms))
-        for name in loaded.retired - retired_at.keys():
-            retired_at[name] = written
+    retired_at = loaded.retired_at()
     listed = set(loaded.names)
     data: list[str] = []
     gone: list[str] = []
