@@ -71,7 +71,7 @@ from capture_proxy.sinks.parquet._source import ParquetSource
 from tests.support.s3 import MotoS3
 
 #: The built dataset's recipe: a change to `build` bumps it (cached copies are rebuilt).
-RECIPE = 1
+RECIPE = 2
 BUCKET = "scale"
 #: Concurrent uploads when copying the dataset to moto.
 UPLOADS = 64
