@@ -11,7 +11,9 @@
       ledger/<unit>.parquet         rollout headers, not-staged calls, orphan marks, event logs
       claims/<rollout>/<seq>        admission claims, one file per seq (`_claims`), not in units
       _commits/<unit>.json          the commit marker: a unit exists once this file exists
+      _checkpoint/live.json         the live units' markers, kept by maintenance (`_checkpoint`)
       _leases/maintenance           the lease of the one compaction or gc at a time (`_lease`)
+      _leases/clock                 written to read the store's clock (`_lease`)
       _writer.lock                  held by the one writer (local folders)
 
 A *unit* is what one group commit writes: up to one file per table, all immutable. Its data files

@@ -210,8 +210,11 @@ class ParquetSink:
                 cache_bytes=_READER_CACHE_BYTES,
                 cache_tokens=_READER_CACHE_BYTES // 16,
             )
-            known = self._reader.known()
-            heads = self._reader.event_heads()
+            # One listing of the commit markers for both (each read lists them otherwise: on
+            # object storage a LIST request per thousand units, twice at every open).
+            with self._reader.snapshot():
+                known = self._reader.known()
+                heads = self._reader.event_heads()
             self._events = EventHeads(heads, self._stored_head)
             # One writer at a time on a local folder (the lock): its head is the store's. On
             # object storage several writers may append to one rollout: none has the store's.
