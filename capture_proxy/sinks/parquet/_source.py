@@ -91,8 +91,19 @@ def _vanished(e: OSError) -> bool:
     """Whether `e` says a file is gone: pyarrow's S3 filesystem raises FileNotFoundError when it
     opens a missing file, but a plain OSError ("NO_SUCH_KEY") when a file it opened is deleted
     before it reads a range of it (a compaction's clean-up under a reader): "NO_SUCH_KEY", or
-    "RESOURCE_NOT_FOUND" when the 404 has no body."""
-    return any(code in str(e) for code in ("NO_SUCH_KEY", "NoSuchKey", "RESOURCE_NOT_FOUND"))
+    "RESOURCE_NOT_FOUND" when the 404 has no body. A response that broke off mid-read
+    ("INTERNAL_FAILURE ... Failed to flush response stream", seen on moto's server while a
+    compaction's clean-up ran beside the reads; S3 asks clients to retry an internal error) is
+    read again too."""
+    return any(
+        code in str(e)
+        for code in (
+            "NO_SUCH_KEY",
+            "NoSuchKey",
+            "RESOURCE_NOT_FOUND",
+            "Failed to flush response stream",
+        )
+    )
 
 
 def _damaged(url: str, e: BaseException) -> StoreDamaged | None:
