@@ -5,7 +5,7 @@
 Against the bundled fake vLLM (loopback, ``scale_out=True``), one streamed generate of
 ``--tokens`` tokens after a prompt of about ``--prompt-tokens`` ids is derendered two ways, side
 by side in one run: one derender call per generate event (each resends the prompt and every
-output id so far, as vLLM requires), and `capture_proxy.core.derender.StreamedDerender`'s
+output id so far, as vLLM requires), and `capture_proxy.core.token_in.StreamedDerender`'s
 coalesced calls, and the coalesced calls of a client that asked for logprobs (each paired with
 the unary derender call that resolves them). ``--token-interval`` paces the fake's events, as a
 model's decode rate does.
@@ -29,7 +29,7 @@ from capture_proxy.adapters.vllm import (
     derender_tail,
     read_render,
 )
-from capture_proxy.core.derender import StreamedDerender
+from capture_proxy.core.token_in import StreamedDerender
 from capture_proxy.core.transport import EngineRoute
 from capture_proxy.testing.fake_vllm import Turn, serve_fake
 from capture_proxy.upstream import HTTPUpstream

@@ -37,7 +37,14 @@ from typing import Any
 import bench_object_store as bos
 import pyarrow.fs as pafs
 
-from capture_proxy.sinks.parquet import ParquetSink, _snapshot, _source, compact_dataset, live_files
+from capture_proxy.sinks.parquet import (
+    ParquetSink,
+    _checkpoint,
+    _snapshot,
+    _source,
+    compact_dataset,
+    live_files,
+)
 from capture_proxy.sinks.parquet._fs import DatasetFS
 from capture_proxy.sinks.parquet._layout import (
     BLOBS,
@@ -103,12 +110,15 @@ def as_before() -> Iterator[None]:
     _snapshot.READ_WORKERS = 1
     _source.fetch_files = lambda dfs, rels, object_url: {}  # type: ignore[attr-defined]
     _source.read_markers = lambda dfs, names, object_url=None: read_markers(dfs, names)  # type: ignore[attr-defined]
+    # An open reads its markers through the checkpoint's module (`_checkpoint.load_markers`).
+    _checkpoint.read_markers = _source.read_markers  # type: ignore[attr-defined]
     try:
         yield
     finally:
         _snapshot.READ_WORKERS = workers
         _source.fetch_files = fetch  # type: ignore[attr-defined]
         _source.read_markers = markers  # type: ignore[attr-defined]
+        _checkpoint.read_markers = markers  # type: ignore[attr-defined]
 
 
 def local_open(units: int) -> dict[str, Any]:

@@ -9,7 +9,10 @@ behind the store's back: a value of the wrong type in any column (a text ``seq``
 blob, NULL), a number out of range, bytes that are not JSON, a zlib bomb where a compressed blob
 is (2 MB that decompress to 2 GiB), an unknown codec, ANSI and OSC escapes in ids and text, a
 deleted or duplicated row. With ``--kind parquet`` the store is a Parquet dataset and the edits
-keep each file's column types (what a Parquet file enforces) and change values, rows and bytes.
+keep each file's column types (what a Parquet file enforces) and change values, rows and bytes;
+one case in ten also gets a page decompression bomb in a random column of a random file
+(`tests.support.parquet_bomb`: a page of a few MB that holds 2 GiB, or pages each under
+`MAX_PAGE_BYTES` that together pass `MAX_READ_BYTES`).
 Every trainer-facing read then runs on the edited store:
 `Store.verify`, `iter_trajectories`, `export_store`, and ``inspect`` (overview, ``--rollout``,
 ``--verify``) through its CLI entry point.
@@ -59,11 +62,15 @@ from capture_proxy.schemas.records import (
 )
 from capture_proxy.sinks.base import StagingSink
 from capture_proxy.sinks.parquet import ParquetSink
+from capture_proxy.sinks.parquet._bounds import MAX_PAGE_BYTES, MAX_READ_BYTES
 from capture_proxy.sinks.sqlite import SQLiteSink
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tests.support.parquet_bomb import bomb_file
 from tests.support.sink_factories import Session
 
+#: The share of Parquet cases that also get a page decompression bomb (`parquet_bomb`).
+_PAGE_BOMBS = 0.1
 #: Raw control characters a terminal would act on (tab and newline are layout).
 _RAW_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 #: A zlib stream of 2 MB that decompresses to 2 GiB of zeros, built once.
@@ -212,6 +219,16 @@ def _mutate_parquet(path: Path, rng: random.Random) -> list[str]:
             done.pop()
             continue
         pq.write_table(edited, f)
+    if rng.random() < _PAGE_BOMBS:  # last: a later rewrite of the file would drop it
+        f = rng.choice(files)
+        column = rng.choice(pq.read_schema(f).names)
+        if rng.random() < 0.5:  # one page that holds 2 GiB
+            bomb_file(f, column=column)
+            done.append(f"{f.parent.name}.{column}: a page of 2 GiB")
+        else:  # pages each under the page limit, together past the read limit
+            pages = MAX_READ_BYTES // MAX_PAGE_BYTES + 1
+            bomb_file(f, column=column, pages=pages, page_bytes=MAX_PAGE_BYTES)
+            done.append(f"{f.parent.name}.{column}: {pages} pages of {MAX_PAGE_BYTES} bytes")
     return done
 
 
@@ -278,7 +295,7 @@ def main() -> int:
     logging.disable(logging.WARNING)
     rng = random.Random(args.seed)
     base = Path(tempfile.mkdtemp(prefix="fuzz-crafted-"))
-    failures = 0
+    failures = bombs = 0
     start = time.monotonic()
     try:
         pristine = base / ("pristine.db" if args.kind == "sqlite" else "pristine")
@@ -293,6 +310,7 @@ def main() -> int:
                 case = base / "case"
                 shutil.copytree(pristine, case)
                 edits = _mutate_parquet(case, rng)
+                bombs += any("page" in e for e in edits)
             bad = _reads(case, base, args.kind)
             if bad:
                 failures += 1
@@ -310,7 +328,8 @@ def main() -> int:
         rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         print(
             f"{args.kind}: {n} cases (seed {args.seed}), {failures} with an unclean ending, "
-            f"{wall:.0f} s, "
+            + (f"{bombs} with a page bomb, " if args.kind == "parquet" else "")
+            + f"{wall:.0f} s, "
             f"peak RSS {rss_mb:.0f} MB"
         )
         return 1 if failures else 0

@@ -215,6 +215,22 @@ def _parser() -> argparse.ArgumentParser:
     compact.add_argument("store", help="a Parquet store URL or folder")
     compact.add_argument("--target-mb", type=int, default=256, help="size of merged files")
     compact.add_argument(
+        "--wait",
+        type=_duration,
+        default="0s",
+        metavar="AGE",
+        help="Parquet: when another compaction or gc holds the store's maintenance lease, wait "
+        "up to this long for it, first in line, instead of exiting 1 (default: 0s)",
+    )
+    compact.add_argument(
+        "--grace",
+        type=_duration,
+        default="10m",
+        metavar="AGE",
+        help="delete units retired more than this long ago; a reader that listed a unit reads "
+        "it for this long after it is retired, e.g. 0s, 90s (default: 10m)",
+    )
+    compact.add_argument(
         "--json",
         action="store_true",
         help="print the summary (units, files and bytes before and after, records, deleted "
@@ -233,6 +249,14 @@ def _parser() -> argparse.ArgumentParser:
         "--older-than", required=True, type=_duration, metavar="AGE", help="e.g. 7d, 12h, 30m, 90s"
     )
     gc.add_argument("--dry-run", action="store_true", help="list what would go; change nothing")
+    gc.add_argument(
+        "--wait",
+        type=_duration,
+        default="0s",
+        metavar="AGE",
+        help="Parquet: when another compaction or gc holds the store's maintenance lease, wait "
+        "up to this long for it, first in line, instead of exiting 1 (default: 0s)",
+    )
     gc.add_argument(
         "--vacuum",
         action="store_true",
@@ -293,6 +317,7 @@ def _run_gc(args: argparse.Namespace) -> int:
             dry_run=args.dry_run,
             vacuum=args.vacuum,
             progress=progress,
+            wait_s=args.wait / 1000,
         )
     if args.json:
         summary = {"store": args.store, "dry_run": args.dry_run, **dataclasses.asdict(stats)}
@@ -593,7 +618,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             from .sinks.registry import compact_store
 
             with progress_bar("compacting") as progress:
-                c = compact_store(args.store, target_bytes=args.target_mb << 20, progress=progress)
+                c = compact_store(
+                    args.store,
+                    target_bytes=args.target_mb << 20,
+                    grace_s=args.grace / 1000,
+                    progress=progress,
+                    wait_s=args.wait / 1000,
+                )
             if args.json:
                 print(json.dumps({"store": args.store, **dataclasses.asdict(c)}))
                 return 0

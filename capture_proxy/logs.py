@@ -32,6 +32,7 @@ _FIELDS = (
     "duration_ms",
     "reason",
     "settings",
+    "store_head",
 )
 
 

@@ -32,7 +32,7 @@ from aiohttp.test_utils import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from capture_proxy.cli import _parser, main
-from capture_proxy.core.scale_out import SCALE_OUT_MISSING
+from capture_proxy.core.token_in import SCALE_OUT_MISSING
 from capture_proxy.server.app import create_admin_app, create_app
 from capture_proxy.server.run import connection_budget
 from capture_proxy.server.settings import ENV_PREFIX, Settings, SettingsError, load_settings

@@ -43,11 +43,13 @@ from ..sinks.base import DuplicateSeq, StagingSink, StagingSource
 from ..sinks.codec import MESSAGE_KEYS
 from .call import SAMPLING_KEYS, Call, CallReport, CompletionLike, log_claim, sampling_of
 from .experts import ExpertsPlan, record_experts
+from .handback import MAX_RESEQ, Handback
 from .ids import new_call_id
 from .ledger import LedgerWriter
 from .outcomes import HeaderLocks, check_driver_metadata, with_outcome
 from .policy import PolicyError, RequestPolicy, check_policy
 from .refusal_folds import RefusalFolds
+from .resumes import RESUME_REFUSALS, Resumes
 from .rollouts import (
     KEY_HASH_FIELD,
     CallOutcome,
@@ -99,11 +101,16 @@ class Capture:
         max_rollout_bytes: int = 0,
         pause_hold: float = 30.0,
         max_rollout_refusal_rows: float = 0.0,
+        resume_timeout: float = 20.0,
     ) -> None:
         self.sink = sink
         self.policy = policy or RequestPolicy()
         #: Opens a reader on the same store: rollouts seen again after a restart resume from it.
         self.source = source
+        #: Rollouts being read back from the store, each call waiting `resume_timeout` at most.
+        self.resumes = (
+            Resumes(source, resume_timeout, self._take_resumed) if source is not None else None
+        )
         self.max_live_rollouts = max_live_rollouts
         #: Per-rollout quotas (0: none), checked at admission: see `check_admission`.
         self.max_rollout_calls = max_rollout_calls
@@ -114,11 +121,18 @@ class Capture:
         self.max_inflight = max_inflight
         self.max_inflight_per_rollout = max_inflight_per_rollout
         self._weight_version = 0
+        #: Counts the versions this process set, so a re-read of the store that began before a
+        #: set does not put the older version back (`refresh_weight_version`).
+        self._weight_sets = 0
         self.rollouts: dict[str, RolloutLive] = {}
         self.inflight = 0
         self.ledger = LedgerWriter(sink, timeout=stage_timeout, max_held=max_held_ledger)
         #: Refusals past ``--max-rollout-refusal-rows`` a second, written together.
         self.refusal_folds = RefusalFolds(max_rollout_refusal_rows, self.ledger.write)
+        #: A rollout another proxy continued while this one held it: its calls and ledger
+        #: entries go to free seqs (`core/handback.py`).
+        self.handback = Handback(self)
+        self.ledger.reseq = self.handback.entry_at_free_seq
         self.unavailable_reason: str | None = None  # set by the disk guard
         #: Called with a `CallReport` once per call outcome (metrics subscribe here). A
         #: subscriber must be quick and must not raise.
@@ -235,14 +249,37 @@ class Capture:
                 headers={"Retry-After": "1"},
             ) from exc
         self._weight_version = version
+        self._weight_sets += 1
 
     async def restore_weight_version(self) -> int:
-        """Take up the weight version last set on the store (at start); returns the version."""
-        if self.source is not None:
-            stored = await asyncio.to_thread(stored_weight_version, self.source)
-            if stored is not None:
-                self._weight_version = stored
+        """Take up the weight version last set on the store; returns the version stamped now.
+
+        At start, and again while serving (`refresh_weight_version`): the version belongs to
+        the store, so every proxy on one store stamps the version any of them set last.
+        """
+        if self.source is None:
+            return self._weight_version
+        sets = self._weight_sets
+        stored = await asyncio.to_thread(stored_weight_version, self.source)
+        # A version this process set while the store was read is newer than what was read.
+        if stored is not None and sets == self._weight_sets:
+            self._weight_version = stored
         return self._weight_version
+
+    async def refresh_weight_version(self) -> int:
+        """`restore_weight_version` while serving: logs a version another proxy on the store
+        set, keeps the version in use when the store cannot be read (logged)."""
+        before = self._weight_version
+        try:
+            version = await self.restore_weight_version()
+        except Exception as e:  # the store unreadable for now: the next re-read tries again
+            log.warning("weight version: the store could not be read (%s); still %d", e, before)
+            return before
+        if version != before:
+            log.info(
+                "weight version %d, set on the store by another proxy (was %d)", version, before
+            )
+        return version
 
     # -- rollouts ------------------------------------------------------------------------------
 
@@ -283,14 +320,18 @@ class Capture:
         live = self.rollouts.get(rollout_id)
         if live is None and rollout_id in self._sealed:
             return self._sealed_placeholder(rollout_id)
-        if live is not None or self.source is None:
+        if live is not None or self.resumes is None:
             return live
-        found = await asyncio.to_thread(resume_rollout, self.source, rollout_id)
+        return self._take_resumed(rollout_id, await self.resumes.read(rollout_id))
+
+    def _take_resumed(self, rollout_id: str, found: RolloutLive | None) -> RolloutLive | None:
+        """Hold a rollout read from the store (`Resumes`), unless a copy is held already: the
+        one held, or None. Called when the read ends, even after its call gave up waiting."""
         live = self.rollouts.get(rollout_id)
         if live is not None or found is None:
             return live
         if found.sealed:
-            self._remember_sealed(found)  # looked at for its 409: not held live
+            self.remember_sealed(found)  # looked at for its 409: not held live
             return found
         log.info("resumed rollout %s from the store at seq %d", rollout_id, found.next_seq)
         self._evict()
@@ -315,7 +356,7 @@ class Capture:
             self._forget_messages(rid)
         return idle
 
-    def _remember_sealed(self, live: RolloutLive) -> None:
+    def remember_sealed(self, live: RolloutLive) -> None:
         self._sealed[live.rollout_id] = live.key_sha256
         while len(self._sealed) > _SEALED_IDS_KEPT:
             self._sealed.popitem(last=False)  # forgotten ids are looked up in the store again
@@ -431,7 +472,7 @@ class Capture:
             # A sealed rollout takes no more calls: memory holds live work only (its id, for
             # the 409s). A manifest request reads it from the store.
             del self.rollouts[rollout_id]
-            self._remember_sealed(live)
+            self.remember_sealed(live)
             self._forget_messages(rollout_id)
         return live
 
@@ -641,10 +682,10 @@ class Capture:
         call.task = asyncio.current_task()
         self.calls[call.call_id] = call
         self._idle.clear()
-        call.claim = self._start_claim(call)
+        call.claim = self.start_claim(call)
         return call
 
-    def _start_claim(self, call: Call) -> asyncio.Future[RolloutEvent]:
+    def start_claim(self, call: Call) -> asyncio.Future[RolloutEvent]:
         draft = claim_event(call.rollout_id, call.seq, call.call_id, call.admitted_ms)
         task = asyncio.ensure_future(self.sink.append_event(draft))
         task.add_done_callback(functools.partial(log_claim, call))
@@ -661,7 +702,6 @@ class Capture:
         if error is None:
             return None
         if isinstance(error, DuplicateSeq):
-            self._forget_stale(call)
             return StageResult.failed("duplicate_seq", f"the seq could not be claimed: {error}")
         self.stager.sink_failing = f"{type(error).__name__}: {error}"
         return StageResult.failed(
@@ -881,24 +921,18 @@ class Capture:
                 token_in=token_in,
                 bridge_spans=bridge_spans,
             )
-            # A claim that already failed: nothing to stage. One still on its way does not hold
-            # the call up: the record queues behind it (and is checked against it below).
-            refused = self._claim_refusal(call)
-            if refused is not None:
-                result = refused
-            else:
-                try:
-                    record = await asyncio.to_thread(build) if call.offload else build()
-                except (RecordValidationError, EncodingError) as e:
-                    result = StageResult.failed("invalid_record", str(e))
-                else:
-                    result = await self.stager.stage(record, call.attachments)
-                if result.status is CallStatus.STAGED:
-                    result = await self._staged_unclaimed(call) or result
-                elif result.reason == "duplicate_seq":
-                    self._forget_stale(
-                        call
-                    )  # the store refused the record's seq, not only its claim
+            result, landed = await self._stage_once(call, build)
+            # Its seq is another call's: another proxy continued the rollout while this one
+            # held it (core/handback.py). Read it again and stage the call at the next free
+            # seq, unless its record landed already (then marked orphaned: capture_failed).
+            for _ in range(MAX_RESEQ):
+                if landed or result.reason != "duplicate_seq":
+                    break
+                if not await self.handback.to_next_free_seq(call):
+                    break
+                result, landed = await self._stage_once(call, build)
+            if result.reason == "duplicate_seq":
+                self._forget_stale(call)
             if result.status is CallStatus.STAGED:
                 assert result.coords is not None
                 call.rollout.bytes_staged += call.record_bytes
@@ -950,6 +984,25 @@ class Capture:
         finally:
             self._finish(call)
 
+    async def _stage_once(
+        self, call: Call, build: Callable[[], StagedCallRecord]
+    ) -> tuple[StageResult, bool]:
+        """Build and stage the call's record at its seq: the result, and whether the record
+        landed in the store (staged, or staged and then refused for its claim: orphaned)."""
+        # A claim that already failed: nothing to stage. One still on its way does not hold
+        # the call up: the record queues behind it (and is checked against it below).
+        refused = self._claim_refusal(call)
+        if refused is not None:
+            return refused, False
+        try:
+            record = await asyncio.to_thread(build) if call.offload else build()
+        except (RecordValidationError, EncodingError) as e:
+            return StageResult.failed("invalid_record", str(e)), False
+        result = await self.stager.stage(record, call.attachments)
+        if result.status is CallStatus.STAGED:
+            return await self._staged_unclaimed(call) or result, True
+        return result, False
+
     async def fail_call(
         self,
         call: Call,
@@ -979,9 +1032,16 @@ class Capture:
         live = await self.ensure_rollout(rollout_id)
         if live.sealed:
             raise Conflict(f"rollout {rollout_id} is sealed", code="rollout_sealed")
+        # A refusal before its call was routed (paused, a body refused before it was decoded)
+        # is still one of its pinned replica's calls: its metrics name it.
+        replica = replica or live.replica
         if self.max_rollout_calls and live.refusals >= self.max_rollout_calls:
             # Its ledger says so already, 10,000 times by default: the rest are counted only.
-            self._report(CallReport(rollout_id, None, CallStatus.REJECTED, "rollout_call_quota"))
+            self._report(
+                CallReport(
+                    rollout_id, None, CallStatus.REJECTED, "rollout_call_quota", replica=replica
+                )
+            )
             raise TooManyRequests(
                 f"rollout {rollout_id} has had {live.refusals} calls refused: its quota "
                 f"(--max-rollout-calls {self.max_rollout_calls}) is spent, and further refusals "
@@ -1032,8 +1092,12 @@ class Capture:
         """Record a call refused with `err` before admission; returns its call id. A 409 (the
         rollout is sealed: its ledger is closed) is reported but not written. `replica` is the
         upstream replica the call was for ("" for none), reported with the outcome."""
-        if err.status == 409:
-            self._report(CallReport(rollout_id, None, CallStatus.REJECTED, err.code))
+        if err.status == 409 or err.code in RESUME_REFUSALS:
+            # A sealed rollout's ledger is closed; one not read from the store in time has no
+            # seq to write at (the read goes on): both counted, neither written.
+            self._report(
+                CallReport(rollout_id, None, CallStatus.REJECTED, err.code, replica=replica)
+            )
             return None
         return await self.reject(rollout_id, err.code, err.message, err.status, replica=replica)
 

@@ -44,22 +44,22 @@ from ..schemas.request import (
     check_body_items,
     check_free_json_limits,
 )
-from .bridging import (
-    CloseRenders,
-    PromptJson,
-    RenderRefused,
-    TokenInPrompt,
-)
 from .call import Call, sampling_of
 from .capture import Capture
 from .decode_budget import DecodeBudget
-from .exchange_token_in import TokenInSteps
 from .normalize import NormalizedRequest, normalize_request
 from .pins import pin, write_pin
 from .rollouts import RolloutLive
 from .sampling import changes_distribution, effective_sampling
-from .scale_out import check_scale_out, goes_token_in
-from .token_in_report import TokenInReport
+from .token_in import (
+    CloseRenders,
+    PromptJson,
+    RenderRefused,
+    TokenInCall,
+    TokenInReport,
+    check_scale_out,
+    goes_token_in,
+)
 from .transport import (
     EngineWeights,
     ReplicaRouter,
@@ -260,10 +260,11 @@ def decode_and_normalize(
         raise err(e.message, code=e.code, param=e.param) from e
 
 
-class Exchange(TokenInSteps):
+class Exchange:
     """One client call through a `Pipeline`; see the module docstring for the order of steps.
 
-    A token-in call (`token_in`) takes the same steps through `TokenInSteps`."""
+    A token-in call (`token_in`) takes the same steps, the token-in parts of them through its
+    `TokenInCall` (`capture_proxy.core.token_in`)."""
 
     def __init__(self, pipeline: Pipeline, rollout_id: str) -> None:
         self.pipeline = pipeline
@@ -284,12 +285,10 @@ class Exchange(TokenInSteps):
         self._reply: UpstreamReply | None = None
         self._t_up = 0.0
         self._upstream_s: float | None = None
-        #: Whether the call goes token-in (known once prepared), and then its prompt and the
-        #: request rendered for it (docs/token-in.md).
+        #: Whether the call goes token-in (known once prepared), and then its token-in steps
+        #: (docs/token-in.md).
         self.token_in = False
-        self._prompt: TokenInPrompt | None = None
-        self._render_body = b""
-        self._line: str | None = None
+        self._token_in: TokenInCall | None = None
 
     # -- prepare -----------------------------------------------------------------------------
 
@@ -344,6 +343,7 @@ class Exchange(TokenInSteps):
             await self.refuse(e)
             raise
         self.token_in = self.pipeline.goes_token_in(live)
+        self._token_in = TokenInCall(self) if self.token_in else None
         self.request = request
         self.info = await self.upstream.info(str(request.get("model", "")))
         self.plan = self._plan()
@@ -467,9 +467,9 @@ class Exchange(TokenInSteps):
     async def _post(self) -> UpstreamReply:
         """The upstream's reply to the call: the chat route's, or generate's for token-in."""
         assert self.plan is not None
-        if not self.token_in:
+        if self._token_in is None:
             return await self.upstream.post_chat(self.plan.body)
-        return await self._post_token_in()
+        return await self._token_in.post()
 
     async def _upstream_error(self, status: int, raw: bytes) -> Outcome:
         """Record and return the upstream's error answer (`status`, body `raw`) to relay."""
@@ -502,8 +502,8 @@ class Exchange(TokenInSteps):
             except UpstreamFailed as e:
                 await self.fail_upstream(e)
                 raise
-        if self.token_in:
-            return await self._finish_token_in(raw)
+        if self._token_in is not None:
+            return await self._token_in.finish(raw)
         self._upstream_s = time.perf_counter() - self._t_up
         return await self.finish_unary(raw)
 
@@ -532,8 +532,8 @@ class Exchange(TokenInSteps):
         call, plan = self.admitted, self.plan
         assert plan is not None
         assert self._reply is not None
-        if self.token_in:
-            async with contextlib.aclosing(self._relay_token_in()) as pieces:
+        if self._token_in is not None:
+            async with contextlib.aclosing(self._token_in.relay()) as pieces:
                 async for piece in pieces:
                     yield piece
             return
@@ -597,12 +597,14 @@ class Exchange(TokenInSteps):
             # A fact is missing from this record ("" fingerprint or version): say why, on it.
             completion.extras["upstream_fact_problems"] = list(info.problems)
         sampling = sampling_of(self.request)
-        prompt = self._prompt if self.token_in else None
+        steps = self._token_in
+        prompt = steps.prompt if steps is not None else None
         if prompt is None:
             engine_version, weight_spans = await self._engine_weights(completion)
             effective = effective_sampling(sampling, info.sampling_defaults)
         else:
-            engine_version, weight_spans, effective = self._token_in_facts(
+            assert steps is not None
+            engine_version, weight_spans, effective = steps.facts(
                 prompt, completion, sampling, generated_spans or ()
             )
         if effective is not None:
@@ -626,7 +628,8 @@ class Exchange(TokenInSteps):
         )
         result: StageResult = await asyncio.shield(task)
         if prompt is not None and result.status is CallStatus.STAGED:
-            self._continued_by_next(completion, prompt)
+            assert steps is not None
+            steps.continued_by_next(completion, prompt)
         status = (
             CallStatus.STAGED if result.status is CallStatus.STAGED else CallStatus.CAPTURE_FAILED
         )

@@ -12,9 +12,11 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
+from collections.abc import Awaitable, Callable
 
 from ..schemas.records import LedgerEntry
 from ..sinks.base import DuplicateSeq, StagingSink
+from .handback import MAX_RESEQ
 from .journal import spill_journal
 
 __all__ = ["LedgerWriter"]
@@ -31,8 +33,15 @@ class LedgerWriter:
         #: Entries the sink refused to take (it is failing); retried by `flush`.
         self.held: deque[LedgerEntry] = deque(maxlen=max_held)
         self._late: set[asyncio.Task[None]] = set()
-        #: Entries the store refused for good (`DuplicateSeq`): logged, never written.
+        #: An entry the store refused at its seq (`DuplicateSeq`: another call holds it) at
+        #: another, free seq (`Capture`: the rollout read again from the store), or None; it
+        #: is written there. Without one, or when it gives None, the entry is refused.
+        self.reseq: Callable[[LedgerEntry], Awaitable[LedgerEntry | None]] | None = None
+        #: Entries the store refused for good (`DuplicateSeq`, and no free seq for them):
+        #: logged, never written.
         self.refused = 0
+        #: Entries written at another seq than their call's (`reseq`).
+        self.moved = 0
         #: Held entries pushed out by newer ones (more than `max_held` held): logged, lost.
         self.dropped = 0
         #: Entries written to the journal (or stderr) at shutdown, and where (`spill`).
@@ -66,7 +75,7 @@ class LedgerWriter:
             )
         self.held.append(entry)
 
-    async def _send(self, entry: LedgerEntry) -> bool:
+    async def _send(self, entry: LedgerEntry, depth: int = 0) -> bool:
         """True once the sink took `entry` or is still taking it past the deadline.
 
         A write that outlives the deadline is not sent again (that would write the entry twice):
@@ -86,9 +95,15 @@ class LedgerWriter:
             task.add_done_callback(lambda t: self._late_done(t, entry))
             raise
         except DuplicateSeq as e:
-            # The store will never take it (another call holds its seq): holding it would stall
-            # every later entry behind it. Logged in full instead, for the operator.
-            self._refused(entry, e)
+            # The store will never take it at this seq (another call holds it): holding it would
+            # stall every later entry behind it. Written at a free seq instead, else logged.
+            try:
+                moved = await self._reseq(entry, e, depth)
+            except Exception as read_error:
+                self._unplaced(entry, read_error)
+                return False  # held: the next flush tries again
+            if moved is not None and not await self._send(moved, depth + 1):
+                self._hold(moved)
             return True
         except Exception as e:
             log.error(
@@ -105,9 +120,47 @@ class LedgerWriter:
         self._late.discard(task)
         error = None if task.cancelled() else task.exception()
         if isinstance(error, DuplicateSeq):
-            self._refused(entry, error)
+            moving = asyncio.ensure_future(self._late_reseq(entry, error))
+            self._late.add(moving)
+            moving.add_done_callback(self._late.discard)
         elif task.cancelled() or error is not None:
             self._hold(entry)
+
+    async def _late_reseq(self, entry: LedgerEntry, error: DuplicateSeq) -> None:
+        try:
+            moved = await self._reseq(entry, error, 0)
+        except Exception as read_error:
+            self._unplaced(entry, read_error)
+            self._hold(entry)
+            return
+        if moved is not None and not await self._send(moved, 1):
+            self._hold(moved)
+
+    def _unplaced(self, entry: LedgerEntry, error: Exception) -> None:
+        log.error(
+            "ledger entry for %s (%s) held in memory: its seq %d is another call's, and the "
+            "store could not be read for a free one: %s: %s",
+            entry.call_id,
+            entry.status,
+            entry.seq,
+            type(error).__name__,
+            error,
+            extra={"rollout_id": entry.rollout_id, "call_id": entry.call_id},
+        )
+
+    async def _reseq(
+        self, entry: LedgerEntry, error: DuplicateSeq, depth: int
+    ) -> LedgerEntry | None:
+        """`entry` at a free seq, or None (then refused: logged, counted). Raises what reading
+        the store for a free seq raised: the entry is then held, and tried again."""
+        moved = None
+        if self.reseq is not None and depth < MAX_RESEQ:
+            moved = await self.reseq(entry)
+        if moved is None:
+            self._refused(entry, error)
+        else:
+            self.moved += 1
+        return moved
 
     def _refused(self, entry: LedgerEntry, error: DuplicateSeq) -> None:
         self.refused += 1

@@ -13,7 +13,7 @@ import logging
 import time
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,10 +33,9 @@ from ..schemas.records import (
 from ..schemas.token_in_extras import media_of
 from ..schemas.tokens import full_sequence
 from ..sinks.base import StagingSource
-from .bridging import token_in_line
 from .experts import ExpertsIndex, stored_entry
 from .lineage import LineageIndex
-from .token_in import Prior
+from .token_in import Prior, token_in_line
 from .weights import DECREASED_FROM
 
 log = logging.getLogger("capture_proxy.rollouts")
@@ -276,8 +275,15 @@ def request_identity(request: Mapping[str, Any]) -> tuple[bytes, int]:
     return hashlib.sha256(encoded).digest(), len(encoded)
 
 
-def resume_rollout(open_source: Callable[[], StagingSource], rollout_id: str) -> RolloutLive | None:
+def resume_rollout(
+    open_source: Callable[[], StagingSource],
+    rollout_id: str,
+    in_flight: Collection[str] = frozenset(),
+) -> RolloutLive | None:
     """The rollout as the store has it (None if the store does not know it). Blocking I/O.
+
+    `in_flight`: ids of this process's calls of the rollout still running (a rollout read
+    again while held, `core/handback.py`): their claims are theirs, not ``lost_in_crash``.
 
     Reads the per-call summaries, ledger and admission claims for sequence numbers and the
     manifest (a claim with no record nor ledger entry is ``lost_in_crash`` and poisons the
@@ -332,7 +338,9 @@ def resume_rollout(open_source: Callable[[], StagingSource], rollout_id: str) ->
     # continued here, by this proxy after a restart or by another one, never reuses a seq.
     if claims is None:
         claims = source.claims(rollout_id)
-    lost = {seq: cid for seq, cid in claims.items() if cid not in live.outcomes}
+    lost = {
+        seq: cid for seq, cid in claims.items() if cid not in live.outcomes and cid not in in_flight
+    }
     for seq, call_id in lost.items():
         live.outcomes[call_id] = CallOutcome(
             seq,
@@ -344,7 +352,9 @@ def resume_rollout(open_source: Callable[[], StagingSource], rollout_id: str) ->
         )
     if lost:
         live.poisoned = True
-    live.next_seq = 1 + max((o.seq for o in live.outcomes.values()), default=-1)
+    live.next_seq = 1 + max(
+        max((o.seq for o in live.outcomes.values()), default=-1), max(claims, default=-1)
+    )
     # Quota usage is derived from what the rollout staged, never reset by a restart. Counting
     # the bytes decodes every record (in batches, on this worker thread): O(rollout) per resume;
     # the same pass rebuilds the parent search's index (orphaned records are no parents).

@@ -36,6 +36,7 @@ from typing import IO, TYPE_CHECKING, Any
 import orjson
 
 from ..read.reader import Store, open_store
+from ..schemas.store_head import StoreHead
 from ..sinks.base import StoreError
 from .escape import escape_json, escape_text
 from .follow import Follower
@@ -133,6 +134,12 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         "--verify",
         action="store_true",
         help="check every digest and attachment; exit 1 if any fails",
+    )
+    p.add_argument(
+        "--expected-store-head",
+        metavar="HEAD[:ROLLOUTS[:EVENTS]]",
+        help="with --verify: the store head its writer published last (its log's store_head "
+        "line, or capture_proxy_store_head_info); a store whose head differs fails, saying how",
     )
     p.add_argument("--tokens", action="store_true", help="with --call: print the token ids")
     p.add_argument(
@@ -353,6 +360,13 @@ def _follow(follower: Follower, args: argparse.Namespace, stream: IO[str], out: 
 def _check_flags(args: argparse.Namespace) -> None:
     if (args.tokens or args.tokenizer) and not args.call:
         raise InspectError("--tokens and --tokenizer go with --call ID")
+    if args.expected_store_head is not None:
+        if not args.verify:
+            raise InspectError("--expected-store-head goes with --verify")
+        try:
+            StoreHead.parse(args.expected_store_head)
+        except ValueError as e:
+            raise InspectError(f"--expected-store-head: {e}") from None
     if args.follow and (args.call or args.verify):
         raise InspectError("--follow follows the store or one --rollout, not --call or --verify")
 
@@ -368,7 +382,9 @@ def _run(store: Store, args: argparse.Namespace, stream: IO[str]) -> int:
     failed = False
     if args.verify:
         with progress_bar("verifying") as progress:
-            verified = verify_view(store, progress=progress)
+            verified = verify_view(
+                store, progress=progress, expected_store_head=args.expected_store_head
+            )
         view, draw, failed = verified, partial(render_verify, verified), not verified["ok"]
     elif args.call:
         text = load_tokenizer(args.tokenizer) if args.tokenizer else None

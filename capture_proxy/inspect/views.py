@@ -560,12 +560,16 @@ def _add_v2_fields(call: StagedCallDetail, r: StagedCallRecord) -> None:
         call["logprobs_mode"] = r.logprobs_mode
 
 
-def verify_view(store: Store, *, progress: Progress | None = None) -> VerifyView:
+def verify_view(
+    store: Store, *, progress: Progress | None = None, expected_store_head: str | None = None
+) -> VerifyView:
     """Every digest and attachment checked; `ok` is false when any problem was found.
-    `progress` is told how far the check is (`Store.problems`)."""
+    `progress` is told how far the check is (`Store.problems`); `expected_store_head` is the
+    store head an operator kept (``HEAD[:ROLLOUTS[:EVENTS]]``)."""
     checked = len(list(store.source.all_keys()))
     problems: list[VerifyProblem] = [
-        {"key": p.key, "message": p.message} for p in store.problems(progress=progress)
+        {"key": p.key, "message": p.message}
+        for p in store.problems(progress=progress, expected_store_head=expected_store_head)
     ]
     return {
         "view": "verify",

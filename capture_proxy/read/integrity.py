@@ -36,6 +36,7 @@ from ..errors import CaptureProxyError
 from ..schemas.digest import DigestMismatch, MessageDigestCache, RequestValueCache, verify_record
 from ..schemas.events import EventKind, RolloutEvent, chain_head, check_chain
 from ..schemas.records import RolloutState, StagedCallRecord
+from ..schemas.store_head import StoreHead, StoreHeadState
 from ..sinks.base import Progress, StagingSource
 from .status import POISONING, RolloutExcluded, RolloutFacts, read_header
 
@@ -46,6 +47,7 @@ __all__ = [
     "StoreCorrupted",
     "chain_head",
     "rollout_problems",
+    "store_head_problems",
     "store_problems",
 ]
 
@@ -92,11 +94,14 @@ def store_problems(
     digester: MessageDigestCache,
     encoder: RequestValueCache,
     progress: Progress | None = None,
+    expected_store_head: StoreHead | None = None,
 ) -> list[Problem]:
     """Every problem in the store (`Store.problems`, ``inspect --verify``): each record read
     and its digest checked once, attachments no record refers to, then each rollout held to
-    `rollout_problems` with what the record pass told (its digest, its schema)."""
+    `rollout_problems` with what the record pass told (its digest, its schema), and, given the
+    store head an operator kept (`expected_store_head`), the store's head against it."""
     found: list[Problem] = []
+    heads: list[tuple[str, str, int]] = []
     keys = list(source.all_keys())
     seen: dict[str, list[StagedCallRecord]] = {}
     for done, key in enumerate(keys, 1):
@@ -122,6 +127,9 @@ def store_problems(
         except Exception as e:  # a header or ledger row no writer could have written
             found.append(Problem(key, f"unreadable: {type(e).__name__}: {e}"))
             continue
+        if facts.events:
+            last = facts.events[-1]
+            heads.append((rollout_id, last.hash, last.position))
         problems = rollout_problems(
             facts,
             seen.get(rollout_id, []),
@@ -129,9 +137,48 @@ def store_problems(
             check_digests=False,
         )
         found.extend(Problem(key, message) for message in problems)
+    if expected_store_head is not None:
+        try:
+            actual = StoreHeadState.of(heads).head()
+        except Exception as e:  # a crafted store: an event whose hash or position is no value
+            found.append(Problem("store", f"its store head cannot be computed: {e}"))
+        else:
+            found.extend(
+                Problem("store", m) for m in store_head_problems(actual, expected_store_head)
+            )
     if progress is not None:
         progress(len(keys) + 1, len(keys) + 1)
     return found
+
+
+def store_head_problems(actual: StoreHead, kept: StoreHead) -> list[str]:
+    """What differs between the store head recomputed from a store (`actual`) and the one its
+    writer published and an operator kept ([] when they agree). The head is one hash: it says
+    *that* the set of rollouts differs; the counts say how (a rollout deleted, one truncated,
+    one rewritten in place); the per-rollout checks and anchored reads say which."""
+    if actual.head == kept.head:
+        return []
+    said = f"the store head is {actual.token()}, not the {kept.token()} its writer published"
+    if kept.rollouts < 0:  # only the hash was kept
+        return [f"{said}: rollouts were deleted, added or rewritten since"]
+    fewer, more = kept.rollouts - actual.rollouts, kept.events - actual.events
+    if fewer > 0:
+        how = f"{fewer} rollout(s) the kept head covers are gone (deleted)"
+    elif fewer < 0:
+        how = (
+            f"{-fewer} rollout(s) more than the kept head covers: written after it was "
+            "published (check against the writer's latest head) or put there"
+        )
+    elif kept.events >= 0 and more > 0:
+        how = f"as many rollouts, {more} event(s) fewer: a rollout was cut short (truncated)"
+    elif kept.events >= 0 and more < 0:
+        how = (
+            f"as many rollouts, {-more} event(s) more: written after the head was published "
+            "(check against the writer's latest head) or put there"
+        )
+    else:
+        how = "as many rollouts and events: a rollout was rewritten or replaced by another"
+    return [f"{said}: {how}"]
 
 
 def rollout_problems(

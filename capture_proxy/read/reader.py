@@ -42,6 +42,7 @@ from ..schemas.records import (
     RolloutState,
     StagedCallRecord,
 )
+from ..schemas.store_head import StoreHead, StoreHeadState
 from ..sinks.base import Progress, StagingSource, StoreDamaged
 from ..sinks.registry import open_source
 from ..sinks.rollout_index import IndexedRollout, RolloutQuery, State, indexed
@@ -292,19 +293,50 @@ class Store:
                 raise DigestMismatch(record.staging_key, "coordinate digest", want, record.digest)
         return records
 
-    def problems(self, *, progress: Progress | None = None) -> list[Problem]:
+    def problems(
+        self,
+        *,
+        progress: Progress | None = None,
+        expected_store_head: StoreHead | str | None = None,
+    ) -> list[Problem]:
         """Every integrity problem in the store (empty when it verifies). `progress` is told
         ``(records checked, records + 1)`` as it goes, and ``(n, n)`` once the store-wide
         checks (attachments, sequence numbers) are done.
 
+        `expected_store_head` is the store head its writer published last (its log's
+        ``store_head`` line or ``capture_proxy_store_head_info``; a `StoreHead` or its
+        ``HEAD[:ROLLOUTS[:EVENTS]]`` text): the store's head is recomputed and a difference is
+        a problem (key ``store``) saying how it differs: a rollout deleted, cut short, rewritten
+        (docs/digest.md, "The store head").
+
         The checks read one snapshot of a Parquet dataset (one listing of its units, however
         many records: what is committed meanwhile is left for the next run)."""
+        kept = (
+            StoreHead.parse(expected_store_head)
+            if isinstance(expected_store_head, str)
+            else expected_store_head
+        )
         with _one_listing(self.source):
-            return store_problems(self.source, self._digester, self._encoder, progress)
+            return store_problems(self.source, self._digester, self._encoder, progress, kept)
 
-    def verify(self) -> None:
-        """Raise `StoreCorrupted` listing every problem, or return None when all verifies."""
-        found = self.problems()
+    def store_head(self) -> StoreHead:
+        """The store head recomputed from the store (docs/digest.md, "The store head").
+        `StoreDamaged` when an event holds no value a writer writes."""
+        with _one_listing(self.source):
+            heads = []
+            for rollout_id in self.source.rollouts():
+                events = self.source.events(rollout_id)
+                if events:
+                    heads.append((rollout_id, events[-1].hash, events[-1].position))
+        try:
+            return StoreHeadState.of(heads).head()
+        except (TypeError, ValueError, UnicodeError) as e:
+            raise StoreDamaged(f"{self.url}: its store head cannot be computed: {e}") from e
+
+    def verify(self, *, expected_store_head: StoreHead | str | None = None) -> None:
+        """Raise `StoreCorrupted` listing every problem, or return None when all verifies
+        (and the store's head is `expected_store_head`, when given: see `problems`)."""
+        found = self.problems(expected_store_head=expected_store_head)
         if found:
             raise StoreCorrupted(found)
 
@@ -363,34 +395,45 @@ class Store:
         include_poisoned: bool = False,
         verify: bool = True,
         allow_incomplete: bool = False,
+        expected_head: str | None = None,
     ) -> str | None:
         """The call's routed experts over its whole prompt + completion, or None when its record
         has none (vLLM without ``--enable-return-routed-experts``).
 
         A record stores only the rows its parent did not (`capture_proxy.read.experts`); this
         rebuilds the full array, as vLLM encodes it: a base64 ``.npy`` string whose first axis
-        is the position. Raises like `calls` (`RolloutExcluded`, KeyError, `DigestMismatch`),
-        `ExpertsIncomplete` when the call is flagged ``routed_experts_incomplete`` (unless
-        `allow_incomplete`: then the rows before its start are its parent's) and
-        `ExpertsUnavailable` when a record of the chain is missing.
+        is the position. With ``verify=True`` the call's rollout must verify as a whole, as for
+        `trajectory` (`capture_proxy.read.integrity`; `expected_head` anchors it): the rows come
+        from the records it verified. Raises like `calls` (`RolloutExcluded`,
+        `RolloutUnverified`, KeyError, `DigestMismatch`), `ExpertsIncomplete` when the call is
+        flagged ``routed_experts_incomplete`` (unless `allow_incomplete`: then the rows before
+        its start are its parent's) and `ExpertsUnavailable` when a record of the chain is
+        missing.
         """
         from .experts import assemble_experts
 
-        def fetch(key: str) -> StagedCallRecord:
-            if verify:
-                (found,) = self.fetch([key])
-            else:
-                (found,) = self.source.fetch([key])
-            return found
-
-        record = fetch(call_id)
+        (asked,) = self.source.fetch([call_id])  # KeyError when no record has the id
+        facts = RolloutFacts.read(self.source, asked.rollout_id)
         check_included(
-            record.rollout_id,
-            self.status(record.rollout_id),
+            facts.rollout_id,
+            status_of(facts),
             include_open=include_open,
             include_poisoned=include_poisoned,
         )
-        return assemble_experts(fetch, record, allow_incomplete=allow_incomplete)
+        records = self._records(facts.rollout_id, True, verify)
+        if verify:
+            records = self._verified(facts, records, True, expected_head)[1]
+        verified = {r.call_id: r for r in records}
+
+        def fetch(key: str) -> StagedCallRecord:
+            found = verified.get(key)
+            if found is not None:
+                return found
+            # A parent in another rollout (none is written so): its digest at least.
+            (found,) = self.fetch([key]) if verify else self.source.fetch([key])
+            return found
+
+        return assemble_experts(fetch, fetch(call_id), allow_incomplete=allow_incomplete)
 
     def _select(
         self,

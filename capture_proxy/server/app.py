@@ -22,8 +22,8 @@ from ..core.capture import Capture
 from ..core.exchange import ExchangeConfig, Pipeline
 from ..core.journal import journal_path, release_reserve, replay_journal, reserve_journal
 from ..core.policy import RequestPolicy
-from ..core.scale_out import SCALE_OUT_MISSING
 from ..core.shared_reader import SharedReader
+from ..core.token_in import SCALE_OUT_MISSING
 from ..errors import (
     CaptureUnavailable,
     NotFound,
@@ -33,8 +33,10 @@ from ..errors import (
     error_body,
 )
 from ..schemas.request import FreeJsonLimits
+from ..schemas.store_head import StoreHead
 from ..sinks.base import StagingSink, StoreError
 from ..sinks.registry import open_sink, store_local_dir
+from ..sinks.store_head import StoreHeadKeeper
 from ..upstream.http import HTTPUpstream
 from ..upstream.replicas import ReplicaSet
 from .body_rate import BodyRate
@@ -319,6 +321,14 @@ async def _guards(state: ProxyState, store_url: str) -> None:
         await asyncio.sleep(1.0)
 
 
+async def _follow_weight_version(state: ProxyState) -> None:
+    """Every ``--weight-version-refresh`` seconds, the weight version the store last recorded:
+    several proxies on one store stamp the version any of them set, within that bound."""
+    while True:
+        await asyncio.sleep(state.settings.weight_version_refresh)
+        await state.capture.refresh_weight_version()
+
+
 async def _probe_sink(state: ProxyState) -> None:
     """Clear the sink's failure once a probe write succeeds (optional on sinks, like `stats`).
 
@@ -335,6 +345,11 @@ async def _probe_sink(state: ProxyState) -> None:
         return
     log.info("the store takes writes again (a probe write succeeded): ready to capture")
     state.capture.stager.sink_failing = None
+
+
+def _store_head(state: ProxyState) -> StoreHead | None:
+    keeper = getattr(state.sink, "store_head", None)  # a store one writer writes (SQLite, local)
+    return keeper.current() if isinstance(keeper, StoreHeadKeeper) else None
 
 
 def _live_gauges(state: ProxyState) -> dict[str, float]:
@@ -355,6 +370,12 @@ def _live_gauges(state: ProxyState) -> dict[str, float]:
     out["rollout_bytes_used_max"] = max(
         (r.bytes_staged + r.bytes_reserved for r in live), default=0
     )
+    out["stale_rollout_moves_total"] = cap.handback.moves + cap.ledger.moved
+    if cap.resumes is not None:
+        out["rollout_resumes_total"] = cap.resumes.started
+        out["rollout_resume_timeouts_total"] = cap.resumes.timeouts
+        out["rollout_resume_failures_total"] = cap.resumes.failures
+        out["rollout_resume_slowest_seconds"] = cap.resumes.slowest_s
     out["rollout_calls_limit"] = cap.max_rollout_calls
     out["rollout_bytes_limit"] = cap.max_rollout_bytes
     sink_stats = getattr(state.sink, "stats", None)  # optional: sinks with a write queue
@@ -403,6 +424,7 @@ def create_app(settings: Settings, *, sink: StagingSink | None = None) -> web.Ap
             max_rollout_refusal_rows=settings.max_rollout_refusal_rows,
             max_live_rollouts=settings.max_live_rollouts,
             pause_hold=settings.pause_hold_seconds,
+            resume_timeout=settings.rollout_resume_timeout,
             source=SharedReader(the_sink),
             policy=RequestPolicy(
                 defaults=settings.policy_defaults,
@@ -415,6 +437,7 @@ def create_app(settings: Settings, *, sink: StagingSink | None = None) -> web.Ap
     )
     state.body_rate = BodyRate(settings.max_rollout_body_rate * 2**20, 2 * settings.max_body_bytes)
     state.metrics.add_live(lambda: _live_gauges(state))
+    state.metrics.add_store_head(lambda: _store_head(state))
     state.capture.on_outcome.append(state.metrics.observe)
     app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[errors_and_metrics])
     app[STATE] = state
@@ -575,12 +598,14 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     if version:
         log.info("weight version %d, as last set on the store", version)
     guards = asyncio.create_task(_guards(state, s.store))
+    follow = asyncio.create_task(_follow_weight_version(state))
     try:
         yield
     finally:
-        guards.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await guards
+        for task in (guards, follow):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         await state.pipeline.wait_background(s.stage_timeout)
         await state.capture.drain(s.stage_timeout)
         await state.capture.ledger.flush()
@@ -588,6 +613,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         if isinstance(state.capture.source, SharedReader):
             state.capture.source.close()
         await state.sink.close()
+        incomplete = getattr(state.sink, "incomplete", None)  # SQLite: its WAL not folded in
+        state.store_incomplete = incomplete if isinstance(incomplete, str) else None
         await _spill(state, journal)
         if not state.capture.ledger.unsaved:
             await asyncio.to_thread(release_reserve, journal)

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..core.ids import new_call_id, valid_rollout_id
 from ..core.rollouts import RolloutLive, resume_rollout
-from ..core.scale_out import rollout_conflict
+from ..core.token_in import rollout_conflict
 from ..errors import (
     Forbidden,
     NotFound,
@@ -219,6 +219,9 @@ async def pause_weights(request: web.Request) -> web.Response:
     state = _authorize(request)
     capture = state.capture
     already = capture.pause()
+    # The version the store holds now (another proxy on it may have set one): stamped on the
+    # calls admitted after the resume, unless the resume sets another.
+    await capture.refresh_weight_version()
     still = await capture.wait_idle(state.settings.pause_drain_timeout)
     cut = capture.cut(still, "weights_paused")
     upstream = state.upstream
@@ -250,7 +253,8 @@ async def resume_weights(request: web.Request) -> web.Response:
     state = _authorize(request)
     raw = await request.read()
     body = read_body(raw, ResumeBody) if raw.strip() else ResumeBody()
-    answer: dict[str, Any] = {"weight_version": state.capture.weight_version}
+    # Without a version: the one the store holds now (another proxy on it may have set it).
+    answer: dict[str, Any] = {"weight_version": await state.capture.refresh_weight_version()}
     if body.weight_version is not None:
         answer = await set_weight_version(state.capture, state.upstream, body.weight_version)
     upstream = state.upstream

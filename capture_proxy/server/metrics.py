@@ -13,8 +13,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from ..core.call import CallReport
-from ..core.token_in_report import TokenInReport
+from ..core.token_in import TokenInReport
 from ..schemas.records import CallStatus
+from ..schemas.store_head import StoreHead
 
 __all__ = ["Metrics"]
 
@@ -74,6 +75,34 @@ class _ReplicaStates(Collector):
         for name, state in self.read():
             family.add_metric([name, state], 1.0 if state == "healthy" else 0.0)
         yield family
+
+
+class _StoreHead(Collector):
+    """``capture_proxy_store_head_info{head, rollouts, events}`` (always 1) and
+    ``capture_proxy_store_head_rollouts``: the store head the sink's writer is at, read at
+    scrape time (docs/digest.md, "The store head"); nothing for a sink that keeps none."""
+
+    def __init__(self, read: Callable[[], StoreHead | None]) -> None:
+        self.read = read
+
+    def collect(self):  # type: ignore[no-untyped-def]
+        head = self.read()
+        if head is None:
+            return
+        info = GaugeMetricFamily(
+            "capture_proxy_store_head_info",
+            "the store head (a hash over every rollout's chain head) after the writer's last "
+            "commit; keep the last one to check the store with inspect --verify "
+            "--expected-store-head HEAD:ROLLOUTS:EVENTS",
+            labels=["head", "rollouts", "events"],
+        )
+        info.add_metric([head.head, str(head.rollouts), str(head.events)], 1.0)
+        yield info
+        count = GaugeMetricFamily(
+            "capture_proxy_store_head_rollouts", "rollouts the store head covers"
+        )
+        count.add_metric([], float(head.rollouts))
+        yield count
 
 
 class Metrics:
@@ -209,6 +238,10 @@ class Metrics:
     def add_replica_states(self, read: Callable[[], list[tuple[str, str]]]) -> None:
         """Report each upstream replica's state (several upstreams only)."""
         self.registry.register(_ReplicaStates(read))
+
+    def add_store_head(self, read: Callable[[], StoreHead | None]) -> None:
+        """Report the sink writer's store head."""
+        self.registry.register(_StoreHead(read))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -225,4 +225,4 @@ async def serve(settings: Settings) -> int:
         with contextlib.suppress(asyncio.CancelledError):
             await task
     flush_repeats(all_windows=True)
-    return 1 if state.capture.ledger.unsaved else 0
+    return 1 if state.capture.ledger.unsaved or state.store_incomplete else 0

@@ -291,10 +291,22 @@ class Settings:
         "while paused for a weight update (POST /admin/weights/pause), seconds a new call is held "
         "waiting for the resume; then 503 `paused` with Retry-After",
     )
+    weight_version_refresh: float = _s(
+        5.0,
+        "seconds between re-reads of the weight version the store last recorded (set by any "
+        "proxy on the same store; also re-read at every pause and resume answer): a proxy "
+        "stamps another proxy's update on calls admitted at most this long after it",
+    )
     pause_drain_timeout: float = _s(
         60.0,
         "seconds POST /admin/weights/pause waits for in-flight calls to finish; calls still "
         "running then are cut (aborted, `weights_paused`) and listed in its answer",
+    )
+    rollout_resume_timeout: float = _s(
+        20.0,
+        "seconds a call waits for its rollout to be read back from the store (after a restart, "
+        "an idle release, a hand-off from another proxy); then 503 `rollout_resume_timeout` "
+        "with Retry-After, logged and counted, while the read goes on for the retry",
     )
     rollout_idle_timeout: float = _s(
         600.0,
@@ -406,7 +418,7 @@ GROUPS: dict[str, tuple[str, str]] = {
     "control API": (
         "rollout drivers and trainers: /admin (docs/contract.md)",
         "admin_token admin_token_file reader_token reader_token_file admin_port admin_host "
-        "seal_timeout pause_hold_seconds pause_drain_timeout",
+        "seal_timeout pause_hold_seconds pause_drain_timeout weight_version_refresh",
     ),
     "limits": (
         "what one request, rollout or client may take",
@@ -415,7 +427,7 @@ GROUPS: dict[str, tuple[str, str]] = {
         "max_connection_rate_per_address "
         "max_inflight max_inflight_per_rollout max_rollout_bytes max_rollout_calls "
         "max_rollout_body_rate max_rollout_refusal_rows "
-        "max_live_rollouts rollout_idle_timeout",
+        "max_live_rollouts rollout_idle_timeout rollout_resume_timeout",
     ),
     "process": (
         "the serving process and its logs",
@@ -695,8 +707,10 @@ def _check(s: Settings) -> None:
         "replica_probe_interval",
         "pause_hold_seconds",
         "pause_drain_timeout",
+        "weight_version_refresh",
         "shutdown_timeout",
         "rollout_idle_timeout",
+        "rollout_resume_timeout",
         "client_header_timeout",
         "client_body_timeout",
         "client_write_timeout",

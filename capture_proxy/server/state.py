@@ -48,6 +48,9 @@ class ProxyState:
     connections: ConnectionGate | None = None
     #: Body bytes per rollout per second (``--max-rollout-body-rate``), set by `create_app`.
     body_rate: BodyRate = field(default_factory=lambda: BodyRate(0, 0))
+    #: Set at shutdown when the store was left needing more than its file (SQLite: WAL frames
+    #: an outside reader kept out of it): `serve` then exits 1.
+    store_incomplete: str | None = None
 
     async def authorize_call(self, request: web.Request, rollout_id: str) -> None:
         """With --require-rollout-keys: the bearer key must be the one minted for the rollout.

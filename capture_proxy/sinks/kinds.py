@@ -55,6 +55,7 @@ class SQLiteKind(StoreKind):
         dry_run: bool = False,
         vacuum: bool = False,
         progress: Progress | None = None,
+        wait_s: float = 0.0,
     ) -> GcStats:
         from .sqlite import gc_sqlite
 
@@ -111,6 +112,7 @@ class ParquetKind(StoreKind):
         dry_run: bool = False,
         vacuum: bool = False,
         progress: Progress | None = None,
+        wait_s: float = 0.0,
     ) -> GcStats:
         # `vacuum` has nothing to do here: a later compaction deletes the retired files.
         from .parquet import gc_parquet
@@ -121,6 +123,7 @@ class ParquetKind(StoreKind):
             now_ms=now_ms,
             dry_run=dry_run,
             progress=progress,
+            wait_s=wait_s,
         )
 
     def compact(
@@ -130,11 +133,16 @@ class ParquetKind(StoreKind):
         target_bytes: int,
         grace_s: float,
         progress: Progress | None = None,
+        wait_s: float = 0.0,
     ) -> CompactStats:
         from .parquet import compact_dataset
 
         return compact_dataset(
-            store.location, target_bytes=target_bytes, grace_s=grace_s, progress=progress
+            store.location,
+            target_bytes=target_bytes,
+            grace_s=grace_s,
+            progress=progress,
+            wait_s=wait_s,
         )
 
     def local_dir(self, store: StoreURL) -> str | None:

@@ -217,9 +217,11 @@ def gc_store(
     dry_run: bool = False,
     vacuum: bool = False,
     progress: Progress | None = None,
+    wait_s: float = 0.0,
 ) -> GcStats:
     """Remove the store's rollouts sealed before ``now_ms - older_than_ms`` (`capture-proxy gc`);
-    `progress` is told how far it is.
+    `progress` is told how far it is. `wait_s`: how long a Parquet gc waits for the dataset's
+    maintenance lease, first in line, when another run holds it (0: refused at once).
 
     Raises `UnsupportedStoreOperation` for a kind without retention (the in-process store).
     """
@@ -233,6 +235,7 @@ def gc_store(
         dry_run=dry_run,
         vacuum=vacuum,
         progress=progress,
+        **({"wait_s": wait_s} if wait_s else {}),
     )
 
 
@@ -242,17 +245,25 @@ def compact_store(
     target_bytes: int = 256 << 20,
     grace_s: float = 600.0,
     progress: Progress | None = None,
+    wait_s: float = 0.0,
 ) -> CompactStats:
     """Merge the store's small files into files of up to `target_bytes` (`capture-proxy
     compact`); files retired more than `grace_s` seconds ago are deleted. `progress` is told
-    how far it is.
+    how far it is; `wait_s` how long to wait for the maintenance lease, first in line, when
+    another run holds it (0: refused at once).
 
     Raises `UnsupportedStoreOperation` for a kind without compaction (SQLite, memory).
     """
     kind, store = resolve_store(url)
     if kind.compact is None:
         raise _unsupported("compact", "compaction", store, kind)
-    return kind.compact(store, target_bytes=target_bytes, grace_s=grace_s, progress=progress)
+    return kind.compact(
+        store,
+        target_bytes=target_bytes,
+        grace_s=grace_s,
+        progress=progress,
+        **({"wait_s": wait_s} if wait_s else {}),
+    )
 
 
 def store_local_dir(url: str) -> str | None:

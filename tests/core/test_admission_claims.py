@@ -185,12 +185,12 @@ async def test_a_store_claim_from_elsewhere_moves_the_next_seq() -> None:
 
 
 @pytest.mark.parametrize("kind", ["sqlite", "parquet"])
-async def test_a_proxy_that_comes_back_after_a_handoff_re_resolves_the_rollout(
+async def test_a_proxy_that_comes_back_after_a_handoff_stages_at_the_next_free_seq(
     kind: str, tmp_path: Path
 ) -> None:
     """Proxy a holds the rollout live; b continues it (a handoff); a's next call takes the seq
-    b already claimed: refused ``duplicate_seq``, never staged, and a forgets its stale copy,
-    so its call after that resumes from the store and continues after b's seq."""
+    b already claimed: the claim is refused, a reads the rollout again from the store, and the
+    call is staged at the next free seq, after b's; a's call after that continues after it."""
     url = _url(kind, tmp_path)
     sink = open_sink(url)
     a = Capture(sink, source=lambda: open_source(url))
@@ -201,17 +201,17 @@ async def test_a_proxy_that_comes_back_after_a_handoff_re_resolves_the_rollout(
         stale = a.begin_call("ep", chat_body(user("a-stale")))
         assert stale.seq == 1
         result = await a.complete_call(stale, Answer(), model="policy")
-        assert (result.status, result.reason) == (CallStatus.CAPTURE_FAILED, "duplicate_seq")
-        assert f"already holds seq 1 (call {taken_by_b})" in (result.message or "")
-        assert "ep" not in a.rollouts
+        assert result.status is CallStatus.STAGED
+        assert stale.seq == 2
+        assert a.rollouts["ep"].outcomes[taken_by_b].seq == 1  # a's copy is the store's now
         again = await _staged_call(a, "ep", "a-again")
     finally:
         await sink.close()
     source = open_source(url)
     with Store(source) as store:
-        # The refused call held no seq of its own: a's next call took seq 2, after b's.
-        assert [s.seq for s in source.summaries("ep")] == [0, 1, 2]
-        assert source.claims("ep")[2] == again
+        assert [s.seq for s in source.summaries("ep")] == [0, 1, 2, 3]
+        assert source.claims("ep")[2] == stale.call_id
+        assert source.claims("ep")[3] == again
         store.verify()
 
 

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-from scripts import opencode_env, tiny_vllm
+from scripts import opencode_env, tiny_vllm, tiny_vlm
 
 T = TypeVar("T")
 ADMIN_TOKEN = "e2e-admin-token"
@@ -78,6 +78,43 @@ def vllm_url() -> Iterator[str]:
         yield f"http://127.0.0.1:{port}"
     finally:
         tiny_vllm.stop(proc)
+
+
+@pytest.fixture(scope="session")
+def vlm_url() -> Iterator[str]:
+    """A real vLLM 0.32 (CPU) serving the tiny vision-language model (scripts/tiny_vlm.py,
+    Qwen2.5-VL) on a free loopback port, with ``--enable-scale-out``: its base URL.
+
+    Prepared on first use (its own venv + model in the cache, ~2.5 min cold), started once per
+    session (~45 s) and stopped at the end. `CAPTURE_PROXY_VLM_URL` names a server started by
+    hand (``python scripts/tiny_vlm.py serve --enable-scale-out``) instead; it must be idle.
+    """
+    running = os.environ.get("CAPTURE_PROXY_VLM_URL")
+    if running:
+        yield running.rstrip("/")
+        return
+    began = time.monotonic()
+    _or_fail("preparing the tiny VLM (scripts/tiny_vlm.py)", tiny_vlm.prepare)
+    prepared = time.monotonic()
+    port = tiny_vllm.free_port()
+    proc = _or_fail(
+        f"starting the VLM's vLLM on 127.0.0.1:{port}",
+        lambda: tiny_vlm.start(None, port, scale_out=True),
+    )
+    sys.stderr.write(
+        f"\n[vlm] prepared in {prepared - began:.1f} s, "
+        f"started in {time.monotonic() - prepared:.1f} s on port {port}\n"
+    )
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        tiny_vllm.stop(proc)
+
+
+@pytest.fixture(scope="session")
+def vlm_paths() -> tiny_vlm.Paths:
+    """The tiny VLM's cache (its venv's python runs Pillow, transformers and torch)."""
+    return _or_fail("preparing the tiny VLM (scripts/tiny_vlm.py)", tiny_vlm.prepare)
 
 
 class Control:

@@ -32,6 +32,16 @@ NEWLINE = 207
 ENDOFTEXT = "0"
 
 
+#: A message long enough that the prompt's last reasoning marker is far from its end.
+LONG = "The quick brown fox jumps over the lazy dog, again and again. " * 8
+#: Earlier turns whose reasoning a bridged prompt would keep (markers in the history).
+HISTORY = [
+    {"role": "assistant", "reasoning_content": "Think first.", "content": "Said."},
+    {"role": "user", "content": "Again."},
+    {"role": "assistant", "reasoning_content": "Once more.", "content": "Said again."},
+]
+
+
 def says(text: str, **extra: Any) -> dict[str, Any]:
     """Steering to answer `text` (a regex) as content, then end the turn."""
     return {
@@ -63,6 +73,19 @@ SHAPES: dict[str, dict[str, Any]] = {
     # The reasoning count: an end of sequence sampled at once counts none, a stop token id does.
     "ends at once": {"logit_bias": {IM_END: 100}, "max_tokens": 4},
     "stop token id": {"stop_token_ids": [NEWLINE], "max_tokens": 6},
+    # Derender gets only the prompt's tail (docs/token-in.md, "Cost"), from the last reasoning
+    # marker on: here the `<think>` that leaves the answer inside reasoning is far from its end.
+    "continued inside reasoning": {
+        "messages": [USER, {"role": "assistant", "content": "<think>\n" + LONG}],
+        "continue_final_message": True,
+        "add_generation_prompt": False,
+        "max_tokens": 8,
+    },
+    # A long prompt whose history holds reasoning markers; derender gets its last ids only.
+    "long conversation": {
+        "messages": [{"role": "system", "content": LONG * 20}, USER, *HISTORY, USER],
+        "max_tokens": 12,
+    },
 }
 
 
@@ -156,3 +179,36 @@ async def test_the_bridge_places_the_close_where_the_sampled_stop_token_sits(
         assert not after.bridge_spans
     finally:
         await stop_proxy(p)
+
+
+async def test_derender_reads_the_reasoning_marker_far_from_the_prompt_s_end(
+    vllm_url: str, tmp_path: Path
+) -> None:
+    """The answer continues an assistant message whose reasoning closed long before the prompt
+    ends: vLLM decides "content" from the `</think>` far back, which the prompt's tail that
+    derender gets starts with. The answer is the chat route's (its usage's reasoning count
+    aside: the chat route counts these content tokens as reasoning, token-in does not)."""
+    body = request(
+        {
+            "messages": [
+                USER,
+                {"role": "assistant", "reasoning_content": "Fine.", "content": LONG},
+            ],
+            "continue_final_message": True,
+            "add_generation_prompt": False,
+            "max_tokens": 8,
+        },
+        stream=True,
+    )
+    plain = await start_proxy(tmp_path / "plain", upstream=vllm_url)
+    token_in = await start_proxy(tmp_path / "token-in", upstream=vllm_url, token_in="on")
+    try:
+        want = await agent_view(plain.chat, body)
+        got = await agent_view(token_in.chat, body)
+    finally:
+        await stop_proxy(plain)
+        await stop_proxy(token_in)
+    assert got["content"] == want["content"] != ""
+    assert got["reasoning"] == want["reasoning"] == ""
+    del got["usage"], want["usage"]
+    assert got == want

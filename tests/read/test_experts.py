@@ -4,13 +4,17 @@ chain can fail to give them."""
 from __future__ import annotations
 
 import dataclasses
+import sqlite3
 from array import array
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from capture_proxy.read.experts import ExpertsIncomplete, ExpertsUnavailable, assemble_experts
+from capture_proxy.read.integrity import RolloutUnverified
 from capture_proxy.read.reader import open_store
 from capture_proxy.read.status import RolloutExcluded
 from capture_proxy.schemas.digest import seal_record
@@ -160,3 +164,35 @@ async def test_the_store_reads_verified_records_of_rollouts_it_may_give(tmp_path
     assert store.routed_experts("c2", include_open=True, verify=False) == full
     with pytest.raises(KeyError):
         store.routed_experts("c9", include_open=True)
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "parquet"])
+async def test_routed_experts_of_a_rollout_that_does_not_verify_are_refused(
+    kind: str, tmp_path: Path
+) -> None:
+    """The routed experts are read through the one meaning of verified: a record whose digest
+    holds but that no event of its rollout's log names (put there) makes the whole rollout
+    unreadable, its honest calls' experts included, unless ``verify=False``."""
+    where = tmp_path / ("store.db" if kind == "sqlite" else "ds")
+    url = f"{kind}:///{where}"
+    sink = open_sink(url)
+    await sink.put_rollout(RolloutInfo("r1", RolloutState.OPEN, False, 1))
+    for record in _chain().values():
+        await sink.stage(seal_record(record))
+    await sink.close()
+    if kind == "sqlite":
+        with sqlite3.connect(where) as db:
+            db.execute("DELETE FROM events WHERE call_id = 'c2'")
+        db.close()
+    else:
+        for f in sorted((where / "ledger").glob("*.parquet")):
+            t = pq.read_table(f)
+            rows = [r for r in t.to_pylist() if not (r["kind"] == "event" and r["call_id"] == "c2")]
+            pq.write_table(pa.Table.from_pylist(rows, schema=t.schema), f)
+    with open_store(url) as store:
+        for call_id in ("c2", "c0"):
+            with pytest.raises(RolloutUnverified, match="no event of the log names"):
+                store.routed_experts(call_id, include_open=True)
+        full = store.routed_experts("c2", include_open=True, verify=False)
+        assert full is not None
+        assert read_experts(full)[1] == experts_for(IDS)

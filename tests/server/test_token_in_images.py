@@ -17,7 +17,7 @@ import orjson
 import pytest
 from aiohttp import web
 
-from capture_proxy.core import bridging
+from capture_proxy.core.token_in import _prompt as token_in_prompt_module
 from capture_proxy.read.reader import open_store
 from capture_proxy.schemas.records import StagedCallRecord
 from capture_proxy.schemas.token_in_extras import (
@@ -215,7 +215,7 @@ async def test_a_record_without_image_placeholders_says_so_after_a_restart(
     upstream = FakeVLLM(scale_out=True, drop_past_reasoning=True)
     upstream.push(Turn("A cat.", reasoning="It purrs."), Turn("Yes."))
     messages: list[dict[str, Any]] = [SYSTEM, with_image("What is this?", "AAAA")]
-    monkeypatch.setattr(bridging, "MEDIA_KEPT_BYTES", 0)
+    monkeypatch.setattr(token_in_prompt_module, "MEDIA_KEPT_BYTES", 0)
     p = await start_proxy(tmp_path, fake=upstream, token_in="on")
     try:
         _, replayed, _ = await ask(p, messages, stream=False)
@@ -246,7 +246,7 @@ async def test_a_record_without_image_placeholders_says_so_after_a_restart(
 async def test_without_a_restart_more_placeholders_than_kept_is_multimodal_history(
     make_proxy: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(bridging, "MEDIA_KEPT_BYTES", 0)
+    monkeypatch.setattr(token_in_prompt_module, "MEDIA_KEPT_BYTES", 0)
     p = await make_proxy(fake=FakeVLLM(scale_out=True), token_in="on")
     p.fake.push(Turn("A cat."), Turn("Yes."))
     messages: list[dict[str, Any]] = [SYSTEM, with_image("What is this?", "AAAA")]

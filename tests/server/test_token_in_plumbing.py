@@ -10,7 +10,7 @@ from unittest.mock import ANY
 
 import pytest
 
-from capture_proxy.core.token_in_report import EXTENDED, NEW_SEGMENT, TokenInReport
+from capture_proxy.core.token_in import EXTENDED, NEW_SEGMENT, TokenInReport
 from capture_proxy.schemas.records import CallStatus
 from capture_proxy.server.settings import SettingsError, add_arguments, load_settings
 from capture_proxy.testing.fake_vllm import FakeVLLM

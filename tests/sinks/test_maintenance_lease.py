@@ -5,6 +5,7 @@ lease expires, a holder that stalled past its expiry learns it lost the lease be
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -13,11 +14,14 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import orjson
 import pyarrow.fs as pafs
 import pytest
 
 from capture_proxy.sinks.base import StoreError
 from capture_proxy.sinks.parquet import LeaseLost, ParquetSink, gc_parquet, maintenance_lease
+from capture_proxy.sinks.parquet._fs import DatasetFS
+from capture_proxy.sinks.parquet._lease import LEASE, NEXT
 from tests.support.s3 import MotoS3
 
 #: A maintenance run in another process: takes the lease, says so, then checks it once a line
@@ -43,6 +47,13 @@ def location(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     else:
         moto: MotoS3 = request.getfixturevalue("moto_s3")
         yield moto.url()
+
+
+def _resolution_s(location: str) -> float:
+    """How much later than its ttl a lease may be taken over: the expiry is judged on the
+    store's clock, by Last-Modified stamps in whole seconds on object storage (a second added
+    to the ttl, and an age read up to a second short)."""
+    return 2.0 if location.startswith("s3://") else 0.0
 
 
 def _holder(location: str, ttl_s: float) -> tuple[subprocess.Popen[str], str]:
@@ -82,7 +93,7 @@ def test_a_holder_that_died_is_taken_over_once_its_lease_expires(location: str) 
         maintenance_lease(location, "gc"),
     ):
         pass
-    time.sleep(2.1)
+    time.sleep(2.1 + _resolution_s(location))
     with maintenance_lease(location, "gc") as lease:
         lease.check()
 
@@ -93,7 +104,7 @@ def test_a_holder_that_stalled_past_its_expiry_stops_before_committing(location:
     assert proc.stdout is not None
     proc.send_signal(signal.SIGSTOP)  # a paused VM: no renewal
     try:
-        time.sleep(1.6)
+        time.sleep(1.6 + _resolution_s(location))
         with maintenance_lease(location, "gc", ttl_s=30) as taker:
             proc.send_signal(signal.SIGCONT)
             proc.stdin.write("go on\n")
@@ -168,3 +179,89 @@ async def test_object_storage_given_as_a_filesystem_object_is_refused(moto_s3: M
         f"maintenance of {path} needs conditional writes, which capture-proxy makes through "
         "obstore; obstore cannot open this URL: "
     )
+
+
+def _write_lease(location: str, body: dict[str, object]) -> None:
+    """A lease body as another host wrote it (its clock in `expires_at_ms`, `written_at_ms`)."""
+    DatasetFS(location).put_all({LEASE: orjson.dumps(body)})
+
+
+def test_expiry_is_judged_on_the_stores_clock_not_the_holders(location: str) -> None:
+    now_ms = int(time.time() * 1000)
+    hour_ms = 3_600_000
+    common = {"purpose": "compact", "released": False, "nonce": "n"}
+    if not location.startswith("s3://"):
+        os.makedirs(os.path.join(location, "_leases"), exist_ok=True)
+    # A holder whose clock is an hour behind: by its own expiry the lease is long over, but it
+    # was written just now, and holds for its ttl.
+    _write_lease(
+        location,
+        {"holder": "behind:1:a", "ttl_ms": 60_000, "expires_at_ms": now_ms - hour_ms} | common,
+    )
+    with (
+        pytest.raises(StoreError, match="compact by behind:1:a"),
+        maintenance_lease(location, "gc"),
+    ):
+        pass
+    # A holder whose clock is an hour ahead, with a 1.5 s ttl: taken once 1.5 s have passed on
+    # the store's clock, whatever its expiry says.
+    _write_lease(
+        location,
+        {"holder": "ahead:1:b", "ttl_ms": 1500, "expires_at_ms": now_ms + hour_ms} | common,
+    )
+    with (
+        pytest.raises(StoreError, match="compact by ahead:1:b"),
+        maintenance_lease(location, "gc"),
+    ):
+        pass
+    time.sleep(1.6 + _resolution_s(location))
+    with maintenance_lease(location, "gc") as lease:
+        lease.check()
+
+
+def test_a_waiting_run_takes_the_next_turn_before_runs_that_come_meanwhile(
+    location: str,
+) -> None:
+    got: list[str] = []
+    refused: list[str] = []
+    first = maintenance_lease(location, "compact")
+    holder = first.__enter__()
+
+    def wait_for_it() -> None:
+        with maintenance_lease(location, "gc", wait_s=30) as lease:
+            got.append(lease.holder)
+
+    waiter = threading.Thread(target=wait_for_it)
+    waiter.start()
+    dfs = DatasetFS(location)
+    deadline = time.monotonic() + 20
+    while not dfs.exists(NEXT) and time.monotonic() < deadline:
+        time.sleep(0.05)  # until the waiter has reserved the next turn
+    assert dfs.exists(NEXT)
+    first.__exit__(None, None, None)
+    # The lease is free, but the waiter holds the next turn: a run coming now is refused.
+    try:
+        with maintenance_lease(location, "compact"):
+            pass
+    except StoreError as e:
+        refused.append(str(e))
+    waiter.join(30)
+    assert not waiter.is_alive()
+    assert len(got) == 1
+    assert got[0] != holder.holder
+    assert len(refused) == 1
+    assert "gc by " in refused[0]
+    assert "run compact again once it has finished" in refused[0]
+    with maintenance_lease(location, "compact") as after:  # the reservation was released
+        after.check()
+
+
+def test_a_run_that_waits_in_vain_is_refused_naming_the_holder(location: str) -> None:
+    with maintenance_lease(location, "compact") as first:
+        started = time.monotonic()
+        with (
+            pytest.raises(StoreError, match=f"compact by {first.holder}"),
+            maintenance_lease(location, "gc", wait_s=1.5),
+        ):
+            pass
+        assert time.monotonic() - started >= 1.5

@@ -220,3 +220,30 @@ async def test_a_call_to_an_engine_that_changed_weights_since_its_probe_is_refus
         assert p.calls("r2")[0].replica == other
     finally:
         await stop_proxy(p)
+
+
+async def test_calls_refused_before_routing_count_under_their_rollouts_replica(
+    tmp_path: Path, fleet: Fleet
+) -> None:
+    """A pinned rollout's call refused before it is routed (held past a weight-update pause,
+    a body over the size limit) is counted under the replica the rollout is pinned to."""
+    await fleet.add(FakeVLLM())
+    await fleet.add(FakeVLLM())
+    p = await start_fleet_proxy(
+        tmp_path, fleet, admin_token="admin-token", pause_hold_seconds=0.1, max_body_bytes=4096
+    )
+    try:
+        assert (await call(p, "r1")).headers["X-Capture-Status"] == "staged"
+        pinned = p.calls("r1")[0].replica
+        too_large = await call(p, "r1", "x" * 8192)
+        assert too_large.status == 413
+        admin = {"Authorization": "Bearer admin-token"}
+        assert (await p.client.post("/admin/weights/pause", headers=admin)).status == 200
+        paused = await call(p, "r1", "while paused")
+        assert (paused.status, (await paused.json())["error"]["code"]) == (503, "paused")
+        assert [f.reason for f in p.failures("r1")] == ["body_too_large", "paused"]
+        text = await (await p.client.get("/metrics")).text()
+        counted = f'capture_proxy_replica_calls_total{{outcome="rejected",replica="{pinned}"}} 2.0'
+        assert counted in text
+    finally:
+        await stop_proxy(p)

@@ -31,9 +31,13 @@ from ._chat_route import (
     without_stop_token_id,
 )
 from ._derender import (
+    SEED_IDS,
     DerenderCoalescer,
+    chunk_without_logprobs,
     derender_body,
+    derender_chat_request,
     derender_chunk_body,
+    derender_prompt_start,
     derender_tail,
     merge_chunks,
     read_derender,
@@ -48,6 +52,7 @@ from ._stream_logprobs import StreamLogprobs
 
 __all__ = [
     "REASONING_MARKERS",
+    "SEED_IDS",
     "CaptureExtractionError",
     "ClientWants",
     "Completion",
@@ -68,10 +73,13 @@ __all__ = [
     "VLLMAdapter",
     "WeightSpan",
     "chat_finish_reason",
+    "chunk_without_logprobs",
     "client_answer",
     "count_reasoning_tokens",
     "derender_body",
+    "derender_chat_request",
     "derender_chunk_body",
+    "derender_prompt_start",
     "derender_tail",
     "encode_ids",
     "extend_ids_json",

@@ -4,6 +4,8 @@
   ids and chat request every call of a stream resends, encoded once; the prompt ids may come
   encoded, as generate got them); `read_derender` reads a streamed call's answer (the unary one:
   `read_derendered` in ``_derendered.py``);
+- `derender_chat_request` and `derender_prompt_start` say how little of the chat request and of
+  the prompt ids derender needs for the same answer (what each call resends);
 - `merge_chunks` joins a stream's generate events into one ``generate_chunk``, and
   `DerenderCoalescer` decides which of them go into one derender call;
 - `to_completion` turns a generation and its derendered message into the `Completion` the plain
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Final
 
 import orjson
 
@@ -23,9 +25,13 @@ from ._ids_json import encode_ids
 from ._wire import Completion, UpstreamProtocolError, build_message, make_extras
 
 __all__ = [
+    "SEED_IDS",
     "DerenderCoalescer",
+    "chunk_without_logprobs",
     "derender_body",
+    "derender_chat_request",
     "derender_chunk_body",
+    "derender_prompt_start",
     "derender_tail",
     "merge_chunks",
     "read_derender",
@@ -61,6 +67,87 @@ def merge_chunks(events: Sequence[GenerateEvent]) -> bytes:
         merged["choices"] = [last]
     merged["usage"] = next((c["usage"] for c in reversed(chunks) if c.get("usage")), None)
     return orjson.dumps(merged)
+
+
+#: The prompt's last ids vLLM 0.32's derender decodes the answer after (its incremental
+#: detokenizer is seeded with the last ``INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET + 2`` = 7,
+#: `convert_prompt_ids_to_tokens`); one more kept.
+SEED_IDS: Final = 8
+
+#: A tool call as derender counts it in the history (`derender_chat_request`).
+_COUNTED_CALL: Final = {"id": "c", "type": "function", "function": {"name": "f", "arguments": ""}}
+
+
+def derender_chat_request(chat_request: Mapping[str, Any]) -> dict[str, Any]:
+    """The chat request a derender call needs: every key as it is but ``messages``, whose text
+    it does not read. vLLM 0.32's derender (``online_derenderer.py``, the parsers it builds)
+    reads the request's tools, tool choice, template keys, ``include_reasoning``,
+    ``return_token_ids``, the special-token keys and ``parallel_tool_calls``; of the messages,
+    only how many tool calls the assistant turns made (``count_history_tool_calls``, for
+    Kimi-style tool call ids). So the messages become one stub per assistant turn with tool calls
+    (as many calls, empty arguments) and an empty user message, and the function tools lose
+    their description: a stream's derender calls resend this instead of the conversation."""
+    messages = chat_request.get("messages")
+    if not isinstance(messages, list):
+        return dict(chat_request)
+    kept: list[dict[str, Any]] = []
+    for message in messages:
+        if not isinstance(message, Mapping) or message.get("role") != "assistant":
+            continue
+        calls = message.get("tool_calls")
+        if isinstance(calls, list) and calls:
+            kept.append(
+                {"role": "assistant", "content": "", "tool_calls": [_COUNTED_CALL] * len(calls)}
+            )
+    kept.append({"role": "user", "content": ""})
+    slim: dict[str, Any] = {**chat_request, "messages": kept}
+    tools = chat_request.get("tools")
+    if isinstance(tools, list):
+        slim["tools"] = [_without_description(tool) for tool in tools]
+    return slim
+
+
+def _without_description(tool: Any) -> Any:
+    """A function tool without its function's ``description``: derender's parsers read a tool's
+    name and parameters (``find_tool_name``, ``find_tool_properties``); the description goes
+    only into the grammar a generation is constrained by (``adjust_request``), which derender
+    does not build."""
+    function = tool.get("function") if isinstance(tool, Mapping) else None
+    if not isinstance(function, Mapping) or "description" not in function:
+        return tool
+    return {**tool, "function": {k: v for k, v in function.items() if k != "description"}}
+
+
+def derender_prompt_start(prompt: array[int], markers: Sequence[int] | None) -> int:
+    """Where the prompt ids a derender call needs start: derender gives the same answer for
+    ``prompt[start:]`` as for the whole prompt.
+
+    vLLM 0.32's derender reads the prompt twice: the last `SEED_IDS` ids seed its detokenizer,
+    and its reasoning parser decides whether the prompt left reasoning open
+    (``is_reasoning_end``) by reading the prompt backwards from its end until a reasoning start
+    or end marker (a ``<think>``-style parser), or a turn boundary (Qwen3's parser engine),
+    whichever comes first. `markers` are the reasoning parser's marker ids: the ids from the
+    last of them on (or the last `SEED_IDS`, when that is fewer) are what it reads. ``()``: the
+    server has no reasoning parser, the last `SEED_IDS` are enough. None: a reasoning parser
+    whose markers are not known, the whole prompt (0)."""
+    if markers is None:
+        return 0
+    start = max(len(prompt) - SEED_IDS, 0)
+    if not markers or start == 0:
+        return start
+    raw = prompt.tobytes()
+    last = max(_last_index(raw, array(prompt.typecode, [m]).tobytes()) for m in markers)
+    return last if 0 <= last < start else start
+
+
+def _last_index(raw: bytes, needle: bytes) -> int:
+    """The index of the last id of `raw` (an array's bytes) that is `needle`, -1 for none."""
+    end = len(raw)
+    while (at := raw.rfind(needle, 0, end)) >= 0:
+        if at % len(needle) == 0:  # an id, not the bytes across two
+            return at // len(needle)
+        end = at + len(needle) - 1
+    return -1
 
 
 def derender_body(
@@ -100,6 +187,21 @@ def derender_chunk_body(chunk: bytes, state: Mapping[str, Any] | None, tail: byt
     )
 
 
+def chunk_without_logprobs(chunk: bytes) -> bytes:
+    """A ``generate_chunk`` (JSON) with its choices' logprobs null (for a derender call whose
+    server does not resolve them in a stream: they go to the resolving call instead)."""
+    if b'"logprobs":{' not in chunk and b'"logprobs": {' not in chunk:
+        return chunk
+    try:
+        value = orjson.loads(chunk)
+    except orjson.JSONDecodeError as exc:
+        raise malformed("generate", exc) from exc
+    for choice in value.get("choices") or () if isinstance(value, dict) else ():
+        if isinstance(choice, dict):
+            choice["logprobs"] = None
+    return orjson.dumps(value)
+
+
 def read_derender(raw: bytes) -> dict[str, Any]:
     """A derender answer, decoded (a ``chat.completion``, or ``{chunk, stream_state}``)."""
     try:
@@ -114,21 +216,28 @@ def read_derender(raw: bytes) -> dict[str, Any]:
 class DerenderCoalescer:
     """Which streamed generate events go into each derender call, and when, sans-IO.
 
-    Every derender call resends the whole prompt and every output id so far, so one call per
-    event costs O(n²) in the output length (16k prompt ids, 1k tokens: 84 MB of requests). The
-    policy: the first event is derendered alone (the client's first byte comes early); then
-    everything that arrived while the previous call was in flight goes in one call, but a call
-    starts no sooner than `min_interval` seconds after the previous one started (when decoding
-    is slower than a derender call, that floor is what keeps the calls few); once the stream
-    ended (`close`), the rest goes at once. The usage event (no choices) always goes in a call of
-    its own, as vLLM streams it apart from the last token.
+    Every derender call resends the chat request and every output id so far, so one call per
+    event costs O(n²) in the output length. The policy: the first event is derendered alone (the
+    client's first byte comes early); then everything that arrived while the previous call was in
+    flight goes in one call, but a call starts no sooner than `min_interval` seconds after the
+    previous one started (when decoding is slower than a derender call, that floor is what keeps
+    the calls few); once the stream ended (`close`), the rest goes at once. The usage event (no
+    choices) always goes in a call of its own, as vLLM streams it apart from the last token.
+
+    With a `budget` (bytes), the bytes the calls sent (`spend`) bound them, whatever the pace of
+    the stream: once they reach it, no call starts before the stream ended, and the rest goes in
+    one call then. A stream's derender calls then send at most the budget, one call that started
+    under it, and that last one.
 
     `add` an event as it arrives; `take(now)` gives the chunk to derender now, or None (a call in
     flight, nothing waiting, or too soon: `due` says when); `finished` says the call came back.
     """
 
-    def __init__(self, min_interval: float = 0.05) -> None:
+    def __init__(self, min_interval: float = 0.05, budget: int | None = None) -> None:
         self.min_interval = min_interval
+        self.budget = budget
+        #: Bytes the calls sent so far (`spend`).
+        self.spent = 0
         self._waiting: list[GenerateEvent] = []
         self._last_start: float | None = None
         self.in_flight = False
@@ -146,15 +255,25 @@ class DerenderCoalescer:
     def pending(self) -> bool:
         return bool(self._waiting)
 
+    def spend(self, size: int) -> None:
+        """A call sent `size` bytes."""
+        self.spent += size
+
+    @property
+    def held(self) -> bool:
+        """Whether the budget holds every call back until the stream ends."""
+        return self.budget is not None and not self.closed and self.spent >= self.budget
+
     def due(self) -> float | None:
-        """When the next call may start (clock of `take`), None when it may start now."""
-        if self.closed or self._last_start is None:
+        """When the next call may start (clock of `take`), None when it may start now or not
+        before the stream ends (`held`)."""
+        if self.closed or self._last_start is None or self.held:
             return None
         return self._last_start + self.min_interval
 
     def take(self, now: float) -> bytes | None:
         waiting = self._waiting
-        if self.in_flight or not waiting:
+        if self.in_flight or not waiting or self.held:
             return None
         due = self.due()
         if due is not None and now < due:
@@ -175,7 +294,7 @@ class DerenderCoalescer:
         """The usage event, when it is the next to go (a call may start now): it needs no
         derender call of its own (`usage_chunk`), so it counts as none."""
         waiting = self._waiting
-        if self.in_flight or not waiting or waiting[0].has_choices:
+        if self.in_flight or not waiting or waiting[0].has_choices or self.held:
             return None
         due = self.due()
         if due is not None and now < due:

@@ -139,7 +139,8 @@ class Piece:
     finish_reason: str
     #: Why this segment began (`Break.reason`); None for the first.
     break_reason: str | None
-    #: The images the segment's calls sent, once each, in order: (sha256, media type, bytes).
+    #: The images of the segment's prompt, one per image part in prompt order (an image sent
+    #: twice is listed twice): (sha256, media type, bytes).
     images: list[tuple[str, str, bytes]]
 
 
@@ -177,13 +178,17 @@ def pieces(episode: Episode) -> list[Piece]:
 def _images(
     records: Sequence[StagedCallRecord], stored: Mapping[str, Attachment]
 ) -> list[tuple[str, str, bytes]]:
-    seen: dict[str, tuple[str, str, bytes]] = {}
-    for record in records:
-        for sha in record.attachment_refs():
-            attachment = stored.get(sha)
-            if sha not in seen and attachment is not None:
-                seen[sha] = (sha, attachment.media_type, bytes(attachment.data))
-    return list(seen.values())
+    # The segment's tokens are its last call's prompt (which holds every earlier call's messages)
+    # and completion, so its images are that call's, one per image part in prompt order, an image
+    # sent twice listed twice: a VL processor expands one placeholder run per item, and a list
+    # with repeats dropped gives fewer items than the prompt has runs (a real Qwen2.5-VL prompt
+    # with one image twice, tests/e2e/test_vlm.py).
+    out: list[tuple[str, str, bytes]] = []
+    for sha in records[-1].attachment_refs() if records else ():
+        attachment = stored.get(sha)
+        if attachment is not None:
+            out.append((sha, attachment.media_type, bytes(attachment.data)))
+    return out
 
 
 def repetitions(trajs: Sequence[Trajectory]) -> list[tuple[str, int]]:

@@ -37,7 +37,9 @@ def to_verl(
       verl copies it to a session's earlier outputs. The components are the last output's
       ``extra_fields["reward_extra_info"]`` (verl's per-sample reward details).
     - ``multi_modal_data`` is ``{"images": [{"bytes": ...}, ...]}`` for a segment whose calls sent
-      images (each once, in order; the form verl's dataset reads from Parquet): turn each into an
+      images (one per image part of the segment's prompt, in order, an image sent twice listed
+      twice, as verl's processor pairs them with the placeholder runs of ``prompt_ids``; the
+      form verl's dataset reads from Parquet): turn each into an
       image with verl's ``process_image`` (or ``PIL.Image.open(io.BytesIO(item["bytes"]))``)
       before verl's processor sees them. None for a segment without images.
     - ``num_turns`` is verl's count for the rollout: user and assistant turns + 1, that is twice

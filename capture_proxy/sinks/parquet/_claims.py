@@ -301,8 +301,7 @@ def remove_claims(dfs: DatasetFS, rollout_ids: list[str]) -> None:
     """Delete the claims of rollouts `gc` removed (their ids may be used again)."""
     for rollout_id in rollout_ids:
         folder = f"{CLAIMS_DIR}/{_folder(rollout_id)}"
-        for entry in dfs.listdir(folder):
-            dfs.delete(f"{folder}/{entry.name}")
+        dfs.delete_many([f"{folder}/{entry.name}" for entry in dfs.listdir(folder)])
         if dfs.local:
             with contextlib.suppress(OSError):
                 os.rmdir(dfs.path(folder))

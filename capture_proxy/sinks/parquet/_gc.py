@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Container, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +38,7 @@ import pyarrow.fs as pafs
 
 from ...schemas.records import RolloutState
 from ..base import GcStats, Progress, StoreError
+from ._checkpoint import Checkpoint
 from ._claims import remove_claims
 from ._fs import DatasetFS
 from ._index import SMALL_UNIT_BYTES
@@ -54,7 +55,6 @@ from ._layout import (
     conform,
     encode_table,
     list_markers,
-    live_units,
     read_table,
     unit_files,
 )
@@ -115,6 +115,7 @@ def gc_parquet(
     progress: Progress | None = None,
     lease_ttl_s: float = 60.0,
     shared_window_s: float = DEDUP_WINDOW_S + GC_MARGIN_S,
+    wait_s: float = 0.0,
 ) -> GcStats:
     """Remove the rollouts of the Parquet dataset at `location` sealed before
     ``now_ms - older_than_ms``; with `dry_run`, only say what would go. Proxies may write to
@@ -126,15 +127,19 @@ def gc_parquet(
     (what readers read); disk space comes back when a later `compact` deletes the retired
     files. Raises `StoreError` when there is no dataset at `location` or another compaction or
     gc holds the maintenance lease (`lease_ttl_s`: how long it holds after each renewal), and
-    `LeaseLost` when this run lost it before committing.
+    `LeaseLost` when this run lost it before committing. `wait_s`: how long to wait for the
+    lease, first in line, when another run holds it.
     """
     dfs = DatasetFS(location, filesystem)
     if not check_format(dfs):
         raise StoreError(f"no capture-proxy Parquet dataset at {location}")
     purpose = "gc --dry-run" if dry_run else "gc"
-    with maintenance_lease(location, purpose, ttl_s=lease_ttl_s, dfs=dfs) as lease:
-        markers = load_markers(dfs)
-        live = live_units(markers)
+    # Read before the lease: it is used if nobody takes the lease meanwhile (`Checkpoint`).
+    checkpoint = Checkpoint(dfs, location)
+    lease_held = maintenance_lease(location, purpose, ttl_s=lease_ttl_s, dfs=dfs, wait_s=wait_s)
+    with lease_held as lease:
+        checkpoint.hold(lease, repair=not dry_run)
+        live = checkpoint.loaded.live()
         # Steps: reading each live unit's calls (most of the time), then the rewrite.
         steps = len(live) + 1
 
@@ -147,13 +152,22 @@ def gc_parquet(
         before = after = sum(m.size for m in live)
         if plan.touched and not dry_run:
             span = live[plan.touched[0] : plan.touched[-1] + 1]
-            merged = replace_units(dfs, span, markers, plan.select, before_commit=lease.check)
+            merged = replace_units(
+                dfs,
+                span,
+                checkpoint.existing(),
+                plan.select,
+                before_commit=checkpoint.gate,
+                undo_commit=checkpoint.undo,
+            )
             after = before - sum(m.size for m in span) + merged.size
-            # After the unit that removes their rows: a crash in between leaves claims of a
-            # rollout that is gone, which a new rollout of the same id would continue after.
-            lease.check()
-            remove_claims(dfs, plan.rollouts)
-        unit_read(steps)
+    if plan.touched and not dry_run:
+        # After the unit that removes their rows, and after the lease is released (a listing
+        # and a bulk delete per rollout; no other maintenance run touches claims): a crash in
+        # between leaves claims of a rollout that is gone, which a new rollout of the same id
+        # would continue after.
+        remove_claims(dfs, plan.rollouts)
+    unit_read(steps)
     return GcStats(
         rollouts=plan.rollouts,
         calls=len(plan.calls),
@@ -294,19 +308,24 @@ def load_markers(dfs: DatasetFS) -> dict[str, Marker]:
 def replace_units(
     dfs: DatasetFS,
     span: Sequence[Marker],
-    markers: dict[str, Marker],
+    markers: Container[str],
     select: Select,
     *,
-    before_commit: Callable[[], None] | None = None,
+    before_commit: Callable[[Marker], None] | None = None,
+    undo_commit: Callable[[], bool] | None = None,
 ) -> Marker:
     """Write the rows of the consecutive live units `span`, filtered by `select`, as one unit
     whose marker retires them all; return that marker.
 
     The new unit takes the order of the last unit it replaces, so its rows keep their place
     among the other units. A table left without rows gets no file (a unit may be a marker only:
-    it still retires). `before_commit` runs between the data files and the marker (the lease
-    check: raising there commits nothing). On failure, whatever was written is removed and
-    nothing changed.
+    it still retires). `markers` holds the names of the units whose markers exist (retired ones
+    too). `before_commit` runs between the data files and the marker, given the marker (the
+    run's fenced checkpoint write, `_checkpoint`: raising there commits nothing). On failure,
+    whatever was written is removed and nothing changed: when the marker failed after
+    `before_commit` returned, `undo_commit` undoes that first (the data files are kept, for the
+    checkpoint to name, when it cannot). Ledger rows are kept once each
+    (`_distinct`).
     """
     unit = f"{span[-1].order:020d}-{uuid.uuid4().hex[:12]}"
     data: dict[str, bytes] = {}
@@ -322,6 +341,8 @@ def replace_units(
         table = select(t, pa.concat_tables(parts))
         if t in _UNIQUE:
             table = _first_of_each(table, _UNIQUE[t])
+        elif t == LEDGER:
+            table = _distinct(table)
         if table.num_rows:
             data[rel] = encode_table(table)
             rows[t] = table.num_rows
@@ -336,12 +357,16 @@ def replace_units(
         created_at_ms=int(time.time() * 1000),  # wall time: compaction's grace period runs on it
         size=sum(map(len, data.values())),
     )
+    gated = False
     try:
         dfs.put_all(data)
         if before_commit is not None:
-            before_commit()  # the last moment to stop: the marker is the commit
+            before_commit(marker)  # the last moment to stop: the marker is the commit
+            gated = True
         dfs.put_all({marker.rel: marker.encode()})
     except BaseException:
+        if gated and (undo_commit is None or not undo_commit()):
+            raise
         for rel in (marker.rel, *data):
             with contextlib.suppress(OSError):
                 dfs.delete(rel)
@@ -356,3 +381,20 @@ def _first_of_each(table: pa.Table, key: str) -> pa.Table:
     if len(first) == table.num_rows:
         return table
     return table.take(pa.array(sorted(first.values()), pa.int64()))
+
+
+def _distinct(table: pa.Table) -> pa.Table:
+    """A ledger table with each row once, the first copy kept. Two copies of one row come from
+    one unit's rows committed twice: by a maintenance run that stalled past its lease and
+    committed after another run had merged the same units (before runs were fenced by the
+    checkpoint), so the same rows were live in two merged units; readers would replay each
+    event twice. A repeated sequence of rows keeps its order and last-wins outcome once."""
+    seen: set[tuple[Any, ...]] = set()
+    keep: list[int] = []
+    for i, row in enumerate(zip(*(c.to_pylist() for c in table.columns), strict=True)):
+        if row not in seen:
+            seen.add(row)
+            keep.append(i)
+    if len(keep) == table.num_rows:
+        return table
+    return table.take(pa.array(keep, pa.int64()))

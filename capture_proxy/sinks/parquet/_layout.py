@@ -11,7 +11,9 @@
       ledger/<unit>.parquet         rollout headers, not-staged calls, orphan marks, event logs
       claims/<rollout>/<seq>        admission claims, one file per seq (`_claims`), not in units
       _commits/<unit>.json          the commit marker: a unit exists once this file exists
+      _checkpoint/live.json         the live units' markers, kept by maintenance (`_checkpoint`)
       _leases/maintenance           the lease of the one compaction or gc at a time (`_lease`)
+      _leases/clock                 written to read the store's clock (`_lease`)
       _writer.lock                  held by the one writer (local folders)
 
 A *unit* is what one group commit writes: up to one file per table, all immutable. Its data files
@@ -39,6 +41,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..base import StoreError, StoreFormatError
+from ._bounds import check_pages
 from ._fs import TMP_SUFFIX, DatasetFS
 
 __all__ = [
@@ -269,14 +272,15 @@ def _at_least(column: pa.ChunkedArray, limit: int) -> bool:
 def read_table(dfs: DatasetFS, rel: str, columns: Sequence[str] | None = None) -> pa.Table:
     """Read one data file, or some of its columns."""
     with dfs.open(rel) as f:
+        pf = open_parquet(f, rel, columns=columns)
         cols = list(columns) if columns is not None else None
-        return pq.read_table(f, columns=cols, use_threads=False)
+        return pf.read(columns=cols, use_threads=False)
 
 
 def read_groups(dfs: DatasetFS, rel: str, columns: Sequence[str] | None = None) -> list[pa.Table]:
     """A data file's row groups (all columns, or `columns`), in order."""
     with dfs.open(rel) as f:
-        pf = pq.ParquetFile(f)
+        pf = open_parquet(f, rel, columns=columns)
         cols = list(columns) if columns is not None else None
         return [
             pf.read_row_group(g, columns=cols, use_threads=False)
@@ -284,10 +288,44 @@ def read_groups(dfs: DatasetFS, rel: str, columns: Sequence[str] | None = None) 
         ]
 
 
-def read_group(dfs: DatasetFS, rel: str, group: int) -> pa.Table:
-    """One row group of a data file, every column."""
+def read_group(
+    dfs: DatasetFS, rel: str, group: int, columns: Sequence[str] | None = None
+) -> pa.Table:
+    """One row group of a data file, every column (or `columns`)."""
     with dfs.open(rel) as f:
-        return pq.ParquetFile(f).read_row_group(group, use_threads=False)
+        pf = open_parquet(f, rel, groups=[group], columns=columns)
+        cols = list(columns) if columns is not None else None
+        return pf.read_row_group(group, columns=cols, use_threads=False)
+
+
+def open_parquet(
+    f: pa.NativeFile,
+    rel: str,
+    *,
+    groups: Sequence[int] | None = None,
+    columns: Sequence[str] | None = None,
+) -> pq.ParquetFile:
+    """`f` as a Parquet file whose `groups` and `columns` (None: all) decompress within
+    `_bounds.MAX_PAGE_BYTES` and `MAX_READ_BYTES` (`StoreDamaged` otherwise); a file read
+    once is not checked again (files are never rewritten in place)."""
+    pf = pq.ParquetFile(f)
+    key = (
+        rel,
+        f.size(),
+        None if groups is None else tuple(groups),
+        None if columns is None else tuple(columns),
+    )
+    if key not in _CHECKED:
+        check_pages(f, pf.metadata, rel, groups, columns)
+        if len(_CHECKED) >= _MAX_CHECKED:
+            _CHECKED.clear()
+        _CHECKED.add(key)
+    return pf
+
+
+#: Reads already checked (`open_parquet`): a file, its size, the groups and columns read.
+_CHECKED: set[tuple[str, int, tuple[int, ...] | None, tuple[str, ...] | None]] = set()
+_MAX_CHECKED = 65_536
 
 
 # -- the format file ------------------------------------------------------------------------------

@@ -2,29 +2,41 @@
 
 Two maintenance runs at once would both merge (or rewrite) the same units, so each takes the
 lease object ``_leases/maintenance`` first. Its body names the holder (host, pid, a random id),
-what it runs and until when the lease holds (`ttl_s` from the last renewal). A run:
+what it runs and how long it holds after each write (`ttl_ms`). A run:
 
-* **takes** it by creating the object only if it is absent; if it is present and its expiry has
-  passed (its holder died), by replacing it only if it is unchanged since it was read (a
+* **takes** it by creating the object only if it is absent; if it is present and expired (its
+  holder died) or released, by replacing it only if it is unchanged since it was read (a
   compare-and-swap on its etag), so of two runs taking over at once exactly one wins;
 * **renews** it from a background thread every third of `ttl_s`, again only if unchanged: a run
   whose lease was taken over (it stalled past its expiry) learns so at its next renewal, and
   `check` raises before it commits anything more;
-* **releases** it at the end by writing an expired body the same way, so the next run takes it at
-  once.
+* **releases** it at the end by writing a released body the same way, so the next run takes it
+  at once.
 
-A second run while the lease holds is refused with `StoreError` naming the holder and its expiry.
+A second run while the lease holds is refused with `StoreError` naming the holder and its expiry,
+or waits for it with `wait_s`, first in line: it reserves the next turn in ``_leases/next`` (a
+body like the lease's, renewed while it waits), and a run that finds the lease free while another
+run's reservation is fresh is refused, so a waiting run is not starved by runs that come and go.
+
+**Expiry is judged on the store's clock**, never by comparing two hosts' clocks: a taker
+compares the lease object's Last-Modified with that of a clock object it writes at that moment
+(``_leases/clock``; both stamped by the store), and takes the lease once it is older than
+`ttl_ms`, plus a second on object storage (Last-Modified's resolution). The holder counts its
+own hold on its monotonic clock from the moment it *sent* its last write, which the store
+stamped later: it sees the lease end before any taker does. A lease body from a release
+before `ttl_ms` is judged by its `expires_at_ms`, as that release did.
 
 On object storage the conditional writes are the store's own: obstore's ``put(mode="create")``
 (``If-None-Match: *``) and ``put(mode={"e_tag": ...})`` (``If-Match``); pyarrow's filesystems
 cannot express either (docs/reports/object-store-spike.md). On a local folder the lease is a file
 created exclusively and fsynced with its folder, and replaced by a renamed, fsynced file while a
 `flock` on the folder is held (obstore's local store neither fsyncs nor has an etag mode); its
-etag is the sha256 of its bytes.
+etag is the sha256 of its bytes, its age its mtime's (one host's clock).
 
-Limits: a holder that stalls (a paused VM) for longer than `ttl_s` between its last `check` and
-its next commit can commit once after another run took over; `check` refuses to go on with less
-than a third of `ttl_s` left, which covers any pause shorter than that.
+**Fencing** is not the lease's: a holder that stalls past `ttl_s` between its last `check` and
+its next commit could commit after another run took over, so every maintenance commit is also a
+compare-and-swap of the dataset's checkpoint (`_checkpoint`), which such a run finds changed.
+The same conditional writes serve the checkpoint (`conditional_object`).
 """
 
 from __future__ import annotations
@@ -33,6 +45,7 @@ import contextlib
 import fcntl
 import hashlib
 import os
+import random
 import socket
 import threading
 import time
@@ -46,10 +59,18 @@ import pyarrow.fs as pafs
 from ..base import StoreError
 from ._fs import DatasetFS, fsync_dir, write_all_fsync
 
-__all__ = ["LEASE", "Lease", "LeaseLost", "maintenance_lease"]
+__all__ = ["LEASE", "Conditional", "Lease", "LeaseLost", "conditional_object", "maintenance_lease"]
 
 #: The lease object, relative to the dataset root.
 LEASE = "_leases/maintenance"
+#: The reservation of the next turn by a run waiting for the lease (`Lease.acquire`).
+NEXT = "_leases/next"
+#: Written (empty) to read the store's clock: its Last-Modified is the store's "now".
+_CLOCK = "_leases/clock"
+
+
+class _Held(Exception):
+    """The lease is held (or reserved) by another run: the refusal, as its message."""
 
 
 class LeaseLost(StoreError):
@@ -57,8 +78,8 @@ class LeaseLost(StoreError):
     before committing anything more."""
 
 
-class _Backend(Protocol):
-    """Conditional writes on one object: what the lease needs of a store."""
+class Conditional(Protocol):
+    """Conditional writes on one object: what the lease (and the checkpoint) need of a store."""
 
     def create(self, body: bytes) -> str | None:
         """Write `body` if the object is absent; its etag, or None when it exists."""
@@ -69,11 +90,25 @@ class _Backend(Protocol):
     def replace(self, body: bytes, etag: str) -> str | None:
         """Write `body` if the object's etag is still `etag`; the new etag, or None if not."""
 
+    #: The resolution of `age_ms`: a lease is judged expired only this much after its `ttl_ms`
+    #: (an object store's Last-Modified is in whole seconds, so an age read may be one second
+    #: more than the real one).
+    resolution_ms: int
+
+    def age_ms(self) -> int | None:
+        """How long ago the object was last written, on the store's own clock (None: absent)."""
+
+    def remove(self) -> None:
+        """Delete the object (unconditionally: its writer undoing its own write)."""
+
 
 class _ObjectBackend:
     """The lease on object storage, through obstore's conditional puts."""
 
-    def __init__(self, url: str) -> None:
+    resolution_ms = 1000
+
+    def __init__(self, url: str, key: str = LEASE) -> None:
+        self._key = key
         try:
             from obstore.store import from_url
         except ImportError as exc:  # pragma: no cover - obstore is a dependency
@@ -91,7 +126,7 @@ class _ObjectBackend:
         from obstore.exceptions import AlreadyExistsError
 
         try:
-            return str(obstore.put(self._store, LEASE, body, mode="create")["e_tag"])
+            return str(obstore.put(self._store, self._key, body, mode="create")["e_tag"])
         except AlreadyExistsError:
             return None
 
@@ -99,7 +134,7 @@ class _ObjectBackend:
         import obstore
 
         try:
-            got = obstore.get(self._store, LEASE)
+            got = obstore.get(self._store, self._key)
         except FileNotFoundError:
             return None
         return bytes(got.bytes()), str(got.meta["e_tag"])
@@ -109,18 +144,38 @@ class _ObjectBackend:
         from obstore.exceptions import PreconditionError
 
         try:
-            put = obstore.put(self._store, LEASE, body, mode={"e_tag": etag})
+            put = obstore.put(self._store, self._key, body, mode={"e_tag": etag})
         except (PreconditionError, FileNotFoundError):
             return None
         return str(put["e_tag"])
+
+    def age_ms(self) -> int | None:
+        # The store's clock, not this host's: the object's Last-Modified against that of a
+        # clock object written now (hosts' clocks differ; the store stamps both).
+        import obstore
+
+        try:
+            written = obstore.head(self._store, self._key)["last_modified"]
+        except FileNotFoundError:
+            return None
+        obstore.put(self._store, _CLOCK, b"")
+        now = obstore.head(self._store, _CLOCK)["last_modified"]
+        return int((now - written).total_seconds() * 1000)
+
+    def remove(self) -> None:
+        import obstore
+
+        obstore.delete(self._store, self._key)
 
 
 class _LocalBackend:
     """The lease on a local folder: an exclusive, fsynced file; replaced under a folder flock."""
 
-    def __init__(self, root: str) -> None:
-        self._dir = os.path.join(root, os.path.dirname(LEASE))
-        self._path = os.path.join(root, LEASE)
+    resolution_ms = 0
+
+    def __init__(self, root: str, key: str = LEASE) -> None:
+        self._dir = os.path.join(root, os.path.dirname(key))
+        self._path = os.path.join(root, key)
 
     def create(self, body: bytes) -> str | None:
         os.makedirs(self._dir, exist_ok=True)
@@ -140,6 +195,18 @@ class _LocalBackend:
         except FileNotFoundError:
             return None
         return body, _etag(body)
+
+    def age_ms(self) -> int | None:
+        # One host's clock: the file's mtime and now are both this machine's.
+        try:
+            return (time.time_ns() - os.stat(self._path).st_mtime_ns) // 1_000_000
+        except FileNotFoundError:
+            return None
+
+    def remove(self) -> None:
+        with self._folder_locked(), contextlib.suppress(FileNotFoundError):
+            os.unlink(self._path)
+            fsync_dir(self._dir)
 
     def replace(self, body: bytes, etag: str) -> str | None:
         with self._folder_locked():
@@ -179,85 +246,169 @@ def _when(ms: int) -> str:
 class Lease:
     """A held maintenance lease (see the module docstring); `maintenance_lease` takes one."""
 
-    def __init__(self, backend: _Backend, where: str, purpose: str, ttl_s: float) -> None:
+    def __init__(
+        self,
+        backend: Conditional,
+        where: str,
+        purpose: str,
+        ttl_s: float,
+        queue: Conditional | None = None,
+    ) -> None:
         self._backend = backend
+        #: The etag of the lease object this run replaced when it took the lease (None: it
+        #: created it): `_checkpoint` learns from it whether another run took it meanwhile.
+        self.taken_from: str | None = None
+        #: The reservation of the next turn (`acquire` with `wait_s`), when there is one.
+        self._queue = queue
+        self._reserved = False
         self._where = where
         self.purpose = purpose
         self.ttl_s = ttl_s
         self.holder = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._etag: str | None = None
-        self._expires_ms = 0
+        #: When this run's hold ends, on this host's monotonic clock: `ttl_s` after the
+        #: request of its last successful write was sent (the store stamps that write later,
+        #: so a taker, judging by the store's clock, sees it expire after this).
+        self._deadline = 0.0
         self._lost: str | None = None
         self._guard = threading.Lock()
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
 
-    def _body(self, expires_ms: int) -> bytes:
+    def _body(self, *, released: bool = False) -> bytes:
+        ttl_ms = int(self.ttl_s * 1000)
         return orjson.dumps(
             {
                 "holder": self.holder,
                 "purpose": self.purpose,
-                "expires_at_ms": expires_ms,
+                # Judged by takers on the store's clock: the object's age against `ttl_ms`.
+                "ttl_ms": ttl_ms,
+                "released": released,
+                # For releases that compare this host's clock with theirs (before `ttl_ms`).
+                "expires_at_ms": 0 if released else _now_ms() + ttl_ms,
                 "written_at_ms": _now_ms(),
                 "nonce": uuid.uuid4().hex,
             }
         )
 
-    def acquire(self) -> None:
-        """Take the lease, or raise `StoreError` naming the run that holds it."""
-        expires = _now_ms() + int(self.ttl_s * 1000)
-        etag = self._backend.create(self._body(expires))
-        if etag is None:
-            current = self._backend.get()
-            if current is None:  # released and removed meanwhile: try once more
-                etag = self._backend.create(self._body(expires))
-            else:
-                body, old = current
-                info = _decode(body)
-                if int(info.get("expires_at_ms", 0)) > _now_ms():
-                    raise StoreError(
-                        f"another maintenance run holds {self._where}: "
-                        f"{info.get('purpose', '?')} by {info.get('holder', '?')}, until "
-                        f"{_when(int(info['expires_at_ms']))} unless renewed; run {self.purpose} "
-                        "again once it has finished (a holder that died is taken over once its "
-                        "lease expires)"
-                    )
-                etag = self._backend.replace(self._body(expires), old)
-        if etag is None:
-            raise StoreError(
-                f"another maintenance run took {self._where} at the same moment; "
-                f"run {self.purpose} again once it has finished"
-            )
-        self._etag, self._expires_ms = etag, expires
+    def _left_ms(self, info: dict[str, Any], backend: Conditional) -> int:
+        """How long the lease (or reservation) described by `info`, the body of `backend`'s
+        object, still holds (<= 0: expired or released)."""
+        if info.get("released"):
+            return 0
+        ttl_ms = info.get("ttl_ms")
+        if not isinstance(ttl_ms, int):  # written by a release without `ttl_ms`
+            return int(info.get("expires_at_ms", 0)) - _now_ms()
+        age = backend.age_ms()
+        return 0 if age is None else ttl_ms + backend.resolution_ms - age
+
+    def acquire(self, wait_s: float = 0.0) -> None:
+        """Take the lease, or raise `StoreError` naming the run that holds it. With `wait_s`,
+        wait up to that long for it: the run reserves the next turn (`_leases/next`), so runs
+        that come and go meanwhile cannot take it before this one (no starvation)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                self._take()
+                break
+            except _Held as held:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self._unreserve()  # giving up: the turn is not held for nothing
+                    raise StoreError(str(held)) from None
+                self._reserve()
+                time.sleep(min(1.0, left) * random.uniform(0.5, 1.0))
+        self._unreserve()
         self._renewer = threading.Thread(
             target=self._renew_loop, name="capture-proxy-lease", daemon=True
         )
         self._renewer.start()
+
+    def _take(self) -> None:
+        if self._queue is not None:
+            waiting = self._queue.get()
+            if waiting is not None:
+                info = _decode(waiting[0])
+                if info.get("holder") != self.holder and self._left_ms(info, self._queue) > 0:
+                    raise _Held(
+                        f"another maintenance run is waiting for {self._where}: "
+                        f"{info.get('purpose', '?')} by {info.get('holder', '?')} takes it "
+                        f"next; run {self.purpose} again once it has finished"
+                    )
+        sent = time.monotonic()
+        etag = self._backend.create(self._body())
+        if etag is None:
+            current = self._backend.get()
+            if current is None:  # released and removed meanwhile: try once more
+                etag = self._backend.create(self._body())
+            else:
+                body, old = current
+                info = _decode(body)
+                left = self._left_ms(info, self._backend)
+                if left > 0:
+                    raise _Held(
+                        f"another maintenance run holds {self._where}: "
+                        f"{info.get('purpose', '?')} by {info.get('holder', '?')}, until "
+                        f"{_when(_now_ms() + left)} unless renewed; run {self.purpose} "
+                        "again once it has finished (a holder that died is taken over once its "
+                        "lease expires)"
+                    )
+                sent = time.monotonic()
+                etag = self._backend.replace(self._body(), old)
+                self.taken_from = old
+        if etag is None:
+            raise _Held(
+                f"another maintenance run took {self._where} at the same moment; "
+                f"run {self.purpose} again once it has finished"
+            )
+        self._etag, self._deadline = etag, sent + self.ttl_s
+
+    def _reserve(self) -> None:
+        """Hold the next turn, unless another waiting run holds it (then this one waits
+        behind it). Renewed at each try, so it lapses `ttl_s` after a waiter died."""
+        if self._queue is None:
+            return
+        got = self._queue.get()
+        if got is None:
+            self._reserved = self._queue.create(self._body()) is not None
+            return
+        info = _decode(got[0])
+        if info.get("holder") == self.holder or self._left_ms(info, self._queue) <= 0:
+            self._reserved = self._queue.replace(self._body(), got[1]) is not None
+
+    def _unreserve(self) -> None:
+        if self._queue is None or not self._reserved:
+            return
+        got = self._queue.get()
+        if got is not None and _decode(got[0]).get("holder") == self.holder:
+            with contextlib.suppress(OSError):
+                self._queue.replace(self._body(released=True), got[1])
+        self._reserved = False
 
     def renew(self) -> None:
         """Extend the lease by `ttl_s` if this run still holds it (else `check` will raise)."""
         with self._guard:
             if self._lost is not None or self._etag is None:
                 return
-            expires = _now_ms() + int(self.ttl_s * 1000)
+            sent = time.monotonic()
             try:
-                etag = self._backend.replace(self._body(expires), self._etag)
+                etag = self._backend.replace(self._body(), self._etag)
             # Any error of the store's client (a store that is down, a timeout): try again at
             # the next renewal; `check` stops the run if none succeeds in time.
             except Exception as e:
-                if _now_ms() >= self._expires_ms:
+                if time.monotonic() >= self._deadline:
                     self._lost = f"it could not be renewed before it expired ({e})"
                 return
             if etag is None:
                 self._lost = "another run took it over (this run stalled past its expiry)"
                 return
-            self._etag, self._expires_ms = etag, expires
+            self._etag, self._deadline = etag, sent + self.ttl_s
 
     def check(self) -> None:
         """Raise `LeaseLost` unless this run holds the lease with a third of `ttl_s` left;
-        called before each commit and each delete."""
+        called before each commit."""
         with self._guard:
-            if self._lost is None and self._expires_ms - _now_ms() < self.ttl_s * 1000 / 3:
+            if self._lost is None and self._deadline - time.monotonic() < self.ttl_s / 3:
                 self._lost = "it is about to expire and was not renewed in time"
             if self._lost is not None:
                 raise LeaseLost(
@@ -273,7 +424,7 @@ class Lease:
         with self._guard:
             if self._lost is None and self._etag is not None:
                 with contextlib.suppress(OSError):
-                    self._backend.replace(self._body(0), self._etag)
+                    self._backend.replace(self._body(released=True), self._etag)
             self._etag = None
 
     def _renew_loop(self) -> None:
@@ -299,22 +450,37 @@ def _local_root(dfs: DatasetFS) -> str | None:
     return None
 
 
+def conditional_object(dfs: DatasetFS, location: str, key: str) -> Conditional:
+    """Conditional writes of the object `key` of the dataset at `location` (`dfs` its files)."""
+    local = _local_root(dfs)
+    return _LocalBackend(local, key) if local is not None else _ObjectBackend(location, key)
+
+
 @contextlib.contextmanager
 def maintenance_lease(
-    location: str, purpose: str, *, ttl_s: float = 60.0, dfs: DatasetFS | None = None
+    location: str,
+    purpose: str,
+    *,
+    ttl_s: float = 60.0,
+    dfs: DatasetFS | None = None,
+    wait_s: float = 0.0,
 ) -> Iterator[Lease]:
     """Hold the maintenance lease of the Parquet dataset at `location` (a folder or an object
     store URL, reached through obstore with the AWS_* / GOOGLE_* / AZURE_* environment) for the
     block: renewed every ``ttl_s / 3`` meanwhile, released after. `purpose` names the run in a
-    refusal. Raises `StoreError` when another run holds it; call `Lease.check` before each
-    commit. `dfs` is the dataset's files when the caller has them open already.
+    refusal. Raises `StoreError` when another run holds it (after waiting up to `wait_s` for
+    it, first in line: `Lease.acquire`); call `Lease.check` before each commit. `dfs` is the
+    dataset's files when the caller has them open already.
     """
     dfs = dfs or DatasetFS(location)
-    backend: _Backend
-    local = _local_root(dfs)
-    backend = _LocalBackend(local) if local is not None else _ObjectBackend(location)
-    lease = Lease(backend, dfs.path(LEASE), purpose, ttl_s)
-    lease.acquire()
+    lease = Lease(
+        conditional_object(dfs, location, LEASE),
+        dfs.path(LEASE),
+        purpose,
+        ttl_s,
+        conditional_object(dfs, location, NEXT),
+    )
+    lease.acquire(wait_s)
     try:
         yield lease
     finally:

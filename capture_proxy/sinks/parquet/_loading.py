@@ -13,7 +13,6 @@ from collections.abc import Iterable
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from ...schemas.records import Attachment, StagedCallRecord
 from ..codec import decode_row
@@ -143,10 +142,7 @@ class Loading:
             if cached is not None:
                 table = cached.table.select(list(INDEX_COLUMNS))
             else:
-                with self.dfs.open(path) as f:
-                    table = pq.ParquetFile(f).read_row_group(
-                        group, columns=list(INDEX_COLUMNS), use_threads=False
-                    )
+                table = read_group(self.dfs, path, group, INDEX_COLUMNS)
             cols = self._index_groups.put(key, table.to_pydict())
         return cols
 
@@ -353,10 +349,7 @@ class Loading:
             if group is not None:
                 table = group.table.select(list(SUMMARY_COLUMNS))
             else:
-                with self.dfs.open(where.path) as f:
-                    table = pq.ParquetFile(f).read_row_group(
-                        where.group, columns=list(SUMMARY_COLUMNS), use_threads=False
-                    )
+                table = read_group(self.dfs, where.path, where.group, SUMMARY_COLUMNS)
             cols = self._summary_columns.put(key, table.to_pydict())
         return cols
 

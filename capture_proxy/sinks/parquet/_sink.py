@@ -83,9 +83,11 @@ from ...schemas.records import (
     StagedCallRecord,
     StageResult,
 )
+from ...schemas.store_head import StoreHeadState
 from ..base import DuplicateSeq, FaultHook, StoreError
 from ..codec import encode_record
 from ..staging_rules import coords_for, new_attachments
+from ..store_head import StoreHeadKeeper
 from ._claims import Holders, SeqClaim, last_claim
 from ._events import EventHeads
 from ._fs import DatasetFS
@@ -208,8 +210,21 @@ class ParquetSink:
                 cache_bytes=_READER_CACHE_BYTES,
                 cache_tokens=_READER_CACHE_BYTES // 16,
             )
-            known = self._reader.known()
-            self._events = EventHeads(self._reader.event_heads(), self._stored_head)
+            # One listing of the commit markers for both (each read lists them otherwise: on
+            # object storage a LIST request per thousand units, twice at every open).
+            with self._reader.snapshot():
+                known = self._reader.known()
+                heads = self._reader.event_heads()
+            self._events = EventHeads(heads, self._stored_head)
+            # One writer at a time on a local folder (the lock): its head is the store's. On
+            # object storage several writers may append to one rollout: none has the store's.
+            self.store_head = (
+                StoreHeadKeeper(
+                    location, StoreHeadState.of((r, h, p) for r, (p, h) in heads.items())
+                )
+                if dfs.local
+                else None
+            )
         except BaseException:
             self._lock.release()
             raise
@@ -366,6 +381,8 @@ class ParquetSink:
         self._reader.close_reader()
         self._fulls.clear()
         self._lock.release()
+        if self.store_head is not None:
+            self.store_head.close()
 
     def _follow(self) -> None:
         while not self._following.wait(_FOLLOW_S):
@@ -390,6 +407,12 @@ class ParquetSink:
             self._attachments[sha] = committed
         self._rollouts |= batch.rollouts
         self._events.publish(batch)
+        if self.store_head is not None:
+            self.store_head.committed(
+                (r["rollout_id"], r["prev_hash"], r["hash"])
+                for r in batch.rows[LEDGER]
+                if r["kind"] == "event"
+            )
         for rollout_id in handoffs_in(batch):
             keys = self._live.get(rollout_id)
             if keys is not None:

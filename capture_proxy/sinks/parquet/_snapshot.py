@@ -34,8 +34,6 @@ from ._layout import (
     SCHEMAS,
     Marker,
     check_format,
-    list_markers,
-    live_units,
 )
 
 if TYPE_CHECKING:
@@ -163,13 +161,16 @@ def live_files(location: str, *, filesystem: pafs.FileSystem | None = None) -> L
     folder or a pyarrow filesystem URL such as ``s3://bucket/prefix``; `filesystem`: a
     configured pyarrow filesystem `location` is a path in).
 
-    One listing of ``_commits/`` and one read per marker (concurrent on object storage). Raises
+    One listing of ``_commits/``, the checkpoint (`_checkpoint`), and one read per marker of
+    the units committed since it was written (concurrent on object storage). Raises
     `StoreError` when there is no dataset there.
     """
     dfs = DatasetFS(location, filesystem)
     if not check_format(dfs):
         raise StoreError(f"no capture-proxy Parquet dataset at {location}")
     by_url = "://" in location and filesystem is None and not dfs.local
-    markers = read_markers(dfs, list_markers(dfs), location if by_url else None)
+    from ._checkpoint import load_markers  # it reads markers through this module
+
+    loaded = load_markers(dfs, None, location if by_url else None)
     base = f"{location.split('://', 1)[0]}://{dfs.root}" if by_url else dfs.root
-    return LiveFiles(location, dfs.fs, tuple(live_units(markers)), dfs.root, base)
+    return LiveFiles(location, dfs.fs, tuple(loaded.live()), dfs.root, base)

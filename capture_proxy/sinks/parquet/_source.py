@@ -42,6 +42,7 @@ from ...schemas.records import (
 )
 from ..base import PROXY_STATE_ROLLOUT, StoreDamaged, StoreError
 from ..rollout_index import IndexedRollout, RolloutQuery, row_of
+from ._checkpoint import load_markers
 from ._claims import read_claims
 from ._cursors import ParquetCursors
 from ._directory import Directory
@@ -84,6 +85,25 @@ def _order_of(path: str) -> int:
 def default_url(location: str) -> str:
     """The canonical store URL for a dataset location (what coordinates report)."""
     return location if "://" in location else f"parquet:///{location}"
+
+
+def _vanished(e: OSError) -> bool:
+    """Whether `e` says a file is gone: pyarrow's S3 filesystem raises FileNotFoundError when it
+    opens a missing file, but a plain OSError ("NO_SUCH_KEY") when a file it opened is deleted
+    before it reads a range of it (a compaction's clean-up under a reader): "NO_SUCH_KEY", or
+    "RESOURCE_NOT_FOUND" when the 404 has no body. A response that broke off mid-read
+    ("INTERNAL_FAILURE ... Failed to flush response stream", seen on moto's server while a
+    compaction's clean-up ran beside the reads; S3 asks clients to retry an internal error) is
+    read again too."""
+    return any(
+        code in str(e)
+        for code in (
+            "NO_SUCH_KEY",
+            "NoSuchKey",
+            "RESOURCE_NOT_FOUND",
+            "Failed to flush response stream",
+        )
+    )
 
 
 def _damaged(url: str, e: BaseException) -> StoreDamaged | None:
@@ -209,7 +229,14 @@ class ParquetSource(Loading):
             fresh = [n for n in names if n not in seen]
         # Concurrent on object storage; one removed by a compaction's cleanup after it was
         # listed is left out.
-        markers = read_markers(self.dfs, fresh, self._object_url)
+        if listed:
+            markers = read_markers(self.dfs, fresh, self._object_url)
+            retired = {u for m in markers.values() for u in m.retires}
+        else:
+            # An open: the checkpoint's live units, and the markers of units committed since
+            # (a retired unit's marker is not read: `_checkpoint`).
+            loaded = load_markers(self.dfs, names, self._object_url)
+            markers, retired = loaded.markers, loaded.retired
         idx = self._index
         if listed and isinstance(idx, UnitIndex) and idx.heads is not None:
             # The event heads and rollout ids a writer's open takes (`event_heads`, `known`)
@@ -220,7 +247,6 @@ class ParquetSource(Loading):
             self._collect_heads = False
         # What the new markers retire (a compaction's or gc's merged unit), and units whose
         # markers are gone (deleted by a cleanup once retired, by a marker read before or not).
-        retired = {u for m in markers.values() for u in m.retires}
         if not appended:
             now = set(names)
             retired.update(u for u in self._units if u not in now)
@@ -302,7 +328,9 @@ class ParquetSource(Loading):
                     if not self._held or not self._listing:
                         self.refresh()
                     return fn()
-                except FileNotFoundError:
+                except OSError as e:
+                    if not isinstance(e, FileNotFoundError) and not _vanished(e):
+                        raise
                     self._reset()
                     if attempt == _ATTEMPTS - 1:
                         raise
@@ -316,7 +344,8 @@ class ParquetSource(Loading):
     def known(self) -> Known:
         """Everything a writer appending to this dataset must know (see `ParquetSink`)."""
         with self._lock:
-            self.refresh()
+            if not self._held or not self._listing:  # in a `snapshot`: its listing
+                self.refresh()
             return self._known()
 
     def _known(self) -> Known:

@@ -25,7 +25,6 @@ import time
 from array import array
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 import orjson
 
@@ -45,9 +44,11 @@ from ...schemas.records import (
     StagedCallRecord,
     StageResult,
 )
+from ...schemas.store_head import StoreHeadState
 from ..base import DuplicateSeq, FaultHook, StoreError
 from ..codec import encode_record
 from ..staging_rules import coords_for, new_attachments
+from ..store_head import StoreHeadKeeper
 from ._file import FileIdentity, WriterLock
 from ._schema import (
     CALL_COLUMNS,
@@ -106,7 +107,7 @@ def _seq_holder(conn: sqlite3.Connection, rollout_id: str, seq: int, call_id: st
     return None
 
 
-def _append_event(conn: sqlite3.Connection, draft: EventDraft) -> RolloutEvent:
+def _append_event(conn: sqlite3.Connection, batch: Batch, draft: EventDraft) -> RolloutEvent:
     """Place `draft` after its rollout's last event, inside the caller's savepoint: the head is
     read in the same transaction, so the chain holds exactly what commits."""
     head = conn.execute(
@@ -129,7 +130,15 @@ def _append_event(conn: sqlite3.Connection, draft: EventDraft) -> RolloutEvent:
             event.hash,
         ),
     )
+    batch.events.append(event)
     return event
+
+
+def _store_head_state(conn: sqlite3.Connection) -> StoreHeadState:
+    """The store head of the file as it is (`schemas.store_head`): every rollout's last event."""
+    # SQLite gives the bare columns of the row that holds the MAX.
+    rows = conn.execute("SELECT rollout_id, hash, MAX(position) FROM events GROUP BY rollout_id")
+    return StoreHeadState.of((str(r), str(h), int(p)) for r, h, p in rows)
 
 
 def _open_writer(path: str) -> sqlite3.Connection:
@@ -192,6 +201,7 @@ class SQLiteSink:
             conn = _open_writer(self.path)
             try:
                 self.identity = FileIdentity(self.path)
+                self.store_head = StoreHeadKeeper(self.path, _store_head_state(conn))
             except OSError as e:
                 conn.close()
                 raise StoreError(f"cannot open the SQLite store {self.path}: {e}") from e
@@ -249,7 +259,7 @@ class SQLiteSink:
                     entry.at_ms,
                 ),
             )
-            _append_event(conn, ledger_event(entry))
+            _append_event(conn, batch, ledger_event(entry))
 
         await self._writer.submit(work)
 
@@ -272,7 +282,7 @@ class SQLiteSink:
                 if holder is not None:
                     raise DuplicateSeq(event.rollout_id, event.seq, holder)
                 conn.execute(_ENSURE_ROLLOUT, (event.rollout_id, _now_ms()))
-            return _append_event(conn, event)
+            return _append_event(conn, batch, event)
 
         stored: RolloutEvent = await self._writer.submit(work)
         return stored
@@ -334,21 +344,30 @@ class SQLiteSink:
 
         await self._writer.submit(work)
 
+    @property
+    def incomplete(self) -> str | None:
+        """After `close`: why the database file alone does not hold every record (an outside
+        reader on an older snapshot kept WAL frames out of it), or None when it does."""
+        return self._writer.incomplete
+
     async def close(self) -> None:
-        """Finish every queued write, stop the writer thread and close the file.
+        """Finish every queued write, stop the writer thread and close the file (folding the
+        WAL into it; see `incomplete`).
 
         `stage` after `close` raises RuntimeError."""
         try:
             await self._writer.close()
+            self.store_head.close()
         finally:
             self._lock.release()
 
     # -- the writer thread -----------------------------------------------------------------
 
-    def _publish(self, pending: dict[str, Any]) -> None:
+    def _publish(self, batch: Batch) -> None:
         # Only committed sequences enter the cache: a rolled-back parent must not be extended.
-        for call_id, (rollout_id, full) in pending.items():
+        for call_id, (rollout_id, full) in batch.pending.items():
             self._fulls.put(call_id, rollout_id, full)
+        self.store_head.committed((e.rollout_id, e.prev_hash, e.hash) for e in batch.events)
 
     def _parent_full(
         self, conn: sqlite3.Connection, batch: Batch, record: StagedCallRecord
@@ -426,6 +445,6 @@ class SQLiteSink:
         if self.fault is not None:
             self.fault("after_attachments")
         conn.execute(_ENSURE_ROLLOUT, (record.rollout_id, _now_ms()))
-        _append_event(conn, staged_event(record, _now_ms()))
+        _append_event(conn, batch, staged_event(record, _now_ms()))
         batch.pending[key] = (record.rollout_id, encoded.full)
         return StageResult.staged(coords_for(self.url, record, row))

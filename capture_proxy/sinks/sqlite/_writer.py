@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ...schemas.events import RolloutEvent
 from ..base import StoreError
 from ..writer_thread import Job, Outcome, WriterThread
 
@@ -42,6 +43,9 @@ class Batch:
     """
 
     pending: dict[str, Any] = field(default_factory=dict)
+    #: Events the batch's work appended, in order; those of a job that rolled back are dropped.
+    #: `publish` gets them once the batch has committed (the store head advances past them).
+    events: list[RolloutEvent] = field(default_factory=list)
 
 
 #: A unit of work: runs on the writer thread, inside a savepoint of the batch's transaction.
@@ -55,7 +59,7 @@ class _BatchLost(Exception):
 class GroupCommitWriter(WriterThread[Work]):
     """Owns `conn` (autocommit mode) from now on; closes it when `close` has drained the queue.
 
-    `publish` receives each committed batch's `Batch.pending`, on the writer thread. `check`
+    `publish` receives each committed `Batch`, on the writer thread. `check`
     (on the writer thread) raises `StoreError` when the batch must not be acknowledged.
     """
 
@@ -67,10 +71,12 @@ class GroupCommitWriter(WriterThread[Work]):
         *,
         name: str,
         max_batch: int,
-        publish: Callable[[dict[str, Any]], None],
+        publish: Callable[[Batch], None],
         check: Callable[[], None] = lambda: None,
     ) -> None:
         super().__init__(name=name, max_batch=max_batch)
+        #: Set at close when the file alone does not hold every record (said on the log).
+        self.incomplete: str | None = None
         self._conn = conn
         self._publish = publish
         self._check = check
@@ -78,12 +84,35 @@ class GroupCommitWriter(WriterThread[Work]):
 
     def _on_exit(self) -> None:
         # Leave one self-contained file: fold the WAL into the database and truncate it, so a
-        # user who copies only `capture.db` after a clean stop copies every record. Best effort:
-        # a reader holding an old snapshot makes it partial, and the data is safe in the WAL.
+        # user who copies only `capture.db` after a clean stop copies every record. Another
+        # process reading the file keeps the WAL in use (SQLite then waits `busy_timeout` for
+        # it): the frames its snapshot holds are still copied, and the file is whole, its
+        # `-wal` redundant. A reader on an older snapshot keeps the frames after it out of the
+        # file: that is said loudly (`incomplete`), the records being safe in the `-wal`.
         try:
-            self._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            busy, frames, copied = self._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
         except sqlite3.Error as e:
-            log.warning("%s: could not checkpoint the WAL at close: %s", self.name, e)
+            self.incomplete = (
+                f"{self.name}: could not fold the WAL into the file at close ({e}); its records "
+                f"are in {self.name}-wal: keep it with the file"
+            )
+            log.error("%s", self.incomplete)
+        else:
+            if busy and copied < frames:
+                self.incomplete = (
+                    f"{self.name}: {frames - copied} of {frames} WAL frames are not in the file "
+                    "at close: an outside reader holds an older snapshot of it; its records are "
+                    f"in {self.name}-wal: keep that with the file (a copy of the file alone "
+                    "misses them), or open the store once the reader is gone"
+                )
+                log.error("%s", self.incomplete)
+            elif busy:
+                log.info(
+                    "%s: an outside reader keeps the WAL in use at close; every frame is in the "
+                    "file (%s-wal is redundant)",
+                    self.name,
+                    self.name,
+                )
         self._conn.close()
 
     def _commit(self, jobs: list[Job[Work]]) -> None:
@@ -95,9 +124,11 @@ class GroupCommitWriter(WriterThread[Work]):
             conn.execute("BEGIN IMMEDIATE")
             for job in jobs:
                 conn.execute("SAVEPOINT job")
+                mark = len(batch.events)
                 try:
                     value = job.work(conn, batch)
                 except Exception as e:
+                    del batch.events[mark:]
                     self._undo_job(conn, e)
                     outcomes.append((job.future, None, self._job_error(e)))
                 else:
@@ -119,7 +150,7 @@ class GroupCommitWriter(WriterThread[Work]):
         else:
             self._committed(jobs)
             try:
-                self._publish(batch.pending)
+                self._publish(batch)
             except Exception:  # a cache update must not turn committed work into an error
                 log.exception("%s: publishing a committed batch failed", self.name)
         self._deliver(jobs, outcomes)

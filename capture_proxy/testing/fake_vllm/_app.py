@@ -129,6 +129,9 @@ class FakeVLLM(ScaleOutRoutes):
         self.running.set()
         #: Requests per route other than chat (``"/version"``, ``"/weight_info"``, ...).
         self.route_hits: collections.Counter[str] = collections.Counter()
+        #: Request body bytes received per route (every route, ``Content-Length``), so a test can
+        #: hold what a client sends upstream to a bound.
+        self.body_bytes: collections.Counter[str] = collections.Counter()
         self.requests: list[dict[str, Any]] = []
         self.request_headers: list[dict[str, str]] = []
         self.responses: list[dict[str, Any]] = []
@@ -182,7 +185,7 @@ class FakeVLLM(ScaleOutRoutes):
         """A fresh aiohttp application serving this fake (all apps share the fake's state)."""
         # vLLM (uvicorn) sets no body limit; aiohttp's default of 1 MiB would refuse images.
         app = web.Application(
-            middlewares=[self._auth] if self.api_key is not None else [],
+            middlewares=[self._count, *([self._auth] if self.api_key is not None else [])],
             client_max_size=1 << 30,
         )
         app.router.add_post("/v1/chat/completions", self._chat)
@@ -239,6 +242,11 @@ class FakeVLLM(ScaleOutRoutes):
         if not self.dev_mode:
             return json_response(404, {"detail": "Not Found"})
         return json_response(200, {"is_paused": not self.running.is_set()})
+
+    @web.middleware
+    async def _count(self, request: web.Request, handler: _Handler) -> web.StreamResponse:
+        self.body_bytes[request.path] += request.content_length or 0
+        return await handler(request)
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: _Handler) -> web.StreamResponse:

@@ -1,12 +1,12 @@
-"""The token-in steps of `Exchange` (`capture_proxy.core.exchange`): prompt, generate, derender.
+"""One token-in call's steps: prompt, generate, derender, and what the record says of them.
 
 A token-in call (docs/token-in.md, "The call flow") is prepared, admitted, failed and staged by
-the exchange like any other; what differs is here: `_post_token_in` renders the call's prompt
-(`capture_proxy.core.bridging`) and posts generate; `_finish_token_in` derenders a unary
-answer, `_relay_token_in` a stream (coalesced, its logprobs resolved when asked,
-`capture_proxy.core.derender`); `_token_in_facts`
-gives the record what generate and the render said; `_continued_by_next` keeps the staged call for
-the rollout's next token-in call and reports it to the metrics.
+the exchange (`capture_proxy.core.exchange`) like any other; what differs is in the one object
+the exchange holds for it, `TokenInCall`: `post` renders the call's prompt (`token_in_prompt`)
+and posts generate; `finish` derenders a unary answer, `relay` a stream (coalesced, its logprobs
+resolved when asked, `StreamedDerender`); `facts` gives the record what generate and the render
+said; `continued_by_next` keeps the staged call for the rollout's next token-in call and reports
+it to the metrics.
 """
 
 from __future__ import annotations
@@ -19,12 +19,11 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from ..adapters.vllm import (
+from ...adapters.vllm import (
     REASONING_MARKERS,
     Completion,
     Derendered,
     DerenderedStream,
-    ForwardPlan,
     Generated,
     StopCut,
     StreamLogprobs,
@@ -33,82 +32,66 @@ from ..adapters.vllm import (
     client_answer,
     count_reasoning_tokens,
     derender_body,
+    derender_chat_request,
+    derender_prompt_start,
+    encode_ids,
     read_derendered,
     read_generate,
     to_completion,
     without_stop_token_id,
 )
-from ..errors import UpstreamFailed
-from ..schemas.token_in_extras import token_in_extras
-from .bridging import TokenInPrompt, token_in_line, token_in_prompt
-from .call import Call
-from .derender import StreamedDerender, post_derender
-from .sampling import RESOLVED_SAMPLING_KEYS, effective_sampling
-from .token_in import Prior
-from .token_in_report import EXTENDED, NEW_SEGMENT, TokenInReport
-from .transport import (
+from ...errors import UpstreamFailed
+from ...schemas.token_in_extras import token_in_extras
+from ..sampling import RESOLVED_SAMPLING_KEYS, effective_sampling
+from ..transport import (
     SCALE_OUT_DISABLED,
     EngineRoute,
     TextTokenizer,
     TokenInTransport,
-    UpstreamInfo,
     UpstreamReply,
-    UpstreamTransport,
     token_in_transport,
 )
+from ._bridging import token_in_prompt
+from ._derender import StreamedDerender, post_derender
+from ._prompt import TokenInPrompt, token_in_line
+from ._report import EXTENDED, NEW_SEGMENT, TokenInReport
+from ._values import Prior
 
 if TYPE_CHECKING:
-    from .exchange import Outcome, Pipeline
+    from ..exchange import Exchange, Outcome
 
-__all__ = ["TokenInSteps"]
+__all__ = ["DERENDER_BUDGET", "DERENDER_FLOOR", "TokenInCall"]
+
+#: A stream's derender calls send at most this many times the bytes of the request as rendered,
+#: and at least `DERENDER_FLOOR` (then the call that started under it, and the last one with the
+#: rest of the stream).
+DERENDER_BUDGET = 0.5
+DERENDER_FLOOR = 8 << 10
 
 _DONE = b"data: [DONE]\n\n"
 #: Where an SSE event's JSON starts (after ``data: ``).
 _DATA = len(b"data: ")
 
 
-class TokenInSteps:
-    """The token-in steps `Exchange` inherits (see the module docstring)."""
+class TokenInCall:
+    """The token-in steps of one call, for the `Exchange` that holds it (module docs)."""
 
-    pipeline: Pipeline
-    upstream: UpstreamTransport
-    plan: ForwardPlan | None
-    request: dict[str, Any]
-    _reply: UpstreamReply | None
-    #: The upstream's facts for the call (its tokenizer fingerprint, ...).
-    info: UpstreamInfo
-    _t_up: float
-    _upstream_s: float | None
-    #: The call's prompt and the request rendered for it, encoded (set by `_post_token_in`).
-    _prompt: TokenInPrompt | None
-    _render_body: bytes
-    #: The reasoning parser's marker ids (`_reasoning_markers`; None: no reasoning tokens given).
-    _markers: tuple[int, int] | None = None
-    #: The call's line of calls (`token_in_line`), hashed once per call (`_token_in_line`).
-    _line: str | None
-
-    @property
-    def admitted(self) -> Call:
-        raise NotImplementedError
-
-    @property
-    def streamed(self) -> bool:
-        raise NotImplementedError
-
-    async def fail_upstream(self, err: UpstreamFailed, *, http_status: int | None = None) -> None:
-        raise NotImplementedError
-
-    async def _stage(
-        self,
-        completion: Completion,
-        client_body: bytes,
-        generated_spans: tuple[WeightSpan, ...] | None = None,
-    ) -> Outcome:
-        raise NotImplementedError
+    def __init__(self, exchange: Exchange) -> None:
+        self._exchange = exchange
+        #: The call's prompt (set by `post`).
+        self.prompt: TokenInPrompt | None = None
+        #: The request rendered for the call, encoded (set by `post`).
+        self._render_body = b""
+        #: The chat request derender calls send (`derender_chat_request`), encoded (`post`).
+        self._derender_chat = b""
+        #: The reasoning parser's marker ids (`_reasoning_markers`; None: no reasoning tokens).
+        self._markers: tuple[int, int] | None = None
+        #: The call's line of calls (`token_in_line`), hashed once per call (`_token_in_line`).
+        self._line: str | None = None
 
     @property
     def _upstream(self) -> TokenInTransport:
-        upstream = token_in_transport(self.upstream)  # the call's replica's, with several
+        upstream = token_in_transport(self._exchange.upstream)  # the call's replica's, with several
         if upstream is None:
             raise UpstreamFailed(SCALE_OUT_DISABLED, code="scale_out_disabled", status=503)
         return upstream
@@ -116,32 +99,33 @@ class TokenInSteps:
     @property
     def _token_in_line(self) -> str:
         if self._line is None:
-            self._line = token_in_line(self.request)
+            self._line = token_in_line(self._exchange.request)
         return self._line
 
-    async def _post_token_in(self) -> UpstreamReply:
+    async def post(self) -> UpstreamReply:
         """Render the call's prompt and post it to generate; the reply once its headers are in.
         Raises `RenderRefused` when vLLM refuses to render the request."""
-        assert self.plan is not None
+        assert self._exchange.plan is not None
         upstream = self._upstream
         # The request as the chat route would get it, rendered: generate's request comes from it.
-        render_request = orjson.loads(self.plan.body)
+        render_request = orjson.loads(self._exchange.plan.body)
         for key in ("stream", "stream_options"):
             render_request.pop(key, None)
-        # Encoded once: the plain render and every derender call send it.
+        # Encoded once: the plain render sends it; derender calls, what derender reads of it.
         self._render_body = orjson.dumps(render_request)
-        self._prompt = await token_in_prompt(
+        self._derender_chat = orjson.dumps(derender_chat_request(render_request))
+        self.prompt = await token_in_prompt(
             upstream,
-            self.pipeline.close_renders,
-            self.admitted.rollout.token_in_prior(self._token_in_line),
-            self.request,
+            self._exchange.pipeline.close_renders,
+            self._exchange.admitted.rollout.token_in_prior(self._token_in_line),
+            self._exchange.request,
             self._render_body,
-            self.pipeline.prompt_json,
-            self.admitted.request,
-            self.info.fingerprint,
+            self._exchange.pipeline.prompt_json,
+            self._exchange.admitted.request,
+            self._exchange.info.fingerprint,
         )
-        self._markers = await self._reasoning_markers(self._prompt)
-        body = self._prompt.generate_body(self.request, stream=self.streamed)
+        self._markers = await self._reasoning_markers(self.prompt)
+        body = self.prompt.generate_body(self._exchange.request, stream=self._exchange.streamed)
         return await upstream.post_engine(EngineRoute.GENERATE, body)
 
     async def _reasoning_markers(self, prompt: TokenInPrompt) -> tuple[int, int] | None:
@@ -152,8 +136,8 @@ class TokenInSteps:
         kwargs = prompt.rendered.rest.get("reasoning_parser_kwargs")
         if kwargs is None or bytes(kwargs) == b"null":
             return None
-        known = self.pipeline.close_renders.reasoning_markers
-        key = self.info.fingerprint
+        known = self._exchange.pipeline.close_renders.reasoning_markers
+        key = self._exchange.info.fingerprint
         if key in known:
             return known[key]
         upstream = self._upstream
@@ -173,7 +157,7 @@ class TokenInSteps:
         generation stopped on is not counted: unary, an end of sequence; streamed, any stop
         token (the chat route's streaming parser never sees an undecoded token). Measured on
         the tiny vLLM, tests/e2e/test_vllm_parity.py."""
-        markers, prompt = self._markers, self._prompt
+        markers, prompt = self._markers, self.prompt
         if markers is None or prompt is None or generated is None:
             return None
         ended = prompt.rendered.rest.get("reasoning_ended")
@@ -184,20 +168,16 @@ class TokenInSteps:
             ids = ids[:-1]
         return count_reasoning_tokens(ids, markers, open_at_start=not closed)
 
-    async def _finish_token_in(self, raw: bytes) -> Outcome:
+    async def finish(self, raw: bytes) -> Outcome:
         """Derender generate's unary answer `raw` for the client, then stage the call."""
-        prompt = self._prompt
+        prompt = self.prompt
         assert prompt is not None
-        assert self.plan is not None
+        assert self._exchange.plan is not None
         try:
-            include = self.request.get("include_stop_str_in_output") is True
+            include = self._exchange.request.get("include_stop_str_in_output") is True
             sent, only_stop_token = without_stop_token_id(raw, include)
-            body = derender_body(
-                sent,
-                prompt.prompt_ids,
-                self._render_body,
-                ids_json=prompt.prompt_json,
-            )
+            ids, ids_json = self._derender_prompt(prompt)
+            body = derender_body(sent, ids, self._derender_chat, ids_json=ids_json)
             # Derender takes generate's answer as it came: it is sent first, and the answer is
             # read for the record while vLLM derenders it (not before).
             derendering = asyncio.ensure_future(self._derender(body))
@@ -210,17 +190,19 @@ class TokenInSteps:
             derendered = await derendering
             if only_stop_token:
                 derendered = derendered.without_text()
-            derendered = derendered.cut_at_stop(StopCut.of(self.request), generated.stop_reason)
+            derendered = derendered.cut_at_stop(
+                StopCut.of(self._exchange.request), generated.stop_reason
+            )
         except UpstreamProtocolError as e:
             malformed = UpstreamFailed(
                 f"the upstream answer is malformed: {e.message}", code=e.reason
             )
-            await self.fail_upstream(malformed)
+            await self._exchange.fail_upstream(malformed)
             raise malformed from e
         except UpstreamFailed as e:
-            await self.fail_upstream(e)
+            await self._exchange.fail_upstream(e)
             raise
-        self._upstream_s = time.perf_counter() - self._t_up
+        self._exchange._upstream_s = time.perf_counter() - self._exchange._t_up
         ids = prompt.prompt_array
         record_view = derendered.for_record()
         completion = _as_chat(to_completion(generated, ids, record_view, model=self._model))
@@ -228,40 +210,61 @@ class TokenInSteps:
             derendered,
             generated,
             prompt.prompt_ids,
-            self.plan.wants,
+            self._exchange.plan.wants,
             ids_json=prompt.prompt_json,
             reasoning_tokens=self._reasoning_tokens(generated, stream=False),
         )
-        return await self._stage(completion, client_body, generated.weight_spans)
+        return await self._exchange._stage(completion, client_body, generated.weight_spans)
+
+    def _derender_prompt(self, prompt: TokenInPrompt) -> tuple[Sequence[int], bytes]:
+        """The prompt ids derender calls send, and their JSON: the tail of the prompt derender
+        reads (`derender_prompt_start`), the whole prompt when that is not known."""
+        start = derender_prompt_start(prompt.prompt_array, self._derender_markers(prompt))
+        if start == 0:
+            return prompt.prompt_ids, prompt.prompt_json
+        ids = prompt.prompt_ids[start:]
+        return ids, encode_ids(ids)
+
+    def _derender_markers(self, prompt: TokenInPrompt) -> tuple[int, ...] | None:
+        """The reasoning parser's marker ids for `derender_prompt_start`: ``()`` when the server
+        has no reasoning parser, None when it has one whose markers are not known."""
+        kwargs = prompt.rendered.rest.get("reasoning_parser_kwargs")
+        if kwargs is None or bytes(kwargs) == b"null":
+            return ()
+        return self._markers
 
     async def _derender(self, body: bytes) -> Derendered:
         return read_derendered(await post_derender(self._upstream, body))
 
     @property
     def _model(self) -> str:
-        return str(self.request.get("model", ""))
+        return str(self._exchange.request.get("model", ""))
 
-    async def _relay_token_in(self) -> AsyncGenerator[bytes, None]:
+    async def relay(self) -> AsyncGenerator[bytes, None]:
         """`relay_stream` for token-in: generate's stream derendered in coalesced calls."""
-        prompt, plan, reply = self._prompt, self.plan, self._reply
+        prompt, plan, reply = self.prompt, self._exchange.plan, self._exchange._reply
         assert prompt is not None
         assert plan is not None
         assert reply is not None
+        ids, ids_json = self._derender_prompt(prompt)
         derender = StreamedDerender(
             self._upstream,
             reply,
-            prompt.prompt_ids,
-            self._render_body,
+            ids,
+            self._derender_chat,
             logprobs=StreamLogprobs(self._model) if plan.wants.logprobs else None,
-            ids_json=prompt.prompt_json,
-            include_stop_str=self.request.get("include_stop_str_in_output") is True,
+            ids_json=ids_json,
+            include_stop_str=self._exchange.request.get("include_stop_str_in_output") is True,
+            # The stream's derender calls send about half what the request weighs, then wait
+            # for its end: a slow stream of one token per call costs no more than a fast one.
+            budget=max(int(DERENDER_BUDGET * len(self._render_body)), DERENDER_FLOOR),
         )
 
         def reasoning_tokens() -> int | None:
             return self._reasoning_tokens(derender.so_far, stream=True)
 
         shaped = DerenderedStream(
-            plan.wants, prompt.prompt_ids, StopCut.of(self.request), reasoning_tokens
+            plan.wants, prompt.prompt_ids, StopCut.of(self._exchange.request), reasoning_tokens
         )
         async with reply:
             events = derender.events()
@@ -273,10 +276,12 @@ class TokenInSteps:
                     if piece is not None:
                         yield piece
             except UpstreamProtocolError as e:
-                await self.fail_upstream(UpstreamFailed(e.message, code=e.reason), http_status=502)
+                await self._exchange.fail_upstream(
+                    UpstreamFailed(e.message, code=e.reason), http_status=502
+                )
                 return
             except UpstreamFailed as e:
-                await self.fail_upstream(e, http_status=502)
+                await self._exchange.fail_upstream(e, http_status=502)
                 return
             finally:
                 if isinstance(events, AsyncGenerator):
@@ -286,20 +291,20 @@ class TokenInSteps:
         answer = {"choices": [{"message": shaped.message()}]}
         ids = prompt.prompt_array
         completion = _as_chat(to_completion(generated, ids, answer, model=self._model))
-        await self._stage(completion, b"", generated.weight_spans)
+        await self._exchange._stage(completion, b"", generated.weight_spans)
 
-    def _continued_by_next(self, completion: Completion, prompt: TokenInPrompt) -> None:
+    def continued_by_next(self, completion: Completion, prompt: TokenInPrompt) -> None:
         """A staged token-in call: the one the rollout's next token-in call continues; tell the
         metrics what token-in did."""
-        call = self.admitted
+        call = self._exchange.admitted
         prior = Prior(
-            request=self.request,
+            request=self._exchange.request,
             message=completion.message,
             prompt_ids=completion.prompt_token_ids,
             completion_ids=completion.completion_token_ids,
             finish_reason=completion.finish_reason,
             media=prompt.media,
-            fingerprint=self.info.fingerprint,
+            fingerprint=self._exchange.info.fingerprint,
             stop_reason=completion.stop_reason,
         )
         line = self._token_in_line
@@ -310,10 +315,10 @@ class TokenInSteps:
             # The next call's bridged prompt starts with these ids: its JSON extends this one's
             # (the call this one replaced is continued no more).
             if replaced is not None:
-                self.pipeline.prompt_json.discard(replaced[1].prompt_ids)
-            self.pipeline.prompt_json.put(prior.prompt_ids, prompt.prompt_json)
+                self._exchange.pipeline.prompt_json.discard(replaced[1].prompt_ids)
+            self._exchange.pipeline.prompt_json.put(prior.prompt_ids, prompt.prompt_json)
         cut = prompt.segment_break
-        self.pipeline.report_token_in(
+        self._exchange.pipeline.report_token_in(
             TokenInReport(
                 call.rollout_id,
                 call.call_id,
@@ -323,7 +328,7 @@ class TokenInSteps:
             )
         )
 
-    def _token_in_facts(
+    def facts(
         self,
         prompt: TokenInPrompt,
         completion: Completion,

@@ -1,11 +1,14 @@
 """A streamed token-in answer for the client: a generate stream derendered in coalesced calls.
 
 `StreamedDerender` reads vLLM's streamed generate and asks ``/v1/chat/completions/derender`` for
-the client's Chat Completions chunks. Each derender call resends the whole prompt and every output
-id so far (vLLM keeps no state), so the calls are coalesced by
+the client's Chat Completions chunks. vLLM keeps no state between derender calls: each resends the
+prompt ids, the chat request and every output id so far. What it resends is only what derender
+reads (the caller passes the prompt's tail and the chat request without the conversation's text:
+`derender_prompt_start`, `derender_chat_request`), and the calls are coalesced by
 `capture_proxy.adapters.vllm.DerenderCoalescer`: the first event alone, then everything that
 arrived while the previous call was in flight (and at least `min_interval` seconds after it
-started), in one call.
+started), in one call; with a byte `budget`, once the calls sent that much, the rest of the
+stream in one call at its end.
 
 When the client asked for logprobs, each call that carries some is paired with a unary derender
 call, made at the same time, that resolves them (`capture_proxy.adapters.vllm.StreamLogprobs`):
@@ -22,19 +25,20 @@ from typing import Any
 
 import orjson
 
-from ..adapters.vllm import (
+from ...adapters.vllm import (
     DerenderCoalescer,
     Generated,
     GenerateStream,
     StopTokenStrip,
     StreamLogprobs,
+    chunk_without_logprobs,
     derender_chunk_body,
     derender_tail,
     read_derender,
     usage_chunk,
 )
-from ..errors import UpstreamFailed
-from .transport import EngineRoute, TokenInTransport, UpstreamReply
+from ...errors import UpstreamFailed
+from ..transport import EngineRoute, TokenInTransport, UpstreamReply
 
 __all__ = ["StreamedDerender", "post_derender"]
 
@@ -61,7 +65,8 @@ class StreamedDerender:
     than 200 raises `UpstreamFailed` (code ``derender_failed``) with vLLM's message.
 
     With `logprobs` (the client asked for them), each chunk with logprobs gets them resolved
-    (module docs); `resolves` counts those calls.
+    (module docs); `resolves` counts those calls. `budget`: the bytes of derender requests after
+    which the rest of the stream waits for its end (`DerenderCoalescer`; None: no bound).
     """
 
     def __init__(
@@ -75,6 +80,7 @@ class StreamedDerender:
         logprobs: StreamLogprobs | None = None,
         ids_json: bytes | None = None,
         include_stop_str: bool = False,
+        budget: int | None = None,
     ) -> None:
         self._transport = transport
         # The chat route never decodes the token a generation stopped on: the last chunk goes
@@ -85,10 +91,12 @@ class StreamedDerender:
         # prompt ids already encoded, as generate got them).
         self._tail = derender_tail(prompt_ids, chat_request, ids_json=ids_json)
         self._stream = GenerateStream()
-        self._coalescer = DerenderCoalescer(min_interval)
+        self._coalescer = DerenderCoalescer(min_interval, budget)
         self._arrived = asyncio.Event()
         self._read_done = False
         self._logprobs = logprobs
+        #: Whether this server's streamed derender was seen to leave logprobs null.
+        self._unresolved = False
         self.resolves = 0
         self.generated: Generated | None = None
 
@@ -114,10 +122,15 @@ class StreamedDerender:
             self._arrived.set()
 
     async def _post(self, body: bytes) -> bytes:
+        self._coalescer.spend(len(body))
         return await post_derender(self._transport, body)
 
     async def _derender(self, chunk: bytes, state: Any) -> dict[str, Any]:
         strip = self._strip
+        if self._unresolved:
+            # This server's streamed derender leaves logprobs null: the resolving call alone
+            # carries them.
+            chunk = chunk_without_logprobs(chunk)
         body = derender_chunk_body(strip.strip(chunk), state, self._tail)
         answer = read_derender(await self._post(body))
         strip.restore(answer)
@@ -145,6 +158,7 @@ class StreamedDerender:
         for choice in choices:
             if choice.get("logprobs") is None:
                 choice["logprobs"] = logprobs
+                self._unresolved = True
             else:
                 self._logprobs = None  # this server's streamed derender resolves them itself
         return answer

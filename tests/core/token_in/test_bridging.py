@@ -1,4 +1,4 @@
-"""A token-in call's prompt (`core/bridging.py`): the renders sent to the fake vLLM over
+"""A token-in call's prompt (`core/token_in/_bridging.py`): the renders sent to the fake vLLM over
 HTTP, the turn-close cache, the lines of calls, and the output limit of a longer prompt."""
 
 from __future__ import annotations
@@ -15,15 +15,15 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from capture_proxy.adapters.vllm import read_render
-from capture_proxy.core.bridging import (
+from capture_proxy.core.token_in import (
     CloseRenders,
+    Prior,
     PromptJson,
     RenderRefused,
     TokenInPrompt,
     token_in_line,
     token_in_prompt,
 )
-from capture_proxy.core.token_in import Prior
 from capture_proxy.core.transport import EngineRoute
 from capture_proxy.testing.fake_vllm import FakeVLLM, Turn
 from capture_proxy.testing.fake_vllm._template import IM_END, encode, tool_call_text
@@ -441,8 +441,8 @@ async def test_a_single_render_that_fails_is_a_break_as_with_pairs_and_keeps_its
 
 
 def test_the_appended_tokens_must_start_right_after_the_close_in_the_request_s_rendering() -> None:
-    from capture_proxy.core.bridging import _appended_as_rendered
     from capture_proxy.core.token_in import Bridged
+    from capture_proxy.core.token_in._bridging import _appended_as_rendered
 
     close, appended = [2, 26], [1, 131, 9, 2, 26, 1, 113]
     plain = read_render(orjson.dumps({"token_ids": [5, 6, 7, *close, *appended]}))

@@ -12,7 +12,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from capture_proxy.adapters.vllm import Rendered, read_render
-from capture_proxy.core.derender import StreamedDerender
+from capture_proxy.core.token_in import StreamedDerender
 from capture_proxy.core.transport import EngineRoute, UpstreamReply
 from capture_proxy.errors import UpstreamFailed
 from capture_proxy.testing.fake_vllm import FakeToolCall, FakeVLLM, Fault, Turn, serve_fake

@@ -9,8 +9,8 @@ sees: a 503 for a call, a 409 for a rollout created asking for token-in, a ``/re
 
 from __future__ import annotations
 
-from ..errors import CaptureUnavailable, Conflict
-from .transport import ScaleOutCheck, UpstreamInfo, UpstreamTransport
+from ...errors import CaptureUnavailable, Conflict
+from ..transport import ScaleOutCheck, UpstreamInfo, UpstreamTransport
 
 __all__ = [
     "SCALE_OUT_MISSING",

@@ -1,0 +1,339 @@
+"""Token-in against the real vLLM: the plain call, the token-in call and vLLM itself, side by side.
+
+    .venv/bin/python bench/bench_token_in_vllm.py [--rounds 12] [--max-seconds 100]
+    .venv/bin/python bench/bench_token_in_vllm.py --url http://127.0.0.1:PORT --pid PID
+
+Without ``--url`` it starts the tiny vLLM 0.32 CPU server (`scripts/tiny_vllm.py`, with
+``--enable-scale-out``) on a free loopback port and stops it at the end; with ``--url`` it uses a
+running one (``--pid``: its process, for the CPU figures). Two proxies run in this process, one
+on the plain path and one with ``--token-in on``, each with its own SQLite store.
+
+Each round plays, for each of the three targets (the plain proxy, the token-in proxy, vLLM's own
+chat route) and unary then streamed, a two-call session of an agent: a system prompt and tools
+(about 4k prompt ids with the tiny model's tokenizer), a user message, the answer replayed, a
+second user message. The second call is measured (the token-in one is bridged: its prompt is the
+first call's prompt + completion, the turn close and the new message; the close is cached from
+the first round on): the client's wall time (unary) or time to its first body byte (streamed),
+and the vLLM process's CPU time during the call (`/proc`, in 10 ms ticks: the mean over the
+calls is reported; the engine runs in that process).
+Targets take turns within a round, so the shared machine's noise falls on each alike; the ratios
+are what the figures are for. Greedy, ``max_tokens`` 8 (the tiny model answers noise; the
+output's length is not what token-in adds to).
+
+Then the upstream bytes: the same session once more per target through a loopback relay that
+counts the bytes each proxy sends vLLM for the second call (request lines, headers, bodies).
+
+Printed as markdown: per target and mode the p50 and p90 of the latency, the p50 of vLLM's CPU
+per call, and the token-in call's added latency and CPU ratio over the plain call; then the
+bytes. Each run is at most ``--max-seconds`` of measuring (rounds stop early past it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+from procstat import cpu_seconds
+from session_load import TOOLS
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from capture_proxy.server.app import create_app
+from capture_proxy.server.settings import Settings
+from capture_proxy.sinks import open_sink
+from scripts import tiny_vllm
+
+_SENTENCE = "You are a coding agent working in a repository; use the tools, keep answers short. "
+#: About 4k prompt ids with the tools, with the tiny model's 4k-vocabulary tokenizer.
+SYSTEM = {"role": "system", "content": _SENTENCE * 40}
+TARGETS = ("plain", "token-in", "vllm")
+
+
+def _first_body(stream: bool) -> dict[str, Any]:
+    return {
+        "model": tiny_vllm.SERVED_MODEL_NAME,
+        "messages": [SYSTEM, {"role": "user", "content": "List the files."}],
+        "tools": TOOLS,
+        "temperature": 0,
+        "max_tokens": 8,
+        **({"stream": True, "stream_options": {"include_usage": True}} if stream else {}),
+    }
+
+
+def _replayed(message: dict[str, Any]) -> dict[str, Any]:
+    """The assistant message as an agent sends it back."""
+    out: dict[str, Any] = {"role": "assistant", "content": message.get("content") or ""}
+    if message.get("reasoning"):
+        out["reasoning"] = message["reasoning"]
+    if message.get("tool_calls"):
+        out["tool_calls"] = message["tool_calls"]
+    return out
+
+
+def _streamed_message(data: bytes) -> dict[str, Any]:
+    content, reasoning = [], []
+    for line in data.split(b"\n"):
+        if line.startswith(b"data: {"):
+            for choice in orjson.loads(line[6:])["choices"]:
+                content.append(choice["delta"].get("content") or "")
+                reasoning.append(choice["delta"].get("reasoning") or "")
+    return {"content": "".join(content), "reasoning": "".join(reasoning)}
+
+
+class Relay:
+    """A loopback TCP relay to vLLM that counts the bytes clients send through it, in all and
+    per route (each request's line, headers and ``Content-Length`` body)."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.sent = 0
+        self.routes: collections.Counter[str] = collections.Counter()
+        self.server: asyncio.Server | None = None
+
+    async def start(self) -> int:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return int(self.server.sockets[0].getsockname()[1])
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.port)
+
+        async def requests() -> None:
+            try:
+                while head := await reader.readuntil(b"\r\n\r\n"):
+                    path = head.split(b" ", 2)[1].split(b"?")[0].decode()
+                    size = 0
+                    for line in head.split(b"\r\n"):
+                        if line.lower().startswith(b"content-length:"):
+                            size = int(line.split(b":")[1])
+                    body = await reader.readexactly(size)
+                    self.sent += len(head) + size
+                    self.routes[path] += len(head) + size
+                    up_writer.write(head + body)
+                    await up_writer.drain()
+            except (ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError):
+                pass
+            finally:
+                up_writer.close()
+
+        async def answers() -> None:
+            try:
+                while data := await up_reader.read(1 << 16):
+                    writer.write(data)
+                    await writer.drain()
+            except (ConnectionError, asyncio.CancelledError):
+                pass
+            finally:
+                writer.close()
+
+        await asyncio.gather(requests(), answers(), return_exceptions=True)
+
+    async def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+
+
+async def _proxy(workdir: Path, upstream: str, token_in: bool) -> tuple[web.AppRunner, str]:
+    store = f"sqlite:///{workdir / 'store.db'}"
+    settings = Settings(upstream=upstream, store=store, token_in="on" if token_in else "off")
+    runner = web.AppRunner(create_app(settings, sink=open_sink(store)))
+    await runner.setup()
+    port = tiny_vllm.free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner, f"http://127.0.0.1:{port}"
+
+
+class Bench:
+    def __init__(self, vllm: str, urls: dict[str, str], pid: int | None) -> None:
+        self.vllm = vllm
+        self.urls = urls
+        self.pid = pid
+        self.session = aiohttp.ClientSession()
+        #: (target, mode) -> latencies (s) and vLLM CPU seconds of the measured calls.
+        self.latency: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
+        self.cpu: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
+
+    async def call(self, target: str, rollout: str, body: dict[str, Any]) -> tuple[Any, float]:
+        """The answer's message and the latency (unary: whole; streamed: first body byte)."""
+        base = self.urls[target]
+        headers = {"X-Rollout-Id": rollout} if target != "vllm" else {}
+        start = time.perf_counter()
+        async with self.session.post(
+            f"{base}/v1/chat/completions", json=body, headers=headers
+        ) as resp:
+            if not body.get("stream"):
+                raw = await resp.read()
+                took = time.perf_counter() - start
+                assert resp.status == 200, raw[:300]
+                return orjson.loads(raw)["choices"][0]["message"], took
+            first = await resp.content.readany()
+            took = time.perf_counter() - start
+            rest = await resp.read()
+            assert resp.status == 200, (first + rest)[:300]
+            return _streamed_message(first + rest), took
+
+    async def session_call(
+        self, target: str, rollout: str, stream: bool, around: Callable[[], float]
+    ) -> tuple[float, float]:
+        """Play the two calls; the second's latency and what `around` measured over it."""
+        first = _first_body(stream)
+        message, _ = await self.call(target, rollout, first)
+        second = {
+            **first,
+            "messages": [
+                *first["messages"],
+                _replayed(message),
+                {"role": "user", "content": "Go on."},
+            ],
+        }
+        before = around()
+        _, took = await self.call(target, rollout, second)
+        return took, around() - before
+
+    def cpu_now(self) -> float:
+        return cpu_seconds(self.pid) if self.pid is not None else 0.0
+
+    async def rounds(self, rounds: int, max_seconds: float) -> None:
+        began = time.monotonic()
+        for r in range(rounds):
+            for stream in (False, True):
+                mode = "streamed" if stream else "unary"
+                order = TARGETS[r % 3 :] + TARGETS[: r % 3]
+                for target in order:
+                    took, cpu = await self.session_call(
+                        target, f"{target}-{mode}-{r}", stream, self.cpu_now
+                    )
+                    if r > 0:  # round 0 warms up (the close cache, vLLM's prefix cache)
+                        self.latency[target, mode].append(took)
+                        self.cpu[target, mode].append(cpu)
+            if time.monotonic() - began > max_seconds:
+                break
+
+    def report(self) -> None:
+        print("| target | mode | calls | p50 ms | p90 ms | vLLM CPU mean ms |")
+        print("|---|---|---|---|---|---|")
+        for (target, mode), times in sorted(self.latency.items()):
+            cpu = self.cpu[target, mode]
+            print(
+                f"| {target} | {mode} | {len(times)} | {_ms(_p(times, 50))} | "
+                f"{_ms(_p(times, 90))} | {_ms(statistics.mean(cpu))} |"
+            )
+        print()
+        for mode in ("unary", "streamed"):
+            plain, tin = self.latency["plain", mode], self.latency["token-in", mode]
+            added = _p(tin, 50) - _p(plain, 50)
+            cpu_ratio = statistics.mean(self.cpu["token-in", mode]) / max(
+                statistics.mean(self.cpu["plain", mode]), 1e-9
+            )
+            over_vllm = _p(plain, 50) - _p(self.latency["vllm", mode], 50)
+            print(
+                f"- {mode}: token-in adds {added * 1000:+.1f} ms p50 over the plain call "
+                f"(which adds {over_vllm * 1000:+.1f} ms over vLLM); vLLM CPU per call "
+                f"{cpu_ratio:.2f}x the plain call's"
+            )
+
+    async def close(self) -> None:
+        await self.session.close()
+
+
+def _p(values: list[float], q: int) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, (len(ordered) * q) // 100)]
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:.1f}"
+
+
+async def _bytes(vllm: str, port: int, workdir: Path) -> None:
+    """The second call's upstream bytes per proxy, through the counting relay."""
+    print()
+    print("| target | mode | bytes sent upstream (2nd call) | ratio to plain | by route |")
+    print("|---|---|---|---|---|")
+    relay = Relay(port)
+    relay_url = f"http://127.0.0.1:{await relay.start()}"
+    runners = []
+    urls = {"vllm": vllm}
+    for target in ("plain", "token-in"):
+        runner, url = await _proxy(workdir / f"bytes-{target}", relay_url, target == "token-in")
+        runners.append(runner)
+        urls[target] = url
+    bench = Bench(vllm, urls, None)
+    snaps: list[collections.Counter[str]] = []
+
+    def around() -> float:
+        snaps.append(collections.Counter(relay.routes))
+        return float(relay.sent)
+
+    try:
+        for stream in (False, True):
+            mode = "streamed" if stream else "unary"
+            sent: dict[str, int] = {}
+            routes: dict[str, collections.Counter[str]] = {}
+            for target in ("plain", "token-in"):
+                for r in range(2):  # the first session learns the close; the second is measured
+                    _, got = await bench.session_call(
+                        target, f"bytes-{target}-{mode}-{r}", stream, around
+                    )
+                sent[target] = int(got)
+                routes[target] = snaps[-1] - snaps[-2]
+            for target, size in sent.items():
+                split = ", ".join(f"{k} {v}" for k, v in sorted(routes[target].items()))
+                print(f"| {target} | {mode} | {size} | {size / sent['plain']:.2f} | {split} |")
+    finally:
+        await bench.close()
+        for runner in runners:
+            await runner.cleanup()
+        await relay.close()
+
+
+async def main(args: argparse.Namespace) -> None:
+    proc = None
+    pid = args.pid
+    url = args.url
+    if url is None:
+        port = tiny_vllm.free_port()
+        proc = tiny_vllm.start(None, port, scale_out=True)
+        url, pid = f"http://127.0.0.1:{port}", proc.pid
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            workdir = Path(tmp)
+            runners = []
+            urls = {"vllm": url}
+            for target in ("plain", "token-in"):
+                (workdir / target).mkdir()
+                runner, proxy_url = await _proxy(workdir / target, url, target == "token-in")
+                runners.append(runner)
+                urls[target] = proxy_url
+            bench = Bench(url, urls, pid)
+            try:
+                await bench.rounds(args.rounds, args.max_seconds)
+                bench.report()
+            finally:
+                await bench.close()
+                for runner in runners:
+                    await runner.cleanup()
+            for target in ("plain", "token-in"):
+                (workdir / f"bytes-{target}").mkdir()
+            await _bytes(url, int(url.rsplit(":", 1)[1]), workdir)
+    finally:
+        if proc is not None:
+            tiny_vllm.stop(proc)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--url", help="a running tiny vLLM (loopback), else one is started")
+    parser.add_argument("--pid", type=int, help="its process id, for the CPU figures")
+    parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--max-seconds", type=float, default=100.0)
+    asyncio.run(main(parser.parse_args()))

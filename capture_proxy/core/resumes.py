@@ -1,0 +1,112 @@
+"""Reading a rollout back from the store, bounded: a call never waits on it without end.
+
+A rollout this process does not hold (after a restart, an idle release, or a hand-off from
+another proxy on the same store) is read from the store before its call is admitted
+(`resume_rollout`). On object storage a reader that must first index the store can take
+minutes; the call then waits at most ``--rollout-resume-timeout`` seconds and is refused with
+503 ``rollout_resume_timeout`` and ``Retry-After`` (nothing was sent upstream, and no seq was
+taken: there is no ledger entry to write). The read goes on: concurrent calls of the rollout,
+and the retry, wait for the same read, and once it ends its rollout is held for them. A read
+that fails is a 503 ``rollout_resume_failed`` naming why, never a 500. Each is logged once per
+call and counted (``capture_proxy_rollout_resumes_total`` and its ``_timeouts``/``_failures``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from ..errors import CaptureUnavailable
+from ..sinks.base import StagingSource
+from .rollouts import RolloutLive, resume_rollout
+
+__all__ = ["RESUME_REFUSALS", "Resumes"]
+
+log = logging.getLogger("capture_proxy.capture")
+
+#: The refusals of a call whose rollout could not be read in time: no ledger entry (no seq).
+RESUME_REFUSALS = frozenset({"rollout_resume_timeout", "rollout_resume_failed"})
+
+
+class Resumes:
+    """The store reads of rollouts in progress, one per rollout, each awaited at most
+    `timeout` seconds by a call. `took` is called with each read's result when it ends (in
+    time or not), so a read that outlived its call still serves the retry."""
+
+    def __init__(
+        self,
+        source: Callable[[], StagingSource],
+        timeout: float,
+        took: Callable[[str, RolloutLive | None], object],
+    ) -> None:
+        self.source = source
+        self.timeout = timeout
+        self._took = took
+        self._reads: dict[str, asyncio.Future[RolloutLive | None]] = {}
+        #: Reads started, and calls refused because a read outlasted `timeout` or failed.
+        self.started = 0
+        self.timeouts = 0
+        self.failures = 0
+        #: The longest read so far, in seconds.
+        self.slowest_s = 0.0
+
+    async def read(self, rollout_id: str) -> RolloutLive | None:
+        """The rollout as the store has it (None: unknown there), within `timeout` seconds.
+
+        Raises `CaptureUnavailable` (503, ``Retry-After``): ``rollout_resume_timeout`` when the
+        read takes longer (it goes on), ``rollout_resume_failed`` when it fails."""
+        read = self._reads.get(rollout_id)
+        if read is None:
+            read = asyncio.ensure_future(self._run(rollout_id))
+            # Retrieved here: a read whose calls all gave up must not log "never retrieved".
+            read.add_done_callback(lambda f: f.cancelled() or f.exception())
+            self._reads[rollout_id] = read
+            self.started += 1
+        started = time.monotonic()
+        try:
+            return await asyncio.wait_for(asyncio.shield(read), self.timeout)
+        except TimeoutError:
+            self.timeouts += 1
+            log.warning(
+                "rollout %s: reading it from the store took over %gs "
+                "(--rollout-resume-timeout): its call is refused with 503 "
+                "rollout_resume_timeout; the read goes on for the retry",
+                rollout_id,
+                self.timeout,
+                extra={"rollout_id": rollout_id},
+            )
+            raise CaptureUnavailable(
+                f"rollout {rollout_id} is being read from the store, which took over "
+                f"{self.timeout:g}s (--rollout-resume-timeout); retry",
+                code="rollout_resume_timeout",
+                headers={"Retry-After": "5"},
+            ) from None
+        except CaptureUnavailable:
+            raise
+        except Exception as e:
+            self.failures += 1
+            log.error(
+                "rollout %s: reading it from the store failed after %.1fs: %s: %s",
+                rollout_id,
+                time.monotonic() - started,
+                type(e).__name__,
+                e,
+                extra={"rollout_id": rollout_id},
+            )
+            raise CaptureUnavailable(
+                f"rollout {rollout_id} could not be read from the store: {type(e).__name__}: {e}",
+                code="rollout_resume_failed",
+                headers={"Retry-After": "5"},
+            ) from e
+
+    async def _run(self, rollout_id: str) -> RolloutLive | None:
+        started = time.monotonic()
+        try:
+            found = await asyncio.to_thread(resume_rollout, self.source, rollout_id)
+        finally:
+            self._reads.pop(rollout_id, None)
+            self.slowest_s = max(self.slowest_s, time.monotonic() - started)
+        self._took(rollout_id, found)
+        return found

@@ -1,0 +1,215 @@
+"""The prompt a token-in call sends: the bridge's, or the plain rendering's (with the reason).
+
+`token_in_prompt` does the upstream side of docs/token-in.md for one call. It asks the bridge
+whether the request extends the rollout's previous staged call (`match`); if it does, it sends
+the renders of the bridge's plan (the turn close from `CloseRenders` when cached; the other
+dummies lean, without the system message and tools, unless the template needs them; one render
+of a pair whose anchor it keeps) **at the same time as** the plain render of the request, then
+assembles the exact prompt and measures where the plain one would have diverged. Otherwise, or
+when the renders do not bridge, the plain render's ids are sent and the call starts a new
+segment, with the reason. The plain render is always made: it is the ``GenerateRequest``
+generate takes (sampling params resolved by vLLM, the effective sampling of the record), the
+plain ids divergence is measured against, and the rendering that must end with the turn close
+and the appended tokens the bridge found. With images, the bridged prompt's ``features`` are
+the plain render's items placed where the bridge put them (`bridged_features`); the
+placeholders are kept for the next call (`TokenInPrompt.media`).
+
+`TokenInCall` (`_flow`) sends the result to generate and derenders the answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from array import array
+from collections.abc import Awaitable, Mapping
+from typing import Any, TypeVar
+
+import orjson
+
+from ...adapters.vllm import Rendered, encode_ids, extend_ids_json, read_render
+from ...schemas.token_in_extras import SegmentBreak
+from ..transport import EngineRoute, TokenInTransport
+from ._assemble import divergence
+from ._caches import CloseRenders, PromptJson
+from ._match import match
+from ._media import bridged_features
+from ._plan import plan
+from ._prompt import RenderRefused, TokenInPrompt
+from ._renders import Renders, read_bridge
+from ._values import Bridged, BridgePlan, Extension, NotBridged, Prior
+
+__all__ = ["token_in_prompt"]
+
+_T = TypeVar("_T")
+
+
+async def _render(upstream: TokenInTransport, body: bytes) -> tuple[int, bytes]:
+    async with await upstream.post_engine(EngineRoute.RENDER, body) as reply:
+        return reply.status, await reply.read()
+
+
+async def _all(*aws: Awaitable[_T]) -> list[_T]:
+    """Every result, the requests under way at once; the first failure cancels the others."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        raise
+
+
+async def token_in_prompt(
+    upstream: TokenInTransport,
+    closes: CloseRenders,
+    prior: Prior | None,
+    request: Mapping[str, Any],
+    render_request: Mapping[str, Any] | bytes,
+    prompts: PromptJson | None = None,
+    staged: Mapping[str, Any] | None = None,
+    fingerprint: str | None = None,
+) -> TokenInPrompt:
+    """The prompt of a token-in call (module docs). `request` is the normalized request as
+    the bridge compares it with `prior.request`; `render_request` the body to render (the
+    request as forwarded, with the token fields capture asks for), encoded or not. A bridged
+    prompt's JSON extends the prior's from `prompts` when it has it. `staged` is the request
+    as staged (images by reference), which a prior read back from the store is compared with.
+
+    Raises `RenderRefused` when the upstream refuses to render the request, `UpstreamFailed`
+    when it cannot be reached.
+    """
+    verdict = match(prior, request, staged, fingerprint)
+    if isinstance(render_request, bytes):
+        plain_body = render_request
+    else:
+        plain_body = orjson.dumps(render_request)
+    if isinstance(verdict, NotBridged):
+        status, raw = await _render(upstream, plain_body)
+        return TokenInPrompt(*_plain(status, raw), segment_break=_break(verdict))
+    lean = plan(request, verdict, lean=True)
+    bridge = plan(request, verdict) if closes.needs_context(lean.close_key) else lean
+    # The prior's prompt JSON, when kept: the renders' ids mostly start as it does.
+    kept = prompts.get(verdict.prior.prompt_ids) if prompts is not None else None
+    plain_render = asyncio.ensure_future(_render(upstream, plain_body))
+    try:
+        got, failed = await _bridge(upstream, closes, verdict, bridge, kept)
+        status, raw = await plain_render
+    except BaseException:
+        plain_render.cancel()
+        raise
+    if status != 200:
+        raise RenderRefused(status, raw)
+    checked = _checked(got, raw, verdict.prior, kept)
+    if isinstance(checked, NotBridged) and bridge.lean and not failed:
+        # The lean dummies did not bridge, or not as the request renders: this template may
+        # render the turn or the appended messages differently without the system message or
+        # the tools. The dummies with them decide, as without lean dummies. (A render that
+        # failed is the call's break, as it would be with them.)
+        bridge = plan(request, verdict)
+        whole, _ = await _bridge(upstream, closes, verdict, bridge, kept)
+        checked = _checked(whole, raw, verdict.prior, kept)
+        if not isinstance(checked, NotBridged):
+            closes.context_needed(bridge.close_key)
+    if isinstance(checked, NotBridged):
+        rendered, plain_ids = _plain(status, raw)
+        return TokenInPrompt(rendered, plain_ids, segment_break=_break(checked))
+    got, rendered, ids_json = checked
+    features, why = bridged_features(got.media, rendered.features)
+    if why is not None:
+        cut = SegmentBreak("multimodal_append", f"the images' features: {why}")
+        return TokenInPrompt(rendered, rendered.prompt_ids, segment_break=cut)
+    return TokenInPrompt(
+        rendered,
+        got.prompt_ids,
+        tuple(got.bridge_spans),
+        None,
+        divergence(got.prompt_ids, rendered.prompt_ids, same=rendered.known_prefix),
+        features,
+        got.media,
+        ids_json,
+        _bridged_array(got, verdict.prior),
+    )
+
+
+async def _bridge(
+    upstream: TokenInTransport,
+    closes: CloseRenders,
+    extension: Extension,
+    bridge: BridgePlan,
+    kept: bytes | None,
+) -> tuple[Bridged | NotBridged, bool]:
+    """The bridged prompt from `bridge`'s renders (`Renders`: one render of a pair whose
+    anchor is known), and whether a render failed (an error status, or not a render's answer).
+    Single renders that do not bridge are rendered as whole pairs, which decide; a kind whose
+    render did not start with its anchor keeps to pairs from then on."""
+    renders = Renders(bridge, closes, extension)
+    answers = await _all(*(_render(upstream, orjson.dumps(b)) for b in renders.bodies))
+    got = read_bridge(extension, renders, answers, closes, kept)
+    if renders.anchored and isinstance(got, NotBridged):
+        for key in renders.unanchored:
+            closes.pairs_only(key)
+        seconds = await _all(*(_render(upstream, orjson.dumps(b)) for b in renders.seconds))
+        got = read_bridge(extension, renders, renders.paired(answers, seconds), closes, kept)
+    return got, renders.failed
+
+
+def _checked(
+    got: Bridged | NotBridged, raw: bytes, prior: Prior, kept: bytes | None
+) -> tuple[Bridged, Rendered, bytes] | NotBridged:
+    """The bridged prompt with the request's own render (`raw`, read against the bridged ids)
+    and the prompt's JSON, when the render ends as the bridge says (`_appended_as_rendered`)."""
+    if isinstance(got, NotBridged):
+        return got
+    ids_json = _bridged_json(got, prior, kept)
+    # The plain rendering mostly spells the bridged prompt's ids: only the rest is decoded.
+    rendered = read_render(raw, known=(ids_json, got.prompt_ids))
+    if not _appended_as_rendered(got, rendered):
+        return NotBridged("template_not_bridgeable", _NOT_AS_RENDERED)
+    return got, rendered, ids_json
+
+
+#: Why a call is not bridged when the request's own rendering disagrees with the bridge.
+_NOT_AS_RENDERED = (
+    "the request's own rendering does not end with the turn close and the appended messages' "
+    "tokens the dummy renders give: the template writes them differently after this "
+    "conversation"
+)
+
+
+def _appended_as_rendered(got: Bridged, rendered: Rendered) -> bool:
+    """Whether the request's own rendering ends with the turn close and the appended messages'
+    tokens (and the generation prompt) the bridge found: the template writes them after the real
+    conversation as after the dummy one, and the appended ones start where the bridge says (the
+    close before them). Anything else would send the model tokens its template does not write
+    there."""
+    end = got.prompt_ids[max(got.appended_start - got.close_length, 0) :]
+    plain = rendered.prompt_ids
+    return len(plain) >= len(end) and plain[len(plain) - len(end) :] == end
+
+
+def _bridged_array(got: Bridged, prior: Prior) -> array[int] | None:
+    """The bridged prompt as int32: the prior's ids when they are already an array (a staged
+    call's), copied, then the ids after them; None when they are not (converted when needed)."""
+    head = prior.prompt_ids
+    if not (isinstance(head, array) and head.typecode == "i"):
+        return None
+    return head + array("i", got.prompt_ids[len(head) :])
+
+
+def _bridged_json(got: Bridged, prior: Prior, kept: bytes | None) -> bytes:
+    """The bridged prompt's JSON: it starts with the prior's prompt ids (`assemble`), so the
+    prior's JSON when kept (`PromptJson`), extended by the ids after them."""
+    if kept is None:
+        return encode_ids(got.prompt_ids)
+    return extend_ids_json(kept, got.prompt_ids[len(prior.prompt_ids) :])
+
+
+def _plain(status: int, raw: bytes) -> tuple[Rendered, list[int]]:
+    if status != 200:
+        raise RenderRefused(status, raw)
+    rendered = read_render(raw)
+    return rendered, rendered.prompt_ids
+
+
+def _break(verdict: NotBridged) -> SegmentBreak:
+    return SegmentBreak(verdict.reason, verdict.detail)
