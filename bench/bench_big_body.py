@@ -198,6 +198,13 @@ def main() -> None:
     parser.add_argument("--shapes", default="numbers,empty_objects,tool_parameters")
     parser.add_argument("--at-once", type=int, default=1, help="hostile bodies sent together")
     parser.add_argument("--proxy-arg", action="append", default=[], help="extra serve flag")
+    parser.add_argument(
+        "--upstream",
+        default="fake",
+        help="the proxy's upstream: 'fake' (the bundled fake vLLM inside the proxy's process, "
+        "which then parses every body again) or the URL of one running apart, as vLLM does "
+        "(python -m capture_proxy.fake_vllm --port 0 --model policy)",
+    )
     args = parser.parse_args()
     shapes = [s for s in args.shapes.split(",") if s]
     for s in shapes:
@@ -205,7 +212,7 @@ def main() -> None:
             parser.error(f"unknown shape {s!r}; choose from {', '.join(SHAPES)}")
     with tempfile.TemporaryDirectory(prefix="bench-big-body-") as tmp:
         store = f"sqlite:///{tmp}/capture.db"
-        argv = [sys.executable, "-m", "capture_proxy", "serve", "--upstream", "fake"]
+        argv = [sys.executable, "-m", "capture_proxy", "serve", "--upstream", args.upstream]
         argv += ["--store", store, "--port", "0", "--min-free-disk-mb", "64", *args.proxy_arg]
         proxy = Proc("proxy", argv, Path(tmp))
         try:

@@ -2,11 +2,16 @@
 
     .venv/bin/python bench/bench_hostile_soak.py                     # 2 x 30 s
     .venv/bin/python bench/bench_hostile_soak.py --seconds 60 --honest 32
+    taskset -c 1 .venv/bin/python bench/bench_hostile_soak.py --seconds 10 --rounds 3 \
+        --proxy-cpus 0 --py-spy /path/to/py-spy          # a shared machine: take turns, pin
 
 Starts ``capture-proxy serve --upstream fake`` (SQLite store in a temporary folder, the limits
 every deploy file sets: the proxy's defaults) and runs the same honest load twice, side by side in
-one run: alone, then beside hostile sandboxes. Each sandbox comes from its own loopback address
-(127.0.1.N honest, 127.0.2.N hostile), as sandboxes behind different NATs would.
+one run: alone, then beside hostile sandboxes (`--rounds` times, taking turns, so that load from
+elsewhere on the machine falls on both alike). Each sandbox comes from its own loopback address
+(127.0.1.N honest, 127.0.2.N hostile), as sandboxes behind different NATs would. The honest
+sandboxes run in this process, the hostile ones in a process of their own: on one client event
+loop the floods' thousands of requests delayed the honest calls on the client's side.
 
 - honest: `--honest` sandboxes, each an agent loop: a call of 1-7 KB of conversation (streamed
   every other time), its answer read, 50 ms of "tool work", the next call;
@@ -26,7 +31,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import re
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -40,6 +47,8 @@ from bench_proxy import Proc  # bench/ is a folder of scripts run by path: sibli
 from procstat import peak_rss_mb, reset_peak_rss
 
 _CHAT = "/r/{rollout}/v1/chat/completions"
+#: Seconds between a hostile phase and the next: its calls in flight end, its connections close.
+_SETTLE_S = 5.0
 _TURN = "Look at the crop, then plot the histogram of the red channel, and compare. " * 8
 
 
@@ -150,66 +159,205 @@ async def _stream_flood(base: str, n: int, until: float, seen: Counter[str]) -> 
             await asyncio.gather(*(one(http) for _ in range(1000)))
 
 
-async def _phase(base: str, pid: int, honest: int, hostile: int, seconds: float) -> dict[str, Any]:
+async def _hostile(base: str, hostile: int, seconds: float) -> dict[str, int]:
+    """The hostile sandboxes alone (run in a process of their own: `_phase`)."""
     port = int(base.rsplit(":", 1)[1])
-    reset_peak_rss(pid)
     until = time.monotonic() + seconds
-    latencies: list[float] = []
-    errors: Counter[str] = Counter()
     seen: Counter[str] = Counter()
     kinds = (
         lambda n: _huge_arrays(base, n, until, seen),
         lambda n: _connection_flood(port, n, until, seen),
         lambda n: _stream_flood(base, n, until, seen),
     )
-    tasks = [_honest(base, n, until, latencies, errors) for n in range(honest)]
-    tasks += [kinds[n % len(kinds)](n) for n in range(hostile)]
-    await asyncio.gather(*tasks)
+    await asyncio.gather(*(kinds[n % len(kinds)](n) for n in range(hostile)))
+    return dict(seen)
+
+
+async def _phase(base: str, pid: int, honest: int, hostile: int, seconds: float) -> dict[str, Any]:
+    """The honest sandboxes in this process, the hostile ones in another: sharing one client
+    event loop, the floods' thousands of requests delayed the honest calls on the client side,
+    and that delay was counted as the proxy's."""
+    reset_peak_rss(pid)
+    until = time.monotonic() + seconds
+    latencies: list[float] = []
+    errors: Counter[str] = Counter()
+    worker = None
+    if hostile:
+        argv = [sys.executable, __file__, "--hostile-worker", base]
+        argv += ["--hostile", str(hostile), "--seconds", str(seconds)]
+        worker = subprocess.Popen(argv, stdout=subprocess.PIPE)  # noqa: ASYNC220 (started once)
+    await asyncio.gather(*(_honest(base, n, until, latencies, errors) for n in range(honest)))
+    seen: dict[str, int] = {}
+    if worker is not None:
+        out, _ = worker.communicate(timeout=120)
+        seen = orjson.loads(out.splitlines()[-1]) if out.strip() else {"worker failed": 1}
+    return {
+        **_summary(hostile, latencies, dict(errors), peak_rss_mb(pid)),
+        "hostile_outcomes": seen,
+        "latencies": latencies,
+    }
+
+
+def _summary(
+    hostile: int, latencies: list[float], errors: dict[str, int], peak_mb: float
+) -> dict[str, Any]:
     ordered = sorted(latencies)
     return {
         "hostile": hostile,
         "honest_calls": len(ordered),
-        "honest_errors": dict(errors),
+        "honest_errors": errors,
         "p50_ms": round(1000 * statistics.median(ordered), 1) if ordered else None,
         "p99_ms": round(1000 * ordered[int(0.99 * (len(ordered) - 1))], 1) if ordered else None,
-        "peak_rss_mb": round(peak_rss_mb(pid)),
-        "hostile_outcomes": dict(seen),
+        "peak_rss_mb": round(peak_mb),
     }
+
+
+def _py_spy(path: str, pid: int, seconds: float, out: Path) -> subprocess.Popen[bytes] | None:
+    """py-spy recording the proxy's threads for the phase."""
+    if not path:
+        return None
+    argv = [path, "record", "--pid", str(pid), "--duration", str(int(seconds)), "--rate", "200"]
+    argv += ["--format", "raw", "--output", str(out), "--nonblocking"]
+    argv += ["--threads"]
+    return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _print_profile(folded: Path, seconds: float, top: int = 25) -> None:
+    """How busy each thread was, and the main thread's (the event loop's) functions by share."""
+    samples: Counter[str] = Counter()
+    for line in folded.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        samples[stack] += int(count)
+    threads: Counter[str] = Counter()
+    for stack, n in samples.items():
+        threads[stack.split(";", 1)[0]] += n
+    for thread, n in threads.most_common(6):
+        print(f"{thread}: busy {100 * n / (200 * seconds):.0f}% of the phase")
+    main_thread = threads.most_common(1)[0][0] if threads else ""
+    inclusive: Counter[str] = Counter()
+    own: Counter[str] = Counter()
+    for stack, n in samples.items():
+        frames = stack.split(";")
+        if frames[0] != main_thread:
+            continue
+        names = [f.split(" (")[0] + " " + f.rsplit("/", 1)[-1].rstrip(")") for f in frames[1:]]
+        for name in set(names):
+            inclusive[name] += n
+        if names:
+            own[names[-1]] += n
+    total = threads[main_thread] or 1
+    print(f"the busiest thread's functions, share of its busy samples ({total}):")
+    for name, n in inclusive.most_common(top):
+        print(f"  {100 * n / total:5.1f}% incl {100 * own[name] / total:5.1f}% self  {name}")
+
+
+def _start_fake(cpus: str, logdir: Path) -> tuple[subprocess.Popen[bytes], str]:
+    argv = [sys.executable, "-m", "capture_proxy.fake_vllm", "--port", "0", "--model", "policy"]
+    if cpus != "-":
+        argv = ["taskset", "-c", cpus, *argv]
+    log = logdir / "fake.log"
+    with open(log, "wb") as out:
+        popen = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+    for _ in range(600):
+        found = re.search(rb"Running on (http://\S+)", log.read_bytes())
+        if found:
+            return popen, found.group(1).decode()
+        time.sleep(0.05)
+    popen.kill()
+    raise RuntimeError(f"the fake vLLM did not start:\n{log.read_text()[-2000:]}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=30.0, help="length of each phase")
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="alone and beside the hostile load, taking turns"
+    )
     parser.add_argument("--honest", type=int, default=32)
     parser.add_argument("--hostile", type=int, default=8)
     parser.add_argument("--proxy-arg", action="append", default=[], help="extra serve flag")
+    parser.add_argument(
+        "--proxy-cpus",
+        default="",
+        help="pin the proxy to these CPUs (taskset -c); pin this script itself with taskset",
+    )
+    parser.add_argument(
+        "--py-spy",
+        default="",
+        help="path of py-spy: record the proxy's threads in each phase to "
+        "hostile-soak-<hostile sandboxes>.folded (busy samples only: their count over 200 a "
+        "second is how busy a thread was) and print the busiest thread's top functions",
+    )
+    parser.add_argument(
+        "--fake-cpus",
+        default="",
+        help="run the fake vLLM as a process of its own pinned to these CPUs (as vLLM runs "
+        "apart from the proxy) instead of inside the proxy's process ('-': apart, unpinned)",
+    )
+    parser.add_argument("--hostile-worker", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.hostile_worker:
+        seen = asyncio.run(_hostile(args.hostile_worker, args.hostile, args.seconds))
+        print(orjson.dumps(seen).decode(), flush=True)
+        return
     with tempfile.TemporaryDirectory(prefix="bench-hostile-soak-") as tmp:
-        argv = [sys.executable, "-m", "capture_proxy", "serve", "--upstream", "fake"]
+        fake = _start_fake(args.fake_cpus, Path(tmp)) if args.fake_cpus else None
+        upstream = fake[1] if fake else "fake"
+        argv = [sys.executable, "-m", "capture_proxy", "serve", "--upstream", upstream]
+        if args.proxy_cpus:
+            argv = ["taskset", "-c", args.proxy_cpus, *argv]
         argv += ["--store", f"sqlite:///{tmp}/capture.db", "--port", "0"]
         argv += ["--min-free-disk-mb", "64", "--log-level", "warning", *args.proxy_arg]
         proxy = Proc("proxy", argv, Path(tmp))
         try:
             rows = []
-            for hostile in (0, args.hostile):
-                row = asyncio.run(_phase(proxy.url, proxy.pid, args.honest, hostile, args.seconds))
-                rows.append(row)
-                print(orjson.dumps(row).decode(), flush=True)
-                if proxy.popen.poll() is not None:
-                    print(f"the proxy exited with {proxy.popen.returncode}", flush=True)
-                    break
+            for n in range(args.rounds):
+                for hostile in (0, args.hostile):
+                    folded = Path(f"hostile-soak-{hostile}.folded")
+                    spy = _py_spy(args.py_spy, proxy.pid, args.seconds, folded) if not n else None
+                    row = asyncio.run(
+                        _phase(proxy.url, proxy.pid, args.honest, hostile, args.seconds)
+                    )
+                    if spy is not None:
+                        spy.wait(30)
+                        _print_profile(folded, args.seconds)
+                    rows.append(row)
+                    shown = {k: v for k, v in row.items() if k != "latencies"}
+                    print(orjson.dumps({"round": n, **shown}).decode(), flush=True)
+                    if proxy.popen.poll() is not None:
+                        raise SystemExit(f"the proxy exited with {proxy.popen.returncode}")
+                    if hostile:
+                        time.sleep(_SETTLE_S)  # what the hostile phase left in flight ends
         finally:
             proxy.stop()
-    alone, beside = rows[0], rows[-1]
+            if fake is not None:
+                fake[0].terminate()
+                fake[0].wait(20)
+    # The rounds together: alone and beside take turns, so load from elsewhere on the machine
+    # falls on both alike.
     print()
     print("| phase | honest calls | honest errors | p50 ms | p99 ms | peak RSS MB |")
     print("|---|---|---|---|---|---|")
-    for r in rows:
-        phase = "honest alone" if not r["hostile"] else f"beside {r['hostile']} hostile"
+    both = []
+    for hostile in (0, args.hostile):
+        mine = [r for r in rows if r["hostile"] == hostile]
+        errors: Counter[str] = Counter()
+        for r in mine:
+            errors.update(r["honest_errors"])
+        latencies = [x for r in mine for x in r["latencies"]]
+        peak = max(r["peak_rss_mb"] for r in mine)
+        t = _summary(hostile, latencies, dict(errors), peak)
+        both.append(t)
+        phase = "honest alone" if not hostile else f"beside {hostile} hostile"
         print(
-            f"| {phase} | {r['honest_calls']} | {sum(r['honest_errors'].values())} | "
-            f"{r['p50_ms']} | {r['p99_ms']} | {r['peak_rss_mb']} |"
+            f"| {phase} | {t['honest_calls']} | {sum(errors.values())} | {t['p50_ms']} | "
+            f"{t['p99_ms']} | {t['peak_rss_mb']} |"
         )
+    hostile_seen: Counter[str] = Counter()
+    for r in rows:
+        hostile_seen.update(r["hostile_outcomes"])
+    print(f"\nhostile outcomes, all rounds: {dict(sorted(hostile_seen.items()))}")
+    alone, beside = both
     if alone["p99_ms"] and beside["p99_ms"]:
         print(f"\nhonest p99 beside / alone: {beside['p99_ms'] / alone['p99_ms']:.2f}x")
 

@@ -899,10 +899,16 @@ def test_every_deployment_keeps_one_sandbox_from_denying_service_to_the_others(n
     s = DEPLOYMENTS[name]()
     assert 0 < s.max_inflight_per_rollout <= 16, name
     assert 0 < s.max_connections_per_address <= s.max_connections // 16, name
+    # Issue 27's soak: a sandbox opening and dropping connections in a loop is refused at accept.
+    assert 0 < s.max_connection_rate_per_address <= 256, name
     assert 0 < s.max_json_items <= 262_144, name
     assert 0 < s.max_decoding_bytes <= 4 * s.max_body_bytes, name
     # Every file says it, not only the proxy's defaults (an operator reads the file, not code).
-    said = {"CAPTURE_PROXY_MAX_INFLIGHT_PER_ROLLOUT", "CAPTURE_PROXY_MAX_CONNECTIONS_PER_ADDRESS"}
+    said = {
+        "CAPTURE_PROXY_MAX_INFLIGHT_PER_ROLLOUT",
+        "CAPTURE_PROXY_MAX_CONNECTIONS_PER_ADDRESS",
+        "CAPTURE_PROXY_MAX_CONNECTION_RATE_PER_ADDRESS",
+    }
     assert said <= set(DEPLOYMENT_ENVS[name]()), name
 
 

@@ -48,6 +48,7 @@ from .ids import new_call_id
 from .ledger import LedgerWriter
 from .outcomes import HeaderLocks, check_driver_metadata, with_outcome
 from .policy import PolicyError, RequestPolicy, check_policy
+from .refusal_folds import RefusalFolds
 from .resumes import RESUME_REFUSALS, Resumes
 from .rollouts import (
     KEY_HASH_FIELD,
@@ -99,6 +100,7 @@ class Capture:
         max_rollout_calls: int = 0,
         max_rollout_bytes: int = 0,
         pause_hold: float = 30.0,
+        max_rollout_refusal_rows: float = 0.0,
         resume_timeout: float = 20.0,
     ) -> None:
         self.sink = sink
@@ -125,6 +127,8 @@ class Capture:
         self.rollouts: dict[str, RolloutLive] = {}
         self.inflight = 0
         self.ledger = LedgerWriter(sink, timeout=stage_timeout, max_held=max_held_ledger)
+        #: Refusals past ``--max-rollout-refusal-rows`` a second, written together.
+        self.refusal_folds = RefusalFolds(max_rollout_refusal_rows, self.ledger.write)
         #: A rollout another proxy continued while this one held it: its calls and ledger
         #: entries go to free seqs (`core/handback.py`).
         self.handback = Handback(self)
@@ -1045,6 +1049,14 @@ class Capture:
                 code="rollout_call_quota",
             )
         live.refusals += 1
+        if not self.refusal_folds.take(rollout_id):
+            # Past the rollout's rate of ledger rows: one entry will stand for this one and
+            # the others of its second (`core.refusal_folds`); metrics still count each.
+            call_id = self.refusal_folds.join(live, reason, message, http_status)
+            self._report(
+                CallReport(rollout_id, call_id, CallStatus.REJECTED, reason, replica=replica)
+            )
+            return call_id
         call_id = new_call_id()
         seq = live.take_seq()
         entry = LedgerEntry(
@@ -1141,6 +1153,7 @@ class Capture:
     async def drain(self, wait_s: float) -> None:
         """Wait for late staging and ledger writes (shutdown), up to `wait_s` seconds each."""
         await self.stager.drain(wait_s)
+        await self.refusal_folds.flush()
         await self.ledger.drain(wait_s)
 
     @property

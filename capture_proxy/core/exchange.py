@@ -20,7 +20,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable, Coroutine, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import orjson
@@ -301,13 +301,18 @@ class Exchange:
         capture = self.capture
         try:
             config = self.pipeline.config
-            large = isinstance(body, bytes) and len(body) > OFFLOAD_BYTES
+            size = len(body) if isinstance(body, bytes) else 0  # held against the byte quota
+            large = size > OFFLOAD_BYTES
             if large:
                 # Worker threads decode large bodies side by side: they take turns by size.
-                async with self.pipeline.decode_budget.hold(len(body)):
+                async with self.pipeline.decode_budget.hold(size):
                     normalized = await asyncio.to_thread(decode_and_normalize, body, config)
             else:
                 normalized = decode_and_normalize(body, config)
+            # Decoded: the raw bytes go (a caller that hands them over keeps no reference:
+            # ``server.chat``), so a large body is not held twice while the call is planned,
+            # forwarded and answered.
+            del body
             await capture.hold_while_paused()
             live = await capture.ensure_rollout(self.rollout_id)
             replicas = self.pipeline.replicas
@@ -329,7 +334,6 @@ class Exchange:
             staged = capture.policy.apply(normalized.staged, live.policy)
             await self._guard_context(request, staged)
             rid, attachments = self.rollout_id, normalized.attachments
-            size = len(body) if isinstance(body, bytes) else 0  # held against the byte quota
             if large:
                 self.call = await capture.begin_call_offloaded(rid, staged, attachments, size=size)
             else:
@@ -446,6 +450,11 @@ class Exchange:
         except UpstreamFailed as e:
             await self.fail_upstream(e)
             raise
+        assert self.plan is not None
+        if len(self.plan.body) > OFFLOAD_BYTES:
+            # Sent: a large body (an image session's, tens of MiB) is not held while the
+            # answer is generated and relayed; the record is built from the decoded request.
+            self.plan = replace(self.plan, body=b"")
         if self._reply.status == 200:
             return None
         async with self._reply:

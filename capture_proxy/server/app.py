@@ -421,6 +421,7 @@ def create_app(settings: Settings, *, sink: StagingSink | None = None) -> web.Ap
             max_inflight_per_rollout=settings.max_inflight_per_rollout,
             max_rollout_calls=settings.max_rollout_calls,
             max_rollout_bytes=settings.max_rollout_bytes,
+            max_rollout_refusal_rows=settings.max_rollout_refusal_rows,
             max_live_rollouts=settings.max_live_rollouts,
             pause_hold=settings.pause_hold_seconds,
             resume_timeout=settings.rollout_resume_timeout,

@@ -83,6 +83,9 @@ async def _read_body(request: web.Request, limit: int, within: float) -> bytes:
     return b"".join(chunks)
 
 
+#: Refusals after which the client's connection is closed (see `chat_completions`).
+_CLOSE_AFTER = frozenset({"too_many_inflight_rollout"})
+
 #: A body refused before it is read is read anyway (to keep the connection) up to this size.
 _UNREAD_CLOSE_BYTES = 8 << 20
 
@@ -143,10 +146,22 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             except ProxyError as e:
                 await exchange.refuse(e)
                 raise
-            await exchange.prepare(body)
+            # The exchange owns the raw body from here and lets it go once decoded: an image
+            # session's body is tens of MiB, held otherwise until the answer is relayed.
+            preparing = exchange.prepare(body)
+            del body
+            await preparing
         except ProxyError as e:
             if exchange.outcome is not None:
                 e.headers.update(capture_headers(exchange.outcome.call_id, CallStatus.REJECTED))
+            if e.code in _CLOSE_AFTER:
+                # A sandbox over its rollout's in-flight limit is sending calls faster than
+                # they are answered (an agent makes one at a time): its next call comes on a new
+                # connection, which its address's rate (--max-connection-rate-per-address)
+                # judges at accept, before a byte of it is parsed. Keep-alive would let it
+                # send without end on the connections it holds, each call parsed and refused.
+                request.protocol.close()  # once this answer is written
+                e.headers["Connection"] = "close"  # said, so the client does not reuse it
             raise
         try:
             upstream_error = await exchange.send()

@@ -15,6 +15,13 @@ descriptors, and then nothing works: not the upstream, not the store, not even `
   for the header deadline. Sandboxes behind one NAT share an address, so a connection stops
   counting against its address once it has carried a call the proxy authorized (with a rollout's
   key, where keys are required): past that point the per-rollout limits judge it;
+- refuses the same way a new connection from an address that opened more than
+  `rate_per_address` a second (``--max-connection-rate-per-address``, a token bucket with twice
+  that saved up): a sandbox that opens, uses and drops connections in a loop is refused at accept,
+  before a byte of its request is parsed, where each refusal costs the event loop a few
+  microseconds instead of a request's parsing, authorization and ledger row. A new connection has
+  carried no authorized call yet, so this is a limit per address before authentication, sized for
+  the sandboxes of one NAT keeping their connections open;
 - drops a connection whose client leaves its answer unread (the transport's buffer full, writing
   paused) for `unread_timeout` (``server.run``: twice ``--client-write-timeout``): nothing else
   frees a connection held that way. A stream enforces the write deadline itself and records its
@@ -28,6 +35,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import cast
 
@@ -42,6 +51,9 @@ _LINGER_S = 1.0
 #: Refused connections kept lingering at once; beyond it they are closed at once (a flood).
 #: ``server.run`` keeps descriptors for them.
 MAX_LINGERING = 16
+#: Addresses whose connection buckets are remembered; the least recently seen are forgotten past
+#: it (a forgotten address starts with a full bucket: one burst more at most).
+_RATE_REMEMBERED = 65_536
 
 
 def _refusal_answer(message: str) -> bytes:
@@ -65,13 +77,24 @@ class ConnectionGate:
     `limit` 0 admits every connection. `stats` feeds ``/metrics``.
     """
 
-    def __init__(self, *, limit: int, unread_timeout: float, per_address: int = 0) -> None:
+    def __init__(
+        self,
+        *,
+        limit: int,
+        unread_timeout: float,
+        per_address: int = 0,
+        rate_per_address: float = 0.0,
+    ) -> None:
         self.limit = limit
         self.per_address = per_address
+        self.rate_per_address = rate_per_address
+        #: New connections an address may open at once after a quiet spell.
+        self.burst_per_address = max(1.0, 2 * rate_per_address)
         self.unread_timeout = unread_timeout
         self.open = 0
         self.refused = 0
         self.refused_per_address = 0
+        self.refused_rate = 0
         self.dropped_unread = 0
         self.lingering = 0
         self.refusal = _refusal_answer(
@@ -81,6 +104,12 @@ class ConnectionGate:
             f"this address holds {per_address} connections that have carried no authorized "
             "call yet (--max-connections-per-address): retry"
         )
+        self.rate_refusal = _refusal_answer(
+            f"this address opens new connections faster than {rate_per_address:g} a second "
+            "(--max-connection-rate-per-address): keep connections open, or retry"
+        )
+        #: Per address: (new connections it may still open, when that was reckoned).
+        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()
         #: Connections not yet proven (see the module docs), by the transport they came on.
         self._unproven: dict[int, str] = {}
         self._per_address: dict[str, int] = {}
@@ -95,14 +124,23 @@ class ConnectionGate:
         if address is not None:
             self._forget(address)
 
-    def take_address(self, transport: asyncio.Transport) -> bool:
-        """Count a new connection against its address; False if the address is at its cap."""
-        if not self.per_address:
+    def take_rate(self, address: str) -> bool:
+        """Take one new connection from the address's bucket; False if it is empty."""
+        if self.rate_per_address <= 0:
             return True
-        peer = transport.get_extra_info("peername")
-        if not isinstance(peer, tuple):
-            return True  # a Unix socket: no address to tell clients apart by
-        address = str(peer[0])
+        now = time.monotonic()
+        level, at = self._buckets.pop(address, (self.burst_per_address, now))
+        level = min(self.burst_per_address, level + (now - at) * self.rate_per_address)
+        taken = level >= 1.0
+        self._buckets[address] = (level - 1.0 if taken else level, now)
+        if len(self._buckets) > _RATE_REMEMBERED:
+            self._buckets.popitem(last=False)
+        return taken
+
+    def take_address(self, transport: asyncio.Transport, address: str | None) -> bool:
+        """Count a new connection against its address; False if the address is at its cap."""
+        if not self.per_address or address is None:
+            return True  # no cap, or a Unix socket: no address to tell clients apart by
         held = self._per_address.get(address, 0)
         if held >= self.per_address:
             return False
@@ -128,6 +166,7 @@ class ConnectionGate:
             "client_connections_open": self.open,
             "client_connections_refused_total": self.refused,
             "client_connections_refused_per_address_total": self.refused_per_address,
+            "client_connections_refused_rate_total": self.refused_rate,
             "client_connections_dropped_unread_total": self.dropped_unread,
         }
 
@@ -159,7 +198,17 @@ class _Gated(asyncio.Protocol):
         if gate.limit and gate.open >= gate.limit:
             self._refuse(transport, gate.refusal, "%d open, the limit (--max-connections)")
             return
-        if not gate.take_address(transport):
+        peer = transport.get_extra_info("peername")
+        address = str(peer[0]) if isinstance(peer, tuple) else None
+        if address is not None and not gate.take_rate(address):
+            gate.refused_rate += 1
+            self._refuse(
+                transport,
+                gate.rate_refusal,
+                "its address opens more than %g a second (--max-connection-rate-per-address)",
+            )
+            return
+        if not gate.take_address(transport, address):
             gate.refused_per_address += 1
             self._refuse(
                 transport,
@@ -177,7 +226,11 @@ class _Gated(asyncio.Protocol):
         self._refused = True
         # One line per kind per interval: the log's repeat filter (capture_proxy.logs) folds a
         # flood of refusals into a count.
-        limit = gate.limit if answer is gate.refusal else gate.per_address
+        limit: float = gate.per_address
+        if answer is gate.refusal:
+            limit = gate.limit
+        elif answer is gate.rate_refusal:
+            limit = gate.rate_per_address
         log.warning("refused a client connection: " + why, limit)
         transport.write(answer)
         if gate.lingering >= MAX_LINGERING or not transport.can_write_eof():

@@ -14,6 +14,13 @@ where it is and a later allocation of those pages just faults them in again. ``s
 it every ``--malloc-trim-interval`` seconds on a worker thread (it locks one arena at a time
 while it walks its free chunks, about a millisecond for a proxy's heap; the event loop is not
 held), and not at all with ``0`` or where the C library has no ``malloc_trim`` (musl, macOS).
+
+Large buffers are a second matter (`fix_mmap_threshold`): glibc serves an allocation over its
+*mmap threshold* from a mapping of its own, unmapped when freed, but it raises that threshold to
+the size of every such block freed (up to 32 MiB), and from then on serves blocks that large from
+a heap, where their pages stay resident once freed. An image session's request is tens of MiB
+of base64 strings and decoded images: three at once peaked at 3.4-4.2x their bodies depending
+on which thread's heap took which block (issue 27). ``serve`` fixes the threshold at 1 MiB.
 """
 
 from __future__ import annotations
@@ -26,9 +33,28 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["HeapTrim", "malloc_trim"]
+__all__ = ["MMAP_THRESHOLD", "HeapTrim", "fix_mmap_threshold", "malloc_trim"]
 
 log = logging.getLogger("capture_proxy")
+
+
+#: Blocks at least this large get a mapping of their own, returned to the system when freed.
+MMAP_THRESHOLD = 1 << 20
+#: glibc's ``mallopt`` parameter number for it (malloc.h).
+_M_MMAP_THRESHOLD = -3
+
+
+def fix_mmap_threshold(size: int = MMAP_THRESHOLD) -> bool:
+    """Fix glibc's mmap threshold at `size` bytes (which also stops glibc from raising it);
+    False where the C library has no ``mallopt`` or refuses."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
+    return bool(mallopt(_M_MMAP_THRESHOLD, size))
 
 
 def malloc_trim() -> Callable[[], object] | None:

@@ -25,7 +25,7 @@ from .app import create_admin_app, create_app
 from .collector import tune_for_serving
 from .connections import MAX_LINGERING, ConnectionGate
 from .event_loop import loop_name
-from .heap_trim import HeapTrim
+from .heap_trim import HeapTrim, fix_mmap_threshold
 from .settings import Settings
 from .state import STATE
 
@@ -136,7 +136,10 @@ async def listen(
     await runner.setup()
     unread = 2 * settings.client_write_timeout
     gate = ConnectionGate(
-        limit=cap, unread_timeout=unread, per_address=settings.max_connections_per_address
+        limit=cap,
+        unread_timeout=unread,
+        per_address=settings.max_connections_per_address,
+        rate_per_address=settings.max_connection_rate_per_address,
     )
     app[STATE].connections = gate
     server = await _listen_on(runner, settings.host, settings.port, gate)
@@ -183,6 +186,8 @@ async def serve(settings: Settings) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     huge_pages.apply(settings.transparent_huge_pages)
+    if not fix_mmap_threshold():
+        log.info("this C library has no mallopt: large buffers are left to its own threshold")
     open_files = raise_open_file_limit()
     listening = await listen(settings, open_files=open_files)
     state = listening.app[STATE]

@@ -148,6 +148,13 @@ class Settings:
         "Retry-After. Sandboxes behind one NAT share an address: a connection that has carried "
         "a call no longer counts (0: no cap)",
     )
+    max_connection_rate_per_address: float = _s(
+        64.0,
+        "new client connections one address may open a second, with twice as many saved up; "
+        "one beyond gets 503 with Retry-After when it is accepted, before its request is read. "
+        "A client that keeps its connections open (every OpenAI SDK) opens a few; sandboxes "
+        "behind one NAT share the rate (0: no limit)",
+    )
     max_passthrough_body_bytes: int = _s(
         2**20,
         "largest body of a pass-through route (/tokenize, /detokenize), relayed uncaptured; "
@@ -259,6 +266,12 @@ class Settings:
         "calls one rollout may make; beyond, 429 (0: no limit). Its refused calls are bounded "
         "apart by the same number: past it they are answered 429 and counted in /metrics, not "
         "written to the ledger one by one",
+    )
+    max_rollout_refusal_rows: float = _s(
+        8.0,
+        "refused calls of one rollout written to its ledger one by one per second, twice as many "
+        "saved up; past it they are answered as before and written together, one entry a second "
+        "(reason refusals_folded) counting them (0: every refusal its own entry)",
     )
     max_rollout_body_rate: float = _s(
         16.0,
@@ -411,8 +424,9 @@ GROUPS: dict[str, tuple[str, str]] = {
         "what one request, rollout or client may take",
         "max_body_bytes max_passthrough_body_bytes max_free_json_bytes max_free_json_items "
         "max_json_items max_decoding_bytes max_connections max_connections_per_address "
+        "max_connection_rate_per_address "
         "max_inflight max_inflight_per_rollout max_rollout_bytes max_rollout_calls "
-        "max_rollout_body_rate "
+        "max_rollout_body_rate max_rollout_refusal_rows "
         "max_live_rollouts rollout_idle_timeout rollout_resume_timeout",
     ),
     "process": (
@@ -725,7 +739,9 @@ def _check(s: Settings) -> None:
         "max_rollout_calls",
         "max_connections",
         "max_connections_per_address",
+        "max_connection_rate_per_address",
         "max_rollout_body_rate",
+        "max_rollout_refusal_rows",
         "malloc_trim_interval",
         "max_decoding_bytes",
     ):

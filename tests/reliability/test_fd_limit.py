@@ -157,9 +157,9 @@ async def test_at_the_open_file_limit_the_cap_refuses_and_the_proxy_keeps_servin
 async def test_when_descriptors_run_out_it_keeps_serving_and_logs_a_bounded_count(
     tmp_path: Path, loop: str
 ) -> None:
-    # No caps (--max-connections 0, none per address): the flood takes every descriptor, so
-    # accept() fails with EMFILE. Before, asyncio logged a traceback for each failure: 19 MB in
-    # 30 s at 256 fds.
+    # No caps (--max-connections 0, none per address, no rate per address): the flood takes every
+    # descriptor, so accept() fails with EMFILE. Before, asyncio logged a traceback for each
+    # failure: 19 MB in 30 s at 256 fds.
     # uvloop (libuv) logs nothing: it closes a reserved descriptor, accepts the pending
     # connection and closes it at once, so the client sees its connection closed.
     async with child(
@@ -169,6 +169,8 @@ async def test_when_descriptors_run_out_it_keeps_serving_and_logs_a_bounded_coun
         "--max-connections",
         "0",
         "--max-connections-per-address",
+        "0",
+        "--max-connection-rate-per-address",
         "0",
         "--client-header-timeout",
         "30",

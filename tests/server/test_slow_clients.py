@@ -397,8 +397,75 @@ async def test_one_address_cannot_fill_the_cap_with_idle_connections(tmp_path: P
         assert "capture_proxy_client_connections_refused_per_address_total 2.0" in scrape
 
 
-async def honest_scrape(port: int) -> str:
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+async def test_an_address_opening_connections_in_a_loop_is_refused_before_its_request_is_read(
+    tmp_path: Path,
+) -> None:
+    # Issue 27's soak: refusing a flood after parsing each request (authorizing it, writing it to
+    # the ledger) kept the event loop busy and every honest call waited. A new connection over
+    # its address's rate is answered at accept, before the proxy reads a byte of it.
+    settings: dict[str, Any] = {"max_connection_rate_per_address": 0.1}  # one, then 1 per 10 s
+    async with served(tmp_path, client_header_timeout=30, **settings) as s:
+        gate = s.listening.gate
+        kept = await asyncio.open_connection("127.0.0.1", s.port)
+        kept[1].write(head(length=len(BODY)) + BODY)
+        assert (await answer_of(kept[0]))[0] == 200
+        # The next new connection from the address: the answer comes without a request sent.
+        reader, writer = await asyncio.open_connection("127.0.0.1", s.port)
+        status, headers, body = await answer_of(reader)
+        assert status == 503
+        assert headers["retry-after"] == "1"
+        assert headers["connection"] == "close"
+        error = orjson.loads(body)["error"]
+        assert error["code"] == "too_many_connections"
+        assert "--max-connection-rate-per-address" in error["message"]
+        assert await closed_within(reader, within=3) == b""
+        writer.close()
+        assert gate.refused_rate == 1
+        # The connection it kept open carries calls as before, and another address is served.
+        kept[1].write(head(length=len(BODY)) + BODY)
+        assert (await answer_of(kept[0]))[0] == 200
+        other = await asyncio.open_connection("127.0.0.1", s.port, local_addr=("127.0.0.2", 0))
+        other[1].write(head(length=len(BODY)) + BODY)
+        assert (await answer_of(other[0]))[0] == 200
+        # Not a call: the upstream saw the three calls only, the ledger holds no refusal.
+        assert len(s.fake.requests) == 3
+        assert s.failures() == []
+        assert len(s.staged()) == 3
+        scrape = await honest_scrape(s.port, local_addr="127.0.0.3")
+        assert "capture_proxy_client_connections_refused_rate_total 1.0" in scrape
+        for _, w in (kept, other):
+            w.close()
+
+
+async def test_a_call_over_its_rollouts_in_flight_limit_gets_429_and_its_connection_closed(
+    tmp_path: Path,
+) -> None:
+    # Issue 27's soak: a sandbox holding 1,000 keep-alive connections sent calls over its
+    # rollout's in-flight limit without end, each parsed and refused. Its connection is closed
+    # after the 429, so the next call comes on a new connection, judged at accept by its
+    # address's rate (--max-connection-rate-per-address).
+    fake = FakeVLLM(latency=2.0)
+    async with served(tmp_path, fake, max_inflight_per_rollout=1) as s:
+        busy = asyncio.create_task(honest_call(s.port))
+        await _until(lambda: len(fake.requests) == 1, within=10)
+        reader, writer = await asyncio.open_connection("127.0.0.1", s.port)
+        writer.write(head(length=len(BODY)) + BODY)
+        status, headers, body = await answer_of(reader)
+        assert status == 429
+        assert headers["connection"] == "close"
+        assert orjson.loads(body)["error"]["code"] == "too_many_inflight_rollout"
+        assert headers["x-capture-status"] == "rejected"
+        assert await closed_within(reader, within=3) == b""
+        writer.close()
+        assert (await busy)[0] == 200
+        # Refused, and in the ledger; the first call staged. Nothing else was forwarded.
+        assert [f.reason for f in s.failures()] == ["too_many_inflight_rollout"]
+        assert len(s.staged()) == 1
+        assert len(fake.requests) == 1
+
+
+async def honest_scrape(port: int, local_addr: str = "127.0.0.1") -> str:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=(local_addr, 0))
     writer.write(b"GET /metrics HTTP/1.1\r\nHost: proxy\r\n\r\n")
     try:
         return (await answer_of(reader))[2].decode()
