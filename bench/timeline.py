@@ -144,7 +144,7 @@ def _install() -> None:
 
     exchange.Exchange.finish_unary = timed_finish_unary  # type: ignore[method-assign]
     VLLMAdapter.parse_response = _after(VLLMAdapter.parse_response, "parsed")  # type: ignore[method-assign]
-    Capture.build_record = _after(Capture.build_record, "sealed")  # type: ignore[method-assign]
+    Capture.build_record = _after(Capture.build_record, "sealed")
     submit = writer_thread.WriterThread.submit
 
     async def timed_submit(self: Any, work: Any) -> Any:

@@ -45,7 +45,8 @@ from typing import Literal
 from ...schemas.records import RolloutState
 from ...sinks.base import Progress
 from ..cursor import ExportCursor
-from ..reader import SelectedRollout, Store, open_store
+from ..reader import Store, open_store
+from ..selection import SelectedRollout
 from ._columns import ATTACHMENT_SCHEMA, CALL_SCHEMA, SCHEMAS, SEGMENT_SCHEMA, TRAJECTORY_SCHEMA
 from ._columns import rows_of as _rows_of
 from ._write import AttachmentFile, JsonLinesOut, ParquetOut, RowsOut, atomic_file

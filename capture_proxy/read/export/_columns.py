@@ -18,7 +18,7 @@ import orjson
 import pyarrow as pa
 
 from ...schemas.records import Attachment, StagedCallRecord
-from ..reader import SelectedRollout
+from ..selection import SelectedRollout
 from ..trainers._common import scalar_reward
 from ..trajectory import Segment, Trajectory
 
