@@ -35,6 +35,7 @@ __all__ = [
     "chat_finish_reason",
     "chat_usage",
     "count_reasoning_tokens",
+    "counts_reasoning_from_start",
     "without_stop_token_id",
 ]
 
@@ -48,8 +49,8 @@ def count_reasoning_tokens(
 ) -> int:
     """The completion's reasoning tokens as vLLM 0.32's Qwen3 parser counts them for the chat
     route's ``completion_tokens_details`` (its parser engine's count of the tokens it read in
-    the reasoning phase): the phase is open at the start unless the prompt closed it (render's
-    ``reasoning_ended``), a start marker opens it, an end marker closes it; the markers
+    the reasoning phase): the phase is open at the start unless thinking is off
+    (`counts_reasoning_from_start`), a start marker opens it, an end marker closes it; the markers
     themselves are not counted. Measured against the chat route on the tiny vLLM
     (tests/e2e/test_vllm_parity.py: reasoning cut by length counts every token, an answer
     whose first token closes the reasoning counts none)."""
@@ -64,6 +65,23 @@ def count_reasoning_tokens(
         elif reasoning:
             count += 1
     return count
+
+
+def counts_reasoning_from_start(reasoning_parser_kwargs: Any) -> bool:
+    """Whether the chat route's reasoning count starts in the reasoning phase, from render's
+    ``reasoning_parser_kwargs`` (parsed JSON): the Qwen3 parser's config starts there unless
+    ``chat_template_kwargs.enable_thinking`` is falsy, and its count never reads the prompt
+    (vLLM 0.32 ``parser/engine/adapters.py``, ``count_reasoning_tokens``: a fresh parser engine
+    in its initial state, unary and streamed alike once the prompt ended the reasoning). So a
+    continued assistant message whose reasoning closed counts its answer as reasoning."""
+    kwargs = (
+        reasoning_parser_kwargs.get("chat_template_kwargs")
+        if isinstance(reasoning_parser_kwargs, Mapping)
+        else None
+    )
+    if not isinstance(kwargs, Mapping):
+        return True
+    return bool(kwargs.get("enable_thinking", True))
 
 
 def chat_usage(

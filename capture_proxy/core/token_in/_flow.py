@@ -31,6 +31,7 @@ from ...adapters.vllm import (
     WeightSpan,
     client_answer,
     count_reasoning_tokens,
+    counts_reasoning_from_start,
     derender_body,
     derender_chat_request,
     derender_prompt_start,
@@ -154,19 +155,27 @@ class TokenInCall:
 
     def _reasoning_tokens(self, generated: Generated | None, *, stream: bool) -> int | None:
         """The chat route's ``reasoning_tokens`` for `generated` (None: not given). The token a
-        generation stopped on is not counted: unary, an end of sequence; streamed, any stop
-        token (the chat route's streaming parser never sees an undecoded token). Measured on
-        the tiny vLLM, tests/e2e/test_vllm_parity.py."""
+        generation stopped on is not counted: an end of sequence; streamed after a prompt that
+        leaves reasoning open, any stop token (the chat route's streaming parser never sees an
+        undecoded token; after a prompt that ended it, the stream is counted as unary is).
+        The count starts in reasoning unless thinking is off, whatever the prompt
+        (`counts_reasoning_from_start`). Measured on the tiny vLLM,
+        tests/e2e/test_vllm_parity.py."""
         markers, prompt = self._markers, self.prompt
         if markers is None or prompt is None or generated is None:
             return None
-        ended = prompt.rendered.rest.get("reasoning_ended")
+        rest = prompt.rendered.rest
+        ended = rest.get("reasoning_ended")
         closed = ended is not None and bytes(ended) == b"true"
+        kwargs = rest.get("reasoning_parser_kwargs")
+        from_start = counts_reasoning_from_start(
+            orjson.loads(bytes(kwargs)) if kwargs is not None else None
+        )
         ids: Sequence[int] = generated.completion_ids
         on_token = generated.finish_reason == "stop" and not isinstance(generated.stop_reason, str)
-        if ids and on_token and (stream or generated.stop_reason is None):
+        if ids and on_token and ((stream and not closed) or generated.stop_reason is None):
             ids = ids[:-1]
-        return count_reasoning_tokens(ids, markers, open_at_start=not closed)
+        return count_reasoning_tokens(ids, markers, open_at_start=from_start)
 
     async def finish(self, raw: bytes) -> Outcome:
         """Derender generate's unary answer `raw` for the client, then stage the call."""
