@@ -42,6 +42,14 @@ HISTORY = [
 ]
 
 
+#: A final assistant message whose reasoning closed, continued.
+CONTINUED: dict[str, Any] = {
+    "messages": [USER, {"role": "assistant", "reasoning_content": "Fine.", "content": "Ok"}],
+    "continue_final_message": True,
+    "add_generation_prompt": False,
+}
+
+
 def says(text: str, **extra: Any) -> dict[str, Any]:
     """Steering to answer `text` (a regex) as content, then end the turn."""
     return {
@@ -79,6 +87,22 @@ SHAPES: dict[str, dict[str, Any]] = {
         "messages": [USER, {"role": "assistant", "content": "<think>\n" + LONG}],
         "continue_final_message": True,
         "add_generation_prompt": False,
+        "max_tokens": 8,
+    },
+    # The prompt ends the reasoning (render's `reasoning_ended`); vLLM's count starts in
+    # reasoning whatever the prompt, so the answer's content is counted as reasoning.
+    "continued after closed reasoning": {**CONTINUED, "max_tokens": 8},
+    "continued after closed reasoning to a stop token id": {
+        **CONTINUED,
+        "stop_token_ids": [NEWLINE],
+        "max_tokens": 8,
+    },
+    "continued to the end of turn": {**CONTINUED, **says(r" Done\.")},
+    "continued to a stop string": {**CONTINUED, **says(r" Done\. Gone\.", stop=["on"])},
+    "continued to a tool call": {**CONTINUED, **steer_tool_call("ls -la"), "tools": TOOLS},
+    "continued with thinking off": {
+        **CONTINUED,
+        "chat_template_kwargs": {"enable_thinking": False},
         "max_tokens": 8,
     },
     # A long prompt whose history holds reasoning markers; derender gets its last ids only.
@@ -186,8 +210,8 @@ async def test_derender_reads_the_reasoning_marker_far_from_the_prompt_s_end(
 ) -> None:
     """The answer continues an assistant message whose reasoning closed long before the prompt
     ends: vLLM decides "content" from the `</think>` far back, which the prompt's tail that
-    derender gets starts with. The answer is the chat route's (its usage's reasoning count
-    aside: the chat route counts these content tokens as reasoning, token-in does not)."""
+    derender gets starts with. The answer is the chat route's, usage included (the chat route
+    counts these content tokens as reasoning, and so does token-in)."""
     body = request(
         {
             "messages": [
@@ -210,5 +234,5 @@ async def test_derender_reads_the_reasoning_marker_far_from_the_prompt_s_end(
         await stop_proxy(token_in)
     assert got["content"] == want["content"] != ""
     assert got["reasoning"] == want["reasoning"] == ""
-    del got["usage"], want["usage"]
+    assert got["usage"]["completion_tokens_details"]["reasoning_tokens"] > 0
     assert got == want

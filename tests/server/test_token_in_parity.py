@@ -81,6 +81,11 @@ SHAPES: dict[str, tuple[Turn, dict[str, Any]]] = {
     # The prompt ends the reasoning (render's `reasoning_ended`), but vLLM's count starts in
     # reasoning whatever the prompt: the answer is content, and counted as reasoning.
     "continued after closed reasoning": (Turn(" and more.", reasoning=None), CONTINUED),
+    "continued to a stop string": (
+        Turn(" Done. Gone.", reasoning=None),
+        {**CONTINUED, "stop": ["on"]},
+    ),
+    "continued to a tool call": (Turn(tool_calls=[LS]), {**CONTINUED, "tools": TOOLS}),
     "continued inside reasoning": (
         Turn(" and more.", reasoning=None),
         {**CONTINUED, "messages": [user("Tell me."), {"role": "assistant", "content": "<think>"}]},

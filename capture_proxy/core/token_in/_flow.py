@@ -86,7 +86,7 @@ class TokenInCall:
         #: The chat request derender calls send (`derender_chat_request`), encoded (`post`).
         self._derender_chat = b""
         #: The reasoning parser's marker ids (`_reasoning_markers`; None: no reasoning tokens).
-        self._markers: tuple[int, int] | None = None
+        self._markers: tuple[int, int, int | None] | None = None
         #: The call's line of calls (`token_in_line`), hashed once per call (`_token_in_line`).
         self._line: str | None = None
 
@@ -129,11 +129,12 @@ class TokenInCall:
         body = self.prompt.generate_body(self._exchange.request, stream=self._exchange.streamed)
         return await upstream.post_engine(EngineRoute.GENERATE, body)
 
-    async def _reasoning_markers(self, prompt: TokenInPrompt) -> tuple[int, int] | None:
+    async def _reasoning_markers(self, prompt: TokenInPrompt) -> tuple[int, int, int | None] | None:
         """The reasoning parser's marker ids, when the chat route would count the answer's
         ``reasoning_tokens``: the server has a reasoning parser (render answers its
-        ``reasoning_parser_kwargs``) whose markers are one token each. Asked once per tokenizer
-        fingerprint (two ``/tokenize`` calls), then kept."""
+        ``reasoning_parser_kwargs``) whose reasoning markers are one token each (the tool call
+        start too, else a tool call does not end the count). Asked once per tokenizer
+        fingerprint (three ``/tokenize`` calls), then kept."""
         kwargs = prompt.rendered.rest.get("reasoning_parser_kwargs")
         if kwargs is None or bytes(kwargs) == b"null":
             return None
@@ -144,12 +145,13 @@ class TokenInCall:
         upstream = self._upstream
         if not isinstance(upstream, TextTokenizer):
             return None
-        start, end = await asyncio.gather(
+        start, end, tool = await asyncio.gather(
             *(upstream.tokenize_text(self._model, text) for text in REASONING_MARKERS)
         )
-        if start is None or end is None:
+        if start is None or end is None or tool is None:
             return None  # not answered: asked again by the next call
-        markers = (start[0], end[0]) if len(start) == 1 == len(end) else None
+        tool_id = tool[0] if len(tool) == 1 else None
+        markers = (start[0], end[0], tool_id) if len(start) == 1 == len(end) else None
         known[key] = markers
         return markers
 
@@ -240,7 +242,8 @@ class TokenInCall:
         kwargs = prompt.rendered.rest.get("reasoning_parser_kwargs")
         if kwargs is None or bytes(kwargs) == b"null":
             return ()
-        return self._markers
+        markers = self._markers
+        return None if markers is None else markers[:2]  # `<think>`, `</think>`
 
     async def _derender(self, body: bytes) -> Derendered:
         return read_derendered(await post_derender(self._upstream, body))

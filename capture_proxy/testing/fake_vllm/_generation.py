@@ -205,6 +205,7 @@ def message_parts(plan: Plan, n: int) -> tuple[str | None, str | None, list[Plan
     return reasoning, rest or None, []
 
 
+_TOOL_CALL = SPECIAL_TOKENS["<tool_call>"]
 _TURN_BOUNDARIES = frozenset((SPECIAL_TOKENS["<|im_start|>"], SPECIAL_TOKENS["<|im_end|>"]))
 
 
@@ -227,19 +228,19 @@ def reasoning_token_count(ids: list[int], *, thinking: bool = True, ended: bool 
     """The chat route's ``reasoning_tokens`` as vLLM 0.32's Qwen3 parser counts them (measured
     on the tiny vLLM, tests/e2e/test_vllm_parity.py and docs/upstream-facts.md): the reasoning
     phase is open from the first token unless ``enable_thinking`` is off (`thinking` false;
-    whatever the prompt says: a continued message whose reasoning closed counts too), a
-    ``<think>`` opens it and a ``</think>`` closes it (neither counted), and the end-of-turn
-    token a completion stopped on (`ended`) is not counted. (The fake parses an answer without
-    a think block as content; vLLM's Qwen3 parser would call it reasoning, and counts it so.)"""
+    whatever the prompt says: a continued message whose reasoning closed counts too) and never
+    opens later; ``</think>`` or ``<tool_call>`` ends it (neither counted, nor a ``<think>``
+    inside it), and the end-of-turn token a completion stopped on (`ended`) is not counted.
+    (The fake parses an answer without a think block as content; vLLM's Qwen3 parser would
+    call it reasoning, and counts it so.)"""
+    if not thinking:
+        return 0
     counted = ids[:-1] if ended and ids else ids
     count = 0
-    reasoning = thinking
     for token in counted:
-        if token == THINK_START:
-            reasoning = True
-        elif token == THINK_END:
-            reasoning = False
-        elif reasoning:
+        if token in (THINK_END, _TOOL_CALL):
+            break
+        if token != THINK_START:
             count += 1
     return count
 
