@@ -30,6 +30,8 @@ USER = {"role": "user", "content": "Say it."}
 #: `<|endoftext|>`, an end of sequence the ChatML turn close does not hold.
 NEWLINE = 207
 ENDOFTEXT = "0"
+#: The tiny model's id of `<tool_call>` (one token, as `/tokenize` says).
+TOOL_CALL = "5"
 
 
 #: A message long enough that the prompt's last reasoning marker is far from its end.
@@ -105,6 +107,30 @@ SHAPES: dict[str, dict[str, Any]] = {
         "chat_template_kwargs": {"enable_thinking": False},
         "max_tokens": 8,
     },
+    # A tool call written while the reasoning is open ends it (vLLM's Qwen3 parser).
+    "tool call from reasoning": {"logit_bias": {TOOL_CALL: 100}, "max_tokens": 4, "tools": TOOLS},
+    # Kept, a stop token is decoded, and the streamed count has it too.
+    "stop token id kept": {
+        "stop_token_ids": [NEWLINE],
+        "include_stop_str_in_output": True,
+        "max_tokens": 6,
+    },
+    "end of turn kept": {
+        "logit_bias": {IM_END: 100},
+        "include_stop_str_in_output": True,
+        "max_tokens": 4,
+    },
+    "min_tokens before the end of turn": {
+        "logit_bias": {IM_END: 100},
+        "min_tokens": 3,
+        "max_tokens": 6,
+    },
+    "min_tokens before a stop token id": {
+        "stop_token_ids": [NEWLINE],
+        "min_tokens": 2,
+        "max_tokens": 6,
+    },
+    "special tokens kept": {"skip_special_tokens": False, "max_tokens": 8},
     # A long prompt whose history holds reasoning markers; derender gets its last ids only.
     "long conversation": {
         "messages": [{"role": "system", "content": LONG * 20}, USER, *HISTORY, USER],

@@ -158,8 +158,9 @@ class TokenInCall:
     def _reasoning_tokens(self, generated: Generated | None, *, stream: bool) -> int | None:
         """The chat route's ``reasoning_tokens`` for `generated` (None: not given). The token a
         generation stopped on is not counted: an end of sequence; streamed after a prompt that
-        leaves reasoning open, any stop token (the chat route's streaming parser never sees an
-        undecoded token; after a prompt that ended it, the stream is counted as unary is).
+        leaves reasoning open, any stop token unless ``include_stop_str_in_output`` (the chat
+        route's streaming parser never sees an undecoded token; after a prompt that ended it,
+        the stream is counted as unary is).
         The count starts in reasoning unless thinking is off, whatever the prompt
         (`counts_reasoning_from_start`). Measured on the tiny vLLM,
         tests/e2e/test_vllm_parity.py."""
@@ -175,7 +176,11 @@ class TokenInCall:
         )
         ids: Sequence[int] = generated.completion_ids
         on_token = generated.finish_reason == "stop" and not isinstance(generated.stop_reason, str)
-        if ids and on_token and ((stream and not closed) or generated.stop_reason is None):
+        # With `include_stop_str_in_output` the chat route decodes a `stop_token_ids` id, and
+        # its streaming parser counts it (measured).
+        decoded = self._exchange.request.get("include_stop_str_in_output") is True
+        streamed_undecoded = stream and not closed and not decoded
+        if ids and on_token and (streamed_undecoded or generated.stop_reason is None):
             ids = ids[:-1]
         return count_reasoning_tokens(ids, markers, open_at_start=from_start)
 
