@@ -424,11 +424,12 @@ def _derender_each(api: Http, raw: bytes, prompt: list[int], chat: Any) -> list[
     return answers
 
 
-def capture_parity(api: Http, save: Saver) -> dict[str, Any]:
+def capture_parity(api: Http, save: Saver, only: str | None = None) -> dict[str, Any]:
     """What derender gives where the chat route gives something else, for the same request
     (docs/upstream-facts.md, "Token-in routes"): `parity-<name>.json` holds the chat request,
     the chat route's answer (unary and streamed), generate's answer (unary and streamed) and
-    derender's (unary; streamed, one call per event)."""
+    derender's (unary; streamed, one call per event). `only`: that case alone, its findings
+    merged into `parity-experiments.json`."""
     found: dict[str, Any] = {}
     cases = {
         "end-of-turn": _steered(r"Done\."),
@@ -441,7 +442,22 @@ def capture_parity(api: Http, save: Saver) -> dict[str, Any]:
             "tools": TOOLS,
             "max_tokens": 34,
         },
+        # A final assistant message whose reasoning closed, continued: render says the prompt
+        # ended the reasoning, the chat route counts the content it writes as reasoning.
+        "continued-after-reasoning": {
+            "model": MODEL,
+            "messages": [
+                {"role": "user", "content": "Say it."},
+                {"role": "assistant", "reasoning_content": "Fine.", "content": "Ok"},
+            ],
+            "continue_final_message": True,
+            "add_generation_prompt": False,
+            "temperature": 0,
+            "max_tokens": 8,
+        },
     }
+    if only is not None:
+        cases = {only: cases[only]}
     for name, chat in cases.items():
         rendered = api.json("POST", "/v1/chat/completions/render", chat)
         gen = api.json("POST", "/inference/v1/generate", rendered)
@@ -488,7 +504,13 @@ def capture_parity(api: Http, save: Saver) -> dict[str, Any]:
             "derender_stream_finish": finishes[-1] if finishes else None,
             "chat_usage": chat_unary["usage"],
             "derender_usage": unary["usage"],
+            "reasoning_ended": rendered["reasoning_ended"],
         }
+    if only is not None:
+        path = save.out / "parity-experiments.json"
+        merged = {**json.loads(path.read_text()), **found}
+        save.json("parity-experiments.json", merged)
+        return found
     # The last event again, without its end-of-turn id: derender gives no text for it.
     case = json.loads((save.out / "parity-end-of-turn.json").read_text())
     chunks = list(events(case["generate_stream"].encode()))
@@ -549,11 +571,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--only-parity", action="store_true", help="capture only the parity-*.json cases"
     )
+    parser.add_argument("--parity-case", help="with --only-parity: that case alone")
     args = parser.parse_args(argv)
     save = Saver(args.out)
     found: dict[str, Any] = {}
     if args.only_parity:
-        with_server(args.port, True, lambda api: print(json.dumps(capture_parity(api, save))))
+        with_server(
+            args.port,
+            True,
+            lambda api: print(json.dumps(capture_parity(api, save, args.parity_case))),
+        )
         return 0
 
     def scale_out(api: Http) -> None:

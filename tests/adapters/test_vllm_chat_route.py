@@ -88,8 +88,13 @@ def test_a_stop_token_id_is_taken_out_of_a_unary_answer() -> None:
 
 
 def test_reasoning_tokens_are_counted_as_the_qwen3_parser_counts() -> None:
-    think = (3, 4)
+    think = (3, 4, 5)
     assert count_reasoning_tokens([207] * 12, think, open_at_start=True) == 12
     assert count_reasoning_tokens([4, 9, 9], think, open_at_start=True) == 0
-    assert count_reasoning_tokens([3, 9, 9, 4, 9], think, open_at_start=False) == 2
+    assert count_reasoning_tokens([3, 9, 9, 4, 9, 3, 9], think, open_at_start=True) == 2
+    # Thinking off: the parser never enters reasoning, a sampled `<think>` included.
+    assert count_reasoning_tokens([3, 9, 9, 4, 9], think, open_at_start=False) == 0
     assert count_reasoning_tokens([9, 9], think, open_at_start=False) == 0
+    # A tool call ends the reasoning as `</think>` does (vLLM's Qwen3 parser).
+    assert count_reasoning_tokens([9, 5, 9, 9, 6], think, open_at_start=True) == 1
+    assert count_reasoning_tokens([9, 5, 9], (3, 4, None), open_at_start=True) == 3

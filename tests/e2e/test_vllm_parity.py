@@ -30,6 +30,8 @@ USER = {"role": "user", "content": "Say it."}
 #: `<|endoftext|>`, an end of sequence the ChatML turn close does not hold.
 NEWLINE = 207
 ENDOFTEXT = "0"
+#: The tiny model's id of `<tool_call>` (one token, as `/tokenize` says).
+TOOL_CALL = "5"
 
 
 #: A message long enough that the prompt's last reasoning marker is far from its end.
@@ -40,6 +42,14 @@ HISTORY = [
     {"role": "user", "content": "Again."},
     {"role": "assistant", "reasoning_content": "Once more.", "content": "Said again."},
 ]
+
+
+#: A final assistant message whose reasoning closed, continued.
+CONTINUED: dict[str, Any] = {
+    "messages": [USER, {"role": "assistant", "reasoning_content": "Fine.", "content": "Ok"}],
+    "continue_final_message": True,
+    "add_generation_prompt": False,
+}
 
 
 def says(text: str, **extra: Any) -> dict[str, Any]:
@@ -81,6 +91,46 @@ SHAPES: dict[str, dict[str, Any]] = {
         "add_generation_prompt": False,
         "max_tokens": 8,
     },
+    # The prompt ends the reasoning (render's `reasoning_ended`); vLLM's count starts in
+    # reasoning whatever the prompt, so the answer's content is counted as reasoning.
+    "continued after closed reasoning": {**CONTINUED, "max_tokens": 8},
+    "continued after closed reasoning to a stop token id": {
+        **CONTINUED,
+        "stop_token_ids": [NEWLINE],
+        "max_tokens": 8,
+    },
+    "continued to the end of turn": {**CONTINUED, **says(r" Done\.")},
+    "continued to a stop string": {**CONTINUED, **says(r" Done\. Gone\.", stop=["on"])},
+    "continued to a tool call": {**CONTINUED, **steer_tool_call("ls -la"), "tools": TOOLS},
+    "continued with thinking off": {
+        **CONTINUED,
+        "chat_template_kwargs": {"enable_thinking": False},
+        "max_tokens": 8,
+    },
+    # A tool call written while the reasoning is open ends it (vLLM's Qwen3 parser).
+    "tool call from reasoning": {"logit_bias": {TOOL_CALL: 100}, "max_tokens": 4, "tools": TOOLS},
+    # Kept, a stop token is decoded, and the streamed count has it too.
+    "stop token id kept": {
+        "stop_token_ids": [NEWLINE],
+        "include_stop_str_in_output": True,
+        "max_tokens": 6,
+    },
+    "end of turn kept": {
+        "logit_bias": {IM_END: 100},
+        "include_stop_str_in_output": True,
+        "max_tokens": 4,
+    },
+    "min_tokens before the end of turn": {
+        "logit_bias": {IM_END: 100},
+        "min_tokens": 3,
+        "max_tokens": 6,
+    },
+    "min_tokens before a stop token id": {
+        "stop_token_ids": [NEWLINE],
+        "min_tokens": 2,
+        "max_tokens": 6,
+    },
+    "special tokens kept": {"skip_special_tokens": False, "max_tokens": 8},
     # A long prompt whose history holds reasoning markers; derender gets its last ids only.
     "long conversation": {
         "messages": [{"role": "system", "content": LONG * 20}, USER, *HISTORY, USER],
@@ -186,8 +236,8 @@ async def test_derender_reads_the_reasoning_marker_far_from_the_prompt_s_end(
 ) -> None:
     """The answer continues an assistant message whose reasoning closed long before the prompt
     ends: vLLM decides "content" from the `</think>` far back, which the prompt's tail that
-    derender gets starts with. The answer is the chat route's (its usage's reasoning count
-    aside: the chat route counts these content tokens as reasoning, token-in does not)."""
+    derender gets starts with. The answer is the chat route's, usage included (the chat route
+    counts these content tokens as reasoning, and so does token-in)."""
     body = request(
         {
             "messages": [
@@ -210,5 +260,5 @@ async def test_derender_reads_the_reasoning_marker_far_from_the_prompt_s_end(
         await stop_proxy(token_in)
     assert got["content"] == want["content"] != ""
     assert got["reasoning"] == want["reasoning"] == ""
-    del got["usage"], want["usage"]
+    assert got["usage"]["completion_tokens_details"]["reasoning_tokens"] > 0
     assert got == want

@@ -36,6 +36,16 @@ SCHEMA = {
     "json_schema": {"name": "n", "schema": {"type": "object", "properties": {"n": {}}}},
 }
 
+#: A final assistant message, continued (its reasoning closed in the prompt).
+CONTINUED: dict[str, Any] = {
+    "messages": [
+        user("Tell me."),
+        {"role": "assistant", "reasoning_content": "Fine.", "content": "Said"},
+    ],
+    "continue_final_message": True,
+    "add_generation_prompt": False,
+}
+
 #: name -> (the scripted answer, the request's extra fields).
 SHAPES: dict[str, tuple[Turn, dict[str, Any]]] = {
     "plain": (Turn("Done.", reasoning="ok"), {}),
@@ -68,6 +78,22 @@ SHAPES: dict[str, tuple[Turn, dict[str, Any]]] = {
     ),
     "logprobs": (Turn("Yes.", reasoning="r"), {"logprobs": True, "top_logprobs": 2}),
     "token ids": (Turn("Ids.", reasoning="r"), {"return_token_ids": True}),
+    # The prompt ends the reasoning (render's `reasoning_ended`), but vLLM's count starts in
+    # reasoning whatever the prompt: the answer is content, and counted as reasoning.
+    "continued after closed reasoning": (Turn(" and more.", reasoning=None), CONTINUED),
+    "continued to a stop string": (
+        Turn(" Done. Gone.", reasoning=None),
+        {**CONTINUED, "stop": ["on"]},
+    ),
+    "continued to a tool call": (Turn(tool_calls=[LS]), {**CONTINUED, "tools": TOOLS}),
+    "continued inside reasoning": (
+        Turn(" and more.", reasoning=None),
+        {**CONTINUED, "messages": [user("Tell me."), {"role": "assistant", "content": "<think>"}]},
+    ),
+    "continued with thinking off": (
+        Turn(" and more.", reasoning=None),
+        {**CONTINUED, "chat_template_kwargs": {"enable_thinking": False}},
+    ),
 }
 
 
@@ -167,3 +193,23 @@ async def test_without_the_reasoning_markers_the_usage_has_no_reasoning_count(
     # Not learnt: asked again by the next call (two /tokenize calls each).
     assert isinstance(p.fake, NoTokenize)
     assert p.fake.refused == 4
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "streamed"])
+async def test_a_continued_message_whose_reasoning_closed_counts_its_answer_as_reasoning(
+    make_proxy: Any, stream: bool
+) -> None:
+    # vLLM's count starts in reasoning unless thinking is off, whatever the prompt: every
+    # answer token but the end of turn (docs/token-in.md, "What the agent gets").
+    turn = Turn(" and more.", reasoning=None)
+    p: Proxy = await make_proxy(fake=FakeVLLM(scale_out=True), token_in="on")
+    p.fake.push(turn)
+    view = await agent_view(p.chat, request(CONTINUED, stream))
+    [record] = p.calls()
+    assert record.token_in
+    content = view["content"] if stream else view["choices"][0]["message"]["content"]
+    assert content == record.response["content"] == " and more."
+    assert not record.response.get("reasoning_content")
+    answer_tokens = len(record.completion_token_ids) - 1
+    assert view["usage"]["completion_tokens_details"] == {"reasoning_tokens": answer_tokens}
+    assert answer_tokens > 0

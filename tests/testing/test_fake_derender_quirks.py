@@ -120,3 +120,31 @@ async def test_a_streamed_tool_call_cut_by_length_says_tool_calls_in_derender_on
     finishes = [c["finish_reason"] for a in answers for c in a["chunk"]["choices"]]
     assert chunks[-2]["choices"][0]["finish_reason"] == "length"
     assert finishes[-1] == "tool_calls"
+
+
+async def test_a_continued_message_whose_reasoning_closed_ends_it_and_still_counts_reasoning(
+    serve: Serve,
+) -> None:
+    # Render says the prompt ended the reasoning; the chat route counts every token it wrote
+    # after it as reasoning all the same (its count does not read the prompt), unary and
+    # streamed. (The real unary answer calls the text reasoning, the streamed one content; the
+    # fake calls an answer without a think block content: `reasoning_token_count`.)
+    case = fixture("token-in/parity-continued-after-reasoning.json")
+    real = REAL["continued-after-reasoning"]
+    assert real["reasoning_ended"] is True
+    usage = real["chat_usage"]
+    assert usage["completion_tokens_details"]["reasoning_tokens"] == usage["completion_tokens"]
+    real_stream = [orjson.loads(e) for e in events(case["chat_stream"].encode())[:-1]]
+    assert real_stream[-1]["usage"]["completion_tokens_details"] == {"reasoning_tokens": 8}
+    chat = case["chat_request"]
+    _, client = await serve(*[Turn("Ok" * 8)] * 3, scale_out=True)
+    assert (await post(client, RENDER, chat))["reasoning_ended"] is True
+    said = await post(client, "/v1/chat/completions", chat)
+    assert said["choices"][0]["finish_reason"] == "length"
+    assert said["usage"]["completion_tokens_details"] == {"reasoning_tokens": 8}
+    raw = await client.post(
+        "/v1/chat/completions",
+        json={**chat, "stream": True, "stream_options": {"include_usage": True}},
+    )
+    streamed = [orjson.loads(e) for e in events(await raw.read())[:-1]]
+    assert streamed[-1]["usage"]["completion_tokens_details"] == {"reasoning_tokens": 8}

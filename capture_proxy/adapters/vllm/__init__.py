@@ -28,6 +28,7 @@ from ._chat_route import (
     StopTokenStrip,
     chat_finish_reason,
     count_reasoning_tokens,
+    counts_reasoning_from_start,
     without_stop_token_id,
 )
 from ._derender import (
@@ -76,6 +77,7 @@ __all__ = [
     "chunk_without_logprobs",
     "client_answer",
     "count_reasoning_tokens",
+    "counts_reasoning_from_start",
     "derender_body",
     "derender_chat_request",
     "derender_chunk_body",

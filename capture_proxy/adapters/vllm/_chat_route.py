@@ -35,35 +35,56 @@ __all__ = [
     "chat_finish_reason",
     "chat_usage",
     "count_reasoning_tokens",
+    "counts_reasoning_from_start",
     "without_stop_token_id",
 ]
 
-#: The texts of the reasoning markers `count_reasoning_tokens` reads: those of vLLM's
-#: think-style reasoning parsers (Qwen3, DeepSeek-R1, ...).
-REASONING_MARKERS = ("<think>", "</think>")
+#: The texts of the markers `count_reasoning_tokens` reads: the reasoning start and end of vLLM's
+#: think-style reasoning parsers (Qwen3, DeepSeek-R1, ...), and the Qwen3 parser's tool call
+#: start, which ends the reasoning too.
+REASONING_MARKERS = ("<think>", "</think>", "<tool_call>")
 
 
 def count_reasoning_tokens(
-    ids: Sequence[int], markers: tuple[int, int], *, open_at_start: bool
+    ids: Sequence[int], markers: tuple[int, int, int | None], *, open_at_start: bool
 ) -> int:
     """The completion's reasoning tokens as vLLM 0.32's Qwen3 parser counts them for the chat
     route's ``completion_tokens_details`` (its parser engine's count of the tokens it read in
-    the reasoning phase): the phase is open at the start unless the prompt closed it (render's
-    ``reasoning_ended``), a start marker opens it, an end marker closes it; the markers
-    themselves are not counted. Measured against the chat route on the tiny vLLM
-    (tests/e2e/test_vllm_parity.py: reasoning cut by length counts every token, an answer
-    whose first token closes the reasoning counts none)."""
-    start, end = markers
+    the reasoning phase). `markers`: the ids of ``<think>``, ``</think>`` and ``<tool_call>``
+    (None when not one token). The phase is open at the start unless thinking is off
+    (`counts_reasoning_from_start`) and never opens later (the parser's grammar has no way back
+    into it); ``</think>`` or a ``<tool_call>`` ends it (``qwen3_config``'s transitions: a tool
+    call is an implicit end); ``<think>`` inside it is not counted. Measured against the chat
+    route on the tiny vLLM (tests/e2e/test_vllm_parity.py: reasoning cut by length counts every
+    token, an answer whose first token closes the reasoning counts none, a tool call straight
+    after a continued message none)."""
+    start, end, tool = markers
+    if not open_at_start:
+        return 0
     count = 0
-    reasoning = open_at_start
     for token in ids:
-        if token == start:
-            reasoning = True
-        elif token == end:
-            reasoning = False
-        elif reasoning:
+        if token in (end, tool):
+            break
+        if token != start:
             count += 1
     return count
+
+
+def counts_reasoning_from_start(reasoning_parser_kwargs: Any) -> bool:
+    """Whether the chat route's reasoning count starts in the reasoning phase, from render's
+    ``reasoning_parser_kwargs`` (parsed JSON): the Qwen3 parser's config starts there unless
+    ``chat_template_kwargs.enable_thinking`` is falsy, and its count never reads the prompt
+    (vLLM 0.32 ``parser/engine/adapters.py``, ``count_reasoning_tokens``: a fresh parser engine
+    in its initial state, unary and streamed alike once the prompt ended the reasoning). So a
+    continued assistant message whose reasoning closed counts its answer as reasoning."""
+    kwargs = (
+        reasoning_parser_kwargs.get("chat_template_kwargs")
+        if isinstance(reasoning_parser_kwargs, Mapping)
+        else None
+    )
+    if not isinstance(kwargs, Mapping):
+        return True
+    return bool(kwargs.get("enable_thinking", True))
 
 
 def chat_usage(

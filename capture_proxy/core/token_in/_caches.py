@@ -40,9 +40,9 @@ class CloseRenders:
         self._anchored = 0
         #: The close keys whose templates need the dummies' context (`context_needed`).
         self._context: OrderedDict[str, None] = OrderedDict()
-        #: By tokenizer fingerprint: the reasoning parser's start and end marker ids, None when
-        #: they are not one token each (what the chat route's ``reasoning_tokens`` counts between).
-        self.reasoning_markers: dict[str, tuple[int, int] | None] = {}
+        #: By tokenizer fingerprint: the reasoning parser's start and end marker ids and the tool
+        #: call start's (`count_reasoning_tokens`), None when the first two are not one token each.
+        self.reasoning_markers: dict[str, tuple[int, int, int | None] | None] = {}
 
     def get(self, key: str) -> IdsPair | None:
         pair = self._pairs.get(key)

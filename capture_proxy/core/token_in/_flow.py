@@ -31,6 +31,7 @@ from ...adapters.vllm import (
     WeightSpan,
     client_answer,
     count_reasoning_tokens,
+    counts_reasoning_from_start,
     derender_body,
     derender_chat_request,
     derender_prompt_start,
@@ -85,7 +86,7 @@ class TokenInCall:
         #: The chat request derender calls send (`derender_chat_request`), encoded (`post`).
         self._derender_chat = b""
         #: The reasoning parser's marker ids (`_reasoning_markers`; None: no reasoning tokens).
-        self._markers: tuple[int, int] | None = None
+        self._markers: tuple[int, int, int | None] | None = None
         #: The call's line of calls (`token_in_line`), hashed once per call (`_token_in_line`).
         self._line: str | None = None
 
@@ -128,11 +129,12 @@ class TokenInCall:
         body = self.prompt.generate_body(self._exchange.request, stream=self._exchange.streamed)
         return await upstream.post_engine(EngineRoute.GENERATE, body)
 
-    async def _reasoning_markers(self, prompt: TokenInPrompt) -> tuple[int, int] | None:
+    async def _reasoning_markers(self, prompt: TokenInPrompt) -> tuple[int, int, int | None] | None:
         """The reasoning parser's marker ids, when the chat route would count the answer's
         ``reasoning_tokens``: the server has a reasoning parser (render answers its
-        ``reasoning_parser_kwargs``) whose markers are one token each. Asked once per tokenizer
-        fingerprint (two ``/tokenize`` calls), then kept."""
+        ``reasoning_parser_kwargs``) whose reasoning markers are one token each (the tool call
+        start too, else a tool call does not end the count). Asked once per tokenizer
+        fingerprint (three ``/tokenize`` calls), then kept."""
         kwargs = prompt.rendered.rest.get("reasoning_parser_kwargs")
         if kwargs is None or bytes(kwargs) == b"null":
             return None
@@ -143,30 +145,44 @@ class TokenInCall:
         upstream = self._upstream
         if not isinstance(upstream, TextTokenizer):
             return None
-        start, end = await asyncio.gather(
+        start, end, tool = await asyncio.gather(
             *(upstream.tokenize_text(self._model, text) for text in REASONING_MARKERS)
         )
-        if start is None or end is None:
+        if start is None or end is None or tool is None:
             return None  # not answered: asked again by the next call
-        markers = (start[0], end[0]) if len(start) == 1 == len(end) else None
+        tool_id = tool[0] if len(tool) == 1 else None
+        markers = (start[0], end[0], tool_id) if len(start) == 1 == len(end) else None
         known[key] = markers
         return markers
 
     def _reasoning_tokens(self, generated: Generated | None, *, stream: bool) -> int | None:
         """The chat route's ``reasoning_tokens`` for `generated` (None: not given). The token a
-        generation stopped on is not counted: unary, an end of sequence; streamed, any stop
-        token (the chat route's streaming parser never sees an undecoded token). Measured on
-        the tiny vLLM, tests/e2e/test_vllm_parity.py."""
+        generation stopped on is not counted: an end of sequence; streamed after a prompt that
+        leaves reasoning open, any stop token unless ``include_stop_str_in_output`` (the chat
+        route's streaming parser never sees an undecoded token; after a prompt that ended it,
+        the stream is counted as unary is).
+        The count starts in reasoning unless thinking is off, whatever the prompt
+        (`counts_reasoning_from_start`). Measured on the tiny vLLM,
+        tests/e2e/test_vllm_parity.py."""
         markers, prompt = self._markers, self.prompt
         if markers is None or prompt is None or generated is None:
             return None
-        ended = prompt.rendered.rest.get("reasoning_ended")
+        rest = prompt.rendered.rest
+        ended = rest.get("reasoning_ended")
         closed = ended is not None and bytes(ended) == b"true"
+        kwargs = rest.get("reasoning_parser_kwargs")
+        from_start = counts_reasoning_from_start(
+            orjson.loads(bytes(kwargs)) if kwargs is not None else None
+        )
         ids: Sequence[int] = generated.completion_ids
         on_token = generated.finish_reason == "stop" and not isinstance(generated.stop_reason, str)
-        if ids and on_token and (stream or generated.stop_reason is None):
+        # With `include_stop_str_in_output` the chat route decodes a `stop_token_ids` id, and
+        # its streaming parser counts it (measured).
+        decoded = self._exchange.request.get("include_stop_str_in_output") is True
+        streamed_undecoded = stream and not closed and not decoded
+        if ids and on_token and (streamed_undecoded or generated.stop_reason is None):
             ids = ids[:-1]
-        return count_reasoning_tokens(ids, markers, open_at_start=not closed)
+        return count_reasoning_tokens(ids, markers, open_at_start=from_start)
 
     async def finish(self, raw: bytes) -> Outcome:
         """Derender generate's unary answer `raw` for the client, then stage the call."""
@@ -231,7 +247,8 @@ class TokenInCall:
         kwargs = prompt.rendered.rest.get("reasoning_parser_kwargs")
         if kwargs is None or bytes(kwargs) == b"null":
             return ()
-        return self._markers
+        markers = self._markers
+        return None if markers is None else markers[:2]  # `<think>`, `</think>`
 
     async def _derender(self, body: bytes) -> Derendered:
         return read_derendered(await post_derender(self._upstream, body))

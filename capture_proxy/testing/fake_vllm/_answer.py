@@ -30,6 +30,7 @@ from ._generation import (
     cut_at_stop,
     message_parts,
     plan_answer,
+    prompt_ends_reasoning,
     reasoning_token_count,
     sample_logprobs,
     stop_on_strings,
@@ -68,7 +69,7 @@ class Answer:
     include_reasoning: bool = True
     include_usage: bool = False
     include_stop_str: bool = False
-    #: The prompt leaves reasoning open (not ``enable_thinking: false``).
+    #: Not ``enable_thinking: false`` (the reasoning count starts open, whatever the prompt).
     thinking: bool = True
     drop_all_ids: bool = False
     drop_every: int | None = None
@@ -140,7 +141,8 @@ def answer_for(
     thinking = not (isinstance(kwargs, Mapping) and kwargs.get("enable_thinking") is False)
     plan = plan_answer(
         turn,
-        thinking=thinking,
+        # The model opens no reasoning after a prompt that ended it (a continued message).
+        thinking=not prompt_ends_reasoning(prompt_ids, thinking=thinking),
         parse_tools=bool(body.get("tools")) and body.get("tool_choice") != "none",
         new_tool_id=lambda: new_id("chatcmpl-tool-"),
     )

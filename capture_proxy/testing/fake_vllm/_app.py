@@ -337,9 +337,7 @@ class FakeVLLM(ScaleOutRoutes):
             self.requests.append(body)
             self.request_headers.append(dict(request.headers))
             check_model(body, self.model)
-            tools = body.get("tools") or None
-            gen = body.get("add_generation_prompt", True) is not False
-            prompt_text = self._render(require_messages(body), tools, gen)
+            prompt_text = self._prompt_text(body)
             prompt_ids = encode(prompt_text)
             limit = output_limit(body, len(prompt_ids), self.max_model_len)
         except RequestError as exc:

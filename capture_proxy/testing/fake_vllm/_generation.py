@@ -27,6 +27,7 @@ from typing import Any
 from ._faults import Fault
 from ._template import (
     BYTE_OFFSET,
+    SPECIAL_TOKENS,
     THINK_END,
     THINK_START,
     decode,
@@ -44,6 +45,7 @@ __all__ = [
     "default_turn",
     "message_parts",
     "plan_answer",
+    "prompt_ends_reasoning",
     "reasoning_token_count",
     "sample_logprobs",
     "stop_on_strings",
@@ -203,22 +205,42 @@ def message_parts(plan: Plan, n: int) -> tuple[str | None, str | None, list[Plan
     return reasoning, rest or None, []
 
 
+_TOOL_CALL = SPECIAL_TOKENS["<tool_call>"]
+_TURN_BOUNDARIES = frozenset((SPECIAL_TOKENS["<|im_start|>"], SPECIAL_TOKENS["<|im_end|>"]))
+
+
+def prompt_ends_reasoning(prompt_ids: list[int], *, thinking: bool) -> bool:
+    """Render's ``reasoning_ended`` as vLLM 0.32's Qwen3 parser decides it (``is_reasoning_end``
+    on the prompt, vllm/parser/engine/parser_engine.py): the last reasoning marker since the
+    last turn boundary is a ``</think>``; without one, reasoning is ended when `thinking` is off.
+    A continued final assistant message whose reasoning closed ends it."""
+    for token in reversed(prompt_ids):
+        if token == THINK_END:
+            return True
+        if token == THINK_START:
+            return False
+        if token in _TURN_BOUNDARIES:
+            break
+    return not thinking
+
+
 def reasoning_token_count(ids: list[int], *, thinking: bool = True, ended: bool = False) -> int:
     """The chat route's ``reasoning_tokens`` as vLLM 0.32's Qwen3 parser counts them (measured
     on the tiny vLLM, tests/e2e/test_vllm_parity.py and docs/upstream-facts.md): the reasoning
-    phase is open from the first token unless the prompt closed it (`thinking` false), a
-    ``<think>`` opens it and a ``</think>`` closes it (neither counted), and the end-of-turn
-    token a completion stopped on (`ended`) is not counted. (The fake parses an answer without
-    a think block as content; vLLM's Qwen3 parser would call it reasoning, and counts it so.)"""
+    phase is open from the first token unless ``enable_thinking`` is off (`thinking` false;
+    whatever the prompt says: a continued message whose reasoning closed counts too) and never
+    opens later; ``</think>`` or ``<tool_call>`` ends it (neither counted, nor a ``<think>``
+    inside it), and the end-of-turn token a completion stopped on (`ended`) is not counted.
+    (The fake parses an answer without a think block as content; vLLM's Qwen3 parser would
+    call it reasoning, and counts it so.)"""
+    if not thinking:
+        return 0
     counted = ids[:-1] if ended and ids else ids
     count = 0
-    reasoning = thinking
     for token in counted:
-        if token == THINK_START:
-            reasoning = True
-        elif token == THINK_END:
-            reasoning = False
-        elif reasoning:
+        if token in (THINK_END, _TOOL_CALL):
+            break
+        if token != THINK_START:
             count += 1
     return count
 

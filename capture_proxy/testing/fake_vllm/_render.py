@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from ._generation import prompt_ends_reasoning
 from ._validate import RequestError
 
 __all__ = [
@@ -141,7 +142,8 @@ def render_answer(
 
     ``reasoning_ended`` is true when the prompt already closed reasoning (a template given
     ``enable_thinking: false`` writes an empty ``<think></think>``; measured on the tools
-    fixture). `features`: the images' (`_features.render_features`), None without. Real vLLM
+    fixture; a continued assistant message whose reasoning closed: `prompt_ends_reasoning`).
+    `features`: the images' (`_features.render_features`), None without. Real vLLM
     also puts ``cohere_format`` into ``chat_template_kwargs``; left out here
     (no template of the fake reads it)."""
     kwargs = dict(body.get("chat_template_kwargs") or {})
@@ -155,7 +157,9 @@ def render_answer(
         "content_parts": None,
         "sampling_params": sampling,
         "model": model,
-        "reasoning_ended": kwargs.get("enable_thinking") is False,
+        "reasoning_ended": prompt_ends_reasoning(
+            ids, thinking=kwargs.get("enable_thinking") is not False
+        ),
         "reasoning_parser_kwargs": {"chat_template_kwargs": kwargs},
         "return_token_ids": None,
         "output_mode": "tokens",

@@ -87,8 +87,13 @@ class ScaleOutRoutes:
         return json_response(200, answer)
 
     def _render_ids(self, body: Mapping[str, Any]) -> list[int]:
-        """Render's prompt ids: ``add_generation_prompt: false`` leaves out the generation prompt;
-        ``continue_final_message: true`` ends inside the final assistant message, unclosed."""
+        """Render's prompt ids (`_prompt_text`)."""
+        return encode(self._prompt_text(body))
+
+    def _prompt_text(self, body: Mapping[str, Any]) -> str:
+        """The prompt render and the chat route give: ``add_generation_prompt: false`` leaves out
+        the generation prompt; ``continue_final_message: true`` ends inside the final assistant
+        message, unclosed."""
         messages = require_messages(body)
         cont = bool(body.get("continue_final_message"))
         if cont and (not messages or messages[-1].get("role") != "assistant"):
@@ -100,7 +105,7 @@ class ScaleOutRoutes:
         text = self._render(messages, body.get("tools") or None, gen)
         if cont:
             text = text.removesuffix("<|im_end|>\n")
-        return encode(text)
+        return text
 
     def _scale_out_refusal(self, request: web.Request) -> web.Response | None:
         self.route_hits[request.path] += 1
