@@ -15,6 +15,8 @@ time went, from the process's own output as it arrived:
   listing of the markers, the checkpoint, the index of the live units);
 - **to banner**: ``starting`` to the ``listening on`` banner (the store open, the weight version
   read from the store, the listener);
+- **store opened to banner**: what follows the open before the proxy listens (the weight
+  version read from the store);
 - **banner to ready**: the banner to the first ``/readyz`` 200 (the upstream's facts).
 
 Twice: **alone**, then **under load**: another proxy on the same dataset serves `--sandboxes`
@@ -119,6 +121,8 @@ async def time_to_ready(upstream: str, store: str, http: aiohttp.ClientSession) 
         out["store open s"] = float(m.group(1)) if m else None
         if starting and banner:
             out["starting to banner s"] = banner[0] - starting[0]
+        if opened and banner:
+            out["store opened to banner s"] = banner[0] - opened[0]
         if banner:
             out["banner to ready s"] = ready - banner[0]
         return out
@@ -134,7 +138,14 @@ def _median(runs: list[dict[str, Any]], key: str) -> float | None:
 async def restarts(upstream: str, store: str, n: int) -> dict[str, Any]:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http:
         runs = [await time_to_ready(upstream, store, http) for _ in range(n)]
-    keys = ("ready s", "imports s", "store open s", "starting to banner s", "banner to ready s")
+    keys = (
+        "ready s",
+        "imports s",
+        "store open s",
+        "starting to banner s",
+        "store opened to banner s",
+        "banner to ready s",
+    )
     out: dict[str, Any] = {f"{k} (median)": _median(runs, k) for k in keys}
     out["ready s (each)"] = [round(r["ready s"], 2) for r in runs]
     return out

@@ -601,7 +601,10 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     unreserved = await asyncio.to_thread(reserve_journal, journal)
     if unreserved:
         log.error("%s: ledger entries held at a stop may then go to stderr only", unreserved)
-    version = await state.capture.restore_weight_version()
+    # The sink's open listed the store moments ago: on object storage listing it again is a
+    # request per thousand commit markers, seconds on a large dataset, and the version is only
+    # promised within --weight-version-refresh anyway.
+    version = await state.capture.restore_weight_version(listed_within_s=s.weight_version_refresh)
     if version:
         log.info("weight version %d, as last set on the store", version)
     guards = asyncio.create_task(_guards(state, s.store))
