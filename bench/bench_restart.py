@@ -173,7 +173,8 @@ async def run(units: int, n: int, sandboxes: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp, MotoS3(Path(tmp), BUCKET) as moto:
         os.environ.update(moto.env)  # the proxies are started with it in their environment
         t = time.perf_counter()
-        out["uploaded objects"] = upload(local, S3Store(BUCKET, prefix="ds", **_client(moto)))
+        target = S3Store(BUCKET, prefix="ds", **_client(moto))
+        out["uploaded objects"] = await asyncio.to_thread(upload, local, target)
         out["upload s"] = time.perf_counter() - t
         store = f"s3://{BUCKET}/ds"
         fake = start_fake(latency=0.02)
