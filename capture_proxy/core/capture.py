@@ -224,16 +224,21 @@ class Capture:
         self._weight_version = version
         self._weight_sets += 1
 
-    async def restore_weight_version(self) -> int:
+    async def restore_weight_version(self, *, listed_within_s: float = 0.0) -> int:
         """Take up the weight version last set on the store; returns the version stamped now.
 
         At start, and again while serving (`refresh_weight_version`): the version belongs to
         the store, so every proxy on one store stamps the version any of them set last.
+        `listed_within_s`: a store listing the reader took that recently will do (at start,
+        the one the sink's open took; `stored_weight_version`).
         """
         if self.source is None:
             return self._weight_version
         sets = self._weight_sets
-        stored = await asyncio.to_thread(stored_weight_version, self.source)
+        stored = await asyncio.to_thread(
+            functools.partial(stored_weight_version, listed_within_s=listed_within_s),
+            self.source,
+        )
         # A version this process set while the store was read is newer than what was read.
         if stored is not None and sets == self._weight_sets:
             self._weight_version = stored

@@ -13,6 +13,7 @@ checkpoint): such a call is staged and flagged, with `DECREASED_FROM` in its rec
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 
@@ -41,10 +42,20 @@ def state_header(weight_version: int) -> RolloutInfo:
     )
 
 
-def stored_weight_version(open_source: Callable[[], StagingSource]) -> int | None:
-    """The weight version last set on this store, or None if none was. Blocking I/O."""
+def stored_weight_version(
+    open_source: Callable[[], StagingSource], *, listed_within_s: float = 0.0
+) -> int | None:
+    """The weight version last set on this store, or None if none was. Blocking I/O.
+
+    `listed_within_s`: a reader that lists the store before each read (a Parquet dataset's
+    commit markers) may use a listing it took less than that many seconds ago instead (a
+    proxy starting on a store its sink has just opened and listed)."""
+    source = open_source()
+    recent = getattr(source, "snapshot", None)  # optional on sources: a Parquet reader's
+    within = recent(listed_within_s) if listed_within_s > 0 and callable(recent) else None
     try:
-        info = open_source().rollout_info(PROXY_STATE_ROLLOUT)
+        with within if within is not None else contextlib.nullcontext():
+            info = source.rollout_info(PROXY_STATE_ROLLOUT)
     except KeyError:
         return None
     value = info.metadata.get(_VERSION_KEY)

@@ -409,7 +409,14 @@ def _quiet_parse_errors() -> None:
 def create_app(settings: Settings, *, sink: StagingSink | None = None) -> web.Application:
     """The proxy as an aiohttp Application (``sink`` overrides ``settings.store``, for tests)."""
     _quiet_parse_errors()
-    the_sink = sink if sink is not None else open_sink(settings.store)
+    if sink is not None:
+        the_sink = sink
+    else:
+        started = time.perf_counter()
+        the_sink = open_sink(settings.store)
+        # Said at every start: on object storage the open (the listing of the commit markers,
+        # the index of the live units) is most of the time a restarted proxy takes to be ready.
+        log.info("store %s opened in %.2f s", settings.store, time.perf_counter() - started)
     state = ProxyState(
         settings=settings,
         sink=the_sink,
@@ -594,7 +601,10 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     unreserved = await asyncio.to_thread(reserve_journal, journal)
     if unreserved:
         log.error("%s: ledger entries held at a stop may then go to stderr only", unreserved)
-    version = await state.capture.restore_weight_version()
+    # The sink's open listed the store moments ago: on object storage listing it again is a
+    # request per thousand commit markers, seconds on a large dataset, and the version is only
+    # promised within --weight-version-refresh anyway.
+    version = await state.capture.restore_weight_version(listed_within_s=s.weight_version_refresh)
     if version:
         log.info("weight version %d, as last set on the store", version)
     guards = asyncio.create_task(_guards(state, s.store))

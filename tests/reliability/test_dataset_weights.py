@@ -79,3 +79,34 @@ async def test_a_version_set_on_one_proxy_is_stamped_by_the_others_within_the_bo
         assert await _stamped(again, "after-restart") == 3
     finally:
         await stop_proxy(again)
+
+
+def _lists(moto: MotoS3) -> int:
+    """LIST requests (ListObjectsV2) moto has answered so far."""
+    time.sleep(0.15)  # its log line follows the response
+    return moto.log_path.read_text(errors="replace").count("list-type=2")
+
+
+async def test_a_restarted_proxy_takes_up_the_version_from_its_stores_open_listing(
+    tmp_path: Path, moto_s3: MotoS3
+) -> None:
+    url = moto_s3.url()
+    first = await start_proxy(tmp_path / "first", sink=open_sink(url), store=url)
+    try:
+        await first.state.capture.set_weight_version(4)
+    finally:
+        await stop_proxy(first)
+    # On a large dataset each listing of the commit markers is a request per thousand units,
+    # seconds in all: the restarted proxy reads its version with the listing its store's open
+    # took, not another one.
+    before = _lists(moto_s3)
+    sink = open_sink(url)
+    opened = _lists(moto_s3)
+    assert opened > before
+    again = await start_proxy(tmp_path / "again", sink=sink, store=url, weight_version_refresh=60)
+    try:
+        assert _lists(moto_s3) == opened
+        assert again.state.capture.weight_version == 4
+        assert await _stamped(again, "after-restart") == 4
+    finally:
+        await stop_proxy(again)

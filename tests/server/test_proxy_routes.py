@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import logging
+import re
 import sqlite3
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from capture_proxy.server.app import create_app
+from capture_proxy.server.settings import Settings
+from capture_proxy.server.state import STATE
 from capture_proxy.testing.fake_vllm import FakeVLLM
 from tests.support.proxy_harness import chat_body, user
 
@@ -118,6 +123,20 @@ async def test_health_ready_and_metrics(make_proxy: Any) -> None:
         'capture_proxy_requests_total{route="/r/{rollout_id}/v1/chat/completions",status="200"} 1.0'
         in text
     )
+
+
+async def test_a_starting_proxy_says_how_long_its_store_took_to_open(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # What a restart spends opening the store (on object storage most of its time to ready)
+    # is in the proxy's own log, so an operator need not guess it.
+    caplog.set_level(logging.INFO, logger="capture_proxy")
+    store = f"parquet:///{tmp_path}/ds"
+    app = create_app(Settings(upstream="http://127.0.0.1:9", store=store))
+    try:
+        assert re.search(rf"store {re.escape(store)} opened in \d+\.\d\d s", caplog.text)
+    finally:
+        await app[STATE].sink.close()
 
 
 async def test_readyz_fails_when_upstream_is_down(make_proxy: Any) -> None:

@@ -71,6 +71,21 @@ async def test_a_snapshot_shows_units_committed_during_it_only_after_it(tmp_path
     assert source.rollouts() == ["r0", "r1"]
 
 
+async def test_a_snapshot_given_a_max_age_reads_a_listing_that_young_as_it_is(
+    tmp_path: Path,
+) -> None:
+    ds = str(tmp_path / "ds")
+    await _stage(ds, rollouts=1, calls=1)
+    source = ParquetSource(ds)
+    with source.snapshot(max_age_s=3600):  # never listed yet: lists
+        assert source.rollouts() == ["r0"]
+    await _stage(ds, rollouts=2, calls=1)
+    with source.snapshot(max_age_s=3600):  # listed just now: what that listing showed
+        assert source.rollouts() == ["r0"]
+    with source.snapshot(max_age_s=0.0):  # the default: a listing of its own
+        assert source.rollouts() == ["r0", "r1"]
+
+
 async def test_a_compaction_deleting_files_under_a_snapshot_is_read_through(
     tmp_path: Path,
 ) -> None:

@@ -161,6 +161,8 @@ class ParquetSource(Loading):
             raise StoreError(f"no capture-proxy Parquet dataset at {location}")
         self._lock = threading.RLock()
         self._listing: list[str] = []
+        #: When the last listing was started (`time.monotonic`), for `snapshot`'s `max_age_s`.
+        self._listed_at = float("-inf")
         #: The names of the indexed (live) units, in the index's order.
         self._units: list[str] = []
         #: Open `snapshot` blocks (reads inside one do not re-list).
@@ -184,11 +186,14 @@ class ParquetSource(Loading):
         cleaning up); the reader is then reset, and the next refresh starts over.
         """
         with self._lock:
+            listed_at = time.monotonic()  # when the listing started: its age is not less
             names = list_markers(self.dfs)
             if names == self._listing:
+                self._listed_at = listed_at
                 return
             try:
                 self._load(names)
+                self._listed_at = listed_at
             except BaseException as e:
                 self._reset()
                 damaged = _damaged(self.url, e)
@@ -197,15 +202,18 @@ class ParquetSource(Loading):
                 raise
 
     @contextlib.contextmanager
-    def snapshot(self) -> Iterator[None]:
+    def snapshot(self, max_age_s: float = 0.0) -> Iterator[None]:
         """Read the dataset as one listing taken when the block starts: the calls inside it do
         not re-list the commit markers each (units committed meanwhile show after the block).
+        With `max_age_s`, a listing this reader took less than that many seconds ago is used
+        as it is (on object storage a listing is a request per thousand markers).
 
         The reader's other threads wait for the block to end. A file a compaction deleted under
         the block is handled as outside one: the read re-lists and retries.
         """
         with self._lock:
-            self.refresh()
+            if not self._listing or time.monotonic() - self._listed_at >= max_age_s:
+                self.refresh()
             self._held += 1
             try:
                 yield
