@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections import OrderedDict
 from collections.abc import Callable
@@ -36,9 +37,7 @@ from .outcomes import HeaderLocks
 from .policy import RequestPolicy
 from .refusal_folds import RefusalFolds
 from .resumes import Resumes
-from .rollouts import (
-    RolloutLive,
-)
+from .rollouts import RolloutLive
 from .staging import Stager
 from .weights import state_header, stored_weight_version
 
