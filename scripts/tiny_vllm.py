@@ -202,13 +202,13 @@ def _corpus(seed: int, lines: int = 6000) -> list[str]:
     return out
 
 
-def build_model(out: Path) -> None:
-    """Write the tiny model, tokenizer and chat template as a HF folder at `out`.
-
-    Runs in the cache venv (torch, transformers, tokenizers). Deterministic for a given recipe.
-    """
-    # These live in the cache venv only, not in the project's (mypy runs there).
-    import torch  # type: ignore[import-not-found, unused-ignore]
+def build_tokenizer(
+    seed: int, vocab_size: int, chat_template: str, extra_special: tuple[str, ...]
+) -> tuple[Any, Any]:
+    """The tiny models' byte-level BPE tokenizer, trained on `_corpus(seed)`: (the `tokenizers`
+    Tokenizer, its transformers `PreTrainedTokenizerFast` with `chat_template`). `SPECIAL`,
+    `MARKUP` and `extra_special` are added tokens; `SPECIAL` and `extra_special` are special
+    (skipped when decoding). Runs in the cache venv; deterministic for its arguments."""
     from tokenizers import (  # type: ignore[import-not-found, unused-ignore]
         Tokenizer,
         decoders,
@@ -218,36 +218,51 @@ def build_model(out: Path) -> None:
         trainers,
     )
     from transformers import (  # type: ignore[import-not-found, unused-ignore]
-        GenerationConfig,
         PreTrainedTokenizerFast,
-        Qwen3Config,
-        Qwen3ForCausalLM,
     )
 
-    r = MODEL_RECIPE
+    special = (*SPECIAL, *extra_special)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
-        vocab_size=int(str(r["vocab_size"])),
-        special_tokens=[*SPECIAL, *MARKUP],
+        vocab_size=vocab_size,
+        special_tokens=[*SPECIAL, *MARKUP, *extra_special],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         min_frequency=2,
         show_progress=False,
     )
-    tok.train_from_iterator(_corpus(int(str(r["seed"]))), trainer=trainer)
+    tok.train_from_iterator(_corpus(seed), trainer=trainer)
     spec = json.loads(tok.to_str())
     for added in spec["added_tokens"]:
-        added["special"] = added["content"] in SPECIAL
+        added["special"] = added["content"] in special
     tok = Tokenizer.from_str(json.dumps(spec))
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
-        chat_template=CHAT_TEMPLATE,
-        model_max_length=int(str(r["max_position_embeddings"])),
+        chat_template=chat_template,
+        model_max_length=MAX_MODEL_LEN,
     )
+    return tok, fast
+
+
+def build_model(out: Path) -> None:
+    """Write the tiny model, tokenizer and chat template as a HF folder at `out`.
+
+    Runs in the cache venv (torch, transformers, tokenizers). Deterministic for a given recipe.
+    """
+    # These live in the cache venv only, not in the project's (mypy runs there).
+    import torch  # type: ignore[import-not-found, unused-ignore]
+    from transformers import (  # type: ignore[import-not-found, unused-ignore]
+        GenerationConfig,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
+
+    r = MODEL_RECIPE
+    tok, fast = build_tokenizer(int(str(r["seed"])), int(str(r["vocab_size"])), CHAT_TEMPLATE, ())
     ids = {t: tok.token_to_id(t) for t in (*SPECIAL, *MARKUP)}
     config = Qwen3Config(
         vocab_size=tok.get_vocab_size(),

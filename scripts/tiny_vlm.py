@@ -123,45 +123,15 @@ def build_model(out: Path) -> None:
     Runs in the cache venv (torch, transformers, tokenizers). Deterministic for a given recipe.
     """
     import torch  # type: ignore[import-not-found, unused-ignore]
-    from tokenizers import (  # type: ignore[import-not-found, unused-ignore]
-        Tokenizer,
-        decoders,
-        models,
-        pre_tokenizers,
-        processors,
-        trainers,
-    )
     from transformers import (  # type: ignore[import-not-found, unused-ignore]
         GenerationConfig,
-        PreTrainedTokenizerFast,
         Qwen2_5_VLConfig,
         Qwen2_5_VLForConditionalGeneration,
     )
 
     r = MODEL_RECIPE
-    special = (*tiny_vllm.SPECIAL, *VISION)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=int(str(r["vocab_size"])),
-        special_tokens=[*tiny_vllm.SPECIAL, *tiny_vllm.MARKUP, *VISION],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        min_frequency=2,
-        show_progress=False,
-    )
-    tok.train_from_iterator(tiny_vllm._corpus(int(str(r["seed"]))), trainer=trainer)
-    spec = json.loads(tok.to_str())
-    for added in spec["added_tokens"]:
-        added["special"] = added["content"] in special
-    tok = Tokenizer.from_str(json.dumps(spec))
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        chat_template=CHAT_TEMPLATE,
-        model_max_length=int(str(r["max_position_embeddings"])),
+    tok, fast = tiny_vllm.build_tokenizer(
+        int(str(r["seed"])), int(str(r["vocab_size"])), CHAT_TEMPLATE, VISION
     )
     ids = {t: tok.token_to_id(t) for t in (*tiny_vllm.SPECIAL, *VISION)}
     hidden = int(str(r["hidden_size"]))
