@@ -17,7 +17,8 @@ from capture_proxy.inspect.cli import main as inspect_main
 from capture_proxy.read.export import export_store
 from capture_proxy.read.reader import StoreCorrupted, open_store
 from capture_proxy.sinks.base import StoreDamaged
-from capture_proxy.sinks.parquet._bounds import MAX_PAGE_BYTES, MAX_READ_BYTES
+from capture_proxy.sinks.parquet import _layout
+from capture_proxy.sinks.parquet._bounds import MAX_PAGE_BYTES, MAX_READ_BYTES, CheckedReads
 from capture_proxy.sinks.parquet._layout import open_parquet
 from tests.read.test_tamper import write
 from tests.support.parquet_bomb import bomb_file
@@ -75,3 +76,27 @@ async def test_a_bomb_in_a_parquet_store_is_a_clean_error_for_every_read(
         export_store(w.url, str(tmp_path / "x.parquet"))
     assert cli_main(["export", w.url, str(tmp_path / "y.parquet")]) == 2  # cannot be opened
     assert "MAX_PAGE_BYTES" in capsys.readouterr().err
+
+
+def test_the_memo_of_checked_reads_keeps_the_latest_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A proxy reads every unit of its store over weeks: the memo of reads whose pages were
+    checked holds the most recently used ones, not every file ever read."""
+    memo = CheckedReads(limit=3)
+    monkeypatch.setattr(_layout, "_CHECKED", memo)
+    paths = []
+    for i in range(5):
+        path = tmp_path / f"t{i}.parquet"
+        pq.write_table(pa.table({"key": [str(i)]}), path)
+        paths.append(path)
+        with pa.OSFile(str(path)) as f:
+            open_parquet(f, path.name)
+    assert len(memo) == 3
+    assert not memo.seen(("t0.parquet", paths[0].stat().st_size, None, None))
+    assert memo.seen(("t4.parquet", paths[4].stat().st_size, None, None))
+    # One that fell out is checked again when read again: a bomb under its name is refused.
+    bomb_file(paths[0], column="key", page_bytes=MAX_PAGE_BYTES + 1)
+    with pytest.raises(StoreDamaged, match="MAX_PAGE_BYTES"):
+        _read(paths[0])
+    assert len(memo) == 3

@@ -66,10 +66,13 @@ async def test_sealed_rollouts_leave_the_units_index_and_read_back_exact(
     units = ParquetSource(ds, index="units")
     units.refresh()
     idx = _index(units)
-    # Only the open rollouts are kept by id; the sealed ones are packed, one entry each.
+    # Only the open rollouts are kept by id; the sealed ones are packed: one entry each for
+    # their calls, two for their ledger rows (the sealed header, then the seal event, each in
+    # a unit of its own, packs what it found).
     assert set(idx.rollout_units) == set(open_)
     assert set(idx.rollout_ledger) == set(open_)
-    assert len(idx.sealed_units) == len(idx.sealed_ledger) == len(sealed)
+    assert len(idx.sealed_units) == len(sealed)
+    assert len(idx.sealed_ledger) == 2 * len(sealed)
 
     full = ParquetSource(ds)  # indexes every call and the whole ledger
     for rollout in [*sealed, *open_]:
@@ -153,3 +156,48 @@ def test_packed_places_of_a_rollout_take_a_few_bytes_each() -> None:
     packed.add("r", places)
     assert packed.find("r") == places
     assert len(packed._values) <= 3 * len(places)
+
+
+async def _seal_as_the_proxy_does(ds: str, rollouts: list[str], first: int) -> None:
+    """Calls, then the seal event, then the sealed header, then an outcome (a grade): each a
+    unit of its own, in the order `core.lifecycle.seal` and `put_outcome` write them."""
+    sink = ParquetSink(ds)
+    try:
+        for r, rollout in enumerate(rollouts, first):
+            info = RolloutInfo(rollout, RolloutState.OPEN, False, 1_000 + r)
+            await sink.put_rollout(info)
+            session = Session(rollout, seed=r)
+            for _ in range(2):
+                record, atts = session.next()
+                await sink.stage(record, attachments=atts)
+            await sink.append_event(EventDraft(rollout, EventKind.SEAL, 5_000 + r))
+            sealed = replace(info, state=RolloutState.SEALED, sealed_at_ms=5_000 + r)
+            await sink.put_rollout(sealed)
+            await sink.put_rollout(replace(sealed, metadata={"reward": r}))
+    finally:
+        await sink.close()
+
+
+async def test_the_index_keeps_no_entry_by_id_of_rollouts_sealed_as_the_proxy_seals(
+    tmp_path: Path,
+) -> None:
+    # The proxy writes the seal event first and the sealed header after it, in a later unit
+    # (then a grade's header): those rows must not bring a sealed rollout back into the
+    # id-keyed dicts, or they grow with every rollout the proxy ever sealed.
+    ds = str(tmp_path / "ds")
+    await _write(ds, [], ["o0"], calls=2)
+    reader = ParquetSource(ds, index="units", call_keys="on_demand")  # as the sink lends it
+    reader.refresh()
+    counts = []
+    for batch in range(3):
+        names = [f"s{batch}-{i}" for i in range(4)]
+        await _seal_as_the_proxy_does(ds, names, first=4 * batch)
+        reader.refresh()
+        idx = _index(reader)
+        counts.append((len(idx.rollout_units), len(idx.rollout_ledger)))
+    assert counts == [(1, 1)] * 3  # the open rollout only, however many were sealed
+    full = ParquetSource(ds)
+    for rollout in full.rollouts():
+        assert _read(reader, rollout) == _read(full, rollout)
+    assert reader.rollout_info("s2-3").metadata == {"reward": 11}
+    assert reader.rollouts() == full.rollouts()

@@ -15,14 +15,16 @@ A header that cannot be parsed is left to pyarrow, which refuses it with its own
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import threading
+from collections import OrderedDict
+from collections.abc import Hashable, Iterable
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..base import StoreDamaged
 
-__all__ = ["MAX_PAGE_BYTES", "MAX_READ_BYTES", "check_pages"]
+__all__ = ["CHECKED_READS", "MAX_PAGE_BYTES", "MAX_READ_BYTES", "CheckedReads", "check_pages"]
 
 #: A page that decompresses past this is refused: one blob at the 128 MiB a store's blob may
 #: hold (`MAX_BLOB_BYTES`), and room for the rest of its row.
@@ -30,6 +32,10 @@ MAX_PAGE_BYTES = 144 << 20
 #: The pages of one read (a file's row groups or columns asked for) may not decompress past this
 #: (a unit's row groups hold 16 MiB; a compacted file read whole, by gc, stays far under it).
 MAX_READ_BYTES = 1 << 30
+#: Reads whose pages `CheckedReads` remembers as checked. A proxy reads each new unit's files as
+#: it indexes them and then mostly the newest units again (resumes, manifests): a few thousand
+#: cover those (about 0.3 KB each); an older read that fell out is checked again.
+CHECKED_READS = 4096
 #: parquet-cpp's own limit on a page header's size.
 _MAX_HEADER_BYTES = 16 << 20
 
@@ -184,3 +190,32 @@ def check_pages(
                 if compressed < 0:
                     return
                 at += header + compressed
+
+
+class CheckedReads:
+    """The reads (a file, its size, the groups and columns read) whose pages were checked, the
+    `limit` most recently used: a proxy reads every unit of the store over weeks, so a memo
+    that kept them all would grow with the store (it was cleared at 65,536 reads: up to 18 MB,
+    a saw-tooth in the proxy's memory). Shared by the reader threads of a process."""
+
+    def __init__(self, limit: int = CHECKED_READS) -> None:
+        self.limit = limit
+        self._seen: OrderedDict[Hashable, None] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+    def seen(self, key: Hashable) -> bool:
+        """Whether `key` was checked (and is now the most recently used)."""
+        with self._lock:
+            if key not in self._seen:
+                return False
+            self._seen.move_to_end(key)
+            return True
+
+    def add(self, key: Hashable) -> None:
+        with self._lock:
+            self._seen[key] = None
+            while len(self._seen) > self.limit:
+                self._seen.popitem(last=False)

@@ -58,7 +58,7 @@ Keep = Callable[[tuple[str, int], pa.Table], None]
 _LITTLE = sys.byteorder == "little"
 
 #: The columns of a ledger file a `UnitIndex` reads.
-LEDGER_INDEX_COLUMNS = ("kind", "rollout_id", "call_id", "reason", "event_kind")
+LEDGER_INDEX_COLUMNS = ("kind", "rollout_id", "call_id", "reason", "event_kind", "state")
 #: The same and what an event head is (`UnitIndex.heads`).
 _LEDGER_HEAD_COLUMNS = (*LEDGER_INDEX_COLUMNS, "position", "hash")
 #: The columns of a calls file the index reads (the rest is loaded on demand).
@@ -342,9 +342,11 @@ class UnitIndex:
     #: Orphan marks (rare, and `orphaned` lists them all): call id -> (rollout id, reason).
     orphans: dict[str, tuple[str | None, str]] = field(default_factory=dict)
     #: Sealed rollouts' entries of `rollout_units` and `rollout_ledger`, moved out of them once
-    #: the unit holding a rollout's ``seal`` event is indexed (a sealed rollout takes no more
-    #: calls; a late ledger row of it goes into the dicts again). Read with `units_of` and
-    #: `ledger_units_of`, which add both.
+    #: the unit holding a rollout's ``seal`` event or a header saying it is sealed is indexed
+    #: (a sealed rollout takes no more calls; the proxy writes its sealed header after the
+    #: event, and an outcome later: each is filed under the rollout's hash again; another late
+    #: row goes into the dicts again). Read with `units_of` and `ledger_units_of`, which add
+    #: both.
     sealed_units: Packed = field(default_factory=lambda: Packed(low_bits=32))
     sealed_ledger: Packed = field(default_factory=Packed)
     #: When not None, each rollout's last event as (position, hash), kept up to date as units
@@ -425,7 +427,7 @@ class UnitIndex:
             if self.heads is not None:
                 self._track_heads(cols)
             rows = zip(*(cols[c] for c in LEDGER_INDEX_COLUMNS), strict=True)
-            for kind, rid, cid, reason, event_kind in rows:
+            for kind, rid, cid, reason, event_kind, state in rows:
                 if kind == "orphan":
                     self.orphans[cid] = (rid, reason)
                     if self.touched is not None and rid is not None:
@@ -435,7 +437,11 @@ class UnitIndex:
                     continue
                 if self.touched is not None:
                     self.touched[rid] = None
-                if event_kind == "seal" and kind == "event":
+                # The seal event, and the sealed header the proxy writes after it (then an
+                # outcome's): each moves the rollout's places to the packed form again.
+                if (kind == "event" and event_kind == "seal") or (
+                    kind == "rollout" and state == "sealed"
+                ):
                     sealed.add(rid)
                 flag = int(kind == "rollout")
                 if flag and self.headed is not None:

@@ -41,7 +41,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..base import StoreError, StoreFormatError
-from ._bounds import check_pages
+from ._bounds import CheckedReads, check_pages
 from ._fs import TMP_SUFFIX, DatasetFS
 
 __all__ = [
@@ -306,8 +306,8 @@ def open_parquet(
     columns: Sequence[str] | None = None,
 ) -> pq.ParquetFile:
     """`f` as a Parquet file whose `groups` and `columns` (None: all) decompress within
-    `_bounds.MAX_PAGE_BYTES` and `MAX_READ_BYTES` (`StoreDamaged` otherwise); a file read
-    once is not checked again (files are never rewritten in place)."""
+    `_bounds.MAX_PAGE_BYTES` and `MAX_READ_BYTES` (`StoreDamaged` otherwise); a read made
+    lately is not checked again (files are never rewritten in place)."""
     pf = pq.ParquetFile(f)
     key = (
         rel,
@@ -315,17 +315,14 @@ def open_parquet(
         None if groups is None else tuple(groups),
         None if columns is None else tuple(columns),
     )
-    if key not in _CHECKED:
+    if not _CHECKED.seen(key):
         check_pages(f, pf.metadata, rel, groups, columns)
-        if len(_CHECKED) >= _MAX_CHECKED:
-            _CHECKED.clear()
         _CHECKED.add(key)
     return pf
 
 
-#: Reads already checked (`open_parquet`): a file, its size, the groups and columns read.
-_CHECKED: set[tuple[str, int, tuple[int, ...] | None, tuple[str, ...] | None]] = set()
-_MAX_CHECKED = 65_536
+#: Reads already checked (`open_parquet`), the most recently used only.
+_CHECKED = CheckedReads()
 
 
 # -- the format file ------------------------------------------------------------------------------
