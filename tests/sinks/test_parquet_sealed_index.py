@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from capture_proxy.schemas.events import EventDraft, EventKind
 from capture_proxy.schemas.records import RolloutInfo, RolloutState
-from capture_proxy.sinks.parquet import ParquetSink, ParquetSource
+from capture_proxy.sinks.parquet import ParquetSink, ParquetSource, _events
 from capture_proxy.sinks.parquet._index import Packed, UnitIndex
 from tests.support.sink_factories import Session
 
@@ -158,24 +158,49 @@ def test_packed_places_of_a_rollout_take_a_few_bytes_each() -> None:
     assert len(packed._values) <= 3 * len(places)
 
 
-async def _seal_as_the_proxy_does(ds: str, rollouts: list[str], first: int) -> None:
-    """Calls, then the seal event, then the sealed header, then an outcome (a grade): each a
-    unit of its own, in the order `core.lifecycle.seal` and `put_outcome` write them."""
+async def _seal_as_the_proxy_does(sink: ParquetSink, rollouts: list[str], first: int) -> None:
+    """Calls, then the seal event, then the sealed header, then an outcome (its event, then
+    the header): each a unit of its own, in the order `core.lifecycle.seal` and
+    `put_outcome` write them."""
+    for r, rollout in enumerate(rollouts, first):
+        info = RolloutInfo(rollout, RolloutState.OPEN, False, 1_000 + r)
+        await sink.put_rollout(info)
+        session = Session(rollout, seed=r)
+        for _ in range(2):
+            record, atts = session.next()
+            await sink.stage(record, attachments=atts)
+        await sink.append_event(EventDraft(rollout, EventKind.SEAL, 5_000 + r))
+        sealed = replace(info, state=RolloutState.SEALED, sealed_at_ms=5_000 + r)
+        await sink.put_rollout(sealed)
+        body = {"reward": r, "group_id": None, "revision": 1}
+        await sink.append_event(EventDraft(rollout, EventKind.OUTCOME, 6_000 + r, body=body))
+        await sink.put_rollout(replace(sealed, metadata={"reward": r}))
+
+
+async def test_a_writer_holds_nothing_of_rollouts_sealed_and_graded_as_the_proxy_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_events, "SEALED_HEADS", 3)
+    ds = str(tmp_path / "ds")
     sink = ParquetSink(ds)
     try:
-        for r, rollout in enumerate(rollouts, first):
-            info = RolloutInfo(rollout, RolloutState.OPEN, False, 1_000 + r)
-            await sink.put_rollout(info)
-            session = Session(rollout, seed=r)
-            for _ in range(2):
-                record, atts = session.next()
-                await sink.stage(record, attachments=atts)
-            await sink.append_event(EventDraft(rollout, EventKind.SEAL, 5_000 + r))
-            sealed = replace(info, state=RolloutState.SEALED, sealed_at_ms=5_000 + r)
-            await sink.put_rollout(sealed)
-            await sink.put_rollout(replace(sealed, metadata={"reward": r}))
+        await _seal_as_the_proxy_does(sink, [f"s{i}" for i in range(5)], first=0)
+        # No call ids or seq holders of them, and the chain heads of the last few sealed
+        # only (each would be held for the life of the proxy, or until 4,096 rollouts pushed
+        # it out).
+        assert list(sink._live) == []
+        assert len(sink._holders) == 0
+        assert sink._events._heads == {}
+        assert list(sink._events._sealed) == ["s2", "s3", "s4"]
+        # A late ledger entry still continues its chain from the store.
+        await sink.put_rollout(
+            replace(ParquetSource(ds).rollout_info("s1"), metadata={"late": True})
+        )
     finally:
         await sink.close()
+    full = ParquetSource(ds)
+    assert full.rollout_info("s1").metadata == {"late": True}
+    assert [e.position for e in full.events("s1")] == list(range(len(full.events("s1"))))
 
 
 async def test_the_index_keeps_no_entry_by_id_of_rollouts_sealed_as_the_proxy_seals(
@@ -191,7 +216,11 @@ async def test_the_index_keeps_no_entry_by_id_of_rollouts_sealed_as_the_proxy_se
     counts = []
     for batch in range(3):
         names = [f"s{batch}-{i}" for i in range(4)]
-        await _seal_as_the_proxy_does(ds, names, first=4 * batch)
+        sink = ParquetSink(ds)
+        try:
+            await _seal_as_the_proxy_does(sink, names, first=4 * batch)
+        finally:
+            await sink.close()
         reader.refresh()
         idx = _index(reader)
         counts.append((len(idx.rollout_units), len(idx.rollout_ledger)))

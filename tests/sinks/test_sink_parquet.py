@@ -476,21 +476,23 @@ async def test_proxy_reader_reads_a_rollouts_ledger_from_its_units_when_asked(
 async def test_sealing_drops_a_rollout_from_the_writer_without_reading_it_back(
     tmp_path: Path,
 ) -> None:
-    # The proxy seals with a sealed header, then the seal event. The header used to drop the
-    # rollout's keys, so the seal event read them back from the dataset and they stayed until
-    # `max_live_rollouts` newer rollouts pushed them out: the 10-minute Parquet soak grew by
-    # them (and the reader's caches by what it read). They now go when the seal event commits.
+    # The proxy seals with the seal event, then a sealed header (`core.lifecycle.seal`). The
+    # event drops the rollout's keys when it commits; the header used to read them back from
+    # the dataset (and its chain head), and they stayed until `max_live_rollouts` newer
+    # rollouts pushed them out: the Parquet soak grew by them, and by the reads. The header now
+    # takes the head the seal left (`EventHeads.retire`) and reads nothing.
     ds = str(tmp_path / "ds")
     sink = ParquetSink(ds)
     for i in range(6):
         s = Session(f"s{i}")
         await sink.stage(s.next()[0])
         await sink.stage(s.next()[0])
-        await sink.put_rollout(RolloutInfo(s.rollout_id, RolloutState.SEALED, False, 1))
-        assert s.rollout_id in sink._live  # its seal event still needs them
         await sink.append_event(EventDraft(s.rollout_id, EventKind.SEAL, 2))
         assert s.rollout_id not in sink._live
+        await sink.put_rollout(RolloutInfo(s.rollout_id, RolloutState.SEALED, False, 1))
+        assert s.rollout_id not in sink._live
     assert len(sink._reader._ledger_files) == 0
+    assert len(sink._reader._index_groups) == 0
     await sink.close()
     Store(ParquetSource(ds)).verify()
 
@@ -515,10 +517,14 @@ async def test_sealing_drops_a_rollouts_seq_holders_and_full_sequences(
                 await sink.append_event(claim_event(s.rollout_id, record.seq, record.call_id, 1))
                 await sink.stage(record)
         assert (len(sink._holders), len(sink._fulls)) == (6, 6)
-        await sink.put_rollout(RolloutInfo("h0", RolloutState.SEALED, False, 1))
-        assert (len(sink._holders), len(sink._fulls)) == (6, 6)  # the seal event is to come
-        await sink.append_event(EventDraft("h0", EventKind.SEAL, 2))
+        await sink.append_event(EventDraft("h0", EventKind.SEAL, 2))  # as the proxy seals
         assert (len(sink._holders), len(sink._fulls)) == (4, 4)
+        await sink.put_rollout(RolloutInfo("h0", RolloutState.SEALED, False, 1))
+        assert (len(sink._holders), len(sink._fulls)) == (4, 4)
+        # A sealed header alone (a seal sent again after its event failed) drops them too.
+        await sink.put_rollout(RolloutInfo("h1", RolloutState.SEALED, False, 1))
+        assert (len(sink._holders), len(sink._fulls)) == (2, 2)
+        await sink.append_event(EventDraft("h1", EventKind.SEAL, 2))
         with pytest.raises(
             DuplicateSeq, match=rf"rollout h0 already holds seq 0 \(call {firsts['h0']}\)"
         ):

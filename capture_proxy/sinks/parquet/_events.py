@@ -12,6 +12,7 @@ loaded at open and advanced as units commit) or an earlier event of the same uni
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -22,6 +23,9 @@ from ._layout import LEDGER
 from ._writer import UnitRows
 
 __all__ = ["EventHeads", "event_from_row", "event_row"]
+
+#: Sealed rollouts whose chain heads a writer keeps (`EventHeads.retire`): about 0.2 KB each.
+SEALED_HEADS = 4096
 
 
 def event_row(event: RolloutEvent) -> dict[str, Any]:
@@ -59,9 +63,11 @@ def event_from_row(row: Mapping[str, Any]) -> RolloutEvent:
 class EventHeads:
     """Each rollout's last committed event, as (position, hash). Writer thread only.
 
-    A head is dropped once its rollout's ``seal`` event commits: a sealed rollout seldom takes
-    another event, and a writer living as long as a proxy would otherwise hold one per rollout
-    it ever wrote. `lookup` finds a head not held (None: the rollout has no event yet).
+    A head is dropped once its rollout's ``seal`` event (or a sealed header) commits, but for
+    the last `SEALED_HEADS` sealed: a sealed rollout takes few more events and headers (its
+    sealed header, an outcome's), and a writer living as long as a proxy would otherwise hold
+    one per rollout it ever wrote. `lookup` finds a head not held (None: the rollout has no
+    event yet).
     """
 
     def __init__(
@@ -71,6 +77,10 @@ class EventHeads:
     ) -> None:
         self._heads = dict(heads)
         self._lookup = lookup
+        #: The heads of the rollouts sealed last (`retire`), `SEALED_HEADS` at most: the proxy
+        #: writes a sealed header right after the seal event, and an outcome's event and header
+        #: soon after, and each needs the head (read from the store otherwise).
+        self._sealed: OrderedDict[str, tuple[int, str]] = OrderedDict()
 
     def place(self, batch: UnitRows, part: UnitRows, draft: EventDraft) -> RolloutEvent:
         """Chain `draft` after its rollout's head and add its row to `part`."""
@@ -82,12 +92,17 @@ class EventHeads:
         """The last event of `rollout_id` placed so far (in `part`, `batch` or committed)."""
         head = _last_in(part, rollout_id) or _last_in(batch, rollout_id)
         if head is None:
-            head = self._heads.get(rollout_id) or self._lookup(rollout_id)
+            head = (
+                self._heads.get(rollout_id)
+                or self._sealed.get(rollout_id)
+                or self._lookup(rollout_id)
+            )
         return head
 
     def reset(self, rollout_id: str, head: tuple[int, str] | None) -> None:
         """Continue `rollout_id`'s chain after `head`, as the store has it now (another writer
         may have appended since this one last did)."""
+        self._sealed.pop(rollout_id, None)
         if head is None:
             self._heads.pop(rollout_id, None)
         else:
@@ -96,10 +111,19 @@ class EventHeads:
     def publish(self, batch: UnitRows) -> None:
         """Advance the heads past a committed unit's events."""
         for row in _events_in(batch.rows[LEDGER]):
+            self._sealed.pop(row["rollout_id"], None)
+            self._heads[row["rollout_id"]] = (row["position"], row["hash"])
             if row["event_kind"] == EventKind.SEAL:
-                self._heads.pop(row["rollout_id"], None)
-            else:
-                self._heads[row["rollout_id"]] = (row["position"], row["hash"])
+                self.retire(row["rollout_id"])
+
+    def retire(self, rollout_id: str) -> None:
+        """Hold `rollout_id`'s head among the last `SEALED_HEADS` sealed only (its seal
+        committed): read from the store once it falls out."""
+        head = self._heads.pop(rollout_id, None)
+        if head is not None:
+            self._sealed[rollout_id] = head
+            while len(self._sealed) > SEALED_HEADS:
+                self._sealed.popitem(last=False)
 
 
 def _events_in(rows: Iterable[Mapping[str, Any]]) -> Iterable[Mapping[str, Any]]:

@@ -331,14 +331,20 @@ class ParquetSink:
 
     async def put_rollout(self, info: RolloutInfo) -> None:
         def work(batch: UnitRows, part: UnitRows) -> None:
+            sealed = info.state is RolloutState.SEALED
             # The header's revision is its rollout's chain head (`_ledger`): for another
-            # writer's rollout, as the store has it now.
-            self._keys(info.rollout_id)
+            # writer's rollout, as the store has it now. On a local folder (one writer) a
+            # sealed header of a rollout this writer no longer holds (the proxy writes it
+            # after the seal event) needs no call ids: its head is the seal's (`EventHeads`).
+            if not sealed or info.rollout_id in self._live or not self._dfs.local:
+                self._keys(info.rollout_id)
             head = self._events.head(batch, part, info.rollout_id)
             part.rows[LEDGER].append(rollout_row(info, -1 if head is None else head[0]))
-            # A sealed header leaves the rollout's keys in memory: its seal event follows and
-            # drops them once it commits (dropped here, the event would read them back).
             part.rollouts.add(info.rollout_id)
+            if sealed:
+                # Once it commits, what is held of the rollout goes, as after its seal event
+                # (an outcome's event, written before its header, brought it back).
+                part.sealed.add(info.rollout_id)
 
         await self._writer.submit(work)
 
@@ -418,13 +424,14 @@ class ParquetSink:
             if keys is not None:
                 keys.handoff = None
         for rollout_id in batch.sealed:
-            # A sealed rollout takes no more calls once its seal event commits; a late ledger
-            # entry reads it back (its seq's holder from the claim file). Its full sequences
-            # go too: no call will extend them.
+            # A sealed rollout takes no more calls once its seal event (or a sealed header)
+            # commits; a late ledger entry reads it back (its seq's holder from the claim
+            # file). Its full sequences go too: no call will extend them.
             sealed = self._live.pop(rollout_id, None)
             for call_id in sealed.calls if sealed is not None else ():
                 self._fulls.pop(call_id)
             self._holders.forget(rollout_id)
+            self._events.retire(rollout_id)  # an outcome's event set it again
 
     def _settle(self, works: list[Work]) -> None:
         # The claims the batch's work holds seqs by, written at once before the batch runs.
