@@ -41,9 +41,19 @@ class BodyRate:
         return min(self.burst, level + (now - at) * self.rate)
 
     def _keep(self, rollout_id: str, level: float, now: float) -> None:
-        self._buckets[rollout_id] = (level, now)
-        if len(self._buckets) > _REMEMBERED:
-            self._buckets.popitem(last=False)
+        buckets = self._buckets
+        buckets[rollout_id] = (level, now)
+        if len(buckets) > _REMEMBERED:
+            buckets.popitem(last=False)
+        # A bucket that has filled again is what a forgotten one starts as: forget it. The
+        # least recently used come first (each at most `burst` / `rate` seconds after its last
+        # body), so a proxy remembers the rollouts that sent bodies lately, not every rollout
+        # it served (100,000 at 0.3 KB each would take hours to fill, growing all along).
+        while buckets:
+            oldest, (old_level, at) = next(iter(buckets.items()))
+            if old_level + (now - at) * self.rate < self.burst:
+                break
+            del buckets[oldest]
 
     def take(self, rollout_id: str, size: int) -> int | None:
         """Take `size` bytes from the rollout's bucket: None if they were there, else the whole
