@@ -64,3 +64,31 @@ async def test_a_restarted_writer_ages_copies_by_their_units(tmp_path: Path) -> 
     refused = await sink.stage(last, attachments={})
     assert refused.reason == "missing_attachment"
     await sink.close()
+
+
+async def test_a_writer_remembers_its_latest_attachments_and_asks_the_store_for_older(
+    tmp_path: Path,
+) -> None:
+    # A proxy writes for weeks: it remembered every attachment it ever stored (about 0.2 KB
+    # each). Now the latest `max_attachment_keys`: one it forgot is stored again when its bytes
+    # come with the call, and a reference alone to it is checked against the store.
+    ds = tmp_path / "ds"
+    sink = ParquetSink(str(ds), max_attachment_keys=1)
+    a, b = Session("a", image=image("a")), Session("b", image=image("b"))
+    try:
+        for session in (a, b):
+            record, given = session.next()
+            assert (await sink.stage(record, attachments=given)).coords is not None
+        assert len(sink._attachments) == 1  # b's: a's fell out
+        record, given = a.next()
+        assert (await sink.stage(record, attachments=given)).coords is not None  # stored again
+        assert len(sink._attachments) == 1
+        record, _ = b.next()
+        assert (await sink.stage(record, attachments={})).coords is not None  # from the store
+    finally:
+        await sink.close()
+    shas = [r["sha256"] for r in _rows(ds, "attachments")]
+    assert shas == [image("a").sha256, image("b").sha256, image("a").sha256]
+    source = ParquetSource(str(ds))
+    for rollout in ("a", "b"):
+        assert all(len(r.attachments) == 1 for r in source.calls(rollout))

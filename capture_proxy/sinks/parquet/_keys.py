@@ -60,8 +60,9 @@ class RecentKeys:
     def __len__(self) -> int:
         return len(self._keys)
 
-    def add(self, key: str) -> None:
-        self._keys[key] = time.time_ns()
+    def add(self, key: str, at_ns: int | None = None) -> None:
+        """Remember `key` as committed at `at_ns` (default: now)."""
+        self._keys[key] = time.time_ns() if at_ns is None else at_ns
         self._keys.move_to_end(key)
         while len(self._keys) > self.limit:
             self._keys.popitem(last=False)

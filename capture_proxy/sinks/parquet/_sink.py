@@ -47,8 +47,9 @@ seal commits; a rollout that comes back is read from its units by the writer's o
 holders of recently claimed seqs and the recent full sequences (`cache_tokens`), both dropped for
 a rollout once its seal commits, the most recent `max_blob_keys` blob keys (a blob not among them
 is stored again: a few bytes more, never a wrong record; readers and compaction keep one copy),
-and per rollout its id and per attachment its sha256 (a record may refer to an attachment an
-earlier call stored). A staging key is refused as a duplicate within its rollout (the proxy's call
+the most recent `max_attachment_keys` attachment sha256s (likewise, when the bytes are given; a
+reference alone to one not among them is looked up in the store), and per rollout its id. A
+staging key is refused as a duplicate within its rollout (the proxy's call
 ids are unique by construction).
 
 Blobs and attachments are shared only with copies committed less than `dedup_window_s` ago
@@ -145,8 +146,9 @@ class ParquetSink:
     format (raising `StoreError` / `StoreFormatError`), creates the dataset if needed, reads the
     keys already staged and starts the writer thread. `max_batch` caps how many queued writes
     share one unit; `cache_tokens` bounds the cache of recent full sequences that children are
-    stored against. `max_live_rollouts` and `max_blob_keys` bound what the writer keeps to
-    refuse duplicates and share blobs (see the module docstring); `dedup_window_s` is how long
+    stored against. `max_live_rollouts`, `max_blob_keys` and `max_attachment_keys` bound what
+    the writer keeps to refuse duplicates and share blobs and attachments (see the module
+    docstring); `dedup_window_s` is how long
     a committed blob or attachment is shared (gc relies on the default: lower only).
     `filesystem` is a configured pyarrow filesystem that `location` is a path in (object storage
     with credentials, say), read through it; `store` is an obstore store rooted at the same
@@ -175,6 +177,9 @@ class ParquetSink:
         # About 0.2 KB each: 3.4 MB. A session's own history and the prompts every session
         # shares are looked up all the time, so they stay; what falls out is rarely sent again.
         max_blob_keys: int = 16_384,
+        # About 0.25 KB each: 2 MB. An agent resends its session's images with every call,
+        # so a live session's stay.
+        max_attachment_keys: int = 8_192,
         filesystem: pafs.FileSystem | None = None,
         dedup_window_s: float = DEDUP_WINDOW_S,
         store: ObjectStore | None = None,
@@ -232,7 +237,14 @@ class ParquetSink:
         self.max_live_rollouts = max(1, max_live_rollouts)
         self._window_ns = int(dedup_window_s * 1e9)
         self._blobs = RecentKeys(max_blob_keys, self._window_ns)
-        self._attachments = known.attachments  # sha256 -> when its copy we share was committed
+        # The attachments committed (or referred to) lately: a record refers to such a copy
+        # instead of storing the bytes again. One not among them is stored again when its
+        # bytes are given, and looked up in the store when they are not (`_shared`).
+        self._attachments = RecentKeys(max_attachment_keys, self._window_ns)
+        for sha, order in sorted(known.attachments.items(), key=lambda kv: kv[1])[
+            -self._attachments.limit :
+        ]:
+            self._attachments.add(sha, at_ns=order)
         self._rollouts = known.rollouts
         self._fulls: LRU[str, tuple[str, array[int]]] = LRU(cache_tokens, lambda v: len(v[1]))
         if not dfs.enforced:
@@ -408,9 +420,8 @@ class ParquetSink:
                 keys.calls.add(call_id)
         for blob_key in batch.blobs:
             self._blobs.add(blob_key)
-        committed = time.time_ns()
         for sha in batch.attachments:
-            self._attachments[sha] = committed
+            self._attachments.add(sha)
         self._rollouts |= batch.rollouts
         self._events.publish(batch)
         if self.store_head is not None:
@@ -518,12 +529,18 @@ class ParquetSink:
                 return rollout_id
         return None
 
-    def _shared(self, batch: UnitRows, sha: str) -> bool:
+    def _shared(self, batch: UnitRows, sha: str, given: Mapping[str, Attachment]) -> bool:
         """Whether a record may refer to the stored copy of attachment `sha` (the window rule)."""
-        if sha in batch.attachments:
+        if sha in batch.attachments or sha in self._attachments:
             return True
-        committed = self._attachments.get(sha)
-        return committed is not None and time.time_ns() - committed < self._window_ns
+        if sha in given:
+            return False  # not remembered: stored again (a few bytes more, never a wrong record)
+        # A reference alone to a copy this writer no longer remembers: the store says.
+        committed = self._reader.attachment_order(sha)
+        if committed is None or time.time_ns() - committed >= self._window_ns:
+            return False
+        self._attachments.add(sha, at_ns=committed)
+        return True
 
     def _ensure_rollout(self, batch: UnitRows, part: UnitRows, rollout_id: str) -> None:
         if rollout_id in self._rollouts or rollout_id in batch.rollouts:
@@ -567,7 +584,7 @@ class ParquetSink:
             return StageResult.failed(
                 "duplicate_seq", str(DuplicateSeq(record.rollout_id, record.seq, holder))
             )
-        checked = new_attachments(record, given, lambda sha: self._shared(batch, sha))
+        checked = new_attachments(record, given, lambda sha: self._shared(batch, sha, given))
         if isinstance(checked, StageResult):
             return checked
         new, hits = checked

@@ -55,12 +55,14 @@ from ._index import (
     UnitIndex,
 )
 from ._layout import (
+    ATTACHMENTS,
     DEDUP_WINDOW_S,
     GC_MARGIN_S,
     LEDGER,
     Marker,
     check_format,
     list_markers,
+    read_group,
     read_groups,
     read_table,
 )
@@ -370,6 +372,24 @@ class ParquetSource(Loading):
             rollouts=rollouts,
             last_order=max((_order_of(n) for n in self._listing), default=0),
         )
+
+    def attachment_order(self, sha: str) -> int | None:
+        """The order (commit time, ns) of the unit holding the newest copy of attachment `sha`,
+        None when the dataset has none: what a writer that no longer remembers it checks a
+        reference to it against (the window rule)."""
+
+        def run() -> int | None:
+            idx = self._index
+            if isinstance(idx, Index):
+                where = idx.attachments.get(sha)  # the first copy: an order not later
+                return None if where is None else _order_of(where.path)
+            for u, g in idx.attachments.find(sha, newest_first=True):
+                path = idx.units[u][ATTACHMENTS]
+                if sha in read_group(self.dfs, path, g, ["sha256"]).column(0).to_pylist():
+                    return _order_of(path)
+            return None
+
+        return self._read(run)
 
     def rollout_keys(self, rollout_id: str) -> tuple[set[str], dict[int, str]]:
         """A rollout's staged call ids, and which call holds each seq (staged or in the ledger;
