@@ -48,9 +48,9 @@ holders of recently claimed seqs and the recent full sequences (`cache_tokens`),
 a rollout once its seal commits, the most recent `max_blob_keys` blob keys (a blob not among them
 is stored again: a few bytes more, never a wrong record; readers and compaction keep one copy),
 the most recent `max_attachment_keys` attachment sha256s (likewise, when the bytes are given; a
-reference alone to one not among them is looked up in the store), and per rollout its id. A
-staging key is refused as a duplicate within its rollout (the proxy's call
-ids are unique by construction).
+reference alone to one not among them is looked up in the store), and per rollout a hash of its
+id (`RolloutIds`: about 9 bytes). A staging key is refused as a duplicate within its rollout (the
+proxy's call ids are unique by construction).
 
 Blobs and attachments are shared only with copies committed less than `dedup_window_s` ago
 (`_layout.DEDUP_WINDOW_S`, an hour): an older one is stored again, and a reference alone to an
@@ -93,7 +93,7 @@ from ._claims import Holders, SeqClaim, last_claim
 from ._events import EventHeads
 from ._fs import DatasetFS
 from ._index import LRU
-from ._keys import Claimed, RecentKeys, RolloutKeys, handoffs_in
+from ._keys import Claimed, RecentKeys, RolloutIds, RolloutKeys, handoffs_in
 from ._layout import (
     ATTACHMENTS,
     BLOBS,
@@ -245,7 +245,7 @@ class ParquetSink:
             -self._attachments.limit :
         ]:
             self._attachments.add(sha, at_ns=order)
-        self._rollouts = known.rollouts
+        self._rollouts = RolloutIds(known.rollouts)
         self._fulls: LRU[str, tuple[str, array[int]]] = LRU(cache_tokens, lambda v: len(v[1]))
         if not dfs.enforced:
             log.warning(
@@ -422,7 +422,7 @@ class ParquetSink:
             self._blobs.add(blob_key)
         for sha in batch.attachments:
             self._attachments.add(sha)
-        self._rollouts |= batch.rollouts
+        self._rollouts.update(batch.rollouts)
         self._events.publish(batch)
         if self.store_head is not None:
             self.store_head.committed(
