@@ -251,3 +251,27 @@ def test_rollout_ids_take_a_hash_each_once_merged() -> None:
     assert known._sorted.itemsize == 8
     assert all(f"new-{i}" in known for i in range(0, 10_000, 97))
     assert "new-10000" not in known
+
+
+async def test_a_reopened_writer_holds_the_chain_heads_of_open_rollouts_only(
+    tmp_path: Path,
+) -> None:
+    ds = str(tmp_path / "ds")
+    await _write(ds, [], ["o0"], calls=1)
+    sink = ParquetSink(ds)
+    try:
+        await _seal_as_the_proxy_does(sink, [f"s{i}" for i in range(4)], first=0)
+    finally:
+        await sink.close()
+    sink = ParquetSink(ds)  # a restart after weeks: a head per rollout ever sealed, before
+    try:
+        assert set(sink._events._heads) == {"o0"}
+        # A late outcome of a sealed rollout continues its chain from the store.
+        body = {"reward": 9, "group_id": None, "revision": 2}
+        await sink.append_event(EventDraft("s2", EventKind.OUTCOME, 9_000, body=body))
+    finally:
+        await sink.close()
+    events = ParquetSource(ds).events("s2")
+    assert [e.position for e in events] == list(range(len(events)))
+    assert [e.prev_hash for e in events[1:]] == [e.hash for e in events[:-1]]
+    assert events[-1].kind == "outcome"

@@ -220,7 +220,14 @@ class ParquetSink:
             with self._reader.snapshot():
                 known = self._reader.known()
                 heads = self._reader.event_heads()
-            self._events = EventHeads(heads, self._stored_head)
+                unsealed = self._reader.unsealed_rollouts()
+            # The chain heads of open rollouts only: a sealed one's is read from the store if
+            # it takes another event (an outcome), and a store written for weeks has a
+            # rollout sealed per few calls (about 0.2 KB each, held for the writer's life).
+            self._events = EventHeads(
+                heads if unsealed is None else {r: h for r, h in heads.items() if r in unsealed},
+                self._stored_head,
+            )
             # One writer at a time on a local folder (the lock): its head is the store's. On
             # object storage several writers may append to one rollout: none has the store's.
             self.store_head = (

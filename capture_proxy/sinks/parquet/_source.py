@@ -373,6 +373,15 @@ class ParquetSource(Loading):
             last_order=max((_order_of(n) for n in self._listing), default=0),
         )
 
+    def unsealed_rollouts(self) -> set[str] | None:
+        """The rollouts a units index holds by id, as of its last refresh: every rollout but
+        those whose seal event or sealed header it has indexed. None for a calls index."""
+        with self._lock:
+            idx = self._index
+            if not isinstance(idx, UnitIndex):
+                return None
+            return set(idx.rollout_ledger) | set(idx.rollout_units)
+
     def attachment_order(self, sha: str) -> int | None:
         """The order (commit time, ns) of the unit holding the newest copy of attachment `sha`,
         None when the dataset has none: what a writer that no longer remembers it checks a
