@@ -174,6 +174,7 @@ async def test_metrics_show_the_store_head_an_operator_keeps(make_proxy: Any) ->
         "head": head.head,
         "rollouts": str(head.rollouts),
         "events": str(head.events),
+        "claims": str(head.claims),
     }
     assert info.value == 1.0
     assert count.value == head.rollouts == 1
