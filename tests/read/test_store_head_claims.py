@@ -11,6 +11,7 @@ published last."""
 from __future__ import annotations
 
 import io
+import logging
 import shutil
 from pathlib import Path
 
@@ -21,9 +22,13 @@ from capture_proxy.read.reader import StoreCorrupted, open_store
 from capture_proxy.read.status import LOST_IN_CRASH
 from capture_proxy.schemas.events import claim_event
 from capture_proxy.schemas.records import CallStatus, LedgerEntry
-from capture_proxy.schemas.store_head import StoreHead
+from capture_proxy.schemas.store_head import StoreHead, StoreHeadState
 from capture_proxy.sinks.base import StoreError
 from capture_proxy.sinks.parquet import ParquetSink
+from capture_proxy.sinks.parquet._claim_head import ClaimedHead
+from capture_proxy.sinks.parquet._claims import Holders, SeqClaim
+from capture_proxy.sinks.parquet._fs import DatasetFS
+from capture_proxy.sinks.store_head import StoreHeadKeeper
 from tests.read.test_tamper import _call, _seal
 from tests.support.sink_factories import Session
 
@@ -200,3 +205,27 @@ async def test_a_failed_unit_leaves_the_store_at_the_head_published_last(tmp_pat
     finally:
         await sink.close()
     assert recomputed(where) == published(sink)
+
+
+def test_a_claim_the_head_cannot_take_in_stands_and_the_writer_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The head's bookkeeping never fails a claim: when it cannot read what it needs (here the
+    last committed event of a rollout, which a writer reads back from the store for a sealed
+    one), the claim stands and the writer logs that its head will not match until it reopens."""
+
+    def unreadable(rollout_id: str) -> tuple[int, str] | None:
+        raise StoreError(f"reading {rollout_id}'s events failed")
+
+    where = tmp_path / "ds"
+    dfs = DatasetFS(str(where))
+    dfs.makedirs("claims")
+    keeper = StoreHeadKeeper(str(where), StoreHeadState())
+    before = keeper.current()
+    holders = Holders(dfs, "w", ClaimedHead(dfs, keeper, unreadable).created)
+    claim = SeqClaim("ep", 0, "c0", 1)
+    with caplog.at_level(logging.ERROR):
+        holders.settle([claim])
+    assert holders.holder(claim) == "c0"  # the claim is the store's
+    assert "the store head could not take in 1 new claim file(s)" in caplog.text
+    assert keeper.current() == before

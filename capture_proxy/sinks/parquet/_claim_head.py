@@ -13,6 +13,7 @@ the counts as units commit. Writer thread only.
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -23,6 +24,8 @@ from ._claims import SeqClaim, claim_seqs
 from ._fs import DatasetFS
 
 __all__ = ["ClaimedHead"]
+
+log = logging.getLogger(__name__)
 
 #: Rollouts whose claim counts are held (a tuple each); a sealed rollout's go when its seal
 #: commits, the least recently used beyond this.
@@ -45,7 +48,20 @@ class ClaimedHead:
         self._counts: OrderedDict[str, ClaimCount | None] = OrderedDict()
 
     def created(self, claims: list[SeqClaim]) -> None:
-        """Claim files were created and are durable (`_claims.Holders`)."""
+        """Claim files were created and are durable (`_claims.Holders`). Never raises: the
+        claims stand whatever becomes of the head's bookkeeping (a failure is logged: the head
+        published until the writer opens the store again then misses them)."""
+        try:
+            self._created(claims)
+        except Exception:
+            log.exception(
+                "%s: the store head could not take in %d new claim file(s); until the store is "
+                "opened again the published head will not match it",
+                self.keeper.name,
+                len(claims),
+            )
+
+    def _created(self, claims: list[SeqClaim]) -> None:
         seqs: dict[str, list[int]] = {}
         for claim in claims:
             seqs.setdefault(claim.rollout_id, []).append(claim.seq)
