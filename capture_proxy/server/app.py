@@ -43,6 +43,7 @@ from .body_rate import BodyRate
 from .chat import chat_completions
 from .control import add_control_routes
 from .fair_share import FairShare
+from .loop_lag import LoopLag
 from .metrics import Metrics
 from .passthrough import PASSTHROUGH_PATHS, passthrough
 from .read_routes import add_read_routes
@@ -617,10 +618,13 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         log.info("weight version %d, as last set on the store", version)
     guards = asyncio.create_task(_guards(state, s.store))
     follow = asyncio.create_task(_follow_weight_version(state))
+    lag = LoopLag()
+    state.metrics.add_live(lag.gauges)
+    probe = asyncio.create_task(lag.run())
     try:
         yield
     finally:
-        for task in (guards, follow):
+        for task in (guards, follow, probe):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
