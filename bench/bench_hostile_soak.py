@@ -174,7 +174,11 @@ async def _hostile(base: str, hostile: int, seconds: float) -> dict[str, int]:
         lambda n: _connection_flood(port, n, until, seen),
         lambda n: _stream_flood(base, n, until, seen),
     )
-    await asyncio.gather(*(kinds[n % len(kinds)](n) for n in range(hostile)))
+    # Cut at the phase's end: a stream left waiting (60 s client timeout) would otherwise keep
+    # the worker, and the run, going long after the honest phase ended.
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(seconds + 1):
+            await asyncio.gather(*(kinds[n % len(kinds)](n) for n in range(hostile)))
     return dict(seen)
 
 
