@@ -183,16 +183,17 @@ async def _hostile(base: str, hostile: int, seconds: float) -> dict[str, int]:
 
 
 async def _loop_stalls(base: str) -> dict[str, float]:
-    """The proxy's event-loop stall counters and worst lag since start (`/metrics`)."""
+    """The proxy's event-loop stall counters and worst lag since start, and its fair turns'
+    counters (`/metrics`)."""
     async with (
         _session("127.0.3.1") as http,
         http.get(base + "/metrics") as resp,
     ):
         text = await resp.text()
     return {
-        name.removeprefix("capture_proxy_event_loop_"): float(value)
+        name.removeprefix("capture_proxy_event_loop_").removeprefix("capture_proxy_"): float(value)
         for name, _, value in (line.partition(" ") for line in text.splitlines())
-        if name.startswith("capture_proxy_event_loop_")
+        if name.startswith(("capture_proxy_event_loop_", "capture_proxy_fair_share_"))
     }
 
 
@@ -220,7 +221,7 @@ async def _phase(base: str, pid: int, honest: int, hostile: int, seconds: float)
     stalls = {
         k.removesuffix("_total"): int(v - stalls_before.get(k, 0))
         for k, v in stalls_after.items()
-        if k.startswith("stalls_over_")
+        if k.startswith(("stalls_over_", "fair_share_w", "fair_share_r"))
     }
     return {
         **_summary(hostile, latencies, dict(errors), peak_rss_mb(pid)),
