@@ -242,9 +242,10 @@ class Settings:
         "rollout_over_fair_share at once",
     )
     fair_share_wait: float = _s(
-        60.0,
+        600.0,
         "seconds a call may wait for a fair turn, then 429 rollout_over_fair_share; it waits "
-        "only while its own rollout has calls in flight",
+        "only while its own rollout has calls in flight, for one of them to end (a generation "
+        "may take minutes), holding its connection but not its body",
     )
     admin_token: str = _s(
         "",
