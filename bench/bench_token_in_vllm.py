@@ -1,6 +1,6 @@
 """Token-in against the real vLLM: the plain call, the token-in call and vLLM itself, side by side.
 
-    .venv/bin/python bench/bench_token_in_vllm.py [--rounds 12] [--max-seconds 100]
+    .venv/bin/python bench/bench_token_in_vllm.py [--rounds 12] [--max-seconds 100] [--bytes-only]
     .venv/bin/python bench/bench_token_in_vllm.py --url http://127.0.0.1:PORT --pid PID
 
 Without ``--url`` it starts the tiny vLLM 0.32 CPU server (`scripts/tiny_vllm.py`, with
@@ -21,7 +21,11 @@ are what the figures are for. Greedy, ``max_tokens`` 8 (the tiny model answers n
 output's length is not what token-in adds to).
 
 Then the upstream bytes: the same session once more per target through a loopback relay that
-counts the bytes each proxy sends vLLM for the second call (request lines, headers, bodies).
+counts the bytes each proxy sends vLLM for the second call (request lines, headers, bodies;
+`capture_proxy.testing.byte_relay`), in all and per kind of request: the request's own render,
+the bridge's dummy renders, generate, derender calls (unary, streamed). ``--bytes-only`` skips
+the timed rounds; ``--dump DIR`` writes each measured request there; ``--bound`` sets the
+token-in proxy's ``--token-in-upstream-bound`` (default 3).
 
 Printed as markdown: per target and mode the p50 and p90 of the latency, the p50 of vLLM's CPU
 per call, and the token-in call's added latency and CPU ratio over the plain call; then the
@@ -91,9 +95,18 @@ def _streamed_message(data: bytes) -> dict[str, Any]:
     return {"content": "".join(content), "reasoning": "".join(reasoning)}
 
 
+#: ``--token-in-upstream-bound`` of the token-in proxy (``--bound``).
+BOUND = [3.0]
+
+
 async def _proxy(workdir: Path, upstream: str, token_in: bool) -> tuple[web.AppRunner, str]:
     store = f"sqlite:///{workdir / 'store.db'}"
-    settings = Settings(upstream=upstream, store=store, token_in="on" if token_in else "off")
+    settings = Settings(
+        upstream=upstream,
+        store=store,
+        token_in="on" if token_in else "off",
+        token_in_upstream_bound=BOUND[0],
+    )
     runner = web.AppRunner(create_app(settings, sink=open_sink(store)))
     await runner.setup()
     port = tiny_vllm.free_port()
@@ -257,6 +270,7 @@ async def _bytes(vllm: str, port: int, workdir: Path, dump: Path | None) -> None
 
 
 async def main(args: argparse.Namespace) -> None:
+    BOUND[0] = args.bound
     proc = None
     pid = args.pid
     url = args.url
@@ -298,5 +312,6 @@ if __name__ == "__main__":
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--max-seconds", type=float, default=100.0)
     parser.add_argument("--bytes-only", action="store_true", help="only the upstream bytes")
+    parser.add_argument("--bound", type=float, default=3.0, help="--token-in-upstream-bound")
     parser.add_argument("--dump", type=Path, help="write each measured upstream request there")
     asyncio.run(main(parser.parse_args()))
