@@ -34,7 +34,6 @@ from ._chat_route import (
 from ._derender import (
     SEED_IDS,
     DerenderCoalescer,
-    chunk_without_logprobs,
     derender_body,
     derender_chat_request,
     derender_chunk_body,
@@ -75,7 +74,6 @@ __all__ = [
     "VLLMAdapter",
     "WeightSpan",
     "chat_finish_reason",
-    "chunk_without_logprobs",
     "client_answer",
     "count_reasoning_tokens",
     "counts_reasoning_from_start",

@@ -28,7 +28,6 @@ from ._wire import Completion, UpstreamProtocolError, build_message, make_extras
 __all__ = [
     "SEED_IDS",
     "DerenderCoalescer",
-    "chunk_without_logprobs",
     "derender_body",
     "derender_chat_request",
     "derender_chunk_body",
@@ -305,21 +304,6 @@ def derender_chunk_body(chunk: bytes, state: Mapping[str, Any] | None, tail: byt
     return b"".join(
         (b'{"stream":true,"generate_chunk":', chunk, b',"stream_state":', orjson.dumps(state), tail)
     )
-
-
-def chunk_without_logprobs(chunk: bytes) -> bytes:
-    """A ``generate_chunk`` (JSON) with its choices' logprobs null (for a derender call whose
-    server does not resolve them in a stream: they go to the resolving call instead)."""
-    if b'"logprobs":{' not in chunk and b'"logprobs": {' not in chunk:
-        return chunk
-    try:
-        value = orjson.loads(chunk)
-    except orjson.JSONDecodeError as exc:
-        raise malformed("generate", exc) from exc
-    for choice in value.get("choices") or () if isinstance(value, dict) else ():
-        if isinstance(choice, dict):
-            choice["logprobs"] = None
-    return orjson.dumps(value)
 
 
 def read_derender(raw: bytes) -> dict[str, Any]:
