@@ -81,6 +81,8 @@ def test_derender_s_chat_request_keeps_the_keys_tools_and_count_of_tool_calls_it
     assert derender_chat_request({"messages": [user := {"role": "user", "content": "hi"}]}) == {
         "messages": []
     }
+    # Token ids the client did not ask for: its answer's come from generate when it does.
+    assert "return_token_ids" not in derender_chat_request(request, token_ids=False)
     assert user == {"role": "user", "content": "hi"}
 
 

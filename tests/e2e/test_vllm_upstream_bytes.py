@@ -9,7 +9,7 @@ replayed, a second user message), and its second call, bridged by token-in, is m
 
 The bound holds where generate's prompt ids leave room for the rest: with the tiny model's
 tokenizer they are 1.8× the request's bytes here, so render (1×) and generate leave 0.2× for the
-dummy render and derender (measured 2.998× unary, 2.99× streamed, 2026-12-05). A request whose ids
+dummy render and derender (measured 2.995× unary, 2.986× streamed, 2026-12-05). A request whose ids
 are 1.9× its bytes (shorter tool descriptions) is at 3.09–3.11×: docs/token-in.md, "Upstream
 bytes". Against the fake vLLM the bound cannot be held on the whole call (its byte-level template
 makes the ids 3.7–4× the text): tests/server/test_token_in_upstream_bytes.py holds the rest there.

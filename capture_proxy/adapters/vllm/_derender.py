@@ -116,7 +116,9 @@ _UNREAD: Final = frozenset(
 )
 
 
-def derender_chat_request(chat_request: Mapping[str, Any]) -> dict[str, Any]:
+def derender_chat_request(
+    chat_request: Mapping[str, Any], *, token_ids: bool = True
+) -> dict[str, Any]:
     """The chat request a derender call needs: every key as it is but ``messages``, whose text
     it does not read, and the keys it never reads (`_UNREAD`). vLLM 0.32's derender
     (``online_derenderer.py``, the parsers it builds) reads the request's tools, tool choice,
@@ -127,7 +129,8 @@ def derender_chat_request(chat_request: Mapping[str, Any]) -> dict[str, Any]:
     (as many calls, empty arguments), none without, and the function tools keep
     only their name and parameters, without the parameters' descriptions
     (`_without_description`): a stream's derender calls resend this instead of the
-    conversation."""
+    conversation. Without `token_ids` (the client did not ask for them: its answer's come from
+    generate when it does), ``return_token_ids`` goes too."""
     messages = chat_request.get("messages")
     if not isinstance(messages, list):
         return dict(chat_request)
@@ -140,7 +143,8 @@ def derender_chat_request(chat_request: Mapping[str, Any]) -> dict[str, Any]:
             kept.append(
                 {"role": "assistant", "content": "", "tool_calls": [_COUNTED_CALL] * len(calls)}
             )
-    slim: dict[str, Any] = {k: v for k, v in chat_request.items() if k not in _UNREAD}
+    unread = _UNREAD if token_ids else _UNREAD | {"return_token_ids"}
+    slim: dict[str, Any] = {k: v for k, v in chat_request.items() if k not in unread}
     slim["messages"] = kept
     tools = chat_request.get("tools")
     if isinstance(tools, list):

@@ -115,7 +115,10 @@ class TokenInCall:
             render_request.pop(key, None)
         # Encoded once: the plain render sends it; derender calls, what derender reads of it.
         self._render_body = orjson.dumps(render_request)
-        self._derender_chat = orjson.dumps(derender_chat_request(render_request))
+        wants = self._exchange.plan.wants
+        self._derender_chat = orjson.dumps(
+            derender_chat_request(render_request, token_ids=wants.token_ids)
+        )
         counted = _Counted(upstream)
         self.prompt = await token_in_prompt(
             cast(TokenInTransport, counted),  # token_in_prompt posts renders, nothing else
