@@ -208,8 +208,8 @@ class TokenInCall:
             include = self._exchange.request.get("include_stop_str_in_output") is True
             sent, only_stop_token = without_stop_token_id(raw, include)
             # Without its nulls, nor logprobs the client does not get.
-            wants = self._exchange.plan.wants.logprobs
-            sent = derender_generate_answer(sent, logprobs=wants, unary=True)
+            logprobs = self._exchange.plan.wants.logprobs
+            sent = derender_generate_answer(sent, logprobs=logprobs, unary=True)
             ids, ids_json = self._derender_prompt(prompt)
             body = derender_body(sent, ids, self._derender_chat, ids_json=ids_json)
             # Derender takes generate's answer as it came: it is sent first, and the answer is
