@@ -588,6 +588,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             max_decoding_bytes=s.max_decoding_bytes,
             logprobs_mode=s.upstream_logprobs_mode,
             token_in=s.token_in,
+            token_in_upstream_bound=s.token_in_upstream_bound,
         ),
     )
     state.pipeline.on_token_in.append(state.metrics.observe_token_in)

@@ -112,6 +112,13 @@ class Settings:
         "sampled tokens; a rollout may choose for itself (POST /admin/rollouts token_in)",
         choices=("off", "on"),
     )
+    token_in_upstream_bound: float = _s(
+        3.0,
+        "a token-in call sends vLLM at most about this many times the bytes the plain call "
+        "would (renders, generate, derender): a stream's derender calls get what the call's "
+        "renders and generate left of it, then wait for its end (docs/token-in.md, "
+        '"Upstream bytes"); higher streams in more pieces',
+    )
     on_capture_failure: str = _s(
         "poison",
         "when a call cannot be staged: poison (answer, poison the rollout) or error (503)",
@@ -418,7 +425,7 @@ GROUPS: dict[str, tuple[str, str]] = {
     ),
     "token-in": (
         "prompts built from the model's own sampled tokens (docs/token-in.md)",
-        "token_in",
+        "token_in token_in_upstream_bound",
     ),
     "store": (
         "where calls are staged",
@@ -733,6 +740,7 @@ def _check(s: Settings) -> None:
         "client_header_timeout",
         "client_body_timeout",
         "client_write_timeout",
+        "token_in_upstream_bound",
     ):
         if getattr(s, name) <= 0:
             raise bad(name, f"must be > 0, got {getattr(s, name)}")

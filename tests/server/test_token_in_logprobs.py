@@ -19,6 +19,11 @@ TOOLS = [{"type": "function", "function": {"name": "bash", "parameters": {"type"
 DERENDER = "/v1/chat/completions/derender"
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
+#: ``--token-in-upstream-bound`` for streams derendered in pieces: the fake's byte-level
+#: template makes generate alone about 4x the plain call's bytes (the default 3 leaves no room
+#: for any derender call before a stream ends).
+BOUND = 100.0
+
 
 def turn() -> Turn:
     return Turn(
@@ -73,7 +78,10 @@ async def test_each_streamed_chunk_carries_the_logprobs_of_its_own_tokens(
     make_proxy: Any,
 ) -> None:
     # Tokens arriving apart: several coalesced derender calls, each resolving its own.
-    p = await make_proxy(fake=ResolvingCounter(chunk_delay=0.01), token_in="on")
+    # A bound with room for many derender calls: the stream comes in pieces.
+    p = await make_proxy(
+        fake=ResolvingCounter(chunk_delay=0.01), token_in="on", token_in_upstream_bound=BOUND
+    )
     events = await streamed(p, return_token_ids=True)
     carried = [c for e in events for c in e["choices"] if c.get("token_ids")]
     assert len(carried) > 3
@@ -176,7 +184,10 @@ class WithoutParser(ResolvingCounter):
 async def test_a_streamed_derender_that_resolves_logprobs_itself_is_not_asked_again(
     make_proxy: Any,
 ) -> None:
-    p = await make_proxy(fake=WithoutParser(chunk_delay=0.01), token_in="on")
+    # A bound with room for many derender calls: the stream comes in pieces.
+    p = await make_proxy(
+        fake=WithoutParser(chunk_delay=0.01), token_in="on", token_in_upstream_bound=BOUND
+    )
     events = await streamed(p)
     carried = [c for e in events for c in e["choices"]]
     assert len(carried) > 3

@@ -15,7 +15,7 @@ import asyncio
 import dataclasses
 import time
 from collections.abc import AsyncGenerator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import orjson
 
@@ -34,6 +34,7 @@ from ...adapters.vllm import (
     counts_reasoning_from_start,
     derender_body,
     derender_chat_request,
+    derender_generate_answer,
     derender_prompt_start,
     encode_ids,
     read_derendered,
@@ -61,13 +62,11 @@ from ._values import Prior
 if TYPE_CHECKING:
     from ..exchange import Exchange, Outcome
 
-__all__ = ["DERENDER_BUDGET", "DERENDER_FLOOR", "TokenInCall"]
+__all__ = ["REQUEST_HEAD", "TokenInCall"]
 
-#: A stream's derender calls send at most this many times the bytes of the request as rendered,
-#: and at least `DERENDER_FLOOR` (then the call that started under it, and the last one with the
-#: rest of the stream).
-DERENDER_BUDGET = 0.5
-DERENDER_FLOOR = 8 << 10
+#: What the token-in call counts for each request's line and headers, beside its body (the
+#: lean client's are about 110 bytes; the plain call's own headers are not counted).
+REQUEST_HEAD = 128
 
 _DONE = b"data: [DONE]\n\n"
 #: Where an SSE event's JSON starts (after ``data: ``).
@@ -89,6 +88,8 @@ class TokenInCall:
         self._markers: tuple[int, int, int | None] | None = None
         #: The call's line of calls (`token_in_line`), hashed once per call (`_token_in_line`).
         self._line: str | None = None
+        #: The bytes the call's renders and generate sent, heads counted as `REQUEST_HEAD`.
+        self.sent = 0
 
     @property
     def _upstream(self) -> TokenInTransport:
@@ -114,9 +115,13 @@ class TokenInCall:
             render_request.pop(key, None)
         # Encoded once: the plain render sends it; derender calls, what derender reads of it.
         self._render_body = orjson.dumps(render_request)
-        self._derender_chat = orjson.dumps(derender_chat_request(render_request))
+        wants = self._exchange.plan.wants
+        self._derender_chat = orjson.dumps(
+            derender_chat_request(render_request, token_ids=wants.token_ids)
+        )
+        counted = _Counted(upstream)
         self.prompt = await token_in_prompt(
-            upstream,
+            cast(TokenInTransport, counted),  # token_in_prompt posts renders, nothing else
             self._exchange.pipeline.close_renders,
             self._exchange.admitted.rollout.token_in_prior(self._token_in_line),
             self._exchange.request,
@@ -127,7 +132,17 @@ class TokenInCall:
         )
         self._markers = await self._reasoning_markers(self.prompt)
         body = self.prompt.generate_body(self._exchange.request, stream=self._exchange.streamed)
+        self.sent = counted.sent + len(body) + REQUEST_HEAD
         return await upstream.post_engine(EngineRoute.GENERATE, body)
+
+    @property
+    def derender_budget(self) -> int:
+        """The bytes a stream's derender calls may send: what ``--token-in-upstream-bound``
+        (`ExchangeConfig.token_in_upstream_bound`, 3 by default: issue 28's bound) times the
+        plain call's request leaves after the call's renders and generate (at least 0)."""
+        assert self._exchange.plan is not None
+        bound = self._exchange.pipeline.config.token_in_upstream_bound
+        return max(int(bound * len(self._exchange.plan.body)) - self.sent, 0)
 
     async def _reasoning_markers(self, prompt: TokenInPrompt) -> tuple[int, int, int | None] | None:
         """The reasoning parser's marker ids, when the chat route would count the answer's
@@ -192,6 +207,9 @@ class TokenInCall:
         try:
             include = self._exchange.request.get("include_stop_str_in_output") is True
             sent, only_stop_token = without_stop_token_id(raw, include)
+            # Without its nulls, nor logprobs the client does not get.
+            logprobs = self._exchange.plan.wants.logprobs
+            sent = derender_generate_answer(sent, logprobs=logprobs, unary=True)
             ids, ids_json = self._derender_prompt(prompt)
             body = derender_body(sent, ids, self._derender_chat, ids_json=ids_json)
             # Derender takes generate's answer as it came: it is sent first, and the answer is
@@ -272,9 +290,10 @@ class TokenInCall:
             logprobs=StreamLogprobs(self._model) if plan.wants.logprobs else None,
             ids_json=ids_json,
             include_stop_str=self._exchange.request.get("include_stop_str_in_output") is True,
-            # The stream's derender calls send about half what the request weighs, then wait
-            # for its end: a slow stream of one token per call costs no more than a fast one.
-            budget=max(int(DERENDER_BUDGET * len(self._render_body)), DERENDER_FLOOR),
+            # What the bound leaves after render and generate; then the stream waits for its
+            # end: a slow stream of one token per call costs no more than a fast one.
+            budget=self.derender_budget,
+            head=REQUEST_HEAD,
         )
 
         def reasoning_tokens() -> int | None:
@@ -364,6 +383,19 @@ class TokenInCall:
             token_in_extras(prompt.segment_break, prompt.plain_divergence, prompt.media)
         )
         return engine_version, weight_spans, effective_sampling(sampling, resolved)
+
+
+class _Counted:
+    """A call's upstream as `token_in_prompt` uses it (`post_engine`), counting the bytes of what
+    it posts (`sent`: bodies, and `REQUEST_HEAD` for each request's line and headers)."""
+
+    def __init__(self, upstream: TokenInTransport) -> None:
+        self._upstream = upstream
+        self.sent = 0
+
+    async def post_engine(self, route: EngineRoute, body: bytes) -> UpstreamReply:
+        self.sent += len(body) + REQUEST_HEAD
+        return await self._upstream.post_engine(route, body)
 
 
 def _as_chat(completion: Completion) -> Completion:
