@@ -42,7 +42,7 @@ from ...schemas.records import (
 )
 from ..base import PROXY_STATE_ROLLOUT, StoreDamaged, StoreError
 from ..rollout_index import IndexedRollout, RolloutQuery, row_of
-from ._checkpoint import load_markers
+from ._checkpoint import CHECKPOINT, Loaded, load_markers
 from ._claims import read_claims
 from ._cursors import ParquetCursors
 from ._directory import Directory
@@ -161,6 +161,16 @@ class ParquetSource(Loading):
             raise StoreError(f"no capture-proxy Parquet dataset at {location}")
         self._lock = threading.RLock()
         self._listing: list[str] = []
+        #: Whether the units are indexed (a first `refresh` opened the dataset).
+        self._opened = False
+        #: The horizon of the checkpoint the open used: later listings start after it too, and
+        #: the highest unit order the open knew of (`_checkpoint`).
+        self._after: str | None = None
+        self._known_order = 0
+        #: The checkpoint's `DatasetFS.tag` when the open read it: a maintenance run wrote
+        #: another since when it differs (then the reader opens again: what it retired may be
+        #: before the horizon, where listings do not look).
+        self._checkpoint_tag: str | None = None
         #: When the last listing was started (`time.monotonic`), for `snapshot`'s `max_age_s`.
         self._listed_at = float("-inf")
         #: The names of the indexed (live) units, in the index's order.
@@ -179,20 +189,34 @@ class ParquetSource(Loading):
 
     # -- snapshot -------------------------------------------------------------------------------
 
-    def refresh(self) -> None:
-        """Pick up units committed (or retired) since the last call.
+    def refresh(self, max_age_s: float = 0.0) -> None:
+        """Pick up units committed (or retired) since the last call (with `max_age_s`: unless
+        this reader listed the store less than that many seconds ago).
 
         Raises FileNotFoundError when a listed unit's files were deleted meanwhile (a compaction
         cleaning up); the reader is then reset, and the next refresh starts over.
         """
         with self._lock:
             listed_at = time.monotonic()  # when the listing started: its age is not less
-            names = list_markers(self.dfs)
-            if names == self._listing:
-                self._listed_at = listed_at
+            if self._opened and listed_at - self._listed_at < max_age_s:
                 return
+            if self._opened and self.dfs.tag(CHECKPOINT) != self._checkpoint_tag:
+                self._reset()
+            loaded = None
+            if not self._opened:
+                self._checkpoint_tag = self.dfs.tag(CHECKPOINT)
+                # An open: the checkpoint's live units, and the markers of units committed
+                # since (a retired unit's marker is not read; names before the checkpoint's
+                # horizon are not even listed: `_checkpoint`).
+                loaded = load_markers(self.dfs, None, self._object_url)
+                names = loaded.names
+            else:
+                names = list_markers(self.dfs, self._after)
+                if names == self._listing:
+                    self._listed_at = listed_at
+                    return
             try:
-                self._load(names)
+                self._load(names, loaded)
                 self._listed_at = listed_at
             except BaseException as e:
                 self._reset()
@@ -212,7 +236,7 @@ class ParquetSource(Loading):
         the block is handled as outside one: the read re-lists and retries.
         """
         with self._lock:
-            if not self._listing or time.monotonic() - self._listed_at >= max_age_s:
+            if not self._opened or time.monotonic() - self._listed_at >= max_age_s:
                 self.refresh()
             self._held += 1
             try:
@@ -220,7 +244,7 @@ class ParquetSource(Loading):
             finally:
                 self._held -= 1
 
-    def _load(self, names: list[str]) -> None:
+    def _load(self, names: list[str], loaded: Loaded | None = None) -> None:
         listed = self._listing
         # The writer's steady state: names only appended (each refresh of a proxy's reader
         # would otherwise compare and sort every marker, a cost that grows with the store).
@@ -237,16 +261,17 @@ class ParquetSource(Loading):
             fresh = [n for n in names if n not in seen]
         # Concurrent on object storage; one removed by a compaction's cleanup after it was
         # listed is left out.
-        if listed:
+        units_in = fresh
+        if loaded is None:
             markers = read_markers(self.dfs, fresh, self._object_url)
             retired = {u for m in markers.values() for u in m.retires}
         else:
-            # An open: the checkpoint's live units, and the markers of units committed since
-            # (a retired unit's marker is not read: `_checkpoint`).
-            loaded = load_markers(self.dfs, names, self._object_url)
             markers, retired = loaded.markers, loaded.retired
+            self._after, self._known_order = loaded.after, loaded.last_order()
+            # The checkpoint's live units before its horizon are not listed: indexed too.
+            units_in = sorted({*fresh, *markers})
         idx = self._index
-        if listed and isinstance(idx, UnitIndex) and idx.heads is not None:
+        if loaded is None and isinstance(idx, UnitIndex) and idx.heads is not None:
             # The event heads and rollout ids a writer's open takes (`event_heads`, `known`)
             # are collected by the first load only: a reader nobody takes them from (the
             # proxy's shared one) would otherwise keep one per rollout ever indexed. Taken
@@ -256,11 +281,13 @@ class ParquetSource(Loading):
         # What the new markers retire (a compaction's or gc's merged unit), and units whose
         # markers are gone (deleted by a cleanup once retired, by a marker read before or not).
         if not appended:
-            now = set(names)
-            retired.update(u for u in self._units if u not in now)
+            # (Before the horizon nothing is listed: a unit there leaves when a marker read
+            # retires it, or when its files are gone and the reader opens again.)
+            now, after = set(names), self._after or ""
+            retired.update(u for u in self._units if u not in now and u > after)
         # Their markers are not kept: a reader that lives as long as a proxy sees a unit every
         # few calls, and the index holds what it needs of each (its files).
-        added = [markers[n] for n in fresh if n in markers and n not in retired]
+        added = [markers[n] for n in units_in if n in markers and n not in retired]
         if not retired or retired.isdisjoint(self._units):
             # New units, replacing none of those indexed: they are indexed after them (another
             # writer's units may land between ones indexed: nothing was replaced, so ledger
@@ -294,6 +321,7 @@ class ParquetSource(Loading):
         # Each name as its marker's (interned when decoded), not another copy of it.
         fresh = [sys.intern(n) for n in fresh]
         self._listing = listed + fresh if appended else [sys.intern(n) for n in names]
+        self._opened = True
         self._index.touched = None
         if touched and self._directory is not None:
             for rollout_id in touched:
@@ -317,6 +345,7 @@ class ParquetSource(Loading):
 
     def _reset(self) -> None:
         self._directory = None
+        self._opened = False
         self._listing = []
         self._units = []
         self._index = self._new_index()
@@ -333,7 +362,7 @@ class ParquetSource(Loading):
             for attempt in range(_ATTEMPTS):
                 try:
                     # In a `snapshot`, the listing is re-taken only after a retry reset it.
-                    if not self._held or not self._listing:
+                    if not self._held or not self._opened:
                         self.refresh()
                     return fn()
                 except OSError as e:
@@ -352,7 +381,7 @@ class ParquetSource(Loading):
     def known(self) -> Known:
         """Everything a writer appending to this dataset must know (see `ParquetSink`)."""
         with self._lock:
-            if not self._held or not self._listing:  # in a `snapshot`: its listing
+            if not self._held or not self._opened:  # in a `snapshot`: its listing
                 self.refresh()
             return self._known()
 
@@ -368,7 +397,9 @@ class ParquetSource(Loading):
         return Known(
             attachments={sha: _order_of(path) for sha, path in files.items()},
             rollouts=rollouts,
-            last_order=max((_order_of(n) for n in self._listing), default=0),
+            last_order=max(
+                max((_order_of(n) for n in self._listing), default=0), self._known_order
+            ),
         )
 
     def rollout_keys(self, rollout_id: str) -> tuple[set[str], dict[int, str]]:
