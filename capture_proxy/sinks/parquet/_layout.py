@@ -23,6 +23,7 @@ list ``_commits/`` and read only the files the markers name, so a unit whose mar
 
 Unit names are ``<order>-<id>``: `order` is a 20-digit, increasing number (nanoseconds at commit,
 bumped to stay increasing), so name order is commit order; ledger rows are replayed in that order.
+A marker lands within `COMMIT_LIMIT_S` of its order (the checkpoint's horizon rests on it).
 Compaction writes a merged unit whose marker *retires* the units it replaces, in the same atomic
 step: a reader sees either the old units or the merged one, never both and never neither.
 """

@@ -2,8 +2,10 @@
 
 The reader keeps an index of the committed units (`_index`) and loads row groups only
 when a record is asked for, with LRU caches for row groups and for full token sequences. Every
-public call first re-lists the commit markers, so a reader sees commits made after it was
-opened; when a compaction removed a file the reader had listed, the call re-lists and retries.
+public call first re-lists the commit markers (those named after the checkpoint's horizon,
+`_checkpoint`, and the checkpoint's etag: a reader opens again when it changed), so a reader
+sees commits made after it was opened; when a compaction removed a file the reader had listed,
+the call re-lists and retries.
 Inside ``with source.snapshot():`` the calls share one listing instead (on object storage a
 listing is a LIST request per thousand units, so a read of every record, as `verify` does,
 would otherwise list the dataset once per record).
