@@ -30,6 +30,7 @@ import threading
 import time
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Literal, TypeVar
 
 import pyarrow.fs as pafs
@@ -76,7 +77,7 @@ T = TypeVar("T")
 _ATTEMPTS = 5
 #: Units whose small files are fetched ahead at once when a reader indexes new units (bounds
 #: the bytes held: at most this many units of up to `SMALL_UNIT_BYTES`, usually a few KB each).
-_PREFETCH_UNITS = 256
+_PREFETCH_UNITS = 64
 
 
 def _order_of(path: str) -> int:
@@ -309,11 +310,8 @@ class ParquetSource(Loading):
             self._directory = None  # built again at the next query
         touched: dict[str, None] | None = None if self._directory is None else {}
         self._index.touched = touched
-        for start in range(0, len(new), _PREFETCH_UNITS):
-            chunk = new[start : start + _PREFETCH_UNITS]
-            # Small units are read whole: on object storage fetch them concurrently first.
-            small = [rel for m in chunk if m.size <= SMALL_UNIT_BYTES for rel in m.files.values()]
-            self.dfs.prefetched = fetch_files(self.dfs, small, self._object_url)
+        for chunk, files in self._fetched_ahead(new):
+            self.dfs.prefetched = files
             try:
                 for unit in chunk:
                     self._add_unit(unit)
@@ -329,6 +327,28 @@ class ParquetSource(Loading):
             for rollout_id in touched:
                 if rollout_id != PROXY_STATE_ROLLOUT:
                     self._directory.put(self._index_row(rollout_id))
+
+    def _fetched_ahead(self, new: list[Marker]) -> Iterator[tuple[list[Marker], dict[str, bytes]]]:
+        """`new` in chunks of `_PREFETCH_UNITS`, each with its small units' files (read whole:
+        on object storage fetched concurrently), the next chunk's fetched while the caller
+        indexes this one (a request's wait overlaps the decoding)."""
+        chunks = [new[i : i + _PREFETCH_UNITS] for i in range(0, len(new), _PREFETCH_UNITS)]
+
+        def fetch(chunk: list[Marker]) -> dict[str, bytes]:
+            small = [rel for m in chunk if m.size <= SMALL_UNIT_BYTES for rel in m.files.values()]
+            return fetch_files(self.dfs, small, self._object_url)
+
+        if self.dfs.local or len(chunks) < 2:
+            for chunk in chunks:
+                yield chunk, fetch(chunk)
+            return
+        with ThreadPoolExecutor(1, "parquet-fetch-ahead") as ahead:
+            pending = ahead.submit(fetch, chunks[0])
+            for i, chunk in enumerate(chunks):
+                files = pending.result()
+                if i + 1 < len(chunks):
+                    pending = ahead.submit(fetch, chunks[i + 1])
+                yield chunk, files
 
     def _new_index(self) -> Index | UnitIndex:
         if not self._per_unit:
