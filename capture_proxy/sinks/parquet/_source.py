@@ -203,14 +203,14 @@ class ParquetSource(Loading):
             listed_at = time.monotonic()  # when the listing started: its age is not less
             if self._opened and listed_at - self._listed_at < max_age_s:
                 return
-            if self._opened and self.dfs.tag(CHECKPOINT) != self._checkpoint_tag:
-                self._reset()
+            tag = self.dfs.tag(CHECKPOINT)
             loaded = None
-            if not self._opened:
-                self._checkpoint_tag = self.dfs.tag(CHECKPOINT)
+            if not self._opened or tag != self._checkpoint_tag:
                 # An open: the checkpoint's live units, and the markers of units committed
                 # since (a retired unit's marker is not read; names before the checkpoint's
-                # horizon are not even listed: `_checkpoint`).
+                # horizon are not even listed: `_checkpoint`). Read again when a maintenance
+                # run wrote another checkpoint: a unit it merged or removed may be before the
+                # horizon, where no listing looks.
                 loaded = load_markers(self.dfs, None, self._object_url)
                 names = loaded.names
             else:
@@ -220,6 +220,7 @@ class ParquetSource(Loading):
                     return
             try:
                 self._load(names, loaded)
+                self._checkpoint_tag = tag
                 self._listed_at = listed_at
             except BaseException as e:
                 self._reset()
@@ -271,10 +272,12 @@ class ParquetSource(Loading):
         else:
             markers, retired = loaded.markers, loaded.retired
             self._after, self._known_order = loaded.after, loaded.last_order()
-            # The checkpoint's live units before its horizon are not listed: indexed too.
-            units_in = sorted({*fresh, *markers})
+            # The checkpoint's live units before its horizon are not listed: indexed too (those
+            # not indexed yet, when the reader was open already).
+            have = set(self._units)
+            units_in = sorted({*fresh, *markers} - have)
         idx = self._index
-        if loaded is None and isinstance(idx, UnitIndex) and idx.heads is not None:
+        if self._opened and isinstance(idx, UnitIndex) and idx.heads is not None:
             # The event heads and rollout ids a writer's open takes (`event_heads`, `known`)
             # are collected by the first load only: a reader nobody takes them from (the
             # proxy's shared one) would otherwise keep one per rollout ever indexed. Taken
@@ -301,7 +304,8 @@ class ParquetSource(Loading):
             # A compaction replaced units: re-index, so ledger rows replay in the new order.
             # The markers of the units still live are read again (not the retired ones).
             kept = [u for u in self._units if u not in retired]
-            markers.update(read_markers(self.dfs, kept, self._object_url))
+            unread = [u for u in kept if u not in markers]  # (a checkpoint read has them)
+            markers.update(read_markers(self.dfs, unread, self._object_url))
             new = [markers[u] for u in sorted([*kept, *(m.unit for m in added)]) if u in markers]
             units = [m.unit for m in new]
             self._index = self._new_index()
