@@ -7,6 +7,7 @@ writer whose commit outlasts `COMMIT_LIMIT_S` retracts its unit and says so."""
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 import time
 from pathlib import Path
@@ -158,7 +159,7 @@ async def test_a_unit_committed_while_readers_open_is_never_missed(moto_s3: Moto
                     record, atts = session.next()
                     await sink.stage(record, attachments=atts)
                     acked.append(record.call_id)
-                    await asyncio.sleep(0.05)
+                    await asyncio.sleep(0.2)
             finally:
                 await sink.close()
 
@@ -212,3 +213,57 @@ async def test_a_commit_that_outlasts_the_limit_is_retracted_and_fails_its_batch
     assert len(dfs.names("calls")) == 1
     source = ParquetSource(store)
     assert len(source.calls("r")) == 1
+
+
+#: One answered request in moto's log: method, path (with its query).
+_REQUEST = re.compile(r'"(GET|PUT|POST|HEAD|DELETE) (\S+) HTTP')
+
+
+def _log_size(moto: MotoS3) -> int:
+    time.sleep(0.15)  # moto logs a request once it has answered it
+    return moto.log_path.stat().st_size
+
+
+def _requests(moto: MotoS3, since: int) -> list[tuple[str, str]]:
+    time.sleep(0.15)
+    with moto.log_path.open("rb") as f:
+        f.seek(since)
+        text = f.read().decode(errors="replace")
+    return [(m[1], m[2]) for m in _REQUEST.finditer(text)]
+
+
+async def test_a_checkpoint_that_changed_nothing_under_a_reader_costs_it_no_reindex(
+    moto_s3: MotoS3,
+) -> None:
+    url = moto_s3.url()
+    prefix = url.removeprefix("s3://").split("/", 1)[1]
+    await _stage(url, ["a"], calls=3)
+    _age(url)
+    _compact(url, grace_s=0)  # one merged unit
+    reader = ParquetSource(url, index="units")
+    try:
+        assert len(reader.calls("a")) == 3
+        _compact(url, grace_s=0)  # nothing to merge: a new checkpoint all the same
+        start = _log_size(moto_s3)
+        assert len(reader.calls("a")) == 3
+        requests = _requests(moto_s3, start)
+        # The checkpoint's HEAD (changed), its GET, the listing after its horizon; no marker
+        # and no data file read again (the calls row group is cached).
+        assert ("HEAD", f"/capture/{prefix}/{CHECKPOINT}") in requests
+        assert ("GET", f"/capture/{prefix}/{CHECKPOINT}") in requests
+        lists = [p for m, p in requests if "list-type" in p]
+        assert lists
+        assert all("start-after=" in p for p in lists)  # S3's StartAfter
+        data = [
+            p for m, p in requests if "list-type" not in p and ("/_commits/" in p or "/calls/" in p)
+        ]
+        assert data == []
+        # A refresh within `max_age_s` of the last listing lists nothing (the sink's follower
+        # after a read or the proxy's weight version re-read took one).
+        start = _log_size(moto_s3)
+        reader.refresh(max_age_s=60)
+        assert _requests(moto_s3, start) == []
+        reader.refresh()
+        assert [m for m, _ in _requests(moto_s3, start)] == ["HEAD", "GET"]  # HEAD, LIST
+    finally:
+        reader.close_reader()
