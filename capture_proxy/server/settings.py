@@ -229,6 +229,24 @@ class Settings:
         "calls in flight at once in one rollout (one sandbox, with rollout keys); excess gets "
         "429 (0: no limit). An agent makes one call at a time, a few with subagents",
     )
+    fair_share_inflight: int = _s(
+        32,
+        "chat calls in flight across rollouts from which they are shared fairly: then a "
+        "rollout holding its share (this over the rollouts with calls in flight, at least 2) "
+        "waits its turn, before its body is read, while a rollout with nothing in flight goes "
+        "at once (docs/security.md; 0: off)",
+    )
+    fair_share_queue: int = _s(
+        16,
+        "calls of one rollout that may wait for a fair turn; one more gets 429 "
+        "rollout_over_fair_share at once",
+    )
+    fair_share_wait: float = _s(
+        600.0,
+        "seconds a call may wait for a fair turn, then 429 rollout_over_fair_share; it waits "
+        "only while its own rollout has calls in flight, for one of them to end (a generation "
+        "may take minutes), holding its connection but not its body",
+    )
     admin_token: str = _s(
         "",
         "bearer token for the control API (/admin), 16 characters and 64 bits (estimated) at "
@@ -425,7 +443,8 @@ GROUPS: dict[str, tuple[str, str]] = {
         "max_body_bytes max_passthrough_body_bytes max_free_json_bytes max_free_json_items "
         "max_json_items max_decoding_bytes max_connections max_connections_per_address "
         "max_connection_rate_per_address "
-        "max_inflight max_inflight_per_rollout max_rollout_bytes max_rollout_calls "
+        "max_inflight max_inflight_per_rollout fair_share_inflight fair_share_queue "
+        "fair_share_wait max_rollout_bytes max_rollout_calls "
         "max_rollout_body_rate max_rollout_refusal_rows "
         "max_live_rollouts rollout_idle_timeout rollout_resume_timeout",
     ),
@@ -733,6 +752,9 @@ def _check(s: Settings) -> None:
         "max_tokens_cap",
         "max_inflight",
         "max_inflight_per_rollout",
+        "fair_share_inflight",
+        "fair_share_queue",
+        "fair_share_wait",
         "max_model_len",
         "upstream_total_timeout",
         "max_rollout_bytes",

@@ -85,6 +85,10 @@ class EventHeads:
             head = self._heads.get(rollout_id) or self._lookup(rollout_id)
         return head
 
+    def committed(self, rollout_id: str) -> tuple[int, str] | None:
+        """The last committed event of `rollout_id` (None: it has none)."""
+        return self._heads.get(rollout_id) or self._lookup(rollout_id)
+
     def reset(self, rollout_id: str, head: tuple[int, str] | None) -> None:
         """Continue `rollout_id`'s chain after `head`, as the store has it now (another writer
         may have appended since this one last did)."""

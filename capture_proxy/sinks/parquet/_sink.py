@@ -88,7 +88,8 @@ from ..base import DuplicateSeq, FaultHook, StoreError
 from ..codec import encode_record
 from ..staging_rules import coords_for, new_attachments
 from ..store_head import StoreHeadKeeper
-from ._claims import Holders, SeqClaim, last_claim
+from ._claim_head import ClaimedHead
+from ._claims import Holders, SeqClaim, claim_counts, last_claim
 from ._events import EventHeads
 from ._fs import DatasetFS
 from ._index import LRU
@@ -216,15 +217,17 @@ class ParquetSink:
                 known = self._reader.known()
                 heads = self._reader.event_heads()
             self._events = EventHeads(heads, self._stored_head)
-            # One writer at a time on a local folder (the lock): its head is the store's. On
-            # object storage several writers may append to one rollout: none has the store's.
-            self.store_head = (
-                StoreHeadKeeper(
-                    location, StoreHeadState.of((r, h, p) for r, (p, h) in heads.items())
+            # One writer at a time on a local folder (the lock): its head is the store's,
+            # claim files included (`_claim_head`). On object storage several writers may
+            # append to one rollout: none has the store's.
+            self.store_head: StoreHeadKeeper | None = None
+            self._claimed: ClaimedHead | None = None
+            if dfs.local:
+                state = StoreHeadState.of(
+                    ((r, h, p) for r, (p, h) in heads.items()), claim_counts(dfs)
                 )
-                if dfs.local
-                else None
-            )
+                self.store_head = StoreHeadKeeper(location, state)
+                self._claimed = ClaimedHead(dfs, self.store_head, self._events.committed)
         except BaseException:
             self._lock.release()
             raise
@@ -243,7 +246,9 @@ class ParquetSink:
                 location,
             )
         self._dfs = dfs
-        self._holders = Holders(dfs, self.writer_id)
+        self._holders = Holders(
+            dfs, self.writer_id, self._claimed.created if self._claimed is not None else None
+        )
         # On object storage other writers commit too: a thread keeps the writer's reader up to
         # date with their units, so a handoff read on the writer thread finds little to index
         # (the units of a few writers pile up fast; indexing them all at once there would stall
@@ -409,12 +414,8 @@ class ParquetSink:
             self._attachments[sha] = committed
         self._rollouts |= batch.rollouts
         self._events.publish(batch)
-        if self.store_head is not None:
-            self.store_head.committed(
-                (r["rollout_id"], r["prev_hash"], r["hash"])
-                for r in batch.rows[LEDGER]
-                if r["kind"] == "event"
-            )
+        if self._claimed is not None:
+            self._claimed.committed(batch.rows[LEDGER])
         for rollout_id in handoffs_in(batch):
             keys = self._live.get(rollout_id)
             if keys is not None:
@@ -427,6 +428,8 @@ class ParquetSink:
             for call_id in sealed.calls if sealed is not None else ():
                 self._fulls.pop(call_id)
             self._holders.forget(rollout_id)
+            if self._claimed is not None:
+                self._claimed.forget(rollout_id)
 
     def _settle(self, works: list[Work]) -> None:
         # The claims the batch's work holds seqs by, written at once before the batch runs.

@@ -43,10 +43,11 @@ from ...schemas.records import (
     RolloutInfo,
     StagedCallRecord,
 )
+from ...schemas.store_head import ClaimCount
 from ..base import PROXY_STATE_ROLLOUT, StoreDamaged, StoreError
 from ..rollout_index import IndexedRollout, RolloutQuery, row_of
 from ._checkpoint import CHECKPOINT, Loaded, load_markers
-from ._claims import read_claims
+from ._claims import claim_counts, read_claims
 from ._cursors import ParquetCursors
 from ._directory import Directory
 from ._fs import DatasetFS
@@ -535,6 +536,10 @@ class ParquetSource(Loading):
         # The claim files are the authority (a unit holding the claim event may have failed
         # after its file was created): read them, not the events.
         return read_claims(self.dfs, rollout_id)
+
+    def claim_counts(self) -> dict[str, ClaimCount]:
+        """Every rollout's claim files, counted (`sinks.base.ClaimFiles`): one listing."""
+        return claim_counts(self.dfs)
 
     def event_heads(self) -> dict[str, tuple[int, str]]:
         """Each rollout's last event as (position, hash): where a writer continues its chain."""
