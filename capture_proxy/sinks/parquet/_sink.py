@@ -392,7 +392,9 @@ class ParquetSink:
     def _follow(self) -> None:
         while not self._following.wait(_FOLLOW_S):
             try:
-                self._reader.refresh()
+                # A listing the reader took meanwhile (a read, the proxy's weight version
+                # re-read) will do: on object storage each is a request per thousand names.
+                self._reader.refresh(max_age_s=_FOLLOW_S)
             except Exception as e:  # a compaction's cleanup, the store unreachable: next time
                 log.debug("%s: following other writers' units: %s", self.location, e)
 
