@@ -17,7 +17,7 @@ import pytest
 from aiohttp import web
 
 from capture_proxy.testing.fake_vllm import FakeToolCall, FakeVLLM, Turn
-from tests.support.parity import agent_view
+from tests.support.parity import agent_view, id_form
 from tests.support.proxy_harness import Proxy, chat_body, user
 
 TOOLS = [
@@ -78,6 +78,26 @@ SHAPES: dict[str, tuple[Turn, dict[str, Any]]] = {
     ),
     "logprobs": (Turn("Yes.", reasoning="r"), {"logprobs": True, "top_logprobs": 2}),
     "token ids": (Turn("Ids.", reasoning="r"), {"return_token_ids": True}),
+    "logprobs without top": (Turn("Yes.", reasoning="r"), {"logprobs": True}),
+    # `return_tokens_as_token_ids`: logprob tokens (and top entries' bytes) as "token_id:N".
+    "logprobs as token ids": (
+        Turn("Yes. é", reasoning="r"),
+        {"logprobs": True, "top_logprobs": 2, "return_tokens_as_token_ids": True},
+    ),
+    "tool call logprobs as token ids": (
+        Turn(reasoning="look", tool_calls=[LS]),
+        {"tools": TOOLS, "logprobs": True, "top_logprobs": 1, "return_tokens_as_token_ids": True},
+    ),
+    "token ids as strings without logprobs": (Turn("No."), {"return_tokens_as_token_ids": True}),
+    "tool choice named": (
+        Turn(tool_calls=[LS]),
+        {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "bash"}}},
+    ),
+    "stream without usage": (Turn("Done.", reasoning="ok"), {"stream_options": None}),
+    "stream usage not asked": (
+        Turn("Done.", reasoning="ok"),
+        {"stream_options": {"include_usage": False}},
+    ),
     # The prompt ends the reasoning (render's `reasoning_ended`), but vLLM's count starts in
     # reasoning whatever the prompt: the answer is content, and counted as reasoning.
     "continued after closed reasoning": (Turn(" and more.", reasoning=None), CONTINUED),
@@ -113,7 +133,7 @@ async def through(
         "content": message.get("content"),
         "reasoning": message.get("reasoning_content"),
         "tool_calls": [
-            (c["function"]["name"], c["function"]["arguments"])
+            (id_form(c["id"]), c["function"]["name"], c["function"]["arguments"])
             for c in message.get("tool_calls") or ()
         ],
         "finish_reason": record.finish_reason,
@@ -123,10 +143,15 @@ async def through(
 
 
 def request(extra: dict[str, Any], stream: bool) -> dict[str, Any]:
+    """The shape's body; its ``stream_options`` (None: none) only when streamed, else
+    ``include_usage``."""
+    extra = dict(extra)
+    options = extra.pop("stream_options", {"include_usage": True})
     body = chat_body(user("Tell me."), temperature=0, **extra)
     if stream:
         body["stream"] = True
-        body["stream_options"] = {"include_usage": True}
+        if options is not None:
+            body["stream_options"] = options
     return body
 
 

@@ -8,7 +8,17 @@ what the chat route would have sent:
 
 - ``usage`` is generate's (derender counts no prompt: its ``prompt_tokens`` is 0);
 - a unary answer with tool calls has ``finish_reason`` ``"tool_calls"`` (derender's unary answer
-  keeps generate's ``"stop"``; its streamed chunks already say ``"tool_calls"``);
+  keeps generate's ``"stop"``; its streamed chunks already say ``"tool_calls"``), but for a
+  named ``tool_choice``, where the chat route says ``"stop"``;
+- a unary answer's tool call ids are the chat route's ``chatcmpl-tool-<16 hex>``: derender's
+  unary answer gives vLLM's bare 16-hex ``random_uuid()`` (vLLM 0.32
+  ``vllm/renderers/online_derenderer.py``), the chat route ``make_tool_call_id()``, the same
+  random part behind ``chatcmpl-tool-`` (its streamed chunks already do);
+- each logprob entry has at most ``top_logprobs`` top entries (none without it: derender gives
+  the sampled token's own); with ``return_tokens_as_token_ids: true`` each entry's ``token`` is
+  ``"token_id:N"`` and each top entry's ``token`` and ``bytes`` are those of ``"token_id:N"``
+  (the entry's own ``bytes`` stay its decoded text's), as the chat route writes them: derender
+  does not read that key, and the ids are generate's, position by position (`chat_logprobs`);
 - the rules of `capture_proxy.adapters.vllm`'s module docs: ``prompt_token_ids``,
   ``prompt_text`` and ``token_ids`` only when the client sent ``return_token_ids: true`` (then
   the ids the call sent and generated), ``logprobs`` null unless the client sent ``logprobs:
@@ -46,7 +56,85 @@ from ._wire import (
     strip_for_client,
 )
 
-__all__ = ["Derendered", "DerenderedStream", "client_answer", "read_derendered"]
+__all__ = [
+    "CHAT_TOOL_ID_PREFIX",
+    "Derendered",
+    "DerenderedStream",
+    "chat_logprobs",
+    "client_answer",
+    "read_derendered",
+]
+
+#: What the chat route's tool call ids start with (vLLM's ``make_tool_call_id``).
+CHAT_TOOL_ID_PREFIX = "chatcmpl-tool-"
+_HEX = frozenset("0123456789abcdef")
+_TOKEN_ID = "token_id:"
+
+
+def _chat_tool_id(tool_id: object) -> object:
+    """The chat route's form of a unary derender answer's tool call id: vLLM's bare 16-hex
+    ``random_uuid()`` gets the ``chatcmpl-tool-`` the chat route writes before it; any other id
+    is kept."""
+    if isinstance(tool_id, str) and len(tool_id) == 16 and set(tool_id) <= _HEX:
+        return CHAT_TOOL_ID_PREFIX + tool_id
+    return tool_id
+
+
+def chat_logprobs(
+    entries: list[dict[str, Any]],
+    generated: Generated | None,
+    start: int,
+    wants: ClientWants,
+) -> None:
+    """Rewrite derender's logprobs `entries` in place as the chat route writes them for what
+    the client asked (module docs): at most ``top_logprobs`` top entries each (derender gives
+    every alternative generate sampled, the sampled token's own with ``top_logprobs`` 0); with
+    ``return_tokens_as_token_ids`` entry k, completion position ``start + k``, has ``token``
+    ``"token_id:N"`` for `generated`'s id there, and each top entry the ``token`` and ``bytes``
+    of ``"token_id:N"`` for generate's top id at its rank (the entry's own ``bytes`` stay its
+    decoded text's, as vLLM's chat route keeps them).
+
+    Raises `UpstreamProtocolError` (``logprobs_mismatch``) when the ids to write are unknown:
+    derender gave more entries, or more top entries at a position, than generate sampled."""
+    top = wants.top_logprobs or 0
+    for entry in entries:
+        alts = entry.get("top_logprobs")
+        if isinstance(alts, list) and len(alts) > top:
+            del alts[top:]
+    if not wants.token_id_strings:
+        return
+    ids = generated.completion_ids if generated is not None else ()
+    tops = generated.top_logprobs if generated is not None else None
+    if start + len(entries) > len(ids):
+        raise UpstreamProtocolError(
+            "logprobs_mismatch",
+            f"derender gave logprobs for positions {start}..{start + len(entries) - 1}, "
+            f"generate sampled {len(ids)} tokens",
+        )
+    for k, entry in enumerate(entries):
+        i = start + k
+        entry["token"] = f"{_TOKEN_ID}{ids[i]}"
+        alts = entry.get("top_logprobs") or ()
+        row = tops[i] if tops is not None and i < len(tops) else ()
+        if len(alts) > len(row):
+            raise UpstreamProtocolError(
+                "logprobs_mismatch",
+                f"derender gave {len(alts)} top logprobs at position {i}, generate {len(row)}",
+            )
+        for alt, (alt_id, _) in zip(alts, row, strict=False):
+            text = f"{_TOKEN_ID}{alt_id}"
+            alt["token"] = text
+            alt["bytes"] = list(text.encode())
+
+
+def _rewrites_logprobs(generated: Generated, wants: ClientWants) -> bool:
+    """Whether `chat_logprobs` changes a unary answer's logprobs (else they are spliced as
+    they came, never decoded)."""
+    if not wants.logprobs:
+        return False
+    top = wants.top_logprobs or 0
+    rows = generated.top_logprobs or ()
+    return wants.token_id_strings or any(len(row) > top for row in rows)
 
 
 def _usage(generated: Generated, prompt_len: int) -> dict[str, int]:
@@ -120,6 +208,28 @@ class Derendered:
         ]
         return Derendered(self.top, choices, messages)
 
+    def with_chat_logprobs(self, generated: Generated, wants: ClientWants) -> Derendered:
+        """The answer with its logprobs as the chat route writes them for what the client
+        asked (`chat_logprobs`); itself when that changes nothing. Raises
+        `UpstreamProtocolError` as `chat_logprobs` does."""
+        if not _rewrites_logprobs(generated, wants):
+            return self
+        choices = list(self.choices)
+        changed = False
+        for i, choice in enumerate(choices):
+            raw = choice.get("logprobs")
+            if is_null(raw):
+                continue
+            assert raw is not None
+            logprobs = _decode_message(raw)
+            entries = logprobs.get("content")
+            if not isinstance(entries, list) or not entries:
+                continue
+            chat_logprobs(entries, generated, 0, wants)  # one choice: `n > 1` is refused
+            choices[i] = {**choice, "logprobs": msgspec.Raw(_encode(logprobs))}
+            changed = True
+        return Derendered(self.top, choices, self.messages) if changed else self
+
     def for_record(self) -> dict[str, Any]:
         """The answer as `to_completion` reads it: the first choice's message."""
         return {"choices": [{"message": self.messages[0]}]} if self.messages else {}
@@ -134,6 +244,14 @@ def read_derendered(raw: bytes) -> Derendered:
         messages = [
             {} if is_null(c.get("message")) else _decode_message(c["message"]) for c in choices
         ]
+        for i, message in enumerate(messages):
+            calls = message.get("tool_calls")
+            if not isinstance(calls, list) or not calls:
+                continue
+            for call in calls:
+                if isinstance(call, dict) and "id" in call:
+                    call["id"] = _chat_tool_id(call["id"])
+            choices[i] = {**choices[i], "message": msgspec.Raw(_encode(message))}
     except msgspec.ValidationError as exc:
         raise UpstreamProtocolError("malformed_json", f"the derender answer: {exc}") from exc
     except msgspec.DecodeError as exc:
@@ -149,11 +267,13 @@ def client_answer(
     *,
     ids_json: bytes | None = None,
     reasoning_tokens: int | None = None,
+    named_tool_choice: bool = False,
 ) -> bytes:
     """The unary answer for the client (JSON) from derender's answer (`read_derendered`'s, or
     decoded), the `generated` completion and the `prompt_ids` sent (module docs for what
-    changes; `ids_json`: those ids already encoded). Every value the client gets as derender
-    wrote it is spliced in as it came."""
+    changes; `ids_json`: those ids already encoded; `named_tool_choice`: the request named the
+    function in ``tool_choice``). Every value the client gets as derender wrote it is spliced
+    in as it came."""
     if not isinstance(derendered, Derendered):
         derendered = read_derendered(orjson.dumps(derendered))
     top, choices = derendered.top, derendered.choices
@@ -165,7 +285,8 @@ def client_answer(
         shaped = body.get("choices", [])
     for c, message in zip(shaped, derendered.messages, strict=True):
         finish = c.get("finish_reason")
-        if message.get("tool_calls") and finish is not None and bytes(finish) == _STOP:
+        calls = message.get("tool_calls") and not named_tool_choice
+        if calls and finish is not None and bytes(finish) == _STOP:
             c["finish_reason"] = _TOOL_CALLS
         if wants.token_ids:
             c["token_ids"] = msgspec.Raw(encode_ids(generated.completion_ids))
@@ -194,8 +315,13 @@ class DerenderedStream:
         prompt_ids: Sequence[int],
         stop: StopCut | None = None,
         reasoning_tokens: Callable[[], int | None] | None = None,
+        generated: Callable[[], Generated | None] | None = None,
     ) -> None:
         self._wants = wants
+        #: The generation read so far, for ``"token_id:N"`` logprobs (`chat_logprobs`).
+        self._generated = generated
+        #: The completion position of the next logprobs entry.
+        self._logprob_at = 0
         #: The completion's reasoning tokens so far, for the usage chunk (None: not given).
         self._reasoning_tokens = reasoning_tokens
         self._prompt_ids = prompt_ids
@@ -207,8 +333,11 @@ class DerenderedStream:
         self._tools: dict[int, dict[str, Any]] = {}
 
     def feed(self, chunk: Mapping[str, Any]) -> bytes | None:
+        """The client's event for `chunk` (class docs). Raises `UpstreamProtocolError` when its
+        logprobs cannot be written as ``"token_id:N"`` (`chat_logprobs`)."""
         choices = chunk.get("choices") or []
         for choice in choices:
+            self._logprobs(choice)
             delta = choice.get("delta") or {}
             self._take(delta)
             self._release(delta, choice.get("finish_reason"), choice.get("stop_reason"))
@@ -230,6 +359,17 @@ class DerenderedStream:
             out["prompt_token_ids"] = list(self._prompt_ids)
         self._first = False
         return b"data: " + orjson.dumps(out) + b"\n\n"
+
+    def _logprobs(self, choice: Mapping[str, Any]) -> None:
+        """A chunk's logprobs as the chat route writes them (`chat_logprobs`; entries follow
+        each other through the stream, one per completion position)."""
+        logprobs = choice.get("logprobs")
+        entries = logprobs.get("content") if isinstance(logprobs, dict) else None
+        if not self._wants.logprobs or not isinstance(entries, list) or not entries:
+            return
+        generated = self._generated() if self._generated is not None else None
+        chat_logprobs(entries, generated, self._logprob_at, self._wants)
+        self._logprob_at += len(entries)
 
     def _release(self, delta: dict[str, Any], finish: object, stop_reason: object) -> None:
         """Give the client the text the chat route would have sent by now: all of it, or,

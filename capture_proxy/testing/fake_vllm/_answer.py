@@ -146,6 +146,10 @@ def answer_for(
         parse_tools=bool(body.get("tools")) and body.get("tool_choice") != "none",
         new_tool_id=lambda: new_id("chatcmpl-tool-"),
     )
+    if isinstance(body.get("tool_choice"), Mapping) and plan.finish_reason is None:
+        # vLLM 0.32's chat route: "tool_calls" for auto or required tool calls, "stop" for a
+        # named one (unary and streamed).
+        plan.finish_reason = "stop"
     stop_on_strings(plan, body.get("stop"), body.get("min_tokens"), limit)
     n = min(len(plan.ids), limit)
     want_logprobs = bool(body.get("logprobs"))
