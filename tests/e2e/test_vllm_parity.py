@@ -181,6 +181,13 @@ SHAPES: dict[str, dict[str, Any]] = {
         "max_tokens": 24,
     },
     "several stop strings": says(r"Done\. Gone\.", stop=["xyz", "Go", "on"]),
+    "stream with continuous usage": {
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        "max_tokens": 6,
+    },
+    "stream with continuous usage to the end of turn": says(
+        r"Done\.", stream_options={"include_usage": True, "continuous_usage_stats": True}
+    ),
     "stream without usage": {"stream_options": None, "max_tokens": 6},
     # A long prompt whose history holds reasoning markers; derender gets its last ids only.
     "long conversation": {

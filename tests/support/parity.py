@@ -71,7 +71,13 @@ async def agent_view(post: Post, body: Mapping[str, Any]) -> dict[str, Any]:
         usage = chunk.get("usage") or usage
         every_chunk_usage = every_chunk_usage and chunk.get("usage") is not None
         if chunk.get("usage") is not None:
-            counted.append(chunk["usage"]["completion_tokens"])
+            running = chunk["usage"]
+            assert (
+                running["total_tokens"] == running["prompt_tokens"] + running["completion_tokens"]
+            )
+            details = running.get("completion_tokens_details") or {}
+            assert details.get("reasoning_tokens", 0) <= running["completion_tokens"]
+            counted.append(running["completion_tokens"])
         for choice in chunk["choices"]:
             delta = choice["delta"]
             content += delta.get("content") or ""

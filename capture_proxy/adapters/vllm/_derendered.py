@@ -316,8 +316,13 @@ class DerenderedStream:
         stop: StopCut | None = None,
         reasoning_tokens: Callable[[], int | None] | None = None,
         generated: Callable[[], Generated | None] | None = None,
+        running_reasoning: Callable[[int], int | None] | None = None,
     ) -> None:
         self._wants = wants
+        #: The reasoning tokens among the completion's first n, for a running usage.
+        self._running_reasoning = running_reasoning
+        #: How many completion ids the chunks so far carried (a running usage counts them).
+        self._ids = 0
         #: The generation read so far, for ``"token_id:N"`` logprobs (`chat_logprobs`).
         self._generated = generated
         #: The completion position of the next logprobs entry.
@@ -336,7 +341,10 @@ class DerenderedStream:
         """The client's event for `chunk` (class docs). Raises `UpstreamProtocolError` when its
         logprobs cannot be written as ``"token_id:N"`` (`chat_logprobs`)."""
         choices = chunk.get("choices") or []
+        finished = False
         for choice in choices:
+            self._count_ids(choice)
+            finished = finished or choice.get("finish_reason") is not None
             self._logprobs(choice)
             delta = choice.get("delta") or {}
             self._take(delta)
@@ -355,10 +363,34 @@ class DerenderedStream:
             counts = {"prompt_tokens": prompt, "completion_tokens": n}
             reasoning = self._reasoning_tokens() if self._reasoning_tokens is not None else None
             out["usage"] = chat_usage(counts, stream=True, reasoning_tokens=reasoning)
+        elif choices and self._wants.continuous_usage:
+            out["usage"] = self._running_usage(finished)
         if self._first and self._wants.token_ids:
             out["prompt_token_ids"] = list(self._prompt_ids)
         self._first = False
         return b"data: " + orjson.dumps(out) + b"\n\n"
+
+    def _count_ids(self, choice: Mapping[str, Any]) -> None:
+        """Count the completion ids a chunk carries: its ``token_ids`` (the proxy's chat request
+        asks derender for them), else every id generate streamed so far."""
+        ids = choice.get("token_ids")
+        if isinstance(ids, list):
+            self._ids += len(ids)
+            return
+        generated = self._generated() if self._generated is not None else None
+        if generated is not None:
+            self._ids = len(generated.completion_ids)
+
+    def _running_usage(self, finished: bool) -> dict[str, Any]:
+        """The usage the chat route puts on every chunk with ``continuous_usage_stats``: the
+        counts through this chunk (the reasoning count of the last chunk as the usage chunk's)."""
+        counts = {"prompt_tokens": len(self._prompt_ids), "completion_tokens": self._ids}
+        reasoning = None
+        if finished and self._reasoning_tokens is not None:
+            reasoning = self._reasoning_tokens()
+        elif self._running_reasoning is not None:
+            reasoning = self._running_reasoning(self._ids)
+        return chat_usage(counts, stream=True, reasoning_tokens=reasoning)
 
     def _logprobs(self, choice: Mapping[str, Any]) -> None:
         """A chunk's logprobs as the chat route writes them (`chat_logprobs`; entries follow

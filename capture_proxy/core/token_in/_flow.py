@@ -284,12 +284,20 @@ class TokenInCall:
         def reasoning_tokens() -> int | None:
             return self._reasoning_tokens(derender.so_far, stream=True)
 
+        def running_reasoning(n: int) -> int | None:
+            so_far = derender.so_far
+            if so_far is None:
+                return None
+            first = Generated(so_far.request_id, completion_ids=so_far.completion_ids[:n])
+            return self._reasoning_tokens(first, stream=True)
+
         shaped = DerenderedStream(
             plan.wants,
             prompt.prompt_ids,
             StopCut.of(self._exchange.request),
             reasoning_tokens,
             generated=lambda: derender.so_far,
+            running_reasoning=running_reasoning,
         )
         async with reply:
             events = derender.events()
