@@ -455,6 +455,27 @@ def capture_parity(api: Http, save: Saver, only: str | None = None) -> dict[str,
             "temperature": 0,
             "max_tokens": 8,
         },
+        # With `return_tokens_as_token_ids`, the chat route writes logprob tokens as
+        # "token_id:N" (a top entry's bytes too); derender does not read that key.
+        "logprobs-as-token-ids": _steered(
+            r"Done\. é",
+            logprobs=True,
+            top_logprobs=2,
+            return_tokens_as_token_ids=True,
+            return_token_ids=True,
+        ),
+        # A named tool choice: the chat route's finish is "stop" (not "tool_calls"), its tool
+        # call ids `chatcmpl-tool-<16 hex>`; derender's unary ids are bare 16 hex. A bias on
+        # `}` (id 101) ends the arguments the structured output writes.
+        "tool-call-named": {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "Say it."}],
+            "temperature": 0,
+            "max_tokens": 64,
+            "logit_bias": {"4": 100, "101": 30},
+            "tools": TOOLS,
+            "tool_choice": {"type": "function", "function": {"name": "bash"}},
+        },
     }
     if only is not None:
         cases = {only: cases[only]}

@@ -12,7 +12,7 @@ import orjson
 from aiohttp import web
 
 from capture_proxy.testing.fake_vllm import FakeToolCall, FakeVLLM, Turn
-from capture_proxy.testing.fake_vllm._template import token_bytes
+from capture_proxy.testing.fake_vllm._protocol import decoded_token
 from tests.support.proxy_harness import Proxy, chat_body, sse_lines, user
 
 TOOLS = [{"type": "function", "function": {"name": "bash", "parameters": {"type": "object"}}}]
@@ -77,11 +77,20 @@ async def test_each_streamed_chunk_carries_the_logprobs_of_its_own_tokens(
     events = await streamed(p, return_token_ids=True)
     carried = [c for e in events for c in e["choices"] if c.get("token_ids")]
     assert len(carried) > 3
+    [record] = p.calls()
+    ids = list(record.completion_token_ids)
+    assert [t for c in carried for t in c["token_ids"]] == ids
+    # Each token's bytes as vLLM resolves them (a character split across tokens, even across
+    # chunks: empty, then whole on the token that completes it).
+    at = 0
     for choice in carried:
         content = choice["logprobs"]["content"]
-        assert [bytes(e["bytes"]) for e in content] == [token_bytes(t) for t in choice["token_ids"]]
-    [record] = p.calls()
-    assert [t for c in carried for t in c["token_ids"]] == list(record.completion_token_ids)
+        want = [
+            decoded_token(t, ids[max(0, at + k - 4) : at + k]).encode()
+            for k, t in enumerate(choice["token_ids"])
+        ]
+        assert [bytes(e["bytes"]) for e in content] == want
+        at += len(choice["token_ids"])
     assert p.fake.unary_derenders == len(carried)  # one resolution per chunk with tokens
 
 

@@ -6,6 +6,7 @@ generate and derender; what each gave in ``parity-experiments.json``)."""
 from __future__ import annotations
 
 import copy
+import re
 from typing import Any
 
 import orjson
@@ -148,3 +149,73 @@ async def test_a_continued_message_whose_reasoning_closed_ends_it_and_still_coun
     )
     streamed = [orjson.loads(e) for e in events(await raw.read())[:-1]]
     assert streamed[-1]["usage"]["completion_tokens_details"] == {"reasoning_tokens": 8}
+
+
+def _token_id_rules(entries: list[Any], ids: list[int]) -> None:
+    """vLLM 0.32's chat route with ``return_tokens_as_token_ids``: each entry's token is
+    ``"token_id:N"`` for the id sampled there, its bytes its decoded text's (a character split
+    across tokens: empty, then whole), each top entry's token and bytes its ``"token_id:N"``."""
+    assert [e["token"] for e in entries] == [f"token_id:{i}" for i in ids]
+    for e in entries:
+        assert e["top_logprobs"]
+        for top in e["top_logprobs"]:
+            assert top["token"].startswith("token_id:")
+            assert bytes(top["bytes"]) == top["token"].encode()
+
+
+async def test_logprobs_as_token_ids_are_the_chat_route_s_and_derender_s_are_text(
+    serve: Serve,
+) -> None:
+    case = fixture("token-in/parity-logprobs-as-token-ids.json")
+    real = case["chat_response"]["choices"][0]
+    _token_id_rules(real["logprobs"]["content"], real["token_ids"])
+    real_text = b"".join(bytes(e["bytes"]) for e in real["logprobs"]["content"])
+    assert real_text == "</think>Done. é<|im_end|>".encode()
+    real_derender = case["derender_response"]["choices"][0]["logprobs"]["content"]
+    assert "".join(e["token"] for e in real_derender) == real_text.decode()
+    chat = {**case["chat_request"], "messages": USER}
+    chat.pop("structured_outputs")
+    chat.pop("logit_bias")
+    _, client = await serve(*[Turn("Done. é", reasoning=None)] * 3, scale_out=True)
+    said = (await post(client, "/v1/chat/completions", chat))["choices"][0]
+    _token_id_rules(said["logprobs"]["content"], said["token_ids"])
+    text = b"".join(bytes(e["bytes"]) for e in said["logprobs"]["content"])
+    assert text == "Done. é<|im_end|>".encode()
+    *_, unary = await through_derender(client, chat)
+    derendered = unary["choices"][0]["logprobs"]["content"]
+    assert "".join(e["token"] for e in derendered) == text.decode()
+
+
+async def test_a_named_tool_call_finishes_with_stop_and_derender_s_unary_id_is_bare_hex(
+    serve: Serve,
+) -> None:
+    case = fixture("token-in/parity-tool-call-named.json")
+    chat_id = re.compile(r"chatcmpl-tool-[0-9a-f]{16}")
+    real = case["chat_response"]["choices"][0]
+    assert real["finish_reason"] == "stop"
+    assert chat_id.fullmatch(real["message"]["tool_calls"][0]["id"])
+    real_stream = [orjson.loads(e) for e in events(case["chat_stream"].encode())[:-1]]
+    real_choices = [c for e in real_stream for c in e["choices"]]
+    assert [c["finish_reason"] for c in real_choices if c["finish_reason"]] == ["stop"]
+    [real_streamed_id] = [
+        t["id"] for c in real_choices for t in c["delta"].get("tool_calls") or () if "id" in t
+    ]
+    assert chat_id.fullmatch(real_streamed_id)
+    real_derender = case["derender_response"]["choices"][0]["message"]["tool_calls"][0]["id"]
+    assert re.fullmatch(r"[0-9a-f]{16}", real_derender)
+    _, client = await serve(
+        *[Turn(tool_calls=[FakeToolCall("bash", {"n": 5})])] * 4, scale_out=True
+    )
+    chat = {**case["chat_request"], "tools": TOOLS}
+    said = (await post(client, "/v1/chat/completions", chat))["choices"][0]
+    assert said["finish_reason"] == "stop"
+    assert chat_id.fullmatch(said["message"]["tool_calls"][0]["id"])
+    raw = await client.post("/v1/chat/completions", json={**chat, "stream": True})
+    choices = [c for e in events(await raw.read())[:-1] for c in orjson.loads(e)["choices"]]
+    assert [c["finish_reason"] for c in choices if c["finish_reason"]] == ["stop"]
+    [streamed_id] = [
+        t["id"] for c in choices for t in c["delta"].get("tool_calls") or () if t.get("id")
+    ]
+    assert chat_id.fullmatch(streamed_id)
+    *_, unary = await through_derender(client, chat)
+    assert re.fullmatch(r"[0-9a-f]{16}", unary["choices"][0]["message"]["tool_calls"][0]["id"])

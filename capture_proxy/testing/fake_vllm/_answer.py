@@ -285,7 +285,11 @@ def stream_events(a: Answer) -> Iterator[bytes]:
         lp = None
         if a.want_logprobs and not hidden:
             lp = logprobs_content(
-                [token], [a.logprobs[k]], [a.tops[k]], as_token_ids=a.as_token_ids
+                [token],
+                [a.logprobs[k]],
+                [a.tops[k]],
+                as_token_ids=a.as_token_ids,
+                context=ids[max(0, k - 4) : k],
             )
         delta = deltas[k]
         if delta is None:
