@@ -191,3 +191,51 @@ async def test_a_streamed_derender_that_resolves_logprobs_itself_is_not_asked_ag
     assert len(carried) > 3
     assert all(c["logprobs"]["content"][0]["token"] == "own" for c in carried)
     assert p.fake.unary_derenders == 1  # only beside the first call, before it was known
+
+
+class ExtraLogprob(FakeVLLM):
+    """The fake, its unary derender answers carrying one logprobs entry more than the ids."""
+
+    def __init__(self) -> None:
+        super().__init__(scale_out=True)
+
+    def app(self) -> web.Application:
+        app = super().app()
+
+        @web.middleware
+        async def extra(request: web.Request, handler: Handler) -> web.StreamResponse:
+            resp = await handler(request)
+            if request.path != DERENDER or not isinstance(resp, web.Response):
+                return resp
+            answer = orjson.loads(resp.body)  # type: ignore[arg-type]
+            for choice in answer.get("choices") or ():
+                content = (choice.get("logprobs") or {}).get("content")
+                if content:
+                    content.append(content[-1])
+            return web.json_response(answer)
+
+        app.middlewares.append(extra)
+        return app
+
+
+async def test_logprobs_without_their_ids_fail_a_call_asking_for_token_id_strings(
+    make_proxy: Any,
+) -> None:
+    # With `return_tokens_as_token_ids` each entry is written as "token_id:N" for generate's id
+    # at its place: an entry derender has beyond generate's ids has none, and the call fails
+    # as for a malformed answer (never a guessed id).
+    p = await make_proxy(fake=ExtraLogprob(), token_in="on")
+    p.fake.push(turn(), turn())
+    resp = await p.chat(body(return_tokens_as_token_ids=True))
+    assert resp.status == 502
+    assert resp.headers["X-Capture-Status"] == "upstream_error"
+    error = (await resp.json())["error"]
+    assert error["code"] == "logprobs_mismatch"
+    assert "generate sampled" in error["message"]
+    resp = await p.chat(body(return_tokens_as_token_ids=True, stream=True))
+    assert resp.status == 200
+    events = [line async for line in sse_lines(resp) if line]
+    assert b"data: [DONE]" not in events
+    assert orjson.loads(events[-1][6:])["error"]["code"] == "logprobs_mismatch"
+    assert [(e.reason, e.http_status) for e in p.failures()] == [("logprobs_mismatch", 502)] * 2
+    assert p.calls() == []
