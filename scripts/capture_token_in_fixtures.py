@@ -476,10 +476,18 @@ def capture_parity(api: Http, save: Saver, only: str | None = None) -> dict[str,
             "tools": TOOLS,
             "tool_choice": {"type": "function", "function": {"name": "bash"}},
         },
+        # `stream_options.continuous_usage_stats`: usage on every chunk of the chat route's
+        # stream (its `stream_options`, taken out of the chat request: unary refuses them).
+        "continuous-usage": {
+            **_steered(r"Done\."),
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        },
     }
     if only is not None:
         cases = {only: cases[only]}
-    for name, chat in cases.items():
+    for name, case in cases.items():
+        chat = {k: v for k, v in case.items() if k != "stream_options"}
+        options = case.get("stream_options", {"include_usage": True})
         rendered = api.json("POST", "/v1/chat/completions/render", chat)
         gen = api.json("POST", "/inference/v1/generate", rendered)
         prompt = rendered["token_ids"]
@@ -494,12 +502,13 @@ def capture_parity(api: Http, save: Saver, only: str | None = None) -> dict[str,
         chat_unary = api.json("POST", "/v1/chat/completions", chat)
         chat_stream = api.stream(
             "/v1/chat/completions",
-            {**chat, "stream": True, "stream_options": {"include_usage": True}},
+            {**chat, "stream": True, "stream_options": options},
         ).decode()
         save.json(
             f"parity-{name}.json",
             {
                 "chat_request": chat,
+                **({"chat_stream_options": options} if "stream_options" in case else {}),
                 "prompt_token_ids": prompt,
                 "chat_response": chat_unary,
                 "chat_stream": chat_stream,

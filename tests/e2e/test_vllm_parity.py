@@ -189,6 +189,7 @@ SHAPES: dict[str, dict[str, Any]] = {
         r"Done\.", stream_options={"include_usage": True, "continuous_usage_stats": True}
     ),
     "stream without usage": {"stream_options": None, "max_tokens": 6},
+    "stream usage not asked": {"stream_options": {"include_usage": False}, "max_tokens": 6},
     # A long prompt whose history holds reasoning markers; derender gets its last ids only.
     "long conversation": {
         "messages": [{"role": "system", "content": LONG * 20}, USER, *HISTORY, USER],

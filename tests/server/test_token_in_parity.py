@@ -94,6 +94,17 @@ SHAPES: dict[str, tuple[Turn, dict[str, Any]]] = {
         {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "bash"}}},
     ),
     "stream without usage": (Turn("Done.", reasoning="ok"), {"stream_options": None}),
+    "stream with continuous usage": (
+        Turn("Done.", reasoning="ok"),
+        {"stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+    ),
+    "tool call with continuous usage": (
+        Turn(reasoning="look", tool_calls=[LS]),
+        {
+            "tools": TOOLS,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        },
+    ),
     "stream usage not asked": (
         Turn("Done.", reasoning="ok"),
         {"stream_options": {"include_usage": False}},
@@ -166,6 +177,23 @@ async def test_token_in_answers_what_the_chat_route_answers(
     token_view, token_staged = await through(make_proxy, "on", turn, body)
     assert token_view == plain_view
     assert token_staged == plain_staged
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "streamed"])
+async def test_several_choices_are_refused_alike_on_both_paths(
+    make_proxy: Any, stream: bool
+) -> None:
+    # `n` above 1: one sampled completion per call is staged, on either path (the request
+    # policy), so token-in has no answer of its own to compare.
+    answers = []
+    for token_in in ("off", "on"):
+        p: Proxy = await make_proxy(fake=FakeVLLM(scale_out=True), token_in=token_in)
+        resp = await p.chat(request({"n": 2}, stream))
+        answers.append((resp.status, await resp.json()))
+        assert p.calls() == []
+    assert answers[0] == answers[1]
+    assert answers[0][0] == 422
+    assert answers[0][1]["error"]["param"] == "n"
 
 
 async def test_streamed_content_never_ends_with_the_end_of_turn_text(make_proxy: Any) -> None:

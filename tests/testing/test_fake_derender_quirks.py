@@ -219,3 +219,35 @@ async def test_a_named_tool_call_finishes_with_stop_and_derender_s_unary_id_is_b
     assert chat_id.fullmatch(streamed_id)
     *_, unary = await through_derender(client, chat)
     assert re.fullmatch(r"[0-9a-f]{16}", unary["choices"][0]["message"]["tool_calls"][0]["id"])
+
+
+def _running_usage(chunks: list[Any]) -> list[tuple[int, int]]:
+    """Each chunk's (completion tokens, reasoning tokens); every chunk must carry usage."""
+    assert all(c.get("usage") for c in chunks)
+    return [
+        (
+            c["usage"]["completion_tokens"],
+            c["usage"]["completion_tokens_details"]["reasoning_tokens"],
+        )
+        for c in chunks
+    ]
+
+
+async def test_a_stream_with_continuous_usage_counts_through_every_chunk(serve: Serve) -> None:
+    # vLLM 0.32's chat route: the role chunk counts none, each chunk the tokens so far (one the
+    # parser swallowed counted in the next), the finish chunk as much as the usage chunk.
+    case = fixture("token-in/parity-continuous-usage.json")
+    options = case["chat_stream_options"]
+    real = _running_usage([orjson.loads(e) for e in events(case["chat_stream"].encode())[:-1]])
+    assert real[0] == (0, 0)
+    assert real[-2] == real[-1] == (7, 0)
+    assert [n for n, _ in real] == sorted(n for n, _ in real)
+    _, client = await serve(Turn("Done.", reasoning="ok"))
+    chat = {"model": "policy", "messages": USER, "stream": True, "stream_options": options}
+    raw = await client.post("/v1/chat/completions", json=chat)
+    said = _running_usage([orjson.loads(e) for e in events(await raw.read())[:-1]])
+    assert said[0] == (0, 0)
+    assert said[-2] == said[-1]
+    assert [n for n, _ in said] == sorted(n for n, _ in said)
+    assert said[1][0] > 1  # the `<think>` block's markers have no chunk: counted in the next
+    assert said[-1][1] > 0  # the reasoning, counted as it streams

@@ -68,6 +68,8 @@ class Answer:
     as_token_ids: bool = False
     include_reasoning: bool = True
     include_usage: bool = False
+    #: ``stream_options.continuous_usage_stats`` (with ``include_usage``): usage on every chunk.
+    continuous_usage: bool = False
     include_stop_str: bool = False
     #: Not ``enable_thinking: false`` (the reasoning count starts open, whatever the prompt).
     thinking: bool = True
@@ -94,6 +96,16 @@ class Answer:
             "finish_reason": self.plan.finish(self.n),
             "fault": self.fault,
         }
+
+    def _running_usage(self, n: int) -> dict[str, Any] | None:
+        """A chunk's usage with ``continuous_usage_stats``: the counts through its first `n`
+        tokens (the last chunk's are the usage chunk's); None without it."""
+        if not self.continuous_usage:
+            return None
+        if n >= len(self.ids) and n:
+            return self._usage(stream=True)
+        reasoning = reasoning_token_count(self.ids[:n], thinking=self.thinking)
+        return usage_body(len(self.prompt_ids), n, reasoning, stream=True)
 
     def _usage(self, *, stream: bool) -> dict[str, Any]:
         ids = self.ids
@@ -184,6 +196,10 @@ def answer_for(
         include_usage=stream
         and isinstance(options, Mapping)
         and bool(options.get("include_usage")),
+        continuous_usage=stream
+        and isinstance(options, Mapping)
+        and bool(options.get("include_usage"))
+        and bool(options.get("continuous_usage_stats")),
         drop_all_ids=kind is FaultKind.DROP_TOKEN_IDS and fault is not None and fault.every is None,
         drop_every=fault.every if kind is FaultKind.DROP_TOKEN_IDS and fault is not None else None,
         extra_usage=1 if kind is FaultKind.USAGE_MISMATCH else 0,
@@ -273,7 +289,7 @@ def completion_body(a: Answer) -> dict[str, Any]:
 def stream_events(a: Answer) -> Iterator[bytes]:
     """The stream's events: role chunk, one chunk per token, usage (if asked), ``[DONE]``."""
     writer = ChunkWriter(a.call_id, a.created, a.model)
-    yield writer.first(a._prompt_ids_out(), a.prompt_text)
+    yield writer.first(a._prompt_ids_out(), a.prompt_text, a._running_usage(0))
     hidden = not a.include_reasoning
     ids = a.ids
     deltas = _cap_deltas(a, stream_deltas(a.plan, a.n, include_reasoning=a.include_reasoning))
@@ -306,6 +322,7 @@ def stream_events(a: Answer) -> Iterator[bytes]:
             stop_reason=a.plan.stop_reason if last and a.n == len(a.plan.ids) else None,
             fingerprint=fingerprint if last else None,
             routed_experts=a.experts if last else None,
+            usage=a._running_usage(k + 1),
         )
     if not ids:
         yield writer.token(
@@ -315,6 +332,7 @@ def stream_events(a: Answer) -> Iterator[bytes]:
             finish_reason=finish,
             fingerprint=fingerprint,
             routed_experts=a.experts,
+            usage=a._running_usage(0),
         )
     if a.include_usage:
         yield writer.usage(a._usage(stream=True), a.fingerprint)

@@ -176,22 +176,26 @@ class ChunkWriter:
             "model": model,
         }
 
-    def first(self, prompt_token_ids: list[int] | None, prompt_text: str | None) -> bytes:
-        """The role chunk: ``delta {role, content: ""}``, the prompt ids when asked for."""
+    def first(
+        self,
+        prompt_token_ids: list[int] | None,
+        prompt_text: str | None,
+        usage: dict[str, Any] | None = None,
+    ) -> bytes:
+        """The role chunk: ``delta {role, content: ""}``, the prompt ids when asked for, its
+        `usage` with ``continuous_usage_stats``."""
         choice = {
             "index": 0,
             "delta": {"role": "assistant", "content": ""},
             "logprobs": None,
             "finish_reason": None,
         }
-        return sse(
-            {
-                **self._head,
-                "choices": [choice],
-                "prompt_token_ids": prompt_token_ids,
-                "prompt_text": prompt_text,
-            }
-        )
+        chunk: dict[str, Any] = {**self._head, "choices": [choice]}
+        if usage is not None:
+            chunk["usage"] = usage
+        chunk["prompt_token_ids"] = prompt_token_ids
+        chunk["prompt_text"] = prompt_text
+        return sse(chunk)
 
     def token(
         self,
@@ -203,9 +207,11 @@ class ChunkWriter:
         fingerprint: str | None = None,
         routed_experts: str | None = None,
         stop_reason: str | None = None,
+        usage: dict[str, Any] | None = None,
     ) -> bytes:
         """One generated token's chunk; the last carries ``finish_reason`` and ``stop_reason``
-        (and ``routed_experts`` when the fake returns them)."""
+        (and ``routed_experts`` when the fake returns them); `usage` with
+        ``continuous_usage_stats`` (the counts through this chunk)."""
         choice: dict[str, Any] = {
             "index": 0,
             "delta": delta,
@@ -218,6 +224,8 @@ class ChunkWriter:
         if routed_experts is not None:
             choice["routed_experts"] = routed_experts
         chunk: dict[str, Any] = {**self._head, "choices": [choice]}
+        if usage is not None:
+            chunk["usage"] = usage
         if fingerprint is not None:
             chunk["system_fingerprint"] = fingerprint
         return sse(chunk)
