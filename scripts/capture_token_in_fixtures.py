@@ -476,6 +476,17 @@ def capture_parity(api: Http, save: Saver, only: str | None = None) -> dict[str,
             "tools": TOOLS,
             "tool_choice": {"type": "function", "function": {"name": "bash"}},
         },
+        # A stop string inside a tool call's arguments: the chat route's stream cuts the
+        # arguments there and says "tool_calls"; derender's stream has them whole.
+        "tool-call-stop-string": {
+            **_steered(
+                '<tool_call>\n\\{"name": "bash", "arguments": '
+                '\\{"command": "ls -la"\\}\\}\n</tool_call>'
+            ),
+            "tools": TOOLS,
+            "max_tokens": 64,
+            "stop": ["la"],
+        },
         # `stream_options.continuous_usage_stats`: usage on every chunk of the chat route's
         # stream (its `stream_options`, taken out of the chat request: unary refuses them).
         "continuous-usage": {

@@ -189,6 +189,50 @@ SHAPES: dict[str, dict[str, Any]] = {
         r"Done\.", stream_options={"include_usage": True, "continuous_usage_stats": True}
     ),
     "stream without usage": {"stream_options": None, "max_tokens": 6},
+    "token ids": {"return_token_ids": True, "max_tokens": 6},
+    "tool call with token ids": {
+        **steer_tool_call("ls -la"),
+        "tools": TOOLS,
+        "return_token_ids": True,
+    },
+    "max_completion_tokens": {"max_completion_tokens": 5},
+    "stop string with logprobs and token ids": says(
+        r"Done\. Gone\.", stop=["on"], logprobs=True, top_logprobs=1, return_token_ids=True
+    ),
+    "stop token id kept with logprobs as token ids": {
+        "stop_token_ids": [NEWLINE],
+        "include_stop_str_in_output": True,
+        "logprobs": True,
+        "return_tokens_as_token_ids": True,
+        "return_token_ids": True,
+        "max_tokens": 6,
+    },
+    # vLLM cuts the text its tool parser reads: the streamed arguments end before the string.
+    "tool call with a stop string": {**steer_tool_call("ls -la"), "tools": TOOLS, "stop": ["la"]},
+    "tool call with a stop string kept": {
+        **steer_tool_call("ls -la"),
+        "tools": TOOLS,
+        "stop": ["la"],
+        "include_stop_str_in_output": True,
+    },
+    "tool call with stop strings not met": {
+        **steer_tool_call("ls -la"),
+        "tools": TOOLS,
+        "stop": ["xyz", "nowhere"],
+    },
+    "repetition penalty": {"repetition_penalty": 1.5, "presence_penalty": 0.5, "max_tokens": 8},
+    "json object": {
+        "response_format": {"type": "json_object"},
+        "logit_bias": {THINK_END: 100},
+        "max_tokens": 12,
+    },
+    "required tool calls not parallel": {
+        "tools": TOOLS,
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+        "logit_bias": {THINK_END: 100, CLOSE_BRACE: 30},
+        "max_tokens": 48,
+    },
     "stream usage not asked": {"stream_options": {"include_usage": False}, "max_tokens": 6},
     # A long prompt whose history holds reasoning markers; derender gets its last ids only.
     "long conversation": {

@@ -89,6 +89,15 @@ SHAPES: dict[str, tuple[Turn, dict[str, Any]]] = {
         {"tools": TOOLS, "logprobs": True, "top_logprobs": 1, "return_tokens_as_token_ids": True},
     ),
     "token ids as strings without logprobs": (Turn("No."), {"return_tokens_as_token_ids": True}),
+    "tool call with a stop string": (Turn(tool_calls=[LS]), {"tools": TOOLS, "stop": ["-la"]}),
+    "tool call with a stop string kept": (
+        Turn(tool_calls=[LS]),
+        {"tools": TOOLS, "stop": ["-la"], "include_stop_str_in_output": True},
+    ),
+    "tool call with stop strings not met": (
+        Turn(tool_calls=[LS]),
+        {"tools": TOOLS, "stop": ["xyz", "nowhere"]},
+    ),
     "tool choice named": (
         Turn(tool_calls=[LS]),
         {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "bash"}}},

@@ -251,3 +251,43 @@ async def test_a_stream_with_continuous_usage_counts_through_every_chunk(serve: 
     assert [n for n, _ in said] == sorted(n for n, _ in said)
     assert said[1][0] > 1  # the `<think>` block's markers have no chunk: counted in the next
     assert said[-1][1] > 0  # the reasoning, counted as it streams
+
+
+def _streamed_args(chunks: list[Any]) -> str:
+    return "".join(
+        (t.get("function") or {}).get("arguments") or ""
+        for c in chunks
+        for choice in c["choices"]
+        for t in choice["delta"].get("tool_calls") or ()
+    )
+
+
+async def test_a_stop_string_in_tool_arguments_cuts_the_chat_route_s_stream_only(
+    serve: Serve,
+) -> None:
+    # vLLM cuts the text its tool parser reads: the chat route streams the arguments up to the
+    # stop string and says "tool_calls"; its unary answer has the cut block as content; the
+    # streamed derender has the arguments whole.
+    case = fixture("token-in/parity-tool-call-stop-string.json")
+    real = [orjson.loads(e) for e in events(case["chat_stream"].encode())[:-1]]
+    assert _streamed_args(real) == '{"command": "ls -'
+    finishes = [(c["finish_reason"], c.get("stop_reason")) for e in real for c in e["choices"]]
+    assert [f for f in finishes if f[0]] == [("tool_calls", "la")]
+    unary = case["chat_response"]["choices"][0]
+    assert unary["message"]["content"].endswith('"ls -')
+    assert (unary["finish_reason"], unary["stop_reason"]) == ("stop", "la")
+    real_derender = [a["chunk"] for a in case["derender_stream"]]
+    assert _streamed_args(real_derender) == '{"command": "ls -la'
+    call = FakeToolCall("bash", {"command": "ls -la"})
+    _, client = await serve(*[Turn(tool_calls=[call])] * 4, scale_out=True)
+    chat = {"model": "policy", "messages": USER, "tools": TOOLS, "stop": ["la"]}
+    said = (await post(client, "/v1/chat/completions", chat))["choices"][0]
+    assert said["message"]["content"].endswith('"ls -')
+    assert (said["finish_reason"], said["stop_reason"]) == ("stop", "la")
+    raw = await client.post("/v1/chat/completions", json={**chat, "stream": True})
+    chunks = [orjson.loads(e) for e in events(await raw.read())[:-1]]
+    assert _streamed_args(chunks) == '{"command": "ls -'
+    finishes = [(c["finish_reason"], c.get("stop_reason")) for e in chunks for c in e["choices"]]
+    assert [f for f in finishes if f[0]] == [("tool_calls", "la")]
+    _, _, answers, _ = await through_derender(client, chat)
+    assert _streamed_args([a["chunk"] for a in answers]) == '{"command": "ls -la'

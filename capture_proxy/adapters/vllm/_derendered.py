@@ -336,6 +336,8 @@ class DerenderedStream:
         self._text: dict[str, str] = {"content": "", "reasoning": ""}
         self._sent: dict[str, str] = {"content": "", "reasoning": ""}
         self._tools: dict[int, dict[str, Any]] = {}
+        #: With stop strings: each tool call's arguments the client got (`_release_tools`).
+        self._sent_args: dict[int, str] = {}
 
     def feed(self, chunk: Mapping[str, Any]) -> bytes | None:
         """The client's event for `chunk` (class docs). Raises `UpstreamProtocolError` when its
@@ -415,6 +417,8 @@ class DerenderedStream:
             final: dict[str, Any] = dict(text)
             stop.cut_message(final, stop_reason)
             ready = {k: final[k] or "" for k in text}
+            held = {k: text[k] != ready[k] for k in text}
+            self._release_tools(delta, stop, stop_reason if not any(held.values()) else None)
         else:
             # Reasoning is over once content or a tool call came: none of it can be cut then.
             over = bool(text["content"] or self._tools)
@@ -423,6 +427,7 @@ class DerenderedStream:
                 k: v if not hold or (k == "reasoning" and over) else v[: max(0, len(v) - hold)]
                 for k, v in text.items()
             }
+            self._release_tools(delta, stop, None, held_back=hold)
         for key, value in ready.items():
             sent = self._sent[key]
             piece = value[len(sent) :] if value.startswith(sent) else ""
@@ -432,6 +437,41 @@ class DerenderedStream:
             if piece or delta.get(field) is not None:
                 delta[field] = piece or None
             self._sent[key] = sent + piece
+
+    def _release_tools(
+        self, delta: dict[str, Any], stop: StopCut, stop_reason: object, held_back: int = 0
+    ) -> None:
+        """The tool calls' arguments the chat route would have streamed by now, with stop
+        strings: vLLM cuts the text its tool parser reads, so the last call's arguments are held
+        back by `held_back` characters (the stop buffer) while the stream runs and, at its end,
+        cut at the stop string generate stopped on (`stop_reason`; None: it came elsewhere)."""
+        if not self._tools:
+            return
+        last = max(self._tools)
+        pieces: dict[int, str] = {}
+        for index, slot in self._tools.items():
+            args = slot["function"]["arguments"]
+            ready = args
+            if index == last and held_back:
+                ready = args[: max(0, len(args) - held_back)]
+            elif index == last and stop_reason is not None:
+                cut = stop.cut(args, stop_reason)
+                ready = args if cut is None else cut
+            sent = self._sent_args.get(index, "")
+            pieces[index] = ready[len(sent) :] if ready.startswith(sent) else ""
+            self._sent_args[index] = sent + pieces[index]
+        calls = delta.get("tool_calls")
+        listed = calls if isinstance(calls, list) else []
+        for tc in listed:
+            fn = tc.get("function")
+            index = int(tc.get("index") or 0)
+            if isinstance(fn, dict) and (fn.get("arguments") is not None or pieces.get(index)):
+                fn["arguments"] = pieces.pop(index, "")
+        missing = [
+            {"index": i, "function": {"arguments": piece}} for i, piece in pieces.items() if piece
+        ]
+        if missing:
+            delta["tool_calls"] = [*listed, *missing]
 
     def _take(self, delta: Mapping[str, Any]) -> None:
         if delta.get("content"):
@@ -456,5 +496,12 @@ class DerenderedStream:
             "role": "assistant",
             "content": self._sent["content"] or None,
             "reasoning": self._sent["reasoning"] or None,
-            "tool_calls": [self._tools[i] for i in sorted(self._tools)],
+            "tool_calls": [self._tool_call(i) for i in sorted(self._tools)],
         }
+
+    def _tool_call(self, index: int) -> dict[str, Any]:
+        call = self._tools[index]
+        if self._stop is None:
+            return call
+        function = {**call["function"], "arguments": self._sent_args.get(index, "")}
+        return {**call, "function": function}

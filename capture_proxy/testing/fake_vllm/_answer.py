@@ -227,10 +227,12 @@ def _cut(
 
 
 def _cap_deltas(a: Answer, deltas: list[dict[str, Any] | None]) -> list[dict[str, Any] | None]:
-    """Stream deltas whose text adds up to the cut answer (`_cut`)."""
+    """Stream deltas whose text adds up to the cut answer (`_cut`). A stop string in the last
+    tool call's arguments cuts them there (vLLM cuts the text its tool parser reads)."""
     reasoning, content, _ = message_parts(a.plan, a.n)
     cut_reasoning, cut_content, _ = _cut(a, reasoning, content, [])
     room = {"content": len(cut_content or ""), "reasoning": len(cut_reasoning or "")}
+    args_room = _tool_args_room(a, deltas)
     out: list[dict[str, Any] | None] = []
     for delta in deltas:
         if delta is not None:
@@ -240,8 +242,45 @@ def _cap_deltas(a: Answer, deltas: list[dict[str, Any] | None]) -> list[dict[str
                 if isinstance(piece, str):
                     delta[key] = piece[: room[key]] or None
                     room[key] -= len(delta[key] or "")
+            if args_room is not None and delta.get("tool_calls"):
+                delta["tool_calls"] = [_cap_args(c, args_room) for c in delta["tool_calls"]]
         out.append(delta)
     return out
+
+
+def _tool_args_room(a: Answer, deltas: list[dict[str, Any] | None]) -> dict[int, int] | None:
+    """How many characters of the last streamed tool call's arguments the chat route streams
+    when generation stopped on a stop string inside them (not in the streamed content or
+    reasoning); None when nothing is cut there."""
+    stop = a.plan.stop_reason
+    if stop is None or a.n < len(a.plan.ids):
+        return None
+    for key in ("content", "reasoning"):
+        text = "".join((d or {}).get(key) or "" for d in deltas)
+        if cut_at_stop(text, stop, a.include_stop_str) is not None:
+            return None
+    args: dict[int, str] = {}
+    for delta in deltas:
+        for call in (delta or {}).get("tool_calls") or ():
+            index = int(call.get("index") or 0)
+            args[index] = args.get(index, "") + (
+                (call.get("function") or {}).get("arguments") or ""
+            )
+    if not args:
+        return None
+    last = max(args)
+    cut = cut_at_stop(args[last], stop, a.include_stop_str)
+    return None if cut is None else {last: len(cut)}
+
+
+def _cap_args(call: dict[str, Any], room: dict[int, int]) -> dict[str, Any]:
+    index = int(call.get("index") or 0)
+    fn = call.get("function")
+    if index not in room or not isinstance(fn, dict) or not fn.get("arguments"):
+        return call
+    piece = fn["arguments"][: room[index]]
+    room[index] -= len(piece)
+    return {**call, "function": {**fn, "arguments": piece}}
 
 
 def completion_body(a: Answer) -> dict[str, Any]:
@@ -294,6 +333,11 @@ def stream_events(a: Answer) -> Iterator[bytes]:
     ids = a.ids
     deltas = _cap_deltas(a, stream_deltas(a.plan, a.n, include_reasoning=a.include_reasoning))
     finish = a.plan.finish(a.n)
+    streamed_call = any((d or {}).get("tool_calls") for d in deltas)
+    if finish == "stop" and streamed_call and a.plan.finish_reason is None:
+        # vLLM's chat route: a stream whose tool call streamed and that stopped says
+        # "tool_calls" (a stop string inside the arguments too), but for a named tool choice.
+        finish = "tool_calls"
     send_ids = a.want_token_ids and not hidden and not a.drop_all_ids
     fingerprint = None if a.include_usage else a.fingerprint
     for k, token in enumerate(ids):
