@@ -42,7 +42,7 @@ from typing import Any
 import msgspec
 import orjson
 
-from ._chat_route import StopCut, chat_usage
+from ._chat_route import StopCut, chat_logprobs, chat_tool_id, chat_usage, rewrites_logprobs
 from ._generate import Generated
 from ._ids_json import encode_ids
 from ._wire import (
@@ -56,85 +56,7 @@ from ._wire import (
     strip_for_client,
 )
 
-__all__ = [
-    "CHAT_TOOL_ID_PREFIX",
-    "Derendered",
-    "DerenderedStream",
-    "chat_logprobs",
-    "client_answer",
-    "read_derendered",
-]
-
-#: What the chat route's tool call ids start with (vLLM's ``make_tool_call_id``).
-CHAT_TOOL_ID_PREFIX = "chatcmpl-tool-"
-_HEX = frozenset("0123456789abcdef")
-_TOKEN_ID = "token_id:"
-
-
-def _chat_tool_id(tool_id: object) -> object:
-    """The chat route's form of a unary derender answer's tool call id: vLLM's bare 16-hex
-    ``random_uuid()`` gets the ``chatcmpl-tool-`` the chat route writes before it; any other id
-    is kept."""
-    if isinstance(tool_id, str) and len(tool_id) == 16 and set(tool_id) <= _HEX:
-        return CHAT_TOOL_ID_PREFIX + tool_id
-    return tool_id
-
-
-def chat_logprobs(
-    entries: list[dict[str, Any]],
-    generated: Generated | None,
-    start: int,
-    wants: ClientWants,
-) -> None:
-    """Rewrite derender's logprobs `entries` in place as the chat route writes them for what
-    the client asked (module docs): at most ``top_logprobs`` top entries each (derender gives
-    every alternative generate sampled, the sampled token's own with ``top_logprobs`` 0); with
-    ``return_tokens_as_token_ids`` entry k, completion position ``start + k``, has ``token``
-    ``"token_id:N"`` for `generated`'s id there, and each top entry the ``token`` and ``bytes``
-    of ``"token_id:N"`` for generate's top id at its rank (the entry's own ``bytes`` stay its
-    decoded text's, as vLLM's chat route keeps them).
-
-    Raises `UpstreamProtocolError` (``logprobs_mismatch``) when the ids to write are unknown:
-    derender gave more entries, or more top entries at a position, than generate sampled."""
-    top = wants.top_logprobs or 0
-    for entry in entries:
-        alts = entry.get("top_logprobs")
-        if isinstance(alts, list) and len(alts) > top:
-            del alts[top:]
-    if not wants.token_id_strings:
-        return
-    ids = generated.completion_ids if generated is not None else ()
-    tops = generated.top_logprobs if generated is not None else None
-    if start + len(entries) > len(ids):
-        raise UpstreamProtocolError(
-            "logprobs_mismatch",
-            f"derender gave logprobs for positions {start}..{start + len(entries) - 1}, "
-            f"generate sampled {len(ids)} tokens",
-        )
-    for k, entry in enumerate(entries):
-        i = start + k
-        entry["token"] = f"{_TOKEN_ID}{ids[i]}"
-        alts = entry.get("top_logprobs") or ()
-        row = tops[i] if tops is not None and i < len(tops) else ()
-        if len(alts) > len(row):
-            raise UpstreamProtocolError(
-                "logprobs_mismatch",
-                f"derender gave {len(alts)} top logprobs at position {i}, generate {len(row)}",
-            )
-        for alt, (alt_id, _) in zip(alts, row, strict=False):
-            text = f"{_TOKEN_ID}{alt_id}"
-            alt["token"] = text
-            alt["bytes"] = list(text.encode())
-
-
-def _rewrites_logprobs(generated: Generated, wants: ClientWants) -> bool:
-    """Whether `chat_logprobs` changes a unary answer's logprobs (else they are spliced as
-    they came, never decoded)."""
-    if not wants.logprobs:
-        return False
-    top = wants.top_logprobs or 0
-    rows = generated.top_logprobs or ()
-    return wants.token_id_strings or any(len(row) > top for row in rows)
+__all__ = ["Derendered", "DerenderedStream", "client_answer", "read_derendered"]
 
 
 def _usage(generated: Generated, prompt_len: int) -> dict[str, int]:
@@ -212,7 +134,7 @@ class Derendered:
         """The answer with its logprobs as the chat route writes them for what the client
         asked (`chat_logprobs`); itself when that changes nothing. Raises
         `UpstreamProtocolError` as `chat_logprobs` does."""
-        if not _rewrites_logprobs(generated, wants):
+        if not rewrites_logprobs(generated, wants):
             return self
         choices = list(self.choices)
         changed = False
@@ -250,7 +172,7 @@ def read_derendered(raw: bytes) -> Derendered:
                 continue
             for call in calls:
                 if isinstance(call, dict) and "id" in call:
-                    call["id"] = _chat_tool_id(call["id"])
+                    call["id"] = chat_tool_id(call["id"])
             choices[i] = {**choices[i], "message": msgspec.Raw(_encode(message))}
     except msgspec.ValidationError as exc:
         raise UpstreamProtocolError("malformed_json", f"the derender answer: {exc}") from exc
