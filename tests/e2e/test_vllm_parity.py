@@ -3,10 +3,11 @@
 Each request shape goes, greedy, through a proxy on the plain path and one with token-in on
 (both in front of the same vLLM, one call at a time: batching can flip the random model's
 near-tied greedy picks), unary and streamed; the answers are compared field by field (ids and
-timestamps aside), and so are the staged messages and finish reasons. The tiny model answers
-noise, so the shapes steer it (tests/e2e/test_vllm.py, `steer_tool_call`): a ``logit_bias``
-closes its reasoning and a ``structured_outputs`` regex writes the answer, so stop strings, tool
-calls and the end of turn come where the shape needs them.
+timestamps aside, tool call ids by their form), and so are the staged messages and finish
+reasons (docs/token-in.md, "What the agent gets", lists the shapes and the fields). The tiny
+model answers noise, so the shapes steer it (tests/e2e/test_vllm.py, `steer_tool_call`): a
+``logit_bias`` closes its reasoning and a ``structured_outputs`` regex writes the answer, so stop
+strings, tool calls and the end of turn come where the shape needs them.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 
 The same scripted answer (so the same sampled tokens) goes through a proxy on the plain path and
 one with token-in on, unary and streamed, over the request shapes the chat route knows; the
-answers are compared field by field (ids and timestamps aside) and so are the staged records.
+answers are compared field by field (ids and timestamps aside, tool call ids by their form) and
+so are the staged records.
 The fake is held to vLLM 0.32's derender (tests/testing/test_fake_token_in.py): its streamed
 route keeps an end-of-turn token's text when alone in a chunk, does not cut stop strings, says
 ``tool_calls`` for a tool call cut by ``length``.
