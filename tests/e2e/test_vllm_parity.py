@@ -222,10 +222,12 @@ SHAPES: dict[str, dict[str, Any]] = {
         "stop": ["xyz", "nowhere"],
     },
     "repetition penalty": {"repetition_penalty": 1.5, "presence_penalty": 0.5, "max_tokens": 8},
+    # Three tokens: `</think>`, then `{"]}}}` (the bias would then write `</think>` again and
+    # again, which the chat route streams as text: see docs/token-in.md, "What the agent gets").
     "json object": {
         "response_format": {"type": "json_object"},
         "logit_bias": {THINK_END: 100},
-        "max_tokens": 12,
+        "max_tokens": 3,
     },
     "required tool calls not parallel": {
         "tools": TOOLS,
