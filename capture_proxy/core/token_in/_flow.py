@@ -227,6 +227,7 @@ class TokenInCall:
             derendered = derendered.cut_at_stop(
                 StopCut.of(self._exchange.request), generated.stop_reason
             )
+            derendered = derendered.with_chat_logprobs(generated, self._exchange.plan.wants)
         except UpstreamProtocolError as e:
             malformed = UpstreamFailed(
                 f"the upstream answer is malformed: {e.message}", code=e.reason
@@ -239,7 +240,9 @@ class TokenInCall:
         self._exchange._upstream_s = time.perf_counter() - self._exchange._t_up
         ids = prompt.prompt_array
         record_view = derendered.for_record()
-        completion = _as_chat(to_completion(generated, ids, record_view, model=self._model))
+        completion = _as_chat(
+            to_completion(generated, ids, record_view, model=self._model), self._exchange.request
+        )
         client_body = client_answer(
             derendered,
             generated,
@@ -247,6 +250,7 @@ class TokenInCall:
             self._exchange.plan.wants,
             ids_json=prompt.prompt_json,
             reasoning_tokens=self._reasoning_tokens(generated, stream=False),
+            named_tool_choice=_named_tool_choice(self._exchange.request),
         )
         return await self._exchange._stage(completion, client_body, generated.weight_spans)
 
@@ -299,8 +303,20 @@ class TokenInCall:
         def reasoning_tokens() -> int | None:
             return self._reasoning_tokens(derender.so_far, stream=True)
 
+        def running_reasoning(n: int) -> int | None:
+            so_far = derender.so_far
+            if so_far is None:
+                return None
+            first = Generated(so_far.request_id, completion_ids=so_far.completion_ids[:n])
+            return self._reasoning_tokens(first, stream=True)
+
         shaped = DerenderedStream(
-            plan.wants, prompt.prompt_ids, StopCut.of(self._exchange.request), reasoning_tokens
+            plan.wants,
+            prompt.prompt_ids,
+            StopCut.of(self._exchange.request),
+            reasoning_tokens,
+            generated=lambda: derender.so_far,
+            running_reasoning=running_reasoning,
         )
         async with reply:
             events = derender.events()
@@ -326,7 +342,9 @@ class TokenInCall:
         assert generated is not None  # the events end only after the whole generation
         answer = {"choices": [{"message": shaped.message()}]}
         ids = prompt.prompt_array
-        completion = _as_chat(to_completion(generated, ids, answer, model=self._model))
+        completion = _as_chat(
+            to_completion(generated, ids, answer, model=self._model), self._exchange.request
+        )
         await self._exchange._stage(completion, b"", generated.weight_spans)
 
     def continued_by_next(self, completion: Completion, prompt: TokenInPrompt) -> None:
@@ -398,9 +416,17 @@ class _Counted:
         return await self._upstream.post_engine(route, body)
 
 
-def _as_chat(completion: Completion) -> Completion:
+def _named_tool_choice(request: Mapping[str, Any]) -> bool:
+    """Whether the request names its function in ``tool_choice`` (the chat route then says
+    ``stop``, not ``tool_calls``, for the call it makes)."""
+    return isinstance(request.get("tool_choice"), Mapping)
+
+
+def _as_chat(completion: Completion, request: Mapping[str, Any]) -> Completion:
     """The finish reason the chat route gives (and the client got): ``tool_calls`` for an
-    answer with tool calls, where generate, which parses nothing, says ``stop``."""
-    if completion.finish_reason == "stop" and completion.message.get("tool_calls"):
+    answer with tool calls, where generate, which parses nothing, says ``stop`` (but for a
+    named ``tool_choice``: vLLM 0.32's chat route says ``stop`` then)."""
+    calls = completion.message.get("tool_calls") and not _named_tool_choice(request)
+    if completion.finish_reason == "stop" and calls:
         return dataclasses.replace(completion, finish_reason="tool_calls")
     return completion
