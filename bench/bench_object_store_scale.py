@@ -5,11 +5,14 @@
 The scale half of bench/bench_object_store.py (which compares commit options): the store is a
 dataset of `--units` committed units (one call each, 64 rollouts), compacted into one merged
 unit whose marker retires all of them, within the grace period: every retired marker is still
-listed, as after a compaction on a busy store. It is built once on a local folder and kept under
-the project's cache (``$CAPTURE_PROXY_CACHE`` else ~/.cache/capture-proxy,
-``bench-object-store-scale/``), then uploaded to a fresh moto server each run (the markers and
-the merged unit's files, concurrently through obstore; the retired units' data files are left
-out: no open or compaction reads them, and a bulk delete of a missing key is not an error).
+listed, as after a compaction on a busy store. The units are named as committed two hours
+before the build (`BUILT_AGO_S`), so every retired marker is before the checkpoint's horizon
+(`_checkpoint`): opens list none of them, a full listing lists them all. It is built once on a
+local folder and kept under the project's cache (``$CAPTURE_PROXY_CACHE`` else
+~/.cache/capture-proxy, ``bench-object-store-scale/``), then uploaded to a fresh moto server
+each run (the markers and the merged unit's files, concurrently through obstore; the retired
+units' data files are left out: no open or compaction reads them, and a bulk delete of a
+missing key is not an error).
 
 Measured, on moto on loopback (started here, stopped at the end):
 
@@ -39,6 +42,7 @@ import shutil
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -52,6 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench_object_store import Rows, ledger_rows  # scripts run by path: siblings import flat
 
 from capture_proxy.sinks.parquet import _compact, _lease
+from capture_proxy.sinks.parquet._checkpoint import load_markers
 from capture_proxy.sinks.parquet._compact import compact_dataset
 from capture_proxy.sinks.parquet._fs import DatasetFS
 from capture_proxy.sinks.parquet._layout import (
@@ -71,7 +76,9 @@ from capture_proxy.sinks.parquet._source import ParquetSource
 from tests.support.s3 import MotoS3
 
 #: The built dataset's recipe: a change to `build` bumps it (cached copies are rebuilt).
-RECIPE = 2
+RECIPE = 3
+#: How long before the build its units are named as committed (`commit_units`).
+BUILT_AGO_S = 7200.0
 BUCKET = "scale"
 #: Concurrent uploads when copying the dataset to moto.
 UPLOADS = 64
@@ -82,13 +89,19 @@ def cache_root() -> Path:
     return Path(root) / "bench-object-store-scale"
 
 
-def commit_units(dfs: DatasetFS, n: int, rows: Rows, last: int = 0) -> int:
-    """`n` units of one call each, as a writer commits them; returns the last unit's order."""
-    for _ in range(n):
+def commit_units(dfs: DatasetFS, n: int, rows: Rows, last: int = 0, ago_s: float = 0.0) -> int:
+    """`n` units of one call each, as a writer commits them; returns the last unit's order.
+    With `ago_s`, named as if committed that long ago (a microsecond apart)."""
+    past = time.time_ns() - int(ago_s * 1e9)
+    for i in range(n):
         calls, blobs = rows.batch(1)
         tables = {CALLS: calls, BLOBS: blobs, LEDGER: ledger_rows(calls)}
         tables = {t: r for t, r in tables.items() if r}
-        unit, last = new_unit_name(last)
+        if ago_s:
+            last = past + i * 1000
+            unit = f"{last:020d}-{uuid.uuid4().hex[:12]}"
+        else:
+            unit, last = new_unit_name(last)
         files = unit_files(unit, tables)
         data = {files[t]: table_bytes(t, r) for t, r in tables.items()}
         marker = Marker(
@@ -113,7 +126,10 @@ def cached_dataset(units: int) -> tuple[Path, float | None]:
     t = time.perf_counter()
     dfs = DatasetFS(str(kept / "ds"))
     create_dataset(dfs)
-    commit_units(dfs, units, Rows())
+    # Named as committed two hours before: the checkpoint's horizon (its listing less
+    # COMMIT_MARGIN_S) is after every one of them, as on a store some minutes after a compaction
+    # (units committed within the margin before a compaction's listing are still listed).
+    commit_units(dfs, units, Rows(), ago_s=BUILT_AGO_S)
     # Merged into one unit; the grace keeps every retired marker (and file) in place.
     compact_dataset(str(kept / "ds"), target_bytes=1 << 40, grace_s=1e9, shared_window_s=0)
     (kept / "done").write_text(f"{units} units, recipe {RECIPE}\n")
@@ -123,10 +139,8 @@ def cached_dataset(units: int) -> tuple[Path, float | None]:
 def upload(local: Path, store: S3Store) -> int:
     """The dataset's markers, checkpoint, format file and live units' files, to `store`."""
     dfs = DatasetFS(str(local))
-    from capture_proxy.sinks.parquet._checkpoint import load_markers
-
     loaded = load_markers(dfs)
-    rels = [f"{COMMITS_DIR}/{n}.json" for n in loaded.names]
+    rels = [f"{COMMITS_DIR}/{n}.json" for n in list_markers(dfs)]  # every name: retired too
     rels += [rel for m in loaded.live() for rel in m.files.values()]
     rels += ["_format.json", "_checkpoint/live.json"]
 
@@ -203,7 +217,9 @@ def run(units: int, new: int) -> dict[str, Any]:
         t = time.perf_counter()
         out["listed markers"] = len(list_markers(DatasetFS(url)))
         out["list s (names only)"] = time.perf_counter() - t
-        out["open s (checkpoint, retired listed)"], out["rollouts"] = timed_open(url)
+        opened = load_markers(DatasetFS(url), None, url)
+        out["names an open lists (after the horizon)"] = len(opened.names)
+        out["open s (checkpoint, retired markers)"], out["rollouts"] = timed_open(url)
         out["writer open s (checkpoint)"] = asyncio.run(writer_open(url))
         checkpoint = bytes(obstore.get(store, "_checkpoint/live.json").bytes())
         obstore.delete(store, "_checkpoint/live.json")

@@ -1,6 +1,6 @@
 """Token-in against the real vLLM: the plain call, the token-in call and vLLM itself, side by side.
 
-    .venv/bin/python bench/bench_token_in_vllm.py [--rounds 12] [--max-seconds 100]
+    .venv/bin/python bench/bench_token_in_vllm.py [--rounds 12] [--max-seconds 100] [--bytes-only]
     .venv/bin/python bench/bench_token_in_vllm.py --url http://127.0.0.1:PORT --pid PID
 
 Without ``--url`` it starts the tiny vLLM 0.32 CPU server (`scripts/tiny_vllm.py`, with
@@ -21,7 +21,11 @@ are what the figures are for. Greedy, ``max_tokens`` 8 (the tiny model answers n
 output's length is not what token-in adds to).
 
 Then the upstream bytes: the same session once more per target through a loopback relay that
-counts the bytes each proxy sends vLLM for the second call (request lines, headers, bodies).
+counts the bytes each proxy sends vLLM for the second call (request lines, headers, bodies;
+`capture_proxy.testing.byte_relay`), in all and per kind of request: the request's own render,
+the bridge's dummy renders, generate, derender calls (unary, streamed). ``--bytes-only`` skips
+the timed rounds; ``--dump DIR`` writes each measured request there; ``--bound`` sets the
+token-in proxy's ``--token-in-upstream-bound`` (default 3).
 
 Printed as markdown: per target and mode the p50 and p90 of the latency, the p50 of vLLM's CPU
 per call, and the token-in call's added latency and CPU ratio over the plain call; then the
@@ -51,6 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from capture_proxy.server.app import create_app
 from capture_proxy.server.settings import Settings
 from capture_proxy.sinks import open_sink
+from capture_proxy.testing.byte_relay import ByteRelay, by_kind
 from scripts import tiny_vllm
 
 _SENTENCE = "You are a coding agent working in a repository; use the tools, keep answers short. "
@@ -90,61 +95,18 @@ def _streamed_message(data: bytes) -> dict[str, Any]:
     return {"content": "".join(content), "reasoning": "".join(reasoning)}
 
 
-class Relay:
-    """A loopback TCP relay to vLLM that counts the bytes clients send through it, in all and
-    per route (each request's line, headers and ``Content-Length`` body)."""
-
-    def __init__(self, port: int) -> None:
-        self.port = port
-        self.sent = 0
-        self.routes: collections.Counter[str] = collections.Counter()
-        self.server: asyncio.Server | None = None
-
-    async def start(self) -> int:
-        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        return int(self.server.sockets[0].getsockname()[1])
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.port)
-
-        async def requests() -> None:
-            try:
-                while head := await reader.readuntil(b"\r\n\r\n"):
-                    path = head.split(b" ", 2)[1].split(b"?")[0].decode()
-                    size = 0
-                    for line in head.split(b"\r\n"):
-                        if line.lower().startswith(b"content-length:"):
-                            size = int(line.split(b":")[1])
-                    body = await reader.readexactly(size)
-                    self.sent += len(head) + size
-                    self.routes[path] += len(head) + size
-                    up_writer.write(head + body)
-                    await up_writer.drain()
-            except (ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError):
-                pass
-            finally:
-                up_writer.close()
-
-        async def answers() -> None:
-            try:
-                while data := await up_reader.read(1 << 16):
-                    writer.write(data)
-                    await writer.drain()
-            except (ConnectionError, asyncio.CancelledError):
-                pass
-            finally:
-                writer.close()
-
-        await asyncio.gather(requests(), answers(), return_exceptions=True)
-
-    async def close(self) -> None:
-        if self.server is not None:
-            self.server.close()
+#: ``--token-in-upstream-bound`` of the token-in proxy (``--bound``).
+BOUND = [3.0]
 
 
 async def _proxy(workdir: Path, upstream: str, token_in: bool) -> tuple[web.AppRunner, str]:
     store = f"sqlite:///{workdir / 'store.db'}"
-    settings = Settings(upstream=upstream, store=store, token_in="on" if token_in else "off")
+    settings = Settings(
+        upstream=upstream,
+        store=store,
+        token_in="on" if token_in else "off",
+        token_in_upstream_bound=BOUND[0],
+    )
     runner = web.AppRunner(create_app(settings, sink=open_sink(store)))
     await runner.setup()
     port = tiny_vllm.free_port()
@@ -254,12 +216,10 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1000:.1f}"
 
 
-async def _bytes(vllm: str, port: int, workdir: Path) -> None:
-    """The second call's upstream bytes per proxy, through the counting relay."""
-    print()
-    print("| target | mode | bytes sent upstream (2nd call) | ratio to plain | by route |")
-    print("|---|---|---|---|---|")
-    relay = Relay(port)
+async def _bytes(vllm: str, port: int, workdir: Path, dump: Path | None) -> None:
+    """The second call's upstream bytes per proxy, through the counting relay: in all, and per
+    kind of request (`request_kind`: count, bytes of heads, bytes of bodies)."""
+    relay = ByteRelay(port)
     relay_url = f"http://127.0.0.1:{await relay.start()}"
     runners = []
     urls = {"vllm": vllm}
@@ -268,35 +228,49 @@ async def _bytes(vllm: str, port: int, workdir: Path) -> None:
         runners.append(runner)
         urls[target] = url
     bench = Bench(vllm, urls, None)
-    snaps: list[collections.Counter[str]] = []
+    marks: list[int] = []
 
     def around() -> float:
-        snaps.append(collections.Counter(relay.routes))
-        return float(relay.sent)
+        marks.append(len(relay.log))
+        return float(sum(s.size for s in relay.log))
 
+    rows: list[tuple[str, str, int, dict[str, tuple[int, int, int]]]] = []
     try:
         for stream in (False, True):
             mode = "streamed" if stream else "unary"
-            sent: dict[str, int] = {}
-            routes: dict[str, collections.Counter[str]] = {}
             for target in ("plain", "token-in"):
                 for r in range(2):  # the first session learns the close; the second is measured
                     _, got = await bench.session_call(
                         target, f"bytes-{target}-{mode}-{r}", stream, around
                     )
-                sent[target] = int(got)
-                routes[target] = snaps[-1] - snaps[-2]
-            for target, size in sent.items():
-                split = ", ".join(f"{k} {v}" for k, v in sorted(routes[target].items()))
-                print(f"| {target} | {mode} | {size} | {size / sent['plain']:.2f} | {split} |")
+                measured = relay.log[marks[-2] : marks[-1]]
+                if dump is not None:
+                    for i, sent in enumerate(measured):
+                        name = f"{target}-{mode}-{i:03d}{sent.path.replace('/', '_')}"
+                        (dump / name).write_bytes(sent.head + sent.body)
+                rows.append((target, mode, int(got), by_kind(measured, 4)))
     finally:
         await bench.close()
         for runner in runners:
             await runner.cleanup()
         await relay.close()
+    print()
+    print("| target | mode | bytes sent upstream (2nd call) | ratio to plain |")
+    print("|---|---|--:|--:|")
+    plain = {mode: size for target, mode, size, _ in rows if target == "plain"}
+    for target, mode, size, _ in rows:
+        print(f"| {target} | {mode} | {size:,} | {size / plain[mode]:.3f} |")
+    print()
+    print("| target | mode | request kind | requests | head bytes | body bytes | / plain call |")
+    print("|---|---|---|--:|--:|--:|--:|")
+    for target, mode, _, kinds in rows:
+        for name, (n, heads, bodies) in sorted(kinds.items()):
+            share = (heads + bodies) / plain[mode]
+            print(f"| {target} | {mode} | {name} | {n} | {heads:,} | {bodies:,} | {share:.2f} |")
 
 
 async def main(args: argparse.Namespace) -> None:
+    BOUND[0] = args.bound
     proc = None
     pid = args.pid
     url = args.url
@@ -316,15 +290,16 @@ async def main(args: argparse.Namespace) -> None:
                 urls[target] = proxy_url
             bench = Bench(url, urls, pid)
             try:
-                await bench.rounds(args.rounds, args.max_seconds)
-                bench.report()
+                if not args.bytes_only:
+                    await bench.rounds(args.rounds, args.max_seconds)
+                    bench.report()
             finally:
                 await bench.close()
                 for runner in runners:
                     await runner.cleanup()
             for target in ("plain", "token-in"):
                 (workdir / f"bytes-{target}").mkdir()
-            await _bytes(url, int(url.rsplit(":", 1)[1]), workdir)
+            await _bytes(url, int(url.rsplit(":", 1)[1]), workdir, args.dump)
     finally:
         if proc is not None:
             tiny_vllm.stop(proc)
@@ -336,4 +311,7 @@ if __name__ == "__main__":
     parser.add_argument("--pid", type=int, help="its process id, for the CPU figures")
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--max-seconds", type=float, default=100.0)
+    parser.add_argument("--bytes-only", action="store_true", help="only the upstream bytes")
+    parser.add_argument("--bound", type=float, default=3.0, help="--token-in-upstream-bound")
+    parser.add_argument("--dump", type=Path, help="write each measured upstream request there")
     asyncio.run(main(parser.parse_args()))

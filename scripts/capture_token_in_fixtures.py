@@ -455,10 +455,50 @@ def capture_parity(api: Http, save: Saver, only: str | None = None) -> dict[str,
             "temperature": 0,
             "max_tokens": 8,
         },
+        # With `return_tokens_as_token_ids`, the chat route writes logprob tokens as
+        # "token_id:N" (a top entry's bytes too); derender does not read that key.
+        "logprobs-as-token-ids": _steered(
+            r"Done\. é",
+            logprobs=True,
+            top_logprobs=2,
+            return_tokens_as_token_ids=True,
+            return_token_ids=True,
+        ),
+        # A named tool choice: the chat route's finish is "stop" (not "tool_calls"), its tool
+        # call ids `chatcmpl-tool-<16 hex>`; derender's unary ids are bare 16 hex. A bias on
+        # `}` (id 101) ends the arguments the structured output writes.
+        "tool-call-named": {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "Say it."}],
+            "temperature": 0,
+            "max_tokens": 64,
+            "logit_bias": {"4": 100, "101": 30},
+            "tools": TOOLS,
+            "tool_choice": {"type": "function", "function": {"name": "bash"}},
+        },
+        # A stop string inside a tool call's arguments: the chat route's stream cuts the
+        # arguments there and says "tool_calls"; derender's stream has them whole.
+        "tool-call-stop-string": {
+            **_steered(
+                '<tool_call>\n\\{"name": "bash", "arguments": '
+                '\\{"command": "ls -la"\\}\\}\n</tool_call>'
+            ),
+            "tools": TOOLS,
+            "max_tokens": 64,
+            "stop": ["la"],
+        },
+        # `stream_options.continuous_usage_stats`: usage on every chunk of the chat route's
+        # stream (its `stream_options`, taken out of the chat request: unary refuses them).
+        "continuous-usage": {
+            **_steered(r"Done\."),
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        },
     }
     if only is not None:
         cases = {only: cases[only]}
-    for name, chat in cases.items():
+    for name, case in cases.items():
+        chat = {k: v for k, v in case.items() if k != "stream_options"}
+        options = case.get("stream_options", {"include_usage": True})
         rendered = api.json("POST", "/v1/chat/completions/render", chat)
         gen = api.json("POST", "/inference/v1/generate", rendered)
         prompt = rendered["token_ids"]
@@ -473,12 +513,13 @@ def capture_parity(api: Http, save: Saver, only: str | None = None) -> dict[str,
         chat_unary = api.json("POST", "/v1/chat/completions", chat)
         chat_stream = api.stream(
             "/v1/chat/completions",
-            {**chat, "stream": True, "stream_options": {"include_usage": True}},
+            {**chat, "stream": True, "stream_options": options},
         ).decode()
         save.json(
             f"parity-{name}.json",
             {
                 "chat_request": chat,
+                **({"chat_stream_options": options} if "stream_options" in case else {}),
                 "prompt_token_ids": prompt,
                 "chat_response": chat_unary,
                 "chat_stream": chat_stream,

@@ -898,6 +898,9 @@ def test_every_deployment_keeps_one_sandbox_from_denying_service_to_the_others(n
     # one address's idle connections filled the whole connection cap.
     s = DEPLOYMENTS[name]()
     assert 0 < s.max_inflight_per_rollout <= 16, name
+    # Issue 27's soak: past a busy proxy's threshold a flooding rollout waits its turn.
+    assert 0 < s.fair_share_inflight <= 64, name
+    assert s.fair_share_queue > 0, name
     assert 0 < s.max_connections_per_address <= s.max_connections // 16, name
     # Issue 27's soak: a sandbox opening and dropping connections in a loop is refused at accept.
     assert 0 < s.max_connection_rate_per_address <= 256, name
@@ -906,6 +909,7 @@ def test_every_deployment_keeps_one_sandbox_from_denying_service_to_the_others(n
     # Every file says it, not only the proxy's defaults (an operator reads the file, not code).
     said = {
         "CAPTURE_PROXY_MAX_INFLIGHT_PER_ROLLOUT",
+        "CAPTURE_PROXY_FAIR_SHARE_INFLIGHT",
         "CAPTURE_PROXY_MAX_CONNECTIONS_PER_ADDRESS",
         "CAPTURE_PROXY_MAX_CONNECTION_RATE_PER_ADDRESS",
     }

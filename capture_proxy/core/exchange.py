@@ -100,6 +100,9 @@ class ExchangeConfig:
     #: The proxy's ``--token-in`` setting (``off`` / ``on``): whether a rollout that made no
     #: choice of its own goes token-in (`Pipeline.goes_token_in`).
     token_in: str = "off"
+    #: A token-in call sends upstream at most about this many times the plain call's bytes
+    #: (``--token-in-upstream-bound``): what bounds a stream's derender calls.
+    token_in_upstream_bound: float = 3.0
 
 
 @dataclass(slots=True)

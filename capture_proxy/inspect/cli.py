@@ -137,7 +137,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--expected-store-head",
-        metavar="HEAD[:ROLLOUTS[:EVENTS]]",
+        metavar="HEAD[:ROLLOUTS[:EVENTS[:CLAIMS]]]",
         help="with --verify: the store head its writer published last (its log's store_head "
         "line, or capture_proxy_store_head_info); a store whose head differs fails, saying how",
     )

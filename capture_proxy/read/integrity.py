@@ -37,7 +37,7 @@ from ..schemas.digest import DigestMismatch, MessageDigestCache, RequestValueCac
 from ..schemas.events import EventKind, RolloutEvent, chain_head, check_chain
 from ..schemas.records import RolloutState, StagedCallRecord
 from ..schemas.store_head import StoreHead, StoreHeadState
-from ..sinks.base import Progress, StagingSource
+from ..sinks.base import ClaimFiles, Progress, StagingSource
 from .status import POISONING, RolloutExcluded, RolloutFacts, read_header
 
 __all__ = [
@@ -47,6 +47,7 @@ __all__ = [
     "StoreCorrupted",
     "chain_head",
     "rollout_problems",
+    "store_head_of",
     "store_head_problems",
     "store_problems",
 ]
@@ -139,7 +140,7 @@ def store_problems(
         found.extend(Problem(key, message) for message in problems)
     if expected_store_head is not None:
         try:
-            actual = StoreHeadState.of(heads).head()
+            actual = store_head_of(source, heads)
         except Exception as e:  # a crafted store: an event whose hash or position is no value
             found.append(Problem("store", f"its store head cannot be computed: {e}"))
         else:
@@ -149,6 +150,13 @@ def store_problems(
     if progress is not None:
         progress(len(keys) + 1, len(keys) + 1)
     return found
+
+
+def store_head_of(source: StagingSource, heads: Iterable[tuple[str, str, int]]) -> StoreHead:
+    """The store head over `heads` (each rollout's last event: id, hash, position) and, for a
+    store whose claims are files (`ClaimFiles`: a Parquet dataset), its claim files."""
+    claims = source.claim_counts() if isinstance(source, ClaimFiles) else None
+    return StoreHeadState.of(heads, claims).head()
 
 
 def store_head_problems(actual: StoreHead, kept: StoreHead) -> list[str]:
@@ -175,6 +183,18 @@ def store_head_problems(actual: StoreHead, kept: StoreHead) -> list[str]:
         how = (
             f"as many rollouts, {-more} event(s) more: written after the head was published "
             "(check against the writer's latest head) or put there"
+        )
+    elif kept.events >= 0 and kept.claims >= 0 and actual.claims < kept.claims:
+        how = (
+            f"as many rollouts and events, {kept.claims - actual.claims} claim file(s) fewer: "
+            "a claim file was deleted (after a crash the only trace of a call in flight; "
+            "without it the call's rollout reads as not poisoned)"
+        )
+    elif kept.events >= 0 and kept.claims >= 0 and actual.claims > kept.claims:
+        how = (
+            f"as many rollouts and events, {actual.claims - kept.claims} claim file(s) more: "
+            "claimed after the head was published (check against the writer's latest head) "
+            "or put there"
         )
     else:
         how = "as many rollouts and events: a rollout was rewritten or replaced by another"

@@ -34,12 +34,18 @@ from typing import TYPE_CHECKING
 
 from ..schemas.digest import MessageDigestCache, RequestValueCache
 from ..schemas.records import CommitCoords, LedgerEntry, RolloutInfo
-from ..schemas.store_head import StoreHead, StoreHeadState
+from ..schemas.store_head import StoreHead
 from ..sinks.base import Progress, StagingSource, StoreDamaged
 from ..sinks.registry import open_source
 from ..sinks.rollout_index import IndexedRollout, RolloutQuery, State, indexed
 from . import selection, verified_reads
-from .integrity import Problem, RolloutUnverified, StoreCorrupted, store_problems
+from .integrity import (
+    Problem,
+    RolloutUnverified,
+    StoreCorrupted,
+    store_head_of,
+    store_problems,
+)
 
 # Importable from here as before the reads moved out of this module.
 from .selection import RewardView as RewardView
@@ -194,10 +200,10 @@ class Store:
                 events = self.source.events(rollout_id)
                 if events:
                     heads.append((rollout_id, events[-1].hash, events[-1].position))
-        try:
-            return StoreHeadState.of(heads).head()
-        except (TypeError, ValueError, UnicodeError) as e:
-            raise StoreDamaged(f"{self.url}: its store head cannot be computed: {e}") from e
+            try:
+                return store_head_of(self.source, heads)
+            except (TypeError, ValueError, UnicodeError) as e:
+                raise StoreDamaged(f"{self.url}: its store head cannot be computed: {e}") from e
 
     def verify(self, *, expected_store_head: StoreHead | str | None = None) -> None:
         """Raise `StoreCorrupted` listing every problem, or return None when all verifies

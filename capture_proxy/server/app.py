@@ -42,6 +42,8 @@ from ..upstream.replicas import ReplicaSet
 from .body_rate import BodyRate
 from .chat import chat_completions
 from .control import add_control_routes
+from .fair_share import FairShare
+from .loop_lag import LoopLag
 from .metrics import Metrics
 from .passthrough import PASSTHROUGH_PATHS, passthrough
 from .read_routes import add_read_routes
@@ -371,6 +373,10 @@ def _live_gauges(state: ProxyState) -> dict[str, float]:
         (r.bytes_staged + r.bytes_reserved for r in live), default=0
     )
     out["stale_rollout_moves_total"] = cap.handback.moves + cap.ledger.moved
+    # Calls waiting for a fair turn now, and since start those that waited and those refused.
+    out["fair_share_waiting"] = state.fair_share.waiting
+    out["fair_share_waited_total"] = state.fair_share.waited
+    out["fair_share_refused_total"] = state.fair_share.refused
     if cap.resumes is not None:
         out["rollout_resumes_total"] = cap.resumes.started
         out["rollout_resume_timeouts_total"] = cap.resumes.timeouts
@@ -443,6 +449,9 @@ def create_app(settings: Settings, *, sink: StagingSink | None = None) -> web.Ap
         metrics=Metrics(),
     )
     state.body_rate = BodyRate(settings.max_rollout_body_rate * 2**20, 2 * settings.max_body_bytes)
+    state.fair_share = FairShare(
+        settings.fair_share_inflight, settings.fair_share_queue, settings.fair_share_wait
+    )
     state.metrics.add_live(lambda: _live_gauges(state))
     state.metrics.add_store_head(lambda: _store_head(state))
     state.capture.on_outcome.append(state.metrics.observe)
@@ -579,6 +588,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             max_decoding_bytes=s.max_decoding_bytes,
             logprobs_mode=s.upstream_logprobs_mode,
             token_in=s.token_in,
+            token_in_upstream_bound=s.token_in_upstream_bound,
         ),
     )
     state.pipeline.on_token_in.append(state.metrics.observe_token_in)
@@ -609,10 +619,13 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         log.info("weight version %d, as last set on the store", version)
     guards = asyncio.create_task(_guards(state, s.store))
     follow = asyncio.create_task(_follow_weight_version(state))
+    lag = LoopLag()
+    state.metrics.add_live(lag.gauges)
+    probe = asyncio.create_task(lag.run())
     try:
         yield
     finally:
-        for task in (guards, follow):
+        for task in (guards, follow, probe):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task

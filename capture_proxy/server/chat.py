@@ -84,7 +84,7 @@ async def _read_body(request: web.Request, limit: int, within: float) -> bytes:
 
 
 #: Refusals after which the client's connection is closed (see `chat_completions`).
-_CLOSE_AFTER = frozenset({"too_many_inflight_rollout"})
+_CLOSE_AFTER = frozenset({"too_many_inflight_rollout", "rollout_over_fair_share"})
 
 #: A body refused before it is read is read anyway (to keep the connection) up to this size.
 _UNREAD_CLOSE_BYTES = 8 << 20
@@ -133,10 +133,15 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     exchange = state.pipeline.exchange(rollout_id)
     #: The stream response once its headers went out (a cut call then ends with an SSE error).
     opened: list[web.StreamResponse] = []
+    #: Whether the call holds a fair turn (``--fair-share-inflight``), given back at the end.
+    turned = False
     try:
         try:
             try:
                 _check_json(request)
+                # Before the body is read: a call waiting its turn holds its connection only.
+                await state.fair_share.turn(rollout_id)
+                turned = True
                 _check_body_rate(request, state, rollout_id)
                 body = await _read_body(
                     request, state.settings.max_body_bytes, state.settings.client_body_timeout
@@ -155,6 +160,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             if exchange.outcome is not None:
                 e.headers.update(capture_headers(exchange.outcome.call_id, CallStatus.REJECTED))
             if e.code in _CLOSE_AFTER:
+                if (request.content_length or 0) > _UNREAD_CLOSE_BYTES:
+                    request.protocol.force_close()  # not read to be discarded (`_check_body_rate`)
                 # A sandbox over its rollout's in-flight limit is sending calls faster than
                 # they are answered (an agent makes one at a time): its next call comes on a new
                 # connection, which its address's rate (--max-connection-rate-per-address)
@@ -196,6 +203,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         state.pipeline.spawn(exchange.abort(reason, why))
         raise
     finally:
+        if turned:
+            state.fair_share.release(rollout_id)
         if not exchange.finished and not asyncio.current_task().cancelling():  # type: ignore[union-attr]
             # Defensive: every path above ends the call; never leave it pending.
             await exchange.abort("internal", "the call ended without an outcome")

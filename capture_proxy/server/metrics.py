@@ -78,7 +78,7 @@ class _ReplicaStates(Collector):
 
 
 class _StoreHead(Collector):
-    """``capture_proxy_store_head_info{head, rollouts, events}`` (always 1) and
+    """``capture_proxy_store_head_info{head, rollouts, events, claims}`` (always 1) and
     ``capture_proxy_store_head_rollouts``: the store head the sink's writer is at, read at
     scrape time (docs/digest.md, "The store head"); nothing for a sink that keeps none."""
 
@@ -93,10 +93,10 @@ class _StoreHead(Collector):
             "capture_proxy_store_head_info",
             "the store head (a hash over every rollout's chain head) after the writer's last "
             "commit; keep the last one to check the store with inspect --verify "
-            "--expected-store-head HEAD:ROLLOUTS:EVENTS",
-            labels=["head", "rollouts", "events"],
+            "--expected-store-head HEAD:ROLLOUTS:EVENTS[:CLAIMS] (claims: when not 0)",
+            labels=["head", "rollouts", "events", "claims"],
         )
-        info.add_metric([head.head, str(head.rollouts), str(head.events)], 1.0)
+        info.add_metric([head.head, str(head.rollouts), str(head.events), str(head.claims)], 1.0)
         yield info
         count = GaugeMetricFamily(
             "capture_proxy_store_head_rollouts", "rollouts the store head covers"

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import NotFound, ProxyError, Unauthorized, Unprocessable
 from ..schemas.records import StagedCallRecord
-from ..sinks.base import StagingSource
+from ..sinks.base import ClaimFiles, StagingSource
 from ..sinks.remote import (
     CONTENT_TYPE,
     WIRE_VERSION,
@@ -188,6 +188,15 @@ async def claims(request: web.Request) -> web.Response:
     return json_answer(await read_store(state, lambda s: s.claims(rollout_id)))
 
 
+async def claim_counts(request: web.Request) -> web.Response:
+    """Every rollout's claim files, counted (a Parquet dataset's; {} for a store whose claims are
+    events only): what the store head covers of them, for `Store.store_head` read remotely."""
+    state = authorize_read(request)
+    return json_answer(
+        await read_store(state, lambda s: s.claim_counts() if isinstance(s, ClaimFiles) else {})
+    )
+
+
 async def failures(request: web.Request) -> web.Response:
     state = authorize_read(request)
     rollout_id = request.match_info["rollout_id"]
@@ -318,6 +327,7 @@ def add_read_routes(app: web.Application) -> None:
     app.router.add_get("/admin/store/rollouts/{rollout_id}/summaries", summaries)
     app.router.add_get("/admin/store/rollouts/{rollout_id}/events", events)
     app.router.add_get("/admin/store/rollouts/{rollout_id}/claims", claims)
+    app.router.add_get("/admin/store/claim-counts", claim_counts)
     app.router.add_post("/admin/store/fetch", fetch)
     app.router.add_post("/admin/store/coords", coords)
     app.router.add_get("/admin/store/keys", all_keys)

@@ -112,6 +112,13 @@ class Settings:
         "sampled tokens; a rollout may choose for itself (POST /admin/rollouts token_in)",
         choices=("off", "on"),
     )
+    token_in_upstream_bound: float = _s(
+        3.0,
+        "a token-in call sends vLLM at most about this many times the bytes the plain call "
+        "would (renders, generate, derender): a stream's derender calls get what the call's "
+        "renders and generate left of it, then wait for its end (docs/token-in.md, "
+        '"Upstream bytes"); higher streams in more pieces',
+    )
     on_capture_failure: str = _s(
         "poison",
         "when a call cannot be staged: poison (answer, poison the rollout) or error (503)",
@@ -228,6 +235,24 @@ class Settings:
         16,
         "calls in flight at once in one rollout (one sandbox, with rollout keys); excess gets "
         "429 (0: no limit). An agent makes one call at a time, a few with subagents",
+    )
+    fair_share_inflight: int = _s(
+        32,
+        "chat calls in flight across rollouts from which they are shared fairly: then a "
+        "rollout holding its share (this over the rollouts with calls in flight, at least 2) "
+        "waits its turn, before its body is read, while a rollout with nothing in flight goes "
+        "at once (docs/security.md; 0: off)",
+    )
+    fair_share_queue: int = _s(
+        16,
+        "calls of one rollout that may wait for a fair turn; one more gets 429 "
+        "rollout_over_fair_share at once",
+    )
+    fair_share_wait: float = _s(
+        600.0,
+        "seconds a call may wait for a fair turn, then 429 rollout_over_fair_share; it waits "
+        "only while its own rollout has calls in flight, for one of them to end (a generation "
+        "may take minutes), holding its connection but not its body",
     )
     admin_token: str = _s(
         "",
@@ -400,7 +425,7 @@ GROUPS: dict[str, tuple[str, str]] = {
     ),
     "token-in": (
         "prompts built from the model's own sampled tokens (docs/token-in.md)",
-        "token_in",
+        "token_in token_in_upstream_bound",
     ),
     "store": (
         "where calls are staged",
@@ -425,7 +450,8 @@ GROUPS: dict[str, tuple[str, str]] = {
         "max_body_bytes max_passthrough_body_bytes max_free_json_bytes max_free_json_items "
         "max_json_items max_decoding_bytes max_connections max_connections_per_address "
         "max_connection_rate_per_address "
-        "max_inflight max_inflight_per_rollout max_rollout_bytes max_rollout_calls "
+        "max_inflight max_inflight_per_rollout fair_share_inflight fair_share_queue "
+        "fair_share_wait max_rollout_bytes max_rollout_calls "
         "max_rollout_body_rate max_rollout_refusal_rows "
         "max_live_rollouts rollout_idle_timeout rollout_resume_timeout",
     ),
@@ -714,6 +740,7 @@ def _check(s: Settings) -> None:
         "client_header_timeout",
         "client_body_timeout",
         "client_write_timeout",
+        "token_in_upstream_bound",
     ):
         if getattr(s, name) <= 0:
             raise bad(name, f"must be > 0, got {getattr(s, name)}")
@@ -733,6 +760,9 @@ def _check(s: Settings) -> None:
         "max_tokens_cap",
         "max_inflight",
         "max_inflight_per_rollout",
+        "fair_share_inflight",
+        "fair_share_queue",
+        "fair_share_wait",
         "max_model_len",
         "upstream_total_timeout",
         "max_rollout_bytes",

@@ -16,6 +16,7 @@ from ..upstream.http import HTTPUpstream
 from ..upstream.replicas import ReplicaSet
 from .body_rate import BodyRate
 from .connections import ConnectionGate
+from .fair_share import FairShare
 from .metrics import Metrics
 from .settings import Settings
 
@@ -48,6 +49,8 @@ class ProxyState:
     connections: ConnectionGate | None = None
     #: Body bytes per rollout per second (``--max-rollout-body-rate``), set by `create_app`.
     body_rate: BodyRate = field(default_factory=lambda: BodyRate(0, 0))
+    #: Chat calls' turns once the proxy is busy (``--fair-share-*``), set by `create_app`.
+    fair_share: FairShare = field(default_factory=lambda: FairShare(0, 0, 0.0))
     #: Set at shutdown when the store was left needing more than its file (SQLite: WAL frames
     #: an outside reader kept out of it): `serve` then exits 1.
     store_incomplete: str | None = None

@@ -37,9 +37,11 @@ from ..schemas.records import (
     StagedCallRecord,
     StageResult,
 )
+from ..schemas.store_head import ClaimCount
 
 __all__ = [
     "PROXY_STATE_ROLLOUT",
+    "ClaimFiles",
     "CompactStats",
     "DuplicateSeq",
     "FaultHook",
@@ -273,6 +275,17 @@ class StagingSource(Protocol):
 
     def close_reader(self) -> None:
         """Release what the reader holds (connections, file handles)."""
+        ...
+
+
+@runtime_checkable
+class ClaimFiles(Protocol):
+    """A source whose admission claims are files of their own (a Parquet dataset), which the
+    store head covers (docs/digest.md, "The store head"). Other stores hold their claims as
+    events only."""
+
+    def claim_counts(self) -> Mapping[str, ClaimCount]:
+        """Every rollout's claim files: how many, and the highest seq (rollout id -> count)."""
         ...
 
 

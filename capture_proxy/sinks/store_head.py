@@ -5,15 +5,19 @@ keeper advances the state (`schemas.store_head`: O(1) per rollout the batch touc
 a snapshot `current` reads from any thread (``/metrics``: ``capture_proxy_store_head_info``). It
 logs one structured line (logger ``capture_proxy.store_head``, field ``store_head``) at most once
 a second while commits come, and one when the writer closes: the head an operator keeps.
+
+A Parquet dataset's claim files enter the head as soon as they are durable (`claimed`), before
+their ``claim`` events commit: the head a writer publishes is then the store's at every moment a
+crash can leave it in.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
-from ..schemas.store_head import StoreHead, StoreHeadState
+from ..schemas.store_head import ClaimCount, StoreHead, StoreHeadState
 
 __all__ = ["LOG_EVERY_S", "StoreHeadKeeper"]
 
@@ -40,9 +44,14 @@ class StoreHeadKeeper:
     def current(self) -> StoreHead:
         return self._current
 
-    def committed(self, events: Iterable[tuple[str, str, str]]) -> None:
+    def committed(
+        self,
+        events: Iterable[tuple[str, str, str]],
+        claims: Callable[[str], ClaimCount | None] = lambda _: None,
+    ) -> None:
         """Advance past a committed batch's events, ``(rollout id, prev_hash, hash)`` in commit
-        order. Events of one rollout telescope: only its heads before and after are hashed."""
+        order. Events of one rollout telescope: only its heads before and after are hashed.
+        `claims` gives a rollout's claim files (Parquet; they do not change with a commit)."""
         span: dict[str, list[str]] = {}
         count = 0
         for rollout_id, prev_hash, new_hash in events:
@@ -56,12 +65,26 @@ class StoreHeadKeeper:
             return
         state = self._state
         for rollout_id, (before, after) in span.items():
-            state.advance(rollout_id, before, after)
+            state.advance(rollout_id, before, after, claims(rollout_id))
         state.events += count - len(span)
-        self._current = head = state.head()
+        self._moved("after a commit")
+
+    def claimed(self, changes: Iterable[tuple[str, str, ClaimCount | None, ClaimCount]]) -> None:
+        """Claim files were created (durable): ``(rollout id, its committed chain head or "",
+        its claim files before, after)`` for each rollout they belong to."""
+        state = self._state
+        moved = False
+        for rollout_id, head, before, after in changes:
+            state.move(rollout_id, (head, before), (head, after))
+            moved = True
+        if moved:
+            self._moved("after a claim")
+
+    def _moved(self, when: str) -> None:
+        self._current = head = self._state.head()
         now = time.monotonic()
         if now - self._last_log >= self._every:
-            self._log(head, "after a commit")
+            self._log(head, when)
 
     def close(self) -> None:
         """Log the head the writer leaves the store at (the one to keep)."""

@@ -26,7 +26,7 @@ from ..errors import UpstreamFailed
 from .connector import WATCHED_PATHS, WatchedConnector
 from .known import UpstreamFacts
 from .read_watch import ReadWatch, past_deadline
-from .rpc import RpcPool, RpcReply
+from .rpc import KEEPALIVE_S, RpcPool, RpcReply
 
 __all__ = ["HTTPUpstream", "HTTPUpstreamReply"]
 
@@ -91,7 +91,9 @@ class HTTPUpstream:
         if self._session is None:
             self._session = aiohttp.ClientSession(
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout),
-                connector=WatchedConnector(self.known.verify, limit=0, limit_per_host=0),
+                connector=WatchedConnector(
+                    self.known.verify, limit=0, limit_per_host=0, keepalive_timeout=KEEPALIVE_S
+                ),
             )
         return self._session
 

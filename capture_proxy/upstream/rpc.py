@@ -15,8 +15,8 @@ when the answer broke off (or, read whole, stalled for the idle timeout),
 `upstream_idle_timeout` when a stream sent nothing for the idle timeout, `upstream_deadline`
 (504) past the call's total timeout. Closing a reply before its end closes its connection (vLLM
 aborts a generation whose client went away). A connection is reused when the answer
-allows it (keep-alive, read whole); idle ones are closed after `KEEPALIVE_S`, as aiohttp's pool
-does. There is no limit on connections, as in the chat pool.
+allows it (keep-alive, read whole); idle ones are closed after `KEEPALIVE_S` (4 s, under
+vLLM's 5 s), as the chat pool's are. There is no limit on connections, as in the chat pool.
 """
 
 from __future__ import annotations
@@ -35,8 +35,11 @@ from .read_watch import ReadWatch, past_deadline
 
 __all__ = ["KEEPALIVE_S", "RpcPool", "RpcReply"]
 
-#: How long an idle pooled connection is kept (aiohttp's default keep-alive, 15 s).
-KEEPALIVE_S = 15.0
+#: How long an idle pooled connection is kept: under vLLM's own keep-alive (uvicorn's, 5 s by
+#: default, ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``), so the proxy closes an idle connection before the
+#: server does. Kept longer, a request written on a connection the server is closing at that
+#: moment fails as ``upstream_unreachable`` (seen once against the real vLLM under load).
+KEEPALIVE_S = 4.0
 
 
 class _Conn(asyncio.Protocol):

@@ -145,3 +145,51 @@ def test_a_derender_answer_that_is_not_a_chat_completion_is_a_protocol_error(
         read_derendered(raw)
     assert err.value.reason == "malformed_json"
     assert why in err.value.message
+
+
+@pytest.mark.parametrize(
+    ("derendered_id", "client_id"),
+    [
+        ("887cf180523b942b", "chatcmpl-tool-887cf180523b942b"),  # vLLM 0.32's unary derender
+        ("chatcmpl-tool-887cf180523b942b", "chatcmpl-tool-887cf180523b942b"),
+        ("functions.bash:0", "functions.bash:0"),  # a Kimi-style id, kept
+        ("887CF180523B942B", "887CF180523B942B"),  # not vLLM's random_uuid(): kept
+    ],
+)
+def test_a_unary_tool_call_id_gets_the_chat_route_s_form(
+    derendered_id: str, client_id: str
+) -> None:
+    answer = derendered("derender-tools-response.json")
+    answer["choices"][0]["message"]["tool_calls"][0]["id"] = derendered_id
+    read = read_derendered(orjson.dumps(answer))
+    n = len(answer["choices"][0]["token_ids"] or []) or 3
+    body = orjson.loads(client_answer(read, generated(n), [1] * 7, wants()))
+    assert body["choices"][0]["message"]["tool_calls"][0]["id"] == client_id
+    assert read.for_record()["choices"][0]["message"]["tool_calls"][0]["id"] == client_id
+
+
+def test_logprobs_keep_only_the_top_entries_the_client_asked_for() -> None:
+    # Derender resolves every alternative generate sampled: with `top_logprobs` 0 that is the
+    # sampled token's own, which the chat route leaves out.
+    answer = derendered("derender-chat-response.json")
+    entry = {"token": "a", "logprob": -0.5, "bytes": [97]}
+    answer["choices"][0]["logprobs"] = {"content": [{**entry, "top_logprobs": [entry]}] * 2}
+    gen = generated(2)
+    gen.top_logprobs = [[(3, -0.5)], [(4, -0.5)]]
+    read = read_derendered(orjson.dumps(answer)).with_chat_logprobs(gen, wants(logprobs=True))
+    body = orjson.loads(client_answer(read, gen, [1] * 7, wants(logprobs=True)))
+    assert [e["top_logprobs"] for e in body["choices"][0]["logprobs"]["content"]] == [[], []]
+    as_ids = wants(logprobs=True, top_logprobs=1, token_id_strings=True)
+    read = read_derendered(orjson.dumps(answer)).with_chat_logprobs(gen, as_ids)
+    content = orjson.loads(client_answer(read, gen, [1] * 7, as_ids))["choices"][0]["logprobs"]
+    assert content["content"] == [
+        {
+            "token": f"token_id:{i}",
+            "logprob": -0.5,
+            "bytes": [97],
+            "top_logprobs": [
+                {"token": f"token_id:{i}", "logprob": -0.5, "bytes": list(b"token_id:%d" % i)}
+            ],
+        }
+        for i in (3, 4)
+    ]

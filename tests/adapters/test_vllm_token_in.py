@@ -29,6 +29,7 @@ from capture_proxy.adapters.vllm import (
     to_completion,
     usage_chunk,
 )
+from capture_proxy.adapters.vllm._render import compact_sampling
 from tests import support
 
 TOKEN_IN = support.FIXTURES / "vllm-0.32.0" / "token-in"
@@ -43,13 +44,66 @@ def test_a_render_answer_gives_the_prompt_and_a_generate_body_with_ids_replaced(
     real = orjson.loads(raw("render-chat-response.json"))
     assert rendered.prompt_ids == real["token_ids"]
     assert rendered.sampling_params["logprobs"] == 1
-    assert orjson.loads(rendered.generate_body()) == orjson.loads(raw("generate-chat-request.json"))
+    sent = orjson.loads(rendered.generate_body())
+    assert sent == as_generate_reads(orjson.loads(raw("generate-chat-request.json")))
     replaced = orjson.loads(rendered.generate_body([1, 2, 3], stream=True))
     assert replaced["token_ids"] == [1, 2, 3]
     assert replaced["stream_options"] == {"include_usage": True}
     assert {
         k: v for k, v in replaced.items() if k not in ("token_ids", "stream", "stream_options")
-    } == {k: v for k, v in real.items() if k not in ("token_ids", "stream", "stream_options")}
+    } == {
+        k: v
+        for k, v in as_generate_reads(real).items()
+        if k not in ("token_ids", "stream", "stream_options")
+    }
+
+
+#: vLLM 0.32's ``GenerateRequest`` fields whose value is their default (every other optional
+#: field defaults to null).
+GENERATE_DEFAULTS: dict[str, Any] = {"priority": 0, "output_mode": "tokens", "stream": False}
+
+
+def as_generate_reads(body: dict[str, Any]) -> dict[str, Any]:
+    """A generate request without what vLLM reads the same when it is left out: null or default
+    fields, and sampling parameters at ``SamplingParams``' defaults (`compact_sampling`)."""
+    out = {
+        k: v
+        for k, v in body.items()
+        if v is not None and not (k in GENERATE_DEFAULTS and v == GENERATE_DEFAULTS[k])
+    }
+    if isinstance(out.get("sampling_params"), dict):
+        out["sampling_params"] = compact_sampling(out["sampling_params"])
+    return out
+
+
+def test_generate_gets_the_sampling_params_without_the_ones_at_vllm_s_defaults() -> None:
+    params = {
+        "temperature": 1.0,
+        "presence_penalty": 0.0,
+        "stop": [],
+        "stop_token_ids": None,
+        "bad_words": [],
+        "output_kind": 2,
+        "n": 1,
+        "top_k": 0,
+        # Not defaults: kept.
+        "max_tokens": 16,  # generate tells a limit it got from none (it fills in the room)
+        "top_p": 0.9,
+        "min_tokens": False,  # not the int 0: sent as it is
+        "stop_token_ids_extra": [],
+        "skip_special_tokens": False,
+        "logprobs": 0,
+        "skip_reading_prefix_cache": False,
+    }
+    assert compact_sampling(params) == {
+        "max_tokens": 16,
+        "top_p": 0.9,
+        "min_tokens": False,
+        "stop_token_ids_extra": [],
+        "skip_special_tokens": False,
+        "logprobs": 0,
+        "skip_reading_prefix_cache": False,
+    }
 
 
 def test_a_unary_generate_answer_reads_ids_logprobs_tops_and_spans() -> None:
@@ -177,7 +231,7 @@ def test_a_generate_body_keeps_the_render_answer_s_fields_and_replaces_sampling_
     real = orjson.loads(raw("render-chat-response.json"))
     params = {**real["sampling_params"], "max_tokens": 2}
     body = orjson.loads(rendered.generate_body([7], sampling_params=params))
-    assert body == {**real, "token_ids": [7], "sampling_params": params}
+    assert body == as_generate_reads({**real, "token_ids": [7], "sampling_params": params})
 
 
 def _suffix(a: list[int], b: list[int]) -> list[int]:
@@ -505,8 +559,10 @@ def test_a_render_answer_that_leaves_out_a_limit_of_16_gets_it_said_to_generate(
     assert "max_tokens" not in rendered.sampling_params
     assert rendered.resolved_sampling == {**rendered.sampling_params, "max_tokens": 16}
     body = orjson.loads(rendered.generate_body())
-    assert body["sampling_params"] == rendered.resolved_sampling
+    assert body["sampling_params"] == compact_sampling(rendered.resolved_sampling)
+    assert body["sampling_params"]["max_tokens"] == 16
     # An answer that says its limit is sent back as it came.
     said = read_render(raw("render-chat-response.json"))
     assert said.resolved_sampling is said.sampling_params
-    assert orjson.loads(said.generate_body())["sampling_params"] == said.sampling_params
+    sent = orjson.loads(said.generate_body())["sampling_params"]
+    assert sent == compact_sampling(said.sampling_params)

@@ -3,10 +3,11 @@
 Each request shape goes, greedy, through a proxy on the plain path and one with token-in on
 (both in front of the same vLLM, one call at a time: batching can flip the random model's
 near-tied greedy picks), unary and streamed; the answers are compared field by field (ids and
-timestamps aside), and so are the staged messages and finish reasons. The tiny model answers
-noise, so the shapes steer it (tests/e2e/test_vllm.py, `steer_tool_call`): a ``logit_bias``
-closes its reasoning and a ``structured_outputs`` regex writes the answer, so stop strings, tool
-calls and the end of turn come where the shape needs them.
+timestamps aside, tool call ids by their form), and so are the staged messages and finish
+reasons (docs/token-in.md, "What the agent gets", lists the shapes and the fields). The tiny
+model answers noise, so the shapes steer it (tests/e2e/test_vllm.py, `steer_tool_call`): a
+``logit_bias`` closes its reasoning and a ``structured_outputs`` regex writes the answer, so stop
+strings, tool calls and the end of turn come where the shape needs them.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import pytest
 from capture_proxy.schemas.token_in_extras import segment_break_of
 from examples.rl_loop.agent import TOOLS
 from tests.e2e.test_vllm import IM_END, THINK_END, steer_tool_call
-from tests.support.parity import agent_view
+from tests.support.parity import agent_view, id_form
 from tests.support.proxy_harness import start_proxy, stop_proxy
 
 pytestmark = pytest.mark.vllm
@@ -30,8 +31,9 @@ USER = {"role": "user", "content": "Say it."}
 #: `<|endoftext|>`, an end of sequence the ChatML turn close does not hold.
 NEWLINE = 207
 ENDOFTEXT = "0"
-#: The tiny model's id of `<tool_call>` (one token, as `/tokenize` says).
+#: The tiny model's id of `<tool_call>` (one token, as `/tokenize` says), and of `}`.
 TOOL_CALL = "5"
+CLOSE_BRACE = "101"
 
 
 #: A message long enough that the prompt's last reasoning marker is far from its end.
@@ -131,6 +133,110 @@ SHAPES: dict[str, dict[str, Any]] = {
         "max_tokens": 6,
     },
     "special tokens kept": {"skip_special_tokens": False, "max_tokens": 8},
+    # `return_tokens_as_token_ids`: logprob tokens (and top entries' bytes) as "token_id:N".
+    "logprobs as token ids": says(
+        r"Done\. é", logprobs=True, top_logprobs=2, return_tokens_as_token_ids=True
+    ),
+    "free logprobs as token ids": {
+        "logprobs": True,
+        "top_logprobs": 3,
+        "return_tokens_as_token_ids": True,
+        "max_tokens": 6,
+    },
+    "tool call logprobs as token ids": {
+        **steer_tool_call("ls -la"),
+        "tools": TOOLS,
+        "logprobs": True,
+        "top_logprobs": 1,
+        "return_tokens_as_token_ids": True,
+    },
+    "token ids as strings without logprobs": {"return_tokens_as_token_ids": True, "max_tokens": 6},
+    "logprobs without top": {"logprobs": True, "max_tokens": 6},
+    # vLLM writes these as JSON by structured outputs once the reasoning is closed; a bias on
+    # `}` ends the arguments (a named call then ends the turn, a required one calls again).
+    "tool choice required": {
+        "tools": TOOLS,
+        "tool_choice": "required",
+        "logit_bias": {THINK_END: 100, CLOSE_BRACE: 30},
+        "max_tokens": 32,
+    },
+    "tool choice named": {
+        "tools": TOOLS,
+        "tool_choice": {"type": "function", "function": {"name": "bash"}},
+        "logit_bias": {THINK_END: 100, CLOSE_BRACE: 30},
+        "max_tokens": 64,
+    },
+    "json schema response format": {
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {
+                "name": "n",
+                "schema": {
+                    "type": "object",
+                    "properties": {"n": {"type": "integer"}},
+                    "required": ["n"],
+                },
+            },
+        },
+        "logit_bias": {THINK_END: 100},
+        "max_tokens": 24,
+    },
+    "several stop strings": says(r"Done\. Gone\.", stop=["xyz", "Go", "on"]),
+    "stream with continuous usage": {
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        "max_tokens": 6,
+    },
+    "stream with continuous usage to the end of turn": says(
+        r"Done\.", stream_options={"include_usage": True, "continuous_usage_stats": True}
+    ),
+    "stream without usage": {"stream_options": None, "max_tokens": 6},
+    "token ids": {"return_token_ids": True, "max_tokens": 6},
+    "tool call with token ids": {
+        **steer_tool_call("ls -la"),
+        "tools": TOOLS,
+        "return_token_ids": True,
+    },
+    "max_completion_tokens": {"max_completion_tokens": 5},
+    "stop string with logprobs and token ids": says(
+        r"Done\. Gone\.", stop=["on"], logprobs=True, top_logprobs=1, return_token_ids=True
+    ),
+    "stop token id kept with logprobs as token ids": {
+        "stop_token_ids": [NEWLINE],
+        "include_stop_str_in_output": True,
+        "logprobs": True,
+        "return_tokens_as_token_ids": True,
+        "return_token_ids": True,
+        "max_tokens": 6,
+    },
+    # vLLM cuts the text its tool parser reads: the streamed arguments end before the string.
+    "tool call with a stop string": {**steer_tool_call("ls -la"), "tools": TOOLS, "stop": ["la"]},
+    "tool call with a stop string kept": {
+        **steer_tool_call("ls -la"),
+        "tools": TOOLS,
+        "stop": ["la"],
+        "include_stop_str_in_output": True,
+    },
+    "tool call with stop strings not met": {
+        **steer_tool_call("ls -la"),
+        "tools": TOOLS,
+        "stop": ["xyz", "nowhere"],
+    },
+    "repetition penalty": {"repetition_penalty": 1.5, "presence_penalty": 0.5, "max_tokens": 8},
+    # Three tokens: `</think>`, then `{"]}}}` (the bias would then write `</think>` again and
+    # again, which the chat route streams as text: see docs/token-in.md, "What the agent gets").
+    "json object": {
+        "response_format": {"type": "json_object"},
+        "logit_bias": {THINK_END: 100},
+        "max_tokens": 3,
+    },
+    "required tool calls not parallel": {
+        "tools": TOOLS,
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+        "logit_bias": {THINK_END: 100, CLOSE_BRACE: 30},
+        "max_tokens": 48,
+    },
+    "stream usage not asked": {"stream_options": {"include_usage": False}, "max_tokens": 6},
     # A long prompt whose history holds reasoning markers; derender gets its last ids only.
     "long conversation": {
         "messages": [{"role": "system", "content": LONG * 20}, USER, *HISTORY, USER],
@@ -140,10 +246,15 @@ SHAPES: dict[str, dict[str, Any]] = {
 
 
 def request(extra: dict[str, Any], stream: bool) -> dict[str, Any]:
+    """The shape's body; its ``stream_options`` (None: none) only when streamed, else
+    ``include_usage``."""
+    extra = dict(extra)
+    options = extra.pop("stream_options", {"include_usage": True})
     body: dict[str, Any] = {"model": "policy", "messages": [USER], "temperature": 0, **extra}
     if stream:
         body["stream"] = True
-        body["stream_options"] = {"include_usage": True}
+        if options is not None:
+            body["stream_options"] = options
     return body
 
 
@@ -153,7 +264,7 @@ def staged(record: Any) -> dict[str, Any]:
         "content": message.get("content") or None,
         "reasoning": message.get("reasoning_content") or None,
         "tool_calls": [
-            (c["function"]["name"], c["function"]["arguments"])
+            (id_form(c["id"]), c["function"]["name"], c["function"]["arguments"])
             for c in message.get("tool_calls") or ()
         ],
         "finish_reason": record.finish_reason,

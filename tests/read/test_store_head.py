@@ -174,6 +174,7 @@ async def test_metrics_show_the_store_head_an_operator_keeps(make_proxy: Any) ->
         "head": head.head,
         "rollouts": str(head.rollouts),
         "events": str(head.events),
+        "claims": str(head.claims),
     }
     assert info.value == 1.0
     assert count.value == head.rollouts == 1
@@ -197,8 +198,8 @@ async def test_an_admitted_calls_claim_deleted_from_an_open_rollout_is_caught_on
     rollout reads as poisoned). Deleting that claim, the tail of an open rollout's log, leaves a
     chain that holds and a rollout that reads as clean with ``include_open=True``; the store
     head its writer published after the claim committed shows the log was cut short.
-    (On Parquet the claim's event waits for the next unit and its claim file is the only trace:
-    docs/contract.md says what that leaves open.)"""
+    (On Parquet the claim's event waits for the next unit and its claim file is the only trace,
+    which the store head covers: tests/read/test_store_head_claims.py.)"""
     where = tmp_path / "c.db"
     sink = SQLiteSink(str(where))
     session = Session("ep")

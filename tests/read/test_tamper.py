@@ -363,7 +363,8 @@ async def test_an_open_crashed_rollout_on_parquet_is_not_read_as_clean(tmp_path:
     event commits with the next unit, which never came): the rollout is open and poisoned
     (``lost_in_crash``), and no default read takes it. With the claim file deleted too, the
     rollout is still open: no default read takes it either (an anchored read needs the seal
-    answer, which a crashed rollout never had)."""
+    answer, which a crashed rollout never had), and the store head its writer published after
+    the claim catches the deletion (tests/read/test_store_head_claims.py)."""
     where = tmp_path / "ds"
     sink = ParquetSink(str(where))
     session = Session("ep")

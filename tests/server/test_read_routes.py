@@ -118,6 +118,9 @@ async def test_a_remote_store_reads_like_the_local_one(
             assert remote.source.summaries("ep-1") == local.source.summaries("ep-1")
             assert remote.source.unreferenced_attachments() == []
             remote.verify()  # every key fetched and verified over the network
+            # The store head, claim files included (a Parquet dataset's), as the store has it.
+            assert remote.store_head() == local.store_head()
+            remote.verify(expected_store_head=local.store_head().token())
 
     await off_loop(read)
 

@@ -51,6 +51,29 @@ async def _events(resp: aiohttp.ClientResponse) -> list[bytes]:
     return [line async for line in sse_lines(resp) if line]
 
 
+async def test_a_client_leaving_a_stream_held_by_the_byte_bound_aborts_the_generation(
+    make_proxy: Any,
+) -> None:
+    """With the default bound the fake's stream is derendered once, at its end (its prompt ids
+    alone are beyond 3x the plain call's bytes): a client that leaves before then still has the
+    generation aborted, and the call is in the ledger."""
+    p = await make_proxy(fake=FakeVLLM(scale_out=True, chunk_delay=0.05), token_in="on")
+    resp = await p.chat(chat_body(user("a long answer please"), stream=True))
+    assert resp.status == 200  # the headers came; no chunk will before the generation ends
+    for _ in range(100):
+        if p.fake.body_bytes["/inference/v1/generate"]:  # generating
+            break
+        await asyncio.sleep(0.01)
+    resp.close()  # the client goes away
+    for _ in range(100):
+        if p.failures() and p.fake.aborted:
+            break
+        await asyncio.sleep(0.05)
+    _only_failure(p, CallStatus.ABORTED, "client_disconnected")
+    assert p.fake.aborted == 1
+    assert p.calls() == []
+
+
 def _only_failure(p: Proxy, status: CallStatus, reason: str) -> Any:
     (entry,) = p.failures()
     assert (entry.status, entry.reason) == (status, reason), entry
@@ -131,7 +154,9 @@ async def test_derender_failing_is_an_upstream_error(make_proxy: Any) -> None:
 
 
 async def test_a_client_leaving_mid_stream_aborts_the_generation(make_proxy: Any) -> None:
-    p = await make_proxy(fake=FakeVLLM(scale_out=True, chunk_delay=0.05), token_in="on")
+    # A bound with room for derender calls before the stream ends: the client reads a chunk.
+    fake = FakeVLLM(scale_out=True, chunk_delay=0.05)
+    p = await make_proxy(fake=fake, token_in="on", token_in_upstream_bound=100.0)
     resp = await p.chat(chat_body(user("a long answer please"), stream=True))
     await resp.content.readline()
     resp.close()  # the client goes away

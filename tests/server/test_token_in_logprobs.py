@@ -12,12 +12,17 @@ import orjson
 from aiohttp import web
 
 from capture_proxy.testing.fake_vllm import FakeToolCall, FakeVLLM, Turn
-from capture_proxy.testing.fake_vllm._template import token_bytes
+from capture_proxy.testing.fake_vllm._protocol import decoded_token
 from tests.support.proxy_harness import Proxy, chat_body, sse_lines, user
 
 TOOLS = [{"type": "function", "function": {"name": "bash", "parameters": {"type": "object"}}}]
 DERENDER = "/v1/chat/completions/derender"
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+#: ``--token-in-upstream-bound`` for streams derendered in pieces: the fake's byte-level
+#: template makes generate alone about 4x the plain call's bytes (the default 3 leaves no room
+#: for any derender call before a stream ends).
+BOUND = 100.0
 
 
 def turn() -> Turn:
@@ -73,15 +78,27 @@ async def test_each_streamed_chunk_carries_the_logprobs_of_its_own_tokens(
     make_proxy: Any,
 ) -> None:
     # Tokens arriving apart: several coalesced derender calls, each resolving its own.
-    p = await make_proxy(fake=ResolvingCounter(chunk_delay=0.01), token_in="on")
+    # A bound with room for many derender calls: the stream comes in pieces.
+    p = await make_proxy(
+        fake=ResolvingCounter(chunk_delay=0.01), token_in="on", token_in_upstream_bound=BOUND
+    )
     events = await streamed(p, return_token_ids=True)
     carried = [c for e in events for c in e["choices"] if c.get("token_ids")]
     assert len(carried) > 3
+    [record] = p.calls()
+    ids = list(record.completion_token_ids)
+    assert [t for c in carried for t in c["token_ids"]] == ids
+    # Each token's bytes as vLLM resolves them (a character split across tokens, even across
+    # chunks: empty, then whole on the token that completes it).
+    at = 0
     for choice in carried:
         content = choice["logprobs"]["content"]
-        assert [bytes(e["bytes"]) for e in content] == [token_bytes(t) for t in choice["token_ids"]]
-    [record] = p.calls()
-    assert [t for c in carried for t in c["token_ids"]] == list(record.completion_token_ids)
+        want = [
+            decoded_token(t, ids[max(0, at + k - 4) : at + k]).encode()
+            for k, t in enumerate(choice["token_ids"])
+        ]
+        assert [bytes(e["bytes"]) for e in content] == want
+        at += len(choice["token_ids"])
     assert p.fake.unary_derenders == len(carried)  # one resolution per chunk with tokens
 
 
@@ -176,9 +193,60 @@ class WithoutParser(ResolvingCounter):
 async def test_a_streamed_derender_that_resolves_logprobs_itself_is_not_asked_again(
     make_proxy: Any,
 ) -> None:
-    p = await make_proxy(fake=WithoutParser(chunk_delay=0.01), token_in="on")
+    # A bound with room for many derender calls: the stream comes in pieces.
+    p = await make_proxy(
+        fake=WithoutParser(chunk_delay=0.01), token_in="on", token_in_upstream_bound=BOUND
+    )
     events = await streamed(p)
     carried = [c for e in events for c in e["choices"]]
     assert len(carried) > 3
     assert all(c["logprobs"]["content"][0]["token"] == "own" for c in carried)
     assert p.fake.unary_derenders == 1  # only beside the first call, before it was known
+
+
+class ExtraLogprob(FakeVLLM):
+    """The fake, its unary derender answers carrying one logprobs entry more than the ids."""
+
+    def __init__(self) -> None:
+        super().__init__(scale_out=True)
+
+    def app(self) -> web.Application:
+        app = super().app()
+
+        @web.middleware
+        async def extra(request: web.Request, handler: Handler) -> web.StreamResponse:
+            resp = await handler(request)
+            if request.path != DERENDER or not isinstance(resp, web.Response):
+                return resp
+            answer = orjson.loads(resp.body)  # type: ignore[arg-type]
+            for choice in answer.get("choices") or ():
+                content = (choice.get("logprobs") or {}).get("content")
+                if content:
+                    content.append(content[-1])
+            return web.json_response(answer)
+
+        app.middlewares.append(extra)
+        return app
+
+
+async def test_logprobs_without_their_ids_fail_a_call_asking_for_token_id_strings(
+    make_proxy: Any,
+) -> None:
+    # With `return_tokens_as_token_ids` each entry is written as "token_id:N" for generate's id
+    # at its place: an entry derender has beyond generate's ids has none, and the call fails
+    # as for a malformed answer (never a guessed id).
+    p = await make_proxy(fake=ExtraLogprob(), token_in="on")
+    p.fake.push(turn(), turn())
+    resp = await p.chat(body(return_tokens_as_token_ids=True))
+    assert resp.status == 502
+    assert resp.headers["X-Capture-Status"] == "upstream_error"
+    error = (await resp.json())["error"]
+    assert error["code"] == "logprobs_mismatch"
+    assert "generate sampled" in error["message"]
+    resp = await p.chat(body(return_tokens_as_token_ids=True, stream=True))
+    assert resp.status == 200
+    events = [line async for line in sse_lines(resp) if line]
+    assert b"data: [DONE]" not in events
+    assert orjson.loads(events[-1][6:])["error"]["code"] == "logprobs_mismatch"
+    assert [(e.reason, e.http_status) for e in p.failures()] == [("logprobs_mismatch", 502)] * 2
+    assert p.calls() == []

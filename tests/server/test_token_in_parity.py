@@ -3,7 +3,8 @@
 
 The same scripted answer (so the same sampled tokens) goes through a proxy on the plain path and
 one with token-in on, unary and streamed, over the request shapes the chat route knows; the
-answers are compared field by field (ids and timestamps aside) and so are the staged records.
+answers are compared field by field (ids and timestamps aside, tool call ids by their form) and
+so are the staged records.
 The fake is held to vLLM 0.32's derender (tests/testing/test_fake_token_in.py): its streamed
 route keeps an end-of-turn token's text when alone in a chunk, does not cut stop strings, says
 ``tool_calls`` for a tool call cut by ``length``.
@@ -17,7 +18,7 @@ import pytest
 from aiohttp import web
 
 from capture_proxy.testing.fake_vllm import FakeToolCall, FakeVLLM, Turn
-from tests.support.parity import agent_view
+from tests.support.parity import agent_view, id_form
 from tests.support.proxy_harness import Proxy, chat_body, user
 
 TOOLS = [
@@ -78,6 +79,46 @@ SHAPES: dict[str, tuple[Turn, dict[str, Any]]] = {
     ),
     "logprobs": (Turn("Yes.", reasoning="r"), {"logprobs": True, "top_logprobs": 2}),
     "token ids": (Turn("Ids.", reasoning="r"), {"return_token_ids": True}),
+    "logprobs without top": (Turn("Yes.", reasoning="r"), {"logprobs": True}),
+    # `return_tokens_as_token_ids`: logprob tokens (and top entries' bytes) as "token_id:N".
+    "logprobs as token ids": (
+        Turn("Yes. é", reasoning="r"),
+        {"logprobs": True, "top_logprobs": 2, "return_tokens_as_token_ids": True},
+    ),
+    "tool call logprobs as token ids": (
+        Turn(reasoning="look", tool_calls=[LS]),
+        {"tools": TOOLS, "logprobs": True, "top_logprobs": 1, "return_tokens_as_token_ids": True},
+    ),
+    "token ids as strings without logprobs": (Turn("No."), {"return_tokens_as_token_ids": True}),
+    "tool call with a stop string": (Turn(tool_calls=[LS]), {"tools": TOOLS, "stop": ["-la"]}),
+    "tool call with a stop string kept": (
+        Turn(tool_calls=[LS]),
+        {"tools": TOOLS, "stop": ["-la"], "include_stop_str_in_output": True},
+    ),
+    "tool call with stop strings not met": (
+        Turn(tool_calls=[LS]),
+        {"tools": TOOLS, "stop": ["xyz", "nowhere"]},
+    ),
+    "tool choice named": (
+        Turn(tool_calls=[LS]),
+        {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "bash"}}},
+    ),
+    "stream without usage": (Turn("Done.", reasoning="ok"), {"stream_options": None}),
+    "stream with continuous usage": (
+        Turn("Done.", reasoning="ok"),
+        {"stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+    ),
+    "tool call with continuous usage": (
+        Turn(reasoning="look", tool_calls=[LS]),
+        {
+            "tools": TOOLS,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        },
+    ),
+    "stream usage not asked": (
+        Turn("Done.", reasoning="ok"),
+        {"stream_options": {"include_usage": False}},
+    ),
     # The prompt ends the reasoning (render's `reasoning_ended`), but vLLM's count starts in
     # reasoning whatever the prompt: the answer is content, and counted as reasoning.
     "continued after closed reasoning": (Turn(" and more.", reasoning=None), CONTINUED),
@@ -113,7 +154,7 @@ async def through(
         "content": message.get("content"),
         "reasoning": message.get("reasoning_content"),
         "tool_calls": [
-            (c["function"]["name"], c["function"]["arguments"])
+            (id_form(c["id"]), c["function"]["name"], c["function"]["arguments"])
             for c in message.get("tool_calls") or ()
         ],
         "finish_reason": record.finish_reason,
@@ -123,10 +164,15 @@ async def through(
 
 
 def request(extra: dict[str, Any], stream: bool) -> dict[str, Any]:
+    """The shape's body; its ``stream_options`` (None: none) only when streamed, else
+    ``include_usage``."""
+    extra = dict(extra)
+    options = extra.pop("stream_options", {"include_usage": True})
     body = chat_body(user("Tell me."), temperature=0, **extra)
     if stream:
         body["stream"] = True
-        body["stream_options"] = {"include_usage": True}
+        if options is not None:
+            body["stream_options"] = options
     return body
 
 
@@ -141,6 +187,23 @@ async def test_token_in_answers_what_the_chat_route_answers(
     token_view, token_staged = await through(make_proxy, "on", turn, body)
     assert token_view == plain_view
     assert token_staged == plain_staged
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "streamed"])
+async def test_several_choices_are_refused_alike_on_both_paths(
+    make_proxy: Any, stream: bool
+) -> None:
+    # `n` above 1: one sampled completion per call is staged, on either path (the request
+    # policy), so token-in has no answer of its own to compare.
+    answers = []
+    for token_in in ("off", "on"):
+        p: Proxy = await make_proxy(fake=FakeVLLM(scale_out=True), token_in=token_in)
+        resp = await p.chat(request({"n": 2}, stream))
+        answers.append((resp.status, await resp.json()))
+        assert p.calls() == []
+    assert answers[0] == answers[1]
+    assert answers[0][0] == 422
+    assert answers[0][1]["error"]["param"] == "n"
 
 
 async def test_streamed_content_never_ends_with_the_end_of_turn_text(make_proxy: Any) -> None:

@@ -127,6 +127,9 @@ class VLLMAdapter:
             usage=(opts.get("include_usage") is True) if stream else True,
             token_ids=request.get("return_token_ids") is True,
             token_id_strings=request.get("return_tokens_as_token_ids") is True,
+            continuous_usage=stream
+            and opts.get("include_usage") is True
+            and opts.get("continuous_usage_stats") is True,
         )
         body = dict(request)
         body["return_token_ids"] = True

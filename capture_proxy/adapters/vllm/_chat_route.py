@@ -2,7 +2,7 @@
 
 A token-in answer is built by derender (``/v1/chat/completions/derender``) from generate's ids;
 the client and the record must get what the chat route gives for the same ids. vLLM 0.32's
-derender differs from the chat route in three ways (docs/upstream-facts.md, "Token-in routes",
+derender differs from the chat route in these ways (docs/upstream-facts.md, "Token-in routes",
 measured; DESIGN §11), each undone here:
 
 - **The stop token's text.** The chat route never detokenizes the token a completion stopped on
@@ -18,6 +18,9 @@ measured; DESIGN §11), each undone here:
 - **The finish reason of a streamed tool call cut short.** Derender's streamed chunks say
   ``"tool_calls"`` for any finish once a tool call streamed; the chat route says so only for a
   ``"stop"`` (`StopTokenStrip.restore` gives back generate's ``"length"``).
+- **Tool call ids and logprob strings.** Derender's unary tool call ids are bare 16 hex
+  (`chat_tool_id` gives the chat route's ``chatcmpl-tool-`` form); its logprobs ignore
+  ``return_tokens_as_token_ids`` and ``top_logprobs`` (`chat_logprobs`).
 """
 
 from __future__ import annotations
@@ -28,14 +31,21 @@ from typing import Any
 
 import orjson
 
+from ._generate import Generated
+from ._wire import ClientWants, UpstreamProtocolError
+
 __all__ = [
+    "CHAT_TOOL_ID_PREFIX",
     "REASONING_MARKERS",
     "StopCut",
     "StopTokenStrip",
     "chat_finish_reason",
+    "chat_logprobs",
+    "chat_tool_id",
     "chat_usage",
     "count_reasoning_tokens",
     "counts_reasoning_from_start",
+    "rewrites_logprobs",
     "without_stop_token_id",
 ]
 
@@ -249,3 +259,75 @@ class StopTokenStrip:
             ids = choice.get("token_ids")
             if self._stripped is not None and isinstance(ids, list):
                 ids.append(self._stripped)
+
+
+#: What the chat route's tool call ids start with (vLLM's ``make_tool_call_id``).
+CHAT_TOOL_ID_PREFIX = "chatcmpl-tool-"
+_HEX = frozenset("0123456789abcdef")
+_TOKEN_ID = "token_id:"
+
+
+def chat_tool_id(tool_id: object) -> object:
+    """The chat route's form of a unary derender answer's tool call id: vLLM's bare 16-hex
+    ``random_uuid()`` gets the ``chatcmpl-tool-`` the chat route writes before it; any other id
+    is kept."""
+    if isinstance(tool_id, str) and len(tool_id) == 16 and set(tool_id) <= _HEX:
+        return CHAT_TOOL_ID_PREFIX + tool_id
+    return tool_id
+
+
+def chat_logprobs(
+    entries: list[dict[str, Any]],
+    generated: Generated | None,
+    start: int,
+    wants: ClientWants,
+) -> None:
+    """Rewrite derender's logprobs `entries` in place as the chat route writes them for what
+    the client asked (module docs): at most ``top_logprobs`` top entries each (derender gives
+    every alternative generate sampled, the sampled token's own with ``top_logprobs`` 0); with
+    ``return_tokens_as_token_ids`` entry k, completion position ``start + k``, has ``token``
+    ``"token_id:N"`` for `generated`'s id there, and each top entry the ``token`` and ``bytes``
+    of ``"token_id:N"`` for generate's top id at its rank (the entry's own ``bytes`` stay its
+    decoded text's, as vLLM's chat route keeps them).
+
+    Raises `UpstreamProtocolError` (``logprobs_mismatch``) when the ids to write are unknown:
+    derender gave more entries, or more top entries at a position, than generate sampled."""
+    top = wants.top_logprobs or 0
+    for entry in entries:
+        alts = entry.get("top_logprobs")
+        if isinstance(alts, list) and len(alts) > top:
+            del alts[top:]
+    if not wants.token_id_strings:
+        return
+    ids = generated.completion_ids if generated is not None else ()
+    tops = generated.top_logprobs if generated is not None else None
+    if start + len(entries) > len(ids):
+        raise UpstreamProtocolError(
+            "logprobs_mismatch",
+            f"derender gave logprobs for positions {start}..{start + len(entries) - 1}, "
+            f"generate sampled {len(ids)} tokens",
+        )
+    for k, entry in enumerate(entries):
+        i = start + k
+        entry["token"] = f"{_TOKEN_ID}{ids[i]}"
+        alts = entry.get("top_logprobs") or ()
+        row = tops[i] if tops is not None and i < len(tops) else ()
+        if len(alts) > len(row):
+            raise UpstreamProtocolError(
+                "logprobs_mismatch",
+                f"derender gave {len(alts)} top logprobs at position {i}, generate {len(row)}",
+            )
+        for alt, (alt_id, _) in zip(alts, row, strict=False):
+            text = f"{_TOKEN_ID}{alt_id}"
+            alt["token"] = text
+            alt["bytes"] = list(text.encode())
+
+
+def rewrites_logprobs(generated: Generated, wants: ClientWants) -> bool:
+    """Whether `chat_logprobs` changes a unary answer's logprobs (else they are spliced as
+    they came, never decoded)."""
+    if not wants.logprobs:
+        return False
+    top = wants.top_logprobs or 0
+    rows = generated.top_logprobs or ()
+    return wants.token_id_strings or any(len(row) > top for row in rows)

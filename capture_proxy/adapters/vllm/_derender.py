@@ -18,6 +18,7 @@ from array import array
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
+import msgspec
 import orjson
 
 from ._generate import Generated, GenerateEvent, malformed
@@ -27,10 +28,10 @@ from ._wire import Completion, UpstreamProtocolError, build_message, make_extras
 __all__ = [
     "SEED_IDS",
     "DerenderCoalescer",
-    "chunk_without_logprobs",
     "derender_body",
     "derender_chat_request",
     "derender_chunk_body",
+    "derender_generate_answer",
     "derender_prompt_start",
     "derender_tail",
     "merge_chunks",
@@ -78,15 +79,58 @@ SEED_IDS: Final = 8
 _COUNTED_CALL: Final = {"id": "c", "type": "function", "function": {"name": "f", "arguments": ""}}
 
 
-def derender_chat_request(chat_request: Mapping[str, Any]) -> dict[str, Any]:
+#: Chat request keys derender never reads: sampling and serving keys, which only a generation
+#: reads (vLLM 0.32's ``online_derenderer.py`` and the parsers it builds read none of them; it
+#: resolves logprobs from the generate answer's entries, whatever the request's ``logprobs``).
+_UNREAD: Final = frozenset(
+    {
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "max_tokens",
+        "max_completion_tokens",
+        "seed",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "length_penalty",
+        "n",
+        "logit_bias",
+        "user",
+        "stop",
+        "stop_token_ids",
+        "min_tokens",
+        "ignore_eos",
+        "logprobs",
+        "top_logprobs",
+        "prompt_logprobs",
+        "priority",
+        "cache_salt",
+        "kv_transfer_params",
+        "metadata",
+        "store",
+        "service_tier",
+        "model",
+    }
+)
+
+
+def derender_chat_request(
+    chat_request: Mapping[str, Any], *, token_ids: bool = True
+) -> dict[str, Any]:
     """The chat request a derender call needs: every key as it is but ``messages``, whose text
-    it does not read. vLLM 0.32's derender (``online_derenderer.py``, the parsers it builds)
-    reads the request's tools, tool choice, template keys, ``include_reasoning``,
-    ``return_token_ids``, the special-token keys and ``parallel_tool_calls``; of the messages,
+    it does not read, and the keys it never reads (`_UNREAD`). vLLM 0.32's derender
+    (``online_derenderer.py``, the parsers it builds) reads the request's tools, tool choice,
+    template keys, ``include_reasoning``, ``return_token_ids``, the special-token keys,
+    ``response_format``, ``structured_outputs`` and ``parallel_tool_calls``; of the messages,
     only how many tool calls the assistant turns made (``count_history_tool_calls``, for
     Kimi-style tool call ids). So the messages become one stub per assistant turn with tool calls
-    (as many calls, empty arguments) and an empty user message, and the function tools lose
-    their description: a stream's derender calls resend this instead of the conversation."""
+    (as many calls, empty arguments), none without, and the function tools keep
+    only their name and parameters, without the parameters' descriptions
+    (`_without_description`): a stream's derender calls resend this instead of the
+    conversation. Without `token_ids` (the client did not ask for them: its answer's come from
+    generate when it does), ``return_token_ids`` goes too."""
     messages = chat_request.get("messages")
     if not isinstance(messages, list):
         return dict(chat_request)
@@ -99,8 +143,9 @@ def derender_chat_request(chat_request: Mapping[str, Any]) -> dict[str, Any]:
             kept.append(
                 {"role": "assistant", "content": "", "tool_calls": [_COUNTED_CALL] * len(calls)}
             )
-    kept.append({"role": "user", "content": ""})
-    slim: dict[str, Any] = {**chat_request, "messages": kept}
+    unread = _UNREAD if token_ids else _UNREAD | {"return_token_ids"}
+    slim: dict[str, Any] = {k: v for k, v in chat_request.items() if k not in unread}
+    slim["messages"] = kept
     tools = chat_request.get("tools")
     if isinstance(tools, list):
         slim["tools"] = [_without_description(tool) for tool in tools]
@@ -108,14 +153,92 @@ def derender_chat_request(chat_request: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _without_description(tool: Any) -> Any:
-    """A function tool without its function's ``description``: derender's parsers read a tool's
-    name and parameters (``find_tool_name``, ``find_tool_properties``); the description goes
-    only into the grammar a generation is constrained by (``adjust_request``), which derender
-    does not build."""
+    """A function tool as derender reads it: its function's name and parameters (derender's
+    parsers read those: ``find_tool_name``, ``find_tool_properties``), without the function's
+    ``description`` nor its parameters' (a JSON schema's annotation, read only by the grammar
+    a generation is constrained by: ``adjust_request``, the structural tags, which derender
+    does not build), and without ``"type": "function"``, the default of vLLM's
+    ``ChatCompletionToolsParam``."""
     function = tool.get("function") if isinstance(tool, Mapping) else None
-    if not isinstance(function, Mapping) or "description" not in function:
+    if not isinstance(function, Mapping) or tool.get("type", "function") != "function":
         return tool
-    return {**tool, "function": {k: v for k, v in function.items() if k != "description"}}
+    slim = {k: v for k, v in function.items() if k != "description"}
+    if "parameters" in slim:
+        slim["parameters"] = _schema_without_descriptions(slim["parameters"])
+    return {**{k: v for k, v in tool.items() if k != "type"}, "function": slim}
+
+
+#: JSON schema keywords whose value maps names (of properties, definitions) to schemas.
+_NAMED_SCHEMAS: Final = frozenset(
+    {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}
+)
+#: JSON schema keywords whose value is data, not a schema (never walked into).
+_DATA: Final = frozenset({"enum", "const", "default", "examples", "required"})
+
+
+def _schema_without_descriptions(schema: Any) -> Any:
+    """A JSON schema without its ``description`` annotations (the text ones), at every level;
+    property names (``properties``' keys, ``description`` among them) and data (``enum``,
+    ``default``, ...) are kept as they are."""
+    if isinstance(schema, list):
+        return [_schema_without_descriptions(s) for s in schema]
+    if not isinstance(schema, Mapping):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key == "description" and isinstance(value, str):
+            continue
+        if key in _NAMED_SCHEMAS and isinstance(value, Mapping):
+            out[key] = {name: _schema_without_descriptions(s) for name, s in value.items()}
+        elif key in _DATA:
+            out[key] = value
+        else:
+            out[key] = _schema_without_descriptions(value)
+    return out
+
+
+_decode_top = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
+_decode_choices = msgspec.json.Decoder(list[dict[str, msgspec.Raw]]).decode
+_NULL = msgspec.Raw(b"null")
+_TOKENS = msgspec.Raw(b'"tokens"')
+#: What vLLM 0.32's derender does not read of a generate answer's choice, and of a unary one.
+_CHOICE_UNREAD: Final = frozenset({"weight_versions", "routed_experts", "sampling_mask"})
+_UNARY_UNREAD: Final = frozenset({"model", "created", "usage"})
+
+
+def derender_generate_answer(answer: bytes, *, logprobs: bool, unary: bool = False) -> bytes:
+    """Generate's answer (unary, or with `unary` false a stream's ``generate_chunk``) as a
+    derender call reads it: without its null fields and ``output_mode: "tokens"`` (the defaults
+    of vLLM 0.32's ``GenerateTokensResponse``), the choices' ``weight_versions``,
+    ``routed_experts`` and ``sampling_mask`` (which derender does not read), a unary answer's
+    ``model``, ``created`` and ``usage`` (its answer has vLLM's own: ``derender/serving.py``),
+    and, unless `logprobs` (the client asked for them), the choices' ``logprobs`` (derender
+    resolves the entries it gets; the client would not get them). The values kept go as they
+    came; an answer that is not an object of that shape goes as it is (derender says what is
+    wrong with it)."""
+    try:
+        top = _decode_top(answer)
+        raw_choices = top.get("choices")
+        choices = _decode_choices(raw_choices) if raw_choices is not None else None
+    except msgspec.DecodeError:
+        return answer
+    unread = _UNARY_UNREAD if unary else ()
+    kept: list[bytes] = []
+    for key, value in top.items():
+        if key == "choices" and choices is not None:
+            kept.append(b'"choices":[' + b",".join(_choice(c, logprobs) for c in choices) + b"]")
+        elif value != _NULL and key not in unread and (key, value) != ("output_mode", _TOKENS):
+            kept.append(orjson.dumps(key) + b":" + bytes(value))
+    return b"{" + b",".join(kept) + b"}"
+
+
+def _choice(choice: Mapping[str, msgspec.Raw], logprobs: bool) -> bytes:
+    kept = [
+        orjson.dumps(key) + b":" + bytes(value)
+        for key, value in choice.items()
+        if value != _NULL and key not in _CHOICE_UNREAD and (logprobs or key != "logprobs")
+    ]
+    return b"{" + b",".join(kept) + b"}"
 
 
 def derender_prompt_start(prompt: array[int], markers: Sequence[int] | None) -> int:
@@ -187,21 +310,6 @@ def derender_chunk_body(chunk: bytes, state: Mapping[str, Any] | None, tail: byt
     )
 
 
-def chunk_without_logprobs(chunk: bytes) -> bytes:
-    """A ``generate_chunk`` (JSON) with its choices' logprobs null (for a derender call whose
-    server does not resolve them in a stream: they go to the resolving call instead)."""
-    if b'"logprobs":{' not in chunk and b'"logprobs": {' not in chunk:
-        return chunk
-    try:
-        value = orjson.loads(chunk)
-    except orjson.JSONDecodeError as exc:
-        raise malformed("generate", exc) from exc
-    for choice in value.get("choices") or () if isinstance(value, dict) else ():
-        if isinstance(choice, dict):
-            choice["logprobs"] = None
-    return orjson.dumps(value)
-
-
 def read_derender(raw: bytes) -> dict[str, Any]:
     """A derender answer, decoded (a ``chat.completion``, or ``{chunk, stream_state}``)."""
     try:
@@ -225,19 +333,26 @@ class DerenderCoalescer:
     choices) always goes in a call of its own, as vLLM streams it apart from the last token.
 
     With a `budget` (bytes), the bytes the calls sent (`spend`) bound them, whatever the pace of
-    the stream: once they reach it, no call starts before the stream ended, and the rest goes in
-    one call then. A stream's derender calls then send at most the budget, one call that started
-    under it, and that last one.
+    the stream: a call starts before the stream ended only while what was sent, that call and
+    one more of the same size (the last one, with the rest of the stream) fit in the budget
+    (`call_bytes`: the largest call so far, at first the caller's estimate); otherwise the rest
+    goes in one call when the stream ends. A stream's derender calls then send at most the
+    budget, unless the last call is larger than the ones before it (it carries every output id
+    in its state, and the events not sent yet).
 
     `add` an event as it arrives; `take(now)` gives the chunk to derender now, or None (a call in
     flight, nothing waiting, or too soon: `due` says when); `finished` says the call came back.
     """
 
-    def __init__(self, min_interval: float = 0.05, budget: int | None = None) -> None:
+    def __init__(
+        self, min_interval: float = 0.05, budget: int | None = None, call_bytes: int = 0
+    ) -> None:
         self.min_interval = min_interval
         self.budget = budget
         #: Bytes the calls sent so far (`spend`).
         self.spent = 0
+        #: The bytes of one call, as far as known: the largest so far (`spend`).
+        self.call_bytes = call_bytes
         self._waiting: list[GenerateEvent] = []
         self._last_start: float | None = None
         self.in_flight = False
@@ -258,11 +373,14 @@ class DerenderCoalescer:
     def spend(self, size: int) -> None:
         """A call sent `size` bytes."""
         self.spent += size
+        self.call_bytes = max(self.call_bytes, size)
 
     @property
     def held(self) -> bool:
-        """Whether the budget holds every call back until the stream ends."""
-        return self.budget is not None and not self.closed and self.spent >= self.budget
+        """Whether the budget holds every call back until the stream ends: a call now and the
+        last one would not fit in what is left of it."""
+        budget = self.budget
+        return budget is not None and not self.closed and self.spent + 2 * self.call_bytes > budget
 
     def due(self) -> float | None:
         """When the next call may start (clock of `take`), None when it may start now or not

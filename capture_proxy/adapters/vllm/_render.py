@@ -29,7 +29,14 @@ from ._generate import malformed
 from ._ids_json import common_prefix_len, encode_ids, read_known_ids
 from ._wire import UpstreamProtocolError
 
-__all__ = ["Rendered", "pair_anchor", "read_anchored", "read_render", "read_render_pair"]
+__all__ = [
+    "Rendered",
+    "compact_sampling",
+    "pair_anchor",
+    "read_anchored",
+    "read_render",
+    "read_render_pair",
+]
 
 _decode_fields = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
 _decode_ids = msgspec.json.Decoder(list[int]).decode
@@ -41,6 +48,54 @@ DEFAULT_MAX_TOKENS = 16
 _WRITTEN = frozenset({"token_ids", "stream", "stream_options"})
 #: What a streamed generate request says.
 _STREAM = b'"stream":true,"stream_options":{"include_usage":true}'
+#: The values of a ``GenerateRequest``'s top-level fields that are their defaults in vLLM 0.32
+#: (``token_in_token_out/protocol.py``: every optional field defaults to None, ``priority`` to
+#: 0, ``output_mode`` to "tokens", ``stream`` to false): `Rendered.generate_body` leaves such a
+#: field out, which vLLM reads as the same request, in fewer bytes.
+_DEFAULTS: dict[str, msgspec.Raw] = {
+    "priority": msgspec.Raw(b"0"),
+    "output_mode": msgspec.Raw(b'"tokens"'),
+    "stream": msgspec.Raw(b"false"),
+}
+#: ``SamplingParams`` fields (vLLM 0.32, ``sampling_params.py``) and the values that build the
+#: same parameters as leaving them out (its ``__post_init__`` turns a null ``stop``,
+#: ``stop_token_ids`` or ``bad_words`` into ``[]``); ``output_kind``, which generate sets itself
+#: (streamed or not), whatever it gets. Not ``max_tokens``: generate tells one it got from one
+#: it did not (``is_sampling_param_provided``: then it fills in the room the prompt leaves).
+_SAMPLING_DEFAULTS: dict[str, tuple[Any, ...] | None] = {
+    "n": (1,),
+    "presence_penalty": (0.0,),
+    "frequency_penalty": (0.0,),
+    "repetition_penalty": (1.0,),
+    "temperature": (1.0,),
+    "top_p": (1.0,),
+    "top_k": (0,),
+    "min_p": (0.0,),
+    "seed": (None,),
+    "stop": (None, []),
+    "stop_token_ids": (None, []),
+    "bad_words": (None, []),
+    "ignore_eos": (False,),
+    "min_tokens": (0,),
+    "prompt_logprobs": (None,),
+    "include_stop_str_in_output": (False,),
+    "output_kind": None,  # any value: generate overwrites it
+}
+
+
+def compact_sampling(params: Mapping[str, Any]) -> dict[str, Any]:
+    """`params` without the fields generate reads the same when left out (`_SAMPLING_DEFAULTS`,
+    compared by type and value: ``0`` is not taken for ``false``)."""
+    return {k: v for k, v in params.items() if not _sampling_default(k, v)}
+
+
+def _sampling_default(key: str, value: Any) -> bool:
+    if key not in _SAMPLING_DEFAULTS:
+        return False
+    defaults = _SAMPLING_DEFAULTS[key]
+    if defaults is None:
+        return True
+    return any(value == d and type(value) is type(d) for d in defaults)
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,13 +145,13 @@ class Rendered:
         (default: the rendered ones) and ``sampling_params`` by `sampling_params` (default: the
         rendered ones, the limit said: `resolved_sampling`), streamed with usage when `stream`.
         `ids_json`, when given, is the ids already encoded (a JSON list), sent as they are."""
-        if sampling_params is None:
-            resolved = self.resolved_sampling
-            if resolved is not self.sampling_params:
-                sampling_params = resolved  # the limit vLLM's answer left out
+        if sampling_params is None and self.sampling_params:
+            sampling_params = self.resolved_sampling  # with the limit vLLM's answer left out
+        if sampling_params is not None:
+            sampling_params = compact_sampling(sampling_params)
         parts = [b"{"]
         for key, value in self.rest.items():
-            if sampling_params is None or key != "sampling_params":
+            if (sampling_params is None or key != "sampling_params") and not _default(key, value):
                 parts += (orjson.dumps(key), b":", value, b",")
         if sampling_params is not None:
             parts += (b'"sampling_params":', orjson.dumps(sampling_params), b",")
@@ -104,11 +159,18 @@ class Rendered:
             parts += (_STREAM, b",")
         else:
             for key, value in self.unary.items():
-                parts += (orjson.dumps(key), b":", value, b",")
+                if not _default(key, value):
+                    parts += (orjson.dumps(key), b":", value, b",")
         if ids_json is None:
             ids_json = self.prompt_json if prompt_ids is None else encode_ids(prompt_ids)
         parts += (b'"token_ids":', ids_json, b"}")
         return b"".join(parts)
+
+
+def _default(key: str, value: msgspec.Raw) -> bool:
+    """Whether a render answer's field, as it came, is its ``GenerateRequest`` default
+    (`_DEFAULTS`): generate reads the request the same without it."""
+    return value == _NULL or value == _DEFAULTS.get(key)
 
 
 def read_render(raw: bytes, known: tuple[bytes, Sequence[int]] | None = None) -> Rendered:

@@ -86,6 +86,9 @@ class ClientWants:
     token_ids: bool
     #: The client itself sent ``return_tokens_as_token_ids: true``.
     token_id_strings: bool
+    #: Stream: the client asked for usage on every chunk (``stream_options`` with
+    #: ``include_usage`` and ``continuous_usage_stats`` true, as vLLM reads them).
+    continuous_usage: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,8 +31,8 @@ from ...adapters.vllm import (
     GenerateStream,
     StopTokenStrip,
     StreamLogprobs,
-    chunk_without_logprobs,
     derender_chunk_body,
+    derender_generate_answer,
     derender_tail,
     read_derender,
     usage_chunk,
@@ -43,6 +43,8 @@ from ..transport import EngineRoute, TokenInTransport, UpstreamReply
 __all__ = ["StreamedDerender", "post_derender"]
 
 _DONE = b"data: [DONE]\n\n"
+#: What a first derender call's event and state are counted as, beside the call's tail.
+_FIRST_CHUNK = 512
 
 
 async def post_derender(transport: TokenInTransport, body: bytes) -> bytes:
@@ -66,7 +68,10 @@ class StreamedDerender:
 
     With `logprobs` (the client asked for them), each chunk with logprobs gets them resolved
     (module docs); `resolves` counts those calls. `budget`: the bytes of derender requests after
-    which the rest of the stream waits for its end (`DerenderCoalescer`; None: no bound).
+    which the rest of the stream waits for its end (`DerenderCoalescer`; None: no bound), each
+    request counted with `head` bytes for its line and headers. Each call sends generate's
+    events without their nulls, and without logprobs the client does not get
+    (`derender_generate_answer`).
     """
 
     def __init__(
@@ -81,6 +86,7 @@ class StreamedDerender:
         ids_json: bytes | None = None,
         include_stop_str: bool = False,
         budget: int | None = None,
+        head: int = 0,
     ) -> None:
         self._transport = transport
         # The chat route never decodes the token a generation stopped on: the last chunk goes
@@ -91,7 +97,12 @@ class StreamedDerender:
         # prompt ids already encoded, as generate got them).
         self._tail = derender_tail(prompt_ids, chat_request, ids_json=ids_json)
         self._stream = GenerateStream()
-        self._coalescer = DerenderCoalescer(min_interval, budget)
+        self._head = head
+        # A first call: the tail, the head, and an event of a few tokens.
+        first = len(self._tail) + head + _FIRST_CHUNK
+        self._coalescer = DerenderCoalescer(min_interval, budget, first)
+        #: Whether the client gets logprobs (the calls send them only then).
+        self._wants_logprobs = logprobs is not None
         self._arrived = asyncio.Event()
         self._read_done = False
         self._logprobs = logprobs
@@ -122,16 +133,17 @@ class StreamedDerender:
             self._arrived.set()
 
     async def _post(self, body: bytes) -> bytes:
-        self._coalescer.spend(len(body))
+        self._coalescer.spend(len(body) + self._head)
         return await post_derender(self._transport, body)
 
-    async def _derender(self, chunk: bytes, state: Any) -> dict[str, Any]:
+    async def _derender(self, chunk: bytes, state: Any, resolved: bool = False) -> dict[str, Any]:
         strip = self._strip
-        if self._unresolved:
-            # This server's streamed derender leaves logprobs null: the resolving call alone
-            # carries them.
-            chunk = chunk_without_logprobs(chunk)
-        body = derender_chunk_body(strip.strip(chunk), state, self._tail)
+        # Logprobs go only when the client gets them, and not when this server's streamed
+        # derender leaves them null, or the stream ended (`resolved`: a resolving call made
+        # with this one carries them).
+        logprobs = self._wants_logprobs and not self._unresolved and not resolved
+        sent = derender_generate_answer(strip.strip(chunk), logprobs=logprobs)
+        body = derender_chunk_body(sent, state, self._tail)
         answer = read_derender(await self._post(body))
         strip.restore(answer)
         return answer
@@ -144,7 +156,11 @@ class StreamedDerender:
         if resolver is None or body is None:
             return await self._derender(chunk, state)
         self.resolves += 1
-        streamed = asyncio.ensure_future(self._derender(chunk, state))
+        # Whether this server's streamed derender resolves logprobs itself is learnt from a call
+        # that carries them as well as the resolving call; the stream's last call (all of it,
+        # when the byte bound held it to its end) sends them only once.
+        last = self._coalescer.closed  # only the usage event may follow
+        streamed = asyncio.ensure_future(self._derender(chunk, state, resolved=last))
         resolved = asyncio.ensure_future(self._post(body))
         answer: dict[str, Any]
         try:

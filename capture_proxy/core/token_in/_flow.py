@@ -15,7 +15,7 @@ import asyncio
 import dataclasses
 import time
 from collections.abc import AsyncGenerator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import orjson
 
@@ -34,6 +34,7 @@ from ...adapters.vllm import (
     counts_reasoning_from_start,
     derender_body,
     derender_chat_request,
+    derender_generate_answer,
     derender_prompt_start,
     encode_ids,
     read_derendered,
@@ -61,13 +62,11 @@ from ._values import Prior
 if TYPE_CHECKING:
     from ..exchange import Exchange, Outcome
 
-__all__ = ["DERENDER_BUDGET", "DERENDER_FLOOR", "TokenInCall"]
+__all__ = ["REQUEST_HEAD", "TokenInCall"]
 
-#: A stream's derender calls send at most this many times the bytes of the request as rendered,
-#: and at least `DERENDER_FLOOR` (then the call that started under it, and the last one with the
-#: rest of the stream).
-DERENDER_BUDGET = 0.5
-DERENDER_FLOOR = 8 << 10
+#: What the token-in call counts for each request's line and headers, beside its body (the
+#: lean client's are about 110 bytes; the plain call's own headers are not counted).
+REQUEST_HEAD = 128
 
 _DONE = b"data: [DONE]\n\n"
 #: Where an SSE event's JSON starts (after ``data: ``).
@@ -89,6 +88,8 @@ class TokenInCall:
         self._markers: tuple[int, int, int | None] | None = None
         #: The call's line of calls (`token_in_line`), hashed once per call (`_token_in_line`).
         self._line: str | None = None
+        #: The bytes the call's renders and generate sent, heads counted as `REQUEST_HEAD`.
+        self.sent = 0
 
     @property
     def _upstream(self) -> TokenInTransport:
@@ -114,9 +115,13 @@ class TokenInCall:
             render_request.pop(key, None)
         # Encoded once: the plain render sends it; derender calls, what derender reads of it.
         self._render_body = orjson.dumps(render_request)
-        self._derender_chat = orjson.dumps(derender_chat_request(render_request))
+        wants = self._exchange.plan.wants
+        self._derender_chat = orjson.dumps(
+            derender_chat_request(render_request, token_ids=wants.token_ids)
+        )
+        counted = _Counted(upstream)
         self.prompt = await token_in_prompt(
-            upstream,
+            cast(TokenInTransport, counted),  # token_in_prompt posts renders, nothing else
             self._exchange.pipeline.close_renders,
             self._exchange.admitted.rollout.token_in_prior(self._token_in_line),
             self._exchange.request,
@@ -127,7 +132,17 @@ class TokenInCall:
         )
         self._markers = await self._reasoning_markers(self.prompt)
         body = self.prompt.generate_body(self._exchange.request, stream=self._exchange.streamed)
+        self.sent = counted.sent + len(body) + REQUEST_HEAD
         return await upstream.post_engine(EngineRoute.GENERATE, body)
+
+    @property
+    def derender_budget(self) -> int:
+        """The bytes a stream's derender calls may send: what ``--token-in-upstream-bound``
+        (`ExchangeConfig.token_in_upstream_bound`, 3 by default: issue 28's bound) times the
+        plain call's request leaves after the call's renders and generate (at least 0)."""
+        assert self._exchange.plan is not None
+        bound = self._exchange.pipeline.config.token_in_upstream_bound
+        return max(int(bound * len(self._exchange.plan.body)) - self.sent, 0)
 
     async def _reasoning_markers(self, prompt: TokenInPrompt) -> tuple[int, int, int | None] | None:
         """The reasoning parser's marker ids, when the chat route would count the answer's
@@ -192,6 +207,9 @@ class TokenInCall:
         try:
             include = self._exchange.request.get("include_stop_str_in_output") is True
             sent, only_stop_token = without_stop_token_id(raw, include)
+            # Without its nulls, nor logprobs the client does not get.
+            logprobs = self._exchange.plan.wants.logprobs
+            sent = derender_generate_answer(sent, logprobs=logprobs, unary=True)
             ids, ids_json = self._derender_prompt(prompt)
             body = derender_body(sent, ids, self._derender_chat, ids_json=ids_json)
             # Derender takes generate's answer as it came: it is sent first, and the answer is
@@ -209,6 +227,7 @@ class TokenInCall:
             derendered = derendered.cut_at_stop(
                 StopCut.of(self._exchange.request), generated.stop_reason
             )
+            derendered = derendered.with_chat_logprobs(generated, self._exchange.plan.wants)
         except UpstreamProtocolError as e:
             malformed = UpstreamFailed(
                 f"the upstream answer is malformed: {e.message}", code=e.reason
@@ -221,7 +240,9 @@ class TokenInCall:
         self._exchange._upstream_s = time.perf_counter() - self._exchange._t_up
         ids = prompt.prompt_array
         record_view = derendered.for_record()
-        completion = _as_chat(to_completion(generated, ids, record_view, model=self._model))
+        completion = _as_chat(
+            to_completion(generated, ids, record_view, model=self._model), self._exchange.request
+        )
         client_body = client_answer(
             derendered,
             generated,
@@ -229,6 +250,7 @@ class TokenInCall:
             self._exchange.plan.wants,
             ids_json=prompt.prompt_json,
             reasoning_tokens=self._reasoning_tokens(generated, stream=False),
+            named_tool_choice=_named_tool_choice(self._exchange.request),
         )
         return await self._exchange._stage(completion, client_body, generated.weight_spans)
 
@@ -272,16 +294,29 @@ class TokenInCall:
             logprobs=StreamLogprobs(self._model) if plan.wants.logprobs else None,
             ids_json=ids_json,
             include_stop_str=self._exchange.request.get("include_stop_str_in_output") is True,
-            # The stream's derender calls send about half what the request weighs, then wait
-            # for its end: a slow stream of one token per call costs no more than a fast one.
-            budget=max(int(DERENDER_BUDGET * len(self._render_body)), DERENDER_FLOOR),
+            # What the bound leaves after render and generate; then the stream waits for its
+            # end: a slow stream of one token per call costs no more than a fast one.
+            budget=self.derender_budget,
+            head=REQUEST_HEAD,
         )
 
         def reasoning_tokens() -> int | None:
             return self._reasoning_tokens(derender.so_far, stream=True)
 
+        def running_reasoning(n: int) -> int | None:
+            so_far = derender.so_far
+            if so_far is None:
+                return None
+            first = Generated(so_far.request_id, completion_ids=so_far.completion_ids[:n])
+            return self._reasoning_tokens(first, stream=True)
+
         shaped = DerenderedStream(
-            plan.wants, prompt.prompt_ids, StopCut.of(self._exchange.request), reasoning_tokens
+            plan.wants,
+            prompt.prompt_ids,
+            StopCut.of(self._exchange.request),
+            reasoning_tokens,
+            generated=lambda: derender.so_far,
+            running_reasoning=running_reasoning,
         )
         async with reply:
             events = derender.events()
@@ -307,7 +342,9 @@ class TokenInCall:
         assert generated is not None  # the events end only after the whole generation
         answer = {"choices": [{"message": shaped.message()}]}
         ids = prompt.prompt_array
-        completion = _as_chat(to_completion(generated, ids, answer, model=self._model))
+        completion = _as_chat(
+            to_completion(generated, ids, answer, model=self._model), self._exchange.request
+        )
         await self._exchange._stage(completion, b"", generated.weight_spans)
 
     def continued_by_next(self, completion: Completion, prompt: TokenInPrompt) -> None:
@@ -366,9 +403,30 @@ class TokenInCall:
         return engine_version, weight_spans, effective_sampling(sampling, resolved)
 
 
-def _as_chat(completion: Completion) -> Completion:
+class _Counted:
+    """A call's upstream as `token_in_prompt` uses it (`post_engine`), counting the bytes of what
+    it posts (`sent`: bodies, and `REQUEST_HEAD` for each request's line and headers)."""
+
+    def __init__(self, upstream: TokenInTransport) -> None:
+        self._upstream = upstream
+        self.sent = 0
+
+    async def post_engine(self, route: EngineRoute, body: bytes) -> UpstreamReply:
+        self.sent += len(body) + REQUEST_HEAD
+        return await self._upstream.post_engine(route, body)
+
+
+def _named_tool_choice(request: Mapping[str, Any]) -> bool:
+    """Whether the request names its function in ``tool_choice`` (the chat route then says
+    ``stop``, not ``tool_calls``, for the call it makes)."""
+    return isinstance(request.get("tool_choice"), Mapping)
+
+
+def _as_chat(completion: Completion, request: Mapping[str, Any]) -> Completion:
     """The finish reason the chat route gives (and the client got): ``tool_calls`` for an
-    answer with tool calls, where generate, which parses nothing, says ``stop``."""
-    if completion.finish_reason == "stop" and completion.message.get("tool_calls"):
+    answer with tool calls, where generate, which parses nothing, says ``stop`` (but for a
+    named ``tool_choice``: vLLM 0.32's chat route says ``stop`` then)."""
+    calls = completion.message.get("tool_calls") and not _named_tool_choice(request)
+    if completion.finish_reason == "stop" and calls:
         return dataclasses.replace(completion, finish_reason="tool_calls")
     return completion

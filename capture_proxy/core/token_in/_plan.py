@@ -78,12 +78,14 @@ def plan(request: Mapping[str, Any], extension: Extension, *, lean: bool = False
         context: bool = not lean,
     ) -> dict[str, Any]:
         keys = base if context else {k: x for k, x in base.items() if k != "tools"}
-        return {
-            **keys,
-            "messages": [*dummy(v, with_calls, context), *appended],
-            "add_generation_prompt": gen,
-            "continue_final_message": False,
-        }
+        out = {**keys, "messages": [*dummy(v, with_calls, context), *appended]}
+        # vLLM's defaults (a generation prompt, no continued message) go unsaid: fewer bytes.
+        out.pop("continue_final_message", None)
+        if gen:
+            out.pop("add_generation_prompt", None)
+        else:
+            out["add_generation_prompt"] = False
+        return out
 
     v1, v2 = DUMMY_CONTENTS
     # The two generation keys are set per render, so they are no part of what the close depends on.

@@ -10,15 +10,30 @@ formats keep a checkpoint of their log for the same reason. Its body (JSON)::
     {"format": 1, "generation": 7, "written_at_ms": 1764950400000, "writer": "host:pid:id",
      "units": [<the commit marker of each live unit, as in _commits/, in commit order>],
      "retired": {<name of a retired unit whose marker may still be listed>: <when it was
-                 retired, ms: the earliest created_at_ms of a marker retiring it>, ...}}
+                 retired, ms: the earliest created_at_ms of a marker retiring it>, ...},
+     "listed_after": "01764950280000000000"}
 
-**Reading** (`load_markers`): read the checkpoint (one GET), list ``_commits/`` (names only),
-and read only the markers the checkpoint does not name, live or retired: the units committed
-since. The dataset's live units are then the checkpoint's and the new ones, less every unit the
-checkpoint or a new marker retires. A checkpoint is used only when every live unit it names is
-still listed; otherwise (a newer maintenance run of a release without checkpoints retired and
-deleted some) it is ignored and every listed marker is read, as without one. A dataset without
-a checkpoint (written before it existed) reads as before.
+``listed_after`` (the *horizon*, added to format 1: a reader that does not know it lists every
+name, which stays correct) is a 20-digit unit order: every marker whose name sorts before it is
+named in the checkpoint (live or retired), or was deleted. The run that writes the checkpoint
+takes it from its own listing of ``_commits/``: the latest of its clock when the listing started
+and the highest order listed, less `COMMIT_MARGIN_S`. A marker not listed then lands later,
+within `COMMIT_LIMIT_S` of the time in its name (writers retract a unit that took longer), so
+its name sorts after the horizon as long as hosts' clocks differ by less than
+``(COMMIT_MARGIN_S - COMMIT_LIMIT_S) / 2`` (45 s). A merged unit a maintenance run writes takes
+an older order (its last unit's), but its marker is written after the checkpoint naming it.
+
+**Reading** (`load_markers`): read the checkpoint (one GET), then list ``_commits/`` (names
+only; after the horizon when the checkpoint has one: on object storage the store skips the rest,
+so the retired markers a compaction's grace period keeps are not even listed once they are
+older than the horizon), and read only the markers the checkpoint does not name, live or
+retired: the units committed since. The dataset's live units are then the checkpoint's and the
+new ones, less every unit the checkpoint or a new marker retires. A checkpoint is used only
+when every live unit it names (after its horizon, the ones a listing shows) is still listed;
+otherwise (a newer maintenance run of a release without checkpoints retired and deleted some)
+it is ignored and every marker is listed and read, as without one. A dataset without a
+checkpoint (written before it existed) reads as before. Maintenance runs list every name (their
+clean-up needs the retired ones).
 
 **Writing** (`Checkpoint.commit`): only maintenance runs write it, holding the lease, each with
 a compare-and-swap on the checkpoint they read when they started (``If-Match`` on its etag, or
@@ -41,11 +56,11 @@ from typing import Any
 import orjson
 
 from ._fs import DatasetFS
-from ._layout import Marker, list_markers
+from ._layout import COMMIT_MARGIN_S, Marker, list_markers
 from ._lease import LEASE, Conditional, Lease, LeaseLost, conditional_object
 from ._snapshot import read_markers
 
-__all__ = ["CHECKPOINT", "Checkpoint", "Loaded", "load_markers", "read_checkpoint"]
+__all__ = ["CHECKPOINT", "Checkpoint", "Loaded", "horizon", "load_markers", "read_checkpoint"]
 
 #: The checkpoint object, relative to the dataset root.
 CHECKPOINT = "_checkpoint/live.json"
@@ -68,6 +83,18 @@ class Loaded:
     unlisted: list[Marker] = field(default_factory=list)
     #: When each unit the checkpoint names retired was retired (ms), as it recorded.
     since: dict[str, int] = field(default_factory=dict)
+    #: The checkpoint's horizon when the listing started after it: `names` holds only the
+    #: names that sort after it (None: every name was listed).
+    after: str | None = None
+    #: When the listing started (`time.time_ns`): what a checkpoint written from it records.
+    listed_at_ns: int = 0
+
+    def last_order(self) -> int:
+        """The highest unit order this reading knows of (listed, or named by the checkpoint,
+        or its horizon): a writer names its units after it."""
+        names = [*self.names[-1:], *self.markers, *self.since]
+        last = max(names, default="0")  # 20-digit orders first: name order is order
+        return max(_order(last), int(self.after or 0))
 
     def live(self) -> list[Marker]:
         """The live units, in commit order."""
@@ -122,7 +149,6 @@ def load_markers(
     maintenance run) a checkpoint naming live units that are not listed is used, and those
     units are in `Loaded.unlisted`; otherwise such a checkpoint is ignored."""
     body = read_checkpoint(dfs) if checkpoint is True else checkpoint or None
-    names = list_markers(dfs) if names is None else names
     if body is not None:
         try:
             units = {m.unit: m for m in map(_marker, body["units"])}
@@ -130,21 +156,46 @@ def load_markers(
             retired = set(since)
         except (KeyError, TypeError, ValueError, AttributeError):
             body = None
+    # Listed after the checkpoint was read: a unit a maintenance run merged meanwhile is then
+    # either listed or named by the checkpoint as it was (its units: the same rows).
+    after = horizon(body) if names is None and not repair else None
+    listed_at = time.time_ns()
+    names = list_markers(dfs, after) if names is None else names
     if body is None:
-        markers = read_markers(dfs, names, object_url)
-        return Loaded(markers, names, _retired_by(markers.values()))
+        return _every(dfs, names, object_url, listed_at)
     listed = set(names)
-    unlisted = [m for u, m in units.items() if u not in listed]
+    # Before the horizon a name is not listed: the checkpoint stands for it.
+    unlisted = [m for u, m in units.items() if u not in listed and (after is None or u > after)]
     if unlisted and not repair:
         # A run crashed between its checkpoint and its marker: read as if there were none
         # (the units it merged, the same rows) until a maintenance run writes the marker.
-        markers = read_markers(dfs, names, object_url)
-        return Loaded(markers, names, _retired_by(markers.values()))
+        if after is not None:
+            listed_at = time.time_ns()
+            names = list_markers(dfs)
+        return _every(dfs, names, object_url, listed_at)
     known = units.keys() | retired
     fresh = read_markers(dfs, [n for n in names if n not in known], object_url)
     markers = {**units, **fresh}
     retired |= _retired_by(markers.values())
-    return Loaded(markers, names, retired, body, unlisted, since)
+    return Loaded(markers, names, retired, body, unlisted, since, after, listed_at)
+
+
+def _every(dfs: DatasetFS, names: list[str], object_url: str | None, listed_at: int) -> Loaded:
+    """Every listed marker read (no checkpoint used)."""
+    markers = read_markers(dfs, names, object_url)
+    return Loaded(markers, names, _retired_by(markers.values()), listed_at_ns=listed_at)
+
+
+def _order(unit: str) -> int:
+    return int(unit.split("-", 1)[0])
+
+
+def horizon(body: Mapping[str, Any] | None) -> str | None:
+    """The checkpoint's ``listed_after`` (see the module docstring), or None."""
+    after = (body or {}).get("listed_after")
+    if isinstance(after, str) and len(after) == 20 and after.isdigit():
+        return after
+    return None
 
 
 def _marker(d: Mapping[str, object]) -> Marker:
@@ -249,6 +300,9 @@ class Checkpoint:
         listed = self.existing()
         retired_at = self.loaded.retired_at(markers.values())
         live = [markers[u] for u in sorted(markers) if u not in retired_at]
+        # Every name this run listed that sorts before the horizon is in `units` or `retired`.
+        newest = max(self.loaded.listed_at_ns, self.loaded.last_order())
+        after = max(0, newest - int(COMMIT_MARGIN_S * 1e9))
         self._generation += 1
         body = orjson.dumps(
             {
@@ -260,6 +314,7 @@ class Checkpoint:
                 "retired": {
                     u: ms for u, ms in sorted(retired_at.items()) if u in listed or u in markers
                 },
+                "listed_after": f"{after:020d}",
             }
         )
         if self._etag is None:

@@ -16,6 +16,9 @@ proxy process): a writer continuing a rollout whose last claim another writer ma
 
 On a dataset written through a configured pyarrow filesystem (no obstore store) a create cannot
 be conditional: claims there are checked, not enforced (`DatasetFS.enforced`).
+
+The store head covers the claim files (`claim_counts`: how many each rollout has and its highest
+seq), so a claim file deleted after its writer published the head is caught against it.
 """
 
 from __future__ import annotations
@@ -25,13 +28,15 @@ import contextlib
 import os
 import urllib.parse
 from collections import OrderedDict
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import obstore
 import orjson
+import pyarrow.fs as pafs
 
+from ...schemas.store_head import ClaimCount
 from ..base import StoreError
 from ._fs import DatasetFS, run_io
 
@@ -39,7 +44,9 @@ __all__ = [
     "CLAIMS_DIR",
     "Holders",
     "SeqClaim",
+    "claim_counts",
     "claim_rel",
+    "claim_seqs",
     "create_claims",
     "last_claim",
     "read_claims",
@@ -171,9 +178,16 @@ class Holders:
     claim file when asked.
     """
 
-    def __init__(self, dfs: DatasetFS, writer_id: str) -> None:
+    def __init__(
+        self,
+        dfs: DatasetFS,
+        writer_id: str,
+        on_created: Callable[[list[SeqClaim]], None] | None = None,
+    ) -> None:
         self._dfs = dfs
         self.writer_id = writer_id
+        #: Told of the claims created (durable), once per `create_claims` (the store head).
+        self._on_created = on_created
         # Per rollout (least recently used first), seq -> holder; `_count` holders in all.
         self._held: OrderedDict[str, dict[int, str]] = OrderedDict()
         self._count = 0
@@ -189,13 +203,19 @@ class Holders:
         wanted = [c for c in claims if self._known(c.key) is None]
         if not wanted:
             return
+        first: dict[tuple[str, int], SeqClaim] = {}
+        for c in wanted:
+            first.setdefault(c.key, c)
+        created = []
         for key, got in create_claims(self._dfs, wanted, self.writer_id).items():
             if isinstance(got, Exception):
                 self._errors[key] = got
             else:
                 self._hold(key, got)
-                if got == first_call(wanted, key):
+                if got == first[key].call_id:
                     self._created.add(key)
+                    created.append(first[key])
+        self._tell(created)
 
     def holder(self, claim: SeqClaim) -> str:
         """The call holding `claim`'s seq, as the store decided (claimed now if still free);
@@ -210,12 +230,17 @@ class Holders:
             if not isinstance(got, Exception):
                 if got == claim.call_id:
                     self._created.add(key)
+                    self._tell([claim])
                 return self._hold(key, got)
             error = got
         raise StoreError(
             f"claiming seq {claim.seq} of rollout {claim.rollout_id} failed "
             f"({type(error).__name__}: {error})"
         ) from error
+
+    def _tell(self, created: list[SeqClaim]) -> None:
+        if created and self._on_created is not None:
+            self._on_created(created)
 
     def created_now(self, rollout_id: str) -> set[int]:
         """Seqs of `rollout_id` this batch claimed."""
@@ -250,11 +275,6 @@ class Holders:
             _, dropped = self._held.popitem(last=False)
             self._count -= len(dropped)
         return holder
-
-
-def first_call(claims: Sequence[SeqClaim], key: tuple[str, int]) -> str:
-    """The call of the first claim of `key` in `claims` (the one `create_claims` asked for)."""
-    return next(c.call_id for c in claims if c.key == key)
 
 
 def read_claims(dfs: DatasetFS, rollout_id: str) -> dict[int, str]:
@@ -295,6 +315,35 @@ def last_claim(
     seq = max(seqs)
     body = _read_body(dfs, f"{folder}/{seq:010d}")
     return seq, _holder(body), str(body.get("writer") or "")
+
+
+def claim_seqs(dfs: DatasetFS, rollout_id: str) -> list[int]:
+    """The seqs of the rollout's claim files (one listing, no body read)."""
+    names = dfs.names(f"{CLAIMS_DIR}/{_folder(rollout_id)}")
+    return [int(name) for name in names if name.isdigit()]
+
+
+def claim_counts(dfs: DatasetFS) -> dict[str, ClaimCount]:
+    """Every rollout's claim files, counted (`ClaimCount`), from their names alone: what the
+    store head covers of them. A local folder is listed folder by folder; object storage in
+    one recursive listing."""
+    seqs: dict[str, list[int]] = {}
+    if dfs.local:
+        for folder in dfs.names(CLAIMS_DIR):
+            try:
+                names = os.listdir(dfs.path(f"{CLAIMS_DIR}/{folder}"))
+            except NotADirectoryError:
+                continue
+            found = [int(name) for name in names if name.isdigit()]
+            if found:
+                seqs[urllib.parse.unquote(folder)] = found
+    else:
+        selector = pafs.FileSelector(dfs.path(CLAIMS_DIR), recursive=True, allow_not_found=True)
+        for info in dfs.fs.get_file_info(selector):
+            folder = info.path.rstrip("/").split("/")[-2]
+            if info.type == pafs.FileType.File and info.base_name.isdigit():
+                seqs.setdefault(urllib.parse.unquote(folder), []).append(int(info.base_name))
+    return {rollout_id: ClaimCount(len(s), max(s)) for rollout_id, s in seqs.items()}
 
 
 def remove_claims(dfs: DatasetFS, rollout_ids: list[str]) -> None:

@@ -90,14 +90,14 @@ class EventHeads:
 
     def head(self, batch: UnitRows, part: UnitRows, rollout_id: str) -> tuple[int, str] | None:
         """The last event of `rollout_id` placed so far (in `part`, `batch` or committed)."""
-        head = _last_in(part, rollout_id) or _last_in(batch, rollout_id)
-        if head is None:
-            head = (
-                self._heads.get(rollout_id)
-                or self._sealed.get(rollout_id)
-                or self._lookup(rollout_id)
-            )
-        return head
+        placed = _last_in(part, rollout_id) or _last_in(batch, rollout_id)
+        return placed or self.committed(rollout_id)
+
+    def committed(self, rollout_id: str) -> tuple[int, str] | None:
+        """The last committed event of `rollout_id` (None: it has none)."""
+        return (
+            self._heads.get(rollout_id) or self._sealed.get(rollout_id) or self._lookup(rollout_id)
+        )
 
     def reset(self, rollout_id: str, head: tuple[int, str] | None) -> None:
         """Continue `rollout_id`'s chain after `head`, as the store has it now (another writer

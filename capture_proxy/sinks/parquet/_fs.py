@@ -134,6 +134,23 @@ class DatasetFS:
         with self.fs.open_input_stream(self.path(rel)) as f:
             return bytes(f.read())
 
+    def tag(self, rel: str) -> str | None:
+        """What changes whenever the file is written again (None: it is absent): its etag on
+        object storage (one ``HEAD``), its modification time and size in a folder."""
+        if self.store is not None and self._store_reads:
+            try:
+                meta = obstore.head(self.store, rel)
+            except FileNotFoundError:
+                return None
+            except Exception:
+                self._store_reads = False
+            else:
+                return str(meta.get("e_tag") or meta["last_modified"])
+        info = self.fs.get_file_info(self.path(rel))
+        if info.type == pafs.FileType.NotFound:
+            return None
+        return f"{info.mtime_ns}:{info.size}"
+
     def open(self, rel: str) -> pa.NativeFile:
         """A random-access handle (what `pyarrow.parquet` reads footers and columns through)."""
         data = self.prefetched.get(rel)
@@ -151,15 +168,38 @@ class DatasetFS:
         ]
         return sorted(out, key=lambda e: e.name)
 
-    def names(self, rel: str) -> list[str]:
+    def names(self, rel: str, after: str | None = None) -> list[str]:
         """Names of the entries directly in `rel`, sorted; [] if it does not exist. Local: no
-        stat per file (a commit folder holds one marker per unit)."""
+        stat per file (a commit folder holds one marker per unit). With `after`, only the names
+        that sort after it: on object storage the store skips the others itself (S3's
+        ``StartAfter``), so a listing costs what follows `after`, not the whole folder."""
+        if after is not None and self.store is not None and self._store_reads:
+            found = self._names_after(rel, after)
+            if found is not None:
+                return found
         if not self.local:
-            return [e.name for e in self.listdir(rel)]
+            names = [e.name for e in self.listdir(rel)]
+        else:
+            try:
+                names = sorted(os.listdir(self.path(rel)))
+            except FileNotFoundError:
+                return []
+        return names if after is None else [n for n in names if n > after]
+
+    def _names_after(self, rel: str, after: str) -> list[str] | None:
+        """`names(rel, after)` through obstore; None when obstore cannot list here."""
+        assert self.store is not None
+        prefix = f"{rel}/"
         try:
-            return sorted(os.listdir(self.path(rel)))
-        except FileNotFoundError:
-            return []
+            pages = obstore.list(self.store, prefix, offset=f"{prefix}{after}")
+            paths = [m["path"] for page in pages for m in page]
+        except Exception:
+            # As `read`: configuration obstore does not take; pyarrow lists (every name).
+            self._store_reads = False
+            return None
+        # Directly in `rel` only (a deeper key is no entry of it), as `listdir`.
+        names = [p[len(prefix) :] for p in paths if p.startswith(prefix)]
+        return sorted(n for n in names if n and "/" not in n and n > after)
 
     # -- writing --------------------------------------------------------------------------------
 

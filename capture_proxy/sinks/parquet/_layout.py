@@ -23,6 +23,7 @@ list ``_commits/`` and read only the files the markers name, so a unit whose mar
 
 Unit names are ``<order>-<id>``: `order` is a 20-digit, increasing number (nanoseconds at commit,
 bumped to stay increasing), so name order is commit order; ledger rows are replayed in that order.
+A marker lands within `COMMIT_LIMIT_S` of its order (the checkpoint's horizon rests on it).
 Compaction writes a merged unit whose marker *retires* the units it replaces, in the same atomic
 step: a reader sees either the old units or the merged one, never both and never neither.
 """
@@ -49,6 +50,8 @@ __all__ = [
     "BLOBS",
     "CALLS",
     "COMMITS_DIR",
+    "COMMIT_LIMIT_S",
+    "COMMIT_MARGIN_S",
     "DEDUP_WINDOW_S",
     "FORMAT_FILE",
     "FORMAT_VERSION",
@@ -88,6 +91,14 @@ PROBE_FILE = "_writer.probe"
 #: writer's decision can take to commit, and clocks that differ between hosts).
 DEDUP_WINDOW_S = 3600.0
 GC_MARGIN_S = 900.0
+
+#: A unit's marker lands within this long of the time in its name (`new_unit_name`): a writer
+#: whose commit took longer retracts the unit and fails the batch (`_writer`).
+COMMIT_LIMIT_S = 30.0
+#: How far before a maintenance run's listing its checkpoint's horizon is (`_checkpoint`): a
+#: marker named before the horizon was listed by that run, given `COMMIT_LIMIT_S` and hosts'
+#: clocks within ``(COMMIT_MARGIN_S - COMMIT_LIMIT_S) / 2`` of each other.
+COMMIT_MARGIN_S = 120.0
 
 CALLS, BLOBS, ATTACHMENTS, LEDGER = "calls", "blobs", "attachments", "ledger"
 TABLES = (CALLS, BLOBS, ATTACHMENTS, LEDGER)
@@ -485,11 +496,12 @@ def unit_files(unit: str, tables: Iterable[str]) -> dict[str, str]:
     return {t: f"{t}/{unit}.parquet" for t in tables}
 
 
-def list_markers(dfs: DatasetFS) -> list[str]:
-    """Names of the committed units, in commit order (temporary files skipped)."""
+def list_markers(dfs: DatasetFS, after: str | None = None) -> list[str]:
+    """Names of the committed units, in commit order (temporary files skipped); with `after`,
+    only those whose names sort after it (on object storage the others are not listed)."""
     return [
         name[: -len(".json")]
-        for name in dfs.names(COMMITS_DIR)
+        for name in dfs.names(COMMITS_DIR, after)
         if name.endswith(".json") and not name.endswith(TMP_SUFFIX)
     ]
 

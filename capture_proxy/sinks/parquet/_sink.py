@@ -89,7 +89,8 @@ from ..base import DuplicateSeq, FaultHook, StoreError
 from ..codec import encode_record
 from ..staging_rules import coords_for, new_attachments
 from ..store_head import StoreHeadKeeper
-from ._claims import Holders, SeqClaim, last_claim
+from ._claim_head import ClaimedHead
+from ._claims import Holders, SeqClaim, claim_counts, last_claim
 from ._events import EventHeads
 from ._fs import DatasetFS
 from ._index import LRU
@@ -228,15 +229,17 @@ class ParquetSink:
                 heads if unsealed is None else {r: h for r, h in heads.items() if r in unsealed},
                 self._stored_head,
             )
-            # One writer at a time on a local folder (the lock): its head is the store's. On
-            # object storage several writers may append to one rollout: none has the store's.
-            self.store_head = (
-                StoreHeadKeeper(
-                    location, StoreHeadState.of((r, h, p) for r, (p, h) in heads.items())
+            # One writer at a time on a local folder (the lock): its head is the store's,
+            # claim files included (`_claim_head`). On object storage several writers may
+            # append to one rollout: none has the store's.
+            self.store_head: StoreHeadKeeper | None = None
+            self._claimed: ClaimedHead | None = None
+            if dfs.local:
+                state = StoreHeadState.of(
+                    ((r, h, p) for r, (p, h) in heads.items()), claim_counts(dfs)
                 )
-                if dfs.local
-                else None
-            )
+                self.store_head = StoreHeadKeeper(location, state)
+                self._claimed = ClaimedHead(dfs, self.store_head, self._events.committed)
         except BaseException:
             self._lock.release()
             raise
@@ -262,7 +265,9 @@ class ParquetSink:
                 location,
             )
         self._dfs = dfs
-        self._holders = Holders(dfs, self.writer_id)
+        self._holders = Holders(
+            dfs, self.writer_id, self._claimed.created if self._claimed is not None else None
+        )
         # On object storage other writers commit too: a thread keeps the writer's reader up to
         # date with their units, so a handoff read on the writer thread finds little to index
         # (the units of a few writers pile up fast; indexing them all at once there would stall
@@ -412,7 +417,9 @@ class ParquetSink:
     def _follow(self) -> None:
         while not self._following.wait(_FOLLOW_S):
             try:
-                self._reader.refresh()
+                # A listing the reader took meanwhile (a read, the proxy's weight version
+                # re-read) will do: on object storage each is a request per thousand names.
+                self._reader.refresh(max_age_s=_FOLLOW_S)
             except Exception as e:  # a compaction's cleanup, the store unreachable: next time
                 log.debug("%s: following other writers' units: %s", self.location, e)
 
@@ -431,12 +438,8 @@ class ParquetSink:
             self._attachments.add(sha)
         self._rollouts.update(batch.rollouts)
         self._events.publish(batch)
-        if self.store_head is not None:
-            self.store_head.committed(
-                (r["rollout_id"], r["prev_hash"], r["hash"])
-                for r in batch.rows[LEDGER]
-                if r["kind"] == "event"
-            )
+        if self._claimed is not None:
+            self._claimed.committed(batch.rows[LEDGER])
         for rollout_id in handoffs_in(batch):
             keys = self._live.get(rollout_id)
             if keys is not None:
@@ -450,6 +453,8 @@ class ParquetSink:
                 self._fulls.pop(call_id)
             self._holders.forget(rollout_id)
             self._events.retire(rollout_id)  # an outcome's event set it again
+            if self._claimed is not None:
+                self._claimed.forget(rollout_id)
 
     def _settle(self, works: list[Work]) -> None:
         # The claims the batch's work holds seqs by, written at once before the batch runs.

@@ -2,8 +2,10 @@
 
 The reader keeps an index of the committed units (`_index`) and loads row groups only
 when a record is asked for, with LRU caches for row groups and for full token sequences. Every
-public call first re-lists the commit markers, so a reader sees commits made after it was
-opened; when a compaction removed a file the reader had listed, the call re-lists and retries.
+public call first re-lists the commit markers (those named after the checkpoint's horizon,
+`_checkpoint`, and the checkpoint's etag: a reader opens again when it changed), so a reader
+sees commits made after it was opened; when a compaction removed a file the reader had listed,
+the call re-lists and retries.
 Inside ``with source.snapshot():`` the calls share one listing instead (on object storage a
 listing is a LIST request per thousand units, so a read of every record, as `verify` does,
 would otherwise list the dataset once per record).
@@ -28,6 +30,7 @@ import threading
 import time
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Literal, TypeVar
 
 import pyarrow.fs as pafs
@@ -40,10 +43,11 @@ from ...schemas.records import (
     RolloutInfo,
     StagedCallRecord,
 )
+from ...schemas.store_head import ClaimCount
 from ..base import PROXY_STATE_ROLLOUT, StoreDamaged, StoreError
 from ..rollout_index import IndexedRollout, RolloutQuery, row_of
-from ._checkpoint import load_markers
-from ._claims import read_claims
+from ._checkpoint import CHECKPOINT, Loaded, load_markers
+from ._claims import claim_counts, read_claims
 from ._cursors import ParquetCursors
 from ._directory import Directory
 from ._fs import DatasetFS
@@ -76,7 +80,7 @@ T = TypeVar("T")
 _ATTEMPTS = 5
 #: Units whose small files are fetched ahead at once when a reader indexes new units (bounds
 #: the bytes held: at most this many units of up to `SMALL_UNIT_BYTES`, usually a few KB each).
-_PREFETCH_UNITS = 256
+_PREFETCH_UNITS = 64
 
 
 def _order_of(path: str) -> int:
@@ -163,6 +167,16 @@ class ParquetSource(Loading):
             raise StoreError(f"no capture-proxy Parquet dataset at {location}")
         self._lock = threading.RLock()
         self._listing: list[str] = []
+        #: Whether the units are indexed (a first `refresh` opened the dataset).
+        self._opened = False
+        #: The horizon of the checkpoint the open used: later listings start after it too, and
+        #: the highest unit order the open knew of (`_checkpoint`).
+        self._after: str | None = None
+        self._known_order = 0
+        #: The checkpoint's `DatasetFS.tag` when the open read it: a maintenance run wrote
+        #: another since when it differs (then the reader opens again: what it retired may be
+        #: before the horizon, where listings do not look).
+        self._checkpoint_tag: str | None = None
         #: When the last listing was started (`time.monotonic`), for `snapshot`'s `max_age_s`.
         self._listed_at = float("-inf")
         #: The names of the indexed (live) units, in the index's order.
@@ -181,20 +195,35 @@ class ParquetSource(Loading):
 
     # -- snapshot -------------------------------------------------------------------------------
 
-    def refresh(self) -> None:
-        """Pick up units committed (or retired) since the last call.
+    def refresh(self, max_age_s: float = 0.0) -> None:
+        """Pick up units committed (or retired) since the last call (with `max_age_s`: unless
+        this reader listed the store less than that many seconds ago).
 
         Raises FileNotFoundError when a listed unit's files were deleted meanwhile (a compaction
         cleaning up); the reader is then reset, and the next refresh starts over.
         """
         with self._lock:
             listed_at = time.monotonic()  # when the listing started: its age is not less
-            names = list_markers(self.dfs)
-            if names == self._listing:
-                self._listed_at = listed_at
+            if self._opened and listed_at - self._listed_at < max_age_s:
                 return
+            tag = self.dfs.tag(CHECKPOINT)
+            loaded = None
+            if not self._opened or tag != self._checkpoint_tag:
+                # An open: the checkpoint's live units, and the markers of units committed
+                # since (a retired unit's marker is not read; names before the checkpoint's
+                # horizon are not even listed: `_checkpoint`). Read again when a maintenance
+                # run wrote another checkpoint: a unit it merged or removed may be before the
+                # horizon, where no listing looks.
+                loaded = load_markers(self.dfs, None, self._object_url)
+                names = loaded.names
+            else:
+                names = list_markers(self.dfs, self._after)
+                if names == self._listing:
+                    self._listed_at = listed_at
+                    return
             try:
-                self._load(names)
+                self._load(names, loaded)
+                self._checkpoint_tag = tag
                 self._listed_at = listed_at
             except BaseException as e:
                 self._reset()
@@ -214,7 +243,7 @@ class ParquetSource(Loading):
         the block is handled as outside one: the read re-lists and retries.
         """
         with self._lock:
-            if not self._listing or time.monotonic() - self._listed_at >= max_age_s:
+            if not self._opened or time.monotonic() - self._listed_at >= max_age_s:
                 self.refresh()
             self._held += 1
             try:
@@ -222,7 +251,7 @@ class ParquetSource(Loading):
             finally:
                 self._held -= 1
 
-    def _load(self, names: list[str]) -> None:
+    def _load(self, names: list[str], loaded: Loaded | None = None) -> None:
         listed = self._listing
         # The writer's steady state: names only appended (each refresh of a proxy's reader
         # would otherwise compare and sort every marker, a cost that grows with the store).
@@ -239,16 +268,19 @@ class ParquetSource(Loading):
             fresh = [n for n in names if n not in seen]
         # Concurrent on object storage; one removed by a compaction's cleanup after it was
         # listed is left out.
-        if listed:
+        units_in = fresh
+        if loaded is None:
             markers = read_markers(self.dfs, fresh, self._object_url)
             retired = {u for m in markers.values() for u in m.retires}
         else:
-            # An open: the checkpoint's live units, and the markers of units committed since
-            # (a retired unit's marker is not read: `_checkpoint`).
-            loaded = load_markers(self.dfs, names, self._object_url)
             markers, retired = loaded.markers, loaded.retired
+            self._after, self._known_order = loaded.after, loaded.last_order()
+            # The checkpoint's live units before its horizon are not listed: indexed too (those
+            # not indexed yet, when the reader was open already).
+            have = set(self._units)
+            units_in = sorted({*fresh, *markers} - have)
         idx = self._index
-        if listed and isinstance(idx, UnitIndex) and idx.heads is not None:
+        if self._opened and isinstance(idx, UnitIndex) and idx.heads is not None:
             # The event heads and rollout ids a writer's open takes (`event_heads`, `known`)
             # are collected by the first load only: a reader nobody takes them from (the
             # proxy's shared one) would otherwise keep one per rollout ever indexed. Taken
@@ -258,11 +290,13 @@ class ParquetSource(Loading):
         # What the new markers retire (a compaction's or gc's merged unit), and units whose
         # markers are gone (deleted by a cleanup once retired, by a marker read before or not).
         if not appended:
-            now = set(names)
-            retired.update(u for u in self._units if u not in now)
+            # (Before the horizon nothing is listed: a unit there leaves when a marker read
+            # retires it, or when its files are gone and the reader opens again.)
+            now, after = set(names), self._after or ""
+            retired.update(u for u in self._units if u not in now and u > after)
         # Their markers are not kept: a reader that lives as long as a proxy sees a unit every
         # few calls, and the index holds what it needs of each (its files).
-        added = [markers[n] for n in fresh if n in markers and n not in retired]
+        added = [markers[n] for n in units_in if n in markers and n not in retired]
         if not retired or retired.isdisjoint(self._units):
             # New units, replacing none of those indexed: they are indexed after them (another
             # writer's units may land between ones indexed: nothing was replaced, so ledger
@@ -273,7 +307,8 @@ class ParquetSource(Loading):
             # A compaction replaced units: re-index, so ledger rows replay in the new order.
             # The markers of the units still live are read again (not the retired ones).
             kept = [u for u in self._units if u not in retired]
-            markers.update(read_markers(self.dfs, kept, self._object_url))
+            unread = [u for u in kept if u not in markers]  # (a checkpoint read has them)
+            markers.update(read_markers(self.dfs, unread, self._object_url))
             new = [markers[u] for u in sorted([*kept, *(m.unit for m in added)]) if u in markers]
             units = [m.unit for m in new]
             self._index = self._new_index()
@@ -282,11 +317,8 @@ class ParquetSource(Loading):
             self._directory = None  # built again at the next query
         touched: dict[str, None] | None = None if self._directory is None else {}
         self._index.touched = touched
-        for start in range(0, len(new), _PREFETCH_UNITS):
-            chunk = new[start : start + _PREFETCH_UNITS]
-            # Small units are read whole: on object storage fetch them concurrently first.
-            small = [rel for m in chunk if m.size <= SMALL_UNIT_BYTES for rel in m.files.values()]
-            self.dfs.prefetched = fetch_files(self.dfs, small, self._object_url)
+        for chunk, files in self._fetched_ahead(new):
+            self.dfs.prefetched = files
             try:
                 for unit in chunk:
                     self._add_unit(unit)
@@ -296,11 +328,34 @@ class ParquetSource(Loading):
         # Each name as its marker's (interned when decoded), not another copy of it.
         fresh = [sys.intern(n) for n in fresh]
         self._listing = listed + fresh if appended else [sys.intern(n) for n in names]
+        self._opened = True
         self._index.touched = None
         if touched and self._directory is not None:
             for rollout_id in touched:
                 if rollout_id != PROXY_STATE_ROLLOUT:
                     self._directory.put(self._index_row(rollout_id))
+
+    def _fetched_ahead(self, new: list[Marker]) -> Iterator[tuple[list[Marker], dict[str, bytes]]]:
+        """`new` in chunks of `_PREFETCH_UNITS`, each with its small units' files (read whole:
+        on object storage fetched concurrently), the next chunk's fetched while the caller
+        indexes this one (a request's wait overlaps the decoding)."""
+        chunks = [new[i : i + _PREFETCH_UNITS] for i in range(0, len(new), _PREFETCH_UNITS)]
+
+        def fetch(chunk: list[Marker]) -> dict[str, bytes]:
+            small = [rel for m in chunk if m.size <= SMALL_UNIT_BYTES for rel in m.files.values()]
+            return fetch_files(self.dfs, small, self._object_url)
+
+        if self.dfs.local or len(chunks) < 2:
+            for chunk in chunks:
+                yield chunk, fetch(chunk)
+            return
+        with ThreadPoolExecutor(1, "parquet-fetch-ahead") as ahead:
+            pending = ahead.submit(fetch, chunks[0])
+            for i, chunk in enumerate(chunks):
+                files = pending.result()
+                if i + 1 < len(chunks):
+                    pending = ahead.submit(fetch, chunks[i + 1])
+                yield chunk, files
 
     def _new_index(self) -> Index | UnitIndex:
         if not self._per_unit:
@@ -319,6 +374,7 @@ class ParquetSource(Loading):
 
     def _reset(self) -> None:
         self._directory = None
+        self._opened = False
         self._listing = []
         self._units = []
         self._index = self._new_index()
@@ -335,7 +391,7 @@ class ParquetSource(Loading):
             for attempt in range(_ATTEMPTS):
                 try:
                     # In a `snapshot`, the listing is re-taken only after a retry reset it.
-                    if not self._held or not self._listing:
+                    if not self._held or not self._opened:
                         self.refresh()
                     return fn()
                 except OSError as e:
@@ -354,7 +410,7 @@ class ParquetSource(Loading):
     def known(self) -> Known:
         """Everything a writer appending to this dataset must know (see `ParquetSink`)."""
         with self._lock:
-            if not self._held or not self._listing:  # in a `snapshot`: its listing
+            if not self._held or not self._opened:  # in a `snapshot`: its listing
                 self.refresh()
             return self._known()
 
@@ -370,7 +426,9 @@ class ParquetSource(Loading):
         return Known(
             attachments={sha: _order_of(path) for sha, path in files.items()},
             rollouts=rollouts,
-            last_order=max((_order_of(n) for n in self._listing), default=0),
+            last_order=max(
+                max((_order_of(n) for n in self._listing), default=0), self._known_order
+            ),
         )
 
     def unsealed_rollouts(self) -> set[str] | None:
@@ -507,6 +565,10 @@ class ParquetSource(Loading):
         # The claim files are the authority (a unit holding the claim event may have failed
         # after its file was created): read them, not the events.
         return read_claims(self.dfs, rollout_id)
+
+    def claim_counts(self) -> dict[str, ClaimCount]:
+        """Every rollout's claim files, counted (`sinks.base.ClaimFiles`): one listing."""
+        return claim_counts(self.dfs)
 
     def event_heads(self) -> dict[str, tuple[int, str]]:
         """Each rollout's last event as (position, hash): where a writer continues its chain."""

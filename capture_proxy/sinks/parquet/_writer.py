@@ -30,7 +30,7 @@ from typing import Any
 from ..base import StoreError
 from ..writer_thread import Job, Outcome, WriterThread
 from ._fs import DatasetFS
-from ._layout import TABLES, Marker, new_unit_name, table_bytes, unit_files
+from ._layout import COMMIT_LIMIT_S, TABLES, Marker, new_unit_name, table_bytes, unit_files
 
 __all__ = ["UnitRows", "UnitWriter", "Work"]
 
@@ -180,6 +180,14 @@ class UnitWriter(WriterThread[Work]):
         try:
             self.dfs.put_all(data)
             self.dfs.put_all({marker.rel: marker.encode()})
+            took_s = (time.time_ns() - order) / 1e9
+            if took_s > COMMIT_LIMIT_S:
+                # A maintenance run's checkpoint may have been written meanwhile, with a
+                # horizon after this name: readers that list after it would not see the unit.
+                raise StoreError(
+                    f"the unit {unit} took {took_s:.0f} s to commit, more than "
+                    f"{COMMIT_LIMIT_S:.0f} s (the store or this host stalled): it was retracted"
+                )
         except BaseException:
             # Retract whatever landed, marker first: a unit whose marker is gone does not exist,
             # and its files are then plain leftovers (compaction removes them).

@@ -24,6 +24,7 @@ from ...schemas.records import (
     RolloutInfo,
     StagedCallRecord,
 )
+from ...schemas.store_head import ClaimCount
 from ..base import StoreError, StoreFormatError
 from ..rollout_index import IndexedRollout, RolloutQuery, scan_headers
 from ._replicas import ReplicaStatus
@@ -258,6 +259,12 @@ class RemoteSource:
 
     def claims(self, rollout_id: str) -> dict[int, str]:
         return self._json("GET", f"/rollouts/{_q(rollout_id)}/claims", dict[int, str])
+
+    def claim_counts(self) -> dict[str, ClaimCount]:
+        """The server's store's claim files, counted (`sinks.base.ClaimFiles`; {} when its
+        claims are events only): the store head covers them."""
+        got = self._json("GET", "/claim-counts", dict[str, tuple[int, int]])
+        return {rollout_id: ClaimCount(*count) for rollout_id, count in got.items()}
 
     def summaries(self, rollout_id: str) -> list[CallSummary]:
         return self._json("GET", f"/rollouts/{_q(rollout_id)}/summaries", list[CallSummary])

@@ -68,6 +68,8 @@ class Answer:
     as_token_ids: bool = False
     include_reasoning: bool = True
     include_usage: bool = False
+    #: ``stream_options.continuous_usage_stats`` (with ``include_usage``): usage on every chunk.
+    continuous_usage: bool = False
     include_stop_str: bool = False
     #: Not ``enable_thinking: false`` (the reasoning count starts open, whatever the prompt).
     thinking: bool = True
@@ -94,6 +96,16 @@ class Answer:
             "finish_reason": self.plan.finish(self.n),
             "fault": self.fault,
         }
+
+    def _running_usage(self, n: int) -> dict[str, Any] | None:
+        """A chunk's usage with ``continuous_usage_stats``: the counts through its first `n`
+        tokens (the last chunk's are the usage chunk's); None without it."""
+        if not self.continuous_usage:
+            return None
+        if n >= len(self.ids) and n:
+            return self._usage(stream=True)
+        reasoning = reasoning_token_count(self.ids[:n], thinking=self.thinking)
+        return usage_body(len(self.prompt_ids), n, reasoning, stream=True)
 
     def _usage(self, *, stream: bool) -> dict[str, Any]:
         ids = self.ids
@@ -146,6 +158,10 @@ def answer_for(
         parse_tools=bool(body.get("tools")) and body.get("tool_choice") != "none",
         new_tool_id=lambda: new_id("chatcmpl-tool-"),
     )
+    if isinstance(body.get("tool_choice"), Mapping) and plan.finish_reason is None:
+        # vLLM 0.32's chat route: "tool_calls" for auto or required tool calls, "stop" for a
+        # named one (unary and streamed).
+        plan.finish_reason = "stop"
     stop_on_strings(plan, body.get("stop"), body.get("min_tokens"), limit)
     n = min(len(plan.ids), limit)
     want_logprobs = bool(body.get("logprobs"))
@@ -180,6 +196,10 @@ def answer_for(
         include_usage=stream
         and isinstance(options, Mapping)
         and bool(options.get("include_usage")),
+        continuous_usage=stream
+        and isinstance(options, Mapping)
+        and bool(options.get("include_usage"))
+        and bool(options.get("continuous_usage_stats")),
         drop_all_ids=kind is FaultKind.DROP_TOKEN_IDS and fault is not None and fault.every is None,
         drop_every=fault.every if kind is FaultKind.DROP_TOKEN_IDS and fault is not None else None,
         extra_usage=1 if kind is FaultKind.USAGE_MISMATCH else 0,
@@ -207,10 +227,12 @@ def _cut(
 
 
 def _cap_deltas(a: Answer, deltas: list[dict[str, Any] | None]) -> list[dict[str, Any] | None]:
-    """Stream deltas whose text adds up to the cut answer (`_cut`)."""
+    """Stream deltas whose text adds up to the cut answer (`_cut`). A stop string in the last
+    tool call's arguments cuts them there (vLLM cuts the text its tool parser reads)."""
     reasoning, content, _ = message_parts(a.plan, a.n)
     cut_reasoning, cut_content, _ = _cut(a, reasoning, content, [])
     room = {"content": len(cut_content or ""), "reasoning": len(cut_reasoning or "")}
+    args_room = _tool_args_room(a, deltas)
     out: list[dict[str, Any] | None] = []
     for delta in deltas:
         if delta is not None:
@@ -220,8 +242,45 @@ def _cap_deltas(a: Answer, deltas: list[dict[str, Any] | None]) -> list[dict[str
                 if isinstance(piece, str):
                     delta[key] = piece[: room[key]] or None
                     room[key] -= len(delta[key] or "")
+            if args_room is not None and delta.get("tool_calls"):
+                delta["tool_calls"] = [_cap_args(c, args_room) for c in delta["tool_calls"]]
         out.append(delta)
     return out
+
+
+def _tool_args_room(a: Answer, deltas: list[dict[str, Any] | None]) -> dict[int, int] | None:
+    """How many characters of the last streamed tool call's arguments the chat route streams
+    when generation stopped on a stop string inside them (not in the streamed content or
+    reasoning); None when nothing is cut there."""
+    stop = a.plan.stop_reason
+    if stop is None or a.n < len(a.plan.ids):
+        return None
+    for key in ("content", "reasoning"):
+        text = "".join((d or {}).get(key) or "" for d in deltas)
+        if cut_at_stop(text, stop, a.include_stop_str) is not None:
+            return None
+    args: dict[int, str] = {}
+    for delta in deltas:
+        for call in (delta or {}).get("tool_calls") or ():
+            index = int(call.get("index") or 0)
+            args[index] = args.get(index, "") + (
+                (call.get("function") or {}).get("arguments") or ""
+            )
+    if not args:
+        return None
+    last = max(args)
+    cut = cut_at_stop(args[last], stop, a.include_stop_str)
+    return None if cut is None else {last: len(cut)}
+
+
+def _cap_args(call: dict[str, Any], room: dict[int, int]) -> dict[str, Any]:
+    index = int(call.get("index") or 0)
+    fn = call.get("function")
+    if index not in room or not isinstance(fn, dict) or not fn.get("arguments"):
+        return call
+    piece = fn["arguments"][: room[index]]
+    room[index] -= len(piece)
+    return {**call, "function": {**fn, "arguments": piece}}
 
 
 def completion_body(a: Answer) -> dict[str, Any]:
@@ -269,11 +328,16 @@ def completion_body(a: Answer) -> dict[str, Any]:
 def stream_events(a: Answer) -> Iterator[bytes]:
     """The stream's events: role chunk, one chunk per token, usage (if asked), ``[DONE]``."""
     writer = ChunkWriter(a.call_id, a.created, a.model)
-    yield writer.first(a._prompt_ids_out(), a.prompt_text)
+    yield writer.first(a._prompt_ids_out(), a.prompt_text, a._running_usage(0))
     hidden = not a.include_reasoning
     ids = a.ids
     deltas = _cap_deltas(a, stream_deltas(a.plan, a.n, include_reasoning=a.include_reasoning))
     finish = a.plan.finish(a.n)
+    streamed_call = any((d or {}).get("tool_calls") for d in deltas)
+    if finish == "stop" and streamed_call and a.plan.finish_reason is None:
+        # vLLM's chat route: a stream whose tool call streamed and that stopped says
+        # "tool_calls" (a stop string inside the arguments too), but for a named tool choice.
+        finish = "tool_calls"
     send_ids = a.want_token_ids and not hidden and not a.drop_all_ids
     fingerprint = None if a.include_usage else a.fingerprint
     for k, token in enumerate(ids):
@@ -281,7 +345,11 @@ def stream_events(a: Answer) -> Iterator[bytes]:
         lp = None
         if a.want_logprobs and not hidden:
             lp = logprobs_content(
-                [token], [a.logprobs[k]], [a.tops[k]], as_token_ids=a.as_token_ids
+                [token],
+                [a.logprobs[k]],
+                [a.tops[k]],
+                as_token_ids=a.as_token_ids,
+                context=ids[max(0, k - 4) : k],
             )
         delta = deltas[k]
         if delta is None:
@@ -298,6 +366,7 @@ def stream_events(a: Answer) -> Iterator[bytes]:
             stop_reason=a.plan.stop_reason if last and a.n == len(a.plan.ids) else None,
             fingerprint=fingerprint if last else None,
             routed_experts=a.experts if last else None,
+            usage=a._running_usage(k + 1),
         )
     if not ids:
         yield writer.token(
@@ -307,6 +376,7 @@ def stream_events(a: Answer) -> Iterator[bytes]:
             finish_reason=finish,
             fingerprint=fingerprint,
             routed_experts=a.experts,
+            usage=a._running_usage(0),
         )
     if a.include_usage:
         yield writer.usage(a._usage(stream=True), a.fingerprint)

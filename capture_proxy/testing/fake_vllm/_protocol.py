@@ -16,7 +16,7 @@ from typing import Any
 import orjson
 
 from ._generation import PlannedCall
-from ._template import token_bytes, token_text
+from ._template import decode, token_text
 
 __all__ = [
     "DONE",
@@ -59,8 +59,38 @@ def reasoning_output_key(version: str) -> str:
     return "reasoning_content" if (major, minor) < (0, 16) else "reasoning"
 
 
-def _token_string(token_id: int, as_token_ids: bool) -> str:
-    return f"token_id:{token_id}" if as_token_ids else token_text(token_id)
+#: How many sampled ids before a token vLLM reads to finish a character split across tokens.
+_CONTEXT = 4
+
+
+def decoded_token(token_id: int, context: Sequence[int]) -> str:
+    """A logprob entry's token string as vLLM 0.32 resolves it (its engine for the chat route,
+    its derender alike): the token's text, or, when that ends in a partial character (U+FFFD),
+    what the token adds to the text of the up to four ids sampled before it (`context`), read
+    with the fewest of them that complete the character; ``""`` when none do (the character
+    is finished by a later token, whose string then holds it whole)."""
+    text = token_text(token_id)
+    if not text.endswith("\ufffd"):
+        return text
+    for n in range(1, min(len(context), _CONTEXT) + 1):
+        before = list(context[len(context) - n :])
+        whole = decode([*before, token_id])
+        if whole.endswith("\ufffd"):
+            continue
+        # The context's own trailing partial characters are part of what this token finishes.
+        clean = len(before)
+        while clean > 0 and token_text(before[clean - 1]).endswith("\ufffd"):
+            clean -= 1
+        prefix = decode(before[:clean])
+        if whole.startswith(prefix):
+            return whole[len(prefix) :]
+        same = 0
+        for a, b in zip(prefix, whole, strict=False):
+            if a != b:
+                break
+            same += 1
+        return whole[same:]
+    return ""
 
 
 def logprobs_content(
@@ -69,27 +99,35 @@ def logprobs_content(
     tops: Sequence[Sequence[tuple[int, float]]],
     *,
     as_token_ids: bool,
+    context: Sequence[int] = (),
 ) -> list[dict[str, Any]]:
     """``logprobs.content`` entries: ``{token, logprob, bytes, top_logprobs}`` per token.
 
-    ``bytes`` is the token's own bytes (vLLM gives the UTF-8 of its decoded text, which is the
-    same for every token that is valid UTF-8 by itself). Top entries have no nested list and, as
-    in vLLM, their ``bytes`` are the UTF-8 of their ``token`` string, ``"token_id:N"`` included.
+    ``token`` is the resolved string (`decoded_token`, the ids sampled before it as context:
+    `context` then the earlier `ids`), ``"token_id:N"`` with ``return_tokens_as_token_ids``;
+    ``bytes`` the UTF-8 of the resolved string either way (a character split across tokens:
+    empty, then the whole character). Top entries have no nested list and, as in vLLM, their
+    ``bytes`` are the UTF-8 of their ``token`` string, ``"token_id:N"`` included.
     """
     out: list[dict[str, Any]] = []
+    seen = list(context)
     for token_id, lp, top in zip(ids, logprobs, tops, strict=True):
         top_entries = []
         for alt, alt_lp in top:
-            text = _token_string(alt, as_token_ids)
-            top_entries.append({"token": text, "logprob": alt_lp, "bytes": list(text.encode())})
+            alt_text = f"token_id:{alt}" if as_token_ids else decoded_token(alt, seen)
+            top_entries.append(
+                {"token": alt_text, "logprob": alt_lp, "bytes": list(alt_text.encode())}
+            )
+        text = decoded_token(token_id, seen)
         out.append(
             {
-                "token": _token_string(token_id, as_token_ids),
+                "token": f"token_id:{token_id}" if as_token_ids else text,
                 "logprob": lp,
-                "bytes": list(token_bytes(token_id)),
+                "bytes": list(text.encode()),
                 "top_logprobs": top_entries,
             }
         )
+        seen.append(token_id)
     return out
 
 
@@ -138,22 +176,26 @@ class ChunkWriter:
             "model": model,
         }
 
-    def first(self, prompt_token_ids: list[int] | None, prompt_text: str | None) -> bytes:
-        """The role chunk: ``delta {role, content: ""}``, the prompt ids when asked for."""
+    def first(
+        self,
+        prompt_token_ids: list[int] | None,
+        prompt_text: str | None,
+        usage: dict[str, Any] | None = None,
+    ) -> bytes:
+        """The role chunk: ``delta {role, content: ""}``, the prompt ids when asked for, its
+        `usage` with ``continuous_usage_stats``."""
         choice = {
             "index": 0,
             "delta": {"role": "assistant", "content": ""},
             "logprobs": None,
             "finish_reason": None,
         }
-        return sse(
-            {
-                **self._head,
-                "choices": [choice],
-                "prompt_token_ids": prompt_token_ids,
-                "prompt_text": prompt_text,
-            }
-        )
+        chunk: dict[str, Any] = {**self._head, "choices": [choice]}
+        if usage is not None:
+            chunk["usage"] = usage
+        chunk["prompt_token_ids"] = prompt_token_ids
+        chunk["prompt_text"] = prompt_text
+        return sse(chunk)
 
     def token(
         self,
@@ -165,9 +207,11 @@ class ChunkWriter:
         fingerprint: str | None = None,
         routed_experts: str | None = None,
         stop_reason: str | None = None,
+        usage: dict[str, Any] | None = None,
     ) -> bytes:
         """One generated token's chunk; the last carries ``finish_reason`` and ``stop_reason``
-        (and ``routed_experts`` when the fake returns them)."""
+        (and ``routed_experts`` when the fake returns them); `usage` with
+        ``continuous_usage_stats`` (the counts through this chunk)."""
         choice: dict[str, Any] = {
             "index": 0,
             "delta": delta,
@@ -180,6 +224,8 @@ class ChunkWriter:
         if routed_experts is not None:
             choice["routed_experts"] = routed_experts
         chunk: dict[str, Any] = {**self._head, "choices": [choice]}
+        if usage is not None:
+            chunk["usage"] = usage
         if fingerprint is not None:
             chunk["system_fingerprint"] = fingerprint
         return sse(chunk)

@@ -34,12 +34,15 @@ def test_the_renders_are_the_dummy_conversation_with_the_requests_template_keys(
         assert body["add_generation_prompt"] is False
     for body, v in zip(p.suffix, (v1, v2), strict=True):
         assert body["messages"][2:] == [{"role": "assistant", "content": v}, user]
-        assert body["add_generation_prompt"] is True
+        assert "add_generation_prompt" not in body  # vLLM's default: true
     for body in (*p.close, *p.suffix):
         assert body["tools"] == TOOLS
         assert body["chat_template_kwargs"] == KWARGS
         assert body["model"] == "policy"
-        assert body["continue_final_message"] is False
+        assert "continue_final_message" not in body  # vLLM's default: false
+    # A request that continues its final message still gets dummies that do not.
+    cont = extension([SYSTEM, {"role": "user", "content": "hi"}], user, continue_final_message=True)
+    assert all("continue_final_message" not in b for b in plan(cont.request, cont).suffix)
 
 
 def test_the_close_key_depends_on_system_tools_and_template_not_on_history() -> None:

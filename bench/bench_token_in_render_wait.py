@@ -1,0 +1,225 @@
+"""How much of a token-in call's added latency is the wait for its renders, against the real vLLM.
+
+    .venv/bin/python bench/bench_token_in_render_wait.py --url http://127.0.0.1:PORT [--rounds 12]
+
+Without ``--url`` it starts the tiny vLLM 0.32 CPU server (`scripts/tiny_vllm.py`, with
+``--enable-scale-out``) and stops it at the end. The two-call agent session of
+`bench_token_in_vllm.py` (about 4k prompt ids, greedy, ``max_tokens`` 8) is played through a
+plain proxy and a token-in proxy, both in front of a loopback relay that timestamps every
+request it passes to vLLM and the last byte of its answer. The second call is measured (bridged,
+its turn close cached from the first round on). Per token-in call:
+
+- ``before generate``: from the client's request to the generate request leaving the proxy (the
+  renders, the bridge and the checks);
+- ``plain render``: the request's own render (the largest render body), start to answer;
+- ``dummies``: the last dummy render's answer, from the call's start;
+- ``plain after dummies``: how long the plain render's answer came after the last dummy's (what
+  the wait for the plain render adds if vLLM served renders side by side);
+- ``dummies behind plain``: how long the dummies were in flight while the plain render was (what
+  it adds at most, vLLM's frontend serving renders one after another). Between the two is what
+  a whole-request check run beside generate could take off (generate's request is built from
+  that render today, docs/token-in.md "Cost");
+- ``after generate``: from generate's answer to the client's answer (derender, staging).
+
+The plain call's latency through the same relay is printed beside it. Unary calls only (a
+stream's first byte waits for the same renders). Greedy, one call at a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bench_token_in_vllm import Bench, _p, _proxy
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from scripts import tiny_vllm
+
+
+@dataclass
+class Exchange:
+    """One request the relay passed: its route, body size, when it left, when its answer ended."""
+
+    path: str
+    size: int
+    sent: float
+    answered: float = 0.0
+
+
+@dataclass
+class TimingRelay:
+    """A loopback TCP relay to vLLM that timestamps each request and its answer's last byte
+    (one request at a time per connection, as the proxy's clients send them)."""
+
+    port: int
+    log: list[Exchange] = field(default_factory=list)
+    server: asyncio.Server | None = None
+
+    async def start(self) -> int:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return int(self.server.sockets[0].getsockname()[1])
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.port)
+        pending: list[Exchange] = []
+
+        async def requests() -> None:
+            try:
+                while head := await reader.readuntil(b"\r\n\r\n"):
+                    path = head.split(b" ", 2)[1].split(b"?")[0].decode()
+                    size = 0
+                    for line in head.split(b"\r\n"):
+                        if line.lower().startswith(b"content-length:"):
+                            size = int(line.split(b":")[1])
+                    body = await reader.readexactly(size)
+                    exchange = Exchange(path, size, time.perf_counter())
+                    self.log.append(exchange)
+                    pending.append(exchange)
+                    up_writer.write(head + body)
+                    await up_writer.drain()
+            except (ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError):
+                pass
+            finally:
+                up_writer.close()
+
+        async def answers() -> None:
+            try:
+                while data := await up_reader.read(1 << 16):
+                    if pending:
+                        pending[-1].answered = time.perf_counter()
+                    writer.write(data)
+                    await writer.drain()
+            except (ConnectionError, asyncio.CancelledError):
+                pass
+            finally:
+                writer.close()
+
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.gather(requests(), answers(), return_exceptions=True)
+
+    async def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+
+
+RENDER = "/v1/chat/completions/render"
+GENERATE = "/inference/v1/generate"
+
+
+async def measure(url: str, rounds: int, max_seconds: float) -> None:
+    relay = TimingRelay(int(url.rsplit(":", 1)[1]))
+    relay_url = f"http://127.0.0.1:{await relay.start()}"
+    phases: dict[str, list[float]] = {
+        k: []
+        for k in (
+            "whole",
+            "before generate",
+            "plain render",
+            "dummies",
+            "plain after dummies",
+            "dummies behind plain",
+            "generate",
+            "after generate",
+        )
+    }
+    plain_times: list[float] = []
+    began = time.monotonic()
+    with tempfile.TemporaryDirectory() as tmp:
+        urls = {"vllm": url}
+        runners = []
+        for target in ("plain", "token-in"):
+            (Path(tmp) / target).mkdir()
+            runner, proxy = await _proxy(Path(tmp) / target, relay_url, target == "token-in")
+            runners.append(runner)
+            urls[target] = proxy
+        bench = Bench(url, urls, None)
+        try:
+            for r in range(rounds):
+                for target in ("plain", "token-in") if r % 2 else ("token-in", "plain"):
+                    start: list[float] = []
+
+                    def mark(start: list[float] = start) -> float:
+                        # Called before the measured call and after it: the first is its start.
+                        start.append(time.perf_counter())
+                        return float(len(relay.log))
+
+                    took, logged = await bench.session_call(target, f"{target}-{r}", False, mark)
+                    if r == 0:
+                        continue  # the close cache and vLLM's prefix cache warm up
+                    if target == "plain":
+                        plain_times.append(took)
+                        continue
+                    calls = relay.log[len(relay.log) - int(logged) :]
+                    renders = [e for e in calls if e.path == RENDER]
+                    [generate] = [e for e in calls if e.path == GENERATE]
+                    t0, end = start[0], start[0] + took
+                    plain = max(renders, key=lambda e: e.size)
+                    dummies = [e for e in renders if e is not plain]
+                    last_dummy = max((e.answered for e in dummies), default=t0)
+                    phases["whole"].append(took)
+                    phases["before generate"].append(generate.sent - t0)
+                    phases["plain render"].append(plain.answered - plain.sent)
+                    phases["dummies"].append(last_dummy - t0)
+                    phases["plain after dummies"].append(max(0.0, plain.answered - last_dummy))
+                    # vLLM's frontend renders one request after another: the dummies sent with
+                    # the plain render wait behind it for at most this long.
+                    first_dummy = min((e.sent for e in dummies), default=plain.answered)
+                    behind = min(plain.answered, last_dummy) - max(first_dummy, plain.sent)
+                    phases["dummies behind plain"].append(max(0.0, behind))
+                    phases["generate"].append(generate.answered - generate.sent)
+                    phases["after generate"].append(end - generate.answered)
+                if time.monotonic() - began > max_seconds:
+                    break
+        finally:
+            await bench.close()
+            for runner in runners:
+                await runner.cleanup()
+            await relay.close()
+    n = len(plain_times)
+    print(f"{n} measured calls of each (unary, ~4k prompt ids, through the timing relay)")
+    print()
+    print("| what | p50 ms | mean ms |")
+    print("|---|---|---|")
+    print(
+        f"| plain call | {_p(plain_times, 50) * 1000:.1f} | "
+        f"{statistics.mean(plain_times) * 1000:.1f} |"
+    )
+    for name, values in phases.items():
+        p50, mean = _p(values, 50) * 1000, statistics.mean(values) * 1000
+        print(f"| token-in: {name} | {p50:.1f} | {mean:.1f} |")
+    added = _p(phases["whole"], 50) - _p(plain_times, 50)
+    low, high = (_p(phases[k], 50) for k in ("plain after dummies", "dummies behind plain"))
+    print()
+    print(
+        f"- token-in adds {added * 1000:+.1f} ms p50 over the plain call; waiting for the plain "
+        f"render before generate costs it {low * 1000:.1f}-{high * 1000:.1f} ms p50"
+    )
+
+
+async def main(args: argparse.Namespace) -> None:
+    proc = None
+    url = args.url
+    if url is None:
+        port = tiny_vllm.free_port()
+        proc = tiny_vllm.start(None, port, scale_out=True)
+        url = f"http://127.0.0.1:{port}"
+    try:
+        await measure(url, args.rounds, args.max_seconds)
+    finally:
+        if proc is not None:
+            tiny_vllm.stop(proc)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--url", help="a running tiny vLLM (loopback), else one is started")
+    parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--max-seconds", type=float, default=90.0)
+    asyncio.run(main(parser.parse_args()))
