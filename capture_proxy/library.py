@@ -37,7 +37,8 @@ import orjson
 from .adapters.vllm import ForwardPlan, VLLMAdapter
 from .core.call import Call
 from .core.capture import Capture
-from .core.exchange import Exchange, ExchangeConfig, Outcome, Pipeline
+from .core.exchange import Exchange
+from .core.pipeline import ExchangeConfig, Outcome, Pipeline
 from .core.policy import RequestPolicy
 from .core.shared_reader import SharedReader
 from .core.transport import UpstreamInfo, UpstreamReply, UpstreamTransport

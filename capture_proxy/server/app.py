@@ -19,8 +19,8 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from ..core.capture import Capture
-from ..core.exchange import ExchangeConfig, Pipeline
 from ..core.journal import journal_path, release_reserve, replay_journal, reserve_journal
+from ..core.pipeline import ExchangeConfig, Pipeline
 from ..core.policy import RequestPolicy
 from ..core.shared_reader import SharedReader
 from ..core.token_in import SCALE_OUT_MISSING

@@ -15,7 +15,8 @@ import logging
 import orjson
 from aiohttp import web
 
-from ..core.exchange import Exchange, Outcome
+from ..core.exchange import Exchange
+from ..core.pipeline import Outcome
 from ..errors import (
     CaptureUnavailable,
     PayloadTooLarge,

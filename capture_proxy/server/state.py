@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from ..core.capture import Capture
-from ..core.exchange import Pipeline
+from ..core.pipeline import Pipeline
 from ..errors import Forbidden, Unauthorized
 from ..sinks.base import StagingSink
 from ..upstream.http import HTTPUpstream

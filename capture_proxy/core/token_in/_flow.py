@@ -60,7 +60,8 @@ from ._report import EXTENDED, NEW_SEGMENT, TokenInReport
 from ._values import Prior
 
 if TYPE_CHECKING:
-    from ..exchange import Exchange, Outcome
+    from ..exchange import Exchange
+    from ..pipeline import Outcome
 
 __all__ = ["REQUEST_HEAD", "TokenInCall"]
 
