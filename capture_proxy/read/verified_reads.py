@@ -172,6 +172,29 @@ def trajectory(
     `expected_head` (the seal or outcome answer's ``chain_head`` its driver kept) refuses
     the rollout unless its stored chain ends there (checked only with ``verify=True``).
     """
+    return read_named(
+        store,
+        rollout_id,
+        include_untooled=include_untooled,
+        include_open=include_open,
+        include_poisoned=include_poisoned,
+        verify=verify,
+        expected_head=expected_head,
+    )[1]
+
+
+def read_named(
+    store: Store,
+    rollout_id: str,
+    *,
+    include_untooled: bool = False,
+    include_open: bool = False,
+    include_poisoned: bool = False,
+    verify: bool = True,
+    expected_head: str | None = None,
+) -> tuple[list[StagedCallRecord], Trajectory]:
+    """`trajectory` with the records it was built from (read once, verified with it), for
+    readers that need both: the trainer adapters' `read_episode`."""
     facts = RolloutFacts.read(store.source, rollout_id)
     check_included(
         rollout_id,
@@ -179,7 +202,7 @@ def trajectory(
         include_open=include_open,
         include_poisoned=include_poisoned,
     )
-    return store._read(facts, include_untooled, verify, expected_head)[1]
+    return store._read(facts, include_untooled, verify, expected_head)
 
 
 def read_rollout(

@@ -23,6 +23,7 @@ from capture_proxy.read.anchors import AnchorsInvalid, heads_of, load_heads
 from capture_proxy.read.export import export_store
 from capture_proxy.read.integrity import RolloutUnverified
 from capture_proxy.read.reader import open_store
+from capture_proxy.read.trainers import episodes, read_episode
 from capture_proxy.schemas.events import RolloutEvent, chain_head, event_hash
 from tests.read.test_tamper import (
     KINDS,
@@ -162,6 +163,15 @@ async def test_a_consistent_rewrite_is_refused_by_every_anchored_read(
         ]
         assert took == ["ok"]
         assert skipped["unverified"] == ["ep"]
+        # The trainer adapters' reads are anchored alike.
+        with pytest.raises(RolloutUnverified, match="its driver kept"):
+            read_episode(store, "ep", expected_head=heads["ep"])
+        why: dict[str, list[str]] = {}
+        handed = [
+            e.trajectory.rollout_id for e in episodes(store, expected_heads=heads, unverified=why)
+        ]
+        assert handed == ["ok"]
+        assert list(why) == ["ep"]
     summary = export_store(w.url, str(tmp_path / "x.parquet"), expected_heads=heads)
     assert summary.left_out["unverified"] == ["ep"]
     assert set(pq.read_table(tmp_path / "x.parquet")["rollout_id"].to_pylist()) == {"ok"}

@@ -12,6 +12,7 @@ from ...schemas.records import Attachment, StagedCallRecord
 from ..cursor import ExportCursor
 from ..reader import Store
 from ..trajectory import Segment, Trajectory
+from ..verified_reads import read_named
 
 __all__ = [
     "Episode",
@@ -44,21 +45,26 @@ class Episode:
         return cls(trajectory, {r.call_id: r for r in records})
 
 
-def read_episode(store: Store, rollout_id: str, **filters: bool) -> Episode:
-    """One rollout as an `Episode`, read once. `filters` are `Store.trajectory`'s keywords
-    (`include_open`, `include_poisoned`, `verify`, `include_untooled`), with its defaults and
-    errors."""
-    from ..status import RolloutFacts, check_included, status_of
-
-    facts = RolloutFacts.read(store.source, rollout_id)
-    check_included(
+def read_episode(
+    store: Store,
+    rollout_id: str,
+    *,
+    include_untooled: bool = False,
+    include_open: bool = False,
+    include_poisoned: bool = False,
+    verify: bool = True,
+    expected_head: str | None = None,
+) -> Episode:
+    """One rollout as an `Episode`, read once, with `Store.trajectory`'s keywords, defaults and
+    errors (`expected_head`: the seal or outcome answer's ``chain_head`` its driver kept)."""
+    records, traj = read_named(
+        store,
         rollout_id,
-        status_of(facts),
-        include_open=filters.get("include_open", False),
-        include_poisoned=filters.get("include_poisoned", False),
-    )
-    records, traj = store._read(
-        facts, filters.get("include_untooled", False), filters.get("verify", True)
+        include_untooled=include_untooled,
+        include_open=include_open,
+        include_poisoned=include_poisoned,
+        verify=verify,
+        expected_head=expected_head,
     )
     return Episode.of(traj, records)
 
@@ -75,12 +81,16 @@ def episodes(
     group: str | Iterable[str] | None = None,
     skipped: dict[str, list[str]] | None = None,
     cursor: ExportCursor | None = None,
+    expected_heads: Mapping[str, str] | None = None,
+    unverified: dict[str, list[str]] | None = None,
 ) -> Iterator[Episode]:
     """`Store.iter_trajectories` as episodes, with its keywords, defaults and order (sealed,
     not poisoned, verified; a group's rollouts one after the other; `cursor` takes each sealed
     rollout once); `rollout_ids` keeps those rollouts only (KeyError for one the store does not
     hold). Each rollout is read once, verified with its trajectory (one that does not verify is
-    left out, in ``skipped["unverified"]``: `capture_proxy.read.integrity`)."""
+    left out, in ``skipped["unverified"]`` and with its problems in `unverified`:
+    `capture_proxy.read.integrity`); `expected_heads` anchors the read as it anchors
+    `Store.iter_trajectories`."""
     for records, traj in store.iter_read(
         rollouts=rollout_ids,
         include_untooled=include_untooled,
@@ -91,6 +101,8 @@ def episodes(
         group=group,
         skipped=skipped,
         cursor=cursor,
+        expected_heads=expected_heads,
+        unverified=unverified,
     ):
         yield Episode.of(traj, records)
 
