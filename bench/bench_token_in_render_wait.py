@@ -29,92 +29,24 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench_token_in_vllm import Bench, _p, _proxy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from capture_proxy.testing.byte_relay import ByteRelay
 from scripts import tiny_vllm
-
-
-@dataclass
-class Exchange:
-    """One request the relay passed: its route, body size, when it left, when its answer ended."""
-
-    path: str
-    size: int
-    sent: float
-    answered: float = 0.0
-
-
-@dataclass
-class TimingRelay:
-    """A loopback TCP relay to vLLM that timestamps each request and its answer's last byte
-    (one request at a time per connection, as the proxy's clients send them)."""
-
-    port: int
-    log: list[Exchange] = field(default_factory=list)
-    server: asyncio.Server | None = None
-
-    async def start(self) -> int:
-        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        return int(self.server.sockets[0].getsockname()[1])
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.port)
-        pending: list[Exchange] = []
-
-        async def requests() -> None:
-            try:
-                while head := await reader.readuntil(b"\r\n\r\n"):
-                    path = head.split(b" ", 2)[1].split(b"?")[0].decode()
-                    size = 0
-                    for line in head.split(b"\r\n"):
-                        if line.lower().startswith(b"content-length:"):
-                            size = int(line.split(b":")[1])
-                    body = await reader.readexactly(size)
-                    exchange = Exchange(path, size, time.perf_counter())
-                    self.log.append(exchange)
-                    pending.append(exchange)
-                    up_writer.write(head + body)
-                    await up_writer.drain()
-            except (ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError):
-                pass
-            finally:
-                up_writer.close()
-
-        async def answers() -> None:
-            try:
-                while data := await up_reader.read(1 << 16):
-                    if pending:
-                        pending[-1].answered = time.perf_counter()
-                    writer.write(data)
-                    await writer.drain()
-            except (ConnectionError, asyncio.CancelledError):
-                pass
-            finally:
-                writer.close()
-
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.gather(requests(), answers(), return_exceptions=True)
-
-    async def close(self) -> None:
-        if self.server is not None:
-            self.server.close()
-
 
 RENDER = "/v1/chat/completions/render"
 GENERATE = "/inference/v1/generate"
 
 
 async def measure(url: str, rounds: int, max_seconds: float) -> None:
-    relay = TimingRelay(int(url.rsplit(":", 1)[1]))
+    relay = ByteRelay(int(url.rsplit(":", 1)[1]))
     relay_url = f"http://127.0.0.1:{await relay.start()}"
     phases: dict[str, list[float]] = {
         k: []

@@ -4,13 +4,15 @@ Put between a proxy and vLLM (`ByteRelay`), it keeps each request's path, head (
 headers) and ``Content-Length`` body as they went, and relays the answers unchanged: what a
 call cost upstream, whatever client sent it. `request_kind` names what a request is for (the
 chat call, the request's own render, a dummy render of the bridge, generate, a derender call).
-Used by tests/e2e/test_vllm_upstream_bytes.py and bench/bench_token_in_vllm.py.
+Used by tests/e2e/test_vllm_upstream_bytes.py, bench/bench_token_in_vllm.py and
+bench/bench_token_in_render_wait.py (which reads the times).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import time
 from dataclasses import dataclass
 
 import orjson
@@ -18,13 +20,16 @@ import orjson
 __all__ = ["ByteRelay", "Sent", "by_kind", "request_kind"]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Sent:
-    """One request as it went through the relay."""
+    """One request as it went through the relay: `sent` when it left (``time.perf_counter``),
+    `answered` when the last byte of its answer so far came back (0.0: none yet)."""
 
     path: str
     head: bytes
     body: bytes
+    sent: float = 0.0
+    answered: float = 0.0
 
     @property
     def size(self) -> int:
@@ -53,6 +58,8 @@ class ByteRelay:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.port)
+        #: This connection's requests: an answer belongs to the latest (HTTP/1.1, one at a time).
+        mine: list[Sent] = []
 
         async def requests() -> None:
             try:
@@ -63,7 +70,9 @@ class ByteRelay:
                         if line.lower().startswith(b"content-length:"):
                             size = int(line.split(b":")[1])
                     body = await reader.readexactly(size)
-                    self.log.append(Sent(path, head, body))
+                    sent = Sent(path, head, body, time.perf_counter())
+                    self.log.append(sent)
+                    mine.append(sent)
                     up_writer.write(head + body)
                     await up_writer.drain()
             except (ConnectionError, asyncio.IncompleteReadError):
@@ -74,6 +83,8 @@ class ByteRelay:
         async def answers() -> None:
             try:
                 while data := await up_reader.read(1 << 16):
+                    if mine:
+                        mine[-1].answered = time.perf_counter()
                     writer.write(data)
                     await writer.drain()
             except ConnectionError:
