@@ -277,6 +277,23 @@ def staged(record: Any) -> dict[str, Any]:
 SAME_TOKENS_ATTEMPTS = 3
 
 
+def _only_reasoning_count_differs(got: dict[str, Any], want: dict[str, Any]) -> bool:
+    """Whether two streamed views differ in ``usage.completion_tokens_details.reasoning_tokens``
+    alone. vLLM 0.32's streamed chat route gave 1, 2 and 3 for the same completion ids
+    ``[207, 207, 207, 2]`` in three runs ("min_tokens before the end of turn"): its own count
+    depends on how the chunks fell, so such a shape is sent again (and a difference on every
+    attempt still fails)."""
+
+    def without(view: dict[str, Any]) -> dict[str, Any]:
+        usage = dict(view.get("usage") or {})
+        details = dict(usage.get("completion_tokens_details") or {})
+        details.pop("reasoning_tokens", None)
+        usage["completion_tokens_details"] = details
+        return {**view, "usage": usage}
+
+    return got != want and without(got) == without(want)
+
+
 async def test_token_in_answers_what_vllms_chat_route_answers(
     vllm_url: str, tmp_path: Path
 ) -> None:
@@ -284,7 +301,8 @@ async def test_token_in_answers_what_vllms_chat_route_answers(
     and the staged message are equal field by field. Compared only where the engine sampled
     the same completion ids on both paths (the definition of parity); a shape whose ids differ
     is sent again, and ids that never agree fail the test as such (a request token-in changed
-    would sample differently every time)."""
+    would sample differently every time). So is a streamed shape whose views differ only in
+    the chat route's reasoning count (`_only_reasoning_count_differs`)."""
     plain = await start_proxy(tmp_path / "plain", upstream=vllm_url)
     token_in = await start_proxy(tmp_path / "token-in", upstream=vllm_url, token_in="on")
     differ: dict[str, Any] = {}
@@ -292,6 +310,7 @@ async def test_token_in_answers_what_vllms_chat_route_answers(
         for name, extra in SHAPES.items():
             for stream in (False, True):
                 label = f"{name} ({'streamed' if stream else 'unary'})"
+                same_ids = False
                 for attempt in range(SAME_TOKENS_ATTEMPTS):
                     rollout = f"{name.replace(' ', '-')}-{int(stream)}-{attempt}"
                     body = request(extra, stream)
@@ -303,9 +322,10 @@ async def test_token_in_answers_what_vllms_chat_route_answers(
                     assert not want_record.token_in
                     got_ids = list(got_record.completion_token_ids)
                     want_ids = list(want_record.completion_token_ids)
-                    if got_ids == want_ids:
+                    same_ids = got_ids == want_ids
+                    if same_ids and not (stream and _only_reasoning_count_differs(got, want)):
                         break
-                else:
+                if not same_ids:
                     differ[f"{label} sampled ids"] = (got_ids, want_ids)
                     continue
                 if got != want:
