@@ -8,9 +8,10 @@ Errors are one sentence on stderr: exit status 2 for a usage error, 1 for a stor
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from ..core.policy import PolicyError
 from ..errors import error_text
@@ -24,28 +25,35 @@ from ._store_tools import run_compact, run_gc, run_replay_ledger, run_seal
 __all__ = ["main"]
 
 
+def _settings(args: argparse.Namespace) -> int:
+    sys.stdout.write(settings_markdown())
+    return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from ..inspect.cli import run_inspect
+
+    return run_inspect(args)
+
+
+#: Each command's run, by its name on the command line; it returns the exit status.
+_COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "serve": run_serve,
+    "settings": _settings,
+    "inspect": _inspect,
+    "export": run_export,
+    "seal": lambda args: asyncio.run(run_seal(args)),
+    "compact": run_compact,
+    "gc": run_gc,
+    "replay-ledger": lambda args: asyncio.run(run_replay_ledger(args)),
+}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run `capture-proxy` with `argv` (default: the process's arguments); its exit status."""
     args = _parser().parse_args(argv)
     try:
-        if args.command == "serve":
-            return run_serve(args)
-        if args.command == "settings":
-            sys.stdout.write(settings_markdown())
-            return 0
-        if args.command == "inspect":
-            from ..inspect.cli import run_inspect
-
-            return run_inspect(args)
-        if args.command == "export":
-            return run_export(args)
-        if args.command == "seal":
-            return asyncio.run(run_seal(args))
-        if args.command == "compact":
-            return run_compact(args)
-        if args.command == "gc":
-            return run_gc(args)
-        if args.command == "replay-ledger":
-            return asyncio.run(run_replay_ledger(args))
+        return _COMMANDS[args.command](args)
     except (SettingsError, PolicyError) as e:
         print(f"capture-proxy: {e}", file=sys.stderr)
         return 2
@@ -58,4 +66,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as e:
         print(f"capture-proxy: {e}", file=sys.stderr)
         return 1
-    return 2

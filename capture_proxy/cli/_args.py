@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+from typing import TypeAlias
 
 from .. import __version__
 from ..server.settings import add_arguments
@@ -37,6 +38,10 @@ def _shows_default(action: argparse.Action) -> bool:
     return bool(action.option_strings) or action.nargs in ("?", "*")
 
 
+#: What `add_subparsers` returns: each subcommand is added to it (generic for mypy only).
+Subcommands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="capture-proxy",
@@ -61,7 +66,15 @@ def _parser() -> argparse.ArgumentParser:
     from ..inspect.cli import add_inspect_parser
 
     add_inspect_parser(sub)
+    _add_export(sub)
+    _add_store_tools(sub)
+    # Every subcommand, including those added by other modules (inspect), shows its defaults.
+    for command in sub.choices.values():
+        command.formatter_class = _DefaultsFormatter
+    return p
 
+
+def _add_export(sub: Subcommands) -> None:
     export = sub.add_parser(
         "export",
         help="write a training table (Parquet or JSON lines) from a store",
@@ -170,6 +183,9 @@ def _parser() -> argparse.ArgumentParser:
         help="print the summary (rows, rollouts, left out by why) as one JSON object",
     )
 
+
+def _add_store_tools(sub: Subcommands) -> None:
+    """seal, replay-ledger, compact and gc: the tools that change a store."""
     seal = sub.add_parser(
         "seal",
         help="seal rollouts in a store offline (no proxy running)",
@@ -198,14 +214,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     compact.add_argument("store", help="a Parquet store URL or folder")
     compact.add_argument("--target-mb", type=int, default=256, help="size of merged files")
-    compact.add_argument(
-        "--wait",
-        type=_duration,
-        default="0s",
-        metavar="AGE",
-        help="Parquet: when another compaction or gc holds the store's maintenance lease, wait "
-        "up to this long for it, first in line, instead of exiting 1 (default: 0s)",
-    )
+    _add_wait(compact)
     compact.add_argument(
         "--grace",
         type=_duration,
@@ -233,14 +242,7 @@ def _parser() -> argparse.ArgumentParser:
         "--older-than", required=True, type=_duration, metavar="AGE", help="e.g. 7d, 12h, 30m, 90s"
     )
     gc.add_argument("--dry-run", action="store_true", help="list what would go; change nothing")
-    gc.add_argument(
-        "--wait",
-        type=_duration,
-        default="0s",
-        metavar="AGE",
-        help="Parquet: when another compaction or gc holds the store's maintenance lease, wait "
-        "up to this long for it, first in line, instead of exiting 1 (default: 0s)",
-    )
+    _add_wait(gc)
     gc.add_argument(
         "--vacuum",
         action="store_true",
@@ -252,10 +254,18 @@ def _parser() -> argparse.ArgumentParser:
         help="print the summary (rollouts, calls, blobs, attachments, bytes before and after) "
         "as one JSON object",
     )
-    # Every subcommand, including those added by other modules (inspect), shows its defaults.
-    for command in sub.choices.values():
-        command.formatter_class = _DefaultsFormatter
-    return p
+
+
+def _add_wait(command: argparse.ArgumentParser) -> None:
+    """compact's and gc's ``--wait``: both take the store's maintenance lease."""
+    command.add_argument(
+        "--wait",
+        type=_duration,
+        default="0s",
+        metavar="AGE",
+        help="Parquet: when another compaction or gc holds the store's maintenance lease, wait "
+        "up to this long for it, first in line, instead of exiting 1 (default: 0s)",
+    )
 
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
