@@ -112,7 +112,7 @@ def _settings(env: Mapping[str, str]) -> Settings:
 def _stop_budget(s: Settings) -> float:
     """Longest a SIGTERM'd proxy may take to exit 0: in-flight calls get `shutdown_timeout`, then
     the cleanup waits up to a stage timeout for background stages and another for the staging
-    drain (capture_proxy/server/app.py). An orchestrator's kill deadline must exceed it."""
+    drain (capture_proxy/server/lifecycle.py). An orchestrator's kill deadline must exceed it."""
     return s.shutdown_timeout + 2 * s.stage_timeout
 
 

@@ -36,7 +36,7 @@ class ProxyState:
     sink: StagingSink
     capture: Capture
     metrics: Metrics
-    # Filled at startup (they need the event loop): see app._lifecycle.
+    # Filled at startup (they need the event loop): see lifecycle.lifecycle.
     #: One upstream, or several replicas of one model (``--upstream`` given more than once).
     upstream: HTTPUpstream | ReplicaSet = field(init=False)
     #: The per-call flow every chat request runs through (`Exchange`s).
