@@ -303,7 +303,7 @@ def completion_body(a: Answer) -> dict[str, Any]:
         "message": message_body(a.reasoning_key, None if hidden else reasoning, content, calls),
         "logprobs": None if lp is None else {"content": lp},
         "finish_reason": a.plan.finish(a.n),
-        "stop_reason": a.plan.stop_reason,
+        "stop_reason": a.plan.stop_reason_at(a.n),
         "token_ids": token_ids,
         "routed_experts": a.experts,
     }
@@ -363,7 +363,7 @@ def stream_events(a: Answer) -> Iterator[bytes]:
             lp,
             [token] if send_ids else None,
             finish_reason=finish if last else None,
-            stop_reason=a.plan.stop_reason if last and a.n == len(a.plan.ids) else None,
+            stop_reason=a.plan.stop_reason_at(a.n) if last else None,
             fingerprint=fingerprint if last else None,
             routed_experts=a.experts if last else None,
             usage=a._running_usage(k + 1),

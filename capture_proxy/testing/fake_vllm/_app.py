@@ -54,6 +54,7 @@ from ._http import (
     wait_connected,
     write_stream,
 )
+from ._llama2 import render_llama2
 from ._protocol import model_list
 from ._render import weight_version_update
 from ._scale_out import ScaleOutRoutes
@@ -61,7 +62,10 @@ from ._script import load_script
 from ._template import decode, encode, reasoning_keys_for, render_chat, token_text
 from ._validate import RequestError, check_model, output_limit, require_messages
 
-__all__ = ["FakeToolCall", "FakeVLLM", "Fault", "Turn", "main", "serve_fake"]
+__all__ = ["CHAT_TEMPLATES", "FakeToolCall", "FakeVLLM", "Fault", "Turn", "main", "serve_fake"]
+
+#: The templates the fake renders with (`FakeVLLM`'s ``chat_template``).
+CHAT_TEMPLATES = ("chatml", "llama2")
 
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -83,6 +87,9 @@ class FakeVLLM(ScaleOutRoutes):
     the request's ``routed_experts_prompt_start`` (the values: `_experts.experts_for`).
     ``drop_past_reasoning`` renders history as Qwen3's template does: the reasoning of assistant
     turns before the last user message is left out (a template that is not append-only).
+    ``chat_template`` picks the template every route renders with (vLLM's ``--chat-template``):
+    ``"chatml"`` (Qwen3-like, `_template`) or ``"llama2"`` (Llama-2-style, `_llama2`: an
+    assistant turn closes with a space, then ``<|im_end|>``).
 
     ``generation_config`` holds the model's sampling defaults (``{"temperature": 0.6, "top_p":
     0.95, "top_k": 20}`` for Qwen3), which the render route resolves requests over;
@@ -108,7 +115,10 @@ class FakeVLLM(ScaleOutRoutes):
         scale_out: bool = False,
         dev_mode: bool = False,
         drop_past_reasoning: bool = False,
+        chat_template: str = "chatml",
     ) -> None:
+        if chat_template not in CHAT_TEMPLATES:
+            raise ValueError(f"chat_template: one of {CHAT_TEMPLATES}, not {chat_template!r}")
         self.model = model
         self.version = version
         self.max_model_len = max_model_len
@@ -123,6 +133,7 @@ class FakeVLLM(ScaleOutRoutes):
         self.scale_out = scale_out
         self.dev_mode = dev_mode
         self.drop_past_reasoning = drop_past_reasoning
+        self.chat_template = chat_template
         self.weight_version = "default"
         #: Cleared by ``POST /pause``: a new chat call waits for ``POST /resume``.
         self.running = asyncio.Event()
@@ -172,6 +183,10 @@ class FakeVLLM(ScaleOutRoutes):
     def _render(
         self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Any] | None, gen: bool
     ) -> str:
+        if self.chat_template == "llama2":
+            return render_llama2(
+                messages, tools, reparse_tool_arguments=self.reparse_tool_arguments
+            )
         return render_chat(
             messages,
             tools,
@@ -420,6 +435,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         "VLLM_SERVER_DEV_MODE=1)",
     )
     parser.add_argument(
+        "--chat-template",
+        choices=CHAT_TEMPLATES,
+        default="chatml",
+        help="the chat template: chatml (Qwen3-like) or llama2 (an assistant turn closes with "
+        "a space, then the end of sequence)",
+    )
+    parser.add_argument(
         "--generation-config",
         type=_json_object,
         default=None,
@@ -448,6 +470,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         generation_config=args.generation_config,
         scale_out=args.enable_scale_out,
         dev_mode=args.dev_mode,
+        chat_template=args.chat_template,
     )
     fake.push(*turns)
     if args.script is not None:

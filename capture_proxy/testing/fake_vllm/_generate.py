@@ -117,7 +117,7 @@ def _choice(g: Generation, lo: int, hi: int, *, last: bool) -> dict[str, Any]:
     return {
         "index": 0,
         "finish_reason": g.finish_reason if last else None,
-        "stop_reason": g.plan.stop_reason if last and g.n == len(g.plan.ids) else None,
+        "stop_reason": g.plan.stop_reason_at(g.n) if last else None,
         "token_ids": g.ids[lo:hi],
         "routed_experts": None,
         "sampling_mask": None,

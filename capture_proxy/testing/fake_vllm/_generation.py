@@ -70,6 +70,9 @@ class Turn:
     ``finish_reason`` defaults to ``"tool_calls"`` with tool calls, ``"length"`` when
     ``max_tokens`` cuts the answer, else ``"stop"``. An explicit reason is sent as given (unless
     ``max_tokens`` cuts the answer); one other than stop/tool_calls generates no end-of-turn token.
+    ``stop_token`` is the end-of-sequence token a finished answer ends with: the tokenizer's
+    ``<|im_end|>``, or ``<|endoftext|>``, the model's other one (Qwen3's generation config
+    lists both: vLLM stops on it as on a ``stop_token_ids`` id, and says ``stop_reason: 0``).
     """
 
     content: str = ""
@@ -77,6 +80,7 @@ class Turn:
     tool_calls: list[FakeToolCall] = field(default_factory=list)
     finish_reason: str | None = None
     fault: Fault | None = None
+    stop_token: str = "<|im_end|>"
 
 
 @dataclass(frozen=True)
@@ -102,6 +106,9 @@ class Plan:
     finish_reason: str | None = None
     #: The ``stop`` string generation stopped on (vLLM's ``stop_reason``), None otherwise.
     stop_reason: str | None = None
+    #: The id of the end-of-sequence token other than the tokenizer's the answer ends with
+    #: (`Turn.stop_token`), None otherwise.
+    stop_token: int | None = None
 
     def add(self, kind: str, text: str, tool: int = -1) -> None:
         ids = encode(text)
@@ -118,6 +125,13 @@ class Plan:
         if self.finish_reason:
             return self.finish_reason
         return "tool_calls" if self.calls else "stop"
+
+    def stop_reason_at(self, n: int) -> str | int | None:
+        """vLLM's ``stop_reason`` when the first ``n`` tokens were generated: the stop string,
+        or the id of the model's other end-of-sequence token, once the answer is whole."""
+        if n < len(self.ids):
+            return None
+        return self.stop_reason if self.stop_reason is not None else self.stop_token
 
 
 def plan_answer(
@@ -147,8 +161,16 @@ def plan_answer(
         plan.add("tool_tail", "}\n</tool_call>", i)
         plan.calls.append(PlannedCall(new_tool_id(), call.name, args, start, header, len(plan.ids)))
     if turn.finish_reason in (None, "stop", "tool_calls"):
-        plan.add("eos", "<|im_end|>")
+        if turn.stop_token not in _END_TOKENS:
+            raise ValueError(f"stop_token must be one of {_END_TOKENS}, not {turn.stop_token!r}")
+        plan.add("eos", turn.stop_token)
+        if turn.stop_token != "<|im_end|>":
+            plan.stop_token = SPECIAL_TOKENS[turn.stop_token]
     return plan
+
+
+#: The end-of-sequence tokens a scripted answer may end with (`Turn.stop_token`).
+_END_TOKENS = ("<|im_end|>", "<|endoftext|>")
 
 
 def stop_on_strings(plan: Plan, stops: Any, min_tokens: Any, limit: int) -> None:
@@ -176,6 +198,7 @@ def stop_on_strings(plan: Plan, stops: Any, min_tokens: Any, limit: int) -> None
             stop = min(hits)[1]
             del plan.ids[k + 1 :], plan.kinds[k + 1 :], plan.tool_index[k + 1 :]
             plan.stop_reason = stop
+            plan.stop_token = None
             return
 
 

@@ -206,7 +206,7 @@ class ChunkWriter:
         finish_reason: str | None = None,
         fingerprint: str | None = None,
         routed_experts: str | None = None,
-        stop_reason: str | None = None,
+        stop_reason: str | int | None = None,
         usage: dict[str, Any] | None = None,
     ) -> bytes:
         """One generated token's chunk; the last carries ``finish_reason`` and ``stop_reason``

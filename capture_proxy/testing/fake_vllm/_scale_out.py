@@ -30,6 +30,7 @@ from ._http import (
     wait_connected,
     write_events,
 )
+from ._llama2 import LLAMA2_CLOSE
 from ._render import SCALE_OUT_DISABLED, render_answer, resolve_sampling
 from ._template import encode
 from ._validate import RequestError, check_model, require_messages
@@ -46,6 +47,7 @@ class ScaleOutRoutes:
     chunk_delay: float
     seed: int
     scale_out: bool
+    chat_template: str
     generation_config: dict[str, Any]
     weight_version: str
     running: asyncio.Event
@@ -93,7 +95,7 @@ class ScaleOutRoutes:
     def _prompt_text(self, body: Mapping[str, Any]) -> str:
         """The prompt render and the chat route give: ``add_generation_prompt: false`` leaves out
         the generation prompt; ``continue_final_message: true`` ends inside the final assistant
-        message, unclosed."""
+        message, unclosed (without the template's turn close)."""
         messages = require_messages(body)
         cont = bool(body.get("continue_final_message"))
         if cont and (not messages or messages[-1].get("role") != "assistant"):
@@ -104,7 +106,8 @@ class ScaleOutRoutes:
         gen = body.get("add_generation_prompt", True) is not False and not cont
         text = self._render(messages, body.get("tools") or None, gen)
         if cont:
-            text = text.removesuffix("<|im_end|>\n")
+            close = LLAMA2_CLOSE if self.chat_template == "llama2" else "<|im_end|>\n"
+            text = text.removesuffix(close)
         return text
 
     def _scale_out_refusal(self, request: web.Request) -> web.Response | None:

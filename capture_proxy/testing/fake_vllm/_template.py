@@ -53,7 +53,11 @@ __all__ = [
     "SPECIAL_TOKENS",
     "THINK_END",
     "THINK_START",
+    "TOOLS_POSTAMBLE",
+    "TOOLS_PREAMBLE",
     "VOCAB_SIZE",
+    "assistant_text",
+    "content_text",
     "decode",
     "encode",
     "reasoning_keys_for",
@@ -83,11 +87,11 @@ THINK_END = SPECIAL_TOKENS["</think>"]
 _SPECIAL_BY_ID = {i: s.encode() for s, i in SPECIAL_TOKENS.items()}
 _SPECIAL_RE = re.compile("(" + "|".join(re.escape(s) for s in SPECIAL_TOKENS) + ")")
 
-_TOOLS_PREAMBLE = (
+TOOLS_PREAMBLE = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
     "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
 )
-_TOOLS_POSTAMBLE = (
+TOOLS_POSTAMBLE = (
     "\n</tools>\n\nFor each function call, return a json object with function name and arguments "
     "within <tool_call></tool_call> XML tags:\n<tool_call>\n"
     '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
@@ -148,7 +152,7 @@ def reasoning_keys_for(version: str) -> tuple[str, ...]:
     return ("reasoning", "reasoning_content")
 
 
-def _content_text(content: Any) -> str:
+def content_text(content: Any) -> str:
     """A message's content as template text: strings as is, parts joined, images as a pad token."""
     if content is None:
         return ""
@@ -177,11 +181,9 @@ def _arguments_text(arguments: Any, reparse: bool) -> str:
     return arguments
 
 
-def _assistant_text(
-    message: Mapping[str, Any], reasoning_keys: Sequence[str], reparse: bool
-) -> str:
+def assistant_text(message: Mapping[str, Any], reasoning_keys: Sequence[str], reparse: bool) -> str:
     reasoning = next((message[k] for k in reasoning_keys if message.get(k)), None)
-    content = _content_text(message.get("content"))
+    content = content_text(message.get("content"))
     text = f"<think>\n{reasoning}\n</think>\n\n{content}" if reasoning else content
     for i, call in enumerate(message.get("tool_calls") or []):
         fn = call.get("function", {}) if isinstance(call, Mapping) else {}
@@ -214,10 +216,10 @@ def render_chat(
     if tools:
         system = ""
         if rest and rest[0].get("role") == "system":
-            system = _content_text(rest.pop(0).get("content")) + "\n\n"
+            system = content_text(rest.pop(0).get("content")) + "\n\n"
         lines = "".join("\n" + json.dumps(t, ensure_ascii=False) for t in tools)
         parts.append(
-            f"<|im_start|>system\n{system}{_TOOLS_PREAMBLE}{lines}{_TOOLS_POSTAMBLE}<|im_end|>\n"
+            f"<|im_start|>system\n{system}{TOOLS_PREAMBLE}{lines}{TOOLS_POSTAMBLE}<|im_end|>\n"
         )
     last_user = max((i for i, m in enumerate(rest) if m.get("role") == "user"), default=-1)
     for i, message in enumerate(rest):
@@ -226,16 +228,16 @@ def render_chat(
             # Consecutive tool results share one user turn, as in Qwen3's template.
             prev_tool = i > 0 and rest[i - 1].get("role") == "tool"
             next_tool = i + 1 < len(rest) and rest[i + 1].get("role") == "tool"
-            body = f"\n<tool_response>\n{_content_text(message.get('content'))}\n</tool_response>"
+            body = f"\n<tool_response>\n{content_text(message.get('content'))}\n</tool_response>"
             parts.append(("" if prev_tool else "<|im_start|>user") + body)
             if not next_tool:
                 parts.append("<|im_end|>\n")
             continue
         if role == "assistant":
             keys = () if drop_past_reasoning and i < last_user else reasoning_keys
-            body = _assistant_text(message, keys, reparse_tool_arguments)
+            body = assistant_text(message, keys, reparse_tool_arguments)
         else:
-            body = _content_text(message.get("content"))
+            body = content_text(message.get("content"))
         parts.append(f"<|im_start|>{role}\n{body}<|im_end|>\n")
     if add_generation_prompt:
         parts.append("<|im_start|>assistant\n")
