@@ -110,7 +110,7 @@ def assemble(prior: Prior, plan: BridgePlan, rendered: BridgeRenders) -> Bridged
     media = _placed(prior, plan, rendered, len(appended), len(prompt))
     if isinstance(media, NotBridged):
         return media
-    return Bridged(prompt, spans, appended_start, media, len(close))
+    return Bridged(prompt, spans, appended_start, media, tuple(close))
 
 
 def _after_content(name: str, renders: Renders) -> list[int] | NotBridged:

@@ -181,8 +181,10 @@ def _appended_as_rendered(got: Bridged, rendered: Rendered) -> bool:
     tokens (and the generation prompt) the bridge found: the template writes them after the real
     conversation as after the dummy one, and the appended ones start where the bridge says (the
     close before them). Anything else would send the model tokens its template does not write
-    there."""
-    end = got.prompt_ids[max(got.appended_start - got.close_length, 0) :]
+    there. The close is the template's (`Bridged.close`), not the bridged prompt's tokens before
+    the appended ones: a model that stopped on a stop token the close writes after another
+    token (Llama-2's ``" </s>"``) has its own tokens there, without that one."""
+    end = [*got.close, *got.prompt_ids[got.appended_start :]]
     plain = rendered.prompt_ids
     return len(plain) >= len(end) and plain[len(plain) - len(end) :] == end
 

@@ -245,6 +245,8 @@ class Bridged:
     bridge_spans: tuple[BridgeSpan, ...] = field(default=())
     appended_start: int = 0
     media: tuple[MediaItem, ...] = ()
-    #: How many tokens the turn close has: `prompt_ids` has them just before `appended_start`
-    #: (the completion's end-of-turn token, then the bridge's).
-    close_length: int = 0
+    #: The template's turn close, as its renders write it before the appended messages' tokens.
+    #: `prompt_ids` has the model's own tokens there: the same ones, unless the model sampled
+    #: its stop token without a token the close writes before it (Llama-2's space before
+    #: ``</s>``).
+    close: tuple[int, ...] = ()

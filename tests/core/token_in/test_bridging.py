@@ -451,7 +451,7 @@ def test_the_appended_tokens_must_start_right_after_the_close_in_the_request_s_r
     def bridged(tokens: list[int]) -> Bridged:
         # The model's own turn (its end-of-turn token first), the close's rest, `tokens`.
         prompt = [50, 60, 70, 80, *close, *tokens]
-        return Bridged(prompt, (), len(prompt) - len(tokens), (), len(close))
+        return Bridged(prompt, (), len(prompt) - len(tokens), (), tuple(close))
 
     assert _appended_as_rendered(bridged(appended), plain)
     # Appended tokens that take in one of the close's (or leave out their first) end as the
@@ -460,6 +460,19 @@ def test_the_appended_tokens_must_start_right_after_the_close_in_the_request_s_r
     assert not _appended_as_rendered(bridged(appended[1:]), plain)
     # Appended tokens the request's own rendering does not end with.
     assert not _appended_as_rendered(bridged([*appended[:-1], 114]), plain)
+
+
+def test_a_llama2_close_the_model_ended_inside_is_checked_as_the_template_writes_it() -> None:
+    # Llama-2 closes with " </s>" (here 48, then 2); the model sampled </s> without the space:
+    # the bridged prompt has [..., 2, appended], the request's rendering [..., 48, 2, appended].
+    from capture_proxy.core.token_in import Bridged
+    from capture_proxy.core.token_in._bridging import _appended_as_rendered
+
+    close, appended = (48, 2), [50, 51, 52]
+    plain = read_render(orjson.dumps({"token_ids": [5, 6, 7, *close, *appended]}))
+    prompt = [5, 6, 7, 2, *appended]
+    assert _appended_as_rendered(Bridged(prompt, (), 4, (), close), plain)
+    assert not _appended_as_rendered(Bridged([*prompt[:-1], 53], (), 4, (), close), plain)
 
 
 class _Recording(FakeVLLM):
