@@ -139,12 +139,18 @@ SHAPES: dict[str, tuple[Turn, dict[str, Any]]] = {
 
 
 async def through(
-    make_proxy: Any, token_in: str, turn: Turn, body: dict[str, Any], *, chunk_delay: float = 0.0
+    make_proxy: Any,
+    token_in: str,
+    turn: Turn,
+    body: dict[str, Any],
+    *,
+    chunk_delay: float = 0.0,
+    chat_template: str = "chatml",
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The agent's view of one call, and the staged record's message and finish reason."""
-    p: Proxy = await make_proxy(
-        fake=FakeVLLM(scale_out=True, chunk_delay=chunk_delay), token_in=token_in
-    )
+    """The agent's view of one call, and the staged record's message and finish reason
+    (`chat_template`: the fake's)."""
+    fake = FakeVLLM(scale_out=True, chunk_delay=chunk_delay, chat_template=chat_template)
+    p: Proxy = await make_proxy(fake=fake, token_in=token_in)
     p.fake.push(turn)
     view = await agent_view(p.chat, body)
     [record] = p.calls()

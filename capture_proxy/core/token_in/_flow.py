@@ -173,10 +173,12 @@ class TokenInCall:
 
     def _reasoning_tokens(self, generated: Generated | None, *, stream: bool) -> int | None:
         """The chat route's ``reasoning_tokens`` for `generated` (None: not given). The token a
-        generation stopped on is not counted: an end of sequence; streamed after a prompt that
-        leaves reasoning open, any stop token unless ``include_stop_str_in_output`` (the chat
-        route's streaming parser never sees an undecoded token; after a prompt that ended it,
-        the stream is counted as unary is).
+        generation stopped on is not counted: an end of sequence (the tokenizer's, ``stop_reason``
+        null, or one of the model's generation config, ``stop_reason`` its id: any stop token
+        the request's ``stop_token_ids`` does not name); streamed after a prompt that leaves
+        reasoning open, any stop token unless ``include_stop_str_in_output`` (the chat route's
+        streaming parser never sees an undecoded token; after a prompt that ended it, the
+        stream is counted as unary is).
         The count starts in reasoning unless thinking is off, whatever the prompt
         (`counts_reasoning_from_start`). Measured on the tiny vLLM,
         tests/e2e/test_vllm_parity.py."""
@@ -194,9 +196,15 @@ class TokenInCall:
         on_token = generated.finish_reason == "stop" and not isinstance(generated.stop_reason, str)
         # With `include_stop_str_in_output` the chat route decodes a `stop_token_ids` id, and
         # its streaming parser counts it (measured).
-        decoded = self._exchange.request.get("include_stop_str_in_output") is True
+        request = self._exchange.request
+        decoded = request.get("include_stop_str_in_output") is True
         streamed_undecoded = stream and not closed and not decoded
-        if ids and on_token and (streamed_undecoded or generated.stop_reason is None):
+        named = request.get("stop_token_ids") or ()
+        # `<|endoftext|>` ended on with `stop_reason: 0` (the generation config's end of
+        # sequence, which vLLM adds to the stop token ids) is not counted, unary or streamed;
+        # `stop_token_ids: [1]` (`<|im_start|>`) is, unary (measured: test_vllm_parity.py).
+        end_of_sequence = generated.stop_reason is None or generated.stop_reason not in named
+        if ids and on_token and (streamed_undecoded or end_of_sequence):
             ids = ids[:-1]
         return count_reasoning_tokens(ids, markers, open_at_start=from_start)
 
