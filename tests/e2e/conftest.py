@@ -51,10 +51,12 @@ def vllm_url() -> Iterator[str]:
     """A real vLLM 0.32 (CPU) serving the tiny model on a free loopback port: its base URL.
 
     Prepared on first use (venv + model in the cache), started once per session (~1 min, with
-    ``--enable-scale-out`` and ``VLLM_SERVER_DEV_MODE=1``) and stopped (its whole process
-    group) at the end. With `CAPTURE_PROXY_VLLM_URL` set, that
-    server is used instead (nothing is started): it must be the tiny model, and idle, since
-    other requests batched beside the tests' can flip the random model's near-tied greedy picks.
+    ``--enable-scale-out``, ``--trust-request-chat-template`` and ``VLLM_SERVER_DEV_MODE=1``)
+    and stopped (its whole process group) at the end. With `CAPTURE_PROXY_VLLM_URL` set, that
+    server is used instead (nothing is started): it must be the tiny model, started with the
+    same flags (``tiny_vllm.py serve --enable-scale-out --dev-mode
+    --trust-request-chat-template``), and idle, since other requests batched beside the
+    tests' can flip the random model's near-tied greedy picks.
     """
     running = os.environ.get("CAPTURE_PROXY_VLLM_URL")
     if running:  # a server started by hand (scripts/tiny_vllm.py serve), for quick iterations
@@ -65,10 +67,14 @@ def vllm_url() -> Iterator[str]:
     prepared = time.monotonic()
     port = tiny_vllm.free_port()
     # Started as the deploy files start vLLM for every proxy feature: the scale-out routes for
-    # token-in and dev mode for the weight routes (both only add routes).
+    # token-in and dev mode for the weight routes (both only add routes). A request's own
+    # `chat_template` is trusted so that tests/e2e/test_vllm_llama2.py can render with a
+    # Llama-2-style template without a second server (it changes nothing for the others).
     proc = _or_fail(
         f"starting vLLM on 127.0.0.1:{port}",
-        lambda: tiny_vllm.start(None, port, scale_out=True, dev_mode=True),
+        lambda: tiny_vllm.start(
+            None, port, scale_out=True, dev_mode=True, trust_request_chat_template=True
+        ),
     )
     sys.stderr.write(
         f"\n[vllm] prepared in {prepared - began:.1f} s, "

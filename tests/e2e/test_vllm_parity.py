@@ -85,6 +85,13 @@ SHAPES: dict[str, dict[str, Any]] = {
     # The reasoning count: an end of sequence sampled at once counts none, a stop token id does.
     "ends at once": {"logit_bias": {IM_END: 100}, "max_tokens": 4},
     "stop token id": {"stop_token_ids": [NEWLINE], "max_tokens": 6},
+    # `<|endoftext|>`, the generation config's end of sequence (`stop_reason: 0`): not counted,
+    # unlike a `stop_token_ids` id of the request.
+    "ends on the other end of sequence": {
+        "logit_bias": {ENDOFTEXT: 100},
+        "min_tokens": 3,
+        "max_tokens": 6,
+    },
     # Derender gets only the prompt's tail (docs/token-in.md, "Cost"), from the last reasoning
     # marker on: here the `<think>` that leaves the answer inside reasoning is far from its end.
     "continued inside reasoning": {

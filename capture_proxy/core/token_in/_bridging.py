@@ -177,14 +177,18 @@ _NOT_AS_RENDERED = (
 
 
 def _appended_as_rendered(got: Bridged, rendered: Rendered) -> bool:
-    """Whether the request's own rendering ends with the turn close and the appended messages'
-    tokens (and the generation prompt) the bridge found: the template writes them after the real
-    conversation as after the dummy one, and the appended ones start where the bridge says (the
-    close before them). Anything else would send the model tokens its template does not write
-    there. The close is the template's (`Bridged.close`), not the bridged prompt's tokens before
-    the appended ones: a model that stopped on a stop token the close writes after another
-    token (Llama-2's ``" </s>"``) has its own tokens there, without that one."""
-    end = [*got.close, *got.prompt_ids[got.appended_start :]]
+    """Whether the request's own rendering ends with the appended messages' tokens (and the
+    generation prompt) the bridge found, right after the turn close's last token: the template
+    writes them after the real conversation as after the dummy one, and they start where the
+    bridge says. Anything else would send the model tokens its template does not write there.
+
+    Only the close's last token is compared, and it is the template's (`Bridged.close`), not
+    the bridged prompt's: the tokens before it may merge with the content in the request's
+    own rendering (Llama-2 writes ``' ' + content.strip() + ' ' + eos``: after an answer whose
+    content is empty, as reasoning alone is to it, its two spaces are one token of the tiny
+    vLLM's tokenizer, measured), and a model that stopped on the close's stop token without the
+    token before it (Llama-2's space) has its own tokens there."""
+    end = [*got.close[-1:], *got.prompt_ids[got.appended_start :]]
     plain = rendered.prompt_ids
     return len(plain) >= len(end) and plain[len(plain) - len(end) :] == end
 

@@ -473,6 +473,15 @@ def test_a_llama2_close_the_model_ended_inside_is_checked_as_the_template_writes
     prompt = [5, 6, 7, 2, *appended]
     assert _appended_as_rendered(Bridged(prompt, (), 4, (), close), plain)
     assert not _appended_as_rendered(Bridged([*prompt[:-1], 53], (), 4, (), close), plain)
+    # The answer's content is empty to the template (reasoning alone): it writes "  </s>", whose
+    # two spaces the tokenizer merges into one token (here 300). The bridged prompt has the
+    # model's tokens (69, 69) and the whole close after them: it is checked from </s> on.
+    merged = read_render(orjson.dumps({"token_ids": [5, 6, 7, 300, 2, *appended]}))
+    cut = [5, 6, 7, 69, 69, *close, *appended]
+    assert _appended_as_rendered(Bridged(cut, (), 7, (), close), merged)
+    assert not _appended_as_rendered(Bridged([*cut[:-1], 53], (), 7, (), close), merged)
+    elsewhere = read_render(orjson.dumps({"token_ids": [5, 6, 7, 300, 3, *appended]}))
+    assert not _appended_as_rendered(Bridged(cut, (), 7, (), close), elsewhere)
 
 
 class _Recording(FakeVLLM):
