@@ -16,6 +16,7 @@ import functools
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 
 from capture_proxy.schemas.token_in_extras import segment_break_of
@@ -416,3 +417,69 @@ async def test_derender_reads_the_reasoning_marker_far_from_the_prompt_s_end(
     assert got["reasoning"] == want["reasoning"] == ""
     assert got["usage"]["completion_tokens_details"]["reasoning_tokens"] > 0
     assert got == want
+
+
+async def _derendered_content(url: str, chunks: list[list[int]]) -> str:
+    """The content vLLM's streamed derender gives for a generation whose ids reach it in
+    `chunks` (one derender call per chunk, each resending the state the previous one gave)."""
+    body: dict[str, Any] = {**JSON_AGAIN, "stream": True}
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{url}/v1/chat/completions/render", json=body) as resp:
+            assert resp.status == 200, await resp.text()
+            prompt = (await resp.json())["token_ids"]
+        content, state = "", None
+        for n, ids in enumerate(chunks, start=1):
+            last = n == len(chunks)
+            choice = {"index": 0, "token_ids": ids, "finish_reason": "length" if last else None}
+            call = {
+                "stream": True,
+                "generate_chunk": {"request_id": "generate-tokens-x", "choices": [choice]},
+                "stream_state": state,
+                "prompt_token_ids": prompt,
+                "chat_request": body,
+            }
+            async with http.post(f"{url}/v1/chat/completions/derender", json=call) as resp:
+                assert resp.status == 200, await resp.text()
+                answer = await resp.json()
+            state = answer["stream_state"]
+            for c in answer["chunk"]["choices"]:
+                content += c["delta"].get("content") or ""
+    return content
+
+
+#: `response_format: json_object` with `</think>` forced: `</think>`, `{"]}}}` (2 ids), then
+#: `</think>` sampled again, 9 times, after the reasoning ended.
+JSON_AGAIN: dict[str, Any] = {
+    "model": "policy",
+    "messages": [USER],
+    "temperature": 0,
+    "response_format": {"type": "json_object"},
+    "logit_bias": {THINK_END: 100},
+    "max_tokens": 12,
+}
+
+
+async def test_a_think_end_sampled_again_is_content_only_in_a_delta_after_the_reasoning_ended(
+    vllm_url: str,
+) -> None:
+    """The parity edge of docs/token-in.md ("What the agent gets"), measured at vLLM: its
+    Qwen3 parser drops a `</think>` in the delta that ends the reasoning (its grammar absorbs a
+    duplicate end), and passes a later delta's text through as content. So the chat route's
+    streamed answer, one token a delta on a quiet server, has the 9 texts; a derender call that
+    gets the ids after the first `</think>` in the same chunk has none, and one per id has them
+    all. Token-in's coalesced derender calls (and the chat route's own deltas, which vLLM
+    merges when its producer gets ahead) fall in between."""
+    async with aiohttp.ClientSession() as http:
+        body = {**JSON_AGAIN, "return_token_ids": True}
+        async with http.post(f"{vllm_url}/v1/chat/completions", json=body) as resp:
+            assert resp.status == 200, await resp.text()
+            unary = (await resp.json())["choices"][0]
+    ids = unary["token_ids"]
+    assert ids[0] == ids[3] == int(THINK_END)
+    assert ids[3:] == [int(THINK_END)] * 9
+    assert unary["message"]["content"] == '{"]}}}'
+    merged = await _derendered_content(vllm_url, [ids])
+    apart = await _derendered_content(vllm_url, [ids[:1], ids[1:3], *([i] for i in ids[3:])])
+    together_after = await _derendered_content(vllm_url, [ids[:1], ids[1:]])
+    assert merged == '{"]}}}'
+    assert apart == together_after == '{"]}}}' + "</think>" * 9
