@@ -151,6 +151,11 @@ class DatasetFS:
             return None
         return f"{info.mtime_ns}:{info.size}"
 
+    def object_store(self) -> ObjectStore | None:
+        """The obstore store reads may go through (None: a local folder, a pyarrow filesystem
+        without one, or a store obstore could not read: `read`)."""
+        return None if self.local or not self._store_reads else self.store
+
     def open(self, rel: str) -> pa.NativeFile:
         """A random-access handle (what `pyarrow.parquet` reads footers and columns through)."""
         data = self.prefetched.get(rel)

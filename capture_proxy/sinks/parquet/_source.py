@@ -285,7 +285,7 @@ class ParquetSource(Loading):
             # are collected by the first load only: a reader nobody takes them from (the
             # proxy's shared one) would otherwise keep one per rollout ever indexed. Taken
             # later, they are read from the files.
-            idx.heads = idx.headed = idx.called = None
+            idx.heads = idx.headed = idx.called = idx.attached = None
             self._collect_heads = False
         # What the new markers retire (a compaction's or gc's merged unit), and units whose
         # markers are gone (deleted by a cleanup once retired, by a marker read before or not).
@@ -363,7 +363,11 @@ class ParquetSource(Loading):
         if not self._collect_heads:
             return UnitIndex(calls=Locator() if self._call_keys else None)
         return UnitIndex(
-            calls=Locator() if self._call_keys else None, heads={}, headed={}, called={}
+            calls=Locator() if self._call_keys else None,
+            heads={},
+            headed={},
+            called={},
+            attached={},
         )
 
     def _add_unit(self, unit: Marker) -> None:
@@ -415,8 +419,11 @@ class ParquetSource(Loading):
             return self._known()
 
     def _known(self) -> Known:
-        files = self._attachment_files()
         idx = self._index
+        if isinstance(idx, UnitIndex) and idx.attached is not None:
+            files, idx.attached = idx.attached, None  # collected as the units were indexed
+        else:
+            files = self._attachment_files()
         if isinstance(idx, UnitIndex) and idx.headed is not None and idx.called is not None:
             # Collected while the units were indexed (a writer's open): kept no longer.
             rollouts = set(idx.headed) | set(idx.called)
