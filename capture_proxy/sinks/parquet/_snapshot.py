@@ -18,7 +18,7 @@ verified digests come from `capture_proxy.open_store` or `capture-proxy export`.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -28,6 +28,7 @@ import pyarrow.fs as pafs
 
 from ..base import StoreError
 from ._fs import DatasetFS
+from ._index import SMALL_UNIT_BYTES
 from ._layout import (
     CALLS,
     COMMITS_DIR,
@@ -39,10 +40,13 @@ from ._layout import (
 if TYPE_CHECKING:
     import pyarrow.dataset as pads
 
-__all__ = ["LiveFiles", "fetch_files", "live_files", "read_markers"]
+__all__ = ["LiveFiles", "fetch_files", "fetched_ahead", "live_files", "read_markers"]
 
 #: Concurrent reads of small objects on object storage (each is one round trip).
 READ_WORKERS = 16
+#: Units whose small files are fetched ahead at once when a reader indexes new units (bounds
+#: the bytes held: at most this many units of up to `SMALL_UNIT_BYTES`, usually a few KB each).
+PREFETCH_UNITS = 64
 
 
 def read_markers(
@@ -84,6 +88,31 @@ def fetch_files(dfs: DatasetFS, rels: Sequence[str], object_url: str | None) -> 
 
     with ThreadPoolExecutor(min(READ_WORKERS, len(rels))) as pool:
         return {rel: data for rel, data in pool.map(one, rels) if data is not None}
+
+
+def fetched_ahead(
+    dfs: DatasetFS, new: list[Marker], object_url: str | None
+) -> Iterator[tuple[list[Marker], dict[str, bytes]]]:
+    """`new` in chunks of `PREFETCH_UNITS`, each with its small units' files (read whole: on
+    object storage fetched concurrently), the next chunk's fetched while the caller indexes
+    this one (a request's wait overlaps the decoding)."""
+    chunks = [new[i : i + PREFETCH_UNITS] for i in range(0, len(new), PREFETCH_UNITS)]
+
+    def fetch(chunk: list[Marker]) -> dict[str, bytes]:
+        small = [rel for m in chunk if m.size <= SMALL_UNIT_BYTES for rel in m.files.values()]
+        return fetch_files(dfs, small, object_url)
+
+    if dfs.local or len(chunks) < 2:
+        for chunk in chunks:
+            yield chunk, fetch(chunk)
+        return
+    with ThreadPoolExecutor(1, "parquet-fetch-ahead") as ahead:
+        pending = ahead.submit(fetch, chunks[0])
+        for i, chunk in enumerate(chunks):
+            files = pending.result()
+            if i + 1 < len(chunks):
+                pending = ahead.submit(fetch, chunks[i + 1])
+            yield chunk, files
 
 
 def _reader(dfs: DatasetFS, object_url: str | None) -> Callable[[str], bytes]:
