@@ -93,13 +93,21 @@ def fetch_files(dfs: DatasetFS, rels: Sequence[str], object_url: str | None) -> 
 def fetched_ahead(
     dfs: DatasetFS, new: list[Marker], object_url: str | None
 ) -> Iterator[tuple[list[Marker], dict[str, bytes]]]:
-    """`new` in chunks of `PREFETCH_UNITS`, each with its small units' files (read whole: on
-    object storage fetched concurrently), the next chunk's fetched while the caller indexes
-    this one (a request's wait overlaps the decoding)."""
-    chunks = [new[i : i + PREFETCH_UNITS] for i in range(0, len(new), PREFETCH_UNITS)]
+    """`new` in chunks of up to `PREFETCH_UNITS` small units, each with their files (read whole:
+    on object storage fetched concurrently), the next chunk's fetched while the caller indexes
+    this one (a request's wait overlaps the decoding). A large unit is a chunk of its own,
+    nothing fetched for it (its index columns are read in place, `_ranged`): a restarted
+    proxy's open indexes a compacted unit while the small units after it are fetched."""
+    chunks: list[list[Marker]] = []
+    for m in new:
+        last = chunks[-1] if chunks else None
+        if last and len(last) < PREFETCH_UNITS and _small(m) and _small(last[0]):
+            last.append(m)
+        else:
+            chunks.append([m])
 
     def fetch(chunk: list[Marker]) -> dict[str, bytes]:
-        small = [rel for m in chunk if m.size <= SMALL_UNIT_BYTES for rel in m.files.values()]
+        small = [rel for m in chunk if _small(m) for rel in m.files.values()]
         return fetch_files(dfs, small, object_url)
 
     if dfs.local or len(chunks) < 2:
@@ -113,6 +121,10 @@ def fetched_ahead(
             if i + 1 < len(chunks):
                 pending = ahead.submit(fetch, chunks[i + 1])
             yield chunk, files
+
+
+def _small(unit: Marker) -> bool:
+    return unit.size <= SMALL_UNIT_BYTES
 
 
 def _reader(dfs: DatasetFS, object_url: str | None) -> Callable[[str], bytes]:
