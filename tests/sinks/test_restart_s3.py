@@ -24,8 +24,9 @@ from capture_proxy.sinks.base import StoreDamaged
 from capture_proxy.sinks.parquet import ParquetSink, ParquetSource
 from capture_proxy.sinks.parquet._bounds import MAX_PAGE_BYTES
 from capture_proxy.sinks.parquet._fs import DatasetFS
-from capture_proxy.sinks.parquet._layout import read_group, read_groups, read_table
+from capture_proxy.sinks.parquet._layout import Marker, read_group, read_groups, read_table
 from capture_proxy.sinks.parquet._ranged import chunk_ranges, open_columns
+from capture_proxy.sinks.parquet._snapshot import fetched_ahead
 from tests.support.parquet_bomb import bomb_file
 from tests.support.s3 import MotoS3
 from tests.support.sink_factories import Session, image
@@ -199,3 +200,24 @@ async def test_a_writer_open_reads_each_attachments_file_once(moto_s3: MotoS3) -
         await _stage(reopened, Session.resume(last), acked)
     finally:
         await reopened.close()
+
+
+def test_a_large_unit_is_a_fetch_chunk_of_its_own_and_small_units_are_fetched_whole(
+    moto_s3: MotoS3,
+) -> None:
+    """A restarted proxy's open indexes a compacted unit (its columns read in place) while the
+    small units after it are fetched: the large unit does not wait for their files."""
+    url = moto_s3.url()
+    dfs = DatasetFS(url)
+    assert dfs.store is not None
+    small = [
+        Marker(f"{i:020d}-u", {"ledger": f"ledger/{i}.parquet"}, {"ledger": 1}, size=100)
+        for i in range(2, 70)
+    ]
+    for m in small:
+        obstore.put(dfs.store, m.files["ledger"], m.unit.encode())
+    large = Marker(f"{1:020d}-big", {"calls": "calls/big.parquet"}, {"calls": 9}, size=2 << 20)
+    chunks = list(fetched_ahead(dfs, [large, *small], url))
+    assert [len(c) for c, _ in chunks] == [1, 64, 4]
+    assert chunks[0] == ([large], {})
+    assert chunks[1][1] == {m.files["ledger"]: m.unit.encode() for m in small[:64]}
