@@ -146,7 +146,12 @@ def open_columns(
         return None
     if wanted:
         starts, ends = [a for a, _ in wanted], [b for _, b in wanted]
-        fetched = obstore.get_ranges(store, rel, starts=starts, ends=ends, coalesce=_COALESCE)
+        try:
+            fetched = obstore.get_ranges(store, rel, starts=starts, ends=ends, coalesce=_COALESCE)
+        except FileNotFoundError:
+            raise
+        except Exception:  # a response cut short, say: read as before (pyarrow's retries)
+            return None
         for start, data in zip(starts, fetched, strict=True):
             ranges.hold(start, bytes(data))
     ranges.seek(0)
@@ -154,6 +159,13 @@ def open_columns(
 
 
 def _fetch(store: ObjectStore, rel: str, start: int, end: int) -> bytes:
+    """A read outside the ranges held. An error other than a missing file is an OSError, as
+    pyarrow's reads raise (the reader retries the ones that say a response broke off)."""
     import obstore
 
-    return bytes(obstore.get_range(store, rel, start=start, end=end))
+    try:
+        return bytes(obstore.get_range(store, rel, start=start, end=end))
+    except FileNotFoundError:
+        raise
+    except Exception as e:
+        raise OSError(f"{rel}: {e}") from e
