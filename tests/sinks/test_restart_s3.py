@@ -202,13 +202,13 @@ async def test_a_writer_open_reads_each_attachments_file_once(moto_s3: MotoS3) -
         await reopened.close()
 
 
-def test_a_large_unit_is_a_fetch_chunk_of_its_own_and_small_units_are_fetched_whole(
-    moto_s3: MotoS3,
+def test_a_large_unit_is_a_fetch_chunk_of_its_own_opened_ahead_and_small_units_fetched_whole(
+    moto_s3: MotoS3, tmp_path: Path
 ) -> None:
-    """A restarted proxy's open indexes a compacted unit (its columns read in place) while the
-    small units after it are fetched: the large unit does not wait for their files."""
+    """A restarted proxy's open reads a compacted unit's index columns ahead (all its files at
+    once) and indexes it while the small units after it are fetched."""
     url = moto_s3.url()
-    dfs = DatasetFS(url)
+    dfs = _put_table(moto_s3, url, "calls/big.parquet", _many_groups(tmp_path))
     assert dfs.store is not None
     small = [
         Marker(f"{i:020d}-u", {"ledger": f"ledger/{i}.parquet"}, {"ledger": 1}, size=100)
@@ -218,6 +218,15 @@ def test_a_large_unit_is_a_fetch_chunk_of_its_own_and_small_units_are_fetched_wh
         obstore.put(dfs.store, m.files["ledger"], m.unit.encode())
     large = Marker(f"{1:020d}-big", {"calls": "calls/big.parquet"}, {"calls": 9}, size=2 << 20)
     chunks = list(fetched_ahead(dfs, [large, *small], url))
-    assert [len(c) for c, _ in chunks] == [1, 64, 4]
-    assert chunks[0] == ([large], {})
+    assert [len(c) for c, _, _ in chunks] == [1, 64, 4]
+    assert chunks[0][:2] == ([large], {})
     assert chunks[1][1] == {m.files["ledger"]: m.unit.encode() for m in small[:64]}
+    ((rel, (columns, _)),) = chunks[0][2].items()
+    assert (rel, columns) == ("calls/big.parquet", frozenset({"call_id", "rollout_id"}))
+    # The index read takes the file opened ahead: no request of its own, the same rows.
+    dfs.ahead = chunks[0][2]
+    before = moto_s3.requests()
+    ids = [i for g in read_groups(dfs, rel, ["call_id"]) for i in g.column(0).to_pylist()]
+    assert moto_s3.requests() == before
+    assert ids == [f"c{i:05d}" for i in range(4000)]
+    assert dfs.ahead == {}  # taken once

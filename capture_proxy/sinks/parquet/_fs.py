@@ -105,6 +105,9 @@ class DatasetFS:
         #: Files read ahead, by path (`ParquetSource` fetches small units on object storage
         #: concurrently); `open` serves them from memory while they are here.
         self.prefetched: dict[str, bytes] = {}
+        #: Files of a large unit opened ahead with some columns' chunks fetched (`_ranged`), by
+        #: path: (those columns, the file); a read of those columns takes it, once.
+        self.ahead: dict[str, tuple[frozenset[str], pa.NativeFile]] = {}
         self._store_reads = True
 
     def path(self, rel: str) -> str:

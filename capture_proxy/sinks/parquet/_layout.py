@@ -287,6 +287,10 @@ def _open(
     """`rel` to read `columns` of: on object storage, those columns' chunks fetched at once
     (`_ranged`: two rounds of requests instead of one per page header and chunk)."""
     if columns is not None and rel not in dfs.prefetched:
+        ahead = dfs.ahead.get(rel)
+        if ahead is not None and ahead[0].issuperset(columns):
+            del dfs.ahead[rel]
+            return ahead[1]
         ranged = open_columns(dfs, rel, columns, groups)
         if ranged is not None:
             return ranged

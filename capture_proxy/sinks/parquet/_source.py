@@ -280,13 +280,13 @@ class ParquetSource(Loading):
             self._directory = None  # built again at the next query
         touched: dict[str, None] | None = None if self._directory is None else {}
         self._index.touched = touched
-        for chunk, files in fetched_ahead(self.dfs, new, self._object_url):
-            self.dfs.prefetched = files
+        for chunk, files, ahead in fetched_ahead(self.dfs, new, self._object_url):
+            self.dfs.prefetched, self.dfs.ahead = files, ahead
             try:
                 for unit in chunk:
                     self._add_unit(unit)
             finally:
-                self.dfs.prefetched = {}
+                self.dfs.prefetched, self.dfs.ahead = {}, {}
         self._units = units
         # Each name as its marker's (interned when decoded), not another copy of it.
         fresh = [sys.intern(n) for n in fresh]
