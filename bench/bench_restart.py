@@ -1,6 +1,7 @@
 """How long a restarted ``capture-proxy serve`` takes to be ready on a 10,000-unit moto dataset.
 
-    .venv/bin/python bench/bench_restart.py [--units 10000] [--restarts 3] [--sandboxes 4] [--json]
+    .venv/bin/python bench/bench_restart.py [--units 10000] [--restarts 3] [--sandboxes 4]
+        [--baseline PATH] [--json]
 
 The dataset is bench/bench_object_store_scale.py's (built once into the project's cache, then
 uploaded to a fresh moto server on loopback: 10,000 one-call units compacted into one merged unit,
@@ -22,6 +23,12 @@ time went, from the process's own output as it arrived:
 Twice: **alone**, then **under load**: another proxy on the same dataset serves `--sandboxes`
 agent-like sandboxes (`tests/support/reliability_workers.Loader`, the bundled fake vLLM as a
 process) for the whole phase, committing units the restarted proxy's open must index.
+
+With `--baseline PATH` (another checkout of capture-proxy, `git worktree add /tmp/base main`
+say), each restart is made twice in turn, once with this checkout's code and once with that one's
+(the proxy process started in its folder), on the same store under the same load: a comparison
+side by side in one run, as the store's tail and the machine's load change during it. The
+figures of each are reported apart (``this`` and ``baseline``).
 
 One run, on a shared machine: figures are noisy; give the load average beside them.
 """
@@ -87,14 +94,17 @@ class Stamped(Spawned):
         return None
 
 
-def spawn_proxy(upstream: str, store: str) -> Stamped:
+def spawn_proxy(upstream: str, store: str, code: Path = ROOT) -> Stamped:
+    """A proxy started in `code`'s folder: ``-m capture_proxy`` imports that checkout's code."""
     argv = [sys.executable, "-m", "capture_proxy", "serve", "--upstream", upstream]
     argv += ["--store", store, "--port", "0", "--min-free-disk-mb", "0"]
-    return Stamped(argv, _LISTENING, cwd=ROOT)
+    return Stamped(argv, _LISTENING, cwd=code)
 
 
-async def time_to_ready(upstream: str, store: str, http: aiohttp.ClientSession) -> dict[str, Any]:
-    proxy = spawn_proxy(upstream, store)
+async def time_to_ready(
+    upstream: str, store: str, http: aiohttp.ClientSession, code: Path = ROOT
+) -> dict[str, Any]:
+    proxy = spawn_proxy(upstream, store, code)
     try:
         while not proxy.url:
             if proxy.proc.poll() is not None or time.monotonic() - proxy.started > 170:
@@ -135,9 +145,21 @@ def _median(runs: list[dict[str, Any]], key: str) -> float | None:
     return round(statistics.median(values), 2) if values else None
 
 
-async def restarts(upstream: str, store: str, n: int) -> dict[str, Any]:
+async def restarts(
+    upstream: str, store: str, n: int, baseline: Path | None = None
+) -> dict[str, Any]:
+    trees = {"this": ROOT} if baseline is None else {"baseline": baseline, "this": ROOT}
+    runs: dict[str, list[dict[str, Any]]] = {label: [] for label in trees}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http:
-        runs = [await time_to_ready(upstream, store, http) for _ in range(n)]
+        for _ in range(n):
+            for label, code in trees.items():
+                runs[label].append(await time_to_ready(upstream, store, http, code))
+    if baseline is None:
+        return _summary(runs["this"])
+    return {label: _summary(r) for label, r in runs.items()}
+
+
+def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     keys = (
         "ready s",
         "imports s",
@@ -151,14 +173,17 @@ async def restarts(upstream: str, store: str, n: int) -> dict[str, Any]:
     return out
 
 
-async def under_load(upstream: str, store: str, n: int, sandboxes: int) -> dict[str, Any]:
+async def under_load(
+    upstream: str, store: str, n: int, sandboxes: int, baseline: Path | None
+) -> dict[str, Any]:
     writer = start_proxy(upstream, store, "--min-free-disk-mb", "0", cwd=ROOT)
     writer.wait_ready(170)
     loader = Loader("restart-load", concurrency=sandboxes, seed=1, turns=6)
     loader.start(writer.url)
     try:
         await asyncio.sleep(5)  # the writer's units start to pile up
-        out = await restarts(upstream, store, n)
+        out = await restarts(upstream, store, n, baseline)
+        out["load average"] = os.getloadavg()
         out["load calls staged"] = loader.outcomes["staged"]
         out["load outcomes"] = dict(loader.outcomes)
         return out
@@ -167,7 +192,7 @@ async def under_load(upstream: str, store: str, n: int, sandboxes: int) -> dict[
         await asyncio.to_thread(writer.terminate, 30)
 
 
-async def run(units: int, n: int, sandboxes: int) -> dict[str, Any]:
+async def run(units: int, n: int, sandboxes: int, baseline: Path | None) -> dict[str, Any]:
     local, built_s = cached_dataset(units)
     out: dict[str, Any] = {"units": units, "built s": built_s, "load average": os.getloadavg()}
     with tempfile.TemporaryDirectory() as tmp, MotoS3(Path(tmp), BUCKET) as moto:
@@ -179,9 +204,10 @@ async def run(units: int, n: int, sandboxes: int) -> dict[str, Any]:
         store = f"s3://{BUCKET}/ds"
         fake = start_fake(latency=0.02)
         try:
-            out["alone"] = await restarts(fake.url, store, n)
+            out["alone"] = await restarts(fake.url, store, n, baseline)
+            out["alone"]["load average"] = os.getloadavg()
             if sandboxes:
-                out["under load"] = await under_load(fake.url, store, n, sandboxes)
+                out["under load"] = await under_load(fake.url, store, n, sandboxes, baseline)
         finally:
             fake.terminate()
     out["load average after"] = os.getloadavg()
@@ -193,9 +219,14 @@ def main() -> None:
     ap.add_argument("--units", type=int, default=10_000, help="units committed (default 10000)")
     ap.add_argument("--restarts", type=int, default=3, help="restarts timed per phase")
     ap.add_argument("--sandboxes", type=int, default=4, help="sandboxes on the other proxy")
+    ap.add_argument(
+        "--baseline",
+        type=Path,
+        help="another checkout whose proxy is restarted in turn with this one's (compared)",
+    )
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
     args = ap.parse_args()
-    result = asyncio.run(run(args.units, args.restarts, args.sandboxes))
+    result = asyncio.run(run(args.units, args.restarts, args.sandboxes, args.baseline))
     if args.json:
         print(json.dumps(result))
         return

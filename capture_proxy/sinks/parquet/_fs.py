@@ -105,6 +105,9 @@ class DatasetFS:
         #: Files read ahead, by path (`ParquetSource` fetches small units on object storage
         #: concurrently); `open` serves them from memory while they are here.
         self.prefetched: dict[str, bytes] = {}
+        #: Files of a large unit opened ahead with some columns' chunks fetched (`_ranged`), by
+        #: path: (those columns, the file); a read of those columns takes it, once.
+        self.ahead: dict[str, tuple[frozenset[str], pa.NativeFile]] = {}
         self._store_reads = True
 
     def path(self, rel: str) -> str:
@@ -150,6 +153,11 @@ class DatasetFS:
         if info.type == pafs.FileType.NotFound:
             return None
         return f"{info.mtime_ns}:{info.size}"
+
+    def object_store(self) -> ObjectStore | None:
+        """The obstore store reads may go through (None: a local folder, a pyarrow filesystem
+        without one, or a store obstore could not read: `read`)."""
+        return None if self.local or not self._store_reads else self.store
 
     def open(self, rel: str) -> pa.NativeFile:
         """A random-access handle (what `pyarrow.parquet` reads footers and columns through)."""

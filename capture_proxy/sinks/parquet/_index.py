@@ -357,6 +357,10 @@ class UnitIndex:
     #: then those with calls only, each in order of first appearance (`ParquetSource.known`).
     headed: dict[str, None] | None = None
     called: dict[str, None] | None = None
+    #: When not None (with `heads`), each attachment's sha256 -> the attachments file of its
+    #: first copy, collected as units are indexed (`ParquetSource.known`: without it a writer's
+    #: open read every attachments file a second time, a request each on object storage).
+    attached: dict[str, str] | None = None
     #: As `Index.touched`.
     touched: dict[str, None] | None = None
 
@@ -420,6 +424,8 @@ class UnitIndex:
             for g, t in enumerate(read_groups(dfs, files[ATTACHMENTS], ["sha256"])):
                 for sha in t.column("sha256").to_pylist():
                     self.attachments.add(sha, pos, g)
+                    if self.attached is not None:
+                        self.attached.setdefault(sha, files[ATTACHMENTS])
         sealed: set[str] = set()
         if LEDGER in files:
             columns = LEDGER_INDEX_COLUMNS if self.heads is None else _LEDGER_HEAD_COLUMNS

@@ -18,7 +18,7 @@ verified digests come from `capture_proxy.open_store` or `capture-proxy export`.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -28,21 +28,39 @@ import pyarrow.fs as pafs
 
 from ..base import StoreError
 from ._fs import DatasetFS
+from ._index import LEDGER_INDEX_COLUMNS, SMALL_UNIT_BYTES
 from ._layout import (
+    ATTACHMENTS,
+    BLOBS,
     CALLS,
     COMMITS_DIR,
+    LEDGER,
     SCHEMAS,
     Marker,
     check_format,
 )
+from ._ranged import open_columns
 
 if TYPE_CHECKING:
     import pyarrow.dataset as pads
 
-__all__ = ["LiveFiles", "fetch_files", "live_files", "read_markers"]
+__all__ = ["LiveFiles", "fetch_files", "fetched_ahead", "live_files", "read_markers"]
 
 #: Concurrent reads of small objects on object storage (each is one round trip).
 READ_WORKERS = 16
+#: Units whose small files are fetched ahead at once when a reader indexes new units (bounds
+#: the bytes held: at most this many units of up to `SMALL_UNIT_BYTES`, usually a few KB each).
+PREFETCH_UNITS = 64
+#: The columns a units index reads of each table (`_index.UnitIndex.add_unit`): fetched ahead
+#: for a large unit. A read of other columns fetches them itself (`_ranged`).
+INDEX_READS: dict[str, tuple[str, ...]] = {
+    CALLS: ("call_id", "rollout_id"),
+    BLOBS: ("key",),
+    ATTACHMENTS: ("sha256",),
+    LEDGER: (*LEDGER_INDEX_COLUMNS, "position", "hash"),
+}
+#: A file opened ahead: the columns fetched, and the file (`DatasetFS.ahead`).
+Ahead = tuple[frozenset[str], pa.NativeFile]
 
 
 def read_markers(
@@ -84,6 +102,65 @@ def fetch_files(dfs: DatasetFS, rels: Sequence[str], object_url: str | None) -> 
 
     with ThreadPoolExecutor(min(READ_WORKERS, len(rels))) as pool:
         return {rel: data for rel, data in pool.map(one, rels) if data is not None}
+
+
+def fetched_ahead(
+    dfs: DatasetFS, new: list[Marker], object_url: str | None
+) -> Iterator[tuple[list[Marker], dict[str, bytes], dict[str, Ahead]]]:
+    """`new` in chunks of up to `PREFETCH_UNITS` small units, each with their files (read whole:
+    on object storage fetched concurrently), the next chunk's fetched while the caller indexes
+    this one (a request's wait overlaps the decoding). A large unit is a chunk of its own: its
+    files are opened with the chunks of the columns a units index reads fetched, all its files
+    at once (`_ranged`; for `DatasetFS.ahead`), so a restarted proxy's open reads a compacted
+    unit in two rounds of requests and indexes it while the small units after it are fetched."""
+    chunks: list[list[Marker]] = []
+    for m in new:
+        last = chunks[-1] if chunks else None
+        if last and len(last) < PREFETCH_UNITS and _small(m) and _small(last[0]):
+            last.append(m)
+        else:
+            chunks.append([m])
+
+    def fetch(chunk: list[Marker]) -> tuple[dict[str, bytes], dict[str, Ahead]]:
+        if len(chunk) == 1 and not _small(chunk[0]):
+            return {}, _opened_ahead(dfs, chunk[0])
+        small = [rel for m in chunk for rel in m.files.values()]
+        return fetch_files(dfs, small, object_url), {}
+
+    if dfs.local or len(chunks) < 2:
+        for chunk in chunks:
+            yield chunk, *fetch(chunk)
+        return
+    with ThreadPoolExecutor(1, "parquet-fetch-ahead") as ahead:
+        pending = ahead.submit(fetch, chunks[0])
+        for i, chunk in enumerate(chunks):
+            files, opened = pending.result()
+            if i + 1 < len(chunks):
+                pending = ahead.submit(fetch, chunks[i + 1])
+            yield chunk, files, opened
+
+
+def _opened_ahead(dfs: DatasetFS, unit: Marker) -> dict[str, Ahead]:
+    """A large unit's files, opened with the columns a units index reads fetched (concurrently);
+    none where they are read as before (a local folder, no obstore store)."""
+    if dfs.object_store() is None:
+        return {}
+    wanted = [(rel, INDEX_READS[t]) for t, rel in unit.files.items() if t in INDEX_READS]
+
+    def one(item: tuple[str, tuple[str, ...]]) -> tuple[str, Ahead] | None:
+        rel, columns = item
+        with contextlib.suppress(FileNotFoundError):  # the reader's own read then says so
+            f = open_columns(dfs, rel, columns)
+            if f is not None:
+                return rel, (frozenset(columns), f)
+        return None
+
+    with ThreadPoolExecutor(max(1, len(wanted))) as pool:
+        return dict(x for x in pool.map(one, wanted) if x is not None)
+
+
+def _small(unit: Marker) -> bool:
+    return unit.size <= SMALL_UNIT_BYTES
 
 
 def _reader(dfs: DatasetFS, object_url: str | None) -> Callable[[str], bytes]:

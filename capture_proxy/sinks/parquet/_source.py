@@ -30,7 +30,6 @@ import threading
 import time
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Literal, TypeVar
 
 import pyarrow.fs as pafs
@@ -44,7 +43,7 @@ from ...schemas.records import (
     StagedCallRecord,
 )
 from ...schemas.store_head import ClaimCount
-from ..base import PROXY_STATE_ROLLOUT, StoreDamaged, StoreError
+from ..base import PROXY_STATE_ROLLOUT, StoreError
 from ..rollout_index import IndexedRollout, RolloutQuery, row_of
 from ._checkpoint import CHECKPOINT, Loaded, load_markers
 from ._claims import claim_counts, read_claims
@@ -52,7 +51,6 @@ from ._cursors import ParquetCursors
 from ._directory import Directory
 from ._fs import DatasetFS
 from ._index import (
-    SMALL_UNIT_BYTES,
     Index,
     Known,
     Locator,
@@ -71,16 +69,15 @@ from ._layout import (
     read_table,
 )
 from ._loading import Loading
-from ._snapshot import fetch_files, read_markers
+from ._read_errors import damaged as _damaged
+from ._read_errors import vanished as _vanished
+from ._snapshot import fetched_ahead, read_markers
 
 __all__ = ["ParquetSource", "default_url"]
 
 T = TypeVar("T")
 #: Reads retried when files vanish under them (each retry follows a compaction's cleanup).
 _ATTEMPTS = 5
-#: Units whose small files are fetched ahead at once when a reader indexes new units (bounds
-#: the bytes held: at most this many units of up to `SMALL_UNIT_BYTES`, usually a few KB each).
-_PREFETCH_UNITS = 64
 
 
 def _order_of(path: str) -> int:
@@ -91,40 +88,6 @@ def _order_of(path: str) -> int:
 def default_url(location: str) -> str:
     """The canonical store URL for a dataset location (what coordinates report)."""
     return location if "://" in location else f"parquet:///{location}"
-
-
-def _vanished(e: OSError) -> bool:
-    """Whether `e` says a file is gone: pyarrow's S3 filesystem raises FileNotFoundError when it
-    opens a missing file, but a plain OSError ("NO_SUCH_KEY") when a file it opened is deleted
-    before it reads a range of it (a compaction's clean-up under a reader): "NO_SUCH_KEY", or
-    "RESOURCE_NOT_FOUND" when the 404 has no body. A response that broke off mid-read
-    ("INTERNAL_FAILURE ... Failed to flush response stream", seen on moto's server while a
-    compaction's clean-up ran beside the reads; S3 asks clients to retry an internal error) is
-    read again too."""
-    return any(
-        code in str(e)
-        for code in (
-            "NO_SUCH_KEY",
-            "NoSuchKey",
-            "RESOURCE_NOT_FOUND",
-            "Failed to flush response stream",
-        )
-    )
-
-
-def _damaged(url: str, e: BaseException) -> StoreDamaged | None:
-    """`e` as damage of the dataset at `url`, or None when it is not (a store error of its
-    own, an unknown key, an I/O failure). pyarrow's ArrowInvalid and ArrowTypeError are
-    ValueError and TypeError: a file no writer could have written ends a read as damage, not as
-    a traceback."""
-    if isinstance(e, (KeyError, StoreError)) or not isinstance(
-        e, (ValueError, TypeError, OverflowError, UnicodeError, IndexError)
-    ):
-        return None
-    return StoreDamaged(
-        f"{url} is damaged ({type(e).__name__}: {e}); capture-proxy inspect --verify lists "
-        "the damage"
-    )
 
 
 class ParquetSource(Loading):
@@ -285,7 +248,7 @@ class ParquetSource(Loading):
             # are collected by the first load only: a reader nobody takes them from (the
             # proxy's shared one) would otherwise keep one per rollout ever indexed. Taken
             # later, they are read from the files.
-            idx.heads = idx.headed = idx.called = None
+            idx.heads = idx.headed = idx.called = idx.attached = None
             self._collect_heads = False
         # What the new markers retire (a compaction's or gc's merged unit), and units whose
         # markers are gone (deleted by a cleanup once retired, by a marker read before or not).
@@ -317,13 +280,13 @@ class ParquetSource(Loading):
             self._directory = None  # built again at the next query
         touched: dict[str, None] | None = None if self._directory is None else {}
         self._index.touched = touched
-        for chunk, files in self._fetched_ahead(new):
-            self.dfs.prefetched = files
+        for chunk, files, ahead in fetched_ahead(self.dfs, new, self._object_url):
+            self.dfs.prefetched, self.dfs.ahead = files, ahead
             try:
                 for unit in chunk:
                     self._add_unit(unit)
             finally:
-                self.dfs.prefetched = {}
+                self.dfs.prefetched, self.dfs.ahead = {}, {}
         self._units = units
         # Each name as its marker's (interned when decoded), not another copy of it.
         fresh = [sys.intern(n) for n in fresh]
@@ -335,35 +298,17 @@ class ParquetSource(Loading):
                 if rollout_id != PROXY_STATE_ROLLOUT:
                     self._directory.put(self._index_row(rollout_id))
 
-    def _fetched_ahead(self, new: list[Marker]) -> Iterator[tuple[list[Marker], dict[str, bytes]]]:
-        """`new` in chunks of `_PREFETCH_UNITS`, each with its small units' files (read whole:
-        on object storage fetched concurrently), the next chunk's fetched while the caller
-        indexes this one (a request's wait overlaps the decoding)."""
-        chunks = [new[i : i + _PREFETCH_UNITS] for i in range(0, len(new), _PREFETCH_UNITS)]
-
-        def fetch(chunk: list[Marker]) -> dict[str, bytes]:
-            small = [rel for m in chunk if m.size <= SMALL_UNIT_BYTES for rel in m.files.values()]
-            return fetch_files(self.dfs, small, self._object_url)
-
-        if self.dfs.local or len(chunks) < 2:
-            for chunk in chunks:
-                yield chunk, fetch(chunk)
-            return
-        with ThreadPoolExecutor(1, "parquet-fetch-ahead") as ahead:
-            pending = ahead.submit(fetch, chunks[0])
-            for i, chunk in enumerate(chunks):
-                files = pending.result()
-                if i + 1 < len(chunks):
-                    pending = ahead.submit(fetch, chunks[i + 1])
-                yield chunk, files
-
     def _new_index(self) -> Index | UnitIndex:
         if not self._per_unit:
             return Index()
         if not self._collect_heads:
             return UnitIndex(calls=Locator() if self._call_keys else None)
         return UnitIndex(
-            calls=Locator() if self._call_keys else None, heads={}, headed={}, called={}
+            calls=Locator() if self._call_keys else None,
+            heads={},
+            headed={},
+            called={},
+            attached={},
         )
 
     def _add_unit(self, unit: Marker) -> None:
@@ -415,8 +360,11 @@ class ParquetSource(Loading):
             return self._known()
 
     def _known(self) -> Known:
-        files = self._attachment_files()
         idx = self._index
+        if isinstance(idx, UnitIndex) and idx.attached is not None:
+            files, idx.attached = idx.attached, None  # collected as the units were indexed
+        else:
+            files = self._attachment_files()
         if isinstance(idx, UnitIndex) and idx.headed is not None and idx.called is not None:
             # Collected while the units were indexed (a writer's open): kept no longer.
             rollouts = set(idx.headed) | set(idx.called)
