@@ -54,6 +54,9 @@ class ExchangeConfig:
     #: A token-in call sends upstream at most about this many times the plain call's bytes
     #: (``--token-in-upstream-bound``): what bounds a stream's derender calls.
     token_in_upstream_bound: float = 3.0
+    #: A bridged call whose close and anchors are known sends generate beside the request's own
+    #: render, which then checks it (``--token-in-beside``; docs/token-in.md).
+    token_in_beside: bool = False
 
 
 @dataclass(slots=True)

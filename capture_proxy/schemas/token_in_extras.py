@@ -32,11 +32,13 @@ from typing import Any
 from .fields import RecordValidationError
 
 __all__ = [
+    "BESIDE_KEY",
     "BREAK_KEY",
     "DIVERGENCE_KEY",
     "MEDIA_KEY",
     "MediaItem",
     "SegmentBreak",
+    "beside_aborted_of",
     "media_of",
     "plain_divergence_of",
     "segment_break_of",
@@ -45,6 +47,8 @@ __all__ = [
 
 #: The extras key of a token-in call's segment break.
 BREAK_KEY = "token_in_break"
+#: The extras key of a generation sent beside the request's render and aborted.
+BESIDE_KEY = "token_in_beside_aborted"
 #: The extras key of where the plain rendering would have diverged.
 DIVERGENCE_KEY = "plain_divergence"
 #: The extras key of the prompt's image placeholders.
@@ -88,13 +92,17 @@ def token_in_extras(
     segment_break: SegmentBreak | None,
     plain_divergence: int | None,
     media: Sequence[MediaItem] | None = None,
+    beside_aborted: SegmentBreak | None = None,
 ) -> dict[str, Any]:
     """The extras entries of a token-in call: its segment break (None: it continued the
     previous call), the first position where the plain rendering would have diverged (None:
     it would not have), and its prompt's images (`media`, in prompt order; none or None: no
-    entry, as for a call without images or with more than the proxy keeps)."""
+    entry, as for a call without images or with more than the proxy keeps), and why a
+    generation sent beside the request's render was aborted (None: none was)."""
     if segment_break is not None:
         _check_break(segment_break.to_dict())
+    if beside_aborted is not None:
+        _check_break(beside_aborted.to_dict(), BESIDE_KEY)
     _check_divergence(plain_divergence)
     out: dict[str, Any] = {DIVERGENCE_KEY: plain_divergence}
     if segment_break is not None:
@@ -103,7 +111,18 @@ def token_in_extras(
         recorded = [m.to_dict() for m in media]
         _check_media(recorded)
         out[MEDIA_KEY] = recorded
+    if beside_aborted is not None:
+        out[BESIDE_KEY] = beside_aborted.to_dict()
     return out
+
+
+def beside_aborted_of(extras: Mapping[str, Any]) -> SegmentBreak | None:
+    """Why a token-in record's generation sent beside its render was aborted, or None."""
+    raw = extras.get(BESIDE_KEY)
+    if raw is None:
+        return None
+    _check_break(raw, BESIDE_KEY)
+    return SegmentBreak(raw["reason"], raw["detail"])
 
 
 def segment_break_of(extras: Mapping[str, Any]) -> SegmentBreak | None:
@@ -136,7 +155,7 @@ def media_of(extras: Mapping[str, Any]) -> tuple[MediaItem, ...] | None:
     return tuple(MediaItem(m["modality"], m["hash"], m["offset"], m["length"]) for m in raw)
 
 
-def _check_break(raw: Any) -> None:
+def _check_break(raw: Any, key: str = BREAK_KEY) -> None:
     if (
         not isinstance(raw, dict)
         or set(raw) != {"reason", "detail"}
@@ -145,7 +164,7 @@ def _check_break(raw: Any) -> None:
         or not isinstance(raw["detail"], str)
     ):
         raise RecordValidationError(
-            f"extras.{BREAK_KEY}",
+            f"extras.{key}",
             f'must be {{"reason": a non-empty string, "detail": a string}}, got {raw!r}',
         )
 

@@ -124,6 +124,7 @@ async def lifecycle(app: web.Application) -> AsyncIterator[None]:
             logprobs_mode=s.upstream_logprobs_mode,
             token_in=s.token_in,
             token_in_upstream_bound=s.token_in_upstream_bound,
+            token_in_beside=s.token_in_beside == "on",
         ),
     )
     state.pipeline.on_token_in.append(state.metrics.observe_token_in)

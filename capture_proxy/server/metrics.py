@@ -176,6 +176,14 @@ class Metrics:
             "(what token-in avoided)",
             registry=r,
         )
+        self.token_in_beside = Counter(
+            "capture_proxy_token_in_beside_total",
+            "token-in calls whose generate was sent beside the request's own render "
+            "(--token-in-beside): passed (kept) or the reason it was aborted and sent again "
+            "(prompt, max_tokens, sampling, request)",
+            ["result"],
+            registry=r,
+        )
         # With several upstream replicas (a call's `replica` set): per-replica copies of the
         # metrics that tell a replica apart, so a single upstream's series stay as they are.
         self.replica_calls = Counter(
@@ -231,6 +239,8 @@ class Metrics:
         self.token_in_calls.labels(report.result, report.reason).inc()
         if report.plain_divergence is not None:
             self.token_in_diverged.inc()
+        if report.beside:
+            self.token_in_beside.labels(report.beside).inc()
 
     def add_live(self, read: Callable[[], dict[str, float]]) -> None:
         self.registry.register(_Live(read))

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import asyncio
 from array import array
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import orjson
@@ -38,7 +39,7 @@ from ._prompt import RenderRefused, TokenInPrompt
 from ._renders import Renders, read_bridge
 from ._values import Bridged, BridgePlan, Extension, NotBridged, Prior
 
-__all__ = ["token_in_prompt"]
+__all__ = ["Beside", "token_in_prompt", "token_in_prompt_beside"]
 
 _T = TypeVar("_T")
 
@@ -78,6 +79,32 @@ async def token_in_prompt(
     Raises `RenderRefused` when the upstream refuses to render the request, `UpstreamFailed`
     when it cannot be reached.
     """
+    got = await token_in_prompt_beside(
+        upstream, closes, prior, request, render_request, prompts, staged, fingerprint
+    )
+    assert isinstance(got, TokenInPrompt)  # nothing is sent beside without `early`
+    return got
+
+
+async def token_in_prompt_beside(
+    upstream: TokenInTransport,
+    closes: CloseRenders,
+    prior: Prior | None,
+    request: Mapping[str, Any],
+    render_request: Mapping[str, Any] | bytes,
+    prompts: PromptJson | None = None,
+    staged: Mapping[str, Any] | None = None,
+    fingerprint: str | None = None,
+    early: Callable[[int, bytes], bytes | None] | None = None,
+) -> TokenInPrompt | Beside:
+    """`token_in_prompt`, or with `early` (``--token-in-beside``: given the bridged prompt's
+    length and JSON, generate's request built without the request's own render, None when
+    not from this call) a `Beside` as soon as the dummy renders answer, when they bridge the
+    call from single renders alone and `early` gives a request.
+
+    Raises `RenderRefused` when the upstream refuses to render the request, `UpstreamFailed`
+    when it cannot be reached.
+    """
     verdict = match(prior, request, staged, fingerprint)
     if isinstance(render_request, bytes):
         plain_body = render_request
@@ -92,7 +119,51 @@ async def token_in_prompt(
     kept = prompts.get(verdict.prior.prompt_ids) if prompts is not None else None
     plain_render = asyncio.ensure_future(_render(upstream, plain_body))
     try:
-        got, failed = await _bridge(upstream, closes, verdict, bridge, kept)
+        got, failed, learnt = await _bridge(upstream, closes, verdict, bridge, kept)
+        if early is not None and learnt and isinstance(got, Bridged) and not got.media:
+            ids_json = _bridged_json(got, verdict.prior, kept)
+            body = early(len(got.prompt_ids), ids_json)
+            if body is not None:
+                # Generate goes out now; the request's own render answers beside it.
+                check = asyncio.ensure_future(
+                    _checked_prompt(
+                        upstream, closes, request, verdict, bridge, kept, got, failed, plain_render
+                    )
+                )
+                return Beside(body, ids_json, check)
+        return await _checked_prompt(
+            upstream, closes, request, verdict, bridge, kept, got, failed, plain_render
+        )
+    except BaseException:
+        plain_render.cancel()
+        raise
+
+
+@dataclass(frozen=True, slots=True)
+class Beside:
+    """A bridged call's generate request built before the request's own render answered
+    (`early`), and the call's prompt as the ordinary path builds it once it has (`check`,
+    which raises as `token_in_prompt` does)."""
+
+    body: bytes
+    ids_json: bytes
+    check: asyncio.Future[TokenInPrompt]
+
+
+async def _checked_prompt(
+    upstream: TokenInTransport,
+    closes: CloseRenders,
+    request: Mapping[str, Any],
+    verdict: Extension,
+    bridge: BridgePlan,
+    kept: bytes | None,
+    got: Bridged | NotBridged,
+    failed: bool,
+    plain_render: asyncio.Future[tuple[int, bytes]],
+) -> TokenInPrompt:
+    """The call's prompt from the bridge's renders (`got`) and the request's own render,
+    checked against it (the rest of `token_in_prompt`)."""
+    try:
         status, raw = await plain_render
     except BaseException:
         plain_render.cancel()
@@ -106,7 +177,7 @@ async def token_in_prompt(
         # the tools. The dummies with them decide, as without lean dummies. (A render that
         # failed is the call's break, as it would be with them.)
         bridge = plan(request, verdict)
-        whole, _ = await _bridge(upstream, closes, verdict, bridge, kept)
+        whole, _, _ = await _bridge(upstream, closes, verdict, bridge, kept)
         checked = _checked(whole, raw, verdict.prior, kept)
         if not isinstance(checked, NotBridged):
             closes.context_needed(bridge.close_key)
@@ -137,20 +208,24 @@ async def _bridge(
     extension: Extension,
     bridge: BridgePlan,
     kept: bytes | None,
-) -> tuple[Bridged | NotBridged, bool]:
+) -> tuple[Bridged | NotBridged, bool, bool]:
     """The bridged prompt from `bridge`'s renders (`Renders`: one render of a pair whose
-    anchor is known), and whether a render failed (an error status, or not a render's answer).
+    anchor is known), whether a render failed (an error status, or not a render's answer),
+    and whether it came from single renders alone (the close cached, every kind anchored).
     Single renders that do not bridge are rendered as whole pairs, which decide; a kind whose
     render did not start with its anchor keeps to pairs from then on."""
     renders = Renders(bridge, closes, extension)
+    kinds = 1 + (bridge.turn is not None)
+    learnt = renders.cached is not None and len(renders.anchored) == kinds
     answers = await _all(*(_render(upstream, orjson.dumps(b)) for b in renders.bodies))
     got = read_bridge(extension, renders, answers, closes, kept)
     if renders.anchored and isinstance(got, NotBridged):
+        learnt = False
         for key in renders.unanchored:
             closes.pairs_only(key)
         seconds = await _all(*(_render(upstream, orjson.dumps(b)) for b in renders.seconds))
         got = read_bridge(extension, renders, renders.paired(answers, seconds), closes, kept)
-    return got, renders.failed
+    return got, renders.failed, learnt
 
 
 def _checked(

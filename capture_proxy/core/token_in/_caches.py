@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from ._beside import GenerateTemplates
+
 __all__ = ["CloseRenders", "IdsPair", "PromptJson"]
 
 #: The token ids of a pair of renders.
@@ -43,6 +45,9 @@ class CloseRenders:
         #: By tokenizer fingerprint: the reasoning parser's start and end marker ids and the tool
         #: call start's (`count_reasoning_tokens`), None when the first two are not one token each.
         self.reasoning_markers: dict[str, tuple[int, int, int | None] | None] = {}
+        #: Generate's requests without their prompts, by the request's other keys
+        #: (``--token-in-beside``: `GenerateTemplates`).
+        self.generate_templates = GenerateTemplates(limit)
 
     def get(self, key: str) -> IdsPair | None:
         pair = self._pairs.get(key)
@@ -99,6 +104,7 @@ class CloseRenders:
 
     def clear(self) -> None:
         self.reasoning_markers.clear()
+        self.generate_templates.clear()
         self._pairs.clear()
         self._anchors.clear()
         self._anchored = 0

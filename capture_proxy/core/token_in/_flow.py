@@ -12,6 +12,7 @@ it to the metrics.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 from collections.abc import AsyncGenerator, Mapping, Sequence
@@ -43,7 +44,7 @@ from ...adapters.vllm import (
     without_stop_token_id,
 )
 from ...errors import UpstreamFailed
-from ...schemas.token_in_extras import token_in_extras
+from ...schemas.token_in_extras import SegmentBreak, token_in_extras
 from ..sampling import RESOLVED_SAMPLING_KEYS, effective_sampling
 from ..transport import (
     SCALE_OUT_DISABLED,
@@ -53,7 +54,8 @@ from ..transport import (
     UpstreamReply,
     token_in_transport,
 )
-from ._bridging import token_in_prompt
+from ._beside import early_body, mismatch, template_key
+from ._bridging import Beside, token_in_prompt_beside
 from ._derender import StreamedDerender, post_derender
 from ._prompt import TokenInPrompt, token_in_line
 from ._report import EXTENDED, NEW_SEGMENT, TokenInReport
@@ -91,6 +93,11 @@ class TokenInCall:
         self._line: str | None = None
         #: The bytes the call's renders and generate sent, heads counted as `REQUEST_HEAD`.
         self.sent = 0
+        #: ``--token-in-beside``: "" (generate waited for the request's render), ``passed``, or
+        #: why the generation sent beside it was aborted (`BESIDE_MISMATCHES`).
+        self.beside = ""
+        #: The record's `token_in_beside_aborted` (None: nothing was aborted).
+        self.beside_aborted: SegmentBreak | None = None
 
     @property
     def _upstream(self) -> TokenInTransport:
@@ -111,7 +118,7 @@ class TokenInCall:
         assert self._exchange.plan is not None
         upstream = self._upstream
         # The request as the chat route would get it, rendered: generate's request comes from it.
-        render_request = orjson.loads(self._exchange.plan.body)
+        render_request: dict[str, Any] = orjson.loads(self._exchange.plan.body)
         for key in ("stream", "stream_options"):
             render_request.pop(key, None)
         # Encoded once: the plain render sends it; derender calls, what derender reads of it.
@@ -121,19 +128,71 @@ class TokenInCall:
             derender_chat_request(render_request, token_ids=wants.token_ids)
         )
         counted = _Counted(upstream)
-        self.prompt = await token_in_prompt(
+        config = self._exchange.pipeline.config
+        templates = self._exchange.pipeline.close_renders.generate_templates
+        beside_key = template_key(render_request) if config.token_in_beside else None
+        template = templates.get(beside_key) if beside_key is not None else None
+        request, streamed = self._exchange.request, self._exchange.streamed
+
+        def early(length: int, ids_json: bytes) -> bytes | None:
+            assert template is not None
+            return early_body(template, request, length, ids_json, stream=streamed)
+
+        got = await token_in_prompt_beside(
             cast(TokenInTransport, counted),  # token_in_prompt posts renders, nothing else
             self._exchange.pipeline.close_renders,
             self._exchange.admitted.rollout.token_in_prior(self._token_in_line),
-            self._exchange.request,
+            request,
             self._render_body,
             self._exchange.pipeline.prompt_json,
             self._exchange.admitted.request,
             self._exchange.info.fingerprint,
+            early if template is not None else None,
         )
-        self._markers = await self._reasoning_markers(self.prompt)
-        body = self.prompt.generate_body(self._exchange.request, stream=self._exchange.streamed)
+        if isinstance(got, Beside):
+            assert beside_key is not None
+            return await self._beside(upstream, counted, got, beside_key)
+        self.prompt = got
+        if beside_key is not None:
+            templates.put(beside_key, got.rendered)
+        self._markers = await self._reasoning_markers(got)
+        body = got.generate_body(request, stream=streamed)
         self.sent = counted.sent + len(body) + REQUEST_HEAD
+        return await upstream.post_engine(EngineRoute.GENERATE, body)
+
+    async def _beside(
+        self, upstream: TokenInTransport, counted: _Counted, beside: Beside, key: str
+    ) -> UpstreamReply:
+        """Generate sent at once with `beside`'s request; kept when the request's own render
+        builds the same request (`mismatch`), else aborted (its connection closed: vLLM aborts
+        a generation whose client left) and the ordinary request sent. Nothing of a generation
+        reaches the client before this returns."""
+        generating = asyncio.ensure_future(upstream.post_engine(EngineRoute.GENERATE, beside.body))
+        try:
+            prompt = await beside.check
+        except BaseException:
+            await _abort(generating)
+            raise
+        self.prompt = prompt
+        request, streamed = self._exchange.request, self._exchange.streamed
+        body = prompt.generate_body(request, stream=streamed)
+        why = mismatch(beside.body, body, beside.ids_json)
+        if why is None and prompt.segment_break is None:
+            self.beside = "passed"
+            self._exchange.pipeline.close_renders.generate_templates.put(key, prompt.rendered)
+            self.sent = counted.sent + len(beside.body) + REQUEST_HEAD
+            self._markers = await self._reasoning_markers(prompt)
+            return await generating
+        await _abort(generating)
+        cut = prompt.segment_break
+        reason = "prompt" if cut is not None else why or "prompt"
+        self.beside = reason
+        self.beside_aborted = SegmentBreak(reason, _ABORTED[reason])
+        # This call's keys go the ordinary way from now on: a template or a server that does
+        # not resolve as the proxy works out would abort each call.
+        self._exchange.pipeline.close_renders.generate_templates.refuse(key)
+        self.sent = counted.sent + len(beside.body) + len(body) + 2 * REQUEST_HEAD
+        self._markers = await self._reasoning_markers(prompt)
         return await upstream.post_engine(EngineRoute.GENERATE, body)
 
     @property
@@ -388,6 +447,7 @@ class TokenInCall:
                 NEW_SEGMENT if cut is not None else EXTENDED,
                 cut.reason if cut is not None else "",
                 prompt.plain_divergence,
+                self.beside,
             )
         )
 
@@ -407,9 +467,39 @@ class TokenInCall:
         params = prompt.rendered.sampling_params
         resolved = {k: params[k] for k in RESOLVED_SAMPLING_KEYS if k in params}
         completion.extras.update(
-            token_in_extras(prompt.segment_break, prompt.plain_divergence, prompt.media)
+            token_in_extras(
+                prompt.segment_break, prompt.plain_divergence, prompt.media, self.beside_aborted
+            )
         )
         return engine_version, weight_spans, effective_sampling(sampling, resolved)
+
+
+#: What the record says of each reason a generation sent beside the render was aborted.
+_ABORTED = {
+    "prompt": "the request's own rendering did not end as the bridge said: the call was sent "
+    "again the ordinary way",
+    "max_tokens": "the request's own render resolved another output limit than the one worked "
+    "out for the bridged prompt",
+    "sampling": "the request's own render resolved other sampling parameters than the last "
+    "render with the same keys",
+    "request": "the request's own render gave generate another request than the last render "
+    "with the same keys",
+}
+
+
+async def _abort(generating: asyncio.Future[UpstreamReply]) -> None:
+    """Abort a generation sent beside the request's render: a request still waiting for its
+    headers is cancelled (its connection closed), a reply closed; vLLM aborts a generation
+    whose connection closes (its generate route's ``with_cancellation``, a stream's
+    disconnect)."""
+    if not generating.done():
+        generating.cancel()
+        with contextlib.suppress(BaseException):
+            await generating
+        return
+    if generating.cancelled() or generating.exception() is not None:
+        return
+    generating.result().close()
 
 
 class _Counted:

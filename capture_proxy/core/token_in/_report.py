@@ -20,12 +20,15 @@ NEW_SEGMENT = "new_segment"
 @dataclass(frozen=True, slots=True)
 class TokenInReport:
     """One token-in call: its `result` (`EXTENDED` or `NEW_SEGMENT`), the segment break's
-    `reason` for a new segment ("" otherwise), and `plain_divergence`: the first prompt position
+    `reason` for a new segment ("" otherwise), `plain_divergence`: the first prompt position
     where the plain rendering would have differed from the tokens sent (None: it would not have,
-    or it was not measured)."""
+    or it was not measured), and `beside`: "" when generate waited for the request's own
+    render, ``passed`` when it was sent beside it and kept, else why it was aborted (a reason
+    of `BESIDE_MISMATCHES`)."""
 
     rollout_id: str
     call_id: str
     result: str
     reason: str = ""
     plain_divergence: int | None = None
+    beside: str = ""

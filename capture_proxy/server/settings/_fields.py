@@ -82,6 +82,14 @@ class Settings:
         "renders and generate left of it, then wait for its end (docs/token-in.md, "
         '"Upstream bytes"); higher streams in more pieces',
     )
+    token_in_beside: str = _s(
+        "off",
+        "token-in: on sends a bridged call's generate once its dummy renders answer, beside the "
+        "request's own render, which then checks it (a mismatch aborts that generation and sends "
+        'the call again the ordinary way; docs/token-in.md, "The whole-request check beside '
+        'generate")',
+        choices=("off", "on"),
+    )
     on_capture_failure: str = _s(
         "poison",
         "when a call cannot be staged: poison (answer, poison the rollout) or error (503)",
@@ -392,7 +400,7 @@ GROUPS: dict[str, tuple[str, str]] = {
     ),
     "token-in": (
         "prompts built from the model's own sampled tokens (docs/token-in.md)",
-        "token_in token_in_upstream_bound",
+        "token_in token_in_upstream_bound token_in_beside",
     ),
     "store": (
         "where calls are staged",
