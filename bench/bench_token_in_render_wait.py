@@ -21,7 +21,9 @@ its turn close cached from the first round on). Per token-in call:
   that render today, docs/token-in.md "Cost");
 - ``after generate``: from generate's answer to the client's answer (derender, staging).
 
-The plain call's latency through the same relay is printed beside it. Unary calls only (a
+The plain call's latency through the same relay is printed beside it, and a third proxy's, with
+``--token-in-beside on`` (generate sent once the dummies answer, beside the plain render): its
+whole call and when its generate left. Unary calls only (a
 stream's first byte waits for the same renders). Greedy, one call at a time.
 """
 
@@ -62,19 +64,24 @@ async def measure(url: str, rounds: int, max_seconds: float) -> None:
         )
     }
     plain_times: list[float] = []
+    #: ``--token-in-beside on``: the whole call, and its (first) generate's start.
+    beside: dict[str, list[float]] = {"whole": [], "before generate": [], "generates": []}
+    targets = ("plain", "token-in", "beside")
     began = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
         urls = {"vllm": url}
         runners = []
-        for target in ("plain", "token-in"):
+        for target in targets:
             (Path(tmp) / target).mkdir()
-            runner, proxy = await _proxy(Path(tmp) / target, relay_url, target == "token-in")
+            runner, proxy = await _proxy(
+                Path(tmp) / target, relay_url, target != "plain", beside=target == "beside"
+            )
             runners.append(runner)
             urls[target] = proxy
         bench = Bench(url, urls, None)
         try:
             for r in range(rounds):
-                for target in ("plain", "token-in") if r % 2 else ("token-in", "plain"):
+                for target in targets[r % 3 :] + targets[: r % 3]:
                     start: list[float] = []
 
                     def mark(start: list[float] = start) -> float:
@@ -89,6 +96,12 @@ async def measure(url: str, rounds: int, max_seconds: float) -> None:
                         plain_times.append(took)
                         continue
                     calls = relay.log[len(relay.log) - int(logged) :]
+                    if target == "beside":
+                        generates = [e for e in calls if e.path == GENERATE]
+                        beside["whole"].append(took)
+                        beside["before generate"].append(generates[0].sent - start[0])
+                        beside["generates"].append(len(generates))
+                        continue
                     renders = [e for e in calls if e.path == RENDER]
                     [generate] = [e for e in calls if e.path == GENERATE]
                     t0, end = start[0], start[0] + took
@@ -126,12 +139,21 @@ async def measure(url: str, rounds: int, max_seconds: float) -> None:
     for name, values in phases.items():
         p50, mean = _p(values, 50) * 1000, statistics.mean(values) * 1000
         print(f"| token-in: {name} | {p50:.1f} | {mean:.1f} |")
+    for name in ("whole", "before generate"):
+        p50, mean = _p(beside[name], 50) * 1000, statistics.mean(beside[name]) * 1000
+        print(f"| beside: {name} | {p50:.1f} | {mean:.1f} |")
     added = _p(phases["whole"], 50) - _p(plain_times, 50)
+    added_beside = _p(beside["whole"], 50) - _p(plain_times, 50)
+    aborted = sum(1 for n in beside["generates"] if n > 1)
     low, high = (_p(phases[k], 50) for k in ("plain after dummies", "dummies behind plain"))
     print()
     print(
         f"- token-in adds {added * 1000:+.1f} ms p50 over the plain call; waiting for the plain "
         f"render before generate costs it {low * 1000:.1f}-{high * 1000:.1f} ms p50"
+    )
+    print(
+        f"- with --token-in-beside on it adds {added_beside * 1000:+.1f} ms p50 "
+        f"({aborted} of {len(beside['generates'])} generations aborted and sent again)"
     )
 
 

@@ -5,17 +5,20 @@
 
 Without ``--url`` it starts the tiny vLLM 0.32 CPU server (`scripts/tiny_vllm.py`, with
 ``--enable-scale-out``) on a free loopback port and stops it at the end; with ``--url`` it uses a
-running one (``--pid``: its process, for the CPU figures). Two proxies run in this process, one
-on the plain path and one with ``--token-in on``, each with its own SQLite store.
+running one (``--pid``: its process, for the CPU figures). Three proxies run in this process, one
+on the plain path and two with ``--token-in on`` (one with ``--token-in-beside on``), each with
+its own SQLite store.
 
-Each round plays, for each of the three targets (the plain proxy, the token-in proxy, vLLM's own
-chat route) and unary then streamed, a two-call session of an agent: a system prompt and tools
-(about 4k prompt ids with the tiny model's tokenizer), a user message, the answer replayed, a
-second user message. The second call is measured (the token-in one is bridged: its prompt is the
-first call's prompt + completion, the turn close and the new message; the close is cached from
-the first round on): the client's wall time (unary) or time to its first body byte (streamed),
-and the vLLM process's CPU time during the call (`/proc`, in 10 ms ticks: the mean over the
-calls is reported; the engine runs in that process).
+Each round plays, for each of the four targets (the plain proxy, the token-in proxy, the
+token-in proxy with ``--token-in-beside on``, vLLM's own chat route) and unary then streamed, a
+two-call session of an agent: a system prompt and tools (about 4k prompt ids with the tiny
+model's tokenizer), a user message, the answer replayed, a second user message. The second call
+is measured (the token-in one is bridged: its prompt is the first call's prompt + completion,
+the turn close and the new message; the close and anchors are kept from the first round on, so
+from then on the beside proxy sends its generate beside the request's own render): the client's
+wall time (unary) or time to its first body byte (streamed), and the vLLM process's CPU time
+during the call (`/proc`, in 10 ms ticks: the mean over the calls is reported; the engine runs
+in that process).
 Targets take turns within a round, so the shared machine's noise falls on each alike; the ratios
 are what the figures are for. Greedy, ``max_tokens`` 8 (the tiny model answers noise; the
 output's length is not what token-in adds to).
@@ -61,7 +64,9 @@ from scripts import tiny_vllm
 _SENTENCE = "You are a coding agent working in a repository; use the tools, keep answers short. "
 #: About 4k prompt ids with the tools, with the tiny model's 4k-vocabulary tokenizer.
 SYSTEM = {"role": "system", "content": _SENTENCE * 40}
-TARGETS = ("plain", "token-in", "vllm")
+TARGETS = ("plain", "token-in", "beside", "vllm")
+#: The token-in targets: ``beside`` is the token-in proxy with ``--token-in-beside on``.
+TOKEN_IN = ("token-in", "beside")
 
 
 def _first_body(stream: bool) -> dict[str, Any]:
@@ -99,13 +104,16 @@ def _streamed_message(data: bytes) -> dict[str, Any]:
 BOUND = [3.0]
 
 
-async def _proxy(workdir: Path, upstream: str, token_in: bool) -> tuple[web.AppRunner, str]:
+async def _proxy(
+    workdir: Path, upstream: str, token_in: bool, *, beside: bool = False
+) -> tuple[web.AppRunner, str]:
     store = f"sqlite:///{workdir / 'store.db'}"
     settings = Settings(
         upstream=upstream,
         store=store,
         token_in="on" if token_in else "off",
         token_in_upstream_bound=BOUND[0],
+        token_in_beside="on" if beside else "off",
     )
     runner = web.AppRunner(create_app(settings, sink=open_sink(store)))
     await runner.setup()
@@ -169,7 +177,7 @@ class Bench:
         for r in range(rounds):
             for stream in (False, True):
                 mode = "streamed" if stream else "unary"
-                order = TARGETS[r % 3 :] + TARGETS[: r % 3]
+                order = TARGETS[r % len(TARGETS) :] + TARGETS[: r % len(TARGETS)]
                 for target in order:
                     took, cpu = await self.session_call(
                         target, f"{target}-{mode}-{r}", stream, self.cpu_now
@@ -191,17 +199,20 @@ class Bench:
             )
         print()
         for mode in ("unary", "streamed"):
-            plain, tin = self.latency["plain", mode], self.latency["token-in", mode]
-            added = _p(tin, 50) - _p(plain, 50)
-            cpu_ratio = statistics.mean(self.cpu["token-in", mode]) / max(
-                statistics.mean(self.cpu["plain", mode]), 1e-9
-            )
+            plain = self.latency["plain", mode]
             over_vllm = _p(plain, 50) - _p(self.latency["vllm", mode], 50)
-            print(
-                f"- {mode}: token-in adds {added * 1000:+.1f} ms p50 over the plain call "
-                f"(which adds {over_vllm * 1000:+.1f} ms over vLLM); vLLM CPU per call "
-                f"{cpu_ratio:.2f}x the plain call's"
-            )
+            for target in TOKEN_IN:
+                if not self.latency[target, mode]:
+                    continue
+                added = _p(self.latency[target, mode], 50) - _p(plain, 50)
+                cpu_ratio = statistics.mean(self.cpu[target, mode]) / max(
+                    statistics.mean(self.cpu["plain", mode]), 1e-9
+                )
+                print(
+                    f"- {mode}: {target} adds {added * 1000:+.1f} ms p50 over the plain call "
+                    f"(which adds {over_vllm * 1000:+.1f} ms over vLLM); vLLM CPU per call "
+                    f"{cpu_ratio:.2f}x the plain call's"
+                )
 
     async def close(self) -> None:
         await self.session.close()
@@ -223,8 +234,10 @@ async def _bytes(vllm: str, port: int, workdir: Path, dump: Path | None) -> None
     relay_url = f"http://127.0.0.1:{await relay.start()}"
     runners = []
     urls = {"vllm": vllm}
-    for target in ("plain", "token-in"):
-        runner, url = await _proxy(workdir / f"bytes-{target}", relay_url, target == "token-in")
+    for target in ("plain", *TOKEN_IN):
+        runner, url = await _proxy(
+            workdir / f"bytes-{target}", relay_url, target != "plain", beside=target == "beside"
+        )
         runners.append(runner)
         urls[target] = url
     bench = Bench(vllm, urls, None)
@@ -238,8 +251,10 @@ async def _bytes(vllm: str, port: int, workdir: Path, dump: Path | None) -> None
     try:
         for stream in (False, True):
             mode = "streamed" if stream else "unary"
-            for target in ("plain", "token-in"):
-                for r in range(2):  # the first session learns the close; the second is measured
+            for target in ("plain", *TOKEN_IN):
+                # The first session learns the close and anchors; the second is measured (with
+                # --token-in-beside, its second call goes beside its render).
+                for r in range(2):
                     _, got = await bench.session_call(
                         target, f"bytes-{target}-{mode}-{r}", stream, around
                     )
@@ -283,9 +298,11 @@ async def main(args: argparse.Namespace) -> None:
             workdir = Path(tmp)
             runners = []
             urls = {"vllm": url}
-            for target in ("plain", "token-in"):
+            for target in ("plain", *TOKEN_IN):
                 (workdir / target).mkdir()
-                runner, proxy_url = await _proxy(workdir / target, url, target == "token-in")
+                runner, proxy_url = await _proxy(
+                    workdir / target, url, target != "plain", beside=target == "beside"
+                )
                 runners.append(runner)
                 urls[target] = proxy_url
             bench = Bench(url, urls, pid)
@@ -297,7 +314,7 @@ async def main(args: argparse.Namespace) -> None:
                 await bench.close()
                 for runner in runners:
                     await runner.cleanup()
-            for target in ("plain", "token-in"):
+            for target in ("plain", *TOKEN_IN):
                 (workdir / f"bytes-{target}").mkdir()
             await _bytes(url, int(url.rsplit(":", 1)[1]), workdir, args.dump)
     finally:
