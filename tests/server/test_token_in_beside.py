@@ -226,12 +226,22 @@ async def test_a_render_that_shows_another_request_aborts_the_generation_and_sen
     assert traj.loss_mask == ordinary.loss_mask
 
 
-async def test_after_an_abort_the_same_keys_wait_for_their_render(make_proxy: Any) -> None:
-    p, _ = await session_with_a_late_render(make_proxy, "on", False, "sampling")
+@pytest.mark.parametrize(
+    ("change", "after"),
+    [("sampling", {"passed": 1.0, "sampling": 1.0}), ("prompt", {"passed": 2.0, "prompt": 1.0})],
+)
+async def test_after_an_abort_for_the_server_the_same_keys_wait_for_their_render(
+    make_proxy: Any, change: str, after: dict[str, float]
+) -> None:
+    """Another sampling is the server's: the next call with the same keys is not sent beside
+    its render. Another rendering is the call's: the next one is, and is kept."""
+    p, _ = await session_with_a_late_render(make_proxy, "on", False, change)
+    assert isinstance(p.fake, LateRender)
+    p.fake.drift = False
     *_, last = p.calls()
     messages = [*last.request["messages"], last.response, user("Once more.")]
     p.fake.push(Turn("Fifth."))
     resp = await p.chat(chat_body(*messages, temperature=0))
     assert resp.status == 200
-    assert await beside_counts(p) == {"passed": 1.0, "sampling": 1.0}  # not sent beside again
-    assert [r.bridge_spans != () for r in p.calls()][-1]
+    assert await beside_counts(p) == after
+    assert p.calls()[-1].bridge_spans

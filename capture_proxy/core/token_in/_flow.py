@@ -188,9 +188,12 @@ class TokenInCall:
         reason = "prompt" if cut is not None else why or "prompt"
         self.beside = reason
         self.beside_aborted = SegmentBreak(reason, _ABORTED[reason])
-        # This call's keys go the ordinary way from now on: a template or a server that does
-        # not resolve as the proxy works out would abort each call.
-        self._exchange.pipeline.close_renders.generate_templates.refuse(key)
+        # A fact of the server (its sampling, a generation config capping the limit) would abort
+        # every call with these keys: they go the ordinary way from now on. A fact of this call
+        # (its rendering, a bridged prompt shorter than the plain one) does not.
+        shorter = len(prompt.prompt_ids) < len(prompt.rendered.prompt_ids)
+        if reason in ("sampling", "request") or (reason == "max_tokens" and not shorter):
+            self._exchange.pipeline.close_renders.generate_templates.refuse(key)
         self.sent = counted.sent + len(beside.body) + len(body) + 2 * REQUEST_HEAD
         self._markers = await self._reasoning_markers(prompt)
         return await upstream.post_engine(EngineRoute.GENERATE, body)
