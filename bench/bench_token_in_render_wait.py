@@ -23,7 +23,8 @@ its turn close cached from the first round on). Per token-in call:
 
 The plain call's latency through the same relay is printed beside it, and a third proxy's, with
 ``--token-in-beside on`` (generate sent once the dummies answer, beside the plain render): its
-whole call and when its generate left. Unary calls only (a
+whole call, when its generate left, and how long before the request's own render answered it
+left (negative: after; what a call that waits for that render cannot have). Unary calls only (a
 stream's first byte waits for the same renders). Greedy, one call at a time.
 """
 
@@ -65,7 +66,12 @@ async def measure(url: str, rounds: int, max_seconds: float) -> None:
     }
     plain_times: list[float] = []
     #: ``--token-in-beside on``: the whole call, and its (first) generate's start.
-    beside: dict[str, list[float]] = {"whole": [], "before generate": [], "generates": []}
+    beside: dict[str, list[float]] = {
+        "whole": [],
+        "before generate": [],
+        "generate ahead of plain render": [],
+        "generates": [],
+    }
     targets = ("plain", "token-in", "beside")
     began = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
@@ -98,8 +104,13 @@ async def measure(url: str, rounds: int, max_seconds: float) -> None:
                     calls = relay.log[len(relay.log) - int(logged) :]
                     if target == "beside":
                         generates = [e for e in calls if e.path == GENERATE]
+                        own = max((e for e in calls if e.path == RENDER), key=lambda e: e.size)
                         beside["whole"].append(took)
                         beside["before generate"].append(generates[0].sent - start[0])
+                        # How long before the plain render's answer generate left (what the
+                        # ordinary path waits for, its own work after the answer aside).
+                        ahead = own.answered - generates[0].sent
+                        beside["generate ahead of plain render"].append(ahead)
                         beside["generates"].append(len(generates))
                         continue
                     renders = [e for e in calls if e.path == RENDER]
@@ -139,7 +150,7 @@ async def measure(url: str, rounds: int, max_seconds: float) -> None:
     for name, values in phases.items():
         p50, mean = _p(values, 50) * 1000, statistics.mean(values) * 1000
         print(f"| token-in: {name} | {p50:.1f} | {mean:.1f} |")
-    for name in ("whole", "before generate"):
+    for name in ("whole", "before generate", "generate ahead of plain render"):
         p50, mean = _p(beside[name], 50) * 1000, statistics.mean(beside[name]) * 1000
         print(f"| beside: {name} | {p50:.1f} | {mean:.1f} |")
     added = _p(phases["whole"], 50) - _p(plain_times, 50)

@@ -20,6 +20,7 @@ placeholders are kept for the next call (`TokenInPrompt.media`).
 from __future__ import annotations
 
 import asyncio
+import functools
 from array import array
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -117,37 +118,75 @@ async def token_in_prompt_beside(
     bridge = plan(request, verdict) if closes.needs_context(lean.close_key) else lean
     # The prior's prompt JSON, when kept: the renders' ids mostly start as it does.
     kept = prompts.get(verdict.prior.prompt_ids) if prompts is not None else None
-    plain_render = asyncio.ensure_future(_render(upstream, plain_body))
+    # Beside generate, the dummies go first: vLLM's frontend serves renders one after another,
+    # and the request's own render (the largest) is sent after generate, once they answered.
+    beside = early is not None and _learnt(Renders(bridge, closes, verdict), bridge)
+    plain_render = None if beside else asyncio.ensure_future(_render(upstream, plain_body))
     try:
         got, failed, learnt = await _bridge(upstream, closes, verdict, bridge, kept)
         if early is not None and learnt and isinstance(got, Bridged) and not got.media:
             ids_json = _bridged_json(got, verdict.prior, kept)
             body = early(len(got.prompt_ids), ids_json)
             if body is not None:
-                # Generate goes out now; the request's own render answers beside it.
-                check = asyncio.ensure_future(
-                    _checked_prompt(
-                        upstream, closes, request, verdict, bridge, kept, got, failed, plain_render
-                    )
+                check = functools.partial(
+                    _start_check,
+                    plain_render,
+                    upstream,
+                    plain_body,
+                    closes,
+                    request,
+                    verdict,
+                    bridge,
+                    kept,
+                    got,
+                    failed,
                 )
                 return Beside(body, ids_json, check)
+        if plain_render is None:  # the single renders did not bridge: rendered now
+            plain_render = asyncio.ensure_future(_render(upstream, plain_body))
         return await _checked_prompt(
             upstream, closes, request, verdict, bridge, kept, got, failed, plain_render
         )
     except BaseException:
-        plain_render.cancel()
+        if plain_render is not None:
+            plain_render.cancel()
         raise
+
+
+def _start_check(
+    plain_render: asyncio.Future[tuple[int, bytes]] | None,
+    upstream: TokenInTransport,
+    plain_body: bytes,
+    closes: CloseRenders,
+    request: Mapping[str, Any],
+    verdict: Extension,
+    bridge: BridgePlan,
+    kept: bytes | None,
+    got: Bridged,
+    failed: bool,
+) -> asyncio.Future[TokenInPrompt]:
+    """`Beside.check`: the request's own render (sent now, unless it already was) and the
+    prompt checked against it (`_checked_prompt`)."""
+    rendering = plain_render or asyncio.ensure_future(_render(upstream, plain_body))
+    return asyncio.ensure_future(
+        _checked_prompt(upstream, closes, request, verdict, bridge, kept, got, failed, rendering)
+    )
+
+
+def _learnt(renders: Renders, bridge: BridgePlan) -> bool:
+    """Whether `renders` are single renders alone: the close cached, every kind anchored."""
+    return renders.cached is not None and len(renders.anchored) == 1 + (bridge.turn is not None)
 
 
 @dataclass(frozen=True, slots=True)
 class Beside:
-    """A bridged call's generate request built before the request's own render answered
-    (`early`), and the call's prompt as the ordinary path builds it once it has (`check`,
-    which raises as `token_in_prompt` does)."""
+    """A bridged call's generate request built without the request's own render (`early`),
+    and `check`: started once generate is sent, the call's prompt as the ordinary path builds it
+    when that render answers (raising as `token_in_prompt` does)."""
 
     body: bytes
     ids_json: bytes
-    check: asyncio.Future[TokenInPrompt]
+    check: Callable[[], asyncio.Future[TokenInPrompt]]
 
 
 async def _checked_prompt(
@@ -215,8 +254,7 @@ async def _bridge(
     Single renders that do not bridge are rendered as whole pairs, which decide; a kind whose
     render did not start with its anchor keeps to pairs from then on."""
     renders = Renders(bridge, closes, extension)
-    kinds = 1 + (bridge.turn is not None)
-    learnt = renders.cached is not None and len(renders.anchored) == kinds
+    learnt = _learnt(renders, bridge)
     answers = await _all(*(_render(upstream, orjson.dumps(b)) for b in renders.bodies))
     got = read_bridge(extension, renders, answers, closes, kept)
     if renders.anchored and isinstance(got, NotBridged):

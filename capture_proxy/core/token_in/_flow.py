@@ -168,9 +168,11 @@ class TokenInCall:
         a generation whose client left) and the ordinary request sent. Nothing of a generation
         reaches the client before this returns."""
         generating = asyncio.ensure_future(upstream.post_engine(EngineRoute.GENERATE, beside.body))
+        checking = beside.check()  # the request's own render, sent after generate
         try:
-            prompt = await beside.check
+            prompt = await checking
         except BaseException:
+            checking.cancel()
             await _abort(generating)
             raise
         self.prompt = prompt
