@@ -16,10 +16,13 @@ from typing import Any
 
 import orjson
 import pytest
+from aiohttp import web
 
 from capture_proxy.read.reader import open_store
+from capture_proxy.schemas.records import CallStatus
 from capture_proxy.schemas.token_in_extras import beside_aborted_of, segment_break_of
 from capture_proxy.testing.fake_vllm import FakeVLLM, Turn
+from capture_proxy.testing.fake_vllm._http import wait_connected
 from capture_proxy.testing.fake_vllm._template import encode
 from tests.server.test_token_in_flow import fake, run_session
 from tests.server.test_token_in_parity import SHAPES, request
@@ -137,6 +140,10 @@ class LateRender(FakeVLLM):
         super().__init__(scale_out=True, **kwargs)
         self.delay = 0.0
         self.drift = False
+        #: Refuse that render (a 400, as vLLM's for a request it will not take).
+        self.refuse = False
+        #: Hold each generation until its client leaves (then counted in ``aborted``).
+        self.hold = False
 
     def _own(self, body: Mapping[str, Any]) -> bool:
         return len(body.get("messages") or ()) >= 5
@@ -145,11 +152,40 @@ class LateRender(FakeVLLM):
         body = orjson.loads(await request.read())
         if self._own(body):
             await asyncio.sleep(self.delay)
+            if self.refuse:
+                return web.json_response(REFUSED, status=400)
         return await super()._render_chat(request)
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        try:
+            if self.hold and not await wait_connected(request, 10.0):
+                self.aborted += 1
+                return web.Response()
+        except asyncio.CancelledError:  # the test server cancels a handler whose client left
+            self.aborted += 1
+            raise
+        return await super()._generate(request)
 
     def _render_ids(self, body: Mapping[str, Any]) -> list[int]:
         ids = super()._render_ids(body)
         return [*ids, *encode("\n")] if self.drift and self._own(body) else ids
+
+
+REFUSED = {
+    "error": {"message": "bad request", "type": "BadRequestError", "param": None, "code": 400}
+}
+
+
+async def three_calls(p: Proxy) -> list[dict[str, Any]]:
+    """Three calls of a session (the third sent beside its render, with the setting on): the
+    fourth call's messages."""
+    p.fake.push(Turn("First."), Turn("Second."), Turn("Third."))
+    messages: list[dict[str, Any]] = [user("Tell me.")]
+    for text in ("More.", "Again.", "Last."):
+        answer = await (await p.chat(chat_body(*messages, temperature=0))).json()
+        said = answer["choices"][0]["message"]["content"]
+        messages = [*messages, {"role": "assistant", "content": said}, user(text)]
+    return messages
 
 
 async def session_with_a_late_render(
@@ -158,12 +194,7 @@ async def session_with_a_late_render(
     """Three calls, then `change` (``sampling``: the model's generation config; ``prompt``: the
     template's end of the conversation) with the request's own render late; a fourth call."""
     p: Proxy = await make_proxy(fake=LateRender(), token_in="on", token_in_beside=beside)
-    p.fake.push(Turn("First."), Turn("Second."), Turn("Third."))
-    messages: list[dict[str, Any]] = [user("Tell me.")]
-    for text in ("More.", "Again.", "Last."):
-        answer = await (await p.chat(chat_body(*messages, temperature=0))).json()
-        said = answer["choices"][0]["message"]["content"]
-        messages = [*messages, {"role": "assistant", "content": said}, user(text)]
+    messages = await three_calls(p)
     assert isinstance(p.fake, LateRender)
     p.fake.delay = 0.2
     if change == "sampling":
@@ -245,3 +276,42 @@ async def test_after_an_abort_for_the_server_the_same_keys_wait_for_their_render
     assert resp.status == 200
     assert await beside_counts(p) == after
     assert p.calls()[-1].bridge_spans
+
+
+async def test_a_refused_render_aborts_the_generation_sent_beside_and_is_relayed(
+    make_proxy: Any,
+) -> None:
+    p: Proxy = await make_proxy(fake=LateRender(), token_in="on", token_in_beside="on")
+    messages = await three_calls(p)
+    assert isinstance(p.fake, LateRender)
+    p.fake.delay, p.fake.refuse = 0.2, True
+    p.fake.push(Turn("Never seen."))
+    resp = await p.chat(chat_body(*messages, temperature=0))
+    assert resp.status == 400
+    assert await resp.json() == REFUSED  # vLLM's error, as the chat route would give it
+    (entry,) = p.failures()
+    assert (entry.status, entry.reason) == (CallStatus.UPSTREAM_ERROR, "upstream_400")
+    assert len(p.calls()) == 3  # nothing of the generation sent beside was staged
+    assert p.fake.responses[-1]["completion_token_ids"]  # it had started
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "streamed"])
+async def test_a_client_leaving_during_the_check_aborts_the_generation_sent_beside(
+    make_proxy: Any, stream: bool
+) -> None:
+    p: Proxy = await make_proxy(fake=LateRender(), token_in="on", token_in_beside="on")
+    messages = await three_calls(p)
+    assert isinstance(p.fake, LateRender)
+    p.fake.delay, p.fake.hold = 0.5, True  # the render late, the generation held
+    p.fake.push(Turn("Never seen."))
+    body = chat_body(*messages, temperature=0, stream=stream)
+    with pytest.raises(TimeoutError):  # even a stream's headers wait for the check
+        await asyncio.wait_for(p.chat(body), 0.2)
+    for _ in range(100):
+        if p.failures() and p.fake.aborted:
+            break
+        await asyncio.sleep(0.05)
+    (entry,) = p.failures()
+    assert (entry.status, entry.reason) == (CallStatus.ABORTED, "client_disconnected")
+    assert p.fake.aborted == 1
+    assert len(p.calls()) == 3
