@@ -104,10 +104,15 @@ class GenerateTemplates:
         return template
 
     def put(self, key: str, rendered: Rendered) -> None:
-        """Keep `rendered`'s template for `key` (unless the key was refused)."""
+        """Keep `rendered`'s template for `key` (unless the key was refused); a render no call
+        can be sent from (`GenerateTemplate.of`: images, a structured output) leaves none."""
         if key in self._templates and self._templates[key] is None:
             return
-        self._templates[key] = GenerateTemplate.of(rendered)
+        template = GenerateTemplate.of(rendered)
+        if template is None:
+            self._templates.pop(key, None)
+            return
+        self._templates[key] = template
         self._templates.move_to_end(key)
         self._bound()
 
