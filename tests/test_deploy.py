@@ -513,7 +513,8 @@ def test_k8s_services_expose_the_proxy_never_vllm() -> None:
 def test_k8s_secret_holds_every_key_the_pods_read() -> None:
     (secret,) = _k8s("Secret", "secret.example.yaml")
     keys = set(secret.get("stringData", {})) | set(secret.get("data", {}))
-    for container in _pod()["spec"]["containers"] + _maintenance_pod()["spec"]["containers"]:
+    pods = [_pod()] + [_maintenance_pod(name) for name in MAINTENANCE]
+    for container in [c for pod in pods for c in pod["spec"]["containers"]]:
         for item in container.get("env", []):
             ref = item.get("valueFrom", {}).get("secretKeyRef")
             if ref:
@@ -563,56 +564,95 @@ def test_k8s_network_policy_keeps_the_control_api_and_vllm_from_sandboxes() -> N
 # ---- Kubernetes: maintenance of the fleet's dataset ---------------------------------------------
 
 
-def _maintenance() -> dict[str, Any]:
-    (job,) = _k8s("CronJob", "maintenance.yaml")
+#: The maintenance CronJobs and the one command each runs.
+MAINTENANCE = {"capture-compact": "compact", "capture-gc": "gc"}
+
+
+def _maintenance(name: str) -> dict[str, Any]:
+    (job,) = [j for j in _k8s("CronJob", "maintenance.yaml") if j["metadata"]["name"] == name]
     return job
 
 
-def _maintenance_pod() -> dict[str, Any]:
-    pod: dict[str, Any] = _maintenance()["spec"]["jobTemplate"]["spec"]["template"]
+def _maintenance_pod(name: str) -> dict[str, Any]:
+    pod: dict[str, Any] = _maintenance(name)["spec"]["jobTemplate"]["spec"]["template"]
     return pod
 
 
-def _maintenance_script() -> tuple[list[str], str]:
+def _maintenance_script(name: str) -> tuple[list[str], str]:
     """(the `sh -c` argv before the script, the script) the CronJob's container runs."""
-    (container,) = _maintenance_pod()["spec"]["containers"]
+    (container,) = _maintenance_pod(name)["spec"]["containers"]
     *shell, script = container["command"]
     return shell, script
 
 
 def test_k8s_maintenance_runs_on_the_fleets_dataset_with_its_image_and_credentials() -> None:
-    job, pod = _maintenance(), _maintenance_pod()
-    (container,) = pod["spec"]["containers"]
+    assert {j["metadata"]["name"] for j in _k8s("CronJob", "maintenance.yaml")} == set(MAINTENANCE)
     proxy, fleet = _container("capture-proxy"), _k8s_settings()
-    assert container["image"] == proxy["image"]
-    env = _k8s_env(container)
-    assert env["CAPTURE_PROXY_STORE"] == fleet.store  # the dataset the proxies write
-    assert (
-        _secret_refs(container).items()
-        >= {k: v for k, v in _secret_refs(proxy).items() if k.startswith("AWS_")}.items()
-    )
-    assert env["AWS_REGION"] == _k8s_env(proxy)["AWS_REGION"]
-    # One run at a time is the lease's job; Kubernetes should not queue more behind it.
-    assert job["spec"]["concurrencyPolicy"] == "Forbid"
-    assert pod["spec"]["restartPolicy"] in ("OnFailure", "Never")
-    assert container["securityContext"]["runAsUser"] == proxy["securityContext"]["runAsUser"]
-    assert container["securityContext"]["readOnlyRootFilesystem"] is True
-    # compact, then gc only if compaction succeeded; both with arguments the CLI accepts.
-    shell, script = _maintenance_script()
-    assert shell == ["sh", "-c"]
-    steps = [shlex.split(step) for step in script.split("&&")]
-    assert [step[:2] for step in steps] == [["capture-proxy", "compact"], ["capture-proxy", "gc"]]
-    for step in steps:
+    for name, command in MAINTENANCE.items():
+        job, pod = _maintenance(name), _maintenance_pod(name)
+        (container,) = pod["spec"]["containers"]
+        assert container["image"] == proxy["image"]
+        env = _k8s_env(container)
+        assert env["CAPTURE_PROXY_STORE"] == fleet.store  # the dataset the proxies write
+        assert (
+            _secret_refs(container).items()
+            >= {k: v for k, v in _secret_refs(proxy).items() if k.startswith("AWS_")}.items()
+        )
+        assert env["AWS_REGION"] == _k8s_env(proxy)["AWS_REGION"]
+        # One run at a time is the lease's job; Kubernetes should not queue more behind it.
+        assert job["spec"]["concurrencyPolicy"] == "Forbid"
+        assert pod["spec"]["restartPolicy"] in ("OnFailure", "Never")
+        assert container["securityContext"]["runAsUser"] == proxy["securityContext"]["runAsUser"]
+        assert container["securityContext"]["readOnlyRootFilesystem"] is True
+        # One command each, with arguments the CLI accepts.
+        shell, script = _maintenance_script(name)
+        assert shell == ["sh", "-c"]
+        steps = [shlex.split(step) for step in script.split("&&")]
+        assert [step[:2] for step in steps] == [["capture-proxy", command]]
         args = _parser().parse_args(
-            [a.replace("$CAPTURE_PROXY_STORE", fleet.store) for a in step[1:]]
+            [a.replace("$CAPTURE_PROXY_STORE", fleet.store) for a in steps[0][1:]]
         )
         assert args.store == fleet.store
 
 
-async def test_k8s_maintenance_script_compacts_and_collects_while_a_proxy_writes(
+def _every_minutes(schedule: str) -> int | None:
+    """How many minutes apart a cron schedule's runs are, when it runs every N minutes of every
+    hour of every day (``* * * * *``, ``*/5 * * * *``); None otherwise (a daily one, say)."""
+    minute, *rest = schedule.split()
+    if rest != ["*"] * 4:
+        return None
+    if minute == "*":
+        return 1
+    m = re.fullmatch(r"\*/(\d+)", minute)
+    return int(m.group(1)) if m else None
+
+
+def test_k8s_compaction_runs_every_minute_so_a_restart_reads_a_minutes_units() -> None:
+    # A restarted proxy reads the units committed since the last compaction one by one: the
+    # schedule bounds that tail (docs/storage.md says what it costs at this schedule).
+    compact, gc = _maintenance("capture-compact"), _maintenance("capture-gc")
+    every = _every_minutes(compact["spec"]["schedule"])
+    assert every == 1
+    # A run that failed (the lease held by gc) is not retried: the next minute's run does it.
+    assert compact["spec"]["jobTemplate"]["spec"]["backoffLimit"] == 0
+    # A run missed by more than the interval is skipped rather than started late beside the next.
+    assert compact["spec"]["startingDeadlineSeconds"] < every * 60
+    # gc stays nightly, and waits for a compaction holding the lease instead of failing.
+    assert _every_minutes(gc["spec"]["schedule"]) is None
+    _, script = _maintenance_script("capture-gc")
+    fleet = _k8s_settings()
+    args = _parser().parse_args(
+        [a.replace("$CAPTURE_PROXY_STORE", fleet.store) for a in shlex.split(script)[1:]]
+    )
+    assert args.wait >= 60_000  # ms: longer than a compaction of a minute's units takes
+    docs = re.sub(r"\s+", " ", (ROOT / "docs" / "storage.md").read_text())
+    assert "`capture-proxy compact` every minute" in docs
+
+
+async def test_k8s_maintenance_scripts_compact_and_collect_while_a_proxy_writes(
     aiohttp_client: Callable[[web.Application], Awaitable[Client]], moto_s3: MotoS3
 ) -> None:
-    # The CronJob's own script, run by a shell against a dataset on a real S3 API (moto) that a
+    # The CronJobs' own scripts, run by a shell against a dataset on a real S3 API (moto) that a
     # running proxy stages into before, during and after it: both steps succeed (exit 0) and the
     # proxy goes on staging.
     store = moto_s3.url()
@@ -627,27 +667,28 @@ async def test_k8s_maintenance_script_compacts_and_collects_while_a_proxy_writes
 
     for n in range(3):
         await call(f"before-{n}")
-    shell, script = _maintenance_script()
     bin_dir = Path(sys.executable).parent
-    proc = await asyncio.create_subprocess_exec(
-        *shell,
-        script,
-        env={
-            **os.environ,
-            **moto_s3.env,
-            "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
-            "CAPTURE_PROXY_STORE": store,
-        },
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
-    during = asyncio.ensure_future(asyncio.gather(*(call(f"during-{n}") for n in range(3))))
-    out, err = await asyncio.wait_for(proc.communicate(), timeout=120)
-    await during
-    assert proc.returncode == 0, err.decode()
-    text = out.decode()
-    assert "unit(s) ->" in text  # compact's summary
-    assert "record(s) unchanged" in text
+    env = {
+        **os.environ,
+        **moto_s3.env,
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
+        "CAPTURE_PROXY_STORE": store,
+    }
+    outputs = []
+    for name in MAINTENANCE:  # compaction, then gc, each its CronJob's own script
+        shell, script = _maintenance_script(name)
+        proc = await asyncio.create_subprocess_exec(
+            *shell, script, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        during = asyncio.ensure_future(
+            asyncio.gather(*(call(f"during-{name}-{n}") for n in range(3)))
+        )
+        out, err = await asyncio.wait_for(proc.communicate(), timeout=120)
+        await during
+        assert proc.returncode == 0, err.decode()
+        outputs.append(out.decode())
+    assert "unit(s) ->" in outputs[0]  # compact's summary
+    assert "record(s) unchanged" in outputs[0]
     await call("after")
     await client.close()
 
