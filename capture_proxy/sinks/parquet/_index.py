@@ -23,7 +23,7 @@ import hashlib
 import sys
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -32,6 +32,7 @@ import pyarrow as pa
 from ._fs import DatasetFS
 from ._layout import ATTACHMENTS, BLOBS, CALLS, LEDGER, Marker, read_groups, read_table
 from ._ledger import LedgerState
+from ._unit_names import UnitFileList
 
 __all__ = [
     "INDEX_COLUMNS",
@@ -148,7 +149,7 @@ class Index:
     """The live units of a snapshot, indexed. `add_unit` in commit order."""
 
     #: Each live unit's data files (`Marker.files`): a reader holds no more of its marker.
-    units: list[Mapping[str, str]] = field(default_factory=list)
+    units: UnitFileList = field(default_factory=UnitFileList)
     calls: dict[str, CallRef] = field(default_factory=dict)
     by_rollout: dict[str, list[str]] = field(default_factory=dict)
     blobs: dict[str, Where] = field(default_factory=dict)
@@ -199,7 +200,7 @@ class Index:
                 self.touched.update(
                     (r["rollout_id"], None) for r in rows if r["rollout_id"] is not None
                 )
-        self.units.append(files)
+        self.units.append(unit.unit, files)
 
 
 def key_hash(key: str) -> bytes:
@@ -323,8 +324,9 @@ def _get_varint(data: bytearray, i: int) -> tuple[int, int]:
 class UnitIndex:
     """The live units of a snapshot, indexed per unit (see the module docstring)."""
 
-    #: Each live unit's data files (`Marker.files`), as in `Index.units`.
-    units: list[Mapping[str, str]] = field(default_factory=list)
+    #: Each live unit's data files (`Marker.files`), as in `Index.units` (packed: 15 bytes a
+    #: unit, `_unit_names`).
+    units: UnitFileList = field(default_factory=UnitFileList)
     #: rollout id -> the calls row groups holding its calls, ascending, each packed as one int
     #: (`unit << 32 | group`, unit a position in `units`): a few ints per rollout
     rollout_units: dict[str, array[int]] = field(default_factory=dict)
@@ -454,7 +456,7 @@ class UnitIndex:
                 else:
                     held.append(pos << 1 | flag)
         self._seal(sealed)
-        self.units.append(files)
+        self.units.append(unit.unit, files)
 
     def _track_heads(self, cols: dict[str, list[Any]]) -> None:
         heads = self.heads
