@@ -25,8 +25,9 @@ on which thread's heap took which block (issue 27). ``serve`` fixes the threshol
 Third, how many heaps (`limit_arenas`): glibc gives threads that meet in malloc arenas of their
 own, up to eight per core, and each keeps free runs of its own that only its threads reuse.
 A Parquet proxy's threads (the event loop, its worker threads, the writer thread, Arrow's) had
-15 arenas on two cores; with two, a 7-minute soak kept 4.0 MB of free heap instead of 9.8 and
-2.4 MB less RSS at the same calls, at the same rate (docs/reports/reliability.md, section 6).
+15 arenas on two cores. With two, soaks side by side kept half the free heap (2.4-3.5 MiB
+instead of 6.3-7.5) and 0.5-2.1 MiB less RSS at the same calls, at the same rate; no RSS slope
+was told apart in 7 and 12 minutes (docs/reports/reliability.md, section 6).
 ``serve`` sets two unless ``MALLOC_ARENA_MAX`` is in its environment (glibc reads it itself).
 """
 

@@ -166,8 +166,7 @@ class ParquetSource(Loading):
         if not check_format(self.dfs):
             raise StoreError(f"no capture-proxy Parquet dataset at {location}")
         self._lock = threading.RLock()
-        #: The names the last listing returned (packed, `_unit_names`).
-        self._listing = UnitNames()
+        self._listing = UnitNames()  # the names the last listing returned, packed
         #: Whether the units are indexed (a first `refresh` opened the dataset).
         self._opened = False
         #: The horizon of the checkpoint the open used: later listings start after it too, and
