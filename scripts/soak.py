@@ -133,7 +133,8 @@ async def soak(
             on_sample({"t": round(t, 1), "rss_mb": round(point[1], 1), "fds": point[2]})
 
     try:
-        base = await asyncio.to_thread(proxy.wait_ready)
+        # Generous: under bench/soak_probe's tracemalloc the proxy takes a minute to start.
+        base = await asyncio.to_thread(proxy.wait_ready, 180.0)
         t0 = time.monotonic()
         sample(0.0)
         loader.start(base)

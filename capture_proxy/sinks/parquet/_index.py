@@ -7,14 +7,14 @@ read its token data):
   row group, row) and the few values coordinates and lineage need; per blob and attachment,
   where its bytes are. About 1 KB per call: it grows with the store.
 * `UnitIndex` (the proxy's long-lived readers) holds per unit which rollouts it has calls and
-  ledger rows of, and per call and blob only an 8-byte hash and the (unit, row group) it is in:
-  16 bytes. A call's values are read from its row group when asked for, and a rollout's ledger
-  (its header, failures and event log: two events or more per call) from its units' ledger
-  files. Its memory follows the units and rollouts of the store, not what they hold. Only live
-  rollouts are kept by id: once a rollout's ``seal`` event is indexed, where its rows are moves
-  to a packed form filed under an 8-byte hash of its id (`Packed`: 12 bytes per rollout and
-  about 2-3 per place, against about 0.4 KB per rollout of dicts and arrays), read when it is
-  asked for.
+  ledger rows of, and per call and blob only an 8-byte hash, with the (unit, row group) it is
+  in once per row group: about 9 bytes. A call's values are read from its row group when asked
+  for, and a rollout's ledger (its header, failures and event log: two events or more per call)
+  from its units' ledger files. Its memory follows the units and rollouts of the store, not
+  what they hold. Only live rollouts are kept by id: once a rollout's ``seal`` event is
+  indexed, where its rows are moves to a packed form filed under an 8-byte hash of its id
+  (`Packed`: 12 bytes per rollout and about 2-3 per place, against about 0.4 KB per rollout of
+  dicts and arrays), read when it is asked for.
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ from __future__ import annotations
 import hashlib
 import sys
 from array import array
+from bisect import bisect_right
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -32,6 +33,7 @@ import pyarrow as pa
 from ._fs import DatasetFS
 from ._layout import ATTACHMENTS, BLOBS, CALLS, LEDGER, Marker, read_groups, read_table
 from ._ledger import LedgerState
+from ._unit_names import UnitFileList
 
 __all__ = [
     "INDEX_COLUMNS",
@@ -148,7 +150,7 @@ class Index:
     """The live units of a snapshot, indexed. `add_unit` in commit order."""
 
     #: Each live unit's data files (`Marker.files`): a reader holds no more of its marker.
-    units: list[Mapping[str, str]] = field(default_factory=list)
+    units: UnitFileList = field(default_factory=UnitFileList)
     calls: dict[str, CallRef] = field(default_factory=dict)
     by_rollout: dict[str, list[str]] = field(default_factory=dict)
     blobs: dict[str, Where] = field(default_factory=dict)
@@ -199,7 +201,7 @@ class Index:
                 self.touched.update(
                     (r["rollout_id"], None) for r in rows if r["rollout_id"] is not None
                 )
-        self.units.append(files)
+        self.units.append(unit.unit, files)
 
 
 def key_hash(key: str) -> bytes:
@@ -208,25 +210,34 @@ def key_hash(key: str) -> bytes:
 
 
 class Locator:
-    """Where keys are, in 16 bytes each: an 8-byte hash of the key and its (unit, row group).
+    """Where keys are, in about 9 bytes each: an 8-byte hash of each key, and its (unit, row
+    group) once per run of keys added with the same place (12 bytes a run: a unit's keys are
+    added together, so a row group of ten keys costs 8.2 bytes a key, not 16).
 
     A hash may collide (about once in 2**32 lookups on a store of 2**32 keys): `find` yields
     every candidate, and the caller checks the row it reads.
     """
 
-    __slots__ = ("_hashes", "_places")
+    __slots__ = ("_hashes", "_places", "_starts")
 
     def __init__(self) -> None:
         self._hashes = bytearray()
-        self._places = array("I")  # unit, group, unit, group, ...
+        self._starts = array("I")  # the first key of each run of keys with one place
+        self._places = array("Q")  # each run's place, ``unit << 32 | group``
 
     def __len__(self) -> int:
         return len(self._hashes) // 8
 
     def add(self, key: str, unit: int, group: int) -> None:
+        place = unit << 32 | group
+        if not self._places or self._places[-1] != place:
+            self._starts.append(len(self))
+            self._places.append(place)
         self._hashes += key_hash(key)
-        self._places.append(unit)
-        self._places.append(group)
+
+    def nbytes(self) -> int:
+        """Bytes held (the hashes and the runs' places)."""
+        return sum(map(sys.getsizeof, (self._hashes, self._starts, self._places)))
 
     def find(self, key: str, *, newest_first: bool = False) -> Iterator[tuple[int, int]]:
         """The (unit, group) places filed under `key`'s hash, oldest (or newest) first."""
@@ -235,8 +246,8 @@ class Locator:
         pos = hashes.rfind(h) if newest_first else hashes.find(h)
         while pos >= 0:
             if pos % 8 == 0:
-                i = pos // 4
-                yield self._places[i], self._places[i + 1]
+                place = self._places[bisect_right(self._starts, pos // 8) - 1]
+                yield place >> 32, place & 0xFFFFFFFF
             pos = hashes.rfind(h, 0, pos + 7) if newest_first else hashes.find(h, pos + 1, n)
 
 
@@ -323,8 +334,9 @@ def _get_varint(data: bytearray, i: int) -> tuple[int, int]:
 class UnitIndex:
     """The live units of a snapshot, indexed per unit (see the module docstring)."""
 
-    #: Each live unit's data files (`Marker.files`), as in `Index.units`.
-    units: list[Mapping[str, str]] = field(default_factory=list)
+    #: Each live unit's data files (`Marker.files`), as in `Index.units` (packed: 15 bytes a
+    #: unit, `_unit_names`).
+    units: UnitFileList = field(default_factory=UnitFileList)
     #: rollout id -> the calls row groups holding its calls, ascending, each packed as one int
     #: (`unit << 32 | group`, unit a position in `units`): a few ints per rollout
     rollout_units: dict[str, array[int]] = field(default_factory=dict)
@@ -460,7 +472,7 @@ class UnitIndex:
                 else:
                     held.append(pos << 1 | flag)
         self._seal(sealed)
-        self.units.append(files)
+        self.units.append(unit.unit, files)
 
     def _track_heads(self, cols: dict[str, list[Any]]) -> None:
         heads = self.heads

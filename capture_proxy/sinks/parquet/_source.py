@@ -25,7 +25,6 @@ read from its units when asked for. The default
 from __future__ import annotations
 
 import contextlib
-import sys
 import threading
 import time
 from array import array
@@ -72,6 +71,7 @@ from ._loading import Loading
 from ._read_errors import damaged as _damaged
 from ._read_errors import vanished as _vanished
 from ._snapshot import fetched_ahead, read_markers
+from ._unit_names import UnitNames
 
 __all__ = ["ParquetSource", "default_url"]
 
@@ -129,7 +129,7 @@ class ParquetSource(Loading):
         if not check_format(self.dfs):
             raise StoreError(f"no capture-proxy Parquet dataset at {location}")
         self._lock = threading.RLock()
-        self._listing: list[str] = []
+        self._listing = UnitNames()  # the names the last listing returned, packed
         #: Whether the units are indexed (a first `refresh` opened the dataset).
         self._opened = False
         #: The horizon of the checkpoint the open used: later listings start after it too, and
@@ -143,7 +143,7 @@ class ParquetSource(Loading):
         #: When the last listing was started (`time.monotonic`), for `snapshot`'s `max_age_s`.
         self._listed_at = float("-inf")
         #: The names of the indexed (live) units, in the index's order.
-        self._units: list[str] = []
+        self._units = UnitNames()
         #: Open `snapshot` blocks (reads inside one do not re-list).
         self._held = 0
         self._per_unit = index == "units"
@@ -181,7 +181,7 @@ class ParquetSource(Loading):
                 names = loaded.names
             else:
                 names = list_markers(self.dfs, self._after)
-                if names == self._listing:
+                if len(names) == len(self._listing) and self._listing.is_prefix_of(names):
                     self._listed_at = listed_at
                     return
             try:
@@ -218,7 +218,7 @@ class ParquetSource(Loading):
         listed = self._listing
         # The writer's steady state: names only appended (each refresh of a proxy's reader
         # would otherwise compare and sort every marker, a cost that grows with the store).
-        appended = names[: len(listed)] == listed
+        appended = listed.is_prefix_of(names)
         if appended:
             fresh = names[len(listed) :]
         else:
@@ -265,7 +265,8 @@ class ParquetSource(Loading):
             # writer's units may land between ones indexed: nothing was replaced, so ledger
             # rows replay as before).
             new = added
-            units = self._units + [m.unit for m in added]
+            units = self._units
+            units.extend(m.unit for m in added)
         else:
             # A compaction replaced units: re-index, so ledger rows replay in the new order.
             # The markers of the units still live are read again (not the retired ones).
@@ -273,7 +274,7 @@ class ParquetSource(Loading):
             unread = [u for u in kept if u not in markers]  # (a checkpoint read has them)
             markers.update(read_markers(self.dfs, unread, self._object_url))
             new = [markers[u] for u in sorted([*kept, *(m.unit for m in added)]) if u in markers]
-            units = [m.unit for m in new]
+            units = UnitNames(m.unit for m in new)
             self._index = self._new_index()
             self._refs.clear()
             self._index_groups.clear()
@@ -288,9 +289,10 @@ class ParquetSource(Loading):
             finally:
                 self.dfs.prefetched, self.dfs.ahead = {}, {}
         self._units = units
-        # Each name as its marker's (interned when decoded), not another copy of it.
-        fresh = [sys.intern(n) for n in fresh]
-        self._listing = listed + fresh if appended else [sys.intern(n) for n in names]
+        if appended:
+            listed.extend(fresh)
+        else:
+            self._listing = UnitNames(names)
         self._opened = True
         self._index.touched = None
         if touched and self._directory is not None:
@@ -320,8 +322,8 @@ class ParquetSource(Loading):
     def _reset(self) -> None:
         self._directory = None
         self._opened = False
-        self._listing = []
-        self._units = []
+        self._listing = UnitNames()
+        self._units = UnitNames()
         self._index = self._new_index()
         self._refs.clear()
         self._index_groups.clear()
@@ -374,9 +376,7 @@ class ParquetSource(Loading):
         return Known(
             attachments={sha: _order_of(path) for sha, path in files.items()},
             rollouts=rollouts,
-            last_order=max(
-                max((_order_of(n) for n in self._listing), default=0), self._known_order
-            ),
+            last_order=max(self._listing.max_order(), self._known_order),
         )
 
     def unsealed_rollouts(self) -> set[str] | None:
