@@ -173,7 +173,9 @@ async def test_a_unit_committed_while_readers_open_is_never_missed(moto_s3: Moto
     try:
         opens = 0
         deadline = time.monotonic() + 60
-        while opens < 6 and time.monotonic() < deadline:
+        # Six opens at least, and on until the writer has committed a few units meanwhile (a
+        # loaded machine may commit fewer than six during six opens).
+        while (opens < 6 or len(acked) <= 6) and time.monotonic() < deadline:
             if opens % 2 == 1:
                 _compact(url, grace_s=0)  # a new checkpoint (and horizon) between opens
             seen_before = list(acked)
@@ -184,7 +186,7 @@ async def test_a_unit_committed_while_readers_open_is_never_missed(moto_s3: Moto
                 source.close_reader()
             assert set(seen_before) <= got, "an open missed a unit committed before it"
             opens += 1
-        assert opens == 6
+        assert opens >= 6
     finally:
         stop.set()
         await asyncio.to_thread(writer.join)
