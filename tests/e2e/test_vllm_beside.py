@@ -23,6 +23,7 @@ from scripts.tiny_vllm import MAX_MODEL_LEN, SERVED_MODEL_NAME
 from tests.e2e.test_vllm import IM_END
 from tests.support.parity import agent_view
 from tests.support.proxy_harness import Proxy, start_proxy, stop_proxy
+from tests.support.token_in import beside_counts
 
 pytestmark = pytest.mark.vllm
 
@@ -79,16 +80,6 @@ async def session(
     for text in ("Go on.", "Once more."):
         messages = [*messages, await ask(proxy, messages, limit), {"role": "user", "content": text}]
     return await third(proxy, messages, limit, stream), messages
-
-
-async def beside_counts(proxy: Proxy) -> dict[str, float]:
-    text = await (await proxy.client.get("/metrics")).text()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("capture_proxy_token_in_beside_total{"):
-            label, value = line.split("} ")
-            out[label.split('"')[1]] = float(value)
-    return out
 
 
 def staged(proxy: Proxy) -> list[tuple[list[int], list[int], str | None, Any]]:

@@ -28,6 +28,7 @@ from tests.server.test_token_in_flow import fake, run_session
 from tests.server.test_token_in_parity import SHAPES, request
 from tests.support.parity import agent_view
 from tests.support.proxy_harness import Proxy, chat_body, user
+from tests.support.token_in import beside_counts
 
 GENERATE = "/inference/v1/generate"
 
@@ -47,16 +48,6 @@ def record_view(p: Proxy) -> list[dict[str, Any]]:
         }
         for r in p.calls()
     ]
-
-
-async def beside_counts(p: Proxy) -> dict[str, float]:
-    text = await (await p.client.get("/metrics")).text()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("capture_proxy_token_in_beside_total{"):
-            label, value = line.split("} ")
-            out[label.split('"')[1]] = float(value)
-    return out
 
 
 async def test_a_session_is_staged_the_same_with_generate_beside_the_render(

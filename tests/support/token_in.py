@@ -14,6 +14,7 @@ from typing import Any
 from capture_proxy.core.token_in import BridgePlan, BridgeRenders, Prior, media_items, suffix_media
 from capture_proxy.testing.fake_vllm._features import render_features
 from capture_proxy.testing.fake_vllm._template import IM_END, encode, render_chat
+from tests.support.proxy_harness import Proxy
 
 MODEL = "policy"
 
@@ -85,3 +86,14 @@ def continued(prior: Prior, replayed: Mapping[str, Any], *appended: Any) -> dict
         **prior.request,
         "messages": [*prior.request["messages"], replayed, *appended],
     }
+
+
+async def beside_counts(proxy: Proxy) -> dict[str, float]:
+    """`capture_proxy_token_in_beside_total` on the proxy's `/metrics`, by its `result` label."""
+    text = await (await proxy.client.get("/metrics")).text()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("capture_proxy_token_in_beside_total{"):
+            label, value = line.split("} ")
+            out[label.split('"')[1]] = float(value)
+    return out
