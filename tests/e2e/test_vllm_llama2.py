@@ -13,9 +13,7 @@ needs an end of turn, a tool call or the other end of sequence (as tests/e2e/tes
 
 from __future__ import annotations
 
-import functools
 import itertools
-import json
 from pathlib import Path
 from typing import Any
 
@@ -29,12 +27,9 @@ from examples.rl_loop.agent import TOOLS
 from tests.e2e.test_vllm import IM_END, steer_tool_call
 from tests.e2e.test_vllm_parity import (
     ENDOFTEXT,
-    SAME_TOKENS_ATTEMPTS,
-    _only_reasoning_count_differs,
     says,
-    staged,
+    views_that_differ,
 )
-from tests.support.parity import agent_view
 from tests.support.proxy_harness import Proxy, start_proxy, stop_proxy
 
 pytestmark = pytest.mark.vllm
@@ -237,34 +232,15 @@ async def test_token_in_answers_what_vllms_chat_route_answers_with_a_llama2_temp
     again)."""
     plain = await start_proxy(tmp_path / "plain", upstream=vllm_url)
     token_in = await start_proxy(tmp_path / "token-in", upstream=vllm_url, token_in="on")
-    differ: dict[str, Any] = {}
     try:
+        bodies = []
         for name, extra in SHAPES.items():
             for stream in (False, True):
                 body = llama2({"messages": [USER], **extra})
                 if stream:
                     body.update(stream=True, stream_options={"include_usage": True})
-                for attempt in range(SAME_TOKENS_ATTEMPTS):
-                    rollout = f"{name.replace(' ', '-')}-{int(stream)}-{attempt}"
-                    want = await agent_view(functools.partial(plain.chat, rollout=rollout), body)
-                    got = await agent_view(functools.partial(token_in.chat, rollout=rollout), body)
-                    [want_record], [got_record] = plain.calls(rollout), token_in.calls(rollout)
-                    assert got_record.token_in
-                    same = got_record.completion_token_ids == want_record.completion_token_ids
-                    if same and not (stream and _only_reasoning_count_differs(got, want)):
-                        break
-                label = f"{name} ({'streamed' if stream else 'unary'})"
-                if got_record.completion_token_ids != want_record.completion_token_ids:
-                    differ[f"{label} sampled ids"] = json.dumps(
-                        [
-                            list(got_record.completion_token_ids),
-                            list(want_record.completion_token_ids),
-                        ]
-                    )
-                elif got != want:
-                    differ[label] = (got, want)
-                elif staged(got_record) != staged(want_record):
-                    differ[f"{label} staged"] = (staged(got_record), staged(want_record))
+                bodies.append((name, stream, body))
+        differ = await views_that_differ(plain, token_in, bodies)
     finally:
         await stop_proxy(plain)
         await stop_proxy(token_in)

@@ -13,6 +13,7 @@ strings, tool calls and the end of turn come where the shape needs them.
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ from capture_proxy.schemas.token_in_extras import segment_break_of
 from examples.rl_loop.agent import TOOLS
 from tests.e2e.test_vllm import IM_END, THINK_END, steer_tool_call
 from tests.support.parity import agent_view, id_form
-from tests.support.proxy_harness import start_proxy, stop_proxy
+from tests.support.proxy_harness import Proxy, start_proxy, stop_proxy
 
 pytestmark = pytest.mark.vllm
 
@@ -306,44 +307,56 @@ async def test_token_in_answers_what_vllms_chat_route_answers(
     vllm_url: str, tmp_path: Path
 ) -> None:
     """Every shape, unary and streamed, through the plain path and token-in: the agent's view
-    and the staged message are equal field by field. Compared only where the engine sampled
-    the same completion ids on both paths (the definition of parity); a shape whose ids differ
-    is sent again, and ids that never agree fail the test as such (a request token-in changed
-    would sample differently every time). So is a streamed shape whose views differ only in
-    the chat route's reasoning count (`_only_reasoning_count_differs`)."""
+    and the staged message are equal field by field (`views_that_differ`)."""
     plain = await start_proxy(tmp_path / "plain", upstream=vllm_url)
     token_in = await start_proxy(tmp_path / "token-in", upstream=vllm_url, token_in="on")
-    differ: dict[str, Any] = {}
     try:
-        for name, extra in SHAPES.items():
-            for stream in (False, True):
-                label = f"{name} ({'streamed' if stream else 'unary'})"
-                same_ids = False
-                for attempt in range(SAME_TOKENS_ATTEMPTS):
-                    rollout = f"{name.replace(' ', '-')}-{int(stream)}-{attempt}"
-                    body = request(extra, stream)
-                    want = await agent_view(functools.partial(plain.chat, rollout=rollout), body)
-                    got = await agent_view(functools.partial(token_in.chat, rollout=rollout), body)
-                    [want_record] = plain.calls(rollout)
-                    [got_record] = token_in.calls(rollout)
-                    assert got_record.token_in
-                    assert not want_record.token_in
-                    got_ids = list(got_record.completion_token_ids)
-                    want_ids = list(want_record.completion_token_ids)
-                    same_ids = got_ids == want_ids
-                    if same_ids and not (stream and _only_reasoning_count_differs(got, want)):
-                        break
-                if not same_ids:
-                    differ[f"{label} sampled ids"] = (got_ids, want_ids)
-                    continue
-                if got != want:
-                    differ[label] = (got, want, got_ids)
-                elif staged(got_record) != staged(want_record):
-                    differ[f"{label} staged"] = (staged(got_record), staged(want_record))
+        bodies = [
+            (name, stream, request(extra, stream))
+            for name, extra in SHAPES.items()
+            for stream in (False, True)
+        ]
+        differ = await views_that_differ(plain, token_in, bodies)
     finally:
         await stop_proxy(plain)
         await stop_proxy(token_in)
     assert differ == {}
+
+
+async def views_that_differ(
+    plain: Proxy, token_in: Proxy, bodies: Iterable[tuple[str, bool, dict[str, Any]]]
+) -> dict[str, Any]:
+    """Each (name, streamed, body) sent through the plain path and token-in: what differs in
+    the agent's view or the staged message, by shape. Compared only where the engine sampled
+    the same completion ids on both paths (the definition of parity); a shape whose ids differ
+    is sent again, and ids that never agree are a difference as such (a request token-in
+    changed would sample differently every time). So is a streamed shape whose views differ
+    only in the chat route's reasoning count (`_only_reasoning_count_differs`)."""
+    differ: dict[str, Any] = {}
+    for name, stream, body in bodies:
+        label = f"{name} ({'streamed' if stream else 'unary'})"
+        same_ids = False
+        for attempt in range(SAME_TOKENS_ATTEMPTS):
+            rollout = f"{name.replace(' ', '-')}-{int(stream)}-{attempt}"
+            want = await agent_view(functools.partial(plain.chat, rollout=rollout), body)
+            got = await agent_view(functools.partial(token_in.chat, rollout=rollout), body)
+            [want_record] = plain.calls(rollout)
+            [got_record] = token_in.calls(rollout)
+            assert got_record.token_in
+            assert not want_record.token_in
+            got_ids = list(got_record.completion_token_ids)
+            want_ids = list(want_record.completion_token_ids)
+            same_ids = got_ids == want_ids
+            if same_ids and not (stream and _only_reasoning_count_differs(got, want)):
+                break
+        if not same_ids:
+            differ[f"{label} sampled ids"] = (got_ids, want_ids)
+            continue
+        if got != want:
+            differ[label] = (got, want, got_ids)
+        elif staged(got_record) != staged(want_record):
+            differ[f"{label} staged"] = (staged(got_record), staged(want_record))
+    return differ
 
 
 async def test_the_bridge_places_the_close_where_the_sampled_stop_token_sits(
