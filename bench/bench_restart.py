@@ -30,6 +30,13 @@ say), each restart is made twice in turn, once with this checkout's code and onc
 side by side in one run, as the store's tail and the machine's load change during it. The
 figures of each are reported apart (``this`` and ``baseline``).
 
+With `--writer-per-tree` too, the serving proxy runs each checkout's code in turn as well (a
+change to what a writer commits changes the tail a restart meets): `--restarts` rounds, each a
+phase per checkout (the order alternating), each starting that checkout's serving proxy, running
+the load `--warmup` seconds, then restarting a proxy of that checkout once; each says its
+serving proxy's units a minute and calls a second, the tail, and the calls staged while the
+restarted proxy was not ready. The store is one: a phase meets what the ones before left too.
+
 With `--compact-every S`, the under-load phase is run twice, the same way, on the same store:
 without maintenance, then with ``capture-proxy compact`` (the real command, in a process of its
 own, taking the dataset's maintenance lease) started every `S` seconds beside the serving proxy
@@ -312,8 +319,61 @@ async def under_load(
         await asyncio.to_thread(writer.terminate, 30)
 
 
+async def serving_tree(
+    upstream: str, store: str, phase: Phase, code: Path, http: aiohttp.ClientSession, name: str
+) -> dict[str, Any]:
+    """One restart under load where the serving proxy runs `code`'s checkout too: its units a
+    minute (what its writer commits) make the tail the restart meets."""
+    writer = start_proxy(upstream, store, "--min-free-disk-mb", "0", cwd=code)
+    writer.wait_ready(170)
+    first = await asyncio.to_thread(tail_units, store)
+    loader = Loader(name, concurrency=phase.sandboxes, seed=1, turns=6)
+    loader.start(writer.url)
+    started = time.monotonic()
+    try:
+        await asyncio.sleep(phase.warmup_s)
+        before = await asyncio.to_thread(tail_units, store)
+        minutes = (time.monotonic() - started) / 60
+        staged = loader.outcomes["staged"]
+        out: dict[str, Any] = {**before}
+        out["serving units/min"] = round((before["live units"] - first["live units"]) / minutes)
+        out["serving calls/s"] = round(staged / minutes / 60, 1)
+        out.update(await time_to_ready(upstream, store, http, code))
+        out["calls staged meanwhile"] = loader.outcomes["staged"] - staged
+        return out
+    finally:
+        await loader.stop()
+        await asyncio.to_thread(writer.terminate, 30)
+
+
+async def per_tree(upstream: str, store: str, phase: Phase, baseline: Path) -> dict[str, Any]:
+    """`phase.n` rounds; in each, the baseline's serving proxy and restart, then this
+    checkout's, on one store (each meets the tail the ones before left, plus its own)."""
+    trees = {"baseline": baseline, "this": ROOT}
+    runs: dict[str, list[dict[str, Any]]] = {label: [] for label in trees}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http:
+        for i in range(phase.n):
+            order = list(trees) if i % 2 == 0 else list(reversed(trees))
+            for label in order:
+                name = f"restart-load-{label}-{i}"
+                runs[label].append(
+                    await serving_tree(upstream, store, phase, trees[label], http, name)
+                )
+    out: dict[str, Any] = {}
+    for label, r in runs.items():
+        out[label] = _summary(r)
+        for key in ("serving units/min", "serving calls/s", "calls staged meanwhile"):
+            out[label][f"{key} (each)"] = [x[key] for x in r]
+    return out
+
+
 async def run(
-    units: int, phase: Phase, baseline: Path | None, *, alone: bool = True
+    units: int,
+    phase: Phase,
+    baseline: Path | None,
+    *,
+    alone: bool = True,
+    writer_per_tree: bool = False,
 ) -> dict[str, Any]:
     local, built_s = cached_dataset(units)
     out: dict[str, Any] = {"units": units, "built s": built_s, "load average": os.getloadavg()}
@@ -330,7 +390,11 @@ async def run(
             if alone:
                 out["alone"] = await restarts(fake.url, store, phase.n, baseline)
                 out["alone"]["load average"] = os.getloadavg()
-            if phase.sandboxes and phase.compact_every_s is None:
+            if phase.sandboxes and writer_per_tree and baseline is not None:
+                out["under load, serving proxy per tree"] = await per_tree(
+                    fake.url, store, phase, baseline
+                )
+            elif phase.sandboxes and phase.compact_every_s is None:
                 out["under load"] = await under_load(fake.url, store, phase, baseline, lease)
             elif phase.sandboxes:
                 never = replace(phase, compact_every_s=0.0)
@@ -362,11 +426,24 @@ def main() -> None:
         metavar="S",
         help="also run the under-load phase with `capture-proxy compact` every S seconds",
     )
+    ap.add_argument(
+        "--writer-per-tree",
+        action="store_true",
+        help="with --baseline: the serving proxy runs each checkout's code too, in turn",
+    )
     ap.add_argument("--skip-alone", action="store_true", help="no restarts without load")
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
     args = ap.parse_args()
     phase = Phase(args.restarts, args.sandboxes, args.warmup, args.compact_every)
-    result = asyncio.run(run(args.units, phase, args.baseline, alone=not args.skip_alone))
+    result = asyncio.run(
+        run(
+            args.units,
+            phase,
+            args.baseline,
+            alone=not args.skip_alone,
+            writer_per_tree=args.writer_per_tree,
+        )
+    )
     if args.json:
         print(json.dumps(result))
         return

@@ -44,7 +44,7 @@ def create_app(settings: Settings, *, sink: StagingSink | None = None) -> web.Ap
         the_sink = sink
     else:
         started = time.perf_counter()
-        the_sink = open_sink(settings.store)
+        the_sink = open_sink(settings.store, linger_s=settings.store_linger)
         # Said at every start: on object storage the open (the listing of the commit markers,
         # the index of the live units) is most of the time a restarted proxy takes to be ready.
         log.info("store %s opened in %.2f s", settings.store, time.perf_counter() - started)

@@ -39,6 +39,8 @@ class SQLiteKind(StoreKind):
     def open_sink(self, store: StoreURL, **options: Any) -> StagingSink:
         from .sqlite import SQLiteSink
 
+        # A transaction is cheap to read back whatever its size: nothing to gain from waiting.
+        options.pop("linger_s", None)
         return SQLiteSink(store.location, url=store.url, **options)
 
     def open_source(self, store: StoreURL, *, cache_bytes: int | None = None) -> StagingSource:
@@ -161,6 +163,7 @@ class MemoryKind(StoreKind):
         self.stores: dict[str, MemorySink] = {}
 
     def open_sink(self, store: StoreURL, **options: Any) -> StagingSink:
+        options.pop("linger_s", None)  # no commits to group
         return self.stores.setdefault(store.url, MemorySink(store.url, **options))
 
     def open_source(self, store: StoreURL, *, cache_bytes: int | None = None) -> StagingSource:

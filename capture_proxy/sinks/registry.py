@@ -71,7 +71,9 @@ class StoreKind:
 
     def open_sink(self, store: StoreURL, **options: Any) -> StagingSink:
         """A writer for `store`, created when there is none. `options` are the sink's own
-        (``fault``, ``max_batch``, ...)."""
+        (``fault``, ``max_batch``, ...), and ``linger_s``: how long after a commit the writer
+        may wait to group more writes into the next (a kind whose commits cost nothing to read
+        back drops it)."""
         raise NotImplementedError
 
     def open_source(self, store: StoreURL, *, cache_bytes: int | None = None) -> StagingSource:

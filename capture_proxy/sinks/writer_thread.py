@@ -15,6 +15,7 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -53,9 +54,13 @@ class WriterThread(Generic[W]):
 
     kind = "store"
 
-    def __init__(self, *, name: str, max_batch: int) -> None:
+    def __init__(self, *, name: str, max_batch: int, linger_s: float = 0.0) -> None:
         self.name = name
         self.max_batch = max(1, max_batch)
+        #: After a commit, the next batch waits until this long after it, taking what arrives
+        #: meanwhile (`_linger`): fewer, larger commits under load; no wait when idle.
+        self.linger_s = max(0.0, linger_s)
+        self._last_commit = 0.0  # monotonic seconds the last batch's commit ended
         self._queue: queue.SimpleQueue[Job[W] | None] = queue.SimpleQueue()
         self.closed = False
         # Read by /metrics: committed batches, the writes they carried, the last one's size.
@@ -104,6 +109,8 @@ class WriterThread(Generic[W]):
                 jobs, stopping = take_batch(self._queue, self.max_batch)
                 if not jobs:
                     continue
+                if not stopping and self.linger_s:
+                    stopping = self._linger(jobs)
                 try:
                     self._commit(jobs)
                 except BaseException as e:  # never leave a caller waiting on a dead thread
@@ -112,6 +119,34 @@ class WriterThread(Generic[W]):
                     self._deliver(jobs, [(j.future, None, err) for j in jobs])
         finally:
             self._on_exit()
+
+    def _linger(self, jobs: list[Job[W]]) -> bool:
+        """Add to `jobs` what arrives until `linger_s` after the last commit ended (up to
+        `max_batch`), when the batch would commit (`_lingers`); True when the stop sentinel came.
+
+        Only while the last commit is young: a write after a quiet spell commits at once, and
+        under load commits are at least `linger_s` apart, each taking every write that came
+        meanwhile, so a caller waits at most `linger_s` more than it would have."""
+        deadline = self._last_commit + self.linger_s
+        if time.monotonic() >= deadline or not self._lingers(jobs):
+            return False
+        while len(jobs) < self.max_batch:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                more = self._queue.get(timeout=left)
+            except queue.Empty:
+                break
+            if more is None:
+                return True
+            jobs.append(more)
+        return False
+
+    def _lingers(self, jobs: list[Job[W]]) -> bool:
+        """Whether a batch of `jobs` is worth waiting for more (one that commits nothing is
+        not): a subclass says."""
+        return True
 
     def _commit(self, jobs: list[Job[W]]) -> None:
         raise NotImplementedError
@@ -123,6 +158,7 @@ class WriterThread(Generic[W]):
         self.batches += 1
         self.batched_jobs += len(jobs)
         self.last_batch = len(jobs)
+        self._last_commit = time.monotonic()
 
     @staticmethod
     def _deliver(jobs: list[Job[W]], outcomes: list[Outcome]) -> None:

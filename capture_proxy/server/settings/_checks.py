@@ -97,6 +97,7 @@ def _check(s: Settings) -> None:
         if getattr(s, name) < 1:
             raise bad(name, f"must be >= 1, got {getattr(s, name)}")
     for name in (
+        "store_linger",
         "min_free_disk_mb",
         "max_tokens_cap",
         "max_inflight",

@@ -164,6 +164,13 @@ class Settings:
         "10 s gets 503 with Retry-After (0: no bound)",
     )
     stage_timeout: float = _s(10.0, "seconds a sink may take to stage a call before it fails")
+    store_linger: float = _s(
+        0.05,
+        "a Parquet store's writer commits a unit at most once per this many seconds under load, "
+        "each unit holding every call staged meanwhile (a call waits up to this long more; a "
+        "call after a quiet spell commits at once): fewer units to open, follow and compact "
+        "(0: each batch at once)",
+    )
     max_pending_stages: int = _s(
         256, "staging writes in progress at once; beyond it calls get 503 with Retry-After"
     )
@@ -404,7 +411,7 @@ GROUPS: dict[str, tuple[str, str]] = {
     ),
     "store": (
         "where calls are staged",
-        "store on_capture_failure stage_timeout max_pending_stages min_free_disk_mb",
+        "store on_capture_failure stage_timeout store_linger max_pending_stages min_free_disk_mb",
     ),
     "sandboxes": (
         "where agents reach the proxy, and what they must send",

@@ -157,8 +157,11 @@ class ParquetSink:
     (``s3://bucket/prefix``) is read with pyarrow and written with obstore, both configured from
     the standard environment variables (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
     ``AWS_REGION``, ``AWS_ENDPOINT_URL``, ...). `writer_id` names this writer in its claims
-    (default: host, process id and a random suffix). `close` commits everything queued; `stage`
-    after `close` raises RuntimeError.
+    (default: host, process id and a random suffix). `linger_s`: after a unit, the next one is
+    written no sooner than this many seconds after it, with every write queued meanwhile (fewer
+    units under load, each write waiting up to that long more; none after a quiet spell; 0, the
+    default here, writes each batch at once; the proxy's ``--store-linger``). `close` commits
+    everything queued; `stage` after `close` raises RuntimeError.
 
     Opening a sink makes Arrow allocate from the C library's ``malloc`` in the whole process
     (`pyarrow.system_memory_pool`), unless the ``ARROW_DEFAULT_MEMORY_POOL`` environment
@@ -185,6 +188,7 @@ class ParquetSink:
         dedup_window_s: float = DEDUP_WINDOW_S,
         store: ObjectStore | None = None,
         writer_id: str | None = None,
+        linger_s: float = 0.0,
     ) -> None:
         _system_allocator()
         self.location = location
@@ -286,6 +290,7 @@ class ParquetSink:
             last_order=known.last_order,
             publish=self._publish,
             settle=self._settle,
+            linger_s=linger_s,
         )
 
     # -- StagingSink ----------------------------------------------------------------------------

@@ -81,8 +81,9 @@ class UnitWriter(WriterThread[Work]):
         last_order: int,
         publish: Callable[[UnitRows], None],
         settle: Callable[[list[Work]], None] | None = None,
+        linger_s: float = 0.0,
     ) -> None:
-        super().__init__(name=name, max_batch=max_batch)
+        super().__init__(name=name, max_batch=max_batch, linger_s=linger_s)
         self.dfs = dfs
         self.last_order = last_order
         self._publish = publish
@@ -90,6 +91,11 @@ class UnitWriter(WriterThread[Work]):
         #: Rows of deferred work waiting for the next unit written (module docstring).
         self._waiting = UnitRows()
         self.start()
+
+    def _lingers(self, jobs: list[Job[Work]]) -> bool:
+        # Deferred work (admission claims) alone writes no unit: its callers, about to send
+        # their calls upstream, are answered at once.
+        return not all(getattr(job.work, "defer", False) for job in jobs)
 
     def _commit(self, jobs: list[Job[Work]]) -> None:
         if self._settle is not None:

@@ -1,0 +1,97 @@
+"""``--store-linger``: a Parquet writer under load commits a unit at most once per linger, each
+holding every call staged meanwhile; a first write, an admission claim and `close` never wait
+for it. (What it costs a call and saves the store: bench/bench_linger.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+from capture_proxy.schemas.events import claim_event
+from capture_proxy.schemas.records import CallStatus
+from capture_proxy.sinks.parquet import ParquetSink, ParquetSource
+from capture_proxy.sinks.registry import open_sink
+from tests.support.sink_factories import Session
+
+#: Far longer than any wait below: a test that waited for the linger would time out first.
+_LONG = 60.0
+_PROMPT = 30.0
+
+
+def _calls_per_unit(ds: Path) -> list[int]:
+    markers = [json.loads(p.read_text()) for p in sorted((ds / "_commits").glob("*.json"))]
+    return [m["rows"].get("calls", 0) for m in markers]
+
+
+async def test_calls_staged_within_the_linger_of_a_unit_share_the_next_unit(
+    tmp_path: Path,
+) -> None:
+    ds = tmp_path / "ds"
+    sink = ParquetSink(str(ds), linger_s=1.5)
+    try:
+        first = await asyncio.wait_for(sink.stage(Session("first").next()[0]), _PROMPT)
+        assert first.status is CallStatus.STAGED
+        # Four calls arriving one after another, 50 ms apart, just after that unit: without a
+        # linger each would be a unit of its own (the writer is idle when each arrives).
+        tasks = []
+        for i in range(4):
+            tasks.append(asyncio.ensure_future(sink.stage(Session(f"s{i}").next()[0])))
+            await asyncio.sleep(0.05)
+        results = await asyncio.wait_for(asyncio.gather(*tasks), _PROMPT)
+    finally:
+        await sink.close()
+    assert [r.status for r in results] == [CallStatus.STAGED] * 4
+    assert _calls_per_unit(ds) == [1, 4]
+    source = ParquetSource(str(ds))
+    assert sorted(source.rollouts()) == ["first", "s0", "s1", "s2", "s3"]
+
+
+async def test_a_first_call_and_an_admission_claim_do_not_wait_for_the_linger(
+    tmp_path: Path,
+) -> None:
+    ds = tmp_path / "ds"
+    sink = ParquetSink(str(ds), linger_s=_LONG)
+    session = Session("ep")
+    try:
+        record, _ = session.next()
+        # Nothing committed lately: the first unit is written at once.
+        claim = await asyncio.wait_for(
+            sink.append_event(claim_event("ep", 0, record.call_id, 1)), _PROMPT
+        )
+        assert claim.kind == "claim"
+        staged = await asyncio.wait_for(sink.stage(record), _PROMPT)
+        assert staged.status is CallStatus.STAGED
+        # A unit was just committed, but a claim writes none: its call goes upstream at once.
+        nxt, _ = session.next()
+        claim = await asyncio.wait_for(
+            sink.append_event(claim_event("ep", 1, nxt.call_id, 2)), _PROMPT
+        )
+        assert claim.seq == 1
+    finally:
+        await sink.close()
+    assert _calls_per_unit(ds) == [1, 0]  # the second claim's event, written at close
+
+
+async def test_close_commits_a_lingering_call_without_waiting_for_the_linger(
+    tmp_path: Path,
+) -> None:
+    ds = tmp_path / "ds"
+    sink = ParquetSink(str(ds), linger_s=_LONG)
+    await asyncio.wait_for(sink.stage(Session("a").next()[0]), _PROMPT)
+    lingering = asyncio.ensure_future(sink.stage(Session("b").next()[0]))
+    await asyncio.sleep(0.2)
+    assert not lingering.done()  # within the linger of the first unit
+    await asyncio.wait_for(sink.close(), _PROMPT)
+    assert (await asyncio.wait_for(lingering, _PROMPT)).status is CallStatus.STAGED
+    assert sorted(ParquetSource(str(ds)).rollouts()) == ["a", "b"]
+
+
+async def test_every_store_kind_takes_the_linger_setting(tmp_path: Path) -> None:
+    parquet = open_sink(f"parquet:///{tmp_path / 'ds'}", linger_s=0.25)
+    assert isinstance(parquet, ParquetSink)
+    await parquet.close()
+    # SQLite and the in-process store commit at once: the setting is theirs to drop.
+    sqlite = open_sink(f"sqlite:///{tmp_path / 'x.db'}", linger_s=0.25)
+    await sqlite.close()
+    open_sink("memory://linger", linger_s=0.25)
