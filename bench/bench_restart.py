@@ -32,10 +32,11 @@ figures of each are reported apart (``this`` and ``baseline``).
 
 With `--writer-per-tree` too, the serving proxy runs each checkout's code in turn as well (a
 change to what a writer commits changes the tail a restart meets): `--restarts` rounds, each a
-phase per checkout (the order alternating), each starting that checkout's serving proxy, running
+phase per checkout (the order alternating), each from a compacted store (``capture-proxy
+compact`` first: no tail), starting that checkout's serving proxy, running
 the load `--warmup` seconds, then restarting a proxy of that checkout once; each says its
 serving proxy's units a minute and calls a second, the tail, and the calls staged while the
-restarted proxy was not ready. The store is one: a phase meets what the ones before left too.
+restarted proxy was not ready.
 
 With `--compact-every S`, the under-load phase is run twice, the same way, on the same store:
 without maintenance, then with ``capture-proxy compact`` (the real command, in a process of its
@@ -320,10 +321,18 @@ async def under_load(
 
 
 async def serving_tree(
-    upstream: str, store: str, phase: Phase, code: Path, http: aiohttp.ClientSession, name: str
+    upstream: str,
+    store: str,
+    phase: Phase,
+    code: Path,
+    http: aiohttp.ClientSession,
+    name: str,
+    lease: S3Store,
 ) -> dict[str, Any]:
     """One restart under load where the serving proxy runs `code`'s checkout too: its units a
-    minute (what its writer commits) make the tail the restart meets."""
+    minute (what its writer commits) make the tail the restart meets. From a compacted store
+    (no tail), as every phase."""
+    compacted = await compact_once(store, lease)
     writer = start_proxy(upstream, store, "--min-free-disk-mb", "0", cwd=code)
     writer.wait_ready(170)
     first = await asyncio.to_thread(tail_units, store)
@@ -335,7 +344,7 @@ async def serving_tree(
         before = await asyncio.to_thread(tail_units, store)
         minutes = (time.monotonic() - started) / 60
         staged = loader.outcomes["staged"]
-        out: dict[str, Any] = {**before}
+        out: dict[str, Any] = {**before, "compaction before s": compacted["s"]}
         out["serving units/min"] = round((before["live units"] - first["live units"]) / minutes)
         out["serving calls/s"] = round(staged / minutes / 60, 1)
         out.update(await time_to_ready(upstream, store, http, code))
@@ -346,9 +355,11 @@ async def serving_tree(
         await asyncio.to_thread(writer.terminate, 30)
 
 
-async def per_tree(upstream: str, store: str, phase: Phase, baseline: Path) -> dict[str, Any]:
-    """`phase.n` rounds; in each, the baseline's serving proxy and restart, then this
-    checkout's, on one store (each meets the tail the ones before left, plus its own)."""
+async def per_tree(
+    upstream: str, store: str, phase: Phase, baseline: Path, lease: S3Store
+) -> dict[str, Any]:
+    """`phase.n` rounds; in each, the baseline's serving proxy and restart and this
+    checkout's, in turn (the order alternating), each from a compacted store."""
     trees = {"baseline": baseline, "this": ROOT}
     runs: dict[str, list[dict[str, Any]]] = {label: [] for label in trees}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http:
@@ -357,7 +368,7 @@ async def per_tree(upstream: str, store: str, phase: Phase, baseline: Path) -> d
             for label in order:
                 name = f"restart-load-{label}-{i}"
                 runs[label].append(
-                    await serving_tree(upstream, store, phase, trees[label], http, name)
+                    await serving_tree(upstream, store, phase, trees[label], http, name, lease)
                 )
     out: dict[str, Any] = {}
     for label, r in runs.items():
@@ -392,7 +403,7 @@ async def run(
                 out["alone"]["load average"] = os.getloadavg()
             if phase.sandboxes and writer_per_tree and baseline is not None:
                 out["under load, serving proxy per tree"] = await per_tree(
-                    fake.url, store, phase, baseline
+                    fake.url, store, phase, baseline, lease
                 )
             elif phase.sandboxes and phase.compact_every_s is None:
                 out["under load"] = await under_load(fake.url, store, phase, baseline, lease)
