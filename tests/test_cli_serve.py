@@ -205,6 +205,14 @@ def test_bad_config_file_names_the_key(tmp_path: Path, text: str, message: str) 
         load_settings(_args("--config", str(cfg)), {})
 
 
+def test_a_store_linger_of_half_the_stage_timeout_or_more_is_refused() -> None:
+    assert load_settings(_args("--store-linger", "0.5"), {}).store_linger == 0.5
+    with pytest.raises(SettingsError, match=r"--store-linger .* under half of --stage-timeout"):
+        load_settings(_args("--store-linger", "2", "--stage-timeout", "4"), {})
+    with pytest.raises(SettingsError, match=r"--store-linger .* must be >= 0"):
+        load_settings(_args(), {"CAPTURE_PROXY_STORE_LINGER": "-1"})
+
+
 def test_missing_config_file() -> None:
     with pytest.raises(SettingsError, match="no such file"):
         load_settings(_args("--config", "/nonexistent/proxy.toml"), {})

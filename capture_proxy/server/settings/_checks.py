@@ -119,6 +119,14 @@ def _check(s: Settings) -> None:
     ):
         if getattr(s, name) < 0:
             raise bad(name, f"must be >= 0, got {getattr(s, name)}")
+    if s.store_linger >= s.stage_timeout / 2:
+        # Every call under load may wait the linger before its unit is written: past half the
+        # stage timeout, a slow store's write on top of it would fail calls.
+        raise bad(
+            "store_linger",
+            f"must be under half of --stage-timeout ({s.stage_timeout:g} s), "
+            f"got {s.store_linger:g}",
+        )
     _check_upstreams(s.upstreams, bad)
     for name in ("admin_token", "reader_token"):
         why = _weak_token(getattr(s, name)) if getattr(s, name) else None

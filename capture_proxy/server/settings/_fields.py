@@ -169,7 +169,7 @@ class Settings:
         "a Parquet store's writer commits a unit at most once per this many seconds under load, "
         "each unit holding every call staged meanwhile (a call waits up to this long more; a "
         "call after a quiet spell commits at once): fewer units to open, follow and compact "
-        "(0: each batch at once)",
+        "(0: each batch at once; under half of --stage-timeout)",
     )
     max_pending_stages: int = _s(
         256, "staging writes in progress at once; beyond it calls get 503 with Retry-After"
