@@ -2,7 +2,9 @@
 
 Callers on an event loop `submit` work; one thread takes everything queued (up to `max_batch`,
 see `staging_rules.take_batch`) and commits it together: one transaction (SQLite) or one unit
-(Parquet), so one fsync answers many concurrent `stage()` calls. Callers are answered only after
+(Parquet), so one fsync answers many concurrent `stage()` calls. With `linger_s` (the Parquet
+writer's ``--store-linger``), a batch that comes less than that after the last commit also
+takes what arrives until then (`_linger`). Callers are answered only after
 the commit, with one ``loop.call_soon_threadsafe`` per batch. A subclass says how a batch is
 committed (`_commit`); this class owns the queue, the thread, delivery and the counters that
 `/metrics` reads.
