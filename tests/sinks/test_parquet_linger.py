@@ -8,10 +8,14 @@ import asyncio
 import json
 from pathlib import Path
 
-from capture_proxy.schemas.events import claim_event
+from capture_proxy.read.reader import Store
+from capture_proxy.schemas.events import check_chain, claim_event
 from capture_proxy.schemas.records import CallStatus
 from capture_proxy.sinks.parquet import ParquetSink, ParquetSource
+from capture_proxy.sinks.parquet._checkpoint import load_markers
+from capture_proxy.sinks.parquet._fs import DatasetFS
 from capture_proxy.sinks.registry import open_sink
+from tests.support.s3 import MotoS3
 from tests.support.sink_factories import Session
 
 #: Far longer than any wait below: a test that waited for the linger would time out first.
@@ -95,3 +99,46 @@ async def test_every_store_kind_takes_the_linger_setting(tmp_path: Path) -> None
     sqlite = open_sink(f"sqlite:///{tmp_path / 'x.db'}", linger_s=0.25)
     await sqlite.close()
     open_sink("memory://linger", linger_s=0.25)
+
+
+async def test_two_writers_lingering_on_moto_group_their_calls_and_a_handed_rollout_continues(
+    moto_s3: MotoS3,
+) -> None:
+    url = moto_s3.url()
+    a = ParquetSink(url, writer_id="proxy-a", linger_s=2.0)
+    b = ParquetSink(url, writer_id="proxy-b", linger_s=2.0)
+    handed = Session("ho")
+    try:
+        first, _ = handed.next()
+        await asyncio.wait_for(a.append_event(claim_event("ho", 0, first.call_id, 1)), _PROMPT)
+        assert (await asyncio.wait_for(a.stage(first), _PROMPT)).status is CallStatus.STAGED
+        second, _ = handed.next()  # seq 1 through b: a hand-off, while both writers linger
+        await asyncio.wait_for(b.append_event(claim_event("ho", 1, second.call_id, 2)), _PROMPT)
+        opened = asyncio.ensure_future(b.stage(Session("b-first").next()[0]))
+        tasks = [asyncio.ensure_future(b.stage(second))]
+        for i in range(3):
+            tasks.append(asyncio.ensure_future(a.stage(Session(f"a{i}").next()[0])))
+            tasks.append(asyncio.ensure_future(b.stage(Session(f"b{i}").next()[0])))
+            await asyncio.sleep(0.05)
+        results = await asyncio.wait_for(asyncio.gather(opened, *tasks), _PROMPT)
+    finally:
+        await a.close()
+        await b.close()
+    assert [r.status for r in results] == [CallStatus.STAGED] * 8
+    live = load_markers(DatasetFS(url), object_url=url).live()
+    # Nine calls (and two claims' events) in at most five units: a's first, a's three calls
+    # together; b's first (and the hand-off), b's others, lingering after it.
+    assert sum(m.rows.get("calls", 0) for m in live) == 9
+    assert len(live) <= 5
+    source = ParquetSource(url)
+    assert len(source.rollouts()) == 8
+    events = source.events("ho")
+    assert check_chain(events) == []
+    assert [(e.kind, e.seq) for e in events] == [
+        ("claim", 0),
+        ("staged", 0),
+        ("handoff", None),
+        ("claim", 1),
+        ("staged", 1),
+    ]
+    Store(source).verify()
