@@ -32,7 +32,7 @@ async def test_calls_staged_within_the_linger_of_a_unit_share_the_next_unit(
     tmp_path: Path,
 ) -> None:
     ds = tmp_path / "ds"
-    sink = ParquetSink(str(ds), linger_s=1.5)
+    sink = ParquetSink(str(ds), linger_s=1.5, linger_capped=False)
     try:
         first = await asyncio.wait_for(sink.stage(Session("first").next()[0]), _PROMPT)
         assert first.status is CallStatus.STAGED
@@ -55,7 +55,7 @@ async def test_a_first_call_and_an_admission_claim_do_not_wait_for_the_linger(
     tmp_path: Path,
 ) -> None:
     ds = tmp_path / "ds"
-    sink = ParquetSink(str(ds), linger_s=_LONG)
+    sink = ParquetSink(str(ds), linger_s=_LONG, linger_capped=False)
     session = Session("ep")
     try:
         record, _ = session.next()
@@ -81,7 +81,7 @@ async def test_close_commits_a_lingering_call_without_waiting_for_the_linger(
     tmp_path: Path,
 ) -> None:
     ds = tmp_path / "ds"
-    sink = ParquetSink(str(ds), linger_s=_LONG)
+    sink = ParquetSink(str(ds), linger_s=_LONG, linger_capped=False)
     await asyncio.wait_for(sink.stage(Session("a").next()[0]), _PROMPT)
     lingering = asyncio.ensure_future(sink.stage(Session("b").next()[0]))
     await asyncio.sleep(0.2)
@@ -89,6 +89,18 @@ async def test_close_commits_a_lingering_call_without_waiting_for_the_linger(
     await asyncio.wait_for(sink.close(), _PROMPT)
     assert (await asyncio.wait_for(lingering, _PROMPT)).status is CallStatus.STAGED
     assert sorted(ParquetSource(str(ds)).rollouts()) == ["a", "b"]
+
+
+async def test_a_linger_is_no_longer_than_the_last_commit_took(tmp_path: Path) -> None:
+    # The proxy's default: a local folder's commit takes milliseconds, so a call right after a
+    # unit waits about that long, not the whole (here one-minute) linger.
+    sink = ParquetSink(str(tmp_path / "ds"), linger_s=_LONG)
+    try:
+        await asyncio.wait_for(sink.stage(Session("a").next()[0]), _PROMPT)
+        nxt = await asyncio.wait_for(sink.stage(Session("b").next()[0]), 5.0)
+    finally:
+        await sink.close()
+    assert nxt.status is CallStatus.STAGED
 
 
 async def test_every_store_kind_takes_the_linger_setting(tmp_path: Path) -> None:
@@ -105,8 +117,8 @@ async def test_two_writers_lingering_on_moto_group_their_calls_and_a_handed_roll
     moto_s3: MotoS3,
 ) -> None:
     url = moto_s3.url()
-    a = ParquetSink(url, writer_id="proxy-a", linger_s=2.0)
-    b = ParquetSink(url, writer_id="proxy-b", linger_s=2.0)
+    a = ParquetSink(url, writer_id="proxy-a", linger_s=2.0, linger_capped=False)
+    b = ParquetSink(url, writer_id="proxy-b", linger_s=2.0, linger_capped=False)
     handed = Session("ho")
     try:
         first, _ = handed.next()

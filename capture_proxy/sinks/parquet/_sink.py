@@ -158,9 +158,10 @@ class ParquetSink:
     the standard environment variables (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
     ``AWS_REGION``, ``AWS_ENDPOINT_URL``, ...). `writer_id` names this writer in its claims
     (default: host, process id and a random suffix). `linger_s`: after a unit, the next one is
-    written no sooner than this many seconds after it, with every write queued meanwhile (fewer
-    units under load, each write waiting up to that long more; none after a quiet spell; 0, the
-    default here, writes each batch at once; the proxy's ``--store-linger``). `close` commits
+    written no sooner than this many seconds after it, or than the last unit's commit took if
+    that is shorter (`linger_capped`), with every write queued meanwhile (fewer units under
+    load, each write waiting up to that long more; none after a quiet spell; 0, the default
+    here, writes each batch at once; the proxy's ``--store-linger``). `close` commits
     everything queued; `stage` after `close` raises RuntimeError.
 
     Opening a sink makes Arrow allocate from the C library's ``malloc`` in the whole process
@@ -189,6 +190,7 @@ class ParquetSink:
         store: ObjectStore | None = None,
         writer_id: str | None = None,
         linger_s: float = 0.0,
+        linger_capped: bool = True,
     ) -> None:
         _system_allocator()
         self.location = location
@@ -291,6 +293,7 @@ class ParquetSink:
             publish=self._publish,
             settle=self._settle,
             linger_s=linger_s,
+            linger_capped=linger_capped,
         )
 
     # -- StagingSink ----------------------------------------------------------------------------

@@ -82,8 +82,11 @@ class UnitWriter(WriterThread[Work]):
         publish: Callable[[UnitRows], None],
         settle: Callable[[list[Work]], None] | None = None,
         linger_s: float = 0.0,
+        linger_capped: bool = True,
     ) -> None:
-        super().__init__(name=name, max_batch=max_batch, linger_s=linger_s)
+        super().__init__(
+            name=name, max_batch=max_batch, linger_s=linger_s, linger_capped=linger_capped
+        )
         self.dfs = dfs
         self.last_order = last_order
         self._publish = publish
