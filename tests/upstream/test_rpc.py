@@ -184,6 +184,22 @@ async def test_the_api_key_and_the_body_are_sent() -> None:
     assert server.bodies == [BODY]
 
 
+async def test_a_facts_request_goes_without_the_headers_vllm_does_not_read() -> None:
+    # The reasoning markers' /tokenize, through the facts pool (aiohttp): no User-Agent, Accept
+    # or Accept-Encoding (85 bytes a request), the API key and Host kept.
+    server = Scripted(json_answer(b'{"tokens":[7]}'))
+    async with server as url:
+        up = HTTPUpstream(url, api_key="k3y")
+        try:
+            assert await up.tokenize_text("policy", "<think>") == [7]
+        finally:
+            await up.close()
+    head = server.heads[0].decode()
+    assert head.startswith("POST /tokenize HTTP/1.1\r\n")
+    names = {line.split(":", 1)[0].lower() for line in head.split("\r\n")[1:] if line}
+    assert names == {"host", "authorization", "content-type", "content-length"}
+
+
 async def test_an_error_status_comes_back_with_its_body() -> None:
     error = b'{"error":{"message":"boom","code":500}}'
     server = Scripted(json_answer(error, "500 Internal Server Error"))
