@@ -308,12 +308,11 @@ class HTTPUpstream:
 
     async def tokenize_text(self, model: str, text: str) -> list[int] | None:
         """The ids of `text` from the upstream's /tokenize, no special tokens added (None when
-        it does not answer them): token-in learns the reasoning parser's marker ids with it,
-        once per tokenizer (through the facts requests' pool: `facts_session`)."""
+        it does not answer them): token-in learns the reasoning parser's marker ids with it."""
         body = {"model": model, "prompt": text, "add_special_tokens": False}
         try:
-            status, raw = await self._fetch(
-                "POST", "/tokenize", orjson.dumps(body), self.fact_timeout
+            status, _, raw = await self.relay(
+                "POST", "/tokenize", orjson.dumps(body), JSON, within=self.fact_timeout
             )
             tokens = orjson.loads(raw)["tokens"] if status == 200 else None
         except (UpstreamFailed, orjson.JSONDecodeError, KeyError, TypeError):
