@@ -13,8 +13,10 @@ from capture_proxy.adapters.vllm import (
     SEED_IDS,
     DerenderCoalescer,
     derender_chat_request,
+    derender_chunk_body,
     derender_generate_answer,
     derender_prompt_start,
+    derender_tail,
 )
 from capture_proxy.adapters.vllm._generate import GenerateEvent
 
@@ -215,3 +217,13 @@ def test_a_budget_without_room_for_two_calls_derenders_the_stream_once_at_its_en
     assert rest is not None
     assert orjson.loads(rest)["choices"][0]["token_ids"] == [0, 1, 2]
     assert c.calls == 1
+
+
+def test_a_stream_s_first_derender_call_leaves_its_null_state_unsaid() -> None:
+    tail = derender_tail([5, 6], {"messages": []})
+    first = orjson.loads(derender_chunk_body(b'{"choices":[]}', None, tail))
+    assert "stream_state" not in first  # vLLM 0.32's default: None
+    state = {"output_token_ids": [9]}
+    later = orjson.loads(derender_chunk_body(b'{"choices":[]}', state, tail))
+    assert later["stream_state"] == state
+    assert {k: v for k, v in later.items() if k != "stream_state"} == first

@@ -65,7 +65,8 @@ GENERATE_DEFAULTS: dict[str, Any] = {"priority": 0, "output_mode": "tokens", "st
 
 def as_generate_reads(body: dict[str, Any]) -> dict[str, Any]:
     """A generate request without what vLLM reads the same when it is left out: null or default
-    fields, and sampling parameters at ``SamplingParams``' defaults (`compact_sampling`)."""
+    fields, sampling parameters at ``SamplingParams``' defaults (`compact_sampling`), and
+    render's reasoning fields without a structured output."""
     out = {
         k: v
         for k, v in body.items()
@@ -73,6 +74,12 @@ def as_generate_reads(body: dict[str, Any]) -> dict[str, Any]:
     }
     if isinstance(out.get("sampling_params"), dict):
         out["sampling_params"] = compact_sampling(out["sampling_params"])
+        if out["sampling_params"].get("structured_outputs") is None:
+            # Read by vLLM 0.32's engine only for a structured output's grammar (a true
+            # `reasoning_ended` stays: the fake's scripted model reads it).
+            if out.get("reasoning_ended") is not True:
+                out.pop("reasoning_ended", None)
+            out.pop("reasoning_parser_kwargs", None)
     return out
 
 
@@ -93,17 +100,47 @@ def test_generate_gets_the_sampling_params_without_the_ones_at_vllm_s_defaults()
         "stop_token_ids_extra": [],
         "skip_special_tokens": False,
         "logprobs": 0,
-        "skip_reading_prefix_cache": False,
+        "skip_reading_prefix_cache": False,  # what vLLM sets without prompt logprobs: left out
     }
-    assert compact_sampling(params) == {
+    kept = {
         "max_tokens": 16,
         "top_p": 0.9,
         "min_tokens": False,
         "stop_token_ids_extra": [],
         "skip_special_tokens": False,
         "logprobs": 0,
+    }
+    assert compact_sampling(params) == kept
+    # With prompt logprobs vLLM would skip the prefix cache on its own: said, it stays.
+    asked = {**params, "prompt_logprobs": 1}
+    assert compact_sampling(asked) == {
+        **kept,
+        "prompt_logprobs": 1,
         "skip_reading_prefix_cache": False,
     }
+    assert compact_sampling({**params, "skip_reading_prefix_cache": True}) == {
+        **kept,
+        "skip_reading_prefix_cache": True,
+    }
+
+
+def test_generate_gets_render_s_reasoning_fields_only_with_a_structured_output() -> None:
+    real = orjson.loads(raw("render-chat-response.json"))
+    assert real["reasoning_parser_kwargs"] is not None  # the server has a reasoning parser
+    sent = orjson.loads(read_render(raw("render-chat-response.json")).generate_body())
+    assert "reasoning_ended" not in sent
+    assert "reasoning_parser_kwargs" not in sent
+    ended = {**real, "reasoning_ended": True}  # thinking off: kept (the fake reads it)
+    sent = orjson.loads(read_render(orjson.dumps(ended)).generate_body())
+    assert sent["reasoning_ended"] is True
+    assert "reasoning_parser_kwargs" not in sent
+    structured = {**real, "sampling_params": {**real["sampling_params"], **_REGEX}}
+    sent = orjson.loads(read_render(orjson.dumps(structured)).generate_body())
+    assert sent["reasoning_ended"] == real["reasoning_ended"]
+    assert sent["reasoning_parser_kwargs"] == real["reasoning_parser_kwargs"]
+
+
+_REGEX = {"structured_outputs": {"regex": "[a-z]+"}}
 
 
 def test_a_unary_generate_answer_reads_ids_logprobs_tops_and_spans() -> None:

@@ -47,9 +47,12 @@ class Scripted:
             while self.answers:
                 head = await reader.readuntil(b"\r\n\r\n")
                 length = next(
-                    int(line.split(b":", 1)[1])
-                    for line in head.split(b"\r\n")
-                    if line.lower().startswith(b"content-length:")
+                    (
+                        int(line.split(b":", 1)[1])
+                        for line in head.split(b"\r\n")
+                        if line.lower().startswith(b"content-length:")
+                    ),
+                    0,  # a GET
                 )
                 self.heads.append(head)
                 self.bodies.append(await reader.readexactly(length))
@@ -182,6 +185,23 @@ async def test_the_api_key_and_the_body_are_sent() -> None:
     assert "Authorization: Bearer k3y\r\n" in head
     assert "Content-Type: application/json\r\n" in head
     assert server.bodies == [BODY]
+
+
+async def test_a_facts_request_goes_without_the_headers_vllm_does_not_read() -> None:
+    # The engine's weight version, read around each plain call through the facts pool
+    # (aiohttp): no User-Agent, Accept or Accept-Encoding (85 bytes a request), the API key and
+    # Host kept.
+    server = Scripted(json_answer(b'{"weight_version":"v7"}'))
+    async with server as url:
+        up = HTTPUpstream(url, api_key="k3y")
+        try:
+            assert await up.read_engine_weight_version() == "v7"
+        finally:
+            await up.close()
+    head = server.heads[0].decode()
+    assert head.startswith("GET /weight_info HTTP/1.1\r\n")
+    names = {line.split(":", 1)[0].lower() for line in head.split("\r\n")[1:] if line}
+    assert names == {"host", "authorization"}
 
 
 async def test_an_error_status_comes_back_with_its_body() -> None:

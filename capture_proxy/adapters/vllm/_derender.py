@@ -305,6 +305,8 @@ def derender_chunk_body(chunk: bytes, state: Mapping[str, Any] | None, tail: byt
     """One streamed derender request: the chunk (JSON, from `merge_chunks`), the previous
     answer's ``stream_state``, and — required on every call — the prompt ids and the chat
     request, as `derender_tail` encoded them once."""
+    if state is None:  # the first call: vLLM's default (``stream_state: None``) goes unsaid
+        return b"".join((b'{"stream":true,"generate_chunk":', chunk, tail))
     return b"".join(
         (b'{"stream":true,"generate_chunk":', chunk, b',"stream_state":', orjson.dumps(state), tail)
     )

@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 import msgspec
 import orjson
@@ -81,12 +81,32 @@ _SAMPLING_DEFAULTS: dict[str, tuple[Any, ...] | None] = {
     "include_stop_str_in_output": (False,),
     "output_kind": None,  # any value: generate overwrites it
 }
+#: The ``GenerateRequest`` fields vLLM 0.32 reads only for a structured output's grammar: the
+#: engine's ``Request`` hands them to its ``structured_output_request``, which exists only when
+#: the sampling parameters have ``structured_outputs`` (``v1/request.py``,
+#: ``v1/structured_output/__init__.py``). Render answers them whenever the server has a
+#: reasoning parser (``reasoning_parser_kwargs`` is the template keys: 110 bytes and more).
+#: Without a structured output both go (`_unread`), but a true ``reasoning_ended``: the bundled
+#: fake vLLM's scripted model plans its answer from it (its template does not write
+#: ``enable_thinking: false`` into the prompt, as Qwen3's does), and it is 22 bytes.
+_STRUCTURED_ONLY: Final = frozenset({"reasoning_ended", "reasoning_parser_kwargs"})
+_TRUE: Final = msgspec.Raw(b"true")
+#: The prompt logprobs fields whose absence makes ``skip_reading_prefix_cache`` default to false
+#: (``SamplingParams.__post_init__``: None becomes whether prompt logprobs are asked for).
+_PROMPT_LOGPROBS: Final = ("prompt_logprobs", "prompt_logprob_token_ids")
 
 
 def compact_sampling(params: Mapping[str, Any]) -> dict[str, Any]:
     """`params` without the fields generate reads the same when left out (`_SAMPLING_DEFAULTS`,
-    compared by type and value: ``0`` is not taken for ``false``)."""
-    return {k: v for k, v in params.items() if not _sampling_default(k, v)}
+    compared by type and value: ``0`` is not taken for ``false``), and without
+    ``skip_reading_prefix_cache: false`` when no prompt logprobs are asked for (what vLLM
+    0.32's ``SamplingParams`` then sets it to)."""
+    out = {k: v for k, v in params.items() if not _sampling_default(k, v)}
+    if out.get("skip_reading_prefix_cache") is False and all(
+        out.get(k) is None for k in _PROMPT_LOGPROBS
+    ):
+        del out["skip_reading_prefix_cache"]
+    return out
 
 
 def _sampling_default(key: str, value: Any) -> bool:
@@ -149,9 +169,17 @@ class Rendered:
             sampling_params = self.resolved_sampling  # with the limit vLLM's answer left out
         if sampling_params is not None:
             sampling_params = compact_sampling(sampling_params)
+        # Without a structured output, generate reads neither field (`_STRUCTURED_ONLY`).
+        unstructured = (
+            sampling_params is not None and sampling_params.get("structured_outputs") is None
+        )
         parts = [b"{"]
         for key, value in self.rest.items():
-            if (sampling_params is None or key != "sampling_params") and not _default(key, value):
+            if (
+                (sampling_params is None or key != "sampling_params")
+                and not (unstructured and _unread(key, value))
+                and not _default(key, value)
+            ):
                 parts += (orjson.dumps(key), b":", value, b",")
         if sampling_params is not None:
             parts += (b'"sampling_params":', orjson.dumps(sampling_params), b",")
@@ -165,6 +193,12 @@ class Rendered:
             ids_json = self.prompt_json if prompt_ids is None else encode_ids(prompt_ids)
         parts += (b'"token_ids":', ids_json, b"}")
         return b"".join(parts)
+
+
+def _unread(key: str, value: msgspec.Raw) -> bool:
+    """Whether generate does not read a render answer's field without a structured output
+    (`_STRUCTURED_ONLY`)."""
+    return key in _STRUCTURED_ONLY and not (key == "reasoning_ended" and value == _TRUE)
 
 
 def _default(key: str, value: msgspec.Raw) -> bool:

@@ -21,7 +21,14 @@ from ._derender import derender_body, derender_stream_answer
 from ._faults import FaultKind
 from ._features import check_features, render_features
 from ._generate import Generation, check_generate, generate_body, generate_events
-from ._generation import Plan, Turn, plan_answer, sample_logprobs, stop_on_strings
+from ._generation import (
+    Plan,
+    Turn,
+    plan_answer,
+    prompt_ends_reasoning,
+    sample_logprobs,
+    stop_on_strings,
+)
 from ._http import (
     complete_raw,
     fault_response,
@@ -177,9 +184,15 @@ class ScaleOutRoutes:
         prompt_ids: list[int],
         sampling: Mapping[str, Any],
     ) -> Generation:
+        # vLLM's generate reads render's `reasoning_ended` only for a structured output: the
+        # proxy sends it otherwise only when true (`enable_thinking: false`, which this fake's
+        # template does not write into the prompt); else the scripted model reads its prompt.
+        ended = body.get("reasoning_ended")
+        if ended is None:
+            ended = prompt_ends_reasoning(prompt_ids, thinking=True)
         plan = plan_answer(
             turn,
-            thinking=not body.get("reasoning_ended"),
+            thinking=not ended,
             parse_tools=True,
             new_tool_id=lambda: f"chatcmpl-tool-{self._hex()}",
         )
