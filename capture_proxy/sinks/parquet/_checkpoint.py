@@ -49,7 +49,7 @@ maintenance run writes the missing marker from the checkpoint.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -224,8 +224,8 @@ class Checkpoint:
         #: The lease object's etag before this run read anything (None: there was none).
         self._lease_seen = None if seen is None else seen[1]
         self._read(dfs)
-        #: What `undo` restores: the merged marker, the checkpoint and the retired units before.
-        self._undo: tuple[Marker, bytes | None, set[str]] | None = None
+        #: What `undo` restores: the merged markers, the checkpoint and the retired units before.
+        self._undo: tuple[list[Marker], bytes | None, set[str]] | None = None
 
     def _read(self, dfs: DatasetFS) -> None:
         got = self._object.get()
@@ -262,19 +262,26 @@ class Checkpoint:
     def gate(self, marker: Marker) -> None:
         """Commit the merged unit `marker` to the checkpoint before its marker is written
         (`replace_units`'s `before_commit`): raises `LeaseLost` when the run is fenced."""
+        self.gate_all([marker])
+
+    def gate_all(self, merged: Sequence[Marker]) -> None:
+        """Commit the merged units `merged` to the checkpoint in one write, before their
+        markers are written (`_merge.commit`'s gate): raises `LeaseLost` when the run is
+        fenced."""
         before = self._raw
-        self.commit({**self.loaded.markers, marker.unit: marker})
-        self._undo = (marker, before, set(self.loaded.retired))
-        self.loaded.markers[marker.unit] = marker
-        self.loaded.retired.update(marker.retires)
+        self.commit({**self.loaded.markers, **{m.unit: m for m in merged}})
+        self._undo = (list(merged), before, set(self.loaded.retired))
+        for m in merged:
+            self.loaded.markers[m.unit] = m
+            self.loaded.retired.update(m.retires)
 
     def undo(self) -> bool:
-        """Put back the checkpoint as it was before the last `gate` (its marker could not be
-        written); False when that failed (then the checkpoint names the merged unit, whose
-        data files must stay: the next run writes its marker)."""
+        """Put back the checkpoint as it was before the last `gate_all` (their markers could not
+        be written); False when that failed (then the checkpoint names the merged units, whose
+        data files must stay: the next run writes their markers)."""
         if self._undo is None:
             return False
-        marker, before, retired = self._undo
+        merged, before, retired = self._undo
         try:
             if before is None:
                 self._object.remove()  # this run created it, holding the lease
@@ -286,7 +293,8 @@ class Checkpoint:
         except Exception:
             return False
         self._raw, self._etag, self._undo = before, etag, None
-        self.loaded.markers.pop(marker.unit, None)
+        for m in merged:
+            self.loaded.markers.pop(m.unit, None)
         self.loaded.retired = retired
         return True
 

@@ -34,7 +34,6 @@ import time
 from ..base import CompactStats, Progress, StoreError
 from ._checkpoint import Checkpoint, Loaded
 from ._fs import TMP_SUFFIX, DatasetFS
-from ._gc import replace_units
 from ._layout import (
     CALLS,
     COMMITS_DIR,
@@ -47,6 +46,8 @@ from ._layout import (
     unit_files,
 )
 from ._lease import maintenance_lease
+from ._merge import Prepared, commit, discard, prepare
+from ._read_errors import vanished
 
 __all__ = ["LEFTOVER_AGE_S", "CompactStats", "compact_dataset", "compact_store"]
 
@@ -96,25 +97,57 @@ def compact_dataset(
         raise StoreError(f"no capture-proxy Parquet dataset at {location}")
     # Read before the lease: it is used if nobody takes the lease meanwhile (`Checkpoint`).
     checkpoint = Checkpoint(dfs, location)
-    with maintenance_lease(location, "compact", ttl_s=lease_ttl_s, dfs=dfs, wait_s=wait_s) as lease:
-        checkpoint.hold(lease)
-        live = checkpoint.loaded.live()
-        runs = _runs(live, target_bytes, time.time_ns() - int(shared_window_s * 1e9))
-        # Steps: each run of units merged (a run of one is kept as it is), then the clean-up.
-        after = []
+    runs = _runs(
+        checkpoint.loaded.live(), target_bytes, time.time_ns() - int(shared_window_s * 1e9)
+    )
+    # Steps: each run of units merged (a run of one is kept as it is), then the clean-up.
+    steps = len(runs) + 1
+    # Merged before the lease is taken (`_merge`): written, not committed.
+    pending: list[Prepared] = []
+    vanished_runs = 0
+    try:
         for done, run in enumerate(runs, 1):
-            after.append(_merge(dfs, run, checkpoint) if len(run) > 1 else run[0])
+            if len(run) > 1:
+                merge = _prepare(dfs, run)
+                if merge is None:
+                    vanished_runs += 1
+                else:
+                    pending.append(merge)
             if progress is not None:
-                progress(done, len(runs) + 1)
-        if len(after) == len(live):
-            # Nothing merged: the checkpoint is written anyway, so the next opens read the
-            # units committed since the last one from it rather than marker by marker.
-            checkpoint.commit(checkpoint.loaded.markers)
+                progress(done, steps)
+        with maintenance_lease(
+            location, "compact", ttl_s=lease_ttl_s, dfs=dfs, wait_s=wait_s
+        ) as lease:
+            checkpoint.hold(lease)
+            # What the run holds the lease for: its reading is the store's now (read again in
+            # `hold` if another run took the lease since), so a merge whose units are all still
+            # live commits; one whose units another run merged first is dropped.
+            live = checkpoint.loaded.live()
+            names = {m.unit for m in live}
+            fresh = [p for p in pending if p.replaces <= names]
+            stale = [p for p in pending if not p.replaces <= names]
+            pending = stale  # `commit` removes the files of the merges it was given on failure
+            if fresh:
+                commit(
+                    dfs,
+                    fresh,
+                    checkpoint.existing(),
+                    gate=checkpoint.gate_all,
+                    undo=checkpoint.undo,
+                )
+            else:
+                # Nothing merged: the checkpoint is written anyway, so the next opens read the
+                # units committed since the last one from it rather than marker by marker.
+                checkpoint.commit(checkpoint.loaded.markers)
+    finally:
+        # Not committed (dropped, or the run failed before its commit): no marker names them.
+        discard(dfs, pending)
+    after = checkpoint.loaded.live()
     # The lease is released before the clean-up: deleting retired units and leftovers needs
     # no lease (see `_clean`), and on object storage it is most of a run's requests.
     deleted = _clean(dfs, checkpoint.loaded, grace_s)
     if progress is not None:
-        progress(len(runs) + 1, len(runs) + 1)
+        progress(steps, steps)
     return CompactStats(
         units_before=len(live),
         units_after=len(after),
@@ -124,6 +157,8 @@ def compact_dataset(
         bytes_after=sum(m.size for m in after),
         records=sum(m.rows.get(CALLS, 0) for m in after),
         deleted_files=deleted,
+        lease_held_s=round(lease.held_s, 3),
+        merges_dropped=len(stale) + vanished_runs,
     )
 
 
@@ -164,16 +199,16 @@ def _runs(live: list[Marker], target_bytes: int, settled_ns: int) -> list[list[M
     return runs
 
 
-def _merge(dfs: DatasetFS, run: list[Marker], checkpoint: Checkpoint) -> Marker:
-    """Write `run`'s rows as one unit whose marker retires them; return its marker."""
-    return replace_units(
-        dfs,
-        run,
-        checkpoint.existing(),
-        lambda _t, table: table,
-        before_commit=checkpoint.gate,
-        undo_commit=checkpoint.undo,
-    )
+def _prepare(dfs: DatasetFS, run: list[Marker]) -> Prepared | None:
+    """`run`'s rows written as one unit's data files, not committed (`_merge.prepare`); None
+    when one of its files is gone: another run merged the units and deleted them since this run
+    listed them (then the next run merges what is there)."""
+    try:
+        return prepare(dfs, run, lambda _t, table: table)
+    except OSError as e:
+        if isinstance(e, FileNotFoundError) or vanished(e):
+            return None
+        raise
 
 
 def _clean(dfs: DatasetFS, loaded: Loaded, grace_s: float) -> int:

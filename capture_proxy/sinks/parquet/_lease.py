@@ -274,6 +274,17 @@ class Lease:
         self._guard = threading.Lock()
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
+        #: When this run took the lease and released it (monotonic; `held_s`).
+        self._taken_at: float | None = None
+        self._released_at: float | None = None
+
+    @property
+    def held_s(self) -> float:
+        """How long this run has held the lease (until its release), in seconds: from the
+        moment it was taken to the moment the released body was written."""
+        if self._taken_at is None:
+            return 0.0
+        return (self._released_at or time.monotonic()) - self._taken_at
 
     def _body(self, *, released: bool = False) -> bytes:
         ttl_ms = int(self.ttl_s * 1000)
@@ -318,6 +329,7 @@ class Lease:
                     raise StoreError(str(held)) from None
                 self._reserve()
                 time.sleep(min(1.0, left) * random.uniform(0.5, 1.0))
+        self._taken_at = time.monotonic()
         self._unreserve()
         self._renewer = threading.Thread(
             target=self._renew_loop, name="capture-proxy-lease", daemon=True
@@ -426,6 +438,8 @@ class Lease:
                 with contextlib.suppress(OSError):
                     self._backend.replace(self._body(released=True), self._etag)
             self._etag = None
+            if self._taken_at is not None and self._released_at is None:
+                self._released_at = time.monotonic()
 
     def _renew_loop(self) -> None:
         while not self._stop.wait(self.ttl_s / 3):
