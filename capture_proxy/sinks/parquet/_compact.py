@@ -45,16 +45,11 @@ from ._layout import (
     list_markers,
     unit_files,
 )
-from ._lease import maintenance_lease
-from ._merge import Prepared, commit, discard, prepare
+from ._lease import maintenance_lease, refuse_if_held
+from ._merge import LEFTOVER_AGE_S, Prepared, commit, discard, prepare
 from ._read_errors import vanished
 
 __all__ = ["LEFTOVER_AGE_S", "CompactStats", "compact_dataset", "compact_store"]
-
-#: A data file no marker names is a leftover of a crashed commit once it is this old, whatever
-#: `grace_s` says: younger, it may be a commit in progress (data files written, marker next),
-#: which a writer acknowledges once its marker lands.
-LEFTOVER_AGE_S = 1800.0
 
 
 def compact_store(
@@ -95,6 +90,8 @@ def compact_dataset(
     dfs = DatasetFS(location)
     if not check_format(dfs):
         raise StoreError(f"no capture-proxy Parquet dataset at {location}")
+    if wait_s <= 0:
+        refuse_if_held(location, "compact", dfs)  # refused at once, before any work
     # Read before the lease: it is used if nobody takes the lease meanwhile (`Checkpoint`).
     checkpoint = Checkpoint(dfs, location)
     runs = _runs(
@@ -124,8 +121,8 @@ def compact_dataset(
             # live commits; one whose units another run merged first is dropped.
             live = checkpoint.loaded.live()
             names = {m.unit for m in live}
-            fresh = [p for p in pending if p.replaces <= names]
-            stale = [p for p in pending if not p.replaces <= names]
+            fresh = [p for p in pending if p.committable(names)]
+            stale = [p for p in pending if not p.committable(names)]
             pending = stale  # `commit` removes the files of the merges it was given on failure
             if fresh:
                 commit(

@@ -51,7 +51,7 @@ from ._layout import (
     list_markers,
     read_table,
 )
-from ._lease import maintenance_lease
+from ._lease import maintenance_lease, refuse_if_held
 from ._ledger import LedgerState
 from ._merge import Prepared, commit, discard, prefetched, prepare, replace_units, small_unit
 from ._read_errors import vanished
@@ -127,6 +127,8 @@ def gc_parquet(
     dfs = DatasetFS(location, filesystem)
     if not check_format(dfs):
         raise StoreError(f"no capture-proxy Parquet dataset at {location}")
+    if wait_s <= 0 and not dry_run:
+        refuse_if_held(location, "gc", dfs)  # refused at once, before any work
     held_s = 0.0
     for _ in range(_ATTEMPTS):
         # Read, planned and written before the lease (`_merge`); committed holding it.
@@ -163,7 +165,7 @@ def gc_parquet(
                 # if another run took the lease since): else planned again from a new reading.
                 # Nothing to remove: the lease was taken for `hold`'s repair only.
                 live_now = {m.unit for m in checkpoint.loaded.live()}
-                if pending is not None and pending.replaces <= live_now:
+                if pending is not None and pending.committable(live_now):
                     merge, pending = pending, None  # `commit` removes its files on failure
                     (merged,) = commit(
                         dfs,

@@ -59,7 +59,15 @@ import pyarrow.fs as pafs
 from ..base import StoreError
 from ._fs import DatasetFS, fsync_dir, write_all_fsync
 
-__all__ = ["LEASE", "Conditional", "Lease", "LeaseLost", "conditional_object", "maintenance_lease"]
+__all__ = [
+    "LEASE",
+    "Conditional",
+    "Lease",
+    "LeaseLost",
+    "conditional_object",
+    "maintenance_lease",
+    "refuse_if_held",
+]
 
 #: The lease object, relative to the dataset root.
 LEASE = "_leases/maintenance"
@@ -336,7 +344,19 @@ class Lease:
         )
         self._renewer.start()
 
-    def _take(self) -> None:
+    def refuse_if_held(self) -> None:
+        """Raise `StoreError` as `acquire` without `wait_s` would now (another run holds the
+        lease, or has reserved the next turn), writing nothing to the lease: a run that prepares
+        its work before taking the lease learns at once that it would be refused."""
+        try:
+            self._check_queue()
+            current = self._backend.get()
+            if current is not None:
+                self._check_free(_decode(current[0]))
+        except _Held as held:
+            raise StoreError(str(held)) from None
+
+    def _check_queue(self) -> None:
         if self._queue is not None:
             waiting = self._queue.get()
             if waiting is not None:
@@ -347,6 +367,20 @@ class Lease:
                         f"{info.get('purpose', '?')} by {info.get('holder', '?')} takes it "
                         f"next; run {self.purpose} again once it has finished"
                     )
+
+    def _check_free(self, info: dict[str, Any]) -> None:
+        left = self._left_ms(info, self._backend)
+        if left > 0:
+            raise _Held(
+                f"another maintenance run holds {self._where}: "
+                f"{info.get('purpose', '?')} by {info.get('holder', '?')}, until "
+                f"{_when(_now_ms() + left)} unless renewed; run {self.purpose} "
+                "again once it has finished (a holder that died is taken over once its "
+                "lease expires)"
+            )
+
+    def _take(self) -> None:
+        self._check_queue()
         sent = time.monotonic()
         etag = self._backend.create(self._body())
         if etag is None:
@@ -355,16 +389,7 @@ class Lease:
                 etag = self._backend.create(self._body())
             else:
                 body, old = current
-                info = _decode(body)
-                left = self._left_ms(info, self._backend)
-                if left > 0:
-                    raise _Held(
-                        f"another maintenance run holds {self._where}: "
-                        f"{info.get('purpose', '?')} by {info.get('holder', '?')}, until "
-                        f"{_when(_now_ms() + left)} unless renewed; run {self.purpose} "
-                        "again once it has finished (a holder that died is taken over once its "
-                        "lease expires)"
-                    )
+                self._check_free(_decode(body))
                 sent = time.monotonic()
                 etag = self._backend.replace(self._body(), old)
                 self.taken_from = old
@@ -468,6 +493,19 @@ def conditional_object(dfs: DatasetFS, location: str, key: str) -> Conditional:
     """Conditional writes of the object `key` of the dataset at `location` (`dfs` its files)."""
     local = _local_root(dfs)
     return _LocalBackend(local, key) if local is not None else _ObjectBackend(location, key)
+
+
+def refuse_if_held(location: str, purpose: str, dfs: DatasetFS | None = None) -> None:
+    """Raise `StoreError` naming the holder when `maintenance_lease` would be refused now
+    (without waiting); takes nothing."""
+    dfs = dfs or DatasetFS(location)
+    Lease(
+        conditional_object(dfs, location, LEASE),
+        dfs.path(LEASE),
+        purpose,
+        60.0,
+        conditional_object(dfs, location, NEXT),
+    ).refuse_if_held()
 
 
 @contextlib.contextmanager

@@ -43,6 +43,8 @@ from ._layout import (
 from ._snapshot import fetch_files
 
 __all__ = [
+    "COMMIT_WITHIN_S",
+    "LEFTOVER_AGE_S",
     "Prepared",
     "Select",
     "commit",
@@ -53,6 +55,14 @@ __all__ = [
     "small_unit",
 ]
 
+#: A data file no marker names is a leftover of a crashed commit once it is this old, whatever
+#: the grace period says (`_compact._clean` deletes it): younger, it may be a commit in progress
+#: (data files written, marker next), a writer's or a maintenance run's.
+LEFTOVER_AGE_S = 1800.0
+#: A merge is committed only within this long of its data files' writing (else it is dropped,
+#: and merged again by the next run): half `LEFTOVER_AGE_S`, so no clean-up takes its files for
+#: a leftover, even judged by a host whose clock is some minutes ahead.
+COMMIT_WITHIN_S = LEFTOVER_AGE_S / 2
 #: Per table, the key a row is unique by: a rewritten file keeps the first copy (as readers do).
 _UNIQUE = {CALLS: "call_id", BLOBS: "key", ATTACHMENTS: "sha256"}
 #: A row filter: (table name, the span's rows of that table) -> the rows to keep.
@@ -70,10 +80,18 @@ class Prepared:
 
     span: tuple[Marker, ...]
     marker: Marker
+    #: When its data files were written (`time.monotonic`, taken before the writes).
+    written_at: float
 
     @property
     def replaces(self) -> frozenset[str]:
         return frozenset(m.unit for m in self.span)
+
+    def committable(self, live: Collection[str]) -> bool:
+        """Whether it may still be committed, `live` being the dataset's live units as read
+        holding the lease: every unit it replaces is still live (no other run merged one), and
+        its files are younger than `COMMIT_WITHIN_S` (no clean-up takes them for leftovers)."""
+        return self.replaces <= set(live) and time.monotonic() - self.written_at < COMMIT_WITHIN_S
 
 
 def prepare(dfs: DatasetFS, span: Sequence[Marker], select: Select) -> Prepared:
@@ -111,12 +129,13 @@ def prepare(dfs: DatasetFS, span: Sequence[Marker], select: Select) -> Prepared:
         retires=tuple(m.unit for m in span),
         size=sum(map(len, data.values())),
     )
+    merge = Prepared(tuple(span), marker, time.monotonic())
     try:
         dfs.put_all(data)
     except BaseException:
-        discard(dfs, [Prepared(tuple(span), marker)])
+        discard(dfs, [merge])
         raise
-    return Prepared(tuple(span), marker)
+    return merge
 
 
 def commit(
