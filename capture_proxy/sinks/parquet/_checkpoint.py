@@ -38,8 +38,9 @@ clean-up needs the retired ones).
 **Writing** (`Checkpoint.commit`): only maintenance runs write it, holding the lease, each with
 a compare-and-swap on the checkpoint they read when they started (``If-Match`` on its etag, or
 ``If-None-Match: *`` when there was none). That is the run's **fence**: a merge writes its data
-files, then the new checkpoint (which names the merged unit live and the units it replaces
-retired), then the merged unit's marker. A run that stalled past its lease while another took
+files (before the run takes the lease, `_merge`), then the new checkpoint (which names the
+merged units live and the units they replace retired: one write for all the run's merges), then
+the merged units' markers. A run that stalled past its lease while another took
 over finds the checkpoint changed, commits nothing and deletes its data files (`LeaseLost`). A
 crash between the checkpoint and the marker leaves a checkpoint naming a unit that is not
 listed: readers ignore that checkpoint (and read the old units, the same rows), and the next
@@ -210,8 +211,9 @@ class Checkpoint:
     """A maintenance run's view of the checkpoint: what it read, and its fenced commits.
 
     Made before the run takes the lease, so the listing (a `LIST` per thousand markers, most of
-    an open on a store with many units) is not done while it holds it; `hold` then uses that
-    reading only if nobody took the lease in between (the lease object is the one it saw before
+    an open on a store with many units) and the merges made from it (`_merge.prepare`) are not
+    done while it holds it; `hold` then uses that reading only if nobody took the lease in
+    between (the lease object is the one it saw before
     reading: every maintenance run, of any release, takes the lease before committing), and
     reads again otherwise.
     """

@@ -17,11 +17,13 @@ before it was retired reads it normally for `grace_s`; one still reading it afte
 file gone, re-lists the dataset and reads the merged unit instead (`ParquetSource` retries).
 
 Compaction runs while proxies write, on local folders and object storage alike: writers only add
-units, and a merge retires only units it listed. One compaction or gc at a time per dataset: each
-holds the dataset's maintenance lease (`_lease`) while it merges, and a second run is refused
-naming the holder; each merge commits through the dataset's checkpoint (`_checkpoint`), which
-fences a run that stalled past its lease. The clean-up runs after the lease is released and
-deletes in bulk (`_clean`).
+units, and a merge retires only units it listed. One compaction or gc commits at a time per
+dataset: each reads the units and writes its merged units' files first (`_merge`: nothing a
+reader sees), then takes the dataset's maintenance lease (`_lease`) only to check its reading and
+commit, and a second run is refused naming the holder; the run's merges commit through the
+dataset's checkpoint (`_checkpoint`), which fences a run that stalled past its lease. A merge
+whose units another run merged first is dropped, its files deleted. The clean-up runs after the
+lease is released and deletes in bulk (`_clean`).
 
 `compact_dataset` is the Parquet store kind's `compact` (`capture_proxy.sinks.kinds`): callers
 reach it through the registry, which refuses other kinds in one place.
@@ -84,7 +86,10 @@ def compact_dataset(
     pyarrow filesystem URL), while proxies write to it. Raises `StoreError` when there is no
     dataset there or another compaction or gc holds the dataset's maintenance lease
     (`lease_ttl_s`: how long the lease holds after each renewal), and `LeaseLost` when the run
-    lost its lease midway (what it committed before stays valid). `shared_window_s` is gc's:
+    was fenced (nothing was committed). `CompactStats.lease_held_s` says how long it held the
+    lease, `merges_dropped` how many merges it did not commit because another run merged some
+    of their units first. `progress` is told each run of units merged (before the lease is
+    taken), then the end of the clean-up. `shared_window_s` is gc's:
     a merged unit younger than that is not merged again until it is older (`_runs`). `wait_s`:
     how long to wait for the lease, first in line, when another run holds it."""
     dfs = DatasetFS(location)

@@ -14,13 +14,18 @@ copied as they are, so every remaining record, digest and coordinate reads back 
 The retired files stay on disk for readers that listed them a moment ago; `capture-proxy
 compact` deletes them once its grace period has passed.
 
-gc runs while proxies write, on local folders and object storage alike, holding the dataset's
-maintenance lease (`_lease`: one compaction or gc at a time). It needs no writer lock because of
-the **window rule**: a writer shares a blob or attachment only with a copy committed less than
-`DEDUP_WINDOW_S` ago (older ones it stores again, or refuses a reference without bytes), and gc
-removes a blob or attachment only when no kept call refers to it and every copy of it is in a
-unit committed more than `DEDUP_WINDOW_S + GC_MARGIN_S` ago. So whatever a writer may still refer
-to is never removed: a copy young enough to be shared is kept, whatever it held when gc listed.
+gc runs while proxies write, on local folders and object storage alike. It reads every live unit
+and writes the rewritten span's files before it takes the dataset's maintenance lease (`_lease`:
+one compaction or gc commits at a time), and holds the lease only to check its reading and
+commit (`_merge`); when another run merged some of the span's units meanwhile, it deletes its
+files and plans again from a new reading (`_ATTEMPTS` times at most).
+
+It needs no writer lock because of the **window rule**: a writer shares a blob or attachment only
+with a copy committed less than `DEDUP_WINDOW_S` ago (older ones it stores again, or refuses a
+reference without bytes), and gc removes a blob or attachment only when no kept call refers to it
+and every copy of it is in a unit committed more than `DEDUP_WINDOW_S + GC_MARGIN_S` ago. So
+whatever a writer may still refer to is never removed: a copy young enough to be shared is kept,
+whatever it held when gc listed.
 """
 
 from __future__ import annotations
@@ -119,10 +124,11 @@ def gc_parquet(
     units committed more than `shared_window_s` ago (the module docstring says why; never set
     it below the writers' dedup window). `bytes_before` / `bytes_after` count the live units
     (what readers read); disk space comes back when a later `compact` deletes the retired
-    files. Raises `StoreError` when there is no dataset at `location` or another compaction or
-    gc holds the maintenance lease (`lease_ttl_s`: how long it holds after each renewal), and
-    `LeaseLost` when this run lost it before committing. `wait_s`: how long to wait for the
-    lease, first in line, when another run holds it.
+    files. Raises `StoreError` when there is no dataset at `location`, another compaction or
+    gc holds the maintenance lease (`lease_ttl_s`: how long it holds after each renewal), or
+    other runs merged the units it rewrote at each of its `_ATTEMPTS` readings, and `LeaseLost`
+    when this run was fenced before committing. A dry run takes no lease (it commits nothing).
+    `wait_s`: how long to wait for the lease, first in line, when another run holds it.
     """
     dfs = DatasetFS(location, filesystem)
     if not check_format(dfs):

@@ -13,6 +13,9 @@ what it runs and how long it holds after each write (`ttl_ms`). A run:
 * **releases** it at the end by writing a released body the same way, so the next run takes it
   at once.
 
+A run takes it only to check and commit work it prepared before (`_merge`), and `Lease.held_s`
+says for how long; `refuse_if_held` tells a run about to prepare that it would be refused.
+
 A second run while the lease holds is refused with `StoreError` naming the holder and its expiry,
 or waits for it with `wait_s`, first in line: it reserves the next turn in ``_leases/next`` (a
 body like the lease's, renewed while it waits), and a run that finds the lease free while another
