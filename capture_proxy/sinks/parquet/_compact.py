@@ -176,8 +176,8 @@ def _runs(live: list[Marker], target_bytes: int, settled_ns: int) -> list[list[M
 
     A unit of half `target_bytes` or more is kept as it is: merged with the small units
     committed since, it would be read, encoded and written again whole at every compaction, for
-    little gain, while the run holds the maintenance lease (measured on moto: 12 s of a 14 s run
-    rewriting a 160 MB unit to add 200 one-call units to it).
+    little gain (measured on moto: 12 s of a 14 s run rewriting a 160 MB unit to add 200
+    one-call units to it).
     """
 
     def young_merge(m: Marker) -> bool:

@@ -292,7 +292,8 @@ class Lease:
     @property
     def held_s(self) -> float:
         """How long this run has held the lease (until its release), in seconds: from the
-        moment it was taken to the moment the released body was written."""
+        moment its taking write was sent to the moment its released body was written (the
+        writes' own time included)."""
         if self._taken_at is None:
             return 0.0
         return (self._released_at or time.monotonic()) - self._taken_at
@@ -340,7 +341,6 @@ class Lease:
                     raise StoreError(str(held)) from None
                 self._reserve()
                 time.sleep(min(1.0, left) * random.uniform(0.5, 1.0))
-        self._taken_at = time.monotonic()
         self._unreserve()
         self._renewer = threading.Thread(
             target=self._renew_loop, name="capture-proxy-lease", daemon=True
@@ -402,6 +402,7 @@ class Lease:
                 f"run {self.purpose} again once it has finished"
             )
         self._etag, self._deadline = etag, sent + self.ttl_s
+        self._taken_at = sent
 
     def _reserve(self) -> None:
         """Hold the next turn, unless another waiting run holds it (then this one waits
