@@ -138,6 +138,38 @@ async def test_a_compaction_writes_its_merged_files_before_it_takes_the_lease(
     assert checkpoint_writes[-1] < marker_writes[0] < lease_writes[-1]
 
 
+async def test_a_compaction_that_finds_the_lease_taken_since_its_reading_reads_again_without_it(
+    moto_s3: MotoS3,
+) -> None:
+    url = moto_s3.url()
+    await _stage(url, ["a"], calls=5)
+    before = _snapshot(url)
+    await asyncio.sleep(0.15)
+    start = moto_s3.log_path.stat().st_size
+
+    def merged_one(done: int, total: int) -> None:
+        if done == 1:
+            with maintenance_lease(url, "gc"):
+                pass
+
+    stats = _compact(url, progress=merged_one)
+    await asyncio.sleep(0.15)
+    with moto_s3.log_path.open("rb") as f:
+        f.seek(start)
+        log = f.read().decode(errors="replace").splitlines()
+    requests = [line for line in log if '"PUT ' in line or '"GET ' in line]
+    lease = [i for i, line in enumerate(requests) if '"PUT ' in line and f"/{LEASE} " in line]
+    listings = [i for i, line in enumerate(requests) if '"GET ' in line and "prefix=" in line]
+    # The other run's take and release; this run's first take (the lease changed hands since
+    # its reading) and release; its second take and release, around the commit.
+    assert len(lease) == 6
+    held = [(lease[2], lease[3]), (lease[4], lease[5])]
+    assert not [i for i in listings for a, b in held if a < i < b]  # none holding the lease
+    assert [i for i in listings if lease[3] < i < lease[4]]  # read again between the two
+    assert (stats.units_after, stats.merges_dropped) == (1, 0)
+    assert _snapshot(url) == before
+
+
 async def test_of_two_compactions_of_the_same_units_one_commits_and_the_other_deletes_its_files(
     url: str,
 ) -> None:

@@ -49,8 +49,9 @@ maintenance run writes the missing marker from the checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,10 +59,18 @@ import orjson
 
 from ._fs import DatasetFS
 from ._layout import COMMIT_MARGIN_S, Marker, list_markers
-from ._lease import LEASE, Conditional, Lease, LeaseLost, conditional_object
+from ._lease import LEASE, Conditional, Lease, LeaseLost, conditional_object, maintenance_lease
 from ._snapshot import read_markers
 
-__all__ = ["CHECKPOINT", "Checkpoint", "Loaded", "horizon", "load_markers", "read_checkpoint"]
+__all__ = [
+    "CHECKPOINT",
+    "Checkpoint",
+    "Loaded",
+    "holding",
+    "horizon",
+    "load_markers",
+    "read_checkpoint",
+]
 
 #: The checkpoint object, relative to the dataset root.
 CHECKPOINT = "_checkpoint/live.json"
@@ -220,14 +229,26 @@ class Checkpoint:
 
     def __init__(self, dfs: DatasetFS, location: str) -> None:
         self._dfs = dfs
+        self._location = location
         self._lease: Lease | None = None
         self._object: Conditional = conditional_object(dfs, location, CHECKPOINT)
-        seen = conditional_object(dfs, location, LEASE).get()
-        #: The lease object's etag before this run read anything (None: there was none).
-        self._lease_seen = None if seen is None else seen[1]
-        self._read(dfs)
+        #: Seconds this run held the lease, over every time it took it (`holding`).
+        self.lease_held_s = 0.0
+        self.read_again()
         #: What `undo` restores: the merged markers, the checkpoint and the retired units before.
         self._undo: tuple[list[Marker], bytes | None, set[str]] | None = None
+
+    def read_again(self) -> None:
+        """Read the checkpoint and the markers (again), without the lease."""
+        seen = conditional_object(self._dfs, self._location, LEASE).get()
+        #: The lease object's etag before this run read anything (None: there was none).
+        self._lease_seen = None if seen is None else seen[1]
+        self._read(self._dfs)
+
+    def fresh(self, lease: Lease) -> bool:
+        """Whether this run's reading is still the dataset's, `lease` just taken: nobody took
+        the lease since the reading (every maintenance run takes it before it commits)."""
+        return lease.taken_from == self._lease_seen
 
     def _read(self, dfs: DatasetFS) -> None:
         got = self._object.get()
@@ -338,3 +359,40 @@ class Checkpoint:
                 "its lease); nothing more was committed, run it again"
             )
         self._raw, self._etag = body, etag
+
+
+#: How many times a run takes the lease and, finding its reading stale, releases it to read again
+#: (`holding`); the last time it reads again holding it.
+_TAKES = 3
+
+
+@contextlib.contextmanager
+def holding(
+    checkpoint: Checkpoint,
+    purpose: str,
+    *,
+    ttl_s: float,
+    wait_s: float = 0.0,
+    repair: bool = True,
+) -> Iterator[Lease]:
+    """Hold the maintenance lease for the block with `checkpoint` read as the dataset is now
+    (`Checkpoint.hold`). When another run took the lease since the checkpoint's reading (it may
+    have committed), the lease is released, the checkpoint read again without it (a listing of
+    every marker: seconds on a store of many units) and the lease taken again, so the lease is
+    held for a listing only when that happens `_TAKES` times in a row. Adds the time held to
+    `Checkpoint.lease_held_s`."""
+    for take in range(1, _TAKES + 1):
+        lease_held = maintenance_lease(
+            checkpoint._location, purpose, ttl_s=ttl_s, dfs=checkpoint._dfs, wait_s=wait_s
+        )
+        lease: Lease | None = None
+        try:
+            with lease_held as lease:
+                if checkpoint.fresh(lease) or take == _TAKES:
+                    checkpoint.hold(lease, repair=repair)
+                    yield lease
+                    return
+        finally:
+            if lease is not None:  # released: its whole hold
+                checkpoint.lease_held_s += lease.held_s
+        checkpoint.read_again()

@@ -34,7 +34,7 @@ from __future__ import annotations
 import time
 
 from ..base import CompactStats, Progress, StoreError
-from ._checkpoint import Checkpoint, Loaded
+from ._checkpoint import Checkpoint, Loaded, holding
 from ._fs import TMP_SUFFIX, DatasetFS
 from ._layout import (
     CALLS,
@@ -47,7 +47,7 @@ from ._layout import (
     list_markers,
     unit_files,
 )
-from ._lease import maintenance_lease, refuse_if_held
+from ._lease import refuse_if_held
 from ._merge import LEFTOVER_AGE_S, Prepared, commit, discard, prepare
 from ._read_errors import vanished
 
@@ -117,13 +117,10 @@ def compact_dataset(
                     pending.append(merge)
             if progress is not None:
                 progress(done, steps)
-        with maintenance_lease(
-            location, "compact", ttl_s=lease_ttl_s, dfs=dfs, wait_s=wait_s
-        ) as lease:
-            checkpoint.hold(lease)
-            # What the run holds the lease for: its reading is the store's now (read again in
-            # `hold` if another run took the lease since), so a merge whose units are all still
-            # live commits; one whose units another run merged first is dropped.
+        with holding(checkpoint, "compact", ttl_s=lease_ttl_s, wait_s=wait_s):
+            # What the run holds the lease for: its reading is the store's now (read again if
+            # another run took the lease since), so a merge whose units are all still live
+            # commits; one whose units another run merged first is dropped.
             live = checkpoint.loaded.live()
             names = {m.unit for m in live}
             fresh = [p for p in pending if p.committable(names)]
@@ -159,7 +156,7 @@ def compact_dataset(
         bytes_after=sum(m.size for m in after),
         records=sum(m.rows.get(CALLS, 0) for m in after),
         deleted_files=deleted,
-        lease_held_s=round(lease.held_s, 3),
+        lease_held_s=round(checkpoint.lease_held_s, 3),
         merges_dropped=len(stale) + vanished_runs,
     )
 

@@ -41,7 +41,7 @@ import pyarrow.fs as pafs
 
 from ...schemas.records import RolloutState
 from ..base import GcStats, Progress, StoreError
-from ._checkpoint import Checkpoint
+from ._checkpoint import Checkpoint, holding
 from ._claims import remove_claims
 from ._fs import DatasetFS
 from ._layout import (
@@ -56,7 +56,7 @@ from ._layout import (
     list_markers,
     read_table,
 )
-from ._lease import maintenance_lease, refuse_if_held
+from ._lease import refuse_if_held
 from ._ledger import LedgerState
 from ._merge import Prepared, commit, discard, prefetched, prepare, replace_units, small_unit
 from ._read_errors import vanished
@@ -163,12 +163,9 @@ def gc_parquet(
         if dry_run:  # commits nothing: no lease
             break
         try:
-            with maintenance_lease(
-                location, "gc", ttl_s=lease_ttl_s, dfs=dfs, wait_s=wait_s
-            ) as lease:
-                checkpoint.hold(lease)
-                # Committed only if every unit it rewrote is still live (read again in `hold`
-                # if another run took the lease since): else planned again from a new reading.
+            with holding(checkpoint, "gc", ttl_s=lease_ttl_s, wait_s=wait_s):
+                # Committed only if every unit it rewrote is still live (read again if another
+                # run took the lease since): else planned again from a new reading.
                 # Nothing to remove: the lease was taken for `hold`'s repair only.
                 live_now = {m.unit for m in checkpoint.loaded.live()}
                 if pending is not None and pending.committable(live_now):
@@ -181,8 +178,8 @@ def gc_parquet(
                         undo=checkpoint.undo,
                     )
                     after = before - sum(m.size for m in span) + merged.size
-            held_s += lease.held_s
         finally:
+            held_s += checkpoint.lease_held_s
             if pending is not None:
                 discard(dfs, [pending])
         if pending is None:
