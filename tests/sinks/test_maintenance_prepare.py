@@ -331,3 +331,36 @@ async def test_a_gc_whose_units_were_merged_meanwhile_reads_again_and_removes_th
     assert _snapshot(url) == {"b": kept}
     assert _merges(url) == 2  # the compaction's, then gc's rewrite of it
     assert _unnamed(url) == set()  # gc's first rewrite, of units merged since, deleted
+
+
+async def test_a_gc_whose_units_are_merged_at_every_reading_stops_saying_so_and_leaves_no_file(
+    url: str,
+) -> None:
+    await _stage(url, ["a", "b"], calls=2)
+    sink = ParquetSink(url, writer_id="w")
+    await put_sealed(sink, RolloutInfo("a", RolloutState.SEALED, False, 0, 10))
+    await sink.close()
+    readings: list[int] = []
+
+    def reading(done: int, total: int) -> None:
+        if done == 1:  # each time gc starts reading: new units, and a compaction of them all
+            readings.append(total)
+            asyncio.run(_stage(url, [f"new{len(readings)}"], calls=1))
+            _compact(url)
+
+    with pytest.raises(StoreError) as stopped:
+        await asyncio.to_thread(
+            gc_parquet,
+            url,
+            older_than_ms=DAY_MS,
+            now_ms=10 + DAY_MS + 1,
+            shared_window_s=0,
+            progress=reading,
+        )
+    assert str(stopped.value) == (
+        f"gc of {url} stopped: other maintenance runs merged the units it was rewriting, 3 "
+        "times while it read them; nothing was committed, run it again"
+    )
+    assert len(readings) == 3
+    assert sorted(_snapshot(url)) == ["a", "b", "new1", "new2", "new3"]  # nothing removed
+    assert _unnamed(url) == set()  # each rewrite's files deleted
