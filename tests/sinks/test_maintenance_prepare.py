@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -22,12 +23,13 @@ from capture_proxy.read.reader import open_store
 from capture_proxy.schemas.records import RolloutInfo, RolloutState
 from capture_proxy.sinks.base import CompactStats, Progress, StoreError
 from capture_proxy.sinks.parquet import LeaseLost, ParquetSink, gc_parquet, maintenance_lease
-from capture_proxy.sinks.parquet._checkpoint import CHECKPOINT, load_markers
+from capture_proxy.sinks.parquet._checkpoint import CHECKPOINT, Checkpoint, load_markers
 from capture_proxy.sinks.parquet._compact import LEFTOVER_AGE_S, compact_dataset
 from capture_proxy.sinks.parquet._fs import DatasetFS
 from capture_proxy.sinks.parquet._gc import load_markers as every_marker
+from capture_proxy.sinks.parquet._gc import replace_units
 from capture_proxy.sinks.parquet._layout import TABLES
-from capture_proxy.sinks.parquet._lease import LEASE
+from capture_proxy.sinks.parquet._lease import LEASE, NEXT
 from tests.support.s3 import MotoS3
 from tests.support.sealing import put_sealed
 from tests.support.sink_factories import Session
@@ -364,3 +366,56 @@ async def test_a_gc_whose_units_are_merged_at_every_reading_stops_saying_so_and_
     assert len(readings) == 3
     assert sorted(_snapshot(url)) == ["a", "b", "new1", "new2", "new3"]  # nothing removed
     assert _unnamed(url) == set()  # each rewrite's files deleted
+
+
+def _wait_for(exists: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + 60
+    while not exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def _merge_while_a_compaction_waits(url: str) -> tuple[int, str]:
+    """Run ``capture-proxy compact --wait`` while this test holds the lease, and merge its units
+    and commit once it waits (it has merged them too); its exit status and output."""
+    dfs = DatasetFS(url)
+    with maintenance_lease(url, "gc", dfs=dfs) as lease:
+        # It reads and merges, then waits for the lease, first in line (its reservation).
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "capture_proxy", "compact", url, "--wait", "60s"],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        _wait_for(lambda: dfs.exists(NEXT) and b'"released":false' in dfs.read(NEXT))
+        run = Checkpoint(dfs, url)
+        run.hold(lease)
+        replace_units(
+            dfs,
+            run.loaded.live(),
+            run.existing(),
+            lambda _t, table: table,
+            before_commit=run.gate,
+            undo_commit=run.undo,
+        )
+    out, _ = proc.communicate(timeout=60)
+    return proc.returncode, out
+
+
+async def test_compact_on_the_command_line_says_which_merges_another_run_committed_first(
+    tmp_path: Path,
+) -> None:
+    url = str(tmp_path / "ds")
+    await _stage(url, ["a", "b"], calls=3)
+    before = _snapshot(url)
+    returncode, out = _merge_while_a_compaction_waits(url)
+    assert returncode == 0
+    lines = out.splitlines()
+    assert lines[0].startswith("1 unit(s) -> 1, ")
+    assert re.search(r"; the lease held \d+\.\d\d s$", lines[0])
+    assert lines[1] == (
+        "1 merge(s) not committed: another maintenance run merged some of their units first "
+        "(their files are deleted; the next run merges what is left)"
+    )
+    assert _merges(url) == 1
+    assert _unnamed(url) == set()
+    assert _snapshot(url) == before
