@@ -57,8 +57,13 @@ def run_compact(args: argparse.Namespace) -> int:
     print(
         f"{c.units_before} unit(s) -> {c.units_after}, {c.files_before} file(s) -> "
         f"{c.files_after}, {c.records} record(s) unchanged; "
-        f"{c.deleted_files} retired file(s) deleted"
+        f"{c.deleted_files} retired file(s) deleted; the lease held {c.lease_held_s:.2f} s"
     )
+    if c.merges_dropped:
+        print(
+            f"{c.merges_dropped} merge(s) not committed: another maintenance run merged some of "
+            "their units first (their files are deleted; the next run merges what is left)"
+        )
     return 0
 
 

@@ -127,6 +127,9 @@ class GcStats:
     #: The store's size before and after: the file (SQLite) or the live units (Parquet).
     bytes_before: int
     bytes_after: int
+    #: Seconds the run held the store's maintenance lease (Parquet; 0 for a dry run, which
+    #: commits nothing and does not take it).
+    lease_held_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +147,12 @@ class CompactStats:
     records: int
     #: Files deleted: units retired more than `grace_s` ago, and crashed commits' leftovers.
     deleted_files: int
+    #: Seconds the run held the store's maintenance lease (Parquet: it merges before taking
+    #: it, and holds it only to check and commit).
+    lease_held_s: float = 0.0
+    #: Merges written and not committed, because another maintenance run merged some of
+    #: their units first (their files are deleted; the next run merges what is left).
+    merges_dropped: int = 0
 
 
 @runtime_checkable

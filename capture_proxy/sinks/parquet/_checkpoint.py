@@ -38,8 +38,9 @@ clean-up needs the retired ones).
 **Writing** (`Checkpoint.commit`): only maintenance runs write it, holding the lease, each with
 a compare-and-swap on the checkpoint they read when they started (``If-Match`` on its etag, or
 ``If-None-Match: *`` when there was none). That is the run's **fence**: a merge writes its data
-files, then the new checkpoint (which names the merged unit live and the units it replaces
-retired), then the merged unit's marker. A run that stalled past its lease while another took
+files (before the run takes the lease, `_merge`), then the new checkpoint (which names the
+merged units live and the units they replace retired: one write for all the run's merges), then
+the merged units' markers. A run that stalled past its lease while another took
 over finds the checkpoint changed, commits nothing and deletes its data files (`LeaseLost`). A
 crash between the checkpoint and the marker leaves a checkpoint naming a unit that is not
 listed: readers ignore that checkpoint (and read the old units, the same rows), and the next
@@ -48,8 +49,9 @@ maintenance run writes the missing marker from the checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,10 +59,18 @@ import orjson
 
 from ._fs import DatasetFS
 from ._layout import COMMIT_MARGIN_S, Marker, list_markers
-from ._lease import LEASE, Conditional, Lease, LeaseLost, conditional_object
+from ._lease import LEASE, Conditional, Lease, LeaseLost, conditional_object, maintenance_lease
 from ._snapshot import read_markers
 
-__all__ = ["CHECKPOINT", "Checkpoint", "Loaded", "horizon", "load_markers", "read_checkpoint"]
+__all__ = [
+    "CHECKPOINT",
+    "Checkpoint",
+    "Loaded",
+    "holding",
+    "horizon",
+    "load_markers",
+    "read_checkpoint",
+]
 
 #: The checkpoint object, relative to the dataset root.
 CHECKPOINT = "_checkpoint/live.json"
@@ -210,22 +220,35 @@ class Checkpoint:
     """A maintenance run's view of the checkpoint: what it read, and its fenced commits.
 
     Made before the run takes the lease, so the listing (a `LIST` per thousand markers, most of
-    an open on a store with many units) is not done while it holds it; `hold` then uses that
-    reading only if nobody took the lease in between (the lease object is the one it saw before
+    an open on a store with many units) and the merges made from it (`_merge.prepare`) are not
+    done while it holds it; `hold` then uses that reading only if nobody took the lease in
+    between (the lease object is the one it saw before
     reading: every maintenance run, of any release, takes the lease before committing), and
     reads again otherwise.
     """
 
     def __init__(self, dfs: DatasetFS, location: str) -> None:
         self._dfs = dfs
+        self._location = location
         self._lease: Lease | None = None
         self._object: Conditional = conditional_object(dfs, location, CHECKPOINT)
-        seen = conditional_object(dfs, location, LEASE).get()
+        #: Seconds this run held the lease, over every time it took it (`holding`).
+        self.lease_held_s = 0.0
+        self.read_again()
+        #: What `undo` restores: the merged markers, the checkpoint and the retired units before.
+        self._undo: tuple[list[Marker], bytes | None, set[str]] | None = None
+
+    def read_again(self) -> None:
+        """Read the checkpoint and the markers (again), without the lease."""
+        seen = conditional_object(self._dfs, self._location, LEASE).get()
         #: The lease object's etag before this run read anything (None: there was none).
         self._lease_seen = None if seen is None else seen[1]
-        self._read(dfs)
-        #: What `undo` restores: the merged marker, the checkpoint and the retired units before.
-        self._undo: tuple[Marker, bytes | None, set[str]] | None = None
+        self._read(self._dfs)
+
+    def fresh(self, lease: Lease) -> bool:
+        """Whether this run's reading is still the dataset's, `lease` just taken: nobody took
+        the lease since the reading (every maintenance run takes it before it commits)."""
+        return lease.taken_from == self._lease_seen
 
     def _read(self, dfs: DatasetFS) -> None:
         got = self._object.get()
@@ -262,19 +285,26 @@ class Checkpoint:
     def gate(self, marker: Marker) -> None:
         """Commit the merged unit `marker` to the checkpoint before its marker is written
         (`replace_units`'s `before_commit`): raises `LeaseLost` when the run is fenced."""
+        self.gate_all([marker])
+
+    def gate_all(self, merged: Sequence[Marker]) -> None:
+        """Commit the merged units `merged` to the checkpoint in one write, before their
+        markers are written (`_merge.commit`'s gate): raises `LeaseLost` when the run is
+        fenced."""
         before = self._raw
-        self.commit({**self.loaded.markers, marker.unit: marker})
-        self._undo = (marker, before, set(self.loaded.retired))
-        self.loaded.markers[marker.unit] = marker
-        self.loaded.retired.update(marker.retires)
+        self.commit({**self.loaded.markers, **{m.unit: m for m in merged}})
+        self._undo = (list(merged), before, set(self.loaded.retired))
+        for m in merged:
+            self.loaded.markers[m.unit] = m
+            self.loaded.retired.update(m.retires)
 
     def undo(self) -> bool:
-        """Put back the checkpoint as it was before the last `gate` (its marker could not be
-        written); False when that failed (then the checkpoint names the merged unit, whose
-        data files must stay: the next run writes its marker)."""
+        """Put back the checkpoint as it was before the last `gate_all` (their markers could not
+        be written); False when that failed (then the checkpoint names the merged units, whose
+        data files must stay: the next run writes their markers)."""
         if self._undo is None:
             return False
-        marker, before, retired = self._undo
+        merged, before, retired = self._undo
         try:
             if before is None:
                 self._object.remove()  # this run created it, holding the lease
@@ -286,7 +316,8 @@ class Checkpoint:
         except Exception:
             return False
         self._raw, self._etag, self._undo = before, etag, None
-        self.loaded.markers.pop(marker.unit, None)
+        for m in merged:
+            self.loaded.markers.pop(m.unit, None)
         self.loaded.retired = retired
         return True
 
@@ -328,3 +359,40 @@ class Checkpoint:
                 "its lease); nothing more was committed, run it again"
             )
         self._raw, self._etag = body, etag
+
+
+#: How many times a run takes the lease and, finding its reading stale, releases it to read again
+#: (`holding`); the last time it reads again holding it.
+_TAKES = 3
+
+
+@contextlib.contextmanager
+def holding(
+    checkpoint: Checkpoint,
+    purpose: str,
+    *,
+    ttl_s: float,
+    wait_s: float = 0.0,
+    repair: bool = True,
+) -> Iterator[Lease]:
+    """Hold the maintenance lease for the block with `checkpoint` read as the dataset is now
+    (`Checkpoint.hold`). When another run took the lease since the checkpoint's reading (it may
+    have committed), the lease is released, the checkpoint read again without it (a listing of
+    every marker: seconds on a store of many units) and the lease taken again, so the lease is
+    held for a listing only when that happens `_TAKES` times in a row. Adds the time held to
+    `Checkpoint.lease_held_s`."""
+    for take in range(1, _TAKES + 1):
+        lease_held = maintenance_lease(
+            checkpoint._location, purpose, ttl_s=ttl_s, dfs=checkpoint._dfs, wait_s=wait_s
+        )
+        lease: Lease | None = None
+        try:
+            with lease_held as lease:
+                if checkpoint.fresh(lease) or take == _TAKES:
+                    checkpoint.hold(lease, repair=repair)
+                    yield lease
+                    return
+        finally:
+            if lease is not None:  # released: its whole hold
+                checkpoint.lease_held_s += lease.held_s
+        checkpoint.read_again()

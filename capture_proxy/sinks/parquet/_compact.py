@@ -17,11 +17,13 @@ before it was retired reads it normally for `grace_s`; one still reading it afte
 file gone, re-lists the dataset and reads the merged unit instead (`ParquetSource` retries).
 
 Compaction runs while proxies write, on local folders and object storage alike: writers only add
-units, and a merge retires only units it listed. One compaction or gc at a time per dataset: each
-holds the dataset's maintenance lease (`_lease`) while it merges, and a second run is refused
-naming the holder; each merge commits through the dataset's checkpoint (`_checkpoint`), which
-fences a run that stalled past its lease. The clean-up runs after the lease is released and
-deletes in bulk (`_clean`).
+units, and a merge retires only units it listed. One compaction or gc commits at a time per
+dataset: each reads the units and writes its merged units' files first (`_merge`: nothing a
+reader sees), then takes the dataset's maintenance lease (`_lease`) only to check its reading and
+commit, and a second run is refused naming the holder; the run's merges commit through the
+dataset's checkpoint (`_checkpoint`), which fences a run that stalled past its lease. A merge
+whose units another run merged first is dropped, its files deleted. The clean-up runs after the
+lease is released and deletes in bulk (`_clean`).
 
 `compact_dataset` is the Parquet store kind's `compact` (`capture_proxy.sinks.kinds`): callers
 reach it through the registry, which refuses other kinds in one place.
@@ -32,9 +34,8 @@ from __future__ import annotations
 import time
 
 from ..base import CompactStats, Progress, StoreError
-from ._checkpoint import Checkpoint, Loaded
+from ._checkpoint import Checkpoint, Loaded, holding
 from ._fs import TMP_SUFFIX, DatasetFS
-from ._gc import replace_units
 from ._layout import (
     CALLS,
     COMMITS_DIR,
@@ -46,14 +47,11 @@ from ._layout import (
     list_markers,
     unit_files,
 )
-from ._lease import maintenance_lease
+from ._lease import refuse_if_held
+from ._merge import LEFTOVER_AGE_S, Prepared, commit, discard, prepare
+from ._read_errors import vanished
 
 __all__ = ["LEFTOVER_AGE_S", "CompactStats", "compact_dataset", "compact_store"]
-
-#: A data file no marker names is a leftover of a crashed commit once it is this old, whatever
-#: `grace_s` says: younger, it may be a commit in progress (data files written, marker next),
-#: which a writer acknowledges once its marker lands.
-LEFTOVER_AGE_S = 1800.0
 
 
 def compact_store(
@@ -88,33 +86,67 @@ def compact_dataset(
     pyarrow filesystem URL), while proxies write to it. Raises `StoreError` when there is no
     dataset there or another compaction or gc holds the dataset's maintenance lease
     (`lease_ttl_s`: how long the lease holds after each renewal), and `LeaseLost` when the run
-    lost its lease midway (what it committed before stays valid). `shared_window_s` is gc's:
+    was fenced (nothing was committed). `CompactStats.lease_held_s` says how long it held the
+    lease, `merges_dropped` how many merges it did not commit because another run merged some
+    of their units first. `progress` is told each run of units merged (before the lease is
+    taken), then the end of the clean-up. `shared_window_s` is gc's:
     a merged unit younger than that is not merged again until it is older (`_runs`). `wait_s`:
     how long to wait for the lease, first in line, when another run holds it."""
     dfs = DatasetFS(location)
     if not check_format(dfs):
         raise StoreError(f"no capture-proxy Parquet dataset at {location}")
+    if wait_s <= 0:
+        refuse_if_held(location, "compact", dfs)  # refused at once, before any work
     # Read before the lease: it is used if nobody takes the lease meanwhile (`Checkpoint`).
     checkpoint = Checkpoint(dfs, location)
-    with maintenance_lease(location, "compact", ttl_s=lease_ttl_s, dfs=dfs, wait_s=wait_s) as lease:
-        checkpoint.hold(lease)
-        live = checkpoint.loaded.live()
-        runs = _runs(live, target_bytes, time.time_ns() - int(shared_window_s * 1e9))
-        # Steps: each run of units merged (a run of one is kept as it is), then the clean-up.
-        after = []
+    runs = _runs(
+        checkpoint.loaded.live(), target_bytes, time.time_ns() - int(shared_window_s * 1e9)
+    )
+    # Steps: each run of units merged (a run of one is kept as it is), then the clean-up.
+    steps = len(runs) + 1
+    # Merged before the lease is taken (`_merge`): written, not committed.
+    pending: list[Prepared] = []
+    vanished_runs = 0
+    try:
         for done, run in enumerate(runs, 1):
-            after.append(_merge(dfs, run, checkpoint) if len(run) > 1 else run[0])
+            if len(run) > 1:
+                merge = _prepare(dfs, run)
+                if merge is None:
+                    vanished_runs += 1
+                else:
+                    pending.append(merge)
             if progress is not None:
-                progress(done, len(runs) + 1)
-        if len(after) == len(live):
-            # Nothing merged: the checkpoint is written anyway, so the next opens read the
-            # units committed since the last one from it rather than marker by marker.
-            checkpoint.commit(checkpoint.loaded.markers)
+                progress(done, steps)
+        with holding(checkpoint, "compact", ttl_s=lease_ttl_s, wait_s=wait_s):
+            # What the run holds the lease for: its reading is the store's now (read again if
+            # another run took the lease since), so a merge whose units are all still live
+            # commits; one whose units another run merged first is dropped.
+            live = checkpoint.loaded.live()
+            names = {m.unit for m in live}
+            fresh = [p for p in pending if p.committable(names)]
+            stale = [p for p in pending if not p.committable(names)]
+            pending = stale  # `commit` removes the files of the merges it was given on failure
+            if fresh:
+                commit(
+                    dfs,
+                    fresh,
+                    checkpoint.existing(),
+                    gate=checkpoint.gate_all,
+                    undo=checkpoint.undo,
+                )
+            else:
+                # Nothing merged: the checkpoint is written anyway, so the next opens read the
+                # units committed since the last one from it rather than marker by marker.
+                checkpoint.commit(checkpoint.loaded.markers)
+    finally:
+        # Not committed (dropped, or the run failed before its commit): no marker names them.
+        discard(dfs, pending)
+    after = checkpoint.loaded.live()
     # The lease is released before the clean-up: deleting retired units and leftovers needs
     # no lease (see `_clean`), and on object storage it is most of a run's requests.
     deleted = _clean(dfs, checkpoint.loaded, grace_s)
     if progress is not None:
-        progress(len(runs) + 1, len(runs) + 1)
+        progress(steps, steps)
     return CompactStats(
         units_before=len(live),
         units_after=len(after),
@@ -124,6 +156,8 @@ def compact_dataset(
         bytes_after=sum(m.size for m in after),
         records=sum(m.rows.get(CALLS, 0) for m in after),
         deleted_files=deleted,
+        lease_held_s=round(checkpoint.lease_held_s, 3),
+        merges_dropped=len(stale) + vanished_runs,
     )
 
 
@@ -139,8 +173,8 @@ def _runs(live: list[Marker], target_bytes: int, settled_ns: int) -> list[list[M
 
     A unit of half `target_bytes` or more is kept as it is: merged with the small units
     committed since, it would be read, encoded and written again whole at every compaction, for
-    little gain, while the run holds the maintenance lease (measured on moto: 12 s of a 14 s run
-    rewriting a 160 MB unit to add 200 one-call units to it).
+    little gain (measured on moto: 12 s of a 14 s run rewriting a 160 MB unit to add 200
+    one-call units to it).
     """
 
     def young_merge(m: Marker) -> bool:
@@ -164,16 +198,16 @@ def _runs(live: list[Marker], target_bytes: int, settled_ns: int) -> list[list[M
     return runs
 
 
-def _merge(dfs: DatasetFS, run: list[Marker], checkpoint: Checkpoint) -> Marker:
-    """Write `run`'s rows as one unit whose marker retires them; return its marker."""
-    return replace_units(
-        dfs,
-        run,
-        checkpoint.existing(),
-        lambda _t, table: table,
-        before_commit=checkpoint.gate,
-        undo_commit=checkpoint.undo,
-    )
+def _prepare(dfs: DatasetFS, run: list[Marker]) -> Prepared | None:
+    """`run`'s rows written as one unit's data files, not committed (`_merge.prepare`); None
+    when one of its files is gone: another run merged the units and deleted them since this run
+    listed them (then the next run merges what is there)."""
+    try:
+        return prepare(dfs, run, lambda _t, table: table)
+    except OSError as e:
+        if isinstance(e, FileNotFoundError) or vanished(e):
+            return None
+        raise
 
 
 def _clean(dfs: DatasetFS, loaded: Loaded, grace_s: float) -> int:

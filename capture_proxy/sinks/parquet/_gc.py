@@ -14,21 +14,24 @@ copied as they are, so every remaining record, digest and coordinate reads back 
 The retired files stay on disk for readers that listed them a moment ago; `capture-proxy
 compact` deletes them once its grace period has passed.
 
-gc runs while proxies write, on local folders and object storage alike, holding the dataset's
-maintenance lease (`_lease`: one compaction or gc at a time). It needs no writer lock because of
-the **window rule**: a writer shares a blob or attachment only with a copy committed less than
-`DEDUP_WINDOW_S` ago (older ones it stores again, or refuses a reference without bytes), and gc
-removes a blob or attachment only when no kept call refers to it and every copy of it is in a
-unit committed more than `DEDUP_WINDOW_S + GC_MARGIN_S` ago. So whatever a writer may still refer
-to is never removed: a copy young enough to be shared is kept, whatever it held when gc listed.
+gc runs while proxies write, on local folders and object storage alike. It reads every live unit
+and writes the rewritten span's files before it takes the dataset's maintenance lease (`_lease`:
+one compaction or gc commits at a time), and holds the lease only to check its reading and
+commit (`_merge`); when another run merged some of the span's units meanwhile, it deletes its
+files and plans again from a new reading (`_ATTEMPTS` times at most).
+
+It needs no writer lock because of the **window rule**: a writer shares a blob or attachment only
+with a copy committed less than `DEDUP_WINDOW_S` ago (older ones it stores again, or refuses a
+reference without bytes), and gc removes a blob or attachment only when no kept call refers to it
+and every copy of it is in a unit committed more than `DEDUP_WINDOW_S + GC_MARGIN_S` ago. So
+whatever a writer may still refer to is never removed: a copy young enough to be shared is kept,
+whatever it held when gc listed.
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
-import uuid
-from collections.abc import Callable, Container, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,10 +41,9 @@ import pyarrow.fs as pafs
 
 from ...schemas.records import RolloutState
 from ..base import GcStats, Progress, StoreError
-from ._checkpoint import Checkpoint
+from ._checkpoint import Checkpoint, holding
 from ._claims import remove_claims
 from ._fs import DatasetFS
-from ._index import SMALL_UNIT_BYTES
 from ._layout import (
     ATTACHMENTS,
     BLOBS,
@@ -49,28 +51,25 @@ from ._layout import (
     DEDUP_WINDOW_S,
     GC_MARGIN_S,
     LEDGER,
-    TABLES,
     Marker,
     check_format,
-    conform,
-    encode_table,
     list_markers,
     read_table,
-    unit_files,
 )
-from ._lease import maintenance_lease
+from ._lease import refuse_if_held
 from ._ledger import LedgerState
-from ._snapshot import fetch_files, read_markers
+from ._merge import Prepared, commit, discard, prefetched, prepare, replace_units, small_unit
+from ._read_errors import vanished
+from ._snapshot import read_markers
 
 __all__ = ["gc_parquet", "load_markers", "replace_units"]
 
+#: Readings a gc makes at most: each time another run merged some of the units it rewrote while
+#: it read and wrote them (it holds the lease only to commit), it reads the dataset again.
+_ATTEMPTS = 3
 #: Units whose small files are fetched ahead at once (concurrently, on object storage) while a
 #: pass reads one table of every live unit (bounds the bytes held: a few KB per unit, usually).
 _PREFETCH_UNITS = 256
-#: Per table, the key a row is unique by: a rewritten file keeps the first copy (as readers do).
-_UNIQUE = {CALLS: "call_id", BLOBS: "key", ATTACHMENTS: "sha256"}
-#: A row filter: (table name, the span's rows of that table) -> the rows to keep.
-Select = Callable[[str, pa.Table], pa.Table]
 _CALL_REFS = ["call_id", "rollout_id", "request_key", "message_keys", "attachment_shas"]
 
 
@@ -125,42 +124,71 @@ def gc_parquet(
     units committed more than `shared_window_s` ago (the module docstring says why; never set
     it below the writers' dedup window). `bytes_before` / `bytes_after` count the live units
     (what readers read); disk space comes back when a later `compact` deletes the retired
-    files. Raises `StoreError` when there is no dataset at `location` or another compaction or
-    gc holds the maintenance lease (`lease_ttl_s`: how long it holds after each renewal), and
-    `LeaseLost` when this run lost it before committing. `wait_s`: how long to wait for the
-    lease, first in line, when another run holds it.
+    files. Raises `StoreError` when there is no dataset at `location`, another compaction or
+    gc holds the maintenance lease (`lease_ttl_s`: how long it holds after each renewal), or
+    other runs merged the units it rewrote at each of its `_ATTEMPTS` readings, and `LeaseLost`
+    when this run was fenced before committing. A dry run takes no lease (it commits nothing).
+    `wait_s`: how long to wait for the lease, first in line, when another run holds it.
     """
     dfs = DatasetFS(location, filesystem)
     if not check_format(dfs):
         raise StoreError(f"no capture-proxy Parquet dataset at {location}")
-    purpose = "gc --dry-run" if dry_run else "gc"
-    # Read before the lease: it is used if nobody takes the lease meanwhile (`Checkpoint`).
-    checkpoint = Checkpoint(dfs, location)
-    lease_held = maintenance_lease(location, purpose, ttl_s=lease_ttl_s, dfs=dfs, wait_s=wait_s)
-    with lease_held as lease:
-        checkpoint.hold(lease, repair=not dry_run)
+    if wait_s <= 0 and not dry_run:
+        refuse_if_held(location, "gc", dfs)  # refused at once, before any work
+    held_s = 0.0
+    for _ in range(_ATTEMPTS):
+        # Read, planned and written before the lease (`_merge`); committed holding it.
+        checkpoint = Checkpoint(dfs, location)
         live = checkpoint.loaded.live()
         # Steps: reading each live unit's calls (most of the time), then the rewrite.
         steps = len(live) + 1
 
-        def unit_read(done: int) -> None:
+        def unit_read(done: int, steps: int = steps) -> None:
             if progress is not None:
                 progress(done, steps)
 
         shared_after_ns = time.time_ns() - int(shared_window_s * 1e9)
-        plan = _plan(dfs, live, now_ms - older_than_ms, shared_after_ns, unit_read)
+        span: list[Marker] = []
+        pending: Prepared | None = None
+        try:
+            plan = _plan(dfs, live, now_ms - older_than_ms, shared_after_ns, unit_read)
+            if plan.touched and not dry_run:
+                span = live[plan.touched[0] : plan.touched[-1] + 1]
+                pending = prepare(dfs, span, plan.select)
+        except OSError as e:
+            if isinstance(e, FileNotFoundError) or vanished(e):
+                continue  # a unit merged and deleted by another run since the reading
+            raise
         before = after = sum(m.size for m in live)
-        if plan.touched and not dry_run:
-            span = live[plan.touched[0] : plan.touched[-1] + 1]
-            merged = replace_units(
-                dfs,
-                span,
-                checkpoint.existing(),
-                plan.select,
-                before_commit=checkpoint.gate,
-                undo_commit=checkpoint.undo,
-            )
-            after = before - sum(m.size for m in span) + merged.size
+        if dry_run:  # commits nothing: no lease
+            break
+        try:
+            with holding(checkpoint, "gc", ttl_s=lease_ttl_s, wait_s=wait_s):
+                # Committed only if every unit it rewrote is still live (read again if another
+                # run took the lease since): else planned again from a new reading.
+                # Nothing to remove: the lease was taken for `hold`'s repair only.
+                live_now = {m.unit for m in checkpoint.loaded.live()}
+                if pending is not None and pending.committable(live_now):
+                    merge, pending = pending, None  # `commit` removes its files on failure
+                    (merged,) = commit(
+                        dfs,
+                        [merge],
+                        checkpoint.existing(),
+                        gate=checkpoint.gate_all,
+                        undo=checkpoint.undo,
+                    )
+                    after = before - sum(m.size for m in span) + merged.size
+        finally:
+            held_s += checkpoint.lease_held_s
+            if pending is not None:
+                discard(dfs, [pending])
+        if pending is None:
+            break
+    else:
+        raise StoreError(
+            f"gc of {location} stopped: other maintenance runs merged the units it was "
+            f"rewriting, {_ATTEMPTS} times while it read them; nothing was committed, run it again"
+        )
     if plan.touched and not dry_run:
         # After the unit that removes their rows, and after the lease is released (a listing
         # and a bulk delete per rollout; no other maintenance run touches claims): a crash in
@@ -175,6 +203,7 @@ def gc_parquet(
         attachments=len(plan.attachments),
         bytes_before=before,
         bytes_after=after,
+        lease_held_s=round(held_s, 3),
     )
 
 
@@ -275,8 +304,8 @@ def _each_file(
     unit's position + 1 as it is passed."""
     for start in range(0, len(live), _PREFETCH_UNITS):
         chunk = list(enumerate(live[start : start + _PREFETCH_UNITS], start))
-        small = [m.files[table] for _, m in chunk if table in m.files and _small(m)]
-        with _prefetched(dfs, small):
+        small = [m.files[table] for _, m in chunk if table in m.files and small_unit(m)]
+        with prefetched(dfs, small):
             for i, m in chunk:
                 if unit_read is not None:
                     unit_read(i + 1)
@@ -284,117 +313,7 @@ def _each_file(
                     yield i, read_table(dfs, m.files[table], columns)
 
 
-def _small(unit: Marker) -> bool:
-    return unit.size <= SMALL_UNIT_BYTES
-
-
-@contextlib.contextmanager
-def _prefetched(dfs: DatasetFS, rels: Sequence[str]) -> Iterator[None]:
-    """`dfs` serves the files `rels` from memory for the block, fetched concurrently first
-    (object storage; nothing on a local folder, where reading in place costs less)."""
-    dfs.prefetched = fetch_files(dfs, rels, None)
-    try:
-        yield
-    finally:
-        dfs.prefetched = {}
-
-
 def load_markers(dfs: DatasetFS) -> dict[str, Marker]:
     """Every commit marker of the dataset (retired ones too), by unit name; read concurrently
     on object storage. A marker deleted by a cleanup since the listing is left out."""
     return read_markers(dfs, list_markers(dfs))
-
-
-def replace_units(
-    dfs: DatasetFS,
-    span: Sequence[Marker],
-    markers: Container[str],
-    select: Select,
-    *,
-    before_commit: Callable[[Marker], None] | None = None,
-    undo_commit: Callable[[], bool] | None = None,
-) -> Marker:
-    """Write the rows of the consecutive live units `span`, filtered by `select`, as one unit
-    whose marker retires them all; return that marker.
-
-    The new unit takes the order of the last unit it replaces, so its rows keep their place
-    among the other units. A table left without rows gets no file (a unit may be a marker only:
-    it still retires). `markers` holds the names of the units whose markers exist (retired ones
-    too). `before_commit` runs between the data files and the marker, given the marker (the
-    run's fenced checkpoint write, `_checkpoint`: raising there commits nothing). On failure,
-    whatever was written is removed and nothing changed: when the marker failed after
-    `before_commit` returned, `undo_commit` undoes that first (the data files are kept, for the
-    checkpoint to name, when it cannot). Ledger rows are kept once each
-    (`_distinct`).
-    """
-    unit = f"{span[-1].order:020d}-{uuid.uuid4().hex[:12]}"
-    data: dict[str, bytes] = {}
-    rows: dict[str, int] = {}
-    files = unit_files(unit, TABLES)
-    for t, rel in files.items():
-        # The span's tables are held whole below anyway: fetch its small files ahead at once.
-        small = [m.files[t] for m in span if t in m.files and _small(m)]
-        with _prefetched(dfs, small):
-            parts = [conform(t, read_table(dfs, m.files[t])) for m in span if t in m.files]
-        if not parts:
-            continue
-        table = select(t, pa.concat_tables(parts))
-        if t in _UNIQUE:
-            table = _first_of_each(table, _UNIQUE[t])
-        elif t == LEDGER:
-            table = _distinct(table)
-        if table.num_rows:
-            data[rel] = encode_table(table)
-            rows[t] = table.num_rows
-    # Units those retired whose markers still exist stay retired once this marker is itself
-    # retired and deleted: a retired unit must never come back to life.
-    inherited = [u for m in span for u in m.retires if u in markers]
-    marker = Marker(
-        unit=unit,
-        files={t: rel for t, rel in files.items() if rel in data},
-        rows=rows,
-        retires=tuple(dict.fromkeys([*(m.unit for m in span), *inherited])),
-        created_at_ms=int(time.time() * 1000),  # wall time: compaction's grace period runs on it
-        size=sum(map(len, data.values())),
-    )
-    gated = False
-    try:
-        dfs.put_all(data)
-        if before_commit is not None:
-            before_commit(marker)  # the last moment to stop: the marker is the commit
-            gated = True
-        dfs.put_all({marker.rel: marker.encode()})
-    except BaseException:
-        if gated and (undo_commit is None or not undo_commit()):
-            raise
-        for rel in (marker.rel, *data):
-            with contextlib.suppress(OSError):
-                dfs.delete(rel)
-        raise
-    return marker
-
-
-def _first_of_each(table: pa.Table, key: str) -> pa.Table:
-    first: dict[str, int] = {}
-    for i, k in enumerate(table.column(key).to_pylist()):
-        first.setdefault(k, i)
-    if len(first) == table.num_rows:
-        return table
-    return table.take(pa.array(sorted(first.values()), pa.int64()))
-
-
-def _distinct(table: pa.Table) -> pa.Table:
-    """A ledger table with each row once, the first copy kept. Two copies of one row come from
-    one unit's rows committed twice: by a maintenance run that stalled past its lease and
-    committed after another run had merged the same units (before runs were fenced by the
-    checkpoint), so the same rows were live in two merged units; readers would replay each
-    event twice. A repeated sequence of rows keeps its order and last-wins outcome once."""
-    seen: set[tuple[Any, ...]] = set()
-    keep: list[int] = []
-    for i, row in enumerate(zip(*(c.to_pylist() for c in table.columns), strict=True)):
-        if row not in seen:
-            seen.add(row)
-            keep.append(i)
-    if len(keep) == table.num_rows:
-        return table
-    return table.take(pa.array(keep, pa.int64()))

@@ -13,6 +13,9 @@ what it runs and how long it holds after each write (`ttl_ms`). A run:
 * **releases** it at the end by writing a released body the same way, so the next run takes it
   at once.
 
+A run takes it only to check and commit work it prepared before (`_merge`), and `Lease.held_s`
+says for how long; `refuse_if_held` tells a run about to prepare that it would be refused.
+
 A second run while the lease holds is refused with `StoreError` naming the holder and its expiry,
 or waits for it with `wait_s`, first in line: it reserves the next turn in ``_leases/next`` (a
 body like the lease's, renewed while it waits), and a run that finds the lease free while another
@@ -59,7 +62,15 @@ import pyarrow.fs as pafs
 from ..base import StoreError
 from ._fs import DatasetFS, fsync_dir, write_all_fsync
 
-__all__ = ["LEASE", "Conditional", "Lease", "LeaseLost", "conditional_object", "maintenance_lease"]
+__all__ = [
+    "LEASE",
+    "Conditional",
+    "Lease",
+    "LeaseLost",
+    "conditional_object",
+    "maintenance_lease",
+    "refuse_if_held",
+]
 
 #: The lease object, relative to the dataset root.
 LEASE = "_leases/maintenance"
@@ -274,6 +285,18 @@ class Lease:
         self._guard = threading.Lock()
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
+        #: When this run took the lease and released it (monotonic; `held_s`).
+        self._taken_at: float | None = None
+        self._released_at: float | None = None
+
+    @property
+    def held_s(self) -> float:
+        """How long this run has held the lease (until its release), in seconds: from the
+        moment its taking write was sent to the moment its released body was written (the
+        writes' own time included)."""
+        if self._taken_at is None:
+            return 0.0
+        return (self._released_at or time.monotonic()) - self._taken_at
 
     def _body(self, *, released: bool = False) -> bytes:
         ttl_ms = int(self.ttl_s * 1000)
@@ -324,7 +347,19 @@ class Lease:
         )
         self._renewer.start()
 
-    def _take(self) -> None:
+    def refuse_if_held(self) -> None:
+        """Raise `StoreError` as `acquire` without `wait_s` would now (another run holds the
+        lease, or has reserved the next turn), writing nothing to the lease: a run that prepares
+        its work before taking the lease learns at once that it would be refused."""
+        try:
+            self._check_queue()
+            current = self._backend.get()
+            if current is not None:
+                self._check_free(_decode(current[0]))
+        except _Held as held:
+            raise StoreError(str(held)) from None
+
+    def _check_queue(self) -> None:
         if self._queue is not None:
             waiting = self._queue.get()
             if waiting is not None:
@@ -335,6 +370,20 @@ class Lease:
                         f"{info.get('purpose', '?')} by {info.get('holder', '?')} takes it "
                         f"next; run {self.purpose} again once it has finished"
                     )
+
+    def _check_free(self, info: dict[str, Any]) -> None:
+        left = self._left_ms(info, self._backend)
+        if left > 0:
+            raise _Held(
+                f"another maintenance run holds {self._where}: "
+                f"{info.get('purpose', '?')} by {info.get('holder', '?')}, until "
+                f"{_when(_now_ms() + left)} unless renewed; run {self.purpose} "
+                "again once it has finished (a holder that died is taken over once its "
+                "lease expires)"
+            )
+
+    def _take(self) -> None:
+        self._check_queue()
         sent = time.monotonic()
         etag = self._backend.create(self._body())
         if etag is None:
@@ -343,16 +392,7 @@ class Lease:
                 etag = self._backend.create(self._body())
             else:
                 body, old = current
-                info = _decode(body)
-                left = self._left_ms(info, self._backend)
-                if left > 0:
-                    raise _Held(
-                        f"another maintenance run holds {self._where}: "
-                        f"{info.get('purpose', '?')} by {info.get('holder', '?')}, until "
-                        f"{_when(_now_ms() + left)} unless renewed; run {self.purpose} "
-                        "again once it has finished (a holder that died is taken over once its "
-                        "lease expires)"
-                    )
+                self._check_free(_decode(body))
                 sent = time.monotonic()
                 etag = self._backend.replace(self._body(), old)
                 self.taken_from = old
@@ -362,6 +402,7 @@ class Lease:
                 f"run {self.purpose} again once it has finished"
             )
         self._etag, self._deadline = etag, sent + self.ttl_s
+        self._taken_at = sent
 
     def _reserve(self) -> None:
         """Hold the next turn, unless another waiting run holds it (then this one waits
@@ -426,6 +467,8 @@ class Lease:
                 with contextlib.suppress(OSError):
                     self._backend.replace(self._body(released=True), self._etag)
             self._etag = None
+            if self._taken_at is not None and self._released_at is None:
+                self._released_at = time.monotonic()
 
     def _renew_loop(self) -> None:
         while not self._stop.wait(self.ttl_s / 3):
@@ -454,6 +497,19 @@ def conditional_object(dfs: DatasetFS, location: str, key: str) -> Conditional:
     """Conditional writes of the object `key` of the dataset at `location` (`dfs` its files)."""
     local = _local_root(dfs)
     return _LocalBackend(local, key) if local is not None else _ObjectBackend(location, key)
+
+
+def refuse_if_held(location: str, purpose: str, dfs: DatasetFS | None = None) -> None:
+    """Raise `StoreError` naming the holder when `maintenance_lease` would be refused now
+    (without waiting); takes nothing."""
+    dfs = dfs or DatasetFS(location)
+    Lease(
+        conditional_object(dfs, location, LEASE),
+        dfs.path(LEASE),
+        purpose,
+        60.0,
+        conditional_object(dfs, location, NEXT),
+    ).refuse_if_held()
 
 
 @contextlib.contextmanager
