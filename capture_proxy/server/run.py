@@ -175,10 +175,12 @@ async def listen(
     return listening
 
 
-async def _flush_logs_repeatedly() -> None:
-    """Storms of one kind of warning are logged as counts (capture_proxy.logs.RepeatFilter)."""
+async def _flush_logs_repeatedly(gate: ConnectionGate) -> None:
+    """Storms of one kind of warning are logged as counts (capture_proxy.logs.RepeatFilter, and
+    the connection gate's own for refused connections)."""
     while True:
         await asyncio.sleep(10.0)
+        gate.flush_log()
         flush_repeats()
 
 
@@ -222,7 +224,7 @@ async def serve(settings: Settings) -> int:
         print(f"  control API on {listening.admin_url}/admin", file=sys.stderr, flush=True)
     else:
         print(f"  control API on {state.listen_url}/admin", file=sys.stderr, flush=True)
-    flusher = asyncio.create_task(_flush_logs_repeatedly())
+    flusher = asyncio.create_task(_flush_logs_repeatedly(listening.gate))
     heap_trim = HeapTrim(settings.malloc_trim_interval)
     state.metrics.add_live(heap_trim.stats)
     trimmer = asyncio.create_task(heap_trim.run())
@@ -233,5 +235,6 @@ async def serve(settings: Settings) -> int:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+    listening.gate.flush_log(all_windows=True)
     flush_repeats(all_windows=True)
     return 1 if state.capture.ledger.unsaved or state.store_incomplete else 0

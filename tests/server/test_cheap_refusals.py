@@ -1,21 +1,24 @@
-"""A refused request body is not received further (issue 27's soak: the hostile load's cost).
+"""Refusals that cost the proxy little (issue 27's soak: what the hostile load cost its CPU).
 
 A body of 22 million ``{}`` was received whole (62 MiB, ~120 ms of the proxy's CPU to read and
 parse) before ``--max-json-items`` refused it, and a large body over its rollout's body rate was
 refused by dropping the connection, so its client saw a reset instead of the 429. Now the body's
 values are counted as it arrives and it is refused the moment it passes the limit; a refused body
 not received whole is read no further, and its connection closes a second after the answer. Each
-test is a raw socket that sends only the start of its body, so the answer it reads proves the
-proxy did not wait for the rest. CPU per refusal is measured by ``bench/bench_hostile_cost.py``
+such test is a raw socket that sends only the start of its body, so the answer it reads proves
+the proxy did not wait for the rest. Connections refused at accept are logged as one line and a
+count, not one line each. CPU per refusal is measured by ``bench/bench_hostile_cost.py``
 (docs/reports/reliability.md).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from pathlib import Path
 
 import orjson
+import pytest
 
 from tests.server.test_slow_clients import answer_of, closed_within, head, honest_call, served
 
@@ -94,3 +97,29 @@ async def test_a_body_sent_in_pieces_is_counted_whole_and_goes_through_at_the_li
                 await asyncio.sleep(0.002)
             assert (await answer_of(reader))[0] == status
             writer.close()
+
+
+def refusal_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "capture_proxy.connections"]
+
+
+async def test_a_flood_of_refused_connections_is_logged_as_one_line_then_a_count(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # One new connection per 10 s from an address: the first is admitted, the next five are
+    # refused at accept, each with its 503.
+    with caplog.at_level(logging.WARNING, logger="capture_proxy.connections"):
+        async with served(tmp_path, max_connection_rate_per_address=0.1) as s:
+            opened = [await asyncio.open_connection("127.0.0.1", s.port) for _ in range(6)]
+            for reader, _ in opened[1:]:
+                assert (await answer_of(reader))[0] == 503
+            assert s.listening.gate.refused_rate == 5  # /metrics counts every one
+            lines = refusal_lines(caplog)
+            assert len(lines) == 1
+            assert lines[0].startswith("refused a client connection: its address opens more")
+            s.listening.gate.flush_log(all_windows=True)  # as `serve` does every 10 s and at exit
+            lines = refusal_lines(caplog)
+            assert len(lines) == 2
+            assert lines[1].startswith("4 more like this not logged in 0s: refused a client ")
+            for _, writer in opened:
+                writer.close()
