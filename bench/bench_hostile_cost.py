@@ -8,12 +8,15 @@ Starts the fake vLLM (a process of its own) and one proxy per target (this check
 ``--base`` the other checkout's, each pinned to ``--proxy-cpus``), then runs the soak's hostile
 sandboxes (`bench_hostile_soak._hostile`, the same 8 with the same counts per kind) one kind at
 a time, then all together, against each target in turn (``--rounds`` times, so load from
-elsewhere on the machine falls on every target alike). Per phase: the proxy's CPU seconds
-(``/proc``: its own time on a CPU, not inflated by waiting for it), scaled to 10 s of load, and
-what the proxy did in the phase from its ``/metrics``: connections refused at accept, requests
-answered per status. Then CPU milliseconds per refused connection, per 429 and per huge body
-(413/422/429 of the huge-array sender), each from the phase that ran that kind alone.
-Loopback only; each phase is bounded in time.
+elsewhere on the machine falls on every target alike). ``connection_churn`` (not in the soak's
+mix) is 64 loops from one address opening connections as fast as they can: the cost of a
+refusal at accept. Per phase: the proxy's CPU seconds (``/proc``: its own time on a CPU, not
+inflated by waiting for it) over the load's seconds and two more (the worker's cut, its last
+answers), given per 10 s of load; and what the proxy did in the phase, from its ``/metrics``:
+connections refused at accept, chat requests answered per status. Then CPU milliseconds per
+refused connection, per 429 and per huge body (413/422 of the huge-array sender), each from the
+phase that ran that kind alone (the phase's whole CPU over that count). Loopback only; each
+phase is bounded in time.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ from procstat import cpu_seconds
 HERE = Path(__file__).resolve().parent
 #: Seconds after a phase before the next: lingering connections close, streams end.
 _SETTLE_S = 3.0
+#: Seconds of a phase's CPU window after its load: the worker's cut, then its last answers.
+_TAIL_S = 2.0
 #: A counter line of ``/metrics`` (a route's label holds braces: ``/r/{rollout_id}/...``).
 _METRIC = re.compile(
     r"^capture_proxy_(requests_total|client_connections_\w+_total)(\{.*\})? (\S+)$"
@@ -77,18 +82,22 @@ def _phase(
     t0 = time.monotonic()
     argv = [sys.executable, str(HERE / "bench_hostile_soak.py"), "--hostile-worker", url]
     argv += ["--hostile", str(hostile), "--seconds", str(seconds), "--kinds", kinds]
-    out = subprocess.run(argv, stdout=subprocess.PIPE, timeout=seconds + 60, check=True).stdout
-    time.sleep(1.0)  # what the phase's last refusals and answers cost, counted with it
+    worker = subprocess.Popen(argv, stdout=subprocess.PIPE)
+    # The same window for every target: the load's `seconds` and the worker's cut a second
+    # after (`_hostile`), plus a second for what the last refusals and answers cost. Read at
+    # the worker's exit instead, a target whose clients took longer to wind down would have
+    # its CPU spread over a longer phase.
+    time.sleep(max(0.0, t0 + seconds + _TAIL_S - time.monotonic()))
+    cpu = cpu_seconds(pid) - cpu0
+    out, _ = worker.communicate(timeout=120)
     if spy is not None:
         spy.wait(30)
         _print_profile(folded, seconds, top=40)
-    cpu = cpu_seconds(pid) - cpu0
-    wall = time.monotonic() - t0
     after = asyncio.run(_metrics(url))
     did = {k: after[k] - before.get(k, 0) for k in after if after[k] - before.get(k, 0)}
     seen = orjson.loads(out.splitlines()[-1]) if out.strip() else {"worker failed": 1}
     time.sleep(_SETTLE_S)
-    return {"cpu_s": cpu, "wall_s": wall, "proxy": did, "client": seen}
+    return {"cpu_s": cpu, "load_s": seconds, "proxy": did, "client": seen}
 
 
 def _units(kind: str, did: dict[str, int]) -> tuple[str, int]:
@@ -156,7 +165,7 @@ def main() -> None:
     for kind in args.kinds.split(","):
         for name in targets:
             mine = [r for r in rows if r["kind"] == kind and r["target"] == name]
-            per10 = [10 * float(r["cpu_s"]) / float(r["wall_s"]) for r in mine]  # type: ignore[arg-type]
+            per10 = [10 * float(r["cpu_s"]) / float(r["load_s"]) for r in mine]  # type: ignore[arg-type]
             cell = f"{statistics.median(per10):.2f}" + (
                 f" ({min(per10):.2f}-{max(per10):.2f})" if len(per10) > 1 else ""
             )
