@@ -183,6 +183,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                 # Before the body is read: a call waiting its turn holds its connection only.
                 await state.fair_share.turn(rollout_id)
                 turned = True
+                live = state.capture.rollouts.get(rollout_id)
+                if live is not None:  # as admission would refuse it, without its body
+                    state.capture.check_rollout_inflight(live)
                 _check_body_rate(request, state, rollout_id)
                 settings = state.settings
                 body = await _read_body(

@@ -20,7 +20,15 @@ from pathlib import Path
 import orjson
 import pytest
 
-from tests.server.test_slow_clients import answer_of, closed_within, head, honest_call, served
+from capture_proxy.testing.fake_vllm import FakeVLLM
+from tests.server.test_slow_clients import (
+    _until,
+    answer_of,
+    closed_within,
+    head,
+    honest_call,
+    served,
+)
 
 FLOOD = "/r/flood/v1/chat/completions"
 
@@ -123,3 +131,27 @@ async def test_a_flood_of_refused_connections_is_logged_as_one_line_then_a_count
             assert lines[1].startswith("4 more like this not logged in 0s: refused a client ")
             for _, writer in opened:
                 writer.close()
+
+
+async def test_a_call_over_its_rollouts_in_flight_limit_is_refused_from_its_head(
+    tmp_path: Path,
+) -> None:
+    # Before, its body was read, decoded and its rollout loaded before admission refused it.
+    fake = FakeVLLM(latency=2.0)
+    async with served(tmp_path, fake, max_inflight_per_rollout=1) as s:
+        busy = asyncio.create_task(honest_call(s.port, FLOOD))
+        await _until(lambda: len(fake.requests) == 1, within=10)
+        reader, writer = await asyncio.open_connection("127.0.0.1", s.port)
+        writer.write(head(FLOOD, length=1 << 20))  # its body never comes
+        status, headers, body = await answer_of(reader)
+        assert status == 429
+        assert orjson.loads(body)["error"]["code"] == "too_many_inflight_rollout"
+        assert headers["connection"] == "close"
+        assert headers["x-capture-status"] == "rejected"
+        assert await closed_within(reader, within=5) == b""
+        writer.close()
+        assert (await busy)[0] == 200
+        assert [f.reason for f in s.failures("flood")] == ["too_many_inflight_rollout"]
+        assert len(fake.requests) == 1
+        # Another rollout is not held to it.
+        assert (await honest_call(s.port))[0] == 200
