@@ -145,6 +145,33 @@ async def _connection_flood(port: int, n: int, until: float, seen: Counter[str])
             w.close()
 
 
+async def _connection_churn(port: int, n: int, until: float, seen: Counter[str]) -> None:
+    """Not in the soak's mix (`bench_hostile_cost.py` runs it alone): 64 loops from one address
+    opening a connection, reading what the proxy says until it closes, and again, as fast as
+    they can. Past the address's rate nearly every one is refused at accept: the proxy's CPU per
+    connection is what such a refusal costs."""
+
+    async def loop() -> None:
+        while time.monotonic() < until:
+            try:
+                reader, writer = await asyncio.open_connection(
+                    "127.0.0.1", port, local_addr=(f"127.0.2.{n + 1}", 0)
+                )
+            except OSError as e:
+                seen[f"churn {type(e).__name__}"] += 1
+                continue
+            try:
+                first = await asyncio.wait_for(reader.read(12), 0.05)  # admitted: silent
+                seen[
+                    "churn refused 503" if first.startswith(b"HTTP/1.1 503") else "churn other"
+                ] += 1
+            except (OSError, TimeoutError) as e:
+                seen[f"churn {type(e).__name__}"] += 1
+            writer.close()
+
+    await asyncio.gather(*(loop() for _ in range(64)))
+
+
 async def _stream_flood(base: str, n: int, until: float, seen: Counter[str]) -> None:
     url = base + _CHAT.format(rollout=f"hostile-{n}")
     body = {"model": "policy", "messages": [{"role": "user", "content": "go"}], "stream": True}
@@ -164,21 +191,33 @@ async def _stream_flood(base: str, n: int, until: float, seen: Counter[str]) -> 
             await asyncio.gather(*(one(http) for _ in range(1000)))
 
 
-async def _hostile(base: str, hostile: int, seconds: float) -> dict[str, int]:
-    """The hostile sandboxes alone (run in a process of their own: `_phase`)."""
+#: The hostile kinds, in the order sandbox n takes them (n modulo 3).
+KINDS = ("huge_arrays", "connection_flood", "stream_flood")
+
+
+async def _hostile(
+    base: str, hostile: int, seconds: float, only: frozenset[str] = frozenset(KINDS)
+) -> dict[str, int]:
+    """The hostile sandboxes alone (run in a process of their own: `_phase`); those of a kind
+    not in `only` stay idle, so one kind can be run with the counts of the full mix."""
     port = int(base.rsplit(":", 1)[1])
     until = time.monotonic() + seconds
     seen: Counter[str] = Counter()
-    kinds = (
-        lambda n: _huge_arrays(base, n, until, seen),
-        lambda n: _connection_flood(port, n, until, seen),
-        lambda n: _stream_flood(base, n, until, seen),
-    )
+    kinds = {
+        "huge_arrays": lambda n: _huge_arrays(base, n, until, seen),
+        "connection_flood": lambda n: _connection_flood(port, n, until, seen),
+        "stream_flood": lambda n: _stream_flood(base, n, until, seen),
+        "connection_churn": lambda n: _connection_churn(port, n, until, seen),
+    }
+    mine = [n for n in range(hostile) if KINDS[n % len(KINDS)] in only]
+    runs = [kinds[KINDS[n % len(KINDS)]](n) for n in mine]
+    if "connection_churn" in only:
+        runs.append(kinds["connection_churn"](hostile))
     # Cut at the phase's end: a stream left waiting (60 s client timeout) would otherwise keep
     # the worker, and the run, going long after the honest phase ended.
     with contextlib.suppress(TimeoutError):
         async with asyncio.timeout(seconds + 1):
-            await asyncio.gather(*(kinds[n % len(kinds)](n) for n in range(hostile)))
+            await asyncio.gather(*runs)
     return dict(seen)
 
 
@@ -347,9 +386,11 @@ def main() -> None:
         "the proxy's; in a deployment sandboxes run on other machines",
     )
     parser.add_argument("--hostile-worker", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--kinds", default=",".join(KINDS), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.hostile_worker:
-        seen = asyncio.run(_hostile(args.hostile_worker, args.hostile, args.seconds))
+        only = frozenset(args.kinds.split(","))
+        seen = asyncio.run(_hostile(args.hostile_worker, args.hostile, args.seconds, only))
         print(orjson.dumps(seen).decode(), flush=True)
         return
     print(f"load average at the start: {os.getloadavg()}", flush=True)

@@ -122,10 +122,10 @@ def _install() -> None:
 
     prepare = exchange.Exchange.prepare
 
-    async def timed_prepare(self: Any, body: Any) -> None:
+    async def timed_prepare(self: Any, body: Any, *, items_counted: bool = False) -> None:
         global _current
         _current = {"request in": time.perf_counter()}
-        await prepare(self, body)
+        await prepare(self, body, items_counted=items_counted)
         _stamp("prepared")
 
     exchange.Exchange.prepare = timed_prepare  # type: ignore[method-assign]

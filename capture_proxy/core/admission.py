@@ -26,6 +26,7 @@ __all__ = [
     "begin_call_offloaded",
     "check_admission",
     "check_quotas",
+    "check_rollout_inflight",
     "finish",
     "start_claim",
 ]
@@ -64,6 +65,14 @@ def check_admission(cap: Capture, live: RolloutLive, size: int = 0) -> None:
             code="too_many_inflight",
             headers={"Retry-After": "1"},
         )
+    check_rollout_inflight(cap, live)
+
+
+def check_rollout_inflight(cap: Capture, live: RolloutLive) -> None:
+    """429 ``too_many_inflight_rollout`` for a rollout holding ``--max-inflight-per-rollout``
+    calls in flight. Checked at admission, and by the server from a call's head too, before
+    its body is read and decoded: a sandbox flooding its rollout with calls is then refused
+    for the price of a request head."""
     if cap.max_inflight_per_rollout and live.in_flight >= cap.max_inflight_per_rollout:
         raise TooManyRequests(
             f"rollout {live.rollout_id} has {live.in_flight} calls in flight "

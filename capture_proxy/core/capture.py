@@ -281,6 +281,7 @@ class Capture:
 
     # A new call's checks, seq, claim and end (`core/admission.py`).
     check_admission = admission.check_admission
+    check_rollout_inflight = admission.check_rollout_inflight
     _check_quotas = admission.check_quotas
     begin_call = admission.begin_call
     begin_call_offloaded = admission.begin_call_offloaded

@@ -68,19 +68,22 @@ OFFLOAD_BYTES = 1 << 20
 
 
 def decode_and_normalize(
-    raw: bytes | Mapping[str, Any], config: ExchangeConfig
+    raw: bytes | Mapping[str, Any], config: ExchangeConfig, *, items_counted: bool = False
 ) -> NormalizedRequest:
     """The one JSON decode of a body, then normalization and strict validation, as the
     `ProxyError` a client gets (`RequestValidationError` stays its cause).
 
     The whole body's values, then its free-form values, are bounded on the raw body first: a
     hostile body is refused before the decode builds ~30 bytes of Python per byte of it.
+    `items_counted`: the caller counted the body's values against ``max_json_items`` as it
+    arrived (`capture_proxy.schemas.request.count_body_items`), so they are not counted again.
     """
     free_json = config.free_json
     try:
         if isinstance(raw, bytes | bytearray):
             body = bytes(raw)
-            check_body_items(body, config.max_json_items)
+            if not items_counted:
+                check_body_items(body, config.max_json_items)
             is_json = check_free_json_limits(body, free_json)
             if not is_json and len(raw) > OFFLOAD_BYTES:
                 # orjson would build objects up to the first error: refuse a large body outright.
@@ -130,11 +133,14 @@ class Exchange:
 
     # -- prepare -----------------------------------------------------------------------------
 
-    async def prepare(self, body: bytes | Mapping[str, Any]) -> None:
+    async def prepare(
+        self, body: bytes | Mapping[str, Any], *, items_counted: bool = False
+    ) -> None:
         """Decode, normalize, validate, apply the policy, admit and plan the call.
 
         Raises the `ProxyError` the client gets; a refusal is in the rollout's ledger as
-        ``rejected`` (except 409: a sealed rollout's ledger is closed).
+        ``rejected`` (except 409: a sealed rollout's ledger is closed). `items_counted`: see
+        `decode_and_normalize`.
         """
         capture = self.capture
         try:
@@ -144,9 +150,11 @@ class Exchange:
             if large:
                 # Worker threads decode large bodies side by side: they take turns by size.
                 async with self.pipeline.decode_budget.hold(size):
-                    normalized = await asyncio.to_thread(decode_and_normalize, body, config)
+                    normalized = await asyncio.to_thread(
+                        decode_and_normalize, body, config, items_counted=items_counted
+                    )
             else:
-                normalized = decode_and_normalize(body, config)
+                normalized = decode_and_normalize(body, config, items_counted=items_counted)
             # Decoded: the raw bytes go (a caller that hands them over keeps no reference:
             # ``server.chat``), so a large body is not held twice while the call is planned,
             # forwarded and answered.

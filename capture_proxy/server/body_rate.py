@@ -6,10 +6,10 @@ turns out to hold: three sandboxes sending 62 MiB bodies back to back kept the l
 them, and every other sandbox's calls waited. An agent sends one call at a time, seconds apart,
 so even an image session resending every image sends a few MiB a second; a token bucket per
 rollout, checked from ``Content-Length`` before a byte of the body is read, leaves it alone and
-refuses the flood with 429 and ``Retry-After``. A refused body over 8 MiB is not read at all (the
-connection is closed after the answer, which the client may see as a reset before it reads the
-429; aiohttp would otherwise read the body to discard it). A body without a length is charged
-once read.
+refuses the flood with 429 and ``Retry-After``. A refused body over 8 MiB is not received at all:
+reading stops, and the connection closes a second after the answer (``server.chat._unread_rest``;
+aiohttp would otherwise read the body to discard it). A body without a length is charged once
+read.
 """
 
 from __future__ import annotations

@@ -27,8 +27,10 @@ from ..errors import (
     UpstreamFailed,
 )
 from ..schemas.records import CallStatus
+from ..schemas.request import count_body_items, too_many_body_items
 from .identity import resolve_rollout_id
 from .state import STATE, ProxyState
+from .validation import answer_for
 
 __all__ = ["capture_headers", "chat_completions", "sse_error"]
 
@@ -46,10 +48,14 @@ def sse_error(message: str, code: str, type: str = "upstream_error") -> bytes:
     return b"data: " + orjson.dumps(error) + b"\n\n"
 
 
-async def _read_body(request: web.Request, limit: int, within: float) -> bytes:
-    """The request's body, refused over `limit` bytes (413) or when it takes longer than
-    `within` seconds to arrive (408, ``--client-body-timeout``: a client trickling its body
-    must not hold a connection and a call forever)."""
+async def _read_body(request: web.Request, limit: int, within: float, max_items: int) -> bytes:
+    """The request's body, refused over `limit` bytes (413), over `max_items` JSON values
+    (413 ``json_too_many_items``, counted as it arrives: `count_body_items`) or when it takes
+    longer than `within` seconds to arrive (408, ``--client-body-timeout``: a client trickling
+    its body must not hold a connection and a call forever).
+
+    A body refused part-way is not received further: its connection is closed once the answer
+    is written (`_unread_rest`)."""
     length = request.content_length
     if length is not None and length > limit:
         # Refused from the header, before a byte of the body is read.
@@ -63,19 +69,33 @@ async def _read_body(request: web.Request, limit: int, within: float) -> bytes:
     # py-spy beside bench/bench_big_body.py): three at once stalled every other call.
     chunks: list[bytes] = []
     size = 0
+    items = 0
     try:
         async with asyncio.timeout(within):
             async for chunk in request.content.iter_any():
                 size += len(chunk)
                 if size > limit:
-                    raise PayloadTooLarge(
-                        f"request body is over the limit of {limit} bytes", code="body_too_large"
+                    raise _unread_rest(
+                        request,
+                        PayloadTooLarge(
+                            f"request body is over the limit of {limit} bytes",
+                            code="body_too_large",
+                        ),
                     )
+                # ~2 ns a byte: a body of 22 million `{}` is refused after its first 800 KB,
+                # where reading it whole and counting it after cost ~120 ms of the proxy's CPU
+                # (bench/bench_hostile_cost.py).
+                items += count_body_items(chunk)
+                if items > max_items:
+                    raise _unread_rest(request, answer_for(too_many_body_items(max_items)))
                 chunks.append(chunk)
     except TimeoutError as e:
-        raise RequestTimeout(
-            f"the request body did not arrive within {within:g}s (--client-body-timeout)",
-            code="body_timeout",
+        raise _unread_rest(
+            request,
+            RequestTimeout(
+                f"the request body did not arrive within {within:g}s (--client-body-timeout)",
+                code="body_timeout",
+            ),
         ) from e
     if len(chunks) == 1:
         return chunks[0]
@@ -84,10 +104,29 @@ async def _read_body(request: web.Request, limit: int, within: float) -> bytes:
     return b"".join(chunks)
 
 
+def _unread_rest(request: web.Request, err: ProxyError) -> ProxyError:
+    """`err`, for a refused body not received whole: no more of it is received, and the
+    connection is closed after the answer (said in ``Connection: close``).
+
+    Left to itself, aiohttp would receive the rest and parse it to discard it (~1.6 ms of the
+    proxy's CPU per MiB): most of what a huge body cost. Instead reading stops (the kernel's
+    flow control holds the client back) and aiohttp closes the connection a second after the
+    answer (``server.run``'s lingering time). A client that reads while it sends, or whose
+    body's rest fits the socket buffers, reads the answer; one that sends a large rest before
+    reading sees the connection close, as it would at a body limit anywhere."""
+    request.protocol.close()  # what still arrives is dropped unparsed
+    transport = request.transport
+    if transport is not None:
+        transport.pause_reading()
+    err.headers["Connection"] = "close"
+    return err
+
+
 #: Refusals after which the client's connection is closed (see `chat_completions`).
 _CLOSE_AFTER = frozenset({"too_many_inflight_rollout", "rollout_over_fair_share"})
 
-#: A body refused before it is read is read anyway (to keep the connection) up to this size.
+#: A body refused before it is read is read anyway (to keep the connection) up to this size;
+#: a larger one is not received (`_unread_rest`).
 _UNREAD_CLOSE_BYTES = 8 << 20
 
 #: Bodies joined from their chunks on a worker thread above this size (the copy, and the first
@@ -101,17 +140,18 @@ def _check_body_rate(request: web.Request, state: ProxyState, rollout_id: str) -
     wait = state.body_rate.take(rollout_id, length) if length is not None else None
     if wait is None:
         return
-    if length is not None and length > _UNREAD_CLOSE_BYTES:
-        # Closed after the answer, the body unread: aiohttp would otherwise read it to discard
-        # it (~100 ms of the loop for 62 MiB). The client may see the close before the answer.
-        request.protocol.force_close()
-    raise TooManyRequests(
+    err = TooManyRequests(
         f"rollout {rollout_id} is sending request bodies faster than "
         f"{state.body_rate.rate / 2**20:g} MiB/s (--max-rollout-body-rate): this body of "
         f"{length} bytes fits in {wait} s",
         code="rollout_body_rate",
         headers={"Retry-After": str(wait)},
     )
+    if length is not None and length > _UNREAD_CLOSE_BYTES:
+        # Not received to be discarded (aiohttp would parse all of it to keep the connection):
+        # answered, and the connection closed.
+        raise _unread_rest(request, err)
+    raise err
 
 
 def _check_json(request: web.Request) -> None:
@@ -143,9 +183,16 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                 # Before the body is read: a call waiting its turn holds its connection only.
                 await state.fair_share.turn(rollout_id)
                 turned = True
+                live = state.capture.rollouts.get(rollout_id)
+                if live is not None:  # as admission would refuse it, without its body
+                    state.capture.check_rollout_inflight(live)
                 _check_body_rate(request, state, rollout_id)
+                settings = state.settings
                 body = await _read_body(
-                    request, state.settings.max_body_bytes, state.settings.client_body_timeout
+                    request,
+                    settings.max_body_bytes,
+                    settings.client_body_timeout,
+                    settings.max_json_items,
                 )
                 if request.content_length is None:
                     state.body_rate.charge(rollout_id, len(body))
@@ -154,22 +201,20 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                 raise
             # The exchange owns the raw body from here and lets it go once decoded: an image
             # session's body is tens of MiB, held otherwise until the answer is relayed.
-            preparing = exchange.prepare(body)
+            preparing = exchange.prepare(body, items_counted=True)
             del body
             await preparing
         except ProxyError as e:
             if exchange.outcome is not None:
                 e.headers.update(capture_headers(exchange.outcome.call_id, CallStatus.REJECTED))
             if e.code in _CLOSE_AFTER:
-                if (request.content_length or 0) > _UNREAD_CLOSE_BYTES:
-                    request.protocol.force_close()  # not read to be discarded (`_check_body_rate`)
                 # A sandbox over its rollout's in-flight limit is sending calls faster than
                 # they are answered (an agent makes one at a time): its next call comes on a new
                 # connection, which its address's rate (--max-connection-rate-per-address)
                 # judges at accept, before a byte of it is parsed. Keep-alive would let it
                 # send without end on the connections it holds, each call parsed and refused.
-                request.protocol.close()  # once this answer is written
-                e.headers["Connection"] = "close"  # said, so the client does not reuse it
+                # Its body, unread, is dropped as it arrives (`_unread_rest`).
+                _unread_rest(request, e)
             raise
         try:
             upstream_error = await exchange.send()

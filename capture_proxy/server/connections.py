@@ -51,6 +51,8 @@ _LINGER_S = 1.0
 #: Refused connections kept lingering at once; beyond it they are closed at once (a flood).
 #: ``server.run`` keeps descriptors for them.
 MAX_LINGERING = 16
+#: Seconds between two log lines of one kind of refused connection (see `_log_refusal`).
+_LOG_EVERY_S = 10.0
 #: Addresses whose connection buckets are remembered; the least recently seen are forgotten past
 #: it (a forgotten address starts with a full bucket: one burst more at most).
 _RATE_REMEMBERED = 65_536
@@ -108,6 +110,9 @@ class ConnectionGate:
             f"this address opens new connections faster than {rate_per_address:g} a second "
             "(--max-connection-rate-per-address): keep connections open, or retry"
         )
+        #: Per kind of refusal (its log message): [when its last line was logged, refusals
+        #: since not logged, the limit the message names].
+        self._log_windows: dict[str, list[float]] = {}
         #: Per address: (new connections it may still open, when that was reckoned).
         self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()
         #: Connections not yet proven (see the module docs), by the transport they came on.
@@ -160,6 +165,43 @@ class ConnectionGate:
             self._per_address[address] = left
         else:
             del self._per_address[address]
+
+    def _log_refusal(self, why: str, limit: float) -> None:
+        """One line per kind of refusal per `_LOG_EVERY_S`, the refusals between counted in the
+        next (or in `flush_log`). Logging every one cost 10-20 µs (a record, the caller's
+        frame, the log's lock), a third of a refusal's cost at accept, though the log's repeat
+        filter then dropped all but a few."""
+        now = time.monotonic()
+        window = self._log_windows.get(why)
+        if window is not None and now - window[0] < _LOG_EVERY_S:
+            window[1] += 1
+            return
+        held = int(window[1]) if window is not None else 0
+        self._log_windows[why] = [now, 0, limit]
+        if held:
+            log.warning(
+                "refused a client connection: " + why + " [%d more like this not logged]",
+                limit,
+                held,
+            )
+        else:
+            log.warning("refused a client connection: " + why, limit)
+
+    def flush_log(self, *, all_windows: bool = False) -> None:
+        """Log how many refusals of each kind went unlogged in an interval that has ended (in
+        every one with `all_windows`, as at exit): a storm that stops is still counted.
+        ``capture-proxy serve`` calls it with the log's own flush."""
+        now = time.monotonic()
+        for why, window in self._log_windows.items():
+            logged_at, held, limit = window
+            if held and (all_windows or now - logged_at >= _LOG_EVERY_S):
+                log.warning(
+                    "%d more like this not logged in %.0fs: refused a client connection: " + why,
+                    held,
+                    now - logged_at,
+                    limit,
+                )
+                window[:] = [now, 0, limit]
 
     def stats(self) -> dict[str, float]:
         return {
@@ -224,14 +266,12 @@ class _Gated(asyncio.Protocol):
         gate = self._gate
         gate.refused += 1
         self._refused = True
-        # One line per kind per interval: the log's repeat filter (capture_proxy.logs) folds a
-        # flood of refusals into a count.
         limit: float = gate.per_address
         if answer is gate.refusal:
             limit = gate.limit
         elif answer is gate.rate_refusal:
             limit = gate.rate_per_address
-        log.warning("refused a client connection: " + why, limit)
+        gate._log_refusal(why, limit)
         transport.write(answer)
         if gate.lingering >= MAX_LINGERING or not transport.can_write_eof():
             transport.close()

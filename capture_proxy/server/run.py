@@ -38,6 +38,9 @@ log = logging.getLogger("capture_proxy")
 #: connections accepted in one go before any is refused (asyncio accepts up to the listen
 #: backlog, 128, per wake-up); refused connections kept open while their 503 is read (16).
 _RESERVED_FDS = 64 + 128 + MAX_LINGERING
+#: Seconds a connection is kept after an answer while its request body is still coming: aiohttp
+#: waits 10 s by default, and refused bodies of a flood held that many connections open.
+_LINGER_S = 1.0
 #: Connections the control API's port takes at once (rollout drivers, not sandboxes).
 _ADMIN_CONNECTIONS = 256
 
@@ -93,12 +96,17 @@ def _runner(app: web.Application, settings: Settings) -> web.AppRunner:
     # connection that has not sent a whole head this long after it opened or after its last
     # answer (partial heads included). Handlers run with cancellation, so a client that goes
     # away stops its call.
+    # aiohttp keeps a connection whose request body a handler left unread until the rest of
+    # it arrives, for up to `lingering_time`: a refused body it can keep the connection for is
+    # read and parsed to be discarded, and one the chat route cut (`server.chat._unread_rest`)
+    # waits this long for its client to read the answer and close, then is closed.
     return web.AppRunner(
         app,
         handler_cancellation=True,
         access_log=None,
         keepalive_timeout=settings.client_header_timeout,
         shutdown_timeout=settings.shutdown_timeout,
+        lingering_time=_LINGER_S,
     )
 
 
@@ -167,10 +175,12 @@ async def listen(
     return listening
 
 
-async def _flush_logs_repeatedly() -> None:
-    """Storms of one kind of warning are logged as counts (capture_proxy.logs.RepeatFilter)."""
+async def _flush_logs_repeatedly(gate: ConnectionGate) -> None:
+    """Storms of one kind of warning are logged as counts (capture_proxy.logs.RepeatFilter, and
+    the connection gate's own for refused connections)."""
     while True:
         await asyncio.sleep(10.0)
+        gate.flush_log()
         flush_repeats()
 
 
@@ -214,7 +224,7 @@ async def serve(settings: Settings) -> int:
         print(f"  control API on {listening.admin_url}/admin", file=sys.stderr, flush=True)
     else:
         print(f"  control API on {state.listen_url}/admin", file=sys.stderr, flush=True)
-    flusher = asyncio.create_task(_flush_logs_repeatedly())
+    flusher = asyncio.create_task(_flush_logs_repeatedly(listening.gate))
     heap_trim = HeapTrim(settings.malloc_trim_interval)
     state.metrics.add_live(heap_trim.stats)
     trimmer = asyncio.create_task(heap_trim.run())
@@ -225,5 +235,6 @@ async def serve(settings: Settings) -> int:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+    listening.gate.flush_log(all_windows=True)
     flush_repeats(all_windows=True)
     return 1 if state.capture.ledger.unsaved or state.store_incomplete else 0

@@ -19,6 +19,8 @@ from ._limits import (
     FreeJsonLimits,
     check_body_items,
     check_free_json_limits,
+    count_body_items,
+    too_many_body_items,
 )
 from ._messages import (
     ImagePart,
@@ -66,7 +68,9 @@ __all__ = [
     "check_body_items",
     "check_capturable",
     "check_free_json_limits",
+    "count_body_items",
     "json_type_name",
     "not_an_object",
+    "too_many_body_items",
     "validate_request",
 ]

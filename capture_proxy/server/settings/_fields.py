@@ -153,9 +153,9 @@ class Settings:
     )
     max_json_items: int = _s(
         262_144,
-        "commas, brackets and braces a request body may hold, counted before it is decoded "
-        "(strings included): what the body decodes into stays under its size + 32 MiB; 413 "
-        "above it",
+        "commas, brackets and braces a request body may hold, counted as it arrives, before "
+        "it is decoded (strings included): what the body decodes into stays under its size + "
+        "32 MiB; 413 the moment a body passes it, the rest of the body not received",
     )
     max_decoding_bytes: int = _s(
         192 * 2**20,
