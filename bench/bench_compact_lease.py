@@ -39,15 +39,13 @@ from typing import Any
 
 os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
 
-import obstore
-import orjson
 from obstore.store import S3Store
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench_object_store_scale import _client
+from bench_object_store_scale import _client, put_files
+from bench_restart import compact_once
 
 from capture_proxy.sinks.parquet._fs import DatasetFS
-from capture_proxy.sinks.parquet._lease import LEASE
 from capture_proxy.sinks.parquet._sink import ParquetSink
 from tests.support.s3 import MotoS3
 from tests.support.sink_factories import Session
@@ -55,7 +53,6 @@ from tests.support.sink_factories import Session
 ROOT = Path(__file__).resolve().parents[1]
 BUCKET = "lease"
 SESSIONS = 8
-UPLOADS = 64
 
 
 async def build(folder: Path, units: int) -> None:
@@ -77,26 +74,7 @@ def upload(local: Path, store: S3Store) -> int:
         for p in local.rglob("*")
         if p.is_file() and not p.name.endswith(".lock")
     ]
-
-    async def put_all() -> None:
-        gate = asyncio.Semaphore(UPLOADS)
-
-        async def one(rel: str) -> None:
-            async with gate:
-                await obstore.put_async(store, rel, (local / rel).read_bytes())
-
-        await asyncio.gather(*(one(rel) for rel in rels))
-
-    asyncio.run(put_all())
-    return len(rels)
-
-
-def _lease_held(lease: S3Store) -> bool:
-    try:
-        body = orjson.loads(bytes(obstore.get(lease, LEASE).bytes()))
-    except FileNotFoundError:
-        return False
-    return not body.get("released", True)
+    return put_files(local, rels, store)
 
 
 async def stage_meanwhile(url: str, stop: asyncio.Event) -> int:
@@ -120,37 +98,11 @@ async def compact(tree: Path, url: str, lease: S3Store, load: bool) -> dict[str,
     stop = asyncio.Event()
     writer = asyncio.create_task(stage_meanwhile(url, stop)) if load else None
     try:
-        run = await _compact(tree, url, lease)
+        run = await compact_once(url, lease, tree=tree, grace_0=True)
     finally:
         stop.set()
     if writer is not None:
         run["staged meanwhile"] = await writer
-    return run
-
-
-async def _compact(tree: Path, url: str, lease: S3Store) -> dict[str, Any]:
-    python = tree / ".venv" / "bin" / "python"
-    argv = [str(python), "-m", "capture_proxy", "compact", url, "--json", "--grace", "0s"]
-    t = time.monotonic()
-    proc = await asyncio.create_subprocess_exec(
-        *argv, cwd=tree, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
-    )
-    done = asyncio.create_task(proc.communicate())
-    held: list[float] = []
-    while not done.done():
-        if await asyncio.to_thread(_lease_held, lease):
-            held.append(time.monotonic())
-        await asyncio.wait({done}, timeout=0.1)
-    out, err = done.result()
-    run: dict[str, Any] = {"s": round(time.monotonic() - t, 2)}
-    run["lease s (polled)"] = round(held[-1] - held[0], 2) if held else 0.0
-    if proc.returncode != 0:
-        run["error"] = err.decode()[-300:]
-        return run
-    summary = json.loads(out.decode().strip().splitlines()[-1])
-    run["lease s (reported)"] = summary.get("lease_held_s")
-    for key in ("units_before", "units_after", "deleted_files"):
-        run[key] = summary[key]
     return run
 
 

@@ -144,6 +144,11 @@ def upload(local: Path, store: S3Store) -> int:
     rels = [f"{COMMITS_DIR}/{n}.json" for n in list_markers(dfs)]  # every name: retired too
     rels += [rel for m in loaded.live() for rel in m.files.values()]
     rels += ["_format.json", "_checkpoint/live.json"]
+    return put_files(local, rels, store)
+
+
+def put_files(local: Path, rels: list[str], store: S3Store) -> int:
+    """The files `rels` (relative to `local`) to `store`, `UPLOADS` at a time; how many."""
 
     async def put_all() -> None:
         gate = asyncio.Semaphore(UPLOADS)

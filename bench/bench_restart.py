@@ -210,13 +210,18 @@ def _lease_held(lease: S3Store) -> bool:
     return not body.get("released", True)
 
 
-async def compact_once(store: str, lease: S3Store, at: float = 0.0) -> dict[str, Any]:
-    """One ``capture-proxy compact --json`` run: its seconds, the seconds the lease was seen
-    held meanwhile (polled every 0.1 s), its summary."""
-    argv = [sys.executable, "-m", "capture_proxy", "compact", store, "--json"]
+async def compact_once(
+    store: str, lease: S3Store, at: float = 0.0, *, tree: Path | None = None, grace_0: bool = False
+) -> dict[str, Any]:
+    """One ``capture-proxy compact --json`` run (of checkout `tree`, else this one; with
+    `grace_0`, ``--grace 0s``): its seconds, the seconds the lease was seen held meanwhile
+    (polled every 0.1 s), its summary (with the lease it reports holding, if it does)."""
+    python = sys.executable if tree is None else str(tree / ".venv" / "bin" / "python")
+    argv = [python, "-m", "capture_proxy", "compact", store, "--json"]
+    argv += ["--grace", "0s"] if grace_0 else []
     t = time.monotonic()
     proc = await asyncio.create_subprocess_exec(
-        *argv, cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+        *argv, cwd=tree or ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
     )
     done = asyncio.create_task(proc.communicate())
     held: list[float] = []
@@ -232,6 +237,7 @@ async def compact_once(store: str, lease: S3Store, at: float = 0.0) -> dict[str,
         summary = json.loads(out.decode().strip().splitlines()[-1])
         keep = ("units_before", "units_after", "deleted_files")
         run.update({k: summary[k] for k in keep})
+        run["lease s (reported)"] = summary.get("lease_held_s")
     else:
         run["error"] = err.decode()[-300:]
     return run

@@ -25,7 +25,7 @@ from capture_proxy.sinks.parquet._gc import gc_parquet
 from capture_proxy.sinks.parquet._layout import COMMIT_MARGIN_S, Marker, list_markers
 from tests.support.s3 import MotoS3
 from tests.support.sealing import put_sealed
-from tests.support.sink_factories import Session
+from tests.support.sink_factories import Session, stage_parquet
 
 DAY_MS = 86_400_000
 #: How far in the past `_age` moves units: well before any horizon written now.
@@ -34,18 +34,8 @@ _AGO_NS = 3600 * 10**9
 
 async def _stage(url: str, rollouts: list[str], calls: int) -> list[str]:
     """`calls` records in each rollout, one unit each; the staged call ids."""
-    sink = ParquetSink(url, writer_id="w")
-    ids = []
-    try:
-        for r in rollouts:
-            session = Session(r)
-            for _ in range(calls):
-                record, atts = session.next()
-                await sink.stage(record, attachments=atts)
-                ids.append(record.call_id)
-    finally:
-        await sink.close()
-    return ids
+    staged = await stage_parquet(url, [Session(r) for r in rollouts], calls)
+    return [record.call_id for record in staged]
 
 
 def _age(url: str) -> None:

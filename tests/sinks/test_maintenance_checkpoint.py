@@ -25,7 +25,7 @@ from capture_proxy.sinks.parquet._gc import load_markers, replace_units
 from capture_proxy.sinks.parquet._layout import list_markers, live_units
 from capture_proxy.sinks.parquet._lease import LEASE
 from tests.support.s3 import MotoS3
-from tests.support.sink_factories import Session
+from tests.support.sink_factories import Session, stage_parquet
 
 #: One answered request in moto's log: method, path (with its query).
 _REQUEST = re.compile(r'"(GET|PUT|POST|HEAD|DELETE) (\S+) HTTP')
@@ -33,15 +33,7 @@ _REQUEST = re.compile(r'"(GET|PUT|POST|HEAD|DELETE) (\S+) HTTP')
 
 async def _stage(url: str, rollouts: list[str], calls: int) -> None:
     """`calls` records in each rollout, one unit each, every rollout's events included."""
-    sink = ParquetSink(url, writer_id="w")
-    try:
-        for r in rollouts:
-            session = Session(r)
-            for _ in range(calls):
-                record, atts = session.next()
-                await sink.stage(record, attachments=atts)
-    finally:
-        await sink.close()
+    await stage_parquet(url, [Session(r) for r in rollouts], calls)
 
 
 def _requests(moto: MotoS3, since: int) -> list[tuple[str, str]]:

@@ -32,7 +32,7 @@ from capture_proxy.sinks.parquet._layout import TABLES
 from capture_proxy.sinks.parquet._lease import LEASE, NEXT
 from tests.support.s3 import MotoS3
 from tests.support.sealing import put_sealed
-from tests.support.sink_factories import Session
+from tests.support.sink_factories import Session, stage_parquet
 
 DAY_MS = 86_400_000
 
@@ -48,15 +48,7 @@ def url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
 
 async def _stage(url: str, rollouts: list[str], calls: int) -> None:
     """`calls` records in each rollout, one unit each."""
-    sink = ParquetSink(url, writer_id="w")
-    try:
-        for r in rollouts:
-            session = Session(r)
-            for _ in range(calls):
-                record, atts = session.next()
-                await sink.stage(record, attachments=atts)
-    finally:
-        await sink.close()
+    await stage_parquet(url, [Session(r) for r in rollouts], calls)
 
 
 def _compact(url: str, progress: Progress | None = None) -> CompactStats:

@@ -13,7 +13,7 @@ from capture_proxy.schemas.records import RolloutInfo, RolloutState
 from capture_proxy.sinks.parquet import ParquetSink, ParquetSource
 from capture_proxy.sinks.registry import compact_store, gc_store
 from tests.support.s3 import MotoS3
-from tests.support.sink_factories import Session, image
+from tests.support.sink_factories import Session, image, stage_parquet
 
 #: A request for a data file in moto's log: its method and key.
 _DATA_FILE = re.compile(
@@ -23,15 +23,7 @@ _DATA_FILE = re.compile(
 
 async def _stage(url: str, rollouts: list[str], calls: int) -> None:
     """`calls` records (each with an image) in each rollout, one unit each."""
-    sink = ParquetSink(url, writer_id="w")
-    try:
-        for r in rollouts:
-            session = Session(r, image=image(r))
-            for _ in range(calls):
-                record, atts = session.next()
-                await sink.stage(record, attachments=atts)
-    finally:
-        await sink.close()
+    await stage_parquet(url, [Session(r, image=image(r)) for r in rollouts], calls)
 
 
 def _log_size(moto: MotoS3) -> int:

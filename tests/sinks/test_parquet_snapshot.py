@@ -9,26 +9,16 @@ import time
 from pathlib import Path
 
 from capture_proxy.read.reader import Store
-from capture_proxy.sinks.parquet import ParquetSink, ParquetSource
+from capture_proxy.sinks.parquet import ParquetSource
 from capture_proxy.sinks.registry import compact_store
 from tests.support.s3 import MotoS3
-from tests.support.sink_factories import Session
+from tests.support.sink_factories import Session, stage_parquet
 
 
 async def _stage(url: str, rollouts: int, calls: int) -> list[str]:
     """`calls` records in each of `rollouts` rollouts, one unit each; their keys."""
-    sink = ParquetSink(url, writer_id="w")
-    keys = []
-    try:
-        for r in range(rollouts):
-            session = Session(f"r{r}", seed=r)
-            for _ in range(calls):
-                record, atts = session.next()
-                await sink.stage(record, attachments=atts)
-                keys.append(record.staging_key)
-    finally:
-        await sink.close()
-    return keys
+    sessions = [Session(f"r{r}", seed=r) for r in range(rollouts)]
+    return [record.staging_key for record in await stage_parquet(url, sessions, calls)]
 
 
 def _lists(moto: MotoS3) -> int:

@@ -195,6 +195,24 @@ class Session:
 # -- sinks ------------------------------------------------------------------------------------
 
 
+async def stage_parquet(url: str, sessions: list[Session], calls: int) -> list[StagedCallRecord]:
+    """`calls` records of each session, in turn, through one Parquet writer (``writer_id``
+    "w") that stages them one at a time (so one unit each) and is then closed; the records."""
+    from capture_proxy.sinks.parquet import ParquetSink
+
+    sink = ParquetSink(url, writer_id="w")
+    staged = []
+    try:
+        for session in sessions:
+            for _ in range(calls):
+                record, atts = session.next()
+                await sink.stage(record, attachments=atts)
+                staged.append(record)
+    finally:
+        await sink.close()
+    return staged
+
+
 class SinkCase(Protocol):
     @property
     def sink(self) -> StagingSink:
