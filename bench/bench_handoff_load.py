@@ -10,8 +10,9 @@ sandboxes run at once, `--calls` calls each, and each moves to the next proxy ev
 calls (a hand-off; it comes back to a proxy that still holds its old state: a hand-back).
 Reported: the calls' answers (``X-Capture-Status`` and the reasons of those not staged), how
 many rollouts a trainer finds poisoned or with seqs that are not 0..n-1, the calls' latency,
-and, per proxy writer, the time its writer thread spent reading the store for rollouts it did
-not hold (``resolve_*``: every call queued behind it waits as long).
+and the time the writer threads spent in `ParquetSink._resolve` for rollouts they did not hold
+(``resolve_*``: every call queued behind it waits as long; ``writer_thread_resolves``: how many
+of those read the store there, the sinks' ``writer_thread_resolves_total``, -1 before it existed).
 
 One run on a shared machine: compare runs with the same arguments, not absolute numbers.
 """
@@ -119,6 +120,11 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
             )
             wall = time.perf_counter() - started
             metrics = [await (await p.client.get("/metrics")).text() for p in proxies]
+            in_writer = sum(
+                p.sink.stats().get("writer_thread_resolves_total", -1)
+                for p in proxies
+                if isinstance(p.sink, ParquetSink)
+            )
         finally:
             for p in proxies:
                 await stop_proxy(p)
@@ -131,7 +137,9 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
                     reasons[f"{f.status} {f.reason}"] += 1
                 status = store.status(rollout)
                 poisoned += bool(status.poisoned)
-                seqs = [c.seq for c in store.calls(rollout, include_open=True, include_poisoned=True)]
+                seqs = [
+                    c.seq for c in store.calls(rollout, include_open=True, include_poisoned=True)
+                ]
                 gaps += seqs != list(range(len(seqs)))
         MotoS3.restore_env(old)
     flat = sorted(t for ts in took for t in ts)
@@ -157,6 +165,13 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         "call_p50_ms": round(1000 * statistics.median(flat), 1),
         "call_p99_ms": round(1000 * flat[int(0.99 * (len(flat) - 1))], 1),
         "call_max_ms": round(1000 * flat[-1], 1),
+        "resume_timeouts": sum(
+            float(line.split()[-1])
+            for m in metrics
+            for line in m.splitlines()
+            if line.startswith("capture_proxy_rollout_resume_timeouts_total")
+        ),
+        "writer_thread_resolves": in_writer,
         "resolves_on": sorted({name.split()[0] for name in _RESOLVES}),
         "resolves": len(resolves),
         "resolve_total_s": round(sum(resolves), 2),

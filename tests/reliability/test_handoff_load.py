@@ -56,7 +56,9 @@ class Sandbox:
             await asyncio.sleep(0.2)
         assert resp.status == 200, body
         self.statuses.append(resp.headers["X-Capture-Status"])
-        self.messages.append({"role": "assistant", "content": body["choices"][0]["message"]["content"]})
+        self.messages.append(
+            {"role": "assistant", "content": body["choices"][0]["message"]["content"]}
+        )
 
 
 def _slow_hand_off(request: dict[str, Any]) -> Turn:
@@ -155,3 +157,52 @@ async def test_a_hand_off_to_a_busy_proxy_holds_up_no_call_and_poisons_no_rollou
             answers = [m["content"] for m in sandbox.messages if m["role"] == "assistant"]
             assert [c.response["content"] for c in calls] == answers
             assert [c.parent_call_id for c in calls[1:]] == [c.call_id for c in calls[:-1]]
+
+
+async def test_a_hand_off_whose_store_reads_outlast_the_resume_bound_is_a_503_then_clean(
+    tmp_path: Path, store_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The moved rollout's reads (the resume and the writer's own, made together) wait for a
+    busy reader past ``--rollout-resume-timeout``: its call is refused with 503
+    ``rollout_resume_timeout``, logged and counted, before anything is sent upstream or any seq
+    taken; the retry is staged, and the rollout reads clean. The calls of the rollouts the
+    proxy holds go on meanwhile."""
+    a = await start_proxy(tmp_path / "a", sink=open_sink(store_url), store=store_url)
+    b = await start_proxy(
+        tmp_path / "b",
+        sink=open_sink(store_url),
+        store=store_url,
+        stage_timeout=STAGE_TIMEOUT,
+        rollout_resume_timeout=1.0,
+    )
+    moved, steady = Sandbox("moved"), Sandbox("steady")
+    try:
+        await steady.turn(b, "on b")
+        await moved.turn(a, "on a")
+        with _busy_reader(b, BUSY_S):
+            hand_off = asyncio.ensure_future(moved.turn(b, "moved in"))
+            for i in range(3):
+                await steady.turn(b, f"steady {i}")
+            await hand_off
+        metrics = await (await b.client.get("/metrics")).text()
+    finally:
+        await stop_proxy(a)
+        await stop_proxy(b)
+    assert moved.refusals
+    assert set(moved.refusals) == {"rollout_resume_timeout"}
+    assert "rollout moved: reading it from the store took over 1s" in caplog.text
+    timeouts = re.search(r"^capture_proxy_rollout_resume_timeouts_total (\S+)", metrics, re.M)
+    assert timeouts is not None
+    assert float(timeouts.group(1)) == len(moved.refusals)
+    assert _stage_timeouts(metrics) == 0
+    assert (moved.statuses, steady.statuses) == (["staged"] * 2, ["staged"] * 4)
+    # The refused calls never went upstream.
+    assert sum("moved in" in str(r["messages"][-1]) for r in b.fake.requests) == 1
+    with Store(open_source(store_url)) as store:
+        store.verify()
+        for sandbox in (moved, steady):
+            traj = store.trajectory(sandbox.rollout, include_open=True)
+            calls = store.calls(sandbox.rollout, include_open=True)
+            assert not traj.poisoned
+            assert traj.not_staged == []
+            assert [c.seq for c in calls] == list(range(len(sandbox.statuses)))
