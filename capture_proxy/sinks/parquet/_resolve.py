@@ -88,15 +88,16 @@ def read_rollout(
     last = last_claim(dfs, rollout_id)
     if last is None and not known:
         return Resolution(rollout_id, stamp, time.monotonic(), None, False, None, frozenset())
-    events = reader.events(rollout_id)
+    with reader.snapshot():  # one listing of the store for both reads (its lock held once)
+        events = reader.events(rollout_id)
+        staged = [e.call_id for e in events if e.call_id and e.kind == "staged"]
+        last_full = None
+        if staged:
+            try:
+                last_full = (staged[-1], reader.full(staged[-1], rollout_id))
+            except (KeyError, ValueError, OSError) as e:  # its child is stored whole
+                log.warning("%s: the last staged call is unreadable: %s", rollout_id, e)
     head = (events[-1].position, events[-1].hash) if events else None
-    staged = [e.call_id for e in events if e.call_id and e.kind == "staged"]
-    last_full = None
-    if staged:
-        try:
-            last_full = (staged[-1], reader.full(staged[-1], rollout_id))
-        except (KeyError, ValueError, OSError) as e:  # its child is stored whole
-            log.warning("%s: the last staged call is unreadable: %s", rollout_id, e)
     at = time.monotonic()
     return Resolution(rollout_id, stamp, at, last, True, head, frozenset(staged), last_full)
 
