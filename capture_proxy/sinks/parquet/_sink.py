@@ -627,14 +627,16 @@ class ParquetSink:
         parent: tuple[str, array[int]] | None = None,
     ) -> StageResult:
         key = record.staging_key
-        if key in batch.calls or key in self._keys(record.rollout_id).calls:
-            return StageResult.failed("duplicate_key", f"staging key {key} is already staged")
+        # The seq first: a record refused it needs nothing of its rollout (whose state, when
+        # another writer continued it, this writer has just dropped: `_refused`).
         holder = self._holders.holder(claim)
         if holder != key:
             self._refused(claim, holder)
             return StageResult.failed(
                 "duplicate_seq", str(DuplicateSeq(record.rollout_id, record.seq, holder))
             )
+        if key in batch.calls or key in self._keys(record.rollout_id).calls:
+            return StageResult.failed("duplicate_key", f"staging key {key} is already staged")
         checked = new_attachments(record, given, lambda sha: self._shared(batch, sha, given))
         if isinstance(checked, StageResult):
             return checked
