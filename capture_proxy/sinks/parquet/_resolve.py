@@ -3,19 +3,22 @@
 A writer touching a rollout it does not hold (new to it, handed over by another writer, or
 dropped after another writer's claim refused one of its seqs: a hand-back) reads the rollout's
 highest claim and, when the store has the rollout, its event chain (the head to continue, its
-staged calls). Read on the writer thread, every call queued behind it waited for that read, and
-for the writer's reader, whose lock resumes and the follower hold for seconds on a busy store:
-on moto, three proxies with sandboxes moved between them lost calls to ``stage_timeout`` (their
-rollouts poisoned) while their writer threads spent up to 10 s in one such read
-(docs/reports/handoffs.md).
+staged calls); a call whose parent another writer staged needs the parent's tokens too. Read on
+the writer thread, every call queued behind it waited for those reads, and for the writer's
+reader, whose lock resumes and the follower hold for seconds on a busy store: with the reader
+busy for 4 s at a hand-off, four other rollouts' calls and the moved call failed at a 2 s
+``--stage-timeout``, poisoning their rollouts (docs/reports/handoffs.md).
 
-So the read is made before the work is queued, off the writer thread (`read_rollout`, in a
-worker thread of the caller's coroutine), or ahead of the call by the proxy when it resumes the
-rollout (`ParquetSink.prepare_rollout`, within ``--rollout-resume-timeout``), and the writer
-thread only applies what was read (`ParquetSink._keys`). A read is applied only if it is still
-true for this writer: none of its own writes to the rollout can have happened since, which
-`Resolutions` checks by when the rollout last left the writer's memory; otherwise (rare) the
-writer thread reads the rollout itself, counted as ``writer_thread_resolves_total``.
+So the reads are made before the work is queued, off the writer thread, on threads of the
+writer's own (`ReadAhead.read`: the writes of one rollout queued before the first of them runs
+share one read), or ahead of the call by the proxy when it resumes the rollout
+(`ParquetSink.prepare_rollout`, within ``--rollout-resume-timeout``); the writer thread only
+applies what was read (`ParquetSink._resolve`). A read is applied only if it is still true for
+this writer: none of its own writes to the rollout can have happened since, which `ReadAhead`
+checks by when the rollout last left the writer's memory; otherwise (rare: a write queued while
+the rollout was held, run after it left) the writer thread reads the rollout itself, counted as
+``writer_thread_resolves_total``. A parent's tokens are read within `PARENT_READ_S`; past it
+the record is stored whole (exact, larger), never read on the writer thread.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import time
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +57,9 @@ PREPARED_MAX_AGE_S = 10.0
 #: writer has not got it (another writer staged the parent, or it left the writer's cache); past
 #: this, or if the read fails, the record is stored whole (exact, only larger).
 PARENT_READ_S = 2.0
+#: Threads a writer reads ahead with (their reads of the writer's reader take turns: more would
+#: only wait; the claim listings do not).
+_THREADS = 2
 #: Rollouts read ahead and not written yet, kept at most (the oldest go first).
 _PREPARED_KEPT = 1024
 
@@ -74,9 +81,6 @@ class Resolution:
     head: tuple[int, str] | None
     #: The calls staged in it (a duplicate staging key is refused).
     staged: frozenset[str]
-    #: The last staged call's id and full sequence (prompt + completion): the parent of the
-    #: rollout's next call, in the common case, which is then stored against it.
-    last_full: tuple[str, array[int]] | None = None
 
 
 def read_rollout(
@@ -88,18 +92,11 @@ def read_rollout(
     last = last_claim(dfs, rollout_id)
     if last is None and not known:
         return Resolution(rollout_id, stamp, time.monotonic(), None, False, None, frozenset())
-    with reader.snapshot():  # one listing of the store for both reads (its lock held once)
-        events = reader.events(rollout_id)
-        staged = [e.call_id for e in events if e.call_id and e.kind == "staged"]
-        last_full = None
-        if staged:
-            try:
-                last_full = (staged[-1], reader.full(staged[-1], rollout_id))
-            except (KeyError, ValueError, OSError) as e:  # its child is stored whole
-                log.warning("%s: the last staged call is unreadable: %s", rollout_id, e)
+    events = reader.events(rollout_id)
+    staged = [e.call_id for e in events if e.call_id and e.kind == "staged"]
     head = (events[-1].position, events[-1].hash) if events else None
     at = time.monotonic()
-    return Resolution(rollout_id, stamp, at, last, True, head, frozenset(staged), last_full)
+    return Resolution(rollout_id, stamp, at, last, True, head, frozenset(staged))
 
 
 class ReadAhead:
@@ -121,6 +118,9 @@ class ReadAhead:
         kept: int,
     ) -> None:
         self._fulls = fulls
+        # Threads of its own: reads waiting for a busy reader must not take the event loop's
+        # default workers (6 on 2 cores), which resumes and other blocking work share.
+        self._pool = ThreadPoolExecutor(_THREADS, "parquet-read-ahead")
         self._dfs = dfs
         self._reader = reader
         self._holds = holds
@@ -150,7 +150,11 @@ class ReadAhead:
         if self._dfs.local or self._holds(rollout_id):
             return None
         read = self._prepared.get(rollout_id)
-        if read is not None and time.monotonic() - read.at <= PREPARED_MAX_AGE_S:
+        if (
+            read is not None
+            and time.monotonic() - read.at <= PREPARED_MAX_AGE_S
+            and self._fresh(rollout_id, read)
+        ):
             return read
         return await self._shared(rollout_id)
 
@@ -159,7 +163,8 @@ class ReadAhead:
         (shielded: a caller that gives up, a resume past its bound, leaves it for the retry)."""
         reading = self._reading.get(rollout_id)
         if reading is None:
-            reading = asyncio.ensure_future(asyncio.to_thread(self._read, rollout_id))
+            loop = asyncio.get_running_loop()
+            reading = loop.run_in_executor(self._pool, self._read, rollout_id)
             self._reading[rollout_id] = reading
             reading.add_done_callback(functools.partial(self._done, rollout_id))
         return await asyncio.shield(reading)
@@ -173,19 +178,16 @@ class ReadAhead:
         while len(self._prepared) > _PREPARED_KEPT:
             self._prepared.popitem(last=False)
 
-    async def parent(
-        self, record: StagedCallRecord, read: Resolution | None
-    ) -> tuple[str, array[int]] | None:
-        """The record's parent's full sequence when the writer has not got it: from `read`
-        (the rollout's last staged call), else read from the store within `PARENT_READ_S`;
-        None otherwise (no parent, cached, a local folder, or not read in time: the writer
-        thread then stores the record whole, never reading the store for it)."""
+    async def parent(self, record: StagedCallRecord) -> tuple[str, array[int]] | None:
+        """The record's parent's full sequence when the writer has not got it (another writer
+        staged the parent: a hand-off), read from the store within `PARENT_READ_S`; None
+        otherwise (no parent, cached, a local folder, or not read in time: the writer thread
+        then stores the record whole, never reading the store for it)."""
         parent = record.parent_call_id
         if self._dfs.local or parent is None or parent in self._fulls:
             return None
-        if read is not None and read.last_full is not None and read.last_full[0] == parent:
-            return read.last_full
-        full = asyncio.to_thread(self._reader.full, parent, record.rollout_id)
+        loop = asyncio.get_running_loop()
+        full = loop.run_in_executor(self._pool, self._reader.full, parent, record.rollout_id)
         try:
             return parent, await asyncio.wait_for(full, PARENT_READ_S)
         except (TimeoutError, KeyError, ValueError, OSError) as e:
@@ -211,6 +213,15 @@ class ReadAhead:
 
         return run
 
+    def close(self) -> None:
+        """Stop its threads once the reads running end (`ParquetSink.close`)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _fresh(self, rollout_id: str, read: Resolution) -> bool:
+        # Read from the event loop too: a leave the writer records meanwhile is checked again
+        # on the writer thread, before the read is applied.
+        return read.stamp > max(self._left.get(rollout_id, -1), self._floor)
+
     def left(self, rollout_id: str) -> None:
         """`rollout_id` left the writer's memory: what was read of it before is stale."""
         self._left[rollout_id] = self.stamp
@@ -229,17 +240,10 @@ class ReadAhead:
         writer thread then reads the rollout itself (counted in `in_writer`)."""
         read = self.offered
         found = None
-        if (
-            read is not None
-            and read.rollout_id == rollout_id
-            and read.stamp > max(self._left.get(rollout_id, -1), self._floor)
-        ):
+        if read is not None and read.rollout_id == rollout_id and self._fresh(rollout_id, read):
             found = keys_from(read, writer_id, created_now, events=events, rollouts=self._rollouts)
         if found is None:
             self.in_writer += 1
-        elif read is not None and read.last_full is not None:
-            call_id, full = read.last_full
-            self._fulls.put(call_id, (rollout_id, full))
         return found
 
 

@@ -308,7 +308,7 @@ class ParquetSink:
         given = dict(attachments or {})
         claim = SeqClaim(record.rollout_id, record.seq, record.staging_key, record.created_at_ms)
         read = await self._ahead.read(record.rollout_id)
-        parent = await self._ahead.parent(record, read)
+        parent = await self._ahead.parent(record)
 
         def work(batch: UnitRows, part: UnitRows) -> StageResult:
             return self._stage_one(batch, part, record, given, claim, parent)
@@ -434,6 +434,7 @@ class ParquetSink:
         self._following.set()
         if self._follower is not None:
             await asyncio.to_thread(self._follower.join)
+        self._ahead.close()
         self._reader.close_reader()
         self._fulls.clear()
         self._lock.release()
