@@ -9,6 +9,12 @@ taken: there is no ledger entry to write). The read goes on: concurrent calls of
 and the retry, wait for the same read, and once it ends its rollout is held for them. A read
 that fails is a 503 ``rollout_resume_failed`` naming why, never a 500. Each is logged once per
 call and counted (``capture_proxy_rollout_resumes_total`` and its ``_timeouts``/``_failures``).
+
+A sink that reads a rollout it does not hold before writing it (`ReadsRolloutsAhead`: Parquet on
+object storage, where another proxy may have continued the rollout) makes that read here too,
+beside the resume and within the same bound: the call's claim and record then find the rollout
+read, and neither they nor the calls queued behind them wait for the store (a slow read is this
+503, never a ``stage_timeout`` poisoning the rollout).
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from ..errors import CaptureUnavailable
 from ..sinks.base import StagingSource
@@ -40,8 +46,11 @@ class Resumes:
         source: Callable[[], StagingSource],
         timeout: float,
         took: Callable[[str, RolloutLive | None], object],
+        prepare: Callable[[str], Awaitable[None]] | None = None,
     ) -> None:
         self.source = source
+        #: The sink's read of a rollout before writing it (`ReadsRolloutsAhead`), if it makes one.
+        self.prepare = prepare
         self.timeout = timeout
         self._took = took
         self._reads: dict[str, asyncio.Future[RolloutLive | None]] = {}
@@ -104,9 +113,24 @@ class Resumes:
     async def _run(self, rollout_id: str) -> RolloutLive | None:
         started = time.monotonic()
         try:
-            found = await asyncio.to_thread(resume_rollout, self.source, rollout_id)
+            found = await read_with_sink(self.source, rollout_id, self.prepare)
         finally:
             self._reads.pop(rollout_id, None)
             self.slowest_s = max(self.slowest_s, time.monotonic() - started)
         self._took(rollout_id, found)
         return found
+
+
+async def read_with_sink(
+    source: Callable[[], StagingSource],
+    rollout_id: str,
+    prepare: Callable[[str], Awaitable[None]] | None,
+    mine: frozenset[str] = frozenset(),
+) -> RolloutLive | None:
+    """`resume_rollout` in a worker thread, and at once the sink's own read of the rollout
+    (`prepare`, if any): both done, or the first error."""
+    read = asyncio.to_thread(resume_rollout, source, rollout_id, mine)
+    if prepare is None:
+        return await read
+    found, _ = await asyncio.gather(read, prepare(rollout_id))
+    return found

@@ -47,6 +47,7 @@ __all__ = [
     "FaultHook",
     "GcStats",
     "Progress",
+    "ReadsRolloutsAhead",
     "SinkWithSource",
     "StagingSink",
     "StagingSource",
@@ -301,4 +302,16 @@ class SinkWithSource(Protocol):
 
     def own_source(self) -> StagingSource:
         """The sink's reader on its store (the same object every time)."""
+        ...
+
+
+@runtime_checkable
+class ReadsRolloutsAhead(Protocol):
+    """A sink that reads a rollout it does not hold before writing it (`ParquetSink` on object
+    storage, where other proxies may have continued the rollout): the proxy has the read made as
+    it resumes the rollout, within ``--rollout-resume-timeout``, so the rollout's writes do not
+    wait for it (a slow read is then the resume's 503, not a staging timeout)."""
+
+    async def prepare_rollout(self, rollout_id: str) -> None:
+        """Read what the sink's next write of `rollout_id` needs from the store now."""
         ...
