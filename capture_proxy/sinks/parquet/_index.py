@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import sys
+import threading
 from array import array
 from bisect import bisect_right
 from collections import OrderedDict
@@ -486,47 +487,56 @@ class UnitIndex:
 
 
 class LRU(Generic[K, T]):
-    """Least-recently-used values, evicted once their total weight exceeds `budget`."""
+    """Least-recently-used values, evicted once their total weight exceeds `budget`.
+
+    Safe to share between threads (a reader's reads run at once): each method holds a lock of
+    its own for as long as it takes, never across a read of the store."""
 
     def __init__(self, budget: int, weigh: Callable[[T], int]) -> None:
         self.budget = budget
         self.weigh = weigh
         self.weight = 0
         self._items: OrderedDict[K, tuple[T, int]] = OrderedDict()
+        self._lock = threading.Lock()
 
     def __contains__(self, key: K) -> bool:
         return key in self._items
 
     def get(self, key: K) -> T | None:
-        item = self._items.get(key)
-        if item is None:
-            return None
-        self._items.move_to_end(key)
-        return item[0]
+        with self._lock:
+            item = self._items.get(key)
+            if item is None:
+                return None
+            self._items.move_to_end(key)
+            return item[0]
 
     def put(self, key: K, value: T) -> T:
-        old = self._items.pop(key, None)
-        if old is not None:
-            self.weight -= old[1]
         w = self.weigh(value)
-        self._items[key] = (value, w)
-        self.weight += w
-        # Always keep the newest entry, even alone over budget: its caller is about to use it.
-        while self.weight > self.budget and len(self._items) > 1:
-            _, (_, evicted) = self._items.popitem(last=False)
-            self.weight -= evicted
+        with self._lock:
+            old = self._items.pop(key, None)
+            if old is not None:
+                self.weight -= old[1]
+            self._items[key] = (value, w)
+            self.weight += w
+            # Always keep the newest entry, even alone over budget: its caller is about to use
+            # it.
+            while self.weight > self.budget and len(self._items) > 1:
+                _, (_, evicted) = self._items.popitem(last=False)
+                self.weight -= evicted
         return value
 
     def pop(self, key: K) -> T | None:
-        item = self._items.pop(key, None)
-        if item is None:
-            return None
-        self.weight -= item[1]
-        return item[0]
+        with self._lock:
+            item = self._items.pop(key, None)
+            if item is None:
+                return None
+            self.weight -= item[1]
+            return item[0]
 
     def __len__(self) -> int:
         return len(self._items)
 
     def clear(self) -> None:
-        self._items.clear()
-        self.weight = 0
+        with self._lock:
+            self._items.clear()
+            self.weight = 0
