@@ -23,6 +23,7 @@ it in ``tests/support/sink_factories.py`` and make ``tests/sinks/test_sink_confo
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -302,6 +303,18 @@ class SinkWithSource(Protocol):
 
     def own_source(self) -> StagingSource:
         """The sink's reader on its store (the same object every time)."""
+        ...
+
+
+@runtime_checkable
+class ReadsInSnapshots(Protocol):
+    """A source whose reads can share one listing of its store (`ParquetSource`: on object
+    storage a listing is a request per thousand units, and a read that asks for one of its own
+    waits for the reader's refresh under way). What reads one rollout (a resume) reads it
+    inside ``with source.snapshot():``."""
+
+    def snapshot(self, max_age_s: float = 0.0) -> AbstractContextManager[None]:
+        """Reads on this thread inside the block share the listing taken as it starts."""
         ...
 
 

@@ -7,8 +7,8 @@ moved call, fails at ``--stage-timeout`` (which would poison its rollout).
 
 The proxy's reader is made busy the way a store under load makes it (a follower's re-listing or
 a resume indexing other proxies' units held it for up to 6.7 s on moto,
-docs/reports/handoffs.md): a thread holds a read of it (`ParquetSource.snapshot`; its other
-threads wait for the block to end)."""
+docs/reports/handoffs.md): a thread holds a refresh of it under way (the reader's refresh lock:
+reads wait for a refresh under way, since each reads a listing at least as new as itself)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from typing import Any, TypeGuard
 import pytest
 
 from capture_proxy.read.reader import Store
-from capture_proxy.sinks.parquet import ParquetSink
+from capture_proxy.sinks.parquet import ParquetSink, ParquetSource
 from capture_proxy.sinks.registry import open_sink, open_source
 from capture_proxy.testing.fake_vllm import FakeVLLM, Fault, Turn
 from tests.support.proxy_harness import Proxy, chat_body, start_proxy, stop_proxy, user
@@ -69,13 +69,15 @@ def _slow_hand_off(request: dict[str, Any]) -> Turn:
 
 @contextmanager
 def _busy_reader(proxy: Proxy, seconds: float) -> Iterator[None]:
-    """Hold the proxy's own reader on the store for `seconds`, in a thread."""
+    """Hold a refresh of the proxy's own reader under way for `seconds`, in a thread."""
     sink = proxy.sink
     assert isinstance(sink, ParquetSink)
+    source = sink.own_source()
+    assert isinstance(source, ParquetSource)
     held = threading.Event()
 
     def hold() -> None:
-        with sink.own_source().snapshot():
+        with source._refreshing:
             held.set()
             time.sleep(seconds)
 

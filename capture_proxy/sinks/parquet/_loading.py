@@ -124,7 +124,7 @@ class Loading:
         if isinstance(idx, Index):
             return idx.by_rollout
         if idx.ids_complete:
-            return idx.rollout_units
+            return list(idx.rollout_units)  # (a copy: units are indexed while it is read)
         # Sealed rollouts are not kept by id: read the ids (as `all_keys` reads call ids).
         return dict.fromkeys(
             r
@@ -199,7 +199,7 @@ class Loading:
         if isinstance(idx, Index):
             return idx.ledger
         state = LedgerState()
-        state.orphans = idx.orphans
+        state.orphans = dict(idx.orphans)  # (a copy: units are indexed while it is read)
         for packed in idx.ledger_units_of(rollout_id):
             rows = self._ledger_rows(idx.units[packed >> 1][LEDGER])
             state.apply(r for r in rows if r["rollout_id"] == rollout_id and r["kind"] != "orphan")
@@ -222,7 +222,8 @@ class Loading:
         if isinstance(idx, Index):
             return list(idx.ledger.rollouts)
         if idx.ids_complete:
-            return [r for r, held in idx.rollout_ledger.items() if any(p & 1 for p in held)]
+            held_by = list(idx.rollout_ledger.items())  # (units are indexed while it is read)
+            return [r for r, held in held_by if any(p & 1 for p in held)]
         # Sealed rollouts are not kept by id: read the ids of the header rows.
         headed: dict[str, None] = {}
         for files in idx.units:

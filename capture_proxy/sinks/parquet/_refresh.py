@@ -58,6 +58,8 @@ class Refreshing(Loading):
         self._rw = SharedLock()
         #: One refresh (listing, reading, applying) at a time; a reset takes it too.
         self._refreshing = threading.Lock()
+        #: Held while the rollout index (`_directory`) is built, queried or changed.
+        self._directory_lock = threading.Lock()
         #: Per thread: how deep in `snapshot` blocks it is (reads inside one do not re-list).
         self._blocks = threading.local()
         #: Counts index swaps and resets: a read that found a file gone resets the reader only
@@ -193,15 +195,20 @@ class Refreshing(Loading):
             # New units, replacing none of those indexed: they are indexed after them (another
             # writer's units may land between ones indexed: nothing was replaced, so ledger
             # rows replay as before). Into the index reads use: each chunk applied alone.
-            with self._rw.exclusive():
-                self._stop_collecting()
-                self._after, self._known_order = after, known_order
-            units = self._units
-            for chunk in self._fetched(added):
+            if self._collecting():
                 with self._rw.exclusive():
+                    self._stop_collecting()
+            self._after, self._known_order = after, known_order
+            units = self._units
+            # A units index takes new units while it is read (`UnitIndex.add_unit`); the lock
+            # is held shared all the same, so no swap or reset happens meanwhile. A calls index
+            # (bulk reads: no proxy shares it) is changed alone.
+            shared = isinstance(self._index, UnitIndex)
+            for chunk in self._fetched(added):
+                with self._rw.shared() if shared else self._rw.exclusive():
                     self._apply(self._index, chunk, directory=True)
                     units.extend(m.unit for m in chunk)
-            with self._rw.exclusive():
+            with self._rw.exclusive() if not self._opened else self._rw.shared():
                 self._publish(names, fresh, appended)
             return
         # A compaction replaced units: re-index, so ledger rows replay in the new order. The
@@ -211,8 +218,9 @@ class Refreshing(Loading):
         unread = [u for u in kept if u not in markers]  # (a checkpoint read has them)
         markers.update(read_markers(self.dfs, unread, self._object_url))
         new = [markers[u] for u in sorted([*kept, *(m.unit for m in added)]) if u in markers]
-        with self._rw.exclusive():
-            self._stop_collecting()
+        if self._collecting():
+            with self._rw.exclusive():
+                self._stop_collecting()
         index = self._new_index()
         for chunk in self._fetched(new):
             self._apply(index, chunk, directory=False)
@@ -226,9 +234,13 @@ class Refreshing(Loading):
             self._units = UnitNames(m.unit for m in new)
             self._publish(names, fresh, appended)
 
+    def _collecting(self) -> bool:
+        idx = self._index
+        return self._opened and isinstance(idx, UnitIndex) and idx.heads is not None
+
     def _stop_collecting(self) -> None:
         idx = self._index
-        if self._opened and isinstance(idx, UnitIndex) and idx.heads is not None:
+        if self._collecting() and isinstance(idx, UnitIndex):
             # The event heads and rollout ids a writer's open takes (`event_heads`, `known`)
             # are collected by the first load only: a reader nobody takes them from (the
             # proxy's shared one) would otherwise keep one per rollout ever indexed. Taken
@@ -249,9 +261,9 @@ class Refreshing(Loading):
     def _apply(self, index: Index | UnitIndex, chunk: list[Marker], *, directory: bool) -> None:
         """Index `chunk` into `index` (from the files fetched ahead); with `directory`, the
         rollout index follows the rollouts the chunk has rows of."""
-        touched: dict[str, None] | None = None
-        if directory and self._directory is not None:
-            touched = {}
+        # (Always tracked: a rollout index built while the chunk is indexed may have missed
+        # some of it.)
+        touched: dict[str, None] | None = {} if directory else None
         index.touched = touched
         try:
             for unit in chunk:
@@ -261,10 +273,12 @@ class Refreshing(Loading):
                     index.add_unit(self.dfs, unit, self._keep)
         finally:
             index.touched = None
-        if touched and self._directory is not None:
-            for rollout_id in touched:
-                if rollout_id != PROXY_STATE_ROLLOUT:
-                    self._directory.put(self._index_row(rollout_id))
+        if touched:
+            with self._directory_lock:
+                if self._directory is not None:
+                    for rollout_id in touched:
+                        if rollout_id != PROXY_STATE_ROLLOUT:
+                            self._directory.put(self._index_row(rollout_id))
 
     def _publish(self, names: list[str], fresh: list[str], appended: bool) -> None:
         if appended:

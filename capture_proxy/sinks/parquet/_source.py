@@ -242,15 +242,16 @@ class ParquetSource(Refreshing):
         the first call (a header per rollout), then kept up to date with each new unit."""
 
         def run() -> list[IndexedRollout]:
-            if self._directory is None:
-                directory = Directory()
-                ids = [r for r in self._headed_rollouts() if r != PROXY_STATE_ROLLOUT]
-                seen = set(ids)
-                ids += [r for r in self._rollouts_with_calls() if r not in seen]
-                for rollout_id in ids:
-                    directory.put(self._index_row(rollout_id))
-                self._directory = directory
-            return self._directory.query(query)
+            with self._directory_lock:
+                if self._directory is None:
+                    directory = Directory()
+                    ids = [r for r in self._headed_rollouts() if r != PROXY_STATE_ROLLOUT]
+                    seen = set(ids)
+                    ids += [r for r in self._rollouts_with_calls() if r not in seen]
+                    for rollout_id in ids:
+                        directory.put(self._index_row(rollout_id))
+                    self._directory = directory
+                return self._directory.query(query)
 
         return self._read(run)
 
