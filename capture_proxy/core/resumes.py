@@ -23,6 +23,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from ..errors import CaptureUnavailable
 from ..sinks.base import StagingSource
@@ -34,6 +35,22 @@ log = logging.getLogger("capture_proxy.capture")
 
 #: The refusals of a call whose rollout could not be read in time: no ledger entry (no seq).
 RESUME_REFUSALS = frozenset({"rollout_resume_timeout", "rollout_resume_failed"})
+
+
+#: Threads reading rollouts back (`read_threads`).
+READ_THREADS = 8
+_read_pool: ThreadPoolExecutor | None = None
+
+
+def read_threads() -> ThreadPoolExecutor:
+    """The threads rollouts are read back on: not the event loop's default executor, where every
+    call's own work runs (its admission keys, its record): a burst of hand-backs takes seconds
+    of store reads each, and queued there they held up every other call behind them. The
+    process's readers read several rollouts at once (`ParquetSource`), so they run together."""
+    global _read_pool
+    if _read_pool is None:
+        _read_pool = ThreadPoolExecutor(READ_THREADS, "rollout-read")
+    return _read_pool
 
 
 class Resumes:
@@ -127,9 +144,11 @@ async def read_with_sink(
     prepare: Callable[[str], Awaitable[None]] | None,
     mine: frozenset[str] = frozenset(),
 ) -> RolloutLive | None:
-    """`resume_rollout` in a worker thread, and at once the sink's own read of the rollout
-    (`prepare`, if any): both done, or the first error."""
-    read = asyncio.to_thread(resume_rollout, source, rollout_id, mine)
+    """`resume_rollout` in a worker thread of the rollout reads' own (`read_threads`), and at
+    once the sink's own read of the rollout (`prepare`, if any): both done, or the first
+    error."""
+    loop = asyncio.get_running_loop()
+    read = loop.run_in_executor(read_threads(), resume_rollout, source, rollout_id, mine)
     if prepare is None:
         return await read
     found, _ = await asyncio.gather(read, prepare(rollout_id))

@@ -352,7 +352,12 @@ class ParquetSource(Refreshing):
         return self._read(run)
 
     def fetch(self, keys: Sequence[str]) -> list[StagedCallRecord]:
-        return self._read(lambda: [self._record(k) for k in keys])
+        def run() -> list[StagedCallRecord]:
+            refs = [(k, self._ref(k)) for k in keys]
+            with self._read_ahead([r for _, r in refs if r is not None]):
+                return [self._record(k, r) for k, r in refs]
+
+        return self._read(run)
 
     def coords(self, keys: Sequence[str]) -> list[CommitCoords]:
         def one(k: str) -> CommitCoords:
