@@ -195,9 +195,7 @@ class Refreshing(Loading):
             # New units, replacing none of those indexed: they are indexed after them (another
             # writer's units may land between ones indexed: nothing was replaced, so ledger
             # rows replay as before). Into the index reads use: each chunk applied alone.
-            if self._collecting():
-                with self._rw.exclusive():
-                    self._stop_collecting()
+            self._stop_collecting()
             self._after, self._known_order = after, known_order
             units = self._units
             # A units index takes new units while it is read (`UnitIndex.add_unit`); the lock
@@ -218,9 +216,7 @@ class Refreshing(Loading):
         unread = [u for u in kept if u not in markers]  # (a checkpoint read has them)
         markers.update(read_markers(self.dfs, unread, self._object_url))
         new = [markers[u] for u in sorted([*kept, *(m.unit for m in added)]) if u in markers]
-        if self._collecting():
-            with self._rw.exclusive():
-                self._stop_collecting()
+        self._stop_collecting()
         index = self._new_index()
         for chunk in self._fetched(new):
             self._apply(index, chunk, directory=False)
@@ -234,13 +230,12 @@ class Refreshing(Loading):
             self._units = UnitNames(m.unit for m in new)
             self._publish(names, fresh, appended)
 
-    def _collecting(self) -> bool:
-        idx = self._index
-        return self._opened and isinstance(idx, UnitIndex) and idx.heads is not None
-
     def _stop_collecting(self) -> None:
+        # (Reads may run meanwhile: those that take what is collected, `event_heads` and
+        # `known`, find it or read the files; only the refresher, holding `_refreshing`,
+        # collects.)
         idx = self._index
-        if self._collecting() and isinstance(idx, UnitIndex):
+        if self._opened and isinstance(idx, UnitIndex) and idx.heads is not None:
             # The event heads and rollout ids a writer's open takes (`event_heads`, `known`)
             # are collected by the first load only: a reader nobody takes them from (the
             # proxy's shared one) would otherwise keep one per rollout ever indexed. Taken

@@ -137,13 +137,17 @@ class ParquetSource(Refreshing):
 
     def _known(self) -> Known:
         idx = self._index
-        if isinstance(idx, UnitIndex) and idx.attached is not None:
-            files, idx.attached = idx.attached, None  # collected as the units were indexed
+        # (Each taken once into a local: a refresh on another thread may drop them meanwhile.)
+        attached = idx.attached if isinstance(idx, UnitIndex) else None
+        if isinstance(idx, UnitIndex) and attached is not None:
+            files, idx.attached = attached, None  # collected as the units were indexed
         else:
             files = self._attachment_files()
-        if isinstance(idx, UnitIndex) and idx.headed is not None and idx.called is not None:
+        headed = idx.headed if isinstance(idx, UnitIndex) else None
+        called = idx.called if isinstance(idx, UnitIndex) else None
+        if isinstance(idx, UnitIndex) and headed is not None and called is not None:
             # Collected while the units were indexed (a writer's open): kept no longer.
-            rollouts = set(idx.headed) | set(idx.called)
+            rollouts = set(headed) | set(called)
             idx.headed = idx.called = None
         else:
             rollouts = set(self._headed_rollouts()) | set(self._rollouts_with_calls())
@@ -305,12 +309,13 @@ class ParquetSource(Refreshing):
                     last = max(events, key=lambda e: e.position)
                     heads[r] = (last.position, last.hash)
                 return heads
-            if idx.heads is not None:
+            collected = idx.heads
+            if collected is not None:
                 # Read while the units were indexed (the first call after the reader opened,
                 # a writer's open); kept no longer: later calls read the ledger files again.
-                heads, idx.heads = idx.heads, None
+                idx.heads = None
                 self._collect_heads = False
-                return heads
+                return collected
             # A units index holds no events: one pass over the ledger files.
             heads = {}
             for files in idx.units:
