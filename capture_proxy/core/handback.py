@@ -116,7 +116,9 @@ class Handback:
         mine = frozenset(c.call_id for c in cap.calls.values() if c.rollout_id == rollout_id)
         # The resume's read alone in the bound (the call is answered: a timeout here poisons
         # its rollout); the sink reads what its writes need as they are queued.
-        found = await asyncio.wait_for(read_with_sink(cap.source, rollout_id, None, mine), bound)
+        found = await asyncio.wait_for(
+            read_with_sink(cap.source, rollout_id, None, mine, answered=True), bound
+        )
         current = cap.rollouts.get(rollout_id)
         if current is not None and current is not stale:
             return current

@@ -37,20 +37,30 @@ log = logging.getLogger("capture_proxy.capture")
 RESUME_REFUSALS = frozenset({"rollout_resume_timeout", "rollout_resume_failed"})
 
 
-#: Threads reading rollouts back (`read_threads`).
-READ_THREADS = 8
-_read_pool: ThreadPoolExecutor | None = None
+#: Threads reading rollouts back (`read_threads`): for resumes, and for the re-reads of
+#: answered calls' rollouts (hand-backs).
+READ_THREADS = 2
+ANSWERED_READ_THREADS = 4
+_pools: dict[bool, ThreadPoolExecutor] = {}
 
 
-def read_threads() -> ThreadPoolExecutor:
+def read_threads(answered: bool = False) -> ThreadPoolExecutor:
     """The threads rollouts are read back on: not the event loop's default executor, where every
     call's own work runs (its admission keys, its record): a burst of hand-backs takes seconds
-    of store reads each, and queued there they held up every other call behind them. The
-    process's readers read several rollouts at once (`ParquetSource`), so they run together."""
-    global _read_pool
-    if _read_pool is None:
-        _read_pool = ThreadPoolExecutor(READ_THREADS, "rollout-read")
-    return _read_pool
+    of store reads each, and queued there they held up every other call behind them.
+
+    A few at a time: a resume is mostly decoding (its requests are made at once,
+    `ParquetSource`), and on a busy machine many running together each take as long as all of
+    them (every one then misses its bound) where a queue finishes the first ones in time. The
+    re-read of an `answered` call's rollout (a hand-back: past its bound the call's rollout is
+    poisoned) has threads of its own, so it never waits behind resumes (past theirs, a 503 the
+    client retries)."""
+    pool = _pools.get(answered)
+    if pool is None:
+        threads = ANSWERED_READ_THREADS if answered else READ_THREADS
+        name = "rollout-reread" if answered else "rollout-read"
+        pool = _pools[answered] = ThreadPoolExecutor(threads, name)
+    return pool
 
 
 class Resumes:
@@ -143,12 +153,15 @@ async def read_with_sink(
     rollout_id: str,
     prepare: Callable[[str], Awaitable[None]] | None,
     mine: frozenset[str] = frozenset(),
+    *,
+    answered: bool = False,
 ) -> RolloutLive | None:
-    """`resume_rollout` in a worker thread of the rollout reads' own (`read_threads`), and at
-    once the sink's own read of the rollout (`prepare`, if any): both done, or the first
-    error."""
+    """`resume_rollout` in a worker thread of the rollout reads' own (`read_threads`; an
+    `answered` call's re-read on its own ones), and at once the sink's own read of the rollout
+    (`prepare`, if any): both done, or the first error."""
     loop = asyncio.get_running_loop()
-    read = loop.run_in_executor(read_threads(), resume_rollout, source, rollout_id, mine)
+    pool = read_threads(answered)
+    read = loop.run_in_executor(pool, resume_rollout, source, rollout_id, mine)
     if prepare is None:
         return await read
     found, _ = await asyncio.gather(read, prepare(rollout_id))
