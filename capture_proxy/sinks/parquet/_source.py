@@ -2,18 +2,16 @@
 
 The reader keeps an index of the committed units (`_index`) and loads row groups only
 when a record is asked for, with LRU caches for row groups and for full token sequences. Every
-public call first re-lists the commit markers (those named after the checkpoint's horizon,
-`_checkpoint`, and the checkpoint's etag: a reader opens again when it changed), so a reader
-sees commits made after it was opened; when a compaction removed a file the reader had listed,
-the call re-lists and retries.
-Reads asking at once share one listing. Inside ``with source.snapshot():`` a thread's calls
-share one listing (on object storage a
-listing is a LIST request per thousand units, so a read of every record, as `verify` does,
-would otherwise list the dataset once per record).
+public call first reads a listing of the commit markers begun no earlier than itself (those
+named after the checkpoint's horizon, `_checkpoint`, and the checkpoint's etag: a reader opens
+again when it changed), so a reader sees commits made after it was opened; reads asking at once
+share one listing. When a compaction removed a file the reader had listed, the call re-lists
+and retries. Inside ``with source.snapshot():`` a thread's calls share the listing taken as the
+block starts (on object storage a listing is a LIST request per thousand units, so a read of
+every record, as `verify` does, would otherwise list the dataset once per record).
 
 A reader may be shared between threads (the proxy shares one across its worker threads): its
-reads run at once, and one refresh at a time indexes new units, holding the index alone only to
-apply what it has read (`_refresh`).
+reads run at once, and a refresh indexes new units while they run (`_refresh`).
 
 ``index="units"`` is for readers that live as long as a proxy and read a few rollouts at a time
 (resume, manifests, the writer's own lookups): its memory follows the store's units, not every
