@@ -28,7 +28,7 @@ from collections.abc import Callable
 from ..errors import CaptureUnavailable, Unprocessable
 from ..schemas.digest import RequestValueCache
 from ..schemas.message_memo import MessageMemo
-from ..sinks.base import StagingSink, StagingSource
+from ..sinks.base import ReadsRolloutsAhead, StagingSink, StagingSource
 from . import admission, completion, held_rollouts, lifecycle, not_staged
 from .call import SAMPLING_KEYS, Call, CallReport, CompletionLike, sampling_of
 from .handback import Handback
@@ -80,8 +80,11 @@ class Capture:
         #: Opens a reader on the same store: rollouts seen again after a restart resume from it.
         self.source = source
         #: Rollouts being read back from the store, each call waiting `resume_timeout` at most.
+        prepare = sink.prepare_rollout if isinstance(sink, ReadsRolloutsAhead) else None
         self.resumes = (
-            Resumes(source, resume_timeout, self._take_resumed) if source is not None else None
+            Resumes(source, resume_timeout, self._take_resumed, prepare)
+            if source is not None
+            else None
         )
         self.max_live_rollouts = max_live_rollouts
         #: Per-rollout quotas (0: none), checked at admission: see `check_admission`.

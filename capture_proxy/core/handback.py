@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING
 
 from ..schemas.records import CallStatus, LedgerEntry
 from .call import Call
-from .rollouts import CallOutcome, RolloutLive, resume_rollout
+from .resumes import read_with_sink
+from .rollouts import CallOutcome, RolloutLive
 
 if TYPE_CHECKING:
     from .capture import Capture
@@ -113,8 +114,10 @@ class Handback:
         bound = cap.resumes.timeout if cap.resumes is not None else cap.stager.timeout
         # Claims of this process's calls still running are theirs, not lost in a crash.
         mine = frozenset(c.call_id for c in cap.calls.values() if c.rollout_id == rollout_id)
+        # The resume's read alone in the bound (the call is answered: a timeout here poisons
+        # its rollout); the sink reads what its writes need as they are queued.
         found = await asyncio.wait_for(
-            asyncio.to_thread(resume_rollout, cap.source, rollout_id, mine), bound
+            read_with_sink(cap.source, rollout_id, None, mine, answered=True), bound
         )
         current = cap.rollouts.get(rollout_id)
         if current is not None and current is not stale:

@@ -32,7 +32,7 @@ from ..schemas.records import (
 )
 from ..schemas.token_in_extras import media_of
 from ..schemas.tokens import full_sequence
-from ..sinks.base import StagingSource
+from ..sinks.base import ReadsInSnapshots, StagingSource
 from .experts import ExpertsIndex, stored_entry
 from .lineage import LineageIndex
 from .token_in import Prior, token_in_line
@@ -289,9 +289,20 @@ def resume_rollout(
     manifest (a claim with no record nor ledger entry is ``lost_in_crash`` and poisons the
     rollout; the next seq follows the highest claimed one), then decodes the staged records in
     batches, once: for the quota's byte count, the parent search's index, the retry candidates
-    and the calls routed experts may continue. O(rollout) per resume, on a worker thread.
+    and the calls routed experts may continue. O(rollout) per resume, on a worker thread. A
+    source that can (`ReadsInSnapshots`) reads the rollout as of one listing of the store, not
+    one per read.
     """
     source = open_source()
+    if isinstance(source, ReadsInSnapshots):
+        with source.snapshot():
+            return _resume(source, rollout_id, in_flight)
+    return _resume(source, rollout_id, in_flight)
+
+
+def _resume(
+    source: StagingSource, rollout_id: str, in_flight: Collection[str]
+) -> RolloutLive | None:
     claims: dict[int, str] | None = None
     try:
         info = source.rollout_info(rollout_id)

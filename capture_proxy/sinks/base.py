@@ -23,6 +23,7 @@ it in ``tests/support/sink_factories.py`` and make ``tests/sinks/test_sink_confo
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -47,6 +48,7 @@ __all__ = [
     "FaultHook",
     "GcStats",
     "Progress",
+    "ReadsRolloutsAhead",
     "SinkWithSource",
     "StagingSink",
     "StagingSource",
@@ -310,4 +312,28 @@ class SinkWithSource(Protocol):
 
     def own_source(self) -> StagingSource:
         """The sink's reader on its store (the same object every time)."""
+        ...
+
+
+@runtime_checkable
+class ReadsInSnapshots(Protocol):
+    """A source whose reads can share one listing of its store (`ParquetSource`: on object
+    storage a listing is a request per thousand units, and a read that asks for one of its own
+    waits for the reader's refresh under way). What reads one rollout (a resume) reads it
+    inside ``with source.snapshot():``."""
+
+    def snapshot(self, max_age_s: float = 0.0) -> AbstractContextManager[None]:
+        """Reads on this thread inside the block share the listing taken as it starts."""
+        ...
+
+
+@runtime_checkable
+class ReadsRolloutsAhead(Protocol):
+    """A sink that reads a rollout it does not hold before writing it (`ParquetSink` on object
+    storage, where other proxies may have continued the rollout): the proxy has the read made as
+    it resumes the rollout, within ``--rollout-resume-timeout``, so the rollout's writes do not
+    wait for it (a slow read is then the resume's 503, not a staging timeout)."""
+
+    async def prepare_rollout(self, rollout_id: str) -> None:
+        """Read what the sink's next write of `rollout_id` needs from the store now."""
         ...

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import sys
+import threading
 from array import array
 from bisect import bisect_right
 from collections import OrderedDict
@@ -276,7 +277,6 @@ class Packed:
         return len(self._ends)
 
     def add(self, key: str, values: Iterable[int]) -> None:
-        self._hashes += key_hash(key)
         out, shift, mask, prev = self._values, self._low_bits, (1 << self._low_bits) - 1, 0
         for v in values:
             high = v >> shift
@@ -285,6 +285,8 @@ class Packed:
             if shift:
                 _put_varint(out, v & mask)
         self._ends.append(len(out))
+        # The hash last: a `find` on another thread meets the key once its values are in.
+        self._hashes += key_hash(key)
 
     def find(self, key: str) -> list[int]:
         """The values added under `key`'s hash, in the order they were added."""
@@ -375,14 +377,20 @@ class UnitIndex:
     attached: dict[str, str] | None = None
     #: As `Index.touched`.
     touched: dict[str, None] | None = None
+    #: Held while a unit is indexed (`add_unit`) or the calls keyed (`key_calls`).
+    adding: threading.Lock = field(default_factory=threading.Lock)
 
     def units_of(self, rollout_id: str) -> list[int]:
         """The packed calls row groups holding `rollout_id`'s calls (`rollout_units`)."""
-        return [*self.sealed_units.find(rollout_id), *self.rollout_units.get(rollout_id, ())]
+        # Ascending, each once: while a unit is indexed on another thread (`add_unit`) a
+        # rollout being sealed is in both forms for a moment.
+        found = [*self.sealed_units.find(rollout_id), *self.rollout_units.get(rollout_id, ())]
+        return sorted(set(found))
 
     def ledger_units_of(self, rollout_id: str) -> list[int]:
         """The packed units with ledger rows of `rollout_id` (`rollout_ledger`)."""
-        return [*self.sealed_ledger.find(rollout_id), *self.rollout_ledger.get(rollout_id, ())]
+        found = [*self.sealed_ledger.find(rollout_id), *self.rollout_ledger.get(rollout_id, ())]
+        return sorted(set(found))
 
     @property
     def ids_complete(self) -> bool:
@@ -390,29 +398,56 @@ class UnitIndex:
         return not len(self.sealed_units) and not len(self.sealed_ledger)
 
     def _seal(self, sealed: set[str]) -> None:
+        # Packed before they leave the dicts: a read on another thread never misses them.
         for rid in sealed:
-            held = self.rollout_units.pop(rid, None)
+            held = self.rollout_units.get(rid)
             if held is not None:
                 self.sealed_units.add(rid, held)
-            held = self.rollout_ledger.pop(rid, None)
+                del self.rollout_units[rid]
+            held = self.rollout_ledger.get(rid)
             if held is not None:
                 self.sealed_ledger.add(rid, held)
+                del self.rollout_ledger[rid]
 
     def key_calls(self, dfs: DatasetFS) -> Locator:
         """Start keeping a key per call (`calls`): those of the indexed units, from one read of
         each calls file's ids; `add_unit` files the later ones."""
-        calls = Locator()
-        for pos, files in enumerate(self.units):
-            if CALLS in files:
-                for g, t in enumerate(read_groups(dfs, files[CALLS], ["call_id"])):
-                    for cid in t.column("call_id").to_pylist():
-                        calls.add(cid, pos, g)
-        self.calls = calls
-        return calls
+        with self.adding:  # (no unit is indexed meanwhile: each is keyed once)
+            if self.calls is not None:  # (keyed by another read meanwhile)
+                return self.calls
+            calls = Locator()
+            for pos, files in enumerate(self.units):
+                if CALLS in files:
+                    for g, t in enumerate(read_groups(dfs, files[CALLS], ["call_id"])):
+                        for cid in t.column("call_id").to_pylist():
+                            calls.add(cid, pos, g)
+            self.calls = calls
+            return calls
 
     def add_unit(self, dfs: DatasetFS, unit: Marker) -> None:
+        """Index `unit`. Reads of the index may run meanwhile, on other threads (the reader's
+        lock held shared by both: `_refresh`): the unit's files are listed first, then where its
+        blobs and attachments are, then its calls, then its ledger rows, so a read that meets
+        one of its calls finds what the call refers to, and a read never meets a place in a
+        unit not listed yet. Each rollout's ledger rows of the unit show at once (one entry).
+        """
+        with self.adding:
+            self._add_unit(dfs, unit)
+
+    def _add_unit(self, dfs: DatasetFS, unit: Marker) -> None:
         pos = len(self.units)
         files = unit.files
+        self.units.append(unit.unit, files)
+        if BLOBS in files:
+            for g, t in enumerate(read_groups(dfs, files[BLOBS], ["key"])):
+                for key in t.column("key").to_pylist():
+                    self.blobs.add(key, pos, g)
+        if ATTACHMENTS in files:
+            for g, t in enumerate(read_groups(dfs, files[ATTACHMENTS], ["sha256"])):
+                for sha in t.column("sha256").to_pylist():
+                    self.attachments.add(sha, pos, g)
+                    if self.attached is not None:
+                        self.attached.setdefault(sha, files[ATTACHMENTS])
         if CALLS in files:
             for g, t in enumerate(read_groups(dfs, files[CALLS], ["call_id", "rollout_id"])):
                 cols = t.to_pydict()
@@ -428,16 +463,6 @@ class UnitIndex:
                     if held is None:
                         held = self.rollout_units[sys.intern(rid)] = array("Q")
                     held.append(pos << 32 | g)
-        if BLOBS in files:
-            for g, t in enumerate(read_groups(dfs, files[BLOBS], ["key"])):
-                for key in t.column("key").to_pylist():
-                    self.blobs.add(key, pos, g)
-        if ATTACHMENTS in files:
-            for g, t in enumerate(read_groups(dfs, files[ATTACHMENTS], ["sha256"])):
-                for sha in t.column("sha256").to_pylist():
-                    self.attachments.add(sha, pos, g)
-                    if self.attached is not None:
-                        self.attached.setdefault(sha, files[ATTACHMENTS])
         sealed: set[str] = set()
         if LEDGER in files:
             columns = LEDGER_INDEX_COLUMNS if self.heads is None else _LEDGER_HEAD_COLUMNS
@@ -472,7 +497,6 @@ class UnitIndex:
                 else:
                     held.append(pos << 1 | flag)
         self._seal(sealed)
-        self.units.append(unit.unit, files)
 
     def _track_heads(self, cols: dict[str, list[Any]]) -> None:
         heads = self.heads
@@ -486,47 +510,56 @@ class UnitIndex:
 
 
 class LRU(Generic[K, T]):
-    """Least-recently-used values, evicted once their total weight exceeds `budget`."""
+    """Least-recently-used values, evicted once their total weight exceeds `budget`.
+
+    Safe to share between threads (a reader's reads run at once): each method holds a lock of
+    its own for as long as it takes, never across a read of the store."""
 
     def __init__(self, budget: int, weigh: Callable[[T], int]) -> None:
         self.budget = budget
         self.weigh = weigh
         self.weight = 0
         self._items: OrderedDict[K, tuple[T, int]] = OrderedDict()
+        self._lock = threading.Lock()
 
     def __contains__(self, key: K) -> bool:
         return key in self._items
 
     def get(self, key: K) -> T | None:
-        item = self._items.get(key)
-        if item is None:
-            return None
-        self._items.move_to_end(key)
-        return item[0]
+        with self._lock:
+            item = self._items.get(key)
+            if item is None:
+                return None
+            self._items.move_to_end(key)
+            return item[0]
 
     def put(self, key: K, value: T) -> T:
-        old = self._items.pop(key, None)
-        if old is not None:
-            self.weight -= old[1]
         w = self.weigh(value)
-        self._items[key] = (value, w)
-        self.weight += w
-        # Always keep the newest entry, even alone over budget: its caller is about to use it.
-        while self.weight > self.budget and len(self._items) > 1:
-            _, (_, evicted) = self._items.popitem(last=False)
-            self.weight -= evicted
+        with self._lock:
+            old = self._items.pop(key, None)
+            if old is not None:
+                self.weight -= old[1]
+            self._items[key] = (value, w)
+            self.weight += w
+            # Always keep the newest entry, even alone over budget: its caller is about to use
+            # it.
+            while self.weight > self.budget and len(self._items) > 1:
+                _, (_, evicted) = self._items.popitem(last=False)
+                self.weight -= evicted
         return value
 
     def pop(self, key: K) -> T | None:
-        item = self._items.pop(key, None)
-        if item is None:
-            return None
-        self.weight -= item[1]
-        return item[0]
+        with self._lock:
+            item = self._items.pop(key, None)
+            if item is None:
+                return None
+            self.weight -= item[1]
+            return item[0]
 
     def __len__(self) -> int:
         return len(self._items)
 
     def clear(self) -> None:
-        self._items.clear()
-        self.weight = 0
+        with self._lock:
+            self._items.clear()
+            self.weight = 0

@@ -288,8 +288,8 @@ def _open(
     (`_ranged`: two rounds of requests instead of one per page header and chunk)."""
     if columns is not None and rel not in dfs.prefetched:
         ahead = dfs.ahead.get(rel)
-        if ahead is not None and ahead[0].issuperset(columns):
-            del dfs.ahead[rel]
+        # (Taken once: a read on another thread may have taken it meanwhile.)
+        if ahead is not None and ahead[0].issuperset(columns) and dfs.ahead.pop(rel, None) is ahead:
             return ahead[1]
         ranged = open_columns(dfs, rel, columns, groups)
         if ranged is not None:

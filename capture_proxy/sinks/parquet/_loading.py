@@ -8,9 +8,12 @@ snapshot (markers, refresh, the lock) and the public reads.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from array import array
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import pyarrow as pa
 
@@ -39,6 +42,8 @@ __all__ = [
     "Loading",
 ]
 
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
 #: What `summaries` reads beyond the index: a few scalar columns, never tokens or messages.
 SUMMARY_COLUMNS = ("retry_of", "finish_reason", "prompt_len", "created_at_ms")
 #: Rows of those columns kept between calls (an overview reads every rollout of a row group).
@@ -56,23 +61,34 @@ RECENT_REFS = 8192
 #: A units index's cache of ledger files, in rows (about 1.5 KB of Python objects each): a
 #: resume or a manifest reads a rollout's header, failures and events from the same few files.
 LEDGER_CACHE_ROWS = 2048
+#: Row groups of one rollout's records read at once (`Loading._read_ahead`).
+READ_AHEAD_WORKERS = 8
 
 
 class _Group:
     """A cached row group: the Arrow table, turned into Python rows on first use."""
 
-    __slots__ = ("_keys", "_rows", "nbytes", "table")
+    __slots__ = ("_keys", "_one", "_rows", "nbytes", "table")
 
     def __init__(self, table: pa.Table) -> None:
         self.table = table
         self.nbytes = int(table.nbytes) + _GROUP_OVERHEAD + _COLUMN_OVERHEAD * table.num_columns
         self._rows: list[dict[str, Any]] | None = None
+        self._one: dict[int, dict[str, Any]] = {}
         self._keys: dict[str, int] | None = None
 
     def row(self, i: int) -> dict[str, Any]:
-        if self._rows is None:
-            self._rows = self.table.to_pylist()
-        return self._rows[i]
+        if self._rows is not None:
+            return self._rows[i]
+        # One row at a time until half the group was asked for: a rollout's reads take a row
+        # or two of a unit's groups (its calls, its blobs), not the other rollouts' rows.
+        one = self._one.get(i)
+        if one is None:
+            one = self._one[i] = self.table.slice(i, 1).to_pylist()[0]
+            if 2 * len(self._one) > self.table.num_rows:
+                self._rows = self.table.to_pylist()
+                self._one = {}
+        return one
 
     def find(self, column: str, key: str) -> int | None:
         """The first row whose `column` is `key`."""
@@ -106,6 +122,8 @@ class Loading:
         self._refs = LRU(RECENT_REFS, lambda _: 1)
         self._groups = LRU(cache_bytes, lambda g: g.nbytes)
         self._fulls = LRU(cache_tokens, len)
+        #: Per thread: row groups read ahead for the records it is reading (`_read_ahead`).
+        self._pinned = threading.local()
         self._summary_columns = LRU(
             INDEX_GROUP_ROWS if per_unit else SUMMARY_CACHE_ROWS,
             lambda cols: 16 + len(cols["prompt_len"]),
@@ -124,7 +142,7 @@ class Loading:
         if isinstance(idx, Index):
             return idx.by_rollout
         if idx.ids_complete:
-            return idx.rollout_units
+            return list(idx.rollout_units)  # (a copy: units are indexed while it is read)
         # Sealed rollouts are not kept by id: read the ids (as `all_keys` reads call ids).
         return dict.fromkeys(
             r
@@ -181,9 +199,17 @@ class Loading:
             return [(k, idx.calls[k]) for k in idx.by_rollout.get(rollout_id, ())]
         out: list[tuple[str, CallRef]] = []
         seen: set[str] = set()
-        for packed in idx.units_of(rollout_id):
-            path, g = idx.units[packed >> 32][CALLS], packed & 0xFFFFFFFF
-            cols = self._index_group(path, g)
+        places = [(idx.units[p >> 32][CALLS], p & 0xFFFFFFFF) for p in idx.units_of(rollout_id)]
+        ahead = self._many(
+            [p for p in places if p not in self._index_groups],
+            lambda p: read_group(self.dfs, p[0], p[1], INDEX_COLUMNS).to_pydict(),
+        )
+        for path, g in places:
+            cols = ahead.get((path, g))
+            if cols is not None:
+                self._index_groups.put((path, g), cols)
+            else:
+                cols = self._index_group(path, g)
             for i, rid in enumerate(cols["rollout_id"]):
                 cid = cols["call_id"][i]
                 if rid == rollout_id and cid not in seen:
@@ -199,11 +225,29 @@ class Loading:
         if isinstance(idx, Index):
             return idx.ledger
         state = LedgerState()
-        state.orphans = idx.orphans
-        for packed in idx.ledger_units_of(rollout_id):
-            rows = self._ledger_rows(idx.units[packed >> 1][LEDGER])
+        state.orphans = dict(idx.orphans)  # (a copy: units are indexed while it is read)
+        paths = [idx.units[packed >> 1][LEDGER] for packed in idx.ledger_units_of(rollout_id)]
+        ahead = self._many(
+            [p for p in paths if p not in self._ledger_files],
+            lambda p: read_table(self.dfs, p).to_pylist(),
+        )
+        for path in paths:
+            rows = ahead.get(path)
+            if rows is not None:
+                self._ledger_files.put(path, rows)
+            else:
+                rows = self._ledger_rows(path)
             state.apply(r for r in rows if r["rollout_id"] == rollout_id and r["kind"] != "orphan")
         return state
+
+    def _many(self, keys: Sequence[K], read: Callable[[K], V]) -> dict[K, V]:
+        """`read` of each of `keys`, at once on object storage ({} for fewer than two, or on
+        a local folder: the caller reads them as it goes). A rollout's rows are in as many
+        units as it has calls: each a request or two, made one after the other otherwise."""
+        if self.dfs.local or len(keys) < 2:
+            return {}
+        with ThreadPoolExecutor(min(READ_AHEAD_WORKERS, len(keys))) as pool:
+            return dict(zip(keys, pool.map(read, keys), strict=True))
 
     def _ledger_rows(self, path: str) -> list[dict[str, Any]]:
         """Every row of a ledger file (cached)."""
@@ -222,7 +266,8 @@ class Loading:
         if isinstance(idx, Index):
             return list(idx.ledger.rollouts)
         if idx.ids_complete:
-            return [r for r, held in idx.rollout_ledger.items() if any(p & 1 for p in held)]
+            held_by = list(idx.rollout_ledger.items())  # (units are indexed while it is read)
+            return [r for r, held in held_by if any(p & 1 for p in held)]
         # Sealed rollouts are not kept by id: read the ids of the header rows.
         headed: dict[str, None] = {}
         for files in idx.units:
@@ -243,10 +288,65 @@ class Loading:
 
     def _group(self, path: str, g: int) -> _Group:
         key = (path, g)
-        group = self._groups.get(key)
+        pinned: dict[tuple[str, int], _Group] | None = getattr(self._pinned, "groups", None)
+        group = None if pinned is None else pinned.get(key)
+        if group is None:
+            group = self._groups.get(key)
         if group is None:
             group = self._groups.put(key, _Group(read_group(self.dfs, path, g)))
         return group
+
+    @contextlib.contextmanager
+    def _read_ahead(self, refs: Sequence[CallRef]) -> Iterator[None]:
+        """Read the row groups `_record` reads for `refs` (their rows, then the blobs those
+        rows name) at once, on object storage, and keep them for this thread until the block
+        ends: a rollout's calls are in as many units as it has calls, each a request or two,
+        and a resume reads them all. Kept aside from the shared cache, which reads of other
+        rollouts on other threads may evict them from meanwhile."""
+        if self.dfs.local or len(refs) < 2:
+            yield
+            return
+        pinned: dict[tuple[str, int], _Group] = {}
+        self._load_groups(pinned, ((r.where.path, r.where.group) for r in refs))
+        places = []
+        for r in refs:
+            row = pinned[(r.where.path, r.where.group)].row(r.where.row)
+            keys = row.get("message_keys") or b""
+            names = [keys[i : i + 32].hex() for i in range(0, len(keys), 32)]
+            for key in [*names, str(row.get("request_key"))]:
+                place = self._blob_place(key)
+                if place is not None:
+                    places.append(place)
+        self._load_groups(pinned, places)
+        self._pinned.groups = pinned
+        try:
+            yield
+        finally:
+            self._pinned.groups = None
+
+    def _load_groups(
+        self, into: dict[tuple[str, int], _Group], places: Iterable[tuple[str, int]]
+    ) -> None:
+        wanted = [p for p in dict.fromkeys(places) if p not in into]
+        cached = {p: g for p in wanted if (g := self._groups.get(p)) is not None}
+        into.update(cached)
+        wanted = [p for p in wanted if p not in cached]
+        if not wanted:
+            return
+        with ThreadPoolExecutor(min(READ_AHEAD_WORKERS, len(wanted))) as pool:
+            tables = pool.map(lambda p: read_group(self.dfs, *p), wanted)
+            for place, table in zip(wanted, tables, strict=True):
+                into[place] = self._groups.put(place, _Group(table))
+
+    def _blob_place(self, key: str) -> tuple[str, int] | None:
+        """The row group `_blob` looks in first for `key`."""
+        idx = self._index
+        if isinstance(idx, Index):
+            where = idx.blobs.get(key)
+            return None if where is None else (where.path, where.group)
+        for u, g in idx.blobs.find(key, newest_first=True):
+            return idx.units[u][BLOBS], g
+        return None
 
     def _keep(self, key: tuple[str, int], table: pa.Table) -> None:
         self._groups.put(key, _Group(table))

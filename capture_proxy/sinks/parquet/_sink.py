@@ -107,6 +107,7 @@ from ._layout import (
     create_dataset,
 )
 from ._ledger import IMPLICIT, failure_row, orphan_row, rollout_row
+from ._resolve import ReadAhead, handoff_from
 from ._source import ParquetSource, default_url
 from ._writer import UnitRows, UnitWriter, Work
 
@@ -263,6 +264,15 @@ class ParquetSink:
             self._attachments.add(sha, at_ns=order)
         self._rollouts = RolloutIds(known.rollouts)
         self._fulls: LRU[str, tuple[str, array[int]]] = LRU(cache_tokens, lambda v: len(v[1]))
+        # Rollouts (and parents) it does not hold are read before their work is queued.
+        self._ahead = ReadAhead(
+            dfs,
+            self._reader,
+            self._live.__contains__,
+            self._rollouts,
+            self._fulls,
+            self.max_live_rollouts,
+        )
         if not dfs.enforced:
             log.warning(
                 "%s: admission claims are checked but not enforced through a pyarrow "
@@ -305,8 +315,14 @@ class ParquetSink:
             raise ValueError(f"{record.staging_key}: stage a sealed record (seal_record) only")
         given = dict(attachments or {})
         claim = SeqClaim(record.rollout_id, record.seq, record.staging_key, record.created_at_ms)
+        read = await self._ahead.read(record.rollout_id)
+        parent = await self._ahead.parent(record)
+
+        def work(batch: UnitRows, part: UnitRows) -> StageResult:
+            return self._stage_one(batch, part, record, given, claim, parent)
+
         result: StageResult = await self._writer.submit(
-            Claimed(claim, lambda batch, part: self._stage_one(batch, part, record, given, claim))
+            Claimed(claim, self._ahead.offer(read, work))
         )
         return result
 
@@ -323,7 +339,8 @@ class ParquetSink:
             part.rows[LEDGER].append(failure_row(entry))
             self._place(batch, part, ledger_event(entry))
 
-        await self._writer.submit(Claimed(claim, work))
+        read = await self._ahead.read(entry.rollout_id)
+        await self._writer.submit(Claimed(claim, self._ahead.offer(read, work)))
 
     async def append_event(self, event: EventDraft) -> RolloutEvent:
         """Append `event` to its rollout's chain in the next unit; see
@@ -342,7 +359,8 @@ class ParquetSink:
                     part.sealed.add(event.rollout_id)
                 return self._place(batch, part, event)
 
-            placed: RolloutEvent = await self._writer.submit(plain)
+            read = await self._ahead.read(event.rollout_id)
+            placed: RolloutEvent = await self._writer.submit(self._ahead.offer(read, plain))
             return placed
         assert event.seq is not None
         assert event.call_id is not None
@@ -358,7 +376,10 @@ class ParquetSink:
             return self._place(batch, part, event)
 
         # Durable once its claim file is: the event rides in the next unit written (`_writer`).
-        stored: RolloutEvent = await self._writer.submit(Claimed(claim, work, defer=True))
+        read = await self._ahead.read(event.rollout_id)
+        stored: RolloutEvent = await self._writer.submit(
+            Claimed(claim, self._ahead.offer(read, work), defer=True)
+        )
         return stored
 
     async def put_rollout(self, info: RolloutInfo) -> None:
@@ -378,7 +399,8 @@ class ParquetSink:
                 # (an outcome's event, written before its header, brought it back).
                 part.sealed.add(info.rollout_id)
 
-        await self._writer.submit(work)
+        read = await self._ahead.read(info.rollout_id)
+        await self._writer.submit(self._ahead.offer(read, work))
 
     async def mark_orphaned(self, call_id: str, reason: str) -> None:
         def work(batch: UnitRows, part: UnitRows) -> None:
@@ -396,7 +418,11 @@ class ParquetSink:
 
     def stats(self) -> dict[str, float]:
         """Writer figures for /metrics (names without the ``capture_proxy_sink_`` prefix)."""
-        return {**self._writer.stats(), "attachment_dedup_hits_total": self.dedup_hits}
+        return {
+            **self._writer.stats(),
+            "attachment_dedup_hits_total": self.dedup_hits,
+            "writer_thread_resolves_total": self._ahead.in_writer,
+        }
 
     async def probe(self) -> None:
         """One small durable write and its removal (``_writer.probe`` at the dataset's root):
@@ -416,6 +442,7 @@ class ParquetSink:
         self._following.set()
         if self._follower is not None:
             await asyncio.to_thread(self._follower.join)
+        self._ahead.close()
         self._reader.close_reader()
         self._fulls.clear()
         self._lock.release()
@@ -457,6 +484,7 @@ class ParquetSink:
             # commits; a late ledger entry reads it back (its seq's holder from the claim
             # file). Its full sequences go too: no call will extend them.
             sealed = self._live.pop(rollout_id, None)
+            self._ahead.left(rollout_id)
             for call_id in sealed.calls if sealed is not None else ():
                 self._fulls.pop(call_id)
             self._holders.forget(rollout_id)
@@ -474,6 +502,7 @@ class ParquetSink:
         rollout_keys = self._live.get(claim.rollout_id)
         if rollout_keys is not None and holder not in rollout_keys.calls:
             del self._live[claim.rollout_id]
+            self._ahead.left(claim.rollout_id)
 
     def _place(self, batch: UnitRows, part: UnitRows, draft: EventDraft) -> RolloutEvent:
         """Chain `draft` in its rollout's log, after the ``handoff`` event due first, if any."""
@@ -504,7 +533,7 @@ class ParquetSink:
         keys = self._resolve(rollout_id)
         self._live[rollout_id] = keys
         while len(self._live) > self.max_live_rollouts:
-            self._live.popitem(last=False)
+            self._ahead.left(self._live.popitem(last=False)[0])
         return keys
 
     def _resolve(self, rollout_id: str) -> RolloutKeys:
@@ -512,6 +541,10 @@ class ParquetSink:
         created it, or continued it, since this one last looked (a handoff)."""
         shared = not self._dfs.local  # a local folder has one writer: this one
         now = self._holders.created_now(rollout_id)
+        # Read before its job was queued, off this thread (`_resolve.ReadAhead`), in general.
+        ahead = self._ahead.keys(rollout_id, self.writer_id, now, self._events) if shared else None
+        if ahead is not None:
+            return ahead
         # One listing of its claims: a rollout another writer has taken calls of (a handoff)
         # is read from the store; one nobody has is new, whoever created its header (an
         # implicit header never replaces a stored one, `_ledger`).
@@ -531,15 +564,15 @@ class ParquetSink:
         else:
             calls, _ = self._reader.rollout_keys(rollout_id)
             keys = RolloutKeys(calls)
-        if last is not None and last[2] and last[2] != self.writer_id:
-            seq, call_id, writer = last
-            keys.handoff = {
-                "from_writer": writer,
-                "to_writer": self.writer_id,
-                "after_seq": seq,
-                "after_call_id": call_id,
-            }
+        keys.handoff = handoff_from(last, self.writer_id)
         return keys
+
+    async def prepare_rollout(self, rollout_id: str) -> None:
+        """Read from the store now what this writer's next write of `rollout_id` needs (its
+        highest claim and chain head), in a worker thread, so that write does not wait for it
+        (`_resolve`): the proxy calls this as it resumes a rollout (a hand-off from another
+        proxy, or back), within ``--rollout-resume-timeout``. Nothing on a local folder."""
+        await self._ahead.prepare(rollout_id)
 
     def _rollout_of(self, call_id: str) -> str | None:
         """The rollout of a call the writer holds in memory (None: not known here; an orphan
@@ -569,14 +602,20 @@ class ParquetSink:
         part.rows[LEDGER].append({**implicit, "reason": IMPLICIT})
         part.rollouts.add(rollout_id)
 
-    def _parent_full(self, batch: UnitRows, record: StagedCallRecord) -> array[int] | None:
+    def _parent_full(
+        self, batch: UnitRows, record: StagedCallRecord, ahead: tuple[str, array[int]] | None
+    ) -> array[int] | None:
         parent = record.parent_call_id
         if parent is None:
             return None
         hit = batch.calls.get(parent) or self._fulls.get(parent)
+        if hit is None and ahead is not None and ahead[0] == parent:
+            hit = self._fulls.put(parent, (record.rollout_id, ahead[1]))  # read before queued
         if hit is None:
             if parent not in self._keys(record.rollout_id).calls:
                 return None  # not staged here, or another rollout's: store the call whole
+            if not self._dfs.local:
+                return None  # not read in time before it was queued (`ReadAhead.parent`)
             try:
                 full = self._reader.full(parent, record.rollout_id)
                 hit = self._fulls.put(parent, (record.rollout_id, full))
@@ -594,22 +633,25 @@ class ParquetSink:
         record: StagedCallRecord,
         given: dict[str, Attachment],
         claim: SeqClaim,
+        parent: tuple[str, array[int]] | None = None,
     ) -> StageResult:
         key = record.staging_key
-        if key in batch.calls or key in self._keys(record.rollout_id).calls:
-            return StageResult.failed("duplicate_key", f"staging key {key} is already staged")
+        # The seq first: a record refused it needs nothing of its rollout (whose state, when
+        # another writer continued it, this writer has just dropped: `_refused`).
         holder = self._holders.holder(claim)
         if holder != key:
             self._refused(claim, holder)
             return StageResult.failed(
                 "duplicate_seq", str(DuplicateSeq(record.rollout_id, record.seq, holder))
             )
+        if key in batch.calls or key in self._keys(record.rollout_id).calls:
+            return StageResult.failed("duplicate_key", f"staging key {key} is already staged")
         checked = new_attachments(record, given, lambda sha: self._shared(batch, sha, given))
         if isinstance(checked, StageResult):
             return checked
         new, hits = checked
         self.dedup_hits += hits
-        encoded = encode_record(record, self._parent_full(batch, record), given)
+        encoded = encode_record(record, self._parent_full(batch, record, parent), given)
         part.rows[CALLS].append(encoded.row)
         part.calls[key] = (record.rollout_id, encoded.full)
         for blob_key, data in encoded.blobs.items():

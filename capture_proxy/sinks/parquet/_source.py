@@ -2,17 +2,16 @@
 
 The reader keeps an index of the committed units (`_index`) and loads row groups only
 when a record is asked for, with LRU caches for row groups and for full token sequences. Every
-public call first re-lists the commit markers (those named after the checkpoint's horizon,
-`_checkpoint`, and the checkpoint's etag: a reader opens again when it changed), so a reader
-sees commits made after it was opened; when a compaction removed a file the reader had listed,
-the call re-lists and retries.
-Inside ``with source.snapshot():`` the calls share one listing instead (on object storage a
-listing is a LIST request per thousand units, so a read of every record, as `verify` does,
-would otherwise list the dataset once per record).
+public call first reads a listing of the commit markers begun no earlier than itself (those
+named after the checkpoint's horizon, `_checkpoint`, and the checkpoint's etag: a reader opens
+again when it changed), so a reader sees commits made after it was opened; reads asking at once
+share one listing. When a compaction removed a file the reader had listed, the call re-lists
+and retries. Inside ``with source.snapshot():`` a thread's calls share the listing taken as the
+block starts (on object storage a listing is a LIST request per thousand units, so a read of
+every record, as `verify` does, would otherwise list the dataset once per record).
 
 A reader may be shared between threads (the proxy shares one across its worker threads): its
-calls are serialized by a lock, because two refreshes running at once would index the same unit
-twice (and then re-index the whole dataset to repair it).
+reads run at once, and a refresh indexes new units while they run (`_refresh`).
 
 ``index="units"`` is for readers that live as long as a proxy and read a few rollouts at a time
 (resume, manifests, the writer's own lookups): its memory follows the store's units, not every
@@ -24,11 +23,9 @@ read from its units when asked for. The default
 
 from __future__ import annotations
 
-import contextlib
-import threading
 import time
 from array import array
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Literal, TypeVar
 
 import pyarrow.fs as pafs
@@ -44,7 +41,6 @@ from ...schemas.records import (
 from ...schemas.store_head import ClaimCount
 from ..base import PROXY_STATE_ROLLOUT, StoreError
 from ..rollout_index import IndexedRollout, RolloutQuery, row_of
-from ._checkpoint import CHECKPOINT, Loaded, load_markers
 from ._claims import claim_counts, read_claims
 from ._cursors import ParquetCursors
 from ._directory import Directory
@@ -52,7 +48,6 @@ from ._fs import DatasetFS
 from ._index import (
     Index,
     Known,
-    Locator,
     UnitIndex,
 )
 from ._layout import (
@@ -60,18 +55,12 @@ from ._layout import (
     DEDUP_WINDOW_S,
     GC_MARGIN_S,
     LEDGER,
-    Marker,
     check_format,
-    list_markers,
     read_group,
     read_groups,
     read_table,
 )
-from ._loading import Loading
-from ._read_errors import damaged as _damaged
-from ._read_errors import vanished as _vanished
-from ._snapshot import fetched_ahead, read_markers
-from ._unit_names import UnitNames
+from ._refresh import Refreshing
 
 __all__ = ["ParquetSource", "default_url"]
 
@@ -90,7 +79,7 @@ def default_url(location: str) -> str:
     return location if "://" in location else f"parquet:///{location}"
 
 
-class ParquetSource(Loading):
+class ParquetSource(Refreshing):
     """Reads the dataset at `location` (a folder path or a pyarrow filesystem URL).
 
     Raises `StoreError` when there is no dataset there and `StoreFormatError` when it was
@@ -128,24 +117,7 @@ class ParquetSource(Loading):
             self._object_url = None
         if not check_format(self.dfs):
             raise StoreError(f"no capture-proxy Parquet dataset at {location}")
-        self._lock = threading.RLock()
-        self._listing = UnitNames()  # the names the last listing returned, packed
-        #: Whether the units are indexed (a first `refresh` opened the dataset).
-        self._opened = False
-        #: The horizon of the checkpoint the open used: later listings start after it too, and
-        #: the highest unit order the open knew of (`_checkpoint`).
-        self._after: str | None = None
-        self._known_order = 0
-        #: The checkpoint's `DatasetFS.tag` when the open read it: a maintenance run wrote
-        #: another since when it differs (then the reader opens again: what it retired may be
-        #: before the horizon, where listings do not look).
-        self._checkpoint_tag: str | None = None
-        #: When the last listing was started (`time.monotonic`), for `snapshot`'s `max_age_s`.
-        self._listed_at = float("-inf")
-        #: The names of the indexed (live) units, in the index's order.
-        self._units = UnitNames()
-        #: Open `snapshot` blocks (reads inside one do not re-list).
-        self._held = 0
+        self._start()
         self._per_unit = index == "units"
         self._call_keys = call_keys is True or not self._per_unit
         self._keys_on_demand = call_keys == "on_demand" and self._per_unit
@@ -156,220 +128,24 @@ class ParquetSource(Loading):
         self._directory: Directory | None = None
         self._caches(cache_bytes, cache_tokens, self._per_unit)
 
-    # -- snapshot -------------------------------------------------------------------------------
-
-    def refresh(self, max_age_s: float = 0.0) -> None:
-        """Pick up units committed (or retired) since the last call (with `max_age_s`: unless
-        this reader listed the store less than that many seconds ago).
-
-        Raises FileNotFoundError when a listed unit's files were deleted meanwhile (a compaction
-        cleaning up); the reader is then reset, and the next refresh starts over.
-        """
-        with self._lock:
-            listed_at = time.monotonic()  # when the listing started: its age is not less
-            if self._opened and listed_at - self._listed_at < max_age_s:
-                return
-            tag = self.dfs.tag(CHECKPOINT)
-            loaded = None
-            if not self._opened or tag != self._checkpoint_tag:
-                # An open: the checkpoint's live units, and the markers of units committed
-                # since (a retired unit's marker is not read; names before the checkpoint's
-                # horizon are not even listed: `_checkpoint`). Read again when a maintenance
-                # run wrote another checkpoint: a unit it merged or removed may be before the
-                # horizon, where no listing looks.
-                loaded = load_markers(self.dfs, None, self._object_url)
-                names = loaded.names
-            else:
-                names = list_markers(self.dfs, self._after)
-                if len(names) == len(self._listing) and self._listing.is_prefix_of(names):
-                    self._listed_at = listed_at
-                    return
-            try:
-                self._load(names, loaded)
-                self._checkpoint_tag = tag
-                self._listed_at = listed_at
-            except BaseException as e:
-                self._reset()
-                damaged = _damaged(self.url, e)
-                if damaged is not None:
-                    raise damaged from e
-                raise
-
-    @contextlib.contextmanager
-    def snapshot(self, max_age_s: float = 0.0) -> Iterator[None]:
-        """Read the dataset as one listing taken when the block starts: the calls inside it do
-        not re-list the commit markers each (units committed meanwhile show after the block).
-        With `max_age_s`, a listing this reader took less than that many seconds ago is used
-        as it is (on object storage a listing is a request per thousand markers).
-
-        The reader's other threads wait for the block to end. A file a compaction deleted under
-        the block is handled as outside one: the read re-lists and retries.
-        """
-        with self._lock:
-            if not self._opened or time.monotonic() - self._listed_at >= max_age_s:
-                self.refresh()
-            self._held += 1
-            try:
-                yield
-            finally:
-                self._held -= 1
-
-    def _load(self, names: list[str], loaded: Loaded | None = None) -> None:
-        listed = self._listing
-        # The writer's steady state: names only appended (each refresh of a proxy's reader
-        # would otherwise compare and sort every marker, a cost that grows with the store).
-        appended = listed.is_prefix_of(names)
-        if appended:
-            fresh = names[len(listed) :]
-        else:
-            # Only the markers not read yet are read: the others' units are indexed (their
-            # names in `_units`) or were left out as retired, and markers never change. A
-            # compaction's retired markers stay listed for its grace period, and several
-            # writers' units land out of name order all the time: reading every listed marker
-            # again on each of those refreshes cost a request per unit of the store.
-            seen = set(listed)
-            fresh = [n for n in names if n not in seen]
-        # Concurrent on object storage; one removed by a compaction's cleanup after it was
-        # listed is left out.
-        units_in = fresh
-        if loaded is None:
-            markers = read_markers(self.dfs, fresh, self._object_url)
-            retired = {u for m in markers.values() for u in m.retires}
-        else:
-            markers, retired = loaded.markers, loaded.retired
-            self._after, self._known_order = loaded.after, loaded.last_order()
-            # The checkpoint's live units before its horizon are not listed: indexed too (those
-            # not indexed yet, when the reader was open already).
-            have = set(self._units)
-            units_in = sorted({*fresh, *markers} - have)
-        idx = self._index
-        if self._opened and isinstance(idx, UnitIndex) and idx.heads is not None:
-            # The event heads and rollout ids a writer's open takes (`event_heads`, `known`)
-            # are collected by the first load only: a reader nobody takes them from (the
-            # proxy's shared one) would otherwise keep one per rollout ever indexed. Taken
-            # later, they are read from the files.
-            idx.heads = idx.headed = idx.called = idx.attached = None
-            self._collect_heads = False
-        # What the new markers retire (a compaction's or gc's merged unit), and units whose
-        # markers are gone (deleted by a cleanup once retired, by a marker read before or not).
-        if not appended:
-            # (Before the horizon nothing is listed: a unit there leaves when a marker read
-            # retires it, or when its files are gone and the reader opens again.)
-            now, after = set(names), self._after or ""
-            retired.update(u for u in self._units if u not in now and u > after)
-        # Their markers are not kept: a reader that lives as long as a proxy sees a unit every
-        # few calls, and the index holds what it needs of each (its files).
-        added = [markers[n] for n in units_in if n in markers and n not in retired]
-        if not retired or retired.isdisjoint(self._units):
-            # New units, replacing none of those indexed: they are indexed after them (another
-            # writer's units may land between ones indexed: nothing was replaced, so ledger
-            # rows replay as before).
-            new = added
-            units = self._units
-            units.extend(m.unit for m in added)
-        else:
-            # A compaction replaced units: re-index, so ledger rows replay in the new order.
-            # The markers of the units still live are read again (not the retired ones).
-            kept = [u for u in self._units if u not in retired]
-            unread = [u for u in kept if u not in markers]  # (a checkpoint read has them)
-            markers.update(read_markers(self.dfs, unread, self._object_url))
-            new = [markers[u] for u in sorted([*kept, *(m.unit for m in added)]) if u in markers]
-            units = UnitNames(m.unit for m in new)
-            self._index = self._new_index()
-            self._refs.clear()
-            self._index_groups.clear()
-            self._directory = None  # built again at the next query
-        touched: dict[str, None] | None = None if self._directory is None else {}
-        self._index.touched = touched
-        for chunk, files, ahead in fetched_ahead(self.dfs, new, self._object_url):
-            self.dfs.prefetched, self.dfs.ahead = files, ahead
-            try:
-                for unit in chunk:
-                    self._add_unit(unit)
-            finally:
-                self.dfs.prefetched, self.dfs.ahead = {}, {}
-        self._units = units
-        if appended:
-            listed.extend(fresh)
-        else:
-            self._listing = UnitNames(names)
-        self._opened = True
-        self._index.touched = None
-        if touched and self._directory is not None:
-            for rollout_id in touched:
-                if rollout_id != PROXY_STATE_ROLLOUT:
-                    self._directory.put(self._index_row(rollout_id))
-
-    def _new_index(self) -> Index | UnitIndex:
-        if not self._per_unit:
-            return Index()
-        if not self._collect_heads:
-            return UnitIndex(calls=Locator() if self._call_keys else None)
-        return UnitIndex(
-            calls=Locator() if self._call_keys else None,
-            heads={},
-            headed={},
-            called={},
-            attached={},
-        )
-
-    def _add_unit(self, unit: Marker) -> None:
-        if isinstance(self._index, UnitIndex):
-            self._index.add_unit(self.dfs, unit)
-        else:
-            self._index.add_unit(self.dfs, unit, self._keep)
-
-    def _reset(self) -> None:
-        self._directory = None
-        self._opened = False
-        self._listing = UnitNames()
-        self._units = UnitNames()
-        self._index = self._new_index()
-        self._refs.clear()
-        self._index_groups.clear()
-
-    def _read(self, fn: Callable[[], T]) -> T:
-        """Run a read on a fresh snapshot; if a file vanished under it, re-list and retry.
-
-        Files vanish only when a compaction deletes units it retired (after a grace period, or
-        at once with ``grace_s=0``): re-listing finds the merged unit that replaced them.
-        """
-        with self._lock:
-            for attempt in range(_ATTEMPTS):
-                try:
-                    # In a `snapshot`, the listing is re-taken only after a retry reset it.
-                    if not self._held or not self._opened:
-                        self.refresh()
-                    return fn()
-                except OSError as e:
-                    if not isinstance(e, FileNotFoundError) and not _vanished(e):
-                        raise
-                    self._reset()
-                    if attempt == _ATTEMPTS - 1:
-                        raise
-                except (ValueError, TypeError, OverflowError, UnicodeError, IndexError) as e:
-                    damaged = _damaged(self.url, e)
-                    if damaged is None:
-                        raise
-                    raise damaged from e
-        raise AssertionError("unreachable")
-
     def known(self) -> Known:
         """Everything a writer appending to this dataset must know (see `ParquetSink`)."""
-        with self._lock:
-            if not self._held or not self._opened:  # in a `snapshot`: its listing
-                self.refresh()
+        with self._current():  # (in a `snapshot`: its listing)
             return self._known()
 
     def _known(self) -> Known:
         idx = self._index
-        if isinstance(idx, UnitIndex) and idx.attached is not None:
-            files, idx.attached = idx.attached, None  # collected as the units were indexed
+        # (Each taken once into a local: a refresh on another thread may drop them meanwhile.)
+        attached = idx.attached if isinstance(idx, UnitIndex) else None
+        if isinstance(idx, UnitIndex) and attached is not None:
+            files, idx.attached = attached, None  # collected as the units were indexed
         else:
             files = self._attachment_files()
-        if isinstance(idx, UnitIndex) and idx.headed is not None and idx.called is not None:
+        headed = idx.headed if isinstance(idx, UnitIndex) else None
+        called = idx.called if isinstance(idx, UnitIndex) else None
+        if isinstance(idx, UnitIndex) and headed is not None and called is not None:
             # Collected while the units were indexed (a writer's open): kept no longer.
-            rollouts = set(idx.headed) | set(idx.called)
+            rollouts = set(headed) | set(called)
             idx.headed = idx.called = None
         else:
             rollouts = set(self._headed_rollouts()) | set(self._rollouts_with_calls())
@@ -382,7 +158,7 @@ class ParquetSource(Loading):
     def unsealed_rollouts(self) -> set[str] | None:
         """The rollouts a units index holds by id, as of its last refresh: every rollout but
         those whose seal event or sealed header it has indexed. None for a calls index."""
-        with self._lock:
+        with self._rw.shared():
             idx = self._index
             if not isinstance(idx, UnitIndex):
                 return None
@@ -468,15 +244,16 @@ class ParquetSource(Loading):
         the first call (a header per rollout), then kept up to date with each new unit."""
 
         def run() -> list[IndexedRollout]:
-            if self._directory is None:
-                directory = Directory()
-                ids = [r for r in self._headed_rollouts() if r != PROXY_STATE_ROLLOUT]
-                seen = set(ids)
-                ids += [r for r in self._rollouts_with_calls() if r not in seen]
-                for rollout_id in ids:
-                    directory.put(self._index_row(rollout_id))
-                self._directory = directory
-            return self._directory.query(query)
+            with self._directory_lock:
+                if self._directory is None:
+                    directory = Directory()
+                    ids = [r for r in self._headed_rollouts() if r != PROXY_STATE_ROLLOUT]
+                    seen = set(ids)
+                    ids += [r for r in self._rollouts_with_calls() if r not in seen]
+                    for rollout_id in ids:
+                        directory.put(self._index_row(rollout_id))
+                    self._directory = directory
+                return self._directory.query(query)
 
         return self._read(run)
 
@@ -530,12 +307,13 @@ class ParquetSource(Loading):
                     last = max(events, key=lambda e: e.position)
                     heads[r] = (last.position, last.hash)
                 return heads
-            if idx.heads is not None:
+            collected = idx.heads
+            if collected is not None:
                 # Read while the units were indexed (the first call after the reader opened,
                 # a writer's open); kept no longer: later calls read the ledger files again.
-                heads, idx.heads = idx.heads, None
+                idx.heads = None
                 self._collect_heads = False
-                return heads
+                return collected
             # A units index holds no events: one pass over the ledger files.
             heads = {}
             for files in idx.units:
@@ -577,7 +355,12 @@ class ParquetSource(Loading):
         return self._read(run)
 
     def fetch(self, keys: Sequence[str]) -> list[StagedCallRecord]:
-        return self._read(lambda: [self._record(k) for k in keys])
+        def run() -> list[StagedCallRecord]:
+            refs = [(k, self._ref(k)) for k in keys]
+            with self._read_ahead([r for _, r in refs if r is not None]):
+                return [self._record(k, r) for k, r in refs]
+
+        return self._read(run)
 
     def coords(self, keys: Sequence[str]) -> list[CommitCoords]:
         def one(k: str) -> CommitCoords:
@@ -645,5 +428,5 @@ class ParquetSource(Loading):
         return self._read(run)
 
     def close_reader(self) -> None:
-        with self._lock:
+        with self._rw.exclusive():
             self._clear_caches()

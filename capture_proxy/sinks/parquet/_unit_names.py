@@ -131,8 +131,9 @@ class UnitFileList(Sequence[Mapping[str, str]]):
         ) or (len(files) == bin(mask).count("1") and files == unit_files(unit, files))
         if not standard:
             self._odd[len(self._tables)] = files
-        self._tables.append(mask)
+        # The name first: a read on another thread sees the unit once its tables byte is in.
         self.names.append(unit)
+        self._tables.append(mask)
 
     def __len__(self) -> int:
         return len(self._tables)
