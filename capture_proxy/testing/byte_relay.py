@@ -95,6 +95,10 @@ class ByteRelay:
         self._writers |= {writer, up_writer}
         try:
             await asyncio.gather(requests(), answers(), return_exceptions=True)
+        except asyncio.CancelledError:
+            # The loop is ending with this connection open (a kept-alive client's): asyncio's
+            # stream callback would log a cancelled handler as an error, so end quietly.
+            pass
         finally:
             self._writers -= {writer, up_writer}
 
