@@ -166,11 +166,11 @@ class Settings:
     stage_timeout: float = _s(10.0, "seconds a sink may take to stage a call before it fails")
     store_linger: float = _s(
         0.05,
-        "a Parquet store's writer commits a unit at most once per this many seconds under load "
-        "(or per the last commit's duration, if shorter), each unit holding every call staged "
-        "meanwhile (a call waits up to this long more; a "
-        "call after a quiet spell commits at once): fewer units to open, follow and compact "
-        "(0: each batch at once; under half of --stage-timeout)",
+        "a Parquet store on object storage: its writer commits a unit at most once per this "
+        "many seconds under load (or per the last commit's duration, if shorter), each unit "
+        "holding every call staged meanwhile (a call waits up to this long more; a call after "
+        "a quiet spell commits at once): fewer units to open, follow and compact (0: each "
+        "batch at once; under half of --stage-timeout; a local folder commits at once)",
     )
     max_pending_stages: int = _s(
         256, "staging writes in progress at once; beyond it calls get 503 with Retry-After"
