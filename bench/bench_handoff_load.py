@@ -10,7 +10,7 @@ sandboxes run at once, `--calls` calls each, and each moves to the next proxy ev
 calls (a hand-off; it comes back to a proxy that still holds its old state: a hand-back).
 Reported: the calls' answers (``X-Capture-Status`` and the reasons of those not staged), how
 many rollouts a trainer finds poisoned or with seqs that are not 0..n-1, the calls' latency,
-and the time the writer threads spent in `ParquetSink._resolve` for rollouts they did not hold
+and the time the writer threads spent in `LiveRollouts._resolve` for rollouts they did not hold
 (``resolve_*``: every call queued behind it waits as long; ``writer_thread_resolves``: how many
 of those read the store there, the sinks' ``writer_thread_resolves_total``, -1 before it existed).
 
@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT))  # tests.support: moto's server, the in-process pr
 
 from capture_proxy.read.reader import Store  # noqa: E402
 from capture_proxy.sinks.parquet import ParquetSink  # noqa: E402
+from capture_proxy.sinks.parquet._live import LiveRollouts  # noqa: E402
 from capture_proxy.sinks.registry import open_sink, open_source  # noqa: E402
 from tests.support.proxy_harness import (  # noqa: E402
     Proxy,
@@ -51,20 +52,18 @@ _RESOLVES: dict[str, list[float]] = collections.defaultdict(list)
 
 
 def _time_resolves() -> None:
-    """Time the writer's in-thread store reads (`ParquetSink._resolve`), whichever thread runs
+    """Time the writer's in-thread store reads (`LiveRollouts._resolve`), whichever thread runs
     them."""
-    resolve = getattr(ParquetSink, "_resolve", None)
-    if resolve is None:
-        return
+    resolve = LiveRollouts._resolve
 
-    def timed(self: ParquetSink, rollout_id: str) -> Any:
+    def timed(self: LiveRollouts, rollout_id: str) -> Any:
         started = time.perf_counter()
         try:
             return resolve(self, rollout_id)
         finally:
             _RESOLVES[threading.current_thread().name].append(time.perf_counter() - started)
 
-    ParquetSink._resolve = timed  # type: ignore[method-assign]
+    LiveRollouts._resolve = timed  # type: ignore[method-assign]
 
 
 async def _sandbox(

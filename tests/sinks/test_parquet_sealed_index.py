@@ -95,7 +95,7 @@ async def test_a_sealed_rollout_resumes_exact_in_a_writer_that_reopens(tmp_path:
         assert set(idx.rollout_units) == {"o0"}
         assert idx.calls is None  # no key per call: a parent is found through its rollout
         sealed = ParquetSource(ds).rollout_info("s0")
-        assert sink._keys("s0").calls == {r.call_id for r in ParquetSource(ds).calls("s0")}
+        assert sink._live.keys("s0").calls == {r.call_id for r in ParquetSource(ds).calls("s0")}
         await sink.put_rollout(replace(sealed, metadata={"late": True}))
     finally:
         await sink.close()
@@ -189,7 +189,7 @@ async def test_a_writer_holds_nothing_of_rollouts_sealed_and_graded_as_the_proxy
         # No call ids or seq holders of them, and the chain heads of the last few sealed
         # only (each would be held for the life of the proxy, or until 4,096 rollouts pushed
         # it out).
-        assert list(sink._live) == []
+        assert len(sink._live) == 0
         assert len(sink._holders) == 0
         assert sink._events._heads == {}
         assert list(sink._events._sealed) == ["s2", "s3", "s4"]

@@ -68,7 +68,6 @@ import threading
 import time
 import uuid
 from array import array
-from collections import OrderedDict
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
@@ -90,11 +89,11 @@ from ..codec import encode_record
 from ..staging_rules import coords_for, new_attachments
 from ..store_head import StoreHeadKeeper
 from ._claim_head import ClaimedHead
-from ._claims import Holders, SeqClaim, claim_counts, last_claim
+from ._claims import Holders, SeqClaim, claim_counts
 from ._events import EventHeads
 from ._fs import DatasetFS
 from ._index import LRU
-from ._keys import Claimed, RecentKeys, RolloutIds, RolloutKeys, handoffs_in
+from ._keys import Claimed, RecentKeys, RolloutIds, handoffs_in
 from ._layout import (
     ATTACHMENTS,
     BLOBS,
@@ -107,7 +106,8 @@ from ._layout import (
     create_dataset,
 )
 from ._ledger import IMPLICIT, failure_row, orphan_row, rollout_row
-from ._resolve import ReadAhead, handoff_from
+from ._live import LiveRollouts
+from ._resolve import ReadAhead
 from ._source import ParquetSource, default_url
 from ._writer import UnitRows, UnitWriter, Work
 
@@ -250,7 +250,6 @@ class ParquetSink:
         except BaseException:
             self._lock.release()
             raise
-        self._live: OrderedDict[str, RolloutKeys] = OrderedDict()
         self.max_live_rollouts = max(1, max_live_rollouts)
         self._window_ns = int(dedup_window_s * 1e9)
         self._blobs = RecentKeys(max_blob_keys, self._window_ns)
@@ -268,7 +267,7 @@ class ParquetSink:
         self._ahead = ReadAhead(
             dfs,
             self._reader,
-            self._live.__contains__,
+            lambda rollout_id: rollout_id in self._live,
             self._rollouts,
             self._fulls,
             self.max_live_rollouts,
@@ -283,6 +282,16 @@ class ParquetSink:
         self._dfs = dfs
         self._holders = Holders(
             dfs, self.writer_id, self._claimed.created if self._claimed is not None else None
+        )
+        self._live = LiveRollouts(
+            max_live=self.max_live_rollouts,
+            dfs=dfs,
+            reader=self._reader,
+            holders=self._holders,
+            ahead=self._ahead,
+            events=self._events,
+            rollouts=self._rollouts,
+            writer_id=self.writer_id,
         )
         # On object storage other writers commit too: a thread keeps the writer's reader up to
         # date with their units, so a handoff read on the writer thread finds little to index
@@ -332,9 +341,9 @@ class ParquetSink:
         def work(batch: UnitRows, part: UnitRows) -> None:
             holder = self._holders.holder(claim)
             if holder != entry.call_id:
-                self._refused(claim, holder)
+                self._live.refused(claim, holder)
                 raise DuplicateSeq(entry.rollout_id, entry.seq, holder)
-            self._keys(entry.rollout_id)
+            self._live.keys(entry.rollout_id)
             self._ensure_rollout(batch, part, entry.rollout_id)
             part.rows[LEDGER].append(failure_row(entry))
             self._place(batch, part, ledger_event(entry))
@@ -354,7 +363,7 @@ class ParquetSink:
         if event.kind is not EventKind.CLAIM:
 
             def plain(batch: UnitRows, part: UnitRows) -> RolloutEvent:
-                self._keys(event.rollout_id)
+                self._live.keys(event.rollout_id)
                 if event.kind is EventKind.SEAL:
                     part.sealed.add(event.rollout_id)
                 return self._place(batch, part, event)
@@ -369,9 +378,9 @@ class ParquetSink:
         def work(batch: UnitRows, part: UnitRows) -> RolloutEvent:
             holder = self._holders.holder(claim)
             if holder != claim.call_id:
-                self._refused(claim, holder)
+                self._live.refused(claim, holder)
                 raise DuplicateSeq(event.rollout_id, claim.seq, holder)
-            self._keys(event.rollout_id)
+            self._live.keys(event.rollout_id)
             self._ensure_rollout(batch, part, event.rollout_id)
             return self._place(batch, part, event)
 
@@ -390,7 +399,7 @@ class ParquetSink:
             # sealed header of a rollout this writer no longer holds (the proxy writes it
             # after the seal event) needs no call ids: its head is the seal's (`EventHeads`).
             if not sealed or info.rollout_id in self._live or not self._dfs.local:
-                self._keys(info.rollout_id)
+                self._live.keys(info.rollout_id)
             head = self._events.head(batch, part, info.rollout_id)
             part.rows[LEDGER].append(rollout_row(info, -1 if head is None else head[0]))
             part.rollouts.add(info.rollout_id)
@@ -405,7 +414,7 @@ class ParquetSink:
     async def mark_orphaned(self, call_id: str, reason: str) -> None:
         def work(batch: UnitRows, part: UnitRows) -> None:
             staged = batch.calls.get(call_id)
-            rollout_id = staged[0] if staged else self._rollout_of(call_id)
+            rollout_id = staged[0] if staged else self._live.rollout_of(call_id)
             part.rows[LEDGER].append(orphan_row(call_id, rollout_id, reason, _now_ms()))
 
         await self._writer.submit(work)
@@ -483,8 +492,7 @@ class ParquetSink:
             # A sealed rollout takes no more calls once its seal event (or a sealed header)
             # commits; a late ledger entry reads it back (its seq's holder from the claim
             # file). Its full sequences go too: no call will extend them.
-            sealed = self._live.pop(rollout_id, None)
-            self._ahead.left(rollout_id)
+            sealed = self._live.drop(rollout_id)
             for call_id in sealed.calls if sealed is not None else ():
                 self._fulls.pop(call_id)
             self._holders.forget(rollout_id)
@@ -495,14 +503,6 @@ class ParquetSink:
     def _settle(self, works: list[Work]) -> None:
         # The claims the batch's work holds seqs by, written at once before the batch runs.
         self._holders.settle([w.claim for w in works if isinstance(w, Claimed)])
-
-    def _refused(self, claim: SeqClaim, holder: str) -> None:
-        """Another call holds `claim`'s seq: if this writer did not know it, another writer took
-        the rollout on; what is held here of it is stale and is read again at its next use."""
-        rollout_keys = self._live.get(claim.rollout_id)
-        if rollout_keys is not None and holder not in rollout_keys.calls:
-            del self._live[claim.rollout_id]
-            self._ahead.left(claim.rollout_id)
 
     def _place(self, batch: UnitRows, part: UnitRows, draft: EventDraft) -> RolloutEvent:
         """Chain `draft` in its rollout's log, after the ``handoff`` event due first, if any."""
@@ -524,63 +524,12 @@ class ParquetSink:
         events = self._reader.events(rollout_id)
         return (events[-1].position, events[-1].hash) if events else None
 
-    def _keys(self, rollout_id: str) -> RolloutKeys:
-        """What is committed of `rollout_id` (read from the dataset when not in memory)."""
-        keys = self._live.get(rollout_id)
-        if keys is not None:
-            self._live.move_to_end(rollout_id)
-            return keys
-        keys = self._resolve(rollout_id)
-        self._live[rollout_id] = keys
-        while len(self._live) > self.max_live_rollouts:
-            self._ahead.left(self._live.popitem(last=False)[0])
-        return keys
-
-    def _resolve(self, rollout_id: str) -> RolloutKeys:
-        """A rollout this writer does not hold, as the store has it now: another writer may have
-        created it, or continued it, since this one last looked (a handoff)."""
-        shared = not self._dfs.local  # a local folder has one writer: this one
-        now = self._holders.created_now(rollout_id)
-        # Read before its job was queued, off this thread (`_resolve.ReadAhead`), in general.
-        ahead = self._ahead.keys(rollout_id, self.writer_id, now, self._events) if shared else None
-        if ahead is not None:
-            return ahead
-        # One listing of its claims: a rollout another writer has taken calls of (a handoff)
-        # is read from the store; one nobody has is new, whoever created its header (an
-        # implicit header never replaces a stored one, `_ledger`).
-        last = last_claim(self._dfs, rollout_id, now)
-        if rollout_id not in self._rollouts:
-            if last is None or not shared:
-                return RolloutKeys()  # new: nothing of it is stored
-            self._rollouts.add(rollout_id)
-        if shared:
-            # One read of the store, for the chain's head. Another writer's call ids are not
-            # needed: call ids never repeat across proxies, and a call whose parent another
-            # writer staged is stored whole (exact, a few bytes more) instead of read back.
-            events = self._reader.events(rollout_id)
-            head = (events[-1].position, events[-1].hash) if events else None
-            self._events.reset(rollout_id, head)
-            keys = RolloutKeys({e.call_id for e in events if e.call_id and e.kind == "staged"})
-        else:
-            calls, _ = self._reader.rollout_keys(rollout_id)
-            keys = RolloutKeys(calls)
-        keys.handoff = handoff_from(last, self.writer_id)
-        return keys
-
     async def prepare_rollout(self, rollout_id: str) -> None:
         """Read from the store now what this writer's next write of `rollout_id` needs (its
         highest claim and chain head), in a worker thread, so that write does not wait for it
-        (`_resolve`): the proxy calls this as it resumes a rollout (a hand-off from another
+        (`LiveRollouts.keys`): the proxy calls this as it resumes a rollout (a hand-off from another
         proxy, or back), within ``--rollout-resume-timeout``. Nothing on a local folder."""
         await self._ahead.prepare(rollout_id)
-
-    def _rollout_of(self, call_id: str) -> str | None:
-        """The rollout of a call the writer holds in memory (None: not known here; an orphan
-        mark then names no rollout, and readers find it through the call)."""
-        for rollout_id, keys in reversed(self._live.items()):
-            if call_id in keys.calls:
-                return rollout_id
-        return None
 
     def _shared(self, batch: UnitRows, sha: str, given: Mapping[str, Attachment]) -> bool:
         """Whether a record may refer to the stored copy of attachment `sha` (the window rule)."""
@@ -612,7 +561,7 @@ class ParquetSink:
         if hit is None and ahead is not None and ahead[0] == parent:
             hit = self._fulls.put(parent, (record.rollout_id, ahead[1]))  # read before queued
         if hit is None:
-            if parent not in self._keys(record.rollout_id).calls:
+            if parent not in self._live.keys(record.rollout_id).calls:
                 return None  # not staged here, or another rollout's: store the call whole
             if not self._dfs.local:
                 return None  # not read in time before it was queued (`ReadAhead.parent`)
@@ -640,11 +589,11 @@ class ParquetSink:
         # another writer continued it, this writer has just dropped: `_refused`).
         holder = self._holders.holder(claim)
         if holder != key:
-            self._refused(claim, holder)
+            self._live.refused(claim, holder)
             return StageResult.failed(
                 "duplicate_seq", str(DuplicateSeq(record.rollout_id, record.seq, holder))
             )
-        if key in batch.calls or key in self._keys(record.rollout_id).calls:
+        if key in batch.calls or key in self._live.keys(record.rollout_id).calls:
             return StageResult.failed("duplicate_key", f"staging key {key} is already staged")
         checked = new_attachments(record, given, lambda sha: self._shared(batch, sha, given))
         if isinstance(checked, StageResult):
