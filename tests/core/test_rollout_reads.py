@@ -9,25 +9,16 @@ import threading
 from pathlib import Path
 
 from capture_proxy.core.resumes import READ_THREADS, read_threads, read_with_sink
-from capture_proxy.sinks.parquet import ParquetSink, ParquetSource
-from tests.support.sink_factories import Session
+from capture_proxy.sinks.parquet import ParquetSource
+from tests.support.sink_factories import Session, stage_parquet
 
 #: Far more than any read here takes; the resumes under way are held until the test ends.
 WAIT_S = 30.0
 
 
 async def _stage(location: str, rollout: str, calls: int) -> list[str]:
-    sink = ParquetSink(location)
-    keys = []
-    try:
-        session = Session(rollout, seed=7)
-        for _ in range(calls):
-            record, atts = session.next()
-            await sink.stage(record, attachments=atts)
-            keys.append(record.staging_key)
-    finally:
-        await sink.close()
-    return keys
+    staged = await stage_parquet(location, [Session(rollout, seed=7)], calls)
+    return [record.staging_key for record in staged]
 
 
 async def test_a_hand_backs_re_read_does_not_wait_behind_resumes_under_way(

@@ -15,9 +15,9 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 from capture_proxy.read.reader import Store
-from capture_proxy.sinks.parquet import ParquetSink, ParquetSource
+from capture_proxy.sinks.parquet import ParquetSource
 from tests.support.s3 import MotoS3
-from tests.support.sink_factories import Session
+from tests.support.sink_factories import Session, stage_parquet
 
 #: Long enough for any read here on a loaded machine; the holds below last longer.
 READ_S = 30.0
@@ -25,17 +25,9 @@ READ_S = 30.0
 
 async def _stage(url: str, writer: str, rollout: str, calls: int) -> list[str]:
     """`calls` records of `rollout`, each its own unit; their keys."""
-    sink = ParquetSink(url, writer_id=writer)
-    keys = []
-    try:
-        session = Session(rollout, seed=len(rollout))
-        for _ in range(calls):
-            record, atts = session.next()
-            await sink.stage(record, attachments=atts)
-            keys.append(record.staging_key)
-    finally:
-        await sink.close()
-    return keys
+    sessions = [Session(rollout, seed=len(rollout))]
+    staged = await stage_parquet(url, sessions, calls, writer_id=writer)
+    return [record.staging_key for record in staged]
 
 
 def _proxy_reader(url: str) -> ParquetSource:

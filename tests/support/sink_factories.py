@@ -195,12 +195,14 @@ class Session:
 # -- sinks ------------------------------------------------------------------------------------
 
 
-async def stage_parquet(url: str, sessions: list[Session], calls: int) -> list[StagedCallRecord]:
-    """`calls` records of each session, in turn, through one Parquet writer (``writer_id``
-    "w") that stages them one at a time (so one unit each) and is then closed; the records."""
+async def stage_parquet(
+    url: str, sessions: list[Session], calls: int, *, writer_id: str = "w"
+) -> list[StagedCallRecord]:
+    """`calls` records of each session, in turn, through one Parquet writer (`writer_id`) that
+    stages them one at a time (so one unit each) and is then closed; the records."""
     from capture_proxy.sinks.parquet import ParquetSink
 
-    sink = ParquetSink(url, writer_id="w")
+    sink = ParquetSink(url, writer_id=writer_id)
     staged = []
     try:
         for session in sessions:
