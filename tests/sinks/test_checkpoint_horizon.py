@@ -19,10 +19,10 @@ from capture_proxy.schemas.records import RolloutInfo, RolloutState
 from capture_proxy.sinks.base import StoreError
 from capture_proxy.sinks.parquet import ParquetSink, ParquetSource, _writer
 from capture_proxy.sinks.parquet._checkpoint import CHECKPOINT, load_markers
-from capture_proxy.sinks.parquet._compact import compact_dataset
 from capture_proxy.sinks.parquet._fs import DatasetFS
 from capture_proxy.sinks.parquet._gc import gc_parquet
 from capture_proxy.sinks.parquet._layout import COMMIT_MARGIN_S, Marker, list_markers
+from tests.support.maintenance import compact_all
 from tests.support.s3 import MotoS3
 from tests.support.sealing import put_sealed
 from tests.support.sink_factories import Session, stage_parquet
@@ -52,10 +52,6 @@ def _age(url: str) -> None:
         dfs.delete_many([old.rel, *old.files.values()])
 
 
-def _compact(url: str, grace_s: float) -> None:
-    compact_dataset(url, target_bytes=1 << 30, grace_s=grace_s, shared_window_s=0)
-
-
 def _rows(source: ParquetSource) -> dict[str, list[str]]:
     return {r: [c.call_id for c in source.calls(r)] for r in sorted(source.rollouts())}
 
@@ -65,7 +61,7 @@ async def test_an_open_does_not_list_markers_named_before_the_horizon(moto_s3: M
     await _stage(url, ["a", "b"], calls=4)
     _age(url)
     before = _rows(ParquetSource(url, index="units"))
-    _compact(url, grace_s=600)  # the 8 retired markers stay in _commits/
+    compact_all(url, grace_s=600)  # the 8 retired markers stay in _commits/
     dfs = DatasetFS(url)
     assert len(list_markers(dfs)) == 9
     body = orjson.loads(dfs.read(CHECKPOINT))
@@ -93,7 +89,7 @@ async def test_a_checkpoint_written_before_horizons_lists_every_name(moto_s3: Mo
     await _stage(url, ["a"], calls=3)
     _age(url)
     before = _rows(ParquetSource(url, index="units"))
-    _compact(url, grace_s=600)
+    compact_all(url, grace_s=600)
     dfs = DatasetFS(url)
     body = orjson.loads(dfs.read(CHECKPOINT))
     del body["listed_after"]  # as the release before horizons wrote it (format 1)
@@ -103,7 +99,7 @@ async def test_a_checkpoint_written_before_horizons_lists_every_name(moto_s3: Mo
     assert len(loaded.names) == 4  # the three retired markers and the merged one
     assert _rows(ParquetSource(url, index="units")) == before
     # The next maintenance run writes the horizon again.
-    _compact(url, grace_s=0)
+    compact_all(url, grace_s=0)
     assert "listed_after" in orjson.loads(dfs.read(CHECKPOINT))
 
 
@@ -116,7 +112,7 @@ async def test_a_long_lived_reader_follows_a_merge_of_units_before_its_horizon(
     await put_sealed(sink, RolloutInfo("b", RolloutState.SEALED, False, 0, 10))
     await sink.close()
     _age(url)
-    _compact(url, grace_s=600)  # one merged unit, named before the horizon
+    compact_all(url, grace_s=600)  # one merged unit, named before the horizon
     reader = ParquetSource(url, index="units")
     try:
         assert sorted(reader.rollouts()) == ["a", "b", "c"]
@@ -135,7 +131,7 @@ async def test_a_unit_committed_while_readers_open_is_never_missed(moto_s3: Moto
     url = moto_s3.url()
     await _stage(url, ["old"], calls=5)
     _age(url)
-    _compact(url, grace_s=600)
+    compact_all(url, grace_s=600)
     acked: list[str] = []
     stop = threading.Event()
     failed: list[BaseException] = []
@@ -167,7 +163,7 @@ async def test_a_unit_committed_while_readers_open_is_never_missed(moto_s3: Moto
         # loaded machine may commit fewer than six during six opens).
         while (opens < 6 or len(acked) <= 6) and time.monotonic() < deadline:
             if opens % 2 == 1:
-                _compact(url, grace_s=0)  # a new checkpoint (and horizon) between opens
+                compact_all(url, grace_s=0)  # a new checkpoint (and horizon) between opens
             seen_before = list(acked)
             source = ParquetSource(url, index="units")
             try:
@@ -231,11 +227,11 @@ async def test_a_checkpoint_that_changed_nothing_under_a_reader_costs_it_no_rein
     prefix = url.removeprefix("s3://").split("/", 1)[1]
     await _stage(url, ["a"], calls=3)
     _age(url)
-    _compact(url, grace_s=0)  # one merged unit
+    compact_all(url, grace_s=0)  # one merged unit
     reader = ParquetSource(url, index="units")
     try:
         assert len(reader.calls("a")) == 3
-        _compact(url, grace_s=0)  # nothing to merge: a new checkpoint all the same
+        compact_all(url, grace_s=0)  # nothing to merge: a new checkpoint all the same
         start = _log_size(moto_s3)
         assert len(reader.calls("a")) == 3
         requests = _requests(moto_s3, start)

@@ -16,7 +16,7 @@ import pytest
 
 from capture_proxy.cli import main
 from capture_proxy.read.reader import open_store
-from capture_proxy.sinks.base import CompactStats, StoreError
+from capture_proxy.sinks.base import StoreError
 from capture_proxy.sinks.parquet import LeaseLost, ParquetSink, ParquetSource, maintenance_lease
 from capture_proxy.sinks.parquet._checkpoint import CHECKPOINT, Checkpoint
 from capture_proxy.sinks.parquet._compact import compact_dataset
@@ -24,6 +24,7 @@ from capture_proxy.sinks.parquet._fs import DatasetFS
 from capture_proxy.sinks.parquet._gc import load_markers, replace_units
 from capture_proxy.sinks.parquet._layout import list_markers, live_units
 from capture_proxy.sinks.parquet._lease import LEASE
+from tests.support.maintenance import compact_all, snapshot
 from tests.support.s3 import MotoS3
 from tests.support.sink_factories import Session, stage_parquet
 
@@ -45,11 +46,6 @@ def _requests(moto: MotoS3, since: int) -> list[tuple[str, str]]:
     return [(m[1], m[2]) for m in _REQUEST.finditer(text)]
 
 
-def _compact(url: str, grace_s: float) -> CompactStats:
-    """Everything into one unit (merged units too: no window for gc to keep young copies)."""
-    return compact_dataset(url, target_bytes=1 << 30, grace_s=grace_s, shared_window_s=0)
-
-
 def _markers_read(moto: MotoS3, since: int) -> list[str]:
     return [
         path
@@ -63,28 +59,17 @@ def _log_size(moto: MotoS3) -> int:
     return moto.log_path.stat().st_size
 
 
-def _snapshot(url: str) -> dict[str, list[tuple[str, str]]]:
-    """Every rollout's calls (id, digest) and its events' hashes, as a reader sees them."""
-    with open_store(url) as store:
-        out = {}
-        for r in store.rollouts():
-            calls = [(c.call_id, c.digest) for c in store.source.calls(r)]
-            events = [("event", e.hash) for e in store.source.events(r)]
-            out[r] = calls + events
-        return out
-
-
 async def test_compaction_deletes_retired_units_in_bulk_after_releasing_the_lease(
     moto_s3: MotoS3,
 ) -> None:
     url = moto_s3.url()
     prefix = url.removeprefix("s3://")
     await _stage(url, ["a", "b", "c"], calls=20)
-    before = _snapshot(url)
-    first = _compact(url, grace_s=600)
+    before = snapshot(url)
+    first = compact_all(url, grace_s=600)
     assert (first.units_before, first.units_after, first.deleted_files) == (60, 1, 0)
     start = _log_size(moto_s3)
-    second = _compact(url, grace_s=0)
+    second = compact_all(url, grace_s=0)
     # 60 units' data files (calls, blobs, ledger) and markers.
     assert second.deleted_files >= 60 * 3 + 60
     requests = _requests(moto_s3, start)
@@ -98,7 +83,7 @@ async def test_compaction_deletes_retired_units_in_bulk_after_releasing_the_leas
     assert lease_writes
     assert lease_writes[-1] < bulk[0]  # released before the first delete
     assert len(list_markers(DatasetFS(url))) == 1
-    assert _snapshot(url) == before
+    assert snapshot(url) == before
     assert prefix  # the requests above were all under the test's own prefix
 
 
@@ -107,7 +92,7 @@ async def test_an_open_reads_the_checkpoint_and_only_the_markers_committed_since
 ) -> None:
     url = moto_s3.url()
     await _stage(url, ["a", "b"], calls=15)
-    _compact(url, grace_s=600)  # 30 retired markers stay listed
+    compact_all(url, grace_s=600)  # 30 retired markers stay listed
     await _stage(url, ["c"], calls=3)  # committed after the checkpoint
     start = _log_size(moto_s3)
     source = ParquetSource(url, index="units")
@@ -125,7 +110,7 @@ async def test_a_long_lived_reader_sees_a_compaction_and_new_units_without_rerea
     await _stage(url, ["a"], calls=10)
     source = ParquetSource(url, index="units")
     assert source.rollouts() == ["a"]
-    _compact(url, grace_s=600)
+    compact_all(url, grace_s=600)
     await _stage(url, ["b"], calls=2)
     start = _log_size(moto_s3)
     assert sorted(source.rollouts()) == ["a", "b"]
@@ -141,9 +126,9 @@ async def test_a_run_whose_lease_was_taken_without_its_knowing_is_fenced_by_the_
 ) -> None:
     url = str(tmp_path / "ds") if where == "local" else request.getfixturevalue("moto_s3").url()
     await _stage(url, ["a", "b"], calls=4)
-    _compact(url, grace_s=600)  # a checkpoint exists
+    compact_all(url, grace_s=600)  # a checkpoint exists
     await _stage(url, ["c"], calls=3)
-    before = _snapshot(url)
+    before = snapshot(url)
     dfs = DatasetFS(url)
     with maintenance_lease(url, "compact", dfs=dfs) as stalled:
         run = Checkpoint(dfs, url)
@@ -153,7 +138,7 @@ async def test_a_run_whose_lease_was_taken_without_its_knowing_is_fenced_by_the_
         # taken from it (here: the lease object removed, so the next run creates it) and that
         # run merges the same units and commits.
         DatasetFS(url).delete(LEASE)
-        taker = _compact(url, grace_s=600)
+        taker = compact_all(url, grace_s=600)
         assert taker.units_after == 1
         files_before = set(_all_files(url))
         with pytest.raises(LeaseLost, match=r"another maintenance run committed to .*checkpoint"):
@@ -166,7 +151,7 @@ async def test_a_run_whose_lease_was_taken_without_its_knowing_is_fenced_by_the_
                 undo_commit=run.undo,
             )
         assert set(_all_files(url)) == files_before  # its data files removed again
-    assert _snapshot(url) == before  # every event once: nothing committed twice
+    assert snapshot(url) == before  # every event once: nothing committed twice
     assert len(live_units(load_markers(DatasetFS(url)))) == 1
 
 
@@ -182,7 +167,7 @@ async def test_compaction_keeps_each_ledger_row_once_after_a_stalled_run_committ
 ) -> None:
     url = moto_s3.url()
     await _stage(url, ["a"], calls=5)
-    before = _snapshot(url)
+    before = snapshot(url)
     dfs = DatasetFS(url)
     # What a release before fencing could leave: a stalled run and the run that took over both
     # merged the same units, so their rows are live twice (readers replay every event twice).
@@ -195,9 +180,9 @@ async def test_compaction_keeps_each_ledger_row_once_after_a_stalled_run_committ
     once = [e for e in before["a"] if e[0] == "event"]
     assert once  # every call claimed its seq: events to duplicate
     assert len(events) == 2 * len(once)
-    stats = _compact(url, grace_s=0)
+    stats = compact_all(url, grace_s=0)
     assert stats.units_after == 1
-    assert _snapshot(url) == before
+    assert snapshot(url) == before
     with open_store(url) as store:
         store.verify()
 
@@ -213,12 +198,12 @@ async def test_a_store_without_a_checkpoint_opens_and_compacts_as_before(
     markers = load_markers(dfs)
     replace_units(dfs, live_units(markers)[:8], markers, lambda _t, table: table)
     assert not dfs.exists(CHECKPOINT)
-    before = _snapshot(url)
+    before = snapshot(url)
     assert sorted(before) == ["a", "b"]
-    stats = _compact(url, grace_s=0)
+    stats = compact_all(url, grace_s=0)
     assert (stats.units_before, stats.units_after) == (5, 1)
     assert dfs.exists(CHECKPOINT)
-    assert _snapshot(url) == before
+    assert snapshot(url) == before
 
 
 async def test_a_checkpoint_whose_merged_marker_is_missing_is_ignored_then_repaired(
@@ -226,17 +211,17 @@ async def test_a_checkpoint_whose_merged_marker_is_missing_is_ignored_then_repai
 ) -> None:
     url = moto_s3.url()
     await _stage(url, ["a"], calls=6)
-    before = _snapshot(url)
-    _compact(url, grace_s=600)
+    before = snapshot(url)
+    compact_all(url, grace_s=600)
     dfs = DatasetFS(url)
     (merged,) = live_units(load_markers(dfs))
     # A crash between the checkpoint and the merged unit's marker.
     dfs.delete(merged.rel)
     assert len(live_units(load_markers(dfs))) == 6
-    assert _snapshot(url) == before  # read from the old units: the same rows
-    _compact(url, grace_s=0)
+    assert snapshot(url) == before  # read from the old units: the same rows
+    compact_all(url, grace_s=0)
     assert [m.unit for m in live_units(load_markers(dfs))] == [merged.unit]
-    assert _snapshot(url) == before
+    assert snapshot(url) == before
 
 
 async def test_compact_grace_on_the_command_line(
@@ -263,10 +248,10 @@ async def test_a_large_unit_is_kept_and_only_the_units_after_it_are_merged(
 ) -> None:
     url = str(tmp_path / "ds")
     await _stage(url, ["a"], calls=6)
-    _compact(url, grace_s=0)
+    compact_all(url, grace_s=0)
     (large,) = live_units(load_markers(DatasetFS(url)))
     await _stage(url, ["b"], calls=3)
-    before = _snapshot(url)
+    before = snapshot(url)
     # The merged unit is half the target or more: merging the new units into it would write
     # it again whole.
     stats = compact_dataset(url, target_bytes=large.size * 2, grace_s=0, shared_window_s=0)
@@ -274,7 +259,7 @@ async def test_a_large_unit_is_kept_and_only_the_units_after_it_are_merged(
     first, merged = live_units(load_markers(DatasetFS(url)))
     assert first.unit == large.unit
     assert merged.rows["calls"] == 3
-    assert _snapshot(url) == before
+    assert snapshot(url) == before
 
 
 async def test_two_writers_and_two_maintenance_loops_lose_nothing_and_opens_see_every_ack(
@@ -298,7 +283,7 @@ async def test_two_writers_and_two_maintenance_loops_lose_nothing_and_opens_see_
     def maintain() -> None:
         while not stop.is_set():
             try:
-                stats = _compact(url, grace_s=3.0)
+                stats = compact_all(url, grace_s=3.0)
                 merges.append(stats.units_before - stats.units_after)
                 deleted.append(stats.deleted_files)
             except StoreError as e:
@@ -390,7 +375,7 @@ async def test_a_compaction_lists_the_markers_before_it_takes_the_lease(moto_s3:
     url = moto_s3.url()
     await _stage(url, ["a", "b"], calls=5)
     start = _log_size(moto_s3)
-    _compact(url, grace_s=600)
+    compact_all(url, grace_s=600)
     requests = _requests(moto_s3, start)
     lease_writes = [
         i for i, (m, path) in enumerate(requests) if m == "PUT" and path.endswith(f"/{LEASE}")
@@ -413,7 +398,7 @@ async def test_a_reading_made_before_another_run_took_the_lease_is_read_again(
     dfs = DatasetFS(url)
     early = Checkpoint(dfs, url)
     assert len(early.loaded.live()) == 4
-    _compact(url, grace_s=600)  # another run takes the lease and merges meanwhile
+    compact_all(url, grace_s=600)  # another run takes the lease and merges meanwhile
     with maintenance_lease(url, "compact", dfs=dfs) as lease:
         early.hold(lease)
         assert len(early.loaded.live()) == 1  # the merged unit, not the four it retired

@@ -19,17 +19,17 @@ from pathlib import Path
 
 import pytest
 
-from capture_proxy.read.reader import open_store
 from capture_proxy.schemas.records import RolloutInfo, RolloutState
-from capture_proxy.sinks.base import CompactStats, Progress, StoreError
+from capture_proxy.sinks.base import CompactStats, StoreError
 from capture_proxy.sinks.parquet import LeaseLost, ParquetSink, gc_parquet, maintenance_lease
 from capture_proxy.sinks.parquet._checkpoint import CHECKPOINT, Checkpoint, load_markers
-from capture_proxy.sinks.parquet._compact import LEFTOVER_AGE_S, compact_dataset
+from capture_proxy.sinks.parquet._compact import LEFTOVER_AGE_S
 from capture_proxy.sinks.parquet._fs import DatasetFS
 from capture_proxy.sinks.parquet._gc import load_markers as every_marker
 from capture_proxy.sinks.parquet._gc import replace_units
 from capture_proxy.sinks.parquet._layout import TABLES
 from capture_proxy.sinks.parquet._lease import LEASE, NEXT
+from tests.support.maintenance import compact_all, snapshot
 from tests.support.s3 import MotoS3
 from tests.support.sealing import put_sealed
 from tests.support.sink_factories import Session, stage_parquet
@@ -49,24 +49,6 @@ def url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
 async def _stage(url: str, rollouts: list[str], calls: int) -> None:
     """`calls` records in each rollout, one unit each."""
     await stage_parquet(url, [Session(r) for r in rollouts], calls)
-
-
-def _compact(url: str, progress: Progress | None = None) -> CompactStats:
-    """Everything into one unit (no window keeping young merged units apart)."""
-    return compact_dataset(
-        url, target_bytes=1 << 30, grace_s=600, shared_window_s=0, progress=progress
-    )
-
-
-def _snapshot(url: str) -> dict[str, list[tuple[str, str]]]:
-    """Every rollout's calls (id, digest) and its events' hashes, as a reader sees them."""
-    with open_store(url) as store:
-        out = {}
-        for r in store.rollouts():
-            calls = [(c.call_id, c.digest) for c in store.source.calls(r)]
-            events = [("event", e.hash) for e in store.source.events(r)]
-            out[r] = calls + events
-        return out
 
 
 def _data_files(url: str) -> set[str]:
@@ -89,7 +71,7 @@ def _merges(url: str) -> int:
 
 async def test_another_run_finds_the_lease_free_while_a_compaction_merges(url: str) -> None:
     await _stage(url, ["a", "b"], calls=4)
-    before = _snapshot(url)
+    before = snapshot(url)
     taken: list[str] = []
 
     def merged_one(done: int, total: int) -> None:
@@ -98,13 +80,13 @@ async def test_another_run_finds_the_lease_free_while_a_compaction_merges(url: s
                 other.check()
                 taken.append(other.holder)
 
-    stats = _compact(url, progress=merged_one)
+    stats = compact_all(url, progress=merged_one)
     assert taken  # the other run took the lease and released it while this one merged
     # The lease changed hands since this run read the dataset: it read it again holding the
     # lease, found its units still live, and committed its merge.
     assert (stats.units_before, stats.units_after, stats.merges_dropped) == (8, 1, 0)
     assert stats.lease_held_s > 0
-    assert _snapshot(url) == before
+    assert snapshot(url) == before
     assert _unnamed(url) == set()
 
 
@@ -115,7 +97,7 @@ async def test_a_compaction_writes_its_merged_files_before_it_takes_the_lease(
     await _stage(url, ["a"], calls=5)
     await asyncio.sleep(0.15)  # moto logs a request once it has answered it
     start = moto_s3.log_path.stat().st_size
-    _compact(url)
+    compact_all(url)
     await asyncio.sleep(0.15)
     with moto_s3.log_path.open("rb") as f:
         f.seek(start)
@@ -137,7 +119,7 @@ async def test_a_compaction_that_finds_the_lease_taken_since_its_reading_reads_a
 ) -> None:
     url = moto_s3.url()
     await _stage(url, ["a"], calls=5)
-    before = _snapshot(url)
+    before = snapshot(url)
     await asyncio.sleep(0.15)
     start = moto_s3.log_path.stat().st_size
 
@@ -146,7 +128,7 @@ async def test_a_compaction_that_finds_the_lease_taken_since_its_reading_reads_a
             with maintenance_lease(url, "gc"):
                 pass
 
-    stats = _compact(url, progress=merged_one)
+    stats = compact_all(url, progress=merged_one)
     await asyncio.sleep(0.15)
     with moto_s3.log_path.open("rb") as f:
         f.seek(start)
@@ -161,42 +143,42 @@ async def test_a_compaction_that_finds_the_lease_taken_since_its_reading_reads_a
     assert not [i for i in listings for a, b in held if a < i < b]  # none holding the lease
     assert [i for i in listings if lease[3] < i < lease[4]]  # read again between the two
     assert (stats.units_after, stats.merges_dropped) == (1, 0)
-    assert _snapshot(url) == before
+    assert snapshot(url) == before
 
 
 async def test_of_two_compactions_of_the_same_units_one_commits_and_the_other_deletes_its_files(
     url: str,
 ) -> None:
     await _stage(url, ["a", "b"], calls=3)
-    before = _snapshot(url)
+    before = snapshot(url)
     other: list[CompactStats] = []
 
     def merged_one(done: int, total: int) -> None:
         if done == 1:  # another run merges the same units and commits first
-            other.append(_compact(url))
+            other.append(compact_all(url))
 
-    stats = _compact(url, progress=merged_one)
+    stats = compact_all(url, progress=merged_one)
     assert other[0].units_after == 1
     # This run found, holding the lease, that its units were merged: it committed nothing.
     assert stats.merges_dropped == 1
     assert stats.units_before == stats.units_after == 1
     assert _merges(url) == 1
     assert _unnamed(url) == set()  # its merged files were deleted
-    assert _snapshot(url) == before
+    assert snapshot(url) == before
 
 
 async def test_two_compactions_at_once_commit_one_merge_and_leave_no_file_behind(
     url: str,
 ) -> None:
     await _stage(url, ["a", "b"], calls=3)
-    before = _snapshot(url)
+    before = snapshot(url)
     start = threading.Barrier(2)
     results: list[CompactStats | StoreError] = []
 
     def run() -> None:
         start.wait()
         try:
-            results.append(_compact(url))
+            results.append(compact_all(url))
         except StoreError as e:  # refused: the other holds the lease
             results.append(e)
 
@@ -211,7 +193,7 @@ async def test_two_compactions_at_once_commit_one_merge_and_leave_no_file_behind
     assert all("another maintenance run" in str(r) for r in refused)
     assert _merges(url) == 1
     assert _unnamed(url) == set()
-    assert _snapshot(url) == before
+    assert snapshot(url) == before
 
 
 def _replace_lease(url: str, body: bytes) -> None:
@@ -222,7 +204,7 @@ async def test_a_compaction_whose_checkpoint_moved_without_its_knowing_commits_n
     url: str,
 ) -> None:
     await _stage(url, ["a", "b"], calls=3)
-    before = _snapshot(url)
+    before = snapshot(url)
     with maintenance_lease(url, "gc"):
         pass  # a released lease object, as after any run
     released = DatasetFS(url).read(LEASE)
@@ -232,14 +214,14 @@ async def test_a_compaction_whose_checkpoint_moved_without_its_knowing_commits_n
             # Another run commits a merge of the same units, and the lease object ends up as
             # this run saw it (the same bytes: the same etag), so this run uses its reading:
             # the compare-and-swap of the checkpoint is what stops it.
-            _compact(url)
+            compact_all(url)
             _replace_lease(url, released)
 
     with pytest.raises(LeaseLost, match=r"another maintenance run committed to .*live\.json"):
-        _compact(url, progress=merged_one)
+        compact_all(url, progress=merged_one)
     assert _merges(url) == 1
     assert _unnamed(url) == set()  # its merged files deleted
-    assert _snapshot(url) == before
+    assert snapshot(url) == before
     with maintenance_lease(url, "compact") as lease:  # released on the way out
         lease.check()
 
@@ -276,7 +258,7 @@ async def test_a_compaction_killed_after_writing_its_merge_leaves_the_store_as_b
 ) -> None:
     await _stage(url, ["a", "b"], calls=3)
     await _stage(url, ["c"], calls=1)
-    before = _snapshot(url)
+    before = snapshot(url)
     files = _data_files(url)
     size = sum(m.size for m in load_markers(DatasetFS(url)).live())
     # Two runs of units (the target splits them): killed between the first and the second.
@@ -285,22 +267,22 @@ async def test_a_compaction_killed_after_writing_its_merge_leaves_the_store_as_b
     assert leftovers  # the merged unit's files, named by no marker
     assert _unnamed(url) == leftovers
     assert _merges(url) == 0
-    assert _snapshot(url) == before
+    assert snapshot(url) == before
     # It never took the lease: the next run takes it at once, merges, and keeps the leftovers
     # (younger than LEFTOVER_AGE_S, they might be a commit in progress).
-    stats = compact_dataset(url, target_bytes=1 << 30, grace_s=0, shared_window_s=0)
+    stats = compact_all(url, grace_s=0)
     assert stats.units_after == 1
     assert _unnamed(url) == leftovers
-    assert _snapshot(url) == before
+    assert snapshot(url) == before
     if url.startswith("s3://"):
         return  # an object's age cannot be set on S3: the deletion is shown on a folder
     old = time.time() - LEFTOVER_AGE_S - 60
     for rel in leftovers:
         os.utime(Path(url) / rel, (old, old))
-    stats = compact_dataset(url, target_bytes=1 << 30, grace_s=0, shared_window_s=0)
+    stats = compact_all(url, grace_s=0)
     assert stats.deleted_files >= len(leftovers)
     assert _unnamed(url) == set()
-    assert _snapshot(url) == before
+    assert snapshot(url) == before
 
 
 async def test_a_gc_whose_units_were_merged_meanwhile_reads_again_and_removes_the_rollout(
@@ -310,19 +292,19 @@ async def test_a_gc_whose_units_were_merged_meanwhile_reads_again_and_removes_th
     sink = ParquetSink(url, writer_id="w")
     await put_sealed(sink, RolloutInfo("a", RolloutState.SEALED, False, 0, 10))
     await sink.close()
-    kept = _snapshot(url)["b"]
+    kept = snapshot(url)["b"]
     merged: list[CompactStats] = []
 
     def reading(done: int, total: int) -> None:
         if not merged:  # while gc reads the units, a compaction merges them all
-            merged.append(_compact(url))
+            merged.append(compact_all(url))
 
     stats = gc_parquet(
         url, older_than_ms=DAY_MS, now_ms=10 + DAY_MS + 1, shared_window_s=0, progress=reading
     )
     assert merged[0].units_after == 1
     assert stats.rollouts == ["a"]
-    assert _snapshot(url) == {"b": kept}
+    assert snapshot(url) == {"b": kept}
     assert _merges(url) == 2  # the compaction's, then gc's rewrite of it
     assert _unnamed(url) == set()  # gc's first rewrite, of units merged since, deleted
 
@@ -340,7 +322,7 @@ async def test_a_gc_whose_units_are_merged_at_every_reading_stops_saying_so_and_
         if done == 1:  # each time gc starts reading: new units, and a compaction of them all
             readings.append(total)
             asyncio.run(_stage(url, [f"new{len(readings)}"], calls=1))
-            _compact(url)
+            compact_all(url)
 
     with pytest.raises(StoreError) as stopped:
         await asyncio.to_thread(
@@ -356,7 +338,7 @@ async def test_a_gc_whose_units_are_merged_at_every_reading_stops_saying_so_and_
         "times while it read them; nothing was committed, run it again"
     )
     assert len(readings) == 3
-    assert sorted(_snapshot(url)) == ["a", "b", "new1", "new2", "new3"]  # nothing removed
+    assert sorted(snapshot(url)) == ["a", "b", "new1", "new2", "new3"]  # nothing removed
     assert _unnamed(url) == set()  # each rewrite's files deleted
 
 
@@ -398,7 +380,7 @@ async def test_compact_on_the_command_line_says_which_merges_another_run_committ
 ) -> None:
     url = str(tmp_path / "ds")
     await _stage(url, ["a", "b"], calls=3)
-    before = _snapshot(url)
+    before = snapshot(url)
     returncode, out = _merge_while_a_compaction_waits(url)
     assert returncode == 0
     lines = out.splitlines()
@@ -410,4 +392,4 @@ async def test_compact_on_the_command_line_says_which_merges_another_run_committ
     )
     assert _merges(url) == 1
     assert _unnamed(url) == set()
-    assert _snapshot(url) == before
+    assert snapshot(url) == before
