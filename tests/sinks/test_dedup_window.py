@@ -79,10 +79,10 @@ async def test_a_writer_remembers_its_latest_attachments_and_asks_the_store_for_
         for session in (a, b):
             record, given = session.next()
             assert (await sink.stage(record, attachments=given)).coords is not None
-        assert len(sink._attachments) == 1  # b's: a's fell out
+        assert len(sink._shared.attachments) == 1  # b's: a's fell out
         record, given = a.next()
         assert (await sink.stage(record, attachments=given)).coords is not None  # stored again
-        assert len(sink._attachments) == 1
+        assert len(sink._shared.attachments) == 1
         record, _ = b.next()
         assert (await sink.stage(record, attachments={})).coords is not None  # from the store
     finally:

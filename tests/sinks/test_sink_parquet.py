@@ -392,7 +392,7 @@ async def test_writer_and_proxy_reader_memory_follows_live_work_not_the_store(
         assert reader.rollout_info(s.rollout_id).rollout_id == s.rollout_id  # as a resume does
         assert len(reader.summaries(s.rollout_id)) == 2
     assert len(sink._live) <= 8
-    assert len(sink._blobs) <= 16
+    assert len(sink._shared.blobs) <= 16
     index = reader._index  # type: ignore[attr-defined]
     assert not hasattr(index, "by_rollout")  # no per-call entries: hashes in a bytearray
     assert len(index.calls) == 80

@@ -45,17 +45,14 @@ What it keeps is bounded by live work, not by the size of the store: the call id
 rollouts in use (the `max_live_rollouts` most recently used, a sealed rollout dropped once its
 seal commits; a rollout that comes back is read from its units by the writer's own reader), the
 holders of recently claimed seqs and the recent full sequences (`cache_tokens`), both dropped for
-a rollout once its seal commits, the most recent `max_blob_keys` blob keys (a blob not among them
-is stored again: a few bytes more, never a wrong record; readers and compaction keep one copy),
-the most recent `max_attachment_keys` attachment sha256s (likewise, when the bytes are given; a
-reference alone to one not among them is looked up in the store), and per rollout a hash of its
-id (`RolloutIds`: about 9 bytes). A staging key is refused as a duplicate within its rollout (the
-proxy's call ids are unique by construction).
+a rollout once its seal commits, the most recent `max_blob_keys` blob keys and
+`max_attachment_keys` attachment sha256s, and per rollout a hash of its id (`RolloutIds`: about 9
+bytes). A staging key is refused as a duplicate within its rollout (the proxy's call ids are
+unique by construction).
 
-Blobs and attachments are shared only with copies committed less than `dedup_window_s` ago
-(`_layout.DEDUP_WINDOW_S`, an hour): an older one is stored again, and a reference alone to an
-older attachment is refused as ``missing_attachment``. That is what lets gc run while the
-proxy writes: it removes only copies older than the window (`_gc`).
+Blobs and attachments are shared only with copies committed less than `dedup_window_s` ago (an
+hour), which is what lets gc run while the proxy writes; `_shared` says how, and what a blob or
+attachment the writer no longer remembers costs.
 """
 
 from __future__ import annotations
@@ -86,17 +83,15 @@ from ...schemas.records import (
 from ...schemas.store_head import StoreHeadState
 from ..base import DuplicateSeq, FaultHook, StoreError
 from ..codec import encode_record
-from ..staging_rules import coords_for, new_attachments
+from ..staging_rules import coords_for
 from ..store_head import StoreHeadKeeper
 from ._claim_head import ClaimedHead
 from ._claims import Holders, SeqClaim, claim_counts
 from ._events import EventHeads
 from ._fs import DatasetFS
 from ._index import LRU
-from ._keys import Claimed, RecentKeys, RolloutIds, handoffs_in
+from ._keys import Claimed, RolloutIds, handoffs_in
 from ._layout import (
-    ATTACHMENTS,
-    BLOBS,
     CALLS,
     DEDUP_WINDOW_S,
     LEDGER,
@@ -108,6 +103,7 @@ from ._layout import (
 from ._ledger import IMPLICIT, failure_row, orphan_row, rollout_row
 from ._live import LiveRollouts
 from ._resolve import ReadAhead
+from ._shared import SharedCopies
 from ._source import ParquetSource, default_url
 from ._writer import UnitRows, UnitWriter, Work
 
@@ -197,7 +193,6 @@ class ParquetSink:
         self.location = location
         self.url = url or default_url(location)
         self.fault = fault
-        self.dedup_hits = 0
         self.writer_id = writer_id or f"{socket.gethostname()}/{os.getpid()}/{uuid.uuid4().hex[:8]}"
         dfs = DatasetFS(location, filesystem, store)
         if not check_format(dfs):
@@ -251,16 +246,13 @@ class ParquetSink:
             self._lock.release()
             raise
         self.max_live_rollouts = max(1, max_live_rollouts)
-        self._window_ns = int(dedup_window_s * 1e9)
-        self._blobs = RecentKeys(max_blob_keys, self._window_ns)
-        # The attachments committed (or referred to) lately: a record refers to such a copy
-        # instead of storing the bytes again. One not among them is stored again when its
-        # bytes are given, and looked up in the store when they are not (`_shared`).
-        self._attachments = RecentKeys(max_attachment_keys, self._window_ns)
-        for sha, order in sorted(known.attachments.items(), key=lambda kv: kv[1])[
-            -self._attachments.limit :
-        ]:
-            self._attachments.add(sha, at_ns=order)
+        self._shared = SharedCopies(
+            self._reader,
+            known.attachments,
+            max_blob_keys=max_blob_keys,
+            max_attachment_keys=max_attachment_keys,
+            window_s=dedup_window_s,
+        )
         self._rollouts = RolloutIds(known.rollouts)
         self._fulls: LRU[str, tuple[str, array[int]]] = LRU(cache_tokens, lambda v: len(v[1]))
         # Rollouts (and parents) it does not hold are read before their work is queued.
@@ -419,6 +411,11 @@ class ParquetSink:
 
         await self._writer.submit(work)
 
+    @property
+    def dedup_hits(self) -> int:
+        """References to an attachment already stored (not stored again) since the sink opened."""
+        return self._shared.hits
+
     def own_source(self) -> ParquetSource:
         """The writer's own reader on the dataset, lent to the proxy (`SinkWithSource`): one
         index of the store in the process, not two. Thread-safe (its reads are serialized,
@@ -476,10 +473,7 @@ class ParquetSink:
             keys = self._live.get(rollout_id)
             if keys is not None:  # else it left memory: the reader finds the call if it returns
                 keys.calls.add(call_id)
-        for blob_key in batch.blobs:
-            self._blobs.add(blob_key)
-        for sha in batch.attachments:
-            self._attachments.add(sha)
+        self._shared.publish(batch)
         self._rollouts.update(batch.rollouts)
         self._events.publish(batch)
         if self._claimed is not None:
@@ -530,19 +524,6 @@ class ParquetSink:
         (`LiveRollouts.keys`): the proxy calls this as it resumes a rollout (a hand-off from another
         proxy, or back), within ``--rollout-resume-timeout``. Nothing on a local folder."""
         await self._ahead.prepare(rollout_id)
-
-    def _shared(self, batch: UnitRows, sha: str, given: Mapping[str, Attachment]) -> bool:
-        """Whether a record may refer to the stored copy of attachment `sha` (the window rule)."""
-        if sha in batch.attachments or sha in self._attachments:
-            return True
-        if sha in given:
-            return False  # not remembered: stored again (a few bytes more, never a wrong record)
-        # A reference alone to a copy this writer no longer remembers: the store says.
-        committed = self._reader.attachment_order(sha)
-        if committed is None or time.time_ns() - committed >= self._window_ns:
-            return False
-        self._attachments.add(sha, at_ns=committed)
-        return True
 
     def _ensure_rollout(self, batch: UnitRows, part: UnitRows, rollout_id: str) -> None:
         if rollout_id in self._rollouts or rollout_id in batch.rollouts:
@@ -595,30 +576,16 @@ class ParquetSink:
             )
         if key in batch.calls or key in self._live.keys(record.rollout_id).calls:
             return StageResult.failed("duplicate_key", f"staging key {key} is already staged")
-        checked = new_attachments(record, given, lambda sha: self._shared(batch, sha, given))
-        if isinstance(checked, StageResult):
-            return checked
-        new, hits = checked
-        self.dedup_hits += hits
+        new = self._shared.attachments_to_store(batch, record, given)
+        if isinstance(new, StageResult):
+            return new
         encoded = encode_record(record, self._parent_full(batch, record, parent), given)
         part.rows[CALLS].append(encoded.row)
         part.calls[key] = (record.rollout_id, encoded.full)
-        for blob_key, data in encoded.blobs.items():
-            if blob_key not in self._blobs and blob_key not in batch.blobs:
-                part.rows[BLOBS].append({"key": blob_key, "data": data})
-                part.blobs.add(blob_key)
+        self._shared.add_blobs(batch, part, encoded.blobs)
         if self.fault is not None:
             self.fault("after_record")
-        for att in new:
-            part.rows[ATTACHMENTS].append(
-                {
-                    "sha256": att.sha256,
-                    "media_type": att.media_type,
-                    "size": att.size,
-                    "data": att.data,
-                }
-            )
-            part.attachments.add(att.sha256)
+        self._shared.add_attachments(part, new)
         if self.fault is not None:
             self.fault("after_attachments")
         self._ensure_rollout(batch, part, record.rollout_id)
