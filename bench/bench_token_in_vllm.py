@@ -73,7 +73,7 @@ def _first_body(stream: bool) -> dict[str, Any]:
     return {
         "model": tiny_vllm.SERVED_MODEL_NAME,
         "messages": [SYSTEM, {"role": "user", "content": "List the files."}],
-        "tools": TOOLS,
+        "tools": TOOL_SETS[SHAPE[0]],
         "temperature": 0,
         "max_tokens": 8,
         **({"stream": True, "stream_options": {"include_usage": True}} if stream else {}),
@@ -102,6 +102,26 @@ def _streamed_message(data: bytes) -> dict[str, Any]:
 
 #: ``--token-in-upstream-bound`` of the token-in proxy (``--bound``).
 BOUND = [3.0]
+#: The session's tools (``--tools``): nine described ones (session_load's), or one with a short
+#: description (examples/rl_loop's ``bash``), whose prompt ids are more of its bytes.
+TOOL_SETS: dict[str, list[dict[str, Any]]] = {
+    "nine": TOOLS,
+    "short": [
+        {
+            "type": "function",
+            "function": {
+                "name": "bash",
+                "description": "Run a shell command.",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"command": {"type": "string"}},
+                    "required": ["command"],
+                },
+            },
+        }
+    ],
+}
+SHAPE = ["nine"]
 
 
 async def _proxy(
@@ -286,6 +306,7 @@ async def _bytes(vllm: str, port: int, workdir: Path, dump: Path | None) -> None
 
 async def main(args: argparse.Namespace) -> None:
     BOUND[0] = args.bound
+    SHAPE[0] = args.tools
     proc = None
     pid = args.pid
     url = args.url
@@ -330,5 +351,8 @@ if __name__ == "__main__":
     parser.add_argument("--max-seconds", type=float, default=100.0)
     parser.add_argument("--bytes-only", action="store_true", help="only the upstream bytes")
     parser.add_argument("--bound", type=float, default=3.0, help="--token-in-upstream-bound")
+    parser.add_argument(
+        "--tools", choices=sorted(TOOL_SETS), default="nine", help="the session's tools"
+    )
     parser.add_argument("--dump", type=Path, help="write each measured upstream request there")
     asyncio.run(main(parser.parse_args()))

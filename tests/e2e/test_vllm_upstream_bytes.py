@@ -62,13 +62,30 @@ TOOLS: list[dict[str, Any]] = [
     }
     for name in ("bash", "read", "write", "edit", "glob", "grep", "list", "webfetch", "todo")
 ]
+#: examples/rl_loop's one tool, with a short description: its prompt ids are 1.9× the
+#: request's bytes (1.8× with the nine described tools).
+SHORT_TOOLS: list[dict[str, Any]] = [
+    {
+        "type": "function",
+        "function": {
+            "name": "bash",
+            "description": "Run a shell command.",
+            "parameters": {
+                "type": "object",
+                "properties": {"command": {"type": "string"}},
+                "required": ["command"],
+            },
+        },
+    }
+]
+TOOL_SETS = {"nine": TOOLS, "short": SHORT_TOOLS}
 
 
-def first_call(stream: bool) -> dict[str, Any]:
+def first_call(stream: bool, tools: str = "nine") -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": "policy",
         "messages": [SYSTEM, {"role": "user", "content": "List the files."}],
-        "tools": TOOLS,
+        "tools": TOOL_SETS[tools],
         "temperature": 0,
         "max_tokens": 8,
     }
@@ -79,12 +96,18 @@ def first_call(stream: bool) -> dict[str, Any]:
 
 
 async def second_call_bytes(
-    p: Proxy, relay: ByteRelay, rollout: str, stream: bool, *, kinds: frozenset[str] | None = None
+    p: Proxy,
+    relay: ByteRelay,
+    rollout: str,
+    stream: bool,
+    *,
+    kinds: frozenset[str] | None = None,
+    tools: str = "nine",
 ) -> int:
     """Play the session; the bytes the proxy sent vLLM for its second call (of the requests of
     `kinds` only, when given: `request_kind`)."""
     post = functools.partial(p.chat, rollout=rollout)
-    first = first_call(stream)
+    first = first_call(stream, tools)
     await agent_view(post, first)
     staged = p.calls(rollout)[-1].response  # the answer as the agent replays it
     replayed = {"role": "assistant", "content": staged.get("content") or ""}
@@ -109,19 +132,21 @@ async def second_call_bytes(
 PLAIN_CALL = frozenset({"chat"})
 
 
+@pytest.mark.parametrize("tools", sorted(TOOL_SETS))
 @pytest.mark.parametrize("stream", [False, True], ids=["unary", "streamed"])
 async def test_a_bridged_token_in_call_sends_vllm_at_most_three_times_the_plain_call_s_bytes(
-    vllm_url: str, tmp_path: Path, stream: bool
+    vllm_url: str, tmp_path: Path, stream: bool, tools: str
 ) -> None:
     relay = ByteRelay(int(vllm_url.rsplit(":", 1)[1]))
     upstream = f"http://127.0.0.1:{await relay.start()}"
     plain = await start_proxy(tmp_path / "plain", upstream=upstream)
     token_in = await start_proxy(tmp_path / "token-in", upstream=upstream, token_in="on")
     try:
-        want = await second_call_bytes(plain, relay, "plain", stream, kinds=PLAIN_CALL)
-        # The first session learns the template's close and anchors; the second is measured.
-        await second_call_bytes(token_in, relay, "learn", stream)
-        got = await second_call_bytes(token_in, relay, "measured", stream)
+        want = await second_call_bytes(plain, relay, "plain", stream, kinds=PLAIN_CALL, tools=tools)
+        # The first session learns the template's close and where the appended messages
+        # start; the second is measured.
+        await second_call_bytes(token_in, relay, "learn", stream, tools=tools)
+        got = await second_call_bytes(token_in, relay, "measured", stream, tools=tools)
         [_, bridged] = token_in.calls("measured")
         assert bridged.token_in
         assert bridged.bridge_spans  # extended, not a new segment
