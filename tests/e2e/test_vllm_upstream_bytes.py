@@ -31,6 +31,7 @@ import functools
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 
 from capture_proxy.testing.byte_relay import ByteRelay, by_kind, request_kind
@@ -81,7 +82,9 @@ SHORT_TOOLS: list[dict[str, Any]] = [
 TOOL_SETS = {"nine": TOOLS, "short": SHORT_TOOLS}
 
 
-def first_call(stream: bool, tools: str = "nine") -> dict[str, Any]:
+def first_call(stream: bool, tools: str = "nine", end: int | None = None) -> dict[str, Any]:
+    """The session's first request; `end`: an end-of-sequence id the answer is made to stop on
+    at once (a logit bias), else the tiny model's answer is cut at 8 tokens."""
     body: dict[str, Any] = {
         "model": "policy",
         "messages": [SYSTEM, {"role": "user", "content": "List the files."}],
@@ -89,6 +92,8 @@ def first_call(stream: bool, tools: str = "nine") -> dict[str, Any]:
         "temperature": 0,
         "max_tokens": 8,
     }
+    if end is not None:
+        body["logit_bias"] = {str(end): 100}
     if stream:
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}
@@ -103,11 +108,12 @@ async def second_call_bytes(
     *,
     kinds: frozenset[str] | None = None,
     tools: str = "nine",
+    end: int | None = None,
 ) -> int:
     """Play the session; the bytes the proxy sent vLLM for its second call (of the requests of
     `kinds` only, when given: `request_kind`)."""
     post = functools.partial(p.chat, rollout=rollout)
-    first = first_call(stream, tools)
+    first = first_call(stream, tools, end)
     await agent_view(post, first)
     staged = p.calls(rollout)[-1].response  # the answer as the agent replays it
     replayed = {"role": "assistant", "content": staged.get("content") or ""}
@@ -132,22 +138,43 @@ async def second_call_bytes(
 PLAIN_CALL = frozenset({"chat"})
 
 
+async def end_of_sequence(vllm_url: str) -> int:
+    """The tiny model's end-of-sequence id (its chat template's turn end, ``<|im_end|>``)."""
+    body = {"model": "policy", "prompt": "<|im_end|>", "add_special_tokens": False}
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(f"{vllm_url}/tokenize", json=body) as reply,
+    ):
+        [end] = (await reply.json())["tokens"]
+    return int(end)
+
+
+@pytest.mark.parametrize("ending", ["stop", "length"])
 @pytest.mark.parametrize("tools", sorted(TOOL_SETS))
 @pytest.mark.parametrize("stream", [False, True], ids=["unary", "streamed"])
 async def test_a_bridged_token_in_call_sends_vllm_at_most_three_times_the_plain_call_s_bytes(
-    vllm_url: str, tmp_path: Path, stream: bool, tools: str
+    vllm_url: str, tmp_path: Path, stream: bool, tools: str, ending: str
 ) -> None:
+    end = await end_of_sequence(vllm_url)
     relay = ByteRelay(int(vllm_url.rsplit(":", 1)[1]))
     upstream = f"http://127.0.0.1:{await relay.start()}"
     plain = await start_proxy(tmp_path / "plain", upstream=upstream)
     token_in = await start_proxy(tmp_path / "token-in", upstream=upstream, token_in="on")
+    # The measured session's first answer ends its turn on the end of sequence, or is cut by
+    # `length` (the tiny model's eight newlines, which its template renders as nothing).
+    measured_end = end if ending == "stop" else None
     try:
-        want = await second_call_bytes(plain, relay, "plain", stream, kinds=PLAIN_CALL, tools=tools)
-        # The first session learns the template's close and where the appended messages
-        # start; the second is measured.
-        await second_call_bytes(token_in, relay, "learn", stream, tools=tools)
-        got = await second_call_bytes(token_in, relay, "measured", stream, tools=tools)
-        [_, bridged] = token_in.calls("measured")
+        want = await second_call_bytes(
+            plain, relay, "plain", stream, kinds=PLAIN_CALL, tools=tools, end=measured_end
+        )
+        # A first session learns the template's close and end of sequence, and how many of
+        # them the appended messages hold; the second is measured.
+        await second_call_bytes(token_in, relay, "learn", stream, tools=tools, end=end)
+        got = await second_call_bytes(
+            token_in, relay, "measured", stream, tools=tools, end=measured_end
+        )
+        [first, bridged] = token_in.calls("measured")
+        assert first.finish_reason == ending
         assert bridged.token_in
         assert bridged.bridge_spans  # extended, not a new segment
     finally:
