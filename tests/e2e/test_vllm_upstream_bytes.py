@@ -1,24 +1,26 @@
 """A token-in call sends the real vLLM 0.32 at most 3× the bytes the plain call sends (`-m vllm`).
 
-Issue 28's bound, held on the whole call: the request's own render, the bridge's dummy renders,
-generate (the prompt as ids) and every derender call, request lines and headers included, unary
-and streamed. Both proxies reach the same vLLM through a loopback relay that counts every byte
+Issue 28's bound, held on the whole call: the request's own render, the bridge's dummy renders
+(if any), generate (the prompt as ids) and every derender call, request lines and headers
+included, unary and streamed. Both proxies reach the same vLLM through a loopback relay that counts every byte
 they send it (`capture_proxy.testing.byte_relay`); the session is an agent's, as
-bench/bench_token_in_vllm.py plays it (a system prompt and nine tools, a user message, the answer
-replayed, a second user message), and its second call, bridged by token-in, is measured.
+bench/bench_token_in_vllm.py plays it (a system prompt and nine tools or one, a user message,
+the answer replayed, a second user message), and its second call, bridged by token-in, is
+measured: after a first answer that ended its turn on the end of sequence and after one cut by
+`length`.
 
 The plain call's bytes are its chat request's: with vLLM's dev mode (as here) the plain path
 also reads the engine's weight version around each call (two ``GET /weight_info``, 104 bytes),
 which token-in does not; those are not counted in its favour.
 
 The bound holds where generate's prompt ids leave room for the rest: with the tiny model's
-tokenizer they are 1.8× the request's bytes here, so render (1×) and generate leave 0.2× for the
-dummy render and derender (measured 2.973× unary, 2.962× streamed, 2026-12-05). A request whose ids
-are 1.9× its bytes (examples/rl_loop's one tool with a short description) is at 3.056× unary and
-3.032× streamed, and is not held here: docs/token-in.md, "Upstream bytes", says what stands in
-the way. Against the fake vLLM the bound cannot be held on the whole call (its byte-level
-template makes the ids 3.7–4× the text): tests/server/test_token_in_upstream_bytes.py holds the
-rest there.
+tokenizer they are 1.8× the request's bytes with the nine tools, 1.9× with examples/rl_loop's one
+tool with a short description, so render (1×) and generate leave 0.1–0.2× for derender. A steady
+call makes no dummy render (docs/token-in.md, "A steady call without dummy renders"): measured
+2.944–2.994× unary and 2.933–2.970× streamed over the four sessions here (2026-12-05); a call of
+the short-tool shape that makes one is at 3.056× and is not held here. Against the fake vLLM the
+bound cannot be held on the whole call (its byte-level template makes the ids 3.7–4× the text):
+tests/server/test_token_in_upstream_bytes.py holds the rest there.
 
 With room in the bound, a stream is derendered in pieces; that it still answers what the chat
 route answers is shown here too (tests/e2e/test_vllm_parity.py runs the default bound, which

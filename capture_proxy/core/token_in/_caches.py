@@ -29,8 +29,10 @@ class CloseRenders:
     render the dummy once instead of twice (docs/token-in.md, "One render instead of a
     pair"). A kind whose single render once did not start with its anchor goes back to pairs
     for good (`pairs_only`); a template whose lean dummies once did not bridge where the whole
-    ones did keeps to the whole ones (`needs_context`). Everything is cleared for a new
-    upstream process (its template may differ).
+    ones did keeps to the whole ones (`needs_context`). Where the model's end of sequence sits
+    in a close (`eos`) and how many of it a shape of appended messages holds (`stop_count`) let
+    a steady call skip the dummy renders (`_steady`; `steady=False`: never). Everything is
+    cleared for a new upstream process (its template may differ).
     """
 
     def __init__(
