@@ -21,7 +21,13 @@ during the call (`/proc`, in 10 ms ticks: the mean over the calls is reported; t
 in that process).
 Targets take turns within a round, so the shared machine's noise falls on each alike; the ratios
 are what the figures are for. Greedy, ``max_tokens`` 8 (the tiny model answers noise; the
-output's length is not what token-in adds to).
+output's length is not what token-in adds to). ``--ending stop`` (the default) makes each
+session's first answer end its turn at once on the end of sequence (a logit bias), as an agent's
+turns end: a steady token-in call then reads its appended tokens from the request's own render
+and makes no dummy render (docs/token-in.md, "A steady call without dummy renders");
+``--ending length`` lets the tiny model's answer run to 8 tokens (eight newlines, which its
+template renders as nothing: the dummy render is made). ``--tools short`` plays the session with
+examples/rl_loop's one ``bash`` tool instead of the nine described tools.
 
 Then the upstream bytes: the same session once more per target through a loopback relay that
 counts the bytes each proxy sends vLLM for the second call (request lines, headers, bodies;
@@ -73,10 +79,11 @@ def _first_body(stream: bool) -> dict[str, Any]:
     return {
         "model": tiny_vllm.SERVED_MODEL_NAME,
         "messages": [SYSTEM, {"role": "user", "content": "List the files."}],
-        "tools": TOOLS,
+        "tools": TOOL_SETS[SHAPE[0]],
         "temperature": 0,
         "max_tokens": 8,
         **({"stream": True, "stream_options": {"include_usage": True}} if stream else {}),
+        **({"logit_bias": {str(END[0]): 100}} if END[0] is not None else {}),
     }
 
 
@@ -102,6 +109,29 @@ def _streamed_message(data: bytes) -> dict[str, Any]:
 
 #: ``--token-in-upstream-bound`` of the token-in proxy (``--bound``).
 BOUND = [3.0]
+#: The session's tools (``--tools``): nine described ones (session_load's), or one with a short
+#: description (examples/rl_loop's ``bash``), whose prompt ids are more of its bytes.
+TOOL_SETS: dict[str, list[dict[str, Any]]] = {
+    "nine": TOOLS,
+    "short": [
+        {
+            "type": "function",
+            "function": {
+                "name": "bash",
+                "description": "Run a shell command.",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"command": {"type": "string"}},
+                    "required": ["command"],
+                },
+            },
+        }
+    ],
+}
+SHAPE = ["nine"]
+#: With ``--ending stop``: the end-of-sequence id each session's first answer is made to stop on
+#: at once (a logit bias), as an agent's turns end; else the tiny model's answer is cut at 8.
+END: list[int | None] = [None]
 
 
 async def _proxy(
@@ -284,8 +314,20 @@ async def _bytes(vllm: str, port: int, workdir: Path, dump: Path | None) -> None
             print(f"| {target} | {mode} | {name} | {n} | {heads:,} | {bodies:,} | {share:.2f} |")
 
 
+async def _end_of_sequence(url: str) -> int:
+    """The tiny model's end-of-sequence id (its turn end, ``<|im_end|>``), from vLLM."""
+    body = {"model": tiny_vllm.SERVED_MODEL_NAME, "prompt": "<|im_end|>"}
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(f"{url}/tokenize", json={**body, "add_special_tokens": False}) as reply,
+    ):
+        [end] = (await reply.json())["tokens"]
+    return int(end)
+
+
 async def main(args: argparse.Namespace) -> None:
     BOUND[0] = args.bound
+    SHAPE[0] = args.tools
     proc = None
     pid = args.pid
     url = args.url
@@ -294,6 +336,8 @@ async def main(args: argparse.Namespace) -> None:
         proc = tiny_vllm.start(None, port, scale_out=True)
         url, pid = f"http://127.0.0.1:{port}", proc.pid
     try:
+        if args.ending == "stop":
+            END[0] = await _end_of_sequence(url)
         with tempfile.TemporaryDirectory() as tmp:
             workdir = Path(tmp)
             runners = []
@@ -330,5 +374,14 @@ if __name__ == "__main__":
     parser.add_argument("--max-seconds", type=float, default=100.0)
     parser.add_argument("--bytes-only", action="store_true", help="only the upstream bytes")
     parser.add_argument("--bound", type=float, default=3.0, help="--token-in-upstream-bound")
+    parser.add_argument(
+        "--tools", choices=sorted(TOOL_SETS), default="nine", help="the session's tools"
+    )
+    parser.add_argument(
+        "--ending",
+        choices=("length", "stop"),
+        default="stop",
+        help="the first answer of each session: cut at 8 tokens, or ended on the end of sequence",
+    )
     parser.add_argument("--dump", type=Path, help="write each measured upstream request there")
     asyncio.run(main(parser.parse_args()))

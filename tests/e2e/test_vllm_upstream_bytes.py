@@ -1,24 +1,26 @@
 """A token-in call sends the real vLLM 0.32 at most 3× the bytes the plain call sends (`-m vllm`).
 
-Issue 28's bound, held on the whole call: the request's own render, the bridge's dummy renders,
-generate (the prompt as ids) and every derender call, request lines and headers included, unary
-and streamed. Both proxies reach the same vLLM through a loopback relay that counts every byte
+Issue 28's bound, held on the whole call: the request's own render, the bridge's dummy renders
+(if any), generate (the prompt as ids) and every derender call, request lines and headers
+included, unary and streamed. Both proxies reach the same vLLM through a loopback relay that counts every byte
 they send it (`capture_proxy.testing.byte_relay`); the session is an agent's, as
-bench/bench_token_in_vllm.py plays it (a system prompt and nine tools, a user message, the answer
-replayed, a second user message), and its second call, bridged by token-in, is measured.
+bench/bench_token_in_vllm.py plays it (a system prompt and nine tools or one, a user message,
+the answer replayed, a second user message), and its second call, bridged by token-in, is
+measured: after a first answer that ended its turn on the end of sequence and after one cut by
+`length`.
 
 The plain call's bytes are its chat request's: with vLLM's dev mode (as here) the plain path
 also reads the engine's weight version around each call (two ``GET /weight_info``, 104 bytes),
 which token-in does not; those are not counted in its favour.
 
 The bound holds where generate's prompt ids leave room for the rest: with the tiny model's
-tokenizer they are 1.8× the request's bytes here, so render (1×) and generate leave 0.2× for the
-dummy render and derender (measured 2.973× unary, 2.962× streamed, 2026-12-05). A request whose ids
-are 1.9× its bytes (examples/rl_loop's one tool with a short description) is at 3.056× unary and
-3.032× streamed, and is not held here: docs/token-in.md, "Upstream bytes", says what stands in
-the way. Against the fake vLLM the bound cannot be held on the whole call (its byte-level
-template makes the ids 3.7–4× the text): tests/server/test_token_in_upstream_bytes.py holds the
-rest there.
+tokenizer they are 1.8× the request's bytes with the nine tools, 1.9× with examples/rl_loop's one
+tool with a short description, so render (1×) and generate leave 0.1–0.2× for derender. A steady
+call makes no dummy render (docs/token-in.md, "A steady call without dummy renders"): measured
+2.944–2.994× unary and 2.933–2.970× streamed over the four sessions here (2026-12-05); a call of
+the short-tool shape that makes one is at 3.056× and is not held here. Against the fake vLLM the
+bound cannot be held on the whole call (its byte-level template makes the ids 3.7–4× the text):
+tests/server/test_token_in_upstream_bytes.py holds the rest there.
 
 With room in the bound, a stream is derendered in pieces; that it still answers what the chat
 route answers is shown here too (tests/e2e/test_vllm_parity.py runs the default bound, which
@@ -31,6 +33,7 @@ import functools
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 
 from capture_proxy.testing.byte_relay import ByteRelay, by_kind, request_kind
@@ -62,16 +65,37 @@ TOOLS: list[dict[str, Any]] = [
     }
     for name in ("bash", "read", "write", "edit", "glob", "grep", "list", "webfetch", "todo")
 ]
+#: examples/rl_loop's one tool, with a short description: its prompt ids are 1.9× the
+#: request's bytes (1.8× with the nine described tools).
+SHORT_TOOLS: list[dict[str, Any]] = [
+    {
+        "type": "function",
+        "function": {
+            "name": "bash",
+            "description": "Run a shell command.",
+            "parameters": {
+                "type": "object",
+                "properties": {"command": {"type": "string"}},
+                "required": ["command"],
+            },
+        },
+    }
+]
+TOOL_SETS = {"nine": TOOLS, "short": SHORT_TOOLS}
 
 
-def first_call(stream: bool) -> dict[str, Any]:
+def first_call(stream: bool, tools: str = "nine", end: int | None = None) -> dict[str, Any]:
+    """The session's first request; `end`: an end-of-sequence id the answer is made to stop on
+    at once (a logit bias), else the tiny model's answer is cut at 8 tokens."""
     body: dict[str, Any] = {
         "model": "policy",
         "messages": [SYSTEM, {"role": "user", "content": "List the files."}],
-        "tools": TOOLS,
+        "tools": TOOL_SETS[tools],
         "temperature": 0,
         "max_tokens": 8,
     }
+    if end is not None:
+        body["logit_bias"] = {str(end): 100}
     if stream:
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}
@@ -79,12 +103,19 @@ def first_call(stream: bool) -> dict[str, Any]:
 
 
 async def second_call_bytes(
-    p: Proxy, relay: ByteRelay, rollout: str, stream: bool, *, kinds: frozenset[str] | None = None
+    p: Proxy,
+    relay: ByteRelay,
+    rollout: str,
+    stream: bool,
+    *,
+    kinds: frozenset[str] | None = None,
+    tools: str = "nine",
+    end: int | None = None,
 ) -> int:
     """Play the session; the bytes the proxy sent vLLM for its second call (of the requests of
     `kinds` only, when given: `request_kind`)."""
     post = functools.partial(p.chat, rollout=rollout)
-    first = first_call(stream)
+    first = first_call(stream, tools, end)
     await agent_view(post, first)
     staged = p.calls(rollout)[-1].response  # the answer as the agent replays it
     replayed = {"role": "assistant", "content": staged.get("content") or ""}
@@ -109,20 +140,43 @@ async def second_call_bytes(
 PLAIN_CALL = frozenset({"chat"})
 
 
+async def end_of_sequence(vllm_url: str) -> int:
+    """The tiny model's end-of-sequence id (its chat template's turn end, ``<|im_end|>``)."""
+    body = {"model": "policy", "prompt": "<|im_end|>", "add_special_tokens": False}
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(f"{vllm_url}/tokenize", json=body) as reply,
+    ):
+        [end] = (await reply.json())["tokens"]
+    return int(end)
+
+
+@pytest.mark.parametrize("ending", ["stop", "length"])
+@pytest.mark.parametrize("tools", sorted(TOOL_SETS))
 @pytest.mark.parametrize("stream", [False, True], ids=["unary", "streamed"])
 async def test_a_bridged_token_in_call_sends_vllm_at_most_three_times_the_plain_call_s_bytes(
-    vllm_url: str, tmp_path: Path, stream: bool
+    vllm_url: str, tmp_path: Path, stream: bool, tools: str, ending: str
 ) -> None:
+    end = await end_of_sequence(vllm_url)
     relay = ByteRelay(int(vllm_url.rsplit(":", 1)[1]))
     upstream = f"http://127.0.0.1:{await relay.start()}"
     plain = await start_proxy(tmp_path / "plain", upstream=upstream)
     token_in = await start_proxy(tmp_path / "token-in", upstream=upstream, token_in="on")
+    # The measured session's first answer ends its turn on the end of sequence, or is cut by
+    # `length` (the tiny model's eight newlines, which its template renders as nothing).
+    measured_end = end if ending == "stop" else None
     try:
-        want = await second_call_bytes(plain, relay, "plain", stream, kinds=PLAIN_CALL)
-        # The first session learns the template's close and anchors; the second is measured.
-        await second_call_bytes(token_in, relay, "learn", stream)
-        got = await second_call_bytes(token_in, relay, "measured", stream)
-        [_, bridged] = token_in.calls("measured")
+        want = await second_call_bytes(
+            plain, relay, "plain", stream, kinds=PLAIN_CALL, tools=tools, end=measured_end
+        )
+        # A first session learns the template's close and end of sequence, and how many of
+        # them the appended messages hold; the second is measured.
+        await second_call_bytes(token_in, relay, "learn", stream, tools=tools, end=end)
+        got = await second_call_bytes(
+            token_in, relay, "measured", stream, tools=tools, end=measured_end
+        )
+        [first, bridged] = token_in.calls("measured")
+        assert first.finish_reason == ending
         assert bridged.token_in
         assert bridged.bridge_spans  # extended, not a new segment
     finally:

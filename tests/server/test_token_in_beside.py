@@ -185,6 +185,10 @@ async def session_with_a_late_render(
     """Three calls, then `change` (``sampling``: the model's generation config; ``prompt``: the
     template's end of the conversation) with the request's own render late; a fourth call."""
     p: Proxy = await make_proxy(fake=LateRender(), token_in="on", token_in_beside=beside)
+    # Generate sent beside makes the dummy renders on every call; without it a steady call reads
+    # its appended tokens from the request's own rendering, where the drift below is the
+    # template's own ending (`_steady`). Compared as the setting on reads them.
+    p.state.pipeline.close_renders.steady = False
     messages = await three_calls(p)
     assert isinstance(p.fake, LateRender)
     p.fake.delay = 0.2

@@ -13,7 +13,7 @@ from typing import Any
 
 from capture_proxy.core.token_in import BridgePlan, BridgeRenders, Prior, media_items, suffix_media
 from capture_proxy.testing.fake_vllm._features import render_features
-from capture_proxy.testing.fake_vllm._template import IM_END, encode, render_chat
+from capture_proxy.testing.fake_vllm._template import IM_END, encode, render_chat, tool_call_text
 from tests.support.proxy_harness import Proxy
 
 MODEL = "policy"
@@ -96,4 +96,37 @@ async def beside_counts(proxy: Proxy) -> dict[str, float]:
         if line.startswith("capture_proxy_token_in_beside_total{"):
             label, value = line.split("} ")
             out[label.split('"')[1]] = float(value)
+    return out
+
+
+BASH = {"type": "function", "function": {"name": "bash", "parameters": {"type": "object"}}}
+
+
+def tool_turns(turns: int) -> list[tuple[Prior, dict[str, Any]]]:
+    """An agent loop's calls as (the staged call, the next request): each answer a `bash` call
+    with reasoning, replayed as it came, its result appended."""
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": "Be terse."},
+        {"role": "user", "content": "List the files."},
+    ]
+    out = []
+    for k in range(turns):
+        arguments = f'{{"command":"ls dir{k}"}}'
+        call = {
+            "id": f"c{k}",
+            "type": "function",
+            "function": {"name": "bash", "arguments": arguments},
+        }
+        answer = {
+            "role": "assistant",
+            "content": "",
+            "reasoning_content": "hm",
+            "tool_calls": [call],
+        }
+        sampled = "<think>\nhm\n</think>\n\n" + tool_call_text("bash", arguments)
+        prior = staged_prior(messages, sampled, answer, tools=[BASH])
+        result = {"role": "tool", "tool_call_id": f"c{k}", "content": f"file{k}.py"}
+        request = continued(prior, answer, result)
+        out.append((prior, request))
+        messages = request["messages"]
     return out

@@ -40,7 +40,14 @@ from ...schemas.fields import BridgeSpan
 from ._media import MediaItem, media_parts
 from ._values import AfterContent, Bridged, BridgePlan, BridgeRenders, NotBridged, Prior, Renders
 
-__all__ = ["END_OF_TURN_ADDED", "TURN_CLOSE", "assemble", "common_suffix", "divergence"]
+__all__ = [
+    "END_OF_TURN_ADDED",
+    "TURN_CLOSE",
+    "assemble",
+    "close_after",
+    "common_suffix",
+    "divergence",
+]
 
 #: `bridge_spans` reason: the template's tokens after the end-of-turn token the model sampled.
 TURN_CLOSE = "turn_close"
@@ -95,7 +102,7 @@ def assemble(prior: Prior, plan: BridgePlan, rendered: BridgeRenders) -> Bridged
         )
     appended = tail[len(end) :]
     completion = prior.completion_ids
-    placed = _close_after(prior, close)
+    placed = close_after(prior, close)
     if isinstance(placed, NotBridged):
         return placed
     bridge, reason = placed
@@ -152,7 +159,7 @@ def _placed(
     return (*(prior.media or ()), *placed)
 
 
-def _close_after(prior: Prior, close: Sequence[int]) -> tuple[list[int], str] | NotBridged:
+def close_after(prior: Prior, close: Sequence[int]) -> tuple[list[int], str] | NotBridged:
     """The part of the turn close `close` the bridged prompt adds after `prior`'s completion,
     and its span reason (module docs)."""
     completion = prior.completion_ids

@@ -29,17 +29,29 @@ class CloseRenders:
     render the dummy once instead of twice (docs/token-in.md, "One render instead of a
     pair"). A kind whose single render once did not start with its anchor goes back to pairs
     for good (`pairs_only`); a template whose lean dummies once did not bridge where the whole
-    ones did keeps to the whole ones (`needs_context`). Everything is cleared for a new
-    upstream process (its template may differ).
+    ones did keeps to the whole ones (`needs_context`). Where the model's end of sequence sits
+    in a close (`eos`) and how many of it a shape of appended messages holds (`stop_count`) let
+    a steady call skip the dummy renders (`_steady`; `steady=False`: never). Everything is
+    cleared for a new upstream process (its template may differ).
     """
 
-    def __init__(self, limit: int = 256, anchor_bytes: int = 32 << 20) -> None:
+    def __init__(
+        self, limit: int = 256, anchor_bytes: int = 32 << 20, *, steady: bool = True
+    ) -> None:
         self.limit = limit
+        #: Whether a steady call reads its appended tokens from the request's own rendering
+        #: when its shape allows (`_steady`); False: every bridged call makes dummy renders.
+        self.steady = steady
         self.anchor_bytes = anchor_bytes
         self._pairs: OrderedDict[str, IdsPair] = OrderedDict()
         #: key -> anchor; None: pairs only.
         self._anchors: OrderedDict[str, bytes | None] = OrderedDict()
         self._anchored = 0
+        #: By `shape_key`: the count of the close's stop token after a replayed answer's in the
+        #: request's own rendering (`_steady`); None: that shape keeps to the dummy renders.
+        self._counts: OrderedDict[str, int | None] = OrderedDict()
+        #: By `BridgePlan.close_key`: where the model's end-of-sequence token sits in the close.
+        self._eos: OrderedDict[str, int] = OrderedDict()
         #: The close keys whose templates need the dummies' context (`context_needed`).
         self._context: OrderedDict[str, None] = OrderedDict()
         #: By tokenizer fingerprint: the reasoning parser's start and end marker ids and the tool
@@ -90,6 +102,38 @@ class CloseRenders:
         while len(self._anchors) > 4 * self.limit:  # the keys marked pairs only, bounded
             self._anchored -= len(self._anchors.popitem(last=False)[1] or b"")
 
+    def stop_count(self, key: str) -> int | None:
+        """The stop token count learnt for the shape `key` (None: not learnt, or dummies only)."""
+        if not self.steady:
+            return None
+        count = self._counts.get(key)
+        if count is not None:
+            self._counts.move_to_end(key)
+        return count
+
+    def counts_learnt(self, key: str) -> bool:
+        """Whether the shape `key` was learnt (a count, or dummies only)."""
+        return key in self._counts
+
+    def learn_count(self, key: str, count: int | None) -> None:
+        """Keep what a call with dummy renders showed of the shape `key` (`_steady`)."""
+        self._counts[key] = count
+        self._counts.move_to_end(key)
+        while len(self._counts) > 4 * self.limit:
+            self._counts.popitem(last=False)
+
+    def eos(self, close_key: str) -> int | None:
+        """Where the model's end-of-sequence token sits in `close_key`'s close (None: no
+        completion has shown it yet)."""
+        return self._eos.get(close_key)
+
+    def learn_eos(self, close_key: str, at: int) -> None:
+        """Keep where a completion that stopped on its end of sequence showed it in the close."""
+        self._eos[close_key] = at
+        self._eos.move_to_end(close_key)
+        while len(self._eos) > self.limit:
+            self._eos.popitem(last=False)
+
     def needs_context(self, key: str) -> bool:
         """Whether `key`'s template needs the dummies with the system message and the tools
         (its lean dummies once did not bridge where those did)."""
@@ -108,6 +152,8 @@ class CloseRenders:
         self._pairs.clear()
         self._anchors.clear()
         self._anchored = 0
+        self._counts.clear()
+        self._eos.clear()
         self._context.clear()
 
     def __len__(self) -> int:

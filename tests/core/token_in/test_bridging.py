@@ -27,9 +27,9 @@ from capture_proxy.core.token_in import (
 )
 from capture_proxy.core.transport import EngineRoute
 from capture_proxy.testing.fake_vllm import FakeVLLM, Turn
-from capture_proxy.testing.fake_vllm._template import IM_END, encode, tool_call_text
+from capture_proxy.testing.fake_vllm._template import IM_END, encode
 from capture_proxy.upstream.http import HTTPUpstream
-from tests.support.token_in import continued, render_ids, staged_prior
+from tests.support.token_in import continued, render_ids, tool_turns
 
 RENDER = "/v1/chat/completions/render"
 SYSTEM = {"role": "system", "content": "Be terse."}
@@ -74,8 +74,9 @@ async def test_an_extension_renders_the_plan_beside_the_request_and_caches_the_c
     assert fake.route_hits[RENDER] == 5  # the request, and the plan's close and suffix pairs
     assert len(closes) == 1
     again = await token_in_prompt(client, closes, prior, request, request)
-    # The close came from the cache, the suffix pair's anchor too: one suffix render.
-    assert fake.route_hits[RENDER] == 5 + 2
+    # The close came from the cache, and the first call learnt where this shape's appended
+    # tokens start in the request's own rendering: that render alone (`_steady`).
+    assert fake.route_hits[RENDER] == 5 + 1
     assert (again.prompt_ids, again.bridge_spans) == (got.prompt_ids, got.bridge_spans)
     assert again.plain_divergence == got.plain_divergence
 
@@ -273,42 +274,12 @@ def test_a_bridged_prompt_with_images_sends_its_own_features() -> None:
     assert orjson.loads(plain.generate_body({}, stream=False))["features"] == rendered.features
 
 
-BASH = {"type": "function", "function": {"name": "bash", "parameters": {"type": "object"}}}
-
-
-def _tool_turns(turns: int) -> list[tuple[Prior, dict[str, Any]]]:
-    """An agent loop's calls as (the staged call, the next request): each answer a `bash` call
-    with reasoning, replayed as it came, its result appended."""
-    messages: list[dict[str, Any]] = [SYSTEM, {"role": "user", "content": "List the files."}]
-    out = []
-    for k in range(turns):
-        arguments = f'{{"command":"ls dir{k}"}}'
-        call = {
-            "id": f"c{k}",
-            "type": "function",
-            "function": {"name": "bash", "arguments": arguments},
-        }
-        answer = {
-            "role": "assistant",
-            "content": "",
-            "reasoning_content": "hm",
-            "tool_calls": [call],
-        }
-        sampled = "<think>\nhm\n</think>\n\n" + tool_call_text("bash", arguments)
-        prior = staged_prior(messages, sampled, answer, tools=[BASH])
-        result = {"role": "tool", "tool_call_id": f"c{k}", "content": f"file{k}.py"}
-        request = continued(prior, answer, result)
-        out.append((prior, request))
-        messages = request["messages"]
-    return out
-
-
 async def test_later_calls_render_each_dummy_once_and_bridge_as_the_pairs_do(
     upstream: tuple[FakeVLLM, HTTPUpstream],
 ) -> None:
     fake, client = upstream
-    shared = CloseRenders()
-    for k, (prior, request) in enumerate(_tool_turns(4)):
+    shared = CloseRenders(steady=False)  # every bridged call makes its dummy renders
+    for k, (prior, request) in enumerate(tool_turns(4)):
         before = fake.route_hits[RENDER]
         got = await token_in_prompt(client, shared, prior, request, request)
         sent = fake.route_hits[RENDER] - before
@@ -362,7 +333,7 @@ async def _served(fake: FakeVLLM) -> AsyncIterator[HTTPUpstream]:
 async def test_a_single_render_that_does_not_start_as_its_pair_is_bridged_from_the_pair() -> None:
     fake = _SystemCountsUsers(scale_out=True, drop_past_reasoning=True)
     async with _served(fake) as client:
-        closes = CloseRenders()
+        closes = CloseRenders(steady=False)
         prior = _prior(SYSTEM, {"role": "user", "content": "One?"})
         first = continued(prior, _ANSWER, {"role": "user", "content": "Two?"})
         await token_in_prompt(client, closes, prior, first, first)  # learns the anchor
@@ -420,7 +391,7 @@ class _FailsOnce(FakeVLLM):
 async def test_a_single_render_that_fails_is_a_break_as_with_pairs_and_keeps_its_anchor() -> None:
     fake = _FailsOnce(scale_out=True, drop_past_reasoning=True)
     async with _served(fake) as client:
-        closes = CloseRenders()
+        closes = CloseRenders(steady=False)
         prior = _prior(SYSTEM, {"role": "user", "content": "One?"})
         request = continued(prior, _ANSWER, {"role": "user", "content": "Two?"})
         first = await token_in_prompt(client, closes, prior, request, request)
@@ -516,8 +487,8 @@ def _dummies(renders: list[dict[str, Any]]) -> list[dict[str, Any]]:
 async def test_the_turn_and_suffix_dummies_leave_out_the_system_prompt_and_tools() -> None:
     fake = _Recording(scale_out=True, drop_past_reasoning=True)
     async with _served(fake) as client:
-        closes = CloseRenders()
-        for prior, request in _tool_turns(2):
+        closes = CloseRenders(steady=False)
+        for prior, request in tool_turns(2):
             got = await token_in_prompt(client, closes, prior, request, request)
             paired = await token_in_prompt(client, CloseRenders(), prior, request, request)
             assert got.segment_break is None
@@ -536,8 +507,8 @@ async def test_the_turn_and_suffix_dummies_leave_out_the_system_prompt_and_tools
 async def test_a_template_that_needs_the_tools_in_the_dummies_gets_them() -> None:
     fake = _ToolsMarkResults(scale_out=True, drop_past_reasoning=True)
     async with _served(fake) as client:
-        closes = CloseRenders()
-        turns = _tool_turns(3)
+        closes = CloseRenders(steady=False)
+        turns = tool_turns(3)
         prior, request = turns[0]
         got = await token_in_prompt(client, closes, prior, request, request)
         # The lean dummies' "[0 tools] file0.py" is not the request's "[1 tools] file0.py":
