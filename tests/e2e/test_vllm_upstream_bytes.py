@@ -2,8 +2,8 @@
 
 Issue 28's bound, held on the whole call: the request's own render, the bridge's dummy renders
 (if any), generate (the prompt as ids) and every derender call, request lines and headers
-included, unary and streamed. Both proxies reach the same vLLM through a loopback relay that counts every byte
-they send it (`capture_proxy.testing.byte_relay`); the session is an agent's, as
+included, unary and streamed. Both proxies reach the same vLLM through a loopback relay that
+counts every byte they send it (`capture_proxy.testing.byte_relay`); the session is an agent's, as
 bench/bench_token_in_vllm.py plays it (a system prompt and nine tools or one, a user message,
 the answer replayed, a second user message), and its second call, bridged by token-in, is
 measured: after a first answer that ended its turn on the end of sequence and after one cut by

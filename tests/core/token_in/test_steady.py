@@ -12,7 +12,7 @@ import orjson
 
 from capture_proxy.adapters.vllm import read_render
 from capture_proxy.core.token_in import CloseRenders, Prior, token_in_prompt
-from capture_proxy.core.token_in._steady import from_rendering, learnt_count, eos_in_close
+from capture_proxy.core.token_in._steady import eos_in_close, from_rendering, learnt_count
 from capture_proxy.core.token_in._values import Bridged
 from capture_proxy.testing.fake_vllm import FakeVLLM
 from capture_proxy.testing.fake_vllm._template import IM_END, encode
