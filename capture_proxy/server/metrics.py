@@ -176,6 +176,13 @@ class Metrics:
             "(what token-in avoided)",
             registry=r,
         )
+        self.token_in_placed = Counter(
+            "capture_proxy_token_in_placed_total",
+            "extended token-in calls by how their appended tokens were placed: rendering (the "
+            "request's own render alone) or dummies (the bridge's dummy renders)",
+            ["by"],
+            registry=r,
+        )
         self.token_in_beside = Counter(
             "capture_proxy_token_in_beside_total",
             "token-in calls whose generate was sent beside the request's own render "
@@ -241,6 +248,8 @@ class Metrics:
             self.token_in_diverged.inc()
         if report.beside:
             self.token_in_beside.labels(report.beside).inc()
+        if report.placed:
+            self.token_in_placed.labels(report.placed).inc()
 
     def add_live(self, read: Callable[[], dict[str, float]]) -> None:
         self.registry.register(_Live(read))

@@ -19,6 +19,7 @@ from capture_proxy.testing.fake_vllm import FakeToolCall, FakeVLLM, Turn
 from capture_proxy.testing.fake_vllm._template import IM_END
 from tests.inspect.test_inspect import inspect
 from tests.support.proxy_harness import Proxy, chat_body, sse_lines, user
+from tests.support.token_in import labelled_counts
 
 TOOLS = [
     {
@@ -174,6 +175,12 @@ async def test_a_replayed_session_is_one_segment_with_token_in(make_proxy: Any) 
     assert 'capture_proxy_token_in_calls_total{reason="no_prior",result="new_segment"} 1.0' in text
     assert 'capture_proxy_token_in_calls_total{reason="",result="extended"} 3.0' in text
     assert "capture_proxy_token_in_plain_divergence_total 3.0" in text
+    # Calls 1 and 2 are the first of their shapes (a tool result after a tool call, a user
+    # message after an answer): the dummy renders place their appended tokens. Call 3 has call
+    # 1's shape; the rendering re-serializes its tool call, and the end of sequence the model
+    # stopped on places them (docs/token-in.md, "A steady call without dummy renders").
+    placed = await labelled_counts(p, "capture_proxy_token_in_placed_total")
+    assert placed == {"dummies": 2.0, "rendering": 1.0}
     code, shown = inspect(p.store_url, "--rollout", "r1")
     assert code == 0
     assert "4 token-in call(s); plain rendering would have diverged in 3 of 4" in shown

@@ -90,10 +90,15 @@ def continued(prior: Prior, replayed: Mapping[str, Any], *appended: Any) -> dict
 
 async def beside_counts(proxy: Proxy) -> dict[str, float]:
     """`capture_proxy_token_in_beside_total` on the proxy's `/metrics`, by its `result` label."""
+    return await labelled_counts(proxy, "capture_proxy_token_in_beside_total")
+
+
+async def labelled_counts(proxy: Proxy, name: str) -> dict[str, float]:
+    """A counter with one label on the proxy's `/metrics`, by that label's value."""
     text = await (await proxy.client.get("/metrics")).text()
     out: dict[str, float] = {}
     for line in text.splitlines():
-        if line.startswith("capture_proxy_token_in_beside_total{"):
+        if line.startswith(name + "{"):
             label, value = line.split("} ")
             out[label.split('"')[1]] = float(value)
     return out

@@ -36,7 +36,7 @@ from ._caches import CloseRenders, PromptJson
 from ._match import match
 from ._media import bridged_features
 from ._plan import plan
-from ._prompt import RenderRefused, TokenInPrompt
+from ._prompt import PLACED_BY_DUMMIES, PLACED_BY_RENDERING, RenderRefused, TokenInPrompt
 from ._renders import Renders, read_bridge
 from ._steady import eos_in_close, from_rendering, learnt_count, shape_key
 from ._values import Bridged, BridgePlan, Extension, NotBridged, Prior
@@ -236,11 +236,11 @@ async def _checked_prompt(
         return TokenInPrompt(rendered, plain_ids, segment_break=_break(checked))
     got, rendered, ids_json = checked
     _learn_shape(closes, request, verdict, bridge.close_key, got, rendered)
-    return _bridged_prompt(got, rendered, ids_json, verdict.prior)
+    return _bridged_prompt(got, rendered, ids_json, verdict.prior, PLACED_BY_DUMMIES)
 
 
 def _bridged_prompt(
-    got: Bridged, rendered: Rendered, ids_json: bytes, prior: Prior
+    got: Bridged, rendered: Rendered, ids_json: bytes, prior: Prior, placed: str
 ) -> TokenInPrompt:
     """The call's prompt once bridged: `got`, checked against the request's own `rendered`."""
     features, why = bridged_features(got.media, rendered.features)
@@ -257,6 +257,7 @@ def _bridged_prompt(
         got.media,
         ids_json,
         _bridged_array(got, prior),
+        placed,
     )
 
 
@@ -303,7 +304,8 @@ def _steady_prompt(
     got = from_rendering(prior, steady.close, steady.eos, steady.count, rendered)
     if got is None:
         return None
-    return _bridged_prompt(got, rendered, _bridged_json(got, prior, kept), prior)
+    ids_json = _bridged_json(got, prior, kept)
+    return _bridged_prompt(got, rendered, ids_json, prior, PLACED_BY_RENDERING)
 
 
 def _learn_shape(

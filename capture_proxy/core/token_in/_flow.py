@@ -453,6 +453,7 @@ class TokenInCall:
                 cut.reason if cut is not None else "",
                 prompt.plain_divergence,
                 self.beside,
+                prompt.placed,
             )
         )
 

@@ -20,7 +20,19 @@ from ...schemas.token_in_extras import SegmentBreak
 from ._match import TEMPLATE_KEYS
 from ._media import MediaItem, media_items
 
-__all__ = ["MEDIA_KEPT_BYTES", "RenderRefused", "TokenInPrompt", "token_in_line"]
+__all__ = [
+    "MEDIA_KEPT_BYTES",
+    "PLACED_BY_DUMMIES",
+    "PLACED_BY_RENDERING",
+    "RenderRefused",
+    "TokenInPrompt",
+    "token_in_line",
+]
+
+#: `TokenInPrompt.placed`: the appended tokens read from the request's own render alone.
+PLACED_BY_RENDERING = "rendering"
+#: `TokenInPrompt.placed`: the appended tokens placed by the bridge's dummy renders.
+PLACED_BY_DUMMIES = "dummies"
 
 #: At most this many bytes of a call's image placeholders (hashes and positions) are kept for
 #: the next call's bridge; a call with more leaves the next one with images unbridged.
@@ -82,6 +94,10 @@ class TokenInPrompt:
     ids_json: bytes | None = None
     #: `prompt_ids` as int32 (the record's), when built from the prior's without a conversion.
     ids_array: array[int] | None = None
+    #: How a bridged prompt's appended tokens were placed: `PLACED_BY_RENDERING` (the request's
+    #: own render alone, docs/token-in.md "A steady call without dummy renders") or
+    #: `PLACED_BY_DUMMIES`; "" for a plain prompt.
+    placed: str = ""
 
     def __post_init__(self) -> None:
         if self.ids_json is None:

@@ -24,7 +24,9 @@ class TokenInReport:
     where the plain rendering would have differed from the tokens sent (None: it would not have,
     or it was not measured), and `beside`: "" when generate waited for the request's own
     render, ``passed`` when it was sent beside it and kept, else why it was aborted (a reason
-    of `BESIDE_MISMATCHES`)."""
+    of `BESIDE_MISMATCHES`), and `placed`: for an extended call, how its appended tokens were
+    placed (``rendering``: the request's own render alone; ``dummies``: the bridge's dummy
+    renders)."""
 
     rollout_id: str
     call_id: str
@@ -32,3 +34,4 @@ class TokenInReport:
     reason: str = ""
     plain_divergence: int | None = None
     beside: str = ""
+    placed: str = ""
