@@ -51,7 +51,7 @@ def eos_in_close(prior: Prior, close: Sequence[int]) -> int | None:
         return None
     s = completion[-1]
     at = next((i for i, t in enumerate(close) if t == s), None)
-    if at is None or list(completion).count(s) != 1:
+    if at is None or completion.count(s) != 1:
         return None
     return at
 
@@ -93,7 +93,7 @@ def from_rendering(
         if eos is None or count is None:
             return None
         end = _after_counted(prior, close, eos, rendered)
-        if end is None or list(rendered.prompt_ids[end:]).count(close[eos]) != count:
+        if end is None or rendered.prompt_ids[end:].count(close[eos]) != count:
             return None
     prompt = [*prior.prompt_ids, *prior.completion_ids]
     start = len(prompt)
@@ -115,7 +115,7 @@ def learnt_count(
     end = len(rendered.prompt_ids) - appended
     if _after_counted(prior, close, eos, rendered) != end:
         return None
-    return list(got.prompt_ids[got.appended_start :]).count(close[eos])
+    return got.prompt_ids[got.appended_start :].count(close[eos])
 
 
 def _after_as_sent(prior: Prior, rest: Sequence[int], rendered: Rendered) -> int | None:
@@ -146,10 +146,10 @@ def _after_counted(prior: Prior, close: Sequence[int], eos: int, rendered: Rende
     plain = rendered.prompt_ids
     head, completion = prior.prompt_ids, prior.completion_ids
     ended = bool(completion) and completion[-1] == s
-    if list(completion).count(s) != int(ended):
+    if completion.count(s) != int(ended):
         return None
     start = min(rendered.known_prefix, len(head))
-    wanted = list(head[start:]).count(s) + 1
+    wanted = head[start:].count(s) + 1
     place = start - 1
     for _ in range(wanted):
         try:
