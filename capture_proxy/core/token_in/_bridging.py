@@ -31,14 +31,14 @@ import orjson
 from ...adapters.vllm import Rendered, encode_ids, extend_ids_json, read_render
 from ...schemas.token_in_extras import SegmentBreak
 from ..transport import EngineRoute, TokenInTransport
-from ._assemble import common_suffix, divergence
+from ._assemble import divergence
 from ._caches import CloseRenders, PromptJson
 from ._match import match
 from ._media import bridged_features
 from ._plan import plan
 from ._prompt import PLACED_BY_DUMMIES, PLACED_BY_RENDERING, RenderRefused, TokenInPrompt
 from ._renders import Renders, read_bridge
-from ._steady import eos_in_close, from_rendering, learnt_count, shape_key
+from ._steady import Steady, from_rendering, learn_shape, steady_plan
 from ._values import Bridged, BridgePlan, Extension, NotBridged, Prior
 
 __all__ = ["Beside", "token_in_prompt", "token_in_prompt_beside"]
@@ -123,7 +123,7 @@ async def token_in_prompt_beside(
     # and the request's own render (the largest) is sent after generate, once they answered.
     beside = early is not None and _learnt(Renders(bridge, closes, verdict), bridge)
     plain_render = None if beside else asyncio.ensure_future(_render(upstream, plain_body))
-    steady = None if early is not None else _steady_plan(closes, bridge, request, verdict)
+    steady = None if early is not None else steady_plan(closes, bridge, request, verdict)
     try:
         if steady is not None and plain_render is not None:
             # A steady call: the request's own rendering places the appended tokens; the
@@ -235,7 +235,7 @@ async def _checked_prompt(
         rendered, plain_ids = _plain(status, raw)
         return TokenInPrompt(rendered, plain_ids, segment_break=_break(checked))
     got, rendered, ids_json = checked
-    _learn_shape(closes, request, verdict, bridge.close_key, got, rendered)
+    learn_shape(closes, request, verdict, bridge.close_key, got, rendered)
     return _bridged_prompt(got, rendered, ids_json, verdict.prior, PLACED_BY_DUMMIES)
 
 
@@ -261,40 +261,8 @@ def _bridged_prompt(
     )
 
 
-@dataclass(frozen=True, slots=True)
-class _Steady:
-    """What a steady call reads its appended tokens with (`_steady.from_rendering`): the turn
-    close, where the model's end of sequence sits in it and the count its shape showed (None:
-    not learnt)."""
-
-    close: tuple[int, ...]
-    eos: int | None
-    count: int | None
-
-
-def _steady_plan(
-    closes: CloseRenders, bridge: BridgePlan, request: Mapping[str, Any], verdict: Extension
-) -> _Steady | None:
-    """A `_Steady` when this call may try without the dummy renders (`_steady`): its close
-    cached, no images appended. A completion that stopped on its end of sequence shows where
-    that token sits in the close (kept for the template)."""
-    if not closes.steady:
-        return None
-    pair = closes.get(bridge.close_key)
-    key = shape_key(bridge.close_key, request, verdict)
-    if pair is None or key is None or list(pair[0]) == list(pair[1]):
-        return None
-    close = tuple(common_suffix(*pair))
-    if not close:
-        return None
-    eos = eos_in_close(verdict.prior, close)
-    if eos is not None:
-        closes.learn_eos(bridge.close_key, eos)
-    return _Steady(close, closes.eos(bridge.close_key), closes.stop_count(key))
-
-
 def _steady_prompt(
-    steady: _Steady, raw: bytes, prior: Prior, kept: bytes | None
+    steady: Steady, raw: bytes, prior: Prior, kept: bytes | None
 ) -> TokenInPrompt | None:
     """The call's prompt from the request's own render alone, or None (the dummies decide)."""
     if kept is not None:
@@ -306,28 +274,6 @@ def _steady_prompt(
         return None
     ids_json = _bridged_json(got, prior, kept)
     return _bridged_prompt(got, rendered, ids_json, prior, PLACED_BY_RENDERING)
-
-
-def _learn_shape(
-    closes: CloseRenders,
-    request: Mapping[str, Any],
-    verdict: Extension,
-    close_key: str,
-    got: Bridged,
-    rendered: Rendered,
-) -> None:
-    """After a call the dummy renders bridged: what its shape's later calls read without
-    them (`_steady.learnt_count`), once per shape, once the template's end of sequence is
-    known."""
-    key = shape_key(close_key, request, verdict)
-    if key is None or closes.counts_learnt(key):
-        return
-    eos = eos_in_close(verdict.prior, got.close)
-    if eos is not None:
-        closes.learn_eos(close_key, eos)
-    eos = closes.eos(close_key)
-    if eos is not None:
-        closes.learn_count(key, learnt_count(verdict.prior, got.close, eos, got, rendered))
 
 
 async def _bridge(

@@ -29,14 +29,24 @@ appended messages have images.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from ...adapters.vllm import Rendered
-from ._assemble import close_after
+from ._assemble import close_after, common_suffix
+from ._caches import CloseRenders
 from ._media import media_parts
-from ._values import Bridged, Extension, NotBridged, Prior
+from ._values import Bridged, BridgePlan, Extension, NotBridged, Prior
 
-__all__ = ["eos_in_close", "from_rendering", "learnt_count", "shape_key"]
+__all__ = [
+    "Steady",
+    "eos_in_close",
+    "from_rendering",
+    "learn_shape",
+    "learnt_count",
+    "shape_key",
+    "steady_plan",
+]
 
 
 def eos_in_close(prior: Prior, close: Sequence[int]) -> int | None:
@@ -161,3 +171,57 @@ def _after_counted(prior: Prior, close: Sequence[int], eos: int, rendered: Rende
     if list(plain[place + 1 : end]) != rest:
         return None
     return end
+
+
+@dataclass(frozen=True, slots=True)
+class Steady:
+    """What a steady call reads its appended tokens with (`_steady.from_rendering`): the turn
+    close, where the model's end of sequence sits in it and the count its shape showed (None:
+    not learnt)."""
+
+    close: tuple[int, ...]
+    eos: int | None
+    count: int | None
+
+
+def steady_plan(
+    closes: CloseRenders, bridge: BridgePlan, request: Mapping[str, Any], verdict: Extension
+) -> Steady | None:
+    """A `Steady` when this call may try without the dummy renders: its close
+    cached, no images appended. A completion that stopped on its end of sequence shows where
+    that token sits in the close (kept for the template)."""
+    if not closes.steady:
+        return None
+    pair = closes.get(bridge.close_key)
+    key = shape_key(bridge.close_key, request, verdict)
+    if pair is None or key is None or list(pair[0]) == list(pair[1]):
+        return None
+    close = tuple(common_suffix(*pair))
+    if not close:
+        return None
+    eos = eos_in_close(verdict.prior, close)
+    if eos is not None:
+        closes.learn_eos(bridge.close_key, eos)
+    return Steady(close, closes.eos(bridge.close_key), closes.stop_count(key))
+
+
+def learn_shape(
+    closes: CloseRenders,
+    request: Mapping[str, Any],
+    verdict: Extension,
+    close_key: str,
+    got: Bridged,
+    rendered: Rendered,
+) -> None:
+    """After a call the dummy renders bridged: what its shape's later calls read without
+    them (`learnt_count`), once per shape, once the template's end of sequence is
+    known."""
+    key = shape_key(close_key, request, verdict)
+    if key is None or closes.counts_learnt(key):
+        return
+    eos = eos_in_close(verdict.prior, got.close)
+    if eos is not None:
+        closes.learn_eos(close_key, eos)
+    eos = closes.eos(close_key)
+    if eos is not None:
+        closes.learn_count(key, learnt_count(verdict.prior, got.close, eos, got, rendered))
