@@ -18,7 +18,8 @@ one `TokenInCall` per token-in call and calls its steps (``post``, ``finish`` or
 - ``_flow``: `TokenInCall`, the call's steps against vLLM's render, generate and derender routes.
 - ``_bridging``: `token_in_prompt`, the renders sent for one call and the prompt assembled from
   them; ``_renders`` which of a plan's renders one call sends and how their answers are read;
-  ``_prompt`` the result (`TokenInPrompt`); ``_caches`` what is learnt once.
+  ``_prompt`` the result (`TokenInPrompt`); ``_caches`` what is learnt once; ``_steady`` a
+  steady call's appended tokens read from the request's own render, without the plan's renders.
 - ``_beside``: generate's request built without the request's own render, and the check that
   render then makes of it (``--token-in-beside``).
 - ``_derender``: `StreamedDerender`, a generate stream derendered for the client.
