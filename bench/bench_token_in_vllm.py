@@ -61,6 +61,7 @@ from procstat import cpu_seconds
 from session_load import TOOLS
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import examples.rl_loop.agent as rl_loop_agent
 from capture_proxy.server.app import create_app
 from capture_proxy.server.settings import Settings
 from capture_proxy.sinks import open_sink
@@ -113,20 +114,7 @@ BOUND = [3.0]
 #: description (examples/rl_loop's ``bash``), whose prompt ids are more of its bytes.
 TOOL_SETS: dict[str, list[dict[str, Any]]] = {
     "nine": TOOLS,
-    "short": [
-        {
-            "type": "function",
-            "function": {
-                "name": "bash",
-                "description": "Run a shell command.",
-                "parameters": {
-                    "type": "object",
-                    "properties": {"command": {"type": "string"}},
-                    "required": ["command"],
-                },
-            },
-        }
-    ],
+    "short": rl_loop_agent.TOOLS,
 }
 SHAPE = ["nine"]
 #: With ``--ending stop``: the end-of-sequence id each session's first answer is made to stop on

@@ -36,6 +36,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+import examples.rl_loop.agent as rl_loop_agent
 from capture_proxy.testing.byte_relay import ByteRelay, by_kind, request_kind
 from tests.e2e.test_vllm_parity import SHAPES, request, staged
 from tests.support.parity import agent_view
@@ -67,20 +68,7 @@ TOOLS: list[dict[str, Any]] = [
 ]
 #: examples/rl_loop's one tool, with a short description: its prompt ids are 1.9× the
 #: request's bytes (1.8× with the nine described tools).
-SHORT_TOOLS: list[dict[str, Any]] = [
-    {
-        "type": "function",
-        "function": {
-            "name": "bash",
-            "description": "Run a shell command.",
-            "parameters": {
-                "type": "object",
-                "properties": {"command": {"type": "string"}},
-                "required": ["command"],
-            },
-        },
-    }
-]
+SHORT_TOOLS = rl_loop_agent.TOOLS
 TOOL_SETS = {"nine": TOOLS, "short": SHORT_TOOLS}
 
 

@@ -8,12 +8,17 @@ call would leave: the prompt rendered from its request, a completion sampled as 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
+from aiohttp.test_utils import TestServer
+
 from capture_proxy.core.token_in import BridgePlan, BridgeRenders, Prior, media_items, suffix_media
+from capture_proxy.testing.fake_vllm import FakeVLLM
 from capture_proxy.testing.fake_vllm._features import render_features
 from capture_proxy.testing.fake_vllm._template import IM_END, encode, render_chat, tool_call_text
+from capture_proxy.upstream.http import HTTPUpstream
 from tests.support.proxy_harness import Proxy
 
 MODEL = "policy"
@@ -135,3 +140,16 @@ def tool_turns(turns: int) -> list[tuple[Prior, dict[str, Any]]]:
         out.append((prior, request))
         messages = request["messages"]
     return out
+
+
+@contextlib.asynccontextmanager
+async def served(fake: FakeVLLM) -> AsyncIterator[HTTPUpstream]:
+    """A client of `fake` served over HTTP, both closed at the end."""
+    server = TestServer(fake.app())
+    await server.start_server()
+    client = HTTPUpstream(str(server.make_url("")))
+    try:
+        yield client
+    finally:
+        await client.close()
+        await server.close()

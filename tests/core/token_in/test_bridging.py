@@ -3,7 +3,6 @@ HTTP, the turn-close cache, the lines of calls, and the output limit of a longer
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from array import array
 from collections.abc import AsyncIterator
@@ -29,7 +28,7 @@ from capture_proxy.core.transport import EngineRoute
 from capture_proxy.testing.fake_vllm import FakeVLLM, Turn
 from capture_proxy.testing.fake_vllm._template import IM_END, encode
 from capture_proxy.upstream.http import HTTPUpstream
-from tests.support.token_in import continued, render_ids, tool_turns
+from tests.support.token_in import continued, render_ids, served, tool_turns
 
 RENDER = "/v1/chat/completions/render"
 SYSTEM = {"role": "system", "content": "Be terse."}
@@ -317,22 +316,9 @@ class _NumbersUsers(FakeVLLM):
         return super()._render(numbered, tools, gen)
 
 
-@contextlib.asynccontextmanager
-async def _served(fake: FakeVLLM) -> AsyncIterator[HTTPUpstream]:
-    """A client of `fake` served over HTTP, both closed at the end."""
-    server = TestServer(fake.app())
-    await server.start_server()
-    client = HTTPUpstream(str(server.make_url("")))
-    try:
-        yield client
-    finally:
-        await client.close()
-        await server.close()
-
-
 async def test_a_single_render_that_does_not_start_as_its_pair_is_bridged_from_the_pair() -> None:
     fake = _SystemCountsUsers(scale_out=True, drop_past_reasoning=True)
-    async with _served(fake) as client:
+    async with served(fake) as client:
         closes = CloseRenders(steady=False)
         prior = _prior(SYSTEM, {"role": "user", "content": "One?"})
         first = continued(prior, _ANSWER, {"role": "user", "content": "Two?"})
@@ -354,7 +340,7 @@ async def test_a_single_render_that_does_not_start_as_its_pair_is_bridged_from_t
 
 async def test_appended_tokens_the_request_s_own_rendering_does_not_end_with_are_not_sent() -> None:
     fake = _NumbersUsers(scale_out=True, drop_past_reasoning=True)
-    async with _served(fake) as client:
+    async with served(fake) as client:
         history = [
             SYSTEM,
             {"role": "user", "content": "Zero?"},
@@ -390,7 +376,7 @@ class _FailsOnce(FakeVLLM):
 
 async def test_a_single_render_that_fails_is_a_break_as_with_pairs_and_keeps_its_anchor() -> None:
     fake = _FailsOnce(scale_out=True, drop_past_reasoning=True)
-    async with _served(fake) as client:
+    async with served(fake) as client:
         closes = CloseRenders(steady=False)
         prior = _prior(SYSTEM, {"role": "user", "content": "One?"})
         request = continued(prior, _ANSWER, {"role": "user", "content": "Two?"})
@@ -486,7 +472,7 @@ def _dummies(renders: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 async def test_the_turn_and_suffix_dummies_leave_out_the_system_prompt_and_tools() -> None:
     fake = _Recording(scale_out=True, drop_past_reasoning=True)
-    async with _served(fake) as client:
+    async with served(fake) as client:
         closes = CloseRenders(steady=False)
         for prior, request in tool_turns(2):
             got = await token_in_prompt(client, closes, prior, request, request)
@@ -506,7 +492,7 @@ async def test_the_turn_and_suffix_dummies_leave_out_the_system_prompt_and_tools
 
 async def test_a_template_that_needs_the_tools_in_the_dummies_gets_them() -> None:
     fake = _ToolsMarkResults(scale_out=True, drop_past_reasoning=True)
-    async with _served(fake) as client:
+    async with served(fake) as client:
         closes = CloseRenders(steady=False)
         turns = tool_turns(3)
         prior, request = turns[0]

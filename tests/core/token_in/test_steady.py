@@ -11,13 +11,13 @@ from typing import Any
 import orjson
 
 from capture_proxy.adapters.vllm import read_render
-from capture_proxy.core.token_in import CloseRenders, Prior, token_in_prompt
+from capture_proxy.core.token_in import CloseRenders, Prior, TokenInPrompt, token_in_prompt
 from capture_proxy.core.token_in._steady import eos_in_close, from_rendering, learnt_count
 from capture_proxy.core.token_in._values import Bridged
 from capture_proxy.testing.fake_vllm import FakeVLLM
 from capture_proxy.testing.fake_vllm._template import IM_END, encode
 from capture_proxy.upstream.http import HTTPUpstream
-from tests.support.token_in import continued, render_ids, staged_prior, tool_turns
+from tests.support.token_in import continued, render_ids, served, staged_prior, tool_turns
 
 RENDER = "/v1/chat/completions/render"
 SYSTEM = {"role": "system", "content": "Be terse."}
@@ -45,17 +45,18 @@ class _SkipsClose(_Counting):
 
 
 @contextlib.asynccontextmanager
-async def _served(fake: FakeVLLM) -> AsyncIterator[HTTPUpstream]:
-    from aiohttp.test_utils import TestServer
-
-    server = TestServer(fake.app())
-    await server.start_server()
-    client = HTTPUpstream(str(server.make_url("")))
-    try:
-        yield client
-    finally:
-        await client.close()
-        await server.close()
+async def _learnt(
+    fake: FakeVLLM,
+) -> AsyncIterator[tuple[HTTPUpstream, CloseRenders, Prior, dict[str, Any]]]:
+    """A client of `fake` and a cache that learnt the template's close from a first bridged
+    call (a user message after the answer "Yes."): the client, the cache, that call's prior and
+    request."""
+    async with served(fake) as client:
+        closes = CloseRenders()
+        prior = _prior(SYSTEM, {"role": "user", "content": "One?"})
+        first = continued(prior, ANSWER, {"role": "user", "content": "Two?"})
+        await token_in_prompt(client, closes, prior, first, first)
+        yield client, closes, prior, first
 
 
 def _prior(*messages: dict[str, Any], said: str = "Yes.", finish: str = "stop") -> Prior:
@@ -66,9 +67,21 @@ def _prior(*messages: dict[str, Any], said: str = "Yes.", finish: str = "stop") 
     )
 
 
+async def _as_the_dummies_give(
+    client: HTTPUpstream, got: TokenInPrompt, prior: Prior, request: dict[str, Any]
+) -> TokenInPrompt:
+    """The same call bridged by a cache that always makes the dummy renders; `got` is checked
+    to be its prompt, spans and divergence."""
+    paired = await token_in_prompt(client, CloseRenders(steady=False), prior, request, request)
+    assert (got.segment_break, paired.segment_break) == (None, None)
+    assert (got.prompt_ids, got.bridge_spans) == (paired.prompt_ids, paired.bridge_spans)
+    assert got.plain_divergence == paired.plain_divergence
+    return paired
+
+
 async def test_after_the_first_bridged_call_a_call_renders_only_the_request() -> None:
     fake = _Counting()
-    async with _served(fake) as client:
+    async with served(fake) as client:
         closes = CloseRenders()
         for k, (prior, request) in enumerate(tool_turns(4)):
             before = fake.renders
@@ -76,12 +89,7 @@ async def test_after_the_first_bridged_call_a_call_renders_only_the_request() ->
             # The first call: the request, the close, tool-call turn and suffix pairs; later
             # ones the request alone. The prompt is the one the dummy renders give.
             assert fake.renders - before == (7 if k == 0 else 1)
-            paired = await token_in_prompt(
-                client, CloseRenders(steady=False), prior, request, request
-            )
-            assert got.segment_break is None
-            assert (got.prompt_ids, got.bridge_spans) == (paired.prompt_ids, paired.bridge_spans)
-            assert got.plain_divergence == paired.plain_divergence
+            await _as_the_dummies_give(client, got, prior, request)
             assert got.ids_json == orjson.dumps(got.prompt_ids)
 
 
@@ -96,7 +104,7 @@ def _reasoned(*messages: dict[str, Any]) -> tuple[Prior, dict[str, Any]]:
 
 async def test_an_answer_rendered_otherwise_is_placed_by_its_end_of_turn_token() -> None:
     fake = _Counting()
-    async with _served(fake) as client:
+    async with served(fake) as client:
         closes = CloseRenders()
         prior, answer = _reasoned(SYSTEM, {"role": "user", "content": "One?"})
         for k, text in enumerate(("Two?", "Three?", "Four, then five?")):
@@ -105,20 +113,16 @@ async def test_an_answer_rendered_otherwise_is_placed_by_its_end_of_turn_token()
             got = await token_in_prompt(client, closes, prior, request, request)
             # The first call learns the shape from the dummy renders; then the request alone.
             assert fake.renders - before == (5 if k == 0 else 1)
-            paired = await token_in_prompt(
-                client, CloseRenders(steady=False), prior, request, request
-            )
-            assert got.segment_break is None
-            assert (got.prompt_ids, got.bridge_spans) == (paired.prompt_ids, paired.bridge_spans)
+            await _as_the_dummies_give(client, got, prior, request)
             # The plain rendering dropped the reasoning: it diverges inside the answer.
-            assert got.plain_divergence == paired.plain_divergence == len(prior.prompt_ids)
+            assert got.plain_divergence == len(prior.prompt_ids)
 
 
 async def test_an_appended_message_that_spells_the_end_of_turn_token_makes_the_dummy_renders() -> (
     None
 ):
     fake = _Counting()
-    async with _served(fake) as client:
+    async with served(fake) as client:
         closes = CloseRenders()
         prior, answer = _reasoned(SYSTEM, {"role": "user", "content": "One?"})
         first = continued(prior, answer, {"role": "user", "content": "Two?"})
@@ -129,39 +133,27 @@ async def test_an_appended_message_that_spells_the_end_of_turn_token_makes_the_d
         before = fake.renders
         got = await token_in_prompt(client, closes, prior, spelled, spelled)
         assert fake.renders - before == 2  # the request, then the suffix's anchored render
-        paired = await token_in_prompt(client, CloseRenders(steady=False), prior, spelled, spelled)
-        assert got.segment_break is None
-        assert (got.prompt_ids, got.bridge_spans) == (paired.prompt_ids, paired.bridge_spans)
+        await _as_the_dummies_give(client, got, prior, spelled)
         after = len(prior.prompt_ids) + len(prior.completion_ids)
         assert got.prompt_ids[after:].count(IM_END) == 2  # the user's, and its turn's close
 
 
 async def test_an_answer_rendered_as_sampled_is_read_after_whatever_the_messages_spell() -> None:
     fake = _Counting()
-    async with _served(fake) as client:
-        closes = CloseRenders()
-        prior = _prior(SYSTEM, {"role": "user", "content": "One?"})
-        first = continued(prior, ANSWER, {"role": "user", "content": "Two?"})
-        await token_in_prompt(client, closes, prior, first, first)  # learns the close
+    async with _learnt(fake) as (client, closes, prior, _):
         # The rendering spells the previous prompt and answer as sent: the appended tokens
         # are what follows them and the close, the user's "<|im_end|>" included.
         spelled = continued(prior, ANSWER, {"role": "user", "content": "a<|im_end|>b"})
         before = fake.renders
         got = await token_in_prompt(client, closes, prior, spelled, spelled)
         assert fake.renders - before == 1
-        paired = await token_in_prompt(client, CloseRenders(steady=False), prior, spelled, spelled)
-        assert (got.segment_break, paired.segment_break) == (None, None)
-        assert (got.prompt_ids, got.bridge_spans) == (paired.prompt_ids, paired.bridge_spans)
+        await _as_the_dummies_give(client, got, prior, spelled)
         assert got.plain_divergence is None
 
 
 async def test_a_close_the_template_leaves_out_is_not_read_past() -> None:
     fake = _SkipsClose()
-    async with _served(fake) as client:
-        closes = CloseRenders()
-        prior = _prior(SYSTEM, {"role": "user", "content": "One?"})
-        first = continued(prior, ANSWER, {"role": "user", "content": "Two?"})
-        await token_in_prompt(client, closes, prior, first, first)
+    async with _learnt(fake) as (client, closes, _, first):
         # Answered "Skip.": the request's own rendering has no close after it, so the end of
         # turn token the count from the front finds is the appended message's. The count
         # behind it is not the shape's: the dummy renders decide, and they do not bridge.
@@ -179,19 +171,13 @@ async def test_a_close_the_template_leaves_out_is_not_read_past() -> None:
 
 async def test_a_completion_cut_by_length_gets_the_whole_close_without_dummy_renders() -> None:
     fake = _Counting()
-    async with _served(fake) as client:
-        closes = CloseRenders()
-        prior = _prior(SYSTEM, {"role": "user", "content": "One?"})
-        first = continued(prior, ANSWER, {"role": "user", "content": "Two?"})
-        await token_in_prompt(client, closes, prior, first, first)
+    async with _learnt(fake) as (client, closes, _, first):
         cut = _prior(SYSTEM, {"role": "user", "content": "One?"}, finish="length")
         before = fake.renders
         got = await token_in_prompt(client, closes, cut, first, first)
         # No end-of-turn token sampled: the whole close is added, where the rendering has it.
         assert fake.renders - before == 1
-        paired = await token_in_prompt(client, CloseRenders(steady=False), cut, first, first)
-        assert got.segment_break is None
-        assert (got.prompt_ids, got.bridge_spans) == (paired.prompt_ids, paired.bridge_spans)
+        await _as_the_dummies_give(client, got, cut, first)
         assert got.bridge_spans[0][2] == "end_of_turn_added"
 
 
