@@ -40,8 +40,14 @@ SERIES = (
     "heap_free",
     "rss_heap",
     "rss_arenas",
+    "rss_stacks",
+    "rss_reserve",
     "rss_anon_other",
+    "mmapped",
+    "py_arenas",
     "py_used",
+    "arrow_mimalloc",
+    "threads",
 )
 
 
