@@ -34,9 +34,10 @@ Fourth, Arrow's own allocator (`arrow_on_malloc`). pyarrow's wheels allocate thr
 which reserves 1 GiB of address space and keeps what it freed resident; the Parquet sink points
 pyarrow's Python calls at malloc (`pyarrow.set_memory_pool`), but the Parquet writer's encoders
 and page buffers take Arrow's C++ default pool, which Arrow chooses once, when pyarrow is
-imported, from ``ARROW_DEFAULT_MEMORY_POOL``. A soak's proxy grew about 35 bytes per call in
-mimalloc's reservation (docs/reports/reliability.md, ninth round). ``serve`` sets the variable to
-``system`` before anything imports pyarrow, unless the operator set it.
+imported, from ``ARROW_DEFAULT_MEMORY_POOL``. A soak's proxy held 4-6 MB resident in mimalloc's
+reservation, growing 15-34 bytes per call (docs/reports/reliability.md, eleventh round).
+``serve`` sets the variable to ``system`` before anything imports pyarrow, unless the operator
+set it.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """``serve`` makes Arrow's C++ default pool glibc's malloc before pyarrow is imported
 (`heap_trim.arrow_on_malloc`): the Parquet writer's encoders take that pool whatever
 `pyarrow.set_memory_pool` chose, and mimalloc, pyarrow's default, kept what it freed resident
-(docs/reports/reliability.md, ninth round). An operator's ``ARROW_DEFAULT_MEMORY_POOL`` wins.
+(docs/reports/reliability.md, eleventh round). An operator's ``ARROW_DEFAULT_MEMORY_POOL`` wins.
 Seen in a real process writing through a real Parquet sink, by mimalloc's own counter."""
 
 from __future__ import annotations

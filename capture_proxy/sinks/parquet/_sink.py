@@ -136,7 +136,7 @@ def _system_allocator() -> None:
     # malloc, in steps of tens of MB its own allocations never reached (under 1 MiB at a time).
     # A writer lives as long as its proxy, so it makes the choice for the process.
     # docs/reports/reliability.md (section 6) has the measurements. The Parquet writer's encoders
-    # take Arrow's C++ pool instead, set by that variable at import (`serve` sets it; 9th round).
+    # take Arrow's C++ pool instead, set by that variable at import (`serve` sets it; 11th round).
     if "ARROW_DEFAULT_MEMORY_POOL" not in os.environ:
         pa.set_memory_pool(pa.system_memory_pool())
 
