@@ -11,11 +11,12 @@ probe's lines summarized as in the second form. ``D`` defaults to a new temporar
 store stays in ``D/store`` (``D/store/ds``: the dataset, for `bench/bench_reader_index.py`).
 
 The summary fits each of the probe's series (RSS, anonymous memory, glibc's heap in use and
-free, resident memory of glibc's main heap and other arenas, the rest of the anonymous memory,
-Python's blocks in use) after `--from-minute` (default: the first fifth, as the soak fits RSS):
-against time (MiB/min) and against the calls the store holds (bytes per call), and projects the
-per-call figure to 167 calls/s (the rate of a quiet two-core machine, issue 19's soak). It
-prints the load average at the start and the end: on a shared machine the rate, and so the
+free, resident memory of glibc's main heap and other arenas, the threads' stacks, mimalloc's
+reservation, the rest of the anonymous memory, malloc's own mmaps, Python's arenas and blocks
+in use, mimalloc's pool in use) after `--from-minute` (default: the first fifth, as the soak
+fits RSS): against time (MiB/min) and against the calls the store holds (bytes per call), and
+projects the per-call figure to 167 calls/s (the rate of a quiet two-core machine, issue 19's
+soak). It prints the load average at the start and the end: on a shared machine the rate, and so the
 slope per minute, follow the other work; bytes per call compare across runs.
 """
 
@@ -40,8 +41,14 @@ SERIES = (
     "heap_free",
     "rss_heap",
     "rss_arenas",
+    "rss_stacks",
+    "rss_reserve",
     "rss_anon_other",
+    "mmapped",
+    "py_arenas",
     "py_used",
+    "arrow_mimalloc",
+    "threads",
 )
 
 

@@ -7,8 +7,11 @@ something only in a ``capture-proxy serve`` process (the soak's proxy). Every 10
 JSON line to ``$SOAK_PROBE_OUT/probe.jsonl``: seconds since start, RSS and anonymous memory
 (``/proc/self/smaps_rollup``), glibc's ``mallinfo2`` (heap in use, free in the heap, mmapped),
 resident anonymous memory by mapping (``/proc/self/smaps``: the main heap, the other malloc
-arenas, the rest), Python's own allocator (its arenas, the bytes in use and free in them),
-Python's allocated blocks, and the calls the store holds (its claim files). With
+arenas, the threads' stacks, mimalloc's 1 GiB reservations, the rest), Python's own allocator
+(its arenas, the bytes in use and free in them), Python's allocated blocks, what Arrow's pools
+hold, and the calls the store holds (its claim files). Every ``SOAK_PROBE_MAPS_EVERY`` seconds
+(default 60) it also appends every anonymous mapping (address range, permissions, kind, anonymous
+bytes) to ``maps.jsonl``, for `bench/soak_probe/maps.py` (which mappings grew). With
 ``SOAK_PROBE_TRACE=1`` it also runs ``tracemalloc`` and writes a snapshot at each of the seconds
 listed in ``SOAK_PROBE_SNAPS`` (default ``120,230``), for `bench/soak_probe/diff.py`. With
 ``SOAK_PROBE_NO_THP=1`` every process with the folder on its path runs without transparent huge
@@ -62,28 +65,75 @@ def _proc() -> dict[str, int]:
     return out
 
 
-def _maps() -> dict[str, int]:
-    """Resident anonymous memory by where it lives: glibc's main heap (``[heap]``), its other
-    arenas (heaps of their own, each starting on a 64 MiB boundary), and the rest (Python's
-    object arenas, malloc's own mmaps, thread stacks)."""
-    out = {"rss_heap": 0, "rss_arenas": 0, "rss_anon_other": 0}
-    kind = ""
+def _stack_pointers() -> list[int]:
+    """Each thread's stack pointer while it waits in a system call (``/proc/self/task/*/syscall``:
+    the number, six arguments, the stack pointer, the program counter; "running" otherwise)."""
+    sps = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            fields = Path(f"/proc/self/task/{tid}/syscall").read_text().split()
+        except OSError:
+            continue
+        if len(fields) >= 9:
+            sps.append(int(fields[-2], 16))
+    return sps
+
+
+def _mappings() -> list[list[object]]:
+    """Every anonymous private mapping: start, end, permissions, kind and its anonymous bytes.
+
+    Kinds: ``heap`` (glibc's main heap), ``arena`` (another malloc arena: a heap of its own
+    starting on a 64 MiB boundary), ``reserve`` (at least 256 MiB of address space: mimalloc's
+    arenas reserve 1 GiB and commit what they use), ``stack`` (holds a thread's stack pointer),
+    ``guard`` (no access: the guard page below a thread's stack, an arena's reserved tail) and
+    ``other``
+    (Python's 1 MiB object arenas, malloc's own mmaps of blocks of 1 MiB or more, the stack of a
+    thread running at the time of the sample, anything else a library maps).
+    """
+    sps = _stack_pointers()
+    rows: list[list[object]] = []
+    current: list[object] | None = None
     with open("/proc/self/smaps") as smaps:
         for line in smaps:
             first = line.split(None, 6)
             if "-" in first[0] and len(first) >= 5:  # a mapping's header
-                start = int(first[0].split("-")[0], 16)
+                current = None
+                low, high = (int(x, 16) for x in first[0].split("-"))
                 path = first[5].strip() if len(first) > 5 else ""
                 if path == "[heap]":
-                    kind = "rss_heap"
+                    kind = "heap"
                 elif path:
-                    kind = ""
-                elif start % (64 << 20) == 0 and first[1].startswith("rw"):
-                    kind = "rss_arenas"
+                    continue
+                elif not first[1].startswith("rw"):
+                    kind = "guard"
+                elif high - low >= 256 << 20:
+                    kind = "reserve"
+                elif low % (64 << 20) == 0:
+                    kind = "arena"
+                elif any(low <= sp < high for sp in sps):
+                    kind = "stack"
                 else:
-                    kind = "rss_anon_other"
-            elif kind and first[0] == "Anonymous:":
-                out[kind] += int(first[1]) * 1024
+                    kind = "other"
+                current = [low, high, first[1], kind, 0]
+                rows.append(current)
+            elif current is not None and first[0] == "Anonymous:":
+                current[4] = int(first[1]) * 1024
+    return rows
+
+
+def _maps(rows: list[list[object]]) -> dict[str, int]:
+    """Resident anonymous memory by where it lives: glibc's main heap (``[heap]``), its other
+    arenas, the threads' stacks, and the rest (Python's object arenas, malloc's own mmaps)."""
+    out = {"rss_heap": 0, "rss_arenas": 0, "rss_stacks": 0, "rss_reserve": 0, "rss_anon_other": 0}
+    names = {
+        "heap": "rss_heap",
+        "arena": "rss_arenas",
+        "stack": "rss_stacks",
+        "reserve": "rss_reserve",
+    }
+    for row in rows:
+        if row[3] != "guard":
+            out[names.get(str(row[3]), "rss_anon_other")] += int(str(row[4]))
     return out
 
 
@@ -116,6 +166,21 @@ def _pymalloc(scratch: Path) -> dict[str, int]:
     }
 
 
+def _arrow() -> dict[str, int]:
+    """What Arrow's pools hold: the default pool of pyarrow's Python calls, and mimalloc's
+    (the C++ default of pyarrow's wheels unless ``ARROW_DEFAULT_MEMORY_POOL`` said otherwise at
+    import, used by the Parquet writer's encoders whatever `pyarrow.set_memory_pool` chose)."""
+    pa = sys.modules.get("pyarrow")
+    if pa is None:
+        return {}
+    mi = pa.mimalloc_memory_pool()
+    return {
+        "arrow_default": pa.total_allocated_bytes(),
+        "arrow_mimalloc": mi.bytes_allocated(),
+        "arrow_mimalloc_max": mi.max_memory(),
+    }
+
+
 def _claims(store: str | None) -> int:
     if not store or not store.startswith("parquet://"):
         return -1
@@ -140,7 +205,9 @@ def _run(out: Path, t0: float) -> None:
     trim = os.environ.get("SOAK_PROBE_TRIM") == "1"
     libc = ctypes.CDLL("libc.so.6")
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / "probe.jsonl", "a") as log:
+    maps_every = float(os.environ.get("SOAK_PROBE_MAPS_EVERY", "60"))
+    next_maps = 0.0
+    with open(out / "probe.jsonl", "a") as log, open(out / "maps.jsonl", "a") as maps:
         while True:
             time.sleep(10.0)
             t = time.monotonic() - t0
@@ -150,11 +217,13 @@ def _run(out: Path, t0: float) -> None:
                 libc.malloc_trim(0)
                 row["trim_ms"] = round((time.perf_counter() - started) * 1000, 2)
             row |= {"calls": _claims(store), "blocks": sys.getallocatedblocks()}
+            rows = _mappings()
             row |= (
                 _proc()
                 | _mallinfo()
-                | _maps()
+                | _maps(rows)
                 | _pymalloc(out / "mallocstats.txt")
+                | _arrow()
                 | {"threads": len(os.listdir("/proc/self/task"))}
             )
             if tracemalloc.is_tracing():
@@ -165,6 +234,11 @@ def _run(out: Path, t0: float) -> None:
                     tracemalloc.take_snapshot().dump(str(name))
             log.write(json.dumps(row) + "\n")
             log.flush()
+            if t >= next_maps:
+                next_maps += maps_every
+                maps.write(json.dumps({"t": row["t"], "calls": row["calls"], "maps": rows}))
+                maps.write("\n")
+                maps.flush()
 
 
 if os.environ.get("SOAK_PROBE_OUT"):

@@ -29,6 +29,15 @@ A Parquet proxy's threads (the event loop, its worker threads, the writer thread
 instead of 6.3-7.5) and 0.5-2.1 MiB less RSS at the same calls, at the same rate; no RSS slope
 was told apart in 7 and 12 minutes (docs/reports/reliability.md, section 6).
 ``serve`` sets two unless ``MALLOC_ARENA_MAX`` is in its environment (glibc reads it itself).
+
+Fourth, Arrow's own allocator (`arrow_on_malloc`). pyarrow's wheels allocate through mimalloc,
+which reserves 1 GiB of address space and keeps what it freed resident; the Parquet sink points
+pyarrow's Python calls at malloc (`pyarrow.set_memory_pool`), but the Parquet writer's encoders
+and page buffers take Arrow's C++ default pool, which Arrow chooses once, when pyarrow is
+imported, from ``ARROW_DEFAULT_MEMORY_POOL``. A soak's proxy held 4-6 MB resident in mimalloc's
+reservation, growing 15-34 bytes per call (docs/reports/reliability.md, eleventh round).
+``serve`` sets the variable to ``system`` before anything imports pyarrow, unless the operator
+set it.
 """
 
 from __future__ import annotations
@@ -38,14 +47,16 @@ import ctypes
 import ctypes.util
 import logging
 import os
+import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 
 __all__ = [
     "ARENAS",
     "MMAP_THRESHOLD",
     "HeapTrim",
+    "arrow_on_malloc",
     "fix_mmap_threshold",
     "limit_arenas",
     "malloc_trim",
@@ -81,6 +92,18 @@ def limit_arenas(arenas: int = ARENAS, environ: Mapping[str, str] | None = None)
         return False
     mallopt = _mallopt()
     return mallopt is not None and bool(mallopt(_M_ARENA_MAX, arenas))
+
+
+def arrow_on_malloc(environ: MutableMapping[str, str] | None = None) -> bool:
+    """Make Arrow's C++ default pool the C library's ``malloc`` (``ARROW_DEFAULT_MEMORY_POOL=
+    system`` in `environ`, default the process's), so the Parquet writer's buffers go to the heap
+    that `HeapTrim` trims. Arrow reads the variable when pyarrow is imported: False, and nothing
+    changed, when pyarrow is already imported or the variable is already set."""
+    env = os.environ if environ is None else environ
+    if "ARROW_DEFAULT_MEMORY_POOL" in env or "pyarrow" in sys.modules:
+        return False
+    env["ARROW_DEFAULT_MEMORY_POOL"] = "system"
+    return True
 
 
 def _mallopt() -> Callable[[int, int], int] | None:

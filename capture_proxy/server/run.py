@@ -25,7 +25,7 @@ from .app import create_admin_app, create_app
 from .collector import tune_for_serving
 from .connections import MAX_LINGERING, ConnectionGate
 from .event_loop import loop_name
-from .heap_trim import HeapTrim, fix_mmap_threshold, limit_arenas
+from .heap_trim import HeapTrim, arrow_on_malloc, fix_mmap_threshold, limit_arenas
 from .settings import Settings
 from .state import STATE
 
@@ -199,6 +199,7 @@ async def serve(settings: Settings) -> int:
     if not fix_mmap_threshold():
         log.info("this C library has no mallopt: large buffers are left to its own threshold")
     limit_arenas()  # before the store's and the loop's threads start (heap_trim says why)
+    arrow_on_malloc()  # before the store imports pyarrow (heap_trim says why)
     open_files = raise_open_file_limit()
     listening = await listen(settings, open_files=open_files)
     state = listening.app[STATE]

@@ -131,7 +131,8 @@ def _system_allocator() -> None:
     # transparent huge pages: a proxy writing Parquet grew about 4 MiB/min more with it than with
     # malloc, in steps of tens of MB its own allocations never reached (under 1 MiB at a time).
     # A writer lives as long as its proxy, so it makes the choice for the process.
-    # docs/reports/reliability.md (section 6) has the measurements.
+    # docs/reports/reliability.md (section 6) has the measurements. The Parquet writer's encoders
+    # take Arrow's C++ pool instead, set by that variable at import (`serve` sets it; 11th round).
     if "ARROW_DEFAULT_MEMORY_POOL" not in os.environ:
         pa.set_memory_pool(pa.system_memory_pool())
 
@@ -161,10 +162,12 @@ class ParquetSink:
     here, writes each batch at once; the proxy's ``--store-linger``). `close` commits
     everything queued; `stage` after `close` raises RuntimeError.
 
-    Opening a sink makes Arrow allocate from the C library's ``malloc`` in the whole process
-    (`pyarrow.system_memory_pool`), unless the ``ARROW_DEFAULT_MEMORY_POOL`` environment
+    Opening a sink makes pyarrow's calls allocate from the C library's ``malloc`` in the whole
+    process (`pyarrow.system_memory_pool`), unless the ``ARROW_DEFAULT_MEMORY_POOL`` environment
     variable names an allocator: pyarrow's default, mimalloc, holds on to memory it freed, which
-    a long-running proxy's resident memory would grow by.
+    a long-running proxy's resident memory would grow by. The Parquet writer's page buffers come
+    from Arrow's C++ default pool, which only that variable set before pyarrow is imported
+    chooses (``capture-proxy serve`` sets it to ``system``; a long-running program can too).
     """
 
     def __init__(
