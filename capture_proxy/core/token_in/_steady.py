@@ -175,7 +175,7 @@ def _after_counted(prior: Prior, close: Sequence[int], eos: int, rendered: Rende
 
 @dataclass(frozen=True, slots=True)
 class Steady:
-    """What a steady call reads its appended tokens with (`_steady.from_rendering`): the turn
+    """What a steady call reads its appended tokens with (`from_rendering`): the turn
     close, where the model's end of sequence sits in it and the count its shape showed (None:
     not learnt)."""
 
