@@ -169,6 +169,39 @@ async def test_a_close_the_template_leaves_out_is_not_read_past() -> None:
         assert got.prompt_ids == encode(fake._render(request["messages"], None, True))
 
 
+class _EndsOtherwise(_Counting):
+    """A template that ends the real conversation's rendering with one more newline than the
+    dummy conversations' (its end depends on the conversation)."""
+
+    def _render_ids(self, body: Any) -> list[int]:
+        ids = super()._render_ids(body)
+        dummy = any(m.get("content") in ("A", "B") for m in body["messages"])
+        return ids if dummy else [*ids, *encode("\n")]
+
+
+async def test_a_steady_call_takes_the_template_s_own_tokens_where_the_dummies_refuse() -> None:
+    fake = _EndsOtherwise()
+    async with served(fake) as client:
+        closes = CloseRenders()
+        prior = _prior(SYSTEM, {"role": "user", "content": "One?"})
+        first = continued(prior, ANSWER, {"role": "user", "content": "Two?"})
+        learning = await token_in_prompt(client, closes, prior, first, first)
+        # The dummies say the appended tokens end without the newline the request's own
+        # rendering ends with: they do not bridge (the template writes otherwise here).
+        assert learning.segment_break is not None
+        assert learning.segment_break.reason == "template_not_bridgeable"
+        # Read from the rendering, the place is the same and the tokens are the template's own
+        # for this conversation: bridged, the newline included.
+        before = fake.renders
+        got = await token_in_prompt(client, closes, prior, first, first)
+        assert fake.renders - before == 1
+        assert got.segment_break is None
+        sent = [*prior.prompt_ids, *prior.completion_ids]
+        assert got.prompt_ids[: len(sent)] == sent
+        assert got.prompt_ids == fake._render_ids(first)
+        assert got.placed == "rendering"
+
+
 async def test_a_completion_cut_by_length_gets_the_whole_close_without_dummy_renders() -> None:
     fake = _Counting()
     async with _learnt(fake) as (client, closes, _, first):
