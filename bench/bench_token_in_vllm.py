@@ -302,17 +302,6 @@ async def _bytes(vllm: str, port: int, workdir: Path, dump: Path | None) -> None
             print(f"| {target} | {mode} | {name} | {n} | {heads:,} | {bodies:,} | {share:.2f} |")
 
 
-async def _end_of_sequence(url: str) -> int:
-    """The tiny model's end-of-sequence id (its turn end, ``<|im_end|>``), from vLLM."""
-    body = {"model": tiny_vllm.SERVED_MODEL_NAME, "prompt": "<|im_end|>"}
-    async with (
-        aiohttp.ClientSession() as session,
-        session.post(f"{url}/tokenize", json={**body, "add_special_tokens": False}) as reply,
-    ):
-        [end] = (await reply.json())["tokens"]
-    return int(end)
-
-
 async def main(args: argparse.Namespace) -> None:
     BOUND[0] = args.bound
     SHAPE[0] = args.tools
@@ -325,7 +314,7 @@ async def main(args: argparse.Namespace) -> None:
         url, pid = f"http://127.0.0.1:{port}", proc.pid
     try:
         if args.ending == "stop":
-            END[0] = await _end_of_sequence(url)
+            END[0] = tiny_vllm.end_of_sequence(int(url.rsplit(":", 1)[1]))
         with tempfile.TemporaryDirectory() as tmp:
             workdir = Path(tmp)
             runners = []

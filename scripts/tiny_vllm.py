@@ -589,6 +589,15 @@ def _post(port: int, path: str, body: dict[str, Any], timeout: float = 60) -> by
         return data
 
 
+def end_of_sequence(port: int) -> int:
+    """The tiny model's end-of-sequence id (its chat template's turn end, ``<|im_end|>``), from
+    the running server's ``/tokenize``: an answer made to stop on it (a logit bias) ends its
+    turn as an agent's do."""
+    body = {"model": SERVED_MODEL_NAME, "prompt": "<|im_end|>", "add_special_tokens": False}
+    [end] = json.loads(_post(port, "/tokenize", body))["tokens"]
+    return int(end)
+
+
 def smoke(port: int) -> dict[str, Any]:
     """Check the running server does what the capture tests rely on; return what was seen.
 

@@ -29,15 +29,16 @@ derenders those short requests' streams once, at their end).
 
 from __future__ import annotations
 
+import asyncio
 import functools
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import pytest
 
 import examples.rl_loop.agent as rl_loop_agent
 from capture_proxy.testing.byte_relay import ByteRelay, by_kind, request_kind
+from scripts import tiny_vllm
 from tests.e2e.test_vllm_parity import SHAPES, request, staged
 from tests.support.parity import agent_view
 from tests.support.proxy_harness import Proxy, start_proxy, stop_proxy
@@ -128,24 +129,13 @@ async def second_call_bytes(
 PLAIN_CALL = frozenset({"chat"})
 
 
-async def end_of_sequence(vllm_url: str) -> int:
-    """The tiny model's end-of-sequence id (its chat template's turn end, ``<|im_end|>``)."""
-    body = {"model": "policy", "prompt": "<|im_end|>", "add_special_tokens": False}
-    async with (
-        aiohttp.ClientSession() as session,
-        session.post(f"{vllm_url}/tokenize", json=body) as reply,
-    ):
-        [end] = (await reply.json())["tokens"]
-    return int(end)
-
-
 @pytest.mark.parametrize("ending", ["stop", "length"])
 @pytest.mark.parametrize("tools", sorted(TOOL_SETS))
 @pytest.mark.parametrize("stream", [False, True], ids=["unary", "streamed"])
 async def test_a_bridged_token_in_call_sends_vllm_at_most_three_times_the_plain_call_s_bytes(
     vllm_url: str, tmp_path: Path, stream: bool, tools: str, ending: str
 ) -> None:
-    end = await end_of_sequence(vllm_url)
+    end = await asyncio.to_thread(tiny_vllm.end_of_sequence, int(vllm_url.rsplit(":", 1)[1]))
     relay = ByteRelay(int(vllm_url.rsplit(":", 1)[1]))
     upstream = f"http://127.0.0.1:{await relay.start()}"
     plain = await start_proxy(tmp_path / "plain", upstream=upstream)

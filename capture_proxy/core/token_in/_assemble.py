@@ -47,6 +47,7 @@ __all__ = [
     "close_after",
     "common_suffix",
     "divergence",
+    "extended",
 ]
 
 #: `bridge_spans` reason: the template's tokens after the end-of-turn token the model sampled.
@@ -101,23 +102,29 @@ def assemble(prior: Prior, plan: BridgePlan, rendered: BridgeRenders) -> Bridged
             f"({len(end)} tokens)",
         )
     appended = tail[len(end) :]
-    completion = prior.completion_ids
     placed = close_after(prior, close)
     if isinstance(placed, NotBridged):
         return placed
-    bridge, reason = placed
-    prompt = [*prior.prompt_ids, *completion]
-    start = len(prompt)
-    spans: tuple[BridgeSpan, ...] = ()
-    if bridge:
-        spans = ((start, start + len(bridge), reason),)
-    prompt.extend(bridge)
-    appended_start = len(prompt)
-    prompt.extend(appended)
+    prompt, spans, appended_start = extended(prior, *placed, appended)
     media = _placed(prior, plan, rendered, len(appended), len(prompt))
     if isinstance(media, NotBridged):
         return media
     return Bridged(prompt, spans, appended_start, media, tuple(close))
+
+
+def extended(
+    prior: Prior, bridge: Sequence[int], reason: str, appended: Sequence[int]
+) -> tuple[list[int], tuple[BridgeSpan, ...], int]:
+    """The bridged prompt's ids: `prior`'s prompt and completion, the part of the turn close
+    `bridge` (spanned with `reason` when not empty: `close_after`), then `appended`; its
+    ``bridge_spans``, and where the appended tokens start."""
+    prompt = [*prior.prompt_ids, *prior.completion_ids]
+    start = len(prompt)
+    spans: tuple[BridgeSpan, ...] = ((start, start + len(bridge), reason),) if bridge else ()
+    prompt.extend(bridge)
+    appended_start = len(prompt)
+    prompt.extend(appended)
+    return prompt, spans, appended_start
 
 
 def _after_content(name: str, renders: Renders) -> list[int] | NotBridged:

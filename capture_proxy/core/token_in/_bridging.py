@@ -124,14 +124,16 @@ async def token_in_prompt_beside(
     beside = early is not None and _learnt(Renders(bridge, closes, verdict), bridge)
     plain_render = None if beside else asyncio.ensure_future(_render(upstream, plain_body))
     steady = None if early is not None else steady_plan(closes, bridge, request, verdict)
+    read: Rendered | None = None  # the request's own render, once read
     try:
         if steady is not None and plain_render is not None:
             # A steady call: the request's own rendering places the appended tokens; the
-            # dummy renders are made only when it does not (`_steady`).
+            # dummy renders are made only when it does not (`_steady`), and the rendering
+            # read here is what they are checked against.
             status, raw = await plain_render
             if status != 200:
                 raise RenderRefused(status, raw)
-            done = _steady_prompt(steady, raw, verdict.prior, kept)
+            done, read = _steady_prompt(steady, raw, verdict.prior, kept)
             if done is not None:
                 return done
         got, failed, learnt = await _bridge(upstream, closes, verdict, bridge, kept)
@@ -156,7 +158,7 @@ async def token_in_prompt_beside(
         if plain_render is None:  # the single renders did not bridge: rendered now
             plain_render = asyncio.ensure_future(_render(upstream, plain_body))
         return await _checked_prompt(
-            upstream, closes, request, verdict, bridge, kept, got, failed, plain_render
+            upstream, closes, request, verdict, bridge, kept, got, failed, plain_render, read
         )
     except BaseException:
         if plain_render is not None:
@@ -210,9 +212,11 @@ async def _checked_prompt(
     got: Bridged | NotBridged,
     failed: bool,
     plain_render: asyncio.Future[tuple[int, bytes]],
+    read: Rendered | None = None,
 ) -> TokenInPrompt:
     """The call's prompt from the bridge's renders (`got`) and the request's own render,
-    checked against it (the rest of `token_in_prompt`)."""
+    checked against it (the rest of `token_in_prompt`); `read`: that render already read
+    against the previous prompt (a steady call's attempt), not read again."""
     try:
         status, raw = await plain_render
     except BaseException:
@@ -220,7 +224,7 @@ async def _checked_prompt(
         raise
     if status != 200:
         raise RenderRefused(status, raw)
-    checked = _checked(got, raw, verdict.prior, kept)
+    checked = _checked(got, raw, verdict.prior, kept, read)
     if isinstance(checked, NotBridged) and bridge.lean and not failed:
         # The lean dummies did not bridge, or not as the request renders: this template may
         # render the turn or the appended messages differently without the system message or
@@ -228,11 +232,11 @@ async def _checked_prompt(
         # failed is the call's break, as it would be with them.)
         bridge = plan(request, verdict)
         whole, _, _ = await _bridge(upstream, closes, verdict, bridge, kept)
-        checked = _checked(whole, raw, verdict.prior, kept)
+        checked = _checked(whole, raw, verdict.prior, kept, read)
         if not isinstance(checked, NotBridged):
             closes.context_needed(bridge.close_key)
     if isinstance(checked, NotBridged):
-        rendered, plain_ids = _plain(status, raw)
+        rendered, plain_ids = _plain(status, raw, read)
         return TokenInPrompt(rendered, plain_ids, segment_break=_break(checked))
     got, rendered, ids_json = checked
     learn_shape(closes, request, verdict, bridge.close_key, got, rendered)
@@ -263,17 +267,19 @@ def _bridged_prompt(
 
 def _steady_prompt(
     steady: Steady, raw: bytes, prior: Prior, kept: bytes | None
-) -> TokenInPrompt | None:
-    """The call's prompt from the request's own render alone, or None (the dummies decide)."""
+) -> tuple[TokenInPrompt | None, Rendered]:
+    """The call's prompt from the request's own render alone, or None (the dummies decide),
+    and the render as read (against the previous prompt: its `known_prefix` holds for any
+    prompt bridged from it)."""
     if kept is not None:
         rendered = read_render(raw, known=(kept, prior.prompt_ids))
     else:
         rendered = read_render(raw)
     got = from_rendering(prior, steady.close, steady.eos, steady.count, rendered)
     if got is None:
-        return None
+        return None, rendered
     ids_json = _bridged_json(got, prior, kept)
-    return _bridged_prompt(got, rendered, ids_json, prior, PLACED_BY_RENDERING)
+    return _bridged_prompt(got, rendered, ids_json, prior, PLACED_BY_RENDERING), rendered
 
 
 async def _bridge(
@@ -302,15 +308,20 @@ async def _bridge(
 
 
 def _checked(
-    got: Bridged | NotBridged, raw: bytes, prior: Prior, kept: bytes | None
+    got: Bridged | NotBridged,
+    raw: bytes,
+    prior: Prior,
+    kept: bytes | None,
+    read: Rendered | None = None,
 ) -> tuple[Bridged, Rendered, bytes] | NotBridged:
-    """The bridged prompt with the request's own render (`raw`, read against the bridged ids)
-    and the prompt's JSON, when the render ends as the bridge says (`_appended_as_rendered`)."""
+    """The bridged prompt with the request's own render (`raw`, read against the bridged ids,
+    or `read` when already read) and the prompt's JSON, when the render ends as the bridge says
+    (`_appended_as_rendered`)."""
     if isinstance(got, NotBridged):
         return got
     ids_json = _bridged_json(got, prior, kept)
     # The plain rendering mostly spells the bridged prompt's ids: only the rest is decoded.
-    rendered = read_render(raw, known=(ids_json, got.prompt_ids))
+    rendered = read if read is not None else read_render(raw, known=(ids_json, got.prompt_ids))
     if not _appended_as_rendered(got, rendered):
         return NotBridged("template_not_bridgeable", _NOT_AS_RENDERED)
     return got, rendered, ids_json
@@ -358,10 +369,10 @@ def _bridged_json(got: Bridged, prior: Prior, kept: bytes | None) -> bytes:
     return extend_ids_json(kept, got.prompt_ids[len(prior.prompt_ids) :])
 
 
-def _plain(status: int, raw: bytes) -> tuple[Rendered, list[int]]:
+def _plain(status: int, raw: bytes, read: Rendered | None = None) -> tuple[Rendered, list[int]]:
     if status != 200:
         raise RenderRefused(status, raw)
-    rendered = read_render(raw)
+    rendered = read if read is not None else read_render(raw)
     return rendered, rendered.prompt_ids
 
 

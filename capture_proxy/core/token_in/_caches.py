@@ -104,8 +104,6 @@ class CloseRenders:
 
     def stop_count(self, key: str) -> int | None:
         """The stop token count learnt for the shape `key` (None: not learnt, or dummies only)."""
-        if not self.steady:
-            return None
         count = self._counts.get(key)
         if count is not None:
             self._counts.move_to_end(key)

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...adapters.vllm import Rendered
-from ._assemble import close_after, common_suffix
+from ._assemble import close_after, common_suffix, extended
 from ._caches import CloseRenders
 from ._media import media_parts
 from ._values import Bridged, BridgePlan, Extension, NotBridged, Prior
@@ -105,12 +105,7 @@ def from_rendering(
         end = _after_counted(prior, close, eos, rendered)
         if end is None or rendered.prompt_ids[end:].count(close[eos]) != count:
             return None
-    prompt = [*prior.prompt_ids, *prior.completion_ids]
-    start = len(prompt)
-    spans = ((start, start + len(rest), reason),) if rest else ()
-    prompt.extend(rest)
-    appended_start = len(prompt)
-    prompt.extend(rendered.prompt_ids[end:])
+    prompt, spans, appended_start = extended(prior, rest, reason, rendered.prompt_ids[end:])
     return Bridged(prompt, spans, appended_start, prior.media or (), tuple(close))
 
 

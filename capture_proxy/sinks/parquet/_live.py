@@ -17,7 +17,7 @@ from ._claims import Holders, SeqClaim, last_claim
 from ._events import EventHeads
 from ._fs import DatasetFS
 from ._keys import RolloutIds, RolloutKeys
-from ._resolve import ReadAhead, handoff_from
+from ._resolve import ReadAhead, handoff_from, stored_chain
 from ._source import ParquetSource
 
 
@@ -114,10 +114,9 @@ class LiveRollouts:
             # One read of the store, for the chain's head. Another writer's call ids are not
             # needed: call ids never repeat across proxies, and a call whose parent another
             # writer staged is stored whole (exact, a few bytes more) instead of read back.
-            events = self._reader.events(rollout_id)
-            head = (events[-1].position, events[-1].hash) if events else None
+            head, staged = stored_chain(self._reader, rollout_id)
             self._events.reset(rollout_id, head)
-            keys = RolloutKeys({e.call_id for e in events if e.call_id and e.kind == "staged"})
+            keys = RolloutKeys(set(staged))
         else:
             calls, _ = self._reader.rollout_keys(rollout_id)
             keys = RolloutKeys(calls)

@@ -92,11 +92,19 @@ def read_rollout(
     last = last_claim(dfs, rollout_id)
     if last is None and not known:
         return Resolution(rollout_id, stamp, time.monotonic(), None, False, None, frozenset())
-    events = reader.events(rollout_id)
-    staged = [e.call_id for e in events if e.call_id and e.kind == "staged"]
-    head = (events[-1].position, events[-1].hash) if events else None
+    head, staged = stored_chain(reader, rollout_id)
     at = time.monotonic()
-    return Resolution(rollout_id, stamp, at, last, True, head, frozenset(staged))
+    return Resolution(rollout_id, stamp, at, last, True, head, staged)
+
+
+def stored_chain(
+    reader: ParquetSource, rollout_id: str
+) -> tuple[tuple[int, str] | None, frozenset[str]]:
+    """One read of a rollout's committed events: its chain's head (position, hash; None: no
+    event stored) and the calls staged in it."""
+    events = reader.events(rollout_id)
+    head = (events[-1].position, events[-1].hash) if events else None
+    return head, frozenset(e.call_id for e in events if e.call_id and e.kind == "staged")
 
 
 class ReadAhead:

@@ -102,7 +102,7 @@ from ._layout import (
 )
 from ._ledger import IMPLICIT, failure_row, orphan_row, rollout_row
 from ._live import LiveRollouts
-from ._resolve import ReadAhead
+from ._resolve import ReadAhead, stored_chain
 from ._shared import SharedCopies
 from ._source import ParquetSource, default_url
 from ._writer import UnitRows, UnitWriter, Work
@@ -518,8 +518,7 @@ class ParquetSink:
         """The last committed event of a rollout whose head was dropped (sealed)."""
         if rollout_id not in self._rollouts:
             return None  # new: no event of it is stored
-        events = self._reader.events(rollout_id)
-        return (events[-1].position, events[-1].hash) if events else None
+        return stored_chain(self._reader, rollout_id)[0]
 
     async def prepare_rollout(self, rollout_id: str) -> None:
         """Read from the store now what this writer's next write of `rollout_id` needs (its

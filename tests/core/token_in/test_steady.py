@@ -9,9 +9,17 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
+import pytest
+from aiohttp import web
 
 from capture_proxy.adapters.vllm import read_render
-from capture_proxy.core.token_in import CloseRenders, Prior, TokenInPrompt, token_in_prompt
+from capture_proxy.core.token_in import (
+    CloseRenders,
+    Prior,
+    RenderRefused,
+    TokenInPrompt,
+    token_in_prompt,
+)
 from capture_proxy.core.token_in._steady import eos_in_close, from_rendering, learnt_count
 from capture_proxy.core.token_in._values import Bridged
 from capture_proxy.testing.fake_vllm import FakeVLLM
@@ -212,6 +220,42 @@ async def test_a_completion_cut_by_length_gets_the_whole_close_without_dummy_ren
         assert fake.renders - before == 1
         await _as_the_dummies_give(client, got, cut, first)
         assert got.bridge_spans[0][2] == "end_of_turn_added"
+
+
+class _RefusesTheRequest(_Counting):
+    """Answers the request's own render (not a dummy's) with vLLM's 400 when `refuse` is set."""
+
+    refuse = False
+
+    async def _render_chat(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        dummy = any(m.get("content") in ("A", "B") for m in body["messages"])
+        if self.refuse and not dummy:
+            self.route_hits[request.path] += 1
+            error = {"message": "too long", "type": "BadRequestError", "code": 400}
+            return web.json_response({"error": error}, status=400)
+        return await super()._render_chat(request)
+
+
+async def test_a_steady_call_whose_render_is_refused_gets_vllm_s_answer_and_no_dummies() -> None:
+    fake = _RefusesTheRequest()
+    async with _learnt(fake) as (client, closes, prior, first):
+        fake.refuse = True
+        before = fake.renders
+        with pytest.raises(RenderRefused) as refused:
+            await token_in_prompt(client, closes, prior, first, first)
+        # vLLM's own answer, relayed to the client as the chat route's would be; no dummy
+        # render was sent for a call that has no prompt.
+        assert refused.value.status == 400
+        assert b"too long" in refused.value.body
+        assert fake.renders - before == 1
+        # Nothing learnt was lost: the next call is steady again.
+        fake.refuse = False
+        before = fake.renders
+        again = await token_in_prompt(client, closes, prior, first, first)
+        assert fake.renders - before == 1
+        assert again.segment_break is None
+        assert again.placed == "rendering"
 
 
 def _rendered(ids: list[int]) -> Any:
