@@ -19,19 +19,18 @@ read its token data):
 
 from __future__ import annotations
 
-import hashlib
 import sys
 import threading
 from array import array
-from bisect import bisect_right
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 import pyarrow as pa
 
 from ._fs import DatasetFS
+from ._keyed import Locator, Packed, key_hash
 from ._layout import ATTACHMENTS, BLOBS, CALLS, LEDGER, Marker, read_groups, read_table
 from ._ledger import LedgerState
 from ._unit_names import UnitFileList
@@ -203,133 +202,6 @@ class Index:
                     (r["rollout_id"], None) for r in rows if r["rollout_id"] is not None
                 )
         self.units.append(unit.unit, files)
-
-
-def key_hash(key: str) -> bytes:
-    """The 8 bytes a `Locator` files `key` under."""
-    return hashlib.blake2b(key.encode(), digest_size=8).digest()
-
-
-class Locator:
-    """Where keys are, in about 9 bytes each: an 8-byte hash of each key, and its (unit, row
-    group) once per run of keys added with the same place (12 bytes a run: a unit's keys are
-    added together, so a row group of ten keys costs 8.2 bytes a key, not 16).
-
-    A hash may collide (about once in 2**32 lookups on a store of 2**32 keys): `find` yields
-    every candidate, and the caller checks the row it reads.
-    """
-
-    __slots__ = ("_hashes", "_places", "_starts")
-
-    def __init__(self) -> None:
-        self._hashes = bytearray()
-        self._starts = array("I")  # the first key of each run of keys with one place
-        self._places = array("Q")  # each run's place, ``unit << 32 | group``
-
-    def __len__(self) -> int:
-        return len(self._hashes) // 8
-
-    def add(self, key: str, unit: int, group: int) -> None:
-        place = unit << 32 | group
-        if not self._places or self._places[-1] != place:
-            self._starts.append(len(self))
-            self._places.append(place)
-        self._hashes += key_hash(key)
-
-    def nbytes(self) -> int:
-        """Bytes held (the hashes and the runs' places)."""
-        return sum(map(sys.getsizeof, (self._hashes, self._starts, self._places)))
-
-    def find(self, key: str, *, newest_first: bool = False) -> Iterator[tuple[int, int]]:
-        """The (unit, group) places filed under `key`'s hash, oldest (or newest) first."""
-        h, hashes, n = key_hash(key), self._hashes, len(self._hashes)
-        # bytearray.find is a C scan (about 1 ms per million keys); a match must be aligned.
-        pos = hashes.rfind(h) if newest_first else hashes.find(h)
-        while pos >= 0:
-            if pos % 8 == 0:
-                place = self._places[bisect_right(self._starts, pos // 8) - 1]
-                yield place >> 32, place & 0xFFFFFFFF
-            pos = hashes.rfind(h, 0, pos + 7) if newest_first else hashes.find(h, pos + 1, n)
-
-
-class Packed:
-    """Packed ints per key, filed under an 8-byte hash of the key: no Python object per key.
-    For what a reader rarely asks for (the places of sealed rollouts' rows). A hash may collide:
-    `find` returns the values of every key filed under the same hash, and the caller checks the
-    rows it reads.
-
-    Each value is split into its high part (``value >> low_bits``) and its low part; the high
-    part is stored as the difference from the key's previous value's, the low part as it is,
-    both as variable-length ints (LEB128; the difference zigzag-encoded, so any order of values
-    round-trips). A rollout's places are ascending unit positions a few units apart: about 2-3
-    bytes a place instead of 8, and 12 bytes per `add` (its hash and where its values end).
-    """
-
-    __slots__ = ("_ends", "_hashes", "_low_bits", "_values")
-
-    def __init__(self, low_bits: int = 0) -> None:
-        self._low_bits = low_bits
-        self._hashes = bytearray()
-        self._ends = array("I")  # where each add's values end in `_values`
-        self._values = bytearray()
-
-    def __len__(self) -> int:
-        return len(self._ends)
-
-    def add(self, key: str, values: Iterable[int]) -> None:
-        out, shift, mask, prev = self._values, self._low_bits, (1 << self._low_bits) - 1, 0
-        for v in values:
-            high = v >> shift
-            delta, prev = high - prev, high
-            _put_varint(out, delta << 1 if delta >= 0 else (-delta << 1) - 1)
-            if shift:
-                _put_varint(out, v & mask)
-        self._ends.append(len(out))
-        # The hash last: a `find` on another thread meets the key once its values are in.
-        self._hashes += key_hash(key)
-
-    def find(self, key: str) -> list[int]:
-        """The values added under `key`'s hash, in the order they were added."""
-        h, hashes = key_hash(key), self._hashes
-        out: list[int] = []
-        pos = hashes.find(h)
-        while pos >= 0:
-            if pos % 8 == 0:
-                i = pos // 8
-                out.extend(self._decode(self._ends[i - 1] if i else 0, self._ends[i]))
-            pos = hashes.find(h, pos + 1)
-        return out
-
-    def _decode(self, start: int, end: int) -> list[int]:
-        data, shift, out, prev = self._values, self._low_bits, [], 0
-        i = start
-        while i < end:
-            z, i = _get_varint(data, i)
-            prev += (z >> 1) ^ -(z & 1)
-            low = 0
-            if shift:
-                low, i = _get_varint(data, i)
-            out.append(prev << shift | low)
-        return out
-
-
-def _put_varint(out: bytearray, n: int) -> None:
-    while n >= 0x80:
-        out.append(n & 0x7F | 0x80)
-        n >>= 7
-    out.append(n)
-
-
-def _get_varint(data: bytearray, i: int) -> tuple[int, int]:
-    """The int at `i` and where the next one starts."""
-    n = shift = 0
-    while True:
-        b = data[i]
-        i += 1
-        n |= (b & 0x7F) << shift
-        if b < 0x80:
-            return n, i
-        shift += 7
 
 
 @dataclass(slots=True)

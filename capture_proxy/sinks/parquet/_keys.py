@@ -14,7 +14,7 @@ from typing import Any
 
 from ...schemas.events import EventKind
 from ._claims import SeqClaim
-from ._index import key_hash
+from ._keyed import key_hash
 from ._layout import LEDGER
 from ._writer import UnitRows, Work
 
