@@ -16,7 +16,11 @@ bytes) to ``maps.jsonl``, for `bench/soak_probe/maps.py` (which mappings grew). 
 listed in ``SOAK_PROBE_SNAPS`` (default ``120,230``), for `bench/soak_probe/diff.py`. With
 ``SOAK_PROBE_NO_THP=1`` every process with the folder on its path runs without transparent huge
 pages. With ``SOAK_PROBE_TRIM=1`` it calls glibc's ``malloc_trim(0)`` before each line and logs
-how long it took (``trim_ms``), to tell free-but-held heap from memory in use.
+how long it took (``trim_ms``), to tell free-but-held heap from memory in use. With
+``SOAK_PROBE_BIG`` set to a list of seconds (``600,900``), at each it appends to ``big.jsonl``
+every Python object of 256 KiB or more (by ``sys.getsizeof``: a dict's or set's table, a list's
+array, a bytearray's buffer) with its type, length, a few of its keys and what holds it: the
+owners of blocks over malloc's mmap threshold.
 """
 
 from __future__ import annotations
@@ -195,6 +199,53 @@ def _claims(store: str | None) -> int:
     return n
 
 
+def _big_objects(min_bytes: int = 256 << 10) -> list[dict[str, object]]:
+    """Objects of `min_bytes` or more among the collector's objects and what they refer to."""
+    import gc
+
+    seen: set[int] = set()
+    found: list[object] = []
+    tracked = gc.get_objects()
+    for o in tracked:
+        for x in (o, *gc.get_referents(o)):
+            if id(x) in seen:
+                continue
+            seen.add(id(x))
+            try:
+                if sys.getsizeof(x) >= min_bytes:
+                    found.append(x)
+            except TypeError:
+                pass
+    rows = []
+    for x in sorted(found, key=sys.getsizeof, reverse=True)[:20]:
+        holders = []
+        for h in gc.get_referrers(x):
+            if h is found or h is tracked or type(h).__name__ == "frame":
+                continue
+            name = type(h).__name__
+            if isinstance(h, dict):
+                owners = [
+                    type(o).__qualname__
+                    for o in gc.get_referrers(h)
+                    if hasattr(o, "__dict__") and o.__dict__ is h
+                ]
+                name = f"dict of {owners[0]}" if owners else "dict"
+            holders.append(name)
+        keys: list[str] = []
+        if isinstance(x, (dict, set, frozenset)):
+            keys = [repr(k)[:60] for k, _ in zip(x, range(3), strict=False)]
+        rows.append(
+            {
+                "type": type(x).__qualname__,
+                "bytes": sys.getsizeof(x),
+                "len": len(x) if hasattr(x, "__len__") else None,
+                "keys": keys,
+                "held_by": holders[:4],
+            }
+        )
+    return rows
+
+
 def _run(out: Path, t0: float) -> None:
     time.sleep(1.0)
     if "serve" not in sys.argv:
@@ -206,6 +257,7 @@ def _run(out: Path, t0: float) -> None:
     libc = ctypes.CDLL("libc.so.6")
     out.mkdir(parents=True, exist_ok=True)
     maps_every = float(os.environ.get("SOAK_PROBE_MAPS_EVERY", "60"))
+    big_at = [float(v) for v in os.environ.get("SOAK_PROBE_BIG", "").split(",") if v]
     next_maps = 0.0
     with open(out / "probe.jsonl", "a") as log, open(out / "maps.jsonl", "a") as maps:
         while True:
@@ -234,6 +286,13 @@ def _run(out: Path, t0: float) -> None:
                     tracemalloc.take_snapshot().dump(str(name))
             log.write(json.dumps(row) + "\n")
             log.flush()
+            if big_at and t >= big_at[0]:
+                big_at.pop(0)
+                with open(out / "big.jsonl", "a") as big:
+                    big.write(
+                        json.dumps({"t": row["t"], "calls": row["calls"], "big": _big_objects()})
+                        + "\n"
+                    )
             if t >= next_maps:
                 next_maps += maps_every
                 maps.write(json.dumps({"t": row["t"], "calls": row["calls"], "maps": rows}))

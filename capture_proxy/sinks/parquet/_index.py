@@ -10,11 +10,12 @@ read its token data):
   ledger rows of, and per call and blob only an 8-byte hash, with the (unit, row group) it is
   in once per row group: about 9 bytes. A call's values are read from its row group when asked
   for, and a rollout's ledger (its header, failures and event log: two events or more per call)
-  from its units' ledger files. Its memory follows the units and rollouts of the store, not
-  what they hold. Only live rollouts are kept by id: once a rollout's ``seal`` event is
-  indexed, where its rows are moves to a packed form filed under an 8-byte hash of its id
-  (`Packed`: 12 bytes per rollout and about 2-3 per place, against about 0.4 KB per rollout of
-  dicts and arrays), read when it is asked for.
+  from its units' ledger files. Only live rollouts are kept by id: once a rollout's ``seal``
+  event is indexed, where its rows are moves to a packed form filed under an 8-byte hash of its
+  id (`Packed`: 16 bytes per rollout and about 2-3 per place, against about 0.4 KB per rollout
+  of dicts and arrays), read when it is asked for. The hashes and packed places live in mapped
+  temporary files once past 256 KiB (`_keyed`, `_spill`): its memory follows the units and the
+  live rollouts of the store, not what they hold.
 """
 
 from __future__ import annotations
