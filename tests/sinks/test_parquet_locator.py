@@ -6,9 +6,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from capture_proxy.schemas.digest import verify_record
 from capture_proxy.schemas.records import RolloutInfo, RolloutState
-from capture_proxy.sinks.parquet import ParquetSink, ParquetSource
+from capture_proxy.sinks.parquet import ParquetSink, ParquetSource, _spill
 from capture_proxy.sinks.parquet._index import Locator, UnitIndex
 from tests.support.sink_factories import Session
 
@@ -46,7 +48,13 @@ def test_a_locator_holds_about_ten_bytes_a_key_when_ten_share_a_row_group() -> N
     assert list(loc.find("1999:9")) == [(1999, 0)]
 
 
-async def test_a_units_reader_finds_every_blob_of_a_real_store(tmp_path: Path) -> None:
+@pytest.mark.parametrize("spill_bytes", [None, 32], ids=["in memory", "in files"])
+async def test_a_units_reader_finds_every_blob_of_a_real_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, spill_bytes: int | None
+) -> None:
+    """Also with the index's hashes moved to mapped files past 32 bytes (`_spill`)."""
+    if spill_bytes is not None:
+        monkeypatch.setattr(_spill, "SPILL_BYTES", spill_bytes)
     ds = str(tmp_path / "ds")
     sink = ParquetSink(ds)
     written = {}
@@ -71,3 +79,4 @@ async def test_a_units_reader_finds_every_blob_of_a_real_store(tmp_path: Path) -
     assert len(idx.blobs) > len(written)
     # One place per blobs row group, not per blob.
     assert len(idx.blobs._places) == sum(1 for files in idx.units if "blobs" in files)
+    assert (idx.blobs.files() > 0) == (spill_bytes is not None)

@@ -1,8 +1,8 @@
 """A long-lived reader's per-key index bytes move to mapped files (`_spill.SpillingBytes`), so
 its memory does not grow with the store: every key is still found where it was added, reads
 on another thread never miss a key added before them, a temporary folder that refuses the
-bytes keeps them in memory, and a real store's units reader finds every blob with its index
-in files."""
+bytes keeps them in memory (a real store's units reader with its index in files:
+tests/sinks/test_parquet_locator.py)."""
 
 from __future__ import annotations
 
@@ -17,13 +17,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from capture_proxy.schemas.digest import verify_record
-from capture_proxy.schemas.records import RolloutInfo, RolloutState
-from capture_proxy.sinks.parquet import ParquetSink, ParquetSource, _spill
-from capture_proxy.sinks.parquet._index import UnitIndex
 from capture_proxy.sinks.parquet._keyed import Locator, Packed
 from capture_proxy.sinks.parquet._spill import SpillingBytes
-from tests.support.sink_factories import Session
 
 
 def _reference_find(data: bytes, pattern: bytes, step: int) -> list[int]:
@@ -147,31 +142,3 @@ def test_a_find_on_another_thread_meets_every_key_added_before_it() -> None:
         t.join()
     assert misses == []
     assert loc.files() > 0
-
-
-async def test_a_units_reader_with_its_index_in_files_finds_every_blob(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(_spill, "SPILL_BYTES", 32)
-    ds = str(tmp_path / "ds")
-    sink = ParquetSink(ds)
-    written: dict[str, str] = {}
-    try:
-        for r in range(8):
-            await sink.put_rollout(RolloutInfo(f"r{r}", RolloutState.OPEN, False, 1_000 + r))
-            session = Session(f"r{r}", seed=r)
-            for _ in range(4):
-                record, atts = session.next()
-                await sink.stage(record, attachments=atts)
-                written[record.call_id] = record.digest
-    finally:
-        await sink.close()
-    source = ParquetSource(ds, index="units")
-    # Each record's messages are blobs: a record read back whole and verified found them all.
-    records = source.fetch(list(written))
-    for record in records:
-        verify_record(record)
-    assert {r.call_id: r.digest for r in records} == written
-    idx = source._index
-    assert isinstance(idx, UnitIndex)
-    assert idx.blobs.files() > 0
