@@ -206,6 +206,8 @@ def _big_objects(min_bytes: int = 256 << 10) -> list[dict[str, object]]:
     seen: set[int] = set()
     found: list[object] = []
     tracked = gc.get_objects()
+    # The scan's own containers are not the proxy's (the id set alone is 8 MB by 200,000 ids).
+    seen.update((id(seen), id(found), id(tracked)))
     for o in tracked:
         for x in (o, *gc.get_referents(o)):
             if id(x) in seen:
@@ -217,10 +219,11 @@ def _big_objects(min_bytes: int = 256 << 10) -> list[dict[str, object]]:
             except TypeError:
                 pass
     rows = []
-    for x in sorted(found, key=sys.getsizeof, reverse=True)[:20]:
+    ranked = sorted(found, key=sys.getsizeof, reverse=True)[:20]
+    for x in ranked:
         holders = []
         for h in gc.get_referrers(x):
-            if h is found or h is tracked or type(h).__name__ == "frame":
+            if h is found or h is tracked or h is ranked or type(h).__name__ == "frame":
                 continue
             name = type(h).__name__
             if isinstance(h, dict):

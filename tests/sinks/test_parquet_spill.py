@@ -12,11 +12,13 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from capture_proxy.sinks.parquet import _spill
 from capture_proxy.sinks.parquet._keyed import Locator, Packed
 from capture_proxy.sinks.parquet._spill import SpillingBytes
 
@@ -112,6 +114,39 @@ def test_a_temporary_folder_that_refuses_keeps_the_bytes_in_memory(
         loc.add(f"k{n}", n, 0)
     assert loc.files() > 0
     assert all(list(loc.find(f"k{n}")) == [(n, 0)] for n in range(80))
+
+
+def test_a_merge_that_fails_keeps_the_bytes_in_memory_and_loses_none(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The spill's own file is written but merging it with the file before fails (the disk
+    filled in between): the bytes stay in memory, the files are as they were, every key is
+    found, and once files can be written again they move out."""
+    loc = Locator(spill_bytes=64)
+    for n in range(8):  # 64 bytes: the first file
+        loc.add(f"k{n}", n, 0)
+    assert loc.files() == 1
+    write, calls = _spill._write, [0]
+
+    def full_after_one(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        if calls[0] > 1:  # the spill's file, then the merge's
+            raise OSError(28, "No space left on device")
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(_spill, "_write", full_after_one)
+    with caplog.at_level(logging.WARNING, logger="capture_proxy"):
+        for n in range(8, 16):
+            loc.add(f"k{n}", n, 0)
+    assert loc.files() == 1
+    assert loc._hashes.memory_bytes() == 64
+    assert any("No space left" in r.getMessage() for r in caplog.records)
+    assert all(list(loc.find(f"k{n}")) == [(n, 0)] for n in range(16))
+    monkeypatch.setattr(_spill, "_write", write)
+    for n in range(16, 32):  # 128 bytes in memory: the next attempt, which succeeds
+        loc.add(f"k{n}", n, 0)
+    assert loc._hashes.memory_bytes() < 64
+    assert all(list(loc.find(f"k{n}")) == [(n, 0)] for n in range(32))
 
 
 def test_a_find_on_another_thread_meets_every_key_added_before_it() -> None:
