@@ -20,11 +20,19 @@ how long it took (``trim_ms``), to tell free-but-held heap from memory in use. W
 ``SOAK_PROBE_BIG`` set to a list of seconds (``600,900``), at each it appends to ``big.jsonl``
 every Python object of 256 KiB or more (by ``sys.getsizeof``: a dict's or set's table, a list's
 array, a bytearray's buffer) with its type, length, a few of its keys and what holds it: the
-owners of blocks over malloc's mmap threshold.
+owners of blocks over malloc's mmap threshold. With ``SOAK_PROBE_POOLS`` set to a list of
+seconds, at each it appends to ``pools.jsonl`` a survey of Python's small-object memory: every
+object reachable from the collector's, of 512 bytes or less (what Python's own allocator holds),
+counted by the 1 MiB window of its address; windows where the objects found fill under a quarter
+are the sparse ones that keep arenas allocated, and their objects are summed by type (and by the
+line that allocated them when ``tracemalloc`` runs): what pins the arenas. With
+``SOAK_PROBE_CENSUS`` set to a list of seconds, at each it appends to ``census.jsonl`` every
+reachable object counted and sized by type, and a sample of the strings.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -249,6 +257,99 @@ def _big_objects(min_bytes: int = 256 << 10) -> list[dict[str, object]]:
     return rows
 
 
+def _census(samples: int = 30) -> dict[str, object]:
+    """Every object reachable from the collector's, counted and sized by type, with a sample of
+    strings (what kind of string grows)."""
+    import gc
+    import random
+    from collections import Counter
+
+    count: Counter[str] = Counter()
+    size: Counter[str] = Counter()
+    strings: list[str] = []
+    seen: set[int] = set()
+    stack: list[object] = gc.get_objects()
+    seen.update((id(seen), id(stack), id(strings)))
+    n_str = 0
+    while stack:
+        x = stack.pop()
+        if id(x) in seen:
+            continue
+        seen.add(id(x))
+        kind = type(x).__qualname__
+        count[kind] += 1
+        with contextlib.suppress(TypeError):
+            size[kind] += sys.getsizeof(x)
+        if kind == "str":
+            n_str += 1
+            if len(strings) < samples:
+                strings.append(x[:80])  # type: ignore[index]
+            elif random.random() < samples / n_str:
+                strings[random.randrange(samples)] = x[:80]  # type: ignore[index]
+        stack.extend(gc.get_referents(x))
+    return {
+        "types": {k: [count[k], size[k]] for k, _ in size.most_common(200)},
+        "strings": strings,
+    }
+
+
+def _pool_survey(sparse_below: float = 0.25) -> dict[str, object]:
+    """Python's small objects by 1 MiB window of address: how full the windows are, and what
+    lives in the sparse ones (see the module's docstring)."""
+    import gc
+    from collections import Counter
+
+    window_bytes: Counter[int] = Counter()
+    seen: set[int] = set()
+    small: list[tuple[int, int, str, str]] = []
+    stack: list[object] = gc.get_objects()
+    seen.update((id(seen), id(small), id(stack)))
+    tracing = tracemalloc.is_tracing()
+    while stack:
+        x = stack.pop()
+        if id(x) in seen:
+            continue
+        seen.add(id(x))
+        try:
+            size = sys.getsizeof(x)
+        except TypeError:
+            continue
+        if gc.is_tracked(x):
+            size += 16  # the collector's header, allocated with the object
+        if size <= 512:
+            window = id(x) >> 20
+            window_bytes[window] += size
+            where = ""
+            if tracing:
+                tb = tracemalloc.get_object_traceback(x)
+                if tb is not None:  # the newest frames, innermost last
+                    where = " < ".join(
+                        f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno}" for f in reversed(tb[-3:])
+                    )
+            small.append((window, size, type(x).__qualname__, where))
+        stack.extend(gc.get_referents(x))
+    sparse = {w for w, b in window_bytes.items() if b < sparse_below * (1 << 20)}
+    by_kind: Counter[str] = Counter()
+    by_kind_n: Counter[str] = Counter()
+    for window, size, kind, where in small:
+        if window in sparse:
+            by_kind[f"{kind} {where}".strip()] += size
+            by_kind_n[f"{kind} {where}".strip()] += 1
+    fill = sorted(b / (1 << 20) for b in window_bytes.values())
+    return {
+        "windows": len(window_bytes),
+        "sparse_windows": len(sparse),
+        "found_mb": round(sum(window_bytes.values()) / 1e6, 2),
+        "sparse_found_mb": round(sum(window_bytes[w] for w in sparse) / 1e6, 2),
+        "fill_deciles": [round(fill[int(i * (len(fill) - 1) / 10)], 3) for i in range(11)]
+        if fill
+        else [],
+        "sparse_top": [
+            {"kind": k, "bytes": b, "n": by_kind_n[k]} for k, b in by_kind.most_common(40)
+        ],
+    }
+
+
 def _run(out: Path, t0: float) -> None:
     time.sleep(1.0)
     if "serve" not in sys.argv:
@@ -261,6 +362,8 @@ def _run(out: Path, t0: float) -> None:
     out.mkdir(parents=True, exist_ok=True)
     maps_every = float(os.environ.get("SOAK_PROBE_MAPS_EVERY", "60"))
     big_at = [float(v) for v in os.environ.get("SOAK_PROBE_BIG", "").split(",") if v]
+    pools_at = [float(v) for v in os.environ.get("SOAK_PROBE_POOLS", "").split(",") if v]
+    census_at = [float(v) for v in os.environ.get("SOAK_PROBE_CENSUS", "").split(",") if v]
     next_maps = 0.0
     with open(out / "probe.jsonl", "a") as log, open(out / "maps.jsonl", "a") as maps:
         while True:
@@ -296,6 +399,16 @@ def _run(out: Path, t0: float) -> None:
                         json.dumps({"t": row["t"], "calls": row["calls"], "big": _big_objects()})
                         + "\n"
                     )
+            if pools_at and t >= pools_at[0]:
+                pools_at.pop(0)
+                with open(out / "pools.jsonl", "a") as pools:
+                    survey = {"t": row["t"], "calls": row["calls"], **_pool_survey()}
+                    pools.write(json.dumps(survey) + "\n")
+            if census_at and t >= census_at[0]:
+                census_at.pop(0)
+                with open(out / "census.jsonl", "a") as census:
+                    taken = {"t": row["t"], "calls": row["calls"], **_census()}
+                    census.write(json.dumps(taken) + "\n")
             if t >= next_maps:
                 next_maps += maps_every
                 maps.write(json.dumps({"t": row["t"], "calls": row["calls"], "maps": rows}))
