@@ -187,12 +187,17 @@ class DatasetFS:
                 return found
         if not self.local:
             names = [e.name for e in self.listdir(rel)]
-        else:
-            try:
-                names = sorted(os.listdir(self.path(rel)))
-            except FileNotFoundError:
-                return []
-        return names if after is None else [n for n in names if n > after]
+            return names if after is None else [n for n in names if n > after]
+        try:
+            if after is None:
+                return sorted(os.listdir(self.path(rel)))
+            # A folder is read whole, but only the names after `after` are kept: the others
+            # are made and dropped one at a time (a listing of every name made a string of
+            # each at once, some MB at every refresh of a proxy's reader on a large store).
+            with os.scandir(self.path(rel)) as entries:
+                return sorted(e.name for e in entries if e.name > after)
+        except FileNotFoundError:
+            return []
 
     def _names_after(self, rel: str, after: str) -> list[str] | None:
         """`names(rel, after)` through obstore; None when obstore cannot list here."""

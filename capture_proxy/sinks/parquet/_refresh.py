@@ -13,6 +13,14 @@ read-ahead, the follower, read routes) do not wait for each other:
 * A read asks for a listing at least as new as itself (what was committed before it is read),
   not a listing of its own: reads asking while a refresh is under way wait for it and share the
   next one (a burst of reads lists the store once or twice, not once each).
+
+A long-lived reader's listings start at a horizon of its own, as a maintenance run's checkpoint
+does for an open (docs/storage.md, "The horizon"): once a listing has shown it every name, a
+marker named more than `COMMIT_MARGIN_S` before that listing began cannot land any more, so the
+next listing asks only for the names after that point. A proxy's reader re-lists every 5 s; on a
+dataset nobody compacts it otherwise listed, sorted and compared every marker ever committed
+each time (39,000 names, some MB of strings made and dropped every 5 s after half an hour of a
+soak), a cost that grew for as long as the proxy ran.
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ from ..rollout_index import IndexedRollout
 from ._checkpoint import CHECKPOINT, Loaded, load_markers
 from ._directory import Directory
 from ._index import Index, Locator, UnitIndex
-from ._layout import Marker, list_markers
+from ._layout import COMMIT_MARGIN_S, Marker, list_markers
 from ._loading import Loading
 from ._read_errors import damaged as _damaged
 from ._read_errors import vanished as _vanished
@@ -78,6 +86,11 @@ class Refreshing(Loading):
         self._checkpoint_tag: str | None = None
         #: When the last listing was started (`time.monotonic`).
         self._listed_at = float("-inf")
+        #: Whether listings may start after a horizon of the reader's own (`_roll`): not while
+        #: a checkpoint is there but was not used (a crash between its write and its merged
+        #: unit's marker), since the marker the next maintenance run writes for that unit takes
+        #: an old order, which only a listing of every name shows.
+        self._rolls = True
         #: The names of the indexed (live) units, in the index's order.
         self._units = UnitNames()
 
@@ -103,6 +116,7 @@ class Refreshing(Loading):
             if self._opened and self._listed_at >= since:
                 return  # (another thread listed the store meanwhile)
             listed_at = time.monotonic()  # when the listing started: its age is not less
+            listed_ns = time.time_ns()  # (the same instant, on the clock unit names use)
             tag = self.dfs.tag(CHECKPOINT)
             loaded = None
             if not self._opened or tag != self._checkpoint_tag:
@@ -113,15 +127,19 @@ class Refreshing(Loading):
                 # horizon, where no listing looks.
                 loaded = load_markers(self.dfs, None, self._object_url)
                 names = loaded.names
+                listed_ns = loaded.listed_at_ns or listed_ns
+                self._rolls = tag is None or loaded.checkpoint is not None
             else:
                 names = list_markers(self.dfs, self._after)
                 if len(names) == len(self._listing) and self._listing.is_prefix_of(names):
                     self._listed_at = listed_at
+                    self._roll(names, listed_ns)
                     return
             try:
                 self._load(names, loaded)
                 self._checkpoint_tag = tag
                 self._listed_at = listed_at
+                self._roll(names, listed_ns)
             except BaseException as e:
                 with self._rw.exclusive():
                     self._reset()
@@ -274,6 +292,27 @@ class Refreshing(Loading):
                     for rollout_id in touched:
                         if rollout_id != PROXY_STATE_ROLLOUT:
                             self._directory.put(self._index_row(rollout_id))
+
+    def _roll(self, names: list[str], listed_ns: int) -> None:
+        """After a listing that showed every name after `_after` (`names`, sorted) and was
+        indexed, move `_after` up to the latest point no marker can land before any more: the
+        later of when the listing began and the highest order it showed, less
+        `COMMIT_MARGIN_S` (the rule a maintenance run's checkpoint horizon follows). The names
+        kept for the next comparison are those after it."""
+        if not self._rolls:
+            return
+        newest = listed_ns
+        last = names[-1][:20] if names else ""
+        if len(last) == 20 and last.isdigit():
+            newest = max(newest, int(last))
+            # (Known once its name leaves `_listing`: a writer names its units after it.)
+            self._known_order = max(self._known_order, int(last))
+        after = f"{max(0, newest - int(COMMIT_MARGIN_S * 1e9)):020d}"
+        if self._after is not None and after <= self._after:
+            return
+        # (Read only by refreshes, which hold `_refreshing`, as this one does.)
+        self._after = after
+        self._listing = UnitNames(n for n in names if n > after)
 
     def _publish(self, names: list[str], fresh: list[str], appended: bool) -> None:
         if appended:

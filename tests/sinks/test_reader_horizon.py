@@ -1,0 +1,115 @@
+"""A long-lived reader's own listing horizon (`_refresh.Refreshing._roll`): once a listing has
+shown it every name, its next listings ask only for the names after the point no marker can
+land before any more (`COMMIT_MARGIN_S` before that listing began), on a dataset no maintenance
+run has checkpointed, and it still sees every unit committed since, a compaction's merged unit
+(through the checkpoint that run writes), and lists every name while a checkpoint is there but
+not used."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from capture_proxy.sinks.parquet import ParquetSource
+from capture_proxy.sinks.parquet._checkpoint import CHECKPOINT
+from capture_proxy.sinks.parquet._fs import DatasetFS
+from capture_proxy.sinks.parquet._layout import COMMIT_MARGIN_S, list_markers
+from tests.sinks.test_checkpoint_horizon import _age, _rows, _stage
+from tests.support.maintenance import compact_all
+
+
+def _listings(reader: ParquetSource, monkeypatch: pytest.MonkeyPatch) -> list[str | None]:
+    """The `after` of each listing of the commit markers the reader asks for from now on."""
+    asked: list[str | None] = []
+    names = reader.dfs.names
+
+    def spy(rel: str, after: str | None = None) -> list[str]:
+        if rel == "_commits":
+            asked.append(after)
+        return names(rel, after)
+
+    monkeypatch.setattr(reader.dfs, "names", spy)
+    return asked
+
+
+async def test_a_long_lived_reader_lists_only_the_names_after_a_horizon_of_its_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url = str(tmp_path / "ds")
+    await _stage(url, ["a", "b"], calls=3)
+    _age(url)  # committed an hour ago: before any horizon set now
+    reader = ParquetSource(url, index="units")
+    try:
+        asked = _listings(reader, monkeypatch)
+        before = _rows(reader)  # the open lists every name (no checkpoint)
+        assert sum(map(len, before.values())) == 6
+        reader.refresh()
+        horizon = asked[-1]
+        assert horizon is not None
+        oldest = min(list_markers(DatasetFS(url)))
+        assert horizon > oldest
+        assert abs(int(horizon) - (time.time_ns() - COMMIT_MARGIN_S * 1e9)) < 60e9
+        # A name before the horizon is not even listed: a marker there no writer could have
+        # written (not JSON) is never read, where a listing of every name would fail on it.
+        planted = f"_commits/{int(horizon) - 10**9:020d}-notamarker.json"
+        DatasetFS(url).put_all({planted: b"x"})
+        reader.refresh()
+        assert _rows(reader) == before
+        # Units committed now are after the horizon: listed and read. (The planted name goes
+        # first: the writer's open lists every name, as any open without a checkpoint.)
+        DatasetFS(url).delete_many([planted])
+        await _stage(url, ["c"], calls=2)
+        reader.refresh()
+        rows = _rows(reader)
+        assert rows == {**before, "c": rows["c"]}
+        assert len(rows["c"]) == 2
+        assert all(after is not None and after >= horizon for after in asked[-3:])
+    finally:
+        reader.close_reader()
+
+
+async def test_a_reader_past_its_own_horizon_follows_a_compaction(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url = str(tmp_path / "ds")
+    await _stage(url, ["a", "b", "c"], calls=3)
+    _age(url)
+    reader = ParquetSource(url, index="units")
+    try:
+        asked = _listings(reader, monkeypatch)
+        before = _rows(reader)
+        reader.refresh()
+        assert asked[-1] is not None
+        # The merged unit takes its last unit's order, an hour before the reader's horizon:
+        # no listing after it shows the marker; the checkpoint the run writes does.
+        compact_all(url, grace_s=600)
+        reader.refresh()
+        assert _rows(reader) == before
+        assert len(reader.calls("b")) == 3
+    finally:
+        reader.close_reader()
+
+
+async def test_a_checkpoint_there_but_not_used_keeps_the_reader_listing_every_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url = str(tmp_path / "ds")
+    await _stage(url, ["a"], calls=3)
+    _age(url)
+    # A checkpoint readers cannot use (as one naming a unit whose marker a crash left
+    # unwritten): the marker the next maintenance run writes takes an old order.
+    dfs = DatasetFS(url)
+    dfs.makedirs(CHECKPOINT.rsplit("/", 1)[0])
+    dfs.put_all({CHECKPOINT: b'{"format": 1}'})
+    reader = ParquetSource(url, index="units")
+    try:
+        asked = _listings(reader, monkeypatch)
+        assert len(reader.calls("a")) == 3
+        reader.refresh()
+        reader.refresh()
+        assert asked
+        assert all(after is None for after in asked)
+    finally:
+        reader.close_reader()
