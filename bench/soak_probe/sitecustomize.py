@@ -27,7 +27,8 @@ counted by the 1 MiB window of its address; windows where the objects found fill
 are the sparse ones that keep arenas allocated, and their objects are summed by type (and by the
 line that allocated them when ``tracemalloc`` runs): what pins the arenas. With
 ``SOAK_PROBE_CENSUS`` set to a list of seconds, at each it appends to ``census.jsonl`` every
-reachable object counted and sized by type, and a sample of the strings.
+reachable object counted and sized by type, a sample of the strings, and the interned ones
+counted by shape (digits and hex folded).
 """
 
 from __future__ import annotations
@@ -257,6 +258,13 @@ def _big_objects(min_bytes: int = 256 << 10) -> list[dict[str, object]]:
     return rows
 
 
+def _shape(s: str) -> str:
+    """A string's kind, for counting: digits, hex and letters folded."""
+    import re
+
+    return re.sub(r"[0-9a-f]{8,}", "H", re.sub(r"[0-9]+", "9", s))[:60]
+
+
 def _census(samples: int = 30) -> dict[str, object]:
     """Every object reachable from the collector's, counted and sized by type, with a sample of
     strings (what kind of string grows)."""
@@ -271,6 +279,7 @@ def _census(samples: int = 30) -> dict[str, object]:
     stack: list[object] = gc.get_objects()
     seen.update((id(seen), id(stack), id(strings)))
     n_str = 0
+    interned: Counter[str] = Counter()
     while stack:
         x = stack.pop()
         if id(x) in seen:
@@ -281,6 +290,10 @@ def _census(samples: int = 30) -> dict[str, object]:
         with contextlib.suppress(TypeError):
             size[kind] += sys.getsizeof(x)
         if kind == "str":
+            # CPython 3.11's PyASCIIObject: the state bit field after refcount, type, length
+            # and hash; its low two bits say whether the string is interned.
+            if ctypes.c_uint.from_address(id(x) + 32).value & 3:
+                interned[_shape(x)] += 1  # type: ignore[arg-type]
             n_str += 1
             if len(strings) < samples:
                 strings.append(x[:80])  # type: ignore[index]
@@ -290,6 +303,7 @@ def _census(samples: int = 30) -> dict[str, object]:
     return {
         "types": {k: [count[k], size[k]] for k, _ in size.most_common(200)},
         "strings": strings,
+        "interned": dict(interned.most_common(30)),
     }
 
 
