@@ -7,7 +7,9 @@ not used."""
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
@@ -34,15 +36,32 @@ def _listings(reader: ParquetSource, monkeypatch: pytest.MonkeyPatch) -> list[st
     return asked
 
 
+@contextlib.asynccontextmanager
+async def _aged_reader(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    rollouts: list[str],
+    *,
+    then: Callable[[str], None] | None = None,
+) -> AsyncIterator[tuple[str, ParquetSource, list[str | None]]]:
+    """Three calls of each of `rollouts` staged an hour ago (before any horizon set now), `then`
+    done to the dataset; a units reader of it, and the `after` of each listing it asks for."""
+    url = str(tmp_path / "ds")
+    await _stage(url, rollouts, calls=3)
+    _age(url)
+    if then is not None:
+        then(url)
+    reader = ParquetSource(url, index="units")
+    try:
+        yield url, reader, _listings(reader, monkeypatch)
+    finally:
+        reader.close_reader()
+
+
 async def test_a_long_lived_reader_lists_only_the_names_after_a_horizon_of_its_own(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    url = str(tmp_path / "ds")
-    await _stage(url, ["a", "b"], calls=3)
-    _age(url)  # committed an hour ago: before any horizon set now
-    reader = ParquetSource(url, index="units")
-    try:
-        asked = _listings(reader, monkeypatch)
+    async with _aged_reader(tmp_path, monkeypatch, ["a", "b"]) as (url, reader, asked):
         before = _rows(reader)  # the open lists every name (no checkpoint)
         assert sum(map(len, before.values())) == 6
         reader.refresh()
@@ -66,19 +85,12 @@ async def test_a_long_lived_reader_lists_only_the_names_after_a_horizon_of_its_o
         assert rows == {**before, "c": rows["c"]}
         assert len(rows["c"]) == 2
         assert all(after is not None and after >= horizon for after in asked[-3:])
-    finally:
-        reader.close_reader()
 
 
 async def test_a_reader_past_its_own_horizon_follows_a_compaction(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    url = str(tmp_path / "ds")
-    await _stage(url, ["a", "b", "c"], calls=3)
-    _age(url)
-    reader = ParquetSource(url, index="units")
-    try:
-        asked = _listings(reader, monkeypatch)
+    async with _aged_reader(tmp_path, monkeypatch, ["a", "b", "c"]) as (url, reader, asked):
         before = _rows(reader)
         reader.refresh()
         assert asked[-1] is not None
@@ -88,28 +100,23 @@ async def test_a_reader_past_its_own_horizon_follows_a_compaction(
         reader.refresh()
         assert _rows(reader) == before
         assert len(reader.calls("b")) == 3
-    finally:
-        reader.close_reader()
 
 
 async def test_a_checkpoint_there_but_not_used_keeps_the_reader_listing_every_name(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    url = str(tmp_path / "ds")
-    await _stage(url, ["a"], calls=3)
-    _age(url)
-    # A checkpoint readers cannot use (as one naming a unit whose marker a crash left
-    # unwritten): the marker the next maintenance run writes takes an old order.
-    dfs = DatasetFS(url)
-    dfs.makedirs(CHECKPOINT.rsplit("/", 1)[0])
-    dfs.put_all({CHECKPOINT: b'{"format": 1}'})
-    reader = ParquetSource(url, index="units")
-    try:
-        asked = _listings(reader, monkeypatch)
+
+    def unusable_checkpoint(url: str) -> None:
+        # A checkpoint readers cannot use (as one naming a unit whose marker a crash left
+        # unwritten): the marker the next maintenance run writes takes an old order.
+        dfs = DatasetFS(url)
+        dfs.makedirs(CHECKPOINT.rsplit("/", 1)[0])
+        dfs.put_all({CHECKPOINT: b'{"format": 1}'})
+
+    async with _aged_reader(tmp_path, monkeypatch, ["a"], then=unusable_checkpoint) as found:
+        _, reader, asked = found
         assert len(reader.calls("a")) == 3
         reader.refresh()
         reader.refresh()
         assert asked
         assert all(after is None for after in asked)
-    finally:
-        reader.close_reader()
