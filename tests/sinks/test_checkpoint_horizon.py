@@ -38,13 +38,14 @@ async def _stage(url: str, rollouts: list[str], calls: int) -> list[str]:
     return [record.call_id for record in staged]
 
 
-def _age(url: str) -> None:
-    """Rename every unit an hour older, as if committed then (markers name their files)."""
+def _age(url: str, by_ns: int = _AGO_NS) -> None:
+    """Rename every unit an hour older (`by_ns` older), as if committed then (markers name
+    their files)."""
     dfs = DatasetFS(url)
     for name in list_markers(dfs):
         old = Marker.decode(dfs.read(f"_commits/{name}.json"))
         order, ident = name.split("-", 1)
-        unit = f"{int(order) - _AGO_NS:020d}-{ident}"
+        unit = f"{int(order) - by_ns:020d}-{ident}"
         files = {t: f"{t}/{unit}.parquet" for t in old.files}
         dfs.put_all({files[t]: dfs.read(rel) for t, rel in old.files.items()})
         new = Marker(unit, files, dict(old.rows), old.retires, old.created_at_ms, old.size)

@@ -43,12 +43,14 @@ async def _aged_reader(
     rollouts: list[str],
     *,
     then: Callable[[str], None] | None = None,
+    ago_ns: int = 3600 * 10**9,
 ) -> AsyncIterator[tuple[str, ParquetSource, list[str | None]]]:
-    """Three calls of each of `rollouts` staged an hour ago (before any horizon set now), `then`
-    done to the dataset; a units reader of it, and the `after` of each listing it asks for."""
+    """Three calls of each of `rollouts` staged `ago_ns` ago (an hour: before any horizon set
+    now), `then` done to the dataset; a units reader of it, and the `after` of each listing it
+    asks for."""
     url = str(tmp_path / "ds")
     await _stage(url, rollouts, calls=3)
-    _age(url)
+    _age(url, ago_ns)
     if then is not None:
         then(url)
     reader = ParquetSource(url, index="units")
@@ -85,6 +87,23 @@ async def test_a_long_lived_reader_lists_only_the_names_after_a_horizon_of_its_o
         assert rows == {**before, "c": rows["c"]}
         assert len(rows["c"]) == 2
         assert all(after is not None and after >= horizon for after in asked[-3:])
+
+
+async def test_a_writer_clock_ahead_does_not_move_the_reader_horizon(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Units named an hour ahead (a writer whose clock is ahead): the reader's horizon follows its
+    # own clock, so a unit another writer names now, behind them, is still listed and read.
+    async with _aged_reader(tmp_path, monkeypatch, ["a"], ago_ns=-3600 * 10**9) as found:
+        url, reader, asked = found
+        assert len(reader.calls("a")) == 3
+        reader.refresh()
+        horizon = asked[-1]
+        assert horizon is not None
+        assert int(horizon) < time.time_ns()
+        await _stage(url, ["b"], calls=2)
+        reader.refresh()
+        assert len(reader.calls("b")) == 2
 
 
 async def test_a_reader_past_its_own_horizon_follows_a_compaction(

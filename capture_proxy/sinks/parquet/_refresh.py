@@ -14,13 +14,13 @@ read-ahead, the follower, read routes) do not wait for each other:
   not a listing of its own: reads asking while a refresh is under way wait for it and share the
   next one (a burst of reads lists the store once or twice, not once each).
 
-A long-lived reader's listings start at a horizon of its own, as a maintenance run's checkpoint
-does for an open (docs/storage.md, "The horizon"): once a listing has shown it every name, a
-marker named more than `COMMIT_MARGIN_S` before that listing began cannot land any more, so the
-next listing asks only for the names after that point. A proxy's reader re-lists every 5 s; on a
-dataset nobody compacts it otherwise listed, sorted and compared every marker ever committed
-each time (39,000 names, some MB of strings made and dropped every 5 s after half an hour of a
-soak), a cost that grew for as long as the proxy ran.
+A long-lived reader's listings start at a horizon of its own, as an open's start at a maintenance
+run's checkpoint horizon (docs/storage.md, "A long-lived reader's own horizon"): once a listing
+has shown it every name, a marker named more than `COMMIT_MARGIN_S` before that listing began
+cannot land any more, so the next listing asks only for the names after that point. A proxy's
+reader re-lists every 5 s; on a dataset nobody compacts it otherwise listed, sorted and compared
+every marker ever committed each time (39,000 names, some MB of strings made and dropped every
+5 s after half an hour of a soak), a cost that grew for as long as the proxy ran.
 """
 
 from __future__ import annotations
@@ -295,19 +295,20 @@ class Refreshing(Loading):
 
     def _roll(self, names: list[str], listed_ns: int) -> None:
         """After a listing that showed every name after `_after` (`names`, sorted) and was
-        indexed, move `_after` up to the latest point no marker can land before any more: the
-        later of when the listing began and the highest order it showed, less
-        `COMMIT_MARGIN_S` (the rule a maintenance run's checkpoint horizon follows). The names
-        kept for the next comparison are those after it."""
+        indexed, move `_after` up to a point no marker can land before any more: when the
+        listing began, on this host's clock, less `COMMIT_MARGIN_S`. A marker that had not
+        landed then lands within `COMMIT_LIMIT_S` of the time in its name, on its writer's
+        clock, so its name is after that point unless that clock is more than 90 s behind
+        this one. (A maintenance run's horizon also takes the highest order listed, since
+        other hosts read it: this one is only this reader's.) The names kept for the next
+        comparison are those after it."""
         if not self._rolls:
             return
-        newest = listed_ns
         last = names[-1][:20] if names else ""
         if len(last) == 20 and last.isdigit():
-            newest = max(newest, int(last))
             # (Known once its name leaves `_listing`: a writer names its units after it.)
             self._known_order = max(self._known_order, int(last))
-        after = f"{max(0, newest - int(COMMIT_MARGIN_S * 1e9)):020d}"
+        after = f"{max(0, listed_ns - int(COMMIT_MARGIN_S * 1e9)):020d}"
         if self._after is not None and after <= self._after:
             return
         # (Read only by refreshes, which hold `_refreshing`, as this one does.)
