@@ -3,7 +3,8 @@ shown it every name, its next listings ask only for the names after the point no
 land before any more (`COMMIT_MARGIN_S` before that listing began), on a dataset no maintenance
 run has checkpointed, and it still sees every unit committed since, a compaction's merged unit
 (through the checkpoint that run writes), and lists every name while a checkpoint is there but
-not used."""
+not used; a unit landing late before its horizon (a writer's clock far behind) is missed by it
+until an open, which reads it: nothing is lost."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import pytest
 from capture_proxy.sinks.parquet import ParquetSource
 from capture_proxy.sinks.parquet._checkpoint import CHECKPOINT
 from capture_proxy.sinks.parquet._fs import DatasetFS
-from capture_proxy.sinks.parquet._layout import COMMIT_MARGIN_S, list_markers
+from capture_proxy.sinks.parquet._layout import COMMIT_MARGIN_S, Marker, list_markers
 from tests.sinks.test_checkpoint_horizon import _age, _rows, _stage
 from tests.support.maintenance import compact_all
 
@@ -104,6 +105,33 @@ async def test_a_writer_clock_ahead_does_not_move_the_reader_horizon(
         await _stage(url, ["b"], calls=2)
         reader.refresh()
         assert len(reader.calls("b")) == 2
+
+
+async def test_a_unit_landing_before_the_horizon_is_missed_until_an_open_but_never_lost(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A writer whose clock is an hour behind the reader's (beyond the 90 s the horizon allows):
+    # its unit lands after the reader's listing with a name before its horizon.
+    async with _aged_reader(tmp_path, monkeypatch, ["a"]) as (url, reader, asked):
+        assert len(reader.calls("a")) == 3
+        reader.refresh()
+        assert asked[-1] is not None
+        late = str(tmp_path / "late")
+        await _stage(late, ["b"], calls=2)
+        _age(late)
+        src, dst = DatasetFS(late), DatasetFS(url)
+        for name in list_markers(src):
+            marker = Marker.decode(src.read(f"_commits/{name}.json"))
+            dst.put_all({rel: src.read(rel) for rel in marker.files.values()})
+            dst.put_all({marker.rel: marker.encode()})
+        reader.refresh()
+        assert reader.calls("b") == []  # the long-lived reader misses it...
+        fresh = ParquetSource(url, index="units")
+        try:  # ... and any open reads it whole: nothing is lost
+            assert len(fresh.calls("b")) == 2
+            assert len(fresh.calls("a")) == 3
+        finally:
+            fresh.close_reader()
 
 
 async def test_a_reader_past_its_own_horizon_follows_a_compaction(

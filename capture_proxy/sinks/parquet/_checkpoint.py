@@ -58,7 +58,7 @@ from typing import Any
 import orjson
 
 from ._fs import DatasetFS
-from ._layout import COMMIT_MARGIN_S, Marker, list_markers
+from ._layout import Marker, horizon_before, list_markers
 from ._lease import LEASE, Conditional, Lease, LeaseLost, conditional_object, maintenance_lease
 from ._snapshot import read_markers
 
@@ -332,8 +332,7 @@ class Checkpoint:
         retired_at = self.loaded.retired_at(markers.values())
         live = [markers[u] for u in sorted(markers) if u not in retired_at]
         # Every name this run listed that sorts before the horizon is in `units` or `retired`.
-        newest = max(self.loaded.listed_at_ns, self.loaded.last_order())
-        after = max(0, newest - int(COMMIT_MARGIN_S * 1e9))
+        after = horizon_before(max(self.loaded.listed_at_ns, self.loaded.last_order()))
         self._generation += 1
         body = orjson.dumps(
             {
@@ -345,7 +344,7 @@ class Checkpoint:
                 "retired": {
                     u: ms for u, ms in sorted(retired_at.items()) if u in listed or u in markers
                 },
-                "listed_after": f"{after:020d}",
+                "listed_after": after,
             }
         )
         if self._etag is None:

@@ -67,6 +67,7 @@ __all__ = [
     "conform",
     "create_dataset",
     "encode_table",
+    "horizon_before",
     "list_markers",
     "live_units",
     "new_unit_name",
@@ -100,6 +101,14 @@ COMMIT_LIMIT_S = 30.0
 #: marker named before the horizon was listed by that run, given `COMMIT_LIMIT_S` and hosts'
 #: clocks within ``(COMMIT_MARGIN_S - COMMIT_LIMIT_S) / 2`` of each other.
 COMMIT_MARGIN_S = 120.0
+
+
+def horizon_before(ns: int) -> str:
+    """The horizon a listing begun at `ns` (`time.time_ns`) allows: the 20-digit unit order
+    `COMMIT_MARGIN_S` before it. A marker not listed then sorts after it (a checkpoint's
+    ``listed_after``, a long-lived reader's own: `_refresh.Refreshing._roll`)."""
+    return f"{max(0, ns - int(COMMIT_MARGIN_S * 1e9)):020d}"
+
 
 CALLS, BLOBS, ATTACHMENTS, LEDGER = "calls", "blobs", "attachments", "ledger"
 TABLES = (CALLS, BLOBS, ATTACHMENTS, LEDGER)

@@ -36,7 +36,7 @@ from ..rollout_index import IndexedRollout
 from ._checkpoint import CHECKPOINT, Loaded, load_markers
 from ._directory import Directory
 from ._index import Index, Locator, UnitIndex
-from ._layout import COMMIT_MARGIN_S, Marker, list_markers
+from ._layout import Marker, horizon_before, list_markers
 from ._loading import Loading
 from ._read_errors import damaged as _damaged
 from ._read_errors import vanished as _vanished
@@ -308,7 +308,7 @@ class Refreshing(Loading):
         if len(last) == 20 and last.isdigit():
             # (Known once its name leaves `_listing`: a writer names its units after it.)
             self._known_order = max(self._known_order, int(last))
-        after = f"{max(0, listed_ns - int(COMMIT_MARGIN_S * 1e9)):020d}"
+        after = horizon_before(listed_ns)
         if self._after is not None and after <= self._after:
             return
         # (Read only by refreshes, which hold `_refreshing`, as this one does.)
